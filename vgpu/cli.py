@@ -1,0 +1,67 @@
+"""`vgpu` command line: one subcommand per entry of COMMANDS, imported only when it runs.
+
+Each entry names `module:function`; the function takes the remaining arguments and the program
+name (`vgpu NAME`) and returns the exit status. Modules are imported lazily so that `vgpu release`
+does not pay for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+
+# name -> (module:function, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("manager.demo:main", "run the whole pipeline on a simulated GPU with a bundled trace"),
+    "serve": ("manager.daemon:main", "run the manager and allocator daemon"),
+    "profiler": ("profiler.main:main", "run the behavioural profiler and stream to the manager"),
+    "available": ("allocator.cli:available_main", "show free and granted resources per device"),
+    "apps": ("allocator.cli:apps_main", "list applications with their usage, forecast and grants"),
+    "request": ("allocator.cli:request_main", "request an allocation for an application"),
+    "release": ("allocator.cli:release_main", "release a grant"),
+    "set-limit": ("allocator.cli:set_limit_main", "set an application's limits (operator)"),
+    "top": ("allocator.cli:top_main", "live view of applications and devices"),
+    "doctor": ("vgpu.doctor:main", "check driver, NVML, privileges, sockets and the model file"),
+    "trace": ("manager.tracecli:main", "convert datasets into the canonical trace format"),
+    "train": ("manager.train:main", "train the forecaster on canonical traces"),
+    "eval": ("manager.evaluate:main", "evaluate forecasters by the trace evaluation protocol"),
+}
+
+
+def _usage() -> str:
+    width = max(len(n) for n in COMMANDS)
+    lines = ["usage: vgpu COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "Run `vgpu COMMAND --help` for a command's options."]
+    return "\n".join(lines)
+
+
+def resolve(name: str) -> Callable[[Sequence[str], str], int]:
+    """The entry function of a subcommand."""
+    target, _ = COMMANDS[name]
+    module_name, func_name = target.split(":")
+    module = importlib.import_module(module_name)
+    func: Callable[[Sequence[str], str], int] = getattr(module, func_name)
+    return func
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    if args[0] == "--version":
+        from vgpu import __version__
+
+        print(f"vgpu {__version__}")
+        return 0
+    name = args[0]
+    if name not in COMMANDS:
+        print(f"vgpu: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    return resolve(name)(args[1:], f"vgpu {name}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""The device layer's interface: one `Backend` of `Device`s, implemented by NVML and the simulator.
+
+Values are frozen dataclasses with units in their names. Reads that a device cannot serve raise
+`NotSupported`; callers that sample (the profiler) turn that into a missing field. Writes raise
+typed errors from `vgpu.device.errors` and never fail silently.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    total_mib: float
+    used_mib: float
+    free_mib: float
+
+
+@dataclass(frozen=True)
+class Utilization:
+    """nvmlDeviceGetUtilizationRates: share of the last sample period the SMs / memory were busy."""
+
+    sm_pct: float
+    mem_bw_pct: float
+
+
+@dataclass(frozen=True)
+class PowerConstraints:
+    min_mw: int
+    max_mw: int
+    default_mw: int
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """A process with a context on the device (nvmlDeviceGetComputeRunningProcesses)."""
+
+    pid: int
+    used_mib: float | None
+    # GPU instance the process runs in, on a MIG-enabled device; None otherwise.
+    gpu_instance_id: int | None = None
+
+
+@dataclass(frozen=True)
+class ProcessUtilization:
+    """One nvmlDeviceGetProcessUtilization sample."""
+
+    pid: int
+    timestamp_us: int
+    sm_pct: float
+    mem_bw_pct: float
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a GPU instance sits, in memory slices (`nvidia-smi mig -lgipp`)."""
+
+    start: int
+    size: int
+
+
+@dataclass(frozen=True)
+class GpuInstanceProfile:
+    """A MIG GPU-instance profile as the device reports it."""
+
+    profile_id: int  # the id nvidia-smi shows (e.g. 19 = 1g.5gb on A100-40GB)
+    name: str  # "1g.10gb"
+    slice_count: int  # compute slices (1, 2, 3, 4 or 7)
+    mem_mib: float
+    sm_count: int
+    max_count: int
+    placements: tuple[Placement, ...]
+
+
+@dataclass(frozen=True)
+class GpuInstance:
+    instance_id: int
+    profile_id: int
+    profile_name: str
+    placement: Placement
+    uuid: str  # "MIG-..."
+    mem_total_mib: float
+
+
+class Device(abc.ABC):
+    """One physical GPU."""
+
+    @property
+    @abc.abstractmethod
+    def index(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def uuid(self) -> str: ...
+
+    @property
+    @abc.abstractmethod
+    def name(self) -> str: ...
+
+    # --- reads -----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def memory(self) -> MemoryInfo: ...
+
+    @abc.abstractmethod
+    def utilization(self) -> Utilization: ...
+
+    @abc.abstractmethod
+    def power_usage_mw(self) -> int: ...
+
+    @abc.abstractmethod
+    def power_limit_mw(self) -> int: ...
+
+    @abc.abstractmethod
+    def power_constraints(self) -> PowerConstraints: ...
+
+    @abc.abstractmethod
+    def sm_clock_mhz(self) -> int: ...
+
+    @abc.abstractmethod
+    def pcie_throughput_kbps(self) -> tuple[float, float]:
+        """(tx, rx) in KB/s."""
+
+    @abc.abstractmethod
+    def processes(self) -> Sequence[ProcessInfo]: ...
+
+    @abc.abstractmethod
+    def process_utilization(self, since_us: int) -> Sequence[ProcessUtilization]:
+        """Samples newer than `since_us` (the last-seen timestamp of the previous call)."""
+
+    @abc.abstractmethod
+    def mig_enabled(self) -> bool: ...
+
+    @abc.abstractmethod
+    def gpu_instance_profiles(self) -> Sequence[GpuInstanceProfile]: ...
+
+    @abc.abstractmethod
+    def gpu_instances(self) -> Sequence[GpuInstance]: ...
+
+    # --- writes (typed errors on failure) --------------------------------------------------
+    @abc.abstractmethod
+    def set_power_limit_mw(self, limit_mw: int) -> None: ...
+
+    @abc.abstractmethod
+    def create_gpu_instance(self, profile_id: int, start: int) -> GpuInstance: ...
+
+    @abc.abstractmethod
+    def destroy_gpu_instance(self, instance_id: int) -> None: ...
+
+
+class Backend(abc.ABC):
+    """A set of devices behind one vendor library (or the simulator)."""
+
+    name: str
+
+    @abc.abstractmethod
+    def devices(self) -> Sequence[Device]: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def device(self, device_id: str) -> Device:
+        """The device with this UUID; NotFound otherwise."""
+        from vgpu.device.errors import NotFound
+
+        for dev in self.devices():
+            if dev.uuid == device_id:
+                return dev
+        raise NotFound(f"no device {device_id!r}")
