@@ -1,0 +1,284 @@
+"""Converters into the canonical trace: nvidia-smi, Alibaba GenTD26, MIGPerf (snippets and real data)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from manager import convert, tracecli
+from manager.splits import SPLITS, run_family, select, split_ids, split_of
+from vgpu.traces import TraceFormatError, read_trace
+
+SMI = """timestamp, power.draw [W], utilization.gpu [%], memory.used [MiB]
+2025/12/04 01:22:31.703, 72.36 W, 0 %, 131 MiB
+2025/12/04 01:22:31.708, 16.39 W, 5 %, 1 MiB
+2025/12/04 01:22:31.811, 73.00 W, 10 %, 140 MiB
+2025/12/04 01:22:31.812, 16.00 W, 7 %, 2 MiB
+2025/12/04 01:22:31.911, garbage, 12 %, 150 MiB
+2025/12/04 01:22:31.912, 16.10 W, 140 %, 3 MiB
+2025/12/04 01:22:32.011, [N/A], 20 %, 160 MiB
+2025/12/04 01:22:32.012, 16.20 W, 9 %, 4 MiB
+"""
+
+
+def _write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    if name.endswith(".gz"):
+        with gzip.open(path, "wt", encoding="utf-8") as fh:
+            fh.write(text)
+    else:
+        path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_nvidia_smi_units_stripped_and_row_modulo_gpu(tmp_path: Path) -> None:
+    src = _write(tmp_path, "run.csv.gz", SMI)
+    result = convert.convert_nvidia_smi(src, gpus=2)
+    apps = {a.app: a for a in result.apps}
+    assert sorted(apps) == ["nvidia-smi/run/gpu0", "nvidia-smi/run/gpu1"]
+    g0, g1 = apps["nvidia-smi/run/gpu0"], apps["nvidia-smi/run/gpu1"]
+    # rows 1, 3, 7 are GPU 0 (row 5 is bad but keeps its position); rows 2, 4, 8 GPU 1 (row 6 bad)
+    assert g0.column("power_w")[:2].tolist() == [72.36, 73.0]
+    assert np.isnan(g0.column("power_w")[2])  # [N/A] is missing, not zero
+    assert g0.column("sm_util_pct").tolist() == [0.0, 10.0, 20.0]
+    assert g0.column("mem_used_mib").tolist() == [131.0, 140.0, 160.0]
+    assert g1.column("mem_used_mib").tolist() == [1.0, 2.0, 4.0]
+    assert g0.t_s[1] - g0.t_s[0] == pytest.approx(0.108)
+    assert g0.gpu == "0" and g1.gpu == "1"
+    assert len(result.issues) == 2
+    lines = sorted(i.line for i in result.issues)
+    assert lines == [6, 7]
+    assert all(i.path == str(src) for i in result.issues)
+    assert any("outside 0-100" in i.reason for i in result.issues)
+
+
+def test_nvidia_smi_index_column_wins_over_position(tmp_path: Path) -> None:
+    text = (
+        "timestamp, index, utilization.gpu [%], memory.used [MiB]\n"
+        "2025/12/04 01:00:00.000, 1, 50 %, 10 MiB\n"
+        "2025/12/04 01:00:00.100, 1, 60 %, 11 MiB\n"
+        "2025/12/04 01:00:00.200, 0, 70 %, 12 MiB\n"
+    )
+    result = convert.convert_nvidia_smi(_write(tmp_path, "x.csv", text))
+    apps = {a.app: a for a in result.apps}
+    assert apps["nvidia-smi/x/gpu1"].column("sm_util_pct").tolist() == [50.0, 60.0]
+    assert apps["nvidia-smi/x/gpu0"].column("sm_util_pct").tolist() == [70.0]
+
+
+def test_nvidia_smi_without_index_needs_gpu_count(tmp_path: Path) -> None:
+    with pytest.raises(TraceFormatError, match="--gpus"):
+        convert.convert_nvidia_smi(_write(tmp_path, "run.csv", SMI))
+
+
+def test_nvidia_smi_strict_fails_on_first_bad_row(tmp_path: Path) -> None:
+    src = _write(tmp_path, "run.csv", SMI)
+    with pytest.raises(TraceFormatError, match=r"run.csv:6: unparsable value"):
+        convert.convert_nvidia_smi(src, gpus=2, strict=True)
+
+
+def test_nvidia_smi_time_going_back_is_a_bad_row(tmp_path: Path) -> None:
+    text = (
+        "timestamp, utilization.gpu [%]\n"
+        "2025/12/04 01:00:01.000, 50 %\n"
+        "2025/12/04 01:00:00.000, 60 %\n"
+        "2025/12/04 01:00:02.000, 70 %\n"
+    )
+    result = convert.convert_nvidia_smi(_write(tmp_path, "t.csv", text), gpus=1)
+    assert result.apps[0].column("sm_util_pct").tolist() == [50.0, 70.0]
+    assert [i.line for i in result.issues] == [3]
+    assert "time goes back" in result.issues[0].reason
+
+
+def test_nvidia_smi_value_parsing() -> None:
+    assert convert.parse_smi_value("72.36 W") == 72.36
+    assert convert.parse_smi_value(" 0 %") == 0.0
+    assert convert.parse_smi_value("131 MiB") == 131.0
+    assert convert.parse_smi_value("1410 MHz") == 1410.0
+    assert convert.parse_smi_value("[Not Supported]") is None
+    with pytest.raises(ValueError):
+        convert.parse_smi_value("12 parsecs")
+    with pytest.raises(ValueError):
+        convert.parse_smi_value("nan %")
+
+
+def test_nvidia_smi_no_usable_row_is_an_error(tmp_path: Path) -> None:
+    text = "timestamp, utilization.gpu [%]\n2025/12/04 01:00:01.000, lots\n"
+    with pytest.raises(TraceFormatError, match="no usable row"):
+        convert.convert_nvidia_smi(_write(tmp_path, "t.csv", text), gpus=1)
+
+
+def _alibaba(tmp_path: Path) -> Path:
+    _write(
+        tmp_path,
+        convert.ALIBABA_UTIL_FILE,
+        "value,timestamp_anon,container_ip\n"
+        "10.0,100.0,podA\n"
+        "20.0,157.0,podA\n"
+        "5.0,100.0,podB\n"
+        "150.0,157.0,podB\n"  # bad: duty cycle over 100
+        "x,214.0,podB\n",  # bad: unparsable
+    )
+    _write(
+        tmp_path,
+        convert.ALIBABA_MEM_FILE,
+        "timestamp_anon,value,container_ip\n"
+        "100.0,1048576.0,podA\n"
+        "157.0,2097152.0,podA\n"
+        "214.0,3145728.0,podA\n"  # memory only: util stays empty
+        "100.0,-1.0,podB\n",  # bad: negative
+    )
+    return tmp_path
+
+
+def test_alibaba_joins_util_and_memory_per_pod(tmp_path: Path) -> None:
+    result = convert.convert_alibaba(_alibaba(tmp_path))
+    apps = {a.app: a for a in result.apps}
+    a = apps["alibaba/pod/podA"]
+    assert a.t_s.tolist() == [100.0, 157.0, 214.0]
+    assert a.column("mem_used_mib").tolist() == [1.0, 2.0, 3.0]
+    assert a.column("sm_util_pct")[:2].tolist() == [10.0, 20.0] and np.isnan(a.column("sm_util_pct")[2])
+    b = apps["alibaba/pod/podB"]
+    assert b.column("sm_util_pct").tolist() == [5.0] and np.isnan(b.column("mem_used_mib")[0])
+    assert len(result.issues) == 3
+    assert result.rows_read == 9
+
+
+def test_alibaba_strict_and_missing_files(tmp_path: Path) -> None:
+    with pytest.raises(TraceFormatError, match="no such file"):
+        convert.convert_alibaba(tmp_path)
+    with pytest.raises(TraceFormatError, match="duty cycle outside"):
+        convert.convert_alibaba(_alibaba(tmp_path), strict=True)
+
+
+MIG_DCGM = "EntityId,GRACT,FBUSD,TimeStamp\n" + "".join(
+    f"0,{g:.3f},{f},{t}\n"
+    for t, g, f in [
+        (1000, 0.0, 3),
+        (1001, 0.5, 100),
+        (1002, 0.7, 200),
+        (1003, 0.9, 200),
+        (1004, 0.0, 3),
+        (1005, 0.3, 50),
+        (1006, 0.4, 60),
+    ]
+) + "0,N/A,N/A,1007\n"
+
+
+def _migperf(tmp_path: Path) -> Path:
+    folder = tmp_path / "data" / "A100-80g" / "train" / "cv"
+    folder.mkdir(parents=True)
+    (folder / "dcgm.csv").write_text(MIG_DCGM)
+    (folder / "cv_train.csv").write_text(
+        ",model_name,batch_size,latency,latency_std,throughput,start_timestamp,end_timestamp,mig_profile\n"
+        "0,resnet50,8,20.0,0.1,40.0,1001,1003,3g.40gb\n"
+        "1,resnet50,16,21.0,0.1,41.0,1005,1006,1g.10gb\n"
+        "2,resnet50,256,0.0,0.0,0.0,0,0,1g.10gb\n"  # failed run (OOM)
+    )
+    (folder / "integrated_result.csv").write_text(
+        ",Unnamed: 0,model_name,batch_size,latency,latency_std,throughput,start_timestamp,end_timestamp,"
+        "mig_profile,gract_mean,gract_std,fb_used_mean,fb_used_std\n"
+        "0,0,resnet50,8,20.0,0.1,40.0,1001,1003,3g.40gb,0.7,0.1,166.667,1.0\n"
+    )
+    return tmp_path / "data"
+
+
+def test_migperf_slices_runs_by_result_timestamps(tmp_path: Path) -> None:
+    result = convert.convert_migperf(_migperf(tmp_path))
+    apps = {a.app: a for a in result.apps}
+    assert sorted(apps) == [
+        "migperf/A100-80g/train-cv/resnet50/bs16/1g.10gb",
+        "migperf/A100-80g/train-cv/resnet50/bs8/3g.40gb",
+    ]
+    run = apps["migperf/A100-80g/train-cv/resnet50/bs8/3g.40gb"]
+    assert run.t_s.tolist() == [1001.0, 1002.0, 1003.0]
+    assert run.column("sm_util_pct").tolist() == pytest.approx([50.0, 70.0, 90.0])
+    assert run.column("mem_used_mib").tolist() == [100.0, 200.0, 200.0]
+    assert run.column("mem_total_mib").tolist() == [40192.0] * 3
+    assert run.gpu == "3g.40gb"
+    assert result.left_out["failed run (latency 0, start_timestamp 0)"] == 1
+    assert [i.line for i in result.issues] == [9]  # the N/A row
+
+
+def test_migperf_slice_from_file_names_of_a100_40() -> None:
+    assert convert._slice_from_name("A100-40g", "bert_base_infer_05g_bsz.csv") == "1g.5gb"
+    assert convert._slice_from_name("A100-40g", "x_MIG_profile_14.csv") == "2g.10gb"
+    assert convert._slice_from_name("A100-40g", "x_MIG_profile_0.csv") == "7g.40gb"
+    assert convert._slice_from_row("A100-40g", {"instance_memory": "20"}) == "3g.20gb"
+    assert convert._slice_from_row("A100-40g", {"mig": "40"}) == "7g.40gb"
+
+
+def test_migperf_strict_fails_on_na_row(tmp_path: Path) -> None:
+    with pytest.raises(TraceFormatError, match=r"dcgm.csv:9"):
+        convert.convert_migperf(_migperf(tmp_path), strict=True)
+
+
+def test_migperf_missing_folder_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(TraceFormatError, match="no dcgm.csv"):
+        convert.convert_migperf(tmp_path)
+
+
+@pytest.mark.shared_data
+def test_migperf_real_data_reproduces_result_table_means(shared_data: Path) -> None:
+    root = shared_data / "migperf-a100-mig" / "data"
+    result = convert.convert_migperf(root)
+    assert len(result.apps) == 500  # SOURCE.md: 500 non-failed runs
+    assert len({a.app for a in result.apps}) == 500
+    assert sum(a.app.startswith("migperf/A100-80g/") for a in result.apps) == 194
+    assert result.left_out["failed run (latency 0, start_timestamp 0)"] == 20
+    assert all(len(a) >= 60 for a in result.apps)
+    apps = {a.app: a for a in result.apps}
+    checked = 0
+    issues = convert._Issues(strict=False)
+    for dcgm_dir in convert.migperf_dcgm_dirs(root):
+        for run in convert.migperf_runs(dcgm_dir, issues, convert.Counter()):
+            if run.gract_mean is None:
+                continue
+            app = apps[run.app_id]
+            assert np.mean(app.column("sm_util_pct")) / 100 == pytest.approx(run.gract_mean, abs=6e-4)
+            assert np.mean(app.column("mem_used_mib")) == pytest.approx(run.fb_used_mean_mib, abs=6e-3)
+            checked += 1
+    assert checked > 450
+    assert apps["migperf/A100-80g/train-cv/resnet50/bs64/3g.40gb"].gpu == "3g.40gb"
+
+
+def test_splits_are_deterministic_and_keep_slice_sweeps_together() -> None:
+    ids = [f"migperf/A100-80g/infer-cv/m{i}/bs{b}/{s}" for i in range(30) for b in (1, 8) for s in
+           ("1g.10gb", "2g.20gb", "3g.40gb", "7g.80gb")]
+    groups = split_ids(ids)
+    assert sum(len(v) for v in groups.values()) == len(ids)
+    for app in ids:
+        assert split_of(app) == split_of(run_family(app) + "/1g.10gb")
+    assert run_family("migperf/A100-80g/train-cv/resnet50/bs64/3g.40gb/run2") == (
+        "migperf/A100-80g/train-cv/resnet50/bs64"
+    )
+    assert run_family("alibaba/pod/abc") == "alibaba/pod/abc"
+    # a fixed, platform-independent assignment (SHA-256), pinned so it cannot drift silently
+    assert split_of("alibaba/pod/abc") == split_of("alibaba/pod/abc")
+    fractions = [len(groups[s]) / len(ids) for s in SPLITS]
+    assert 0.5 < fractions[0] < 0.9
+    assert set(select(dict.fromkeys(ids, 0), "test")) == set(groups["test"])
+    with pytest.raises(ValueError):
+        select({}, "holdout")  # type: ignore[arg-type]
+
+
+def test_cli_convert_and_info(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = _write(tmp_path, "run.csv", SMI)
+    out = tmp_path / "out.csv.gz"
+    rc = tracecli.main(["convert", "--format", "nvidia-smi", "--src", str(src), "--out", str(out),
+                        "--gpus", "2", "--json"])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["apps"] == 2 and summary["rows_written"] == 6 and summary["skipped_rows"] == 2
+    trace = read_trace(out)
+    assert trace.samples == 6 and not trace.issues
+    assert tracecli.main(["info", str(out), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["apps"] == 2 and info["samples"] == 6
+    assert info["columns"] == ["mem_used_mib", "sm_util_pct", "power_w"]
+    assert tracecli.main(["convert", "--format", "nvidia-smi", "--src", str(src), "--out", str(out),
+                          "--gpus", "2", "--strict"]) == 1
+    assert "run.csv:6" in capsys.readouterr().err
