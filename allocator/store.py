@@ -1,0 +1,210 @@
+"""Durable state of the daemon: the ledger, the devices' original settings and who owns which app.
+
+One SQLite database, `<state_dir>/vgpu.sqlite3`, in WAL mode with `synchronous=FULL`: every method
+that changes something commits before it returns, so a change the daemon acknowledged survives a
+`kill -9` (and a power cut). The daemon calls `save_ledger()` after each change and before the RPC
+that made it answers.
+
+What is stored:
+- `ledger`: the latest `Ledger.to_records()` snapshot (grants, limits, devices), as JSON;
+- `device_originals`: each device's power limit and MIG layout as found *before* vgpu wrote to it,
+  recorded once and kept across crashes until a graceful stop has restored them;
+- `apps`: application ids that have been claimed (their token has been issued).
+
+Not thread-safe: the daemon's asyncio loop owns it (sqlite3 objects stay on their thread).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+DB_NAME = "vgpu.sqlite3"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS ledger (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    records_json TEXT NOT NULL,
+    saved_at_s REAL NOT NULL,
+    generation INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS device_originals (
+    device_id TEXT PRIMARY KEY,
+    power_limit_mw INTEGER,
+    mig_enabled INTEGER,
+    mig_layout_json TEXT NOT NULL,
+    saved_at_s REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS apps (app_id TEXT PRIMARY KEY, claimed_at_s REAL NOT NULL);
+"""
+
+
+class StoreError(RuntimeError):
+    """The state database cannot be opened, is from another schema, or is corrupt."""
+
+
+@dataclass(frozen=True)
+class MigSlot:
+    """One GPU instance of a saved MIG layout: which profile at which placement."""
+
+    profile_id: int
+    start: int
+    profile_name: str = ""
+
+
+@dataclass(frozen=True)
+class DeviceOriginal:
+    """A device's settings before vgpu first wrote to it. None: the device could not report it."""
+
+    device_id: str
+    power_limit_mw: int | None
+    mig_enabled: bool | None
+    mig_layout: tuple[MigSlot, ...]
+    saved_at_s: float
+
+
+class Store:
+    """The daemon's SQLite state under `state_dir`."""
+
+    def __init__(self, state_dir: Path, *, clock: Callable[[], float] = time.time) -> None:
+        self.state_dir = Path(state_dir)
+        self.path = self.state_dir / DB_NAME
+        self._clock = clock
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            fresh = not self.path.exists()
+            self._db = sqlite3.connect(self.path, isolation_level=None)  # explicit transactions
+            if fresh:
+                os.chmod(self.path, 0o600)
+            mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                raise StoreError(f"{self.path}: SQLite refused WAL mode (got {mode!r}); is the state dir on NFS?")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.execute("PRAGMA busy_timeout=5000")
+            self._db.executescript(_SCHEMA)
+            row = self._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(f"cannot open state database {self.path}: {exc}") from exc
+        except OSError as exc:
+            raise StoreError(f"cannot create state directory {self.state_dir}: {exc}") from exc
+        if row is None:
+            self._db.execute("INSERT INTO meta(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        elif int(row[0]) != SCHEMA_VERSION:
+            raise StoreError(f"{self.path} has schema {row[0]}, this vgpu expects {SCHEMA_VERSION}")
+        self.writes = 0
+
+    def close(self) -> None:
+        self._db.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _write(self, sql: str, params: tuple[Any, ...]) -> None:
+        # autocommit mode: one statement is one committed transaction.
+        self._db.execute(sql, params)
+        self.writes += 1
+
+    # --- ledger ----------------------------------------------------------------------------------
+    def save_ledger(self, records: Mapping[str, Any]) -> int:
+        """Replace the stored snapshot with `records` (committed on return); the new generation."""
+        body = json.dumps(records, sort_keys=True, allow_nan=False)
+        row = self._db.execute("SELECT generation FROM ledger WHERE id=1").fetchone()
+        generation = (row[0] if row else 0) + 1
+        self._write(
+            "INSERT INTO ledger(id, records_json, saved_at_s, generation) VALUES (1, ?, ?, ?) "
+            "ON CONFLICT(id) DO UPDATE SET records_json=excluded.records_json, "
+            "saved_at_s=excluded.saved_at_s, generation=excluded.generation",
+            (body, self._clock(), generation),
+        )
+        return generation
+
+    def load_ledger(self) -> dict[str, Any] | None:
+        """The last saved snapshot, or None when nothing was ever saved."""
+        row = self._db.execute("SELECT records_json FROM ledger WHERE id=1").fetchone()
+        if row is None:
+            return None
+        try:
+            records: dict[str, Any] = json.loads(row[0])
+        except json.JSONDecodeError as exc:
+            raise StoreError(f"{self.path}: stored ledger is not valid JSON: {exc}") from exc
+        return records
+
+    # --- device originals --------------------------------------------------------------------------
+    def save_original(self, original: DeviceOriginal) -> bool:
+        """Record a device's original settings unless some are already recorded (the first record
+        wins: after a crash the device shows *our* settings, not the original). True if stored."""
+        if self.original(original.device_id) is not None:
+            return False
+        layout = [{"profile_id": s.profile_id, "start": s.start, "profile_name": s.profile_name} for s in original.mig_layout]
+        self._write(
+            "INSERT INTO device_originals(device_id, power_limit_mw, mig_enabled, mig_layout_json, saved_at_s) "
+            "VALUES (?, ?, ?, ?, ?)",
+            (
+                original.device_id,
+                original.power_limit_mw,
+                None if original.mig_enabled is None else int(original.mig_enabled),
+                json.dumps(layout),
+                original.saved_at_s,
+            ),
+        )
+        return True
+
+    def original(self, device_id: str) -> DeviceOriginal | None:
+        row = self._db.execute(
+            "SELECT device_id, power_limit_mw, mig_enabled, mig_layout_json, saved_at_s "
+            "FROM device_originals WHERE device_id=?",
+            (device_id,),
+        ).fetchone()
+        return None if row is None else _original_from_row(row)
+
+    def originals(self) -> dict[str, DeviceOriginal]:
+        rows = self._db.execute(
+            "SELECT device_id, power_limit_mw, mig_enabled, mig_layout_json, saved_at_s FROM device_originals "
+            "ORDER BY device_id"
+        ).fetchall()
+        return {r[0]: _original_from_row(r) for r in rows}
+
+    def forget_original(self, device_id: str) -> None:
+        """After the original has been written back: the next start records the device afresh."""
+        self._write("DELETE FROM device_originals WHERE device_id=?", (device_id,))
+
+    # --- application ownership -----------------------------------------------------------------------
+    def claim_app(self, app_id: str) -> bool:
+        """Mark `app_id` as owned (its token issued). True if this call claimed it, False if it was
+        already claimed."""
+        cur = self._db.execute(
+            "INSERT OR IGNORE INTO apps(app_id, claimed_at_s) VALUES (?, ?)", (app_id, self._clock())
+        )
+        self.writes += 1
+        return cur.rowcount == 1
+
+    def app_claimed(self, app_id: str) -> bool:
+        return self._db.execute("SELECT 1 FROM apps WHERE app_id=?", (app_id,)).fetchone() is not None
+
+    def claimed_apps(self) -> list[str]:
+        return [r[0] for r in self._db.execute("SELECT app_id FROM apps ORDER BY app_id").fetchall()]
+
+
+def _original_from_row(row: tuple[Any, ...]) -> DeviceOriginal:
+    device_id, power, mig, layout_json, saved = row
+    layout = tuple(
+        MigSlot(int(s["profile_id"]), int(s["start"]), str(s.get("profile_name", ""))) for s in json.loads(layout_json)
+    )
+    return DeviceOriginal(
+        device_id=device_id,
+        power_limit_mw=None if power is None else int(power),
+        mig_enabled=None if mig is None else bool(mig),
+        mig_layout=layout,
+        saved_at_s=float(saved),
+    )

@@ -1,0 +1,94 @@
+"""vgpu/config.py: layering (defaults < file < environment < flags) and clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vgpu import config
+from vgpu.config import Config, ConfigError
+
+SHIPPED = Path(__file__).resolve().parent.parent / "systemd" / "vgpu.toml"
+
+
+def test_shipped_file_documents_exactly_the_defaults() -> None:
+    assert config.load(SHIPPED, env={}) == Config()
+    # Every key of every section appears in the shipped file, with a comment above it.
+    text = SHIPPED.read_text()
+    for line in config.to_toml(Config()).splitlines():
+        if "=" in line:
+            key = line.split("=")[0].strip()
+            assert f"\n{key} = " in text, key
+
+
+def test_layers_in_order(tmp_path: Path) -> None:
+    f = tmp_path / "vgpu.toml"
+    f.write_text('[server]\nsocket = "/file.sock"\nstate_dir = "/file/state"\n[metrics]\nport = 9000\n')
+    cfg = config.load(
+        f,
+        env={"VGPU_SERVER_STATE_DIR": "/env/state", "VGPU_METRICS_PORT": "9100", "VGPU_SHARED": "not ours"},
+        overrides={"metrics.port": 9200, "server.backend": None},
+    )
+    assert cfg.server.socket == "/file.sock"
+    assert cfg.server.state_dir == "/env/state"
+    assert cfg.metrics.port == 9200
+    assert cfg.server.backend == "nvml"
+
+
+def test_env_booleans_and_numbers() -> None:
+    cfg = config.load(None, env={"VGPU_SERVER_DRY_RUN": "yes", "VGPU_SERVER_GRACE_S": "1.5"})
+    assert cfg.server.dry_run is True and cfg.server.grace_s == 1.5
+
+
+@pytest.mark.parametrize(
+    ("toml", "env", "match"),
+    [
+        ('[server]\nsockett = "/x"\n', {}, r"unknown key server.sockett .*known in \[server\]: socket"),
+        ('[serverr]\nsocket = "/x"\n', {}, r"unknown section \[serverr\]"),
+        ("socket = 1\n", {}, "must be a \\[section\\]"),
+        ('[metrics]\nport = "9464"\n', {}, r"metrics.port .*expected int, got str"),
+        ("[metrics]\nport = 70000\n", {}, r"metrics.port: expected 0..65535"),
+        ("[server]\ndry_run = 1\n", {}, r"server.dry_run .*expected bool"),
+        ('[server]\nsocket_mode = "0666"\n', {}, "lets every local user connect"),
+        ('[server]\nsocket_mode = "rw"\n', {}, "expected octal"),
+        ('[server]\nbackend = "cuda"\n', {}, "expected 'nvml' or 'sim:<sku>'"),
+        ('[log]\nformat = "xml"\n', {}, "log.format"),
+        ('[tls]\ncert = "/c.pem"\n', {}, "set both or neither"),
+        ("[server\n", {}, "not valid TOML"),
+        ("", {"VGPU_SERVER_BOGUS": "1"}, r"unknown key server.bogus \(environment VGPU_SERVER_BOGUS\)"),
+        ("", {"VGPU_METRICS_PORT": "lots"}, r"metrics.port \(environment VGPU_METRICS_PORT\): expected int"),
+        ("", {"VGPU_SERVER_DRY_RUN": "maybe"}, "expected true/false"),
+    ],
+)
+def test_bad_configuration_is_a_clear_error(tmp_path: Path, toml: str, env: dict[str, str], match: str) -> None:
+    f = tmp_path / "vgpu.toml"
+    f.write_text(toml)
+    with pytest.raises(ConfigError, match=match):
+        config.load(f, env=env)
+
+
+def test_missing_explicit_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        config.load(tmp_path / "nope.toml", env={})
+
+
+@pytest.mark.parametrize("tcp", ["0.0.0.0:50051", "[::]:50051"])
+def test_plaintext_tcp_is_refused(tcp: str) -> None:
+    with pytest.raises(ConfigError, match="plaintext TCP is refused"):
+        config.load(None, env={}, overrides={"server.tcp": tcp})
+    cfg = config.load(None, env={}, overrides={"server.tcp": tcp, "tls.cert": "/c", "tls.key": "/k"})
+    assert config.parse_host_port(cfg.server.tcp)[1] == 50051
+
+
+@pytest.mark.parametrize("tcp", ["50051", "host:", "host:port", "host:0"])
+def test_bad_tcp_address(tcp: str) -> None:
+    with pytest.raises(ConfigError, match="server.tcp"):
+        config.load(None, env={}, overrides={"server.tcp": tcp, "tls.cert": "/c", "tls.key": "/k"})
+
+
+def test_replace_validates() -> None:
+    cfg = config.replace(Config(), server={"dry_run": True})
+    assert cfg.server.dry_run
+    with pytest.raises(ConfigError):
+        config.replace(Config(), metrics={"port": -1})

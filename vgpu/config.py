@@ -1,0 +1,293 @@
+"""The daemon's configuration: defaults < `/etc/vgpu/vgpu.toml` < `VGPU_*` environment < CLI flags.
+
+Every key lives in a section of the TOML file and has a documented default here (and in
+`systemd/vgpu.toml`, which ships the same defaults with a comment per key). The environment
+variable for `[section] key` is `VGPU_SECTION_KEY` (e.g. `VGPU_SERVER_SOCKET`); variables that start
+with `VGPU_` but name no section are left alone (tests use `VGPU_SHARED`), while an unknown key
+inside a known section, a value of the wrong type or an out-of-range value is a `ConfigError`
+that names the key and where it came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+DEFAULT_CONFIG_PATH = Path("/etc/vgpu/vgpu.toml")
+
+
+class ConfigError(ValueError):
+    """A configuration file, environment variable or flag is unknown or has a bad value."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    # Unix domain socket the daemon listens on (parent directory created if missing).
+    socket: str = "/run/vgpu/vgpu.sock"
+    # Permission bits of the socket, octal ("0660": owner and group may connect).
+    socket_mode: str = "0660"
+    # Owner and group of the socket; empty = the daemon's own user / group.
+    socket_owner: str = ""
+    socket_group: str = ""
+    # Ledger, tokens and saved device settings live here (systemd: StateDirectory=vgpu).
+    state_dir: str = "/var/lib/vgpu"
+    # "nvml" on a GPU server; "sim:<sku>" (e.g. "sim:h100-80gb") for a simulated device.
+    backend: str = "nvml"
+    # Optional TCP listener "HOST:PORT"; refused unless tls.cert and tls.key are set.
+    tcp: str = ""
+    # Decide and log, but write nothing to the device.
+    dry_run: bool = False
+    # Seconds a graceful stop waits for in-flight RPCs.
+    grace_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    # PEM server certificate and key for the TCP listener.
+    cert: str = ""
+    key: str = ""
+    # PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS).
+    ca: str = ""
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    # Group allowed to read the operator token (file mode 0640); empty = owner only (0600).
+    operator_group: str = ""
+    # Group allowed to read the profiler token; empty = owner only.
+    profiler_group: str = ""
+    # A client without a token may claim an application id nobody owns yet (and gets its token).
+    app_self_registration: bool = True
+    # GetAvailableResources / ListApplications / WatchAllocations need no token.
+    open_reads: bool = True
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    # Prometheus endpoint port; 0 disables it.
+    port: int = 9464
+    # Address the endpoint binds to.
+    address: str = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    # "json" (journald) or "console".
+    format: str = "json"
+    # "debug", "info", "warning" or "error".
+    level: str = "info"
+
+
+@dataclass(frozen=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    @property
+    def socket_mode_bits(self) -> int:
+        return int(self.server.socket_mode, 8)
+
+    @property
+    def mutual_tls(self) -> bool:
+        return bool(self.tls.ca)
+
+
+# Section name -> its dataclass (field types are strings under `from __future__ import annotations`).
+_SECTIONS: dict[str, type] = {
+    "server": ServerConfig,
+    "tls": TlsConfig,
+    "auth": AuthConfig,
+    "metrics": MetricsConfig,
+    "log": LogConfig,
+}
+_TYPES: dict[str, type] = {"str": str, "bool": bool, "int": int, "float": float}
+
+
+def _field_type(section: str, key: str) -> type:
+    for f in fields(_SECTIONS[section]):
+        if f.name == key:
+            return _TYPES[str(f.type)]
+    raise KeyError(key)
+
+
+def _known_keys(section: str) -> list[str]:
+    return [f.name for f in fields(_SECTIONS[section])]
+
+
+def _coerce(section: str, key: str, value: object, source: str, *, parse: bool = True) -> object:
+    """`value` as the field's type; strings (from the environment or flags) are parsed when `parse`
+    (a TOML file has types of its own, so `port = "9464"` there is an error)."""
+    want = _field_type(section, key)
+    where = f"{section}.{key} ({source})"
+    if parse and isinstance(value, str) and want is not str:
+        text = value.strip().lower()
+        if want is bool:
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ConfigError(f"{where}: expected true/false, got {value!r}")
+        try:
+            return want(text)
+        except ValueError:
+            raise ConfigError(f"{where}: expected {want.__name__}, got {value!r}") from None
+    if want is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+        raise ConfigError(f"{where}: expected {want.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _validate(cfg: Config) -> None:
+    s = cfg.server
+    if not s.socket:
+        raise ConfigError("server.socket: must not be empty (the daemon always listens on a Unix socket)")
+    try:
+        mode = int(s.socket_mode, 8)
+    except ValueError:
+        raise ConfigError(f"server.socket_mode: expected octal permission bits like '0660', got {s.socket_mode!r}") from None
+    if not 0 <= mode <= 0o777:
+        raise ConfigError(f"server.socket_mode: {s.socket_mode!r} is outside 0000..0777")
+    if mode & 0o007:
+        raise ConfigError(
+            f"server.socket_mode: {s.socket_mode!r} lets every local user connect; use owner/group bits only"
+        )
+    if not s.state_dir:
+        raise ConfigError("server.state_dir: must not be empty")
+    if s.backend != "nvml" and not (s.backend.startswith("sim:") and len(s.backend) > 4):
+        raise ConfigError(f"server.backend: expected 'nvml' or 'sim:<sku>', got {s.backend!r}")
+    if s.grace_s < 0:
+        raise ConfigError(f"server.grace_s: must be >= 0, got {s.grace_s}")
+    if s.tcp:
+        parse_host_port(s.tcp)  # raises ConfigError
+        if not cfg.tls.cert:
+            raise ConfigError(
+                f"server.tcp={s.tcp!r}: plaintext TCP is refused; set tls.cert and tls.key "
+                "(and tls.ca for mutual TLS), or use the Unix socket"
+            )
+    if bool(cfg.tls.cert) != bool(cfg.tls.key):
+        raise ConfigError("tls.cert and tls.key: set both or neither")
+    if cfg.tls.ca and not cfg.tls.cert:
+        raise ConfigError("tls.ca: mutual TLS needs tls.cert and tls.key as well")
+    if not 0 <= cfg.metrics.port <= 65535:
+        raise ConfigError(f"metrics.port: expected 0..65535, got {cfg.metrics.port}")
+    if cfg.log.format not in ("json", "console"):
+        raise ConfigError(f"log.format: expected 'json' or 'console', got {cfg.log.format!r}")
+    if cfg.log.level.lower() not in ("debug", "info", "warning", "error"):
+        raise ConfigError(f"log.level: expected debug/info/warning/error, got {cfg.log.level!r}")
+
+
+def parse_host_port(text: str) -> tuple[str, int]:
+    """'HOST:PORT' or '[v6]:PORT' -> (host, port); ConfigError otherwise."""
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host:
+        raise ConfigError(f"server.tcp: expected HOST:PORT, got {text!r}")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ConfigError(f"server.tcp: port must be a number, got {port_text!r}") from None
+    if not 0 < port <= 65535:
+        raise ConfigError(f"server.tcp: port {port} is outside 1..65535")
+    return host.strip("[]"), port
+
+
+def _merge(
+    layers: dict[str, dict[str, object]], section: str, key: str, value: object, source: str, *, parse: bool = True
+) -> None:
+    if section not in _SECTIONS:
+        raise ConfigError(f"unknown section [{section}] ({source}); known: {', '.join(_SECTIONS)}")
+    if key not in _known_keys(section):
+        raise ConfigError(
+            f"unknown key {section}.{key} ({source}); known in [{section}]: {', '.join(_known_keys(section))}"
+        )
+    layers.setdefault(section, {})[key] = _coerce(section, key, value, source, parse=parse)
+
+
+def load(
+    path: Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, object] | None = None,
+) -> Config:
+    """Defaults, then the TOML file, then `VGPU_SECTION_KEY` variables, then `overrides`
+    ({"server.socket": "/tmp/x.sock"}, from CLI flags; None values are skipped).
+
+    `path=None` reads DEFAULT_CONFIG_PATH when it exists; an explicit path that does not exist is
+    an error (the operator asked for it).
+    """
+    env = os.environ if env is None else env
+    layers: dict[str, dict[str, object]] = {}
+
+    file_path = path if path is not None else (DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.exists() else None)
+    if file_path is not None:
+        try:
+            raw = tomllib.loads(Path(file_path).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"config file {file_path} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {file_path}: not valid TOML: {exc}") from None
+        for section, table in raw.items():
+            if not isinstance(table, dict):
+                raise ConfigError(
+                    f"{file_path}: top-level key {section!r} must be a [section]; known: {', '.join(_SECTIONS)}"
+                )
+            for key, value in table.items():
+                _merge(layers, section, key, value, str(file_path), parse=False)
+
+    for name, value in sorted(env.items()):
+        if not name.startswith("VGPU_"):
+            continue
+        rest = name[len("VGPU_") :].lower()
+        section, sep, key = rest.partition("_")
+        if not sep or section not in _SECTIONS:
+            continue  # not ours (e.g. VGPU_SHARED)
+        _merge(layers, section, key, value, f"environment {name}")
+
+    for dotted, value in (overrides or {}).items():
+        if value is None:
+            continue
+        section, _, key = dotted.partition(".")
+        _merge(layers, section, key, value, f"flag for {dotted}")
+
+    sections: dict[str, Any] = {name: cls(**layers.get(name, {})) for name, cls in _SECTIONS.items()}
+    cfg = Config(**sections)
+    _validate(cfg)
+    return cfg
+
+
+def replace(cfg: Config, **sections: dict[str, object]) -> Config:
+    """A copy with some keys changed, validated: `replace(cfg, server={"dry_run": True})`."""
+    new_sections: dict[str, Any] = {}
+    for name, changes in sections.items():
+        for key, value in changes.items():
+            _coerce(name, key, value, "replace()")
+        new_sections[name] = dataclasses.replace(getattr(cfg, name), **changes)
+    out = dataclasses.replace(cfg, **new_sections)
+    _validate(out)
+    return out
+
+
+def to_toml(cfg: Config) -> str:
+    """The configuration as TOML (used by `vgpu doctor` and to check the shipped file)."""
+    lines: list[str] = []
+    for name in _SECTIONS:
+        lines.append(f"[{name}]")
+        for f in fields(getattr(cfg, name)):
+            value = getattr(getattr(cfg, name), f.name)
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, str):
+                text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+            else:
+                text = repr(value)
+            lines.append(f"{f.name} = {text}")
+        lines.append("")
+    return "\n".join(lines)
