@@ -1,0 +1,555 @@
+"""The `Allocator`: the ledger, the policy and the mechanisms behind one object.
+
+The allocator alone writes to devices. It answers applications (request / release / limits),
+carries out the manager's recommendations through a `Policy` (allocator/plan.py), enforces power
+limits (allocator/enforce.py) and MIG layouts (a `MigMechanism`, plugged in), publishes every
+change to `watch()` subscribers and restores device settings on `stop()`.
+
+Concurrency: the daemon runs on one asyncio loop and every method here is synchronous and must be
+called from that loop's thread (the gRPC servicers call them directly; none of them awaits). Device
+writes (NVML power limit) block for a few milliseconds, which the loop tolerates. Nothing here is
+safe to call from another thread; `watch()` subscriptions are asyncio objects of that loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol
+
+import structlog
+
+from allocator.enforce import PowerLimitMechanism, PowerLimitResult
+from allocator.errors import DeviceError, InvalidRequest, NotSupported, VerifyFailed
+from allocator.ledger import AppLimits, DeviceCapacity, Grant, Ledger
+from allocator.plan import BaselinePolicy, DeviceView, MigTarget, Plan, Policy, Recommendation
+from vgpu.device.base import Backend, Device, GpuInstance, PowerConstraints
+from vgpu.log import get_logger
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What a job is, for sizing it before it has history (mirrors vgpu.v1.JobConfig)."""
+
+    model_type: str = ""
+    param_count: int = 0
+    batch_size: int = 0
+    input_size: int = 0
+    num_layers: int = 0
+    precision: str = ""
+    optimizer: str = ""
+    mode: str = ""
+
+
+@dataclass(frozen=True)
+class Sizing:
+    memory_mib: float
+    sm_pct: float
+    reason: str = ""
+
+
+class Sizer(Protocol):
+    """Cold-start sizing (manager/coldstart.py): a job with no history -> initial grant."""
+
+    def size(self, job: JobSpec, *, mem_total_mib: float) -> Sizing: ...
+
+
+class MigMechanism(Protocol):
+    """Applies MIG layouts (allocator/mig.py). `apply` returns True when the layout changed."""
+
+    def apply(self, device: Device, profiles: Sequence[str]) -> bool: ...
+
+    def restore(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class AllocationRequest:
+    app_id: str
+    memory_mib: float = 0.0
+    sm_pct: float = 0.0
+    device_id: str | None = None
+    priority: int | None = None
+    deadline_s: float = 0.0
+    critical: bool = False
+    job: JobSpec | None = None
+    pid: int = 0
+
+
+@dataclass(frozen=True)
+class DeviceResources:
+    device_id: str
+    name: str
+    mem_total_mib: float
+    mem_granted_mib: float
+    mem_available_mib: float
+    sm_granted_pct: float
+    sm_available_pct: float
+    power_limit_mw: int | None = None
+    power_constraints: PowerConstraints | None = None
+    mig_enabled: bool = False
+    mig_instances: tuple[GpuInstance, ...] = ()
+
+
+@dataclass(frozen=True)
+class AppInfo:
+    app_id: str
+    grants: tuple[Grant, ...]
+    limits: AppLimits | None
+    mem_used_mib: float = math.nan
+    sm_util_pct: float = math.nan
+    forecast_mem_p90_mib: float = math.nan
+    forecast_sm_p90_pct: float = math.nan
+    source: str = ""
+
+
+class EventKind(str, Enum):
+    GRANTED = "granted"
+    RESIZED = "resized"
+    RELEASED = "released"
+    LIMITS_CHANGED = "limits_changed"
+    POWER_LIMIT_CHANGED = "power_limit_changed"
+    MIG_CHANGED = "mig_changed"
+
+
+@dataclass(frozen=True)
+class AllocationEvent:
+    kind: EventKind
+    at_s: float
+    app_id: str = ""
+    device_id: str = ""
+    grant: Grant | None = None
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class ApplyReport:
+    """What one `apply_recommendations` call did."""
+
+    created: tuple[Grant, ...] = ()
+    resized: tuple[Grant, ...] = ()
+    power: tuple[PowerLimitResult, ...] = ()
+    mig_changes: int = 0
+    skipped: tuple[str, ...] = ()
+
+
+@dataclass
+class Counters:
+    """Totals since start, for the demo and metrics."""
+
+    granted: int = 0
+    resized: int = 0
+    released: int = 0
+    power_limit_changes: int = 0
+    mig_changes: int = 0
+    recommendations: int = 0
+    events_dropped: int = 0
+
+
+_CLOSED = object()
+
+
+class Subscription:
+    """An async iterator of `AllocationEvent`s. Registered when created, so no event published after
+    `watch()` returns is missed. Bounded: when the consumer lags, the oldest events are dropped and
+    counted in `dropped`."""
+
+    def __init__(self, app_id: str | None, maxsize: int, on_close: Callable[[Subscription], None]) -> None:
+        self.app_id = app_id or None
+        self.dropped = 0
+        self._queue: asyncio.Queue[object] = asyncio.Queue(maxsize=max(1, maxsize))
+        self._on_close = on_close
+        self._closed = False
+
+    def wants(self, event: AllocationEvent) -> bool:
+        return self.app_id is None or event.app_id in ("", self.app_id)
+
+    def push(self, item: object) -> None:
+        if self._closed:
+            return
+        if self._queue.full():
+            self._queue.get_nowait()
+            self.dropped += 1
+        self._queue.put_nowait(item)
+
+    def close(self) -> None:
+        """End the subscription: iteration yields what is queued, then stops."""
+        if not self._closed:
+            self._closed = True
+            if not self._queue.full():  # wakes a waiting consumer; never displaces an event
+                self._queue.put_nowait(_CLOSED)
+            self._on_close(self)
+
+    def __aiter__(self) -> AsyncIterator[AllocationEvent]:
+        return self
+
+    async def __anext__(self) -> AllocationEvent:
+        if self._closed and self._queue.empty():
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if item is _CLOSED:
+            raise StopAsyncIteration
+        assert isinstance(item, AllocationEvent)
+        return item
+
+
+def device_capacities(backend: Backend) -> list[DeviceCapacity]:
+    """One ledger capacity per device of the backend (whole GPUs)."""
+    return [DeviceCapacity(d.uuid, d.memory().total_mib, 100.0, d.name) for d in backend.devices()]
+
+
+class Allocator:
+    """See the module docstring. `dry_run` None: on for the NVML backend (real GPUs are changed
+    only when asked explicitly with dry_run=False), off for the simulator."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        clock: Callable[[], float] = time.time,
+        dry_run: bool | None = None,
+        sizer: Sizer | None = None,
+        policy: Policy | None = None,
+        ledger: Ledger | None = None,
+        power: PowerLimitMechanism | None = None,
+        mig: MigMechanism | None = None,
+        on_change: Callable[[Ledger], None] | None = None,
+        watch_queue_size: int = 1024,
+        logger: structlog.typing.FilteringBoundLogger | None = None,
+    ) -> None:
+        self.backend = backend
+        self.clock = clock
+        self.dry_run = (getattr(backend, "name", "") == "nvml") if dry_run is None else dry_run
+        self.sizer = sizer
+        self.policy: Policy = policy if policy is not None else BaselinePolicy()
+        self._log = logger or get_logger("vgpu.allocator")
+        self.ledger = ledger if ledger is not None else Ledger(device_capacities(backend), clock=clock)
+        self.power = power if power is not None else PowerLimitMechanism(dry_run=self.dry_run, logger=self._log)
+        self.mig = mig
+        self.on_change = on_change
+        self.counters = Counters()
+        self._watch_queue_size = watch_queue_size
+        self._subscriptions: list[Subscription] = []
+        self._latest: dict[str, Recommendation] = {}
+        self._requests: dict[str, AllocationRequest] = {}
+        self._stopped = False
+        self._warned: set[str] = set()
+
+    # --- events ----------------------------------------------------------------------------------
+    def _publish(self, kind: EventKind, *, grant: Grant | None = None, app_id: str = "", device_id: str = "",
+                 detail: str = "") -> None:
+        event = AllocationEvent(
+            kind=kind,
+            at_s=self.clock(),
+            app_id=grant.app_id if grant is not None else app_id,
+            device_id=grant.device_id if grant is not None else device_id,
+            grant=grant,
+            detail=detail,
+        )
+        for sub in list(self._subscriptions):
+            if sub.wants(event):
+                before = sub.dropped
+                sub.push(event)
+                self.counters.events_dropped += sub.dropped - before
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change(self.ledger)
+
+    def watch(self, app_id: str | None = None) -> Subscription:
+        """Subscribe to allocation events (every application's, or one's plus device-level events).
+        Iterate with `async for`; `close()` it when done. Must be called on the allocator's loop."""
+        sub = Subscription(app_id, self._watch_queue_size, self._subscriptions.remove)
+        self._subscriptions.append(sub)
+        return sub
+
+    # --- application API -------------------------------------------------------------------------
+    def request_allocation(self, request: AllocationRequest, *, caller: str | None = None) -> Grant:
+        """Grant what the request asks for, or (memory 0 with a job description and a sizer) what
+        the cold-start sizer says; InsufficientResources when it does not fit (nothing changes)."""
+        memory_mib, sm_pct, source = request.memory_mib, request.sm_pct, "request"
+        if memory_mib == 0 and request.job is not None and self.sizer is not None:
+            total = self._total_for(request.device_id)
+            sizing = self.sizer.size(request.job, mem_total_mib=total)
+            memory_mib, sm_pct, source = sizing.memory_mib, max(sm_pct, sizing.sm_pct), "cold_start"
+        grant = self.ledger.grant(
+            request.app_id,
+            memory_mib,
+            sm_pct,
+            device_id=request.device_id or None,
+            priority=request.priority,
+            source=source,
+            pid=request.pid,
+            caller=caller,
+        )
+        self._requests[grant.grant_id] = request
+        self.counters.granted += 1
+        self._log.info("granted", app=grant.app_id, device=grant.device_id, memory_mib=grant.memory_mib,
+                       sm_pct=grant.sm_pct, source=source, grant=grant.grant_id)
+        self._publish(EventKind.GRANTED, grant=grant, detail=source)
+        self._changed()
+        return grant
+
+    def _total_for(self, device_id: str | None) -> float:
+        if device_id:
+            return self.ledger.capacity(device_id).mem_total_mib
+        caps = self.ledger.devices()
+        return max((c.mem_total_mib for c in caps), default=0.0)
+
+    def request_for(self, grant_id: str) -> AllocationRequest | None:
+        """The request a grant came from (None for forecast grants and restored ones)."""
+        return self._requests.get(grant_id)
+
+    def release(self, grant_id: str, *, caller: str | None = None) -> Grant:
+        grant = self.ledger.release(grant_id, caller=caller)
+        self._requests.pop(grant_id, None)
+        self.counters.released += 1
+        self._log.info("released", app=grant.app_id, grant=grant_id)
+        self._publish(EventKind.RELEASED, grant=grant)
+        self._changed()
+        return grant
+
+    def forget_app(self, app_id: str) -> list[Grant]:
+        """An application went silent: release its forecast and cold-start grants (grants it
+        requested itself stay until it releases them) and drop its latest recommendation."""
+        self._latest.pop(app_id, None)
+        gone = [g for g in self.ledger.grants(app_id=app_id) if g.source != "request"]
+        for g in gone:
+            self.release(g.grant_id)
+        return gone
+
+    def set_limits(self, limits: AppLimits, *, caller: str | None = None) -> AppLimits:
+        result = self.ledger.set_limits(limits, caller=caller)
+        self._publish(EventKind.LIMITS_CHANGED, app_id=result.app_id, detail=_limits_text(result))
+        self._changed()
+        return result
+
+    def available(self, device_id: str | None = None) -> list[DeviceResources]:
+        """Free and granted resources per device (one device when `device_id` is given; NotFound
+        if unknown). Device fields that cannot be read are None / empty (reads degrade)."""
+        caps = [self.ledger.capacity(device_id)] if device_id else self.ledger.devices()
+        out: list[DeviceResources] = []
+        for cap in caps:
+            usage = self.ledger.usage(cap.device_id)
+            view = self._device_state(cap.device_id)
+            out.append(
+                DeviceResources(
+                    device_id=cap.device_id,
+                    name=cap.name,
+                    mem_total_mib=usage.mem_total_mib,
+                    mem_granted_mib=usage.mem_granted_mib,
+                    mem_available_mib=usage.mem_available_mib,
+                    sm_granted_pct=usage.sm_granted_pct,
+                    sm_available_pct=usage.sm_available_pct,
+                    power_limit_mw=view.power_limit_mw,
+                    power_constraints=view.power_constraints,
+                    mig_enabled=view.mig_enabled,
+                    mig_instances=view.mig_instances,
+                )
+            )
+        return out
+
+    def list_apps(self) -> list[AppInfo]:
+        """Every application with a grant, limits or a recommendation, sorted by id."""
+        ids = sorted(set(self.ledger.apps()) | set(self._latest))
+        out = []
+        for app_id in ids:
+            rec = self._latest.get(app_id)
+            out.append(
+                AppInfo(
+                    app_id=app_id,
+                    grants=tuple(self.ledger.grants(app_id=app_id)),
+                    limits=self.ledger.limits(app_id),
+                    mem_used_mib=rec.mem_used_mib if rec else math.nan,
+                    sm_util_pct=rec.sm_util_pct if rec else math.nan,
+                    forecast_mem_p90_mib=rec.mem_p90_peak_mib if rec else math.nan,
+                    forecast_sm_p90_pct=rec.sm_p90_peak_pct if rec else math.nan,
+                    source=rec.source if rec else "",
+                )
+            )
+        return out
+
+    # --- recommendations -------------------------------------------------------------------------
+    def _read_device(self, device_id: str) -> Device | None:
+        try:
+            return self.backend.device(device_id)
+        except DeviceError as exc:
+            self._warn_once(f"device:{device_id}", "device_unreadable", device=device_id, error=str(exc))
+            return None
+
+    def _warn_once(self, key: str, event: str, **kw: object) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            self._log.warning(event, **kw)
+
+    def _device_state(self, device_id: str) -> DeviceView:
+        """The policy's view of a device; fields the device cannot give are None (logged once)."""
+        cap = self.ledger.capacity(device_id)
+        dev = self._read_device(device_id)
+        limit = constraints = None
+        mig_enabled, instances = False, ()
+        if dev is not None:
+            try:
+                limit, constraints = dev.power_limit_mw(), dev.power_constraints()
+            except NotSupported as exc:
+                self._warn_once(f"power:{device_id}", "power_unreadable", device=device_id, error=str(exc))
+            try:
+                mig_enabled = dev.mig_enabled()
+                instances = tuple(dev.gpu_instances()) if mig_enabled else ()
+            except NotSupported:
+                mig_enabled, instances = False, ()
+        return DeviceView(
+            device_id=device_id,
+            name=cap.name,
+            mem_total_mib=cap.mem_total_mib,
+            sm_total_pct=cap.sm_total_pct,
+            grants=tuple(self.ledger.grants(device_id=device_id)),
+            power_limit_mw=limit,
+            power_constraints=constraints,
+            power_enabled=self.power.disabled_reason(device_id) is None,
+            mig_enabled=mig_enabled,
+            mig_instances=instances,
+        )
+
+    def apply_recommendations(self, recommendations: Sequence[Recommendation]) -> ApplyReport:
+        """Carry out the manager's recommendations: the policy plans grant sizes, power limits and
+        MIG layouts; growth is clamped to what fits; device writes go through the mechanisms. A
+        recommendation for an unknown device is skipped (reported in `skipped`)."""
+        if self._stopped:
+            raise InvalidRequest("the allocator is stopped")
+        known = {c.device_id for c in self.ledger.devices()}
+        usable: list[Recommendation] = []
+        skipped: list[str] = []
+        for rec in recommendations:
+            self.counters.recommendations += 1
+            if rec.device_id not in known:
+                skipped.append(f"{rec.app_id}: unknown device {rec.device_id!r}")
+                continue
+            self._latest[rec.app_id] = rec
+            usable.append(rec)
+        views = [self._device_state(d) for d in sorted({r.device_id for r in usable})]
+        plan: Plan = self.policy.plan(usable, views, self.clock())
+        created: list[Grant] = []
+        resized: list[Grant] = []
+        for target in plan.grants:
+            try:
+                if target.grant_id is None:
+                    mem_room, sm_room = self.ledger.headroom(target.app_id, target.device_id)
+                    grant = self.ledger.grant(
+                        target.app_id,
+                        min(target.memory_mib, mem_room),
+                        min(target.sm_pct, sm_room),
+                        device_id=target.device_id,
+                        source="forecast",
+                    )
+                    created.append(grant)
+                    self.counters.granted += 1
+                    self._publish(EventKind.GRANTED, grant=grant, detail=target.reason or "forecast")
+                else:
+                    old = self.ledger.get(target.grant_id)
+                    grant = self.ledger.resize(target.grant_id, target.memory_mib, target.sm_pct, clamp=True)
+                    if (grant.memory_mib, grant.sm_pct) == (old.memory_mib, old.sm_pct):
+                        continue
+                    resized.append(grant)
+                    self.counters.resized += 1
+                    self._publish(EventKind.RESIZED, grant=grant,
+                                  detail=f"{old.memory_mib:.0f} -> {grant.memory_mib:.0f} MiB")
+            except (DeviceError, InvalidRequest) as exc:
+                skipped.append(f"{target.app_id}: {exc}")
+        power_results = [self._apply_power(t.device_id, t.limit_mw, t.reason) for t in plan.power]
+        mig_changes = sum(self._apply_mig(t) for t in plan.mig)
+        if created or resized:
+            self._changed()
+        return ApplyReport(
+            created=tuple(created),
+            resized=tuple(resized),
+            power=tuple(r for r in power_results if r is not None),
+            mig_changes=mig_changes,
+            skipped=tuple(skipped),
+        )
+
+    def _apply_power(self, device_id: str, limit_mw: int, reason: str) -> PowerLimitResult | None:
+        dev = self._read_device(device_id)
+        if dev is None:
+            return None
+        try:
+            result = self.power.apply(dev, limit_mw)
+        except (DeviceError, VerifyFailed) as exc:
+            self._log.error("power_limit_failed", device=device_id, target_mw=limit_mw, error=str(exc))
+            return None
+        if result.planned:
+            self.counters.power_limit_changes += 1
+            self._publish(EventKind.POWER_LIMIT_CHANGED, device_id=device_id,
+                          detail=f"{result.before_mw} -> {result.target_mw} mW"
+                          + (" (dry run)" if result.dry_run else "") + (f": {reason}" if reason else ""))
+        return result
+
+    def _apply_mig(self, target: MigTarget) -> int:
+        if self.mig is None:
+            self._warn_once("mig:none", "mig_mechanism_missing", device=target.device_id)
+            return 0
+        dev = self._read_device(target.device_id)
+        if dev is None:
+            return 0
+        try:
+            changed = self.mig.apply(dev, target.profiles)
+        except DeviceError as exc:
+            self._log.error("mig_failed", device=target.device_id, profiles=list(target.profiles), error=str(exc))
+            return 0
+        if changed:
+            self.counters.mig_changes += 1
+            self._publish(EventKind.MIG_CHANGED, device_id=target.device_id, detail=",".join(target.profiles))
+        return int(changed)
+
+    # --- shutdown --------------------------------------------------------------------------------
+    def stop(self) -> list[PowerLimitResult]:
+        """Restore device settings (power limits, MIG layouts) and end every watch subscription.
+        Safe to call twice; the second call does nothing."""
+        if self._stopped:
+            return []
+        self._stopped = True
+        results = self.power.restore()
+        if self.mig is not None:
+            try:
+                self.mig.restore()
+            except DeviceError as exc:
+                self._log.error("mig_restore_failed", error=str(exc))
+        for r in results:
+            if r.changed:
+                self._publish(EventKind.POWER_LIMIT_CHANGED, device_id=r.device_id,
+                              detail=f"restored {r.before_mw} -> {r.after_mw} mW")
+        for sub in list(self._subscriptions):
+            sub.close()
+        return results
+
+
+def _limits_text(limits: AppLimits) -> str:
+    parts = []
+    if limits.max_memory_mib is not None:
+        parts.append(f"max {limits.max_memory_mib:g} MiB")
+    if limits.max_sm_pct is not None:
+        parts.append(f"max {limits.max_sm_pct:g} % SM")
+    if limits.priority is not None:
+        parts.append(f"priority {limits.priority}")
+    return ", ".join(parts) or "no limits"
+
+
+__all__ = [
+    "AllocationEvent",
+    "AllocationRequest",
+    "Allocator",
+    "AppInfo",
+    "ApplyReport",
+    "Counters",
+    "DeviceResources",
+    "EventKind",
+    "JobSpec",
+    "MigMechanism",
+    "Sizer",
+    "Sizing",
+    "Subscription",
+    "device_capacities",
+]

@@ -1,0 +1,389 @@
+"""The ledger of grants: who holds how much memory and SM share on which device.
+
+Pure bookkeeping, no I/O and no device calls: the allocator consults it before acting and the
+daemon persists it through `to_records()` / `from_records()`.
+
+Admission control: a grant or a growth that does not fit (memory beyond the device's total minus
+what is already granted, SM share beyond 100 %, an application beyond its limits) raises
+`InsufficientResources` and leaves the ledger exactly as it was. Every mutating method takes an
+optional `caller`: None means a trusted caller (the manager, an operator); an application identity
+may only act on its own grants (`PermissionDenied` otherwise).
+
+Not thread-safe: one owner (the daemon's asyncio loop) calls it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Literal
+
+from allocator.errors import InsufficientResources, InvalidRequest, NotFound, PermissionDenied
+
+Source = Literal["request", "forecast", "cold_start"]
+SOURCES: tuple[str, ...] = ("request", "forecast", "cold_start")
+RECORDS_VERSION = 1
+# Tolerance for float sums: 1e-6 MiB and 1e-6 percentage points.
+_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class DeviceCapacity:
+    """What one device offers to grants."""
+
+    device_id: str
+    mem_total_mib: float
+    sm_total_pct: float = 100.0
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class Grant:
+    grant_id: str
+    app_id: str
+    device_id: str
+    memory_mib: float
+    sm_pct: float
+    priority: int
+    created_at_s: float
+    updated_at_s: float
+    source: str = "request"
+    pid: int = 0
+
+
+@dataclass(frozen=True)
+class AppLimits:
+    """An application's caps over all its grants; None: no cap (priority None: unchanged / default)."""
+
+    app_id: str
+    max_memory_mib: float | None = None
+    max_sm_pct: float | None = None
+    priority: int | None = None
+
+
+@dataclass(frozen=True)
+class DeviceUsage:
+    device_id: str
+    name: str
+    mem_total_mib: float
+    mem_granted_mib: float
+    mem_available_mib: float
+    sm_granted_pct: float
+    sm_available_pct: float
+
+
+def _check_app_id(app_id: str) -> None:
+    if not isinstance(app_id, str) or not app_id.strip():
+        raise InvalidRequest("app_id is empty: give the application's identifier")
+
+
+def _check_amount(name: str, value: float, *, upper: float | None = None) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise InvalidRequest(f"{name} must be a number, got {value!r}")
+    if math.isnan(value) or math.isinf(value):
+        raise InvalidRequest(f"{name} must be a finite number, got {value}")
+    if value < 0:
+        raise InvalidRequest(f"{name} must be >= 0, got {value}")
+    if upper is not None and value > upper:
+        raise InvalidRequest(f"{name} must be <= {upper:g}, got {value}")
+
+
+class Ledger:
+    """Grants per application and device, with admission control."""
+
+    def __init__(
+        self,
+        devices: Iterable[DeviceCapacity],
+        *,
+        clock: Callable[[], float] = time.time,
+        id_factory: Callable[[], str] = lambda: uuid.uuid4().hex,
+    ) -> None:
+        self._clock = clock
+        self._new_id = id_factory
+        self._devices: dict[str, DeviceCapacity] = {}
+        for cap in devices:
+            if cap.device_id in self._devices:
+                raise ValueError(f"device {cap.device_id!r} listed twice")
+            self._devices[cap.device_id] = cap
+        self._grants: dict[str, Grant] = {}
+        self._limits: dict[str, AppLimits] = {}
+        # Grants from_records() could not place (their device is gone); kept for the caller to report.
+        self.dropped_on_restore: tuple[Grant, ...] = ()
+
+    # --- reads ---------------------------------------------------------------------------------
+    def devices(self) -> list[DeviceCapacity]:
+        return list(self._devices.values())
+
+    def capacity(self, device_id: str) -> DeviceCapacity:
+        try:
+            return self._devices[device_id]
+        except KeyError:
+            raise NotFound(f"no device {device_id!r} in the ledger (known: {sorted(self._devices)})") from None
+
+    def get(self, grant_id: str) -> Grant:
+        try:
+            return self._grants[grant_id]
+        except KeyError:
+            raise NotFound(f"no grant {grant_id!r}") from None
+
+    def grants(self, *, app_id: str | None = None, device_id: str | None = None) -> list[Grant]:
+        """Grants in creation order, optionally only one application's or one device's."""
+        return [
+            g
+            for g in self._grants.values()
+            if (app_id is None or g.app_id == app_id) and (device_id is None or g.device_id == device_id)
+        ]
+
+    def apps(self) -> list[str]:
+        """Applications with a grant or limits, sorted."""
+        return sorted({g.app_id for g in self._grants.values()} | set(self._limits))
+
+    def limits(self, app_id: str) -> AppLimits | None:
+        return self._limits.get(app_id)
+
+    def usage(self, device_id: str) -> DeviceUsage:
+        cap = self.capacity(device_id)
+        mem, sm = self._granted(device_id)
+        return DeviceUsage(
+            device_id=device_id,
+            name=cap.name,
+            mem_total_mib=cap.mem_total_mib,
+            mem_granted_mib=mem,
+            mem_available_mib=max(0.0, cap.mem_total_mib - mem),
+            sm_granted_pct=sm,
+            sm_available_pct=max(0.0, cap.sm_total_pct - sm),
+        )
+
+    def headroom(self, app_id: str, device_id: str, *, excluding: str | None = None) -> tuple[float, float]:
+        """(memory MiB, SM %) this application could hold in one more grant on the device, counting
+        the grant `excluding` as already given back (for a resize)."""
+        cap = self.capacity(device_id)
+        mem_dev, sm_dev = self._granted(device_id, excluding=excluding)
+        mem = cap.mem_total_mib - mem_dev
+        sm = cap.sm_total_pct - sm_dev
+        lim = self._limits.get(app_id)
+        if lim is not None:
+            mem_app, sm_app = self._app_total(app_id, excluding=excluding)
+            if lim.max_memory_mib is not None:
+                mem = min(mem, lim.max_memory_mib - mem_app)
+            if lim.max_sm_pct is not None:
+                sm = min(sm, lim.max_sm_pct - sm_app)
+        return max(0.0, mem), max(0.0, sm)
+
+    def _granted(self, device_id: str, *, excluding: str | None = None) -> tuple[float, float]:
+        mem = sm = 0.0
+        for g in self._grants.values():
+            if g.device_id == device_id and g.grant_id != excluding:
+                mem += g.memory_mib
+                sm += g.sm_pct
+        return mem, sm
+
+    def _app_total(self, app_id: str, *, excluding: str | None = None) -> tuple[float, float]:
+        mem = sm = 0.0
+        for g in self._grants.values():
+            if g.app_id == app_id and g.grant_id != excluding:
+                mem += g.memory_mib
+                sm += g.sm_pct
+        return mem, sm
+
+    def _check_fits(
+        self, app_id: str, device_id: str, memory_mib: float, sm_pct: float, *, excluding: str | None = None
+    ) -> None:
+        cap = self.capacity(device_id)
+        mem_dev, sm_dev = self._granted(device_id, excluding=excluding)
+        if memory_mib > cap.mem_total_mib - mem_dev + _EPS:
+            raise InsufficientResources(
+                f"{memory_mib:g} MiB does not fit on {device_id}: {cap.mem_total_mib - mem_dev:g} of "
+                f"{cap.mem_total_mib:g} MiB are not granted"
+            )
+        if sm_pct > cap.sm_total_pct - sm_dev + _EPS:
+            raise InsufficientResources(
+                f"{sm_pct:g} % SM does not fit on {device_id}: {cap.sm_total_pct - sm_dev:g} % are not granted"
+            )
+        lim = self._limits.get(app_id)
+        if lim is not None:
+            mem_app, sm_app = self._app_total(app_id, excluding=excluding)
+            if lim.max_memory_mib is not None and mem_app + memory_mib > lim.max_memory_mib + _EPS:
+                raise InsufficientResources(
+                    f"{app_id} would hold {mem_app + memory_mib:g} MiB, over its limit of {lim.max_memory_mib:g} MiB"
+                )
+            if lim.max_sm_pct is not None and sm_app + sm_pct > lim.max_sm_pct + _EPS:
+                raise InsufficientResources(
+                    f"{app_id} would hold {sm_app + sm_pct:g} % SM, over its limit of {lim.max_sm_pct:g} %"
+                )
+
+    @staticmethod
+    def _check_caller(caller: str | None, app_id: str, what: str) -> None:
+        if caller is not None and caller != app_id:
+            raise PermissionDenied(f"{caller!r} may not {what} of application {app_id!r}")
+
+    # --- writes --------------------------------------------------------------------------------
+    def place(self, memory_mib: float, sm_pct: float, app_id: str) -> str:
+        """The device a request without a device should go to: the one with the most memory left
+        among those where it fits; InsufficientResources if it fits nowhere."""
+        best: tuple[float, str] | None = None
+        for device_id in self._devices:
+            mem, sm = self.headroom(app_id, device_id)
+            if memory_mib <= mem + _EPS and sm_pct <= sm + _EPS and (best is None or mem > best[0]):
+                best = (mem, device_id)
+        if best is None:
+            if not self._devices:
+                raise InsufficientResources("no device is known to the allocator")
+            self._check_fits(app_id, next(iter(self._devices)), memory_mib, sm_pct)  # raises with detail
+            raise InsufficientResources(f"{memory_mib:g} MiB / {sm_pct:g} % SM fits on no device")
+        return best[1]
+
+    def grant(
+        self,
+        app_id: str,
+        memory_mib: float,
+        sm_pct: float = 0.0,
+        *,
+        device_id: str | None = None,
+        priority: int | None = None,
+        source: str = "request",
+        pid: int = 0,
+        caller: str | None = None,
+    ) -> Grant:
+        """A new grant, or InsufficientResources (and nothing changes)."""
+        _check_app_id(app_id)
+        _check_amount("memory_mib", memory_mib)
+        _check_amount("sm_pct", sm_pct, upper=100.0)
+        if source not in SOURCES:
+            raise InvalidRequest(f"source must be one of {SOURCES}, got {source!r}")
+        self._check_caller(caller, app_id, "request resources on behalf")
+        if device_id is None or device_id == "":
+            device_id = self.place(memory_mib, sm_pct, app_id)
+        self._check_fits(app_id, device_id, memory_mib, sm_pct)
+        if priority is None:
+            lim = self._limits.get(app_id)
+            priority = lim.priority if lim is not None and lim.priority is not None else 0
+        now = self._clock()
+        grant = Grant(
+            grant_id=self._new_id(),
+            app_id=app_id,
+            device_id=device_id,
+            memory_mib=float(memory_mib),
+            sm_pct=float(sm_pct),
+            priority=int(priority),
+            created_at_s=now,
+            updated_at_s=now,
+            source=source,
+            pid=int(pid),
+        )
+        self._grants[grant.grant_id] = grant
+        return grant
+
+    def release(self, grant_id: str, *, caller: str | None = None) -> Grant:
+        """Remove a grant and return it; NotFound for an unknown id (nothing changes)."""
+        grant = self.get(grant_id)
+        self._check_caller(caller, grant.app_id, "release the grants")
+        del self._grants[grant_id]
+        return grant
+
+    def release_app(self, app_id: str) -> list[Grant]:
+        """Remove every grant of an application (it exited); returns them."""
+        gone = self.grants(app_id=app_id)
+        for g in gone:
+            del self._grants[g.grant_id]
+        return gone
+
+    def resize(
+        self,
+        grant_id: str,
+        memory_mib: float,
+        sm_pct: float,
+        *,
+        source: str | None = None,
+        clamp: bool = False,
+        caller: str | None = None,
+    ) -> Grant:
+        """Change a grant's size. Without `clamp`, a size that does not fit raises
+        InsufficientResources and nothing changes; with `clamp`, growth is cut to what fits."""
+        grant = self.get(grant_id)
+        _check_amount("memory_mib", memory_mib)
+        _check_amount("sm_pct", sm_pct, upper=100.0)
+        if source is not None and source not in SOURCES:
+            raise InvalidRequest(f"source must be one of {SOURCES}, got {source!r}")
+        self._check_caller(caller, grant.app_id, "resize the grants")
+        if clamp:
+            mem_room, sm_room = self.headroom(grant.app_id, grant.device_id, excluding=grant_id)
+            # Never cut below what the grant already holds: clamping only limits growth.
+            memory_mib = min(memory_mib, max(mem_room, grant.memory_mib))
+            sm_pct = min(sm_pct, max(sm_room, grant.sm_pct))
+        else:
+            self._check_fits(grant.app_id, grant.device_id, memory_mib, sm_pct, excluding=grant_id)
+        new = replace(
+            grant,
+            memory_mib=float(memory_mib),
+            sm_pct=float(sm_pct),
+            updated_at_s=self._clock(),
+            source=source if source is not None else grant.source,
+        )
+        self._grants[grant_id] = new
+        return new
+
+    def set_limits(self, limits: AppLimits, *, caller: str | None = None) -> AppLimits:
+        """Set an application's caps (operators only: an application identity is refused).
+
+        Limits below what the application already holds are accepted; they stop further growth and
+        the policy shrinks the grants over time."""
+        _check_app_id(limits.app_id)
+        if caller is not None:
+            raise PermissionDenied(f"{caller!r} may not set limits; only an operator may")
+        if limits.max_memory_mib is not None:
+            _check_amount("max_memory_mib", limits.max_memory_mib)
+        if limits.max_sm_pct is not None:
+            _check_amount("max_sm_pct", limits.max_sm_pct, upper=100.0)
+        old = self._limits.get(limits.app_id)
+        if limits.priority is None and old is not None and old.priority is not None:
+            limits = replace(limits, priority=old.priority)
+        self._limits[limits.app_id] = limits
+        return limits
+
+    # --- persistence -----------------------------------------------------------------------------
+    def to_records(self) -> dict[str, Any]:
+        """A JSON-serialisable snapshot of devices, grants and limits."""
+        return {
+            "version": RECORDS_VERSION,
+            "devices": [asdict(d) for d in self._devices.values()],
+            "grants": [asdict(g) for g in self._grants.values()],
+            "limits": [asdict(lim) for lim in self._limits.values()],
+        }
+
+    @classmethod
+    def from_records(
+        cls,
+        records: Mapping[str, Any],
+        *,
+        devices: Sequence[DeviceCapacity] | None = None,
+        clock: Callable[[], float] = time.time,
+        id_factory: Callable[[], str] = lambda: uuid.uuid4().hex,
+    ) -> Ledger:
+        """Rebuild a ledger from `to_records()`. With `devices` (what the backend has now), grants on
+        devices that are gone are dropped and listed in `dropped_on_restore`. A malformed snapshot
+        raises ValueError naming the bad entry."""
+        if records.get("version") != RECORDS_VERSION:
+            raise ValueError(f"ledger records version {records.get('version')!r}, expected {RECORDS_VERSION}")
+        try:
+            caps = list(devices) if devices is not None else [DeviceCapacity(**d) for d in records["devices"]]
+            grants = [Grant(**g) for g in records["grants"]]
+            limits = [AppLimits(**lim) for lim in records.get("limits", [])]
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"malformed ledger records: {exc}") from exc
+        ledger = cls(caps, clock=clock, id_factory=id_factory)
+        dropped: list[Grant] = []
+        for g in grants:
+            if g.device_id not in ledger._devices:
+                dropped.append(g)
+                continue
+            if g.grant_id in ledger._grants:
+                raise ValueError(f"grant {g.grant_id!r} appears twice in the records")
+            ledger._grants[g.grant_id] = g
+        for lim in limits:
+            ledger._limits[lim.app_id] = lim
+        ledger.dropped_on_restore = tuple(dropped)
+        return ledger

@@ -1,0 +1,166 @@
+"""What the manager recommends, what a policy plans from it, and the built-in baseline policy.
+
+Recommend, then act: the manager turns forecasts into `Recommendation`s; a `Policy` (pure, no
+I/O) turns recommendations plus a read-only view of the devices into a `Plan`; the `Allocator`
+alone carries the plan out (ledger resizes, power limits, MIG layouts). `BaselinePolicy` is the
+simple rule used until a better policy (allocator/policy.py) is plugged in with
+`Allocator(policy=...)`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from allocator.ledger import Grant
+from vgpu.device.base import GpuInstance, PowerConstraints
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """The manager's recommendation for one application on one device."""
+
+    app_id: str
+    device_id: str
+    memory_mib: float
+    sm_pct: float
+    # "model", "baseline" or "cold_start".
+    source: str = "baseline"
+    mem_p90_peak_mib: float = math.nan
+    sm_p90_peak_pct: float = math.nan
+    # Last observed usage (NaN where unknown).
+    mem_used_mib: float = math.nan
+    sm_util_pct: float = math.nan
+    for_seq: int = 0
+    decided_at_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class DeviceView:
+    """Read-only state of one device for a policy."""
+
+    device_id: str
+    name: str
+    mem_total_mib: float
+    sm_total_pct: float
+    grants: tuple[Grant, ...]
+    power_limit_mw: int | None = None
+    power_constraints: PowerConstraints | None = None
+    # False when the power mechanism is disabled for the device (no permission / no support).
+    power_enabled: bool = True
+    mig_enabled: bool = False
+    mig_instances: tuple[GpuInstance, ...] = ()
+
+
+@dataclass(frozen=True)
+class GrantTarget:
+    """Size a grant should have; `grant_id` None: create a forecast grant for the app."""
+
+    app_id: str
+    device_id: str
+    memory_mib: float
+    sm_pct: float
+    grant_id: str | None = None
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class PowerTarget:
+    device_id: str
+    limit_mw: int
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class MigTarget:
+    """The MIG layout a device should have: GPU-instance profile names, e.g. ("3g.40gb", "4g.40gb")."""
+
+    device_id: str
+    profiles: tuple[str, ...]
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Plan:
+    grants: tuple[GrantTarget, ...] = ()
+    power: tuple[PowerTarget, ...] = ()
+    mig: tuple[MigTarget, ...] = ()
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """Pure planning: no device calls, no clock reads beyond `now_s`."""
+
+    def plan(self, recommendations: Sequence[Recommendation], devices: Sequence[DeviceView], now_s: float) -> Plan: ...
+
+
+@dataclass(frozen=True)
+class BaselinePolicy:
+    """The simple built-in rule.
+
+    Grants: an application's most recent grant on the device follows the recommendation (minus its
+    other grants there); a grant the application requested itself only grows, never shrinks below
+    its size; a change smaller than the thresholds is ignored (VPA's "ignore small changes"); an
+    application without a grant gets a forecast grant. The allocator clamps growth to what fits.
+
+    Power: the limit follows the summed recommended SM share of the device's applications, scaled
+    into the device's [min, max] range with `power_headroom` on top, in `power_step_mw` steps, and
+    only changes when it moves by at least `power_hysteresis_frac` of the range.
+    """
+
+    mem_threshold_mib: float = 256.0
+    mem_threshold_frac: float = 0.05
+    sm_threshold_pct: float = 5.0
+    power_headroom: float = 1.15
+    power_step_mw: int = 5000
+    power_hysteresis_frac: float = 0.05
+    manage_power: bool = True
+
+    def _small(self, old_mib: float, new_mib: float, old_sm: float, new_sm: float) -> bool:
+        mem_thr = max(self.mem_threshold_mib, self.mem_threshold_frac * old_mib)
+        return abs(new_mib - old_mib) < mem_thr and abs(new_sm - old_sm) < self.sm_threshold_pct
+
+    def plan(self, recommendations: Sequence[Recommendation], devices: Sequence[DeviceView], now_s: float) -> Plan:
+        views = {d.device_id: d for d in devices}
+        grants: list[GrantTarget] = []
+        demand_pct: dict[str, float] = {}
+        for rec in recommendations:
+            view = views.get(rec.device_id)
+            if view is None or not (math.isfinite(rec.memory_mib) and math.isfinite(rec.sm_pct)):
+                continue
+            demand_pct[rec.device_id] = demand_pct.get(rec.device_id, 0.0) + max(0.0, rec.sm_pct)
+            mine = [g for g in view.grants if g.app_id == rec.app_id]
+            if not mine:
+                grants.append(GrantTarget(rec.app_id, rec.device_id, rec.memory_mib, rec.sm_pct, None, "new"))
+                continue
+            managed = max(mine, key=lambda g: g.created_at_s)
+            other_mem = sum(g.memory_mib for g in mine if g is not managed)
+            other_sm = sum(g.sm_pct for g in mine if g is not managed)
+            mem = max(0.0, rec.memory_mib - other_mem)
+            sm = min(100.0, max(0.0, rec.sm_pct - other_sm))
+            if managed.source == "request":
+                mem, sm = max(mem, managed.memory_mib), max(sm, managed.sm_pct)
+            if self._small(managed.memory_mib, mem, managed.sm_pct, sm):
+                continue
+            grants.append(GrantTarget(rec.app_id, rec.device_id, mem, sm, managed.grant_id, "forecast"))
+        power: list[PowerTarget] = []
+        if self.manage_power:
+            for device_id, pct in demand_pct.items():
+                target = self._power_target(views[device_id], pct)
+                if target is not None:
+                    power.append(target)
+        return Plan(grants=tuple(grants), power=tuple(power))
+
+    def _power_target(self, view: DeviceView, demand_pct: float) -> PowerTarget | None:
+        c = view.power_constraints
+        if c is None or not view.power_enabled or view.power_limit_mw is None or c.max_mw <= c.min_mw:
+            return None
+        frac = min(1.0, max(0.0, demand_pct / view.sm_total_pct * self.power_headroom))
+        raw = c.min_mw + (c.max_mw - c.min_mw) * frac
+        step = max(1, self.power_step_mw)
+        target = int(min(c.max_mw, max(c.min_mw, round(raw / step) * step)))
+        if abs(target - view.power_limit_mw) < self.power_hysteresis_frac * (c.max_mw - c.min_mw):
+            return None
+        return PowerTarget(view.device_id, target, f"SM demand {demand_pct:.0f} %")

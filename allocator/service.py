@@ -1,0 +1,329 @@
+"""The grpc.aio `Allocator` servicer and a server builder with health and reflection.
+
+The servicer validates input (INVALID_ARGUMENT with a message that says what to fix), calls the
+`Allocator` (allocator/core.py) directly on the server's event loop, and turns every exception into
+a status through the one map in allocator/errors.py.
+
+Caller identity: `identify(context)` returns the application identity of the caller, or None for a
+trusted caller (operator, same-user socket). The default trusts everyone; the daemon's auth
+(vgpu/auth.py) plugs in here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import NoReturn, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from allocator.core import (
+    AllocationEvent,
+    AllocationRequest,
+    Allocator,
+    AppInfo,
+    DeviceResources,
+    EventKind,
+    JobSpec,
+)
+from allocator.errors import InvalidRequest, status_for
+from allocator.ledger import AppLimits, Grant
+from vgpu.log import get_logger
+from vgpu.v1 import allocator_pb2 as pb
+from vgpu.v1 import allocator_pb2_grpc as pb_grpc
+from vgpu.v1 import ingest_pb2, ingest_pb2_grpc
+
+Identify = Callable[[grpc.aio.ServicerContext], str | None]
+T = TypeVar("T")
+
+_log = get_logger("vgpu.allocator.service")
+
+_EVENT_KIND = {
+    EventKind.GRANTED: pb.AllocationEvent.GRANTED,
+    EventKind.RESIZED: pb.AllocationEvent.RESIZED,
+    EventKind.RELEASED: pb.AllocationEvent.RELEASED,
+    EventKind.LIMITS_CHANGED: pb.AllocationEvent.LIMITS_CHANGED,
+    EventKind.POWER_LIMIT_CHANGED: pb.AllocationEvent.POWER_LIMIT_CHANGED,
+    EventKind.MIG_CHANGED: pb.AllocationEvent.MIG_CHANGED,
+}
+
+
+# --- conversions -----------------------------------------------------------------------------------
+def grant_to_pb(g: Grant) -> pb.Grant:
+    return pb.Grant(
+        grant_id=g.grant_id,
+        app_id=g.app_id,
+        device_id=g.device_id,
+        memory_mib=g.memory_mib,
+        sm_pct=g.sm_pct,
+        priority=g.priority,
+        created_at_s=g.created_at_s,
+        updated_at_s=g.updated_at_s,
+        source=g.source,
+    )
+
+
+def limits_to_pb(lim: AppLimits) -> pb.AppLimits:
+    msg = pb.AppLimits(app_id=lim.app_id)
+    if lim.max_memory_mib is not None:
+        msg.max_memory_mib = lim.max_memory_mib
+    if lim.max_sm_pct is not None:
+        msg.max_sm_pct = lim.max_sm_pct
+    if lim.priority is not None:
+        msg.priority = lim.priority
+    return msg
+
+
+def limits_from_pb(msg: pb.AppLimits) -> AppLimits:
+    app_id = _app_id(msg.app_id, "limits.app_id")
+    mem = _amount(msg.max_memory_mib, "limits.max_memory_mib") if msg.HasField("max_memory_mib") else None
+    sm = _amount(msg.max_sm_pct, "limits.max_sm_pct", upper=100.0) if msg.HasField("max_sm_pct") else None
+    prio = msg.priority if msg.HasField("priority") else None
+    return AppLimits(app_id=app_id, max_memory_mib=mem, max_sm_pct=sm, priority=prio)
+
+
+def device_to_pb(d: DeviceResources) -> pb.DeviceResources:
+    msg = pb.DeviceResources(
+        device_id=d.device_id,
+        name=d.name,
+        mem_total_mib=d.mem_total_mib,
+        mem_granted_mib=d.mem_granted_mib,
+        mem_available_mib=d.mem_available_mib,
+        sm_granted_pct=d.sm_granted_pct,
+        sm_available_pct=d.sm_available_pct,
+        mig_enabled=d.mig_enabled,
+    )
+    if d.power_limit_mw is not None:
+        msg.power_limit_mw = d.power_limit_mw
+    if d.power_constraints is not None:
+        msg.power_min_mw = d.power_constraints.min_mw
+        msg.power_max_mw = d.power_constraints.max_mw
+        msg.power_default_mw = d.power_constraints.default_mw
+    for inst in d.mig_instances:
+        msg.mig_instances.add(
+            instance_id=inst.uuid or str(inst.instance_id),
+            profile=inst.profile_name,
+            start=inst.placement.start,
+            size=inst.placement.size,
+            mem_total_mib=inst.mem_total_mib,
+        )
+    return msg
+
+
+def _finite_or_zero(x: float) -> float:
+    return x if math.isfinite(x) else 0.0
+
+
+def app_to_pb(a: AppInfo) -> pb.ApplicationInfo:
+    msg = pb.ApplicationInfo(
+        app_id=a.app_id,
+        grants=[grant_to_pb(g) for g in a.grants],
+        mem_used_mib=_finite_or_zero(a.mem_used_mib),
+        sm_util_pct=_finite_or_zero(a.sm_util_pct),
+        forecast_mem_p90_mib=_finite_or_zero(a.forecast_mem_p90_mib),
+        forecast_sm_p90_pct=_finite_or_zero(a.forecast_sm_p90_pct),
+    )
+    if a.limits is not None:
+        msg.limits.CopyFrom(limits_to_pb(a.limits))
+    return msg
+
+
+def event_to_pb(e: AllocationEvent) -> pb.AllocationEvent:
+    msg = pb.AllocationEvent(kind=_EVENT_KIND[e.kind], at_s=e.at_s, detail=e.detail)
+    if e.grant is not None:
+        msg.grant.CopyFrom(grant_to_pb(e.grant))
+    elif e.app_id or e.device_id:
+        # Device- and app-level events carry their subject in a grant-less Grant message.
+        msg.grant.app_id = e.app_id
+        msg.grant.device_id = e.device_id
+    return msg
+
+
+# --- validation ------------------------------------------------------------------------------------
+def _app_id(value: str, name: str = "app_id") -> str:
+    if not value or not value.strip():
+        raise InvalidRequest(f"{name} is empty: give the application's identifier")
+    if len(value) > 256:
+        raise InvalidRequest(f"{name} is {len(value)} characters long; at most 256 are allowed")
+    return value
+
+
+def _amount(value: float, name: str, *, upper: float | None = None) -> float:
+    if math.isnan(value) or math.isinf(value):
+        raise InvalidRequest(f"{name} must be a finite number, got {value}")
+    if value < 0:
+        raise InvalidRequest(f"{name} must be >= 0, got {value:g}")
+    if upper is not None and value > upper:
+        raise InvalidRequest(f"{name} must be at most {upper:g}, got {value:g}")
+    return value
+
+
+def request_from_pb(msg: pb.ResourceRequest) -> AllocationRequest:
+    app_id = _app_id(msg.app_id, "request.app_id")
+    memory = _amount(msg.memory_mib, "request.memory_mib")
+    sm = _amount(msg.sm_pct, "request.sm_pct", upper=100.0)
+    if math.isnan(msg.deadline_s) or msg.deadline_s < 0:
+        raise InvalidRequest(f"request.deadline_s must be Unix seconds >= 0 (0: none), got {msg.deadline_s}")
+    job = None
+    if msg.HasField("job"):
+        j = msg.job
+        job = JobSpec(j.model_type, j.param_count, j.batch_size, j.input_size, j.num_layers, j.precision,
+                      j.optimizer, j.mode)
+    return AllocationRequest(
+        app_id=app_id,
+        memory_mib=memory,
+        sm_pct=sm,
+        device_id=msg.device_id or None,
+        priority=msg.priority,
+        deadline_s=msg.deadline_s,
+        critical=msg.critical,
+        job=job,
+        pid=msg.pid,
+    )
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> NoReturn:
+    code, message = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        _log.error("rpc_failed", method=method, error=repr(exc), exc_info=exc)
+    await context.abort(code, message)
+    raise AssertionError("unreachable")  # context.abort raises
+
+
+class AllocatorServicer(pb_grpc.AllocatorServicer):
+    """`vgpu.v1.Allocator` over an `Allocator`."""
+
+    def __init__(self, allocator: Allocator, *, identify: Identify | None = None) -> None:
+        self.allocator = allocator
+        self._identify: Identify = identify or (lambda _ctx: None)
+
+    async def _call(self, context: grpc.aio.ServicerContext, method: str, fn: Callable[[str | None], T]) -> T:
+        try:
+            caller = self._identify(context)
+            return fn(caller)
+        except Exception as exc:  # noqa: BLE001 - every error goes through the one map
+            await _abort(context, exc, method)
+
+    async def RequestResourceAllocation(  # noqa: N802 - gRPC method names
+        self, request: pb.RequestResourceAllocationRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RequestResourceAllocationResponse:
+        def run(caller: str | None) -> Grant:
+            if not request.HasField("request"):
+                raise InvalidRequest("request is missing: set RequestResourceAllocationRequest.request")
+            return self.allocator.request_allocation(request_from_pb(request.request), caller=caller)
+
+        grant = await self._call(context, "RequestResourceAllocation", run)
+        return pb.RequestResourceAllocationResponse(grant=grant_to_pb(grant))
+
+    async def ReleaseResources(  # noqa: N802
+        self, request: pb.ReleaseResourcesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReleaseResourcesResponse:
+        def run(caller: str | None) -> Grant:
+            if not request.grant_id:
+                raise InvalidRequest("grant_id is empty: give the id RequestResourceAllocation returned")
+            return self.allocator.release(request.grant_id, caller=caller)
+
+        grant = await self._call(context, "ReleaseResources", run)
+        return pb.ReleaseResourcesResponse(released=grant_to_pb(grant))
+
+    async def GetAvailableResources(  # noqa: N802
+        self, request: pb.GetAvailableResourcesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetAvailableResourcesResponse:
+        devices = await self._call(
+            context, "GetAvailableResources", lambda _c: self.allocator.available(request.device_id or None)
+        )
+        return pb.GetAvailableResourcesResponse(devices=[device_to_pb(d) for d in devices])
+
+    async def SetResourceLimits(  # noqa: N802
+        self, request: pb.SetResourceLimitsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SetResourceLimitsResponse:
+        def run(caller: str | None) -> AppLimits:
+            if not request.HasField("limits"):
+                raise InvalidRequest("limits is missing: set SetResourceLimitsRequest.limits")
+            return self.allocator.set_limits(limits_from_pb(request.limits), caller=caller)
+
+        limits = await self._call(context, "SetResourceLimits", run)
+        return pb.SetResourceLimitsResponse(limits=limits_to_pb(limits))
+
+    async def ListApplications(  # noqa: N802
+        self, request: pb.ListApplicationsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListApplicationsResponse:
+        apps = await self._call(context, "ListApplications", lambda _c: self.allocator.list_apps())
+        return pb.ListApplicationsResponse(apps=[app_to_pb(a) for a in apps])
+
+    async def WatchAllocations(  # noqa: N802
+        self, request: pb.WatchAllocationsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.AllocationEvent]:
+        sub = await self._call(context, "WatchAllocations", lambda _c: self.allocator.watch(request.app_id or None))
+        try:
+            async for event in sub:
+                yield event_to_pb(event)
+        finally:
+            sub.close()
+
+
+SERVICE_NAMES: tuple[str, ...] = (
+    pb.DESCRIPTOR.services_by_name["Allocator"].full_name,
+    ingest_pb2.DESCRIPTOR.services_by_name["Ingest"].full_name,
+)
+
+
+@dataclass
+class Server:
+    """A grpc.aio server with its health servicer. `start()` marks every service SERVING;
+    `stop(grace_s)` marks them NOT_SERVING first, then lets in-flight calls finish."""
+
+    server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    service_names: tuple[str, ...]
+    address: str
+
+    async def start(self) -> None:
+        await self.server.start()
+        await self._set_serving(True)
+
+    async def stop(self, grace_s: float | None = 1.0) -> None:
+        await self._set_serving(False)
+        await self.server.stop(grace_s)
+
+    async def _set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+
+def build_server(
+    address: str,
+    *,
+    allocator_servicer: pb_grpc.AllocatorServicer | None = None,
+    ingest_servicer: ingest_pb2_grpc.IngestServicer | None = None,
+    extra: Sequence[tuple[str, Callable[[grpc.aio.Server], None]]] = (),
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+) -> Server:
+    """A grpc.aio server on `address` ("unix:/path" or "host:port") with the given servicers, gRPC
+    health and reflection. `extra`: (full service name, add-to-server callback) pairs for more
+    services. Raises RuntimeError when it cannot bind (grpc's own message names the address)."""
+    server = grpc.aio.server(interceptors=list(interceptors))
+    names: list[str] = []
+    if allocator_servicer is not None:
+        pb_grpc.add_AllocatorServicer_to_server(allocator_servicer, server)
+        names.append(SERVICE_NAMES[0])
+    if ingest_servicer is not None:
+        ingest_pb2_grpc.add_IngestServicer_to_server(ingest_servicer, server)
+        names.append(SERVICE_NAMES[1])
+    for name, add in extra:
+        add(server)
+        names.append(name)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
+    )
+    server.add_insecure_port(address)
+    return Server(server, health_servicer, tuple(names), address)
+
+
+__all__ = ["AllocatorServicer", "SERVICE_NAMES", "Server", "build_server"]

@@ -1,0 +1,178 @@
+"""The ledger: grants, admission control (refusals change nothing), release, resize, limits, records."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from allocator.errors import InsufficientResources, InvalidRequest, NotFound, PermissionDenied
+from allocator.ledger import AppLimits, DeviceCapacity, Ledger
+
+GPU0 = DeviceCapacity("GPU-0", 80_000.0, name="H100")
+GPU1 = DeviceCapacity("GPU-1", 40_000.0, name="A100")
+
+
+def make(*caps: DeviceCapacity) -> Ledger:
+    return Ledger(caps or (GPU0,), clock=lambda: 100.0)
+
+
+def test_grant_is_recorded_with_an_id_and_counts_against_the_device() -> None:
+    led = make()
+    g = led.grant("app-a", 30_000, 40, device_id="GPU-0")
+    assert len(g.grant_id) == 32 and g.app_id == "app-a" and g.source == "request"
+    assert g.created_at_s == g.updated_at_s == 100.0
+    assert led.get(g.grant_id) == g
+    u = led.usage("GPU-0")
+    assert (u.mem_granted_mib, u.mem_available_mib, u.sm_granted_pct, u.sm_available_pct) == (30_000, 50_000, 40, 60)
+
+
+@pytest.mark.parametrize(
+    ("memory_mib", "sm_pct", "what"),
+    [(60_000, 10, "MiB"), (10_000, 70, "% SM")],
+)
+def test_refusal_over_capacity_changes_nothing(memory_mib: float, sm_pct: float, what: str) -> None:
+    led = make()
+    led.grant("app-a", 30_000, 40, device_id="GPU-0")
+    before = led.to_records()
+    with pytest.raises(InsufficientResources, match=what):
+        led.grant("app-b", memory_mib, sm_pct, device_id="GPU-0")
+    assert led.to_records() == before
+
+
+def test_exactly_full_fits() -> None:
+    led = make()
+    led.grant("a", 50_000, 60)
+    led.grant("b", 30_000, 40)
+    assert led.usage("GPU-0").mem_available_mib == 0
+
+
+def test_release_frees_and_unknown_release_is_not_found() -> None:
+    led = make()
+    g = led.grant("a", 80_000, 100)
+    assert led.release(g.grant_id) == g
+    assert led.usage("GPU-0").mem_granted_mib == 0
+    with pytest.raises(NotFound):
+        led.release(g.grant_id)
+    with pytest.raises(NotFound):
+        led.release("no-such-grant")
+
+
+def test_place_picks_the_device_with_most_room_and_refuses_when_nothing_fits() -> None:
+    led = make(GPU0, GPU1)
+    assert led.grant("a", 10_000).device_id == "GPU-0"
+    led.grant("b", 65_000, device_id="GPU-0")
+    assert led.grant("c", 20_000).device_id == "GPU-1"
+    before = led.to_records()
+    with pytest.raises(InsufficientResources):
+        led.grant("d", 30_000)
+    assert led.to_records() == before
+
+
+def test_unknown_device_is_not_found() -> None:
+    with pytest.raises(NotFound, match="GPU-9"):
+        make().grant("a", 1, device_id="GPU-9")
+
+
+@pytest.mark.parametrize(
+    ("app", "mem", "sm", "match"),
+    [
+        ("", 1, 0, "app_id is empty"),
+        ("a", -1, 0, "memory_mib must be >= 0"),
+        ("a", math.nan, 0, "finite"),
+        ("a", math.inf, 0, "finite"),
+        ("a", 1, 101, "sm_pct must be <= 100"),
+        ("a", 1, -5, "sm_pct must be >= 0"),
+    ],
+)
+def test_bad_arguments_are_invalid_requests(app: str, mem: float, sm: float, match: str) -> None:
+    led = make()
+    with pytest.raises(InvalidRequest, match=match):
+        led.grant(app, mem, sm)
+    assert led.grants() == []
+
+
+def test_limits_cap_an_app_across_its_grants() -> None:
+    led = make()
+    led.set_limits(AppLimits("a", max_memory_mib=20_000, max_sm_pct=50))
+    led.grant("a", 15_000, 30)
+    with pytest.raises(InsufficientResources, match="limit of 20000 MiB"):
+        led.grant("a", 6_000, 0)
+    with pytest.raises(InsufficientResources, match="limit of 50 %"):
+        led.grant("a", 1_000, 25)
+    led.grant("b", 6_000, 25)  # other apps are not capped
+    assert led.headroom("a", "GPU-0") == (5_000, 20)
+
+
+def test_limits_keep_priority_when_not_given_and_apply_to_new_grants() -> None:
+    led = make()
+    led.set_limits(AppLimits("a", priority=5))
+    led.set_limits(AppLimits("a", max_memory_mib=1000))
+    assert led.limits("a") == AppLimits("a", 1000, None, 5)
+    assert led.grant("a", 10).priority == 5
+
+
+def test_resize_within_capacity_and_refused_beyond() -> None:
+    led = make()
+    g = led.grant("a", 10_000, 10)
+    led.grant("b", 60_000, 10)
+    g2 = led.resize(g.grant_id, 20_000, 20, source="forecast")
+    assert (g2.memory_mib, g2.sm_pct, g2.source, g2.grant_id) == (20_000, 20, "forecast", g.grant_id)
+    before = led.to_records()
+    with pytest.raises(InsufficientResources):
+        led.resize(g.grant_id, 25_000, 20)
+    assert led.to_records() == before
+    g3 = led.resize(g.grant_id, 25_000, 95, clamp=True)
+    assert (g3.memory_mib, g3.sm_pct) == (20_000, 90)
+    assert led.resize(g.grant_id, 5_000, 5).memory_mib == 5_000  # shrinking always fits
+
+
+def test_callers_act_only_on_their_own_grants() -> None:
+    led = make()
+    g = led.grant("a", 100, caller="a")
+    with pytest.raises(PermissionDenied):
+        led.grant("b", 100, caller="a")
+    with pytest.raises(PermissionDenied):
+        led.release(g.grant_id, caller="b")
+    with pytest.raises(PermissionDenied):
+        led.resize(g.grant_id, 200, 0, caller="b")
+    with pytest.raises(PermissionDenied):
+        led.set_limits(AppLimits("a", max_memory_mib=1), caller="a")
+    assert led.get(g.grant_id) == g
+    assert led.release(g.grant_id, caller="a") == g
+
+
+def test_records_round_trip_through_json_and_drop_grants_of_vanished_devices() -> None:
+    led = make(GPU0, GPU1)
+    a = led.grant("a", 100, 5, device_id="GPU-0", pid=42)
+    led.grant("b", 200, 5, device_id="GPU-1")
+    led.set_limits(AppLimits("a", max_memory_mib=500, priority=2))
+    records = json.loads(json.dumps(led.to_records()))
+    back = Ledger.from_records(records)
+    assert back.to_records() == led.to_records()
+    only0 = Ledger.from_records(records, devices=[GPU0])
+    assert [g.grant_id for g in only0.grants()] == [a.grant_id]
+    assert [g.app_id for g in only0.dropped_on_restore] == ["b"]
+    with pytest.raises(ValueError, match="version"):
+        Ledger.from_records({**records, "version": 99})
+    with pytest.raises(ValueError, match="malformed"):
+        Ledger.from_records({**records, "grants": [{"grant_id": "x"}]})
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("abc"), st.floats(0, 50_000), st.floats(0, 60), st.booleans()), max_size=30))
+def test_granted_never_exceeds_capacity(ops: list[tuple[str, float, float, bool]]) -> None:
+    led = make()
+    for app, mem, sm, release in ops:
+        try:
+            g = led.grant(app, mem, sm)
+        except InsufficientResources:
+            continue
+        if release:
+            led.release(g.grant_id)
+        u = led.usage("GPU-0")
+        assert u.mem_granted_mib <= GPU0.mem_total_mib + 1e-6
+        assert u.sm_granted_pct <= 100 + 1e-6
