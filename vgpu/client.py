@@ -1,0 +1,552 @@
+"""The client stub an application links: ask the allocator for resources, apply the grant, report counters.
+
+    client = VgpuClient("train-resnet", job=JobConfig(model_type="resnet50", batch_size=64, mode="train"))
+    grant = client.request(memory_mib=20_000, sm_pct=50)
+    for batch in loader:
+        ...
+        client.step()
+    client.close()          # releases the app's grants and removes its in-app file
+
+Three things run behind that API:
+
+* **Requests** go to the `Allocator` gRPC service (`RequestResourceAllocation`, `ReleaseResources`).
+* **A watch of its own grants** (`WatchAllocations` filtered by `app_id`, in a daemon thread, reconnecting
+  with capped backoff) keeps the sum of the app's granted memory. When it changes, the stub applies it
+  *cooperatively*: for PyTorch, `torch.cuda.set_per_process_memory_fraction(limit / total)`. Nothing is
+  enforced from outside; the allocator sees what was applied in the in-app counters below.
+* **A reporter** (daemon thread, every `report_period_s`) writes the app's in-app counters to a small
+  JSON file, `<inapp_dir>/<pid>.json`, that the profiler reads when it samples that pid.
+
+Why a file and not another RPC: the profiler already visits every GPU process each tick and only needs
+the latest value; a per-pid file on tmpfs costs one `open` per sample, needs no connection or server in
+the profiler, survives either side restarting, and ties the counters to the pid the profiler sees
+(the file records the pid's start time, so a reused pid does not inherit them). It is written to a
+temporary name and renamed, so a reader never sees half a file; a file older than `INAPP_MAX_AGE_S` or
+whose pid is gone or restarted is ignored. The directory (default `/run/vgpu/inapp`) must be writable by
+the applications (mode 1777, like /tmp); the profiler ignores a file whose owner is not the process's user.
+
+torch is never imported here: an application that uses PyTorch has imported it already, so the stub
+takes it from `sys.modules` when it needs it (or from the `torch_module` argument, for tests). With no
+torch, or no CUDA, the stub still requests, watches and reports; the torch counters are absent.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import grpc
+
+from vgpu.log import get_logger
+from vgpu.v1 import allocator_pb2, allocator_pb2_grpc
+
+DEFAULT_SOCKET = "unix:///run/vgpu/manager.sock"
+DEFAULT_INAPP_DIR = Path("/run/vgpu/inapp")
+INAPP_VERSION = 1
+# A file not rewritten for this long is stale (the reporter writes every second by default).
+INAPP_MAX_AGE_S = 5.0
+# psutil's create_time has clock-tick resolution; two starts closer than this are "the same process".
+PID_START_TOLERANCE_S = 1.0
+MIB = 1024 * 1024
+
+_log = get_logger("vgpu.client")
+
+
+def grpc_target(address: str) -> str:
+    """A gRPC target from `unix:///abs/path`, `unix:rel`, a bare absolute socket path, or `host:port`."""
+    address = address.strip()
+    if not address:
+        raise ValueError("empty address: give a Unix socket path (unix:///run/vgpu/manager.sock) or host:port")
+    if address.startswith("unix:") or address.startswith("unix-abstract:"):
+        return address
+    if address.startswith("/"):
+        return "unix://" + address
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"bad address {address!r}: expected unix:///path/to.sock, /path/to.sock or host:port")
+    return address
+
+
+# --- in-app counters: the file protocol -------------------------------------------------------------
+
+
+class InAppFormatError(ValueError):
+    """An in-app counter file that is not valid JSON of the expected shape."""
+
+
+@dataclass(frozen=True)
+class InAppCounters:
+    """What an application reports from inside; None where it has nothing to say."""
+
+    torch_allocated_mib: float | None = None
+    torch_reserved_mib: float | None = None
+    torch_active_mib: float | None = None
+    alloc_retries: int | None = None
+    oom_count: int | None = None
+    step: int | None = None
+    applied_mem_limit_mib: float | None = None
+
+
+_INT_COUNTERS = {"alloc_retries", "oom_count", "step"}
+
+
+@dataclass(frozen=True)
+class InAppReport:
+    app_id: str
+    pid: int
+    # psutil create_time of the writing process (Unix s); None when unknown.
+    pid_start_s: float | None
+    written_at_s: float
+    counters: InAppCounters
+
+
+def inapp_path(directory: str | Path, pid: int) -> Path:
+    return Path(directory) / f"{pid}.json"
+
+
+def write_inapp(directory: str | Path, report: InAppReport) -> Path:
+    """Write `report` atomically (temporary file in the same directory, then rename)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "v": INAPP_VERSION,
+        "app_id": report.app_id,
+        "pid": report.pid,
+        "pid_start_s": report.pid_start_s,
+        "written_at_s": report.written_at_s,
+        "counters": {k: v for k, v in asdict(report.counters).items() if v is not None},
+    }
+    target = inapp_path(directory, report.pid)
+    fd, tmp = tempfile.mkstemp(prefix=f".{report.pid}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(payload, fh, separators=(",", ":"))
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return target
+
+
+def parse_inapp(text: str) -> InAppReport:
+    """Parse an in-app file's text; InAppFormatError with the reason when it is not one."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InAppFormatError(f"not JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise InAppFormatError("not a JSON object")
+    if data.get("v") != INAPP_VERSION:
+        raise InAppFormatError(f"unknown version {data.get('v')!r} (expected {INAPP_VERSION})")
+    app_id, pid, written = data.get("app_id"), data.get("pid"), data.get("written_at_s")
+    if not isinstance(app_id, str) or not app_id:
+        raise InAppFormatError("app_id missing or not a string")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        raise InAppFormatError("pid missing or not a positive integer")
+    if not _is_number(written):
+        raise InAppFormatError("written_at_s missing or not a number")
+    start = data.get("pid_start_s")
+    if start is not None and not _is_number(start):
+        raise InAppFormatError("pid_start_s not a number")
+    raw = data.get("counters", {})
+    if not isinstance(raw, dict):
+        raise InAppFormatError("counters not an object")
+    values: dict[str, Any] = {}
+    for f in fields(InAppCounters):
+        v = raw.get(f.name)
+        if v is None:
+            continue
+        if not _is_number(v) or v < 0:
+            raise InAppFormatError(f"counter {f.name} is not a non-negative number: {v!r}")
+        values[f.name] = int(v) if f.name in _INT_COUNTERS else float(v)
+    return InAppReport(
+        app_id=app_id,
+        pid=pid,
+        pid_start_s=None if start is None else float(start),
+        written_at_s=float(written),
+        counters=InAppCounters(**values),
+    )
+
+
+def read_inapp(
+    directory: str | Path,
+    pid: int,
+    *,
+    now_s: float,
+    pid_start_s: float | None = None,
+    max_age_s: float = INAPP_MAX_AGE_S,
+) -> InAppReport | None:
+    """The fresh report of `pid`, or None when there is none, it is older than `max_age_s`, or it was
+    written by an earlier process with the same pid. A malformed file raises InAppFormatError."""
+    try:
+        text = inapp_path(directory, pid).read_text(encoding="utf-8")
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    report = parse_inapp(text)
+    if report.pid != pid:
+        raise InAppFormatError(f"file for pid {pid} names pid {report.pid}")
+    if now_s - report.written_at_s > max_age_s:
+        return None
+    if (
+        pid_start_s is not None
+        and report.pid_start_s is not None
+        and abs(report.pid_start_s - pid_start_s) > PID_START_TOLERANCE_S
+    ):
+        return None
+    return report
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# --- the client --------------------------------------------------------------------------------------
+
+_FROM_SYS_MODULES: Any = object()
+
+
+class VgpuClient:
+    """One application's link to vgpu. Thread-safe; `close()` (or a `with` block) ends it.
+
+    Arguments beyond `app_id` are optional: `socket` is the daemon's address (Unix socket path or
+    host:port), `job` the job's configuration (used to size it before it has a history), `inapp_dir`
+    where in-app counters go. `channel`, `torch_module`, `clock`, `pid` and `sleep` exist for tests.
+    `watch=False` / `report=False` turn the background threads off.
+    """
+
+    def __init__(
+        self,
+        app_id: str,
+        *,
+        socket: str = DEFAULT_SOCKET,
+        job: allocator_pb2.JobConfig | None = None,
+        inapp_dir: str | Path = DEFAULT_INAPP_DIR,
+        report_period_s: float = 1.0,
+        watch: bool = True,
+        report: bool = True,
+        torch_device: int | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
+        rpc_timeout_s: float = 10.0,
+        channel: grpc.Channel | None = None,
+        torch_module: ModuleType | None = _FROM_SYS_MODULES,
+        clock: Callable[[], float] = time.time,
+        pid: int | None = None,
+        pid_start_s: float | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        if not app_id or not app_id.strip():
+            raise ValueError("app_id must be a non-empty string")
+        if report_period_s <= 0:
+            raise ValueError(f"report_period_s must be positive, got {report_period_s}")
+        self.app_id = app_id
+        self.job = job
+        self.inapp_dir = Path(inapp_dir)
+        self._report_period_s = report_period_s
+        self._torch_device = torch_device
+        self._metadata = tuple(metadata)
+        self._timeout_s = rpc_timeout_s
+        self._torch_arg = torch_module
+        self._clock = clock
+        self.pid = os.getpid() if pid is None else pid
+        self._pid_start_s = pid_start_s if pid_start_s is not None else _own_start_time(self.pid)
+        self._rng = rng or random.Random()
+        self._own_channel = channel is None
+        self._channel = channel if channel is not None else grpc.insecure_channel(grpc_target(socket))
+        self._stub = allocator_pb2_grpc.AllocatorStub(self._channel)
+
+        self._lock = threading.Lock()
+        self._grants: dict[str, allocator_pb2.Grant] = {}
+        self._step = 0
+        self._applied_limit_mib: float | None = None
+        self._warned: set[str] = set()
+        self._closed = threading.Event()
+        self._watch_call: Any = None
+        self.limit_changes = 0  # how many times a different limit was applied
+        self.watch_errors = 0
+        self.report_errors = 0
+
+        self._threads: list[threading.Thread] = []
+        if watch:
+            self._start(self._watch_loop, "vgpu-client-watch")
+        if report:
+            self._start(self._report_loop, "vgpu-client-report")
+
+    # --- API -----------------------------------------------------------------------------------------
+    def request(
+        self,
+        *,
+        memory_mib: float = 0.0,
+        sm_pct: float = 0.0,
+        priority: int = 0,
+        job: allocator_pb2.JobConfig | None = None,
+        device_id: str = "",
+        deadline_s: float = 0.0,
+        critical: bool = False,
+    ) -> allocator_pb2.Grant:
+        """Ask for resources; the allocator's grant, or grpc.RpcError (RESOURCE_EXHAUSTED when it does
+        not fit, INVALID_ARGUMENT on bad values). The granted memory is applied at once."""
+        if memory_mib < 0 or not math.isfinite(memory_mib):
+            raise ValueError(f"memory_mib must be a non-negative number, got {memory_mib}")
+        if not 0 <= sm_pct <= 100:
+            raise ValueError(f"sm_pct must be within 0-100, got {sm_pct}")
+        req = allocator_pb2.ResourceRequest(
+            app_id=self.app_id,
+            device_id=device_id,
+            memory_mib=memory_mib,
+            sm_pct=sm_pct,
+            priority=priority,
+            deadline_s=deadline_s,
+            critical=critical,
+            pid=self.pid,
+        )
+        job = job if job is not None else self.job
+        if job is not None:
+            req.job.CopyFrom(job)
+        resp = self._stub.RequestResourceAllocation(
+            allocator_pb2.RequestResourceAllocationRequest(request=req),
+            timeout=self._timeout_s,
+            metadata=self._metadata,
+        )
+        self._on_grant(resp.grant, released=False)
+        return resp.grant
+
+    def release(self, grant_id: str | None = None) -> list[allocator_pb2.Grant]:
+        """Release one grant, or every grant this client holds; the released grants."""
+        with self._lock:
+            ids = [grant_id] if grant_id is not None else list(self._grants)
+        released = []
+        for gid in ids:
+            resp = self._stub.ReleaseResources(
+                allocator_pb2.ReleaseResourcesRequest(grant_id=gid), timeout=self._timeout_s, metadata=self._metadata
+            )
+            self._on_grant(resp.released, released=True, grant_id=gid)
+            released.append(resp.released)
+        return released
+
+    def step(self, n: int = 1) -> int:
+        """Mark `n` finished steps (training iterations or inference batches); the new step count."""
+        if n < 0:
+            raise ValueError("step count only grows")
+        with self._lock:
+            self._step += n
+            return self._step
+
+    @property
+    def granted_memory_mib(self) -> float:
+        with self._lock:
+            return sum(g.memory_mib for g in self._grants.values())
+
+    @property
+    def applied_mem_limit_mib(self) -> float | None:
+        with self._lock:
+            return self._applied_limit_mib
+
+    def grants(self) -> list[allocator_pb2.Grant]:
+        with self._lock:
+            return list(self._grants.values())
+
+    def counters(self) -> InAppCounters:
+        """The in-app counters now: torch's allocator statistics where torch has CUDA initialised."""
+        with self._lock:
+            step, limit = self._step, self._applied_limit_mib
+        stats = self._torch_stats()
+        return InAppCounters(step=step, applied_mem_limit_mib=limit, **stats)
+
+    def report_now(self) -> Path:
+        """Write the in-app file now (the reporter thread does this every `report_period_s`)."""
+        report = InAppReport(
+            app_id=self.app_id,
+            pid=self.pid,
+            pid_start_s=self._pid_start_s,
+            written_at_s=self._clock(),
+            counters=self.counters(),
+        )
+        return write_inapp(self.inapp_dir, report)
+
+    def handle_event(self, event: allocator_pb2.AllocationEvent) -> None:
+        """Apply one WatchAllocations event (the watch thread calls this; public for tests)."""
+        if event.grant.app_id and event.grant.app_id != self.app_id:
+            return
+        kind = event.kind
+        if kind in (allocator_pb2.AllocationEvent.GRANTED, allocator_pb2.AllocationEvent.RESIZED):
+            self._on_grant(event.grant, released=False)
+        elif kind == allocator_pb2.AllocationEvent.RELEASED:
+            self._on_grant(event.grant, released=True)
+
+    def close(self, *, release: bool = True) -> None:
+        """Stop the threads, release the grants (best effort), remove the in-app file, close the channel."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        call = self._watch_call
+        if call is not None:
+            call.cancel()
+        if release:
+            try:
+                self.release()
+            except grpc.RpcError as exc:
+                _log.warning("release on close failed", app_id=self.app_id, code=str(exc.code()))
+        for t in self._threads:
+            t.join(timeout=5.0)
+        try:
+            inapp_path(self.inapp_dir, self.pid).unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            _log.warning("cannot remove in-app file", path=str(inapp_path(self.inapp_dir, self.pid)), error=str(exc))
+        if self._own_channel:
+            self._channel.close()
+
+    def __enter__(self) -> VgpuClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- grants and the cooperative limit -----------------------------------------------------------
+    def _on_grant(self, grant: allocator_pb2.Grant, *, released: bool, grant_id: str | None = None) -> None:
+        gid = grant.grant_id or grant_id or ""
+        with self._lock:
+            before = sum(g.memory_mib for g in self._grants.values())
+            if released:
+                self._grants.pop(gid, None)
+            elif gid:
+                self._grants[gid] = grant
+            after = sum(g.memory_mib for g in self._grants.values())
+            have = bool(self._grants)
+        if after != before or (not have and self._applied_limit_mib is not None):
+            self._apply_limit(after if have else None)
+
+    def _apply_limit(self, limit_mib: float | None) -> None:
+        """Apply `limit_mib` (None: no limit) through torch where torch has CUDA; record what applied."""
+        torch = self._torch()
+        applied: float | None = None
+        if torch is None or not _cuda_available(torch):
+            self._warn_once("no_torch_cuda", "no torch with CUDA: the granted memory limit is not applied")
+        else:
+            try:
+                device = self._device_index(torch)
+                total_mib = torch.cuda.get_device_properties(device).total_memory / MIB
+                if limit_mib is None or limit_mib <= 0:
+                    fraction = 1.0
+                else:
+                    fraction = min(1.0, limit_mib / total_mib)
+                    applied = fraction * total_mib
+                torch.cuda.set_per_process_memory_fraction(fraction, device)
+                _log.info("memory limit applied", app_id=self.app_id, limit_mib=applied, fraction=round(fraction, 4))
+            except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError/ValueError/AssertionError
+                _log.warning("cannot apply memory limit", app_id=self.app_id, limit_mib=limit_mib, error=repr(exc))
+                return
+        with self._lock:
+            if applied != self._applied_limit_mib:
+                self.limit_changes += 1
+            self._applied_limit_mib = applied
+
+    def _torch(self) -> Any:
+        if self._torch_arg is _FROM_SYS_MODULES:
+            return sys.modules.get("torch")
+        return self._torch_arg
+
+    def _device_index(self, torch: Any) -> int:
+        return int(self._torch_device if self._torch_device is not None else torch.cuda.current_device())
+
+    def _torch_stats(self) -> dict[str, Any]:
+        torch = self._torch()
+        if torch is None or not _cuda_available(torch):
+            return {}
+        try:
+            initialized = getattr(torch.cuda, "is_initialized", lambda: True)()
+            if not initialized:  # never create a CUDA context from the reporter thread
+                return {}
+            stats: Mapping[str, Any] = torch.cuda.memory_stats(self._device_index(torch))
+        except Exception as exc:  # noqa: BLE001
+            self._warn_once("memory_stats", "torch.cuda.memory_stats failed", error=repr(exc))
+            return {}
+        out: dict[str, Any] = {}
+        for key, name, scale in (
+            ("allocated_bytes.all.current", "torch_allocated_mib", MIB),
+            ("reserved_bytes.all.current", "torch_reserved_mib", MIB),
+            ("active_bytes.all.current", "torch_active_mib", MIB),
+        ):
+            if key in stats:
+                out[name] = stats[key] / scale
+        if "num_alloc_retries" in stats:
+            out["alloc_retries"] = int(stats["num_alloc_retries"])
+        if "num_ooms" in stats:
+            out["oom_count"] = int(stats["num_ooms"])
+        return out
+
+    def _warn_once(self, key: str, message: str, **kw: Any) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            _log.warning(message, app_id=self.app_id, **kw)
+
+    # --- threads ------------------------------------------------------------------------------------
+    def _start(self, target: Callable[[], None], name: str) -> None:
+        t = threading.Thread(target=target, name=name, daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    def _watch_loop(self) -> None:
+        delay_s = 0.1
+        while not self._closed.is_set():
+            try:
+                call = self._stub.WatchAllocations(
+                    allocator_pb2.WatchAllocationsRequest(app_id=self.app_id), metadata=self._metadata
+                )
+                self._watch_call = call
+                if self._closed.is_set():
+                    call.cancel()
+                for event in call:
+                    delay_s = 0.1
+                    self.handle_event(event)
+            except grpc.RpcError as exc:
+                if self._closed.is_set():
+                    return
+                self.watch_errors += 1
+                if self.watch_errors == 1 or self.watch_errors % 50 == 0:
+                    _log.warning("allocation watch interrupted", app_id=self.app_id, code=str(exc.code()),
+                                 errors=self.watch_errors)
+            self._watch_call = None
+            self._closed.wait(delay_s * self._rng.uniform(0.8, 1.2))
+            delay_s = min(delay_s * 2, 5.0)
+
+    def _report_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                self.report_now()
+            except OSError as exc:
+                self.report_errors += 1
+                self._warn_once("report", "cannot write in-app counters", dir=str(self.inapp_dir), error=str(exc))
+            self._closed.wait(self._report_period_s)
+
+
+def _cuda_available(torch: Any) -> bool:
+    try:
+        return bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _own_start_time(pid: int) -> float | None:
+    try:
+        import psutil
+
+        return float(psutil.Process(pid).create_time())
+    except Exception:  # noqa: BLE001 - no psutil or no such process: the profiler then skips the check
+        return None
