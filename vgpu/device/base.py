@@ -149,6 +149,19 @@ class Device(abc.ABC):
     @abc.abstractmethod
     def destroy_gpu_instance(self, instance_id: int) -> None: ...
 
+    # --- optional: backends that cannot do these keep the defaults -------------------------
+    @property
+    def mig_reconfig_s(self) -> float:
+        """Seconds a MIG reconfiguration takes before new instances are usable (a planning figure;
+        no public source states it, a third-party report gives about 6 s)."""
+        return 6.0
+
+    def set_mig_mode(self, enabled: bool) -> None:
+        """Enable or disable MIG mode (a write: typed errors on failure)."""
+        from vgpu.device.errors import NotSupported
+
+        raise NotSupported(f"{type(self).__name__} cannot change MIG mode")
+
 
 class Backend(abc.ABC):
     """A set of devices behind one vendor library (or the simulator)."""

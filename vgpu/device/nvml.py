@@ -1,0 +1,351 @@
+"""The NVML backend: real GPUs through nvidia-ml-py (`pynvml`).
+
+The module is injected (`NvmlBackend(nvml=fake)` in tests; the real `pynvml`, imported lazily, by
+default). This is the only file that imports pynvml. Every `pynvml.NVMLError` becomes a typed error
+through `vgpu.device.errors.from_nvml_code`.
+
+GPU instances are created the way `nvidia-smi mig -cgi P -C` does: the GPU instance at the requested
+placement, then one compute instance spanning it (so a MIG device with a UUID exists for applications);
+destroying removes the compute instances first. A failed compute-instance creation rolls the GPU
+instance back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from vgpu.device.base import (
+    Backend,
+    Device,
+    GpuInstance,
+    GpuInstanceProfile,
+    MemoryInfo,
+    Placement,
+    PowerConstraints,
+    ProcessInfo,
+    ProcessUtilization,
+    Utilization,
+)
+from vgpu.device.errors import (
+    DeviceError,
+    DriverNotLoaded,
+    InvalidArgument,
+    LibraryNotFound,
+    NotFound,
+    NotSupported,
+    from_nvml_code,
+)
+from vgpu.device.skus import CI_PROFILE_FOR_SLICES
+
+_MIB = 1024 * 1024
+_NO_ID = 0xFFFFFFFF
+DEFAULT_MIG_RECONFIG_S = 6.0
+
+
+def _message(exc: Exception) -> str:
+    try:
+        return str(exc)
+    except Exception:  # noqa: BLE001 - str() of an unknown code asks the library, which may be absent
+        return repr(exc)
+
+
+class _Nvml:
+    """The injected module plus the one place NVMLError is caught."""
+
+    def __init__(self, module: Any) -> None:
+        self.m = module
+
+    def call(self, name: str, *args: Any) -> Any:
+        fn: Callable[..., Any] = getattr(self.m, name)
+        try:
+            return fn(*args)
+        except self.m.NVMLError as exc:
+            code = int(getattr(exc, "value", -1))
+            detail = f": {exc.__cause__}" if exc.__cause__ is not None else ""
+            raise from_nvml_code(code, f"{name}: {_message(exc)} (NVML code {code}){detail}") from exc
+
+
+class NvmlDevice(Device):
+    """One GPU behind NVML."""
+
+    def __init__(self, nvml: _Nvml, index: int, handle: Any, *, mig_reconfig_s: float) -> None:
+        self._n = nvml
+        self._index = index
+        self._h = handle
+        self._uuid = self._text(nvml.call("nvmlDeviceGetUUID", handle))
+        self._name = self._text(nvml.call("nvmlDeviceGetName", handle))
+        self._mig_reconfig_s = mig_reconfig_s
+        self._profiles: list[tuple[int, GpuInstanceProfile]] | None = None  # (NVML constant, profile)
+
+    @staticmethod
+    def _text(value: Any) -> str:
+        return value.decode() if isinstance(value, bytes) else str(value)
+
+    @property
+    def index(self) -> int:
+        return self._index
+
+    @property
+    def uuid(self) -> str:
+        return self._uuid
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def mig_reconfig_s(self) -> float:
+        return self._mig_reconfig_s
+
+    def _call(self, name: str, *args: Any) -> Any:
+        return self._n.call(name, self._h, *args)
+
+    # --- reads -----------------------------------------------------------------------------
+    def memory(self) -> MemoryInfo:
+        m = self._call("nvmlDeviceGetMemoryInfo")
+        return MemoryInfo(total_mib=m.total / _MIB, used_mib=m.used / _MIB, free_mib=m.free / _MIB)
+
+    def utilization(self) -> Utilization:
+        u = self._call("nvmlDeviceGetUtilizationRates")
+        return Utilization(sm_pct=float(u.gpu), mem_bw_pct=float(u.memory))
+
+    def power_usage_mw(self) -> int:
+        return int(self._call("nvmlDeviceGetPowerUsage"))
+
+    def power_limit_mw(self) -> int:
+        return int(self._call("nvmlDeviceGetPowerManagementLimit"))
+
+    def power_constraints(self) -> PowerConstraints:
+        lo, hi = self._call("nvmlDeviceGetPowerManagementLimitConstraints")
+        default = self._call("nvmlDeviceGetPowerManagementDefaultLimit")
+        return PowerConstraints(min_mw=int(lo), max_mw=int(hi), default_mw=int(default))
+
+    def sm_clock_mhz(self) -> int:
+        return int(self._call("nvmlDeviceGetClockInfo", self._n.m.NVML_CLOCK_SM))
+
+    def pcie_throughput_kbps(self) -> tuple[float, float]:
+        tx = self._call("nvmlDeviceGetPcieThroughput", self._n.m.NVML_PCIE_UTIL_TX_BYTES)
+        rx = self._call("nvmlDeviceGetPcieThroughput", self._n.m.NVML_PCIE_UTIL_RX_BYTES)
+        return float(tx), float(rx)
+
+    def processes(self) -> Sequence[ProcessInfo]:
+        out = []
+        for p in self._call("nvmlDeviceGetComputeRunningProcesses"):
+            used = getattr(p, "usedGpuMemory", None)
+            gi = getattr(p, "gpuInstanceId", _NO_ID)
+            out.append(
+                ProcessInfo(
+                    pid=int(p.pid),
+                    used_mib=None if used is None else used / _MIB,
+                    gpu_instance_id=None if gi is None or gi == _NO_ID else int(gi),
+                )
+            )
+        return out
+
+    def process_utilization(self, since_us: int) -> Sequence[ProcessUtilization]:
+        try:
+            samples = self._call("nvmlDeviceGetProcessUtilization", int(since_us))
+        except NotFound:
+            return []  # NVML's answer when no sample is newer than since_us
+        out = [
+            ProcessUtilization(
+                pid=int(s.pid), timestamp_us=int(s.timeStamp), sm_pct=float(s.smUtil), mem_bw_pct=float(s.memUtil)
+            )
+            for s in samples
+            if int(s.timeStamp) > since_us
+        ]
+        out.sort(key=lambda u: (u.timestamp_us, u.pid))
+        return out
+
+    def mig_enabled(self) -> bool:
+        current, _pending = self._call("nvmlDeviceGetMigMode")
+        return int(current) == int(self._n.m.NVML_DEVICE_MIG_ENABLE)
+
+    def _require_mig(self, what: str) -> None:
+        if not self.mig_enabled():
+            raise NotSupported(f"{what}: MIG is disabled on GPU {self._index}")
+
+    def _profile_table(self) -> list[tuple[int, GpuInstanceProfile]]:
+        if self._profiles is not None:
+            return self._profiles
+        m = self._n.m
+        table = []
+        for const in range(int(m.NVML_GPU_INSTANCE_PROFILE_COUNT)):
+            try:
+                info = self._call("nvmlDeviceGetGpuInstanceProfileInfo", const)
+            except (NotSupported, InvalidArgument):
+                continue
+            count = ctypes.c_uint(0)
+            self._call("nvmlDeviceGetGpuInstancePossiblePlacements", info.id, None, ctypes.byref(count))
+            array = (m.c_nvmlGpuInstancePlacement_t * max(1, count.value))()
+            self._call("nvmlDeviceGetGpuInstancePossiblePlacements", info.id, array, ctypes.byref(count))
+            name = getattr(info, "name", b"")
+            table.append(
+                (
+                    const,
+                    GpuInstanceProfile(
+                        profile_id=int(info.id),
+                        name=self._text(name) or f"{info.sliceCount}g.{info.memorySizeMB // 1024}gb",
+                        slice_count=int(info.sliceCount),
+                        mem_mib=float(info.memorySizeMB),
+                        sm_count=int(info.multiprocessorCount),
+                        max_count=int(info.instanceCount),
+                        placements=tuple(
+                            Placement(start=int(array[i].start), size=int(array[i].size)) for i in range(count.value)
+                        ),
+                    ),
+                )
+            )
+        self._profiles = table
+        return table
+
+    def gpu_instance_profiles(self) -> Sequence[GpuInstanceProfile]:
+        self._require_mig("gpu_instance_profiles")
+        return [p for _, p in self._profile_table()]
+
+    def _profile(self, profile_id: int) -> GpuInstanceProfile:
+        for prof in self.gpu_instance_profiles():
+            if prof.profile_id == profile_id:
+                return prof
+        known = ", ".join(f"{p.profile_id} ({p.name})" for p in self.gpu_instance_profiles())
+        raise InvalidArgument(f"GPU {self._index} has no GPU-instance profile id {profile_id}; known: {known}")
+
+    def _mig_uuids(self) -> dict[int, str]:
+        """GPU instance id -> UUID of its MIG device (only instances with a compute instance have one)."""
+        out: dict[int, str] = {}
+        for i in range(int(self._call("nvmlDeviceGetMaxMigDeviceCount"))):
+            try:
+                mig = self._call("nvmlDeviceGetMigDeviceHandleByIndex", i)
+            except (NotFound, InvalidArgument):
+                continue
+            gi_id = int(self._n.call("nvmlDeviceGetGpuInstanceId", mig))
+            out.setdefault(gi_id, self._text(self._n.call("nvmlDeviceGetUUID", mig)))
+        return out
+
+    def _gi_value(self, handle: Any, uuids: dict[int, str]) -> GpuInstance:
+        info = self._n.call("nvmlGpuInstanceGetInfo", handle)
+        prof = self._profile(int(info.profileId))
+        return GpuInstance(
+            instance_id=int(info.id),
+            profile_id=int(info.profileId),
+            profile_name=prof.name,
+            placement=Placement(start=int(info.placement.start), size=int(info.placement.size)),
+            uuid=uuids.get(int(info.id), ""),
+            mem_total_mib=prof.mem_mib,
+        )
+
+    def gpu_instances(self) -> Sequence[GpuInstance]:
+        self._require_mig("gpu_instances")
+        m = self._n.m
+        uuids = self._mig_uuids()
+        out = []
+        for _, prof in self._profile_table():
+            array = (m.c_nvmlGpuInstance_t * max(1, prof.max_count))()
+            count = ctypes.c_uint(len(array))
+            self._call("nvmlDeviceGetGpuInstances", prof.profile_id, array, ctypes.byref(count))
+            out.extend(self._gi_value(array[i], uuids) for i in range(count.value))
+        out.sort(key=lambda g: g.instance_id)
+        return out
+
+    # --- writes ----------------------------------------------------------------------------
+    def set_power_limit_mw(self, limit_mw: int) -> None:
+        """Set the power limit; a set to the current limit writes nothing."""
+        if not isinstance(limit_mw, int) or isinstance(limit_mw, bool):
+            raise InvalidArgument(f"power limit must be an int in mW, not {limit_mw!r}")
+        if self.power_limit_mw() == limit_mw:
+            return
+        self._call("nvmlDeviceSetPowerManagementLimit", limit_mw)
+
+    def set_mig_mode(self, enabled: bool) -> None:
+        m = self._n.m
+        if self.mig_enabled() == enabled:
+            return
+        self._call("nvmlDeviceSetMigMode", m.NVML_DEVICE_MIG_ENABLE if enabled else m.NVML_DEVICE_MIG_DISABLE)
+
+    def create_gpu_instance(self, profile_id: int, start: int) -> GpuInstance:
+        m = self._n.m
+        prof = self._profile(profile_id)
+        place = next((p for p in prof.placements if p.start == start), None)
+        if place is None:
+            starts = ", ".join(str(p.start) for p in prof.placements)
+            raise InvalidArgument(f"{prof.name} cannot start at memory slice {start}; valid starts: {starts}")
+        c_place = m.c_nvmlGpuInstancePlacement_t()
+        c_place.start = place.start
+        c_place.size = place.size
+        gi = self._call("nvmlDeviceCreateGpuInstanceWithPlacement", profile_id, ctypes.byref(c_place))
+        try:
+            ci_const = CI_PROFILE_FOR_SLICES[prof.slice_count]
+            ci_info = self._n.call(
+                "nvmlGpuInstanceGetComputeInstanceProfileInfo", gi, ci_const, m.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
+            )
+            self._n.call("nvmlGpuInstanceCreateComputeInstance", gi, ci_info.id)
+        except (DeviceError, KeyError):
+            try:
+                self._n.call("nvmlGpuInstanceDestroy", gi)
+            except DeviceError:
+                pass  # the original error is the one to report
+            raise
+        return self._gi_value(gi, self._mig_uuids())
+
+    def destroy_gpu_instance(self, instance_id: int) -> None:
+        m = self._n.m
+        self._require_mig("destroy_gpu_instance")
+        gi = self._call("nvmlDeviceGetGpuInstanceById", instance_id)
+        for const in range(int(m.NVML_COMPUTE_INSTANCE_PROFILE_COUNT)):
+            try:
+                info = self._n.call(
+                    "nvmlGpuInstanceGetComputeInstanceProfileInfo", gi, const, m.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
+                )
+            except (NotSupported, InvalidArgument):
+                continue
+            array = (m.c_nvmlComputeInstance_t * max(1, int(info.instanceCount)))()
+            count = ctypes.c_uint(len(array))
+            self._n.call("nvmlGpuInstanceGetComputeInstances", gi, info.id, array, ctypes.byref(count))
+            for i in range(count.value):
+                self._n.call("nvmlComputeInstanceDestroy", array[i])
+        self._n.call("nvmlGpuInstanceDestroy", gi)
+
+
+class NvmlBackend(Backend):
+    """All GPUs NVML sees. `nvml` is the pynvml module (or a fake of it); default: the real one."""
+
+    name = "nvml"
+
+    def __init__(self, nvml: object | None = None, *, mig_reconfig_s: float = DEFAULT_MIG_RECONFIG_S) -> None:
+        if nvml is None:
+            import pynvml
+
+            nvml = pynvml
+        self._n = _Nvml(nvml)
+        try:
+            self._n.call("nvmlInit")
+        except LibraryNotFound as exc:
+            raise LibraryNotFound(
+                "NVML (libnvidia-ml.so) was not found: no NVIDIA driver is installed here. Install the driver, "
+                "or use a simulated GPU (backend spec 'sim:h100-80gb')."
+            ) from exc
+        except DriverNotLoaded as exc:
+            raise DriverNotLoaded(
+                "the NVIDIA driver is not loaded (nvmlInit failed): load it (modprobe nvidia) or check "
+                "`nvidia-smi`; or use a simulated GPU (backend spec 'sim:h100-80gb')."
+            ) from exc
+        self._open = True
+        try:
+            count = int(self._n.call("nvmlDeviceGetCount"))
+            self._devices = [
+                NvmlDevice(self._n, i, self._n.call("nvmlDeviceGetHandleByIndex", i), mig_reconfig_s=mig_reconfig_s)
+                for i in range(count)
+            ]
+        except DeviceError:
+            self.close()
+            raise
+
+    def devices(self) -> Sequence[NvmlDevice]:
+        return list(self._devices)
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self._n.call("nvmlShutdown")

@@ -1,0 +1,795 @@
+"""A simulated GPU that behaves like a real one, driven by canonical traces.
+
+`SimBackend(gpus=["h100-80gb"], clock=time.monotonic, privileged=True)` holds `SimDevice`s built from
+the SKU tables in `vgpu.device.skus`. Applications are launched onto a device with a canonical trace
+(`vgpu.traces.AppTrace`); every read evaluates the device at `clock()`:
+
+- Trace time: a process launched at `t0` with `speed` shows the trace sample in force at trace time
+  `(clock() - t0) * speed` measured from the trace's first sample (zero-order hold: the last sample at
+  or before that time; a missing value carries the previous one forward, 0 before the first). By
+  default the process *ends* (leaves `processes()`) one sample period after the trace's last sample;
+  with `loop=True` the trace repeats with that period. The trace is not stretched by power throttling:
+  the slowdown is reported (`SimDevice.throttle()`), benchmarks apply it.
+- Memory: a process uses the trace's `mem_used_mib`, capped at what is left in its domain (the whole
+  GPU, or its GPU instance under MIG) after processes launched before it: an over-ask is clipped, as an
+  allocation past capacity fails on a real GPU (`SimDevice.snapshot()` shows the demand beside it).
+- Utilization: the device's SM / memory-bandwidth utilization are the sums over processes, capped at
+  100. Reads raise NotSupported while MIG is enabled, as on real devices.
+- Power: demand = idle floor + (max limit - idle floor) * SM util / 100. When the demand exceeds the
+  power limit, the draw is the limit and the SM clock drops by the cube root of the dynamic-power
+  ratio (dynamic power ~ f * V^2 with V ~ f); `throttle().slowdown` = 1 / clock ratio.
+- Per-process utilization: one sample per process every `sample_period_s` (on a grid of the injected
+  clock, timestamps in its microseconds), kept for `sample_buffer_s`; `process_utilization(since_us)`
+  returns the samples newer than `since_us`.
+- MIG reconfiguration takes `mig_reconfig_s` (default 6 s): the first MIG write after a quiet period
+  opens a reconfiguration window of that length; writes inside the window join it. Writes return at
+  once and the layout reads back at once, but instances created in a window become usable when it
+  closes: a process launched into one starts (appears, follows its trace) only then.
+- Constraints: power limit outside the constraints -> InvalidArgument; writes without privilege ->
+  NoPermission; MIG calls with MIG disabled or on a SKU without MIG -> NotSupported; overlapping
+  placement, over max count or over the compute slices -> InsufficientResources; a start that is no
+  placement of the profile -> InvalidArgument; destroying an instance with processes -> InUse; after
+  `lose()` every call -> GpuLost. `inject(method, error, times)` makes the next calls of a method fail.
+
+Not modelled: ECC, clocks other than SM, temperature, compute instances smaller than their GPU
+instance, the GPU reset some A100 boards need after a MIG mode change, the driver's own memory.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import uuid as uuidlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from vgpu.device.base import (
+    Backend,
+    Device,
+    GpuInstance,
+    GpuInstanceProfile,
+    MemoryInfo,
+    Placement,
+    PowerConstraints,
+    ProcessInfo,
+    ProcessUtilization,
+    Utilization,
+)
+from vgpu.device.errors import (
+    DeviceError,
+    GpuLost,
+    InsufficientResources,
+    InUse,
+    InvalidArgument,
+    NoPermission,
+    NotFound,
+    NotSupported,
+    from_nvml_code,
+)
+from vgpu.device.skus import Sku, get_sku, layout_problem, LayoutSlot
+from vgpu.traces import AppTrace
+
+Clock = Callable[[], float]
+
+DEFAULT_MIG_RECONFIG_S = 6.0
+# NVML averages utilization over 1/6 s to 1 s depending on the product (reference "Sampling").
+DEFAULT_SAMPLE_PERIOD_S = 1 / 6
+DEFAULT_SAMPLE_BUFFER_S = 10.0
+# Lowest SM clock ratio the power model throttles to.
+MIN_CLOCK_RATIO = 0.2
+
+
+class ManualClock:
+    """A clock for tests and replays: call it for the time, `advance(dt_s)` or `set(t_s)` to move it."""
+
+    def __init__(self, start_s: float = 0.0) -> None:
+        self._t = float(start_s)
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        return self._t
+
+    def advance(self, dt_s: float) -> float:
+        if dt_s < 0:
+            raise ValueError(f"a clock does not go back ({dt_s} s)")
+        with self._lock:
+            self._t += dt_s
+            return self._t
+
+    def set(self, t_s: float) -> None:
+        if t_s < self._t:
+            raise ValueError(f"a clock does not go back ({t_s} < {self._t})")
+        self._t = float(t_s)
+
+
+@dataclass(frozen=True)
+class SimLaunch:
+    """What `SimBackend.launch` started."""
+
+    app_id: str
+    pid: int
+    device_index: int
+    gpu_instance_id: int | None
+    start_s: float  # clock time the process appears (later than launch inside a MIG reconfiguration)
+    end_s: float | None  # clock time it leaves; None when it loops
+
+
+@dataclass(frozen=True)
+class Throttle:
+    """The power model at one instant."""
+
+    demand_mw: int  # what the load would draw without a limit
+    power_mw: int  # what it draws
+    clock_ratio: float  # SM clock / max SM clock (1.0 unthrottled)
+    sm_clock_mhz: int
+    slowdown: float  # 1 / clock_ratio: how much longer compute-bound work takes
+
+
+@dataclass(frozen=True)
+class SimProcessSample:
+    """One process as the simulator sees it at an instant (beyond what NVML would show)."""
+
+    app_id: str
+    pid: int
+    gpu_instance_id: int | None
+    demand_mib: float  # the trace's memory
+    used_mib: float  # after clipping to its domain's capacity
+    sm_pct: float
+    mem_bw_pct: float
+
+    @property
+    def clipped(self) -> bool:
+        return self.used_mib < self.demand_mib
+
+
+class _Series:
+    """A trace prepared for lookups: relative times and forward-filled columns."""
+
+    def __init__(self, trace: AppTrace) -> None:
+        if len(trace) == 0:
+            raise ValueError(f"trace of {trace.app!r} has no samples")
+        t = np.asarray(trace.t_s, dtype=np.float64)
+        self.t_rel = t - t[0]
+        diffs = np.diff(self.t_rel)
+        diffs = diffs[diffs > 0]
+        self.period_s = float(np.median(diffs)) if len(diffs) else 1.0
+        self.length_s = float(self.t_rel[-1]) + self.period_s
+        self.mem = self._ffill(trace.column("mem_used_mib"))
+        self.sm = self._ffill(trace.column("sm_util_pct"))
+        self.mem_bw = self._ffill(trace.column("mem_util_pct"))
+        self.tx = self._ffill(trace.column("pcie_tx_kbps"))
+        self.rx = self._ffill(trace.column("pcie_rx_kbps"))
+
+    @staticmethod
+    def _ffill(values: np.ndarray) -> np.ndarray:
+        out = np.array(values, dtype=np.float64)
+        ok = np.isfinite(out)
+        if not ok.any():
+            return np.zeros_like(out)
+        idx = np.where(ok, np.arange(len(out)), -1)
+        np.maximum.accumulate(idx, out=idx)
+        filled = np.where(idx >= 0, out[np.maximum(idx, 0)], 0.0)
+        return filled
+
+    def index(self, tau_s: float) -> int:
+        return max(0, int(np.searchsorted(self.t_rel, tau_s, side="right")) - 1)
+
+
+class _Proc:
+    def __init__(
+        self,
+        app_id: str,
+        pid: int,
+        series: _Series,
+        start_s: float,
+        speed: float,
+        loop: bool,
+        gi_id: int | None,
+        seq: int,
+    ) -> None:
+        self.app_id = app_id
+        self.pid = pid
+        self.series = series
+        self.start_s = start_s
+        self.speed = speed
+        self.loop = loop
+        self.gi_id = gi_id
+        self.seq = seq
+        self.end_s = None if loop else start_s + series.length_s / speed
+
+    def active(self, now: float) -> bool:
+        return now >= self.start_s and (self.end_s is None or now < self.end_s)
+
+    def row(self, now: float) -> int:
+        tau = (now - self.start_s) * self.speed
+        if self.loop:
+            tau = math.fmod(tau, self.series.length_s)
+        return self.series.index(tau)
+
+
+@dataclass
+class _Gi:
+    instance_id: int
+    profile_id: int
+    placement: Placement
+    uuid: str
+    ready_s: float
+    has_ci: bool
+
+
+_READS = (
+    "memory",
+    "utilization",
+    "power_usage_mw",
+    "power_limit_mw",
+    "power_constraints",
+    "sm_clock_mhz",
+    "pcie_throughput_kbps",
+    "processes",
+    "process_utilization",
+    "mig_enabled",
+    "gpu_instance_profiles",
+    "gpu_instances",
+)
+_WRITES = ("set_power_limit_mw", "create_gpu_instance", "destroy_gpu_instance", "set_mig_mode")
+INJECTABLE = frozenset(_READS + _WRITES)
+
+
+class SimDevice(Device):
+    """One simulated GPU. Create through `SimBackend`."""
+
+    def __init__(
+        self,
+        backend: SimBackend,
+        index: int,
+        sku: Sku,
+        *,
+        mig_enabled: bool = False,
+        mig_reconfig_s: float = DEFAULT_MIG_RECONFIG_S,
+    ) -> None:
+        if mig_enabled and not sku.supports_mig:
+            raise ValueError(f"{sku.key} has no MIG")
+        if mig_reconfig_s < 0:
+            raise ValueError(f"mig_reconfig_s must be >= 0, not {mig_reconfig_s}")
+        self._backend = backend
+        self._index = index
+        self.sku = sku
+        self._uuid = "GPU-" + str(uuidlib.uuid5(uuidlib.NAMESPACE_OID, f"vgpu-sim/{index}/{sku.key}"))
+        self._lock = threading.RLock()
+        self._power_limit_mw = sku.power_default_mw
+        self._mig = mig_enabled
+        self._mig_reconfig_s = float(mig_reconfig_s)
+        self._reconfig_until_s = -math.inf
+        self._gis: dict[int, _Gi] = {}
+        self._procs: dict[int, _Proc] = {}
+        self._lost = False
+        self._faults: dict[str, list[object]] = {}  # method -> [error, remaining or None]
+        self.writes = 0  # state-changing writes so far (a set to the current value is none)
+
+    # --- identity --------------------------------------------------------------------------
+    @property
+    def index(self) -> int:
+        return self._index
+
+    @property
+    def uuid(self) -> str:
+        return self._uuid
+
+    @property
+    def name(self) -> str:
+        return self.sku.product_name
+
+    @property
+    def mig_reconfig_s(self) -> float:
+        """Seconds a MIG reconfiguration takes before its new instances are usable."""
+        return self._mig_reconfig_s
+
+    # --- test hooks ------------------------------------------------------------------------
+    def lose(self) -> None:
+        """The GPU falls off the bus: every later call raises GpuLost."""
+        self._lost = True
+
+    @property
+    def lost(self) -> bool:
+        return self._lost
+
+    def inject(self, method: str, error: DeviceError | type[DeviceError] | int, times: int | None = 1) -> None:
+        """The next `times` calls of `method` raise `error` (an error, its class, or an NVML code);
+        `times=None` until `clear_faults()`."""
+        if method not in INJECTABLE:
+            raise ValueError(f"cannot inject into {method!r}; one of {', '.join(sorted(INJECTABLE))}")
+        if times is not None and times < 1:
+            raise ValueError(f"times must be >= 1 or None, not {times}")
+        self._faults[method] = [error, times]
+
+    def clear_faults(self) -> None:
+        self._faults.clear()
+
+    def _enter(self, method: str, *, write: bool = False) -> None:
+        if self._lost:
+            raise GpuLost(f"GPU {self._index} ({self._uuid}) is lost")
+        fault = self._faults.get(method)
+        if fault is not None:
+            error, remaining = fault
+            if remaining is not None:
+                if remaining <= 1:
+                    del self._faults[method]
+                else:
+                    fault[1] = remaining - 1
+            if isinstance(error, int):
+                raise from_nvml_code(error, f"injected into {method}")
+            if isinstance(error, type):
+                raise error(f"injected into {method}")
+            assert isinstance(error, DeviceError)
+            raise error
+        if write:
+            self._check_privilege(method)
+
+    def _check_privilege(self, method: str) -> None:
+        if not self._backend.privileged:
+            raise NoPermission(f"{method} on GPU {self._index} needs root or CAP_SYS_ADMIN")
+
+    def _require_mig(self, method: str) -> None:
+        if not self.sku.supports_mig:
+            raise NotSupported(f"{method}: {self.sku.key} has no MIG")
+        if not self._mig:
+            raise NotSupported(f"{method}: MIG is disabled on GPU {self._index}")
+
+    # --- the state at an instant -----------------------------------------------------------
+    def _now(self) -> float:
+        return self._backend.clock()
+
+    def _prune(self, now: float) -> None:
+        for pid in [pid for pid, p in self._procs.items() if p.end_s is not None and now >= p.end_s]:
+            del self._procs[pid]
+            self._backend._forget(pid)
+
+    def _snapshot(self, now: float) -> list[SimProcessSample]:
+        self._prune(now)
+        domain_used: dict[int | None, float] = {}
+        out = []
+        for p in sorted(self._procs.values(), key=lambda p: p.seq):
+            if not p.active(now):
+                continue
+            i = p.row(now)
+            s = p.series
+            want = float(s.mem[i])
+            cap = self._gi_mem(p.gi_id) if p.gi_id is not None else float(self.sku.mem_total_mib)
+            used = max(0.0, min(want, cap - domain_used.get(p.gi_id, 0.0)))
+            domain_used[p.gi_id] = domain_used.get(p.gi_id, 0.0) + used
+            out.append(
+                SimProcessSample(
+                    app_id=p.app_id,
+                    pid=p.pid,
+                    gpu_instance_id=p.gi_id,
+                    demand_mib=want,
+                    used_mib=used,
+                    sm_pct=float(min(100.0, s.sm[i])),
+                    mem_bw_pct=float(min(100.0, s.mem_bw[i])),
+                )
+            )
+        return out
+
+    def _gi_mem(self, gi_id: int) -> float:
+        prof = self.sku.profile(self._gis[gi_id].profile_id)
+        assert prof is not None
+        return float(prof.mem_mib)
+
+    def snapshot(self) -> list[SimProcessSample]:
+        """Every running process now, with its memory demand beside what it got."""
+        with self._lock:
+            self._enter("processes")
+            return self._snapshot(self._now())
+
+    def _sm_total(self, now: float) -> float:
+        return min(100.0, sum(s.sm_pct for s in self._snapshot(now)))
+
+    def _throttle(self, now: float) -> Throttle:
+        sku = self.sku
+        util = self._sm_total(now)
+        idle = sku.idle_power_mw
+        demand = idle + (sku.power_max_mw - idle) * util / 100.0
+        limit = self._power_limit_mw
+        if demand <= limit or demand <= idle:
+            ratio = 1.0
+            power = demand
+        else:
+            ratio = max(MIN_CLOCK_RATIO, ((limit - idle) / (demand - idle)) ** (1 / 3))
+            power = float(limit)
+        return Throttle(
+            demand_mw=int(round(demand)),
+            power_mw=int(round(power)),
+            clock_ratio=ratio,
+            sm_clock_mhz=int(round(sku.sm_clock_max_mhz * ratio)),
+            slowdown=1.0 / ratio,
+        )
+
+    def throttle(self) -> Throttle:
+        """The power model now: demand, draw, SM clock and the slowdown of compute-bound work."""
+        with self._lock:
+            self._enter("power_usage_mw")
+            return self._throttle(self._now())
+
+    # --- reads -----------------------------------------------------------------------------
+    def memory(self) -> MemoryInfo:
+        with self._lock:
+            self._enter("memory")
+            used = sum(s.used_mib for s in self._snapshot(self._now()))
+            total = float(self.sku.mem_total_mib)
+            return MemoryInfo(total_mib=total, used_mib=used, free_mib=max(0.0, total - used))
+
+    def utilization(self) -> Utilization:
+        with self._lock:
+            self._enter("utilization")
+            if self._mig:
+                raise NotSupported(f"utilization is not reported while MIG is enabled on GPU {self._index}")
+            snap = self._snapshot(self._now())
+            return Utilization(
+                sm_pct=min(100.0, sum(s.sm_pct for s in snap)),
+                mem_bw_pct=min(100.0, sum(s.mem_bw_pct for s in snap)),
+            )
+
+    def power_usage_mw(self) -> int:
+        with self._lock:
+            self._enter("power_usage_mw")
+            return self._throttle(self._now()).power_mw
+
+    def power_limit_mw(self) -> int:
+        with self._lock:
+            self._enter("power_limit_mw")
+            return self._power_limit_mw
+
+    def power_constraints(self) -> PowerConstraints:
+        with self._lock:
+            self._enter("power_constraints")
+            s = self.sku
+            return PowerConstraints(min_mw=s.power_min_mw, max_mw=s.power_max_mw, default_mw=s.power_default_mw)
+
+    def sm_clock_mhz(self) -> int:
+        with self._lock:
+            self._enter("sm_clock_mhz")
+            return self._throttle(self._now()).sm_clock_mhz
+
+    def pcie_throughput_kbps(self) -> tuple[float, float]:
+        with self._lock:
+            self._enter("pcie_throughput_kbps")
+            now = self._now()
+            self._prune(now)
+            tx = rx = 0.0
+            for p in self._procs.values():
+                if p.active(now):
+                    i = p.row(now)
+                    tx += float(p.series.tx[i])
+                    rx += float(p.series.rx[i])
+            return tx, rx
+
+    def processes(self) -> Sequence[ProcessInfo]:
+        with self._lock:
+            self._enter("processes")
+            return [
+                ProcessInfo(pid=s.pid, used_mib=s.used_mib, gpu_instance_id=s.gpu_instance_id)
+                for s in self._snapshot(self._now())
+            ]
+
+    def process_utilization(self, since_us: int) -> Sequence[ProcessUtilization]:
+        with self._lock:
+            self._enter("process_utilization")
+            if self._mig:
+                raise NotSupported(f"process utilization is not reported while MIG is enabled on GPU {self._index}")
+            now = self._now()
+            self._prune(now)
+            period = self._backend.sample_period_s
+            lo_s = max(since_us / 1e6, now - self._backend.sample_buffer_s)
+            out: list[ProcessUtilization] = []
+            k_hi = math.floor(now / period + 1e-9)
+            for p in sorted(self._procs.values(), key=lambda p: p.seq):
+                k = max(math.floor(lo_s / period + 1e-9) + 1, math.ceil(p.start_s / period - 1e-9))
+                while k <= k_hi:
+                    t = k * period
+                    ts_us = int(round(t * 1e6))
+                    if ts_us > since_us and p.active(t):
+                        i = p.row(t)
+                        out.append(
+                            ProcessUtilization(
+                                pid=p.pid,
+                                timestamp_us=ts_us,
+                                sm_pct=float(min(100.0, p.series.sm[i])),
+                                mem_bw_pct=float(min(100.0, p.series.mem_bw[i])),
+                            )
+                        )
+                    k += 1
+            out.sort(key=lambda u: (u.timestamp_us, u.pid))
+            return out
+
+    def mig_enabled(self) -> bool:
+        with self._lock:
+            self._enter("mig_enabled")
+            if not self.sku.supports_mig:
+                raise NotSupported(f"{self.sku.key} has no MIG")
+            return self._mig
+
+    def gpu_instance_profiles(self) -> Sequence[GpuInstanceProfile]:
+        with self._lock:
+            self._enter("gpu_instance_profiles")
+            self._require_mig("gpu_instance_profiles")
+            return [p.as_gpu_instance_profile() for p in self.sku.mig_profiles]
+
+    def _gi_value(self, gi: _Gi) -> GpuInstance:
+        prof = self.sku.profile(gi.profile_id)
+        assert prof is not None
+        return GpuInstance(
+            instance_id=gi.instance_id,
+            profile_id=gi.profile_id,
+            profile_name=prof.name,
+            placement=gi.placement,
+            uuid=gi.uuid if gi.has_ci else "",
+            mem_total_mib=float(prof.mem_mib),
+        )
+
+    def gpu_instances(self) -> Sequence[GpuInstance]:
+        with self._lock:
+            self._enter("gpu_instances")
+            self._require_mig("gpu_instances")
+            return [self._gi_value(gi) for gi in sorted(self._gis.values(), key=lambda g: g.instance_id)]
+
+    def mig_reconfiguring_until_s(self) -> float | None:
+        """Clock time the current MIG reconfiguration window closes; None when none is open."""
+        with self._lock:
+            now = self._now()
+            return self._reconfig_until_s if self._reconfig_until_s > now else None
+
+    def gpu_instance_ready_s(self, instance_id: int) -> float:
+        """Clock time the instance becomes usable (its reconfiguration window's end)."""
+        with self._lock:
+            gi = self._gis.get(instance_id)
+            if gi is None:
+                raise NotFound(f"no GPU instance {instance_id} on GPU {self._index}")
+            return gi.ready_s
+
+    # --- writes ----------------------------------------------------------------------------
+    def set_power_limit_mw(self, limit_mw: int) -> None:
+        """Set the power limit; a set to the current limit writes nothing (and needs no privilege)."""
+        with self._lock:
+            self._enter("set_power_limit_mw")
+            s = self.sku
+            if not isinstance(limit_mw, int) or isinstance(limit_mw, bool):
+                raise InvalidArgument(f"power limit must be an int in mW, not {limit_mw!r}")
+            if limit_mw == self._power_limit_mw:
+                return
+            self._check_privilege("set_power_limit_mw")
+            if not s.power_min_mw <= limit_mw <= s.power_max_mw:
+                raise InvalidArgument(
+                    f"power limit {limit_mw} mW is outside {s.power_min_mw}..{s.power_max_mw} mW on GPU {self._index}"
+                )
+            self._power_limit_mw = limit_mw
+            self.writes += 1
+
+    def set_mig_mode(self, enabled: bool) -> None:
+        """Enable or disable MIG (takes effect at once; the reset some boards need is not modelled).
+        InUse while processes run, or, to disable, while GPU instances exist."""
+        with self._lock:
+            self._enter("set_mig_mode", write=True)
+            if not self.sku.supports_mig:
+                raise NotSupported(f"{self.sku.key} has no MIG")
+            if enabled == self._mig:
+                return
+            now = self._now()
+            self._prune(now)
+            if self._procs:
+                raise InUse(f"GPU {self._index} has {len(self._procs)} processes; MIG mode needs it idle")
+            if not enabled and self._gis:
+                raise InUse(f"GPU {self._index} still has {len(self._gis)} GPU instances")
+            self._mig = enabled
+            self.writes += 1
+
+    def _open_reconfig(self, now: float) -> float:
+        if now >= self._reconfig_until_s:
+            self._reconfig_until_s = now + self._mig_reconfig_s
+        return self._reconfig_until_s
+
+    def _create_gi(self, profile_id: int, start: int, *, with_ci: bool) -> _Gi:
+        self._enter("create_gpu_instance", write=True)
+        self._require_mig("create_gpu_instance")
+        prof = self.sku.profile(profile_id)
+        if prof is None:
+            raise InvalidArgument(f"{self.sku.key} has no GPU-instance profile id {profile_id}")
+        place = prof.placement_at(start)
+        if place is None:
+            starts = ", ".join(str(p.start) for p in prof.placements)
+            raise InvalidArgument(f"{prof.name} cannot start at memory slice {start}; valid starts: {starts}")
+        layout = [LayoutSlot(g.placement.start, g.profile_id) for g in self._gis.values()]
+        problem = layout_problem(self.sku, [*layout, LayoutSlot(start, profile_id)])
+        if problem is not None:
+            raise InsufficientResources(f"cannot create {prof.name} at {start}:{place.size} on GPU {self._index}: {problem}")
+        gi_id = 1
+        while gi_id in self._gis:
+            gi_id += 1
+        now = self._now()
+        gi = _Gi(
+            instance_id=gi_id,
+            profile_id=profile_id,
+            placement=place,
+            uuid="MIG-" + str(uuidlib.uuid5(uuidlib.NAMESPACE_OID, f"{self._uuid}/{gi_id}/{profile_id}/{start}")),
+            ready_s=self._open_reconfig(now),
+            has_ci=with_ci,
+        )
+        self._gis[gi_id] = gi
+        self.writes += 1
+        return gi
+
+    def create_gpu_instance(self, profile_id: int, start: int) -> GpuInstance:
+        """A GPU instance of `profile_id` at memory slice `start`, with one compute instance spanning it."""
+        with self._lock:
+            return self._gi_value(self._create_gi(profile_id, start, with_ci=True))
+
+    def _busy(self, gi_id: int) -> list[int]:
+        self._prune(self._now())
+        return [p.pid for p in self._procs.values() if p.gi_id == gi_id]
+
+    def _destroy_gi(self, instance_id: int, *, method: str = "destroy_gpu_instance", require_no_ci: bool = False) -> None:
+        self._enter(method, write=True)
+        self._require_mig(method)
+        gi = self._gis.get(instance_id)
+        if gi is None:
+            raise NotFound(f"no GPU instance {instance_id} on GPU {self._index}")
+        busy = self._busy(instance_id)
+        if busy:
+            raise InUse(f"GPU instance {instance_id} on GPU {self._index} has processes {busy}")
+        if require_no_ci and gi.has_ci:
+            raise InUse(f"GPU instance {instance_id} on GPU {self._index} still has a compute instance")
+        del self._gis[instance_id]
+        self._open_reconfig(self._now())
+        self.writes += 1
+
+    def destroy_gpu_instance(self, instance_id: int) -> None:
+        """Destroy the instance and its compute instance; InUse while a process runs in it."""
+        with self._lock:
+            self._destroy_gi(instance_id)
+
+    # --- used by SimBackend and the fake pynvml ---------------------------------------------
+    def _gi(self, instance_id: int) -> _Gi:
+        gi = self._gis.get(instance_id)
+        if gi is None:
+            raise NotFound(f"no GPU instance {instance_id} on GPU {self._index}")
+        return gi
+
+    def _set_ci(self, instance_id: int, present: bool) -> None:
+        """Create (present=True) or destroy the whole-instance compute instance."""
+        with self._lock:
+            self._enter("create_gpu_instance" if present else "destroy_gpu_instance", write=True)
+            self._require_mig("compute instance")
+            gi = self._gi(instance_id)
+            if present:
+                if gi.has_ci:
+                    raise InsufficientResources(f"GPU instance {instance_id} already has its compute instance")
+            else:
+                if not gi.has_ci:
+                    raise NotFound(f"GPU instance {instance_id} has no compute instance")
+                busy = self._busy(instance_id)
+                if busy:
+                    raise InUse(f"compute instance of GPU instance {instance_id} has processes {busy}")
+            gi.has_ci = present
+            self.writes += 1
+
+    def _add_proc(self, proc: _Proc) -> None:
+        self._procs[proc.pid] = proc
+
+    def _remove_proc(self, pid: int) -> bool:
+        return self._procs.pop(pid, None) is not None
+
+
+class SimBackend(Backend):
+    """Simulated GPUs. `gpus` are SKU names ("h100-80gb") or `Sku`s (e.g. a variant without MIG for tests).
+
+    `privileged` may be flipped at run time to test NoPermission; `clock` drives everything."""
+
+    name = "sim"
+
+    def __init__(
+        self,
+        gpus: Sequence[str | Sku] = ("h100-80gb",),
+        *,
+        clock: Clock = time.monotonic,
+        privileged: bool = True,
+        mig_enabled: bool = False,
+        mig_reconfig_s: float = DEFAULT_MIG_RECONFIG_S,
+        sample_period_s: float = DEFAULT_SAMPLE_PERIOD_S,
+        sample_buffer_s: float = DEFAULT_SAMPLE_BUFFER_S,
+    ) -> None:
+        if not gpus:
+            raise ValueError("a SimBackend needs at least one GPU")
+        if sample_period_s <= 0 or sample_buffer_s <= 0:
+            raise ValueError("sample_period_s and sample_buffer_s must be > 0")
+        self.clock = clock
+        self.privileged = privileged
+        self.sample_period_s = float(sample_period_s)
+        self.sample_buffer_s = float(sample_buffer_s)
+        skus = [get_sku(g) if isinstance(g, str) else g for g in gpus]
+        self._devices = [
+            SimDevice(
+                self,
+                i,
+                sku,
+                mig_enabled=mig_enabled and sku.supports_mig,
+                mig_reconfig_s=mig_reconfig_s,
+            )
+            for i, sku in enumerate(skus)
+        ]
+        self._where: dict[int, int] = {}  # pid -> device index
+        self._seq = 0
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def devices(self) -> Sequence[SimDevice]:
+        return list(self._devices)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def _device(self, index: int) -> SimDevice:
+        if not 0 <= index < len(self._devices):
+            raise InvalidArgument(f"no GPU {index}; this backend has {len(self._devices)}")
+        return self._devices[index]
+
+    def launch(
+        self,
+        app_id: str,
+        pid: int,
+        trace: AppTrace,
+        device_index: int = 0,
+        gpu_instance_id: int | None = None,
+        speed: float = 1.0,
+        *,
+        loop: bool = False,
+    ) -> SimLaunch:
+        """Start `pid` on a GPU (inside GPU instance `gpu_instance_id` when MIG is enabled), its usage
+        following `trace` from now at `speed` x real time."""
+        if speed <= 0 or not math.isfinite(speed):
+            raise ValueError(f"speed must be a positive number, not {speed}")
+        dev = self._device(device_index)
+        series = _Series(trace)
+        other = self._where.get(pid)
+        if other is not None:  # it may have ended since: let its device forget it
+            with self._devices[other]._lock:
+                self._devices[other]._prune(self.clock())
+        with dev._lock, self._lock:
+            dev._enter("processes")
+            now = self.clock()
+            if pid in self._where:
+                raise InvalidArgument(f"pid {pid} already runs on GPU {self._where[pid]}")
+            start = now
+            if dev._mig:
+                if gpu_instance_id is None:
+                    raise InvalidArgument(f"GPU {device_index} has MIG enabled: name a GPU instance to run in")
+                gi = dev._gi(gpu_instance_id)
+                if not gi.has_ci:
+                    raise InvalidArgument(f"GPU instance {gpu_instance_id} has no compute instance to run in")
+                start = max(now, gi.ready_s)
+            elif gpu_instance_id is not None:
+                raise InvalidArgument(f"GPU {device_index} has MIG disabled: no GPU instance {gpu_instance_id}")
+            self._seq += 1
+            proc = _Proc(app_id, pid, series, start, speed, loop, gpu_instance_id, self._seq)
+            dev._add_proc(proc)
+            self._where[pid] = device_index
+            return SimLaunch(app_id, pid, device_index, gpu_instance_id, proc.start_s, proc.end_s)
+
+    def kill(self, pid: int) -> bool:
+        """End `pid` now; False when it was not running."""
+        with self._lock:
+            index = self._where.pop(pid, None)
+        if index is None:
+            return False
+        dev = self._devices[index]
+        with dev._lock:
+            return dev._remove_proc(pid)
+
+    def _forget(self, pid: int) -> None:
+        self._where.pop(pid, None)
+
+
+def without_mig(sku: Sku) -> Sku:
+    """A variant of `sku` with no MIG (for tests of the NotSupported paths)."""
+    return replace(sku, key=sku.key + "-nomig", mig_profiles=())
