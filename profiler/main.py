@@ -1,0 +1,124 @@
+"""`vgpu profiler`: sample GPU applications (or replay a trace) and stream signatures to the manager.
+
+    vgpu profiler --manager unix:///run/vgpu/manager.sock                     # NVML, every 100 ms
+    vgpu profiler --manager 127.0.0.1:7070 --backend sim:h100-80gb
+    vgpu profiler --manager /run/vgpu/manager.sock --replay trace.csv.gz --speed 10 --loop
+
+SIGTERM or SIGINT stops it gracefully: the last batch is flushed, the stream closed, exit status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from profiler.source import SignatureSource
+from profiler.stream import SignatureStreamer
+from vgpu import log
+from vgpu.client import DEFAULT_INAPP_DIR, DEFAULT_SOCKET, grpc_target
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Stream behavioural signatures of GPU applications.")
+    p.add_argument("--manager", default=DEFAULT_SOCKET, help="manager address: unix:///path.sock, /path.sock or host:port")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--backend", default="nvml", help="device backend: nvml (default) or sim:<sku>, e.g. sim:h100-80gb")
+    src.add_argument("--replay", type=Path, metavar="TRACE", help="replay a canonical trace instead of sampling GPUs")
+    p.add_argument("--speed", type=float, default=1.0, help="replay speed factor (default 1: the trace's pace)")
+    p.add_argument("--copies", type=int, default=1, help="replay each application N times (load tests)")
+    p.add_argument("--loop", action="store_true", help="replay: start over at the end of the trace")
+    p.add_argument("--period-ms", type=float, default=100.0, help="tick period in ms (default 100)")
+    p.add_argument("--inapp-dir", type=Path, default=DEFAULT_INAPP_DIR, help="where client stubs write in-app counters")
+    p.add_argument("--buffer-max", type=int, default=10_000, help="signatures kept while the manager is away")
+    p.add_argument("--profiler-id", default=None, help="id sent with every batch (default <hostname>:profiler)")
+    p.add_argument("--seconds", type=float, default=0.0, help="stop after this many seconds (default: run until signalled)")
+    p.add_argument("--log-format", choices=("json", "console"), default="json")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def main(argv: Sequence[str], prog: str = "vgpu profiler") -> int:
+    parser = build_parser(prog)
+    args = parser.parse_args(list(argv))
+    try:
+        grpc_target(args.manager)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not args.period_ms > 0:
+        parser.error("--period-ms must be positive")
+    if not args.speed > 0:
+        parser.error("--speed must be positive")
+    if args.copies < 1 or args.buffer_max < 1:
+        parser.error("--copies and --buffer-max must be at least 1")
+    log.configure(args.log_format, args.log_level)
+    logger = log.get_logger("profiler")
+
+    backend = None
+    source: SignatureSource
+    try:
+        if args.replay is not None:
+            from profiler.replay import ReplaySource
+            from vgpu.traces import TraceFormatError
+
+            try:
+                source = ReplaySource(args.replay, speed=args.speed, copies=args.copies, loop=args.loop)
+            except TraceFormatError as exc:
+                print(f"{prog}: {exc}", file=sys.stderr)
+                return 1
+        else:
+            from profiler.sampler import Sampler
+            from vgpu.device import open_backend  # type: ignore[attr-defined]
+            from vgpu.device.errors import DeviceError
+
+            try:
+                backend = open_backend(args.backend)
+            except (DeviceError, ValueError) as exc:
+                print(f"{prog}: cannot open backend {args.backend!r}: {exc}", file=sys.stderr)
+                return 1
+            # simulated processes are not host processes: no psutil for them
+            psutil_module = None if args.backend.startswith("sim") else _psutil()
+            source = Sampler(backend, psutil_module=psutil_module, inapp_dir=args.inapp_dir)
+        streamer = SignatureStreamer(
+            source,
+            args.manager,
+            period_s=args.period_ms / 1000.0,
+            profiler_id=args.profiler_id,
+            buffer_max=args.buffer_max,
+        )
+        logger.info("profiler starting", manager=streamer.target, source=type(source).__name__,
+                    period_ms=args.period_ms)
+        asyncio.run(_run(streamer, args.seconds))
+        return 0
+    finally:
+        if backend is not None:
+            backend.close()
+
+
+async def _run(streamer: SignatureStreamer, seconds: float) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, streamer.stop)
+        except (NotImplementedError, RuntimeError):  # not the main thread, or no signals here
+            pass
+    if seconds > 0:
+        loop.call_later(seconds, streamer.stop)
+    try:
+        await streamer.run()
+    finally:
+        streamer.source.close()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.remove_signal_handler(sig)
+            except (NotImplementedError, RuntimeError):
+                pass
+
+
+def _psutil() -> object:
+    import psutil
+
+    return psutil

@@ -1,0 +1,379 @@
+"""Stream one `SignatureBatch` per tick to the manager's `Ingest.StreamSignatures`, come what may.
+
+* **Fixed rate on monotonic deadlines.** Tick k is due at `start + k * period`. A tick that finds itself a
+  whole period or more behind skips to the latest due deadline; the skipped ticks are counted in
+  `late_ticks` and never run in a burst to catch up. Tick numbers in the batches skip with them.
+* **Reconnects** with capped exponential backoff and jitter (`Backoff`), on its own task so ticks keep
+  their pace while the manager is away. The backoff restarts once a batch has gone through.
+* **A bounded buffer** holds signatures while disconnected (and whatever did not fit in one batch). When
+  full, the oldest are dropped first; drops are counted, logged when they start, and reported once in the
+  next batch's `dropped_since_last`.
+
+Clock, sleep, random, the channel factory and a reply callback are constructor arguments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import socket
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+import grpc.aio
+
+from profiler.source import SignatureSource
+from vgpu.client import grpc_target
+from vgpu.log import get_logger
+from vgpu.v1 import ingest_pb2, ingest_pb2_grpc, signature_pb2
+
+Sleep = Callable[[float], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Delay before reconnect attempt n (0-based): min(max_s, initial_s * multiplier**n), times a random
+    factor in [1 - jitter, 1 + jitter], and never above max_s."""
+
+    initial_s: float = 0.1
+    max_s: float = 5.0
+    multiplier: float = 2.0
+    jitter: float = 0.2
+
+    def __post_init__(self) -> None:
+        if not (self.initial_s > 0 and self.max_s >= self.initial_s and self.multiplier >= 1 and 0 <= self.jitter < 1):
+            raise ValueError(f"bad backoff {self}: need 0 < initial_s <= max_s, multiplier >= 1, 0 <= jitter < 1")
+
+    def delay_s(self, attempt: int, rng: random.Random) -> float:
+        base = min(self.max_s, self.initial_s * self.multiplier ** min(attempt, 64))
+        return min(self.max_s, base * rng.uniform(1 - self.jitter, 1 + self.jitter))
+
+
+class FixedRateSchedule:
+    """Deadlines start_s + k * period_s; pure, so its arithmetic is tested without a loop."""
+
+    def __init__(self, period_s: float, start_s: float) -> None:
+        if not period_s > 0:
+            raise ValueError(f"period must be positive, got {period_s}")
+        self.period_s = period_s
+        self.start_s = start_s
+        self._k = 0
+
+    def next(self, now_s: float) -> tuple[int, float, int]:
+        """(tick index, its deadline, ticks skipped) for the next tick, given the time now."""
+        k = self._k
+        deadline = self.start_s + k * self.period_s
+        skipped = 0
+        if now_s - deadline >= self.period_s:
+            skipped = int(math.floor((now_s - deadline) / self.period_s))
+            k += skipped
+            deadline = self.start_s + k * self.period_s
+        self._k = k + 1
+        return k, deadline, skipped
+
+
+@dataclass
+class LoopStats:
+    ticks: int = 0
+    late_ticks: int = 0  # deadlines skipped because the loop was a period or more behind
+    max_lag_s: float = 0.0  # worst delay between a tick's deadline and its start
+
+
+class FixedRateLoop:
+    """Runs `tick(k)` at each deadline of a `FixedRateSchedule` until `stop` is set or `max_ticks` ran."""
+
+    def __init__(
+        self,
+        period_s: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Sleep = asyncio.sleep,
+    ) -> None:
+        self.period_s = period_s
+        self._clock = clock
+        self._sleep = sleep
+        self.stats = LoopStats()
+
+    async def run(
+        self,
+        tick: Callable[[int], Awaitable[None]],
+        stop: asyncio.Event,
+        max_ticks: int | None = None,
+    ) -> LoopStats:
+        schedule = FixedRateSchedule(self.period_s, self._clock())
+        while not stop.is_set() and (max_ticks is None or self.stats.ticks < max_ticks):
+            k, deadline, skipped = schedule.next(self._clock())
+            self.stats.late_ticks += skipped
+            now = self._clock()
+            if deadline > now:
+                await self._sleep(deadline - now)
+                if stop.is_set():
+                    break
+            self.stats.max_lag_s = max(self.stats.max_lag_s, self._clock() - deadline)
+            await tick(k)
+            self.stats.ticks += 1
+        return self.stats
+
+
+@dataclass
+class StreamStats:
+    batches_sent: int = 0
+    signatures_sent: int = 0
+    dropped_total: int = 0
+    connects: int = 0
+    connect_failures: int = 0
+    disconnects: int = 0
+    replies: int = 0
+    decisions: int = 0
+    rejected: int = 0
+    source_errors: int = 0
+
+
+class SignatureStreamer:
+    """Pulls `source.sample()` every `period_s` and streams the signatures to the manager at `target`
+    (`unix:///run/vgpu/manager.sock`, a socket path, or host:port).
+
+    `buffer_max` bounds the signatures held while disconnected; `max_batch` bounds one batch (the rest
+    waits for the next tick). `on_reply` is called with each `IngestReply`. `clock`/`sleep` pace the
+    ticks, `rng` jitters the backoff, `wall_clock` stamps `sent_at_s`; `channel_factory(target)` makes the
+    grpc.aio channel (tests may wrap it).
+    """
+
+    def __init__(
+        self,
+        source: SignatureSource,
+        target: str,
+        *,
+        period_s: float = 0.1,
+        profiler_id: str | None = None,
+        buffer_max: int = 10_000,
+        max_batch: int = 2_000,
+        backoff: Backoff | None = None,
+        connect_timeout_s: float = 2.0,
+        write_timeout_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        sleep: Sleep = asyncio.sleep,
+        backoff_sleep: Sleep | None = None,
+        rng: random.Random | None = None,
+        channel_factory: Callable[[str], grpc.aio.Channel] | None = None,
+        on_reply: Callable[[ingest_pb2.IngestReply], None] | None = None,
+        sample_in_thread: bool = False,
+        logger: object = None,
+    ) -> None:
+        if buffer_max < 1 or max_batch < 1:
+            raise ValueError("buffer_max and max_batch must be at least 1")
+        self.source = source
+        self.target = grpc_target(target)
+        self.profiler_id = profiler_id or f"{socket.gethostname()}:profiler"
+        self.buffer_max = buffer_max
+        self.max_batch = max_batch
+        self.backoff = backoff or Backoff()
+        self._connect_timeout_s = connect_timeout_s
+        self._write_timeout_s = write_timeout_s
+        self._wall = wall_clock
+        self._backoff_sleep = backoff_sleep or asyncio.sleep
+        self._rng = rng or random.Random()
+        self._channel_factory = channel_factory or (lambda t: grpc.aio.insecure_channel(t))
+        self._on_reply = on_reply
+        self._in_thread = sample_in_thread
+        self._log = logger or get_logger("profiler.stream")
+        self.loop = FixedRateLoop(period_s, clock=clock, sleep=sleep)
+        self.stats = StreamStats()
+        self.buffer: deque[signature_pb2.BehavioralSignature] = deque()
+        self.dropped_since_last = 0
+        self._dropping = False
+        self._stop = asyncio.Event()
+        self._channel: grpc.aio.Channel | None = None
+        self._call: grpc.aio.StreamStreamCall | None = None  # type: ignore[type-arg]
+        self._lost: asyncio.Event | None = None
+        self._sent_ok = False
+        self._reader: asyncio.Task[None] | None = None
+
+    @property
+    def connected(self) -> bool:
+        return self._call is not None
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def run(self, *, max_ticks: int | None = None) -> StreamStats:
+        """Tick until `stop()` (or `max_ticks`); then flush once, close the stream and the channel."""
+        conn = asyncio.create_task(self._connection_loop(), name="profiler-connection")
+        try:
+            await self.loop.run(self._tick, self._stop, max_ticks)
+            if self.connected and self.buffer:
+                await self._send(self.loop.stats.ticks)
+        finally:
+            self._stop.set()
+            conn.cancel()
+            await asyncio.gather(conn, return_exceptions=True)
+            await self._close_call(done_writing=True)
+        self._log.info(
+            "profiler stream stopped",
+            ticks=self.loop.stats.ticks,
+            late_ticks=self.loop.stats.late_ticks,
+            sent=self.stats.signatures_sent,
+            dropped=self.stats.dropped_total,
+            buffered=len(self.buffer),
+        )
+        return self.stats
+
+    # --- ticks ---------------------------------------------------------------------------------------
+    async def _tick(self, k: int) -> None:
+        try:
+            sigs = await asyncio.to_thread(self.source.sample) if self._in_thread else self.source.sample()
+        except Exception as exc:  # noqa: BLE001 - a bad tick is counted, the loop goes on
+            self.stats.source_errors += 1
+            if self.stats.source_errors in (1, 10, 100) or self.stats.source_errors % 1000 == 0:
+                self._log.error("signature source failed", error=repr(exc), count=self.stats.source_errors)
+            sigs = []
+        self.enqueue(sigs)
+        if self.connected:
+            await self._send(k)
+
+    def enqueue(self, sigs: list[signature_pb2.BehavioralSignature]) -> None:
+        """Add signatures to the buffer, dropping the oldest beyond `buffer_max`."""
+        self.buffer.extend(sigs)
+        over = len(self.buffer) - self.buffer_max
+        if over > 0:
+            for _ in range(over):
+                self.buffer.popleft()
+            self.dropped_since_last += over
+            self.stats.dropped_total += over
+            if not self._dropping:
+                self._dropping = True
+                self._log.warning(
+                    "signature buffer full; dropping the oldest", buffer_max=self.buffer_max, connected=self.connected
+                )
+
+    async def _send(self, k: int) -> None:
+        call = self._call
+        if call is None:
+            return
+        n = min(len(self.buffer), self.max_batch)
+        batch = ingest_pb2.SignatureBatch(
+            profiler_id=self.profiler_id,
+            tick=k,
+            sent_at_s=self._wall(),
+            signatures=[self.buffer[i] for i in range(n)],
+            dropped_since_last=self.dropped_since_last,
+        )
+        try:
+            await asyncio.wait_for(call.write(batch), self._write_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - any failed write means the stream is gone
+            self._log.warning("write to manager failed; buffering", error=_describe(exc), buffered=len(self.buffer))
+            self._mark_lost()
+            return
+        for _ in range(n):
+            self.buffer.popleft()
+        if self.dropped_since_last:
+            self._log.info("reported dropped signatures", dropped=self.dropped_since_last)
+        self.dropped_since_last = 0
+        self._dropping = False
+        self._sent_ok = True
+        self.stats.batches_sent += 1
+        self.stats.signatures_sent += n
+
+    # --- connection ----------------------------------------------------------------------------------
+    async def _connection_loop(self) -> None:
+        attempt = 0
+        while not self._stop.is_set():
+            self._sent_ok = False
+            try:
+                await self._connect()
+            except Exception as exc:  # noqa: BLE001 - every failure to connect is retried
+                self.stats.connect_failures += 1
+                if attempt == 0 or attempt % 10 == 0:
+                    self._log.warning("cannot reach manager", target=self.target, error=_describe(exc), attempt=attempt)
+                await self._close_call()
+            else:
+                assert self._lost is not None
+                await self._lost.wait()
+                self.stats.disconnects += 1
+                self._log.warning("lost the manager stream; reconnecting", target=self.target)
+                await self._close_call()
+                if self._sent_ok:
+                    attempt = 0
+            if self._stop.is_set():
+                return
+            await self._backoff_sleep(self.backoff.delay_s(attempt, self._rng))
+            attempt += 1
+
+    async def _connect(self) -> None:
+        channel = self._channel_factory(self.target)
+        self._channel = channel
+        await asyncio.wait_for(channel.channel_ready(), self._connect_timeout_s)
+        call = ingest_pb2_grpc.IngestStub(channel).StreamSignatures()
+        self._lost = asyncio.Event()
+        self._call = call
+        self.stats.connects += 1
+        self._reader = asyncio.get_running_loop().create_task(self._read_replies(call, self._lost))
+        self._log.info(
+            "connected to manager",
+            target=self.target,
+            buffered=len(self.buffer),
+            dropped_since_last=self.dropped_since_last,
+        )
+
+    async def _read_replies(self, call: grpc.aio.StreamStreamCall, lost: asyncio.Event) -> None:  # type: ignore[type-arg]
+        try:
+            async for reply in call:
+                self.stats.replies += 1
+                self.stats.decisions += len(reply.decisions)
+                if reply.rejected:
+                    self.stats.rejected += len(reply.rejected)
+                    first = reply.rejected[0]
+                    self._log.warning(
+                        "manager rejected signatures", tick=reply.tick, count=len(reply.rejected),
+                        app_id=first.app_id, reason=first.reason,
+                    )
+                if self._on_reply is not None:
+                    try:
+                        self._on_reply(reply)
+                    except Exception as exc:  # noqa: BLE001 - a caller's callback must not kill the stream
+                        self._log.error("reply callback failed", error=repr(exc))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            if not self._stop.is_set():
+                self._log.warning("reply stream ended", error=_describe(exc))
+        if self._call is call:
+            self._call = None
+        lost.set()
+
+    def _mark_lost(self) -> None:
+        self._call = None
+        if self._lost is not None:
+            self._lost.set()
+
+    async def _close_call(self, *, done_writing: bool = False) -> None:
+        call, channel, reader = self._call, self._channel, self._reader
+        self._call, self._channel, self._reader = None, None, None
+        if call is not None:
+            if done_writing:
+                # half-close, then give the manager a moment to answer what it got and end the stream
+                try:
+                    await asyncio.wait_for(call.done_writing(), 1.0)
+                    if reader is not None:
+                        await asyncio.wait_for(asyncio.shield(reader), 1.0)
+                except Exception:  # noqa: BLE001, S110 - closing a broken stream
+                    pass
+            call.cancel()
+        if reader is not None and not reader.done():
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+        if channel is not None:
+            await channel.close(grace=None)
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    return repr(exc)
