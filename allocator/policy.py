@@ -1,0 +1,419 @@
+"""The allocation policy: pure logic that turns requests, usage and forecasts into a plan.
+
+Nothing here touches a device, a clock or a file: the allocator (allocator/core.py) feeds the
+policy frozen inputs and acts on the `Plan` it returns.
+
+How a target is sized, per application and resource (memory in MiB, compute in SM percent):
+1. **Estimate** by a chain of estimators composed like the Kubernetes VPA recommender's
+   (percentile -> margin -> confidence -> min/max capping): the base is the forecast's P90 over the
+   1-5 s horizons (or, without a forecast, the latest usage), a margin fraction is added, a
+   confidence multiplier widens the estimate while the history is short, and the result is capped
+   to the application's limits and the device.
+2. **Reclamation**: the estimate follows usage both ways. What an application does not use is
+   taken back (its target falls to the estimate), and an application that uses more than its
+   estimate gets at least its usage plus the margin.
+3. **Guarantees**: an explicit request is a floor the target never goes under.
+4. **Hysteresis** (the VPA updater's habit): a change smaller than `min_change_frac` of the
+   current grant, or sooner than `dwell_s` after the application's last change, is not made.
+   Two changes are always made: raising a grant up to its guarantee, and growing a grant that the
+   application already overruns (its usage is above the grant) when `grow_on_overrun` is set.
+5. **Contention**: when a device's targets exceed its capacity, the lowest-priority applications
+   shrink first, each never below its guarantee; this shrinking ignores hysteresis.
+
+Priority (`priority_score`) combines the explicit priority, criticality, the deadline's urgency
+and size (smaller applications rank higher: shrinking them frees little).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal, Protocol
+
+Resource = Literal["mem", "sm"]
+RESOURCES: tuple[Resource, ...] = ("mem", "sm")
+
+
+# ------------------------------------------------------------------------------------------------
+# Inputs and outputs
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AppState:
+    """What the policy knows about one application on one device at a decision point.
+
+    NaN means unknown (no forecast yet, no usage sample yet). `granted_*` is the grant in force
+    (0 for a new application); `request_*` is the explicit request (0 = none), a guarantee.
+    """
+
+    app_id: str
+    device_id: str
+    request_mem_mib: float = 0.0
+    request_sm_pct: float = 0.0
+    granted_mem_mib: float = 0.0
+    granted_sm_pct: float = 0.0
+    used_mem_mib: float = math.nan
+    used_sm_pct: float = math.nan
+    forecast_mem_p90_mib: float = math.nan
+    forecast_sm_p90_pct: float = math.nan
+    # seconds of usage history behind the forecast (the confidence estimator's input)
+    history_s: float = 0.0
+    # operator limits (SetResourceLimits); inf = none
+    max_mem_mib: float = math.inf
+    max_sm_pct: float = math.inf
+    priority: int = 0
+    deadline_s: float = 0.0  # Unix seconds; 0 = none
+    critical: bool = False
+    # when each resource's grant last changed (policy clock, seconds); -inf = never
+    last_mem_change_s: float = -math.inf
+    last_sm_change_s: float = -math.inf
+
+    def __post_init__(self) -> None:
+        for name in ("request_mem_mib", "request_sm_pct", "granted_mem_mib", "granted_sm_pct"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"{self.app_id}: {name} must be a finite number >= 0, got {value}")
+        if self.request_sm_pct > 100:
+            raise ValueError(f"{self.app_id}: request_sm_pct {self.request_sm_pct} is over 100")
+        if self.max_mem_mib < self.request_mem_mib or self.max_sm_pct < self.request_sm_pct:
+            raise ValueError(f"{self.app_id}: an operator limit is below the explicit request")
+
+    def used(self, res: Resource) -> float:
+        return self.used_mem_mib if res == "mem" else self.used_sm_pct
+
+    def forecast_p90(self, res: Resource) -> float:
+        return self.forecast_mem_p90_mib if res == "mem" else self.forecast_sm_p90_pct
+
+    def granted(self, res: Resource) -> float:
+        return self.granted_mem_mib if res == "mem" else self.granted_sm_pct
+
+    def request(self, res: Resource) -> float:
+        return self.request_mem_mib if res == "mem" else self.request_sm_pct
+
+    def maximum(self, res: Resource) -> float:
+        return self.max_mem_mib if res == "mem" else self.max_sm_pct
+
+    def last_change_s(self, res: Resource) -> float:
+        return self.last_mem_change_s if res == "mem" else self.last_sm_change_s
+
+
+@dataclass(frozen=True)
+class DeviceState:
+    device_id: str
+    mem_total_mib: float
+    sm_total_pct: float = 100.0
+
+    def capacity(self, res: Resource) -> float:
+        return self.mem_total_mib if res == "mem" else self.sm_total_pct
+
+
+@dataclass(frozen=True)
+class Target:
+    """The policy's decision for one application. `changed_*` says whether it differs from the
+    grant in force; `reason_*` names the rule that set it (for logs and `vgpu apps`)."""
+
+    app_id: str
+    device_id: str
+    mem_mib: float
+    sm_pct: float
+    priority_score: float
+    changed_mem: bool
+    changed_sm: bool
+    reason_mem: str
+    reason_sm: str
+
+    @property
+    def changed(self) -> bool:
+        return self.changed_mem or self.changed_sm
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    device_id: str
+    mem_planned_mib: float
+    sm_planned_pct: float
+    # the guarantees alone exceed the device (admission control should have refused one)
+    overcommitted: bool
+    contended_mem: bool
+    contended_sm: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    at_s: float
+    targets: tuple[Target, ...]
+    devices: tuple[DevicePlan, ...]
+
+    def target(self, app_id: str) -> Target:
+        for t in self.targets:
+            if t.app_id == app_id:
+                return t
+        raise KeyError(app_id)
+
+    def changes(self) -> tuple[Target, ...]:
+        return tuple(t for t in self.targets if t.changed)
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    mem_margin_frac: float = 0.10
+    sm_margin_frac: float = 0.10
+    # confidence multiplier (VPA: estimate * (1 + multiplier / confidence) ** exponent), where
+    # confidence is the history length in units of `confidence_unit_s`
+    confidence_multiplier: float = 0.5
+    confidence_exponent: float = 1.0
+    confidence_unit_s: float = 60.0
+    min_mem_mib: float = 256.0
+    min_sm_pct: float = 5.0
+    # hysteresis (VPA updater): no change smaller than this fraction of the grant, nor sooner
+    # than dwell_s after the last change of the same resource
+    min_change_frac: float = 0.05
+    dwell_s: float = 10.0
+    grow_on_overrun: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("mem_margin_frac", "sm_margin_frac", "confidence_multiplier", "min_mem_mib",
+                     "min_sm_pct", "min_change_frac", "dwell_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"PolicyConfig.{name} must be >= 0")
+        if self.confidence_unit_s <= 0:
+            raise ValueError("PolicyConfig.confidence_unit_s must be > 0")
+
+    def margin(self, res: Resource) -> float:
+        return self.mem_margin_frac if res == "mem" else self.sm_margin_frac
+
+    def minimum(self, res: Resource) -> float:
+        return self.min_mem_mib if res == "mem" else self.min_sm_pct
+
+
+# ------------------------------------------------------------------------------------------------
+# Estimators (VPA style: each wraps a base estimator)
+# ------------------------------------------------------------------------------------------------
+class Estimator(Protocol):
+    """A need estimate for one resource of one application; NaN when it cannot say."""
+
+    def __call__(self, app: AppState, res: Resource) -> float: ...
+
+
+def forecast_or_usage(app: AppState, res: Resource) -> float:
+    """The base estimate: the forecast's P90, else the latest usage, else NaN."""
+    value = app.forecast_p90(res)
+    if math.isnan(value):
+        value = app.used(res)
+    return value
+
+
+def usage_only(app: AppState, res: Resource) -> float:
+    """Reactive base: the latest usage (DeepRes-style usage-driven sizing)."""
+    return app.used(res)
+
+
+@dataclass(frozen=True)
+class WithMargin:
+    margin: Callable[[Resource], float]
+    base: Estimator
+
+    def __call__(self, app: AppState, res: Resource) -> float:
+        return self.base(app, res) * (1.0 + self.margin(res))
+
+
+@dataclass(frozen=True)
+class WithConfidence:
+    """Widen the estimate while the history is short: x (1 + multiplier / confidence) ** exponent."""
+
+    multiplier: float
+    exponent: float
+    unit_s: float
+    base: Estimator
+
+    def __call__(self, app: AppState, res: Resource) -> float:
+        value = self.base(app, res)
+        if self.multiplier == 0 or math.isnan(value):
+            return value
+        confidence = max(app.history_s, 1.0) / self.unit_s
+        return value * (1.0 + self.multiplier / confidence) ** self.exponent
+
+
+@dataclass(frozen=True)
+class WithCapping:
+    """Clamp to [minimum, the application's limit, the device's capacity] (VPA capping)."""
+
+    minimum: Callable[[Resource], float]
+    capacity: Mapping[str, DeviceState]
+    base: Estimator
+
+    def __call__(self, app: AppState, res: Resource) -> float:
+        value = self.base(app, res)
+        if math.isnan(value):
+            return value
+        dev = self.capacity.get(app.device_id)
+        upper = min(app.maximum(res), dev.capacity(res) if dev else math.inf)
+        return min(max(value, self.minimum(res)), upper)
+
+
+def default_estimator(config: PolicyConfig, devices: Mapping[str, DeviceState]) -> Estimator:
+    """forecast P90 (or usage) -> margin -> confidence -> capping."""
+    chain: Estimator = forecast_or_usage
+    chain = WithMargin(config.margin, chain)
+    chain = WithConfidence(config.confidence_multiplier, config.confidence_exponent,
+                           config.confidence_unit_s, chain)
+    return WithCapping(config.minimum, devices, chain)
+
+
+# ------------------------------------------------------------------------------------------------
+# Priority
+# ------------------------------------------------------------------------------------------------
+def priority_score(app: AppState, now_s: float) -> float:
+    """Larger is more important. Terms, in decreasing weight:
+    - criticality: +1000;
+    - the explicit priority x 10;
+    - deadline urgency: up to +20, 20 / (1 + hours left); a missed deadline counts as 0 h left;
+    - size: -log2(1 + GiB of the guarantee or usage), so large applications shrink before small ones.
+    """
+    score = 1000.0 if app.critical else 0.0
+    score += 10.0 * app.priority
+    if app.deadline_s > 0:
+        hours_left = max(app.deadline_s - now_s, 0.0) / 3600.0
+        score += 20.0 / (1.0 + hours_left)
+    size_mib = max(app.request_mem_mib, 0.0 if math.isnan(app.used_mem_mib) else app.used_mem_mib)
+    score -= math.log2(1.0 + size_mib / 1024.0)
+    return score
+
+
+# ------------------------------------------------------------------------------------------------
+# Planning
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class _Work:
+    app: AppState
+    score: float
+    target: dict[Resource, float] = field(default_factory=dict)
+    reason: dict[Resource, str] = field(default_factory=dict)
+
+
+def _floor(app: AppState, res: Resource, config: PolicyConfig) -> float:
+    """The guarantee: the explicit request, or the minimum grant where there is none."""
+    req = app.request(res)
+    return req if req > 0 else min(config.minimum(res), app.maximum(res))
+
+
+def _desired(app: AppState, res: Resource, est: Estimator, config: PolicyConfig,
+             dev: DeviceState | None) -> tuple[float, str]:
+    value = est(app, res)
+    reason = "forecast" if not math.isnan(app.forecast_p90(res)) else "usage"
+    if math.isnan(value):
+        # nothing known: keep the grant in force (or the guarantee for a new application)
+        value, reason = app.granted(res), "hold"
+    used = app.used(res)
+    upper = min(app.maximum(res), dev.capacity(res) if dev else math.inf)
+    if not math.isnan(used) and used * (1.0 + config.margin(res)) > value:
+        value, reason = min(used * (1.0 + config.margin(res)), upper), "reclaim-grow"
+    floor = _floor(app, res, config)
+    if value < floor:
+        value, reason = floor, "guarantee" if app.request(res) > 0 else "minimum"
+    return value, reason
+
+
+def _hysteresis(app: AppState, res: Resource, desired: float, reason: str, now_s: float,
+                config: PolicyConfig) -> tuple[float, str]:
+    current = app.granted(res)
+    if current <= 0:
+        return desired, reason  # a new grant is always made
+    if desired < app.request(res) or current < app.request(res):
+        return max(desired, app.request(res)), "guarantee"
+    used = app.used(res)
+    if config.grow_on_overrun and desired > current and not math.isnan(used) and used > current:
+        return desired, "overrun"
+    if abs(desired - current) < config.min_change_frac * current:
+        return current, "below-threshold"
+    if now_s - app.last_change_s(res) < config.dwell_s:
+        return current, "dwell"
+    return desired, reason
+
+
+def _shrink(works: list[_Work], res: Resource, capacity: float, config: PolicyConfig) -> bool:
+    """Shrink lowest priorities first until the targets fit; True if anything had to shrink."""
+    excess = sum(w.target[res] for w in works) - capacity
+    if excess <= 1e-9:
+        return False
+    for w in sorted(works, key=lambda w: (w.score, w.app.app_id)):
+        floor = _floor(w.app, res, config)
+        room = w.target[res] - floor
+        if room <= 0:
+            continue
+        cut = min(room, excess)
+        w.target[res] -= cut
+        w.reason[res] = "contention"
+        excess -= cut
+        if excess <= 1e-9:
+            break
+    return True
+
+
+def plan(
+    apps: Iterable[AppState],
+    devices: Iterable[DeviceState],
+    now_s: float,
+    config: PolicyConfig | None = None,
+    estimator: Estimator | None = None,
+) -> Plan:
+    """The target grant of every application, per device. Pure: same inputs, same plan.
+
+    An application on an unknown device is a ValueError (the caller's bookkeeping is wrong)."""
+    config = config or PolicyConfig()
+    devs = {d.device_id: d for d in devices}
+    est = estimator or default_estimator(config, devs)
+    by_device: dict[str, list[_Work]] = {d: [] for d in devs}
+    seen: set[str] = set()
+    for app in apps:
+        if app.device_id not in devs:
+            raise ValueError(f"application {app.app_id!r} is on unknown device {app.device_id!r}")
+        if app.app_id in seen:
+            raise ValueError(f"application {app.app_id!r} appears twice")
+        seen.add(app.app_id)
+        work = _Work(app, priority_score(app, now_s))
+        for res in RESOURCES:
+            value, reason = _desired(app, res, est, config, devs[app.device_id])
+            work.target[res], work.reason[res] = _hysteresis(app, res, value, reason, now_s, config)
+        by_device[app.device_id].append(work)
+
+    targets: list[Target] = []
+    device_plans: list[DevicePlan] = []
+    for dev_id, works in by_device.items():
+        dev = devs[dev_id]
+        contended = {res: _shrink(works, res, dev.capacity(res), config) for res in RESOURCES}
+        over = any(
+            sum(_floor(w.app, res, config) for w in works) > dev.capacity(res) + 1e-9 for res in RESOURCES
+        )
+        for w in works:
+            tmem, tsm = w.target["mem"], w.target["sm"]
+            targets.append(Target(
+                app_id=w.app.app_id, device_id=dev_id, mem_mib=tmem, sm_pct=tsm,
+                priority_score=w.score,
+                changed_mem=not math.isclose(tmem, w.app.granted_mem_mib, rel_tol=1e-9, abs_tol=1e-9),
+                changed_sm=not math.isclose(tsm, w.app.granted_sm_pct, rel_tol=1e-9, abs_tol=1e-9),
+                reason_mem=w.reason["mem"], reason_sm=w.reason["sm"],
+            ))
+        device_plans.append(DevicePlan(
+            device_id=dev_id,
+            mem_planned_mib=sum(w.target["mem"] for w in works),
+            sm_planned_pct=sum(w.target["sm"] for w in works),
+            overcommitted=over, contended_mem=contended["mem"], contended_sm=contended["sm"],
+        ))
+    return Plan(at_s=now_s, targets=tuple(targets), devices=tuple(device_plans))
+
+
+def advance(apps: Sequence[AppState], result: Plan) -> list[AppState]:
+    """The application states after the plan is applied (grants and change times updated): what a
+    replay or a test feeds into the next `plan` call."""
+    out = []
+    for app in apps:
+        t = result.target(app.app_id)
+        out.append(replace(
+            app,
+            granted_mem_mib=t.mem_mib,
+            granted_sm_pct=t.sm_pct,
+            last_mem_change_s=result.at_s if t.changed_mem else app.last_mem_change_s,
+            last_sm_change_s=result.at_s if t.changed_sm else app.last_sm_change_s,
+        ))
+    return out

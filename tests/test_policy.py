@@ -1,0 +1,172 @@
+"""The allocation policy: guarantees, priorities under contention, hysteresis, reclamation, estimators."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from allocator.policy import (
+    AppState,
+    DeviceState,
+    PolicyConfig,
+    WithCapping,
+    WithConfidence,
+    WithMargin,
+    advance,
+    forecast_or_usage,
+    plan,
+    priority_score,
+)
+
+DEV = DeviceState("gpu0", mem_total_mib=80_000)
+# no confidence widening, so the arithmetic below is plain
+CFG = PolicyConfig(confidence_multiplier=0.0, min_change_frac=0.05, dwell_s=10.0)
+
+
+def app(app_id: str, **kw: object) -> AppState:
+    return AppState(app_id=app_id, device_id="gpu0", **kw)  # type: ignore[arg-type]
+
+
+def test_forecast_plus_margin_sizes_a_new_app() -> None:
+    p = plan([app("a", forecast_mem_p90_mib=10_000, forecast_sm_p90_pct=40)], [DEV], 0.0, CFG)
+    t = p.target("a")
+    assert t.mem_mib == pytest.approx(11_000)
+    assert t.sm_pct == pytest.approx(44)
+    assert t.changed and t.reason_mem == "forecast"
+
+
+def test_guarantee_is_a_floor_even_when_forecast_is_lower() -> None:
+    a = app("a", request_mem_mib=20_000, request_sm_pct=30, granted_mem_mib=20_000, granted_sm_pct=30,
+            forecast_mem_p90_mib=5_000, forecast_sm_p90_pct=5, used_mem_mib=4_000, used_sm_pct=3)
+    t = plan([a], [DEV], 100.0, CFG).target("a")
+    assert t.mem_mib == 20_000 and t.sm_pct == 30
+    assert not t.changed
+
+
+def test_reclamation_takes_back_unused_memory() -> None:
+    a = app("a", granted_mem_mib=40_000, granted_sm_pct=50, used_mem_mib=9_000, used_sm_pct=20,
+            forecast_mem_p90_mib=10_000, forecast_sm_p90_pct=20)
+    t = plan([a], [DEV], 100.0, CFG).target("a")
+    assert t.mem_mib == pytest.approx(11_000)
+    assert t.sm_pct == pytest.approx(22)
+    assert t.changed_mem and t.changed_sm
+
+
+def test_reclamation_grows_an_app_using_more_than_its_forecast() -> None:
+    a = app("a", granted_mem_mib=10_000, used_mem_mib=15_000, forecast_mem_p90_mib=9_000,
+            granted_sm_pct=20, used_sm_pct=10, forecast_sm_p90_pct=10)
+    t = plan([a], [DEV], 100.0, CFG).target("a")
+    assert t.mem_mib == pytest.approx(16_500)
+    assert t.reason_mem in ("overrun", "reclaim-grow")
+
+
+def test_change_below_threshold_is_not_made() -> None:
+    a = app("a", granted_mem_mib=10_000, granted_sm_pct=40, forecast_mem_p90_mib=9_600 / 1.1,
+            forecast_sm_p90_pct=40 / 1.1)
+    t = plan([a], [DEV], 100.0, CFG).target("a")
+    assert t.mem_mib == 10_000 and t.reason_mem == "below-threshold"
+    assert not t.changed
+    # a larger step is made
+    b = app("b", granted_mem_mib=10_000, granted_sm_pct=40, forecast_mem_p90_mib=8_000 / 1.1,
+            forecast_sm_p90_pct=40 / 1.1)
+    assert plan([b], [DEV], 100.0, CFG).target("b").mem_mib == pytest.approx(8_000)
+
+
+def test_dwell_time_holds_a_recent_change_then_releases_it() -> None:
+    a = app("a", granted_mem_mib=20_000, granted_sm_pct=40, forecast_mem_p90_mib=10_000,
+            forecast_sm_p90_pct=40 / 1.1, last_mem_change_s=95.0)
+    early = plan([a], [DEV], 100.0, CFG).target("a")
+    assert early.mem_mib == 20_000 and early.reason_mem == "dwell"
+    late = plan([a], [DEV], 105.0, CFG).target("a")
+    assert late.mem_mib == pytest.approx(11_000)
+
+
+def test_overrun_growth_ignores_dwell() -> None:
+    a = app("a", granted_mem_mib=10_000, used_mem_mib=12_000, forecast_mem_p90_mib=12_000,
+            granted_sm_pct=50, forecast_sm_p90_pct=40, last_mem_change_s=99.0)
+    t = plan([a], [DEV], 100.0, CFG).target("a")
+    assert t.mem_mib == pytest.approx(13_200) and t.reason_mem == "overrun"
+    held = plan([a], [DEV], 100.0, PolicyConfig(confidence_multiplier=0, grow_on_overrun=False)).target("a")
+    assert held.mem_mib == 10_000
+
+
+def test_lower_priority_shrinks_first_and_never_below_its_guarantee() -> None:
+    dev = DeviceState("gpu0", mem_total_mib=50_000)
+    hi = app("hi", priority=5, request_mem_mib=10_000, forecast_mem_p90_mib=30_000 / 1.1, forecast_sm_p90_pct=10)
+    lo = app("lo", priority=0, request_mem_mib=15_000, forecast_mem_p90_mib=30_000 / 1.1, forecast_sm_p90_pct=10)
+    p = plan([hi, lo], [dev], 0.0, CFG)
+    assert p.target("hi").mem_mib == pytest.approx(30_000)  # untouched
+    assert p.target("lo").mem_mib == pytest.approx(20_000)  # absorbed the 10 000 excess
+    assert p.target("lo").reason_mem == "contention"
+    assert p.devices[0].contended_mem and not p.devices[0].overcommitted
+
+    # more excess than the low one can give: it stops at its guarantee, then the next shrinks
+    tight = DeviceState("gpu0", mem_total_mib=35_000)
+    p = plan([hi, lo], [tight], 0.0, CFG)
+    assert p.target("lo").mem_mib == pytest.approx(15_000)
+    assert p.target("hi").mem_mib == pytest.approx(20_000)
+    assert sum(t.mem_mib for t in p.targets) == pytest.approx(35_000)
+
+
+def test_guarantees_beyond_capacity_are_kept_and_flagged() -> None:
+    dev = DeviceState("gpu0", mem_total_mib=20_000)
+    a = app("a", request_mem_mib=15_000)
+    b = app("b", request_mem_mib=15_000)
+    p = plan([a, b], [dev], 0.0, CFG)
+    assert p.target("a").mem_mib == 15_000 and p.target("b").mem_mib == 15_000
+    assert p.devices[0].overcommitted
+
+
+def test_priority_score_orders_critical_deadline_and_size() -> None:
+    base = app("x", used_mem_mib=1024)
+    assert priority_score(app("c", critical=True), 0) > priority_score(app("p", priority=50), 0)
+    assert priority_score(app("d", deadline_s=1800), 0) > priority_score(app("e", deadline_s=36_000), 0)
+    assert priority_score(app("small", used_mem_mib=1024), 0) > priority_score(app("big", used_mem_mib=70_000), 0)
+    assert priority_score(app("late", deadline_s=10), 100) == pytest.approx(20)  # missed: full urgency
+    assert priority_score(base, 0) == pytest.approx(-1.0)
+
+
+def test_unknown_device_and_duplicate_app_are_errors() -> None:
+    with pytest.raises(ValueError, match="unknown device"):
+        plan([AppState("a", "nope")], [DEV], 0.0)
+    with pytest.raises(ValueError, match="twice"):
+        plan([app("a"), app("a")], [DEV], 0.0)
+    with pytest.raises(ValueError, match="below the explicit request"):
+        app("a", request_mem_mib=10, max_mem_mib=5)
+    with pytest.raises(ValueError):
+        app("a", granted_mem_mib=-1)
+
+
+def test_nothing_known_keeps_the_grant_and_a_new_app_gets_the_minimum() -> None:
+    old = app("old", granted_mem_mib=5_000, granted_sm_pct=20)
+    new = app("new")
+    p = plan([old, new], [DEV], 0.0, CFG)
+    assert p.target("old").mem_mib == 5_000 and not p.target("old").changed
+    assert p.target("new").mem_mib == CFG.min_mem_mib and p.target("new").sm_pct == CFG.min_sm_pct
+
+
+def test_estimators_compose_like_vpa() -> None:
+    devs = {"gpu0": DeviceState("gpu0", mem_total_mib=10_000)}
+    chain = WithCapping(lambda r: 100.0, devs, WithConfidence(1.0, 1.0, 60.0, WithMargin(lambda r: 0.5, forecast_or_usage)))
+    young = app("y", forecast_mem_p90_mib=1_000, history_s=60)  # confidence 1 -> x2
+    old = app("o", forecast_mem_p90_mib=1_000, history_s=6_000)  # confidence 100 -> x1.01
+    assert chain(young, "mem") == pytest.approx(3_000)
+    assert chain(old, "mem") == pytest.approx(1_515)
+    assert chain(app("h", forecast_mem_p90_mib=9_000, history_s=60), "mem") == 10_000  # device cap
+    assert chain(app("l", forecast_mem_p90_mib=10, history_s=6_000), "mem") == 100  # minimum
+    assert math.isnan(chain(app("n"), "mem"))
+    capped = app("m", forecast_mem_p90_mib=4_000, history_s=6_000, max_mem_mib=5_000)
+    assert chain(capped, "mem") == 5_000  # operator limit
+
+
+def test_advance_records_change_times_and_feeds_hysteresis() -> None:
+    apps = [app("a", forecast_mem_p90_mib=10_000, forecast_sm_p90_pct=10)]
+    p1 = plan(apps, [DEV], 0.0, CFG)
+    apps = advance(apps, p1)
+    assert apps[0].granted_mem_mib == pytest.approx(11_000) and apps[0].last_mem_change_s == 0.0
+    apps = [a.__class__(**{**a.__dict__, "forecast_mem_p90_mib": 5_000}) for a in apps]
+    p2 = plan(apps, [DEV], 5.0, CFG)  # within dwell
+    assert not p2.target("a").changed_mem
+    p3 = plan(apps, [DEV], 11.0, CFG)
+    assert p3.target("a").mem_mib == pytest.approx(5_500)
