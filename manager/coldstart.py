@@ -1,0 +1,426 @@
+"""Cold-start sizing: a job's first grant from its configuration, before it has any history.
+
+The model is the winner of the comparison of bench/paper_table.py on memory (ExtraTrees; see
+docs/coldstart.md), trained on the permitted job profiles only (MIGPerf MIT, MISO MIT, GPUMemNet
+CC-BY-4.0; never Lucid). It ships as a small artefact, `manager/models/coldstart_extratrees.pt`
+(plain tensors and a JSON metadata string, loaded with `torch.load(weights_only=True)`: no pickle
+code, no sklearn needed at run time), because the node running the daemon has no ../shared/data to
+train from. Rebuild it with
+
+    python -m manager.coldstart train --data ../shared/data
+
+The margin comes from the model's measured error: the 90th percentile of the absolute relative
+error of peak memory on the 30 % test part of the 70/30 split (per model family where the test part
+holds at least MIN_FAMILY_TEST_ROWS of it, else over all rows; a family the model never saw gets the
+largest of them). The shipped model is then refit on all rows, so the margin is, if anything,
+pessimistic.
+
+Hand-over: `choose_source` says whether a grant comes from the request, the cold-start sizer, or the
+time-series forecaster (once the application has enough history).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from manager.jobprofiles import (
+    ENCODING_VERSION,
+    FAMILIES,
+    FEATURE_NAMES,
+    PERMITTED_SOURCES,
+    InvalidJobConfig,
+    JobConfig,
+    encode,
+    encode_profiles,
+    load_permitted,
+    profiles_summary,
+)
+from manager.regressors import regression_metrics, split_indices
+
+DEFAULT_ARTEFACT = Path(__file__).resolve().parent / "models" / "coldstart_extratrees.pt"
+DEFAULT_CAPACITY_MIB = 40960.0  # a whole A100-40GB, where the caller does not say
+MIN_FAMILY_TEST_ROWS = 10
+MARGIN_QUANTILE = 0.9
+MIN_HISTORY_S = 10.0
+MODEL_NAME = "ExtraTrees"
+ET_PARAMS: dict[str, Any] = {"n_estimators": 32, "min_samples_leaf": 2}
+
+
+# --------------------------------------------------------------------------------------------
+# Hand-over between the request, the cold-start sizer and the forecaster (pure).
+
+
+def choose_source(
+    has_history_s: float,
+    *,
+    requested_memory_mib: float = 0.0,
+    has_job: bool = False,
+    min_history_s: float = MIN_HISTORY_S,
+) -> str:
+    """Where an application's memory grant should come from: "forecast" once it has at least
+    `min_history_s` seconds of samples (the time-series forecaster takes over), else "request" when
+    it asked for an amount, else "cold_start" when it described its job, else "request" (nothing
+    better to go on)."""
+    for name, value in (("has_history_s", has_history_s), ("requested_memory_mib", requested_memory_mib), ("min_history_s", min_history_s)):
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    if has_history_s >= min_history_s:
+        return "forecast"
+    if requested_memory_mib > 0:
+        return "request"
+    return "cold_start" if has_job else "request"
+
+
+# --------------------------------------------------------------------------------------------
+# Trees as plain arrays (numpy inference, identical to sklearn's).
+
+
+@dataclass(frozen=True)
+class TreeEnsemble:
+    """Regression trees as flat arrays, in sklearn's depth-first node order (an inner node's left
+    child is the next node, so only the right child is stored); a prediction is the mean of the
+    trees' leaf values.
+
+    Thresholds are kept as the largest float32 not above sklearn's float64 threshold: for a float32
+    input x (sklearn compares float32 inputs), x <= that value exactly when x <= the original, so
+    the routing is sklearn's bit for bit; leaf values are float32 (relative error ~1e-7)."""
+
+    feature: np.ndarray  # int8, -1 at leaves
+    threshold: np.ndarray  # float32; go left when x[feature] <= threshold
+    right: np.ndarray  # int32, absolute node index of the right child (-1 at leaves)
+    value: np.ndarray  # float32
+    roots: np.ndarray  # int32, the root node of each tree
+    max_depth: int
+
+    @classmethod
+    def from_sklearn(cls, model: Any) -> TreeEnsemble:
+        feats, thr, rights, vals, roots = [], [], [], [], []
+        offset, depth = 0, 0
+        for est in model.estimators_:
+            t = est.tree_
+            inner = t.children_left >= 0
+            if not np.array_equal(t.children_left[inner], np.nonzero(inner)[0] + 1):
+                raise ValueError("tree is not in depth-first order (left child = next node)")
+            roots.append(offset)
+            feats.append(np.where(inner, t.feature, -1).astype(np.int8))
+            t32 = t.threshold.astype(np.float32)
+            too_big = t32.astype(np.float64) > t.threshold
+            t32[too_big] = np.nextafter(t32[too_big], np.float32(-np.inf))
+            thr.append(np.where(inner, t32, 0).astype(np.float32))
+            rights.append(np.where(inner, t.children_right + offset, -1).astype(np.int32))
+            vals.append(t.value[:, 0, 0].astype(np.float32))
+            depth = max(depth, int(t.max_depth))
+            offset += t.node_count
+        return cls(
+            np.concatenate(feats), np.concatenate(thr), np.concatenate(rights), np.concatenate(vals),
+            np.asarray(roots, dtype=np.int32), depth,
+        )
+
+    @property
+    def node_count(self) -> int:
+        return int(self.feature.shape[0])
+
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        x32 = np.asarray(x, dtype=np.float32)
+        if x32.ndim != 2:
+            raise ValueError(f"expected a 2-D array of encoded jobs, got shape {x32.shape}")
+        n = x32.shape[0]
+        rows = np.arange(n)
+        total = np.zeros(n, dtype=np.float64)
+        for root in self.roots:
+            node = np.full(n, int(root), dtype=np.int64)
+            for _ in range(self.max_depth + 1):
+                f = self.feature[node].astype(np.int64)
+                inner = f >= 0
+                if not inner.any():
+                    break
+                go_left = x32[rows, np.where(inner, f, 0)] <= self.threshold[node]
+                node = np.where(inner, np.where(go_left, node + 1, self.right[node]), node)
+            total += self.value[node]
+        return total / len(self.roots)
+
+    def to_tensors(self, prefix: str) -> dict[str, Any]:
+        import torch
+
+        return {
+            f"{prefix}.feature": torch.from_numpy(self.feature),
+            f"{prefix}.threshold": torch.from_numpy(self.threshold),
+            f"{prefix}.right": torch.from_numpy(self.right),
+            f"{prefix}.value": torch.from_numpy(self.value),
+            f"{prefix}.roots": torch.from_numpy(self.roots),
+            f"{prefix}.max_depth": torch.tensor(self.max_depth),
+        }
+
+    @classmethod
+    def from_tensors(cls, data: dict[str, Any], prefix: str) -> TreeEnsemble:
+        def arr(name: str, dtype: Any) -> np.ndarray:
+            return np.asarray(data[f"{prefix}.{name}"].numpy(), dtype=dtype)
+
+        ens = cls(
+            arr("feature", np.int8), arr("threshold", np.float32), arr("right", np.int32),
+            arr("value", np.float32), arr("roots", np.int32), int(data[f"{prefix}.max_depth"].item()),
+        )
+        n = ens.node_count
+        if not (len(ens.threshold) == len(ens.right) == len(ens.value) == n) or len(ens.roots) == 0:
+            raise ValueError(f"{prefix}: arrays of different lengths or no trees")
+        inner = ens.feature >= 0
+        if (ens.right[inner] <= 0).any() or (ens.right[inner] >= n).any() or (ens.roots >= n).any():
+            raise ValueError(f"{prefix}: a child index out of range")
+        return ens
+
+
+# --------------------------------------------------------------------------------------------
+# The sizer.
+
+
+@dataclass(frozen=True)
+class SizeEstimate:
+    """A cold-start size: predicted peak memory, utilization, and the margin to grant on top."""
+
+    mem_mib: float  # predicted peak memory
+    sm_pct: float  # predicted utilization (0-100)
+    margin_mib: float  # from the model's measured error (see margin_rel)
+    model: str
+    margin_rel: float  # the quantile of absolute relative memory error the margin is taken from
+    sm_margin_pct: float  # the same quantile of absolute utilization error, in points
+    capacity_mib: float
+    capacity_assumed: bool  # True when the caller gave no capacity (DEFAULT_CAPACITY_MIB used)
+    family: str
+    family_seen: bool  # False: a family absent from the training data (a wider margin is used)
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def grant_mib(self) -> float:
+        return self.mem_mib + self.margin_mib
+
+    @property
+    def fits(self) -> bool:
+        return self.grant_mib <= self.capacity_mib
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """What allocator.core's `Sizer` protocol returns (memory_mib, sm_pct, reason)."""
+
+    memory_mib: float
+    sm_pct: float
+    reason: str = ""
+
+
+class ColdStartSizer:
+    """Sizes a job from its configuration with the shipped (or an injected) model."""
+
+    def __init__(self, mem: TreeEnsemble, util: TreeEnsemble, metadata: dict[str, Any]) -> None:
+        if metadata.get("encoding_version") != ENCODING_VERSION or list(metadata.get("feature_names", [])) != list(FEATURE_NAMES):
+            raise ValueError(
+                f"cold-start model was built for feature encoding {metadata.get('encoding_version')!r} "
+                f"{metadata.get('feature_names')!r}; this code uses {ENCODING_VERSION} {list(FEATURE_NAMES)}: retrain it"
+            )
+        self._mem = mem
+        self._util = util
+        self.metadata = metadata
+        self.model = str(metadata.get("model", MODEL_NAME))
+        self._margin_all = float(metadata["margin_rel"]["all"])
+        self._margin_family = {k: float(v) for k, v in metadata["margin_rel"].get("by_family", {}).items()}
+        self._margin_unseen = max([self._margin_all, *self._margin_family.values()])
+        self._sm_margin = float(metadata["sm_margin_pct"])
+        self._seen = set(metadata.get("families_seen", []))
+
+    @classmethod
+    def load(cls, path: Path | str = DEFAULT_ARTEFACT) -> ColdStartSizer:
+        import torch
+
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"cold-start model not found at {p}; build it with `python -m manager.coldstart train`")
+        try:
+            data = torch.load(p, map_location="cpu", weights_only=True)
+            metadata = json.loads(data["metadata"])
+            mem, util = TreeEnsemble.from_tensors(data, "mem"), TreeEnsemble.from_tensors(data, "util")
+        except (KeyError, ValueError, RuntimeError, TypeError, EOFError) as exc:
+            raise ValueError(f"cold-start model at {p} is unreadable ({exc}); rebuild it with `python -m manager.coldstart train`") from exc
+        return cls(mem, util, metadata)
+
+    def save(self, path: Path | str) -> None:
+        import torch
+
+        data = {**self._mem.to_tensors("mem"), **self._util.to_tensors("util"), "metadata": json.dumps(self.metadata, sort_keys=True)}
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        torch.save(data, Path(path))
+
+    def predict_raw(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(peak memory MiB, utilization %) for encoded rows."""
+        return self._mem.predict(x), self._util.predict(x)
+
+    def size(self, job: JobConfig, capacity_mib: float | None = None) -> SizeEstimate:
+        """Size `job` on a slice or GPU of `capacity_mib` (None: a whole A100-40GB, flagged)."""
+        if not isinstance(job, JobConfig):
+            raise TypeError(f"size() takes a JobConfig, got {type(job).__name__}")
+        job.check_sizable()
+        assumed = capacity_mib is None
+        cap = DEFAULT_CAPACITY_MIB if capacity_mib is None else float(capacity_mib)
+        x = encode(job, cap)[None, :]  # raises InvalidJobConfig on a bad capacity
+        mem, util = (float(v[0]) for v in self.predict_raw(x))
+        family = job.family
+        seen = family in self._seen
+        notes: list[str] = []
+        if not seen:
+            rel = self._margin_unseen
+            notes.append(f"model family {family!r} is not in the training data: widest margin used")
+        else:
+            rel = self._margin_family.get(family, self._margin_all)
+        if assumed:
+            notes.append(f"no capacity given: assumed {DEFAULT_CAPACITY_MIB:.0f} MiB")
+        mem = max(mem, 0.0)
+        return SizeEstimate(
+            mem_mib=mem,
+            sm_pct=min(100.0, max(0.0, util)),
+            margin_mib=rel * mem,
+            model=self.model,
+            margin_rel=rel,
+            sm_margin_pct=self._sm_margin,
+            capacity_mib=cap,
+            capacity_assumed=assumed,
+            family=family,
+            family_seen=seen,
+            notes=tuple(notes),
+        )
+
+
+class AllocatorSizer:
+    """Adapter to allocator.core's `Sizer` protocol: `size(job_spec, *, mem_total_mib) -> Sizing`.
+
+    The job spec is any object with JobConfig's fields (allocator.core.JobSpec). The grant is the
+    prediction plus its margin, trimmed to the device's memory when the prediction alone fits (the
+    trim is stated in the reason); a job predicted to need more than the device is granted its
+    prediction, and the allocator's capacity check refuses it."""
+
+    def __init__(self, sizer: ColdStartSizer) -> None:
+        self.sizer = sizer
+
+    def size(self, job: Any, *, mem_total_mib: float) -> Sizing:
+        config = job if isinstance(job, JobConfig) else JobConfig.from_proto(job)
+        est = self.sizer.size(config, mem_total_mib if mem_total_mib > 0 else None)
+        memory = est.grant_mib
+        reason = f"cold_start {est.model}: peak {est.mem_mib:.0f} MiB + margin {est.margin_mib:.0f} MiB (p90 rel err {est.margin_rel:.3f})"
+        if not est.fits and est.mem_mib <= est.capacity_mib:
+            memory = est.capacity_mib
+            reason += f"; margin trimmed to the device's {est.capacity_mib:.0f} MiB"
+        if est.notes:
+            reason += "; " + "; ".join(est.notes)
+        return Sizing(memory_mib=memory, sm_pct=min(100.0, est.sm_pct + est.sm_margin_pct), reason=reason)
+
+
+# --------------------------------------------------------------------------------------------
+# Training.
+
+
+def _quantile(values: np.ndarray, q: float) -> float:
+    return float(np.quantile(values, q)) if len(values) else math.nan
+
+
+def train_sizer(data_root: Path, seed: int = 0, gpumemnet_rows: int | None = None, params: dict[str, Any] | None = None) -> ColdStartSizer:
+    """Fit on the permitted profiles: measure the error on a 70/30 split, then refit on all rows."""
+    from sklearn.ensemble import ExtraTreesRegressor
+
+    et_params = {**ET_PARAMS, **(params or {})}
+    profiles = load_permitted(data_root, gpumemnet_rows)
+    x, mem, util = encode_profiles(profiles)
+    train, test = split_indices(len(profiles), 0.7, seed)
+
+    def fit(idx: np.ndarray, y: np.ndarray) -> Any:
+        return ExtraTreesRegressor(random_state=seed, n_jobs=1, **et_params).fit(x[idx], y[idx])
+
+    p_mem, p_util = fit(train, mem).predict(x[test]), fit(train, util).predict(x[test])
+    rel = np.abs(p_mem - mem[test]) / np.maximum(mem[test], 1.0)
+    families = np.array([p.job.family for p in profiles])
+    by_family = {}
+    for fam in sorted(set(families[test])):
+        sel = families[test] == fam
+        if sel.sum() >= MIN_FAMILY_TEST_ROWS:
+            by_family[fam] = round(_quantile(rel[sel], MARGIN_QUANTILE), 5)
+    metadata: dict[str, Any] = {
+        "model": MODEL_NAME,
+        "params": et_params,
+        "seed": seed,
+        "encoding_version": ENCODING_VERSION,
+        "feature_names": list(FEATURE_NAMES),
+        "trained_on": {src: {"rows": n, "license": PERMITTED_SOURCES[src]} for src, n in profiles_summary(profiles).items()},
+        "families_seen": sorted(set(families.tolist())),
+        "split": {"train": int(len(train)), "test": int(len(test)), "frac": 0.7},
+        "test_metrics": {
+            "peak_mem_mib": {k: round(v, 4) for k, v in regression_metrics(mem[test], p_mem).items()},
+            "sm_util_pct": {k: round(v, 4) for k, v in regression_metrics(util[test], p_util).items()},
+        },
+        "margin_quantile": MARGIN_QUANTILE,
+        "margin_rel": {"all": round(_quantile(rel, MARGIN_QUANTILE), 5), "by_family": by_family},
+        "sm_margin_pct": round(_quantile(np.abs(p_util - util[test]), MARGIN_QUANTILE), 4),
+        "refit_on_all_rows": True,
+    }
+    all_rows = np.arange(len(profiles))
+    return ColdStartSizer(
+        TreeEnsemble.from_sklearn(fit(all_rows, mem)), TreeEnsemble.from_sklearn(fit(all_rows, util)), metadata
+    )
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m manager.coldstart") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description="cold-start sizer: train the model or size a job")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train", help="train on ../shared/data and write the artefact")
+    t.add_argument("--data", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "data")
+    t.add_argument("--out", type=Path, default=DEFAULT_ARTEFACT)
+    t.add_argument("--seed", type=int, default=0)
+    s = sub.add_parser("size", help="size one job with the shipped model")
+    s.add_argument("--model-type", required=True)
+    s.add_argument("--batch-size", type=int, required=True)
+    s.add_argument("--param-count", type=int, default=0)
+    s.add_argument("--input-size", type=int, default=0)
+    s.add_argument("--num-layers", type=int, default=0)
+    s.add_argument("--precision", default="fp32")
+    s.add_argument("--optimizer", default="")
+    s.add_argument("--mode", default="train")
+    s.add_argument("--capacity-mib", type=float, default=None)
+    s.add_argument("--model", type=Path, default=DEFAULT_ARTEFACT)
+    args = parser.parse_args(argv)
+    if args.cmd == "train":
+        if not args.data.is_dir():
+            print(f"{prog}: data directory {args.data} not found", file=sys.stderr)
+            return 2
+        sizer = train_sizer(args.data, args.seed)
+        sizer.save(args.out)
+        print(json.dumps({"out": str(args.out), **sizer.metadata}))
+        return 0
+    try:
+        job = JobConfig(args.model_type, args.param_count, args.batch_size, args.input_size, args.num_layers, args.precision, args.optimizer, args.mode)
+        est = ColdStartSizer.load(args.model).size(job, args.capacity_mib)
+    except (InvalidJobConfig, FileNotFoundError, ValueError) as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps({**est.__dict__, "grant_mib": est.grant_mib, "fits": est.fits}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = [
+    "DEFAULT_ARTEFACT",
+    "FAMILIES",
+    "AllocatorSizer",
+    "ColdStartSizer",
+    "SizeEstimate",
+    "Sizing",
+    "TreeEnsemble",
+    "choose_source",
+    "train_sizer",
+]
