@@ -1,0 +1,351 @@
+"""The client stub: requests, the watch of its grants, the cooperative limit (fake torch), in-app reporting."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+import types
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from vgpu.client import (
+    InAppCounters,
+    InAppFormatError,
+    InAppReport,
+    VgpuClient,
+    inapp_path,
+    parse_inapp,
+    read_inapp,
+    write_inapp,
+)
+from vgpu.v1 import allocator_pb2, allocator_pb2_grpc
+
+GIB = 1024**3
+Event = allocator_pb2.AllocationEvent
+
+
+class FakeCuda:
+    def __init__(self, total_bytes: int = 80 * GIB) -> None:
+        self.total_bytes = total_bytes
+        self.fractions: list[tuple[float, int]] = []
+        self.stats = {
+            "allocated_bytes.all.current": 1 * GIB,
+            "reserved_bytes.all.current": 2 * GIB,
+            "active_bytes.all.current": GIB // 2,
+            "num_alloc_retries": 3,
+            "num_ooms": 1,
+        }
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def current_device(self) -> int:
+        return 0
+
+    def get_device_properties(self, device: int) -> Any:
+        return types.SimpleNamespace(total_memory=self.total_bytes)
+
+    def set_per_process_memory_fraction(self, fraction: float, device: int) -> None:
+        if not 0 <= fraction <= 1:
+            raise ValueError("fraction out of range")  # as torch does
+        self.fractions.append((fraction, device))
+
+    def memory_stats(self, device: int) -> dict[str, int]:
+        return dict(self.stats)
+
+
+def fake_torch() -> types.ModuleType:
+    mod = types.ModuleType("torch")
+    mod.cuda = FakeCuda()  # type: ignore[attr-defined]
+    return mod
+
+
+class FakeAllocator(allocator_pb2_grpc.AllocatorServicer):
+    """Grants what fits in `capacity_mib`, streams events to watchers."""
+
+    def __init__(self, capacity_mib: float = 40_000.0) -> None:
+        self.capacity_mib = capacity_mib
+        self.grants: dict[str, allocator_pb2.Grant] = {}
+        self.watchers: list[tuple[str, queue.Queue[Event | None]]] = []
+        self.lock = threading.Lock()
+        self.n = 0
+
+    def _publish(self, kind: int, grant: allocator_pb2.Grant) -> None:
+        with self.lock:
+            for app, q in self.watchers:
+                if not app or app == grant.app_id:
+                    q.put(Event(kind=kind, grant=grant, at_s=time.time()))
+
+    def RequestResourceAllocation(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
+        r = request.request
+        used = sum(g.memory_mib for g in self.grants.values())
+        if used + r.memory_mib > self.capacity_mib:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{r.memory_mib} MiB does not fit")
+        self.n += 1
+        grant = allocator_pb2.Grant(grant_id=f"g{self.n}", app_id=r.app_id, device_id="GPU-0",
+                                    memory_mib=r.memory_mib, sm_pct=r.sm_pct, source="request")
+        self.grants[grant.grant_id] = grant
+        self._publish(Event.GRANTED, grant)
+        return allocator_pb2.RequestResourceAllocationResponse(grant=grant)
+
+    def ReleaseResources(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
+        grant = self.grants.pop(request.grant_id, None)
+        if grant is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no grant {request.grant_id}")
+        self._publish(Event.RELEASED, grant)
+        return allocator_pb2.ReleaseResourcesResponse(released=grant)
+
+    def WatchAllocations(self, request, context) -> Iterator[Event]:  # type: ignore[no-untyped-def]  # noqa: N802
+        q: queue.Queue[Event | None] = queue.Queue()
+        entry = (request.app_id, q)
+        with self.lock:
+            self.watchers.append(entry)
+        context.add_callback(lambda: q.put(None))
+        try:
+            while context.is_active():
+                event = q.get()
+                if event is None:
+                    return
+                yield event
+        finally:
+            with self.lock:
+                self.watchers.remove(entry)
+
+    def resize(self, grant_id: str, memory_mib: float) -> None:
+        grant = self.grants[grant_id]
+        grant.memory_mib = memory_mib
+        self._publish(Event.RESIZED, grant)
+
+
+def serve(sock: Path, servicer: FakeAllocator) -> grpc.Server:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    allocator_pb2_grpc.add_AllocatorServicer_to_server(servicer, server)
+    server.add_insecure_port(f"unix://{sock}")
+    server.start()
+    return server
+
+
+@pytest.fixture
+def allocator(tmp_path: Path) -> Iterator[tuple[FakeAllocator, Path]]:
+    sock = tmp_path / "vgpu.sock"
+    servicer = FakeAllocator()
+    server = serve(sock, servicer)
+    yield servicer, sock
+    server.stop(grace=None)
+
+
+def wait_until(pred, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.01)
+
+
+def test_grant_is_applied_as_a_memory_fraction_and_follows_resizes(allocator, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    servicer, sock = allocator
+    torch = fake_torch()
+    job = allocator_pb2.JobConfig(model_type="resnet50", batch_size=64, mode="train")
+    with VgpuClient("train-a", socket=str(sock), job=job, inapp_dir=tmp_path / "inapp", torch_module=torch,
+                    report_period_s=0.05) as client:
+        wait_until(lambda: servicer.watchers)
+        grant = client.request(memory_mib=20_480, sm_pct=50, priority=2)
+        assert grant.grant_id == "g1" and grant.memory_mib == 20_480
+        assert torch.cuda.fractions[-1] == (pytest.approx(0.25), 0)  # 20 GiB of 80 GiB
+        assert client.applied_mem_limit_mib == pytest.approx(20_480)
+
+        servicer.resize("g1", 40_960)  # the allocator grows the grant; the watch applies it
+        wait_until(lambda: client.applied_mem_limit_mib == pytest.approx(40_960))
+        assert torch.cuda.fractions[-1] == (pytest.approx(0.5), 0)
+
+        # the reporter writes what was applied and torch's allocator counters
+        def reported() -> InAppReport | None:
+            return read_inapp(tmp_path / "inapp", client.pid, now_s=time.time())
+
+        wait_until(lambda: (r := reported()) is not None and r.counters.applied_mem_limit_mib == pytest.approx(40_960))
+        c = reported().counters  # type: ignore[union-attr]
+        assert (c.torch_allocated_mib, c.torch_reserved_mib, c.torch_active_mib) == (1024.0, 2048.0, 512.0)
+        assert (c.alloc_retries, c.oom_count) == (3, 1)
+
+        client.release()
+        assert torch.cuda.fractions[-1] == (1.0, 0)  # no grant: no limit
+        assert client.applied_mem_limit_mib is None and servicer.grants == {}
+    assert not inapp_path(tmp_path / "inapp", client.pid).exists()
+
+
+def test_refused_request_changes_nothing(allocator, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    servicer, sock = allocator
+    torch = fake_torch()
+    client = VgpuClient("big", socket=str(sock), inapp_dir=tmp_path, torch_module=torch, watch=False, report=False)
+    try:
+        with pytest.raises(grpc.RpcError) as exc:
+            client.request(memory_mib=1e9)
+        assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert torch.cuda.fractions == [] and client.grants() == []
+        with pytest.raises(grpc.RpcError) as exc:
+            client.release("nope")
+        assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        client.close()
+
+
+def test_works_without_torch(allocator, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    servicer, sock = allocator
+    client = VgpuClient("cpu-only", socket=str(sock), inapp_dir=tmp_path, torch_module=None, watch=False, report=False)
+    try:
+        grant = client.request(memory_mib=100)
+        assert client.granted_memory_mib == 100 and client.applied_mem_limit_mib is None
+        client.step()
+        client.step(4)
+        c = client.counters()
+        assert c == InAppCounters(step=5)
+        assert grant.grant_id in servicer.grants
+    finally:
+        client.close()
+    assert servicer.grants == {}  # close releases
+
+
+def test_torch_from_sys_modules_is_used_only_when_the_app_imported_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    client = VgpuClient("a", socket="/nowhere.sock", inapp_dir=tmp_path, watch=False, report=False)
+    try:
+        monkeypatch.delitem(sys.modules, "torch", raising=False)
+        assert client.counters().torch_allocated_mib is None
+        monkeypatch.setitem(sys.modules, "torch", fake_torch())
+        assert client.counters().torch_allocated_mib == 1024.0
+    finally:
+        client.close()
+
+
+def test_importing_the_stub_does_not_import_torch() -> None:
+    code = "import sys, vgpu.client; assert 'torch' not in sys.modules, 'torch imported'"
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+
+
+def test_events_of_other_apps_are_ignored(tmp_path: Path) -> None:
+    torch = fake_torch()
+    client = VgpuClient("mine", socket="/nowhere.sock", inapp_dir=tmp_path, torch_module=torch, watch=False,
+                        report=False)
+    try:
+        other = allocator_pb2.Grant(grant_id="x", app_id="theirs", memory_mib=1000)
+        client.handle_event(Event(kind=Event.GRANTED, grant=other))
+        assert torch.cuda.fractions == [] and client.grants() == []
+        mine = allocator_pb2.Grant(grant_id="y", app_id="mine", memory_mib=8192)
+        client.handle_event(Event(kind=Event.GRANTED, grant=mine))
+        client.handle_event(Event(kind=Event.RESIZED, grant=mine))  # same size: not applied again
+        assert torch.cuda.fractions == [(0.1, 0)] and client.limit_changes == 1
+        client.handle_event(Event(kind=Event.RELEASED, grant=mine))
+        assert torch.cuda.fractions[-1] == (1.0, 0)
+    finally:
+        client.close(release=False)
+
+
+def test_a_grant_above_the_device_is_capped_at_the_whole_device(tmp_path: Path) -> None:
+    torch = fake_torch()
+    client = VgpuClient("a", socket="/nowhere.sock", inapp_dir=tmp_path, torch_module=torch, watch=False, report=False)
+    try:
+        client.handle_event(Event(kind=Event.GRANTED, grant=allocator_pb2.Grant(grant_id="g", app_id="a", memory_mib=1e6)))
+        assert torch.cuda.fractions == [(1.0, 0)] and client.applied_mem_limit_mib == 81920.0
+    finally:
+        client.close(release=False)
+
+
+def test_watch_reconnects_after_the_daemon_restarts(tmp_path: Path) -> None:
+    sock = tmp_path / "vgpu.sock"
+    first = FakeAllocator()
+    server = serve(sock, first)
+    torch = fake_torch()
+    client = VgpuClient("a", socket=str(sock), inapp_dir=tmp_path, torch_module=torch, report=False)
+    try:
+        client.request(memory_mib=8192)
+        server.stop(grace=None)
+        wait_until(lambda: client.watch_errors >= 1)
+        second = FakeAllocator()
+        second.grants = dict(first.grants)
+        server = serve(sock, second)
+        wait_until(lambda: second.watchers, timeout=10.0)
+        second.resize("g1", 16384)
+        wait_until(lambda: client.applied_mem_limit_mib == pytest.approx(16384))
+    finally:
+        client.close()
+        server.stop(grace=None)
+
+
+def test_bad_arguments_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="app_id"):
+        VgpuClient(" ", inapp_dir=tmp_path, watch=False, report=False)
+    with pytest.raises(ValueError, match="host:port"):
+        VgpuClient("a", socket="nonsense", inapp_dir=tmp_path, watch=False, report=False)
+    client = VgpuClient("a", socket="/nowhere.sock", inapp_dir=tmp_path, watch=False, report=False)
+    try:
+        with pytest.raises(ValueError, match="memory_mib"):
+            client.request(memory_mib=-1)
+        with pytest.raises(ValueError, match="sm_pct"):
+            client.request(sm_pct=150)
+        with pytest.raises(ValueError):
+            client.step(-1)
+    finally:
+        client.close()
+
+
+# --- the in-app file ---------------------------------------------------------------------------------
+
+
+def test_inapp_file_round_trip_is_atomic(tmp_path: Path) -> None:
+    report = InAppReport("a", 123, 1000.5, 2000.0, InAppCounters(torch_allocated_mib=1.5, step=9, oom_count=0))
+    path = write_inapp(tmp_path, report)
+    assert path == tmp_path / "123.json" and os.listdir(tmp_path) == ["123.json"]  # no temporary left behind
+    assert read_inapp(tmp_path, 123, now_s=2001.0) == report
+    assert read_inapp(tmp_path, 123, now_s=2001.0, pid_start_s=1000.9) == report  # clock-tick jitter
+    assert read_inapp(tmp_path, 123, now_s=2010.0) is None  # stale
+    assert read_inapp(tmp_path, 123, now_s=2001.0, pid_start_s=1500.0) is None  # another process, same pid
+    assert read_inapp(tmp_path, 456, now_s=2001.0) is None  # none
+    assert json.loads(path.read_text())["counters"] == {"torch_allocated_mib": 1.5, "step": 9, "oom_count": 0}
+
+
+@pytest.mark.parametrize(
+    "text, reason",
+    [
+        ("{", "not JSON"),
+        ("[]", "not a JSON object"),
+        ('{"v": 2}', "version"),
+        ('{"v": 1, "pid": 1, "written_at_s": 1}', "app_id"),
+        ('{"v": 1, "app_id": "a", "pid": -1, "written_at_s": 1}', "pid"),
+        ('{"v": 1, "app_id": "a", "pid": 1}', "written_at_s"),
+        ('{"v": 1, "app_id": "a", "pid": 1, "written_at_s": 1, "counters": {"step": "x"}}', "step"),
+        ('{"v": 1, "app_id": "a", "pid": 1, "written_at_s": 1, "counters": {"oom_count": -2}}', "oom_count"),
+    ],
+)
+def test_malformed_inapp_files_are_refused_with_a_reason(text: str, reason: str) -> None:
+    with pytest.raises(InAppFormatError, match=reason):
+        parse_inapp(text)
+
+
+def test_file_naming_another_pid_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "5.json").write_text('{"v": 1, "app_id": "a", "pid": 6, "written_at_s": 1}')
+    with pytest.raises(InAppFormatError, match="names pid 6"):
+        read_inapp(tmp_path, 5, now_s=1.0)
+
+
+def test_unwritable_inapp_dir_is_counted_not_fatal(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    client = VgpuClient("a", socket="/nowhere.sock", inapp_dir=blocker / "inapp", watch=False, report_period_s=0.01)
+    try:
+        wait_until(lambda: client.report_errors >= 2)
+        assert client.step() == 1
+    finally:
+        client.close()
