@@ -1,0 +1,219 @@
+"""The manager: windows (bounds, out-of-order, eviction), signature validation, forecast ticks and
+decisions, forecaster failure, and manager + allocator end to end over a Unix-socket gRPC server."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from allocator_fakes import FakeBackend, FakeClock, FakeDevice
+
+from allocator.core import Allocator
+from allocator.service import AllocatorServicer, build_server
+from manager.core import EwmaMarginForecaster, Manager, StreamState, validate_signature
+from manager.forecast import HORIZONS_S, Forecast
+from manager.service import IngestServicer
+from manager.window import WindowStore, sample_from_signature
+from vgpu.traces import AppTrace
+from vgpu.v1 import allocator_pb2 as apb
+from vgpu.v1 import allocator_pb2_grpc as apb_grpc
+from vgpu.v1 import ingest_pb2, ingest_pb2_grpc
+from vgpu.v1 import signature_pb2 as spb
+
+GPU = "GPU-fake-0"
+
+
+def sig(app: str, seq: int, t: float, mem: float = 1000.0, sm: float = 30.0, device: str = GPU) -> spb.BehavioralSignature:
+    return spb.BehavioralSignature(
+        app_id=app,
+        pid=1,
+        device_id=device,
+        timestamp_s=t,
+        seq=seq,
+        device=spb.DeviceCounters(mem_total_mib=81559.0, power_mw=300_000, power_limit_mw=700_000),
+        process=spb.ProcessCounters(gpu_mem_used_mib=mem, sm_util_pct=sm),
+    )
+
+
+# --- window ----------------------------------------------------------------------------------------
+def test_sample_maps_signature_fields_to_trace_columns() -> None:
+    s = sample_from_signature(sig("a", 1, 10.0, mem=512, sm=40))
+    assert (s.get("mem_used_mib"), s.get("sm_util_pct"), s.get("power_w"), s.get("power_limit_w")) == (512, 40, 300, 700)
+    assert math.isnan(s.get("sm_clock_mhz"))
+    inapp = spb.BehavioralSignature(app_id="a", device_id=GPU, seq=1, timestamp_s=1.0,
+                                    in_app=spb.InAppCounters(torch_reserved_mib=77))
+    assert sample_from_signature(inapp).get("mem_used_mib") == 77
+
+
+def test_window_is_bounded_and_drops_out_of_order() -> None:
+    ws = WindowStore(max_samples=5, max_apps=10)
+    for i in range(1, 9):
+        assert ws.add(sample_from_signature(sig("a", i, 100.0 + i, mem=i)), now_s=i)[0]
+    win = ws.window("a")
+    assert [s.seq for s in win.samples] == [4, 5, 6, 7, 8]
+    assert not ws.add(sample_from_signature(sig("a", 8, 108.0)), 9)[0]  # duplicate
+    assert not ws.add(sample_from_signature(sig("a", 3, 103.0)), 9)[0]  # late
+    assert not ws.add(sample_from_signature(sig("a", 9, 107.5)), 9)[0]  # time goes back
+    assert ws.out_of_order == 3
+    # a restarted profiler numbers from 1 again at a newer time: kept
+    assert ws.add(sample_from_signature(sig("a", 1, 200.0)), 10)[0] and ws.seq_restarts == 1
+    trace = ws.trace("a")
+    assert isinstance(trace, AppTrace) and len(trace) == 5
+    np.testing.assert_array_equal(trace.column("mem_used_mib"), [5, 6, 7, 8, 1000])
+    assert trace.gpu == GPU and not trace.has("sm_clock_mhz")
+
+
+def test_window_evicts_the_longest_silent_app_when_full_and_idle_apps() -> None:
+    ws = WindowStore(max_samples=5, max_apps=2, idle_evict_s=10)
+    ws.add(sample_from_signature(sig("a", 1, 1.0)), 0)
+    ws.add(sample_from_signature(sig("b", 1, 1.0)), 1)
+    ws.add(sample_from_signature(sig("a", 2, 2.0)), 2)  # a is now the most recent
+    kept, evicted = ws.add(sample_from_signature(sig("c", 1, 1.0)), 3)
+    assert kept and evicted == ["b"] and ws.apps() == ["a", "c"]
+    assert ws.evict_idle(12.5) == ["a"] and ws.apps() == ["c"] and ws.evicted_total == 2
+
+
+# --- validation ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("mutate", "reason"),
+    [
+        (lambda s: setattr(s, "app_id", ""), "app_id is empty"),
+        (lambda s: setattr(s, "app_id", "x" * 300), "at most 256"),
+        (lambda s: setattr(s, "device_id", ""), "device_id is empty"),
+        (lambda s: setattr(s, "seq", 0), "seq is 0"),
+        (lambda s: setattr(s, "timestamp_s", math.nan), "timestamp_s"),
+        (lambda s: setattr(s.process, "gpu_mem_used_mib", math.inf), "process.gpu_mem_used_mib is not a finite"),
+        (lambda s: setattr(s.process, "gpu_mem_used_mib", -5), "process.gpu_mem_used_mib is negative"),
+        (lambda s: setattr(s.process, "sm_util_pct", 140), "process.sm_util_pct is outside 0-100"),
+        (lambda s: setattr(s.device, "mem_bw_util_pct", math.nan), "device.mem_bw_util_pct"),
+    ],
+)
+def test_malformed_signatures_are_rejected_with_a_reason(mutate: object, reason: str) -> None:
+    s = sig("a", 1, 10.0)
+    mutate(s)  # type: ignore[operator]
+    got = validate_signature(s)
+    assert got is not None and reason in got
+    assert validate_signature(sig("a", 1, 10.0)) is None
+
+
+# --- the manager -----------------------------------------------------------------------------------
+def batch(tick: int, sigs: Sequence[spb.BehavioralSignature]) -> ingest_pb2.SignatureBatch:
+    return ingest_pb2.SignatureBatch(profiler_id="p", tick=tick, sent_at_s=1.0, signatures=list(sigs))
+
+
+def make_manager(**kw: object) -> tuple[Manager, Allocator, FakeDevice, FakeClock]:
+    dev = FakeDevice(GPU)
+    clock = FakeClock()
+    alloc = Allocator(FakeBackend([dev]), clock=clock)
+    mgr = Manager(alloc, EwmaMarginForecaster(), clock=clock, **kw)  # type: ignore[arg-type]
+    return mgr, alloc, dev, clock
+
+
+def test_batches_become_decisions_and_grants_once_per_forecast_tick() -> None:
+    mgr, alloc, dev, clock = make_manager(min_samples=3)
+    replies = []
+    for k in range(1, 31):
+        t = 1000.0 + k * 0.1
+        bad = spb.BehavioralSignature(app_id="", device_id=GPU, seq=k, timestamp_s=t)
+        replies.append(mgr.ingest(batch(k, [sig("a", k, t, 4000, 20), sig("b", k, t, 8000, 50), bad])))
+        clock.advance(0.1)
+    assert all(r.accepted == 2 and len(r.rejected) == 1 for r in replies)
+    assert replies[0].rejected[0].index == 2 and replies[0].rejected[0].reason == "app_id is empty"
+    # ticks at 0 s (too few samples), then every second: 1 s, 2 s -> 2 ticks with decisions
+    assert mgr.stats.forecast_ticks == 3 and mgr.stats.decisions == 4
+    with_decisions = [r for r in replies if r.decisions]
+    assert len(with_decisions) == 2
+    d = {x.app_id: x for x in with_decisions[-1].decisions}
+    assert d["a"].recommended_mem_mib == pytest.approx(4000 * 1.15 * 1.10)
+    assert d["b"].recommended_sm_pct == pytest.approx(50 * 1.15)
+    assert [h.horizon_s for h in d["a"].forecasts] == list(HORIZONS_S) and d["a"].source == "baseline"
+    grants = {g.app_id: g for g in alloc.ledger.grants()}
+    assert grants["a"].memory_mib == pytest.approx(4000 * 1.15 * 1.1) and grants["a"].source == "forecast"
+    assert dev.writes  # the power limit followed the SM demand
+    apps = {a.app_id: a for a in alloc.list_apps()}
+    assert apps["b"].mem_used_mib == 8000
+
+
+def test_silent_apps_are_evicted_and_their_forecast_grants_released() -> None:
+    mgr, alloc, _, clock = make_manager(min_samples=1, windows=WindowStore(idle_evict_s=5))
+    mgr.ingest(batch(1, [sig("a", 1, 10.0)]))
+    assert [g.app_id for g in alloc.ledger.grants()] == ["a"]
+    clock.advance(6)
+    mgr.ingest(batch(2, [sig("b", 1, 16.0)]))
+    assert [g.app_id for g in alloc.ledger.grants()] == ["b"] and mgr.stats.evicted == 1
+
+
+def test_a_failing_forecaster_falls_back_to_the_baseline() -> None:
+    class Broken:
+        name = "model"
+
+        def forecast_batch(self, histories: Sequence[AppTrace]) -> list[Forecast]:
+            raise RuntimeError("CUDA out of memory")
+
+    clock = FakeClock()
+    mgr = Manager(None, Broken(), fallback=EwmaMarginForecaster(), clock=clock, min_samples=1)
+    assert mgr.source == "model"
+    reply = mgr.ingest(batch(1, [sig("a", 1, 10.0, mem=100)]))
+    assert mgr.stats.forecast_failures == 1
+    assert reply.decisions[0].source == "baseline" and reply.decisions[0].recommended_mem_mib > 100
+
+
+def test_each_stream_gets_decisions_for_its_own_apps_once() -> None:
+    mgr, _, _, _ = make_manager(min_samples=1)
+    s1, s2 = StreamState("p1"), StreamState("p2")
+    r1 = mgr.ingest(batch(1, [sig("a", 1, 10.0)]), s1)
+    r2 = mgr.ingest(batch(1, [sig("b", 1, 10.0)]), s2)
+    assert [d.app_id for d in r1.decisions] == ["a"] and r2.decisions == []
+    r1 = mgr.ingest(batch(2, [sig("a", 2, 10.1)]), s1)
+    assert r1.decisions == []  # no new tick, nothing new for a
+
+
+# --- end to end over gRPC --------------------------------------------------------------------------
+@pytest.fixture
+async def daemon(tmp_path: Path) -> AsyncIterator[tuple[str, Manager, Allocator]]:
+    dev = FakeDevice(GPU)
+    alloc = Allocator(FakeBackend([dev]))
+    mgr = Manager(alloc, EwmaMarginForecaster(), forecast_interval_s=0.2, min_samples=2)
+    address = f"unix:{tmp_path}/vgpu.sock"
+    server = build_server(address, allocator_servicer=AllocatorServicer(alloc), ingest_servicer=IngestServicer(mgr))
+    await server.start()
+    try:
+        yield address, mgr, alloc
+    finally:
+        alloc.stop()
+        await server.stop(0)
+
+
+async def test_stream_of_signatures_yields_decisions_and_grants_over_grpc(
+    daemon: tuple[str, Manager, Allocator],
+) -> None:
+    address, mgr, _ = daemon
+    import time
+
+    async def batches() -> AsyncIterator[ingest_pb2.SignatureBatch]:
+        for k in range(1, 16):
+            t = time.time()
+            sigs = [sig("a", k, t, 2000 + 10 * k, 25), sig("b", k, t, 6000, 40)]
+            if k == 5:
+                sigs.append(sig("c", 1, t, mem=math.nan))  # malformed: the stream must survive it
+            yield batch(k, sigs)
+            await asyncio.sleep(0.03)
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        replies = [r async for r in ingest_pb2_grpc.IngestStub(channel).StreamSignatures(batches())]
+        assert [r.tick for r in replies] == list(range(1, 16))
+        assert sum(r.accepted for r in replies) == 30
+        (rej,) = [x for r in replies for x in r.rejected]
+        assert rej.app_id == "c" and "not a finite number" in rej.reason
+        decisions = [d for r in replies for d in r.decisions]
+        assert {d.app_id for d in decisions} == {"a", "b"}
+        apps = (await apb_grpc.AllocatorStub(channel).ListApplications(apb.ListApplicationsRequest())).apps
+        by_app = {a.app_id: a for a in apps}
+        assert by_app["b"].grants[0].source == "forecast" and by_app["b"].grants[0].memory_mib >= 6000
+        assert by_app["a"].forecast_mem_p90_mib > 2000
+    assert mgr.stats.rejected == 1 and mgr.stats.forecast_ticks >= 2
