@@ -1,0 +1,271 @@
+"""vgpu/auth.py: tokens, the access policy, and the interceptor in front of the real Allocator servicer."""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+from structlog.testing import capture_logs
+
+from vgpu import auth
+from vgpu.auth import AccessControl, AuthInterceptor, Denied, Principal, TokenAuthority
+from vgpu.v1 import allocator_pb2 as pb
+from vgpu.v1 import allocator_pb2_grpc as pb_grpc
+
+
+# --- tokens -------------------------------------------------------------------------------------------
+def test_tokens_round_trip_and_reject_forgeries(tmp_path: Path) -> None:
+    ta = TokenAuthority(tmp_path / "tokens")
+    assert ta.verify(ta.token_for("operator")) == Principal("operator", via="token")
+    assert ta.verify(ta.token_for("app:a/b c")) == Principal("app", app_id="a/b c", via="token")
+    forged = ta.token_for("app:a").replace(auth._b64(b"app:a"), auth._b64(b"operator"))
+    assert ta.verify(forged) is None
+    other = TokenAuthority(tmp_path / "other")
+    assert other.verify(ta.token_for("operator")) is None
+    for junk in ("", "vgpu1", "vgpu1.!!.00", "Bearer x", "vgpu1.b3BlcmF0b3I.zz", ta.token_for("nobody")):
+        assert ta.verify(junk) is None, junk
+    # Stable across restarts: the secret is kept in the token directory.
+    assert TokenAuthority(tmp_path / "tokens").verify(ta.token_for("operator")) is not None
+
+
+def test_token_files_are_private(tmp_path: Path) -> None:
+    ta = TokenAuthority(tmp_path / "tokens")
+    paths = ta.write_role_tokens()
+    app_path = ta.write_app_token("job/1")
+    for path in [*paths.values(), app_path, tmp_path / "tokens" / "secret"]:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    assert ta.verify(paths["operator"].read_text()) == Principal("operator", via="token")
+    assert app_path.name == "job%2F1.token"
+    assert ta.verify(app_path.read_text()) == Principal("app", app_id="job/1", via="token")
+
+
+def test_group_readable_operator_token(tmp_path: Path) -> None:
+    import grp
+
+    group = grp.getgrgid(os.getgid()).gr_name
+    ta = TokenAuthority(tmp_path / "tokens", operator_group=group)
+    path = ta.write_role_tokens()["operator"]
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640 and path.stat().st_gid == os.getgid()
+
+
+def test_unknown_group_and_bad_secret_are_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(auth.AuthSetupError, match="group 'no-such-group-xyz' does not exist"):
+        TokenAuthority(tmp_path / "t", operator_group="no-such-group-xyz")
+    (tmp_path / "u").mkdir()
+    (tmp_path / "u" / "secret").write_bytes(b"short")
+    with pytest.raises(auth.AuthSetupError, match="holds 5 bytes"):
+        TokenAuthority(tmp_path / "u")
+
+
+# --- the policy, without gRPC ------------------------------------------------------------------------------
+@dataclass
+class Registry:
+    claimed: set[str] = field(default_factory=set)
+
+    def app_claimed(self, app_id: str) -> bool:
+        return app_id in self.claimed
+
+    def claim_app(self, app_id: str) -> bool:
+        new = app_id not in self.claimed
+        self.claimed.add(app_id)
+        return new
+
+
+@dataclass
+class Grants:
+    owners: dict[str, str] = field(default_factory=dict)
+
+    def grant_owner(self, grant_id: str) -> str | None:
+        return self.owners.get(grant_id)
+
+    def has_app(self, app_id: str) -> bool:
+        return app_id in self.owners.values()
+
+
+def _access(tmp_path: Path, **kw: bool) -> AccessControl:
+    return AccessControl(
+        TokenAuthority(tmp_path / "tokens"),
+        Registry({"a"}),
+        Grants({"ga": "a", "gx": "unclaimed-but-granted"}),
+        **kw,
+    )
+
+
+def _req(app_id: str) -> pb.RequestResourceAllocationRequest:
+    return pb.RequestResourceAllocationRequest(request=pb.ResourceRequest(app_id=app_id, memory_mib=1))
+
+
+OP = Principal("operator")
+APP_A = Principal("app", "a")
+APP_B = Principal("app", "b")
+PROF = Principal("profiler")
+ANON = auth.ANONYMOUS
+DENY = grpc.StatusCode.PERMISSION_DENIED
+UNAUTH = grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.mark.parametrize(
+    ("need", "who", "req", "expect"),
+    [
+        ("operator", OP, None, None),
+        ("operator", APP_A, None, DENY),
+        ("operator", PROF, None, DENY),
+        ("operator", ANON, None, UNAUTH),
+        ("profiler", PROF, None, None),
+        ("profiler", APP_A, None, DENY),
+        ("profiler", ANON, None, UNAUTH),
+        ("read", ANON, None, None),
+        ("app_request", APP_A, _req("a"), None),
+        ("app_request", APP_B, _req("a"), DENY),
+        ("app_request", ANON, _req("a"), DENY),  # claimed by someone else
+        ("app_request", ANON, _req("unclaimed-but-granted"), DENY),  # the ledger knows it
+        ("app_request", ANON, _req("new"), "new"),  # claimable
+        ("app_request", OP, _req("a"), None),
+        ("app_grant", APP_A, pb.ReleaseResourcesRequest(grant_id="ga"), None),
+        ("app_grant", APP_B, pb.ReleaseResourcesRequest(grant_id="ga"), DENY),
+        ("app_grant", PROF, pb.ReleaseResourcesRequest(grant_id="ga"), DENY),
+        ("app_grant", ANON, pb.ReleaseResourcesRequest(grant_id="ga"), UNAUTH),
+        ("app_grant", OP, pb.ReleaseResourcesRequest(grant_id="ga"), None),
+        ("app_grant", APP_B, pb.ReleaseResourcesRequest(grant_id="missing"), None),  # servicer: NOT_FOUND
+    ],
+)
+def test_policy(tmp_path: Path, need: auth.Need, who: Principal, req: object, expect: object) -> None:
+    access = _access(tmp_path)
+    if isinstance(expect, grpc.StatusCode):
+        with pytest.raises(Denied) as info:
+            access.authorize(need, who, req)
+        assert info.value.code == expect
+    else:
+        assert access.authorize(need, who, req) == expect
+
+
+def test_closed_reads_and_no_self_registration(tmp_path: Path) -> None:
+    access = _access(tmp_path, open_reads=False, app_self_registration=False)
+    with pytest.raises(Denied):
+        access.authorize("read", ANON, None)
+    assert access.authorize("read", APP_B, None) is None
+    with pytest.raises(Denied) as info:
+        access.authorize("app_request", ANON, _req("new"))
+    assert info.value.code == UNAUTH
+
+
+def test_identify(tmp_path: Path) -> None:
+    access = _access(tmp_path)
+    tok = access.authority.token_for("app:a")
+    assert access.identify(auth.bearer(tok), verified_client_cert=False) == Principal("app", "a", "token")
+    assert access.identify((), verified_client_cert=False) == ANON
+    assert access.identify((), verified_client_cert=True) == Principal("profiler", via="mtls")
+    for bad in ((("authorization", "Bearer nope"),), (("authorization", "Basic abc"),)):
+        with pytest.raises(Denied) as info:
+            access.identify(bad, verified_client_cert=False)
+        assert info.value.code == UNAUTH
+
+
+def test_unknown_methods_need_the_operator() -> None:
+    assert auth.need_for("/vgpu.v1.Allocator/SomethingNew") == "operator"
+    assert auth.need_for("/grpc.health.v1.Health/Check") == "open"
+    assert auth.need_for("/vgpu.v1.Allocator/SetResourceLimits") == "operator"
+
+
+# --- through gRPC, in front of the real servicer -----------------------------------------------------------
+@dataclass
+class Served:
+    channel: grpc.aio.Channel
+    stub: pb_grpc.AllocatorStub
+    authority: TokenAuthority
+    allocator: object
+
+    def tok(self, scope: str) -> tuple[tuple[str, str], ...]:
+        return auth.bearer(self.authority.token_for(scope))
+
+
+@pytest.fixture
+async def served(tmp_path: Path) -> AsyncIterator[Served]:
+    from allocator.core import Allocator
+    from allocator.service import AllocatorServicer, build_server
+    from manager.daemon import LedgerView
+    from vgpu.device.sim import SimBackend
+
+    allocator = Allocator(SimBackend(["h100-80gb"]), dry_run=False)
+    authority = TokenAuthority(tmp_path / "tokens")
+    access = AccessControl(authority, Registry(), LedgerView(allocator))
+    sock = f"unix:{tmp_path}/s.sock"
+    server = build_server(
+        sock,
+        allocator_servicer=AllocatorServicer(allocator, identify=auth.identify_caller),
+        interceptors=[AuthInterceptor(access)],
+    )
+    await server.start()
+    channel = grpc.aio.insecure_channel(sock)
+    try:
+        yield Served(channel, pb_grpc.AllocatorStub(channel), authority, allocator)
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
+async def _request(s: Served, app: str, mib: float, md: tuple[tuple[str, str], ...] = ()) -> tuple[pb.Grant, str]:
+    msg = pb.RequestResourceAllocationRequest(request=pb.ResourceRequest(app_id=app, memory_mib=mib))
+    call = s.stub.RequestResourceAllocation(msg, metadata=md)
+    resp = await call
+    trailers = dict(await call.trailing_metadata() or ())
+    return resp.grant, trailers.get(auth.APP_TOKEN_TRAILER, "")
+
+
+async def test_an_app_cannot_release_or_resize_anothers_grant(served: Served) -> None:
+    grant_a, token_a = await _request(served, "a", 1024)
+    assert served.authority.verify(token_a) == Principal("app", "a", "token")
+    before = served.allocator.ledger.to_records()  # type: ignore[attr-defined]
+    with capture_logs() as logs:
+        for md, code in ((served.tok("app:b"), DENY), ((), UNAUTH), ((("authorization", "Bearer forged"),), UNAUTH)):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await served.stub.ReleaseResources(pb.ReleaseResourcesRequest(grant_id=grant_a.grant_id), metadata=md)
+            assert info.value.code() == code
+        # "Resizing" is a request on the app's behalf; b may not do it either, nor claim a again.
+        for md in (served.tok("app:b"), ()):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await _request(served, "a", 4096, md)
+            assert info.value.code() == DENY
+    assert served.allocator.ledger.to_records() == before  # type: ignore[attr-defined]
+    denied = [e for e in logs if e["event"] == "access_denied"]
+    assert len(denied) == 5 and {e["method"] for e in denied} >= {"/vgpu.v1.Allocator/ReleaseResources"}
+    # The owner and the operator may.
+    await served.stub.ReleaseResources(pb.ReleaseResourcesRequest(grant_id=grant_a.grant_id), metadata=auth.bearer(token_a))
+    grant_a2, _ = await _request(served, "a", 10, served.tok("app:a"))
+    await served.stub.ReleaseResources(pb.ReleaseResourcesRequest(grant_id=grant_a2.grant_id), metadata=served.tok("operator"))
+    assert served.allocator.ledger.grants() == []  # type: ignore[attr-defined]
+
+
+async def test_operator_calls_need_the_role(served: Served) -> None:
+    limits = pb.SetResourceLimitsRequest(limits=pb.AppLimits(app_id="a", max_memory_mib=100))
+    for md, code in ((served.tok("app:a"), DENY), (served.tok("profiler"), DENY), ((), UNAUTH)):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await served.stub.SetResourceLimits(limits, metadata=md)
+        assert info.value.code() == code
+    assert served.allocator.ledger.limits("a") is None  # type: ignore[attr-defined]
+    resp = await served.stub.SetResourceLimits(limits, metadata=served.tok("operator"))
+    assert resp.limits.max_memory_mib == 100
+
+
+async def test_reads_are_open_and_failed_requests_claim_nothing(served: Served) -> None:
+    avail = await served.stub.GetAvailableResources(pb.GetAvailableResourcesRequest())
+    assert len(avail.devices) == 1
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await _request(served, "big", 10_000_000)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # Nothing was claimed by the failed call: a later caller may still claim "big".
+    _, token = await _request(served, "big", 10)
+    assert token
+
+
+async def test_watch_stream_passes_through(served: Served) -> None:
+    call = served.stub.WatchAllocations(pb.WatchAllocationsRequest(app_id="w"))
+    await _request(served, "w", 5)
+    event = await call.read()
+    assert event.kind == pb.AllocationEvent.GRANTED and event.grant.app_id == "w"
+    call.cancel()

@@ -1,0 +1,516 @@
+"""Who is calling, and may they? Scoped tokens, mutual TLS, and one access rule per RPC.
+
+Identity. gRPC's Python server does not expose the Unix socket peer's credentials (SO_PEERCRED):
+`context.peer()` is just `"unix:"` and the auth context says only `transport_security_type:
+insecure|local`. So the socket's owner/group/mode decides who may *connect*, and scoped tokens say
+who is *calling*:
+
+- a token is `vgpu1.<base64url(scope)>.<hex HMAC-SHA256(secret, scope)>`, sent as metadata
+  `authorization: Bearer <token>`; the secret (32 random bytes) lives in `<state_dir>/tokens/secret`
+  (0600), so tokens are stable across restarts and deleting the secret revokes all of them;
+- scopes: `operator` (every call), `profiler` (Ingest streams) and `app:<id>` (that application's
+  own grants). The daemon writes `tokens/operator.token` and `tokens/profiler.token` (0600, or 0640
+  with a configured group) and `tokens/apps/<id>.token` (0600) for each application it knows;
+- a client with no token may claim an application id that nobody owns yet and has nothing in the
+  ledger (`auth.app_self_registration`); its first grant comes back with the application's token in
+  the trailing metadata `vgpu-app-token`;
+- over TCP (TLS only) a client certificate verified against `tls.ca` makes the caller a profiler.
+
+Every denied call is answered PERMISSION_DENIED (known caller, not allowed) or UNAUTHENTICATED (no
+or a bad token), never reaches the servicer (so it changes nothing), and is logged as
+`access_denied`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextvars
+import grp
+import hashlib
+import hmac
+import inspect
+import os
+import secrets
+import urllib.parse
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import grpc
+import structlog
+
+from vgpu.log import get_logger
+
+TOKEN_PREFIX = "vgpu1"
+AUTH_METADATA_KEY = "authorization"
+APP_TOKEN_TRAILER = "vgpu-app-token"
+SECRET_BYTES = 32
+
+Role = Literal["operator", "profiler", "app", "anonymous"]
+# What a method needs. "app_request": the request's app_id must be the caller's (or claimable);
+# "app_grant": the grant's owner must be the caller; "read": anyone when open_reads, else a token.
+Need = Literal["open", "read", "operator", "profiler", "app_request", "app_grant"]
+
+METHOD_NEEDS: dict[str, Need] = {
+    "/vgpu.v1.Allocator/RequestResourceAllocation": "app_request",
+    "/vgpu.v1.Allocator/ReleaseResources": "app_grant",
+    "/vgpu.v1.Allocator/GetAvailableResources": "read",
+    "/vgpu.v1.Allocator/ListApplications": "read",
+    "/vgpu.v1.Allocator/WatchAllocations": "read",
+    "/vgpu.v1.Allocator/SetResourceLimits": "operator",
+    "/vgpu.v1.Ingest/StreamSignatures": "profiler",
+}
+OPEN_PREFIXES: tuple[str, ...] = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+_CALLER: contextvars.ContextVar[str | None] = contextvars.ContextVar("vgpu_caller", default=None)
+
+
+def identify_caller(_context: object = None) -> str | None:
+    """The application the current call acts as (None: a trusted caller, operator or profiler), for
+    `allocator.service.AllocatorServicer(identify=...)`. Set by `AuthInterceptor` for the call's task,
+    so the ledger re-checks ownership behind the interceptor (defence in depth)."""
+    return _CALLER.get()
+
+
+def need_for(method: str) -> Need:
+    """The access a method needs; a method this table does not know needs the operator."""
+    if method.startswith(OPEN_PREFIXES):
+        return "open"
+    return METHOD_NEEDS.get(method, "operator")
+
+
+class AuthSetupError(RuntimeError):
+    """The token directory, its secret or a configured group cannot be set up."""
+
+
+@dataclass(frozen=True)
+class Principal:
+    role: Role
+    app_id: str = ""
+    # "token", "mtls" or "none"
+    via: str = "none"
+
+    def describe(self) -> str:
+        return f"app:{self.app_id}" if self.role == "app" else self.role
+
+
+ANONYMOUS = Principal("anonymous")
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).decode("ascii").rstrip("=")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def app_token_filename(app_id: str) -> str:
+    """A file name for an application id (any characters, '/' included)."""
+    return urllib.parse.quote(app_id, safe="") + ".token"
+
+
+class TokenAuthority:
+    """Issues and verifies scoped tokens; owns `<state_dir>/tokens/`."""
+
+    def __init__(
+        self,
+        token_dir: Path,
+        *,
+        operator_group: str = "",
+        profiler_group: str = "",
+        secret: bytes | None = None,
+    ) -> None:
+        self.token_dir = Path(token_dir)
+        self._groups = {"operator": operator_group, "profiler": profiler_group}
+        for name in self._groups.values():
+            if name:
+                _gid(name)  # fail at start, not at the first write
+        self._secret = secret if secret is not None else self._load_or_create_secret()
+
+    def _load_or_create_secret(self) -> bytes:
+        path = self.token_dir / "secret"
+        try:
+            self.token_dir.mkdir(parents=True, exist_ok=True)
+            os.chmod(self.token_dir, 0o711)  # traversable, not listable
+            if not path.exists():
+                _write_private(path, secrets.token_bytes(SECRET_BYTES), 0o600)
+            data = path.read_bytes()
+        except OSError as exc:
+            raise AuthSetupError(f"cannot set up the token secret {path}: {exc}") from exc
+        if len(data) != SECRET_BYTES:
+            raise AuthSetupError(
+                f"{path} holds {len(data)} bytes, expected {SECRET_BYTES}; delete it to issue new tokens"
+            )
+        return data
+
+    def token_for(self, scope: str) -> str:
+        mac = hmac.new(self._secret, scope.encode("utf-8"), hashlib.sha256).hexdigest()
+        return f"{TOKEN_PREFIX}.{_b64(scope.encode('utf-8'))}.{mac}"
+
+    def verify(self, token: str) -> Principal | None:
+        """The principal a token names, or None when it is not one of ours."""
+        parts = token.strip().split(".")
+        if len(parts) != 3 or parts[0] != TOKEN_PREFIX:
+            return None
+        try:
+            scope = _unb64(parts[1]).decode("utf-8")
+        except (binascii.Error, UnicodeDecodeError, ValueError):
+            return None
+        if not hmac.compare_digest(self.token_for(scope), token.strip()):
+            return None
+        if scope == "operator":
+            return Principal("operator", via="token")
+        if scope == "profiler":
+            return Principal("profiler", via="token")
+        if scope.startswith("app:") and len(scope) > 4:
+            return Principal("app", app_id=scope[4:], via="token")
+        return None
+
+    # --- token files -------------------------------------------------------------------------------
+    def role_token_path(self, role: Literal["operator", "profiler"]) -> Path:
+        return self.token_dir / f"{role}.token"
+
+    def app_token_path(self, app_id: str) -> Path:
+        return self.token_dir / "apps" / app_token_filename(app_id)
+
+    def write_role_tokens(self) -> dict[str, Path]:
+        """(Re)write operator.token and profiler.token with their modes and groups."""
+        out: dict[str, Path] = {}
+        for role in ("operator", "profiler"):
+            path = self.role_token_path(role)  # type: ignore[arg-type]
+            group = self._groups[role]
+            try:
+                _write_private(path, (self.token_for(role) + "\n").encode(), 0o640 if group else 0o600)
+                if group:
+                    os.chown(path, -1, _gid(group))
+            except OSError as exc:
+                raise AuthSetupError(f"cannot write {path}: {exc}") from exc
+            out[role] = path
+        return out
+
+    def write_app_token(self, app_id: str) -> Path:
+        path = self.app_token_path(app_id)
+        try:
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            _write_private(path, (self.token_for(f"app:{app_id}") + "\n").encode(), 0o600)
+        except OSError as exc:
+            raise AuthSetupError(f"cannot write {path}: {exc}") from exc
+        return path
+
+
+def _gid(group: str) -> int:
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise AuthSetupError(f"group {group!r} does not exist (create it, or clear the setting)") from None
+
+
+def _write_private(path: Path, data: bytes, mode: int) -> None:
+    """Write atomically with `mode` from the start (never briefly world-readable)."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+def bearer(token: str) -> tuple[tuple[str, str], ...]:
+    """Call metadata carrying a token."""
+    return ((AUTH_METADATA_KEY, f"Bearer {token.strip()}"),)
+
+
+class AppRegistry(Protocol):
+    """What access control needs to know about applications and grants."""
+
+    def app_claimed(self, app_id: str) -> bool: ...
+
+    def claim_app(self, app_id: str) -> bool: ...
+
+
+class LedgerView(Protocol):
+    def grant_owner(self, grant_id: str) -> str | None:
+        """The app_id holding the grant; None if there is no such grant."""
+        ...
+
+    def has_app(self, app_id: str) -> bool:
+        """The ledger holds grants or limits for the application."""
+        ...
+
+
+@dataclass(frozen=True)
+class Denied(Exception):
+    code: grpc.StatusCode
+    reason: str
+
+
+class AccessControl:
+    """Decides each call. Pure policy over a principal and a request; no gRPC objects needed."""
+
+    def __init__(
+        self,
+        authority: TokenAuthority,
+        registry: AppRegistry,
+        ledger: LedgerView,
+        *,
+        open_reads: bool = True,
+        app_self_registration: bool = True,
+        mtls_role: Role = "profiler",
+    ) -> None:
+        self.authority = authority
+        self.registry = registry
+        self.ledger = ledger
+        self.open_reads = open_reads
+        self.app_self_registration = app_self_registration
+        self.mtls_role = mtls_role
+
+    def identify(self, metadata: Sequence[tuple[str, str | bytes]], *, verified_client_cert: bool) -> Principal:
+        """The caller: from a token if one is sent (a bad one raises Denied UNAUTHENTICATED),
+        else from a verified client certificate, else anonymous."""
+        for key, value in metadata:
+            if key.lower() != AUTH_METADATA_KEY:
+                continue
+            text = value.decode() if isinstance(value, bytes) else value
+            scheme, _, token = text.partition(" ")
+            if scheme.lower() != "bearer" or not token:
+                raise Denied(grpc.StatusCode.UNAUTHENTICATED, "authorization metadata must be 'Bearer <token>'")
+            principal = self.authority.verify(token)
+            if principal is None:
+                raise Denied(
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    "the token is not valid for this daemon (revoked, or issued by another state directory)",
+                )
+            return principal
+        if verified_client_cert:
+            return Principal(self.mtls_role, via="mtls")
+        return ANONYMOUS
+
+    def authorize(self, need: Need, principal: Principal, request: object) -> str | None:
+        """None if allowed outright; an app_id to claim for an anonymous caller after success;
+        raises Denied otherwise."""
+        role = principal.role
+        if need == "open" or role == "operator":
+            return None
+        if need == "read":
+            if self.open_reads or role != "anonymous":
+                return None
+            raise Denied(grpc.StatusCode.UNAUTHENTICATED, "reads need a token on this daemon (auth.open_reads=false)")
+        if need == "operator":
+            if role == "anonymous":
+                raise Denied(grpc.StatusCode.UNAUTHENTICATED, "this call needs the operator token")
+            raise Denied(grpc.StatusCode.PERMISSION_DENIED, f"{principal.describe()} may not do this; it needs the operator role")
+        if need == "profiler":
+            if role == "profiler":
+                return None
+            if role == "anonymous":
+                raise Denied(grpc.StatusCode.UNAUTHENTICATED, "streaming signatures needs the profiler token")
+            raise Denied(grpc.StatusCode.PERMISSION_DENIED, f"{principal.describe()} may not stream signatures")
+        if need == "app_request":
+            app_id = _request_app_id(request)
+            if role == "app":
+                if principal.app_id == app_id:
+                    return None
+                raise Denied(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"app:{principal.app_id} may not request resources for application {app_id!r}",
+                )
+            if role == "anonymous" and app_id:
+                if not self.app_self_registration:
+                    raise Denied(grpc.StatusCode.UNAUTHENTICATED, "requests need the application's token")
+                if self.registry.app_claimed(app_id) or self.ledger.has_app(app_id):
+                    raise Denied(
+                        grpc.StatusCode.PERMISSION_DENIED,
+                        f"application {app_id!r} is owned by another client; present its token",
+                    )
+                return app_id
+            if role == "anonymous":
+                return None  # empty app_id: the servicer answers INVALID_ARGUMENT
+            raise Denied(grpc.StatusCode.PERMISSION_DENIED, f"{principal.describe()} may not request resources")
+        if need == "app_grant":
+            grant_id = str(getattr(request, "grant_id", ""))
+            owner = self.ledger.grant_owner(grant_id)
+            if owner is None:
+                if role == "anonymous":
+                    raise Denied(grpc.StatusCode.UNAUTHENTICATED, "releasing a grant needs a token")
+                return None  # the servicer answers NOT_FOUND
+            if role == "app" and principal.app_id == owner:
+                return None
+            if role == "anonymous":
+                raise Denied(
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    f"grant {grant_id} belongs to {owner!r}: present its token or the operator token",
+                )
+            raise Denied(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{principal.describe()} may not change grant {grant_id} of application {owner!r}",
+            )
+        raise Denied(grpc.StatusCode.PERMISSION_DENIED, f"unknown access rule {need!r}")
+
+    def claim(self, app_id: str) -> str:
+        """Mark the application owned, write its token file, and return the token."""
+        self.registry.claim_app(app_id)
+        self.authority.write_app_token(app_id)
+        return self.authority.token_for(f"app:{app_id}")
+
+
+def _request_app_id(request: object) -> str:
+    inner = getattr(request, "request", None)
+    return str(getattr(inner, "app_id", "") if inner is not None else getattr(request, "app_id", ""))
+
+
+def _verified_client_cert(context: Any) -> bool:
+    try:
+        auth = context.auth_context()
+    except Exception:  # noqa: BLE001 - no auth context: not TLS
+        return False
+    kind = [v.decode() if isinstance(v, bytes) else v for v in auth.get("transport_security_type", [])]
+    return "ssl" in kind and bool(auth.get("x509_common_name") or auth.get("x509_subject"))
+
+
+Behavior = Callable[..., Any]
+Before = Callable[[object, Any], Awaitable[Any]]
+After = Callable[[Any, Any, bool], Awaitable[None]]
+
+
+def wrap_handler(handler: grpc.RpcMethodHandler, before: Before, after: After | None = None) -> grpc.RpcMethodHandler:
+    """A handler that awaits `before(request, context)` (request is None for client-streaming
+    calls; it aborts the call to deny it), then runs the original, then always awaits
+    `after(state, context, ok)` where `state` is what `before` returned and `ok` says whether the
+    original returned normally. Both streaming styles (async generator, context.write) are kept."""
+
+    async def run(request: object, context: Any, body: Callable[[], Awaitable[Any]]) -> Any:
+        state = await before(request, context)
+        ok = False
+        try:
+            result = await body()
+            ok = True
+            return result
+        finally:
+            if after is not None:
+                await after(state, context, ok)
+
+    async def run_gen(request: object, context: Any, items: Callable[[], AsyncIterator[Any]]) -> AsyncIterator[Any]:
+        state = await before(request, context)
+        ok = False
+        try:
+            async for item in items():
+                yield item
+            ok = True
+        finally:
+            if after is not None:
+                await after(state, context, ok)
+
+    kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+    if handler.unary_unary is not None:
+        uu = handler.unary_unary
+
+        async def uu_wrapped(request: object, context: Any) -> Any:
+            return await run(request, context, lambda: uu(request, context))
+
+        return grpc.unary_unary_rpc_method_handler(uu_wrapped, **kw)
+    if handler.stream_unary is not None:
+        su = handler.stream_unary
+
+        async def su_wrapped(requests: Any, context: Any) -> Any:
+            return await run(None, context, lambda: su(requests, context))
+
+        return grpc.stream_unary_rpc_method_handler(su_wrapped, **kw)
+    streaming = handler.unary_stream if handler.unary_stream is not None else handler.stream_stream
+    client_streams = handler.unary_stream is None
+    make = grpc.stream_stream_rpc_method_handler if client_streams else grpc.unary_stream_rpc_method_handler
+
+    if inspect.isasyncgenfunction(streaming):
+
+        async def gen_wrapped(request: Any, context: Any) -> AsyncIterator[Any]:
+            # grpc picks the streaming style with inspect.isasyncgenfunction: this must be one.
+            async for item in run_gen(None if client_streams else request, context, lambda: streaming(request, context)):
+                yield item
+
+        return make(gen_wrapped, **kw)
+
+    async def co_wrapped(request: Any, context: Any) -> Any:
+        return await run(None if client_streams else request, context, lambda: streaming(request, context))
+
+    return make(co_wrapped, **kw)
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Applies `AccessControl` to every call before the servicer sees it."""
+
+    def __init__(
+        self,
+        access: AccessControl,
+        *,
+        logger: structlog.typing.FilteringBoundLogger | None = None,
+        on_denied: Callable[[str, grpc.StatusCode], None] | None = None,
+    ) -> None:
+        self.access = access
+        self._log = logger or get_logger("vgpu.auth")
+        self._on_denied = on_denied
+        # Claims of new application ids are serialised so two anonymous callers cannot both win.
+        self._claim_lock = asyncio.Lock()
+
+    async def _deny(self, context: Any, method: str, caller: str, denied: Denied) -> None:
+        self._log.warning("access_denied", method=method, caller=caller, code=denied.code.name, reason=denied.reason)
+        if self._on_denied is not None:
+            self._on_denied(method, denied.code)
+        await context.abort(denied.code, denied.reason)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method: str = handler_call_details.method
+        need = need_for(method)
+        if handler is None or need == "open":
+            return handler
+        metadata = tuple(handler_call_details.invocation_metadata or ())
+        access = self.access
+
+        async def before(request: object, context: Any) -> tuple[str | None, bool]:
+            caller = "bad-token"
+            try:
+                principal = access.identify(metadata, verified_client_cert=_verified_client_cert(context))
+                caller = principal.describe()
+                claim = access.authorize(need, principal, request)
+            except Denied as denied:
+                await self._deny(context, method, caller, denied)
+                raise  # abort raises; never reached
+            _CALLER.set(principal.app_id if principal.role == "app" else claim)
+            if claim is None and principal.role == "operator" and need == "app_request":
+                app_id = _request_app_id(request)
+                if app_id and not access.registry.app_claimed(app_id):
+                    claim = app_id  # the operator's first grant for an app creates its token file
+            if claim is None:
+                return None, False
+            await self._claim_lock.acquire()
+            try:  # re-check under the lock: another caller may have claimed it meanwhile
+                access.authorize(need, principal, request)
+            except Denied as denied:
+                self._claim_lock.release()
+                await self._deny(context, method, caller, denied)
+                raise
+            return claim, True
+
+        async def after(state: tuple[str | None, bool], context: Any, ok: bool) -> None:
+            claim, locked = state
+            try:
+                if claim is not None and ok:
+                    token = access.claim(claim)
+                    context.set_trailing_metadata(((APP_TOKEN_TRAILER, token),))
+                    self._log.info("app_claimed", app=claim, token_file=str(access.authority.app_token_path(claim)))
+            finally:
+                if locked:
+                    self._claim_lock.release()
+
+        return wrap_handler(handler, before, after)
