@@ -26,7 +26,7 @@ import structlog
 from allocator.enforce import PowerLimitMechanism, PowerLimitResult
 from allocator.errors import DeviceError, InvalidRequest, NotSupported, VerifyFailed
 from allocator.ledger import AppLimits, DeviceCapacity, Grant, Ledger
-from allocator.plan import BaselinePolicy, DeviceView, MigTarget, Plan, Policy, Recommendation
+from allocator.plan import BaselinePolicy, DeviceView, GrantTarget, MigTarget, Plan, Policy, Recommendation
 from vgpu.device.base import Backend, Device, GpuInstance, PowerConstraints
 from vgpu.log import get_logger
 
@@ -434,7 +434,7 @@ class Allocator:
         plan: Plan = self.policy.plan(usable, views, self.clock())
         created: list[Grant] = []
         resized: list[Grant] = []
-        for target in plan.grants:
+        for target in self._shrinks_first(plan.grants):
             try:
                 if target.grant_id is None:
                     mem_room, sm_room = self.ledger.headroom(target.app_id, target.device_id)
@@ -470,6 +470,21 @@ class Allocator:
             mig_changes=mig_changes,
             skipped=tuple(skipped),
         )
+
+    def _shrinks_first(self, targets: Sequence[GrantTarget]) -> list[GrantTarget]:
+        """Carry out shrinking resizes before growing ones and new grants, so that what one
+        application gives back in a plan is there for another to take."""
+
+        def growth(t: GrantTarget) -> float:
+            if t.grant_id is None:
+                return math.inf
+            try:
+                g = self.ledger.get(t.grant_id)
+            except DeviceError:
+                return math.inf
+            return max(t.memory_mib - g.memory_mib, 0.0) + max(t.sm_pct - g.sm_pct, 0.0) * 1e3
+
+        return sorted(targets, key=growth)
 
     def _apply_power(self, device_id: str, limit_mw: int, reason: str) -> PowerLimitResult | None:
         dev = self._read_device(device_id)

@@ -102,8 +102,9 @@ class BaselinePolicy:
 
     Grants: an application's most recent grant on the device follows the recommendation (minus its
     other grants there); a grant the application requested itself only grows, never shrinks below
-    its size; a change smaller than the thresholds is ignored (VPA's "ignore small changes"); an
-    application without a grant gets a forecast grant. The allocator clamps growth to what fits.
+    its size; an application without a grant gets a forecast grant. When the wanted SM shares of a
+    device add up to more than 100 %, they are scaled down in proportion. Then a change smaller than
+    the thresholds is ignored (VPA's "ignore small changes"). The allocator clamps growth to what fits.
 
     Power: the limit follows the summed recommended SM share of the device's applications, scaled
     into the device's [min, max] range with `power_headroom` on top, in `power_step_mw` steps, and
@@ -124,7 +125,8 @@ class BaselinePolicy:
 
     def plan(self, recommendations: Sequence[Recommendation], devices: Sequence[DeviceView], now_s: float) -> Plan:
         views = {d.device_id: d for d in devices}
-        grants: list[GrantTarget] = []
+        wanted: list[GrantTarget] = []
+        current: dict[str, Grant] = {}
         demand_pct: dict[str, float] = {}
         for rec in recommendations:
             view = views.get(rec.device_id)
@@ -133,7 +135,7 @@ class BaselinePolicy:
             demand_pct[rec.device_id] = demand_pct.get(rec.device_id, 0.0) + max(0.0, rec.sm_pct)
             mine = [g for g in view.grants if g.app_id == rec.app_id]
             if not mine:
-                grants.append(GrantTarget(rec.app_id, rec.device_id, rec.memory_mib, rec.sm_pct, None, "new"))
+                wanted.append(GrantTarget(rec.app_id, rec.device_id, rec.memory_mib, min(100.0, rec.sm_pct), None, "new"))
                 continue
             managed = max(mine, key=lambda g: g.created_at_s)
             other_mem = sum(g.memory_mib for g in mine if g is not managed)
@@ -142,9 +144,14 @@ class BaselinePolicy:
             sm = min(100.0, max(0.0, rec.sm_pct - other_sm))
             if managed.source == "request":
                 mem, sm = max(mem, managed.memory_mib), max(sm, managed.sm_pct)
-            if self._small(managed.memory_mib, mem, managed.sm_pct, sm):
-                continue
-            grants.append(GrantTarget(rec.app_id, rec.device_id, mem, sm, managed.grant_id, "forecast"))
+            current[managed.grant_id] = managed
+            wanted.append(GrantTarget(rec.app_id, rec.device_id, mem, sm, managed.grant_id, "forecast"))
+        grants = [
+            t
+            for t in self._fair_share_sm(wanted, views)
+            if t.grant_id is None
+            or not self._small(current[t.grant_id].memory_mib, t.memory_mib, current[t.grant_id].sm_pct, t.sm_pct)
+        ]
         power: list[PowerTarget] = []
         if self.manage_power:
             for device_id, pct in demand_pct.items():
@@ -152,6 +159,28 @@ class BaselinePolicy:
                 if target is not None:
                     power.append(target)
         return Plan(grants=tuple(grants), power=tuple(power))
+
+    @staticmethod
+    def _fair_share_sm(targets: list[GrantTarget], views: dict[str, DeviceView]) -> list[GrantTarget]:
+        """When a device's wanted SM shares add up to more than it has, scale them down in proportion
+        (grants of applications without a recommendation keep theirs), so every application gets a
+        share instead of the first ones taking everything."""
+        out = list(targets)
+        for device_id, view in views.items():
+            idx = [i for i, t in enumerate(out) if t.device_id == device_id]
+            if not idx:
+                continue
+            planned = {out[i].grant_id for i in idx}
+            fixed = sum(g.sm_pct for g in view.grants if g.grant_id not in planned)
+            want = sum(out[i].sm_pct for i in idx)
+            room = max(0.0, view.sm_total_pct - fixed)
+            if want > room + 1e-9 and want > 0:
+                scale = room / want
+                for i in idx:
+                    t = out[i]
+                    out[i] = GrantTarget(t.app_id, t.device_id, t.memory_mib, t.sm_pct * scale, t.grant_id,
+                                         (t.reason + ", " if t.reason else "") + f"SM fair share x{scale:.2f}")
+        return out
 
     def _power_target(self, view: DeviceView, demand_pct: float) -> PowerTarget | None:
         c = view.power_constraints

@@ -313,3 +313,12 @@ async def test_grpc_watch_and_health(served: tuple[pb_grpc.AllocatorStub, Alloca
     for name in ("", "vgpu.v1.Allocator"):
         resp = await health.Check(health_pb2.HealthCheckRequest(service=name))
         assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_oversubscribed_sm_is_shared_in_proportion_and_shrinks_go_first() -> None:
+    alloc, _, _ = make_allocator()
+    alloc.apply_recommendations([rec("a", 1000, 80)])
+    assert alloc.ledger.grants()[0].sm_pct == 80
+    alloc.apply_recommendations([rec("a", 1000, 60), rec("b", 1000, 60)])
+    shares = {g.app_id: g.sm_pct for g in alloc.ledger.grants()}
+    assert shares == pytest.approx({"a": 50, "b": 50})  # a shrank first, so b could take its share

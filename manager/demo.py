@@ -1,0 +1,328 @@
+"""`vgpu demo`: the whole pipeline on a simulated GPU, in one process, with no GPU needed.
+
+    vgpu demo [--seconds N] [--json] [--gpu h100-80gb] [--speed X] [--baseline]
+
+What runs: a simulated GPU (vgpu.device.sim) whose processes follow the applications of the bundled
+trace (vgpu/data/demo_trace.csv.gz, looping, at X times the trace's pace; the lightest starts first
+and runs alone for a quarter of the run, the others join one by one until 60 % of it);
+the profiler's sampler reading that GPU every 100 ms and streaming one batch per tick over gRPC on a
+Unix socket in a temporary directory; the manager forecasting every second (the trained model from
+manager/models when one loads, else the baseline; the demo says which) and handing recommendations
+to the allocator, which grants memory/SM shares and sets the GPU's power limit (restored at the end).
+
+Every second a plain-text table shows each application's usage, forecast and allocation and the
+GPU's power limit; at the end a summary. `--json` prints only the summary as one JSON object:
+{"apps", "ticks", "signatures", "decisions", "power_limit_changes", "mig_changes"}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+import numpy as np
+
+from allocator.core import Allocator
+from allocator.service import AllocatorServicer, build_server
+from manager.core import Manager, default_baseline
+from manager.forecast import Forecaster
+from manager.service import IngestServicer
+from profiler.sampler import Sampler
+from profiler.stream import SignatureStreamer
+from vgpu import log
+from vgpu.device.sim import SimBackend
+from vgpu.traces import AppTrace, Trace, read_trace
+from vgpu.v1 import signature_pb2
+
+MODELS_DIR = Path(__file__).resolve().parent / "models"
+_FIRST_PID = 4000
+
+
+@dataclass(frozen=True)
+class DemoSummary:
+    apps: int
+    ticks: int
+    signatures: int
+    decisions: int
+    power_limit_changes: int
+    mig_changes: int
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "apps": self.apps,
+                "ticks": self.ticks,
+                "signatures": self.signatures,
+                "decisions": self.decisions,
+                "power_limit_changes": self.power_limit_changes,
+                "mig_changes": self.mig_changes,
+            }
+        )
+
+
+@dataclass(frozen=True)
+class DemoResult:
+    summary: DemoSummary
+    forecaster: str  # what served, in words
+    # Sum over ticks of the applications the simulator had running, counted from the simulator itself.
+    apps_present_total: int
+    signatures_sent: int
+    rejected: int
+    power_limit_start_mw: int
+    power_limit_end_mw: int
+    power_limit_min_seen_mw: int
+    seconds: float
+
+
+def default_forecaster() -> tuple[Forecaster, str]:
+    """The trained model when one is present and loads, else the baseline; and a line saying which."""
+    baseline = default_baseline()
+    base_name = f"baseline ({getattr(baseline, 'name', 'baseline')})"
+    candidates = sorted(p for p in MODELS_DIR.glob("*.pt") if not p.name.startswith("coldstart"))
+    if not candidates:
+        return baseline, f"{base_name}: no trained forecaster in {MODELS_DIR}"
+    try:
+        from manager import predictor  # noqa: PLC0415 - imports torch; only when a model exists
+
+        named = getattr(predictor, "DEFAULT_MODEL_PATH", None) or getattr(predictor, "DEFAULT_CHECKPOINT", None)
+        path = Path(named) if named else candidates[0]
+        if not path.is_file():
+            path = candidates[0]
+        model: Forecaster = predictor.load_forecaster(path, "cpu")
+        return model, f"model ({path.name})"
+    except Exception as exc:  # noqa: BLE001 - any failure to load means the baseline serves
+        return baseline, f"{base_name}: the model did not load ({type(exc).__name__}: {exc})"
+
+
+def launch_order(trace: Trace) -> list[tuple[str, AppTrace]]:
+    """Applications by mean SM use, lightest first (ties by name)."""
+
+    def mean_sm(a: AppTrace) -> float:
+        sm = a.column("sm_util_pct")
+        return float(np.nanmean(sm)) if np.isfinite(sm).any() else 0.0
+
+    return sorted(trace.apps.items(), key=lambda kv: (mean_sm(kv[1]), kv[0]))
+
+
+def launch_offsets_s(n: int, seconds: float) -> list[float]:
+    """When each application starts: the first at once and alone for the first quarter of the run (so
+    the power limit can follow a light load down), the others evenly until 60 % of the run (so it
+    follows the load back up and the forecasts see every application for a while)."""
+    if n <= 1:
+        return [0.0] * n
+    first, last = 0.25 * seconds, 0.6 * seconds
+    return [0.0] + [first + (last - first) * i / max(1, n - 2) for i in range(n - 1)]
+
+
+class _CountingSource:
+    """The sampler, plus an independent count of the processes the simulator runs at each tick."""
+
+    def __init__(self, sampler: Sampler, backend: SimBackend) -> None:
+        self.sampler = sampler
+        self.backend = backend
+        self.apps_present_total = 0
+
+    def sample(self) -> list[signature_pb2.BehavioralSignature]:
+        self.apps_present_total += sum(len(d.processes()) for d in self.backend.devices())
+        return self.sampler.sample()
+
+    def close(self) -> None:
+        self.sampler.close()
+
+
+def _fmt(x: float, unit: str, width: int = 9) -> str:
+    return f"{'-':>{width}}" if not math.isfinite(x) else f"{x:>{width - len(unit) - 1}.0f} {unit}"
+
+
+def render_table(allocator: Allocator, manager: Manager, backend: SimBackend, elapsed_s: float) -> str:
+    dev = backend.devices()[0]
+    limit_w = dev.power_limit_mw() / 1000
+    draw_w = dev.power_usage_mw() / 1000
+    lines = [
+        f"t={elapsed_s:5.1f} s  {dev.name}: power limit {limit_w:.0f} W, drawing {draw_w:.0f} W  "
+        f"| signatures {manager.stats.signatures}  decisions {manager.stats.decisions}",
+        f"{'application':<18}{'mem used':>11}{'mem p90':>11}{'granted':>11}{'SM used':>9}{'SM p90':>8}{'SM grant':>9}",
+    ]
+    for app in allocator.list_apps():
+        mem_granted = sum(g.memory_mib for g in app.grants) if app.grants else math.nan
+        sm_granted = sum(g.sm_pct for g in app.grants) if app.grants else math.nan
+        lines.append(
+            f"{app.app_id[:17]:<18}{_fmt(app.mem_used_mib, 'MiB', 11)}{_fmt(app.forecast_mem_p90_mib, 'MiB', 11)}"
+            f"{_fmt(mem_granted, 'MiB', 11)}{_fmt(app.sm_util_pct, '%', 9)}{_fmt(app.forecast_sm_p90_pct, '%', 8)}"
+            f"{_fmt(sm_granted, '%', 9)}"
+        )
+    return "\n".join(lines)
+
+
+async def run_demo(
+    *,
+    seconds: float = 20.0,
+    gpu: str = "h100-80gb",
+    speed: float = 10.0,
+    trace: Trace | None = None,
+    forecaster: Forecaster | None = None,
+    forecaster_label: str | None = None,
+    live: TextIO | None = None,
+    refresh_s: float = 1.0,
+    period_s: float = 0.1,
+) -> DemoResult:
+    """Run the pipeline for `seconds` of wall time; `live` receives the table every `refresh_s`."""
+    if trace is None:
+        from vgpu.data import demo_trace_path  # noqa: PLC0415
+
+        trace = read_trace(demo_trace_path())
+    if forecaster is None:
+        forecaster, label = default_forecaster()
+        forecaster_label = forecaster_label or label
+    label = forecaster_label or getattr(forecaster, "name", "forecaster")
+
+    backend = SimBackend([gpu], clock=time.monotonic)
+    apps = launch_order(trace)
+    names = {_FIRST_PID + i: app_id for i, (app_id, _) in enumerate(apps)}
+    offsets = launch_offsets_s(len(apps), seconds)
+
+    async def launch_all() -> None:
+        t0 = time.monotonic()
+        for i, (app_id, app_trace) in enumerate(apps):
+            await asyncio.sleep(max(0.0, t0 + offsets[i] - time.monotonic()))
+            backend.launch(app_id, _FIRST_PID + i, app_trace, speed=speed, loop=True)
+
+    device = backend.devices()[0]
+    start_limit = device.power_limit_mw()
+    min_limit = start_limit
+
+    allocator = Allocator(backend, dry_run=False)
+    manager = Manager(allocator, forecaster)
+    with tempfile.TemporaryDirectory(prefix="vgpu-demo-") as tmp:
+        address = f"unix:{tmp}/vgpu.sock"
+        server = build_server(address, allocator_servicer=AllocatorServicer(allocator), ingest_servicer=IngestServicer(manager))
+        await server.start()
+        # Enumerate processes every tick: the simulator is cheap to ask, and a new application then
+        # shows from its first tick (the summary's signature count is exact).
+        sampler = Sampler(backend, psutil_module=None, inapp_dir=None, app_id_of=names.get, enumerate_every_s=0.0)
+        source = _CountingSource(sampler, backend)
+        streamer = SignatureStreamer(source, address, period_s=period_s, profiler_id="demo")
+        if live is not None:
+            print(f"forecaster: {label}\n", file=live, flush=True)
+        started = time.monotonic()
+        launcher = asyncio.create_task(launch_all())
+        await asyncio.sleep(0)  # the first application runs before the first tick
+        run = asyncio.create_task(streamer.run())
+        try:
+            deadline = started + seconds
+            while not run.done() and time.monotonic() < deadline:
+                await asyncio.sleep(min(refresh_s, max(0.0, deadline - time.monotonic())))
+                min_limit = min(min_limit, device.power_limit_mw())
+                if live is not None and time.monotonic() < deadline + 0.05:
+                    print(render_table(allocator, manager, backend, time.monotonic() - started) + "\n", file=live,
+                          flush=True)
+            streamer.stop()
+            await run
+        finally:
+            launcher.cancel()
+            await asyncio.gather(launcher, return_exceptions=True)
+            if not run.done():
+                run.cancel()
+                await asyncio.gather(run, return_exceptions=True)
+            await server.stop(0.5)
+            end_limit_before_restore = device.power_limit_mw()
+            allocator.stop()
+            backend.close()
+    stats = streamer.stats
+    summary = DemoSummary(
+        apps=len(trace.apps),
+        ticks=streamer.loop.stats.ticks,
+        signatures=manager.stats.signatures,
+        decisions=manager.stats.decisions,
+        power_limit_changes=allocator.counters.power_limit_changes,
+        mig_changes=allocator.counters.mig_changes,
+    )
+    return DemoResult(
+        summary=summary,
+        forecaster=label,
+        apps_present_total=source.apps_present_total,
+        signatures_sent=stats.signatures_sent,
+        rejected=manager.stats.rejected,
+        power_limit_start_mw=start_limit,
+        power_limit_end_mw=end_limit_before_restore,
+        power_limit_min_seen_mw=min(min_limit, end_limit_before_restore),
+        seconds=time.monotonic() - started,
+    )
+
+
+def describe(result: DemoResult) -> str:
+    s = result.summary
+    return "\n".join(
+        [
+            f"summary after {result.seconds:.1f} s ({result.forecaster}):",
+            f"  applications        {s.apps}",
+            f"  profiler ticks      {s.ticks} (every 100 ms)",
+            f"  signatures          {s.signatures} received, {result.rejected} rejected",
+            f"  decisions           {s.decisions}",
+            f"  power limit         {result.power_limit_start_mw / 1000:.0f} W at start, lowest "
+            f"{result.power_limit_min_seen_mw / 1000:.0f} W, {result.power_limit_end_mw / 1000:.0f} W at the end "
+            f"({s.power_limit_changes} changes; restored to {result.power_limit_start_mw / 1000:.0f} W)",
+            f"  MIG changes         {s.mig_changes}",
+        ]
+    )
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Run profiler, manager and allocator on a simulated GPU.")
+    p.add_argument("--seconds", type=float, default=20.0, help="how long to run (default 20)")
+    p.add_argument("--json", action="store_true", help="print only the summary as JSON")
+    p.add_argument("--gpu", default="h100-80gb", help="simulated GPU model (default h100-80gb)")
+    p.add_argument("--speed", type=float, default=10.0,
+                   help="trace seconds per wall second (default 10: the 200 s trace in 20 s)")
+    p.add_argument("--baseline", action="store_true", help="use the baseline forecaster even when a model exists")
+    return p
+
+
+def main(argv: Sequence[str], prog: str = "vgpu demo") -> int:
+    parser = build_parser(prog)
+    args = parser.parse_args(list(argv))
+    if not (args.seconds > 0 and math.isfinite(args.seconds)):
+        parser.error(f"--seconds must be a positive number, got {args.seconds}")
+    if not (args.speed > 0 and math.isfinite(args.speed)):
+        parser.error(f"--speed must be a positive number, got {args.speed}")
+    from vgpu.device.skus import SKUS  # noqa: PLC0415
+
+    if args.gpu not in SKUS:
+        parser.error(f"--gpu must be one of {', '.join(sorted(SKUS))}, got {args.gpu!r}")
+    log.configure("console", "warning")
+    forecaster: Forecaster | None = None
+    label = None
+    if args.baseline:
+        forecaster = default_baseline()
+        label = f"baseline ({getattr(forecaster, 'name', 'baseline')}), as asked"
+    if not args.json:
+        print(f"vgpu demo: {args.seconds:g} s on a simulated {args.gpu}, the bundled trace at {args.speed:g}x, "
+              "applications starting one by one; Ctrl-C ends early.")
+    try:
+        result = asyncio.run(
+            run_demo(
+                seconds=args.seconds,
+                gpu=args.gpu,
+                speed=args.speed,
+                forecaster=forecaster,
+                forecaster_label=label,
+                live=None if args.json else sys.stdout,
+            )
+        )
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    if args.json:
+        print(result.summary.to_json())
+    else:
+        print(describe(result))
+    return 0

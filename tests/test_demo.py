@@ -1,0 +1,52 @@
+"""`vgpu demo`: the summary's numbers from a short in-process run, and the --json output."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from manager.core import EwmaMarginForecaster
+from manager.demo import launch_offsets_s, launch_order, main, run_demo
+from vgpu.data import demo_trace_path
+from vgpu.traces import read_trace
+
+
+async def test_demo_summary_numbers() -> None:
+    trace = read_trace(demo_trace_path())
+    result = await run_demo(seconds=3, trace=trace, forecaster=EwmaMarginForecaster(), forecaster_label="ewma")
+    s = result.summary
+    assert s.apps == len(trace.apps) == 5
+    assert 25 <= s.ticks <= 31  # 10 ticks a second; late ticks are skipped, never bunched
+    # every tick, one signature per application the simulator was running (counted from the simulator)
+    assert s.signatures == result.apps_present_total == result.signatures_sent
+    assert s.signatures >= s.ticks  # the first application runs from the first tick
+    assert s.decisions > 0 and result.rejected == 0
+    assert s.mig_changes == 0
+    assert result.power_limit_start_mw == 700_000
+
+
+def test_launch_schedule_starts_the_lightest_first_and_alone() -> None:
+    trace = read_trace(demo_trace_path())
+    order = [name for name, _ in launch_order(trace)]
+    assert sorted(order) == sorted(trace.apps) and order[0] == "bert-infer"
+    offsets = launch_offsets_s(5, 20)
+    assert offsets == pytest.approx([0, 5, 7.333333, 9.666667, 12])
+    assert launch_offsets_s(1, 20) == [0.0]
+
+
+def test_json_output_is_only_the_summary(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--seconds", "2", "--json", "--baseline"], "vgpu demo") == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1
+    summary = json.loads(out[0])
+    assert set(summary) == {"apps", "ticks", "signatures", "decisions", "power_limit_changes", "mig_changes"}
+    assert summary["apps"] == 5 and 16 <= summary["ticks"] <= 21 and summary["signatures"] >= summary["ticks"]
+
+
+@pytest.mark.parametrize("args", [["--seconds", "-1"], ["--speed", "0"], ["--gpu", "rtx4090"]])
+def test_bad_arguments_exit_with_usage(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(args, "vgpu demo")
+    assert exc.value.code == 2
+    assert "must be" in capsys.readouterr().err
