@@ -155,13 +155,13 @@ class FakePynvml:
             raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         _, index, gi_id = found
         dev = self.backend.devices()[index]
-        if gi_id not in {g.instance_id for g in dev.gpu_instances()}:
+        if gi_id not in dev._mig_state("gpu_instances"):
             raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)  # a handle of a destroyed instance
         return dev, gi_id
 
     @staticmethod
     def _profile_by_id(dev: SimDevice, profile_id: int) -> MigProfile:
-        dev.gpu_instance_profiles()  # NotSupported without MIG
+        dev._mig_state("gpu_instance_profiles")  # NotSupported without MIG
         prof = dev.sku.profile(profile_id)
         if prof is None:
             raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
@@ -193,10 +193,10 @@ class FakePynvml:
     def nvmlDeviceGetUUID(self, handle: Any) -> str:
         dev = self._dev(handle, mig_ok=True)
         if handle.gpu_instance_id is not None:
-            for gi in dev.gpu_instances():
-                if gi.instance_id == handle.gpu_instance_id and gi.uuid:
-                    return gi.uuid
-            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            gi = dev._mig_state("gpu_instances").get(handle.gpu_instance_id)
+            if gi is None or not gi.has_ci:
+                raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            return gi.uuid
         dev.power_limit_mw()  # GpuLost / injected faults, like every call on a real device
         return dev.uuid
 
@@ -301,7 +301,7 @@ class FakePynvml:
     @_faked
     def nvmlDeviceGetGpuInstanceProfileInfo(self, device: Any, profile: int, version: int = 2) -> Any:
         dev = self._dev(device)
-        dev.gpu_instance_profiles()  # NotSupported without MIG
+        dev._mig_state("gpu_instance_profiles")  # NotSupported without MIG
         if not 0 <= profile < pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT:
             raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         prof = next((p for p in dev.sku.mig_profiles if p.nvml_profile == profile), None)
@@ -347,7 +347,10 @@ class FakePynvml:
     ) -> int:
         dev = self._dev(device)
         self._profile_by_id(dev, profileId)
-        found = [g for g in dev.gpu_instances() if g.profile_id == profileId]
+        found = sorted(
+            (g for g in dev._mig_state("gpu_instances").values() if g.profile_id == profileId),
+            key=lambda g: g.instance_id,
+        )
         array = _target(gpuInstancesRef)
         if len(array) < len(found):
             raise _error(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
@@ -359,7 +362,7 @@ class FakePynvml:
     @_faked
     def nvmlDeviceGetGpuInstanceById(self, device: Any, gpuInstanceId: int) -> Any:  # noqa: N803
         dev = self._dev(device)
-        if gpuInstanceId not in {g.instance_id for g in dev.gpu_instances()}:
+        if gpuInstanceId not in dev._mig_state("gpu_instances"):
             raise _error(pynvml.NVML_ERROR_NOT_FOUND)
         return self._handle("gi", dev.index, gpuInstanceId)
 
@@ -378,7 +381,7 @@ class FakePynvml:
     @_faked
     def nvmlGpuInstanceGetInfo(self, gpuInstance: Any) -> Any:  # noqa: N803
         dev, gi_id = self._resolve("gi", gpuInstance)
-        g = next(g for g in dev.gpu_instances() if g.instance_id == gi_id)
+        g = dev._gis[gi_id]
         info = pynvml.c_nvmlGpuInstanceInfo_t()
         info.id = g.instance_id
         info.profileId = g.profile_id
@@ -395,8 +398,7 @@ class FakePynvml:
 
     def _full_ci_profile(self, dev: SimDevice, gi_id: int) -> tuple[int, int]:
         """(compute-instance profile constant, slice count) of the instance's one compute instance."""
-        g = next(g for g in dev.gpu_instances() if g.instance_id == gi_id)
-        prof = dev.sku.profile(g.profile_id)
+        prof = dev.sku.profile(dev._gis[gi_id].profile_id)
         assert prof is not None
         return CI_PROFILE_FOR_SLICES[prof.slice_count], prof.slice_count
 
@@ -458,7 +460,7 @@ class FakePynvml:
         dev = self._dev(device)
         if not 0 <= index < dev.sku.compute_slices:
             raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        with_ci = [g for g in dev.gpu_instances() if g.uuid]
+        with_ci = sorted((g for g in dev._mig_state("gpu_instances").values() if g.has_ci), key=lambda g: g.instance_id)
         if index >= len(with_ci):
             raise _error(pynvml.NVML_ERROR_NOT_FOUND)
         return _DeviceHandle(dev.index, with_ci[index].instance_id)

@@ -42,6 +42,9 @@ from vgpu.device.skus import CI_PROFILE_FOR_SLICES
 _MIB = 1024 * 1024
 _NO_ID = 0xFFFFFFFF
 DEFAULT_MIG_RECONFIG_S = 6.0
+# Compute slices of each NVML_COMPUTE_INSTANCE_PROFILE_* constant (nvml.h: 1, 2, 3, 4, 7, 8, 6, 1-rev1,
+# 7-NVL); a constant not listed here is probed anyway.
+_CI_PROFILE_SLICES = {0: 1, 1: 2, 2: 3, 3: 4, 4: 7, 5: 8, 6: 6, 7: 1, 8: 7}
 
 
 def _message(exc: Exception) -> str:
@@ -206,26 +209,34 @@ class NvmlDevice(Device):
         return [p for _, p in self._profile_table()]
 
     def _profile(self, profile_id: int) -> GpuInstanceProfile:
-        for prof in self.gpu_instance_profiles():
+        """The profile with this id (the table is static: read once, after a MIG check)."""
+        table = self._profiles if self._profiles is not None else [(0, p) for p in self.gpu_instance_profiles()]
+        for _, prof in table:
             if prof.profile_id == profile_id:
                 return prof
-        known = ", ".join(f"{p.profile_id} ({p.name})" for p in self.gpu_instance_profiles())
+        known = ", ".join(f"{p.profile_id} ({p.name})" for _, p in table)
         raise InvalidArgument(f"GPU {self._index} has no GPU-instance profile id {profile_id}; known: {known}")
 
-    def _mig_uuids(self) -> dict[int, str]:
-        """GPU instance id -> UUID of its MIG device (only instances with a compute instance have one)."""
+    def _mig_uuids(self, wanted: set[int]) -> dict[int, str]:
+        """GPU instance id -> UUID of its MIG device, for the `wanted` instances (only an instance
+        with a compute instance has one); the scan stops once all are found."""
         out: dict[int, str] = {}
+        if not wanted:
+            return out
         for i in range(int(self._call("nvmlDeviceGetMaxMigDeviceCount"))):
             try:
                 mig = self._call("nvmlDeviceGetMigDeviceHandleByIndex", i)
             except (NotFound, InvalidArgument):
                 continue
             gi_id = int(self._n.call("nvmlDeviceGetGpuInstanceId", mig))
-            out.setdefault(gi_id, self._text(self._n.call("nvmlDeviceGetUUID", mig)))
+            if gi_id in wanted and gi_id not in out:
+                out[gi_id] = self._text(self._n.call("nvmlDeviceGetUUID", mig))
+                if len(out) == len(wanted):
+                    break
         return out
 
-    def _gi_value(self, handle: Any, uuids: dict[int, str]) -> GpuInstance:
-        info = self._n.call("nvmlGpuInstanceGetInfo", handle)
+    def _gi_value(self, info: Any, uuids: dict[int, str]) -> GpuInstance:
+        """A GpuInstance from nvmlGpuInstanceGetInfo's answer."""
         prof = self._profile(int(info.profileId))
         return GpuInstance(
             instance_id=int(info.id),
@@ -239,15 +250,14 @@ class NvmlDevice(Device):
     def gpu_instances(self) -> Sequence[GpuInstance]:
         self._require_mig("gpu_instances")
         m = self._n.m
-        uuids = self._mig_uuids()
-        out = []
+        infos = []
         for _, prof in self._profile_table():
             array = (m.c_nvmlGpuInstance_t * max(1, prof.max_count))()
             count = ctypes.c_uint(len(array))
             self._call("nvmlDeviceGetGpuInstances", prof.profile_id, array, ctypes.byref(count))
-            out.extend(self._gi_value(array[i], uuids) for i in range(count.value))
-        out.sort(key=lambda g: g.instance_id)
-        return out
+            infos.extend(self._n.call("nvmlGpuInstanceGetInfo", array[i]) for i in range(count.value))
+        uuids = self._mig_uuids({int(info.id) for info in infos})
+        return sorted((self._gi_value(info, uuids) for info in infos), key=lambda g: g.instance_id)
 
     # --- writes ----------------------------------------------------------------------------
     def set_power_limit_mw(self, limit_mw: int) -> None:
@@ -266,7 +276,7 @@ class NvmlDevice(Device):
 
     def create_gpu_instance(self, profile_id: int, start: int) -> GpuInstance:
         m = self._n.m
-        prof = self._profile(profile_id)
+        prof = self._profile(profile_id)  # NotSupported without MIG (the first time; later, the driver says so)
         place = next((p for p in prof.placements if p.start == start), None)
         if place is None:
             starts = ", ".join(str(p.start) for p in prof.placements)
@@ -287,13 +297,16 @@ class NvmlDevice(Device):
             except DeviceError:
                 pass  # the original error is the one to report
             raise
-        return self._gi_value(gi, self._mig_uuids())
+        info = self._n.call("nvmlGpuInstanceGetInfo", gi)
+        return self._gi_value(info, self._mig_uuids({int(info.id)}))
 
     def destroy_gpu_instance(self, instance_id: int) -> None:
         m = self._n.m
-        self._require_mig("destroy_gpu_instance")
-        gi = self._call("nvmlDeviceGetGpuInstanceById", instance_id)
+        gi = self._call("nvmlDeviceGetGpuInstanceById", instance_id)  # NotSupported without MIG
+        gi_slices = self._profile(int(self._n.call("nvmlGpuInstanceGetInfo", gi).profileId)).slice_count
         for const in range(int(m.NVML_COMPUTE_INSTANCE_PROFILE_COUNT)):
+            if _CI_PROFILE_SLICES.get(const, 0) > gi_slices:
+                continue  # a compute instance never has more slices than its GPU instance
             try:
                 info = self._n.call(
                     "nvmlGpuInstanceGetComputeInstanceProfileInfo", gi, const, m.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED

@@ -650,6 +650,12 @@ class SimDevice(Device):
             self._destroy_gi(instance_id)
 
     # --- used by SimBackend and the fake pynvml ---------------------------------------------
+    def _mig_state(self, method: str) -> dict[int, _Gi]:
+        """The live GPU instances, after the checks every MIG read makes (lost, faults, MIG on)."""
+        self._enter(method)
+        self._require_mig(method)
+        return self._gis
+
     def _gi(self, instance_id: int) -> _Gi:
         gi = self._gis.get(instance_id)
         if gi is None:
