@@ -263,6 +263,7 @@ class AccessControl:
         *,
         open_reads: bool = True,
         app_self_registration: bool = True,
+        open_ingest: bool = False,
         mtls_role: Role = "profiler",
     ) -> None:
         self.authority = authority
@@ -270,6 +271,7 @@ class AccessControl:
         self.ledger = ledger
         self.open_reads = open_reads
         self.app_self_registration = app_self_registration
+        self.open_ingest = open_ingest
         self.mtls_role = mtls_role
 
     def identify(self, metadata: Sequence[tuple[str, str | bytes]], *, verified_client_cert: bool) -> Principal:
@@ -308,7 +310,7 @@ class AccessControl:
                 raise Denied(grpc.StatusCode.UNAUTHENTICATED, "this call needs the operator token")
             raise Denied(grpc.StatusCode.PERMISSION_DENIED, f"{principal.describe()} may not do this; it needs the operator role")
         if need == "profiler":
-            if role == "profiler":
+            if role == "profiler" or (self.open_ingest and role == "anonymous"):
                 return None
             if role == "anonymous":
                 raise Denied(grpc.StatusCode.UNAUTHENTICATED, "streaming signatures needs the profiler token")

@@ -65,6 +65,8 @@ class AuthConfig:
     app_self_registration: bool = True
     # GetAvailableResources / ListApplications / WatchAllocations need no token.
     open_reads: bool = True
+    # Ingest streams need no profiler token (only for profilers that cannot send one yet).
+    open_ingest: bool = False
 
 
 @dataclass(frozen=True)

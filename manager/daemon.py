@@ -1,0 +1,637 @@
+"""`vgpu serve`: the manager and the allocator on one grpc.aio server, run as a system daemon.
+
+    vgpu serve --socket PATH --state-dir DIR --backend sim:h100-80gb|nvml [--config FILE]
+               [--tcp HOST:PORT --tls-cert PEM --tls-key PEM [--tls-ca PEM]] [--metrics-port N] [--dry-run]
+
+Start-up, in order (each step fails loudly with a message that names what to fix):
+1. configuration: defaults < /etc/vgpu/vgpu.toml (or --config) < VGPU_* < flags (vgpu/config.py);
+   a plaintext TCP address is refused here;
+2. the state directory, locked so that two daemons never share it, and its SQLite store;
+3. the device backend; each device's power limit and MIG layout are recorded as its *original*
+   unless a previous run already recorded one (then the device may show our settings: a crash);
+4. the ledger from the store, reconciled with the device: grants on devices that are gone and
+   grants of processes that have exited are released; a power limit or MIG layout that is not the
+   original is reported (and put back at the next graceful stop);
+5. tokens (vgpu/auth.py), the Allocator and Ingest servicers behind the access-control
+   interceptor, the Unix socket created owner-only and then given its configured owner, group and
+   mode before the server listens; the optional TLS listener; the metrics endpoint;
+6. READY=1 to systemd and a WATCHDOG=1 every third of WatchdogSec while the loop is alive.
+
+SIGTERM or SIGINT: STOPPING=1, the server stops taking calls (in-flight ones get `grace_s`), the
+allocator restores what it changed, then every device whose power limit or MIG layout still
+differs from the recorded original is put back and read back (logged `device_restored` with
+before/after), the ledger is saved, exit status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import fcntl
+import grp
+import os
+import pwd
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import grpc
+import psutil
+import structlog
+from prometheus_client import CollectorRegistry, start_http_server
+
+from allocator.core import Allocator, device_capacities
+from allocator.errors import NotFound
+from allocator.ledger import Ledger
+from allocator.service import AllocatorServicer, Server, build_server
+from allocator.store import DeviceOriginal, MigSlot, Store, StoreError
+from manager.core import Manager
+from manager.service import IngestServicer
+from vgpu import auth, log
+from vgpu import config as vconfig
+from vgpu.config import Config, ConfigError
+from vgpu.device.base import Backend, Device
+from vgpu.device.errors import DeviceError
+from vgpu.metrics import AppSnapshot, CounterSnapshot, DaemonMetrics, DeviceSnapshot
+
+SIM_STATE_FILE = "sim-devices.json"
+LOCK_FILE = "daemon.lock"
+
+
+class StartupError(RuntimeError):
+    """The daemon cannot start; the message says what to fix."""
+
+
+# --- systemd notification ------------------------------------------------------------------------------
+class SdNotifier:
+    """sd_notify(3) over $NOTIFY_SOCKET (a datagram socket; '@' = abstract namespace). Without the
+    variable (not under systemd) every call does nothing."""
+
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        env = dict(os.environ) if env is None else env
+        self.address = env.get("NOTIFY_SOCKET", "")
+        usec = env.get("WATCHDOG_USEC", "")
+        pid = env.get("WATCHDOG_PID", "")
+        ours = not pid or pid == str(os.getpid())
+        self.watchdog_s: float | None = int(usec) / 1e6 if usec.isdigit() and int(usec) > 0 and ours else None
+
+    def notify(self, message: str) -> bool:
+        if not self.address:
+            return False
+        addr = "\0" + self.address[1:] if self.address.startswith("@") else self.address
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+            s.connect(addr)
+            s.sendall(message.encode())
+        return True
+
+
+# --- pieces the servicers and access control need ------------------------------------------------------
+class LedgerView:
+    """What access control asks of the allocator's ledger (vgpu.auth.LedgerView)."""
+
+    def __init__(self, allocator: Allocator) -> None:
+        self._allocator = allocator
+
+    def grant_owner(self, grant_id: str) -> str | None:
+        try:
+            return self._allocator.ledger.get(grant_id).app_id
+        except NotFound:
+            return None
+
+    def has_app(self, app_id: str) -> bool:
+        return bool(self._allocator.ledger.grants(app_id=app_id)) or self._allocator.ledger.limits(app_id) is not None
+
+
+class StateSource:
+    """The daemon's live state as metric snapshots (vgpu.metrics.MetricsSource)."""
+
+    def __init__(self, allocator: Allocator, manager: Manager) -> None:
+        self.allocator = allocator
+        self.manager = manager
+
+    def app_snapshots(self) -> list[AppSnapshot]:
+        return [
+            AppSnapshot(
+                app_id=a.app_id,
+                mem_used_mib=a.mem_used_mib,
+                sm_util_pct=a.sm_util_pct,
+                forecast_mem_p90_mib=a.forecast_mem_p90_mib,
+                forecast_sm_p90_pct=a.forecast_sm_p90_pct,
+                granted_mem_mib=sum(g.memory_mib for g in a.grants),
+                granted_sm_pct=sum(g.sm_pct for g in a.grants),
+                grants=len(a.grants),
+            )
+            for a in self.allocator.list_apps()
+        ]
+
+    def device_snapshots(self) -> list[DeviceSnapshot]:
+        out = []
+        for d in self.allocator.available():
+            reason = self.allocator.power.disabled_reason(d.device_id)
+            out.append(
+                DeviceSnapshot(
+                    d.device_id,
+                    d.mem_total_mib,
+                    d.mem_granted_mib,
+                    d.power_limit_mw,
+                    (("power_limit", reason),) if reason else (),
+                )
+            )
+        return out
+
+    def counter_snapshot(self) -> CounterSnapshot:
+        c, s = self.allocator.counters, self.manager.stats
+        return CounterSnapshot(
+            power_limit_changes=c.power_limit_changes,
+            mig_changes=c.mig_changes,
+            grants_resized=c.resized,
+            forecast_ticks=s.forecast_ticks,
+            forecast_s_total=s.forecast_s_total,
+            forecast_failures=s.forecast_failures,
+            signatures_accepted=s.accepted,
+            signatures_rejected=s.rejected,
+        )
+
+
+# --- backend, originals, reconciliation ----------------------------------------------------------------
+def open_backend(spec: str, state_dir: Path) -> Backend:
+    """`nvml`, or `sim:<sku>[,<sku>...]` whose device settings persist in the state directory."""
+    if spec.startswith("sim:"):
+        from manager.simstate import PersistentSimBackend
+
+        skus = [s for s in spec[4:].split(",") if s]
+        try:
+            return PersistentSimBackend(skus, state_dir / SIM_STATE_FILE)
+        except (KeyError, ValueError) as exc:
+            raise StartupError(f"--backend {spec}: {exc}") from exc
+    if spec == "nvml":
+        try:
+            from vgpu.device.nvml import NvmlBackend
+
+            return NvmlBackend()
+        except (ImportError, DeviceError) as exc:
+            raise StartupError(f"cannot open NVML ({type(exc).__name__}: {exc}); run `vgpu doctor`") from exc
+    raise StartupError(f"unknown backend {spec!r}: use nvml or sim:<sku>")
+
+
+def read_original(dev: Device, now_s: float) -> DeviceOriginal:
+    """A device's current settings; fields it cannot report are None (reads degrade)."""
+    power: int | None
+    try:
+        power = dev.power_limit_mw()
+    except DeviceError:
+        power = None
+    mig: bool | None
+    layout: tuple[MigSlot, ...] = ()
+    try:
+        mig = dev.mig_enabled()
+        if mig:
+            layout = tuple(
+                sorted(MigSlot(gi.profile_id, gi.placement.start, gi.profile_name) for gi in dev.gpu_instances())
+            )
+    except DeviceError:
+        mig = None
+    return DeviceOriginal(dev.uuid, power, mig, layout, now_s)
+
+
+@dataclass
+class Reconciliation:
+    """What start-up found; logged as one `reconciled` event."""
+
+    grants_restored: int = 0
+    released_gone_device: list[str] = field(default_factory=list)
+    released_gone_process: list[str] = field(default_factory=list)
+    devices_not_original: dict[str, str] = field(default_factory=dict)
+
+
+def reconcile(
+    store: Store,
+    backend: Backend,
+    *,
+    clock: Callable[[], float],
+    pid_exists: Callable[[int], bool] = psutil.pid_exists,
+) -> tuple[Ledger, Reconciliation]:
+    """Record originals, load the ledger, and drop what no longer exists (see module docstring)."""
+    rec = Reconciliation()
+    for dev in backend.devices():
+        now = read_original(dev, clock())
+        if store.save_original(now):
+            continue
+        orig = store.original(dev.uuid)
+        assert orig is not None
+        diffs = []
+        if orig.power_limit_mw is not None and now.power_limit_mw != orig.power_limit_mw:
+            diffs.append(f"power limit {now.power_limit_mw} mW, original {orig.power_limit_mw} mW")
+        if orig.mig_enabled is not None and (now.mig_enabled, now.mig_layout) != (orig.mig_enabled, orig.mig_layout):
+            diffs.append(f"MIG {_layout_text(now)}, original {_layout_text(orig)}")
+        if diffs:
+            rec.devices_not_original[dev.uuid] = "; ".join(diffs)
+    caps = device_capacities(backend)
+    records = store.load_ledger()
+    if records is None:
+        return Ledger(caps, clock=clock), rec
+    try:
+        ledger = Ledger.from_records(records, devices=caps, clock=clock)
+    except ValueError as exc:
+        raise StartupError(f"{store.path}: the stored ledger cannot be read ({exc}); move the file aside to start empty") from exc
+    rec.released_gone_device = [g.grant_id for g in ledger.dropped_on_restore]
+    for g in ledger.grants():
+        if g.pid > 0 and not pid_exists(g.pid):
+            ledger.release(g.grant_id)
+            rec.released_gone_process.append(g.grant_id)
+    rec.grants_restored = len(ledger.grants())
+    return ledger, rec
+
+
+def _layout_text(o: DeviceOriginal) -> str:
+    if not o.mig_enabled:
+        return "disabled"
+    return "[" + ", ".join(f"{s.profile_name or s.profile_id}@{s.start}" for s in o.mig_layout) + "]"
+
+
+def restore_devices(
+    store: Store, backend: Backend, logger: structlog.typing.FilteringBoundLogger, metrics: DaemonMetrics | None = None
+) -> list[dict[str, Any]]:
+    """Put every device whose power limit or MIG layout differs from its recorded original back,
+    read it back, and forget the originals that were restored. One dict per action taken."""
+    actions: list[dict[str, Any]] = []
+    for dev in backend.devices():
+        orig = store.original(dev.uuid)
+        if orig is None:
+            continue
+        ok = True
+        if orig.power_limit_mw is not None:
+            ok &= _restore_power(dev, orig.power_limit_mw, logger, actions, metrics)
+        if orig.mig_enabled:
+            ok &= _restore_mig(dev, orig, logger, actions, metrics)
+        if ok:
+            store.forget_original(dev.uuid)
+    return actions
+
+
+def _record(metrics: DaemonMetrics | None, mechanism: str, result: str) -> None:
+    if metrics is not None:
+        metrics.restores.labels(mechanism=mechanism, result=result).inc()
+
+
+def _restore_power(
+    dev: Device, want_mw: int, logger: Any, actions: list[dict[str, Any]], metrics: DaemonMetrics | None
+) -> bool:
+    try:
+        before = dev.power_limit_mw()
+        if before == want_mw:
+            return True
+        dev.set_power_limit_mw(want_mw)
+        after = dev.power_limit_mw()
+    except DeviceError as exc:
+        logger.error("device_restore_failed", device=dev.uuid, mechanism="power_limit", error=str(exc))
+        _record(metrics, "power_limit", "failed")
+        return False
+    ok = after == want_mw
+    entry = {"device": dev.uuid, "mechanism": "power_limit", "before_mw": before, "after_mw": after, "original_mw": want_mw}
+    actions.append(entry)
+    (logger.info if ok else logger.error)("device_restored" if ok else "device_restore_mismatch", **entry)
+    _record(metrics, "power_limit", "ok" if ok else "mismatch")
+    return ok
+
+
+def _restore_mig(
+    dev: Device, orig: DeviceOriginal, logger: Any, actions: list[dict[str, Any]], metrics: DaemonMetrics | None
+) -> bool:
+    now = read_original(dev, 0.0)
+    if now.mig_enabled != orig.mig_enabled:
+        logger.error("device_restore_failed", device=dev.uuid, mechanism="mig",
+                     error=f"MIG mode is {now.mig_enabled}, was {orig.mig_enabled}; set it by hand (nvidia-smi -mig)")
+        _record(metrics, "mig", "failed")
+        return False
+    if now.mig_layout == orig.mig_layout:
+        return True
+    try:
+        for gi in dev.gpu_instances():
+            dev.destroy_gpu_instance(gi.instance_id)
+        for slot in orig.mig_layout:
+            dev.create_gpu_instance(slot.profile_id, slot.start)
+    except DeviceError as exc:
+        logger.error("device_restore_failed", device=dev.uuid, mechanism="mig", error=str(exc))
+        _record(metrics, "mig", "failed")
+        return False
+    after = read_original(dev, 0.0)
+    ok = after.mig_layout == orig.mig_layout
+    entry = {"device": dev.uuid, "mechanism": "mig", "before": _layout_text(now), "after": _layout_text(after),
+             "original": _layout_text(orig)}
+    actions.append(entry)
+    (logger.info if ok else logger.error)("device_restored" if ok else "device_restore_mismatch", **entry)
+    _record(metrics, "mig", "ok" if ok else "mismatch")
+    return ok
+
+
+# --- the socket -------------------------------------------------------------------------------------------
+def _socket_alive(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(0.5)
+        try:
+            s.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
+def prepare_socket_path(path: Path) -> None:
+    """Create the socket's directory; refuse a path where another daemon is listening; remove a
+    stale socket file left by a crash."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() or path.is_symlink():
+        if not path.is_socket():
+            raise StartupError(f"{path} exists and is not a socket; remove it or choose another --socket")
+        if _socket_alive(path):
+            raise StartupError(f"another daemon is listening on {path}")
+        path.unlink()
+
+
+def secure_socket(path: Path, *, mode: int, owner: str, group: str) -> None:
+    uid = gid = -1
+    try:
+        if owner:
+            uid = pwd.getpwnam(owner).pw_uid
+        if group:
+            gid = grp.getgrnam(group).gr_gid
+    except KeyError as exc:
+        raise StartupError(f"socket owner/group {exc.args[0]!r} does not exist") from None
+    if uid != -1 or gid != -1:
+        os.chown(path, uid, gid)
+    os.chmod(path, mode)
+
+
+def lock_state_dir(state_dir: Path) -> TextIO:
+    """An exclusive lock held for the daemon's life: two daemons on one state dir would corrupt it."""
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        fh = open(state_dir / LOCK_FILE, "a+")  # noqa: SIM115 - held until exit
+    except OSError as exc:
+        raise StartupError(f"state directory {state_dir} is not usable: {exc}") from exc
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.close()
+        raise StartupError(f"another vgpu daemon is using the state directory {state_dir}") from None
+    fh.seek(0)
+    fh.truncate()
+    fh.write(f"{os.getpid()}\n")
+    fh.flush()
+    return fh
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise StartupError(f"cannot read {what} {path}: {exc}") from exc
+
+
+# --- the daemon -------------------------------------------------------------------------------------------
+class Daemon:
+    """Everything `vgpu serve` runs, built from a `Config`. `start()` then `stop()`; `run()` does both
+    around waiting for a signal."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        clock: Callable[[], float] = time.time,
+        notifier: SdNotifier | None = None,
+        registry: CollectorRegistry | None = None,
+        logger: structlog.typing.FilteringBoundLogger | None = None,
+        backend: Backend | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.clock = clock
+        self.notifier = notifier or SdNotifier()
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.log = logger or log.get_logger("vgpu.daemon")
+        self._backend_override = backend
+        self.state_dir = Path(cfg.server.state_dir)
+        self.socket_path = Path(cfg.server.socket)
+        self.server: Server | None = None
+        self.metrics_server: Any = None
+        self._lock: TextIO | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self.stopped = asyncio.Event()
+
+    def _save(self, ledger: Ledger) -> None:
+        self.store.save_ledger(ledger.to_records())
+        self.metrics.store_writes.inc()
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        self._lock = lock_state_dir(self.state_dir)
+        try:
+            self.store = Store(self.state_dir, clock=self.clock)
+        except StoreError as exc:
+            raise StartupError(str(exc)) from exc
+        self.backend = self._backend_override or open_backend(cfg.server.backend, self.state_dir)
+        ledger, rec = reconcile(self.store, self.backend, clock=self.clock)
+        self.allocator = Allocator(self.backend, clock=self.clock, dry_run=cfg.server.dry_run, ledger=ledger,
+                                   on_change=self._save)
+        self.manager = Manager(self.allocator, clock=self.clock)
+        self.metrics = DaemonMetrics(self.registry, StateSource(self.allocator, self.manager))
+        self._save(ledger)  # the reconciled ledger is what a crash from here on must find
+        self.log.info(
+            "reconciled",
+            grants_restored=rec.grants_restored,
+            released_device_gone=rec.released_gone_device,
+            released_process_gone=rec.released_gone_process,
+            devices_not_original=rec.devices_not_original,
+            originals={k: v.power_limit_mw for k, v in self.store.originals().items()},
+        )
+
+        authority = auth.TokenAuthority(
+            self.state_dir / "tokens", operator_group=cfg.auth.operator_group, profiler_group=cfg.auth.profiler_group
+        )
+        token_files = authority.write_role_tokens()
+        for app_id in self.store.claimed_apps():
+            authority.write_app_token(app_id)
+        access = auth.AccessControl(
+            authority,
+            self.store,
+            LedgerView(self.allocator),
+            open_reads=cfg.auth.open_reads,
+            app_self_registration=cfg.auth.app_self_registration,
+            open_ingest=cfg.auth.open_ingest,
+        )
+        interceptor = auth.AuthInterceptor(access, on_denied=self.metrics.on_denied)
+
+        prepare_socket_path(self.socket_path)
+        old_umask = os.umask(0o177)  # the socket is born owner-only ...
+        try:
+            self.server = build_server(
+                f"unix:{self.socket_path}",
+                allocator_servicer=AllocatorServicer(self.allocator, identify=auth.identify_caller),
+                ingest_servicer=IngestServicer(self.manager),
+                interceptors=[interceptor],
+            )
+        except RuntimeError as exc:
+            raise StartupError(f"cannot listen on {self.socket_path}: {exc}") from exc
+        finally:
+            os.umask(old_umask)
+        # ... and gets its configured owner, group and mode before the server listens.
+        secure_socket(self.socket_path, mode=cfg.socket_mode_bits, owner=cfg.server.socket_owner,
+                      group=cfg.server.socket_group)
+        if cfg.server.tcp:
+            host, port = vconfig.parse_host_port(cfg.server.tcp)
+            creds = grpc.ssl_server_credentials(
+                [(_read(cfg.tls.key, "tls.key"), _read(cfg.tls.cert, "tls.cert"))],
+                root_certificates=_read(cfg.tls.ca, "tls.ca") if cfg.tls.ca else None,
+                require_client_auth=cfg.mutual_tls,
+            )
+            try:
+                self.server.server.add_secure_port(cfg.server.tcp, creds)
+            except RuntimeError as exc:
+                raise StartupError(f"cannot listen on {cfg.server.tcp}: {exc}") from exc
+        if cfg.metrics.port:
+            try:
+                self.metrics_server, _ = start_http_server(cfg.metrics.port, cfg.metrics.address, registry=self.registry)
+            except OSError as exc:
+                raise StartupError(f"metrics endpoint {cfg.metrics.address}:{cfg.metrics.port}: {exc}") from exc
+        await self.server.start()
+        self.log.info(
+            "serving",
+            socket=str(self.socket_path),
+            socket_mode=oct(os.stat(self.socket_path).st_mode & 0o777),
+            tcp=cfg.server.tcp or None,
+            mutual_tls=cfg.mutual_tls if cfg.server.tcp else None,
+            metrics=f"{cfg.metrics.address}:{cfg.metrics.port}" if cfg.metrics.port else None,
+            backend=cfg.server.backend,
+            devices=[d.uuid for d in self.backend.devices()],
+            dry_run=cfg.server.dry_run,
+            operator_token=str(token_files["operator"]),
+            pid=os.getpid(),
+        )
+        self.notifier.notify(f"READY=1\nSTATUS=serving on {self.socket_path}\nMAINPID={os.getpid()}")
+        if self.notifier.watchdog_s:
+            self._watchdog = asyncio.create_task(self._ping_watchdog(self.notifier.watchdog_s / 3))
+
+    async def _ping_watchdog(self, period_s: float) -> None:
+        # Fixed rate on monotonic deadlines; runs on the loop, so a stalled loop stops the pings.
+        deadline = time.monotonic()
+        while True:
+            self.notifier.notify("WATCHDOG=1")
+            deadline += period_s
+            await asyncio.sleep(max(0.0, deadline - time.monotonic()))
+
+    async def stop(self, reason: str = "signal") -> list[dict[str, Any]]:
+        """Stop serving, restore the devices, save. Safe to call once start() got past the lock."""
+        self.notifier.notify("STOPPING=1\nSTATUS=restoring device settings")
+        self.log.info("stopping", reason=reason)
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        if self.server is not None:
+            await self.server.stop(self.cfg.server.grace_s)
+        actions: list[dict[str, Any]] = []
+        if hasattr(self, "allocator"):
+            self.allocator.stop()
+            if self.cfg.server.dry_run:
+                self.log.info("restore_skipped", reason="dry run: nothing was written to the devices")
+            else:
+                actions = restore_devices(self.store, self.backend, self.log, self.metrics)
+            self._save(self.allocator.ledger)
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+        if hasattr(self, "backend"):
+            self.backend.close()
+        if hasattr(self, "store"):
+            self.store.close()
+        self.log.info("stopped", devices_restored=len(actions), restore_actions=actions)
+        if self._lock is not None:
+            self._lock.close()
+        self.stopped.set()
+        return actions
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        stop_signal: asyncio.Future[str] = loop.create_future()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda s=sig: stop_signal.done() or stop_signal.set_result(signal.Signals(s).name))
+        try:
+            await self.start()
+        except BaseException:
+            await self.stop("start-up failed")
+            raise
+        reason = await stop_signal
+        await self.stop(reason)
+        return 0
+
+
+# --- command line -----------------------------------------------------------------------------------------
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Run the vgpu manager and allocator daemon. Flags override /etc/vgpu/vgpu.toml and VGPU_* variables.",
+    )
+    p.add_argument("--config", type=Path, default=None, help="configuration file (default /etc/vgpu/vgpu.toml if present)")
+    p.add_argument("--socket", help="Unix socket to listen on (default /run/vgpu/vgpu.sock)")
+    p.add_argument("--socket-mode", help="socket permission bits, octal (default 0660)")
+    p.add_argument("--socket-group", help="group that owns the socket")
+    p.add_argument("--state-dir", help="ledger, tokens and saved device settings (default /var/lib/vgpu)")
+    p.add_argument("--backend", help="nvml (default) or sim:<sku>, e.g. sim:h100-80gb")
+    p.add_argument("--tcp", metavar="HOST:PORT", help="also listen on TCP; needs --tls-cert and --tls-key")
+    p.add_argument("--tls-cert", help="PEM server certificate for --tcp")
+    p.add_argument("--tls-key", help="PEM server key for --tcp")
+    p.add_argument("--tls-ca", help="PEM CA: TCP clients must present a certificate it signed (mutual TLS)")
+    p.add_argument("--metrics-port", type=int, help="Prometheus endpoint port; 0 disables (default 9464)")
+    p.add_argument("--metrics-address", help="address of the metrics endpoint (default 127.0.0.1)")
+    p.add_argument("--dry-run", action="store_true", default=None, help="decide and log, write nothing to devices")
+    p.add_argument("--log-format", choices=("json", "console"), help="log format (default json)")
+    p.add_argument("--log-level", help="debug, info, warning or error (default info)")
+    p.add_argument("--check-config", action="store_true", help="print the effective configuration and exit")
+    return p
+
+
+def config_from_args(ns: argparse.Namespace, env: dict[str, str] | None = None) -> Config:
+    overrides = {
+        "server.socket": ns.socket,
+        "server.socket_mode": ns.socket_mode,
+        "server.socket_group": ns.socket_group,
+        "server.state_dir": ns.state_dir,
+        "server.backend": ns.backend,
+        "server.tcp": ns.tcp,
+        "server.dry_run": ns.dry_run,
+        "tls.cert": ns.tls_cert,
+        "tls.key": ns.tls_key,
+        "tls.ca": ns.tls_ca,
+        "metrics.port": ns.metrics_port,
+        "metrics.address": ns.metrics_address,
+        "log.format": ns.log_format,
+        "log.level": ns.log_level,
+    }
+    return vconfig.load(ns.config, env=env, overrides=overrides)
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "vgpu serve") -> int:
+    ns = build_parser(prog).parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        cfg = config_from_args(ns)
+    except ConfigError as exc:
+        print(f"{prog}: configuration error: {exc}", file=sys.stderr)
+        return 2
+    if ns.check_config:
+        print(vconfig.to_toml(cfg), end="")
+        return 0
+    log.configure(cfg.log.format, cfg.log.level)  # type: ignore[arg-type]
+    logger = log.get_logger("vgpu.daemon")
+    daemon = Daemon(cfg, logger=logger)
+    try:
+        return asyncio.run(daemon.run())
+    except (StartupError, auth.AuthSetupError) as exc:
+        logger.error("startup_failed", error=str(exc))
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

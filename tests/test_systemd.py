@@ -1,0 +1,92 @@
+"""systemd/: the units verify with systemd-analyze and keep the promises the docs make."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+UNITS = ("vgpu-manager.service", "vgpu-profiler.service")
+VGPU_BIN = Path(sys.executable).parent / "vgpu"
+
+
+def _settings(unit: str) -> list[tuple[str, str]]:
+    out = []
+    for line in (ROOT / "systemd" / unit).read_text().splitlines():
+        if line and not line.startswith(("#", "[")) and "=" in line:
+            key, _, value = line.partition("=")
+            out.append((key.strip(), value.strip()))
+    return out
+
+
+def _verify(tmp_path: Path, texts: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed here (apt-get install systemd provides it)")
+    if not VGPU_BIN.exists():
+        pytest.skip(f"{VGPU_BIN} is missing: install vgpu into the environment first (pip install -e .)")
+    for name, text in texts.items():
+        # The units name the installed path; verify them against this environment's entry point.
+        (tmp_path / name).write_text(text.replace("/usr/local/bin/vgpu", str(VGPU_BIN)))
+    return subprocess.run(
+        [analyze, "verify", "--man=no", *[str(tmp_path / n) for n in texts]],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_units_verify_without_a_warning(tmp_path: Path) -> None:
+    proc = _verify(tmp_path, {u: (ROOT / "systemd" / u).read_text() for u in UNITS})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.strip() == "", proc.stderr
+
+
+def test_verify_catches_a_typo(tmp_path: Path) -> None:
+    """The check above could fail: a misspelt key is reported."""
+    text = (ROOT / "systemd" / UNITS[0]).read_text().replace("Type=notify", "Tpye=notify")
+    proc = _verify(tmp_path, {UNITS[0]: text})
+    assert "Unknown key 'Tpye'" in proc.stderr
+
+
+def test_manager_unit_promises() -> None:
+    s = dict(_settings("vgpu-manager.service"))
+    assert s["Type"] == "notify" and s["NotifyAccess"] == "main"
+    assert int(s["WatchdogSec"]) > 0 and s["Restart"] == "on-failure"
+    assert s["RuntimeDirectory"] == "vgpu" and s["StateDirectory"] == "vgpu"
+    for key in ("NoNewPrivileges", "ProtectHome", "PrivateTmp"):
+        assert s[key] == "yes", key
+    assert s["ProtectSystem"] == "strict" and s["DevicePolicy"] == "closed"
+    allowed = [v for k, v in _settings("vgpu-manager.service") if k == "DeviceAllow"]
+    assert any("nvidia" in a for a in allowed)
+
+
+def test_every_capability_is_commented() -> None:
+    text = (ROOT / "systemd" / "vgpu-manager.service").read_text()
+    caps = dict(_settings("vgpu-manager.service"))["CapabilityBoundingSet"].split()
+    assert caps and "CAP_SYS_ADMIN" in caps
+    comments = "\n".join(line for line in text.splitlines() if line.startswith("#"))
+    for cap in caps:
+        assert re.search(rf"#\s*{cap}:", comments), f"{cap} has no comment saying why"
+
+
+def test_profiler_is_unprivileged() -> None:
+    s = dict(_settings("vgpu-profiler.service"))
+    assert s["CapabilityBoundingSet"] == "" and (s.get("DynamicUser") == "yes" or s.get("User"))
+    assert s["NoNewPrivileges"] == "yes"
+
+
+def test_exec_start_parses_with_our_cli() -> None:
+    from manager.daemon import build_parser
+
+    argv = shlex.split(dict(_settings("vgpu-manager.service"))["ExecStart"])
+    assert argv[:2] == ["/usr/local/bin/vgpu", "serve"]
+    ns = build_parser("vgpu serve").parse_args(argv[2:])
+    assert ns.config == Path("/etc/vgpu/vgpu.toml")
