@@ -8,12 +8,14 @@ import random
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import grpc.aio
 import numpy as np
 import pytest
+import structlog
 
 from profiler.main import main as profiler_main
 from profiler.stream import Backoff, FixedRateLoop, FixedRateSchedule, SignatureStreamer
@@ -23,6 +25,13 @@ from vgpu.traces import AppTrace, write_trace
 from vgpu.v1 import ingest_pb2, ingest_pb2_grpc, signature_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _restore_structlog() -> Iterator[None]:
+    """main() binds structlog to the stderr of the moment (pytest's capture, closed after the test)."""
+    yield
+    structlog.reset_defaults()
 
 
 # --- deadlines -------------------------------------------------------------------------------------

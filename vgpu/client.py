@@ -270,6 +270,8 @@ class VgpuClient:
         self._stub = allocator_pb2_grpc.AllocatorStub(self._channel)
 
         self._lock = threading.Lock()
+        self._apply_lock = threading.Lock()
+        self._target_mib: float | None = None
         self._grants: dict[str, allocator_pb2.Grant] = {}
         self._step = 0
         self._applied_limit_mib: float | None = None
@@ -422,18 +424,26 @@ class VgpuClient:
     def _on_grant(self, grant: allocator_pb2.Grant, *, released: bool, grant_id: str | None = None) -> None:
         gid = grant.grant_id or grant_id or ""
         with self._lock:
-            before = sum(g.memory_mib for g in self._grants.values())
             if released:
                 self._grants.pop(gid, None)
             elif gid:
                 self._grants[gid] = grant
-            after = sum(g.memory_mib for g in self._grants.values())
-            have = bool(self._grants)
-        if after != before or (not have and self._applied_limit_mib is not None):
-            self._apply_limit(after if have else None)
+        self._sync_limit()
 
-    def _apply_limit(self, limit_mib: float | None) -> None:
-        """Apply `limit_mib` (None: no limit) through torch where torch has CUDA; record what applied."""
+    def _sync_limit(self) -> None:
+        """Bring the applied limit to the current sum of grants; serialised so the caller of `request()`
+        and the watch thread never apply out of order, and a caller returns only once it is applied."""
+        with self._apply_lock:
+            with self._lock:
+                target = sum(g.memory_mib for g in self._grants.values()) if self._grants else None
+            if target == self._target_mib:
+                return
+            if self._apply_limit(target):
+                self._target_mib = target
+
+    def _apply_limit(self, limit_mib: float | None) -> bool:
+        """Apply `limit_mib` (None: no limit) through torch where torch has CUDA; record what applied.
+        False when torch refused it (it is tried again at the next change)."""
         torch = self._torch()
         applied: float | None = None
         if torch is None or not _cuda_available(torch):
@@ -448,14 +458,15 @@ class VgpuClient:
                     fraction = min(1.0, limit_mib / total_mib)
                     applied = fraction * total_mib
                 torch.cuda.set_per_process_memory_fraction(fraction, device)
-                _log.info("memory limit applied", app_id=self.app_id, limit_mib=applied, fraction=round(fraction, 4))
             except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError/ValueError/AssertionError
                 _log.warning("cannot apply memory limit", app_id=self.app_id, limit_mib=limit_mib, error=repr(exc))
-                return
+                return False
+            _log.info("memory limit applied", app_id=self.app_id, limit_mib=applied, fraction=round(fraction, 4))
         with self._lock:
             if applied != self._applied_limit_mib:
                 self.limit_changes += 1
             self._applied_limit_mib = applied
+        return True
 
     def _torch(self) -> Any:
         if self._torch_arg is _FROM_SYS_MODULES:
