@@ -304,12 +304,19 @@ def convert_migperf(root: str | Path, *, strict: bool = False) -> Conversion:
 
 
 def migperf_stretch(
-    dcgm_csv: str | Path, start_s: float, end_s: float, *, app: str, gpu: str, mem_total_mib: float
+    dcgm_csv: str | Path,
+    start_s: float,
+    end_s: float,
+    *,
+    app: str,
+    gpu: str,
+    mem_total_mib: float,
+    strict: bool = False,
 ) -> AppTrace:
     """A continuous stretch [start_s, end_s] of a MIGPerf dcgm.csv as one application, with `t_s`
     rebased to 0 at start_s. Used to cut the bundled demo trace and the test fixture (a stretch
     across run boundaries shows real phase changes: idle, start-up, steady load, tear-down)."""
-    ts, gract, fb, _ = read_dcgm(Path(dcgm_csv), _Issues(strict=True))
+    ts, gract, fb, _ = read_dcgm(Path(dcgm_csv), _Issues(strict=strict))
     keep = (ts >= start_s) & (ts <= end_s)
     if not keep.any():
         raise TraceFormatError(f"{dcgm_csv}: no sample in [{start_s}, {end_s}]")
@@ -575,3 +582,70 @@ def convert_alibaba(root: str | Path, *, strict: bool = False) -> Conversion:
     if not apps:
         raise TraceFormatError(f"{root}: no usable row ({len(issues.items)} bad rows)")
     return Conversion(apps=apps, issues=issues.items, rows_read=n_util + n_mem)
+
+
+# --------------------------------------------------------------------------------------------
+# the bundled demo trace and the test fixture (both cut from MIGPerf, MIT)
+
+
+@dataclass(frozen=True)
+class Stretch:
+    """A continuous stretch of one MIGPerf dcgm.csv, [start_s, end_s] in Unix seconds."""
+
+    app: str
+    folder: str  # the dcgm.csv folder relative to the MIGPerf data root
+    start_s: int
+    end_s: int
+    mig_profile: str
+    note: str
+
+
+# Each stretch crosses run boundaries on one slice, so it shows real phase changes.
+DEMO_STRETCHES: tuple[Stretch, ...] = (
+    Stretch("resnet50-train", "A100-80g/train/cv", 1661699350, 1661699580, "7g.80gb",
+            "end of batch 64, batch 128 run, start of batch 256: memory steps 8.2 -> 14.7 -> 28 GiB"),
+    Stretch("bert-train", "A100-80g/train/nlp", 1661757290, 1661757500, "7g.80gb",
+            "end of batch 128, idle gap, batch 256 run: memory 9.2 GiB -> idle -> 14.5 GiB"),
+    Stretch("vit-infer", "A100-80g/infer/cv", 1661684890, 1661685100, "7g.80gb",
+            "vision transformer inference, batch 8 -> 16 -> 32: high compute, small memory steps"),
+    Stretch("bert-infer", "A100-80g/infer/nlp", 1661746600, 1661746800, "7g.80gb",
+            "BERT inference batch 1 (41 % busy), 20 s idle, batch 2 (69 % busy)"),
+    Stretch("vit-finetune", "A100-40g/finetune_vit", 1657289960, 1657290230, "2g.10gb",
+            "ViT fine-tuning on a 2g.10gb slice: end of batch 8, 99 s idle, batch 16 run"),
+)
+
+# Whole runs (converter output) for the test fixture: two families per split kind and workload.
+FIXTURE_APPS: tuple[str, ...] = (
+    # train split
+    "migperf/A100-80g/train-cv/resnet50/bs64/3g.40gb",
+    "migperf/A100-80g/train-nlp/bert-base/bs32-seq128/7g.80gb",
+    "migperf/A100-80g/infer-cv/vision_transformer/bs32/2g.20gb",
+    "migperf/A100-40g/finetune-vit/vision_transformer/bs16/3g.20gb",
+    # val split
+    "migperf/A100-80g/infer-nlp/bert-base/bs8-seq64/1g.10gb",
+    # test split
+    "migperf/A100-80g/train-nlp/bert-base/bs128-seq64/7g.80gb",
+    "migperf/A100-80g/infer-cv/resnet50/bs128/3g.40gb",
+    "migperf/A100-40g/infer-seq/bert-base-multilingual-cased/bs32-seq256/7g.40gb",
+)
+
+
+def cut_demo(root: str | Path) -> list[AppTrace]:
+    """The bundled demo trace's applications, each rebased to t_s = 0 at its stretch's start."""
+    root = Path(root)
+    return [
+        migperf_stretch(
+            root / s.folder / "dcgm.csv", s.start_s, s.end_s,
+            app=s.app, gpu=s.mig_profile, mem_total_mib=MIG_SLICE_MIB[s.mig_profile],
+        )
+        for s in DEMO_STRETCHES
+    ]
+
+
+def cut_fixture(root: str | Path) -> list[AppTrace]:
+    """The test fixture's applications: FIXTURE_APPS as `convert_migperf` produces them."""
+    apps = {a.app: a for a in convert_migperf(root).apps}
+    missing = [a for a in FIXTURE_APPS if a not in apps]
+    if missing:
+        raise TraceFormatError(f"{root}: the fixture's runs {missing} are not in the data")
+    return [apps[a] for a in FIXTURE_APPS]

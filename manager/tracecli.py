@@ -3,6 +3,7 @@
     vgpu trace convert --format {migperf,nvidia-smi,alibaba} --src PATH --out OUT.csv.gz
                        [--gpus N] [--strict]
     vgpu trace info PATH [--json]
+    vgpu trace cut {demo,fixture} --src MIGPERF_DATA --out OUT.csv.gz
 """
 
 from __future__ import annotations
@@ -107,7 +108,21 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu trace") -> int:
     info = sub.add_parser("info", help="describe a canonical trace")
     info.add_argument("path")
     info.add_argument("--json", action="store_true")
+    cut = sub.add_parser("cut", help="cut the bundled demo trace or the test fixture from MIGPerf")
+    cut.add_argument("what", choices=("demo", "fixture"))
+    cut.add_argument("--src", required=True, help="the MIGPerf data folder (migperf-a100-mig/data)")
+    cut.add_argument("--out", required=True)
     args = parser.parse_args(argv)
+
+    if args.command == "cut":
+        try:
+            apps = convert.cut_demo(args.src) if args.what == "demo" else convert.cut_fixture(args.src)
+        except TraceFormatError as exc:
+            print(f"{prog} cut: {exc}", file=sys.stderr)
+            return 1
+        rows = write_trace(args.out, apps)
+        print(f"wrote {len(apps)} apps, {rows} rows -> {args.out}")
+        return 0
 
     if args.command == "convert":
         if args.gpus is not None and args.gpus < 1:

@@ -282,3 +282,33 @@ def test_cli_convert_and_info(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert tracecli.main(["convert", "--format", "nvidia-smi", "--src", str(src), "--out", str(out),
                           "--gpus", "2", "--strict"]) == 1
     assert "run.csv:6" in capsys.readouterr().err
+
+
+def test_bundled_demo_trace_is_readable_and_varied() -> None:
+    from vgpu.data import demo_trace_path
+
+    trace = read_trace(demo_trace_path())
+    assert not trace.issues
+    assert 4 <= len(trace.apps) <= 6
+    for app in trace.apps.values():
+        assert 120 <= app.duration_s <= 300
+        sm = app.column("sm_util_pct")
+        assert sm.max() - sm.min() > 30  # each holds a real phase change (idle vs busy)
+        assert app.has("mem_total_mib") and app.t_s[0] == 0.0
+    assert demo_trace_path().stat().st_size < 200_000
+
+
+@pytest.mark.shared_data
+@pytest.mark.parametrize("what", ["demo", "fixture"])
+def test_committed_cuts_match_the_source(shared_data: Path, what: str) -> None:
+    from vgpu.data import demo_trace_path
+
+    root = shared_data / "migperf-a100-mig" / "data"
+    apps = convert.cut_demo(root) if what == "demo" else convert.cut_fixture(root)
+    committed = read_trace(demo_trace_path() if what == "demo" else Path(__file__).parent / "fixtures" / "migperf_runs.csv.gz")
+    assert list(committed.apps) == [a.app for a in apps]
+    for a in apps:
+        c = committed.apps[a.app]
+        assert np.allclose(c.t_s, a.t_s)
+        for col in ("sm_util_pct", "mem_used_mib", "mem_total_mib"):
+            assert np.allclose(c.column(col), a.column(col))

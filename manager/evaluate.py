@@ -1,0 +1,382 @@
+"""`vgpu eval`: forecasters scored by the evaluation protocol of ../shared/TRACE_FORMAT.md.
+
+    vgpu eval --trace PATH [--model PATH] [--split test|val|train|all] [--train-trace PATH ...] [--json]
+
+The protocol, as implemented here:
+1. Per application and target, the 1 s grid of `vgpu.traces.one_second_grid` (mean of the samples
+   of each second, an empty second carrying the previous value forward).
+2. Origins: every grid second from the 10th (index 9) to the second before the last. The forecaster
+   sees only the samples with floor(t_s) <= origin second (for grid methods: the grid up to and
+   including the origin, which is the same thing). The truth for horizon h is the grid value
+   h seconds after the origin; an (origin, h) pair whose truth lies past the grid's end is not scored.
+3. Per (target, horizon, method), pooled over applications and origins: MAE, RMSE,
+   R2 = 1 - MSE / Var(truth), MAPE in % over truths != 0, and coverage_p90 = share of truths <= P90
+   (null for methods without a P90). Rows where a method returned NaN are left out of its `n`.
+
+`evaluate(apps, forecasters)` is the in-process API; `main(argv, prog)` the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from manager.baselines import (
+    MIN_ORIGIN_INDEX,
+    EwmaForecaster,
+    GbdtForecaster,
+    GridForecaster,
+    LastValueForecaster,
+    VpaPercentileForecaster,
+)
+from manager.forecast import HORIZONS_S, Forecast, Forecaster
+from manager.splits import select, split_of
+from vgpu.traces import TARGETS, AppTrace, Trace, TraceFormatError, one_second_grid, read_trace
+
+FloatArray = npt.NDArray[np.float64]
+METHOD_ORDER = ("model", "last_value", "ewma", "vpa_percentile", "gbdt")
+DEFAULT_CHUNK = 4096
+_FORECAST_FIELDS = {"mem_used_mib": ("mem_p50_mib", "mem_p90_mib"), "sm_util_pct": ("sm_p50_pct", "sm_p90_pct")}
+
+
+@dataclass(frozen=True)
+class TargetGrid:
+    """One application's grid for one target and its protocol origins (indices into `values`)."""
+
+    app: str
+    seconds: npt.NDArray[np.int64]
+    values: FloatArray
+    origins: npt.NDArray[np.int64]
+
+
+@dataclass
+class _Pool:
+    """Predictions and truths of one (method, target), per horizon, gathered over all chunks."""
+
+    p50: list[list[FloatArray]] = field(default_factory=lambda: [[] for _ in HORIZONS_S])
+    p90: list[list[FloatArray]] = field(default_factory=lambda: [[] for _ in HORIZONS_S])
+    truth: list[list[FloatArray]] = field(default_factory=lambda: [[] for _ in HORIZONS_S])
+
+    def add(self, p50: FloatArray, p90: FloatArray, truth: FloatArray) -> None:
+        """p50, p90, truth: (n, len(HORIZONS_S)); NaN truth = beyond the grid, not scored."""
+        for j in range(len(HORIZONS_S)):
+            ok = np.isfinite(truth[:, j])
+            self.p50[j].append(p50[ok, j])
+            self.p90[j].append(p90[ok, j])
+            self.truth[j].append(truth[ok, j])
+
+
+def build_grids(apps: Sequence[AppTrace], min_index: int = MIN_ORIGIN_INDEX) -> dict[str, list[TargetGrid]]:
+    """Protocol steps 1-2 for every application and target."""
+    out: dict[str, list[TargetGrid]] = {t: [] for t in TARGETS}
+    for app in apps:
+        for target in TARGETS:
+            seconds, values = one_second_grid(app, target)
+            origins = np.arange(min_index, len(values) - 1, dtype=np.int64)
+            if len(origins):
+                out[target].append(TargetGrid(app.app, seconds, values, origins))
+    return out
+
+
+def truths_of(grid: TargetGrid) -> FloatArray:
+    """(len(origins), len(HORIZONS_S)); NaN where origin + h is past the grid's end."""
+    idx = grid.origins[:, None] + np.asarray(HORIZONS_S)[None, :]
+    ok = idx < len(grid.values)
+    out = np.full(idx.shape, np.nan)
+    out[ok] = grid.values[idx[ok]]
+    return out
+
+
+def pooled_metrics(p50: FloatArray, p90: FloatArray, truth: FloatArray) -> dict[str, float | int | None]:
+    """Protocol step 3 for one (target, horizon, method)."""
+    ok = np.isfinite(p50) & np.isfinite(truth)
+    n = int(ok.sum())
+    if n == 0:
+        return {"mae": None, "rmse": None, "r2": None, "mape": None, "coverage_p90": None, "n": 0}
+    err = p50[ok] - truth[ok]
+    y = truth[ok]
+    mse = float(np.mean(err**2))
+    var = float(np.var(y))
+    nonzero = y != 0
+    has90 = np.isfinite(p90) & np.isfinite(truth)
+    return {
+        "mae": float(np.mean(np.abs(err))),
+        "rmse": math.sqrt(mse),
+        "r2": 1.0 - mse / var if var > 0 else None,
+        "mape": float(np.mean(np.abs(err[nonzero]) / np.abs(y[nonzero])) * 100.0) if nonzero.any() else None,
+        "coverage_p90": float(np.mean(truth[has90] <= p90[has90])) if has90.any() else None,
+        "n": n,
+    }
+
+
+def _chunks(n: int, size: int) -> list[slice]:
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def _score_grid_method(
+    fc: GridForecaster, grids: dict[str, list[TargetGrid]], chunk: int
+) -> dict[str, _Pool]:
+    pools = {t: _Pool() for t in TARGETS}
+    for target, tgrids in grids.items():
+        prefixes = [g.values[: i + 1] for g in tgrids for i in g.origins]
+        truth = np.concatenate([truths_of(g) for g in tgrids]) if tgrids else np.zeros((0, len(HORIZONS_S)))
+        for s in _chunks(len(prefixes), chunk):
+            p50, p90 = fc.forecast_grids(prefixes[s], target)
+            pools[target].add(p50, p90, truth[s])
+    return pools
+
+
+def _prefix(app: AppTrace, end: int) -> AppTrace:
+    return AppTrace(app=app.app, t_s=app.t_s[:end], columns={k: v[:end] for k, v in app.columns.items()}, gpu=app.gpu)
+
+
+def _score_history_method(
+    fc: Forecaster, apps: Mapping[str, AppTrace], grids: dict[str, list[TargetGrid]], chunk: int
+) -> dict[str, _Pool]:
+    """Any Forecaster: one call per chunk of (application, origin second) histories."""
+    wanted: dict[str, set[int]] = {}
+    for tgrids in grids.values():
+        for g in tgrids:
+            wanted.setdefault(g.app, set()).update(int(s) for s in g.seconds[g.origins])
+    keys = [(app, sec) for app in wanted for sec in sorted(wanted[app])]
+    results: dict[tuple[str, int], Forecast] = {}
+    for s in _chunks(len(keys), chunk):
+        histories = []
+        for app_id, sec in keys[s]:
+            app = apps[app_id]
+            # the samples with floor(t_s) <= sec, i.e. t_s < sec + 1
+            histories.append(_prefix(app, int(np.searchsorted(app.t_s, sec + 1, side="left"))))
+        forecasts = fc.forecast_batch(histories)
+        if len(forecasts) != len(histories):
+            raise ValueError(f"{fc.name}: {len(forecasts)} forecasts for {len(histories)} histories")
+        results.update(zip(keys[s], forecasts, strict=True))
+    pools = {t: _Pool() for t in TARGETS}
+    for target, tgrids in grids.items():
+        f50, f90 = _FORECAST_FIELDS[target]
+        for g in tgrids:
+            fcs = [results[(g.app, int(sec))] for sec in g.seconds[g.origins]]
+            p50 = np.array([_by_horizon(f, f50) for f in fcs], dtype=np.float64)
+            p90 = np.array([_by_horizon(f, f90) for f in fcs], dtype=np.float64)
+            pools[target].add(p50, p90, truths_of(g))
+    return pools
+
+
+def _by_horizon(f: Forecast, name: str) -> list[float]:
+    values = dict(zip(f.horizons_s, getattr(f, name), strict=True))
+    return [values.get(h, math.nan) for h in HORIZONS_S]
+
+
+def evaluate(
+    apps: Trace | Mapping[str, AppTrace] | Sequence[AppTrace],
+    forecasters: Sequence[Forecaster],
+    *,
+    chunk: int = DEFAULT_CHUNK,
+    timings: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """Score `forecasters` on `apps` by the protocol. Returns
+    {"apps", "samples", "results": [{"target", "horizon_s", "method", "mae", "rmse", "r2", "mape",
+    "coverage_p90", "n"}]}, rows ordered by target, horizon, then the forecasters' order.
+    A forecaster with `forecast_grids` is fed grids directly; any other gets raw-sample histories
+    in batches of `chunk`. `timings`, when given, receives seconds spent per method."""
+    if isinstance(apps, Trace):
+        app_map = dict(apps.apps)
+    elif isinstance(apps, Mapping):
+        app_map = dict(apps)
+    else:
+        app_map = {a.app: a for a in apps}
+    grids = build_grids(list(app_map.values()))
+    pools: dict[str, dict[str, _Pool]] = {}
+    for fc in forecasters:
+        started = time.perf_counter()
+        if isinstance(fc, GridForecaster) and hasattr(fc, "forecast_grids"):
+            pools[fc.name] = _score_grid_method(fc, grids, chunk)
+        else:
+            pools[fc.name] = _score_history_method(fc, app_map, grids, chunk)
+        if timings is not None:
+            timings[fc.name] = time.perf_counter() - started
+    results = []
+    for target in TARGETS:
+        for j, h in enumerate(HORIZONS_S):
+            for fc in forecasters:
+                pool = pools[fc.name][target]
+                cat = (lambda parts: np.concatenate(parts) if parts else np.zeros(0))
+                row: dict[str, Any] = {"target": target, "horizon_s": h, "method": fc.name}
+                row.update(pooled_metrics(cat(pool.p50[j]), cat(pool.p90[j]), cat(pool.truth[j])))
+                results.append(row)
+    return {"apps": len(app_map), "samples": sum(len(a) for a in app_map.values()), "results": results}
+
+
+# --------------------------------------------------------------------------------------------
+# the command
+
+
+def _warn(prog: str, message: str) -> None:
+    print(f"{prog}: {message}", file=sys.stderr)
+
+
+def load_model(path: str | None, prog: str) -> Forecaster | None:
+    """The trained model through helper C's `manager.predictor.load_forecaster` (imported lazily:
+    torch is heavy and the baselines need none of it). None, with the reason on stderr, where no
+    model is given or it cannot be loaded."""
+    try:
+        from manager import predictor  # noqa: PLC0415
+    except Exception as exc:  # noqa: BLE001 - any import failure means: no model rows
+        _warn(prog, f"model rows absent: cannot import manager.predictor ({exc})")
+        return None
+    if path is None:
+        default = getattr(predictor, "DEFAULT_MODEL_PATH", None) or getattr(predictor, "DEFAULT_CHECKPOINT", None)
+        if default is None or not Path(default).exists():
+            _warn(prog, "model rows absent: no --model given and no default checkpoint shipped")
+            return None
+        path = str(default)
+    try:
+        model: Forecaster = predictor.load_forecaster(path)
+    except Exception as exc:  # noqa: BLE001 - a model that does not load is reported, not fatal
+        _warn(prog, f"model rows absent: cannot load {path}: {exc}")
+        return None
+    if getattr(model, "name", None) != "model":
+        try:
+            model.name = "model"
+        except AttributeError:
+            model = _Renamed(model)
+    return model
+
+
+class _Renamed:
+    """Reports a forecaster under the method name `model`."""
+
+    name = "model"
+
+    def __init__(self, inner: Forecaster) -> None:
+        self.inner = inner
+
+    def forecast_batch(self, histories: Sequence[AppTrace]) -> list[Forecast]:
+        return self.inner.forecast_batch(histories)
+
+
+def training_traces_of(model: object) -> list[str]:
+    """Trace files a model says it was trained on (checkpoint metadata `training`), best effort."""
+    meta = getattr(model, "metadata", None) or getattr(getattr(model, "inner", None), "metadata", None)
+    training = getattr(meta, "training", None)
+    if not isinstance(training, Mapping):
+        return []
+    for key in ("traces", "trace_files", "files", "data"):
+        entries = training.get(key)
+        if isinstance(entries, str):
+            entries = [entries]
+        if isinstance(entries, list):
+            paths = [e if isinstance(e, str) else e.get("path") for e in entries if isinstance(e, str | dict)]
+            return [p for p in paths if isinstance(p, str)]
+    return []
+
+
+def gbdt_training_apps(
+    train_paths: Sequence[str], eval_trace: Trace, split: str, prog: str, reader: Callable[[str], Trace] = read_trace
+) -> tuple[list[AppTrace], str]:
+    """The applications gbdt trains on: the "train" split of the given trace files; where none is
+    given, the "train" split of the evaluated trace itself (when the evaluation is on a held-out
+    split). Returns (apps, a description)."""
+    if train_paths:
+        apps: list[AppTrace] = []
+        for p in train_paths:
+            t = reader(p)
+            apps += [a for a in t.apps.values() if split_of(a.app) == "train"]
+        return apps, f"train split of {', '.join(train_paths)}"
+    if split in ("test", "val"):
+        return [a for a in eval_trace.apps.values() if split_of(a.app) == "train"], (
+            f"train split of {eval_trace.source} (no --train-trace and none named by the model)"
+        )
+    return [], "none: give --train-trace (evaluating on all applications leaves no held-out training data)"
+
+
+def _format_table(report: Mapping[str, Any]) -> str:
+    lines = [f"{report['apps']} apps, {report['samples']} samples"]
+    lines.append(f"{'target':<13} {'h':>2} {'method':<15} {'MAE':>10} {'RMSE':>10} {'R2':>7} {'MAPE%':>8} {'cov90':>6} {'n':>7}")
+
+    def fmt(v: object, spec: str) -> str:
+        return format(v, spec) if isinstance(v, float | int) else "-"
+
+    for r in report["results"]:
+        lines.append(
+            f"{r['target']:<13} {r['horizon_s']:>2} {r['method']:<15} {fmt(r['mae'], '10.3f')} "
+            f"{fmt(r['rmse'], '10.3f')} {fmt(r['r2'], '7.3f')} {fmt(r['mape'], '8.2f')} "
+            f"{fmt(r['coverage_p90'], '6.3f')} {r['n']:>7}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "vgpu eval") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    parser.add_argument("--trace", required=True, help="canonical trace to evaluate on")
+    parser.add_argument("--model", default=None, help="forecaster checkpoint (default: the shipped one)")
+    parser.add_argument("--split", default="test", choices=("test", "val", "train", "all"),
+                        help="applications to score, by manager.splits (default: test)")
+    parser.add_argument("--train-trace", action="append", default=[],
+                        help="trace gbdt trains on (its train split); repeatable")
+    parser.add_argument("--methods", default=",".join(METHOD_ORDER),
+                        help=f"comma-separated subset of {','.join(METHOD_ORDER)}")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args(argv)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = set(methods) - set(METHOD_ORDER)
+    if unknown:
+        parser.error(f"unknown methods {sorted(unknown)}; choose from {METHOD_ORDER}")
+
+    try:
+        trace = read_trace(args.trace)
+    except TraceFormatError as exc:
+        _warn(prog, str(exc))
+        return 1
+    if trace.issues:
+        _warn(prog, f"{len(trace.issues)} bad rows skipped in {args.trace} (first: {trace.issues[0]})")
+    apps = select(trace.apps, args.split)
+    if not apps:
+        _warn(prog, f"no application of {args.trace} falls in the {args.split!r} split")
+        return 1
+
+    forecasters: list[Forecaster] = []
+    model = load_model(args.model, prog) if "model" in methods else None
+    if model is not None:
+        forecasters.append(model)
+    baseline_factories: dict[str, Callable[[], Forecaster]] = {
+        "last_value": LastValueForecaster,
+        "ewma": EwmaForecaster,
+        "vpa_percentile": VpaPercentileForecaster,
+    }
+    forecasters += [baseline_factories[m]() for m in METHOD_ORDER if m in methods and m in baseline_factories]
+    if "gbdt" in methods:
+        train_paths = list(args.train_trace) or training_traces_of(model)
+        try:
+            train_apps, described = gbdt_training_apps(train_paths, trace, args.split, prog)
+        except TraceFormatError as exc:
+            _warn(prog, f"gbdt rows absent: {exc}")
+            train_apps, described = [], ""
+        if train_apps:
+            started = time.perf_counter()
+            try:
+                forecasters.append(GbdtForecaster().fit(train_apps))
+                _warn(prog, f"gbdt trained on {len(train_apps)} apps ({described}) in "
+                      f"{time.perf_counter() - started:.1f} s")
+            except ValueError as exc:
+                _warn(prog, f"gbdt rows absent: {exc}")
+        elif described:
+            _warn(prog, f"gbdt rows absent: no training applications ({described})")
+
+    timings: dict[str, float] = {}
+    report = evaluate(apps, forecasters, timings=timings)
+    _warn(prog, "seconds per method: " + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()))
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(_format_table(report))
+    return 0

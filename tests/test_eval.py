@@ -1,0 +1,189 @@
+"""The evaluation protocol: grid, origins, horizons, what a forecaster may see, metrics, the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from manager import evaluate as ev
+from manager.baselines import EwmaForecaster, LastValueForecaster, VpaPercentileForecaster
+from manager.forecast import HORIZONS_S, Forecast
+from manager.splits import split_of
+from vgpu.traces import AppTrace, read_trace
+
+FIXTURE = Path(__file__).parent / "fixtures" / "migperf_runs.csv.gz"
+
+
+def ramp(n_s: int = 30, app: str = "ramp", per_second: int = 1) -> AppTrace:
+    """sm_util_pct = 2 k on second k (sampled `per_second` times, symmetric around 2k); memory 100."""
+    t = np.array([k + i / per_second for k in range(n_s) for i in range(per_second)])
+    offsets = np.tile(np.linspace(-0.5, 0.5, per_second) if per_second > 1 else [0.0], n_s)
+    sm = 2 * np.floor(t) + offsets
+    return AppTrace(app=app, t_s=t, columns={"sm_util_pct": sm, "mem_used_mib": np.full(len(t), 100.0)})
+
+
+def rows(report: dict, method: str, target: str = "sm_util_pct") -> dict[int, dict]:
+    return {r["horizon_s"]: r for r in report["results"] if r["method"] == method and r["target"] == target}
+
+
+@pytest.mark.parametrize("per_second", [1, 4])
+def test_last_value_on_a_ramp_has_the_exact_known_error(per_second: int) -> None:
+    report = ev.evaluate([ramp(per_second=per_second)], [LastValueForecaster()])
+    assert report["apps"] == 1 and report["samples"] == 30 * per_second
+    by_h = rows(report, "last_value")
+    for h in HORIZONS_S:
+        # origins are grid indices 9..28; horizon h is scored where origin + h <= 29
+        origins = np.arange(9, 30 - h)
+        truth = 2.0 * (origins + h)
+        assert by_h[h]["n"] == len(origins)
+        assert by_h[h]["mae"] == pytest.approx(2.0 * h)
+        assert by_h[h]["rmse"] == pytest.approx(2.0 * h)
+        assert by_h[h]["mape"] == pytest.approx(np.mean(2.0 * h / truth) * 100)
+        assert by_h[h]["r2"] == pytest.approx(1 - 4.0 * h * h / np.var(truth))
+        assert by_h[h]["coverage_p90"] is None
+    mem = rows(report, "last_value", "mem_used_mib")
+    assert mem[1]["mae"] == 0.0 and mem[1]["r2"] is None  # constant truth: no variance, no R2
+
+
+def test_an_empty_second_carries_the_previous_value() -> None:
+    full = ramp()
+    keep = full.t_s != 15.0  # second 15 missing: the grid holds 28 (second 14's value) there
+    gap = AppTrace(app="gap", t_s=full.t_s[keep], columns={k: v[keep] for k, v in full.columns.items()})
+    by_h = rows(ev.evaluate([gap], [LastValueForecaster()]), "last_value")
+    origins = np.arange(9, 29)
+    grid = 2.0 * np.arange(30)
+    grid[15] = 28.0
+    expected = np.mean(np.abs(grid[origins] - grid[origins + 1]))
+    assert by_h[1]["mae"] == pytest.approx(expected)
+
+
+class Spy:
+    """A history forecaster that records what it was shown and forecasts the last raw sample."""
+
+    name = "spy"
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[float, int]] = []
+        self.calls = 0
+
+    def forecast_batch(self, histories: Sequence[AppTrace]) -> list[Forecast]:
+        self.calls += 1
+        out = []
+        for h in histories:
+            self.seen.append((float(h.t_s[-1]), len(h)))
+            sm = float(h.column("sm_util_pct")[-1])
+            out.append(Forecast(HORIZONS_S, (math.nan,) * 5, (math.nan,) * 5, (sm,) * 5, (sm + 5,) * 5, "spy"))
+        return out
+
+
+def test_a_history_forecaster_sees_only_samples_up_to_its_origin() -> None:
+    spy = Spy()
+    report = ev.evaluate([ramp(per_second=4)], [spy], chunk=7)
+    last_seen = sorted(t for t, _ in spy.seen)
+    # origins are seconds 9..28; each history ends with the origin second's last sample (k + 0.75)
+    assert last_seen == [k + 0.75 for k in range(9, 29)]
+    assert sorted(n for _, n in spy.seen) == [4 * (k + 1) for k in range(9, 29)]
+    assert spy.calls == 3  # 20 origins in chunks of 7
+    by_h = rows(report, "spy")
+    # the last raw sample is 2k + 0.5 and the grid truth 2(k + h): error 2h - 0.5
+    assert by_h[1]["mae"] == pytest.approx(1.5)
+    assert by_h[1]["coverage_p90"] == 1.0  # truth 2k + 2 <= 2k + 5.5
+    assert rows(report, "spy", "mem_used_mib")[1]["n"] == 0  # NaN forecasts are not scored
+
+
+def test_grid_path_and_history_path_agree() -> None:
+    """The fast grid path must score exactly what forecast_batch on raw histories gives."""
+    trace = read_trace(FIXTURE)
+    apps = list(trace.apps.values())[:3]
+
+    class HistoryOnly:
+        def __init__(self, inner: VpaPercentileForecaster) -> None:
+            self.inner = inner
+            self.name = "history"
+
+        def forecast_batch(self, histories: Sequence[AppTrace]) -> list[Forecast]:
+            return self.inner.forecast_batch(histories)
+
+    report = ev.evaluate(apps, [VpaPercentileForecaster(), HistoryOnly(VpaPercentileForecaster())])
+    for target in ("sm_util_pct", "mem_used_mib"):
+        fast, slow = rows(report, "vpa_percentile", target), rows(report, "history", target)
+        for h in HORIZONS_S:
+            for key in ("mae", "rmse", "coverage_p90", "n"):
+                assert fast[h][key] == pytest.approx(slow[h][key])
+
+
+def test_pooled_metrics_formulas() -> None:
+    m = ev.pooled_metrics(np.array([1.0, 2.0, 3.0, 0.5]), np.array([1.0, 2.0, 6.0, 1.0]), np.array([1.0, 3.0, 5.0, 0.0]))
+    err = np.array([0.0, -1.0, -2.0, 0.5])
+    truth = np.array([1.0, 3.0, 5.0, 0.0])
+    assert m["n"] == 4
+    assert m["mae"] == pytest.approx(np.mean(np.abs(err)))
+    assert m["rmse"] == pytest.approx(math.sqrt(np.mean(err**2)))
+    assert m["r2"] == pytest.approx(1 - np.mean(err**2) / np.var(truth))
+    assert m["mape"] == pytest.approx(np.mean([0.0, 1 / 3, 2 / 5]) * 100)  # the zero truth is left out
+    assert m["coverage_p90"] == pytest.approx(3 / 4)  # 5 <= 6, 1 > 1? no: 0 <= 1 yes, 3 > 2
+    none = ev.pooled_metrics(np.array([np.nan]), np.array([np.nan]), np.array([1.0]))
+    assert none["n"] == 0 and none["mae"] is None
+    no_p90 = ev.pooled_metrics(np.array([1.0]), np.array([np.nan]), np.array([2.0]))
+    assert no_p90["coverage_p90"] is None and no_p90["mape"] == pytest.approx(50.0)
+
+
+def test_too_short_applications_have_no_origin() -> None:
+    report = ev.evaluate([ramp(n_s=10)], [LastValueForecaster()])
+    assert all(r["n"] == 0 for r in report["results"])
+
+
+def test_cli_json_shape_on_the_fixture(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    rc = ev.main(["--trace", str(FIXTURE), "--split", "test", "--json", "--model", str(tmp_path / "none.pt")])
+    assert rc == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert set(report) == {"apps", "samples", "results"}
+    test_apps = [a for a in read_trace(FIXTURE).apps if split_of(a) == "test"]
+    assert report["apps"] == len(test_apps) == 3
+    methods = {r["method"] for r in report["results"]}
+    assert methods == {"last_value", "ewma", "vpa_percentile", "gbdt"}  # the model did not load
+    assert "model rows absent" in captured.err
+    assert len(report["results"]) == 2 * 5 * 4
+    for r in report["results"]:
+        assert set(r) == {"target", "horizon_s", "method", "mae", "rmse", "r2", "mape", "coverage_p90", "n"}
+        assert r["n"] > 300
+        if r["method"] in ("last_value", "ewma"):
+            assert r["coverage_p90"] is None
+        else:
+            assert 0.0 <= r["coverage_p90"] <= 1.0
+
+
+def test_cli_errors(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert ev.main(["--trace", str(tmp_path / "missing.csv")]) == 1
+    assert "no such file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ev.main(["--trace", str(FIXTURE), "--methods", "oracle"])
+    # evaluating on all apps with no training trace: gbdt is absent, said so, nothing crashes
+    assert ev.main(["--trace", str(FIXTURE), "--split", "all", "--methods", "last_value,gbdt", "--json"]) == 0
+    out = capsys.readouterr()
+    assert {r["method"] for r in json.loads(out.out)["results"]} == {"last_value"}
+    assert "gbdt rows absent" in out.err
+
+
+def test_model_metadata_names_the_gbdt_training_traces() -> None:
+    class Meta:
+        training = {"traces": [{"path": "a.csv.gz"}, "b.csv.gz"]}
+
+    class Model:
+        metadata = Meta()
+
+    assert ev.training_traces_of(Model()) == ["a.csv.gz", "b.csv.gz"]
+    assert ev.training_traces_of(object()) == []
+
+
+def test_ewma_and_last_value_text_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert ev.main(["--trace", str(FIXTURE), "--split", "test", "--methods", "last_value,ewma"]) == 0
+    out = capsys.readouterr().out
+    assert "last_value" in out and "ewma" in out and "MAE" in out
+    assert EwmaForecaster().name == "ewma"
