@@ -71,7 +71,7 @@ def main(argv: Sequence[str], prog: str = "vgpu profiler") -> int:
                 return 1
         else:
             from profiler.sampler import Sampler
-            from vgpu.device import open_backend  # type: ignore[attr-defined]
+            from vgpu.device import open_backend
             from vgpu.device.errors import DeviceError
 
             try:

@@ -314,6 +314,8 @@ def test_main_rejects_bad_arguments(capsys: pytest.CaptureFixture[str], tmp_path
     assert "host:port" in capsys.readouterr().err
     rc = profiler_main(["--manager", "/x.sock", "--replay", str(tmp_path / "missing.csv")], "vgpu profiler")
     assert rc == 1 and "no such file" in capsys.readouterr().err
+    rc = profiler_main(["--manager", "/x.sock", "--backend", "bogus"], "vgpu profiler")
+    assert rc == 1 and "cannot open backend 'bogus'" in capsys.readouterr().err
 
 
 async def test_sigterm_stops_the_profiler_gracefully(tmp_path: Path) -> None:
