@@ -24,9 +24,24 @@ def configure(fmt: Literal["json", "console"] = "json", level: str = "info") -> 
     structlog.configure(
         processors=[*processors, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=_stderr_logger,
         cache_logger_on_first_use=False,
     )
+
+
+class _Stderr:
+    """Looks sys.stderr up at each write, so a replaced or closed stream (pytest's capture, a
+    redirected daemon) never leaves the logger holding a dead file."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+def _stderr_logger(*_args: object) -> structlog.PrintLogger:
+    return structlog.PrintLogger(file=_Stderr())  # type: ignore[arg-type]
 
 
 def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:
