@@ -41,7 +41,9 @@ def test_memory_power_and_clock_reads_are_consistent(rig: Rig) -> None:
     mem = dev.memory()
     assert isinstance(mem, MemoryInfo)
     assert 0 <= mem.used_mib <= mem.total_mib
-    assert abs(mem.free_mib - (mem.total_mib - mem.used_mib)) < 1.0 or mem.free_mib <= mem.total_mib
+    assert 0 <= mem.free_mib <= mem.total_mib - mem.used_mib + 1.0  # real NVML may also reserve some
+    if rig.sim is not None:
+        assert mem.free_mib == mem.total_mib - mem.used_mib
     c = dev.power_constraints()
     assert 0 < c.min_mw <= c.default_mw <= c.max_mw
     assert c.min_mw <= dev.power_limit_mw() <= c.max_mw
