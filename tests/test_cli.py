@@ -1,0 +1,134 @@
+"""allocator/cli.py and vgpu/metrics.py against an in-process daemon (manager.daemon.Daemon)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+from daemon_fixtures import sim_daemon
+
+from allocator import cli
+from manager.daemon import Daemon
+
+
+@pytest.fixture
+async def daemon(tmp_path: Path) -> AsyncIterator[Daemon]:
+    d = sim_daemon(tmp_path)
+    await d.start()
+    try:
+        yield d
+    finally:
+        await d.stop("test")
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    return {"XDG_CONFIG_HOME": str(tmp_path / "cfg"), "HOME": str(tmp_path)}
+
+
+async def run(fn: Callable[..., int], tmp_path: Path, *argv: str, **kw: object) -> tuple[int, str]:
+    out = io.StringIO()
+    rc = await asyncio.to_thread(fn, list(argv), "vgpu x", out=out, env=_env(tmp_path), **kw)
+    return rc, out.getvalue()
+
+
+async def test_request_available_apps_release(daemon: Daemon, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sock = ["--socket", str(daemon.socket_path)]
+    rc, text = await run(cli.request_main, tmp_path, *sock, "--app", "a", "--memory-mib", "4096", "--sm-pct", "20", "--json")
+    grant = json.loads(text)
+    assert rc == 0 and grant["memory_mib"] == 4096 and grant["sm_pct"] == 20 and len(grant["grant_id"]) > 8
+    assert "application token for 'a' saved" in capsys.readouterr().err
+    cached = cli.token_cache_dir(str(daemon.socket_path), _env(tmp_path)) / "a.token"
+    assert cached.stat().st_mode & 0o777 == 0o600
+
+    rc, text = await run(cli.available_main, tmp_path, *sock, "--json")
+    (dev,) = json.loads(text)["devices"]
+    assert dev["mem_granted_mib"] == 4096 and dev["sm_available_pct"] == 80
+    rc, text = await run(cli.available_main, tmp_path, *sock)
+    assert "NVIDIA H100" in text and "4,096" in text
+    rc, text = await run(cli.apps_main, tmp_path, *sock)
+    assert rc == 0 and text.splitlines()[1].split()[:2] == ["a", "1"]
+
+    # Metrics read the live state.
+    reg = daemon.registry
+    assert reg.get_sample_value("vgpu_app_granted_mem_mib", {"app": "a"}) == 4096
+    assert reg.get_sample_value("vgpu_device_mem_granted_mib", {"device": dev["device_id"]}) == 4096
+    assert reg.get_sample_value("vgpu_device_power_limit_mw", {"device": dev["device_id"]}) == 700_000
+    assert reg.get_sample_value("vgpu_store_writes_total") >= 2
+
+    rc, text = await run(cli.release_main, tmp_path, *sock, "--grant", grant["grant_id"], "--json")
+    assert rc == 0 and json.loads(text)["grant_id"] == grant["grant_id"]
+    assert daemon.allocator.ledger.grants() == []
+    assert daemon.store.load_ledger()["grants"] == []  # committed before the call answered
+
+
+async def test_denials_are_counted(daemon: Daemon, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sock = ["--socket", str(daemon.socket_path)]
+    rc, text = await run(cli.request_main, tmp_path, *sock, "--app", "a", "--memory-mib", "1", "--json")
+    gid = json.loads(text)["grant_id"]
+    other = tmp_path / "other"
+    rc = await asyncio.to_thread(
+        cli.release_main, [*sock, "--grant", gid], "vgpu release", out=io.StringIO(), env=_env(other)
+    )
+    assert rc == 1 and "UNAUTHENTICATED" in capsys.readouterr().err
+    rc, _ = await run(cli.set_limit_main, tmp_path, *sock, "--app", "a", "--max-memory-mib", "1")
+    assert rc == 1 and "UNAUTHENTICATED: this call needs the operator token" in capsys.readouterr().err
+    assert daemon.registry.get_sample_value(
+        "vgpu_access_denied_total", {"method": "/vgpu.v1.Allocator/SetResourceLimits", "code": "UNAUTHENTICATED"}
+    ) == 1
+    assert len(daemon.allocator.ledger.grants()) == 1
+
+
+async def test_stale_cached_token_is_dropped(daemon: Daemon, tmp_path: Path) -> None:
+    cache = cli.token_cache_dir(str(daemon.socket_path), _env(tmp_path))
+    cache.mkdir(parents=True)
+    (cache / "b.token").write_text("vgpu1.YXBwOmI.0000\n")  # from some other daemon
+    rc, text = await run(cli.request_main, tmp_path, "--socket", str(daemon.socket_path), "--app", "b",
+                         "--memory-mib", "1", "--json")
+    assert rc == 0 and json.loads(text)["app_id"] == "b"
+    assert daemon.store.app_claimed("b")
+    assert (cache / "b.token").read_text().strip() == (daemon.state_dir / "tokens" / "apps" / "b.token").read_text().strip()
+
+
+async def test_operator_token_from_state_dir(daemon: Daemon, tmp_path: Path) -> None:
+    rc, text = await run(cli.set_limit_main, tmp_path, "--socket", str(daemon.socket_path), "--state-dir",
+                         str(daemon.state_dir), "--app", "a", "--max-sm-pct", "50", "--priority", "3", "--json")
+    assert rc == 0 and json.loads(text) == {"app_id": "a", "max_sm_pct": 50.0, "priority": 3}
+
+
+async def test_top_refreshes_until_iterations(daemon: Daemon, tmp_path: Path) -> None:
+    now = [100.0]
+    sleeps: list[float] = []
+
+    def sleep(s: float) -> None:
+        sleeps.append(s)
+        now[0] += s + 0.25  # the refresh itself "takes" 0.25 s of the next period
+
+    rc, text = await run(cli.top_main, tmp_path, "--socket", str(daemon.socket_path), "--iterations", "3",
+                         sleep=sleep, clock=lambda: now[0])
+    assert rc == 0 and text.count("vgpu top") == 3
+    # Fixed rate on deadlines: the first wait is a whole period, later ones make up for the lag.
+    assert sleeps == [1.0, 0.75]
+
+
+def test_unreachable_daemon(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli.available_main(["--socket", str(tmp_path / "none.sock")], "vgpu available", out=io.StringIO(),
+                            env=_env(tmp_path))
+    assert rc == 1 and "cannot reach the vgpu daemon" in capsys.readouterr().err
+
+
+def test_bad_arguments(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.request_main(["--app", "a", "--memory-mib", "-5"], "vgpu request", out=io.StringIO(), env=_env(tmp_path))
+    assert info.value.code == 2
+    with pytest.raises(SystemExit):
+        cli.request_main(["--memory-mib", "5"], "vgpu request", out=io.StringIO(), env=_env(tmp_path))
+
+
+def test_missing_token_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli.apps_main(["--socket", str(tmp_path / "s"), "--token-file", str(tmp_path / "nope")], "vgpu apps",
+                       out=io.StringIO(), env=_env(tmp_path))
+    assert rc == 1 and "cannot read a token" in capsys.readouterr().err

@@ -1,0 +1,111 @@
+"""vgpu/doctor.py: each check says OK / WARN / FAIL with what to do; any FAIL exits 1."""
+
+from __future__ import annotations
+
+import io
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from vgpu import doctor
+from vgpu.device.errors import LibraryNotFound
+
+CAPS_ROOT = "CapEff:\t000001ffffffffff\n"
+CAPS_NONE = "CapEff:\t0000000000000000\n"
+
+
+def test_driver(tmp_path: Path) -> None:
+    assert doctor.check_driver(tmp_path).status == "FAIL"
+    assert doctor.check_driver(tmp_path, required=False).status == "WARN"
+    (tmp_path / "driver" / "nvidia").mkdir(parents=True)
+    (tmp_path / "driver" / "nvidia" / "version").write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15\n")
+    check = doctor.check_driver(tmp_path)
+    assert check.status == "OK" and "550.54.15" in check.detail
+
+
+def test_nvml() -> None:
+    def missing() -> object:
+        raise LibraryNotFound("libnvidia-ml.so.1 not found")
+
+    check = doctor.check_nvml(missing)
+    assert check.status == "FAIL" and "LibraryNotFound" in check.detail
+    from vgpu.device.sim import SimBackend
+
+    check = doctor.check_nvml(lambda: SimBackend(["h100-80gb", "a100-40gb"]))
+    assert check.status == "OK" and "2 device(s)" in check.detail
+
+
+def test_privileges() -> None:
+    assert doctor.check_privileges(0, CAPS_ROOT).status == "OK"
+    assert doctor.check_privileges(1000, CAPS_NONE).status == "WARN"
+    assert doctor.check_privileges(1000, f"CapEff:\t{1 << 21:016x}\n").status == "OK"
+
+
+def test_socket(tmp_path: Path) -> None:
+    assert doctor.check_socket(tmp_path / "none.sock").status == "FAIL"
+    (tmp_path / "file").write_text("")
+    assert "not a socket" in doctor.check_socket(tmp_path / "file").detail
+    dead = tmp_path / "dead.sock"
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(dead))  # bound, never listening: nothing answers
+    check = doctor.check_socket(dead, timeout_s=0.5)
+    s.close()
+    assert check.status == "FAIL" and "no answer" in check.detail
+
+
+def test_state_dir(tmp_path: Path) -> None:
+    assert doctor.check_state_dir(tmp_path).status == "OK"
+    assert doctor.check_state_dir(tmp_path / "new").status == "WARN"
+    (tmp_path / "f").write_text("")
+    assert doctor.check_state_dir(tmp_path / "f").status == "FAIL"
+
+
+def test_model(tmp_path: Path) -> None:
+    assert doctor.check_model(tmp_path / "none.pt").status == "WARN"
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a checkpoint")
+
+    def refuse(path: Path) -> object:
+        raise ValueError(f"{path} is not a checkpoint")
+
+    check = doctor.check_model(bad, refuse)
+    assert check.status == "FAIL" and "is not a checkpoint" in check.detail
+    assert doctor.check_model(bad, lambda p: object()).status == "OK"
+
+
+def test_main_exits_1_on_failure_and_prints_a_line_per_check(tmp_path: Path) -> None:
+    out = io.StringIO()
+    rc = doctor.main(["--socket", str(tmp_path / "none.sock"), "--state-dir", str(tmp_path), "--backend", "sim:h100-80gb",
+                      "--model", str(tmp_path / "none.pt")], "vgpu doctor", out=out)
+    lines = out.getvalue().splitlines()
+    assert rc == 1
+    names = [line.split()[1] for line in lines]
+    assert names == ["config", "driver", "nvml", "privileges", "socket", "state", "model"]
+    assert all(line.split()[0] in ("OK", "WARN", "FAIL") for line in lines)
+    assert lines[4].startswith("FAIL") and "does not exist" in lines[4]
+
+
+def test_main_json_and_config_error(tmp_path: Path) -> None:
+    bad = tmp_path / "vgpu.toml"
+    bad.write_text("[server]\nsocket_mode = 7\n")
+    out = io.StringIO()
+    rc = doctor.main(["--config", str(bad), "--json", "--model", str(tmp_path / "none.pt")], "vgpu doctor", out=out)
+    checks = json.loads(out.getvalue())
+    assert rc == 1 and checks[0]["name"] == "config" and checks[0]["status"] == "FAIL"
+    assert "server.socket_mode" in checks[0]["detail"]
+
+
+async def test_socket_ok_against_the_daemon(tmp_path: Path) -> None:
+    from daemon_fixtures import sim_daemon
+
+    d = sim_daemon(tmp_path)
+    await d.start()
+    try:
+        import asyncio
+
+        check = await asyncio.to_thread(doctor.check_socket, d.socket_path)
+    finally:
+        await d.stop("test")
+    assert check.status == "OK" and "mode 0660" in check.detail and "serving" in check.detail

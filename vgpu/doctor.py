@@ -1,0 +1,204 @@
+"""`vgpu doctor`: what a GPU server is missing for vgpu, one line per check.
+
+    vgpu doctor [--config FILE] [--socket PATH] [--state-dir DIR] [--model FILE] [--json]
+
+Checks, each OK / WARN / FAIL with what to do: the configuration loads; the NVIDIA driver is loaded
+(/proc/driver/nvidia/version); NVML initialises and lists devices; the process may write device
+settings (root or CAP_SYS_ADMIN); the daemon's socket exists, has no bits for "other", and answers a
+health check; the state directory is writable; the forecaster checkpoint loads. With a `sim:`
+backend configured, driver and NVML problems are warnings only. Exit status 1 when any check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import stat
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal, TextIO
+
+from vgpu import config as vconfig
+
+Status = Literal["OK", "WARN", "FAIL"]
+CAP_SYS_ADMIN = 21
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "manager" / "models" / "forecaster.pt"
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: Status
+    detail: str
+
+    def line(self) -> str:
+        return f"{self.status:<4}  {self.name:<10} {self.detail}"
+
+
+def check_driver(proc_root: Path = Path("/proc"), *, required: bool = True) -> Check:
+    path = proc_root / "driver" / "nvidia" / "version"
+    try:
+        first = path.read_text().splitlines()[0].strip()
+    except (OSError, IndexError):
+        return Check("driver", "FAIL" if required else "WARN",
+                     f"no NVIDIA driver loaded ({path} is missing): install the driver and `modprobe nvidia`")
+    return Check("driver", "OK", first)
+
+
+def check_nvml(open_backend: Callable[[], object] | None = None, *, required: bool = True) -> Check:
+    """nvmlInit through the NVML backend (the one module that imports pynvml)."""
+    try:
+        if open_backend is None:
+            from vgpu.device.nvml import NvmlBackend
+
+            open_backend = NvmlBackend
+        backend = open_backend()
+    except Exception as exc:  # noqa: BLE001 - every failure is the answer
+        return Check("nvml", "FAIL" if required else "WARN", f"nvmlInit failed: {type(exc).__name__}: {exc}")
+    try:
+        devices = list(backend.devices())  # type: ignore[attr-defined]
+        names = ", ".join(sorted({d.name for d in devices})) or "none"
+        return Check("nvml", "OK" if devices else "WARN", f"nvmlInit OK, {len(devices)} device(s): {names}")
+    finally:
+        close = getattr(backend, "close", None)
+        if close is not None:
+            close()
+
+
+def _cap_eff(status_text: str) -> int:
+    for line in status_text.splitlines():
+        if line.startswith("CapEff:"):
+            return int(line.split()[1], 16)
+    return 0
+
+
+def check_privileges(euid: int | None = None, proc_status: str | None = None) -> Check:
+    euid = os.geteuid() if euid is None else euid
+    if proc_status is None:
+        try:
+            proc_status = Path("/proc/self/status").read_text()
+        except OSError:
+            proc_status = ""
+    has_cap = bool(_cap_eff(proc_status) & (1 << CAP_SYS_ADMIN))
+    if euid == 0 and has_cap:
+        return Check("privileges", "OK", "root with CAP_SYS_ADMIN: power limits and MIG can be written")
+    if has_cap:
+        return Check("privileges", "OK", f"uid {euid} with CAP_SYS_ADMIN")
+    return Check("privileges", "WARN",
+                 f"uid {euid} without CAP_SYS_ADMIN: NVML refuses power-limit and MIG writes "
+                 "(the daemon runs as root under systemd; this only matters for `vgpu serve` run by hand)")
+
+
+def check_socket(path: Path, *, timeout_s: float = 2.0) -> Check:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return Check("socket", "FAIL", f"{path} does not exist: is vgpu-manager running? (systemctl status vgpu-manager)")
+    except PermissionError as exc:
+        return Check("socket", "FAIL", f"{path}: {exc}; are you in the socket's group?")
+    if not stat.S_ISSOCK(st.st_mode):
+        return Check("socket", "FAIL", f"{path} is not a socket")
+    mode = stat.S_IMODE(st.st_mode)
+    try:
+        import grp
+
+        group = grp.getgrgid(st.st_gid).gr_name
+    except KeyError:
+        group = str(st.st_gid)
+    desc = f"{path} mode {mode:04o} group {group}"
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(f"unix:{path}") as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+    except grpc.RpcError as exc:
+        return Check("socket", "FAIL", f"{desc}: no answer ({exc.code().name}: {exc.details()})")  # type: ignore[attr-defined]
+    if resp.status != health_pb2.HealthCheckResponse.SERVING:
+        return Check("socket", "WARN", f"{desc}: daemon answers but is not serving")
+    if mode & 0o007:
+        return Check("socket", "WARN", f"{desc}: every local user may connect; use 0660 and a group")
+    return Check("socket", "OK", f"{desc}, daemon serving")
+
+
+def check_state_dir(path: Path) -> Check:
+    if path.is_dir():
+        if os.access(path, os.W_OK | os.X_OK):
+            return Check("state dir", "OK", f"{path} is writable")
+        return Check("state dir", "FAIL", f"{path} is not writable by uid {os.geteuid()} (the daemon runs as root)")
+    if path.exists():
+        return Check("state dir", "FAIL", f"{path} exists and is not a directory")
+    parent = next((p for p in path.parents if p.exists()), Path("/"))
+    if os.access(parent, os.W_OK | os.X_OK):
+        return Check("state dir", "WARN", f"{path} does not exist yet; the daemon will create it")
+    return Check("state dir", "FAIL", f"{path} does not exist and {parent} is not writable")
+
+
+def check_model(path: Path, load: Callable[[Path], object] | None = None) -> Check:
+    if not path.exists():
+        return Check("model", "WARN", f"no forecaster checkpoint at {path}: the manager forecasts with the baseline")
+    try:
+        if load is None:
+            from manager.predictor import load_forecaster
+
+            load = load_forecaster
+        load(path)
+    except Exception as exc:  # noqa: BLE001 - any failure means it cannot be served
+        return Check("model", "FAIL", f"{path} does not load: {type(exc).__name__}: {exc}")
+    return Check("model", "OK", f"{path} loads")
+
+
+def run_checks(
+    cfg: vconfig.Config,
+    *,
+    model: Path = DEFAULT_MODEL,
+    proc_root: Path = Path("/proc"),
+    open_nvml: Callable[[], object] | None = None,
+    euid: int | None = None,
+    proc_status: str | None = None,
+    load_model: Callable[[Path], object] | None = None,
+) -> list[Check]:
+    gpu_required = cfg.server.backend == "nvml"
+    return [
+        check_driver(proc_root, required=gpu_required),
+        check_nvml(open_nvml, required=gpu_required),
+        check_privileges(euid, proc_status),
+        check_socket(Path(cfg.server.socket)),
+        check_state_dir(Path(cfg.server.state_dir)),
+        check_model(model, load_model),
+    ]
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "vgpu doctor", *, out: TextIO | None = None) -> int:
+    p = argparse.ArgumentParser(prog=prog, description="Check what vgpu needs on this machine.")
+    p.add_argument("--config", type=Path, help="configuration file (default /etc/vgpu/vgpu.toml if present)")
+    p.add_argument("--socket", help="daemon socket to check (default: from the configuration)")
+    p.add_argument("--state-dir", help="state directory to check (default: from the configuration)")
+    p.add_argument("--backend", help="nvml or sim:<sku> (sim: driver and NVML problems are warnings)")
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help=f"forecaster checkpoint (default {DEFAULT_MODEL})")
+    p.add_argument("--json", action="store_true", help="print the checks as JSON")
+    ns = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    out = out or sys.stdout
+    try:
+        cfg = vconfig.load(
+            ns.config,
+            overrides={"server.socket": ns.socket, "server.state_dir": ns.state_dir, "server.backend": ns.backend},
+        )
+        checks = [Check("config", "OK", f"{ns.config or vconfig.DEFAULT_CONFIG_PATH} "
+                        + ("loads" if (ns.config or vconfig.DEFAULT_CONFIG_PATH.exists()) else "absent: defaults in use"))]
+    except vconfig.ConfigError as exc:
+        cfg = vconfig.Config()
+        checks = [Check("config", "FAIL", str(exc))]
+    checks += run_checks(cfg, model=ns.model)
+    if ns.json:
+        out.write(json.dumps([asdict(c) for c in checks], indent=2) + "\n")
+    else:
+        out.write("\n".join(c.line() for c in checks) + "\n")
+    return 1 if any(c.status == "FAIL" for c in checks) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
