@@ -1,8 +1,8 @@
 """Cold-start sizing: a job's first grant from its configuration, before it has any history.
 
-The model is the winner of the comparison of bench/paper_table.py on memory (ExtraTrees; see
-docs/coldstart.md), trained on the permitted job profiles only (MIGPerf MIT, MISO MIT, GPUMemNet
-CC-BY-4.0; never Lucid). It ships as a small artefact, `manager/models/coldstart_extratrees.pt`
+The model is the winner of the comparison of bench/paper_table.py on memory (RandomForest, by MSE
+and R2; see docs/coldstart.md), trained on the permitted job profiles only (MIGPerf MIT, MISO MIT, GPUMemNet
+CC-BY-4.0; never Lucid). It ships as a small artefact, `manager/models/coldstart_randomforest.pt`
 (plain tensors and a JSON metadata string, loaded with `torch.load(weights_only=True)`: no pickle
 code, no sklearn needed at run time), because the node running the daemon has no ../shared/data to
 train from. Rebuild it with
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import pickle
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -46,13 +47,13 @@ from manager.jobprofiles import (
 )
 from manager.regressors import regression_metrics, split_indices
 
-DEFAULT_ARTEFACT = Path(__file__).resolve().parent / "models" / "coldstart_extratrees.pt"
+DEFAULT_ARTEFACT = Path(__file__).resolve().parent / "models" / "coldstart_randomforest.pt"
 DEFAULT_CAPACITY_MIB = 40960.0  # a whole A100-40GB, where the caller does not say
 MIN_FAMILY_TEST_ROWS = 10
 MARGIN_QUANTILE = 0.9
 MIN_HISTORY_S = 10.0
-MODEL_NAME = "ExtraTrees"
-ET_PARAMS: dict[str, Any] = {"n_estimators": 32, "min_samples_leaf": 2}
+MODEL_NAME = "RandomForest"
+RF_PARAMS: dict[str, Any] = {"n_estimators": 32, "min_samples_leaf": 2}
 
 
 # --------------------------------------------------------------------------------------------
@@ -246,7 +247,7 @@ class ColdStartSizer:
             data = torch.load(p, map_location="cpu", weights_only=True)
             metadata = json.loads(data["metadata"])
             mem, util = TreeEnsemble.from_tensors(data, "mem"), TreeEnsemble.from_tensors(data, "util")
-        except (KeyError, ValueError, RuntimeError, TypeError, EOFError) as exc:
+        except (KeyError, ValueError, RuntimeError, TypeError, EOFError, pickle.UnpicklingError) as exc:
             raise ValueError(f"cold-start model at {p} is unreadable ({exc}); rebuild it with `python -m manager.coldstart train`") from exc
         return cls(mem, util, metadata)
 
@@ -330,15 +331,15 @@ def _quantile(values: np.ndarray, q: float) -> float:
 
 def train_sizer(data_root: Path, seed: int = 0, gpumemnet_rows: int | None = None, params: dict[str, Any] | None = None) -> ColdStartSizer:
     """Fit on the permitted profiles: measure the error on a 70/30 split, then refit on all rows."""
-    from sklearn.ensemble import ExtraTreesRegressor
+    from sklearn.ensemble import RandomForestRegressor
 
-    et_params = {**ET_PARAMS, **(params or {})}
+    rf_params = {**RF_PARAMS, **(params or {})}
     profiles = load_permitted(data_root, gpumemnet_rows)
     x, mem, util = encode_profiles(profiles)
     train, test = split_indices(len(profiles), 0.7, seed)
 
     def fit(idx: np.ndarray, y: np.ndarray) -> Any:
-        return ExtraTreesRegressor(random_state=seed, n_jobs=1, **et_params).fit(x[idx], y[idx])
+        return RandomForestRegressor(random_state=seed, n_jobs=1, **rf_params).fit(x[idx], y[idx])
 
     p_mem, p_util = fit(train, mem).predict(x[test]), fit(train, util).predict(x[test])
     rel = np.abs(p_mem - mem[test]) / np.maximum(mem[test], 1.0)
@@ -350,7 +351,7 @@ def train_sizer(data_root: Path, seed: int = 0, gpumemnet_rows: int | None = Non
             by_family[fam] = round(_quantile(rel[sel], MARGIN_QUANTILE), 5)
     metadata: dict[str, Any] = {
         "model": MODEL_NAME,
-        "params": et_params,
+        "params": rf_params,
         "seed": seed,
         "encoding_version": ENCODING_VERSION,
         "feature_names": list(FEATURE_NAMES),

@@ -1,0 +1,190 @@
+"""Cold-start sizing: the shipped model, its margin, the hand-over to the forecaster, the comparison."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from manager.coldstart import (
+    DEFAULT_ARTEFACT,
+    AllocatorSizer,
+    ColdStartSizer,
+    TreeEnsemble,
+    choose_source,
+    train_sizer,
+)
+from manager.jobprofiles import ENCODING_VERSION, FEATURE_NAMES, InvalidJobConfig, JobConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---- hand-over ---------------------------------------------------------------------------------
+def test_no_history_with_a_job_and_no_amount_is_cold_start() -> None:
+    assert choose_source(0.0, has_job=True) == "cold_start"
+    assert choose_source(9.9, has_job=True, min_history_s=10.0) == "cold_start"
+
+
+def test_history_hands_over_to_the_forecaster() -> None:
+    assert choose_source(10.0, has_job=True, min_history_s=10.0) == "forecast"
+    assert choose_source(60.0, requested_memory_mib=4096.0, has_job=True) == "forecast"
+
+
+def test_an_explicit_amount_wins_before_history() -> None:
+    assert choose_source(0.0, requested_memory_mib=2048.0, has_job=True) == "request"
+    assert choose_source(0.0) == "request"  # nothing to size from
+
+
+@pytest.mark.parametrize("kw", [{"has_history_s": -1.0}, {"has_history_s": math.nan}, {"has_history_s": 0.0, "requested_memory_mib": -5.0}])
+def test_hand_over_refuses_nonsense(kw: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match="must be a finite number >= 0"):
+        choose_source(**kw)  # type: ignore[arg-type]
+
+
+# ---- a tiny injected model ---------------------------------------------------------------------
+def _tiny_sizer(margin_all: float = 0.1, by_family: dict[str, float] | None = None) -> ColdStartSizer:
+    from sklearn.ensemble import ExtraTreesRegressor
+
+    rng = np.random.default_rng(0)
+    x = rng.uniform(0, 10, size=(200, len(FEATURE_NAMES)))
+    x[:, 0] = rng.integers(0, 3, size=200)  # families 0..2: transformer, vit, cnn
+    mem = 1000 + 300 * x[:, 2]
+    util = 10 + 5 * x[:, 2]
+    m = ExtraTreesRegressor(n_estimators=5, random_state=0).fit(x, mem)
+    u = ExtraTreesRegressor(n_estimators=5, random_state=0).fit(x, util)
+    meta = {
+        "model": "RandomForest",
+        "encoding_version": ENCODING_VERSION,
+        "feature_names": list(FEATURE_NAMES),
+        "margin_rel": {"all": margin_all, "by_family": by_family or {}},
+        "sm_margin_pct": 3.0,
+        "families_seen": ["transformer", "vit", "cnn"],
+    }
+    return ColdStartSizer(TreeEnsemble.from_sklearn(m), TreeEnsemble.from_sklearn(u), meta)
+
+
+def test_tree_arrays_predict_exactly_what_sklearn_predicts() -> None:
+    from sklearn.ensemble import ExtraTreesRegressor
+
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(300, 4)).astype(np.float32)
+    y = x[:, 0] * 3 + np.sin(x[:, 1])
+    model = ExtraTreesRegressor(n_estimators=7, min_samples_leaf=2, random_state=0).fit(x, y)
+    xt = np.concatenate([rng.normal(size=(200, 4)), x[:50]]).astype(np.float32)  # includes exact training values
+    assert TreeEnsemble.from_sklearn(model).predict(xt) == pytest.approx(model.predict(xt), rel=1e-6, abs=1e-6)
+
+
+def test_margin_is_the_measured_relative_error_times_the_prediction() -> None:
+    sizer = _tiny_sizer(margin_all=0.1, by_family={"cnn": 0.25})
+    cnn = sizer.size(JobConfig("resnet50", 25_000_000, 64, 224, 50), 19968.0)
+    assert cnn.margin_rel == 0.25 and cnn.margin_mib == pytest.approx(0.25 * cnn.mem_mib)
+    assert cnn.grant_mib == pytest.approx(cnn.mem_mib * 1.25) and cnn.fits and cnn.family_seen
+    vit = sizer.size(JobConfig("vit_b_16", 86_000_000, 8, 224, 12), 19968.0)
+    assert vit.margin_rel == 0.1  # no family figure: the overall one
+
+
+def test_unseen_family_gets_the_widest_margin_and_a_flag() -> None:
+    sizer = _tiny_sizer(margin_all=0.1, by_family={"cnn": 0.25, "vit": 0.4})
+    est = sizer.size(JobConfig("my-new-net", 1000, 4), None)
+    assert not est.family_seen and est.margin_rel == 0.4
+    assert est.capacity_assumed and any("not in the training data" in n for n in est.notes)
+
+
+@pytest.mark.parametrize(
+    "job, capacity, error",
+    [
+        (JobConfig("resnet50", batch_size=0), 4864.0, InvalidJobConfig),
+        (JobConfig("", batch_size=8), 4864.0, InvalidJobConfig),
+        (JobConfig("resnet50", batch_size=8), -1.0, InvalidJobConfig),
+        ({"model_type": "resnet50"}, 4864.0, TypeError),
+    ],
+)
+def test_bad_input_is_refused(job: object, capacity: float, error: type[Exception]) -> None:
+    with pytest.raises(error):
+        _tiny_sizer().size(job, capacity)  # type: ignore[arg-type]
+
+
+def test_encoding_mismatch_is_refused() -> None:
+    sizer = _tiny_sizer()
+    with pytest.raises(ValueError, match="retrain"):
+        ColdStartSizer(sizer._mem, sizer._util, {**sizer.metadata, "encoding_version": -1})
+
+
+def test_save_load_round_trip_and_broken_files(tmp_path: Path) -> None:
+    sizer = _tiny_sizer()
+    path = tmp_path / "m.pt"
+    sizer.save(path)
+    job = JobConfig("resnet50", 25_000_000, 64, 224, 50)
+    assert ColdStartSizer.load(path).size(job, 4864.0) == sizer.size(job, 4864.0)
+    with pytest.raises(FileNotFoundError, match="manager.coldstart train"):
+        ColdStartSizer.load(tmp_path / "absent.pt")
+    (tmp_path / "bad.pt").write_bytes(b"not a model")
+    with pytest.raises(ValueError, match="unreadable"):
+        ColdStartSizer.load(tmp_path / "bad.pt")
+
+
+# ---- the shipped model (no data needed) ---------------------------------------------------------
+def test_shipped_model_is_trained_on_permitted_data_only_and_sizes_a_job() -> None:
+    sizer = ColdStartSizer.load(DEFAULT_ARTEFACT)
+    assert set(sizer.metadata["trained_on"]) <= {"migperf", "miso", "gpumemnet"}
+    assert sizer.metadata["margin_rel"]["all"] > 0
+    small = sizer.size(JobConfig("bert-base", 110_000_000, 1, 64, 12, mode="infer"), 9856.0)
+    big = sizer.size(JobConfig("bert-base", 110_000_000, 32, 512, 12, mode="train"), 81920.0)
+    assert 500 < small.mem_mib < 9856 and 0 <= small.sm_pct <= 100
+    assert big.mem_mib > small.mem_mib  # training a long sequence needs more than inferring a short one
+
+
+# ---- the allocator's sizer protocol -------------------------------------------------------------
+def test_allocator_adapter_grants_prediction_plus_margin_and_trims_to_the_device() -> None:
+    from allocator.core import JobSpec
+
+    adapter = AllocatorSizer(_tiny_sizer(margin_all=0.5))
+    spec = JobSpec(model_type="resnet50", param_count=25_000_000, batch_size=64, input_size=224, num_layers=50)
+    roomy = adapter.size(spec, mem_total_mib=81920.0)
+    est = adapter.sizer.size(JobConfig.from_proto(spec), 81920.0)
+    assert roomy.memory_mib == pytest.approx(est.mem_mib * 1.5) and "cold_start" in roomy.reason
+    tight_cap = est.mem_mib * 1.2  # the prediction fits, prediction + margin does not
+    tight = adapter.size(spec, mem_total_mib=tight_cap)
+    assert tight.memory_mib == pytest.approx(tight_cap) and "trimmed" in tight.reason
+    with pytest.raises(InvalidJobConfig):
+        adapter.size(JobSpec(model_type="resnet50"), mem_total_mib=81920.0)  # batch 0: not sizable
+
+
+def test_allocator_grants_a_cold_start_size() -> None:
+    from allocator.core import AllocationRequest, Allocator, JobSpec
+    from tests.allocator_fakes import FakeBackend, FakeDevice
+
+    alloc = Allocator(FakeBackend([FakeDevice(mem_total_mib=40960.0)]), sizer=AllocatorSizer(_tiny_sizer()))
+    grant = alloc.request_allocation(
+        AllocationRequest(app_id="a", memory_mib=0.0, job=JobSpec(model_type="resnet50", batch_size=16, input_size=224))
+    )
+    assert grant.source == "cold_start" and grant.memory_mib > 0
+
+
+# ---- training and the comparison (need the data) -----------------------------------------------
+def test_training_measures_the_margin_on_held_out_rows(shared_data: Path) -> None:
+    sizer = train_sizer(shared_data, gpumemnet_rows=150, params={"n_estimators": 4})
+    meta = sizer.metadata
+    assert meta["split"]["test"] > 0 and meta["margin_rel"]["all"] > 0
+    assert "lucid" not in meta["trained_on"]
+    fams = meta["margin_rel"]["by_family"]
+    assert fams and all(v > 0 for v in fams.values())
+
+
+def test_comparison_is_deterministic_on_a_subset(shared_data: Path) -> None:
+    sys.path.insert(0, str(ROOT))
+    from bench.paper_table import compare
+    from manager.regressors import BiGRUSettings
+
+    kw = {"subset": 240, "models": ("Transformer-BiGRU", "LightGBM", "DecisionTree"), "bigru": BiGRUSettings(epochs=2)}
+    a, b = compare(shared_data, **kw), compare(shared_data, **kw)  # type: ignore[arg-type]
+    assert a["rows"] == b["rows"]
+    assert a["split"] == "70/30" and a["n_train"] + a["n_test"] == 240 and a["n_train"] == 168
+    assert {r["target"] for r in a["rows"]} == {"peak_mem_mib", "sm_util_pct"}
+    assert set(a["rows"][0]) == {"model", "target", "mse", "rmse", "mae", "mape", "r2"}
+    assert all(r["rmse"] == pytest.approx(math.sqrt(r["mse"]), rel=1e-3) for r in a["rows"])
+    json.dumps(a)
