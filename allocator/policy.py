@@ -15,8 +15,9 @@ How a target is sized, per application and resource (memory in MiB, compute in S
 3. **Guarantees**: an explicit request is a floor the target never goes under.
 4. **Hysteresis** (the VPA updater's habit): a change smaller than `min_change_frac` of the
    current grant, or sooner than `dwell_s` after the application's last change, is not made.
-   Two changes are always made: raising a grant up to its guarantee, and growing a grant that the
-   application already overruns (its usage is above the grant) when `grow_on_overrun` is set.
+   Two changes are always made: raising a grant up to its guarantee, and, with `grow_on_overrun`,
+   growing a grant that the need itself (the usage now, or the forecast before its margin) exceeds:
+   hysteresis delays shrinking and margin-sized growth, never a foreseen overrun.
 5. **Contention**: when a device's targets exceed its capacity, the lowest-priority applications
    shrink first, each never below its guarantee; this shrinking ignores hysteresis.
 
@@ -160,9 +161,9 @@ class PolicyConfig:
     sm_margin_frac: float = 0.10
     # confidence multiplier (VPA: estimate * (1 + multiplier / confidence) ** exponent), where
     # confidence is the history length in units of `confidence_unit_s`
-    confidence_multiplier: float = 0.5
+    confidence_multiplier: float = 1.0
     confidence_exponent: float = 1.0
-    confidence_unit_s: float = 60.0
+    confidence_unit_s: float = 1.0  # 1 s of history: x2; 10 s: x1.1; 100 s: x1.01
     min_mem_mib: float = 256.0
     min_sm_pct: float = 5.0
     # hysteresis (VPA updater): no change smaller than this fraction of the grant, nor sooner
@@ -321,8 +322,9 @@ def _hysteresis(app: AppState, res: Resource, desired: float, reason: str, now_s
         return desired, reason  # a new grant is always made
     if desired < app.request(res) or current < app.request(res):
         return max(desired, app.request(res)), "guarantee"
-    used = app.used(res)
-    if config.grow_on_overrun and desired > current and not math.isnan(used) and used > current:
+    # the need itself (usage now, or the forecast without margin) beyond the grant: grow now
+    need = max((v for v in (app.used(res), app.forecast_p90(res)) if not math.isnan(v)), default=math.nan)
+    if config.grow_on_overrun and desired > current and not math.isnan(need) and need > current:
         return desired, "overrun"
     if abs(desired - current) < config.min_change_frac * current:
         return current, "below-threshold"
