@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -48,7 +49,7 @@ def test_less_slices_never_run_faster() -> None:
     for model in ("resnet", "bert", "vgg16", "unknown-net"):
         for batch in (1, 32, 48, 64, 512):
             factors = [m.slice_slowdown(model, batch, "7g.40gb", s).factor for s in SLICES_40]
-            assert all(a >= b for a, b in zip(factors, factors[1:]))
+            assert all(a >= b for a, b in zip(factors, factors[1:], strict=False))
             assert factors[-1] == pytest.approx(1.0) and factors[0] >= 1.0
 
 
@@ -87,7 +88,7 @@ def test_power_slowdown_and_energy() -> None:
         (lambda m: m.power_slowdown("resnet50", 8, 250, 150, gpu="h100"), "no power data for GPU"),
     ],
 )
-def test_bad_input(call, match) -> None:  # type: ignore[no-untyped-def]
+def test_bad_input(call: Callable[[SlowdownModel], object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         call(_synthetic())
 
@@ -112,5 +113,5 @@ def test_real_data_error_is_reported_and_curves_are_monotone(shared_data: Path) 
                 assert (f >= 1.0) if t < s else (f <= 1.0) if t > s else f == 1.0
     for gpu in ("a40", "v100"):
         slow = [m.power_slowdown("resnet50", 128, 250, w, gpu=gpu).factor for w in (100, 150, 200, 250)]
-        assert all(a >= b for a, b in zip(slow, slow[1:])) and slow[0] > 1.0
+        assert all(a >= b for a, b in zip(slow, slow[1:], strict=False)) and slow[0] > 1.0
         assert m.power_tradeoff("resnet50", 128, 250, 150, gpu=gpu).power_ratio < 1.0
