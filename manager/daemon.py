@@ -193,7 +193,10 @@ def read_original(dev: Device, now_s: float) -> DeviceOriginal:
         mig = dev.mig_enabled()
         if mig:
             layout = tuple(
-                sorted(MigSlot(gi.profile_id, gi.placement.start, gi.profile_name) for gi in dev.gpu_instances())
+                sorted(
+                    (MigSlot(gi.profile_id, gi.placement.start, gi.profile_name) for gi in dev.gpu_instances()),
+                    key=lambda slot: (slot.start, slot.profile_id),
+                )
             )
     except DeviceError:
         mig = None

@@ -1,0 +1,91 @@
+"""manager/daemon.py reconcile() and restore_devices(), and the persistent simulated GPU, without processes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import structlog
+from structlog.testing import capture_logs
+
+from allocator.ledger import Ledger
+from allocator.store import Store
+from manager.daemon import read_original, reconcile, restore_devices
+from manager.simstate import PersistentSimBackend, read_state
+from vgpu.device.errors import GpuLost
+
+LOG = structlog.get_logger("test")
+
+
+def _mig_backend(path: Path) -> PersistentSimBackend:
+    path.write_text(json.dumps({"version": 1, "devices": {}}))
+    b = PersistentSimBackend(["h100-80gb"], path, mig_reconfig_s=0.0)
+    b.devices()[0].set_mig_mode(True)
+    return b
+
+
+def test_sim_state_outlives_the_backend(tmp_path: Path) -> None:
+    path = tmp_path / "sim.json"
+    b = _mig_backend(path)
+    dev = b.devices()[0]
+    dev.create_gpu_instance(9, 0)
+    dev.set_power_limit_mw(500_000)
+    again = PersistentSimBackend(["h100-80gb"], path, mig_reconfig_s=0.0).devices()[0]
+    assert again.power_limit_mw() == 500_000 and again.mig_enabled()
+    assert [(g.profile_name, g.placement.start) for g in again.gpu_instances()] == [("3g.40gb", 0)]
+    assert read_state(path)[dev.uuid]["power_limit_mw"] == 500_000
+
+
+def test_restore_puts_power_and_mig_back_then_forgets(tmp_path: Path) -> None:
+    b = _mig_backend(tmp_path / "sim.json")
+    dev = b.devices()[0]
+    dev.create_gpu_instance(9, 0)
+    dev.create_gpu_instance(9, 4)
+    with Store(tmp_path) as store:
+        ledger, rec = reconcile(store, b, clock=lambda: 1.0)
+        assert isinstance(ledger, Ledger) and rec.devices_not_original == {}
+        # What an allocator would do while running: another layout, a lower limit.
+        for gi in dev.gpu_instances():
+            dev.destroy_gpu_instance(gi.instance_id)
+        dev.create_gpu_instance(0, 0)
+        dev.set_power_limit_mw(300_000)
+        _, rec = reconcile(store, b, clock=lambda: 2.0)  # a restart sees it and says so
+        assert "power limit 300000 mW" in rec.devices_not_original[dev.uuid]
+        assert "MIG [7g.80gb@0], original [3g.40gb@0, 3g.40gb@4]" in rec.devices_not_original[dev.uuid]
+        actions = restore_devices(store, b, LOG)
+        assert {a["mechanism"] for a in actions} == {"power_limit", "mig"}
+        now = read_original(dev, 0.0)
+        assert now.power_limit_mw == 700_000
+        assert [(s.profile_id, s.start) for s in now.mig_layout] == [(9, 0), (9, 4)]
+        assert store.originals() == {}
+        assert restore_devices(store, b, LOG) == []  # nothing left to do
+
+
+def test_failed_restore_keeps_the_original_for_next_time(tmp_path: Path) -> None:
+    b = PersistentSimBackend(["h100-80gb"], tmp_path / "sim.json")
+    dev = b.devices()[0]
+    with Store(tmp_path) as store:
+        reconcile(store, b, clock=lambda: 1.0)
+        dev.set_power_limit_mw(400_000)
+        dev.inner.inject("set_power_limit_mw", GpuLost, times=1)
+        with capture_logs() as logs:
+            assert restore_devices(store, b, LOG) == []
+        assert logs[0]["event"] == "device_restore_failed" and "power_limit" == logs[0]["mechanism"]
+        assert store.original(dev.uuid) is not None and store.original(dev.uuid).power_limit_mw == 700_000
+        restore_devices(store, b, LOG)
+        assert dev.power_limit_mw() == 700_000 and store.originals() == {}
+
+
+def test_reconcile_drops_grants_of_gone_devices_and_processes(tmp_path: Path) -> None:
+    b = PersistentSimBackend(["h100-80gb"], tmp_path / "sim.json")
+    uuid = b.devices()[0].uuid
+    with Store(tmp_path) as store:
+        ledger, _ = reconcile(store, b, clock=lambda: 1.0)
+        keep = ledger.grant("a", 100, device_id=uuid, pid=111)
+        dead = ledger.grant("b", 100, device_id=uuid, pid=222)
+        records = ledger.to_records()
+        records["grants"].append({**records["grants"][0], "grant_id": "elsewhere", "device_id": "GPU-gone"})
+        store.save_ledger(records)
+        ledger, rec = reconcile(store, b, clock=lambda: 2.0, pid_exists=lambda pid: pid == 111)
+    assert [g.grant_id for g in ledger.grants()] == [keep.grant_id]
+    assert rec.released_gone_process == [dead.grant_id] and rec.released_gone_device == ["elsewhere"]
