@@ -390,3 +390,70 @@ class MigScheduler:
         if _assign(self.sku, current, merged) is not None:
             return None
         return choose_layout(self.sku, merged, current)
+
+
+# ------------------------------------------------------------------------------------------------
+# The allocator's MigMechanism protocol (allocator/core.py): profile names per device
+# ------------------------------------------------------------------------------------------------
+def layout_for_profiles(sku: Sku, profiles: Sequence[str], current: MigLayout = ()) -> MigLayout:
+    """A valid layout holding exactly these profile names ("3g.40gb", ...), the one that keeps the
+    most current instances; InvalidArgument when no placement of them exists."""
+    from vgpu.device.errors import InvalidArgument
+
+    wanted = sorted(profiles)
+    for name in wanted:
+        if sku.profile_by_name(name) is None:
+            raise InvalidArgument(f"{sku.key} has no MIG profile {name!r}")
+    cur = set(current)
+    best: tuple[int, MigLayout] | None = None
+    for layout in valid_layouts(sku):
+        if len(layout) != len(wanted):
+            continue
+        names = sorted(sku.profile(s.profile_id).name for s in layout)  # type: ignore[union-attr]
+        if names != wanted:
+            continue
+        kept = len(cur.intersection(layout))
+        if best is None or kept > best[0]:
+            best = (kept, layout)
+    if best is None:
+        raise InvalidArgument(f"no valid placement of {', '.join(wanted) or 'nothing'} on {sku.key}")
+    return best[1]
+
+
+class MigLayoutMechanism:
+    """One `MigReconfigurer` per device behind `allocator.core.MigMechanism`:
+    `apply(device, profile_names) -> bool` (True when instances changed) and `restore()`."""
+
+    def __init__(self, *, state_dir: str | Path | None = None, dry_run: bool = False,
+                 logger: structlog.typing.FilteringBoundLogger | None = None) -> None:
+        self._state_dir = Path(state_dir) if state_dir is not None else None
+        self.dry_run = dry_run
+        self._log = logger
+        self.reconfigurers: dict[str, MigReconfigurer] = {}
+        self.last: dict[str, MigApplyResult] = {}
+
+    def _for(self, device: Device) -> MigReconfigurer:
+        rec = self.reconfigurers.get(device.uuid)
+        if rec is None:
+            path = self._state_dir / f"mig-{device.uuid}.json" if self._state_dir is not None else None
+            rec = MigReconfigurer(device, state_path=path, dry_run=self.dry_run, logger=self._log)
+            self.reconfigurers[device.uuid] = rec
+        return rec
+
+    def apply(self, device: Device, profiles: Sequence[str]) -> bool:
+        rec = self._for(device)
+        if rec.disabled is not None:
+            return False
+        try:
+            sku = sku_for_device(device)
+            target = layout_for_profiles(sku, profiles, rec.current_layout())
+        except NotSupported as exc:
+            rec._disable(f"NotSupported: {exc}")
+            return False
+        result = rec.apply(target)
+        self.last[device.uuid] = result
+        return bool(result.done)
+
+    def restore(self) -> None:
+        for rec in self.reconfigurers.values():
+            rec.restore()

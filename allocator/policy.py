@@ -1,7 +1,8 @@
 """The allocation policy: pure logic that turns requests, usage and forecasts into a plan.
 
 Nothing here touches a device, a clock or a file: the allocator (allocator/core.py) feeds the
-policy frozen inputs and acts on the `Plan` it returns.
+policy frozen inputs and acts on the `Plan` it returns. `plan()` is the core; `ForecastPolicy`
+puts it behind the allocator's `Policy` protocol (allocator/plan.py).
 
 How a target is sized, per application and resource (memory in MiB, compute in SM percent):
 1. **Estimate** by a chain of estimators composed like the Kubernetes VPA recommender's
@@ -30,7 +31,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
+
+from allocator.power_policy import choose_power_limit_mw
+
+if TYPE_CHECKING:
+    from allocator.ledger import Grant
+    from allocator.plan import DeviceView, Recommendation
+    from allocator.plan import Plan as AllocatorPlan
 
 Resource = Literal["mem", "sm"]
 RESOURCES: tuple[Resource, ...] = ("mem", "sm")
@@ -419,3 +427,86 @@ def advance(apps: Sequence[AppState], result: Plan) -> list[AppState]:
             last_sm_change_s=result.at_s if t.changed_sm else app.last_sm_change_s,
         ))
     return out
+
+
+# ------------------------------------------------------------------------------------------------
+# The allocator's Policy protocol (allocator/plan.py): recommendations + device views -> plan
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ForecastPolicy:
+    """This module's policy behind `allocator.plan.Policy`, for `Allocator(policy=ForecastPolicy())`.
+
+    Per application and device: grants the application requested itself (source "request") are its
+    guarantee and are left as they are; its most recent other grant (or a new forecast grant)
+    carries the rest of the planned size. The recommendation's P90 peaks are the forecast (its
+    recommended size where they are unknown), its last usage the usage, the managed grant's
+    `updated_at_s` the last change, and the time since its first grant the history. Power: each
+    device's limit from its planned SM share (allocator/power_policy.py), written only when it moves
+    by at least `power_hysteresis_frac` of the device's range."""
+
+    config: PolicyConfig = field(default_factory=PolicyConfig)
+    power_hysteresis_frac: float = 0.05
+    manage_power: bool = True
+
+    def plan(self, recommendations: Sequence[Recommendation], devices: Sequence[DeviceView],
+             now_s: float) -> AllocatorPlan:
+        from allocator.plan import GrantTarget, PowerTarget
+        from allocator.plan import Plan as AllocatorPlan
+
+        views = {d.device_id: d for d in devices}
+        states: list[AppState] = []
+        managed: dict[str, Grant | None] = {}
+        requested: dict[str, tuple[float, float]] = {}
+        seen: set[str] = set()
+        for rec in recommendations:
+            view = views.get(rec.device_id)
+            if view is None or rec.app_id in seen:
+                continue
+            seen.add(rec.app_id)
+            mine = [g for g in view.grants if g.app_id == rec.app_id]
+            req = [g for g in mine if g.source == "request"]
+            others = [g for g in mine if g.source != "request"]
+            own = max(others, key=lambda g: g.created_at_s) if others else None
+            managed[rec.app_id] = own
+            req_mem = sum(g.memory_mib for g in req)
+            req_sm = min(100.0, sum(g.sm_pct for g in req))
+            requested[rec.app_id] = (req_mem, req_sm)
+            f_mem = rec.mem_p90_peak_mib if math.isfinite(rec.mem_p90_peak_mib) else rec.memory_mib
+            f_sm = rec.sm_p90_peak_pct if math.isfinite(rec.sm_p90_peak_pct) else rec.sm_pct
+            changed_at = own.updated_at_s if own is not None else -math.inf
+            first = min((g.created_at_s for g in mine), default=now_s)
+            states.append(AppState(
+                app_id=rec.app_id, device_id=rec.device_id,
+                request_mem_mib=req_mem, request_sm_pct=req_sm,
+                granted_mem_mib=sum(g.memory_mib for g in mine),
+                granted_sm_pct=min(100.0, sum(g.sm_pct for g in mine)),
+                used_mem_mib=rec.mem_used_mib, used_sm_pct=rec.sm_util_pct,
+                forecast_mem_p90_mib=f_mem if math.isfinite(f_mem) else math.nan,
+                forecast_sm_p90_pct=f_sm if math.isfinite(f_sm) else math.nan,
+                history_s=max(now_s - first, 0.0),
+                priority=max((g.priority for g in mine), default=0),
+                last_mem_change_s=changed_at, last_sm_change_s=changed_at,
+            ))
+        caps = [DeviceState(v.device_id, v.mem_total_mib, v.sm_total_pct) for v in devices]
+        result = plan(states, caps, now_s, self.config)
+        grants: list[GrantTarget] = []
+        for t in result.changes():
+            req_mem, req_sm = requested[t.app_id]
+            own = managed[t.app_id]
+            extra_mem, extra_sm = max(t.mem_mib - req_mem, 0.0), max(t.sm_pct - req_sm, 0.0)
+            if own is None and extra_mem <= 0 and extra_sm <= 0:
+                continue  # the requests cover the plan
+            grants.append(GrantTarget(t.app_id, t.device_id, extra_mem, extra_sm,
+                                      own.grant_id if own else None, f"{t.reason_mem}/{t.reason_sm}"))
+        power: list[PowerTarget] = []
+        if self.manage_power:
+            for dp in result.devices:
+                view = views[dp.device_id]
+                c = view.power_constraints
+                if c is None or not view.power_enabled or view.power_limit_mw is None or c.max_mw <= c.min_mw:
+                    continue
+                choice = choose_power_limit_mw(min(dp.sm_planned_pct, 100.0), c)
+                if abs(choice.limit_mw - view.power_limit_mw) >= self.power_hysteresis_frac * (c.max_mw - c.min_mw):
+                    power.append(PowerTarget(dp.device_id, choice.limit_mw,
+                                             f"{choice.reason}: planned SM {dp.sm_planned_pct:.0f} %"))
+        return AllocatorPlan(grants=tuple(grants), power=tuple(power))

@@ -196,3 +196,24 @@ def test_scheduler_acts_a_reconfiguration_time_ahead() -> None:
     assert mem_of(dict(choice.assignment)["a"]) >= 26_000
     # a need the current layout still covers changes nothing
     assert sched.decide(current, [MigNeed("a", 15_000)], [MigNeed("a", 18_000)]) is None
+
+
+def test_layout_mechanism_serves_the_allocator_protocol(tmp_path: Path) -> None:
+    from allocator.mig import MigLayoutMechanism, layout_for_profiles
+    from vgpu.device.errors import InvalidArgument
+
+    backend, _ = sim()
+    dev = backend.devices()[0]
+    mech = MigLayoutMechanism(state_dir=tmp_path)
+    assert mech.apply(dev, ["3g.40gb", "3g.40gb"])
+    assert sorted(gi.profile_name for gi in dev.gpu_instances()) == ["3g.40gb", "3g.40gb"]
+    assert not mech.apply(dev, ["3g.40gb", "3g.40gb"])  # already there: no change
+    # keeps one 3g and replaces the other
+    assert mech.apply(dev, ["3g.40gb", "2g.20gb", "1g.10gb"])
+    assert mech.last[dev.uuid].writes == 3
+    with pytest.raises(InvalidArgument):
+        layout_for_profiles(SKU, ["9g.99gb"])
+    with pytest.raises(InvalidArgument):
+        layout_for_profiles(SKU, ["7g.80gb", "1g.10gb"])
+    mech.restore()
+    assert dev.gpu_instances() == []

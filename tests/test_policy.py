@@ -170,3 +170,44 @@ def test_advance_records_change_times_and_feeds_hysteresis() -> None:
     assert not p2.target("a").changed_mem
     p3 = plan(apps, [DEV], 11.0, CFG)
     assert p3.target("a").mem_mib == pytest.approx(5_500)
+
+
+def test_foreseen_overrun_grows_despite_threshold_and_dwell() -> None:
+    # the forecast (before margin) exceeds the grant by 3 %: below the threshold, inside the dwell,
+    # yet the grant grows now, since holding it would be a foreseen violation
+    a = app("a", granted_mem_mib=10_000, forecast_mem_p90_mib=10_300, granted_sm_pct=20,
+            forecast_sm_p90_pct=10, last_mem_change_s=99.0)
+    t = plan([a], [DEV], 100.0, CFG).target("a")
+    assert t.mem_mib == pytest.approx(11_330) and t.reason_mem == "overrun"
+
+
+def test_forecast_policy_drives_the_allocator_on_the_simulator() -> None:
+    from allocator.core import Allocator
+    from allocator.plan import Recommendation
+    from allocator.policy import ForecastPolicy
+    from vgpu.device.sim import ManualClock, SimBackend
+
+    clock = ManualClock(1000.0)
+    backend = SimBackend(["h100-80gb"], clock=clock)
+    dev = backend.devices()[0]
+    alloc = Allocator(backend, clock=clock, dry_run=False, policy=ForecastPolicy(PolicyConfig(confidence_multiplier=0)))
+    # a requested guarantee of 10 GiB, then forecasts of 30 GiB: a forecast grant carries the rest
+    alloc.ledger.grant("a", 10_240, 10, device_id=dev.uuid, source="request")
+    rec = Recommendation("a", dev.uuid, 30_000, 30, mem_p90_peak_mib=30_000, sm_p90_peak_pct=30,
+                         mem_used_mib=9_000, sm_util_pct=8)
+    report = alloc.apply_recommendations([rec])
+    grants = alloc.ledger.grants(app_id="a")
+    assert sum(g.memory_mib for g in grants) == pytest.approx(33_000)
+    assert {g.source for g in grants} == {"request", "forecast"}
+    # planned SM 33 %: the power limit leaves the default, through the mechanism
+    assert report.power and dev.power_limit_mw() < 700_000
+    # the forecast falls under the guarantee: the forecast grant shrinks, the request stays
+    clock.advance(60.0)
+    low = Recommendation("a", dev.uuid, 2_000, 5, mem_p90_peak_mib=2_000, sm_p90_peak_pct=5,
+                         mem_used_mib=2_000, sm_util_pct=5)
+    alloc.apply_recommendations([low])
+    req = [g for g in alloc.ledger.grants(app_id="a") if g.source == "request"]
+    assert req[0].memory_mib == 10_240
+    assert sum(g.memory_mib for g in alloc.ledger.grants(app_id="a")) == pytest.approx(10_240)
+    alloc.stop()
+    assert dev.power_limit_mw() == 700_000
