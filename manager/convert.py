@@ -351,6 +351,10 @@ _UNIT = re.compile(r"^\s*([-+0-9.eE]+)\s*(w|%|mib|mhz|kb/s)?\s*$", re.IGNORECASE
 _TIME_FORMATS = ("%Y/%m/%d %H:%M:%S.%f", "%Y/%m/%d %H:%M:%S", "%Y-%m-%d %H:%M:%S.%f", "%Y-%m-%d %H:%M:%S")
 
 
+class NotNvidiaSmiError(TraceFormatError):
+    """The file's header is not that of `nvidia-smi --query-gpu ... --format=csv`."""
+
+
 def _header_field(text: str) -> str:
     """'power.draw [W]' -> 'power.draw'."""
     return re.sub(r"\s*\[.*\]\s*$", "", text.strip()).lower()
@@ -401,26 +405,40 @@ def convert_nvidia_smi(
 
 
 def convert_nvidia_smi_paths(
-    paths: Sequence[Path], *, gpus: int | None = None, strict: bool = False, prefix: str | None = None
+    paths: Sequence[Path],
+    *,
+    gpus: int | None = None,
+    strict: bool = False,
+    prefix: str | None = None,
+    skip_foreign: bool = False,
 ) -> Conversion:
+    """`convert_nvidia_smi` over several files (app ids prefixed by each file's name). With
+    `skip_foreign`, a file whose header is not nvidia-smi's is left out (and counted) instead of
+    failing the run, for folders that mix logs with derived files."""
     import gzip
     import io
 
     issues = _Issues(strict)
     apps: list[AppTrace] = []
     rows_read = 0
+    left_out: Counter[str] = Counter()
     for path in paths:
         opener = gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")  # noqa: SIM115
         try:
             with io.TextIOWrapper(opener, encoding="utf-8", newline="") as fh:
                 apps_here, n = _smi_file(fh, path, gpus, issues, prefix or f"nvidia-smi/{_trace_stem(path)}")
+        except NotNvidiaSmiError:
+            if not skip_foreign:
+                raise
+            left_out["file that is not nvidia-smi --query-gpu CSV"] += 1
+            continue
         except (OSError, EOFError, UnicodeDecodeError, csv.Error) as exc:
             raise TraceFormatError(f"{path}: cannot read: {exc}") from exc
         apps.extend(apps_here)
         rows_read += n
     if not apps:
         raise TraceFormatError(f"{', '.join(map(str, paths))}: no usable row ({len(issues.items)} bad rows)")
-    return Conversion(apps=apps, issues=issues.items, rows_read=rows_read)
+    return Conversion(apps=apps, issues=issues.items, rows_read=rows_read, left_out=left_out)
 
 
 def _smi_file(
@@ -432,10 +450,10 @@ def _smi_file(
     except StopIteration:
         raise TraceFormatError(f"{path}: empty file") from None
     if "timestamp" not in header:
-        raise TraceFormatError(f"{path}: header lacks 'timestamp' (is this nvidia-smi --query-gpu CSV?)")
+        raise NotNvidiaSmiError(f"{path}: header lacks 'timestamp' (is this nvidia-smi --query-gpu CSV?)")
     columns = {i: NVIDIA_SMI_FIELDS[h] for i, h in enumerate(header) if h in NVIDIA_SMI_FIELDS}
     if not {"sm_util_pct", "mem_used_mib"} & set(columns.values()):
-        raise TraceFormatError(f"{path}: header has neither utilization.gpu nor memory.used")
+        raise NotNvidiaSmiError(f"{path}: header has neither utilization.gpu nor memory.used")
     id_col = next((header.index(f) for f in _GPU_ID_FIELDS if f in header), None)
     if id_col is None and gpus is None:
         raise TraceFormatError(

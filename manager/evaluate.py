@@ -266,7 +266,10 @@ class _Renamed:
 
 def training_traces_of(model: object) -> list[str]:
     """Trace files a model says it was trained on (checkpoint metadata `training`), best effort."""
-    meta = getattr(model, "metadata", None) or getattr(getattr(model, "inner", None), "metadata", None)
+    meta = None
+    for holder in (model, getattr(model, "inner", None)):
+        for candidate in (holder, getattr(holder, "checkpoint", None)):
+            meta = meta or getattr(candidate, "metadata", None)
     training = getattr(meta, "training", None)
     if not isinstance(training, Mapping):
         return []

@@ -28,7 +28,7 @@ def _converter(fmt: str, args: argparse.Namespace) -> Callable[[], convert.Conve
         return lambda: convert.convert_migperf(src, strict=args.strict)
     if fmt == "nvidia-smi":
         return lambda: convert.convert_nvidia_smi_paths(
-            _expand(src, "*.csv*"), gpus=args.gpus, strict=args.strict
+            _expand(src, "*.csv*"), gpus=args.gpus, strict=args.strict, skip_foreign=src.is_dir()
         )
     if fmt == "alibaba":
         return lambda: convert.convert_alibaba(src, strict=args.strict)

@@ -312,3 +312,20 @@ def test_committed_cuts_match_the_source(shared_data: Path, what: str) -> None:
         assert np.allclose(c.t_s, a.t_s)
         for col in ("sm_util_pct", "mem_used_mib", "mem_total_mib"):
             assert np.allclose(c.column(col), a.column(col))
+
+
+def test_cli_folder_skips_files_that_are_not_nvidia_smi(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "logs"
+    folder.mkdir()
+    _write(folder, "a.csv", SMI)
+    _write(folder, "a_processed.csv", "datetime,power_watts,time_seconds\n2025-11-21 00:10:33.048,34.05,0.0\n")
+    out = tmp_path / "out.csv"
+    assert tracecli.main(["convert", "--format", "nvidia-smi", "--src", str(folder), "--out", str(out),
+                          "--gpus", "2", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["apps"] == 2
+    assert summary["left_out"] == {"file that is not nvidia-smi --query-gpu CSV": 1}
+    # named directly, the same file is an error, not a silent skip
+    assert tracecli.main(["convert", "--format", "nvidia-smi", "--src", str(folder / "a_processed.csv"),
+                          "--out", str(out), "--gpus", "2"]) == 1
+    assert "header lacks 'timestamp'" in capsys.readouterr().err

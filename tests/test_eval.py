@@ -179,6 +179,14 @@ def test_model_metadata_names_the_gbdt_training_traces() -> None:
         metadata = Meta()
 
     assert ev.training_traces_of(Model()) == ["a.csv.gz", "b.csv.gz"]
+
+    class Checkpoint:
+        metadata = type("M", (), {"training": {"trace_files": [{"path": "c.csv.gz", "apps": 3}]}})()
+
+    class Wrapped:  # helper C's ModelForecaster keeps its metadata on .checkpoint
+        checkpoint = Checkpoint()
+
+    assert ev.training_traces_of(Wrapped()) == ["c.csv.gz"]
     assert ev.training_traces_of(object()) == []
 
 
