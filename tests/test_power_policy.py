@@ -114,3 +114,17 @@ def test_controller_degrades_cleanly_without_permission() -> None:
     [later] = ctl.step([dev], {dev.uuid: 50.0})
     assert later.reason.startswith("disabled")
     assert dev.power_limit_mw() == 700_000
+
+
+def test_controller_turns_off_for_a_device_without_power_management() -> None:
+    from vgpu.device.errors import NotSupported
+
+    backend = SimBackend(["h100-80gb"], clock=ManualClock())
+    dev = backend.devices()[0]
+    dev.inject("power_constraints", NotSupported, times=None)
+    ctl = PowerController(PowerLimitMechanism())
+    [res] = ctl.step([dev], {dev.uuid: 50.0})
+    assert not res.changed and res.reason.startswith("disabled")
+    assert ctl.mechanism.disabled_reason(dev.uuid) is not None
+    assert ctl.step([dev], {}) == []  # no need given: left alone
+    assert ctl.stop() == []
