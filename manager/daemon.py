@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import fcntl
 import grp
 import os
@@ -334,6 +333,18 @@ def _restore_mig(
     return ok
 
 
+def load_model(path: str) -> Any:
+    """The forecaster of `manager.model` (None: the manager's baseline). Imports torch only when set."""
+    if not path:
+        return None
+    try:
+        from manager.predictor import load_forecaster
+
+        return load_forecaster(path)
+    except Exception as exc:  # noqa: BLE001 - any failure means the file cannot be served
+        raise StartupError(f"manager.model {path}: {type(exc).__name__}: {exc} (check it with `vgpu doctor`)") from exc
+
+
 # --- the socket -------------------------------------------------------------------------------------------
 def _socket_alive(path: Path) -> bool:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
@@ -441,7 +452,7 @@ class Daemon:
         ledger, rec = reconcile(self.store, self.backend, clock=self.clock)
         self.allocator = Allocator(self.backend, clock=self.clock, dry_run=cfg.server.dry_run, ledger=ledger,
                                    on_change=self._save)
-        self.manager = Manager(self.allocator, clock=self.clock)
+        self.manager = Manager(self.allocator, load_model(cfg.manager.model), clock=self.clock)
         self.metrics = DaemonMetrics(self.registry, StateSource(self.allocator, self.manager))
         self._save(ledger)  # the reconciled ledger is what a crash from here on must find
         self.log.info(
@@ -588,6 +599,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--tls-ca", help="PEM CA: TCP clients must present a certificate it signed (mutual TLS)")
     p.add_argument("--metrics-port", type=int, help="Prometheus endpoint port; 0 disables (default 9464)")
     p.add_argument("--metrics-address", help="address of the metrics endpoint (default 127.0.0.1)")
+    p.add_argument("--model", help="forecaster checkpoint (default: the baseline forecaster)")
     p.add_argument("--dry-run", action="store_true", default=None, help="decide and log, write nothing to devices")
     p.add_argument("--log-format", choices=("json", "console"), help="log format (default json)")
     p.add_argument("--log-level", help="debug, info, warning or error (default info)")
@@ -609,6 +621,7 @@ def config_from_args(ns: argparse.Namespace, env: dict[str, str] | None = None) 
         "tls.ca": ns.tls_ca,
         "metrics.port": ns.metrics_port,
         "metrics.address": ns.metrics_address,
+        "manager.model": ns.model,
         "log.format": ns.log_format,
         "log.level": ns.log_level,
     }

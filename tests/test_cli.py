@@ -132,3 +132,23 @@ def test_missing_token_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     rc = cli.apps_main(["--socket", str(tmp_path / "s"), "--token-file", str(tmp_path / "nope")], "vgpu apps",
                        out=io.StringIO(), env=_env(tmp_path))
     assert rc == 1 and "cannot read a token" in capsys.readouterr().err
+
+
+async def test_metrics_endpoint_serves_the_registry(tmp_path: Path) -> None:
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = sim_daemon(tmp_path, **{"metrics.port": port})
+    await d.start()
+    try:
+        await run(cli.request_main, tmp_path, "--socket", str(d.socket_path), "--app", "m", "--memory-mib", "64")
+        body = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        )
+    finally:
+        await d.stop("test")
+    assert 'vgpu_app_granted_mem_mib{app="m"} 64.0' in body
+    assert "vgpu_forecast_tick_seconds_count" in body and "vgpu_enforcement_actions_total" in body

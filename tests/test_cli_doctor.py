@@ -7,8 +7,6 @@ import json
 import socket
 from pathlib import Path
 
-import pytest
-
 from vgpu import doctor
 from vgpu.device.errors import LibraryNotFound
 

@@ -89,3 +89,15 @@ def test_reconcile_drops_grants_of_gone_devices_and_processes(tmp_path: Path) ->
         ledger, rec = reconcile(store, b, clock=lambda: 2.0, pid_exists=lambda pid: pid == 111)
     assert [g.grant_id for g in ledger.grants()] == [keep.grant_id]
     assert rec.released_gone_process == [dead.grant_id] and rec.released_gone_device == ["elsewhere"]
+
+
+def test_a_model_that_does_not_load_stops_the_start(tmp_path: Path) -> None:
+    import pytest
+
+    from manager.daemon import StartupError, load_model
+
+    assert load_model("") is None
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"garbage")
+    with pytest.raises(StartupError, match=r"manager.model .*bad.pt"):
+        load_model(str(bad))

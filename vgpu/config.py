@@ -78,6 +78,12 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class ManagerConfig:
+    # Forecaster checkpoint (manager/train.py); empty = the baseline forecaster.
+    model: str = ""
+
+
+@dataclass(frozen=True)
 class LogConfig:
     # "json" (journald) or "console".
     format: str = "json"
@@ -91,6 +97,7 @@ class Config:
     tls: TlsConfig = field(default_factory=TlsConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    manager: ManagerConfig = field(default_factory=ManagerConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     @property
@@ -108,6 +115,7 @@ _SECTIONS: dict[str, type] = {
     "tls": TlsConfig,
     "auth": AuthConfig,
     "metrics": MetricsConfig,
+    "manager": ManagerConfig,
     "log": LogConfig,
 }
 _TYPES: dict[str, type] = {"str": str, "bool": bool, "int": int, "float": float}

@@ -178,7 +178,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu doctor", *, out: T
     p.add_argument("--socket", help="daemon socket to check (default: from the configuration)")
     p.add_argument("--state-dir", help="state directory to check (default: from the configuration)")
     p.add_argument("--backend", help="nvml or sim:<sku> (sim: driver and NVML problems are warnings)")
-    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help=f"forecaster checkpoint (default {DEFAULT_MODEL})")
+    p.add_argument("--model", type=Path, help=f"forecaster checkpoint (default: manager.model, else {DEFAULT_MODEL})")
     p.add_argument("--json", action="store_true", help="print the checks as JSON")
     ns = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     out = out or sys.stdout
@@ -192,7 +192,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu doctor", *, out: T
     except vconfig.ConfigError as exc:
         cfg = vconfig.Config()
         checks = [Check("config", "FAIL", str(exc))]
-    checks += run_checks(cfg, model=ns.model)
+    model = ns.model or (Path(cfg.manager.model) if cfg.manager.model else DEFAULT_MODEL)
+    checks += run_checks(cfg, model=model)
     if ns.json:
         out.write(json.dumps([asdict(c) for c in checks], indent=2) + "\n")
     else:
