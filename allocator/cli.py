@@ -288,7 +288,13 @@ def request_main(argv: Sequence[str] | None = None, prog: str = "vgpu request", 
         resp, call = c.call("RequestResourceAllocation", req, app_id=ns.app)
         trailers = dict(call.trailing_metadata() or ())
         token = trailers.get(auth.APP_TOKEN_TRAILER)
-        saved = c.tokens.remember(ns.app, token) if token else None
+        saved = None
+        if token:
+            try:
+                saved = c.tokens.remember(ns.app, token)
+            except OSError as exc:  # the grant stands; say where else the token is
+                print(f"{prog}: could not save the application token ({exc}); the daemon keeps it in "
+                      f"<state-dir>/tokens/apps/", file=sys.stderr)
         grant = _dict(resp.grant)
         if ns.json:
             _print_json(grant, o)

@@ -507,11 +507,14 @@ class Daemon:
                 self.server.server.add_secure_port(cfg.server.tcp, creds)
             except RuntimeError as exc:
                 raise StartupError(f"cannot listen on {cfg.server.tcp}: {exc}") from exc
+        metrics_at = None
         if cfg.metrics.port:
+            # Metrics only observe: a busy port is logged loudly and the daemon serves without them.
             try:
                 self.metrics_server, _ = start_http_server(cfg.metrics.port, cfg.metrics.address, registry=self.registry)
+                metrics_at = f"{cfg.metrics.address}:{cfg.metrics.port}"
             except OSError as exc:
-                raise StartupError(f"metrics endpoint {cfg.metrics.address}:{cfg.metrics.port}: {exc}") from exc
+                self.log.error("metrics_unavailable", address=cfg.metrics.address, port=cfg.metrics.port, error=str(exc))
         await self.server.start()
         self.log.info(
             "serving",
@@ -519,7 +522,7 @@ class Daemon:
             socket_mode=oct(os.stat(self.socket_path).st_mode & 0o777),
             tcp=cfg.server.tcp or None,
             mutual_tls=cfg.mutual_tls if cfg.server.tcp else None,
-            metrics=f"{cfg.metrics.address}:{cfg.metrics.port}" if cfg.metrics.port else None,
+            metrics=metrics_at,
             backend=cfg.server.backend,
             devices=[d.uuid for d in self.backend.devices()],
             dry_run=cfg.server.dry_run,
