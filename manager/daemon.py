@@ -48,6 +48,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from allocator.core import Allocator, device_capacities
 from allocator.errors import NotFound
 from allocator.ledger import Ledger
+from allocator.mig import MigLayoutMechanism
 from allocator.service import AllocatorServicer, Server, build_server
 from allocator.store import DeviceOriginal, MigSlot, Store, StoreError
 from manager.core import Manager
@@ -450,8 +451,10 @@ class Daemon:
             raise StartupError(str(exc)) from exc
         self.backend = self._backend_override or open_backend(cfg.server.backend, self.state_dir)
         ledger, rec = reconcile(self.store, self.backend, clock=self.clock)
+        (self.state_dir / "mig").mkdir(mode=0o700, exist_ok=True)
+        mig = MigLayoutMechanism(state_dir=self.state_dir / "mig", dry_run=cfg.server.dry_run)
         self.allocator = Allocator(self.backend, clock=self.clock, dry_run=cfg.server.dry_run, ledger=ledger,
-                                   on_change=self._save)
+                                   mig=mig, on_change=self._save)
         self.manager = Manager(self.allocator, load_model(cfg.manager.model), clock=self.clock)
         self.metrics = DaemonMetrics(self.registry, StateSource(self.allocator, self.manager))
         self._save(ledger)  # the reconciled ledger is what a crash from here on must find
