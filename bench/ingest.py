@@ -1,0 +1,545 @@
+"""Ingest throughput and decision latency of a real manager, with the profilers in another process.
+
+    python bench/ingest.py --apps 64 --seconds 20 --json        # 64 profilers, 10 Hz each
+    python bench/ingest.py --max --json                          # highest sustained signatures/s
+
+What runs. A child process is the manager: a grpc.aio server on a Unix socket in a temporary
+directory with the `Ingest` and `Allocator` servicers (allocator/service.py `build_server`), the
+`Manager` (forecast tick every `--forecast-interval-s`, the daemon's default 1 s, with the daemon's
+fallback forecaster) and an `Allocator` on `--gpus` simulated H100s, exactly as `vgpu serve` wires
+them. This process runs the load, so the manager's CPU is measured alone (psutil on the child pid).
+
+Normal mode: `--apps` N `SignatureStreamer`s, each its own gRPC stream with its own `ReplaySource`
+of one application of the bundled demo trace (looping; 1 s rows replayed at `--hz` x, so one
+signature per app per 100 ms tick), started staggered over one period like independent profilers.
+After `--warmup-s` the measurement window of `--seconds` opens. Printed:
+
+    {"apps", "signatures_per_s", "decision_p50_ms", "decision_p99_ms", "manager_cpu_frac", ...}
+
+* signatures_per_s: signatures the manager accepted (IngestReply.accepted) per second of the window;
+* decision latency: for every Decision a profiler receives, `decided_at_s` minus the wall time at
+  which the signature numbered `for_seq` was handed to gRPC (both clocks are this machine's
+  time.time()). A decision covers the newest signature of each app at the manager's forecast tick,
+  so this includes the wait from the signature's send to the next tick, up to one profiler period;
+* extra fields: `tick_p50_ms`/`tick_p99_ms` (manager-side duration of a forecast tick, from taking
+  the window snapshot to the decisions handed to the allocator), `reply_p99_ms` (signature send ->
+  decision received by the profiler), `decisions`, `rejected`;
+* manager_cpu_frac: the manager process's CPU time (user + system, all threads) over the window's
+  wall time; 1.0 is one core.
+
+`--max`: a few raw streams send batched ticks (10 batches/s per stream, thousands of signatures per
+batch, 200 applications so windows stay within the manager's app bound) at stepped offered rates;
+a rate is sustained when the manager's accepted rate over the step reaches 95 % of it and its
+replies catch up within 0.5 s of the step's end. The batches are encoded from pre-serialised pieces
+(valid protobuf, parsed by the manager like any other) so that the load generator is not the
+bottleneck. Bounded by `--max-seconds`. Prints {"max_sustained_signatures_per_s", "steps": [...],
+"manager_cpu_frac_at_max", ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import multiprocessing as mp
+import os
+import struct
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from manager.core import Decision, Manager  # noqa: E402
+from profiler.replay import ReplaySource  # noqa: E402
+from profiler.stream import SignatureStreamer  # noqa: E402
+from vgpu.device.sim import SimBackend  # noqa: E402
+from vgpu.traces import AppTrace, Trace, read_trace  # noqa: E402
+from vgpu.v1 import ingest_pb2, signature_pb2  # noqa: E402
+
+SKU = "h100-80gb"
+INGEST_METHOD = "/vgpu.v1.Ingest/StreamSignatures"
+
+
+def sim_device_ids(gpus: int) -> list[str]:
+    """The UUIDs the manager's simulated GPUs will have (the simulator derives them from index and SKU)."""
+    return [d.uuid for d in SimBackend([SKU] * gpus).devices()]
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    return round(float(np.percentile(np.asarray(values, dtype=np.float64), q)), 3) if len(values) else math.nan
+
+
+# --- the manager process ---------------------------------------------------------------------------------
+class TimedManager(Manager):
+    """The daemon's Manager, timing each forecast tick (snapshot -> decisions acted on)."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.tick_ms: list[float] = []
+        self._tick_started = 0.0
+
+    def _begin_tick(self) -> list[tuple[str, str, int, AppTrace, float, float]]:
+        self._tick_started = time.perf_counter()
+        return super()._begin_tick()
+
+    def _act(self, decisions: list[Decision]) -> None:
+        super()._act(decisions)
+        self.tick_ms.append((time.perf_counter() - self._tick_started) * 1000.0)
+
+
+def manager_main(conn: Connection, address: str, gpus: int, forecast_interval_s: float, profile_path: str = "") -> None:
+    """Child process: serve until told to stop, then send back the manager's counters. With
+    `profile_path`, the event loop's thread runs under cProfile and its stats are dumped there."""
+    from allocator.core import Allocator
+    from allocator.service import AllocatorServicer, build_server
+    from manager.service import IngestServicer
+    from vgpu import log
+
+    log.configure("console", "error")
+
+    async def serve() -> None:
+        backend = SimBackend([SKU] * gpus)
+        allocator = Allocator(backend, dry_run=False)
+        manager = TimedManager(allocator, forecast_interval_s=forecast_interval_s)
+        server = build_server(address, allocator_servicer=AllocatorServicer(allocator),
+                              ingest_servicer=IngestServicer(manager))
+        await server.start()
+        conn.send(("ready", os.getpid()))
+        loop = asyncio.get_running_loop()
+        while True:
+            msg = await loop.run_in_executor(None, conn.recv)
+            if msg == "mark":
+                manager.tick_ms.clear()
+                conn.send(("marked", asdict_stats(manager)))
+            elif msg == "stop":
+                break
+        result = asdict_stats(manager)
+        result["tick_ms"] = list(manager.tick_ms)
+        await server.stop(0.2)
+        allocator.stop()
+        conn.send(("stopped", result))
+
+    if not profile_path:
+        asyncio.run(serve())
+        return
+    import cProfile
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        asyncio.run(serve())
+    finally:
+        prof.disable()
+        prof.dump_stats(profile_path)
+
+
+def asdict_stats(manager: Manager) -> dict[str, Any]:
+    s = manager.stats
+    return {k: getattr(s, k) for k in vars(s)}
+
+
+@dataclass
+class ManagerProcess:
+    """Starts the manager child and measures its CPU time."""
+
+    gpus: int
+    forecast_interval_s: float
+    profile_path: str = ""
+    address: str = ""
+    proc: Any = None
+    conn: Connection | None = None
+    pid: int = 0
+    _tmp: Any = None
+
+    def start(self) -> None:
+        import psutil
+
+        self._tmp = tempfile.TemporaryDirectory(prefix="vgpu-bench-")
+        self.address = f"unix:{self._tmp.name}/manager.sock"
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        self.proc = ctx.Process(target=manager_main, args=(child, self.address, self.gpus, self.forecast_interval_s,
+                                                                  self.profile_path),
+                                daemon=True)
+        self.proc.start()
+        if not parent.poll(60):
+            raise RuntimeError("the manager process did not start within 60 s")
+        tag, self.pid = parent.recv()
+        assert tag == "ready"
+        self.conn = parent
+        self._ps = psutil.Process(self.pid)
+
+    def cpu_s(self) -> float:
+        t = self._ps.cpu_times()
+        return float(t.user + t.system)
+
+    def mark(self) -> dict[str, Any]:
+        assert self.conn is not None
+        self.conn.send("mark")
+        return dict(self.conn.recv()[1])
+
+    def stop(self) -> dict[str, Any]:
+        assert self.conn is not None
+        self.conn.send("stop")
+        result: dict[str, Any] = {}
+        if self.conn.poll(30):
+            result = dict(self.conn.recv()[1])
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+        self._tmp.cleanup()
+        return result
+
+
+# --- normal mode: N profilers -----------------------------------------------------------------------------
+@dataclass
+class Latencies:
+    sent: dict[tuple[str, int], float] = field(default_factory=dict)
+    window_start_s: float = math.inf
+    window_end_s: float = math.inf
+    decision_ms: list[float] = field(default_factory=list)
+    reply_ms: list[float] = field(default_factory=list)
+    accepted: int = 0
+    rejected: int = 0
+    decisions: int = 0
+
+    def on_reply(self, reply: ingest_pb2.IngestReply) -> None:
+        now = time.time()
+        if not (self.window_start_s <= now < self.window_end_s):
+            return
+        self.accepted += reply.accepted
+        self.rejected += len(reply.rejected)
+        for d in reply.decisions:
+            sent = self.sent.get((d.app_id, d.for_seq))
+            if sent is None or sent < self.window_start_s:
+                continue
+            self.decisions += 1
+            self.decision_ms.append((d.decided_at_s - sent) * 1000.0)
+            self.reply_ms.append((now - sent) * 1000.0)
+
+
+class TimedStreamer(SignatureStreamer):
+    """A SignatureStreamer that notes when each signature is handed to gRPC."""
+
+    def __init__(self, *args: Any, lat: Latencies, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._lat = lat
+
+    async def _send(self, k: int) -> None:
+        n = min(len(self.buffer), self.max_batch)
+        keys = [(self.buffer[i].app_id, self.buffer[i].seq) for i in range(n)]
+        now = time.time()
+        before = self.stats.batches_sent
+        await super()._send(k)
+        if self.stats.batches_sent > before:
+            sent = self._lat.sent
+            for key in keys:
+                sent[key] = now
+            if len(sent) > 200_000:  # keep the last few minutes only
+                for key in list(sent)[:100_000]:
+                    del sent[key]
+
+
+def demo_apps() -> list[AppTrace]:
+    from vgpu.data import demo_trace_path
+
+    trace = read_trace(demo_trace_path())
+    # The rows re-timed onto an even 1 s grid: one application of the demo trace has a 64 s gap,
+    # which would show as a stale signature in the decision latency rather than as manager work.
+    out = []
+    for name in sorted(trace.apps):
+        a = trace.apps[name]
+        out.append(AppTrace(name, float(a.t_s[0]) + np.arange(len(a), dtype=np.float64), a.columns))
+    return out
+
+
+async def _run_profilers(address: str, apps: int, hz: float, device_ids: list[str], mgr: ManagerProcess,
+                         warmup_s: float, seconds: float, apps_per_stream: int = 1) -> tuple[Latencies, float, float, list[SignatureStreamer]]:
+    base = demo_apps()
+    lat = Latencies()
+    period_s = 0.1
+    streamers: list[SignatureStreamer] = []
+    for first in range(0, apps, apps_per_stream):
+        members = range(first, min(apps, first + apps_per_stream))
+        traces = {}
+        for i in members:
+            a = base[i % len(base)]
+            name = f"{a.app}#{i}"
+            traces[name] = AppTrace(name, a.t_s, a.columns)
+        # one device per stream (a profiler's applications share its GPUs; the allocator needs a known one)
+        source = ReplaySource(Trace(traces), speed=hz, loop=True, align="per_app",
+                              device_id=device_ids[(first // apps_per_stream) % len(device_ids)], pid_base=10_000 + first)
+        streamers.append(TimedStreamer(source, address, period_s=period_s, profiler_id=f"bench-{first}",
+                                       on_reply=lat.on_reply, lat=lat))
+    async def launch(i: int, s: SignatureStreamer) -> asyncio.Task[Any]:
+        # Independent profilers: ticks spread over one period. The replay clock starts half a period
+        # before the profiler's first tick, so each tick finds exactly one row due (a row due at the
+        # tick's own instant would fall to either side of it by timer jitter: 0 rows, then 2).
+        await asyncio.sleep(i * period_s / len(streamers))
+        s.enqueue(s.source.sample())
+        await asyncio.sleep(period_s / 2)
+        return asyncio.create_task(s.run())
+
+    tasks = await asyncio.gather(*(launch(i, s) for i, s in enumerate(streamers)))
+    await asyncio.sleep(warmup_s)
+    mgr.mark()
+    cpu0, wall0 = mgr.cpu_s(), time.time()
+    lat.window_start_s, lat.window_end_s = wall0, wall0 + seconds
+    await asyncio.sleep(seconds)
+    cpu1, wall1 = mgr.cpu_s(), time.time()
+    for s in streamers:
+        s.stop()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return lat, cpu1 - cpu0, wall1 - wall0, streamers
+
+
+def run_ingest(*, apps: int = 64, seconds: float = 20.0, hz: float = 10.0, gpus: int = 8, warmup_s: float = 3.0,
+               forecast_interval_s: float = 1.0, profile_path: str = "", apps_per_stream: int = 1) -> dict[str, Any]:
+    """Normal mode; see the module docstring."""
+    from vgpu import log
+
+    log.configure("console", "error")
+    mgr = ManagerProcess(gpus, forecast_interval_s, profile_path)
+    mgr.start()
+    try:
+        lat, cpu_s, wall_s, streamers = asyncio.run(
+            _run_profilers(mgr.address, apps, hz, sim_device_ids(gpus), mgr, warmup_s, seconds, apps_per_stream)
+        )
+    finally:
+        stats = mgr.stop()
+    tick_ms = stats.get("tick_ms", [])
+    return {
+        "apps": apps,
+        "streams": len(streamers),
+        "signatures_per_s": round(lat.accepted / wall_s, 1),
+        "decision_p50_ms": _pct(lat.decision_ms, 50),
+        "decision_p99_ms": _pct(lat.decision_ms, 99),
+        "manager_cpu_frac": round(cpu_s / wall_s, 4),
+        "reply_p99_ms": _pct(lat.reply_ms, 99),
+        "tick_p50_ms": _pct(tick_ms, 50),
+        "tick_p99_ms": _pct(tick_ms, 99),
+        "forecast_interval_s": forecast_interval_s,
+        "decisions": lat.decisions,
+        "rejected": lat.rejected,
+        "late_ticks": sum(s.loop.stats.late_ticks for s in streamers),
+        "disconnects": sum(s.stats.disconnects for s in streamers),
+        "seconds": round(wall_s, 2),
+    }
+
+
+# --- --max mode: raw batched streams ---------------------------------------------------------------------
+def varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+class BatchEncoder:
+    """Builds serialised `SignatureBatch`es quickly: each signature is its app's pre-serialised
+    identity (fields 1-3), then timestamp_s (field 4, a double) and seq (field 5, a varint), then one
+    of the app's pre-serialised counter blocks (fields 6-7) taken from its trace rows. Protobuf
+    parses fields in any order, so the bytes equal what `SerializeToString` would give up to order."""
+
+    def __init__(self, apps: Sequence[AppTrace], names: Sequence[str], device_ids: Sequence[str]) -> None:
+        self.names = list(names)
+        self.prefix: list[bytes] = []
+        self.blocks: list[list[bytes]] = []
+        self.seq = [0] * len(names)
+        for i, name in enumerate(names):
+            a = apps[i % len(apps)]
+            ident = signature_pb2.BehavioralSignature(app_id=name, pid=10_000 + i, device_id=device_ids[i % len(device_ids)])
+            self.prefix.append(ident.SerializeToString())
+            mem, sm = a.column("mem_used_mib"), a.column("sm_util_pct")
+            blocks = []
+            for r in range(min(len(a), 64)):
+                s = signature_pb2.BehavioralSignature()
+                if math.isfinite(mem[r]):
+                    s.process.gpu_mem_used_mib = float(mem[r])
+                    s.device.mem_used_mib = float(mem[r])
+                if math.isfinite(sm[r]):
+                    s.process.sm_util_pct = float(sm[r])
+                s.device.mem_total_mib = 81559.0
+                blocks.append(s.SerializeToString())
+            self.blocks.append(blocks)
+
+    def signature(self, i: int, t_s: float) -> bytes:
+        self.seq[i] += 1
+        seq = self.seq[i]
+        blocks = self.blocks[i]
+        return self.prefix[i] + b"\x21" + struct.pack("<d", t_s) + b"\x28" + varint(seq) + blocks[seq % len(blocks)]
+
+    def batch(self, profiler_id: str, tick: int, app_idx: Sequence[int], per_app: int) -> tuple[bytes, int]:
+        now = time.time()
+        head = ingest_pb2.SignatureBatch(profiler_id=profiler_id, tick=tick, sent_at_s=now).SerializeToString()
+        parts = [head]
+        n = 0
+        for r in range(per_app):
+            t = now - (per_app - 1 - r) * 1e-4  # strictly increasing per app within and across batches
+            for i in app_idx:
+                sig = self.signature(i, t)
+                parts.append(b"\x22" + varint(len(sig)) + sig)
+                n += 1
+        return b"".join(parts), n
+
+
+async def _max_stream(channel: Any, enc: BatchEncoder, sid: int, app_idx: list[int], state: dict[str, Any]) -> None:
+    call = channel.stream_stream(INGEST_METHOD, request_serializer=None,
+                                 response_deserializer=ingest_pb2.IngestReply.FromString)()
+
+    async def read() -> None:
+        async for reply in call:
+            state["accepted"] += reply.accepted
+            state["rejected"] += len(reply.rejected)
+            state["replies"] += 1
+
+    reader = asyncio.create_task(read())
+    period = 0.1
+    k = 0
+    next_t = time.monotonic()
+    try:
+        while not state["stop"]:
+            per_app = state["per_app"]
+            if per_app > 0:
+                data, n = enc.batch(f"max-{sid}", k, app_idx, per_app)
+                await call.write(data)
+                state["batches"] += 1
+                state["offered"] += n
+            k += 1
+            next_t += period
+            await asyncio.sleep(max(0.0, next_t - time.monotonic()))
+    finally:
+        await call.done_writing()
+        try:
+            await asyncio.wait_for(reader, 5.0)
+        except Exception:  # noqa: BLE001 - closing (a timeout included)
+            reader.cancel()
+
+
+async def _run_max(address: str, mgr: ManagerProcess, device_ids: list[str], rates: Sequence[int], step_s: float,
+                   budget_s: float, streams: int, n_apps: int) -> dict[str, Any]:
+    import grpc
+
+    names = [f"max-app-{i}" for i in range(n_apps)]
+    enc = BatchEncoder(demo_apps(), names, device_ids)
+    state: dict[str, Any] = {"accepted": 0, "rejected": 0, "replies": 0, "batches": 0, "offered": 0, "per_app": 0,
+                             "stop": False}
+    groups = [list(range(s, n_apps, streams)) for s in range(streams)]
+    started = time.monotonic()
+    steps: list[dict[str, Any]] = []
+    best = 0
+    best_cpu = math.nan
+    async with grpc.aio.insecure_channel(address, options=[("grpc.max_send_message_length", 16 * 1024 * 1024)]) as ch:
+        tasks = [asyncio.create_task(_max_stream(ch, enc, s, groups[s], state)) for s in range(streams)]
+        for rate in rates:
+            if time.monotonic() - started + step_s > budget_s:
+                break
+            # signatures per app per batch: rate / (10 batches/s * apps)
+            state["per_app"] = max(1, round(rate / (10 * n_apps)))
+            offered_rate = state["per_app"] * 10 * n_apps
+            await asyncio.sleep(min(1.0, step_s / 4))  # settle into the new rate
+            a0, b0, r0 = state["accepted"], state["batches"], state["replies"]
+            cpu0, t0 = mgr.cpu_s(), time.monotonic()
+            await asyncio.sleep(step_s)
+            a1, cpu1, t1 = state["accepted"], mgr.cpu_s(), time.monotonic()
+            sent_batches = state["batches"] - b0
+            achieved = (a1 - a0) / (t1 - t0)
+            # does the manager catch up with what was sent in the step?
+            deadline = time.monotonic() + 0.5
+            while state["replies"] < state["batches"] and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            backlog = state["batches"] - state["replies"]
+            ok = achieved >= 0.95 * offered_rate and backlog <= streams
+            steps.append({"offered_per_s": offered_rate, "accepted_per_s": round(achieved, 1),
+                          "manager_cpu_frac": round((cpu1 - cpu0) / (t1 - t0), 3), "backlog_batches": backlog,
+                          "batches": sent_batches, "sustained": ok})
+            if not ok:
+                break
+            best, best_cpu = offered_rate, (cpu1 - cpu0) / (t1 - t0)
+            _ = r0
+        state["stop"] = True
+        state["per_app"] = 0
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return {
+        "max_sustained_signatures_per_s": best,
+        "manager_cpu_frac_at_max": round(best_cpu, 3) if math.isfinite(best_cpu) else None,
+        "streams": streams,
+        "apps": n_apps,
+        "batches_per_s_per_stream": 10,
+        "rejected": state["rejected"],
+        "steps": steps,
+        "seconds": round(time.monotonic() - started, 1),
+    }
+
+
+DEFAULT_RATES = (5_000, 10_000, 20_000, 30_000, 40_000, 60_000, 80_000, 100_000, 130_000, 160_000, 200_000)
+
+
+def run_max(*, gpus: int = 8, step_s: float = 3.0, budget_s: float = 60.0, streams: int = 4, apps: int = 200,
+            rates: Sequence[int] = DEFAULT_RATES, forecast_interval_s: float = 1.0,
+            profile_path: str = "") -> dict[str, Any]:
+    from vgpu import log
+
+    log.configure("console", "error")
+    mgr = ManagerProcess(gpus, forecast_interval_s, profile_path)
+    mgr.start()
+    try:
+        result = asyncio.run(_run_max(mgr.address, mgr, sim_device_ids(gpus), rates, step_s, budget_s, streams, apps))
+    finally:
+        stats = mgr.stop()
+    result["manager_out_of_order"] = stats.get("out_of_order")
+    result["manager_forecast_tick_p99_ms"] = _pct(stats.get("tick_ms", []), 99)
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--apps", type=int, default=64, help="profilers, one application and one stream each (default 64)")
+    p.add_argument("--seconds", type=float, default=20.0, help="measurement window (default 20)")
+    p.add_argument("--warmup-s", type=float, default=3.0, help="run before measuring (default 3)")
+    p.add_argument("--apps-per-stream", type=int, default=1,
+                   help="applications per profiler stream (default 1: N streams; 64: one node-wide profiler)")
+    p.add_argument("--hz", type=float, default=10.0, help="signatures per second per application (default 10)")
+    p.add_argument("--gpus", type=int, default=8, help="simulated GPUs behind the allocator (default 8)")
+    p.add_argument("--forecast-interval-s", type=float, default=1.0, help="manager forecast tick (default 1, as the daemon)")
+    p.add_argument("--max", action="store_true", help="find the highest sustained rate with batched ticks")
+    p.add_argument("--max-seconds", type=float, default=60.0, help="--max: time budget (default 60)")
+    p.add_argument("--step-s", type=float, default=3.0, help="--max: seconds per offered rate (default 3)")
+    p.add_argument("--streams", type=int, default=4, help="--max: concurrent streams (default 4)")
+    p.add_argument("--profile-manager", metavar="PATH", default="",
+                   help="run the manager's event loop under cProfile and write its stats to PATH")
+    p.add_argument("--json", action="store_true", help="print only the JSON result")
+    args = p.parse_args(None if argv is None else list(argv))
+    if args.apps < 1 or args.apps_per_stream < 1 or args.seconds <= 0 or args.hz <= 0 or args.gpus < 1 or args.streams < 1:
+        p.error("--apps, --gpus and --streams must be >= 1; --seconds and --hz > 0")
+    if args.max:
+        result = run_max(gpus=args.gpus, step_s=args.step_s, budget_s=args.max_seconds, streams=args.streams,
+                         forecast_interval_s=args.forecast_interval_s, profile_path=args.profile_manager)
+    else:
+        result = run_ingest(apps=args.apps, seconds=args.seconds, hz=args.hz, gpus=args.gpus, warmup_s=args.warmup_s,
+                            forecast_interval_s=args.forecast_interval_s, profile_path=args.profile_manager,
+                            apps_per_stream=args.apps_per_stream)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for k, v in result.items():
+            print(f"{k:>32}: {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
