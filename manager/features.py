@@ -1,0 +1,328 @@
+"""Feature encoding for the forecaster: an application's raw samples -> fixed windows on a 1 s grid.
+
+Every column is put on the evaluation protocol's 1 s grid (../shared/TRACE_FORMAT.md step 1: the
+mean of the samples of second k, an empty second carrying the previous value forward) on one time
+axis per application. A window is the last `window_s` seconds up to an origin (the origin's second
+included); seconds before the application's first sample are zero with `valid` = 0.
+
+Inputs are normalised by capacity where it is known, so one model serves different GPUs and slices:
+memory by `mem_total_mib` (or, where the capacity is unknown, by a fallback scale from the history
+itself, flagged by `mem_total_known` = 0), compute by 100 %, power by the power limit. A signal the
+trace lacks is zero with its `*_present` flag at 0.
+
+Targets are the change from the origin's value in percent of the capacity:
+`100 * (value[origin + h] - value[origin]) / capacity` for h in 1..5 s (percentage points for
+compute); `mask` marks targets that exist
+(both the origin's value and the future second are on the target's own grid).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+from numpy.lib.stride_tricks import sliding_window_view
+
+from vgpu.traces import NUMERIC, AppTrace
+
+FEATURES: tuple[str, ...] = (
+    "mem_frac",
+    "mem_present",
+    "sm_frac",
+    "sm_present",
+    "power_frac",
+    "power_present",
+    "mem_util_frac",
+    "mem_util_present",
+    "sm_clock_frac",
+    "sm_clock_present",
+    "pcie_tx_log",
+    "pcie_rx_log",
+    "pcie_present",
+    "valid",
+    "observed",
+    "mem_total_known",
+    "mem_scale_log2",
+    "mem_frac_vs_last",
+    "sm_frac_vs_last",
+)
+N_FEATURES = len(FEATURES)
+TARGET_NAMES: tuple[str, ...] = ("mem_used_mib", "sm_util_pct")
+FEATURE_VERSION = 2
+
+# Fixed scales for signals with no capacity in the trace.
+SM_CLOCK_SCALE_MHZ = 2000.0
+PCIE_LOG_SCALE = 20.0  # log1p(kB/s) / 20 stays under 1 up to ~480 GB/s
+MEM_FALLBACK_MIN_MIB = 1024.0
+MEM_FALLBACK_HEADROOM = 1.25  # unknown capacity: 1.25 x the largest memory seen so far
+# Targets and outputs are in percent of capacity: changes of a few MiB on a 40 GB device would
+# otherwise be ~1e-4, too small for the optimiser's step sizes.
+OUTPUT_PER_CAPACITY = 100.0
+
+F32 = npt.NDArray[np.float32]
+F64 = npt.NDArray[np.float64]
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """What the network was trained on; stored in the checkpoint and checked on load."""
+
+    window_s: int
+    horizons_s: tuple[int, ...] = (1, 2, 3, 4, 5)
+    features: tuple[str, ...] = FEATURES
+    targets: tuple[str, ...] = TARGET_NAMES
+    version: int = FEATURE_VERSION
+
+    def __post_init__(self) -> None:
+        if self.window_s < 2:
+            raise ValueError(f"window_s must be at least 2, not {self.window_s}")
+        if not self.horizons_s or min(self.horizons_s) < 1:
+            raise ValueError(f"horizons_s must be positive, not {self.horizons_s}")
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "window_s": self.window_s,
+            "horizons_s": list(self.horizons_s),
+            "features": list(self.features),
+            "targets": list(self.targets),
+            "version": self.version,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> FeatureSpec:
+        horizons = data["horizons_s"]
+        features = data["features"]
+        targets = data["targets"]
+        assert isinstance(horizons, list) and isinstance(features, list) and isinstance(targets, list)
+        return cls(
+            window_s=int(data["window_s"]),  # type: ignore[call-overload]
+            horizons_s=tuple(int(h) for h in horizons),
+            features=tuple(str(f) for f in features),
+            targets=tuple(str(t) for t in targets),
+            version=int(data["version"]),  # type: ignore[call-overload]
+        )
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Several applications' columns on 1 s grids, laid end to end on one flat axis: application i
+    owns bins `offsets[i]:offsets[i + 1]`, bin `offsets[i] + k` being second `start_s[i] + k`.
+
+    `values[c]` is the protocol grid of column c: NaN before its first value and after its last
+    sample second (so a carried-forward value never invents a future truth). `mem_max_mib` is the
+    largest raw memory sample of the application up to and including each second."""
+
+    offsets: npt.NDArray[np.int64]
+    start_s: npt.NDArray[np.int64]
+    values: dict[str, F64]
+    observed: npt.NDArray[np.bool_]
+    mem_max_mib: F64
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    @property
+    def n_apps(self) -> int:
+        return len(self.offsets) - 1
+
+    def app_of(self, bins: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        return np.searchsorted(self.offsets, bins, side="right") - 1
+
+    def last_bins(self) -> npt.NDArray[np.int64]:
+        """Each application's last second (its forecast origin); -1 for an empty application."""
+        last = self.offsets[1:] - 1
+        return np.where(self.offsets[1:] > self.offsets[:-1], last, -1)
+
+
+def build_grid(traces: Sequence[AppTrace]) -> Grid:
+    """The 1 s grids of many applications at once (a handful of numpy calls, whatever their number)."""
+    n_apps = len(traces)
+    lengths = np.array([len(t) for t in traces], dtype=np.int64)
+    app_of_sample = np.repeat(np.arange(n_apps), lengths)
+    sample_offsets = np.concatenate([[0], np.cumsum(lengths)])
+    t_all = np.concatenate([t.t_s for t in traces]) if n_apps else np.zeros(0)
+    secs = np.floor(t_all).astype(np.int64)
+    start = np.zeros(n_apps, dtype=np.int64)
+    end = np.full(n_apps, -1, dtype=np.int64)
+    if len(secs):
+        first = np.full(n_apps, np.iinfo(np.int64).max)
+        np.minimum.at(first, app_of_sample, secs)
+        np.maximum.at(end, app_of_sample, secs)
+        start = np.where(lengths > 0, first, 0)
+    n_bins = np.where(lengths > 0, end - start + 1, 0)
+    offsets = np.concatenate([[0], np.cumsum(n_bins)]).astype(np.int64)
+    total = int(offsets[-1])
+    bins = offsets[app_of_sample] + secs - start[app_of_sample]
+    bin_app = np.repeat(np.arange(n_apps), n_bins)
+    app_first_bin = offsets[:-1][bin_app]
+    arange = np.arange(total)
+
+    observed = np.bincount(bins, minlength=total) > 0
+    values: dict[str, F64] = {}
+    mem_max = np.full(total, np.nan)
+    for name in NUMERIC:
+        col = np.full(len(t_all), np.nan)
+        for i, trace in enumerate(traces):
+            part = trace.columns.get(name)
+            if part is not None:
+                col[sample_offsets[i] : sample_offsets[i + 1]] = part
+        ok = np.isfinite(col)
+        if not ok.any():
+            values[name] = np.full(total, np.nan)
+            continue
+        b = bins[ok]
+        sums = np.bincount(b, weights=col[ok], minlength=total)
+        counts = np.bincount(b, minlength=total)
+        have = counts > 0
+        grid = np.full(total, np.nan)
+        grid[have] = sums[have] / counts[have]
+        # carry forward within each application, and stop after the column's last sample second
+        fill = np.where(have, arange, -1)
+        np.maximum.accumulate(fill, out=fill)
+        fill = np.where(fill >= app_first_bin, fill, -1)
+        out = np.where(fill >= 0, grid[np.maximum(fill, 0)], np.nan)
+        last_have = np.full(n_apps, -1, dtype=np.int64)
+        np.maximum.at(last_have, bin_app[b], b)
+        out[arange > last_have[bin_app]] = np.nan
+        values[name] = out
+        if name == "mem_used_mib":
+            raw_max = np.full(total, -np.inf)
+            np.maximum.at(raw_max, b, col[ok])
+            # running max within each application: lift each application above the ones before it
+            lift = bin_app.astype(np.float64) * 1e12
+            cum = np.maximum.accumulate(raw_max + lift) - lift
+            mem_max = np.where(np.isfinite(cum) & (cum >= 0), cum, np.nan)
+    return Grid(offsets=offsets, start_s=start, values=values, observed=observed, mem_max_mib=mem_max)
+
+
+@dataclass(frozen=True)
+class Windows:
+    """Windows for a set of origins. x: (N, window_s, N_FEATURES) float32; the scales turn a
+    normalised target back into units: value = last + y * scale."""
+
+    x: F32
+    mem_scale_mib: F64  # (N,)
+    last: F64  # (N, 2): origin values of (mem_used_mib, sm_util_pct), NaN where unknown
+    origin_bin: npt.NDArray[np.int64]  # (N,) origin, as a bin of the grid
+
+    @property
+    def scales(self) -> F64:
+        """(N, 2) units per output unit: outputs are in percent of the capacity (memory scale,
+        100 % compute), so value = last + output * scale with scale = capacity / 100."""
+        return (
+            np.stack([self.mem_scale_mib, np.full_like(self.mem_scale_mib, 100.0)], axis=1)
+            / OUTPUT_PER_CAPACITY
+        )
+
+
+def _carry(values: F64, app_first_bin: npt.NDArray[np.int64]) -> F64:
+    """Carry the last value forward, within each application, over every NaN (inputs may use a
+    stale value; targets may not)."""
+    idx = np.where(np.isfinite(values), np.arange(len(values)), -1)
+    np.maximum.accumulate(idx, out=idx)
+    idx = np.where(idx >= app_first_bin, idx, -1)
+    return np.where(idx >= 0, values[np.maximum(idx, 0)], np.nan)
+
+
+def encode(grid: Grid, window_s: int, origins: npt.NDArray[np.int64]) -> Windows:
+    """Feature windows of `window_s` seconds ending at each origin (bins of the grid)."""
+    origins = np.asarray(origins, dtype=np.int64)
+    total = len(grid)
+    if len(origins) and (origins.min() < 0 or origins.max() >= total):
+        raise IndexError(f"origin outside the grid of {total} bins")
+    w = window_s
+    n = len(origins)
+    if n == 0:
+        return Windows(
+            x=np.zeros((0, w, N_FEATURES), dtype=np.float32),
+            mem_scale_mib=np.zeros(0),
+            last=np.zeros((0, 2)),
+            origin_bin=origins,
+        )
+    bin_app = np.repeat(np.arange(grid.n_apps), np.diff(grid.offsets))
+    first_bin = grid.offsets[:-1][bin_app]
+    origin_first = grid.offsets[:-1][grid.app_of(origins)] if n else np.zeros(0, dtype=np.int64)
+    pos = origins[:, None] + np.arange(-w + 1, 1)[None, :]
+    valid = pos >= origin_first[:, None]
+
+    def win(col: F64) -> F64:
+        padded = np.concatenate([np.full(w - 1, np.nan), col])
+        out = sliding_window_view(padded, w)[origins]  # row i ends at bin origins[i]
+        return np.where(valid, out, np.nan)
+
+    v = {c: _carry(grid.values[c], first_bin) for c in NUMERIC}
+    mem, sm, total_mib = v["mem_used_mib"], v["sm_util_pct"], v["mem_total_mib"]
+    total_ok = np.isfinite(total_mib) & (total_mib > 0)
+    seen = np.nan_to_num(grid.mem_max_mib[origins], nan=0.0)
+    fallback = np.maximum(MEM_FALLBACK_MIN_MIB, MEM_FALLBACK_HEADROOM * seen)
+    mem_scale = np.where(total_ok[origins], total_mib[origins], fallback)
+    known = total_ok[origins].astype(np.float64)
+
+    x = np.zeros((n, w, N_FEATURES), dtype=np.float32)
+    fi = FEATURES.index
+
+    def put(name: str, present: str | None, values: F64) -> npt.NDArray[np.bool_]:
+        ok = np.isfinite(values)
+        x[..., fi(name)] = np.where(ok, values, 0.0)
+        if present is not None:
+            x[..., fi(present)] = ok
+        return ok
+
+    x[..., fi("valid")] = valid
+    x[..., fi("observed")] = np.nan_to_num(win(grid.observed.astype(np.float64)))
+    mem_frac = win(mem) / mem_scale[:, None]
+    put("mem_frac", "mem_present", mem_frac)
+    sm_frac = win(sm) / 100.0
+    put("sm_frac", "sm_present", sm_frac)
+    limit = v["power_limit_w"]
+    limit_ok = np.isfinite(limit) & (limit > 0)
+    power = np.where(limit_ok, v["power_w"] / np.where(limit_ok, limit, 1.0), np.nan)
+    put("power_frac", "power_present", win(power))
+    put("mem_util_frac", "mem_util_present", win(v["mem_util_pct"]) / 100.0)
+    put("sm_clock_frac", "sm_clock_present", win(v["sm_clock_mhz"]) / SM_CLOCK_SCALE_MHZ)
+    ok_tx = put("pcie_tx_log", None, win(np.log1p(v["pcie_tx_kbps"])) / PCIE_LOG_SCALE)
+    ok_rx = put("pcie_rx_log", None, win(np.log1p(v["pcie_rx_kbps"])) / PCIE_LOG_SCALE)
+    x[..., fi("pcie_present")] = ok_tx | ok_rx
+    x[..., fi("mem_total_known")] = known[:, None] * valid
+    x[..., fi("mem_scale_log2")] = (np.log2(np.maximum(mem_scale, 1.0)) / 20.0)[:, None] * valid
+    last_mem, last_sm = mem[origins], sm[origins]
+    put("mem_frac_vs_last", None, mem_frac - (last_mem / mem_scale)[:, None])
+    put("sm_frac_vs_last", None, sm_frac - (last_sm / 100.0)[:, None])
+    np.clip(x, -10.0, 10.0, out=x)
+    return Windows(
+        x=x, mem_scale_mib=mem_scale, last=np.stack([last_mem, last_sm], axis=1), origin_bin=origins
+    )
+
+
+def targets(grid: Grid, windows: Windows, horizons_s: Sequence[int]) -> tuple[F32, npt.NDArray[np.bool_]]:
+    """Normalised change targets (N, 2, H) and their mask for the windows' origins. A target exists
+    where the origin has a value and the target's own grid has one h seconds later in the same
+    application (never carried past its last sample)."""
+    origins = windows.origin_bin
+    app_end = grid.offsets[1:][grid.app_of(origins)] if len(origins) else np.zeros(0, dtype=np.int64)
+    y = np.zeros((len(origins), 2, len(horizons_s)), dtype=np.float32)
+    mask = np.zeros(y.shape, dtype=bool)
+    scales = windows.scales
+    for ti, name in enumerate(TARGET_NAMES):
+        col = grid.values[name]
+        last = windows.last[:, ti]
+        for hi, h in enumerate(horizons_s):
+            idx = origins + h
+            inside = idx < app_end
+            future = np.full(len(origins), np.nan)
+            future[inside] = col[idx[inside]]
+            ok = np.isfinite(future) & np.isfinite(last)
+            y[ok, ti, hi] = (future[ok] - last[ok]) / scales[ok, ti]
+            mask[:, ti, hi] = ok
+    return y, mask
+
+
+def encode_latest(histories: Sequence[AppTrace], window_s: int) -> tuple[Windows, npt.NDArray[np.bool_]]:
+    """One window per history, ending at its last second (the forecast origin). Returns the windows
+    of the non-empty histories and a boolean per history saying which those are."""
+    grid = build_grid(histories)
+    last = grid.last_bins()
+    present = last >= 0
+    return encode(grid, window_s, last[present]), present

@@ -1,0 +1,104 @@
+"""manager/features.py: the 1 s grid matches the protocol, windows are causal, normalised, masked."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from manager import features as F
+from tests.model_synth import ramp_app
+from vgpu.traces import AppTrace, one_second_grid
+
+
+def _irregular(app: str, seed: int, n: int = 300) -> AppTrace:
+    rng = np.random.default_rng(seed)
+    t = np.cumsum(rng.exponential(0.3, n)) + rng.uniform(0, 50)
+    mem = rng.uniform(0, 4000, n)
+    mem[rng.random(n) < 0.2] = np.nan  # missing cells
+    sm = rng.uniform(0, 100, n)
+    return AppTrace(app=app, t_s=t, columns={"mem_used_mib": mem, "sm_util_pct": sm})
+
+
+def test_grid_matches_protocol_for_many_apps_at_once() -> None:
+    traces = [_irregular(f"a{i}", i) for i in range(5)]
+    grid = F.build_grid(traces)
+    assert grid.n_apps == 5
+    for i, trace in enumerate(traces):
+        for col in ("mem_used_mib", "sm_util_pct"):
+            secs, ref = one_second_grid(trace, col)
+            part = grid.values[col][grid.offsets[i] : grid.offsets[i + 1]]
+            first = int(secs[0]) - int(grid.start_s[i])
+            assert np.allclose(part[first:], ref)
+            assert np.isnan(part[:first]).all()
+
+
+def test_window_at_an_origin_equals_window_of_the_prefix() -> None:
+    trace = _irregular("a", 3, n=400)
+    grid = F.build_grid([trace])
+    origins = np.array([2, 10, 40, len(grid) - 1])
+    full = F.encode(grid, 16, origins)
+    for k, o in enumerate(origins):
+        cut = grid.start_s[0] + o + 1  # every sample of the origin's second, nothing later
+        keep = trace.t_s < cut
+        prefix = AppTrace(
+            app="a", t_s=trace.t_s[keep], columns={c: v[keep] for c, v in trace.columns.items()}
+        )
+        win, present = F.encode_latest([prefix], 16)
+        assert present.tolist() == [True]
+        np.testing.assert_allclose(win.x[0], full.x[k], atol=1e-6)
+        assert win.mem_scale_mib[0] == pytest.approx(full.mem_scale_mib[k])
+
+
+def test_normalised_by_capacity_and_padded_on_the_left() -> None:
+    trace = ramp_app("a", seconds=30, mem_total_mib=10240.0)
+    grid = F.build_grid([trace])
+    win = F.encode(grid, 16, np.array([4]))
+    fi = F.FEATURES.index
+    x = win.x[0]
+    assert x[:11, fi("valid")].sum() == 0 and x[11:, fi("valid")].all()
+    assert np.all(x[:11] == 0)  # before the application's first second: all zero
+    mem = trace.columns["mem_used_mib"][:5]
+    np.testing.assert_allclose(x[11:, fi("mem_frac")], mem / 10240.0, rtol=1e-5)
+    assert x[-1, fi("mem_total_known")] == 1
+    assert x[-1, fi("mem_frac_vs_last")] == 0
+    assert win.mem_scale_mib[0] == 10240.0
+    # signals the trace lacks: zero with the present flag off
+    assert np.all(x[:, fi("power_present")] == 0) and np.all(x[:, fi("power_frac")] == 0)
+    assert np.all(x[11:, fi("sm_present")] == 1)
+
+
+def test_unknown_capacity_uses_a_causal_fallback_scale() -> None:
+    trace = ramp_app("a", seconds=30, mem_total_mib=None)
+    grid = F.build_grid([trace])
+    win = F.encode(grid, 8, np.array([5, 29]))
+    fi = F.FEATURES.index
+    seen5 = np.max(trace.columns["mem_used_mib"][:6])
+    assert win.mem_scale_mib[0] == pytest.approx(max(F.MEM_FALLBACK_MIN_MIB, 1.25 * seen5))
+    assert np.all(win.x[:, -1, fi("mem_total_known")] == 0)
+
+
+def test_targets_are_normalised_changes_masked_past_the_end() -> None:
+    trace = ramp_app("a", seconds=20, mem_total_mib=8192.0)
+    grid = F.build_grid([trace, ramp_app("b", seconds=20, seed=3)])
+    origins = np.array([5, 17, 19])
+    win = F.encode(grid, 8, origins)
+    y, mask = F.targets(grid, win, (1, 2, 3, 4, 5))
+    mem = trace.columns["mem_used_mib"]
+    assert y[0, 0, 2] == pytest.approx(100 * (mem[8] - mem[5]) / 8192.0, rel=1e-5)
+    assert mask[0].all()
+    assert mask[1, :, :2].all() and not mask[1, :, 2:].any()  # origin 17: only 18 and 19 exist
+    assert not mask[2].any()  # the last second has no future (never the next application's)
+
+
+def test_empty_history_is_reported_absent() -> None:
+    empty = AppTrace(app="e", t_s=np.zeros(0), columns={"sm_util_pct": np.zeros(0)})
+    win, present = F.encode_latest([empty, ramp_app("a", seconds=5)], 8)
+    assert present.tolist() == [False, True]
+    assert win.x.shape == (1, 8, F.N_FEATURES)
+
+
+def test_feature_spec_round_trip_and_validation() -> None:
+    spec = F.FeatureSpec(window_s=24)
+    assert F.FeatureSpec.from_dict(spec.to_dict()) == spec
+    with pytest.raises(ValueError, match="window_s"):
+        F.FeatureSpec(window_s=1)
