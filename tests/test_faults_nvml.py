@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -209,7 +210,7 @@ async def test_a_gpu_lost_mid_stream_leaves_the_pipeline_running(tmp_path: Path)
         await server.stop(0)
 
 
-async def _until(pred, timeout_s: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+async def _until(pred: Callable[[], bool], timeout_s: float = 5.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not pred():
         if asyncio.get_running_loop().time() > deadline:
