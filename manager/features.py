@@ -144,13 +144,22 @@ def build_grid(traces: Sequence[AppTrace]) -> Grid:
     sample_offsets = np.concatenate([[0], np.cumsum(lengths)])
     t_all = np.concatenate([t.t_s for t in traces]) if n_apps else np.zeros(0)
     secs = np.floor(t_all).astype(np.int64)
-    start = np.zeros(n_apps, dtype=np.int64)
-    end = np.full(n_apps, -1, dtype=np.int64)
-    if len(secs):
-        first = np.full(n_apps, np.iinfo(np.int64).max)
-        np.minimum.at(first, app_of_sample, secs)
-        np.maximum.at(end, app_of_sample, secs)
-        start = np.where(lengths > 0, first, 0)
+    order: npt.NDArray[np.int64] | None = None
+    same_app = app_of_sample[1:] == app_of_sample[:-1]
+    if np.any(np.diff(secs)[same_app] < 0):  # samples out of time order: sort within each app
+        order = np.lexsort((t_all, app_of_sample))
+        secs = secs[order]
+    nonempty = lengths > 0
+    start = (
+        np.where(nonempty, secs[np.minimum(sample_offsets[:-1], max(len(secs) - 1, 0))], 0)
+        if len(secs)
+        else np.zeros(n_apps, np.int64)
+    )
+    end = (
+        np.where(nonempty, secs[np.maximum(sample_offsets[1:] - 1, 0)], -1)
+        if len(secs)
+        else np.full(n_apps, -1)
+    )
     n_bins = np.where(lengths > 0, end - start + 1, 0)
     offsets = np.concatenate([[0], np.cumsum(n_bins)]).astype(np.int64)
     total = int(offsets[-1])
@@ -168,6 +177,8 @@ def build_grid(traces: Sequence[AppTrace]) -> Grid:
             part = trace.columns.get(name)
             if part is not None:
                 col[sample_offsets[i] : sample_offsets[i + 1]] = part
+        if order is not None:
+            col = col[order]
         ok = np.isfinite(col)
         if not ok.any():
             values[name] = np.full(total, np.nan)
@@ -183,13 +194,17 @@ def build_grid(traces: Sequence[AppTrace]) -> Grid:
         np.maximum.accumulate(fill, out=fill)
         fill = np.where(fill >= app_first_bin, fill, -1)
         out = np.where(fill >= 0, grid[np.maximum(fill, 0)], np.nan)
-        last_have = np.full(n_apps, -1, dtype=np.int64)
-        np.maximum.at(last_have, bin_app[b], b)
+        # each application's last bin with a value (bins are sorted): the last ok sample per app
+        app_ok = app_of_sample[ok]
+        pos = np.searchsorted(app_ok, np.arange(n_apps), side="right") - 1
+        mine = (pos >= 0) & (app_ok[np.maximum(pos, 0)] == np.arange(n_apps))
+        last_have = np.where(mine, b[np.maximum(pos, 0)], -1)
         out[arange > last_have[bin_app]] = np.nan
         values[name] = out
         if name == "mem_used_mib":
             raw_max = np.full(total, -np.inf)
-            np.maximum.at(raw_max, b, col[ok])
+            firsts = np.flatnonzero(np.r_[True, b[1:] != b[:-1]])
+            raw_max[b[firsts]] = np.maximum.reduceat(col[ok], firsts)
             # running max within each application: lift each application above the ones before it
             lift = bin_app.astype(np.float64) * 1e12
             cum = np.maximum.accumulate(raw_max + lift) - lift

@@ -31,6 +31,8 @@ from vgpu.traces import AppTrace
 
 _log = get_logger("vgpu.manager.predictor")
 _MEM_TOTAL_KNOWN = FEATURES.index("mem_total_known")
+# The model shipped in the repository (see docs/forecasting.md for how it was trained).
+DEFAULT_MODEL_PATH = Path(__file__).resolve().parent / "models" / "default.pt"
 
 
 def default_device() -> torch.device:

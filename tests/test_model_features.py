@@ -102,3 +102,16 @@ def test_feature_spec_round_trip_and_validation() -> None:
     assert F.FeatureSpec.from_dict(spec.to_dict()) == spec
     with pytest.raises(ValueError, match="window_s"):
         F.FeatureSpec(window_s=1)
+
+
+def test_samples_out_of_time_order_give_the_same_grid() -> None:
+    trace = _irregular("a", 5)
+    perm = np.random.default_rng(0).permutation(len(trace))
+    shuffled = AppTrace(app="a", t_s=trace.t_s[perm], columns={c: v[perm] for c, v in trace.columns.items()})
+    g1, g2 = (
+        F.build_grid([ramp_app("b", seconds=9), trace]),
+        F.build_grid([ramp_app("b", seconds=9), shuffled]),
+    )
+    for c in ("mem_used_mib", "sm_util_pct"):
+        np.testing.assert_array_equal(g1.values[c], g2.values[c])
+    np.testing.assert_array_equal(g1.mem_max_mib, g2.mem_max_mib)

@@ -1,0 +1,126 @@
+"""Forecast latency: one batched forecast for N applications on one CPU thread, feature building
+included (what the manager pays per forecast tick).
+
+    python bench/forecast_latency.py --apps 64 --json
+    -> {"apps": 64, "p50_ms": ..., "p99_ms": ..., "tick_ms": 100, ...}
+
+Each application's history is `--history-s` seconds of 100 ms samples (the profiler's rate) with
+memory, compute, capacity and power, as the manager's window holds them. `--model` picks a
+checkpoint (default: the shipped one; an untrained model of the default configuration where none
+is shipped, which costs the same). `--mode torchscript` traces the network with TorchScript.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from manager.checkpoint import Checkpoint, Metadata, load_checkpoint  # noqa: E402
+from manager.features import N_FEATURES, FeatureSpec  # noqa: E402
+from manager.model import ModelConfig, TransformerBiGRU  # noqa: E402
+from manager.predictor import DEFAULT_MODEL_PATH, ModelForecaster  # noqa: E402
+from manager.train import DEFAULT_WINDOW_S  # noqa: E402
+from vgpu.traces import AppTrace  # noqa: E402
+
+TICK_MS = 100
+
+
+def histories(n_apps: int, history_s: float, seed: int = 0) -> list[AppTrace]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n_apps):
+        t = 1000.0 + np.arange(0, history_s, 0.1)
+        n = len(t)
+        out.append(
+            AppTrace(
+                app=f"bench/{i}",
+                t_s=t,
+                columns={
+                    "mem_used_mib": np.full(n, 2000.0 + 100 * i) + rng.normal(0, 5, n),
+                    "sm_util_pct": np.clip(rng.normal(60, 10, n), 0, 100),
+                    "mem_total_mib": np.full(n, 40960.0),
+                    "power_w": rng.uniform(100, 300, n),
+                    "power_limit_w": np.full(n, 400.0),
+                },
+            )
+        )
+    return out
+
+
+def _checkpoint(path: str | None) -> Checkpoint:
+    if path is None and DEFAULT_MODEL_PATH.exists():
+        path = str(DEFAULT_MODEL_PATH)
+    if path is not None:
+        return load_checkpoint(path)
+    cfg = ModelConfig(n_features=N_FEATURES)
+    return Checkpoint(
+        TransformerBiGRU(cfg).eval(),
+        Metadata(config=cfg, features=FeatureSpec(DEFAULT_WINDOW_S)),
+        "untrained",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--apps", type=int, default=64)
+    p.add_argument("--history-s", type=float, default=60.0)
+    p.add_argument("--iterations", type=int, default=200)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--model", default=None)
+    p.add_argument("--mode", choices=("eager", "torchscript"), default="eager")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    ck = _checkpoint(args.model)
+    forecaster = ModelForecaster(ck, device="cpu")
+    if args.mode == "torchscript":
+        example = torch.zeros(args.apps, ck.metadata.features.window_s, N_FEATURES)
+        with torch.inference_mode():
+            forecaster.model = torch.jit.freeze(torch.jit.trace(forecaster.model, example))  # type: ignore[assignment]
+    hist = histories(args.apps, args.history_s)
+    for _ in range(10):
+        forecaster.forecast_batch(hist)
+    times = []
+    feat_times = []
+    from manager.features import encode_latest  # noqa: PLC0415
+
+    for _ in range(args.iterations):
+        t0 = time.perf_counter()
+        forecaster.forecast_batch(hist)
+        times.append((time.perf_counter() - t0) * 1000)
+        t0 = time.perf_counter()
+        encode_latest(hist, forecaster.window_s)
+        feat_times.append((time.perf_counter() - t0) * 1000)
+    result = {
+        "apps": args.apps,
+        "p50_ms": round(float(np.percentile(times, 50)), 3),
+        "p99_ms": round(float(np.percentile(times, 99)), 3),
+        "tick_ms": TICK_MS,
+        "features_p50_ms": round(float(np.percentile(feat_times, 50)), 3),
+        "mode": args.mode,
+        "threads": args.threads,
+        "window_s": forecaster.window_s,
+        "order": ck.metadata.config.order,
+        "history_s": args.history_s,
+        "model": ck.path,
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch thread(s), torch {torch.__version__}",
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for k, v in result.items():
+            print(f"{k}: {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

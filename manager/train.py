@@ -1,0 +1,368 @@
+"""`vgpu train`: train the Transformer-BiGRU forecaster on canonical traces.
+
+    vgpu train --trace PATH [--trace PATH ...] --out PATH [--epochs N] [--order attn_first|gru_first]
+               [--seed S] [--window S] [--stride K] [--licence TEXT] ...
+
+Applications are split by `manager.splits` (by run family, so no application is in two splits);
+training uses the train split, early stopping and the P90 calibration use the validation split, and
+the test split is never read. The recipe defaults to the paper's: Adam, learning rate 0.01 dropping
+to 0.001 after 80 epochs, L2 1e-3 (Adam weight decay), gradient clipping at norm 10, batch 256, at
+most 200 epochs, pinball loss on P50 and P90 of each target and horizon. Early stopping keeps the
+weights of the best validation loss and stops after `--patience` epochs without improvement.
+
+Same data, seed and options give the same weights on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from manager import splits
+from manager.checkpoint import Metadata, git_commit, save_checkpoint
+from manager.features import FEATURES, N_FEATURES, FeatureSpec, build_grid, encode, targets
+from manager.model import ModelConfig, TransformerBiGRU, pinball_loss
+from vgpu.traces import AppTrace, TraceFormatError, read_trace
+
+DEFAULT_WINDOW_S = 16
+MIN_HISTORY_S = 3  # first training origin: the 4th second of an application's grid
+P90_LEVEL = 0.9
+
+
+@dataclass(frozen=True)
+class Recipe:
+    epochs: int = 200
+    lr: float = 0.01
+    lr_drop_epoch: int = 80
+    lr_after_drop: float = 0.001
+    weight_decay: float = 1e-3
+    clip_norm: float = 10.0
+    batch: int = 256
+    patience: int = 20
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Dataset:
+    x: np.ndarray  # (N, window, features) float32
+    y: np.ndarray  # (N, 2, H) float32, normalised change
+    mask: np.ndarray  # (N, 2, H) bool
+    scales: np.ndarray  # (N, 2) back to MiB / %
+    last: np.ndarray  # (N, 2) origin values
+    caps: np.ndarray  # (N, 2) capacity (MiB where known else inf, 100 %), for clamping
+    apps: int
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+
+def build_dataset(
+    traces: Sequence[AppTrace], spec: FeatureSpec, *, stride: int = 1, min_history_s: int = MIN_HISTORY_S
+) -> Dataset:
+    """Windows and targets for every `stride`-th second of each application from `min_history_s`
+    on, where at least one target exists."""
+    h = len(spec.horizons_s)
+    if not traces:
+        return Dataset(
+            x=np.zeros((0, spec.window_s, N_FEATURES), np.float32),
+            y=np.zeros((0, 2, h), np.float32),
+            mask=np.zeros((0, 2, h), bool),
+            scales=np.zeros((0, 2)),
+            last=np.zeros((0, 2)),
+            caps=np.zeros((0, 2)),
+            apps=0,
+        )
+    grid = build_grid(traces)
+    starts = grid.offsets[:-1]
+    ends = grid.offsets[1:]
+    origins = np.concatenate(
+        [np.arange(s + min_history_s, e, stride, dtype=np.int64) for s, e in zip(starts, ends, strict=True)]
+    )
+    win = encode(grid, spec.window_s, origins)
+    y, mask = targets(grid, win, spec.horizons_s)
+    keep = mask.any(axis=(1, 2))
+    known = win.x[:, -1, FEATURES.index("mem_total_known")] > 0.5
+    caps = np.stack([np.where(known, win.mem_scale_mib, np.inf), np.full(len(known), 100.0)], axis=1)
+    return Dataset(
+        x=win.x[keep],
+        y=y[keep],
+        mask=mask[keep],
+        scales=win.scales[keep],
+        last=win.last[keep],
+        caps=caps[keep],
+        apps=len(traces),
+    )
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _predict(model: TransformerBiGRU, x: np.ndarray, device: torch.device, batch: int = 2048) -> np.ndarray:
+    model.eval()
+    outs = []
+    with torch.inference_mode():
+        for i in range(0, len(x), batch):
+            outs.append(model(torch.from_numpy(x[i : i + batch]).to(device)).float().cpu().numpy())
+    if not outs:
+        return np.zeros((0, model.config.n_targets, model.config.n_horizons, 2), np.float32)
+    return np.concatenate(outs)
+
+
+def _masked_pinball(pred: np.ndarray, data: Dataset) -> float:
+    loss = pinball_loss(torch.from_numpy(pred), torch.from_numpy(data.y), torch.from_numpy(data.mask))
+    return float(loss)
+
+
+def calibrate_p90(pred: np.ndarray, data: Dataset, level: float = P90_LEVEL) -> np.ndarray:
+    """Split-conformal shift per target and horizon (normalised units): the smallest s such that at
+    least `level` of the validation truths lie at or under P90 + s. Zero where there is no target."""
+    n_t, n_h = pred.shape[1], pred.shape[2]
+    shift = np.zeros((n_t, n_h))
+    for t in range(n_t):
+        for h in range(n_h):
+            m = data.mask[:, t, h]
+            if not m.any():
+                continue
+            resid = data.y[m, t, h].astype(np.float64) - pred[m, t, h, 1]
+            shift[t, h] = float(np.quantile(resid, level, method="inverted_cdf"))
+    return shift
+
+
+def metrics(pred: np.ndarray, shift: np.ndarray, data: Dataset, horizons_s: Sequence[int]) -> dict[str, Any]:
+    """MAE (MiB / %) of the model and of last_value, and P90 coverage, per target and horizon, with
+    the forecaster's clamping (P90 >= P50, [0, capacity])."""
+    out: dict[str, Any] = {}
+    names = ("mem_used_mib", "sm_util_pct")
+    for t, name in enumerate(names):
+        cap = data.caps[:, t]
+        for h, hs in enumerate(horizons_s):
+            m = data.mask[:, t, h]
+            if not m.any():
+                continue
+            scale = data.scales[m, t]
+            last = data.last[m, t]
+            truth = last + data.y[m, t, h] * scale
+            p50 = np.clip(last + pred[m, t, h, 0] * scale, 0, cap[m])
+            p90 = np.clip(np.maximum(last + (pred[m, t, h, 1] + shift[t, h]) * scale, p50), 0, cap[m])
+            out[f"{name}/h{hs}"] = {
+                "mae": float(np.mean(np.abs(p50 - truth))),
+                "mae_last_value": float(np.mean(np.abs(last - truth))),
+                "coverage_p90": float(np.mean(truth <= p90 + 1e-9)),
+                "n": int(m.sum()),
+            }
+    return out
+
+
+def train_model(
+    train: Dataset,
+    val: Dataset,
+    config: ModelConfig,
+    recipe: Recipe,
+    *,
+    device: torch.device | None = None,
+    progress: bool = True,
+) -> tuple[TransformerBiGRU, dict[str, Any]]:
+    """Train with early stopping on `val`; returns the best model (eval mode) and a history."""
+    device = device or torch.device("cpu")
+    seed_everything(recipe.seed)
+    model = TransformerBiGRU(config).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
+    gen = torch.Generator().manual_seed(recipe.seed)
+    x = torch.from_numpy(train.x)
+    y = torch.from_numpy(train.y)
+    mask = torch.from_numpy(train.mask)
+    best_loss = float("inf")
+    best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    best_epoch = 0
+    history: list[dict[str, float]] = []
+    bar = tqdm(range(recipe.epochs), desc="train", unit="epoch", disable=not progress, file=sys.stderr)
+    for epoch in bar:
+        lr = recipe.lr if epoch < recipe.lr_drop_epoch else recipe.lr_after_drop
+        for group in opt.param_groups:
+            group["lr"] = lr
+        model.train()
+        order = torch.randperm(len(x), generator=gen)
+        total, count = 0.0, 0
+        for i in range(0, len(order), recipe.batch):
+            idx = order[i : i + recipe.batch]
+            xb, yb, mb = x[idx].to(device), y[idx].to(device), mask[idx].to(device)
+            opt.zero_grad(set_to_none=True)
+            loss = pinball_loss(model(xb), yb, mb)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_norm)
+            opt.step()
+            total += float(loss.detach()) * len(idx)
+            count += len(idx)
+        train_loss = total / max(count, 1)
+        val_loss = _masked_pinball(_predict(model, val.x, device), val) if len(val) else train_loss
+        history.append({"epoch": epoch + 1, "lr": lr, "train_loss": train_loss, "val_loss": val_loss})
+        if val_loss < best_loss - 1e-7:
+            best_loss, best_epoch = val_loss, epoch + 1
+            best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        bar.set_postfix(train=f"{train_loss:.4f}", val=f"{val_loss:.4f}", best=best_epoch)
+        if epoch + 1 - best_epoch >= recipe.patience:
+            break
+    bar.close()
+    model.load_state_dict(best_state)
+    model.eval()
+    return model, {
+        "best_epoch": best_epoch,
+        "best_val_loss": best_loss,
+        "epochs_run": len(history),
+        "history": history,
+    }
+
+
+def load_apps(paths: Sequence[str | Path]) -> tuple[dict[str, AppTrace], list[dict[str, Any]]]:
+    """Every application of every trace file (ids must be unique across files)."""
+    apps: dict[str, AppTrace] = {}
+    files: list[dict[str, Any]] = []
+    for path in paths:
+        trace = read_trace(path)
+        for app_id, app in trace.apps.items():
+            if app_id in apps:
+                raise TraceFormatError(f"{path}: application {app_id!r} also appears in an earlier trace")
+            apps[app_id] = app
+        files.append(
+            {
+                "path": str(path),
+                "apps": len(trace.apps),
+                "samples": trace.samples,
+                "skipped_rows": len(trace.issues),
+            }
+        )
+    return apps, files
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
+    r = Recipe()
+    p = argparse.ArgumentParser(
+        prog=prog, description="Train the Transformer-BiGRU forecaster on canonical traces."
+    )
+    p.add_argument(
+        "--trace", action="append", required=True, help="canonical trace (.csv or .csv.gz); repeatable"
+    )
+    p.add_argument(
+        "--out", required=True, help="checkpoint to write (a .json copy of its metadata is written beside)"
+    )
+    p.add_argument("--epochs", type=int, default=r.epochs, help=f"most epochs (default {r.epochs})")
+    p.add_argument("--order", choices=("attn_first", "gru_first"), default="attn_first")
+    p.add_argument("--seed", type=int, default=r.seed)
+    p.add_argument("--window", type=int, default=DEFAULT_WINDOW_S, help="window length in seconds")
+    p.add_argument("--stride", type=int, default=1, help="use every K-th origin of each application")
+    p.add_argument("--lr", type=float, default=r.lr)
+    p.add_argument("--lr-drop-epoch", type=int, default=r.lr_drop_epoch)
+    p.add_argument("--lr-after-drop", type=float, default=r.lr_after_drop)
+    p.add_argument("--weight-decay", type=float, default=r.weight_decay)
+    p.add_argument("--clip", type=float, default=r.clip_norm)
+    p.add_argument("--batch", type=int, default=r.batch)
+    p.add_argument("--patience", type=int, default=r.patience)
+    p.add_argument(
+        "--licence", action="append", default=[], help="licence of the data (recorded; repeatable)"
+    )
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: Sequence[str], prog: str = "vgpu train") -> int:
+    args = _parser(prog).parse_args(list(argv))
+    for name in ("epochs", "window", "stride", "batch", "patience"):
+        if getattr(args, name) < 1:
+            print(f"{prog}: --{name} must be at least 1", file=sys.stderr)
+            return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    started = time.monotonic()
+    try:
+        apps, files = load_apps(args.trace)
+        spec = FeatureSpec(window_s=args.window)
+    except (TraceFormatError, ValueError) as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    by_split = {s: [apps[a] for a in ids] for s, ids in splits.split_ids(apps).items()}
+    if not by_split["train"] or not by_split["val"]:
+        print(
+            f"{prog}: need applications in both the train and val splits "
+            f"(have {len(by_split['train'])} and {len(by_split['val'])})",
+            file=sys.stderr,
+        )
+        return 2
+    train = build_dataset(by_split["train"], spec, stride=args.stride)
+    val = build_dataset(by_split["val"], spec)
+    config = ModelConfig(
+        n_features=N_FEATURES,
+        n_horizons=len(spec.horizons_s),
+        max_len=max(512, spec.window_s),
+        order=args.order,
+    )
+    recipe = Recipe(
+        epochs=args.epochs,
+        lr=args.lr,
+        lr_drop_epoch=args.lr_drop_epoch,
+        lr_after_drop=args.lr_after_drop,
+        weight_decay=args.weight_decay,
+        clip_norm=args.clip,
+        batch=args.batch,
+        patience=args.patience,
+        seed=args.seed,
+    )
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    print(
+        f"{prog}: {len(train)} training windows from {train.apps} apps, {len(val)} validation windows from "
+        f"{val.apps} apps ({len(by_split['test'])} test apps left out), on {device}",
+        file=sys.stderr,
+    )
+    model, hist = train_model(train, val, config, recipe, device=device, progress=not args.quiet)
+    model = model.cpu()
+    pred = _predict(model, val.x, torch.device("cpu"))
+    shift = calibrate_p90(pred, val)
+    val_metrics = metrics(pred, shift, val, spec.horizons_s)
+    meta = Metadata(
+        config=config,
+        features=spec,
+        p90_shift=tuple(tuple(float(v) for v in row) for row in shift),
+        training={
+            "command": " ".join(["vgpu", "train", *argv]),
+            "trace_files": files,
+            "licences": list(args.licence),
+            "split_rule": "manager.splits (sha256 of run family; 0.70 train / 0.15 val / 0.15 test)",
+            "apps": {s: len(v) for s, v in by_split.items()},
+            "windows": {"train": len(train), "val": len(val)},
+            "recipe": {k: getattr(recipe, k) for k in Recipe.__dataclass_fields__},
+            "stride": args.stride,
+            "min_history_s": MIN_HISTORY_S,
+            "best_epoch": hist["best_epoch"],
+            "epochs_run": hist["epochs_run"],
+            "seconds": round(time.monotonic() - started, 1),
+            "device": str(device),
+            "torch": torch.__version__,
+        },
+        validation={"loss": hist["best_val_loss"], "metrics": val_metrics},
+        git_commit=git_commit(Path(__file__).resolve().parent),
+    )
+    save_checkpoint(args.out, model, meta)
+    summary = {
+        "out": args.out,
+        "best_epoch": hist["best_epoch"],
+        "epochs_run": hist["epochs_run"],
+        "val_loss": hist["best_val_loss"],
+        "seconds": meta.training["seconds"],
+        "val_h5": {k: v for k, v in val_metrics.items() if k.endswith("/h5")},
+    }
+    print(json.dumps(summary, indent=2))
+    return 0
