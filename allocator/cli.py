@@ -92,10 +92,10 @@ class Tokens:
             tok = _read_token(path)
             if tok:
                 yield tok, path
-            tok = _read_token(self.state_dir / "tokens" / "apps" / auth.app_token_filename(app_id))
+            tok = _read_token(auth.app_token_file(app_id, self.state_dir))
             if tok:
                 yield tok, None
-        tok = _read_token(self.state_dir / "tokens" / "operator.token")
+        tok = _read_token(auth.role_token_file("operator", self.state_dir))
         if tok:
             yield tok, None
         yield None, None
@@ -158,8 +158,8 @@ def _print_json(obj: object, out: TextIO) -> None:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--socket", help="daemon socket (default: server.socket of the configuration, /run/vgpu/vgpu.sock)")
-    p.add_argument("--state-dir", help="daemon state directory, to find readable tokens (default /var/lib/vgpu)")
+    p.add_argument("--socket", help=f"daemon socket (default: server.socket of the configuration, {vconfig.DEFAULT_SOCKET_PATH})")
+    p.add_argument("--state-dir", help=f"daemon state directory, to find readable tokens (default {vconfig.DEFAULT_STATE_DIR})")
     p.add_argument("--token-file", type=Path, help="send the token in this file")
     p.add_argument("--config", type=Path, help="configuration file (default /etc/vgpu/vgpu.toml if present)")
     p.add_argument("--timeout-s", type=float, default=10.0, help="per-call timeout (default 10 s)")

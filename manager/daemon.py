@@ -468,7 +468,7 @@ class Daemon:
         )
 
         authority = auth.TokenAuthority(
-            self.state_dir / "tokens", operator_group=cfg.auth.operator_group, profiler_group=cfg.auth.profiler_group
+            auth.token_dir(self.state_dir), operator_group=cfg.auth.operator_group, profiler_group=cfg.auth.profiler_group
         )
         token_files = authority.write_role_tokens()
         for app_id in self.store.claimed_apps():
@@ -594,10 +594,10 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         description="Run the vgpu manager and allocator daemon. Flags override /etc/vgpu/vgpu.toml and VGPU_* variables.",
     )
     p.add_argument("--config", type=Path, default=None, help="configuration file (default /etc/vgpu/vgpu.toml if present)")
-    p.add_argument("--socket", help="Unix socket to listen on (default /run/vgpu/vgpu.sock)")
+    p.add_argument("--socket", help=f"Unix socket to listen on (default {vconfig.DEFAULT_SOCKET_PATH})")
     p.add_argument("--socket-mode", help="socket permission bits, octal (default 0660)")
     p.add_argument("--socket-group", help="group that owns the socket")
-    p.add_argument("--state-dir", help="ledger, tokens and saved device settings (default /var/lib/vgpu)")
+    p.add_argument("--state-dir", help=f"ledger, tokens and saved device settings (default {vconfig.DEFAULT_STATE_DIR})")
     p.add_argument("--backend", help="nvml (default) or sim:<sku>, e.g. sim:h100-80gb")
     p.add_argument("--tcp", metavar="HOST:PORT", help="also listen on TCP; needs --tls-cert and --tls-key")
     p.add_argument("--tls-cert", help="PEM server certificate for --tcp")

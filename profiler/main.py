@@ -1,8 +1,14 @@
 """`vgpu profiler`: sample GPU applications (or replay a trace) and stream signatures to the manager.
 
-    vgpu profiler --manager unix:///run/vgpu/manager.sock                     # NVML, every 100 ms
+    vgpu profiler                                         # NVML every 100 ms, to /run/vgpu/vgpu.sock
     vgpu profiler --manager 127.0.0.1:7070 --backend sim:h100-80gb
-    vgpu profiler --manager /run/vgpu/manager.sock --replay trace.csv.gz --speed 10 --loop
+    vgpu profiler --replay trace.csv.gz --speed 10 --loop --device-id GPU-...
+
+The daemon accepts signatures only from a profiler that sends its profiler token (vgpu/auth.py):
+`--token-file` (default /var/lib/vgpu/tokens/profiler.token, written by `vgpu serve`) is read at
+start and again at every reconnect, and sent as `authorization: Bearer <token>` on the Ingest
+stream. A missing or unreadable token file stops the profiler at start with exit status 2;
+`--no-token` streams without one (for a daemon with `auth.open_ingest = true`).
 
 SIGTERM or SIGINT stops it gracefully: the last batch is flushed, the stream closed, exit status 0.
 """
@@ -16,9 +22,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import structlog
+
 from profiler.source import SignatureSource
 from profiler.stream import SignatureStreamer
-from vgpu import log
+from vgpu import auth, log
 from vgpu.client import DEFAULT_INAPP_DIR, DEFAULT_SOCKET, grpc_target
 
 
@@ -28,6 +36,14 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--backend", default="nvml", help="device backend: nvml (default) or sim:<sku>, e.g. sim:h100-80gb")
     src.add_argument("--replay", type=Path, metavar="TRACE", help="replay a canonical trace instead of sampling GPUs")
+    p.add_argument("--device-id", default=None,
+                   help="replay: the device the signatures name (a device of the daemon, see `vgpu available`); "
+                   "default: the trace's gpu column")
+    tok = p.add_mutually_exclusive_group()
+    tok.add_argument("--token-file", type=Path, default=auth.role_token_file("profiler"),
+                     help="the daemon's profiler token (default %(default)s)")
+    tok.add_argument("--no-token", action="store_true",
+                     help="send no token (only a daemon with auth.open_ingest = true accepts that)")
     p.add_argument("--speed", type=float, default=1.0, help="replay speed factor (default 1: the trace's pace)")
     p.add_argument("--copies", type=int, default=1, help="replay each application N times (load tests)")
     p.add_argument("--loop", action="store_true", help="replay: start over at the end of the trace")
@@ -54,8 +70,19 @@ def main(argv: Sequence[str], prog: str = "vgpu profiler") -> int:
         parser.error("--speed must be positive")
     if args.copies < 1 or args.buffer_max < 1:
         parser.error("--copies and --buffer-max must be at least 1")
+    if args.device_id is not None and args.replay is None:
+        parser.error("--device-id only applies to --replay (sampled signatures name their own device)")
     log.configure(args.log_format, args.log_level)
     logger = log.get_logger("profiler")
+    metadata = None
+    if not args.no_token:
+        try:
+            token_reader = TokenReader(args.token_file, logger)
+        except (OSError, ValueError) as exc:
+            print(f"{prog}: {exc}; give the daemon's profiler token with --token-file "
+                  "(or --no-token for a daemon with auth.open_ingest = true)", file=sys.stderr)
+            return 2
+        metadata = token_reader.metadata
 
     backend = None
     source: SignatureSource
@@ -65,8 +92,9 @@ def main(argv: Sequence[str], prog: str = "vgpu profiler") -> int:
             from vgpu.traces import TraceFormatError
 
             try:
-                source = ReplaySource(args.replay, speed=args.speed, copies=args.copies, loop=args.loop)
-            except TraceFormatError as exc:
+                source = ReplaySource(args.replay, speed=args.speed, copies=args.copies, loop=args.loop,
+                                      device_id=args.device_id)
+            except (TraceFormatError, OSError) as exc:
                 print(f"{prog}: {exc}", file=sys.stderr)
                 return 1
         else:
@@ -88,14 +116,32 @@ def main(argv: Sequence[str], prog: str = "vgpu profiler") -> int:
             period_s=args.period_ms / 1000.0,
             profiler_id=args.profiler_id,
             buffer_max=args.buffer_max,
+            metadata=metadata,
         )
         logger.info("profiler starting", manager=streamer.target, source=type(source).__name__,
-                    period_ms=args.period_ms)
+                    period_ms=args.period_ms, token_file=None if args.no_token else str(args.token_file))
         asyncio.run(_run(streamer, args.seconds))
         return 0
     finally:
         if backend is not None:
             backend.close()
+
+
+class TokenReader:
+    """The profiler token from its file: read at start (errors raise), re-read at every connect so a
+    daemon that issued new tokens is followed; a later read that fails keeps the last good token."""
+
+    def __init__(self, path: Path, logger: structlog.typing.FilteringBoundLogger) -> None:
+        self.path = path
+        self._log = logger
+        self.token = auth.read_token_file(path)
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        try:
+            self.token = auth.read_token_file(self.path)
+        except (OSError, ValueError) as exc:
+            self._log.warning("cannot re-read the profiler token; using the last one", error=str(exc))
+        return auth.bearer(self.token)
 
 
 async def _run(streamer: SignatureStreamer, seconds: float) -> None:

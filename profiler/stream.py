@@ -20,7 +20,7 @@ import random
 import socket
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -32,6 +32,7 @@ from vgpu.log import get_logger
 from vgpu.v1 import ingest_pb2, ingest_pb2_grpc, signature_pb2
 
 Sleep = Callable[[float], Awaitable[None]]
+_REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 
 @dataclass(frozen=True)
@@ -131,16 +132,20 @@ class StreamStats:
     decisions: int = 0
     rejected: int = 0
     source_errors: int = 0
+    refused: int = 0  # streams the manager refused (no or a bad token)
 
 
 class SignatureStreamer:
     """Pulls `source.sample()` every `period_s` and streams the signatures to the manager at `target`
-    (`unix:///run/vgpu/manager.sock`, a socket path, or host:port).
+    (`unix:///run/vgpu/vgpu.sock`, a socket path, or host:port).
 
     `buffer_max` bounds the signatures held while disconnected; `max_batch` bounds one batch (the rest
     waits for the next tick). `on_reply` is called with each `IngestReply`. `clock`/`sleep` pace the
     ticks, `rng` jitters the backoff, `wall_clock` stamps `sent_at_s`; `channel_factory(target)` makes the
-    grpc.aio channel (tests may wrap it).
+    grpc.aio channel (tests may wrap it). `metadata()` is called at every (re)connect for the stream's call
+    metadata (the profiler token: `authorization: Bearer ...`, see vgpu/auth.py); a stream the manager
+    refuses (UNAUTHENTICATED / PERMISSION_DENIED) is logged as `manager refused the profiler` and retried
+    with backoff, so a token that is fixed (or a daemon whose tokens change) is picked up.
     """
 
     def __init__(
@@ -162,6 +167,7 @@ class SignatureStreamer:
         rng: random.Random | None = None,
         channel_factory: Callable[[str], grpc.aio.Channel] | None = None,
         on_reply: Callable[[ingest_pb2.IngestReply], None] | None = None,
+        metadata: Callable[[], Sequence[tuple[str, str]]] | None = None,
         sample_in_thread: bool = False,
         logger: object = None,
     ) -> None:
@@ -180,6 +186,7 @@ class SignatureStreamer:
         self._rng = rng or random.Random()
         self._channel_factory = channel_factory or (lambda t: grpc.aio.insecure_channel(t))
         self._on_reply = on_reply
+        self._metadata = metadata
         self._in_thread = sample_in_thread
         self._log = logger or get_logger("profiler.stream")
         self.loop = FixedRateLoop(period_s, clock=clock, sleep=sleep)
@@ -308,7 +315,8 @@ class SignatureStreamer:
         channel = self._channel_factory(self.target)
         self._channel = channel
         await asyncio.wait_for(channel.channel_ready(), self._connect_timeout_s)
-        call = ingest_pb2_grpc.IngestStub(channel).StreamSignatures()
+        md = tuple(self._metadata()) if self._metadata is not None else ()
+        call = ingest_pb2_grpc.IngestStub(channel).StreamSignatures(metadata=md or None)
         self._lost = asyncio.Event()
         self._call = call
         self.stats.connects += 1
@@ -340,7 +348,14 @@ class SignatureStreamer:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001
-            if not self._stop.is_set():
+            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in _REFUSED:
+                self.stats.refused += 1
+                if self.stats.refused in (1, 10, 100) or self.stats.refused % 1000 == 0:
+                    self._log.error(
+                        "manager refused the profiler", error=_describe(exc), count=self.stats.refused,
+                        hint="check the profiler token (--token-file) or the daemon's auth.open_ingest",
+                    )
+            elif not self._stop.is_set():
                 self._log.warning("reply stream ended", error=_describe(exc))
         if self._call is call:
             self._call = None

@@ -1,7 +1,17 @@
-"""Shared by G's daemon tests: an in-process `Daemon` on a simulated H100 in a temporary directory."""
+"""Shared by the daemon tests: an in-process `Daemon` on a simulated H100 in a temporary directory,
+and `vgpu serve` as a real process (`Serve`) with the operator CLI run against it (`Env`)."""
 
 from __future__ import annotations
 
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
@@ -17,3 +27,118 @@ def sim_daemon(tmp_path: Path, **overrides: object) -> Daemon:
         "server.backend": "sim:h100-80gb", "metrics.port": 0, "server.grace_s": 0.0, **overrides,
     })
     return Daemon(cfg, notifier=SdNotifier(env={}), registry=CollectorRegistry())
+
+
+ROOT = Path(__file__).resolve().parent.parent
+SKU = "h100-80gb"
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@dataclass
+class Env:
+    tmp: Path
+    sock: Path
+    state: Path
+    env: dict[str, str]
+
+    def vgpu(self, *args: str, check: bool = True) -> Result:
+        """An operator command, run in this process (the daemon is the real subprocess)."""
+        from allocator import cli
+
+        if args[0] == "serve":
+            from contextlib import redirect_stderr
+
+            from manager import daemon
+
+            err = io.StringIO()
+            with redirect_stderr(err):
+                rc = daemon.main(list(args[1:]), "vgpu serve")
+            return Result(rc, "", err.getvalue())
+        fn = getattr(cli, args[0].replace("-", "_") + "_main")
+        out, err = io.StringIO(), io.StringIO()
+        from contextlib import redirect_stderr
+
+        with redirect_stderr(err):
+            rc = fn(list(args[1:]), f"vgpu {args[0]}", out=out, env=self.env)
+        if check and rc != 0:
+            raise AssertionError(f"vgpu {' '.join(args)} -> {rc}\n{out.getvalue()}\n{err.getvalue()}")
+        return Result(rc, out.getvalue(), err.getvalue())
+
+    def json(self, *args: str) -> dict:  # type: ignore[type-arg]
+        return json.loads(self.vgpu(*args, "--socket", str(self.sock), "--json").stdout)  # type: ignore[no-any-return]
+
+
+def make_env(tmp_path: Path) -> Env:
+    """For an `env` fixture: a socket and state directory under tmp_path, no inherited VGPU_* settings."""
+    e = dict(os.environ)
+    e.update({"XDG_CONFIG_HOME": str(tmp_path / "home-config"), "PYTHONPATH": str(ROOT)})
+    for k in list(e):
+        if k.startswith(("VGPU_SERVER_", "VGPU_TOKEN", "NOTIFY_SOCKET", "WATCHDOG_")):
+            del e[k]
+    return Env(tmp_path, tmp_path / "run" / "vgpu.sock", tmp_path / "state", e)
+
+
+class Serve:
+    def __init__(self, env: Env, *extra: str, notify: Path | None = None) -> None:
+        self.log_path = env.tmp / f"serve-{time.monotonic_ns()}.log"
+        penv = dict(env.env)
+        if notify is not None:
+            penv.update({"NOTIFY_SOCKET": str(notify), "WATCHDOG_USEC": "300000"})
+        self.log = open(self.log_path, "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vgpu.cli", "serve", "--socket", str(env.sock), "--state-dir", str(env.state),
+             "--backend", f"sim:{SKU}", "--metrics-port", "0", *extra],
+            cwd=ROOT, env=penv, stdout=subprocess.DEVNULL, stderr=self.log,
+        )
+        self.wait_for("serving")
+
+    def events(self) -> list[dict]:  # type: ignore[type-arg]
+        out = []
+        for line in self.log_path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+        return out
+
+    def event(self, name: str) -> dict:  # type: ignore[type-arg]
+        found = [e for e in self.events() if e.get("event") == name]
+        assert found, f"no {name!r} event in {self.log_path.read_text()}"
+        return found[-1]
+
+    def wait_for(self, name: str, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if any(e.get("event") == name for e in self.events()):
+                return
+            if self.proc.poll() is not None:
+                raise AssertionError(f"daemon exited {self.proc.returncode}:\n{self.log_path.read_text()}")
+            time.sleep(0.05)
+        raise AssertionError(f"no {name!r} within {timeout_s} s:\n{self.log_path.read_text()}")
+
+    def kill9(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+        self.log.close()
+
+    def term(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        rc = self.proc.wait(30)
+        self.log.close()
+        return rc
+
+
+def serves_killed_after() -> Iterator[list[Serve]]:
+    """For a `serves` fixture: the daemons a test started, killed after it if still running."""
+    started: list[Serve] = []
+    yield started
+    for s in started:
+        if s.proc.poll() is None:
+            s.proc.kill()
+            s.proc.wait(10)

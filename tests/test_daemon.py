@@ -1,134 +1,30 @@
-"""`vgpu serve` as a real process: crash safety, graceful restore, refusals, systemd notification."""
+"""`vgpu serve` as a real process: crash safety, graceful restore, refusals, systemd notification, and the
+whole path under default auth (auth.open_ingest false) fed by a real `vgpu profiler --replay` with its token."""
 
 from __future__ import annotations
 
-import io
 import json
-import os
-import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
+from daemon_fixtures import ROOT, SKU, Env, Serve, make_env, serves_killed_after
 
-ROOT = Path(__file__).resolve().parent.parent
-SKU = "h100-80gb"
-
-
-@dataclass
-class Result:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-@dataclass
-class Env:
-    tmp: Path
-    sock: Path
-    state: Path
-    env: dict[str, str]
-
-    def vgpu(self, *args: str, check: bool = True) -> Result:
-        """An operator command, run in this process (the daemon is the real subprocess)."""
-        from allocator import cli
-
-        if args[0] == "serve":
-            from contextlib import redirect_stderr
-
-            from manager import daemon
-
-            err = io.StringIO()
-            with redirect_stderr(err):
-                rc = daemon.main(list(args[1:]), "vgpu serve")
-            return Result(rc, "", err.getvalue())
-        fn = getattr(cli, args[0].replace("-", "_") + "_main")
-        out, err = io.StringIO(), io.StringIO()
-        from contextlib import redirect_stderr
-
-        with redirect_stderr(err):
-            rc = fn(list(args[1:]), f"vgpu {args[0]}", out=out, env=self.env)
-        if check and rc != 0:
-            raise AssertionError(f"vgpu {' '.join(args)} -> {rc}\n{out.getvalue()}\n{err.getvalue()}")
-        return Result(rc, out.getvalue(), err.getvalue())
-
-    def json(self, *args: str) -> dict:  # type: ignore[type-arg]
-        return json.loads(self.vgpu(*args, "--socket", str(self.sock), "--json").stdout)  # type: ignore[no-any-return]
+from vgpu.traces import AppTrace, write_trace
 
 
 @pytest.fixture
 def env(tmp_path: Path) -> Env:
-    e = dict(os.environ)
-    e.update({"XDG_CONFIG_HOME": str(tmp_path / "home-config"), "PYTHONPATH": str(ROOT)})
-    for k in list(e):
-        if k.startswith(("VGPU_SERVER_", "VGPU_TOKEN", "NOTIFY_SOCKET", "WATCHDOG_")):
-            del e[k]
-    return Env(tmp_path, tmp_path / "run" / "vgpu.sock", tmp_path / "state", e)
-
-
-class Serve:
-    def __init__(self, env: Env, *extra: str, notify: Path | None = None) -> None:
-        self.log_path = env.tmp / f"serve-{time.monotonic_ns()}.log"
-        penv = dict(env.env)
-        if notify is not None:
-            penv.update({"NOTIFY_SOCKET": str(notify), "WATCHDOG_USEC": "300000"})
-        self.log = open(self.log_path, "w")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vgpu.cli", "serve", "--socket", str(env.sock), "--state-dir", str(env.state),
-             "--backend", f"sim:{SKU}", "--metrics-port", "0", *extra],
-            cwd=ROOT, env=penv, stdout=subprocess.DEVNULL, stderr=self.log,
-        )
-        self.wait_for("serving")
-
-    def events(self) -> list[dict]:  # type: ignore[type-arg]
-        out = []
-        for line in self.log_path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-        return out
-
-    def event(self, name: str) -> dict:  # type: ignore[type-arg]
-        found = [e for e in self.events() if e.get("event") == name]
-        assert found, f"no {name!r} event in {self.log_path.read_text()}"
-        return found[-1]
-
-    def wait_for(self, name: str, timeout_s: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if any(e.get("event") == name for e in self.events()):
-                return
-            if self.proc.poll() is not None:
-                raise AssertionError(f"daemon exited {self.proc.returncode}:\n{self.log_path.read_text()}")
-            time.sleep(0.05)
-        raise AssertionError(f"no {name!r} within {timeout_s} s:\n{self.log_path.read_text()}")
-
-    def kill9(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-        self.log.close()
-
-    def term(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        rc = self.proc.wait(30)
-        self.log.close()
-        return rc
+    return make_env(tmp_path)
 
 
 @pytest.fixture
 def serves() -> Iterator[list[Serve]]:
-    started: list[Serve] = []
-    yield started
-    for s in started:
-        if s.proc.poll() is None:
-            s.proc.kill()
-            s.proc.wait(10)
+    yield from serves_killed_after()
 
 
 def _dead_pid() -> int:
@@ -249,3 +145,63 @@ def test_operator_cli_calls_need_the_operator_token(env: Env, serves: list[Serve
     denials = [e for e in serves[-1].events() if e.get("event") == "access_denied"]
     assert {e["code"] for e in denials} == {"PERMISSION_DENIED", "UNAUTHENTICATED"}
     assert serves[-1].term() == 0
+
+
+# --- the profiler -> manager -> allocator path under auth ------------------------------------------------
+def _small_trace(path: Path) -> Path:
+    t = np.arange(0.0, 30.0, 0.5)
+    write_trace(
+        path,
+        [
+            AppTrace("train-a", t, {"mem_used_mib": 4000 + 10 * t, "sm_util_pct": np.full(len(t), 60.0)}),
+            AppTrace("infer-b", t, {"mem_used_mib": np.full(len(t), 1500.0), "sm_util_pct": np.full(len(t), 20.0)}),
+        ],
+    )
+    return path
+
+
+def _profiler(env: Env, trace: Path, *extra: str, seconds: float = 3.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "vgpu.cli", "profiler", "--manager", f"unix://{env.sock}", "--replay", str(trace),
+         "--speed", "10", "--seconds", str(seconds), *extra],
+        cwd=ROOT, env=env.env, capture_output=True, text=True, timeout=60, check=False,
+    )
+
+
+def test_profiler_streams_with_its_token_and_the_apps_show_up(env: Env, serves: list[Serve]) -> None:
+    serves.append(Serve(env))
+    device = env.json("available")["devices"][0]["device_id"]
+    trace = _small_trace(env.tmp / "trace.csv")
+
+    # Without the token the daemon refuses the stream; the profiler says why and nothing reaches the ledger.
+    wrong = env.tmp / "wrong.token"
+    wrong.write_text("vgpu1.cHJvZmlsZXI.0000\n")
+    refused = _profiler(env, trace, "--device-id", device, "--token-file", str(wrong), seconds=1.5)
+    assert refused.returncode == 0, refused.stderr
+    assert "manager refused the profiler" in refused.stderr and "UNAUTHENTICATED" in refused.stderr
+    assert any(e.get("event") == "access_denied" and e.get("method") == "/vgpu.v1.Ingest/StreamSignatures"
+               for e in serves[-1].events())
+    assert env.json("apps")["apps"] == []
+
+    token = env.state / "tokens" / "profiler.token"
+    done = _profiler(env, trace, "--device-id", device, "--token-file", str(token))
+    assert done.returncode == 0, done.stderr
+    assert "manager refused" not in done.stderr
+    apps = {a["app_id"]: a for a in env.json("apps")["apps"]}
+    assert set(apps) == {"train-a", "infer-b"}
+    for app in apps.values():
+        assert app["mem_used_mib"] > 0 and app["forecast_mem_p90_mib"] > 0
+        assert [g["device_id"] for g in app["grants"]] == [device]
+        assert app["grants"][0]["source"] == "forecast"
+    # the grants follow usage: the trainer uses more than twice the memory of the inference job
+    assert apps["train-a"]["grants"][0]["memory_mib"] > 2 * apps["infer-b"]["grants"][0]["memory_mib"]
+    assert apps["infer-b"]["grants"][0]["memory_mib"] >= 1500
+    assert serves[-1].term() == 0
+
+
+def test_profiler_without_a_token_file_stops_at_once(env: Env) -> None:
+    trace = _small_trace(env.tmp / "trace.csv")
+    missing = env.tmp / "nope" / "profiler.token"
+    result = _profiler(env, trace, "--token-file", str(missing), seconds=1.0)
+    assert result.returncode == 2
+    assert f"cannot read the token file {missing}" in result.stderr and "--token-file" in result.stderr

@@ -92,3 +92,16 @@ def test_replace_validates() -> None:
     assert cfg.server.dry_run
     with pytest.raises(ConfigError):
         config.replace(Config(), metrics={"port": -1})
+
+
+def test_one_default_socket_everywhere() -> None:
+    """The daemon listens where the client stub, the profiler and the CLI connect by default."""
+    from profiler.main import build_parser as profiler_parser
+    from vgpu import client
+
+    path = Config().server.socket
+    assert path == config.DEFAULT_SOCKET_PATH
+    assert client.DEFAULT_SOCKET == "unix://" + path
+    assert client.grpc_target(client.DEFAULT_SOCKET) == f"unix://{path}"
+    assert profiler_parser("p").parse_args(["--no-token"]).manager == client.DEFAULT_SOCKET
+    assert config.load(SHIPPED, env={}).server.socket == path

@@ -158,9 +158,11 @@ def test_bad_target_is_a_clear_error() -> None:
 class IngestRecorder(ingest_pb2_grpc.IngestServicer):
     def __init__(self) -> None:
         self.batches: list[ingest_pb2.SignatureBatch] = []
+        self.metadata: list[dict[str, str]] = []  # each stream's call metadata
         self.got = asyncio.Event()
 
     async def StreamSignatures(self, request_iterator, context):  # type: ignore[no-untyped-def]  # noqa: N802
+        self.metadata.append({k: v for k, v in context.invocation_metadata() or ()})
         async for batch in request_iterator:
             self.batches.append(batch)
             self.got.set()
@@ -295,16 +297,22 @@ async def test_main_replays_a_trace_to_the_manager(tmp_path: Path) -> None:
     rec = IngestRecorder()
     server = await start_server(sock, rec)
     trace = _small_trace(tmp_path / "t.csv")
+    token_file = tmp_path / "profiler.token"
+    token_file.write_text("vgpu1.cHJvZmlsZXI.abc\n")
     try:
         argv = ["--manager", str(sock), "--replay", str(trace), "--speed", "10", "--seconds", "0.6",
-                "--log-format", "console", "--log-level", "warning"]
+                "--token-file", str(token_file), "--device-id", "GPU-x", "--log-format", "console",
+                "--log-level", "warning"]
         rc = await asyncio.to_thread(profiler_main, argv, "vgpu profiler")
     finally:
         await server.stop(grace=None)
     assert rc == 0
     apps = {s.app_id for b in rec.batches for s in b.signatures}
     assert apps == {"a", "b"}
+    assert {s.device_id for b in rec.batches for s in b.signatures} == {"GPU-x"}
     assert len(rec.seqs()) == 60  # the whole 3 s trace at 10x in 0.6 s
+    # the token goes with the stream as call metadata
+    assert rec.metadata and all(md.get("authorization") == "Bearer vgpu1.cHJvZmlsZXI.abc" for md in rec.metadata)
 
 
 def test_main_rejects_bad_arguments(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -312,10 +320,37 @@ def test_main_rejects_bad_arguments(capsys: pytest.CaptureFixture[str], tmp_path
         profiler_main(["--manager", "nonsense"], "vgpu profiler")
     assert exc.value.code == 2
     assert "host:port" in capsys.readouterr().err
-    rc = profiler_main(["--manager", "/x.sock", "--replay", str(tmp_path / "missing.csv")], "vgpu profiler")
+    rc = profiler_main(["--manager", "/x.sock", "--no-token", "--replay", str(tmp_path / "missing.csv")], "vgpu profiler")
     assert rc == 1 and "no such file" in capsys.readouterr().err
-    rc = profiler_main(["--manager", "/x.sock", "--backend", "bogus"], "vgpu profiler")
+    rc = profiler_main(["--manager", "/x.sock", "--no-token", "--backend", "bogus"], "vgpu profiler")
     assert rc == 1 and "cannot open backend 'bogus'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        profiler_main(["--manager", "/x.sock", "--backend", "sim:h100-80gb", "--device-id", "GPU-x"], "vgpu profiler")
+    assert "--device-id only applies to --replay" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content", [None, "", "   \n"])
+def test_main_without_a_readable_token_stops_with_a_clear_error(
+    content: str | None, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    token_file = tmp_path / "profiler.token"
+    if content is not None:
+        token_file.write_text(content)
+    trace = _small_trace(tmp_path / "t.csv")
+    rc = profiler_main(["--manager", "/x.sock", "--replay", str(trace), "--token-file", str(token_file)], "vgpu profiler")
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert str(token_file) in err and ("cannot read" if content is None else "is empty") in err
+    assert "--no-token" in err
+
+
+def test_the_default_token_file_is_the_daemons_profiler_token() -> None:
+    from profiler.main import build_parser
+    from vgpu import config
+
+    ns = build_parser("vgpu profiler").parse_args([])
+    assert ns.token_file == Path(config.Config().server.state_dir) / "tokens" / "profiler.token"
+    assert ns.manager == "unix://" + config.Config().server.socket
 
 
 async def test_sigterm_stops_the_profiler_gracefully(tmp_path: Path) -> None:
@@ -324,7 +359,8 @@ async def test_sigterm_stops_the_profiler_gracefully(tmp_path: Path) -> None:
     server = await start_server(sock, rec)
     trace = _small_trace(tmp_path / "t.csv")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "vgpu.cli", "profiler", "--manager", f"unix://{sock}", "--replay", str(trace), "--loop"],
+        [sys.executable, "-m", "vgpu.cli", "profiler", "--manager", f"unix://{sock}", "--replay", str(trace), "--loop",
+         "--no-token"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -90,3 +90,15 @@ def test_exec_start_parses_with_our_cli() -> None:
     assert argv[:2] == ["/usr/local/bin/vgpu", "serve"]
     ns = build_parser("vgpu serve").parse_args(argv[2:])
     assert ns.config == Path("/etc/vgpu/vgpu.toml")
+
+
+def test_profiler_exec_start_names_the_daemons_socket_and_token() -> None:
+    from profiler.main import build_parser
+    from vgpu import auth, config
+
+    argv = shlex.split(dict(_settings("vgpu-profiler.service"))["ExecStart"])
+    assert argv[:2] == ["/usr/local/bin/vgpu", "profiler"]
+    ns = build_parser("vgpu profiler").parse_args(argv[2:])
+    assert ns.manager == config.DEFAULT_SOCKET == "unix://" + config.Config().server.socket
+    assert ns.token_file == auth.role_token_file("profiler", config.Config().server.state_dir)
+    assert not ns.no_token

@@ -42,12 +42,14 @@ from typing import Any, Literal, Protocol
 import grpc
 import structlog
 
+from vgpu.config import DEFAULT_STATE_DIR
 from vgpu.log import get_logger
 
 TOKEN_PREFIX = "vgpu1"
 AUTH_METADATA_KEY = "authorization"
 APP_TOKEN_TRAILER = "vgpu-app-token"
 SECRET_BYTES = 32
+TOKEN_DIR_NAME = "tokens"
 
 Role = Literal["operator", "profiler", "app", "anonymous"]
 # What a method needs. "app_request": the request's app_id must be the caller's (or claimable);
@@ -99,6 +101,34 @@ class Principal:
 
 
 ANONYMOUS = Principal("anonymous")
+
+
+def token_dir(state_dir: str | Path) -> Path:
+    """Where the daemon with this state directory keeps its tokens."""
+    return Path(state_dir) / TOKEN_DIR_NAME
+
+
+def role_token_file(role: Literal["operator", "profiler"], state_dir: str | Path | None = None) -> Path:
+    """The token file the daemon writes for a role (default state directory: the daemon's default)."""
+    return token_dir(DEFAULT_STATE_DIR if state_dir is None else state_dir) / f"{role}.token"
+
+
+def app_token_file(app_id: str, state_dir: str | Path) -> Path:
+    """The token file the daemon writes for an application."""
+    return token_dir(state_dir) / "apps" / app_token_filename(app_id)
+
+
+def read_token_file(path: str | Path) -> str:
+    """The token in a file; OSError or ValueError with a message that names the file otherwise."""
+    try:
+        text = Path(path).read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise OSError(f"cannot read the token file {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError:
+        raise ValueError(f"the token file {path} is not text") from None
+    if not text:
+        raise ValueError(f"the token file {path} is empty")
+    return text
 
 
 def _b64(data: bytes) -> str:
@@ -173,7 +203,7 @@ class TokenAuthority:
 
     # --- token files -------------------------------------------------------------------------------
     def role_token_path(self, role: Literal["operator", "profiler"]) -> Path:
-        return self.token_dir / f"{role}.token"
+        return self.token_dir / f"{role}.token"  # = role_token_file(role, <state_dir>)
 
     def app_token_path(self, app_id: str) -> Path:
         return self.token_dir / "apps" / app_token_filename(app_id)

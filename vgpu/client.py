@@ -48,10 +48,11 @@ from typing import Any
 
 import grpc
 
+from vgpu import config
 from vgpu.log import get_logger
 from vgpu.v1 import allocator_pb2, allocator_pb2_grpc
 
-DEFAULT_SOCKET = "unix:///run/vgpu/manager.sock"
+DEFAULT_SOCKET = config.DEFAULT_SOCKET  # the daemon's socket (vgpu/config.py), as a gRPC target
 DEFAULT_INAPP_DIR = Path("/run/vgpu/inapp")
 INAPP_VERSION = 1
 # A file not rewritten for this long is stale (the reporter writes every second by default).
@@ -67,7 +68,7 @@ def grpc_target(address: str) -> str:
     """A gRPC target from `unix:///abs/path`, `unix:rel`, a bare absolute socket path, or `host:port`."""
     address = address.strip()
     if not address:
-        raise ValueError("empty address: give a Unix socket path (unix:///run/vgpu/manager.sock) or host:port")
+        raise ValueError(f"empty address: give a Unix socket path ({DEFAULT_SOCKET}) or host:port")
     if address.startswith("unix:") or address.startswith("unix-abstract:"):
         return address
     if address.startswith("/"):

@@ -19,6 +19,11 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_CONFIG_PATH = Path("/etc/vgpu/vgpu.toml")
+# The one default for the daemon's socket and state directory: the daemon, the profiler, the client
+# stub, the CLI and the systemd units all take them from here.
+DEFAULT_SOCKET_PATH = "/run/vgpu/vgpu.sock"
+DEFAULT_SOCKET = "unix://" + DEFAULT_SOCKET_PATH  # as a gRPC target
+DEFAULT_STATE_DIR = "/var/lib/vgpu"
 
 
 class ConfigError(ValueError):
@@ -28,14 +33,14 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class ServerConfig:
     # Unix domain socket the daemon listens on (parent directory created if missing).
-    socket: str = "/run/vgpu/vgpu.sock"
+    socket: str = DEFAULT_SOCKET_PATH
     # Permission bits of the socket, octal ("0660": owner and group may connect).
     socket_mode: str = "0660"
     # Owner and group of the socket; empty = the daemon's own user / group.
     socket_owner: str = ""
     socket_group: str = ""
     # Ledger, tokens and saved device settings live here (systemd: StateDirectory=vgpu).
-    state_dir: str = "/var/lib/vgpu"
+    state_dir: str = DEFAULT_STATE_DIR
     # "nvml" on a GPU server; "sim:<sku>" (e.g. "sim:h100-80gb") for a simulated device.
     backend: str = "nvml"
     # Optional TCP listener "HOST:PORT"; refused unless tls.cert and tls.key are set.
