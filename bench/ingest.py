@@ -360,6 +360,7 @@ class BatchEncoder:
         self.prefix: list[bytes] = []
         self.blocks: list[list[bytes]] = []
         self.seq = [0] * len(names)
+        self.last_t = [0.0] * len(names)
         for i, name in enumerate(names):
             a = apps[i % len(apps)]
             ident = signature_pb2.BehavioralSignature(app_id=name, pid=10_000 + i, device_id=device_ids[i % len(device_ids)])
@@ -380,6 +381,8 @@ class BatchEncoder:
     def signature(self, i: int, t_s: float) -> bytes:
         self.seq[i] += 1
         seq = self.seq[i]
+        t_s = max(t_s, self.last_t[i] + 1e-6)  # never back in time for one app, however big the batch
+        self.last_t[i] = t_s
         blocks = self.blocks[i]
         return self.prefix[i] + b"\x21" + struct.pack("<d", t_s) + b"\x28" + varint(seq) + blocks[seq % len(blocks)]
 
@@ -389,7 +392,7 @@ class BatchEncoder:
         parts = [head]
         n = 0
         for r in range(per_app):
-            t = now - (per_app - 1 - r) * 1e-4  # strictly increasing per app within and across batches
+            t = now - (per_app - 1 - r) * 1e-4
             for i in app_idx:
                 sig = self.signature(i, t)
                 parts.append(b"\x22" + varint(len(sig)) + sig)
