@@ -426,11 +426,10 @@ async def _max_stream(channel: Any, enc: BatchEncoder, sid: int, app_idx: list[i
             next_t += period
             await asyncio.sleep(max(0.0, next_t - time.monotonic()))
     finally:
-        await call.done_writing()
-        try:
-            await asyncio.wait_for(reader, 5.0)
-        except Exception:  # noqa: BLE001 - closing (a timeout included)
-            reader.cancel()
+        # A backlog left by a rate the manager could not sustain is cut off, not waited for.
+        call.cancel()
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
 
 
 async def _run_max(address: str, mgr: ManagerProcess, device_ids: list[str], rates: Sequence[int], step_s: float,
@@ -449,12 +448,13 @@ async def _run_max(address: str, mgr: ManagerProcess, device_ids: list[str], rat
     async with grpc.aio.insecure_channel(address, options=[("grpc.max_send_message_length", 16 * 1024 * 1024)]) as ch:
         tasks = [asyncio.create_task(_max_stream(ch, enc, s, groups[s], state)) for s in range(streams)]
         for rate in rates:
-            if time.monotonic() - started + step_s > budget_s:
+            settle_s = min(1.0, step_s / 4)
+            if time.monotonic() - started + settle_s + step_s + 0.5 > budget_s:
                 break
             # signatures per app per batch: rate / (10 batches/s * apps)
             state["per_app"] = max(1, round(rate / (10 * n_apps)))
             offered_rate = state["per_app"] * 10 * n_apps
-            await asyncio.sleep(min(1.0, step_s / 4))  # settle into the new rate
+            await asyncio.sleep(settle_s)  # settle into the new rate
             a0, b0, r0 = state["accepted"], state["batches"], state["replies"]
             cpu0, t0 = mgr.cpu_s(), time.monotonic()
             await asyncio.sleep(step_s)
