@@ -8,7 +8,7 @@ unpickling code):
      "state_dict": {name: tensor, ...}}
 
 The metadata holds the `ModelConfig`, the `FeatureSpec` (window, feature names, horizons), the
-calibration of the P90 (a shift per target and horizon, in normalised units), the training data
+calibration (a P90 shift and a P50 dead band per target and horizon, in normalised units), the training data
 (trace files, application counts per split, licences), validation metrics and the git commit.
 A file that is missing, truncated, corrupt, of another format or version, or whose weights do not
 fit its configuration is refused with a `CheckpointError` naming the file and the problem.
@@ -51,6 +51,9 @@ class Metadata:
     features: FeatureSpec
     # P90 shift per target and horizon (normalised units), added to the network's P90
     p90_shift: tuple[tuple[float, ...], ...] = ((0.0,) * 5, (0.0,) * 5)
+    # P50 changes smaller than this (normalised units) are read as "no change", per target and
+    # horizon; chosen on the validation split (see manager.train.choose_deadband)
+    p50_deadband: tuple[tuple[float, ...], ...] = ((0.0,) * 5, (0.0,) * 5)
     training: dict[str, Any] = field(default_factory=dict)
     validation: dict[str, Any] = field(default_factory=dict)
     git_commit: str | None = None
@@ -64,6 +67,7 @@ class Metadata:
                 "config": self.config.to_dict(),
                 "features": self.features.to_dict(),
                 "p90_shift": [list(row) for row in self.p90_shift],
+                "p50_deadband": [list(row) for row in self.p50_deadband],
                 "training": self.training,
                 "validation": self.validation,
                 "git_commit": self.git_commit,
@@ -79,6 +83,10 @@ class Metadata:
             config=ModelConfig.from_dict(data["config"]),
             features=FeatureSpec.from_dict(data["features"]),
             p90_shift=tuple(tuple(float(v) for v in row) for row in data["p90_shift"]),
+            p50_deadband=tuple(
+                tuple(float(v) for v in row)
+                for row in data.get("p50_deadband") or [[0.0] * len(r) for r in data["p90_shift"]]
+            ),
             training=dict(data.get("training") or {}),
             validation=dict(data.get("validation") or {}),
             git_commit=data.get("git_commit"),
@@ -167,9 +175,10 @@ def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu
         raise CheckpointError(path, "config's targets/horizons do not match the feature spec")
     if spec.window_s > cfg.max_len:
         raise CheckpointError(path, f"window {spec.window_s} s exceeds max_len {cfg.max_len}")
-    shift = metadata.p90_shift
-    if len(shift) != cfg.n_targets or any(len(row) != cfg.n_horizons for row in shift):
-        raise CheckpointError(path, "p90_shift does not have one value per target and horizon")
+    for name in ("p90_shift", "p50_deadband"):
+        table = getattr(metadata, name)
+        if len(table) != cfg.n_targets or any(len(row) != cfg.n_horizons for row in table):
+            raise CheckpointError(path, f"{name} does not have one value per target and horizon")
     try:
         model = TransformerBiGRU(cfg)
     except (ValueError, TypeError) as exc:

@@ -2,8 +2,8 @@
 
 `ModelForecaster` turns histories into windows (`manager.features`), runs one batched forward for
 all applications (CUDA when present, else CPU; the caller's `torch.set_num_threads` is respected),
-and turns the normalised outputs back into MiB and %: P50 = last + change, P90 = last + change +
-the calibrated shift, then P90 >= P50 and both clamped to [0, capacity] (the slice's memory where
+and turns the normalised outputs back into MiB and %: P50 = last + change (zero where the change
+is under the calibrated dead band), P90 = last + P90 change + the calibrated shift, then P90 >= P50 and both clamped to [0, capacity] (the slice's memory where
 known, 100 % for compute).
 
 `ReloadingForecaster` watches the checkpoint file (at most every `check_interval_s`), loads a new
@@ -52,6 +52,7 @@ class ModelForecaster:
         self.window_s = meta.features.window_s
         self.horizons_s = tuple(meta.features.horizons_s)
         self._shift = np.asarray(meta.p90_shift, dtype=np.float64)  # (targets, horizons)
+        self._deadband = np.asarray(meta.p50_deadband, dtype=np.float64)
 
     @property
     def path(self) -> str:
@@ -68,7 +69,7 @@ class ModelForecaster:
     def forecast_batch(self, histories: Sequence[AppTrace]) -> list[Forecast]:
         n_h = len(self.horizons_s)
         windows, present = encode_latest(histories, self.window_s)
-        out = self.predict_normalised(windows.x)
+        out = apply_deadband(self.predict_normalised(windows.x), self._deadband)
         scales = windows.scales[:, :, None]  # (N, 2, 1)
         last = windows.last[:, :, None]
         p50 = last + out[..., 0] * scales
@@ -98,6 +99,16 @@ class ModelForecaster:
             )
             row += 1
         return result
+
+
+def apply_deadband(out: np.ndarray, deadband: np.ndarray) -> np.ndarray:
+    """Zero the P50 changes (and move the P90 with them) whose size is under the dead band of
+    their target and horizon: below it, the validation split said "no change" forecasts better."""
+    small = np.abs(out[..., 0]) < deadband[None]
+    adjusted = out.copy()
+    adjusted[..., 1] = np.where(small, out[..., 1] - out[..., 0], out[..., 1])
+    adjusted[..., 0] = np.where(small, 0.0, out[..., 0])
+    return adjusted
 
 
 def load_forecaster(path: str | Path, device: torch.device | str | None = None) -> ModelForecaster:

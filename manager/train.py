@@ -5,7 +5,10 @@
 
 Applications are split by `manager.splits` (by run family, so no application is in two splits);
 training uses the train split, early stopping and the P90 calibration use the validation split, and
-the test split is never read. The recipe defaults to the paper's: Adam, learning rate 0.01 dropping
+the test split is never read. After training, two calibrations are fitted on the validation split
+and stored in the checkpoint: a dead band under which a predicted median change counts as none
+(memory is flat for most seconds, and the network's tiny non-zero changes cost MAE there), and a
+conformal shift of the P90 so that 90 % of validation truths lie at or under it. The recipe defaults to the paper's: Adam, learning rate 0.01 dropping
 to 0.001 after 80 epochs, L2 1e-3 (Adam weight decay), gradient clipping at norm 10, batch 256, at
 most 200 epochs, pinball loss on P50 and P90 of each target and horizon. Early stopping keeps the
 weights of the best validation loss and stops after `--patience` epochs without improvement.
@@ -33,6 +36,7 @@ from manager import splits
 from manager.checkpoint import Metadata, git_commit, save_checkpoint
 from manager.features import FEATURES, N_FEATURES, FeatureSpec, build_grid, encode, targets
 from manager.model import ModelConfig, TransformerBiGRU, pinball_loss
+from manager.predictor import apply_deadband
 from vgpu.traces import AppTrace, TraceFormatError, read_trace
 
 DEFAULT_WINDOW_S = 16
@@ -42,15 +46,23 @@ P90_LEVEL = 0.9
 
 @dataclass(frozen=True)
 class Recipe:
+    """The paper's recipe (Adam, lr 0.01 -> 0.001 after 80 epochs, L2 1e-3, clip 10, batch 256,
+    at most 200 epochs) with two measured changes, see docs/forecasting.md: lr 0.001 -> 0.0001 and no
+    L2. With the paper's lr and L2 the network stays at the last-value forecast on MIGPerf
+    (validation pinball 0.2597-0.2606 for both orders, against 0.2099 with these settings)."""
+
     epochs: int = 200
-    lr: float = 0.01
+    lr: float = 0.001
     lr_drop_epoch: int = 80
-    lr_after_drop: float = 0.001
-    weight_decay: float = 1e-3
+    lr_after_drop: float = 0.0001
+    weight_decay: float = 0.0
     clip_norm: float = 10.0
     batch: int = 256
-    patience: int = 20
+    patience: int = 8
     seed: int = 0
+
+
+PAPER_RECIPE = Recipe(lr=0.01, lr_after_drop=0.001, weight_decay=1e-3, patience=20)
 
 
 @dataclass(frozen=True)
@@ -125,6 +137,28 @@ def _predict(model: TransformerBiGRU, x: np.ndarray, device: torch.device, batch
 def _masked_pinball(pred: np.ndarray, data: Dataset) -> float:
     loss = pinball_loss(torch.from_numpy(pred), torch.from_numpy(data.y), torch.from_numpy(data.mask))
     return float(loss)
+
+
+def choose_deadband(pred: np.ndarray, data: Dataset) -> np.ndarray:
+    """Per target and horizon, the dead band (normalised units) under which a predicted P50 change
+    is read as no change, chosen to minimise the validation MAE among the quantiles of |change|
+    (0 keeps every prediction)."""
+    n_t, n_h = pred.shape[1], pred.shape[2]
+    band = np.zeros((n_t, n_h))
+    for t in range(n_t):
+        for h in range(n_h):
+            m = data.mask[:, t, h]
+            if not m.any():
+                continue
+            change = pred[m, t, h, 0].astype(np.float64)
+            truth = data.y[m, t, h].astype(np.float64)
+            size = np.abs(change)
+            candidates = np.unique(
+                np.concatenate([[0.0], np.quantile(size, np.linspace(0.05, 1.0, 20)) * (1 + 1e-9)])
+            )
+            errs = [np.mean(np.abs(np.where(size < c, 0.0, change) - truth)) for c in candidates]
+            band[t, h] = float(candidates[int(np.argmin(errs))])
+    return band
 
 
 def calibrate_p90(pred: np.ndarray, data: Dataset, level: float = P90_LEVEL) -> np.ndarray:
@@ -260,10 +294,18 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         "--out", required=True, help="checkpoint to write (a .json copy of its metadata is written beside)"
     )
     p.add_argument("--epochs", type=int, default=r.epochs, help=f"most epochs (default {r.epochs})")
-    p.add_argument("--order", choices=("attn_first", "gru_first"), default="attn_first")
+    p.add_argument(
+        "--order",
+        choices=("attn_first", "gru_first"),
+        default="gru_first",
+        help="default gru_first (better on val)",
+    )
     p.add_argument("--seed", type=int, default=r.seed)
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW_S, help="window length in seconds")
     p.add_argument("--stride", type=int, default=1, help="use every K-th origin of each application")
+    p.add_argument(
+        "--paper-recipe", action="store_true", help="lr 0.01 -> 0.001, L2 1e-3, patience 20 (the paper's)"
+    )
     p.add_argument("--lr", type=float, default=r.lr)
     p.add_argument("--lr-drop-epoch", type=int, default=r.lr_drop_epoch)
     p.add_argument("--lr-after-drop", type=float, default=r.lr_after_drop)
@@ -310,6 +352,9 @@ def main(argv: Sequence[str], prog: str = "vgpu train") -> int:
         max_len=max(512, spec.window_s),
         order=args.order,
     )
+    if args.paper_recipe:
+        args.lr, args.lr_after_drop = PAPER_RECIPE.lr, PAPER_RECIPE.lr_after_drop
+        args.weight_decay, args.patience = PAPER_RECIPE.weight_decay, PAPER_RECIPE.patience
     recipe = Recipe(
         epochs=args.epochs,
         lr=args.lr,
@@ -329,13 +374,17 @@ def main(argv: Sequence[str], prog: str = "vgpu train") -> int:
     )
     model, hist = train_model(train, val, config, recipe, device=device, progress=not args.quiet)
     model = model.cpu()
-    pred = _predict(model, val.x, torch.device("cpu"))
+    raw = _predict(model, val.x, torch.device("cpu"))
+    band = choose_deadband(raw, val)
+    pred = apply_deadband(raw, band)
     shift = calibrate_p90(pred, val)
     val_metrics = metrics(pred, shift, val, spec.horizons_s)
+    val_metrics_raw = metrics(raw, calibrate_p90(raw, val), val, spec.horizons_s)
     meta = Metadata(
         config=config,
         features=spec,
         p90_shift=tuple(tuple(float(v) for v in row) for row in shift),
+        p50_deadband=tuple(tuple(float(v) for v in row) for row in band),
         training={
             "command": " ".join(["vgpu", "train", *argv]),
             "trace_files": files,
@@ -352,7 +401,11 @@ def main(argv: Sequence[str], prog: str = "vgpu train") -> int:
             "device": str(device),
             "torch": torch.__version__,
         },
-        validation={"loss": hist["best_val_loss"], "metrics": val_metrics},
+        validation={
+            "loss": hist["best_val_loss"],
+            "metrics": val_metrics,
+            "metrics_without_deadband": val_metrics_raw,
+        },
         git_commit=git_commit(Path(__file__).resolve().parent),
     )
     save_checkpoint(args.out, model, meta)

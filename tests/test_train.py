@@ -58,11 +58,11 @@ def test_cli_trains_and_writes_a_loadable_checkpoint(
     assert summary["epochs_run"] == 2
     ck = load_checkpoint(out)
     meta = ck.metadata
-    assert meta.features.window_s == 8 and meta.config.order == "attn_first"
+    assert meta.features.window_s == 8 and meta.config.order == "gru_first"
     assert meta.training["apps"] == {"train": 5, "val": 2, "test": 2}
     assert meta.training["licences"] == ["test-only"]
     assert meta.training["trace_files"][0]["path"] == str(trace_file)
-    assert meta.training["recipe"]["lr"] == 0.01 and meta.training["recipe"]["batch"] == 256
+    assert meta.training["recipe"]["lr"] == 0.001 and meta.training["recipe"]["batch"] == 256
     assert "mem_used_mib/h5" in meta.validation["metrics"]
     # the test split is never read: the windows come from the train split alone
     train_apps = population(train=5, val=2, test=2, seconds=30)[:5]
@@ -140,3 +140,32 @@ def test_no_validation_apps_is_an_error(tmp_path: Path, capsys: pytest.CaptureFi
     write_trace(path, population(train=3, val=0, test=0, seconds=20))
     assert T.main(["--trace", str(path), "--out", str(tmp_path / "m.pt"), "--quiet"], "vgpu train") == 2
     assert "val splits" in capsys.readouterr().err
+
+
+def test_deadband_zeroes_small_changes_and_never_worsens_validation_mae() -> None:
+    rng = np.random.default_rng(0)
+    n = 400
+    y = np.zeros((n, 2, 5), np.float32)
+    y[:20] = 5.0  # a few real jumps, the rest flat
+    pred = np.zeros((n, 2, 5, 2), np.float32)
+    pred[..., 0] = rng.normal(0, 0.05, (n, 2, 5))  # noise around no change
+    pred[:20, ..., 0] = 4.0
+    pred[..., 1] = pred[..., 0] + 1.0
+    data = T.Dataset(
+        x=np.zeros((n, 4, N_FEATURES), np.float32),
+        y=y,
+        mask=np.ones(y.shape, bool),
+        scales=np.ones((n, 2)),
+        last=np.zeros((n, 2)),
+        caps=np.full((n, 2), np.inf),
+        apps=1,
+    )
+    band = T.choose_deadband(pred, data)
+    assert np.all(band > 0.05) and np.all(band <= 4.0)
+    from manager.predictor import apply_deadband
+
+    out = apply_deadband(pred, band)
+    assert np.all(out[20:, ..., 0] == 0) and np.all(out[:20, ..., 0] == 4.0)
+    assert np.allclose(out[20:, ..., 1] - out[20:, ..., 0], 1.0)  # the P90 moves with the median
+    before = np.abs(pred[..., 0] - y).mean()
+    assert np.abs(out[..., 0] - y).mean() < before
