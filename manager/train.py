@@ -23,7 +23,7 @@ import json
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -139,41 +139,39 @@ def _masked_pinball(pred: np.ndarray, data: Dataset) -> float:
     return float(loss)
 
 
+def _per_cell(pred: np.ndarray, data: Dataset, fit: Callable[[np.ndarray, np.ndarray], float]) -> np.ndarray:
+    """fit(pred (n, 2) of P50/P90, truth (n,)) for each target and horizon with targets; 0 elsewhere."""
+    n_t, n_h = pred.shape[1], pred.shape[2]
+    table = np.zeros((n_t, n_h))
+    for t in range(n_t):
+        for h in range(n_h):
+            m = data.mask[:, t, h]
+            if m.any():
+                table[t, h] = fit(pred[m, t, h].astype(np.float64), data.y[m, t, h].astype(np.float64))
+    return table
+
+
+def _best_deadband(pred: np.ndarray, truth: np.ndarray) -> float:
+    change = pred[:, 0]
+    size = np.abs(change)
+    candidates = np.unique(
+        np.concatenate([[0.0], np.quantile(size, np.linspace(0.05, 1.0, 20)) * (1 + 1e-9)])
+    )
+    errs = [np.mean(np.abs(np.where(size < c, 0.0, change) - truth)) for c in candidates]
+    return float(candidates[int(np.argmin(errs))])
+
+
 def choose_deadband(pred: np.ndarray, data: Dataset) -> np.ndarray:
     """Per target and horizon, the dead band (normalised units) under which a predicted P50 change
     is read as no change, chosen to minimise the validation MAE among the quantiles of |change|
     (0 keeps every prediction)."""
-    n_t, n_h = pred.shape[1], pred.shape[2]
-    band = np.zeros((n_t, n_h))
-    for t in range(n_t):
-        for h in range(n_h):
-            m = data.mask[:, t, h]
-            if not m.any():
-                continue
-            change = pred[m, t, h, 0].astype(np.float64)
-            truth = data.y[m, t, h].astype(np.float64)
-            size = np.abs(change)
-            candidates = np.unique(
-                np.concatenate([[0.0], np.quantile(size, np.linspace(0.05, 1.0, 20)) * (1 + 1e-9)])
-            )
-            errs = [np.mean(np.abs(np.where(size < c, 0.0, change) - truth)) for c in candidates]
-            band[t, h] = float(candidates[int(np.argmin(errs))])
-    return band
+    return _per_cell(pred, data, _best_deadband)
 
 
 def calibrate_p90(pred: np.ndarray, data: Dataset, level: float = P90_LEVEL) -> np.ndarray:
     """Split-conformal shift per target and horizon (normalised units): the smallest s such that at
     least `level` of the validation truths lie at or under P90 + s. Zero where there is no target."""
-    n_t, n_h = pred.shape[1], pred.shape[2]
-    shift = np.zeros((n_t, n_h))
-    for t in range(n_t):
-        for h in range(n_h):
-            m = data.mask[:, t, h]
-            if not m.any():
-                continue
-            resid = data.y[m, t, h].astype(np.float64) - pred[m, t, h, 1]
-            shift[t, h] = float(np.quantile(resid, level, method="inverted_cdf"))
-    return shift
+    return _per_cell(pred, data, lambda p, y: float(np.quantile(y - p[:, 1], level, method="inverted_cdf")))
 
 
 def metrics(pred: np.ndarray, shift: np.ndarray, data: Dataset, horizons_s: Sequence[int]) -> dict[str, Any]:
