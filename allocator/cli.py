@@ -3,6 +3,7 @@
     vgpu available --socket PATH [--device ID] [--json]
     vgpu apps      --socket PATH [--json]
     vgpu request   --socket PATH --app ID --memory-mib N [--sm-pct P] [--device ID] [--priority N] [--pid N] [--json]
+    vgpu request   --socket PATH --app ID --model-type NAME --batch-size N [job flags...]   (cold-start sized)
     vgpu release   --socket PATH --grant ID [--json]
     vgpu set-limit --socket PATH --app ID [--max-memory-mib N] [--max-sm-pct P] [--priority N] [--json]
     vgpu top       --socket PATH [--interval-s 1] [--iterations N]
@@ -271,20 +272,38 @@ def _nonneg(text: str) -> float:
 def request_main(argv: Sequence[str] | None = None, prog: str = "vgpu request", *, out: TextIO | None = None, env: dict[str, str] | None = None) -> int:
     def build(p: argparse.ArgumentParser) -> None:
         p.add_argument("--app", required=True, help="application id")
-        p.add_argument("--memory-mib", type=_nonneg, required=True, help="memory to grant (MiB)")
+        p.add_argument("--memory-mib", type=_nonneg, default=None,
+                       help="memory to grant (MiB); leave out with --model-type to have the cold-start model size the job")
         p.add_argument("--sm-pct", type=_nonneg, default=0.0, help="SM share to grant (%%)")
         p.add_argument("--device", default="", help="device UUID (default: the allocator chooses)")
         p.add_argument("--priority", type=int, default=0)
         p.add_argument("--pid", type=int, default=0, help="process holding the grant (released when it exits)")
         p.add_argument("--json", action="store_true", help="print the grant as JSON")
+        job = p.add_argument_group("job (vgpu.v1.JobConfig), for sizing it before it has a history")
+        job.add_argument("--model-type", default="", help="e.g. resnet50, bert-base")
+        job.add_argument("--batch-size", type=int, default=0)
+        job.add_argument("--param-count", type=int, default=0)
+        job.add_argument("--input-size", type=int, default=0)
+        job.add_argument("--num-layers", type=int, default=0)
+        job.add_argument("--precision", default="", help="fp32 (default), fp16, bf16 or amp")
+        job.add_argument("--optimizer", default="")
+        job.add_argument("--mode", default="", help="train (default) or infer")
 
     def body(ns: argparse.Namespace, c: Client, o: TextIO) -> int:
+        if ns.memory_mib is None and not ns.model_type:
+            raise CliError("give --memory-mib, or describe the job (--model-type, --batch-size, ...) to have it sized")
         req = pb.RequestResourceAllocationRequest(
             request=pb.ResourceRequest(
-                app_id=ns.app, memory_mib=ns.memory_mib, sm_pct=ns.sm_pct, device_id=ns.device,
+                app_id=ns.app, memory_mib=ns.memory_mib or 0.0, sm_pct=ns.sm_pct, device_id=ns.device,
                 priority=ns.priority, pid=ns.pid,
             )
         )
+        if ns.model_type:
+            req.request.job.CopyFrom(pb.JobConfig(
+                model_type=ns.model_type, batch_size=ns.batch_size, param_count=ns.param_count,
+                input_size=ns.input_size, num_layers=ns.num_layers, precision=ns.precision,
+                optimizer=ns.optimizer, mode=ns.mode,
+            ))
         resp, call = c.call("RequestResourceAllocation", req, app_id=ns.app)
         trailers = dict(call.trailing_metadata() or ())
         token = trailers.get(auth.APP_TOKEN_TRAILER)

@@ -28,21 +28,8 @@ from allocator.errors import DeviceError, InvalidRequest, NotSupported, VerifyFa
 from allocator.ledger import AppLimits, DeviceCapacity, Grant, Ledger
 from allocator.plan import BaselinePolicy, DeviceView, GrantTarget, MigTarget, Plan, Policy, Recommendation
 from vgpu.device.base import Backend, Device, GpuInstance, PowerConstraints
+from vgpu.jobs import InvalidJobConfig, JobConfig
 from vgpu.log import get_logger
-
-
-@dataclass(frozen=True)
-class JobSpec:
-    """What a job is, for sizing it before it has history (mirrors vgpu.v1.JobConfig)."""
-
-    model_type: str = ""
-    param_count: int = 0
-    batch_size: int = 0
-    input_size: int = 0
-    num_layers: int = 0
-    precision: str = ""
-    optimizer: str = ""
-    mode: str = ""
 
 
 @dataclass(frozen=True)
@@ -55,7 +42,9 @@ class Sizing:
 class Sizer(Protocol):
     """Cold-start sizing (manager/coldstart.py): a job with no history -> initial grant."""
 
-    def size(self, job: JobSpec, *, mem_total_mib: float) -> Sizing: ...
+    def size(self, job: JobConfig, *, mem_total_mib: float) -> Sizing:
+        """Raises `InvalidJobConfig` when the job says too little to be sized."""
+        ...
 
 
 class MigMechanism(Protocol):
@@ -75,7 +64,7 @@ class AllocationRequest:
     priority: int | None = None
     deadline_s: float = 0.0
     critical: bool = False
-    job: JobSpec | None = None
+    job: JobConfig | None = None
     pid: int = 0
 
 
@@ -259,6 +248,11 @@ class Allocator:
         if self.on_change is not None:
             self.on_change(self.ledger)
 
+    @property
+    def watchers(self) -> int:
+        """Open `watch()` subscriptions."""
+        return len(self._subscriptions)
+
     def watch(self, app_id: str | None = None) -> Subscription:
         """Subscribe to allocation events (every application's, or one's plus device-level events).
         Iterate with `async for`; `close()` it when done. Must be called on the allocator's loop."""
@@ -268,13 +262,22 @@ class Allocator:
 
     # --- application API -------------------------------------------------------------------------
     def request_allocation(self, request: AllocationRequest, *, caller: str | None = None) -> Grant:
-        """Grant what the request asks for, or (memory 0 with a job description and a sizer) what
-        the cold-start sizer says; InsufficientResources when it does not fit (nothing changes)."""
+        """Grant what the request asks for, or (memory 0 with a job description) what the cold-start
+        sizer says; InsufficientResources when it does not fit, InvalidRequest when the job cannot be
+        sized, NotSupported without a sizer (nothing changes in any of these)."""
         memory_mib, sm_pct, source = request.memory_mib, request.sm_pct, "request"
+        if memory_mib == 0 and request.job is not None and self.sizer is None:
+            raise NotSupported("this allocator has no cold-start sizer to size request.job: give request.memory_mib")
         if memory_mib == 0 and request.job is not None and self.sizer is not None:
             total = self._total_for(request.device_id)
-            sizing = self.sizer.size(request.job, mem_total_mib=total)
+            try:
+                request.job.check_sizable()
+                sizing = self.sizer.size(request.job, mem_total_mib=total)
+            except InvalidJobConfig as exc:
+                raise InvalidRequest(f"request.job cannot be sized: {exc}; fix the job or give memory_mib") from exc
             memory_mib, sm_pct, source = sizing.memory_mib, max(sm_pct, sizing.sm_pct), "cold_start"
+            self._log.info("cold_start_sized", app=request.app_id, memory_mib=memory_mib, sm_pct=sm_pct,
+                           reason=sizing.reason)
         grant = self.ledger.grant(
             request.app_id,
             memory_mib,
@@ -561,7 +564,6 @@ __all__ = [
     "Counters",
     "DeviceResources",
     "EventKind",
-    "JobSpec",
     "MigMechanism",
     "Sizer",
     "Sizing",

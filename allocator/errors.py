@@ -27,6 +27,7 @@ from vgpu.device.errors import (
     ResetRequired,
     Uninitialized,
 )
+from vgpu.jobs import InvalidJobConfig
 
 __all__ = [
     "AllocatorError",
@@ -34,11 +35,13 @@ __all__ = [
     "GpuLost",
     "InUse",
     "InsufficientResources",
+    "InvalidJobConfig",
     "InvalidRequest",
     "NoPermission",
     "NotFound",
     "NotSupported",
     "PermissionDenied",
+    "Unavailable",
     "VerifyFailed",
     "status_for",
 ]
@@ -60,9 +63,14 @@ class VerifyFailed(AllocatorError):
     """A device write succeeded but reading the value back gave something else."""
 
 
+class Unavailable(AllocatorError):
+    """Something the call needs is not ready yet (e.g. the cold-start model still loading); retry."""
+
+
 # Checked in order with isinstance, so subclasses must come before their bases.
 _STATUS_MAP: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (InvalidJobConfig, grpc.StatusCode.INVALID_ARGUMENT),
     (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
     (InsufficientResources, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
@@ -75,6 +83,7 @@ _STATUS_MAP: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (DriverNotLoaded, grpc.StatusCode.UNAVAILABLE),
     (LibraryNotFound, grpc.StatusCode.UNAVAILABLE),
     (Uninitialized, grpc.StatusCode.UNAVAILABLE),
+    (Unavailable, grpc.StatusCode.UNAVAILABLE),
     (VerifyFailed, grpc.StatusCode.INTERNAL),
     (DeviceError, grpc.StatusCode.INTERNAL),
 )

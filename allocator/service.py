@@ -27,10 +27,10 @@ from allocator.core import (
     AppInfo,
     DeviceResources,
     EventKind,
-    JobSpec,
 )
 from allocator.errors import InvalidRequest, status_for
 from allocator.ledger import AppLimits, Grant
+from vgpu.jobs import InvalidJobConfig, JobConfig
 from vgpu.log import get_logger
 from vgpu.v1 import allocator_pb2 as pb
 from vgpu.v1 import allocator_pb2_grpc as pb_grpc
@@ -169,9 +169,10 @@ def request_from_pb(msg: pb.ResourceRequest) -> AllocationRequest:
         raise InvalidRequest(f"request.deadline_s must be Unix seconds >= 0 (0: none), got {msg.deadline_s}")
     job = None
     if msg.HasField("job"):
-        j = msg.job
-        job = JobSpec(j.model_type, j.param_count, j.batch_size, j.input_size, j.num_layers, j.precision,
-                      j.optimizer, j.mode)
+        try:
+            job = JobConfig.from_proto(msg.job)
+        except InvalidJobConfig as exc:
+            raise InvalidRequest(f"request.job: {exc}") from exc
     return AllocationRequest(
         app_id=app_id,
         memory_mib=memory,

@@ -26,13 +26,17 @@ import json
 import math
 import pickle
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import structlog
 
+from allocator.core import Sizer, Sizing
+from allocator.errors import NotSupported, Unavailable
 from manager.jobprofiles import (
     ENCODING_VERSION,
     FAMILIES,
@@ -208,15 +212,6 @@ class SizeEstimate:
         return self.grant_mib <= self.capacity_mib
 
 
-@dataclass(frozen=True)
-class Sizing:
-    """What allocator.core's `Sizer` protocol returns (memory_mib, sm_pct, reason)."""
-
-    memory_mib: float
-    sm_pct: float
-    reason: str = ""
-
-
 class ColdStartSizer:
     """Sizes a job from its configuration with the shipped (or an injected) model."""
 
@@ -298,9 +293,9 @@ class ColdStartSizer:
 
 
 class AllocatorSizer:
-    """Adapter to allocator.core's `Sizer` protocol: `size(job_spec, *, mem_total_mib) -> Sizing`.
+    """Adapter to allocator.core's `Sizer` protocol: `size(job, *, mem_total_mib) -> Sizing`.
 
-    The job spec is any object with JobConfig's fields (allocator.core.JobSpec). The grant is the
+    The job is a `JobConfig` (or a `vgpu.v1.JobConfig` message, converted). The grant is the
     prediction plus its margin, trimmed to the device's memory when the prediction alone fits (the
     trim is stated in the reason); a job predicted to need more than the device is granted its
     prediction, and the allocator's capacity check refuses it."""
@@ -308,7 +303,7 @@ class AllocatorSizer:
     def __init__(self, sizer: ColdStartSizer) -> None:
         self.sizer = sizer
 
-    def size(self, job: Any, *, mem_total_mib: float) -> Sizing:
+    def size(self, job: JobConfig | Any, *, mem_total_mib: float) -> Sizing:
         config = job if isinstance(job, JobConfig) else JobConfig.from_proto(job)
         est = self.sizer.size(config, mem_total_mib if mem_total_mib > 0 else None)
         memory = est.grant_mib
@@ -319,6 +314,43 @@ class AllocatorSizer:
         if est.notes:
             reason += "; " + "; ".join(est.notes)
         return Sizing(memory_mib=memory, sm_pct=min(100.0, est.sm_pct + est.sm_margin_pct), reason=reason)
+
+
+class BackgroundSizer:
+    """A `Sizer` whose model loads in a worker thread, so a daemon's start-up does not wait for torch.
+
+    Until `load()` returns, `size` raises `Unavailable` (UNAVAILABLE: retry, or give memory_mib); when
+    it failed, one warning is logged and `size` raises `NotSupported` (FAILED_PRECONDITION) naming why,
+    for the life of the process: the daemon degrades to requests that state their memory."""
+
+    def __init__(self, load: Callable[[], Sizer], logger: structlog.typing.FilteringBoundLogger) -> None:
+        self._log = logger
+        self._done = threading.Event()
+        self._sizer: Sizer | None = None
+        self.error: str | None = None
+        threading.Thread(target=self._load, args=(load,), name="coldstart-load", daemon=True).start()
+
+    def _load(self, load: Callable[[], Sizer]) -> None:
+        try:
+            self._sizer = load()
+            self._log.info("coldstart_sizer_loaded")
+        except Exception as exc:  # noqa: BLE001 - any failure means no cold-start sizing, said once
+            self.error = f"{type(exc).__name__}: {exc}"
+            self._log.warning("coldstart_sizer_unavailable", error=self.error,
+                              consequence="requests without memory_mib are refused")
+        finally:
+            self._done.set()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """True once loading has finished (loaded or failed)."""
+        return self._done.wait(timeout_s)
+
+    def size(self, job: JobConfig, *, mem_total_mib: float) -> Sizing:
+        if not self._done.is_set():
+            raise Unavailable("the cold-start model is still loading (seconds after start): retry, or give memory_mib")
+        if self._sizer is None:
+            raise NotSupported(f"cold-start sizing is unavailable on this daemon ({self.error}): give memory_mib")
+        return self._sizer.size(job, mem_total_mib=mem_total_mib)
 
 
 # --------------------------------------------------------------------------------------------
@@ -373,6 +405,51 @@ def train_sizer(data_root: Path, seed: int = 0, gpumemnet_rows: int | None = Non
     )
 
 
+def _add_size_arguments(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--model-type", required=True, help="e.g. resnet50, bert-base, vit_b_16")
+    s.add_argument("--batch-size", type=int, required=True)
+    s.add_argument("--param-count", type=int, default=0)
+    s.add_argument("--input-size", type=int, default=0)
+    s.add_argument("--num-layers", type=int, default=0)
+    s.add_argument("--precision", default="fp32", help="fp32, fp16, bf16 or amp")
+    s.add_argument("--optimizer", default="")
+    s.add_argument("--mode", default="train", help="train or infer")
+    s.add_argument("--capacity-mib", type=float, default=None,
+                   help=f"memory of the GPU or MIG slice (default: a whole A100-40GB, {DEFAULT_CAPACITY_MIB:.0f} MiB)")
+    s.add_argument("--model", type=Path, default=DEFAULT_ARTEFACT, help="sizer artefact (default: the shipped one)")
+
+
+def _size(args: argparse.Namespace, prog: str, *, as_json: bool) -> int:
+    try:
+        job = JobConfig(args.model_type, args.param_count, args.batch_size, args.input_size, args.num_layers,
+                        args.precision, args.optimizer, args.mode)
+        est = ColdStartSizer.load(args.model).size(job, args.capacity_mib)
+    except (InvalidJobConfig, FileNotFoundError, ValueError) as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    if as_json:
+        print(json.dumps({**est.__dict__, "grant_mib": est.grant_mib, "fits": est.fits}))
+        return 0
+    print(f"{job.model_type} ({est.family}), batch {job.batch_size}, {job.mode_norm}, {job.precision_norm} "
+          f"on {est.capacity_mib:.0f} MiB:")
+    print(f"  peak memory  {est.mem_mib:8.0f} MiB + margin {est.margin_mib:.0f} MiB "
+          f"(p90 relative error {est.margin_rel:.1%}) = grant {est.grant_mib:.0f} MiB"
+          + ("" if est.fits else "  DOES NOT FIT"))
+    print(f"  utilization  {est.sm_pct:8.0f} %   (+ {est.sm_margin_pct:.0f} points)   model {est.model}")
+    for note in est.notes:
+        print(f"  note: {note}")
+    return 0
+
+
+def size_main(argv: Sequence[str] | None = None, prog: str = "vgpu size") -> int:
+    """`vgpu size`: a job's cold-start size from the command line."""
+    parser = argparse.ArgumentParser(prog=prog, description="Size a job before it has a history (the cold-start model).")
+    _add_size_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print the estimate as one JSON object")
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    return _size(args, prog, as_json=args.json)
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "python -m manager.coldstart") -> int:
     parser = argparse.ArgumentParser(prog=prog, description="cold-start sizer: train the model or size a job")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -380,17 +457,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m manager.colds
     t.add_argument("--data", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "data")
     t.add_argument("--out", type=Path, default=DEFAULT_ARTEFACT)
     t.add_argument("--seed", type=int, default=0)
-    s = sub.add_parser("size", help="size one job with the shipped model")
-    s.add_argument("--model-type", required=True)
-    s.add_argument("--batch-size", type=int, required=True)
-    s.add_argument("--param-count", type=int, default=0)
-    s.add_argument("--input-size", type=int, default=0)
-    s.add_argument("--num-layers", type=int, default=0)
-    s.add_argument("--precision", default="fp32")
-    s.add_argument("--optimizer", default="")
-    s.add_argument("--mode", default="train")
-    s.add_argument("--capacity-mib", type=float, default=None)
-    s.add_argument("--model", type=Path, default=DEFAULT_ARTEFACT)
+    _add_size_arguments(sub.add_parser("size", help="size one job with the shipped model (JSON; see `vgpu size`)"))
     args = parser.parse_args(argv)
     if args.cmd == "train":
         if not args.data.is_dir():
@@ -400,14 +467,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m manager.colds
         sizer.save(args.out)
         print(json.dumps({"out": str(args.out), **sizer.metadata}))
         return 0
-    try:
-        job = JobConfig(args.model_type, args.param_count, args.batch_size, args.input_size, args.num_layers, args.precision, args.optimizer, args.mode)
-        est = ColdStartSizer.load(args.model).size(job, args.capacity_mib)
-    except (InvalidJobConfig, FileNotFoundError, ValueError) as exc:
-        print(f"{prog}: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps({**est.__dict__, "grant_mib": est.grant_mib, "fits": est.fits}))
-    return 0
+    return _size(args, prog, as_json=True)
 
 
 if __name__ == "__main__":
@@ -418,9 +478,9 @@ __all__ = [
     "DEFAULT_ARTEFACT",
     "FAMILIES",
     "AllocatorSizer",
+    "BackgroundSizer",
     "ColdStartSizer",
     "SizeEstimate",
-    "Sizing",
     "TreeEnsemble",
     "choose_source",
     "train_sizer",

@@ -12,7 +12,10 @@ Start-up, in order (each step fails loudly with a message that names what to fix
 4. the ledger from the store, reconciled with the device: grants on devices that are gone and
    grants of processes that have exited are released; a power limit or MIG layout that is not the
    original is reported (and put back at the next graceful stop);
-5. tokens (vgpu/auth.py), the Allocator and Ingest servicers behind the access-control
+5. the cold-start sizer (manager/coldstart.py), loading in a worker thread (requests that need it
+   before it is loaded are answered UNAVAILABLE; if it cannot load, one warning, and they are
+   answered FAILED_PRECONDITION);
+   tokens (vgpu/auth.py), the Allocator and Ingest servicers behind the access-control
    interceptor, the Unix socket created owner-only and then given its configured owner, group and
    mode before the server listens; the optional TLS listener; the metrics endpoint;
 6. READY=1 to systemd and a WATCHDOG=1 every third of WatchdogSec while the loop is alive.
@@ -45,12 +48,13 @@ import psutil
 import structlog
 from prometheus_client import CollectorRegistry, start_http_server
 
-from allocator.core import Allocator, device_capacities
+from allocator.core import Allocator, Sizer, device_capacities
 from allocator.errors import NotFound
 from allocator.ledger import Ledger
 from allocator.mig import MigLayoutMechanism
 from allocator.service import AllocatorServicer, Server, build_server
 from allocator.store import DeviceOriginal, MigSlot, Store, StoreError
+from manager.coldstart import AllocatorSizer, BackgroundSizer, ColdStartSizer
 from manager.core import Manager
 from manager.service import IngestServicer
 from vgpu import auth, log
@@ -334,6 +338,11 @@ def _restore_mig(
     return ok
 
 
+def default_sizer() -> Sizer:
+    """The cold-start sizer from its shipped artefact (manager/models/coldstart_randomforest.pt)."""
+    return AllocatorSizer(ColdStartSizer.load())
+
+
 def load_model(path: str) -> Any:
     """The forecaster of `manager.model` (None: the manager's baseline). Imports torch only when set."""
     if not path:
@@ -423,8 +432,10 @@ class Daemon:
         registry: CollectorRegistry | None = None,
         logger: structlog.typing.FilteringBoundLogger | None = None,
         backend: Backend | None = None,
+        load_sizer: Callable[[], Sizer] | None = None,
     ) -> None:
         self.cfg = cfg
+        self._load_sizer = load_sizer or default_sizer
         self.clock = clock
         self.notifier = notifier or SdNotifier()
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -453,8 +464,9 @@ class Daemon:
         ledger, rec = reconcile(self.store, self.backend, clock=self.clock)
         (self.state_dir / "mig").mkdir(mode=0o700, exist_ok=True)
         mig = MigLayoutMechanism(state_dir=self.state_dir / "mig", dry_run=cfg.server.dry_run)
+        self.sizer = BackgroundSizer(self._load_sizer, self.log)
         self.allocator = Allocator(self.backend, clock=self.clock, dry_run=cfg.server.dry_run, ledger=ledger,
-                                   mig=mig, on_change=self._save)
+                                   mig=mig, sizer=self.sizer, on_change=self._save)
         self.manager = Manager(self.allocator, load_model(cfg.manager.model), clock=self.clock)
         self.metrics = DaemonMetrics(self.registry, StateSource(self.allocator, self.manager))
         self._save(ledger)  # the reconciled ledger is what a crash from here on must find

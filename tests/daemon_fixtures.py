@@ -10,23 +10,24 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from allocator.core import Sizer
 from manager.daemon import Daemon, SdNotifier
 from vgpu import config
 
 
-def sim_daemon(tmp_path: Path, **overrides: object) -> Daemon:
+def sim_daemon(tmp_path: Path, *, load_sizer: Callable[[], Sizer] | None = None, **overrides: object) -> Daemon:
     """Not started: `await d.start()`, then `await d.stop("test")`."""
     cfg = config.load(None, env={}, overrides={
         "server.socket": str(tmp_path / "v.sock"), "server.state_dir": str(tmp_path / "state"),
         "server.backend": "sim:h100-80gb", "metrics.port": 0, "server.grace_s": 0.0, **overrides,
     })
-    return Daemon(cfg, notifier=SdNotifier(env={}), registry=CollectorRegistry())
+    return Daemon(cfg, notifier=SdNotifier(env={}), registry=CollectorRegistry(), load_sizer=load_sizer)
 
 
 ROOT = Path(__file__).resolve().parent.parent

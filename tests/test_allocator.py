@@ -13,7 +13,7 @@ import pytest
 from allocator_fakes import FakeBackend, FakeClock, FakeDevice
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from allocator.core import AllocationRequest, Allocator, EventKind, JobSpec, Sizing
+from allocator.core import AllocationRequest, Allocator, EventKind, Sizing
 from allocator.errors import (
     GpuLost,
     InsufficientResources,
@@ -29,6 +29,7 @@ from allocator.errors import (
 from allocator.ledger import AppLimits
 from allocator.plan import Recommendation
 from allocator.service import AllocatorServicer, build_server
+from vgpu.jobs import InvalidJobConfig, JobConfig
 from vgpu.v1 import allocator_pb2 as pb
 from vgpu.v1 import allocator_pb2_grpc as pb_grpc
 
@@ -53,6 +54,7 @@ def make_allocator(**kw: object) -> tuple[Allocator, FakeDevice, FakeClock]:
         (GpuLost("x"), grpc.StatusCode.UNAVAILABLE),
         (NotFound("x"), grpc.StatusCode.NOT_FOUND),
         (InvalidRequest("x"), grpc.StatusCode.INVALID_ARGUMENT),
+        (InvalidJobConfig("x"), grpc.StatusCode.INVALID_ARGUMENT),
         (VerifyFailed("x"), grpc.StatusCode.INTERNAL),
     ],
 )
@@ -84,12 +86,12 @@ def test_request_release_and_available() -> None:
 
 def test_cold_start_sizer_sizes_requests_without_memory() -> None:
     class Sizer:
-        def size(self, job: JobSpec, *, mem_total_mib: float) -> Sizing:
+        def size(self, job: JobConfig, *, mem_total_mib: float) -> Sizing:
             assert mem_total_mib == 81559.0
             return Sizing(1000.0 * job.batch_size, 20.0)
 
     alloc, _, _ = make_allocator(sizer=Sizer())
-    g = alloc.request_allocation(AllocationRequest("a", job=JobSpec(model_type="resnet", batch_size=8)))
+    g = alloc.request_allocation(AllocationRequest("a", job=JobConfig(model_type="resnet", batch_size=8)))
     assert (g.memory_mib, g.sm_pct, g.source) == (8000, 20, "cold_start")
 
 
@@ -246,6 +248,9 @@ async def test_grpc_grant_refuse_release(served: tuple[pb_grpc.AllocatorStub, Al
         (req("a", math.nan), "request.memory_mib must be a finite number"),
         (req("a", 1, 150), "request.sm_pct must be at most 100"),
         (pb.RequestResourceAllocationRequest(), "request is missing"),
+        (pb.RequestResourceAllocationRequest(request=pb.ResourceRequest(
+            app_id="a", job=pb.JobConfig(model_type="bert", batch_size=8, precision="fp8"))),
+         "request.job: unknown precision 'fp8'"),
     ],
 )
 async def test_grpc_input_validation(

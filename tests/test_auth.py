@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import stat
 from collections.abc import AsyncIterator
@@ -265,7 +266,12 @@ async def test_reads_are_open_and_failed_requests_claim_nothing(served: Served) 
 
 async def test_watch_stream_passes_through(served: Served) -> None:
     call = served.stub.WatchAllocations(pb.WatchAllocationsRequest(app_id="w"))
+    # the watch must be registered before the grant, or its event is (rightly) not delivered
+    deadline = asyncio.get_running_loop().time() + 10
+    while not served.allocator.watchers:  # type: ignore[attr-defined]
+        assert asyncio.get_running_loop().time() < deadline, "the watch never reached the allocator"
+        await asyncio.sleep(0.01)
     await _request(served, "w", 5)
-    event = await call.read()
+    event = await asyncio.wait_for(call.read(), 10)
     assert event.kind == pb.AllocationEvent.GRANTED and event.grant.app_id == "w"
     call.cancel()

@@ -181,3 +181,29 @@ async def test_unwritable_token_cache_keeps_the_grant(daemon: Daemon, tmp_path: 
                          "--memory-mib", "3", "--json")
     assert rc == 0 and json.loads(text)["memory_mib"] == 3
     assert "could not save the application token" in capsys.readouterr().err
+
+
+async def test_request_sizes_a_described_job_with_the_cold_start_model(tmp_path: Path) -> None:
+    from allocator.core import Sizing
+    from vgpu.jobs import JobConfig
+
+    class PerSample:
+        def size(self, job: JobConfig, *, mem_total_mib: float) -> Sizing:
+            return Sizing(50.0 * job.batch_size, 10.0, "test")
+
+    d = sim_daemon(tmp_path, load_sizer=PerSample)
+    await d.start()
+    try:
+        assert d.sizer.wait(10)
+        sock = ["--socket", str(d.socket_path)]
+        rc, text = await run(cli.request_main, tmp_path, *sock, "--app", "j", "--model-type", "resnet50",
+                             "--batch-size", "64", "--json")
+        grant = json.loads(text)
+        assert rc == 0 and (grant["memory_mib"], grant["source"]) == (3200, "cold_start")
+        rc, _ = await run(cli.request_main, tmp_path, *sock, "--app", "k", "--model-type", "resnet50")
+        assert rc == 1  # batch size 0: INVALID_ARGUMENT from the daemon, nothing granted
+        rc, _ = await run(cli.request_main, tmp_path, *sock, "--app", "k")
+        assert rc == 1
+        assert [g.app_id for g in d.allocator.ledger.grants()] == ["j"]
+    finally:
+        await d.stop("test")

@@ -140,29 +140,32 @@ def test_shipped_model_is_trained_on_permitted_data_only_and_sizes_a_job() -> No
 
 # ---- the allocator's sizer protocol -------------------------------------------------------------
 def test_allocator_adapter_grants_prediction_plus_margin_and_trims_to_the_device() -> None:
-    from allocator.core import JobSpec
-
     adapter = AllocatorSizer(_tiny_sizer(margin_all=0.5))
-    spec = JobSpec(model_type="resnet50", param_count=25_000_000, batch_size=64, input_size=224, num_layers=50)
+    spec = JobConfig(model_type="resnet50", param_count=25_000_000, batch_size=64, input_size=224, num_layers=50)
     roomy = adapter.size(spec, mem_total_mib=81920.0)
-    est = adapter.sizer.size(JobConfig.from_proto(spec), 81920.0)
+    assert adapter.size(spec.to_proto(), mem_total_mib=81920.0) == roomy  # the proto message is converted
+    est = adapter.sizer.size(spec, 81920.0)
     assert roomy.memory_mib == pytest.approx(est.mem_mib * 1.5) and "cold_start" in roomy.reason
     tight_cap = est.mem_mib * 1.2  # the prediction fits, prediction + margin does not
     tight = adapter.size(spec, mem_total_mib=tight_cap)
     assert tight.memory_mib == pytest.approx(tight_cap) and "trimmed" in tight.reason
     with pytest.raises(InvalidJobConfig):
-        adapter.size(JobSpec(model_type="resnet50"), mem_total_mib=81920.0)  # batch 0: not sizable
+        adapter.size(JobConfig(model_type="resnet50", batch_size=0), mem_total_mib=81920.0)  # not sizable
 
 
 def test_allocator_grants_a_cold_start_size() -> None:
-    from allocator.core import AllocationRequest, Allocator, JobSpec
+    from allocator.core import AllocationRequest, Allocator
+    from allocator.errors import InvalidRequest
     from tests.allocator_fakes import FakeBackend, FakeDevice
 
     alloc = Allocator(FakeBackend([FakeDevice(mem_total_mib=40960.0)]), sizer=AllocatorSizer(_tiny_sizer()))
     grant = alloc.request_allocation(
-        AllocationRequest(app_id="a", memory_mib=0.0, job=JobSpec(model_type="resnet50", batch_size=16, input_size=224))
+        AllocationRequest(app_id="a", memory_mib=0.0, job=JobConfig(model_type="resnet50", batch_size=16, input_size=224))
     )
     assert grant.source == "cold_start" and grant.memory_mib > 0
+    with pytest.raises(InvalidRequest, match="request.job cannot be sized: batch_size must be >= 1"):
+        alloc.request_allocation(AllocationRequest(app_id="b", job=JobConfig(model_type="resnet50", batch_size=0)))
+    assert [g.app_id for g in alloc.ledger.grants()] == ["a"]  # the refusal changed nothing
 
 
 # ---- training and the comparison (need the data) -----------------------------------------------
@@ -188,3 +191,20 @@ def test_comparison_is_deterministic_on_a_subset(shared_data: Path) -> None:
     assert set(a["rows"][0]) == {"model", "target", "mse", "rmse", "mae", "mape", "r2"}
     assert all(r["rmse"] == pytest.approx(math.sqrt(r["mse"]), rel=1e-3) for r in a["rows"])
     json.dumps(a)
+
+
+# ---- `vgpu size` ---------------------------------------------------------------------------------
+def test_vgpu_size_prints_the_shipped_models_estimate(capsys: pytest.CaptureFixture[str]) -> None:
+    from vgpu.cli import main as vgpu_main
+
+    args = ["size", "--model-type", "resnet50", "--batch-size", "64", "--input-size", "224", "--capacity-mib", "40960"]
+    assert vgpu_main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    want = ColdStartSizer.load().size(JobConfig("resnet50", batch_size=64, input_size=224), 40960.0)
+    assert out["grant_mib"] == pytest.approx(want.grant_mib) and out["family"] == "cnn" and out["fits"] is True
+    assert out["grant_mib"] == pytest.approx(out["mem_mib"] + out["margin_mib"])
+    assert vgpu_main(args) == 0
+    text = capsys.readouterr().out
+    assert f"grant {want.grant_mib:.0f} MiB" in text and "resnet50 (cnn)" in text
+    assert vgpu_main(["size", "--model-type", "resnet50", "--batch-size", "0"]) == 2
+    assert "batch_size must be >= 1" in capsys.readouterr().err

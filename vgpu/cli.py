@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "release": ("allocator.cli:release_main", "release a grant"),
     "set-limit": ("allocator.cli:set_limit_main", "set an application's limits (operator)"),
     "top": ("allocator.cli:top_main", "live view of applications and devices"),
+    "size": ("manager.coldstart:size_main", "size a job before it has a history (the cold-start model)"),
     "doctor": ("vgpu.doctor:main", "check driver, NVML, privileges, sockets and the model file"),
     "trace": ("manager.tracecli:main", "convert datasets into the canonical trace format"),
     "train": ("manager.train:main", "train the forecaster on canonical traces"),

@@ -1,0 +1,103 @@
+"""The daemon sizes jobs that give no memory with the cold-start model, over gRPC, under its auth."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+from daemon_fixtures import sim_daemon
+
+from allocator.core import Sizer, Sizing
+from manager.coldstart import AllocatorSizer, ColdStartSizer
+from vgpu.jobs import JobConfig
+from vgpu.v1 import allocator_pb2 as pb
+from vgpu.v1 import allocator_pb2_grpc as pb_grpc
+
+
+def _request(app: str, job: pb.JobConfig, memory_mib: float = 0.0) -> pb.RequestResourceAllocationRequest:
+    return pb.RequestResourceAllocationRequest(request=pb.ResourceRequest(app_id=app, memory_mib=memory_mib, job=job))
+
+
+async def test_a_job_without_memory_is_sized_by_the_cold_start_model(tmp_path: Path) -> None:
+    d = sim_daemon(tmp_path)  # the production loader: the shipped artefact
+    await d.start()
+    try:
+        assert d.sizer.wait(120) and d.sizer.error is None
+        job = pb.JobConfig(model_type="resnet50", batch_size=64, input_size=224, mode="train")
+        async with grpc.aio.insecure_channel(f"unix:{d.socket_path}") as ch:
+            stub = pb_grpc.AllocatorStub(ch)
+            grant = (await stub.RequestResourceAllocation(_request("train-r50", job))).grant
+            total = d.allocator.ledger.capacity(grant.device_id).mem_total_mib
+            want = AllocatorSizer(ColdStartSizer.load()).size(JobConfig.from_proto(job), mem_total_mib=total)
+            assert grant.source == "cold_start"
+            assert grant.memory_mib == pytest.approx(want.memory_mib) and 0 < grant.memory_mib <= total
+            assert grant.sm_pct == pytest.approx(want.sm_pct)
+
+            # A job that cannot be sized is the caller's mistake, said so, and changes nothing.
+            for bad, says in [
+                (pb.JobConfig(model_type="resnet50", batch_size=0), "batch_size must be >= 1"),
+                (pb.JobConfig(model_type="", batch_size=8), "model_type is empty"),
+                (pb.JobConfig(model_type="bert", batch_size=8, precision="fp7"), "unknown precision 'fp7'"),
+            ]:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.RequestResourceAllocation(_request("bad-job", bad))
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+                assert "request.job" in (err.value.details() or "") and says in (err.value.details() or "")
+            # A job with an explicit memory request is granted what it asks.
+            asked = (await stub.RequestResourceAllocation(_request("sized", job, memory_mib=1234))).grant
+            assert (asked.memory_mib, asked.source) == (1234, "request")
+        assert {g.app_id for g in d.allocator.ledger.grants()} == {"train-r50", "sized"}
+    finally:
+        await d.stop("test")
+
+
+class _Broken(Exception):
+    pass
+
+
+async def test_the_daemon_degrades_when_the_sizer_does_not_load(tmp_path: Path) -> None:
+    gate = threading.Event()
+
+    def load() -> Sizer:
+        gate.wait(10)
+        raise _Broken("artefact unreadable")
+
+    d = sim_daemon(tmp_path, load_sizer=load)
+    await d.start()
+    try:
+        job = pb.JobConfig(model_type="resnet50", batch_size=8)
+        async with grpc.aio.insecure_channel(f"unix:{d.socket_path}") as ch:
+            stub = pb_grpc.AllocatorStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as err:  # still loading: retry later
+                await stub.RequestResourceAllocation(_request("early", job))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "still loading" in (err.value.details() or "")
+            gate.set()
+            assert d.sizer.wait(10)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.RequestResourceAllocation(_request("late", job))
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "artefact unreadable" in (err.value.details() or "") and "give memory_mib" in (err.value.details() or "")
+            ok = (await stub.RequestResourceAllocation(_request("explicit", job, memory_mib=512))).grant
+            assert ok.memory_mib == 512  # the daemon still serves requests that state their memory
+        assert d.sizer.error == "_Broken: artefact unreadable"
+    finally:
+        await d.stop("test")
+
+
+async def test_a_loaded_sizer_is_what_the_allocator_asks(tmp_path: Path) -> None:
+    class Fixed:
+        def size(self, job: JobConfig, *, mem_total_mib: float) -> Sizing:
+            return Sizing(100.0 * job.batch_size, 7.0, "fixed")
+
+    d = sim_daemon(tmp_path, load_sizer=Fixed)
+    await d.start()
+    try:
+        assert d.sizer.wait(10)
+        async with grpc.aio.insecure_channel(f"unix:{d.socket_path}") as ch:
+            grant = (await pb_grpc.AllocatorStub(ch).RequestResourceAllocation(
+                _request("x", pb.JobConfig(model_type="mlp", batch_size=30)))).grant
+        assert (grant.memory_mib, grant.sm_pct, grant.source) == (3000, 7, "cold_start")
+    finally:
+        await d.stop("test")
