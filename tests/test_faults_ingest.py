@@ -54,9 +54,13 @@ async def _exchange(address: str, batches: list[ingest_pb2.SignatureBatch]) -> l
         return replies
 
 
-def _raw_call(ch: grpc.aio.Channel) -> grpc.aio.StreamStreamCall:  # type: ignore[type-arg]
-    return ch.stream_stream(METHOD, request_serializer=None,
-                            response_deserializer=ingest_pb2.IngestReply.FromString)()
+async def _send_garbage(ch: grpc.aio.Channel) -> grpc.aio.AioRpcError:
+    """Write bytes that are no SignatureBatch on a raw stream; the error the stream ends with."""
+    call = ch.stream_stream(METHOD, request_serializer=None, response_deserializer=ingest_pb2.IngestReply.FromString)()
+    await call.write(b"\xff\xff\xff\xff garbage")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call.read()
+    return err.value
 
 
 MALFORMED: list[tuple[Callable[[spb.BehavioralSignature], None], str]] = [
@@ -127,12 +131,9 @@ async def test_an_overlong_device_id_is_rejected(ingest: tuple[str, Manager]) ->
 async def test_bytes_that_are_no_signature_batch_end_only_that_stream(ingest: tuple[str, Manager]) -> None:
     address, _ = ingest
     async with grpc.aio.insecure_channel(address) as ch:
-        call = _raw_call(ch)
-        await call.write(b"\xff\xff\xff\xff garbage")
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await call.read()
-        assert err.value.code() != grpc.StatusCode.OK
-        assert "SignatureBatch" in (err.value.details() or "")
+        err = await _send_garbage(ch)
+        assert err.code() != grpc.StatusCode.OK
+        assert "SignatureBatch" in (err.details() or "")
         # the server serves the next stream
         ok = ingest_pb2_grpc.IngestStub(ch).StreamSignatures()
         await ok.write(ingest_pb2.SignatureBatch(tick=1, signatures=[sig("a", 1)]))
@@ -145,11 +146,7 @@ async def test_bytes_that_are_no_signature_batch_end_only_that_stream(ingest: tu
 async def test_bytes_that_are_no_signature_batch_are_invalid_argument(ingest: tuple[str, Manager]) -> None:
     address, _ = ingest
     async with grpc.aio.insecure_channel(address) as ch:
-        call = _raw_call(ch)
-        await call.write(b"\xff\xff\xff\xff garbage")
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await call.read()
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (await _send_garbage(ch)).code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 async def test_an_oversized_batch_gets_a_clean_error_and_the_server_keeps_serving(ingest: tuple[str, Manager]) -> None:

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pynvml
 import pytest
+from fault_helpers import until
 
 from allocator.core import Allocator
 from allocator.plan import Recommendation
@@ -194,9 +194,9 @@ async def test_a_gpu_lost_mid_stream_leaves_the_pipeline_running(tmp_path: Path)
     streamer = SignatureStreamer(sampler, address, period_s=0.02, profiler_id="lost-gpu")
     task = asyncio.create_task(streamer.run())
     try:
-        await _until(lambda: {"app-a", "app-b"} <= set(manager.windows.apps()))
+        await until(lambda: {"app-a", "app-b"} <= set(manager.windows.apps()))
         sim.devices()[1].lose()
-        await _until(lambda: sampler.lost_devices() == [sim.devices()[1].uuid])
+        await until(lambda: sampler.lost_devices() == [sim.devices()[1].uuid])
         b_before = len(manager.windows.window("app-b").samples)
         a_before = len(manager.windows.window("app-a").samples)
         await asyncio.sleep(0.3)
@@ -208,14 +208,6 @@ async def test_a_gpu_lost_mid_stream_leaves_the_pipeline_running(tmp_path: Path)
         await asyncio.wait_for(task, 5.0)
         alloc.stop()
         await server.stop(0)
-
-
-async def _until(pred: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not pred():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
 
 
 def test_nan_never_reaches_a_signature_field() -> None:

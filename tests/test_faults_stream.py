@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from fault_helpers import Link, until
 
-from allocator.service import build_server
 from manager.core import EwmaMarginForecaster, Manager
-from manager.service import IngestServicer
 from profiler.stream import Backoff, SignatureStreamer
 from vgpu.v1 import signature_pb2
 
@@ -50,20 +48,6 @@ def _manager() -> Manager:
     return Manager(None, EwmaMarginForecaster(), forecast_interval_s=0.05, min_samples=2)
 
 
-async def _serve(address: str, manager: Manager):  # type: ignore[no-untyped-def]
-    server = build_server(address, ingest_servicer=IngestServicer(manager))
-    await server.start()
-    return server
-
-
-async def until(pred: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not pred():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.005)
-
-
 def _streamer(source: CountingSource, address: str, **kw: object) -> SignatureStreamer:
     return SignatureStreamer(source, address, period_s=0.02, backoff=Backoff(initial_s=0.02, max_s=0.1),
                              backoff_sleep=lambda dt: asyncio.sleep(dt), connect_timeout_s=0.3,
@@ -71,26 +55,18 @@ def _streamer(source: CountingSource, address: str, **kw: object) -> SignatureSt
 
 
 async def test_an_outage_loses_only_what_overflows_the_buffer_and_counts_it_exactly(tmp_path: Path) -> None:
-    address = f"unix:{tmp_path}/m.sock"
     manager = _manager()
-    server = await _serve(address, manager)
     source = CountingSource("app", per_tick=3)
-    streamer = _streamer(source, address, buffer_max=15, profiler_id="p1")
-    task = asyncio.create_task(streamer.run())
-    try:
+    async with Link(tmp_path, manager, lambda a: [_streamer(source, a, buffer_max=15, profiler_id="p1")]) as link:
+        (streamer,) = link.streamers
         await until(lambda: manager.stats.accepted >= 15)
-        await server.stop(0.2)  # the manager goes away; what it had is answered first
+        await link.stop_server(0.2)  # the manager goes away; what it had is answered first
         await until(lambda: not streamer.connected)
         await until(lambda: streamer.stats.dropped_total >= 30)  # 3 a tick into a buffer of 15
         assert len(streamer.buffer) == 15
-        server = await _serve(address, manager)  # back, with its state (a socket outage)
+        await link.start_server()  # back, with its state (a socket outage)
         await until(lambda: streamer.stats.connects == 2 and not streamer.buffer and streamer.stats.batches_sent > 0)
         await until(lambda: manager.stats.dropped_by_profilers == streamer.stats.dropped_total)
-    finally:
-        streamer.stop()
-        await asyncio.wait_for(task, 5.0)
-        await asyncio.sleep(0.05)
-        await server.stop(0.5)
     got = [s.seq for s in manager.windows.window("app").samples]
     dropped = manager.stats.dropped_by_profilers
     # every signature made is either in the manager or counted as dropped, none twice, none made up
@@ -103,61 +79,47 @@ async def test_an_outage_loses_only_what_overflows_the_buffer_and_counts_it_exac
 
 
 async def test_profilers_reconnect_to_a_restarted_manager_and_carry_on(tmp_path: Path) -> None:
-    address = f"unix:{tmp_path}/m.sock"
     first = _manager()
-    server = await _serve(address, first)
-    sources = [CountingSource(f"app{i}", per_tick=1) for i in range(3)]
     decisions: list[int] = [0, 0, 0]
-    streamers = [
-        _streamer(src, address, buffer_max=1000, profiler_id=f"p{i}",
-                  on_reply=lambda r, i=i: decisions.__setitem__(i, decisions[i] + len(r.decisions)))
-        for i, src in enumerate(sources)
-    ]
-    tasks = [asyncio.create_task(s.run()) for s in streamers]
-    try:
+
+    def streamers(address: str) -> list[SignatureStreamer]:
+        return [
+            _streamer(CountingSource(f"app{i}", per_tick=1), address, buffer_max=1000, profiler_id=f"p{i}",
+                      on_reply=lambda r, i=i: decisions.__setitem__(i, decisions[i] + len(r.decisions)))
+            for i in range(3)
+        ]
+
+    async with Link(tmp_path, first, streamers) as link:
         await until(lambda: all(d > 0 for d in decisions))
-        await server.stop(0.1)  # the daemon restarts: a new manager with empty windows
+        await link.stop_server(0.1)  # the daemon restarts: a new manager with empty windows
         await asyncio.sleep(0.1)
         second = _manager()
         before = list(decisions)
-        server = await _serve(address, second)
+        await link.start_server(second)
         await until(lambda: all(d > b for d, b in zip(decisions, before, strict=True)))
         assert sorted(second.windows.apps()) == ["app0", "app1", "app2"]
-        for i, s in enumerate(streamers):
+        for i, s in enumerate(link.streamers):
             assert s.stats.connects == 2 and s.connected
             last_first = first.windows.window(f"app{i}").latest()
             first_second = second.windows.window(f"app{i}").samples[0]
             assert last_first is not None and first_second.seq > last_first.seq  # numbering goes on
         assert second.stats.rejected == 0 and second.stats.out_of_order == 0
-    finally:
-        for s in streamers:
-            s.stop()
-        await asyncio.wait_for(asyncio.gather(*tasks), 5.0)
-        await server.stop(0)
 
 
 async def test_abrupt_manager_stops_lose_nothing_uncounted(tmp_path: Path) -> None:
     """Servers stopped with no grace while big batches are in flight: every signature is still
     either accepted or reported dropped (a batch is popped from the buffer only once written)."""
-    address = f"unix:{tmp_path}/m.sock"
     manager = _manager()
-    server = await _serve(address, manager)
     source = CountingSource("app", per_tick=200)
-    streamer = _streamer(source, address, buffer_max=100_000, profiler_id="p1")
-    task = asyncio.create_task(streamer.run())
-    try:
+    async with Link(tmp_path, manager, lambda a: [_streamer(source, a, buffer_max=100_000, profiler_id="p1")]) as link:
+        (streamer,) = link.streamers
         await until(lambda: manager.stats.accepted >= 200)
         for _ in range(5):
-            await server.stop(None)  # no grace: in-flight batches are cut off
+            await link.stop_server(None)  # no grace: in-flight batches are cut off
             await asyncio.sleep(0.05)
-            server = await _serve(address, manager)
+            await link.start_server()
             await until(lambda: streamer.connected and not streamer.buffer)
             await asyncio.sleep(0.03)
-    finally:
-        streamer.stop()
-        await asyncio.wait_for(task, 5.0)
-        await asyncio.sleep(0.05)
-        await server.stop(0.5)
     assert manager.stats.out_of_order == 0
     assert manager.stats.accepted + manager.stats.dropped_by_profilers == source.emitted
 
@@ -180,19 +142,10 @@ class OneHugeSource(CountingSource):
                    "the stream with RESOURCE_EXHAUSTED; the batch was already taken off the buffer, so every "
                    "signature in it is lost and not counted in dropped_since_last")
 async def test_an_oversized_signature_costs_only_itself(tmp_path: Path) -> None:
-    address = f"unix:{tmp_path}/m.sock"
     manager = _manager()
-    server = await _serve(address, manager)
     source = OneHugeSource("app", per_tick=3)
-    streamer = _streamer(source, address, buffer_max=1000, profiler_id="p1")
-    task = asyncio.create_task(streamer.run())
-    try:
+    async with Link(tmp_path, manager, lambda a: [_streamer(source, a, buffer_max=1000, profiler_id="p1")]):
         await until(lambda: source.emitted >= 40)
         await asyncio.sleep(0.1)
-    finally:
-        streamer.stop()
-        await asyncio.wait_for(task, 5.0)
-        await asyncio.sleep(0.05)
-        await server.stop(0.5)
     normal = source.emitted - 1
     assert manager.stats.accepted + manager.stats.dropped_by_profilers >= normal
