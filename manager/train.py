@@ -207,47 +207,58 @@ def train_model(
     *,
     device: torch.device | None = None,
     progress: bool = True,
+    max_seconds: float | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> tuple[TransformerBiGRU, dict[str, Any]]:
-    """Train with early stopping on `val`; returns the best model (eval mode) and a history."""
+    """Train with early stopping on `val`; returns the best model (eval mode) and a history.
+    Training also ends after the epoch that passes `max_seconds`, or at Ctrl-C (the best weights so
+    far are kept either way; `stopped` in the history says why)."""
     device = device or torch.device("cpu")
     seed_everything(recipe.seed)
     model = TransformerBiGRU(config).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
     gen = torch.Generator().manual_seed(recipe.seed)
-    x = torch.from_numpy(train.x)
-    y = torch.from_numpy(train.y)
-    mask = torch.from_numpy(train.mask)
+    x, y, mask = torch.from_numpy(train.x), torch.from_numpy(train.y), torch.from_numpy(train.mask)
     best_loss = float("inf")
     best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     best_epoch = 0
     history: list[dict[str, float]] = []
+    started = clock()
+    stopped = "max epochs"
     bar = tqdm(range(recipe.epochs), desc="train", unit="epoch", disable=not progress, file=sys.stderr)
-    for epoch in bar:
-        lr = recipe.lr if epoch < recipe.lr_drop_epoch else recipe.lr_after_drop
-        for group in opt.param_groups:
-            group["lr"] = lr
-        model.train()
-        order = torch.randperm(len(x), generator=gen)
-        total, count = 0.0, 0
-        for i in range(0, len(order), recipe.batch):
-            idx = order[i : i + recipe.batch]
-            xb, yb, mb = x[idx].to(device), y[idx].to(device), mask[idx].to(device)
-            opt.zero_grad(set_to_none=True)
-            loss = pinball_loss(model(xb), yb, mb)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_norm)
-            opt.step()
-            total += float(loss.detach()) * len(idx)
-            count += len(idx)
-        train_loss = total / max(count, 1)
-        val_loss = _masked_pinball(_predict(model, val.x, device), val) if len(val) else train_loss
-        history.append({"epoch": epoch + 1, "lr": lr, "train_loss": train_loss, "val_loss": val_loss})
-        if val_loss < best_loss - 1e-7:
-            best_loss, best_epoch = val_loss, epoch + 1
-            best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        bar.set_postfix(train=f"{train_loss:.4f}", val=f"{val_loss:.4f}", best=best_epoch)
-        if epoch + 1 - best_epoch >= recipe.patience:
-            break
+    try:
+        for epoch in bar:
+            lr = recipe.lr if epoch < recipe.lr_drop_epoch else recipe.lr_after_drop
+            for group in opt.param_groups:
+                group["lr"] = lr
+            model.train()
+            order = torch.randperm(len(x), generator=gen)
+            total, count = 0.0, 0
+            for i in range(0, len(order), recipe.batch):
+                idx = order[i : i + recipe.batch]
+                xb, yb, mb = x[idx].to(device), y[idx].to(device), mask[idx].to(device)
+                opt.zero_grad(set_to_none=True)
+                loss = pinball_loss(model(xb), yb, mb)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_norm)
+                opt.step()
+                total += float(loss.detach()) * len(idx)
+                count += len(idx)
+            train_loss = total / max(count, 1)
+            val_loss = _masked_pinball(_predict(model, val.x, device), val) if len(val) else train_loss
+            history.append({"epoch": epoch + 1, "lr": lr, "train_loss": train_loss, "val_loss": val_loss})
+            if val_loss < best_loss - 1e-7:
+                best_loss, best_epoch = val_loss, epoch + 1
+                best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            bar.set_postfix(train=f"{train_loss:.4f}", val=f"{val_loss:.4f}", best=best_epoch)
+            if epoch + 1 - best_epoch >= recipe.patience:
+                stopped = "early stopping"
+                break
+            if max_seconds is not None and clock() - started >= max_seconds:
+                stopped = "time budget"
+                break
+    except KeyboardInterrupt:
+        stopped = "interrupted"
     bar.close()
     model.load_state_dict(best_state)
     model.eval()
@@ -255,6 +266,7 @@ def train_model(
         "best_epoch": best_epoch,
         "best_val_loss": best_loss,
         "epochs_run": len(history),
+        "stopped": stopped,
         "history": history,
     }
 
@@ -315,6 +327,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         "--licence", action="append", default=[], help="licence of the data (recorded; repeatable)"
     )
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--max-minutes", type=float, default=None, help="stop after the epoch that passes this")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -370,7 +383,10 @@ def main(argv: Sequence[str], prog: str = "vgpu train") -> int:
         f"{val.apps} apps ({len(by_split['test'])} test apps left out), on {device}",
         file=sys.stderr,
     )
-    model, hist = train_model(train, val, config, recipe, device=device, progress=not args.quiet)
+    max_s = args.max_minutes * 60 if args.max_minutes is not None else None
+    model, hist = train_model(
+        train, val, config, recipe, device=device, progress=not args.quiet, max_seconds=max_s
+    )
     model = model.cpu()
     raw = _predict(model, val.x, torch.device("cpu"))
     band = choose_deadband(raw, val)
@@ -395,6 +411,7 @@ def main(argv: Sequence[str], prog: str = "vgpu train") -> int:
             "min_history_s": MIN_HISTORY_S,
             "best_epoch": hist["best_epoch"],
             "epochs_run": hist["epochs_run"],
+            "stopped": hist["stopped"],
             "seconds": round(time.monotonic() - started, 1),
             "device": str(device),
             "torch": torch.__version__,

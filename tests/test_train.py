@@ -169,3 +169,18 @@ def test_deadband_zeroes_small_changes_and_never_worsens_validation_mae() -> Non
     assert np.allclose(out[20:, ..., 1] - out[20:, ..., 0], 1.0)  # the P90 moves with the median
     before = np.abs(pred[..., 0] - y).mean()
     assert np.abs(out[..., 0] - y).mean() < before
+
+
+def test_time_budget_stops_after_the_epoch_that_passes_it() -> None:
+    tr, va = _datasets()
+    ticks = iter(range(0, 10_000, 100))  # each clock read advances 100 s
+    model, hist = T.train_model(
+        tr,
+        va,
+        TINY,
+        T.Recipe(epochs=50, batch=64),
+        progress=False,
+        max_seconds=150,
+        clock=lambda: next(ticks),
+    )
+    assert hist["stopped"] == "time budget" and hist["epochs_run"] == 2
