@@ -14,6 +14,7 @@ safe to call from another thread; `watch()` subscriptions are asyncio objects of
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -226,6 +227,8 @@ class Allocator:
         self._requests: dict[str, AllocationRequest] = {}
         self._stopped = False
         self._warned: set[str] = set()
+        self._mig_parent: dict[str, str] = {}  # MIG instance UUID -> its GPU's UUID
+        self._mig_parent_at_s = -math.inf
 
     # --- events ----------------------------------------------------------------------------------
     def _publish(self, kind: EventKind, *, grant: Grant | None = None, app_id: str = "", device_id: str = "",
@@ -390,21 +393,33 @@ class Allocator:
 
     def _device_state(self, device_id: str) -> DeviceView:
         """The policy's view of a device; fields the device cannot give are None (logged once)."""
+        return self._read_view(device_id)[0]
+
+    def _read_view(self, device_id: str) -> tuple[DeviceView, bool]:
+        """(the device's view, whether it could be read). NotSupported leaves a field None; any
+        other DeviceError (a lost GPU, a driver error) leaves every field None and marks the device
+        unreadable, so a caller acting on it skips it; both are logged once per device."""
         cap = self.ledger.capacity(device_id)
         dev = self._read_device(device_id)
         limit = constraints = None
         mig_enabled, instances = False, ()
+        readable = dev is not None
         if dev is not None:
             try:
-                limit, constraints = dev.power_limit_mw(), dev.power_constraints()
-            except NotSupported as exc:
-                self._warn_once(f"power:{device_id}", "power_unreadable", device=device_id, error=str(exc))
-            try:
-                mig_enabled = dev.mig_enabled()
-                instances = tuple(dev.gpu_instances()) if mig_enabled else ()
-            except NotSupported:
-                mig_enabled, instances = False, ()
-        return DeviceView(
+                try:
+                    limit, constraints = dev.power_limit_mw(), dev.power_constraints()
+                except NotSupported as exc:
+                    self._warn_once(f"power:{device_id}", "power_unreadable", device=device_id, error=str(exc))
+                try:
+                    mig_enabled = dev.mig_enabled()
+                    instances = tuple(dev.gpu_instances()) if mig_enabled else ()
+                except NotSupported:
+                    mig_enabled, instances = False, ()
+            except DeviceError as exc:
+                self._warn_once(f"device:{device_id}", "device_unreadable", device=device_id, error=str(exc))
+                limit = constraints = None
+                mig_enabled, instances, readable = False, (), False
+        view = DeviceView(
             device_id=device_id,
             name=cap.name,
             mem_total_mib=cap.mem_total_mib,
@@ -416,6 +431,28 @@ class Allocator:
             mig_enabled=mig_enabled,
             mig_instances=instances,
         )
+        return view, readable
+
+    def _parent_gpu(self, device_id: str, known: set[str]) -> str | None:
+        """The whole GPU a MIG instance UUID belongs to (the ledger holds whole GPUs; a MIG
+        application reports its instance's UUID), or None when no device has that instance. The
+        map is rebuilt on a miss, at most once a second."""
+        parent = self._mig_parent.get(device_id)
+        if parent is None and self.clock() - self._mig_parent_at_s >= 1.0:
+            self._mig_parent_at_s = self.clock()
+            fresh: dict[str, str] = {}
+            for gpu in sorted(known):
+                dev = self._read_device(gpu)
+                if dev is None:
+                    continue
+                try:
+                    if dev.mig_enabled():
+                        fresh.update((gi.uuid, gpu) for gi in dev.gpu_instances() if gi.uuid)
+                except DeviceError:
+                    continue  # its instances are found at a later miss
+            self._mig_parent = fresh
+            parent = fresh.get(device_id)
+        return parent if parent in known else None
 
     def apply_recommendations(self, recommendations: Sequence[Recommendation]) -> ApplyReport:
         """Carry out the manager's recommendations: the policy plans grant sizes, power limits and
@@ -429,11 +466,21 @@ class Allocator:
         for rec in recommendations:
             self.counters.recommendations += 1
             if rec.device_id not in known:
-                skipped.append(f"{rec.app_id}: unknown device {rec.device_id!r}")
-                continue
+                parent = self._parent_gpu(rec.device_id, known)
+                if parent is None:
+                    skipped.append(f"{rec.app_id}: unknown device {rec.device_id!r}")
+                    continue
+                rec = dataclasses.replace(rec, device_id=parent)  # noqa: PLW2901 - a MIG app, on its GPU
             self._latest[rec.app_id] = rec
             usable.append(rec)
-        views = [self._device_state(d) for d in sorted({r.device_id for r in usable})]
+        views = []
+        for device_id in sorted({r.device_id for r in usable}):
+            view, readable = self._read_view(device_id)
+            if readable:
+                views.append(view)
+                continue
+            skipped.extend(f"{r.app_id}: device {device_id!r} cannot be read" for r in usable if r.device_id == device_id)
+            usable = [r for r in usable if r.device_id != device_id]
         plan: Plan = self.policy.plan(usable, views, self.clock())
         created: list[Grant] = []
         resized: list[Grant] = []

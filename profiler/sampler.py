@@ -37,6 +37,7 @@ from vgpu.v1 import signature_pb2
 
 T = TypeVar("T")
 MIB = 1024 * 1024
+MAX_APP_ID_CHARS = 256  # the manager rejects longer app ids (manager/core.py)
 _DEFAULT_PSUTIL: Any = object()
 
 
@@ -217,7 +218,7 @@ class Sampler:
             )
             sig.device.CopyFrom(counters)
             instance = state.instances.get(info.gpu_instance_id) if info.gpu_instance_id is not None else None
-            if instance is not None:
+            if instance is not None and instance.uuid:  # no UUID read: reported on its GPU
                 sig.device_id = instance.uuid
                 sig.device.mem_total_mib = instance.mem_total_mib
                 used = [p.used_mib for p in state.procs if p.gpu_instance_id == info.gpu_instance_id]
@@ -393,7 +394,11 @@ class Sampler:
 
     def _app_id(self, pid: int, pstate: _ProcState, inapp: InAppReport | None) -> str:
         if pstate.app_id is None and inapp is not None:
-            pstate.app_id = inapp.app_id  # sticky for the life of the process
+            if len(inapp.app_id) <= MAX_APP_ID_CHARS:
+                pstate.app_id = inapp.app_id  # sticky for the life of the process
+            else:
+                self._once(f"pid:{pid}", "inapp_app_id",
+                           f"ignoring an in-app app_id of {len(inapp.app_id)} characters (at most {MAX_APP_ID_CHARS})")
         if pstate.app_id is None and self._app_id_of is not None:
             pstate.app_id = self._app_id_of(pid)
         if pstate.app_id is not None:

@@ -58,19 +58,8 @@ def test_the_mig_sites_are_what_the_sampler_calls_on_a_mig_gpu() -> None:
     assert set(fake.calls) == PER_TICK | set(MIG_SITES)
 
 
-_EMPTY_TABLE = pytest.mark.xfail(strict=True, reason="vgpu/device/nvml.py:204 _profile_table caches the table even "
-                                 "when every profile query failed (NOT_SUPPORTED / INVALID_ARGUMENT are skipped as "
-                                 "'no such profile'): an empty table is kept and the instances never come back")
-_EMPTY_UUID = pytest.mark.xfail(strict=True, reason="profiler/sampler.py:221 sets device_id to the instance's uuid even "
-                                "when it is '' (its MIG device could not be read): the signature then carries an empty "
-                                "device_id and the manager rejects it")
-_KNOWN = {
-    ("nvmlDeviceGetGpuInstanceProfileInfo", "invalid_argument"): _EMPTY_TABLE,
-    ("nvmlDeviceGetGpuInstanceProfileInfo", "not_supported"): _EMPTY_TABLE,
-    ("nvmlDeviceGetMigDeviceHandleByIndex", "invalid_argument"): _EMPTY_UUID,
-}
 _CASES = [
-    pytest.param(f, c, marks=[_KNOWN[(f, c)]] if (f, c) in _KNOWN else [], id=f"{f}-{c}")
+    pytest.param(f, c, id=f"{f}-{c}")
     for f in MIG_SITES
     for c in sorted(CODES)
 ]
@@ -97,9 +86,6 @@ def test_a_mig_read_failing_never_raises_and_the_instance_comes_back(function: s
     assert sig.device_id == mig_uuid
 
 
-@pytest.mark.xfail(strict=True, reason="the ledger knows whole GPUs only (allocator/core.py device_capacities) and "
-                   "apply_recommendations skips any other device id, so a recommendation for an application in a MIG "
-                   "instance (the profiler reports the MIG UUID) is always skipped as 'unknown device'")
 def test_a_mig_applications_recommendation_reaches_the_allocator() -> None:
     sim, _, sampler, clock, _ = _mig_rig()
     alloc = Allocator(sim, clock=clock, dry_run=False)

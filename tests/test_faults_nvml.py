@@ -168,8 +168,6 @@ def _rec(app: str, device: str) -> Recommendation:
     return Recommendation(app, device, memory_mib=2000.0, sm_pct=20.0)
 
 
-@pytest.mark.xfail(strict=True, reason="allocator/core.py _device_state catches only NotSupported on device reads: "
-                   "GpuLost from one lost GPU aborts apply_recommendations for every GPU")
 def test_recommendations_for_a_healthy_gpu_are_applied_while_another_is_lost(
     lost_gpu_allocator: tuple[Allocator, SimBackend],
 ) -> None:

@@ -201,7 +201,8 @@ class NvmlDevice(Device):
                     ),
                 )
             )
-        self._profiles = table
+        if table:  # every query failing leaves nothing worth keeping: ask again next time
+            self._profiles = table
         return table
 
     def gpu_instance_profiles(self) -> Sequence[GpuInstanceProfile]:
