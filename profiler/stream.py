@@ -32,6 +32,9 @@ from vgpu.log import get_logger
 from vgpu.v1 import ingest_pb2, ingest_pb2_grpc, signature_pb2
 
 Sleep = Callable[[float], Awaitable[None]]
+# A batch stays well under the manager's receive limit (gRPC's default, 4 MiB).
+DEFAULT_MAX_BATCH_BYTES = 1024 * 1024
+_FIELD_OVERHEAD_BYTES = 6  # a signature's tag and length prefix inside the batch
 _REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 
@@ -133,14 +136,16 @@ class StreamStats:
     rejected: int = 0
     source_errors: int = 0
     refused: int = 0  # streams the manager refused (no or a bad token)
+    oversized: int = 0  # signatures dropped because one alone is over max_batch_bytes
 
 
 class SignatureStreamer:
     """Pulls `source.sample()` every `period_s` and streams the signatures to the manager at `target`
     (`unix:///run/vgpu/vgpu.sock`, a socket path, or host:port).
 
-    `buffer_max` bounds the signatures held while disconnected; `max_batch` bounds one batch (the rest
-    waits for the next tick). `on_reply` is called with each `IngestReply`. `clock`/`sleep` pace the
+    `buffer_max` bounds the signatures held while disconnected; `max_batch` and `max_batch_bytes` bound
+    one batch (the rest waits for the next tick; one signature alone over the byte budget is dropped and
+    counted in `dropped_total`, `oversized` and the next `dropped_since_last`). `on_reply` is called with each `IngestReply`. `clock`/`sleep` pace the
     ticks, `rng` jitters the backoff, `wall_clock` stamps `sent_at_s`; `channel_factory(target)` makes the
     grpc.aio channel (tests may wrap it). `metadata()` is called at every (re)connect for the stream's call
     metadata (the profiler token: `authorization: Bearer ...`, see vgpu/auth.py); a stream the manager
@@ -157,6 +162,7 @@ class SignatureStreamer:
         profiler_id: str | None = None,
         buffer_max: int = 10_000,
         max_batch: int = 2_000,
+        max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
         backoff: Backoff | None = None,
         connect_timeout_s: float = 2.0,
         write_timeout_s: float = 1.0,
@@ -171,13 +177,14 @@ class SignatureStreamer:
         sample_in_thread: bool = False,
         logger: object = None,
     ) -> None:
-        if buffer_max < 1 or max_batch < 1:
-            raise ValueError("buffer_max and max_batch must be at least 1")
+        if buffer_max < 1 or max_batch < 1 or max_batch_bytes < 1024:
+            raise ValueError("buffer_max and max_batch must be at least 1, max_batch_bytes at least 1024")
         self.source = source
         self.target = grpc_target(target)
         self.profiler_id = profiler_id or f"{socket.gethostname()}:profiler"
         self.buffer_max = buffer_max
         self.max_batch = max_batch
+        self.max_batch_bytes = max_batch_bytes
         self.backoff = backoff or Backoff()
         self._connect_timeout_s = connect_timeout_s
         self._write_timeout_s = write_timeout_s
@@ -262,7 +269,7 @@ class SignatureStreamer:
         call = self._call
         if call is None:
             return
-        n = min(len(self.buffer), self.max_batch)
+        n = self._batch_len()
         batch = ingest_pb2.SignatureBatch(
             profiler_id=self.profiler_id,
             tick=k,
@@ -285,6 +292,29 @@ class SignatureStreamer:
         self._sent_ok = True
         self.stats.batches_sent += 1
         self.stats.signatures_sent += n
+
+    def _batch_len(self) -> int:
+        """How many signatures from the front of the buffer go in the next batch: at most `max_batch`
+        and `max_batch_bytes` serialised (the manager refuses a message over its receive limit, 4 MiB
+        by default, and ends the stream). A signature alone over the byte budget could never be sent:
+        it is dropped and counted like a buffer overflow."""
+        n = size = 0
+        while n < min(len(self.buffer), self.max_batch):
+            b = self.buffer[n].ByteSize() + _FIELD_OVERHEAD_BYTES
+            if b > self.max_batch_bytes:
+                app_id = self.buffer[n].app_id[:64]
+                del self.buffer[n]
+                self.dropped_since_last += 1
+                self.stats.dropped_total += 1
+                self.stats.oversized += 1
+                self._log.warning("dropping a signature too large to send", app_id=app_id,
+                                  bytes=b, max_batch_bytes=self.max_batch_bytes)
+                continue
+            if size + b > self.max_batch_bytes:
+                break
+            size += b
+            n += 1
+        return n
 
     # --- connection ----------------------------------------------------------------------------------
     async def _connection_loop(self) -> None:

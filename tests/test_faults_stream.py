@@ -137,10 +137,6 @@ class OneHugeSource(CountingSource):
         return out
 
 
-@pytest.mark.xfail(strict=True, reason="profiler/stream.py sends a batch however large: one signature over the "
-                   "server's 4 MiB limit (vgpu/client.py read_inapp bounds no app_id length) makes the manager end "
-                   "the stream with RESOURCE_EXHAUSTED; the batch was already taken off the buffer, so every "
-                   "signature in it is lost and not counted in dropped_since_last")
 async def test_an_oversized_signature_costs_only_itself(tmp_path: Path) -> None:
     manager = _manager()
     source = OneHugeSource("app", per_tick=3)
@@ -149,3 +145,15 @@ async def test_an_oversized_signature_costs_only_itself(tmp_path: Path) -> None:
         await asyncio.sleep(0.1)
     normal = source.emitted - 1
     assert manager.stats.accepted + manager.stats.dropped_by_profilers >= normal
+
+
+def test_batches_are_split_to_stay_under_the_byte_budget() -> None:
+    streamer = SignatureStreamer(CountingSource("app", per_tick=1), "unix:/nonexistent.sock", max_batch_bytes=4096)
+    sigs = [signature_pb2.BehavioralSignature(app_id=f"a{i}" + "x" * 900, device_id=GPU, timestamp_s=1.0, seq=1)
+            for i in range(10)]
+    huge = signature_pb2.BehavioralSignature(app_id="h" * 5000, device_id=GPU, timestamp_s=1.0, seq=1)
+    streamer.enqueue([*sigs[:2], huge, *sigs[2:]])
+    n = streamer._batch_len()
+    assert n == 4 and sum(s.ByteSize() for s in list(streamer.buffer)[:n]) <= 4096
+    assert huge not in streamer.buffer and len(streamer.buffer) == 10  # dropped, counted, the rest kept
+    assert (streamer.dropped_since_last, streamer.stats.dropped_total, streamer.stats.oversized) == (1, 1, 1)

@@ -303,6 +303,18 @@ def test_stale_inapp_file_is_ignored(tmp_path: Path) -> None:
     assert not sig.HasField("in_app") and sig.app_id.startswith(f"pid:{os.getpid()}:")
 
 
+def test_an_overlong_inapp_app_id_is_not_used(tmp_path: Path) -> None:
+    import time
+
+    import psutil
+
+    start = psutil.Process().create_time()
+    write_inapp(tmp_path, _report(os.getpid(), time.time(), start, app_id="a" * 5000))
+    sampler, _ = _real_sampler(tmp_path)
+    (sig,) = sampler.sample()
+    assert sig.app_id.startswith(f"pid:{os.getpid()}") and sig.in_app.step == 3  # counters kept, name not
+
+
 def test_inapp_file_of_an_earlier_process_with_the_same_pid_is_ignored(tmp_path: Path) -> None:
     import time
 
