@@ -52,6 +52,13 @@ class Grant:
     updated_at_s: float
     source: str = "request"
     pid: int = 0
+    # when memory_mib last changed (None: never since created); updated_at_s covers any change
+    mem_updated_at_s: float | None = None
+
+    @property
+    def mem_changed_at_s(self) -> float:
+        """When the memory size was last set (creation, or the last resize that changed it)."""
+        return self.created_at_s if self.mem_updated_at_s is None else self.mem_updated_at_s
 
 
 @dataclass(frozen=True)
@@ -316,12 +323,14 @@ class Ledger:
             sm_pct = min(sm_pct, max(sm_room, grant.sm_pct))
         else:
             self._check_fits(grant.app_id, grant.device_id, memory_mib, sm_pct, excluding=grant_id)
+        now = self._clock()
         new = replace(
             grant,
             memory_mib=float(memory_mib),
             sm_pct=float(sm_pct),
-            updated_at_s=self._clock(),
+            updated_at_s=now,
             source=source if source is not None else grant.source,
+            mem_updated_at_s=now if float(memory_mib) != grant.memory_mib else grant.mem_updated_at_s,
         )
         self._grants[grant_id] = new
         return new

@@ -20,7 +20,9 @@ How a target is sized, per application and resource (memory in MiB, compute in S
    growing a grant that the need itself (the usage now, or the forecast before its margin) exceeds:
    hysteresis delays shrinking and margin-sized growth, never a foreseen overrun.
 5. **Contention**: when a device's targets exceed its capacity, the lowest-priority applications
-   shrink first, each never below its guarantee; this shrinking ignores hysteresis.
+   shrink first, each never below its guarantee; this shrinking ignores hysteresis. Memory goes
+   strictly by priority score; SM shares are cut in proportion among applications of the same
+   priority class (the score without its size term), a higher class only after a lower one.
 
 Priority (`priority_score`) combines the explicit priority, criticality, the deadline's urgency
 and size (smaller applications rank higher: shrinking them frees little).
@@ -284,9 +286,12 @@ def priority_score(app: AppState, now_s: float) -> float:
     if app.deadline_s > 0:
         hours_left = max(app.deadline_s - now_s, 0.0) / 3600.0
         score += 20.0 / (1.0 + hours_left)
+    return score - _size_term(app)
+
+
+def _size_term(app: AppState) -> float:
     size_mib = max(app.request_mem_mib, 0.0 if math.isnan(app.used_mem_mib) else app.used_mem_mib)
-    score -= math.log2(1.0 + size_mib / 1024.0)
-    return score
+    return math.log2(1.0 + size_mib / 1024.0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -342,19 +347,35 @@ def _hysteresis(app: AppState, res: Resource, desired: float, reason: str, now_s
 
 
 def _shrink(works: list[_Work], res: Resource, capacity: float, config: PolicyConfig) -> bool:
-    """Shrink lowest priorities first until the targets fit; True if anything had to shrink."""
+    """Shrink until the targets fit, lowest priority first; True if anything had to shrink.
+
+    Memory goes strictly by `priority_score` (size included: the largest shrinks first, since a
+    grant is what an application may fill). SM shares are time slices, so applications of the same
+    priority class (the score without its size term: criticality, explicit priority, deadline) give
+    up SM in proportion to what they hold above their floors, and a higher class only shrinks once a
+    lower one is at its floors; otherwise the smallest application of a crowded GPU keeps all it
+    asked for while every other one is cut to the minimum."""
     excess = sum(w.target[res] for w in works) - capacity
     if excess <= 1e-9:
         return False
-    for w in sorted(works, key=lambda w: (w.score, w.app.app_id)):
-        floor = _floor(w.app, res, config)
-        room = w.target[res] - floor
+    if res == "mem":
+        groups = [[w] for w in sorted(works, key=lambda w: (w.score, w.app.app_id))]
+    else:
+        by_class: dict[float, list[_Work]] = {}
+        for w in works:
+            by_class.setdefault(round(w.score + _size_term(w.app), 9), []).append(w)
+        groups = [by_class[k] for k in sorted(by_class)]
+    for group in groups:
+        rooms = [max(w.target[res] - _floor(w.app, res, config), 0.0) for w in group]
+        room = sum(rooms)
         if room <= 0:
             continue
-        cut = min(room, excess)
-        w.target[res] -= cut
-        w.reason[res] = "contention"
-        excess -= cut
+        frac = min(1.0, excess / room)
+        for w, r in zip(group, rooms, strict=True):
+            if r > 0:
+                w.target[res] -= r * frac
+                w.reason[res] = "contention"
+        excess -= room * frac
         if excess <= 1e-9:
             break
     return True
@@ -440,8 +461,8 @@ class ForecastPolicy:
     guarantee and are left as they are; its most recent other grant (or a new forecast grant)
     carries the rest of the planned size. The recommendation's P90 peaks are the forecast (its
     recommended size where they are unknown), its last usage the usage, the managed grant's
-    `updated_at_s` the last change, and the time since its first grant the history. Power: each
-    device's limit from its planned SM share (allocator/power_policy.py), written only when it moves
+    `mem_changed_at_s` / `updated_at_s` the last memory / SM change, and the time since its first
+    grant the history. Power: each device's limit from its planned SM share (allocator/power_policy.py), written only when it moves
     by at least `power_hysteresis_frac` of the device's range."""
 
     config: PolicyConfig = field(default_factory=PolicyConfig)
@@ -473,7 +494,10 @@ class ForecastPolicy:
             requested[rec.app_id] = (req_mem, req_sm)
             f_mem = rec.mem_p90_peak_mib if math.isfinite(rec.mem_p90_peak_mib) else rec.memory_mib
             f_sm = rec.sm_p90_peak_pct if math.isfinite(rec.sm_p90_peak_pct) else rec.sm_pct
-            changed_at = own.updated_at_s if own is not None else -math.inf
+            # memory and SM keep their own change times: SM shares move with every arrival under
+            # contention, which must not keep restarting the memory grant's dwell
+            mem_changed_at = own.mem_changed_at_s if own is not None else -math.inf
+            sm_changed_at = own.updated_at_s if own is not None else -math.inf
             first = min((g.created_at_s for g in mine), default=now_s)
             states.append(AppState(
                 app_id=rec.app_id, device_id=rec.device_id,
@@ -485,7 +509,7 @@ class ForecastPolicy:
                 forecast_sm_p90_pct=f_sm if math.isfinite(f_sm) else math.nan,
                 history_s=max(now_s - first, 0.0),
                 priority=max((g.priority for g in mine), default=0),
-                last_mem_change_s=changed_at, last_sm_change_s=changed_at,
+                last_mem_change_s=mem_changed_at, last_sm_change_s=sm_changed_at,
             ))
         caps = [DeviceState(v.device_id, v.mem_total_mib, v.sm_total_pct) for v in devices]
         result = plan(states, caps, now_s, self.config)

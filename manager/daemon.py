@@ -52,6 +52,7 @@ from allocator.core import Allocator, Sizer, device_capacities
 from allocator.errors import NotFound
 from allocator.ledger import Ledger
 from allocator.mig import MigLayoutMechanism
+from allocator.policy import ForecastPolicy
 from allocator.service import AllocatorServicer, Server, build_server
 from allocator.store import DeviceOriginal, MigSlot, Store, StoreError
 from manager.coldstart import AllocatorSizer, BackgroundSizer, ColdStartSizer
@@ -466,7 +467,7 @@ class Daemon:
         mig = MigLayoutMechanism(state_dir=self.state_dir / "mig", dry_run=cfg.server.dry_run)
         self.sizer = BackgroundSizer(self._load_sizer, self.log)
         self.allocator = Allocator(self.backend, clock=self.clock, dry_run=cfg.server.dry_run, ledger=ledger,
-                                   mig=mig, sizer=self.sizer, on_change=self._save)
+                                   mig=mig, sizer=self.sizer, policy=ForecastPolicy(), on_change=self._save)
         self.manager = Manager(self.allocator, load_model(cfg.manager.model), clock=self.clock)
         self.metrics = DaemonMetrics(self.registry, StateSource(self.allocator, self.manager))
         self._save(ledger)  # the reconciled ledger is what a crash from here on must find

@@ -32,6 +32,7 @@ from typing import TextIO
 import numpy as np
 
 from allocator.core import Allocator
+from allocator.policy import ForecastPolicy
 from allocator.service import AllocatorServicer, build_server
 from manager.core import Manager, default_baseline
 from manager.forecast import Forecaster
@@ -200,7 +201,7 @@ async def run_demo(
     start_limit = device.power_limit_mw()
     min_limit = start_limit
 
-    allocator = Allocator(backend, dry_run=False)
+    allocator = Allocator(backend, dry_run=False, policy=ForecastPolicy())
     manager = Manager(allocator, forecaster)
     with tempfile.TemporaryDirectory(prefix="vgpu-demo-") as tmp:
         address = f"unix:{tmp}/vgpu.sock"

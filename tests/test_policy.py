@@ -109,6 +109,26 @@ def test_lower_priority_shrinks_first_and_never_below_its_guarantee() -> None:
     assert sum(t.mem_mib for t in p.targets) == pytest.approx(35_000)
 
 
+def test_sm_is_shared_in_proportion_within_a_priority_class() -> None:
+    # one small and two large applications of equal priority, each wanting most of the GPU's SM
+    small = app("small", used_mem_mib=2_000, forecast_mem_p90_mib=2_000, forecast_sm_p90_pct=70 / 1.1)
+    big1 = app("big1", used_mem_mib=15_000, forecast_mem_p90_mib=15_000, forecast_sm_p90_pct=90 / 1.1)
+    big2 = app("big2", used_mem_mib=15_000, forecast_mem_p90_mib=15_000, forecast_sm_p90_pct=90 / 1.1)
+    p = plan([small, big1, big2], [DEV], 0.0, CFG)
+    sm = {t.app_id: t.sm_pct for t in p.targets}
+    assert sum(sm.values()) == pytest.approx(100)
+    # each keeps the same fraction of what it wanted above the 5 % minimum: nobody is cut to the floor
+    scale = (100 - 15) / (65 + 85 + 85)
+    assert sm["small"] == pytest.approx(5 + 65 * scale) and sm["big1"] == pytest.approx(5 + 85 * scale)
+    assert sm["big1"] == pytest.approx(sm["big2"]) and all(t.reason_sm == "contention" for t in p.targets)
+    assert p.devices[0].contended_sm
+    # a higher class is cut only once the lower one is at its floor
+    vip = app("vip", priority=1, used_mem_mib=15_000, forecast_mem_p90_mib=15_000, forecast_sm_p90_pct=90 / 1.1)
+    p = plan([small, big1, vip], [DEV], 0.0, CFG)
+    sm = {t.app_id: t.sm_pct for t in p.targets}
+    assert sm["small"] == pytest.approx(5) and sm["big1"] == pytest.approx(5) and sm["vip"] == pytest.approx(90)
+
+
 def test_guarantees_beyond_capacity_are_kept_and_flagged() -> None:
     dev = DeviceState("gpu0", mem_total_mib=20_000)
     a = app("a", request_mem_mib=15_000)
@@ -211,3 +231,34 @@ def test_forecast_policy_drives_the_allocator_on_the_simulator() -> None:
     assert sum(g.memory_mib for g in alloc.ledger.grants(app_id="a")) == pytest.approx(10_240)
     alloc.stop()
     assert dev.power_limit_mw() == 700_000
+
+
+def test_sm_changes_do_not_restart_the_memory_dwell() -> None:
+    """Under contention SM shares move at every arrival; the memory grant must still shrink once its own
+    dwell has passed (the allocator's ledger keeps a memory change time apart from any change)."""
+    from allocator.core import Allocator
+    from allocator.plan import Recommendation
+    from allocator.policy import ForecastPolicy
+    from vgpu.device.sim import ManualClock, SimBackend
+
+    clock = ManualClock(1000.0)
+    backend = SimBackend(["h100-80gb"], clock=clock)
+    uuid = backend.devices()[0].uuid
+    alloc = Allocator(backend, clock=clock, dry_run=False, policy=ForecastPolicy(PolicyConfig(confidence_multiplier=0)))
+
+    def rec(mem: float, sm: float) -> Recommendation:
+        return Recommendation("a", uuid, mem, sm, mem_p90_peak_mib=mem, sm_p90_peak_pct=sm, mem_used_mib=mem, sm_util_pct=sm)
+
+    alloc.apply_recommendations([rec(20_000, 30)])
+    (g,) = alloc.ledger.grants()
+    assert g.memory_mib == pytest.approx(22_000) and g.mem_changed_at_s == 1000.0
+    sm_changes = []
+    for t in range(1, 12):  # the SM need keeps growing (overruns resize at once), the memory need has halved
+        clock.advance(1.0)
+        alloc.apply_recommendations([rec(10_000, 30 + 3 * t)])
+        (g,) = alloc.ledger.grants()
+        if g.updated_at_s == clock():
+            sm_changes.append(clock())
+        assert g.memory_mib == pytest.approx(22_000 if clock() < 1010 else 11_000)  # dwell 10 s from 1000
+    assert len(sm_changes) >= 4 and min(sm_changes) < 1005
+    assert g.mem_changed_at_s == 1010.0
