@@ -87,9 +87,9 @@ class TimedManager(Manager):
         self.tick_ms: list[float] = []
         self._tick_started = 0.0
 
-    def _begin_tick(self) -> list[tuple[str, str, int, AppTrace, float, float]]:
+    def _begin_tick(self, apps: Sequence[str]) -> list[tuple[str, str, int, AppTrace, float, float]]:
         self._tick_started = time.perf_counter()
-        return super()._begin_tick()
+        return super()._begin_tick(apps)
 
     def _act(self, decisions: list[Decision]) -> None:
         super()._act(decisions)

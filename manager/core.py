@@ -1,18 +1,29 @@
-"""The `Manager`: signatures in, windows, one batched forecast per tick, decisions out.
+"""The `Manager`: signatures in, windows, batched forecasts soon after arrival, decisions out.
 
-Each ingested `SignatureBatch` is validated signature by signature (a malformed one is rejected
-with a reason, the rest of the batch and the stream go on) and added to the per-application
-windows (manager/window.py). At most once per `forecast_interval_s` a forecast tick runs: one
-`forecast_batch` call for every application with enough samples, each forecast becomes a `Decision`
-(recommended memory = the peak P90 over the horizons plus `mem_margin`, recommended SM = the peak
-P90), and the decisions go to the allocator in-process (`Allocator.apply_recommendations`).
-Applications silent for long are evicted and their forecast grants released.
+Each ingested `SignatureBatch` is read signature by signature in one pass (`parse_signature`:
+validated and turned into the window's values together; a malformed one is rejected with a reason,
+an out-of-order one is rejected as such, the rest of the batch and the stream go on) and added to
+the per-application windows (manager/window.py, numpy ring buffers).
 
-A forecaster that raises is logged and the fallback (the plain baseline) serves that tick.
+Deciding. An application whose window got new samples is *due* for a forecast when it has at least
+`min_samples` samples and its last forecast is `forecast_interval_s` old or more (the per-app rate
+bound; the daemon's default is 1 s). The due applications of every batch that arrives within
+`batch_window_s` (a few ms) are forecast together: one `forecast_batch` call over their windows, run
+in a worker thread, and the reply to each of those batches waits for it and carries its decisions.
+So a decision follows its signature by the batching window plus one forecast, not by up to a whole
+forecast tick, while the forecasting work stays bounded at one forecast per application per
+`forecast_interval_s` (a shorter interval buys fresher decisions with proportionally more CPU).
+Each forecast becomes a `Decision` (recommended memory = the peak P90 over the horizons plus
+`mem_margin`, recommended SM = the peak P90), and the decisions go to the allocator in-process
+(`Allocator.apply_recommendations`). Applications silent for long are evicted and their forecast
+grants released.
+
+A forecaster that raises is logged and the fallback (the plain baseline) serves that batch.
 
 Concurrency: like the allocator, the manager lives on the daemon's one asyncio loop; `ingest` and
-`ingest_async` are called there. `ingest_async` runs the forecast itself in a worker thread on an
-immutable snapshot of the windows (at most one at a time), so a slow model never stalls other RPCs.
+`ingest_async` are called there. The windows are copied on the loop (a slice copy per application);
+the forecast runs in a worker thread (at most one at a time), so a slow model never stalls other RPCs.
+`ingest` (no loop) forecasts the due applications of its batch at once, on the calling thread.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -29,13 +41,14 @@ import structlog
 from allocator.core import Allocator
 from allocator.plan import Recommendation
 from manager.forecast import HORIZONS_S, Forecast, Forecaster
-from manager.window import WindowStore, sample_from_signature
+from manager.window import WindowStore
 from vgpu.log import get_logger
-from vgpu.traces import AppTrace, one_second_grid
+from vgpu.traces import NUMERIC, AppTrace, one_second_grid
 from vgpu.v1 import ingest_pb2, signature_pb2
 
 _PCT_FIELDS = {"sm_util_pct", "mem_bw_util_pct"}
 _MAX_APP_ID = 256
+_MAX_DEVICE_ID = 256
 
 
 class EwmaMarginForecaster:
@@ -133,32 +146,86 @@ def _z(x: float) -> float:
     return x if math.isfinite(x) else 0.0
 
 
+_COL = {name: k for k, name in enumerate(NUMERIC)}
+_MEM = _COL["mem_used_mib"]
+
+
+def _field_specs() -> dict[object, tuple[str, int, float, bool]]:
+    """Each counter field: (where, window column or -1, scale, is a percentage). Keyed by descriptor."""
+    sig = signature_pb2.BehavioralSignature.DESCRIPTOR
+    to_col = {
+        ("device", "mem_total_mib"): ("mem_total_mib", 1.0),
+        ("device", "power_mw"): ("power_w", 1e-3),
+        ("device", "power_limit_mw"): ("power_limit_w", 1e-3),
+        ("device", "mem_bw_util_pct"): ("mem_util_pct", 1.0),
+        ("device", "sm_clock_mhz"): ("sm_clock_mhz", 1.0),
+        ("device", "pcie_tx_kbps"): ("pcie_tx_kbps", 1.0),
+        ("device", "pcie_rx_kbps"): ("pcie_rx_kbps", 1.0),
+        ("process", "gpu_mem_used_mib"): ("mem_used_mib", 1.0),
+        ("process", "sm_util_pct"): ("sm_util_pct", 1.0),
+    }
+    out: dict[object, tuple[str, int, float, bool]] = {}
+    for part in ("device", "process", "host", "in_app"):
+        for fd in sig.fields_by_name[part].message_type.fields:
+            col, scale = to_col.get((part, fd.name), ("", 1.0))
+            out[fd] = (f"{part}.{fd.name}", _COL[col] if col else -1, scale, fd.name in _PCT_FIELDS)
+    return out
+
+
+_SPECS = _field_specs()
+_INAPP_RESERVED = signature_pb2.InAppCounters.DESCRIPTOR.fields_by_name["torch_reserved_mib"]
+_NAN_ROW = [math.nan] * len(NUMERIC)
+
+
+def parse_signature(sig: signature_pb2.BehavioralSignature) -> tuple[str | None, list[float]]:
+    """(why the signature is unusable or None, its window values indexed like vgpu.traces.NUMERIC,
+    NaN where unset). One pass over the set fields: validation and extraction together.
+
+    What a signature contributes: mem_used_mib = process.gpu_mem_used_mib, else
+    in_app.torch_reserved_mib; sm_util_pct = process.sm_util_pct; the device columns from the device
+    fields (power in W from mW)."""
+    app_id = sig.app_id
+    if not app_id.strip():
+        return "app_id is empty", _NAN_ROW
+    if len(app_id) > _MAX_APP_ID:
+        return f"app_id is {len(app_id)} characters long; at most {_MAX_APP_ID} are allowed", _NAN_ROW
+    device_id = sig.device_id
+    if not device_id:
+        return "device_id is empty: give the GPU or MIG UUID the application runs on", _NAN_ROW
+    if len(device_id) > _MAX_DEVICE_ID:
+        return f"device_id is {len(device_id)} characters long; at most {_MAX_DEVICE_ID} are allowed", _NAN_ROW
+    if sig.seq == 0:
+        return "seq is 0: sequence numbers start at 1", _NAN_ROW
+    t = sig.timestamp_s
+    if not (0 < t < math.inf):
+        return f"timestamp_s must be Unix seconds > 0, got {t}", _NAN_ROW
+    values = _NAN_ROW.copy()
+    reserved = math.nan
+    specs = _SPECS
+    for part_fd, part in sig.ListFields():
+        if part_fd.message_type is None:
+            continue
+        for fd, value in part.ListFields():
+            where, col, scale, pct = specs[fd]
+            if value.__class__ is float:
+                if not (0.0 <= value < math.inf):
+                    if value != value or value in (math.inf, -math.inf):
+                        return f"{where} is not a finite number ({value})", _NAN_ROW
+                    return f"{where} is negative ({value:g})", _NAN_ROW
+                if pct and value > 100.0:
+                    return f"{where} is outside 0-100 ({value:g})", _NAN_ROW
+                if fd is _INAPP_RESERVED:
+                    reserved = value
+            if col >= 0:
+                values[col] = value * scale
+    if values[_MEM] != values[_MEM]:
+        values[_MEM] = reserved
+    return None, values
+
+
 def validate_signature(sig: signature_pb2.BehavioralSignature) -> str | None:
     """Why a signature is unusable, or None when it is fine."""
-    if not sig.app_id.strip():
-        return "app_id is empty"
-    if len(sig.app_id) > _MAX_APP_ID:
-        return f"app_id is {len(sig.app_id)} characters long; at most {_MAX_APP_ID} are allowed"
-    if not sig.device_id:
-        return "device_id is empty: give the GPU or MIG UUID the application runs on"
-    if sig.seq == 0:
-        return "seq is 0: sequence numbers start at 1"
-    if not math.isfinite(sig.timestamp_s) or sig.timestamp_s <= 0:
-        return f"timestamp_s must be Unix seconds > 0, got {sig.timestamp_s}"
-    for part in ("device", "process", "host", "in_app"):
-        if not sig.HasField(part):
-            continue
-        for fd, value in getattr(sig, part).ListFields():
-            if not isinstance(value, float):
-                continue
-            where = f"{part}.{fd.name}"
-            if not math.isfinite(value):
-                return f"{where} is not a finite number ({value})"
-            if value < 0:
-                return f"{where} is negative ({value:g})"
-            if fd.name in _PCT_FIELDS and value > 100.0:
-                return f"{where} is outside 0-100 ({value:g})"
-    return None
+    return parse_signature(sig)[0]
 
 
 @dataclass
@@ -176,13 +243,16 @@ class ManagerStats:
     forecast_s_total: float = 0.0
 
 
-@dataclass
+@dataclass(eq=False)
 class StreamState:
     """One profiler stream: which applications it sent, which decisions it has been given."""
 
     peer: str = ""
     apps: set[str] = field(default_factory=set)
     delivered: int = 0
+
+
+Item = tuple[str, str, int, AppTrace, float, float]  # app, device, seq, window, mem used, SM used
 
 
 class Manager:
@@ -197,24 +267,32 @@ class Manager:
         clock: Callable[[], float] = time.time,
         windows: WindowStore | None = None,
         forecast_interval_s: float = 1.0,
+        batch_window_s: float = 0.004,
         min_samples: int = 3,
         mem_margin: float = 0.10,
         logger: structlog.typing.FilteringBoundLogger | None = None,
     ) -> None:
+        if forecast_interval_s < 0 or batch_window_s < 0:
+            raise ValueError("forecast_interval_s and batch_window_s must be >= 0")
         self.allocator = allocator
         self.fallback = fallback if fallback is not None else default_baseline()
         self.forecaster = forecaster if forecaster is not None else self.fallback
         self.clock = clock
         self.windows = windows if windows is not None else WindowStore()
         self.forecast_interval_s = forecast_interval_s
+        self.batch_window_s = batch_window_s
         self.min_samples = min_samples
         self.mem_margin = mem_margin
         self.stats = ManagerStats()
         self.latest: dict[str, Decision] = {}
         self._serial: dict[str, int] = {}  # app -> serial of its latest decision
         self._next_serial = 0
-        self._last_tick_s = -math.inf
-        self._forecasting = False
+        self._last_forecast_s: dict[str, float] = {}  # app -> when its window was last taken to forecast
+        self._dirty: set[str] = set()  # apps with samples not yet forecast
+        self._pending: set[str] = set()  # due apps waiting for the next batched forecast
+        self._pending_done: asyncio.Future[None] | None = None
+        self._runner: asyncio.Task[None] | None = None
+        self._streams: weakref.WeakSet[StreamState] = weakref.WeakSet()
         self._delivered_plain = 0  # decisions handed out to callers without stream state
         self._log = logger or get_logger("vgpu.manager")
 
@@ -228,56 +306,100 @@ class Manager:
         """Validate and window a batch; the reply has the counts and rejections, no decisions yet."""
         now = self.clock()
         reply = ingest_pb2.IngestReply(tick=batch.tick)
-        self.stats.batches += 1
-        self.stats.dropped_by_profilers += batch.dropped_since_last
-        for i, sig in enumerate(batch.signatures):
-            self.stats.signatures += 1
-            reason = validate_signature(sig)
+        stats = self.stats
+        stats.batches += 1
+        stats.dropped_by_profilers += batch.dropped_since_last
+        gone = self.windows.evict_idle(now)
+        if gone:
+            self._forget(gone)
+        add = self.windows.add_row
+        dirty = self._dirty
+        apps = stream.apps if stream is not None else None
+        if stream is not None:
+            self._streams.add(stream)
+        accepted = 0
+        sigs = batch.signatures
+        stats.signatures += len(sigs)
+        for i, sig in enumerate(sigs):
+            reason, values = parse_signature(sig)
             if reason is not None:
-                self.stats.rejected += 1
+                stats.rejected += 1
                 reply.rejected.add(index=i, app_id=sig.app_id[:_MAX_APP_ID], reason=reason)
                 continue
-            kept, evicted = self.windows.add(sample_from_signature(sig), now)
-            self._forget(evicted)
+            app_id = sig.app_id
+            kept, evicted = add(app_id, sig.device_id, sig.seq, sig.timestamp_s, values, now)
+            if evicted:
+                self._forget(evicted)
             if kept:
-                reply.accepted += 1
-                self.stats.accepted += 1
-                if stream is not None:
-                    stream.apps.add(sig.app_id)
+                accepted += 1
+                dirty.add(app_id)
+                if apps is not None:
+                    apps.add(app_id)
             else:
-                self.stats.out_of_order += 1
+                stats.out_of_order += 1
+                win = self.windows.window(app_id)
+                reply.rejected.add(index=i, app_id=app_id, reason=(
+                    f"out of order: seq {sig.seq} at {sig.timestamp_s:.6f} s after seq {win.last_seq} "
+                    f"at {win.last_t_s:.6f} s"))
+        reply.accepted = accepted
+        stats.accepted += accepted
         return reply
 
-    def forecast_due(self) -> bool:
-        return not self._forecasting and self.clock() - self._last_tick_s >= self.forecast_interval_s
+    def due_apps(self) -> list[str]:
+        """Applications with new samples, enough of them, and no forecast for `forecast_interval_s`."""
+        now = self.clock()
+        out = []
+        for app_id in self._dirty:
+            if app_id in self._pending or app_id not in self.windows:
+                continue
+            if len(self.windows.window(app_id)) < self.min_samples:
+                continue
+            if now - self._last_forecast_s.get(app_id, -math.inf) >= self.forecast_interval_s - 1e-6:
+                out.append(app_id)
+        return out
 
     def ingest(self, batch: ingest_pb2.SignatureBatch, stream: StreamState | None = None) -> ingest_pb2.IngestReply:
-        """Accept a batch and, when a forecast tick is due, forecast and act, all on this thread."""
+        """Accept a batch and forecast and act for the applications that are due, all on this thread."""
         reply = self.accept(batch, stream)
-        if self.forecast_due():
-            histories = self._begin_tick()
-            try:
-                decisions = self._decide(histories)
-            finally:
-                self._forecasting = False
-            self._act(decisions)
+        due = self.due_apps()
+        if due:
+            self._act(self._decide(self._begin_tick(due)))
         self._attach(reply, stream)
         return reply
 
     async def ingest_async(
         self, batch: ingest_pb2.SignatureBatch, stream: StreamState | None = None
     ) -> ingest_pb2.IngestReply:
-        """Like `ingest`, with the forecast in a worker thread."""
+        """Like `ingest`; the due applications join the next batched forecast (in a worker thread),
+        and the reply waits for it."""
         reply = self.accept(batch, stream)
-        if self.forecast_due():
-            histories = self._begin_tick()
-            try:
-                decisions = await asyncio.to_thread(self._decide, histories)
-            finally:
-                self._forecasting = False
-            self._act(decisions)
+        due = self.due_apps()
+        if due:
+            self._pending.update(due)
+            if self._pending_done is None:
+                self._pending_done = asyncio.get_running_loop().create_future()
+            done = self._pending_done
+            if self._runner is None or self._runner.done():
+                self._runner = asyncio.create_task(self._run_pending())
+            await asyncio.shield(done)
         self._attach(reply, stream)
         return reply
+
+    async def _run_pending(self) -> None:
+        """Forecast the pending applications in batches until none is left: wait `batch_window_s`
+        for more to join, copy their windows here, forecast in a worker thread, act here."""
+        while self._pending:
+            await asyncio.sleep(self.batch_window_s)
+            apps, self._pending = sorted(self._pending), set()
+            done, self._pending_done = self._pending_done, None
+            try:
+                items = self._begin_tick(apps)
+                self._act(await asyncio.to_thread(self._decide, items))
+            except Exception as exc:  # noqa: BLE001 - the waiting replies go out without decisions
+                self._log.error("forecast_batch_failed", error=repr(exc), exc_info=exc)
+            finally:
+                if done is not None and not done.done():
+                    done.set_result(None)
 
     def _attach(self, reply: ingest_pb2.IngestReply, stream: StreamState | None) -> None:
         """Add the decisions this stream has not seen yet for its own applications (all
@@ -288,24 +410,27 @@ class Manager:
                     reply.decisions.append(self.latest[app_id].to_pb())
             self._delivered_plain = self._next_serial
             return
-        for app_id in stream.apps:
-            if self._serial.get(app_id, 0) > stream.delivered:
-                reply.decisions.append(self.latest[app_id].to_pb())
+        if self._next_serial > stream.delivered:
+            for app_id in stream.apps:
+                if self._serial.get(app_id, 0) > stream.delivered:
+                    reply.decisions.append(self.latest[app_id].to_pb())
         stream.delivered = self._next_serial
 
-    # --- forecast tick ---------------------------------------------------------------------------
-    def _begin_tick(self) -> list[tuple[str, str, int, AppTrace, float, float]]:
+    # --- forecasts -------------------------------------------------------------------------------
+    def _begin_tick(self, apps: Sequence[str]) -> list[Item]:
+        """Copy the windows of `apps` for a forecast (on the loop: the windows change there)."""
         now = self.clock()
-        self._forecasting = True
-        self._last_tick_s = now
-        self._forget(self.windows.evict_idle(now))
         out = []
-        for app_id in self.windows.apps():
-            win = self.windows.window(app_id)
-            last = win.latest()
-            if last is None or len(win.samples) < self.min_samples:
+        for app_id in apps:
+            self._dirty.discard(app_id)
+            if app_id not in self.windows:
                 continue
-            out.append((app_id, last.device_id, last.seq, win.trace(), last.get("mem_used_mib"), last.get("sm_util_pct")))
+            win = self.windows.window(app_id)
+            if len(win) < self.min_samples:
+                continue
+            self._last_forecast_s[app_id] = now
+            out.append((app_id, win.device_id, win.last_seq, win.trace(), win.latest_value("mem_used_mib"),
+                        win.latest_value("sm_util_pct")))
         return out
 
     def _run_forecaster(self, traces: list[AppTrace]) -> list[Forecast]:
@@ -323,7 +448,7 @@ class Manager:
                 return [_unknown() for _ in traces]
             return self.fallback.forecast_batch(traces)
 
-    def _decide(self, items: list[tuple[str, str, int, AppTrace, float, float]]) -> list[Decision]:
+    def _decide(self, items: list[Item]) -> list[Decision]:
         if not items:
             return []
         started = time.perf_counter()
@@ -355,6 +480,7 @@ class Manager:
 
     def _act(self, decisions: list[Decision]) -> None:
         self.stats.forecast_ticks += 1
+        decisions = [d for d in decisions if d.app_id in self.windows]  # not one evicted meanwhile
         for d in decisions:
             self._next_serial += 1
             self._serial[d.app_id] = self._next_serial
@@ -374,6 +500,10 @@ class Manager:
             self.stats.evicted += 1
             self.latest.pop(app_id, None)
             self._serial.pop(app_id, None)
+            self._last_forecast_s.pop(app_id, None)
+            self._dirty.discard(app_id)
+            for stream in self._streams:
+                stream.apps.discard(app_id)
             if self.allocator is not None:
                 self.allocator.forget_app(app_id)
             self._log.info("app_evicted", app=app_id)

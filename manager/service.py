@@ -2,7 +2,8 @@
 
 Each stream keeps its own state (the applications it sent, the decisions it has been given), so a
 reply carries the decisions made since the stream's previous reply for its own applications.
-Malformed signatures are rejected inside the reply; an unexpected failure while handling a batch is
+Malformed signatures are rejected inside the reply; bytes that are no `SignatureBatch` end the
+stream with INVALID_ARGUMENT; an unexpected failure while handling a batch is
 logged and answered with every signature of that batch rejected, and the stream goes on.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from manager.core import Manager, StreamState
 from vgpu.log import get_logger
@@ -30,8 +32,17 @@ class IngestServicer(ingest_pb2_grpc.IngestServicer):
         stream = StreamState(peer=context.peer())
         self.streams_open += 1
         _log.info("profiler_connected", peer=stream.peer)
+        batches = request_iterator.__aiter__()
         try:
-            async for batch in request_iterator:
+            while True:
+                try:
+                    batch = await batches.__anext__()
+                except StopAsyncIteration:
+                    break
+                except DecodeError as exc:  # bytes that are no SignatureBatch: the sender's fault
+                    _log.warning("undecodable_batch", peer=stream.peer, error=str(exc))
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                        f"a message on this stream is no vgpu.v1.SignatureBatch: {exc}")
                 try:
                     reply = await self.manager.ingest_async(batch, stream)
                 except Exception as exc:  # noqa: BLE001 - one bad batch must not end the stream

@@ -18,7 +18,8 @@ What a signature contributes (the canonical trace columns; unset fields are NaN)
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, deque
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,28 +72,79 @@ def sample_from_signature(sig: signature_pb2.BehavioralSignature) -> Sample:
 
 
 class AppWindow:
-    """One application's recent samples."""
+    """One application's recent samples, kept as columns in a numpy ring buffer: `values` is
+    (len(NUMERIC), capacity), with the sample times and seqs beside it. The buffer starts small and
+    doubles up to `max_samples`; once full, the oldest sample is overwritten. `trace()` is a slice
+    copy (two when the ring has wrapped), not a rebuild."""
+
+    _FIRST_CAPACITY = 64
 
     def __init__(self, app_id: str, max_samples: int) -> None:
         self.app_id = app_id
-        self.samples: deque[Sample] = deque(maxlen=max_samples)
+        self.max_samples = max_samples
+        cap = min(max_samples, self._FIRST_CAPACITY)
+        self._values = np.empty((len(NUMERIC), cap), dtype=np.float64)
+        self._t = np.empty(cap, dtype=np.float64)
+        self._seq = np.zeros(cap, dtype=np.int64)
+        self._n = 0  # samples held
+        self._end = 0  # where the next sample goes
+        self.device_id = ""
         self.last_seq = 0
         self.last_t_s = -math.inf
         self.last_seen_s = -math.inf  # caller's clock when the last sample arrived
 
-    @property
-    def device_id(self) -> str:
-        return self.samples[-1].device_id if self.samples else ""
+    def __len__(self) -> int:
+        return self._n
+
+    def append(self, device_id: str, seq: int, t_s: float, values: Sequence[float]) -> None:
+        cap = len(self._t)
+        if self._n == cap and cap < self.max_samples:  # not wrapped yet: grow in place
+            cap = min(self.max_samples, 2 * cap)
+            self._values = np.concatenate([self._values, np.empty((len(NUMERIC), cap - self._n))], axis=1)
+            self._t = np.concatenate([self._t, np.empty(cap - self._n)])
+            self._seq = np.concatenate([self._seq, np.zeros(cap - self._n, dtype=np.int64)])
+            self._end = self._n
+        i = self._end
+        self._values[:, i] = values
+        self._t[i] = t_s
+        self._seq[i] = seq
+        self._end = (i + 1) % cap
+        self._n = min(self._n + 1, cap)
+        self.device_id = device_id
+        self.last_seq, self.last_t_s = seq, t_s
+
+    def _order(self) -> tuple[slice, slice | None]:
+        cap = len(self._t)
+        if self._n < cap:
+            return slice(0, self._n), None
+        return slice(self._end, cap), slice(0, self._end)
+
+    def _take(self, arr: np.ndarray) -> np.ndarray:
+        a, b = self._order()
+        return arr[..., a].copy() if b is None else np.concatenate([arr[..., a], arr[..., b]], axis=-1)
 
     def latest(self) -> Sample | None:
-        return self.samples[-1] if self.samples else None
+        if not self._n:
+            return None
+        i = (self._end - 1) % len(self._t)
+        return Sample(self.app_id, self.device_id, int(self._seq[i]), float(self._t[i]),
+                      tuple(float(v) for v in self._values[:, i]))
+
+    def latest_value(self, column: str) -> float:
+        """The newest sample's value of `column` (NaN when none)."""
+        return float(self._values[_COL[column], (self._end - 1) % len(self._t)]) if self._n else math.nan
+
+    @property
+    def samples(self) -> list[Sample]:
+        """The window as `Sample`s, oldest first (a copy; for inspection, not the hot path)."""
+        data, t, seq = self._take(self._values), self._take(self._t), self._take(self._seq)
+        return [Sample(self.app_id, self.device_id, int(seq[k]), float(t[k]), tuple(float(v) for v in data[:, k]))
+                for k in range(self._n)]
 
     def trace(self) -> AppTrace:
-        if not self.samples:
-            return AppTrace(self.app_id, np.zeros(0), {c: np.zeros(0) for c in NUMERIC})
-        data = np.asarray([s.values for s in self.samples], dtype=np.float64)
-        t = np.asarray([s.t_s for s in self.samples], dtype=np.float64)
-        columns = {c: data[:, i] for i, c in enumerate(NUMERIC) if not np.isnan(data[:, i]).all()}
+        data, t = self._take(self._values), self._take(self._t)
+        finite = ~np.isnan(data).all(axis=1) if self._n else np.zeros(len(NUMERIC), dtype=bool)
+        columns = {c: data[k] for k, c in enumerate(NUMERIC) if finite[k]}
         return AppTrace(self.app_id, t, columns, gpu=self.device_id or None)
 
 
@@ -129,29 +181,35 @@ class WindowStore:
     def add(self, sample: Sample, now_s: float) -> tuple[bool, list[str]]:
         """Add a sample. Returns (kept, apps evicted to make room). A sample that is out of order
         (seq not above the app's last, or time before its last sample) is not kept."""
+        return self.add_row(sample.app_id, sample.device_id, sample.seq, sample.t_s, sample.values, now_s)
+
+    def add_row(self, app_id: str, device_id: str, seq: int, t_s: float, values: Sequence[float],
+                now_s: float) -> tuple[bool, list[str]]:
+        """`add` without building a `Sample` (values indexed like vgpu.traces.NUMERIC)."""
         evicted: list[str] = []
-        win = self._apps.get(sample.app_id)
+        win = self._apps.get(app_id)
         if win is None:
             while len(self._apps) >= self.max_apps:
                 old, _ = self._apps.popitem(last=False)
                 evicted.append(old)
             self.evicted_total += len(evicted)
-            win = self._apps[sample.app_id] = AppWindow(sample.app_id, self.max_samples)
-        if sample.t_s < win.last_t_s or (sample.seq <= win.last_seq and sample.t_s <= win.last_t_s):
+            win = self._apps[app_id] = AppWindow(app_id, self.max_samples)
+        if t_s < win.last_t_s or (seq <= win.last_seq and t_s <= win.last_t_s):
             self.out_of_order += 1
             return False, evicted
-        if sample.seq <= win.last_seq:
+        if seq <= win.last_seq:
             # A lower seq with a newer time: the profiler restarted and numbers from 1 again.
             self.seq_restarts += 1
-        win.samples.append(sample)
-        win.last_seq, win.last_t_s, win.last_seen_s = sample.seq, sample.t_s, now_s
-        self._apps.move_to_end(sample.app_id)
+        win.append(device_id, seq, t_s, values)
+        win.last_seen_s = now_s
+        self._apps.move_to_end(app_id)
         return True, evicted
 
     def evict_idle(self, now_s: float) -> list[str]:
         """Drop applications whose last sample arrived more than `idle_evict_s` before `now_s`."""
         gone = []
-        for app_id, win in list(self._apps.items()):  # least recently seen first
+        while self._apps:
+            app_id, win = next(iter(self._apps.items()))  # least recently seen first
             if now_s - win.last_seen_s <= self.idle_evict_s:
                 break
             del self._apps[app_id]

@@ -114,7 +114,7 @@ def make_manager(**kw: object) -> tuple[Manager, Allocator, FakeDevice, FakeCloc
     return mgr, alloc, dev, clock
 
 
-def test_batches_become_decisions_and_grants_once_per_forecast_tick() -> None:
+def test_batches_become_decisions_and_grants_at_most_once_per_forecast_interval() -> None:
     mgr, alloc, dev, clock = make_manager(min_samples=3)
     replies = []
     for k in range(1, 31):
@@ -124,10 +124,12 @@ def test_batches_become_decisions_and_grants_once_per_forecast_tick() -> None:
         clock.advance(0.1)
     assert all(r.accepted == 2 and len(r.rejected) == 1 for r in replies)
     assert replies[0].rejected[0].index == 2 and replies[0].rejected[0].reason == "app_id is empty"
-    # ticks at 0 s (too few samples), then every second: 1 s, 2 s -> 2 ticks with decisions
-    assert mgr.stats.forecast_ticks == 3 and mgr.stats.decisions == 4
+    # each app is forecast as soon as it has 3 samples (batch 3), then at most once a second
+    # (batches 13 and 23): 3 forecasts of both apps, each in the reply to the batch that made it due
+    assert mgr.stats.forecast_ticks == 3 and mgr.stats.decisions == 6
     with_decisions = [r for r in replies if r.decisions]
-    assert len(with_decisions) == 2
+    assert [r.tick for r in with_decisions] == [3, 13, 23]
+    assert all(d.for_seq == r.tick for r in with_decisions for d in r.decisions)
     d = {x.app_id: x for x in with_decisions[-1].decisions}
     assert d["a"].recommended_mem_mib == pytest.approx(4000 * 1.15 * 1.10)
     assert d["b"].recommended_sm_pct == pytest.approx(50 * 1.15)
@@ -163,14 +165,41 @@ def test_a_failing_forecaster_falls_back_to_the_baseline() -> None:
     assert reply.decisions[0].source == "baseline" and reply.decisions[0].recommended_mem_mib > 100
 
 
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 150, 300])
+def test_the_ring_buffer_window_keeps_the_newest_in_order_across_growth_and_wrap(n: int) -> None:
+    ws = WindowStore(max_samples=100)
+    for i in range(1, n + 1):
+        ws.add_row("a", GPU, i, 1000.0 + i, (float(i),) + (math.nan,) * 8, now_s=0.0)
+    win, keep = ws.window("a"), min(n, 100)
+    trace = win.trace()
+    np.testing.assert_array_equal(trace.t_s, 1000.0 + np.arange(n - keep + 1, n + 1))
+    np.testing.assert_array_equal(trace.column("mem_used_mib"), np.arange(n - keep + 1, n + 1))
+    assert list(trace.columns) == ["mem_used_mib"] and len(win) == keep
+    assert [s.seq for s in win.samples] == list(range(n - keep + 1, n + 1))
+    assert win.latest() is not None and win.latest().seq == n and win.latest_value("mem_used_mib") == n  # type: ignore[union-attr]
+    trace.column("mem_used_mib")[:] = -1  # a copy: the window is untouched
+    assert win.latest_value("mem_used_mib") == n
+
+
+async def test_signatures_arriving_together_are_forecast_in_one_batch_and_each_reply_has_its_own() -> None:
+    mgr, _, _, _ = make_manager(min_samples=1, batch_window_s=0.02)
+    streams = [StreamState(f"p{i}") for i in range(3)]
+    replies = await asyncio.gather(*(mgr.ingest_async(batch(1, [sig(f"app{i}", 1, 10.0)]), streams[i])
+                                     for i in range(3)))
+    assert mgr.stats.forecast_ticks == 1 and mgr.stats.decisions == 3
+    assert [[d.app_id for d in r.decisions] for r in replies] == [["app0"], ["app1"], ["app2"]]
+    again = await mgr.ingest_async(batch(2, [sig("app0", 2, 10.1)]), streams[0])  # under forecast_interval_s
+    assert again.accepted == 1 and not again.decisions and mgr.stats.forecast_ticks == 1
+
+
 def test_each_stream_gets_decisions_for_its_own_apps_once() -> None:
     mgr, _, _, _ = make_manager(min_samples=1)
     s1, s2 = StreamState("p1"), StreamState("p2")
     r1 = mgr.ingest(batch(1, [sig("a", 1, 10.0)]), s1)
     r2 = mgr.ingest(batch(1, [sig("b", 1, 10.0)]), s2)
-    assert [d.app_id for d in r1.decisions] == ["a"] and r2.decisions == []
+    assert [d.app_id for d in r1.decisions] == ["a"] and [d.app_id for d in r2.decisions] == ["b"]
     r1 = mgr.ingest(batch(2, [sig("a", 2, 10.1)]), s1)
-    assert r1.decisions == []  # no new tick, nothing new for a
+    assert r1.decisions == []  # a was forecast under forecast_interval_s ago; b's decision is not for s1
 
 
 # --- end to end over gRPC --------------------------------------------------------------------------

@@ -106,8 +106,6 @@ def test_an_hour_of_replay_does_not_grow_memory() -> None:
     soak.allocator.stop()
 
 
-@pytest.mark.xfail(strict=True, reason="manager/core.py: StreamState.apps only grows (accept adds, eviction never "
-                   "removes), so a long-lived profiler stream with churning app ids leaks one entry per app ever seen")
 def test_a_long_lived_stream_forgets_evicted_apps() -> None:
     soak = Soak()
     soak.run(2 * CHURN_EVERY_S + 60)
