@@ -18,7 +18,7 @@ import dataclasses
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
@@ -137,6 +137,13 @@ class Counters:
     mig_changes: int = 0
     recommendations: int = 0
     events_dropped: int = 0
+    # (device_id, mechanism) -> device changes that failed: "power_limit" (write refused, raised or
+    # did not read back; device unreadable) and "mig" (raised, refused, or steps left undone)
+    failures: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    def failed(self, device_id: str, mechanism: str) -> None:
+        key = (device_id, mechanism)
+        self.failures[key] = self.failures.get(key, 0) + 1
 
 
 _CLOSED = object()
@@ -539,12 +546,16 @@ class Allocator:
     def _apply_power(self, device_id: str, limit_mw: int, reason: str) -> PowerLimitResult | None:
         dev = self._read_device(device_id)
         if dev is None:
+            self.counters.failed(device_id, "power_limit")
             return None
         try:
             result = self.power.apply(dev, limit_mw)
         except (DeviceError, VerifyFailed) as exc:
+            self.counters.failed(device_id, "power_limit")
             self._log.error("power_limit_failed", device=device_id, target_mw=limit_mw, error=str(exc))
             return None
+        if result.reason.startswith("refused"):
+            self.counters.failed(device_id, "power_limit")
         if result.planned:
             self.counters.power_limit_changes += 1
             self._publish(EventKind.POWER_LIMIT_CHANGED, device_id=device_id,
@@ -558,12 +569,17 @@ class Allocator:
             return 0
         dev = self._read_device(target.device_id)
         if dev is None:
+            self.counters.failed(target.device_id, "mig")
             return 0
+        disabled_before = _mig_disabled(self.mig, target.device_id)
         try:
             changed = self.mig.apply(dev, target.profiles)
-        except DeviceError as exc:
+        except (DeviceError, VerifyFailed) as exc:
+            self.counters.failed(target.device_id, "mig")
             self._log.error("mig_failed", device=target.device_id, profiles=list(target.profiles), error=str(exc))
             return 0
+        if _mig_incomplete(self.mig, target.device_id, disabled_before):
+            self.counters.failed(target.device_id, "mig")
         if changed:
             self.counters.mig_changes += 1
             self._publish(EventKind.MIG_CHANGED, device_id=target.device_id, detail=",".join(target.profiles))
@@ -589,6 +605,21 @@ class Allocator:
         for sub in list(self._subscriptions):
             sub.close()
         return results
+
+
+def _mig_disabled(mig: MigMechanism, device_id: str) -> bool:
+    rec = getattr(mig, "reconfigurers", {}).get(device_id)
+    return getattr(rec, "disabled", None) is not None
+
+
+def _mig_incomplete(mig: MigMechanism, device_id: str, disabled_before: bool) -> bool:
+    """A MIG apply that refused (newly disabled) or left steps undone, for mechanisms that report
+    their last result per device like allocator/mig.py's `MigLayoutMechanism` (`last`, with
+    `skipped` steps); a mechanism that only returns a bool fails by raising."""
+    result = getattr(mig, "last", {}).get(device_id)
+    if not disabled_before and _mig_disabled(mig, device_id):
+        return True
+    return result is not None and bool(getattr(result, "skipped", ()))
 
 
 def _limits_text(limits: AppLimits) -> str:

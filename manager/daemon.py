@@ -156,6 +156,7 @@ class StateSource:
             power_limit_changes=c.power_limit_changes,
             mig_changes=c.mig_changes,
             grants_resized=c.resized,
+            failures=tuple((dev, mech, n) for (dev, mech), n in sorted(c.failures.items())),
             forecast_ticks=s.forecast_ticks,
             forecast_s_total=s.forecast_s_total,
             forecast_failures=s.forecast_failures,

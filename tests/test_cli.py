@@ -157,8 +157,10 @@ async def test_metrics_endpoint_serves_the_registry(tmp_path: Path) -> None:
 async def test_busy_metrics_port_is_logged_and_serving_goes_on(tmp_path: Path) -> None:
     import socket
 
+    import structlog
     from structlog.testing import capture_logs
 
+    structlog.reset_defaults()  # another test's `main()` may have configured warning level for the process
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 from allocator_fakes import FakeDevice
 
+from allocator.core import Allocator
 from allocator.enforce import PowerLimitMechanism
 from allocator.errors import GpuLost, NoPermission, NotSupported, VerifyFailed
+from allocator.plan import DeviceView, MigTarget, Plan, PowerTarget, Recommendation
+from vgpu.device.sim import ManualClock, SimBackend
 
 
 def test_change_is_verified_and_original_restored_on_stop() -> None:
@@ -90,3 +95,91 @@ def test_restore_continues_past_a_failing_device() -> None:
     results = {r.device_id: r for r in mech.restore()}
     assert results["GPU-a"].reason.startswith("failed") and results["GPU-b"].changed
     assert b.limit_mw == 700_000
+
+
+# --- failure counters, per device and mechanism, from the simulator's fault injection ----------------
+class _Fixed:
+    """A policy that always plans the same power limit and MIG layout."""
+
+    def __init__(self, limit_mw: int | None = None, profiles: tuple[str, ...] = ()) -> None:
+        self.limit_mw, self.profiles = limit_mw, profiles
+
+    def plan(self, recommendations: Sequence[Recommendation], devices: Sequence[DeviceView], now_s: float) -> Plan:
+        dev = devices[0].device_id
+        return Plan(power=(PowerTarget(dev, self.limit_mw),) if self.limit_mw else (),
+                    mig=(MigTarget(dev, self.profiles),) if self.profiles else ())
+
+
+def _sim_allocator(policy: _Fixed, *, mig_enabled: bool = False) -> tuple[Allocator, SimBackend]:
+    clock = ManualClock(100.0)
+    backend = SimBackend(["h100-80gb"], clock=clock, mig_enabled=mig_enabled)
+    return Allocator(backend, clock=clock, dry_run=False, policy=policy), backend
+
+
+def _rec(device_id: str) -> Recommendation:
+    return Recommendation("a", device_id, 1000.0, 30.0)
+
+
+def test_power_failures_are_counted_per_device_and_reach_the_metric() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from manager.core import Manager
+    from manager.daemon import StateSource
+    from vgpu.device.errors import GpuLost as DevGpuLost
+    from vgpu.metrics import DaemonMetrics
+
+    policy = _Fixed(limit_mw=400_000)
+    alloc, backend = _sim_allocator(policy)
+    dev = backend.devices()[0]
+    registry = CollectorRegistry()
+    DaemonMetrics(registry, StateSource(alloc, Manager(None)))
+
+    def failures(mechanism: str) -> float | None:
+        return registry.get_sample_value("vgpu_enforcement_failures_total", {"device": dev.uuid, "mechanism": mechanism})
+
+    dev.inject("set_power_limit_mw", 999, times=2)  # NVML_ERROR_UNKNOWN, twice
+    alloc.apply_recommendations([_rec(dev.uuid)])
+    alloc.apply_recommendations([_rec(dev.uuid)])
+    assert alloc.counters.failures == {(dev.uuid, "power_limit"): 2}
+    assert failures("power_limit") == 2 and failures("mig") is None
+    alloc.apply_recommendations([_rec(dev.uuid)])  # the fault is spent: the write goes through
+    assert dev.power_limit_mw() == 400_000 and failures("power_limit") == 2
+    # a GPU lost in the middle of the write counts too
+    dev.inject("set_power_limit_mw", DevGpuLost, times=1)
+    policy.limit_mw = 500_000
+    alloc.apply_recommendations([_rec(dev.uuid)])
+    assert failures("power_limit") == 3
+
+
+def test_refused_power_writes_count_once_then_the_mechanism_is_off() -> None:
+    from vgpu.device.errors import NoPermission as DevNoPermission
+
+    alloc, backend = _sim_allocator(_Fixed(limit_mw=400_000))
+    dev = backend.devices()[0]
+    dev.inject("set_power_limit_mw", DevNoPermission, times=None)
+    for _ in range(3):
+        alloc.apply_recommendations([_rec(dev.uuid)])
+    assert alloc.counters.failures == {(dev.uuid, "power_limit"): 1}
+    assert alloc.power.disabled_reason(dev.uuid)
+
+
+def test_mig_failures_are_counted_per_device() -> None:
+    from allocator.mig import MigLayoutMechanism
+    from vgpu.device.errors import NoPermission as DevNoPermission
+
+    policy = _Fixed(profiles=("3g.40gb", "4g.40gb"))
+    alloc, backend = _sim_allocator(policy, mig_enabled=True)
+    alloc.mig = MigLayoutMechanism()
+    dev = backend.devices()[0]
+    dev.inject("create_gpu_instance", 999, times=1)  # an unknown NVML error: the apply raises
+    alloc.apply_recommendations([_rec(dev.uuid)])
+    assert alloc.counters.failures == {(dev.uuid, "mig"): 1}
+    alloc.apply_recommendations([_rec(dev.uuid)])  # now it goes through
+    assert sorted(gi.profile_name for gi in dev.gpu_instances()) == ["3g.40gb", "4g.40gb"]
+    assert alloc.counters.failures == {(dev.uuid, "mig"): 1} and alloc.counters.mig_changes == 1
+    # a refusal disables MIG changes on the device: counted once
+    policy.profiles = ("7g.80gb",)
+    dev.inject("destroy_gpu_instance", DevNoPermission, times=None)
+    for _ in range(2):
+        alloc.apply_recommendations([_rec(dev.uuid)])
+    assert alloc.counters.failures == {(dev.uuid, "mig"): 2}

@@ -11,7 +11,7 @@ Metric names (all prefixed `vgpu_`):
 - per application: `app_mem_used_mib`, `app_sm_util_pct`, `app_forecast_mem_p90_mib`,
   `app_forecast_sm_p90_pct`, `app_granted_mem_mib`, `app_granted_sm_pct`, `app_grants`;
 - per device: `device_mem_total_mib`, `device_mem_granted_mib`, `device_power_limit_mw`;
-- enforcement: `enforcement_actions_total{mechanism}`, `enforcement_failures_total{mechanism}`,
+- enforcement: `enforcement_actions_total{mechanism}`, `enforcement_failures_total{device,mechanism}`,
   `enforcement_disabled{device,mechanism}`, `restore_actions_total{mechanism,result}`;
 - manager: `forecast_tick_seconds` (summary: count and sum of forecast tick latency),
   `forecast_failures_total`, `signatures_total{result}`;
@@ -59,8 +59,8 @@ class CounterSnapshot:
     power_limit_changes: int = 0
     mig_changes: int = 0
     grants_resized: int = 0
-    power_limit_failures: int = 0
-    mig_failures: int = 0
+    # (device_id, mechanism, count) of device changes that failed, mechanism "power_limit" or "mig"
+    failures: tuple[tuple[str, str, int], ...] = ()
     forecast_ticks: int = 0
     forecast_s_total: float = 0.0
     forecast_failures: int = 0
@@ -126,9 +126,11 @@ class _StateCollector(Collector):
         actions.add_metric(["mig"], c.mig_changes)
         actions.add_metric(["grant_resize"], c.grants_resized)
         yield actions
-        failures = CounterMetricFamily("vgpu_enforcement_failures", "Device changes that failed", labels=["mechanism"])
-        failures.add_metric(["power_limit"], c.power_limit_failures)
-        failures.add_metric(["mig"], c.mig_failures)
+        failures = CounterMetricFamily(
+            "vgpu_enforcement_failures", "Device changes that failed", labels=["device", "mechanism"]
+        )
+        for device_id, mechanism, count in c.failures:
+            failures.add_metric([device_id, mechanism], count)
         yield failures
         yield SummaryMetricFamily(
             "vgpu_forecast_tick_seconds", "Forecast tick latency", count_value=c.forecast_ticks, sum_value=c.forecast_s_total
