@@ -37,6 +37,7 @@ import pwd
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ from allocator.service import AllocatorServicer, Server, build_server
 from allocator.store import DeviceOriginal, MigSlot, Store, StoreError
 from manager.coldstart import AllocatorSizer, BackgroundSizer, ColdStartSizer
 from manager.core import Manager
+from manager.modelpath import resolve_model
 from manager.service import IngestServicer
 from vgpu import auth, log
 from vgpu import config as vconfig
@@ -346,15 +348,18 @@ def default_sizer() -> Sizer:
 
 
 def load_model(path: str) -> Any:
-    """The forecaster of `manager.model` (None: the manager's baseline). Imports torch only when set."""
-    if not path:
+    """The forecaster of a configured `manager.model` (None when not configured: the default model
+    is loaded in the background, `Daemon._load_default_model`). A configured model that does not
+    load stops the start: the operator asked for it. Imports torch only when there is a model."""
+    choice = resolve_model(path)
+    if not choice.configured:
         return None
     try:
         from manager.predictor import load_forecaster
 
-        return load_forecaster(path)
+        return load_forecaster(choice.path)
     except Exception as exc:  # noqa: BLE001 - any failure means the file cannot be served
-        raise StartupError(f"manager.model {path}: {type(exc).__name__}: {exc} (check it with `vgpu doctor`)") from exc
+        raise StartupError(f"manager.model {choice.path}: {type(exc).__name__}: {exc} (check it with `vgpu doctor`)") from exc
 
 
 # --- the socket -------------------------------------------------------------------------------------------
@@ -449,6 +454,7 @@ class Daemon:
         self.metrics_server: Any = None
         self._lock: TextIO | None = None
         self._watchdog: asyncio.Task[None] | None = None
+        self.model_loader: threading.Thread | None = None
         self.stopped = asyncio.Event()
 
     def _save(self, ledger: Ledger) -> None:
@@ -470,6 +476,12 @@ class Daemon:
         self.allocator = Allocator(self.backend, clock=self.clock, dry_run=cfg.server.dry_run, ledger=ledger,
                                    mig=mig, sizer=self.sizer, policy=ForecastPolicy(), on_change=self._save)
         self.manager = Manager(self.allocator, load_model(cfg.manager.model), clock=self.clock)
+        model = resolve_model(cfg.manager.model)
+        if not model.configured:
+            # the shipped model, when present, loads in the background; the baseline serves meanwhile
+            self.model_loader = threading.Thread(target=self._load_default_model, args=(model.path,),
+                                                 name="forecaster-load", daemon=True)
+            self.model_loader.start()
         self.metrics = DaemonMetrics(self.registry, StateSource(self.allocator, self.manager))
         self._save(ledger)  # the reconciled ledger is what a crash from here on must find
         self.log.info(
@@ -550,6 +562,22 @@ class Daemon:
         if self.notifier.watchdog_s:
             self._watchdog = asyncio.create_task(self._ping_watchdog(self.notifier.watchdog_s / 3))
 
+    def _load_default_model(self, path: Path) -> None:
+        """Serve the default forecaster once it loads; until then (or if it does not) the baseline."""
+        if not path.is_file():
+            self.log.info("forecaster", serving="baseline", reason=f"no checkpoint at {path}")
+            return
+        try:
+            from manager.predictor import load_forecaster
+
+            model = load_forecaster(path)
+        except Exception as exc:  # noqa: BLE001 - the default model is optional: degrade, say so once
+            self.log.warning("forecaster_unavailable", path=str(path), error=f"{type(exc).__name__}: {exc}",
+                             serving="baseline")
+            return
+        self.manager.forecaster = model  # one attribute store; the next forecast tick uses it
+        self.log.info("forecaster", serving="model", path=str(path))
+
     async def _ping_watchdog(self, period_s: float) -> None:
         # Fixed rate on monotonic deadlines; runs on the loop, so a stalled loop stops the pings.
         deadline = time.monotonic()
@@ -619,7 +647,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--tls-ca", help="PEM CA: TCP clients must present a certificate it signed (mutual TLS)")
     p.add_argument("--metrics-port", type=int, help="Prometheus endpoint port; 0 disables (default 9464)")
     p.add_argument("--metrics-address", help="address of the metrics endpoint (default 127.0.0.1)")
-    p.add_argument("--model", help="forecaster checkpoint (default: the baseline forecaster)")
+    p.add_argument("--model", help="forecaster checkpoint; must load (default: the shipped model when it loads, "
+                   "else the baseline forecaster)")
     p.add_argument("--dry-run", action="store_true", default=None, help="decide and log, write nothing to devices")
     p.add_argument("--log-format", choices=("json", "console"), help="log format (default json)")
     p.add_argument("--log-level", help="debug, info, warning or error (default info)")

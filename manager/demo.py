@@ -26,7 +26,6 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TextIO
 
 import numpy as np
@@ -36,6 +35,7 @@ from allocator.policy import ForecastPolicy
 from allocator.service import AllocatorServicer, build_server
 from manager.core import Manager, default_baseline
 from manager.forecast import Forecaster
+from manager.modelpath import resolve_model
 from manager.service import IngestServicer
 from profiler.sampler import Sampler
 from profiler.stream import SignatureStreamer
@@ -44,7 +44,6 @@ from vgpu.device.sim import SimBackend
 from vgpu.traces import AppTrace, Trace, read_trace
 from vgpu.v1 import signature_pb2
 
-MODELS_DIR = Path(__file__).resolve().parent / "models"
 _FIRST_PID = 4000
 
 
@@ -85,19 +84,16 @@ class DemoResult:
 
 
 def default_forecaster() -> tuple[Forecaster, str]:
-    """The trained model when one is present and loads, else the baseline; and a line saying which."""
+    """The shipped model (manager/modelpath.py, as the daemon serves it) when present and it loads,
+    else the baseline; and a line saying which."""
     baseline = default_baseline()
     base_name = f"baseline ({getattr(baseline, 'name', 'baseline')})"
-    candidates = sorted(p for p in MODELS_DIR.glob("*.pt") if not p.name.startswith("coldstart"))
-    if not candidates:
-        return baseline, f"{base_name}: no trained forecaster in {MODELS_DIR}"
+    path = resolve_model(None).path
+    if not path.is_file():
+        return baseline, f"{base_name}: no trained forecaster at {path}"
     try:
         from manager import predictor  # noqa: PLC0415 - imports torch; only when a model exists
 
-        named = getattr(predictor, "DEFAULT_MODEL_PATH", None) or getattr(predictor, "DEFAULT_CHECKPOINT", None)
-        path = Path(named) if named else candidates[0]
-        if not path.is_file():
-            path = candidates[0]
         model: Forecaster = predictor.load_forecaster(path, "cpu")
         return model, f"model ({path.name})"
     except Exception as exc:  # noqa: BLE001 - any failure to load means the baseline serves

@@ -107,3 +107,57 @@ async def test_socket_ok_against_the_daemon(tmp_path: Path) -> None:
     finally:
         await d.stop("test")
     assert check.status == "OK" and "mode 0660" in check.detail and "serving" in check.detail
+
+
+def test_a_configured_model_that_is_missing_fails_and_the_default_is_the_shipped_one(tmp_path: Path) -> None:
+    from manager.modelpath import resolve_model
+
+    assert doctor.check_model(tmp_path / "none.pt", required=True).status == "FAIL"
+    out = io.StringIO()
+    doctor.main(["--socket", str(tmp_path / "s"), "--state-dir", str(tmp_path), "--backend", "sim:h100-80gb",
+                 "--model", str(tmp_path / "none.pt"), "--json"], "vgpu doctor", out=out)
+    (model,) = [c for c in json.loads(out.getvalue()) if c["name"] == "model"]
+    assert model["status"] == "FAIL" and "configured" in model["detail"]
+    # without --model and manager.model, doctor checks what the daemon and the demo would serve
+    out = io.StringIO()
+    doctor.main(["--socket", str(tmp_path / "s"), "--state-dir", str(tmp_path), "--backend", "sim:h100-80gb",
+                 "--json"], "vgpu doctor", out=out)
+    (model,) = [c for c in json.loads(out.getvalue()) if c["name"] == "model"]
+    assert str(resolve_model(None).path) in model["detail"] and model["status"] in ("OK", "WARN")
+    assert resolve_model("").path == resolve_model(None).path and not resolve_model(None).configured
+    assert resolve_model(str(tmp_path / "m.pt")).configured
+
+
+def test_the_default_model_path_is_the_predictors(tmp_path: Path) -> None:
+    from manager import predictor
+    from manager.modelpath import FALLBACK_DEFAULT, default_model_path
+
+    assert FALLBACK_DEFAULT == predictor.DEFAULT_MODEL_PATH  # the torch-free answer agrees
+    assert default_model_path(tmp_path) == FALLBACK_DEFAULT  # no checkpoint there: no predictor import needed
+    (tmp_path / "some.pt").write_bytes(b"x")
+    assert default_model_path(tmp_path) == predictor.DEFAULT_MODEL_PATH
+
+
+async def test_the_daemon_degrades_to_the_baseline_when_the_default_model_does_not_load(tmp_path: Path) -> None:
+    import structlog
+    from daemon_fixtures import sim_daemon
+    from structlog.testing import capture_logs
+
+    structlog.reset_defaults()  # another test's `main()` may have configured warning level for the process
+    d = sim_daemon(tmp_path)
+    await d.start()
+    try:
+        assert d.model_loader is not None
+        d.model_loader.join(60)
+        before = d.manager.forecaster
+        bad = tmp_path / "default.pt"
+        bad.write_bytes(b"not a checkpoint")
+        with capture_logs() as logs:
+            d._load_default_model(bad)
+            d._load_default_model(tmp_path / "absent.pt")
+        assert d.manager.forecaster is before
+        events = {e["event"]: e for e in logs}
+        assert events["forecaster_unavailable"]["serving"] == "baseline" and str(bad) in events["forecaster_unavailable"]["path"]
+        assert "no checkpoint at" in events["forecaster"]["reason"]
+    finally:
+        await d.stop("test")

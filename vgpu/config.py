@@ -84,7 +84,8 @@ class MetricsConfig:
 
 @dataclass(frozen=True)
 class ManagerConfig:
-    # Forecaster checkpoint (manager/train.py); empty = the baseline forecaster.
+    # Forecaster checkpoint (manager/train.py); empty = the shipped model when it loads, else the
+    # baseline forecaster (manager/modelpath.py).
     model: str = ""
 
 

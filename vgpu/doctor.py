@@ -25,7 +25,6 @@ from vgpu import config as vconfig
 
 Status = Literal["OK", "WARN", "FAIL"]
 CAP_SYS_ADMIN = 21
-DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "manager" / "models" / "forecaster.pt"
 
 
 @dataclass(frozen=True)
@@ -137,8 +136,11 @@ def check_state_dir(path: Path) -> Check:
     return Check("state dir", "FAIL", f"{path} does not exist and {parent} is not writable")
 
 
-def check_model(path: Path, load: Callable[[Path], object] | None = None) -> Check:
+def check_model(path: Path, load: Callable[[Path], object] | None = None, *, required: bool = False) -> Check:
+    """`required`: the operator configured this model, so the daemon will not start without it."""
     if not path.exists():
+        if required:
+            return Check("model", "FAIL", f"the configured forecaster {path} does not exist: the daemon will not start")
         return Check("model", "WARN", f"no forecaster checkpoint at {path}: the manager forecasts with the baseline")
     try:
         if load is None:
@@ -151,10 +153,18 @@ def check_model(path: Path, load: Callable[[Path], object] | None = None) -> Che
     return Check("model", "OK", f"{path} loads")
 
 
+def default_model() -> Path:
+    """The forecaster the daemon serves when none is configured (manager/modelpath.py)."""
+    from manager.modelpath import resolve_model
+
+    return resolve_model(None).path
+
+
 def run_checks(
     cfg: vconfig.Config,
     *,
-    model: Path = DEFAULT_MODEL,
+    model: Path | None = None,
+    model_required: bool = False,
     proc_root: Path = Path("/proc"),
     open_nvml: Callable[[], object] | None = None,
     euid: int | None = None,
@@ -168,7 +178,7 @@ def run_checks(
         check_privileges(euid, proc_status),
         check_socket(Path(cfg.server.socket)),
         check_state_dir(Path(cfg.server.state_dir)),
-        check_model(model, load_model),
+        check_model(model if model is not None else default_model(), load_model, required=model_required),
     ]
 
 
@@ -178,7 +188,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu doctor", *, out: T
     p.add_argument("--socket", help="daemon socket to check (default: from the configuration)")
     p.add_argument("--state-dir", help="state directory to check (default: from the configuration)")
     p.add_argument("--backend", help="nvml or sim:<sku> (sim: driver and NVML problems are warnings)")
-    p.add_argument("--model", type=Path, help=f"forecaster checkpoint (default: manager.model, else {DEFAULT_MODEL})")
+    p.add_argument("--model", type=Path, help="forecaster checkpoint (default: manager.model, else the shipped model)")
     p.add_argument("--json", action="store_true", help="print the checks as JSON")
     ns = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     out = out or sys.stdout
@@ -192,8 +202,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu doctor", *, out: T
     except vconfig.ConfigError as exc:
         cfg = vconfig.Config()
         checks = [Check("config", "FAIL", str(exc))]
-    model = ns.model or (Path(cfg.manager.model) if cfg.manager.model else DEFAULT_MODEL)
-    checks += run_checks(cfg, model=model)
+    from manager.modelpath import resolve_model
+
+    choice = resolve_model(ns.model or cfg.manager.model)
+    checks += run_checks(cfg, model=choice.path, model_required=choice.configured)
     if ns.json:
         out.write(json.dumps([asdict(c) for c in checks], indent=2) + "\n")
     else:
