@@ -82,6 +82,7 @@ class FakeAllocator(allocator_pb2_grpc.AllocatorServicer):
         self.watchers: list[tuple[str, queue.Queue[Event | None]]] = []
         self.lock = threading.Lock()
         self.n = 0
+        self.requests: list[allocator_pb2.ResourceRequest] = []
 
     def _publish(self, kind: int, grant: allocator_pb2.Grant) -> None:
         with self.lock:
@@ -91,6 +92,7 @@ class FakeAllocator(allocator_pb2_grpc.AllocatorServicer):
 
     def RequestResourceAllocation(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
         r = request.request
+        self.requests.append(r)
         used = sum(g.memory_mib for g in self.grants.values())
         if used + r.memory_mib > self.capacity_mib:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{r.memory_mib} MiB does not fit")
@@ -349,3 +351,17 @@ def test_unwritable_inapp_dir_is_counted_not_fatal(tmp_path: Path) -> None:
         assert client.step() == 1
     finally:
         client.close()
+
+
+def test_the_job_goes_with_the_request_as_the_one_job_type(allocator, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from vgpu.jobs import JobConfig
+
+    servicer, sock = allocator
+    job = JobConfig("resnet50", batch_size=64, input_size=224)
+    with VgpuClient("sized", socket=str(sock), job=job, inapp_dir=tmp_path, torch_module=None, watch=False,
+                    report=False) as client:
+        client.request()  # memory 0: the daemon sizes it from the job
+        client.request(memory_mib=10, job=JobConfig("bert", batch_size=8, mode="infer").to_proto())
+    first, second = servicer.requests
+    assert JobConfig.from_proto(first.job) == job and first.memory_mib == 0
+    assert (second.job.model_type, second.job.mode) == ("bert", "infer")

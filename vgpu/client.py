@@ -1,6 +1,6 @@
 """The client stub an application links: ask the allocator for resources, apply the grant, report counters.
 
-    client = VgpuClient("train-resnet", job=JobConfig(model_type="resnet50", batch_size=64, mode="train"))
+    client = VgpuClient("train-resnet", job=JobConfig("resnet50", batch_size=64, mode="train"))  # vgpu.jobs
     grant = client.request(memory_mib=20_000, sm_pct=50)
     for batch in loader:
         ...
@@ -49,6 +49,7 @@ from typing import Any
 import grpc
 
 from vgpu import config
+from vgpu.jobs import JobConfig
 from vgpu.log import get_logger
 from vgpu.v1 import allocator_pb2, allocator_pb2_grpc
 
@@ -225,7 +226,8 @@ class VgpuClient:
     """One application's link to vgpu. Thread-safe; `close()` (or a `with` block) ends it.
 
     Arguments beyond `app_id` are optional: `socket` is the daemon's address (Unix socket path or
-    host:port), `job` the job's configuration (used to size it before it has a history), `inapp_dir`
+    host:port), `job` the job's configuration (`vgpu.jobs.JobConfig` or the proto message; with
+    `request(memory_mib=0)` the daemon's cold-start model sizes the grant from it), `inapp_dir`
     where in-app counters go. `channel`, `torch_module`, `clock`, `pid` and `sleep` exist for tests.
     `watch=False` / `report=False` turn the background threads off.
     """
@@ -235,7 +237,7 @@ class VgpuClient:
         app_id: str,
         *,
         socket: str = DEFAULT_SOCKET,
-        job: allocator_pb2.JobConfig | None = None,
+        job: JobConfig | allocator_pb2.JobConfig | None = None,
         inapp_dir: str | Path = DEFAULT_INAPP_DIR,
         report_period_s: float = 1.0,
         watch: bool = True,
@@ -296,7 +298,7 @@ class VgpuClient:
         memory_mib: float = 0.0,
         sm_pct: float = 0.0,
         priority: int = 0,
-        job: allocator_pb2.JobConfig | None = None,
+        job: JobConfig | allocator_pb2.JobConfig | None = None,
         device_id: str = "",
         deadline_s: float = 0.0,
         critical: bool = False,
@@ -319,7 +321,7 @@ class VgpuClient:
         )
         job = job if job is not None else self.job
         if job is not None:
-            req.job.CopyFrom(job)
+            req.job.CopyFrom(job.to_proto() if isinstance(job, JobConfig) else job)
         resp = self._stub.RequestResourceAllocation(
             allocator_pb2.RequestResourceAllocationRequest(request=req),
             timeout=self._timeout_s,
