@@ -96,7 +96,8 @@ class TimedManager(Manager):
         self.tick_ms.append((time.perf_counter() - self._tick_started) * 1000.0)
 
 
-def manager_main(conn: Connection, address: str, gpus: int, forecast_interval_s: float, profile_path: str = "") -> None:
+def manager_main(conn: Connection, address: str, gpus: int, forecast_interval_s: float, profile_path: str = "",
+                 batch_window_s: float = 0.001) -> None:
     """Child process: serve until told to stop, then send back the manager's counters. With
     `profile_path`, the event loop's thread runs under cProfile and its stats are dumped there."""
     from allocator.core import Allocator
@@ -109,7 +110,7 @@ def manager_main(conn: Connection, address: str, gpus: int, forecast_interval_s:
     async def serve() -> None:
         backend = SimBackend([SKU] * gpus)
         allocator = Allocator(backend, dry_run=False)
-        manager = TimedManager(allocator, forecast_interval_s=forecast_interval_s)
+        manager = TimedManager(allocator, forecast_interval_s=forecast_interval_s, batch_window_s=batch_window_s)
         server = build_server(address, allocator_servicer=AllocatorServicer(allocator),
                               ingest_servicer=IngestServicer(manager))
         await server.start()
@@ -154,6 +155,7 @@ class ManagerProcess:
     gpus: int
     forecast_interval_s: float
     profile_path: str = ""
+    batch_window_s: float = 0.001
     address: str = ""
     proc: Any = None
     conn: Connection | None = None
@@ -168,7 +170,7 @@ class ManagerProcess:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
         self.proc = ctx.Process(target=manager_main, args=(child, self.address, self.gpus, self.forecast_interval_s,
-                                                                  self.profile_path),
+                                                                  self.profile_path, self.batch_window_s),
                                 daemon=True)
         self.proc.start()
         if not parent.poll(60):
@@ -303,12 +305,13 @@ async def _run_profilers(address: str, apps: int, hz: float, device_ids: list[st
 
 
 def run_ingest(*, apps: int = 64, seconds: float = 20.0, hz: float = 10.0, gpus: int = 8, warmup_s: float = 3.0,
-               forecast_interval_s: float = 1.0, profile_path: str = "", apps_per_stream: int = 1) -> dict[str, Any]:
+               forecast_interval_s: float = 1.0, profile_path: str = "", apps_per_stream: int = 1,
+               batch_window_s: float = 0.001) -> dict[str, Any]:
     """Normal mode; see the module docstring."""
     from vgpu import log
 
     log.configure("console", "error")
-    mgr = ManagerProcess(gpus, forecast_interval_s, profile_path)
+    mgr = ManagerProcess(gpus, forecast_interval_s, profile_path, batch_window_s)
     mgr.start()
     try:
         lat, cpu_s, wall_s, streamers = asyncio.run(
@@ -328,6 +331,7 @@ def run_ingest(*, apps: int = 64, seconds: float = 20.0, hz: float = 10.0, gpus:
         "tick_p50_ms": _pct(tick_ms, 50),
         "tick_p99_ms": _pct(tick_ms, 99),
         "forecast_interval_s": forecast_interval_s,
+        "batch_window_ms": batch_window_s * 1000.0,
         "decisions": lat.decisions,
         "rejected": lat.rejected,
         "late_ticks": sum(s.loop.stats.late_ticks for s in streamers),
@@ -493,12 +497,12 @@ DEFAULT_RATES = (5_000, 10_000, 20_000, 30_000, 40_000, 60_000, 80_000, 100_000,
 
 
 def run_max(*, gpus: int = 8, step_s: float = 3.0, budget_s: float = 60.0, streams: int = 4, apps: int = 200,
-            rates: Sequence[int] = DEFAULT_RATES, forecast_interval_s: float = 1.0,
+            rates: Sequence[int] = DEFAULT_RATES, forecast_interval_s: float = 1.0, batch_window_s: float = 0.001,
             profile_path: str = "") -> dict[str, Any]:
     from vgpu import log
 
     log.configure("console", "error")
-    mgr = ManagerProcess(gpus, forecast_interval_s, profile_path)
+    mgr = ManagerProcess(gpus, forecast_interval_s, profile_path, batch_window_s)
     mgr.start()
     try:
         result = asyncio.run(_run_max(mgr.address, mgr, sim_device_ids(gpus), rates, step_s, budget_s, streams, apps))
@@ -519,6 +523,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--hz", type=float, default=10.0, help="signatures per second per application (default 10)")
     p.add_argument("--gpus", type=int, default=8, help="simulated GPUs behind the allocator (default 8)")
     p.add_argument("--forecast-interval-s", type=float, default=1.0, help="manager forecast tick (default 1, as the daemon)")
+    p.add_argument("--batch-window-ms", type=float, default=1.0,
+                   help="manager: how long due applications wait for others to join one forecast (default 1)")
     p.add_argument("--max", action="store_true", help="find the highest sustained rate with batched ticks")
     p.add_argument("--max-seconds", type=float, default=60.0, help="--max: time budget (default 60)")
     p.add_argument("--step-s", type=float, default=3.0, help="--max: seconds per offered rate (default 3)")
@@ -531,11 +537,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--apps, --gpus and --streams must be >= 1; --seconds and --hz > 0")
     if args.max:
         result = run_max(gpus=args.gpus, step_s=args.step_s, budget_s=args.max_seconds, streams=args.streams,
-                         forecast_interval_s=args.forecast_interval_s, profile_path=args.profile_manager)
+                         forecast_interval_s=args.forecast_interval_s, profile_path=args.profile_manager,
+                         batch_window_s=args.batch_window_ms / 1000.0)
     else:
         result = run_ingest(apps=args.apps, seconds=args.seconds, hz=args.hz, gpus=args.gpus, warmup_s=args.warmup_s,
                             forecast_interval_s=args.forecast_interval_s, profile_path=args.profile_manager,
-                            apps_per_stream=args.apps_per_stream)
+                            batch_window_s=args.batch_window_ms / 1000.0, apps_per_stream=args.apps_per_stream)
     if args.json:
         print(json.dumps(result))
     else:

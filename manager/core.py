@@ -32,7 +32,7 @@ import asyncio
 import math
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -267,7 +267,7 @@ class Manager:
         clock: Callable[[], float] = time.time,
         windows: WindowStore | None = None,
         forecast_interval_s: float = 1.0,
-        batch_window_s: float = 0.004,
+        batch_window_s: float = 0.001,
         min_samples: int = 3,
         mem_margin: float = 0.10,
         logger: structlog.typing.FilteringBoundLogger | None = None,
@@ -293,6 +293,7 @@ class Manager:
         self._pending_done: asyncio.Future[None] | None = None
         self._runner: asyncio.Task[None] | None = None
         self._streams: weakref.WeakSet[StreamState] = weakref.WeakSet()
+        self._last_kept: set[str] = set()  # the apps the last accepted batch added samples to
         self._delivered_plain = 0  # decisions handed out to callers without stream state
         self._log = logger or get_logger("vgpu.manager")
 
@@ -318,6 +319,7 @@ class Manager:
         if stream is not None:
             self._streams.add(stream)
         accepted = 0
+        kept_apps: set[str] = set()
         sigs = batch.signatures
         stats.signatures += len(sigs)
         for i, sig in enumerate(sigs):
@@ -333,6 +335,7 @@ class Manager:
             if kept:
                 accepted += 1
                 dirty.add(app_id)
+                kept_apps.add(app_id)
                 if apps is not None:
                     apps.add(app_id)
             else:
@@ -343,13 +346,18 @@ class Manager:
                     f"at {win.last_t_s:.6f} s"))
         reply.accepted = accepted
         stats.accepted += accepted
+        self._last_kept = kept_apps
         return reply
 
-    def due_apps(self) -> list[str]:
-        """Applications with new samples, enough of them, and no forecast for `forecast_interval_s`."""
+    def due_apps(self, candidates: Iterable[str] | None = None) -> list[str]:
+        """Applications (of `candidates`, by default every one with new samples) with new samples,
+        enough of them, and no forecast for `forecast_interval_s`."""
         now = self.clock()
         out = []
-        for app_id in self._dirty:
+        dirty = self._dirty
+        for app_id in dirty if candidates is None else candidates:
+            if app_id not in dirty:
+                continue
             if app_id in self._pending or app_id not in self.windows:
                 continue
             if len(self.windows.window(app_id)) < self.min_samples:
@@ -361,7 +369,7 @@ class Manager:
     def ingest(self, batch: ingest_pb2.SignatureBatch, stream: StreamState | None = None) -> ingest_pb2.IngestReply:
         """Accept a batch and forecast and act for the applications that are due, all on this thread."""
         reply = self.accept(batch, stream)
-        due = self.due_apps()
+        due = self.due_apps(self._last_kept)
         if due:
             self._act(self._decide(self._begin_tick(due)))
         self._attach(reply, stream)
@@ -373,7 +381,7 @@ class Manager:
         """Like `ingest`; the due applications join the next batched forecast (in a worker thread),
         and the reply waits for it."""
         reply = self.accept(batch, stream)
-        due = self.due_apps()
+        due = self.due_apps(self._last_kept)
         if due:
             self._pending.update(due)
             if self._pending_done is None:

@@ -28,21 +28,22 @@ class IngestServicer(ingest_pb2_grpc.IngestServicer):
 
     async def StreamSignatures(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[ingest_pb2.SignatureBatch], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[ingest_pb2.IngestReply]:
+    ) -> None:
+        # The read/write form (context.read / context.write) rather than iterating and yielding:
+        # grpc.aio runs an async-generator handler through more machinery per message.
         stream = StreamState(peer=context.peer())
         self.streams_open += 1
         _log.info("profiler_connected", peer=stream.peer)
-        batches = request_iterator.__aiter__()
         try:
             while True:
                 try:
-                    batch = await batches.__anext__()
-                except StopAsyncIteration:
-                    break
+                    batch = await context.read()
                 except DecodeError as exc:  # bytes that are no SignatureBatch: the sender's fault
                     _log.warning("undecodable_batch", peer=stream.peer, error=str(exc))
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                         f"a message on this stream is no vgpu.v1.SignatureBatch: {exc}")
+                if batch is grpc.aio.EOF:
+                    break
                 try:
                     reply = await self.manager.ingest_async(batch, stream)
                 except Exception as exc:  # noqa: BLE001 - one bad batch must not end the stream
@@ -50,7 +51,7 @@ class IngestServicer(ingest_pb2_grpc.IngestServicer):
                     reply = ingest_pb2.IngestReply(tick=batch.tick)
                     for i, sig in enumerate(batch.signatures):
                         reply.rejected.add(index=i, app_id=sig.app_id[:256], reason=f"manager error ({type(exc).__name__})")
-                yield reply
+                await context.write(reply)
         finally:
             self.streams_open -= 1
             _log.info("profiler_disconnected", peer=stream.peer)
