@@ -41,6 +41,7 @@ import structlog
 from allocator.core import Allocator
 from allocator.plan import Recommendation
 from manager.forecast import HORIZONS_S, Forecast, Forecaster
+from manager.columns import ColumnsFormatError, read_columns
 from manager.window import WindowStore
 from vgpu.log import get_logger
 from vgpu.traces import NUMERIC, AppTrace, one_second_grid
@@ -344,10 +345,59 @@ class Manager:
                 reply.rejected.add(index=i, app_id=app_id, reason=(
                     f"out of order: seq {sig.seq} at {sig.timestamp_s:.6f} s after seq {win.last_seq} "
                     f"at {win.last_t_s:.6f} s"))
+        if batch.HasField("columns"):
+            accepted += self._accept_columns(batch.columns, len(sigs), reply, now, apps, kept_apps)
         reply.accepted = accepted
         stats.accepted += accepted
         self._last_kept = kept_apps
         return reply
+
+    def _accept_columns(self, msg: ingest_pb2.SignatureColumns, base: int, reply: ingest_pb2.IngestReply,
+                        now: float, apps: set[str] | None, kept_apps: set[str]) -> int:
+        """The columnar part of a batch (manager/columns.py): checked as arrays, then one bulk
+        window append per application. Row i answers as index `base + i`. Returns how many were kept."""
+        stats = self.stats
+        try:
+            rows = read_columns(msg)
+        except ColumnsFormatError as exc:  # no row can be read: one Rejection stands for them all
+            n = max(1, len(msg.seq_u64) // 8)
+            stats.signatures += n
+            stats.rejected += n
+            reply.rejected.add(index=base, app_id="", reason=str(exc))
+            return 0
+        stats.signatures += len(rows)
+        for i, why in rows.rejected:
+            stats.rejected += 1
+            k = int(rows.app_index[i])
+            reply.rejected.add(index=base + i, app_id=rows.app_ids[k][:_MAX_APP_ID] if k < len(rows.app_ids) else "",
+                               reason=why)
+        good = np.flatnonzero(rows.good)
+        if not len(good):
+            return 0
+        order = good[np.argsort(rows.app_index[good], kind="stable")]  # by app, batch order within
+        by_app = rows.app_index[order]
+        accepted = 0
+        for grp in np.split(order, np.flatnonzero(np.diff(by_app)) + 1):
+            app_id = rows.app_ids[int(rows.app_index[grp[0]])]
+            kept, evicted = self.windows.add_rows(app_id, rows.device_ids[int(rows.device_index[grp[-1]])],
+                                                  rows.seq[grp], rows.t_s[grp], rows.values[:, grp], now)
+            if evicted:
+                self._forget(evicted)
+            n_kept = int(kept.sum())
+            if n_kept:
+                accepted += n_kept
+                self._dirty.add(app_id)
+                kept_apps.add(app_id)
+                if apps is not None:
+                    apps.add(app_id)
+            if n_kept < len(grp):
+                win = self.windows.window(app_id)
+                for i in grp[~kept]:
+                    stats.out_of_order += 1
+                    reply.rejected.add(index=base + int(i), app_id=app_id, reason=(
+                        f"out of order: seq {int(rows.seq[i])} at {float(rows.t_s[i]):.6f} s; the window has seq "
+                        f"{win.last_seq} at {win.last_t_s:.6f} s"))
+        return accepted
 
     def due_apps(self, candidates: Iterable[str] | None = None) -> list[str]:
         """Applications (of `candidates`, by default every one with new samples) with new samples,

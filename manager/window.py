@@ -85,7 +85,7 @@ class AppWindow:
         cap = min(max_samples, self._FIRST_CAPACITY)
         self._values = np.empty((len(NUMERIC), cap), dtype=np.float64)
         self._t = np.empty(cap, dtype=np.float64)
-        self._seq = np.zeros(cap, dtype=np.int64)
+        self._seq = np.zeros(cap, dtype=np.uint64)
         self._n = 0  # samples held
         self._end = 0  # where the next sample goes
         self.device_id = ""
@@ -96,14 +96,43 @@ class AppWindow:
     def __len__(self) -> int:
         return self._n
 
-    def append(self, device_id: str, seq: int, t_s: float, values: Sequence[float]) -> None:
+    def _grow(self, need: int) -> int:
+        """Room for `need` more samples, up to `max_samples`; returns the capacity. Before the
+        capacity reaches `max_samples` the ring has not wrapped: samples sit at [0, n)."""
         cap = len(self._t)
-        if self._n == cap and cap < self.max_samples:  # not wrapped yet: grow in place
-            cap = min(self.max_samples, 2 * cap)
-            self._values = np.concatenate([self._values, np.empty((len(NUMERIC), cap - self._n))], axis=1)
-            self._t = np.concatenate([self._t, np.empty(cap - self._n)])
-            self._seq = np.concatenate([self._seq, np.zeros(cap - self._n, dtype=np.int64)])
-            self._end = self._n
+        if self._n + need > cap and cap < self.max_samples:
+            new = min(self.max_samples, max(2 * cap, self._n + need))
+            self._values = np.concatenate([self._values[:, : self._n], np.empty((len(NUMERIC), new - self._n))], axis=1)
+            self._t = np.concatenate([self._t[: self._n], np.empty(new - self._n)])
+            self._seq = np.concatenate([self._seq[: self._n], np.zeros(new - self._n, dtype=np.uint64)])
+            self._end = self._n % new
+            cap = new
+        return cap
+
+    def extend(self, device_id: str, seq: np.ndarray, t_s: np.ndarray, values: np.ndarray) -> None:
+        """Append many samples at once (`values`: (len(NUMERIC), m)); already checked in order."""
+        m = len(t_s)
+        if not m:
+            return
+        cap = self._grow(m)
+        if m > cap:
+            seq, t_s, values, m = seq[-cap:], t_s[-cap:], values[:, -cap:], cap
+        i = self._end
+        first = min(m, cap - i)
+        self._values[:, i:i + first] = values[:, :first]
+        self._t[i:i + first] = t_s[:first]
+        self._seq[i:i + first] = seq[:first]
+        if first < m:
+            self._values[:, : m - first] = values[:, first:]
+            self._t[: m - first] = t_s[first:]
+            self._seq[: m - first] = seq[first:]
+        self._end = (i + m) % cap
+        self._n = min(self._n + m, cap)
+        self.device_id = device_id
+        self.last_seq, self.last_t_s = int(seq[-1]), float(t_s[-1])
+
+    def append(self, device_id: str, seq: int, t_s: float, values: Sequence[float]) -> None:
+        cap = self._grow(1)
         i = self._end
         self._values[:, i] = values
         self._t[i] = t_s
@@ -204,6 +233,35 @@ class WindowStore:
         win.last_seen_s = now_s
         self._apps.move_to_end(app_id)
         return True, evicted
+
+    def add_rows(self, app_id: str, device_id: str, seq: np.ndarray, t_s: np.ndarray, values: np.ndarray,
+                 now_s: float) -> tuple[np.ndarray, list[str]]:
+        """`add_row` for many samples of one application (in batch order; `values`:
+        (len(NUMERIC), m)). Returns (which were kept, apps evicted to make room). Samples in strictly
+        increasing seq and time after the window's last are appended in bulk; anything else goes
+        sample by sample with `add_row`'s rules."""
+        m = len(t_s)
+        win = self._apps.get(app_id)
+        if win is not None and m and self._in_order(win, seq, t_s):
+            if int(seq[0]) <= win.last_seq:
+                self.seq_restarts += 1
+            win.extend(device_id, seq, t_s, values)
+            win.last_seen_s = now_s
+            self._apps.move_to_end(app_id)
+            return np.ones(m, dtype=bool), []
+        kept = np.zeros(m, dtype=bool)
+        evicted: list[str] = []
+        for k in range(m):
+            kept[k], ev = self.add_row(app_id, device_id, int(seq[k]), float(t_s[k]), values[:, k], now_s)
+            evicted += ev
+        return kept, evicted
+
+    @staticmethod
+    def _in_order(win: AppWindow, seq: np.ndarray, t_s: np.ndarray) -> bool:
+        s0, t0 = int(seq[0]), float(t_s[0])
+        if t0 < win.last_t_s or (s0 <= win.last_seq and t0 <= win.last_t_s):
+            return False
+        return len(t_s) == 1 or bool((np.diff(t_s) > 0).all() and (seq[1:] > seq[:-1]).all())
 
     def evict_idle(self, now_s: float) -> list[str]:
         """Drop applications whose last sample arrived more than `idle_evict_s` before `now_s`."""

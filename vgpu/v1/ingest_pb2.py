@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from vgpu.v1 import signature_pb2 as vgpu_dot_v1_dot_signature__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14vgpu/v1/ingest.proto\x12\x07vgpu.v1\x1a\x17vgpu/v1/signature.proto\"\x94\x01\n\x0eSignatureBatch\x12\x13\n\x0bprofiler_id\x18\x01 \x01(\t\x12\x0c\n\x04tick\x18\x02 \x01(\x04\x12\x11\n\tsent_at_s\x18\x03 \x01(\x01\x12\x30\n\nsignatures\x18\x04 \x03(\x0b\x32\x1c.vgpu.v1.BehavioralSignature\x12\x1a\n\x12\x64ropped_since_last\x18\x05 \x01(\x04\"v\n\x0fHorizonForecast\x12\x11\n\thorizon_s\x18\x01 \x01(\r\x12\x13\n\x0bmem_p50_mib\x18\x02 \x01(\x01\x12\x13\n\x0bmem_p90_mib\x18\x03 \x01(\x01\x12\x12\n\nsm_p50_pct\x18\x04 \x01(\x01\x12\x12\n\nsm_p90_pct\x18\x05 \x01(\x01\"\xca\x01\n\x08\x44\x65\x63ision\x12\x0e\n\x06\x61pp_id\x18\x01 \x01(\t\x12\x11\n\tdevice_id\x18\x02 \x01(\t\x12+\n\tforecasts\x18\x03 \x03(\x0b\x32\x18.vgpu.v1.HorizonForecast\x12\x1b\n\x13recommended_mem_mib\x18\x04 \x01(\x01\x12\x1a\n\x12recommended_sm_pct\x18\x05 \x01(\x01\x12\x0e\n\x06source\x18\x06 \x01(\t\x12\x0f\n\x07\x66or_seq\x18\x07 \x01(\x04\x12\x14\n\x0c\x64\x65\x63ided_at_s\x18\x08 \x01(\x01\":\n\tRejection\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06\x61pp_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"y\n\x0bIngestReply\x12\x0c\n\x04tick\x18\x01 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\r\x12$\n\x08rejected\x18\x03 \x03(\x0b\x32\x12.vgpu.v1.Rejection\x12$\n\tdecisions\x18\x04 \x03(\x0b\x32\x11.vgpu.v1.Decision2O\n\x06Ingest\x12\x45\n\x10StreamSignatures\x12\x17.vgpu.v1.SignatureBatch\x1a\x14.vgpu.v1.IngestReply(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14vgpu/v1/ingest.proto\x12\x07vgpu.v1\x1a\x17vgpu/v1/signature.proto\"\xc0\x01\n\x0eSignatureBatch\x12\x13\n\x0bprofiler_id\x18\x01 \x01(\t\x12\x0c\n\x04tick\x18\x02 \x01(\x04\x12\x11\n\tsent_at_s\x18\x03 \x01(\x01\x12\x30\n\nsignatures\x18\x04 \x03(\x0b\x32\x1c.vgpu.v1.BehavioralSignature\x12\x1a\n\x12\x64ropped_since_last\x18\x05 \x01(\x04\x12*\n\x07\x63olumns\x18\x06 \x01(\x0b\x32\x19.vgpu.v1.SignatureColumns\"\xcd\x01\n\x10SignatureColumns\x12\x0f\n\x07\x61pp_ids\x18\x01 \x03(\t\x12\x12\n\ndevice_ids\x18\x02 \x03(\t\x12\x15\n\rapp_index_u32\x18\x03 \x01(\x0c\x12\x18\n\x10\x64\x65vice_index_u32\x18\x04 \x01(\x0c\x12\x0f\n\x07seq_u64\x18\x05 \x01(\x0c\x12\x17\n\x0ftimestamp_s_f64\x18\x06 \x01(\x0c\x12\x0f\n\x07pid_u32\x18\x07 \x01(\x0c\x12\x14\n\x0c\x63olumn_names\x18\x08 \x03(\t\x12\x12\n\nvalues_f64\x18\t \x01(\x0c\"v\n\x0fHorizonForecast\x12\x11\n\thorizon_s\x18\x01 \x01(\r\x12\x13\n\x0bmem_p50_mib\x18\x02 \x01(\x01\x12\x13\n\x0bmem_p90_mib\x18\x03 \x01(\x01\x12\x12\n\nsm_p50_pct\x18\x04 \x01(\x01\x12\x12\n\nsm_p90_pct\x18\x05 \x01(\x01\"\xca\x01\n\x08\x44\x65\x63ision\x12\x0e\n\x06\x61pp_id\x18\x01 \x01(\t\x12\x11\n\tdevice_id\x18\x02 \x01(\t\x12+\n\tforecasts\x18\x03 \x03(\x0b\x32\x18.vgpu.v1.HorizonForecast\x12\x1b\n\x13recommended_mem_mib\x18\x04 \x01(\x01\x12\x1a\n\x12recommended_sm_pct\x18\x05 \x01(\x01\x12\x0e\n\x06source\x18\x06 \x01(\t\x12\x0f\n\x07\x66or_seq\x18\x07 \x01(\x04\x12\x14\n\x0c\x64\x65\x63ided_at_s\x18\x08 \x01(\x01\":\n\tRejection\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06\x61pp_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"y\n\x0bIngestReply\x12\x0c\n\x04tick\x18\x01 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\r\x12$\n\x08rejected\x18\x03 \x03(\x0b\x32\x12.vgpu.v1.Rejection\x12$\n\tdecisions\x18\x04 \x03(\x0b\x32\x11.vgpu.v1.Decision2O\n\x06Ingest\x12\x45\n\x10StreamSignatures\x12\x17.vgpu.v1.SignatureBatch\x1a\x14.vgpu.v1.IngestReply(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,15 +33,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'vgpu.v1.ingest_pb2', _globa
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SIGNATUREBATCH']._serialized_start=59
-  _globals['_SIGNATUREBATCH']._serialized_end=207
-  _globals['_HORIZONFORECAST']._serialized_start=209
-  _globals['_HORIZONFORECAST']._serialized_end=327
-  _globals['_DECISION']._serialized_start=330
-  _globals['_DECISION']._serialized_end=532
-  _globals['_REJECTION']._serialized_start=534
-  _globals['_REJECTION']._serialized_end=592
-  _globals['_INGESTREPLY']._serialized_start=594
-  _globals['_INGESTREPLY']._serialized_end=715
-  _globals['_INGEST']._serialized_start=717
-  _globals['_INGEST']._serialized_end=796
+  _globals['_SIGNATUREBATCH']._serialized_end=251
+  _globals['_SIGNATURECOLUMNS']._serialized_start=254
+  _globals['_SIGNATURECOLUMNS']._serialized_end=459
+  _globals['_HORIZONFORECAST']._serialized_start=461
+  _globals['_HORIZONFORECAST']._serialized_end=579
+  _globals['_DECISION']._serialized_start=582
+  _globals['_DECISION']._serialized_end=784
+  _globals['_REJECTION']._serialized_start=786
+  _globals['_REJECTION']._serialized_end=844
+  _globals['_INGESTREPLY']._serialized_start=846
+  _globals['_INGESTREPLY']._serialized_end=967
+  _globals['_INGEST']._serialized_start=969
+  _globals['_INGEST']._serialized_end=1048
 # @@protoc_insertion_point(module_scope)

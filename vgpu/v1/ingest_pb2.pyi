@@ -8,18 +8,42 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SignatureBatch(_message.Message):
-    __slots__ = ("profiler_id", "tick", "sent_at_s", "signatures", "dropped_since_last")
+    __slots__ = ("profiler_id", "tick", "sent_at_s", "signatures", "dropped_since_last", "columns")
     PROFILER_ID_FIELD_NUMBER: _ClassVar[int]
     TICK_FIELD_NUMBER: _ClassVar[int]
     SENT_AT_S_FIELD_NUMBER: _ClassVar[int]
     SIGNATURES_FIELD_NUMBER: _ClassVar[int]
     DROPPED_SINCE_LAST_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     profiler_id: str
     tick: int
     sent_at_s: float
     signatures: _containers.RepeatedCompositeFieldContainer[_signature_pb2.BehavioralSignature]
     dropped_since_last: int
-    def __init__(self, profiler_id: _Optional[str] = ..., tick: _Optional[int] = ..., sent_at_s: _Optional[float] = ..., signatures: _Optional[_Iterable[_Union[_signature_pb2.BehavioralSignature, _Mapping]]] = ..., dropped_since_last: _Optional[int] = ...) -> None: ...
+    columns: SignatureColumns
+    def __init__(self, profiler_id: _Optional[str] = ..., tick: _Optional[int] = ..., sent_at_s: _Optional[float] = ..., signatures: _Optional[_Iterable[_Union[_signature_pb2.BehavioralSignature, _Mapping]]] = ..., dropped_since_last: _Optional[int] = ..., columns: _Optional[_Union[SignatureColumns, _Mapping]] = ...) -> None: ...
+
+class SignatureColumns(_message.Message):
+    __slots__ = ("app_ids", "device_ids", "app_index_u32", "device_index_u32", "seq_u64", "timestamp_s_f64", "pid_u32", "column_names", "values_f64")
+    APP_IDS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_IDS_FIELD_NUMBER: _ClassVar[int]
+    APP_INDEX_U32_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_INDEX_U32_FIELD_NUMBER: _ClassVar[int]
+    SEQ_U64_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_S_F64_FIELD_NUMBER: _ClassVar[int]
+    PID_U32_FIELD_NUMBER: _ClassVar[int]
+    COLUMN_NAMES_FIELD_NUMBER: _ClassVar[int]
+    VALUES_F64_FIELD_NUMBER: _ClassVar[int]
+    app_ids: _containers.RepeatedScalarFieldContainer[str]
+    device_ids: _containers.RepeatedScalarFieldContainer[str]
+    app_index_u32: bytes
+    device_index_u32: bytes
+    seq_u64: bytes
+    timestamp_s_f64: bytes
+    pid_u32: bytes
+    column_names: _containers.RepeatedScalarFieldContainer[str]
+    values_f64: bytes
+    def __init__(self, app_ids: _Optional[_Iterable[str]] = ..., device_ids: _Optional[_Iterable[str]] = ..., app_index_u32: _Optional[bytes] = ..., device_index_u32: _Optional[bytes] = ..., seq_u64: _Optional[bytes] = ..., timestamp_s_f64: _Optional[bytes] = ..., pid_u32: _Optional[bytes] = ..., column_names: _Optional[_Iterable[str]] = ..., values_f64: _Optional[bytes] = ...) -> None: ...
 
 class HorizonForecast(_message.Message):
     __slots__ = ("horizon_s", "mem_p50_mib", "mem_p90_mib", "sm_p50_pct", "sm_p90_pct")

@@ -1,0 +1,123 @@
+"""Columnar signature batches (manager/columns.py): the manager reads them like rows."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from manager.columns import ColumnsFormatError, encode_columns, read_columns
+from manager.core import EwmaMarginForecaster, Manager
+from manager.window import WindowStore
+from vgpu.v1 import ingest_pb2
+from vgpu.v1 import signature_pb2 as spb
+
+GPU = "GPU-0"
+
+
+def _manager(**kw: object) -> Manager:
+    return Manager(None, EwmaMarginForecaster(), clock=lambda: 2000.0, min_samples=1, **kw)  # type: ignore[arg-type]
+
+
+def _rows(n_apps: int, per_app: int) -> tuple[list[str], list[int], list[float], list[float], list[float]]:
+    apps, seq, t, mem, sm = [], [], [], [], []
+    for r in range(per_app):
+        for a in range(n_apps):
+            apps.append(f"app{a}")
+            seq.append(r + 1)
+            t.append(1000.0 + r * 0.1)
+            mem.append(100.0 * a + r)
+            sm.append(math.nan if r % 3 == 0 else float(r % 100))
+    return apps, seq, t, mem, sm
+
+
+def test_columns_and_rows_give_the_same_windows() -> None:
+    apps, seq, t, mem, sm = _rows(5, 90)  # past the window's first capacity (64)
+    by_rows, by_cols = _manager(), _manager()
+    sigs = []
+    for a, s, ts, m, u in zip(apps, seq, t, mem, sm, strict=True):
+        sig = spb.BehavioralSignature(app_id=a, device_id=GPU, seq=s, timestamp_s=ts)
+        sig.process.gpu_mem_used_mib = m
+        if not math.isnan(u):
+            sig.process.sm_util_pct = u
+        sigs.append(sig)
+    r1 = by_rows.accept(ingest_pb2.SignatureBatch(tick=1, signatures=sigs))
+    cols = encode_columns(apps, [GPU] * len(apps), seq, t, {"mem_used_mib": mem, "sm_util_pct": sm})
+    r2 = by_cols.accept(ingest_pb2.SignatureBatch(tick=1, columns=cols))
+    assert r1.accepted == r2.accepted == len(apps) and not r2.rejected
+    for a in set(apps):
+        x, y = by_rows.windows.trace(a), by_cols.windows.trace(a)
+        np.testing.assert_array_equal(x.t_s, y.t_s)
+        for c in ("mem_used_mib", "sm_util_pct"):
+            np.testing.assert_array_equal(x.column(c), y.column(c))
+        assert by_cols.windows.window(a).last_seq == 90 and y.gpu == GPU
+    assert by_cols.due_apps() and by_cols.stats.signatures == len(apps)
+
+
+def test_bad_rows_are_rejected_with_their_index_and_the_rest_kept() -> None:
+    m = _manager()
+    row = spb.BehavioralSignature(app_id="r", device_id=GPU, seq=1, timestamp_s=1000.0)
+    cols = encode_columns(
+        ["a", "", "a", "a", "b", "x" * 300, "a"],
+        [GPU] * 7,
+        [1, 1, 0, 2, 1, 1, 3],
+        [1000.0, 1000.0, 1000.0, -1.0, 1000.0, 1000.0, 1000.2],
+        {"mem_used_mib": [1, 1, 1, 1, -5, 1, 1], "sm_util_pct": [10, 10, 10, 10, 10, 10, 150],
+         "power_w": [math.inf, 1, 1, 1, 1, 1, 1]},
+    )
+    reply = m.accept(ingest_pb2.SignatureBatch(tick=1, signatures=[row], columns=cols))
+    got = {r.index: r.reason for r in reply.rejected}
+    assert sorted(got) == [1, 2, 3, 4, 5, 6, 7]  # row 0 of the columns is batch index 1
+    assert "power_w is not a finite number" in got[1] and got[2] == "app_id is empty"
+    assert got[3].startswith("seq is 0") and "timestamp_s" in got[4] and got[5] == "mem_used_mib is negative"
+    assert "at most 256" in got[6] and got[7] == "sm_util_pct is outside 0-100"
+    assert reply.accepted == 1 and m.stats.rejected == 7 and m.stats.signatures == 8
+    assert m.windows.apps() == ["r"]
+
+
+def test_out_of_order_rows_are_rejected_as_such_and_the_rest_windowed() -> None:
+    m = _manager()
+    m.accept(ingest_pb2.SignatureBatch(tick=1, columns=encode_columns(["a"], [GPU], [5], [1000.5], {})))
+    cols = encode_columns(["a"] * 4, [GPU] * 4, [4, 6, 6, 7], [1000.4, 1000.6, 1000.6, 1000.7],
+                          {"mem_used_mib": [1, 2, 3, 4]})
+    reply = m.accept(ingest_pb2.SignatureBatch(tick=2, columns=cols))
+    assert reply.accepted == 2 and [r.index for r in reply.rejected] == [0, 2]
+    assert all(r.reason.startswith("out of order") for r in reply.rejected) and m.stats.out_of_order == 2
+    assert [s.seq for s in m.windows.window("a").samples] == [5, 6, 7]
+
+
+def test_a_bulk_append_larger_than_the_window_keeps_the_newest() -> None:
+    m = _manager(windows=WindowStore(max_samples=50))
+    n = 130
+    cols = encode_columns(["a"] * n, [GPU] * n, list(range(1, n + 1)), [1000.0 + k for k in range(n)],
+                          {"mem_used_mib": [float(k) for k in range(n)]})
+    assert m.accept(ingest_pb2.SignatureBatch(tick=1, columns=cols)).accepted == n
+    np.testing.assert_array_equal(m.windows.trace("a").column("mem_used_mib"), np.arange(n - 50, n))
+
+
+@pytest.mark.parametrize("breakage", ["seq", "time", "values", "names"])
+def test_arrays_that_do_not_fit_together_reject_the_block_and_nothing_else(breakage: str) -> None:
+    cols = encode_columns(["a", "a"], [GPU, GPU], [1, 2], [1000.0, 1000.1], {"mem_used_mib": [1.0, 2.0]})
+    if breakage == "seq":
+        cols.seq_u64 = cols.seq_u64[:-3]
+    elif breakage == "time":
+        cols.timestamp_s_f64 = cols.timestamp_s_f64[:8]
+    elif breakage == "values":
+        cols.values_f64 += b"\x00" * 8
+    else:
+        cols.column_names[0] = "bogus"
+    with pytest.raises(ColumnsFormatError):
+        read_columns(cols)
+    m = _manager()
+    row = spb.BehavioralSignature(app_id="r", device_id=GPU, seq=1, timestamp_s=1000.0)
+    reply = m.accept(ingest_pb2.SignatureBatch(tick=1, signatures=[row], columns=cols))
+    assert reply.accepted == 1 and [r.index for r in reply.rejected] == [1]
+    assert reply.rejected[0].reason.startswith("columns:")
+
+
+def test_encode_refuses_unknown_columns_and_ragged_rows() -> None:
+    with pytest.raises(ValueError, match="unknown value columns"):
+        encode_columns(["a"], [GPU], [1], [1.0], {"gpu_temp_c": [3.0]})
+    with pytest.raises(ValueError, match="one entry per row"):
+        encode_columns(["a", "b"], [GPU], [1], [1.0], {})
