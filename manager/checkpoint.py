@@ -130,6 +130,7 @@ def save_checkpoint(path: str | Path, model: TransformerBiGRU, metadata: Metadat
     os.close(fd)
     try:
         torch.save(payload, tmp)
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; a checkpoint is not a secret
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

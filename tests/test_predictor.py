@@ -180,3 +180,17 @@ def test_failed_file_is_not_retried_until_it_changes(tmp_path: Path) -> None:
         clock.now = t
         holder.forecast_batch([])
     assert len(calls) == 2  # one per construction, none for the unchanged file
+
+
+def test_the_shipped_model_loads_and_names_only_permitted_data() -> None:
+    from manager.predictor import DEFAULT_MODEL_PATH
+
+    f = load_forecaster(DEFAULT_MODEL_PATH, device="cpu")
+    training = f.checkpoint.metadata.training
+    paths = [e["path"] for e in training["trace_files"]]
+    assert paths and all("migperf" in p for p in paths)
+    assert not any(word in p.lower() for p in paths for word in ("titanx", "lucid", "alibaba"))
+    assert any("MIT" in lic for lic in training["licences"])
+    assert training["apps"]["test"] > 0  # the test split was left out, not absent
+    out = f.forecast_batch([ramp_app("a", seconds=30)])[0]
+    assert 0 <= out.sm_p50_pct[4] <= out.sm_p90_pct[4] <= 100
