@@ -404,6 +404,44 @@ class BatchEncoder:
         return b"".join(parts), n
 
 
+class ColumnEncoder(BatchEncoder):
+    """The same signatures as `BatchEncoder`, sent as one `SignatureColumns` per batch (what a
+    profiler sends when it batches many; manager/columns.py)."""
+
+    def __init__(self, apps: Sequence[AppTrace], names: Sequence[str], device_ids: Sequence[str]) -> None:
+        super().__init__(apps, names, device_ids)
+        self.device_ids = [device_ids[i % len(device_ids)] for i in range(len(names))]
+        self.rows: list[np.ndarray] = []  # per app: (3, 64) mem, sm, mem_total from its trace
+        for i in range(len(names)):
+            a = apps[i % len(apps)]
+            k = min(len(a), 64)
+            self.rows.append(np.stack([a.column("mem_used_mib")[:k], a.column("sm_util_pct")[:k], np.full(k, 81559.0)]))
+        self.seq_arr = np.zeros(len(names), dtype=np.uint64)
+        self.last_t_arr = np.zeros(len(names))
+
+    def batch(self, profiler_id: str, tick: int, app_idx: Sequence[int], per_app: int) -> tuple[bytes, int]:
+        from manager.columns import encode_columns
+
+        now = time.time()
+        idx = np.asarray(app_idx)
+        n_apps = len(idx)
+        # row r of every app, r = 0..per_app-1, in batch order (r outer, app inner) like the row form
+        t = np.repeat(now - (per_app - 1 - np.arange(per_app)) * 1e-4, n_apps)
+        t = np.maximum(t, np.tile(self.last_t_arr[idx], per_app) + 1e-6 * (1 + np.repeat(np.arange(per_app), n_apps)))
+        seq = np.tile(self.seq_arr[idx], per_app) + np.repeat(np.arange(1, per_app + 1, dtype=np.uint64), n_apps)
+        self.seq_arr[idx] += np.uint64(per_app)
+        self.last_t_arr[idx] = t[-n_apps:]
+        vals = np.empty((3, per_app * n_apps))
+        for j, i in enumerate(idx):
+            block = self.rows[i]
+            pos = (seq[j::n_apps] % np.uint64(block.shape[1])).astype(np.int64)
+            vals[:, j::n_apps] = block[:, pos]
+        cols = encode_columns([self.names[i] for i in idx] * per_app, [self.device_ids[i] for i in idx] * per_app,
+                              seq, t, {"mem_used_mib": vals[0], "sm_util_pct": vals[1], "mem_total_mib": vals[2]})
+        msg = ingest_pb2.SignatureBatch(profiler_id=profiler_id, tick=tick, sent_at_s=now, columns=cols)
+        return msg.SerializeToString(), len(t)
+
+
 async def _max_stream(channel: Any, enc: BatchEncoder, sid: int, app_idx: list[int], state: dict[str, Any]) -> None:
     call = channel.stream_stream(INGEST_METHOD, request_serializer=None,
                                  response_deserializer=ingest_pb2.IngestReply.FromString)()
@@ -437,11 +475,11 @@ async def _max_stream(channel: Any, enc: BatchEncoder, sid: int, app_idx: list[i
 
 
 async def _run_max(address: str, mgr: ManagerProcess, device_ids: list[str], rates: Sequence[int], step_s: float,
-                   budget_s: float, streams: int, n_apps: int) -> dict[str, Any]:
+                   budget_s: float, streams: int, n_apps: int, encoding: str = "rows") -> dict[str, Any]:
     import grpc
 
     names = [f"max-app-{i}" for i in range(n_apps)]
-    enc = BatchEncoder(demo_apps(), names, device_ids)
+    enc = (ColumnEncoder if encoding == "columns" else BatchEncoder)(demo_apps(), names, device_ids)
     state: dict[str, Any] = {"accepted": 0, "rejected": 0, "replies": 0, "batches": 0, "offered": 0, "per_app": 0,
                              "stop": False}
     groups = [list(range(s, n_apps, streams)) for s in range(streams)]
@@ -486,6 +524,7 @@ async def _run_max(address: str, mgr: ManagerProcess, device_ids: list[str], rat
         "manager_cpu_frac_at_max": round(best_cpu, 3) if math.isfinite(best_cpu) else None,
         "streams": streams,
         "apps": n_apps,
+        "encoding": encoding,
         "batches_per_s_per_stream": 10,
         "rejected": state["rejected"],
         "steps": steps,
@@ -493,19 +532,21 @@ async def _run_max(address: str, mgr: ManagerProcess, device_ids: list[str], rat
     }
 
 
-DEFAULT_RATES = (5_000, 10_000, 20_000, 30_000, 40_000, 60_000, 80_000, 100_000, 130_000, 160_000, 200_000)
+DEFAULT_RATES = (5_000, 10_000, 20_000, 30_000, 40_000, 60_000, 80_000, 100_000, 130_000, 160_000, 200_000, 300_000,
+                 500_000)
 
 
 def run_max(*, gpus: int = 8, step_s: float = 3.0, budget_s: float = 60.0, streams: int = 4, apps: int = 200,
             rates: Sequence[int] = DEFAULT_RATES, forecast_interval_s: float = 1.0, batch_window_s: float = 0.001,
-            profile_path: str = "") -> dict[str, Any]:
+            profile_path: str = "", encoding: str = "rows") -> dict[str, Any]:
     from vgpu import log
 
     log.configure("console", "error")
     mgr = ManagerProcess(gpus, forecast_interval_s, profile_path, batch_window_s)
     mgr.start()
     try:
-        result = asyncio.run(_run_max(mgr.address, mgr, sim_device_ids(gpus), rates, step_s, budget_s, streams, apps))
+        result = asyncio.run(_run_max(mgr.address, mgr, sim_device_ids(gpus), rates, step_s, budget_s, streams, apps,
+                                      encoding))
     finally:
         stats = mgr.stop()
     result["manager_out_of_order"] = stats.get("out_of_order")
@@ -526,6 +567,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--batch-window-ms", type=float, default=1.0,
                    help="manager: how long due applications wait for others to join one forecast (default 1)")
     p.add_argument("--max", action="store_true", help="find the highest sustained rate with batched ticks")
+    p.add_argument("--encoding", choices=("rows", "columns"), default="rows",
+                   help="--max: batches as signature rows or as one SignatureColumns (default rows)")
     p.add_argument("--max-seconds", type=float, default=60.0, help="--max: time budget (default 60)")
     p.add_argument("--step-s", type=float, default=3.0, help="--max: seconds per offered rate (default 3)")
     p.add_argument("--streams", type=int, default=4, help="--max: concurrent streams (default 4)")
@@ -538,7 +581,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.max:
         result = run_max(gpus=args.gpus, step_s=args.step_s, budget_s=args.max_seconds, streams=args.streams,
                          forecast_interval_s=args.forecast_interval_s, profile_path=args.profile_manager,
-                         batch_window_s=args.batch_window_ms / 1000.0)
+                         batch_window_s=args.batch_window_ms / 1000.0, encoding=args.encoding)
     else:
         result = run_ingest(apps=args.apps, seconds=args.seconds, hz=args.hz, gpus=args.gpus, warmup_s=args.warmup_s,
                             forecast_interval_s=args.forecast_interval_s, profile_path=args.profile_manager,

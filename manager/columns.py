@@ -1,10 +1,10 @@
 """Columnar signature batches (`SignatureColumns` in proto/vgpu/v1/ingest.proto): encoding, and
-reading with numpy.
+reading with numpy; and the one-pass reading of one signature that both forms share.
 
 A batch of many signatures costs the manager about 8 us per signature as rows (one Python pass per
 message); as columns it is a handful of `numpy.frombuffer` views and vectorised checks per batch,
 plus one bulk window append per application. The checks are those of the row form
-(manager/core.py `parse_signature`), except that NaN is allowed and means unknown.
+(`parse_signature`, below), except that NaN is allowed and means unknown.
 
     msg = encode_columns(app_ids, device_ids, seq, t_s, {"mem_used_mib": mem, "sm_util_pct": sm})
     rows = read_columns(msg)            # ColumnRows: arrays, plus (row, reason) for rejected rows
@@ -12,6 +12,7 @@ plus one bulk window append per application. The checks are those of the row for
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -19,11 +20,10 @@ import numpy as np
 import numpy.typing as npt
 
 from vgpu.traces import NUMERIC
-from vgpu.v1 import ingest_pb2
+from vgpu.v1 import ingest_pb2, signature_pb2
 
 MAX_ID_CHARS = 256
 _PCT = ("sm_util_pct", "mem_util_pct")
-_COL = {name: k for k, name in enumerate(NUMERIC)}
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,109 @@ def _table(ids: Sequence[str]) -> tuple[list[str], list[int]]:
     index: dict[str, int] = {}
     rows = [index.setdefault(x, len(index)) for x in ids]
     return list(index), rows
+
+
+# --- one signature: checked and turned into window values in one pass ------------------------------
+_PCT_FIELDS = {"sm_util_pct", "mem_bw_util_pct"}
+_COL = {name: k for k, name in enumerate(NUMERIC)}
+_MEM = _COL["mem_used_mib"]
+
+
+def _field_specs() -> dict[object, tuple[str, int, float, bool]]:
+    """Each counter field: (where, window column or -1, scale, is a percentage). Keyed by descriptor."""
+    sig = signature_pb2.BehavioralSignature.DESCRIPTOR
+    to_col = {
+        ("device", "mem_total_mib"): ("mem_total_mib", 1.0),
+        ("device", "power_mw"): ("power_w", 1e-3),
+        ("device", "power_limit_mw"): ("power_limit_w", 1e-3),
+        ("device", "mem_bw_util_pct"): ("mem_util_pct", 1.0),
+        ("device", "sm_clock_mhz"): ("sm_clock_mhz", 1.0),
+        ("device", "pcie_tx_kbps"): ("pcie_tx_kbps", 1.0),
+        ("device", "pcie_rx_kbps"): ("pcie_rx_kbps", 1.0),
+        ("process", "gpu_mem_used_mib"): ("mem_used_mib", 1.0),
+        ("process", "sm_util_pct"): ("sm_util_pct", 1.0),
+    }
+    out: dict[object, tuple[str, int, float, bool]] = {}
+    for part in ("device", "process", "host", "in_app"):
+        for fd in sig.fields_by_name[part].message_type.fields:
+            col, scale = to_col.get((part, fd.name), ("", 1.0))
+            out[fd] = (f"{part}.{fd.name}", _COL[col] if col else -1, scale, fd.name in _PCT_FIELDS)
+    return out
+
+
+_SPECS = _field_specs()
+_INAPP_RESERVED = signature_pb2.InAppCounters.DESCRIPTOR.fields_by_name["torch_reserved_mib"]
+_NAN_ROW = [math.nan] * len(NUMERIC)
+
+
+def parse_signature(sig: signature_pb2.BehavioralSignature) -> tuple[str | None, list[float]]:
+    """(why the signature is unusable or None, its window values indexed like vgpu.traces.NUMERIC,
+    NaN where unset). One pass over the set fields: validation and extraction together.
+
+    What a signature contributes: mem_used_mib = process.gpu_mem_used_mib, else
+    in_app.torch_reserved_mib; sm_util_pct = process.sm_util_pct; the device columns from the device
+    fields (power in W from mW)."""
+    app_id = sig.app_id
+    if not app_id.strip():
+        return "app_id is empty", _NAN_ROW
+    if len(app_id) > MAX_ID_CHARS:
+        return f"app_id is {len(app_id)} characters long; at most {MAX_ID_CHARS} are allowed", _NAN_ROW
+    device_id = sig.device_id
+    if not device_id:
+        return "device_id is empty: give the GPU or MIG UUID the application runs on", _NAN_ROW
+    if len(device_id) > MAX_ID_CHARS:
+        return f"device_id is {len(device_id)} characters long; at most {MAX_ID_CHARS} are allowed", _NAN_ROW
+    if sig.seq == 0:
+        return "seq is 0: sequence numbers start at 1", _NAN_ROW
+    t = sig.timestamp_s
+    if not (0 < t < math.inf):
+        return f"timestamp_s must be Unix seconds > 0, got {t}", _NAN_ROW
+    values = _NAN_ROW.copy()
+    reserved = math.nan
+    specs = _SPECS
+    for part_fd, part in sig.ListFields():
+        if part_fd.message_type is None:
+            continue
+        for fd, value in part.ListFields():
+            where, col, scale, pct = specs[fd]
+            if value.__class__ is float:
+                if not (0.0 <= value < math.inf):
+                    if value != value or value in (math.inf, -math.inf):
+                        return f"{where} is not a finite number ({value})", _NAN_ROW
+                    return f"{where} is negative ({value:g})", _NAN_ROW
+                if pct and value > 100.0:
+                    return f"{where} is outside 0-100 ({value:g})", _NAN_ROW
+                if fd is _INAPP_RESERVED:
+                    reserved = value
+            if col >= 0:
+                values[col] = value * scale
+    if values[_MEM] != values[_MEM]:
+        values[_MEM] = reserved
+    return None, values
+
+
+def columns_from_signatures(
+    sigs: Sequence[signature_pb2.BehavioralSignature],
+) -> tuple[ingest_pb2.SignatureColumns, list[signature_pb2.BehavioralSignature]]:
+    """(the usable signatures as columns, the unusable ones as they are: sent as rows, the manager
+    answers each with its reason). Columns carry the window values only (no host or in-app counters;
+    in_app.torch_reserved_mib stands in for a missing process memory, as the manager reads rows)."""
+    rows: list[signature_pb2.BehavioralSignature] = []
+    keep: list[signature_pb2.BehavioralSignature] = []
+    vals: list[list[float]] = []
+    for sig in sigs:
+        reason, values = parse_signature(sig)
+        if reason is None:
+            keep.append(sig)
+            vals.append(values)
+        else:
+            rows.append(sig)
+    block = np.asarray(vals, dtype=np.float64).reshape(len(vals), len(NUMERIC)).T
+    known = [k for k in range(len(NUMERIC)) if not np.isnan(block[k]).all()]
+    cols = encode_columns([s.app_id for s in keep], [s.device_id for s in keep], [s.seq for s in keep],
+                          [s.timestamp_s for s in keep], {NUMERIC[k]: block[k] for k in known},
+                          [s.pid for s in keep])
+    return cols, rows
 
 
 class ColumnsFormatError(ValueError):

@@ -40,16 +40,14 @@ import structlog
 
 from allocator.core import Allocator
 from allocator.plan import Recommendation
+from manager.columns import MAX_ID_CHARS, ColumnsFormatError, parse_signature, read_columns
 from manager.forecast import HORIZONS_S, Forecast, Forecaster
-from manager.columns import ColumnsFormatError, read_columns
 from manager.window import WindowStore
 from vgpu.log import get_logger
-from vgpu.traces import NUMERIC, AppTrace, one_second_grid
+from vgpu.traces import AppTrace, one_second_grid
 from vgpu.v1 import ingest_pb2, signature_pb2
 
-_PCT_FIELDS = {"sm_util_pct", "mem_bw_util_pct"}
-_MAX_APP_ID = 256
-_MAX_DEVICE_ID = 256
+_MAX_APP_ID = MAX_ID_CHARS
 
 
 class EwmaMarginForecaster:
@@ -145,83 +143,6 @@ class Decision:
 def _z(x: float) -> float:
     """NaN has no place in a proto double a person reads; unknown is sent as 0 (the field docs say so)."""
     return x if math.isfinite(x) else 0.0
-
-
-_COL = {name: k for k, name in enumerate(NUMERIC)}
-_MEM = _COL["mem_used_mib"]
-
-
-def _field_specs() -> dict[object, tuple[str, int, float, bool]]:
-    """Each counter field: (where, window column or -1, scale, is a percentage). Keyed by descriptor."""
-    sig = signature_pb2.BehavioralSignature.DESCRIPTOR
-    to_col = {
-        ("device", "mem_total_mib"): ("mem_total_mib", 1.0),
-        ("device", "power_mw"): ("power_w", 1e-3),
-        ("device", "power_limit_mw"): ("power_limit_w", 1e-3),
-        ("device", "mem_bw_util_pct"): ("mem_util_pct", 1.0),
-        ("device", "sm_clock_mhz"): ("sm_clock_mhz", 1.0),
-        ("device", "pcie_tx_kbps"): ("pcie_tx_kbps", 1.0),
-        ("device", "pcie_rx_kbps"): ("pcie_rx_kbps", 1.0),
-        ("process", "gpu_mem_used_mib"): ("mem_used_mib", 1.0),
-        ("process", "sm_util_pct"): ("sm_util_pct", 1.0),
-    }
-    out: dict[object, tuple[str, int, float, bool]] = {}
-    for part in ("device", "process", "host", "in_app"):
-        for fd in sig.fields_by_name[part].message_type.fields:
-            col, scale = to_col.get((part, fd.name), ("", 1.0))
-            out[fd] = (f"{part}.{fd.name}", _COL[col] if col else -1, scale, fd.name in _PCT_FIELDS)
-    return out
-
-
-_SPECS = _field_specs()
-_INAPP_RESERVED = signature_pb2.InAppCounters.DESCRIPTOR.fields_by_name["torch_reserved_mib"]
-_NAN_ROW = [math.nan] * len(NUMERIC)
-
-
-def parse_signature(sig: signature_pb2.BehavioralSignature) -> tuple[str | None, list[float]]:
-    """(why the signature is unusable or None, its window values indexed like vgpu.traces.NUMERIC,
-    NaN where unset). One pass over the set fields: validation and extraction together.
-
-    What a signature contributes: mem_used_mib = process.gpu_mem_used_mib, else
-    in_app.torch_reserved_mib; sm_util_pct = process.sm_util_pct; the device columns from the device
-    fields (power in W from mW)."""
-    app_id = sig.app_id
-    if not app_id.strip():
-        return "app_id is empty", _NAN_ROW
-    if len(app_id) > _MAX_APP_ID:
-        return f"app_id is {len(app_id)} characters long; at most {_MAX_APP_ID} are allowed", _NAN_ROW
-    device_id = sig.device_id
-    if not device_id:
-        return "device_id is empty: give the GPU or MIG UUID the application runs on", _NAN_ROW
-    if len(device_id) > _MAX_DEVICE_ID:
-        return f"device_id is {len(device_id)} characters long; at most {_MAX_DEVICE_ID} are allowed", _NAN_ROW
-    if sig.seq == 0:
-        return "seq is 0: sequence numbers start at 1", _NAN_ROW
-    t = sig.timestamp_s
-    if not (0 < t < math.inf):
-        return f"timestamp_s must be Unix seconds > 0, got {t}", _NAN_ROW
-    values = _NAN_ROW.copy()
-    reserved = math.nan
-    specs = _SPECS
-    for part_fd, part in sig.ListFields():
-        if part_fd.message_type is None:
-            continue
-        for fd, value in part.ListFields():
-            where, col, scale, pct = specs[fd]
-            if value.__class__ is float:
-                if not (0.0 <= value < math.inf):
-                    if value != value or value in (math.inf, -math.inf):
-                        return f"{where} is not a finite number ({value})", _NAN_ROW
-                    return f"{where} is negative ({value:g})", _NAN_ROW
-                if pct and value > 100.0:
-                    return f"{where} is outside 0-100 ({value:g})", _NAN_ROW
-                if fd is _INAPP_RESERVED:
-                    reserved = value
-            if col >= 0:
-                values[col] = value * scale
-    if values[_MEM] != values[_MEM]:
-        values[_MEM] = reserved
-    return None, values
 
 
 def validate_signature(sig: signature_pb2.BehavioralSignature) -> str | None:

@@ -42,6 +42,23 @@ def test_batch_encoder_bytes_parse_as_the_signatures_they_stand_for() -> None:
     assert signature_pb2.BehavioralSignature.FromString(again.SerializeToString()) == first
 
 
+def test_column_encoder_carries_the_same_signatures_as_the_row_encoder() -> None:
+    from manager.core import EwmaMarginForecaster, Manager
+
+    apps = ingest.demo_apps()
+    rows, cols = (E(apps, ["x", "y"], ["GPU-a", "GPU-b"]) for E in (ingest.BatchEncoder, ingest.ColumnEncoder))
+    windows = []
+    for enc in (rows, cols):
+        m = Manager(None, EwmaMarginForecaster(), min_samples=1)
+        for k in range(3):
+            data, n = enc.batch("p", k, [0, 1], per_app=4)
+            assert n == 8 and m.accept(ingest_pb2.SignatureBatch.FromString(data)).accepted == 8
+        windows.append({a: [(s.seq, s.get("mem_used_mib"), s.get("mem_total_mib")) for s in m.windows.window(a).samples]
+                        for a in ("x", "y")})
+    assert windows[0] == windows[1] and [s[0] for s in windows[1]["x"]] == list(range(1, 13))
+    assert ingest_pb2.SignatureBatch.FromString(cols.batch("p", 9, [0], per_app=2)[0]).HasField("columns")
+
+
 def test_varint_matches_protobuf() -> None:
     for n in (0, 1, 127, 128, 300, 2**32, 2**63):
         msg = signature_pb2.BehavioralSignature(seq=n).SerializeToString()

@@ -157,3 +157,31 @@ def test_batches_are_split_to_stay_under_the_byte_budget() -> None:
     assert n == 4 and sum(s.ByteSize() for s in list(streamer.buffer)[:n]) <= 4096
     assert huge not in streamer.buffer and len(streamer.buffer) == 10  # dropped, counted, the rest kept
     assert (streamer.dropped_since_last, streamer.stats.dropped_total, streamer.stats.oversized) == (1, 1, 1)
+
+
+class _CapturingCall:
+    def __init__(self) -> None:
+        self.written: list[object] = []
+
+    async def write(self, batch: object) -> None:
+        self.written.append(batch)
+
+
+@pytest.mark.parametrize(("n", "columnar"), [(255, False), (256, True)])
+async def test_a_big_batch_goes_as_columns_and_the_manager_keeps_all_of_it(n: int, columnar: bool) -> None:
+    streamer = SignatureStreamer(CountingSource("app", per_tick=1), "unix:/nonexistent.sock", columns_from=256)
+    sigs = [signature_pb2.BehavioralSignature(app_id=f"a{i % 7}", device_id=GPU, timestamp_s=1000.0 + i, seq=i + 1)
+            for i in range(n)]
+    for s in sigs:
+        s.process.gpu_mem_used_mib = float(s.seq)
+    streamer.enqueue(sigs)
+    call = _CapturingCall()
+    streamer._call = call  # type: ignore[assignment]
+    await streamer._send(1)
+    (batch,) = call.written
+    assert batch.HasField("columns") == columnar and len(batch.signatures) == (0 if columnar else n)  # type: ignore[attr-defined]
+    manager = _manager()
+    assert manager.accept(batch).accepted == n and not streamer.buffer  # type: ignore[arg-type]
+    assert sum(len(manager.windows.window(a)) for a in manager.windows.apps()) == n
+    last_a0 = max(s.seq for s in sigs if s.app_id == "a0")
+    assert manager.windows.window("a0").latest_value("mem_used_mib") == float(last_a0)

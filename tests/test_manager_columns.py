@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from manager.columns import ColumnsFormatError, encode_columns, read_columns
+from manager.columns import ColumnsFormatError, columns_from_signatures, encode_columns, read_columns
 from manager.core import EwmaMarginForecaster, Manager
 from manager.window import WindowStore
 from vgpu.v1 import ingest_pb2
@@ -121,3 +121,21 @@ def test_encode_refuses_unknown_columns_and_ragged_rows() -> None:
         encode_columns(["a"], [GPU], [1], [1.0], {"gpu_temp_c": [3.0]})
     with pytest.raises(ValueError, match="one entry per row"):
         encode_columns(["a", "b"], [GPU], [1], [1.0], {})
+
+
+def test_columns_from_signatures_keeps_the_window_values_and_leaves_bad_ones_as_rows() -> None:
+    good = []
+    for k in range(1, 4):
+        s = spb.BehavioralSignature(app_id="a", device_id=GPU, seq=k, timestamp_s=1000.0 + k, pid=7)
+        s.in_app.torch_reserved_mib = 100.0 * k  # stands in for the process memory
+        s.device.power_mw = 250_000
+        good.append(s)
+    bad = spb.BehavioralSignature(app_id="", device_id=GPU, seq=1, timestamp_s=1000.0)
+    cols, rows = columns_from_signatures([good[0], bad, good[1], good[2]])
+    assert rows == [bad]
+    m = _manager()
+    reply = m.accept(ingest_pb2.SignatureBatch(tick=1, signatures=rows, columns=cols))
+    assert reply.accepted == 3 and [r.reason for r in reply.rejected] == ["app_id is empty"]
+    trace = m.windows.trace("a")
+    np.testing.assert_array_equal(trace.column("mem_used_mib"), [100.0, 200.0, 300.0])
+    np.testing.assert_array_equal(trace.column("power_w"), [250.0] * 3)
