@@ -12,7 +12,12 @@ Start-up, in order (each step fails loudly with a message that names what to fix
 4. the ledger from the store, reconciled with the device: grants on devices that are gone and
    grants of processes that have exited are released; a power limit or MIG layout that is not the
    original is reported (and put back at the next graceful stop);
-5. the cold-start sizer (manager/coldstart.py), loading in a worker thread (requests that need it
+5. the forecaster (manager/modelpath.py): a configured `manager.model` must load or the start stops;
+   otherwise the shipped model loads in a worker thread while the baseline serves. Either is a
+   `ReloadingForecaster` that checks its file every `manager.model_check_interval_s` and swaps a new
+   checkpoint in without touching the streams (`forecaster_reloaded`); a new file that does not load
+   is logged (`forecaster_reload_failed`) and the old model keeps serving;
+   the cold-start sizer (manager/coldstart.py), loading in a worker thread (requests that need it
    before it is loaded are answered UNAVAILABLE; if it cannot load, one warning, and they are
    answered FAILED_PRECONDITION);
    tokens (vgpu/auth.py), the Allocator and Ingest servicers behind the access-control
@@ -57,8 +62,9 @@ from allocator.policy import ForecastPolicy
 from allocator.service import AllocatorServicer, Server, build_server
 from allocator.store import DeviceOriginal, MigSlot, Store, StoreError
 from manager.coldstart import AllocatorSizer, BackgroundSizer, ColdStartSizer
-from manager.core import Manager
-from manager.modelpath import resolve_model
+from manager.core import Manager, default_baseline
+from manager.forecast import Forecaster
+from manager.modelpath import ModelChoice, open_forecaster, resolve_model
 from manager.service import IngestServicer
 from vgpu import auth, log
 from vgpu import config as vconfig
@@ -154,6 +160,7 @@ class StateSource:
 
     def counter_snapshot(self) -> CounterSnapshot:
         c, s = self.allocator.counters, self.manager.stats
+        forecaster = self.manager.forecaster
         return CounterSnapshot(
             power_limit_changes=c.power_limit_changes,
             mig_changes=c.mig_changes,
@@ -164,6 +171,9 @@ class StateSource:
             forecast_failures=s.forecast_failures,
             signatures_accepted=s.accepted,
             signatures_rejected=s.rejected,
+            forecaster=self.manager.source,
+            forecaster_reloads=getattr(forecaster, "reloads", 0),
+            forecaster_reload_failures=getattr(forecaster, "reload_failures", 0),
         )
 
 
@@ -347,19 +357,18 @@ def default_sizer() -> Sizer:
     return AllocatorSizer(ColdStartSizer.load())
 
 
-def load_model(path: str) -> Any:
-    """The forecaster of a configured `manager.model` (None when not configured: the default model
-    is loaded in the background, `Daemon._load_default_model`). A configured model that does not
-    load stops the start: the operator asked for it. Imports torch only when there is a model."""
+def load_model(path: str, *, fallback: Forecaster | None = None, check_interval_s: float = 5.0) -> Any:
+    """The hot-reloading forecaster of a configured `manager.model` (None when not configured: the
+    default model is loaded in the background, `Daemon._load_default_model`). A configured model
+    that does not load stops the start: the operator asked for it. Imports torch only when there is
+    a model."""
     choice = resolve_model(path)
     if not choice.configured:
         return None
-    try:
-        from manager.predictor import load_forecaster
-
-        return load_forecaster(choice.path)
-    except Exception as exc:  # noqa: BLE001 - any failure means the file cannot be served
-        raise StartupError(f"manager.model {choice.path}: {type(exc).__name__}: {exc} (check it with `vgpu doctor`)") from exc
+    forecaster = open_forecaster(choice, fallback or default_baseline(), check_interval_s=check_interval_s)
+    if not forecaster.serving_model:
+        raise StartupError(f"manager.model {choice.path}: {forecaster.last_error} (check it with `vgpu doctor`)")
+    return forecaster
 
 
 # --- the socket -------------------------------------------------------------------------------------------
@@ -475,9 +484,14 @@ class Daemon:
         self.sizer = BackgroundSizer(self._load_sizer, self.log)
         self.allocator = Allocator(self.backend, clock=self.clock, dry_run=cfg.server.dry_run, ledger=ledger,
                                    mig=mig, sizer=self.sizer, policy=ForecastPolicy(), on_change=self._save)
-        self.manager = Manager(self.allocator, load_model(cfg.manager.model), clock=self.clock)
+        baseline = default_baseline()
+        interval_s = cfg.manager.model_check_interval_s
+        self.manager = Manager(self.allocator, load_model(cfg.manager.model, fallback=baseline, check_interval_s=interval_s),
+                               clock=self.clock, fallback=baseline)
         model = resolve_model(cfg.manager.model)
-        if not model.configured:
+        if model.configured:
+            self.log.info("forecaster", serving="model", path=str(model.path), check_interval_s=interval_s)
+        else:
             # the shipped model, when present, loads in the background; the baseline serves meanwhile
             self.model_loader = threading.Thread(target=self._load_default_model, args=(model.path,),
                                                  name="forecaster-load", daemon=True)
@@ -567,16 +581,20 @@ class Daemon:
         if not path.is_file():
             self.log.info("forecaster", serving="baseline", reason=f"no checkpoint at {path}")
             return
+        interval_s = self.cfg.manager.model_check_interval_s
         try:
-            from manager.predictor import load_forecaster
-
-            model = load_forecaster(path)
+            model = open_forecaster(ModelChoice(path, False), self.manager.fallback, check_interval_s=interval_s)
         except Exception as exc:  # noqa: BLE001 - the default model is optional: degrade, say so once
-            self.log.warning("forecaster_unavailable", path=str(path), error=f"{type(exc).__name__}: {exc}",
-                             serving="baseline")
-            return
-        self.manager.forecaster = model  # one attribute store; the next forecast tick uses it
-        self.log.info("forecaster", serving="model", path=str(path))
+            error = f"{type(exc).__name__}: {exc}"
+        else:
+            if model.serving_model:
+                self.manager.forecaster = model  # one attribute store; the next forecast tick uses it
+                self.log.info("forecaster", serving="model", path=str(path), check_interval_s=interval_s)
+                return
+            error = model.last_error or "did not load"
+        # A shipped model that does not load is a broken install (`vgpu doctor` says WARN): the
+        # baseline serves and the file is not watched.
+        self.log.warning("forecaster_unavailable", path=str(path), error=error, serving="baseline")
 
     async def _ping_watchdog(self, period_s: float) -> None:
         # Fixed rate on monotonic deadlines; runs on the loop, so a stalled loop stops the pings.

@@ -35,7 +35,7 @@ from allocator.policy import ForecastPolicy
 from allocator.service import AllocatorServicer, build_server
 from manager.core import Manager, default_baseline
 from manager.forecast import Forecaster
-from manager.modelpath import resolve_model
+from manager.modelpath import ModelChoice, describe_serving, open_forecaster, resolve_model
 from manager.service import IngestServicer
 from profiler.sampler import Sampler
 from profiler.stream import SignatureStreamer
@@ -84,20 +84,14 @@ class DemoResult:
 
 
 def default_forecaster() -> tuple[Forecaster, str]:
-    """The shipped model (manager/modelpath.py, as the daemon serves it) when present and it loads,
-    else the baseline; and a line saying which."""
+    """The shipped model served as the daemon serves it (manager/modelpath.py: the same resolve
+    and the same fallback to the baseline; no hot reload in a demo) and a line saying which."""
     baseline = default_baseline()
-    base_name = f"baseline ({getattr(baseline, 'name', 'baseline')})"
     path = resolve_model(None).path
-    if not path.is_file():
-        return baseline, f"{base_name}: no trained forecaster at {path}"
-    try:
-        from manager import predictor  # noqa: PLC0415 - imports torch; only when a model exists
-
-        model: Forecaster = predictor.load_forecaster(path, "cpu")
-        return model, f"model ({path.name})"
-    except Exception as exc:  # noqa: BLE001 - any failure to load means the baseline serves
-        return baseline, f"{base_name}: the model did not load ({type(exc).__name__}: {exc})"
+    if not path.is_file():  # no torch import for nothing
+        return baseline, f"baseline ({getattr(baseline, 'name', 'baseline')}): no trained forecaster at {path}"
+    forecaster = open_forecaster(ModelChoice(path, False), baseline, device="cpu")
+    return forecaster, describe_serving(forecaster)
 
 
 def launch_order(trace: Trace) -> list[tuple[str, AppTrace]]:

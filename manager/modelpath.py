@@ -6,6 +6,10 @@
   (manager/models/default.pt): served when it is there and loads; when it is absent or does not
   load, the baseline forecaster serves (doctor says WARN, the daemon logs it once).
 
+Both serve it the same way, through `open_forecaster`: a `manager.predictor.ReloadingForecaster` on
+the resolved path with the baseline forecaster as its fallback (the daemon checks the file for a new
+checkpoint every `manager.model_check_interval_s`; the demo does not reload).
+
 Reading `DEFAULT_MODEL_PATH` imports manager.predictor and with it torch, which costs seconds; this
 module does so only when a forecaster checkpoint is present in manager/models/ (loading it needs torch
 anyway) and otherwise answers with `FALLBACK_DEFAULT`, the same path, without importing anything.
@@ -13,8 +17,14 @@ anyway) and otherwise answers with `FALLBACK_DEFAULT`, the same path, without im
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from manager.forecast import Forecaster
+    from manager.predictor import ReloadingForecaster
 
 MODELS_DIR = Path(__file__).resolve().parent / "models"
 FALLBACK_DEFAULT = MODELS_DIR / "default.pt"
@@ -50,4 +60,40 @@ def resolve_model(configured: str | Path | None, *, models_dir: Path = MODELS_DI
     return ModelChoice(default_model_path(models_dir), False)
 
 
-__all__ = ["FALLBACK_DEFAULT", "MODELS_DIR", "ModelChoice", "default_model_path", "resolve_model"]
+def open_forecaster(
+    choice: ModelChoice,
+    fallback: Forecaster,
+    *,
+    check_interval_s: float = math.inf,
+    device: str | None = None,
+) -> ReloadingForecaster:
+    """The forecaster that serves `choice`: its checkpoint when it loads (loaded here, in the
+    caller's thread), else `fallback`; a new file at the path is hot-loaded in the background at most
+    every `check_interval_s` (inf: never). `serving_model` and `last_error` say how the load went;
+    whether a failed load is fatal is the caller's rule (a configured model must load). Imports torch."""
+    from manager.predictor import ReloadingForecaster, load_forecaster  # noqa: PLC0415 - torch
+
+    return ReloadingForecaster(
+        choice.path,
+        fallback,
+        check_interval_s=check_interval_s,
+        loader=lambda path: load_forecaster(path, device),
+    )
+
+
+def describe_serving(forecaster: ReloadingForecaster) -> str:
+    """What serves, in words: "model (default.pt)" or "baseline (ewma): the model did not load (...)"."""
+    if forecaster.serving_model:
+        return f"model ({forecaster.path.name})"
+    return f"baseline ({forecaster.name}): the model did not load ({forecaster.last_error})"
+
+
+__all__ = [
+    "FALLBACK_DEFAULT",
+    "MODELS_DIR",
+    "ModelChoice",
+    "default_model_path",
+    "describe_serving",
+    "open_forecaster",
+    "resolve_model",
+]

@@ -156,20 +156,21 @@ class ReloadingForecaster:
         self._thread: threading.Thread | None = None
         self._failed_sig: tuple[int, int] | None = None
         self.reloads = 0
+        self.reload_failures = 0
         self.last_error: str | None = None
         sig = _signature(self.path)
         try:
             self._current: Forecaster = loader(self.path)
             self._loaded_sig = sig
             _log.info("forecaster_loaded", path=str(self.path))
-        except CheckpointError as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever the loader raises, the file cannot be served
             if fallback is None:
                 raise
-            self.last_error = str(exc)
+            self.last_error = _describe(exc)
             self._current = fallback
             self._loaded_sig = None
             self._failed_sig = sig
-            _log.warning("forecaster_fallback", path=str(self.path), error=str(exc), fallback=fallback.name)
+            _log.warning("forecaster_fallback", path=str(self.path), error=self.last_error, fallback=fallback.name)
         self._last_check = clock()
 
     @property
@@ -217,15 +218,21 @@ class ReloadingForecaster:
     def _load(self, sig: tuple[int, int]) -> None:
         try:
             new = self._loader(self.path)
-        except CheckpointError as exc:
+        except Exception as exc:  # noqa: BLE001 - a background load must not die silently: log, keep serving
             self._failed_sig = sig
-            self.last_error = str(exc)
+            self.reload_failures += 1
+            self.last_error = _describe(exc)
             _log.error(
-                "forecaster_reload_failed", path=str(self.path), error=str(exc), serving=self._current.name
+                "forecaster_reload_failed", path=str(self.path), error=self.last_error, serving=self._current.name,
+                failures=self.reload_failures,
             )
             return
         self._current = new  # one reference assignment: callers see the old or the new, never half
         self._loaded_sig = sig
         self.reloads += 1
         self.last_error = None
-        _log.info("forecaster_reloaded", path=str(self.path), reloads=self.reloads)
+        _log.info("forecaster_reloaded", path=str(self.path), serving=new.name, reloads=self.reloads)
+
+
+def _describe(exc: Exception) -> str:
+    return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"

@@ -39,6 +39,7 @@ def test_layers_in_order(tmp_path: Path) -> None:
 def test_env_booleans_and_numbers() -> None:
     cfg = config.load(None, env={"VGPU_SERVER_DRY_RUN": "yes", "VGPU_SERVER_GRACE_S": "1.5"})
     assert cfg.server.dry_run is True and cfg.server.grace_s == 1.5
+    assert config.load(None, env={"VGPU_MANAGER_MODEL_CHECK_INTERVAL_S": "0.25"}).manager.model_check_interval_s == 0.25
 
 
 @pytest.mark.parametrize(
@@ -59,6 +60,8 @@ def test_env_booleans_and_numbers() -> None:
         ("", {"VGPU_SERVER_BOGUS": "1"}, r"unknown key server.bogus \(environment VGPU_SERVER_BOGUS\)"),
         ("", {"VGPU_METRICS_PORT": "lots"}, r"metrics.port \(environment VGPU_METRICS_PORT\): expected int"),
         ("", {"VGPU_SERVER_DRY_RUN": "maybe"}, "expected true/false"),
+        ("[manager]\nmodel_check_interval_s = 0\n", {}, r"manager.model_check_interval_s: must be > 0"),
+        ("", {"VGPU_MANAGER_MODEL_CHECK_INTERVAL_S": "-1"}, r"manager.model_check_interval_s: must be > 0"),
     ],
 )
 def test_bad_configuration_is_a_clear_error(tmp_path: Path, toml: str, env: dict[str, str], match: str) -> None:

@@ -4,32 +4,18 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
-from manager.checkpoint import CheckpointError, Metadata, save_checkpoint
-from manager.features import N_FEATURES, FeatureSpec
+from manager.checkpoint import CheckpointError
 from manager.forecast import Forecast, Forecaster
-from manager.model import ModelConfig, TransformerBiGRU
 from manager.predictor import ModelForecaster, ReloadingForecaster, load_forecaster
+from tests.checkpoint_synth import write_tiny_checkpoint as _write
 from tests.model_synth import ramp_app
 from vgpu.traces import AppTrace
-
-
-def _write(path: Path, seed: int = 0, shift: float = 0.0, bias: float | None = None) -> None:
-    torch.manual_seed(seed)
-    cfg = ModelConfig(n_features=N_FEATURES, attn_heads=2, key_channels=8)
-    model = TransformerBiGRU(cfg)
-    if bias is not None:  # a model whose P50 change is `bias` (normalised) whatever the input
-        with torch.no_grad():
-            model.head_p50.weight.zero_()
-            model.head_p50.bias.fill_(bias)
-    meta = Metadata(config=cfg, features=FeatureSpec(window_s=8), p90_shift=((shift,) * 5, (shift,) * 5))
-    save_checkpoint(path, model, meta)
 
 
 class _Fallback:
@@ -194,3 +180,59 @@ def test_the_shipped_model_loads_and_names_only_permitted_data() -> None:
     assert training["apps"]["test"] > 0  # the test split was left out, not absent
     out = f.forecast_batch([ramp_app("a", seconds=30)])[0]
     assert 0 <= out.sm_p50_pct[4] <= out.sm_p90_pct[4] <= 100
+
+
+def test_a_loader_that_raises_anything_is_logged_counted_and_the_old_model_serves(tmp_path: Path) -> None:
+    from structlog.testing import capture_logs
+
+    path = tmp_path / "m.pt"
+    _write(path)
+    def broken(p: Path) -> Forecaster:
+        raise RuntimeError("CUDA out of memory")
+
+    loaders: list[Callable[[Path], Forecaster]] = [lambda p: load_forecaster(p, device="cpu")]
+    clock = _Clock()
+    holder = ReloadingForecaster(path, _Fallback(), check_interval_s=1, clock=clock, background=True,
+                                 loader=lambda p: loaders[-1](p))
+    old = holder.current
+    loaders.append(broken)  # the next file fails with something other than CheckpointError
+    _touch_new(path, seed=5)
+    clock.now = 2.0
+    with capture_logs() as logs:
+        holder.forecast_batch([])
+        holder.wait_idle()
+    assert holder.current is old and holder.reload_failures == 1 and holder.reloads == 0
+    assert holder.last_error == "RuntimeError: CUDA out of memory"
+    (event,) = [e for e in logs if e["event"] == "forecaster_reload_failed"]
+    assert event["serving"] == "model" and event["path"] == str(path)
+    loaders.pop()
+    _touch_new(path, seed=6)
+    clock.now = 4.0
+    with capture_logs() as logs:
+        holder.forecast_batch([])
+        holder.wait_idle()
+    assert holder.current is not old and holder.reloads == 1
+    (event,) = [e for e in logs if e["event"] == "forecaster_reloaded"]
+    assert event["serving"] == "model" and event["reloads"] == 1
+
+
+def test_daemon_and_demo_serve_through_the_same_construction(tmp_path: Path) -> None:
+    """manager.modelpath.open_forecaster: the configured/default rule with the baseline fallback."""
+    from manager.daemon import StartupError, load_model
+    from manager.modelpath import ModelChoice, describe_serving, open_forecaster
+
+    good = tmp_path / "good.pt"
+    _write(good)
+    served = open_forecaster(ModelChoice(good, False), _Fallback(), device="cpu")
+    assert isinstance(served, ReloadingForecaster) and served.serving_model
+    assert describe_serving(served) == "model (good.pt)"
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"garbage")
+    degraded = open_forecaster(ModelChoice(bad, False), _Fallback())
+    assert not degraded.serving_model and degraded.name == "last_value"
+    assert describe_serving(degraded).startswith("baseline (last_value): the model did not load") and "bad.pt" in describe_serving(degraded)
+    # the daemon's configured model is the same object kind, and refuses to start on a bad file
+    daemon_model = load_model(str(good), fallback=_Fallback(), check_interval_s=0.5)
+    assert isinstance(daemon_model, ReloadingForecaster) and daemon_model.serving_model
+    with pytest.raises(StartupError, match=r"manager.model .*bad.pt"):
+        load_model(str(bad), fallback=_Fallback())

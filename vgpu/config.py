@@ -87,6 +87,9 @@ class ManagerConfig:
     # Forecaster checkpoint (manager/train.py); empty = the shipped model when it loads, else the
     # baseline forecaster (manager/modelpath.py).
     model: str = ""
+    # Seconds between checks of the checkpoint file for a new version (mtime/size), hot-loaded
+    # without dropping streams; a new file that does not load is logged and the old model serves.
+    model_check_interval_s: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -193,6 +196,8 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("tls.cert and tls.key: set both or neither")
     if cfg.tls.ca and not cfg.tls.cert:
         raise ConfigError("tls.ca: mutual TLS needs tls.cert and tls.key as well")
+    if not cfg.manager.model_check_interval_s > 0:
+        raise ConfigError(f"manager.model_check_interval_s: must be > 0, got {cfg.manager.model_check_interval_s}")
     if not 0 <= cfg.metrics.port <= 65535:
         raise ConfigError(f"metrics.port: expected 0..65535, got {cfg.metrics.port}")
     if cfg.log.format not in ("json", "console"):

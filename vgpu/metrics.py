@@ -14,7 +14,9 @@ Metric names (all prefixed `vgpu_`):
 - enforcement: `enforcement_actions_total{mechanism}`, `enforcement_failures_total{device,mechanism}`,
   `enforcement_disabled{device,mechanism}`, `restore_actions_total{mechanism,result}`;
 - manager: `forecast_tick_seconds` (summary: count and sum of forecast tick latency),
-  `forecast_failures_total`, `signatures_total{result}`;
+  `forecast_failures_total`, `signatures_total{result}`, `forecaster_serving{forecaster}` (1 for
+  "model" or "baseline", whichever serves), `forecaster_reloads_total{result}` (hot reloads of the
+  checkpoint, "ok" or "failed");
 - access: `access_denied_total{method,code}`; persistence: `store_writes_total`.
 """
 
@@ -66,6 +68,9 @@ class CounterSnapshot:
     forecast_failures: int = 0
     signatures_accepted: int = 0
     signatures_rejected: int = 0
+    forecaster: str = ""  # "model" or "baseline"; empty = unknown
+    forecaster_reloads: int = 0
+    forecaster_reload_failures: int = 0
 
 
 class MetricsSource(Protocol):
@@ -140,6 +145,14 @@ class _StateCollector(Collector):
         sigs.add_metric(["accepted"], c.signatures_accepted)
         sigs.add_metric(["rejected"], c.signatures_rejected)
         yield sigs
+        serving = GaugeMetricFamily("vgpu_forecaster_serving", "1 for the forecaster that serves", labels=["forecaster"])
+        if c.forecaster:
+            serving.add_metric([c.forecaster], 1)
+        yield serving
+        reloads = CounterMetricFamily("vgpu_forecaster_reloads", "Hot reloads of the forecaster checkpoint", labels=["result"])
+        reloads.add_metric(["ok"], c.forecaster_reloads)
+        reloads.add_metric(["failed"], c.forecaster_reload_failures)
+        yield reloads
 
 
 class DaemonMetrics:
