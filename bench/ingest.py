@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from manager.core import Decision, Manager  # noqa: E402
 from profiler.replay import ReplaySource  # noqa: E402
-from profiler.stream import SignatureStreamer  # noqa: E402
+from profiler.stream import DEFAULT_COLUMNS_FROM, SignatureStreamer  # noqa: E402
 from vgpu.device.sim import SimBackend  # noqa: E402
 from vgpu.traces import AppTrace, Trace, read_trace  # noqa: E402
 from vgpu.v1 import ingest_pb2, signature_pb2  # noqa: E402
@@ -97,7 +97,7 @@ class TimedManager(Manager):
 
 
 def manager_main(conn: Connection, address: str, gpus: int, forecast_interval_s: float, profile_path: str = "",
-                 batch_window_s: float = 0.001) -> None:
+                 batch_window_s: float = 0.001, forecaster: str = "default", duty: float = 0.25) -> None:
     """Child process: serve until told to stop, then send back the manager's counters. With
     `profile_path`, the event loop's thread runs under cProfile and its stats are dumped there."""
     from allocator.core import Allocator
@@ -106,15 +106,18 @@ def manager_main(conn: Connection, address: str, gpus: int, forecast_interval_s:
     from vgpu import log
 
     log.configure("console", "error")
+    conn_info: dict[str, str] = {}
 
     async def serve() -> None:
         backend = SimBackend([SKU] * gpus)
         allocator = Allocator(backend, dry_run=False)
-        manager = TimedManager(allocator, forecast_interval_s=forecast_interval_s, batch_window_s=batch_window_s)
+        manager = TimedManager(allocator, open_forecaster(forecaster), forecast_interval_s=forecast_interval_s,
+                               batch_window_s=batch_window_s, forecast_duty_max=duty)
+        conn_info["forecaster"] = getattr(manager.forecaster, "name", "?")
         server = build_server(address, allocator_servicer=AllocatorServicer(allocator),
                               ingest_servicer=IngestServicer(manager))
         await server.start()
-        conn.send(("ready", os.getpid()))
+        conn.send(("ready", os.getpid(), conn_info["forecaster"]))
         loop = asyncio.get_running_loop()
         while True:
             msg = await loop.run_in_executor(None, conn.recv)
@@ -143,6 +146,22 @@ def manager_main(conn: Connection, address: str, gpus: int, forecast_interval_s:
         prof.dump_stats(profile_path)
 
 
+def open_forecaster(which: str) -> Any:
+    """"baseline": the manager's fallback; "model": the shipped checkpoint (manager.predictor's
+    DEFAULT_MODEL_PATH), which must load; "default": what `vgpu serve` uses with no model
+    configured, the shipped checkpoint when it loads, else the baseline."""
+    if which == "baseline":
+        return None
+    try:
+        from manager.predictor import DEFAULT_MODEL_PATH, load_forecaster
+
+        return load_forecaster(DEFAULT_MODEL_PATH)
+    except Exception:
+        if which == "model":
+            raise
+        return None
+
+
 def asdict_stats(manager: Manager) -> dict[str, Any]:
     s = manager.stats
     return {k: getattr(s, k) for k in vars(s)}
@@ -156,10 +175,13 @@ class ManagerProcess:
     forecast_interval_s: float
     profile_path: str = ""
     batch_window_s: float = 0.001
+    forecaster: str = "default"
+    duty: float = 0.25
     address: str = ""
     proc: Any = None
     conn: Connection | None = None
     pid: int = 0
+    forecaster_name: str = ""
     _tmp: Any = None
 
     def start(self) -> None:
@@ -170,12 +192,13 @@ class ManagerProcess:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
         self.proc = ctx.Process(target=manager_main, args=(child, self.address, self.gpus, self.forecast_interval_s,
-                                                                  self.profile_path, self.batch_window_s),
+                                                                  self.profile_path, self.batch_window_s, self.forecaster,
+                                                                  self.duty),
                                 daemon=True)
         self.proc.start()
         if not parent.poll(60):
             raise RuntimeError("the manager process did not start within 60 s")
-        tag, self.pid = parent.recv()
+        tag, self.pid, self.forecaster_name = parent.recv()
         assert tag == "ready"
         self.conn = parent
         self._ps = psutil.Process(self.pid)
@@ -306,12 +329,12 @@ async def _run_profilers(address: str, apps: int, hz: float, device_ids: list[st
 
 def run_ingest(*, apps: int = 64, seconds: float = 20.0, hz: float = 10.0, gpus: int = 8, warmup_s: float = 3.0,
                forecast_interval_s: float = 1.0, profile_path: str = "", apps_per_stream: int = 1,
-               batch_window_s: float = 0.001) -> dict[str, Any]:
+               batch_window_s: float = 0.001, forecaster: str = "default", duty: float = 0.25) -> dict[str, Any]:
     """Normal mode; see the module docstring."""
     from vgpu import log
 
     log.configure("console", "error")
-    mgr = ManagerProcess(gpus, forecast_interval_s, profile_path, batch_window_s)
+    mgr = ManagerProcess(gpus, forecast_interval_s, profile_path, batch_window_s, forecaster, duty)
     mgr.start()
     try:
         lat, cpu_s, wall_s, streamers = asyncio.run(
@@ -332,6 +355,8 @@ def run_ingest(*, apps: int = 64, seconds: float = 20.0, hz: float = 10.0, gpus:
         "tick_p99_ms": _pct(tick_ms, 99),
         "forecast_interval_s": forecast_interval_s,
         "batch_window_ms": batch_window_s * 1000.0,
+        "forecaster": mgr.forecaster_name,
+        "forecast_duty_max": duty,
         "decisions": lat.decisions,
         "rejected": lat.rejected,
         "late_ticks": sum(s.loop.stats.late_ticks for s in streamers),
@@ -405,37 +430,42 @@ class BatchEncoder:
 
 
 class ColumnEncoder(BatchEncoder):
-    """The same signatures as `BatchEncoder`, sent as one `SignatureColumns` per batch (what a
-    profiler sends when it batches many; manager/columns.py)."""
+    """The same signatures as `BatchEncoder`, a batch of `columns_from` or more sent as one
+    `SignatureColumns` (what the profiler does, profiler/stream.py; manager/columns.py), smaller
+    ones as rows. `columns_from` 0: every batch as columns."""
 
-    def __init__(self, apps: Sequence[AppTrace], names: Sequence[str], device_ids: Sequence[str]) -> None:
+    def __init__(self, apps: Sequence[AppTrace], names: Sequence[str], device_ids: Sequence[str],
+                 columns_from: int = 0) -> None:
         super().__init__(apps, names, device_ids)
+        self.columns_from = columns_from
         self.device_ids = [device_ids[i % len(device_ids)] for i in range(len(names))]
         self.rows: list[np.ndarray] = []  # per app: (3, 64) mem, sm, mem_total from its trace
         for i in range(len(names)):
             a = apps[i % len(apps)]
             k = min(len(a), 64)
             self.rows.append(np.stack([a.column("mem_used_mib")[:k], a.column("sm_util_pct")[:k], np.full(k, 81559.0)]))
-        self.seq_arr = np.zeros(len(names), dtype=np.uint64)
-        self.last_t_arr = np.zeros(len(names))
 
     def batch(self, profiler_id: str, tick: int, app_idx: Sequence[int], per_app: int) -> tuple[bytes, int]:
         from manager.columns import encode_columns
 
+        if per_app * len(app_idx) < self.columns_from:
+            return super().batch(profiler_id, tick, app_idx, per_app)
         now = time.time()
-        idx = np.asarray(app_idx)
+        idx = list(app_idx)
         n_apps = len(idx)
+        last_t = np.asarray([self.last_t[i] for i in idx])
+        first_seq = np.asarray([self.seq[i] for i in idx], dtype=np.uint64)
         # row r of every app, r = 0..per_app-1, in batch order (r outer, app inner) like the row form
-        t = np.repeat(now - (per_app - 1 - np.arange(per_app)) * 1e-4, n_apps)
-        t = np.maximum(t, np.tile(self.last_t_arr[idx], per_app) + 1e-6 * (1 + np.repeat(np.arange(per_app), n_apps)))
-        seq = np.tile(self.seq_arr[idx], per_app) + np.repeat(np.arange(1, per_app + 1, dtype=np.uint64), n_apps)
-        self.seq_arr[idx] += np.uint64(per_app)
-        self.last_t_arr[idx] = t[-n_apps:]
+        r = np.repeat(np.arange(per_app), n_apps)
+        t = np.maximum(now - (per_app - 1 - r) * 1e-4, np.tile(last_t, per_app) + 1e-6 * (1 + r))
+        seq = np.tile(first_seq, per_app) + (r + 1).astype(np.uint64)
         vals = np.empty((3, per_app * n_apps))
         for j, i in enumerate(idx):
             block = self.rows[i]
             pos = (seq[j::n_apps] % np.uint64(block.shape[1])).astype(np.int64)
             vals[:, j::n_apps] = block[:, pos]
+            self.seq[i] += per_app
+            self.last_t[i] = float(t[(per_app - 1) * n_apps + j])
         cols = encode_columns([self.names[i] for i in idx] * per_app, [self.device_ids[i] for i in idx] * per_app,
                               seq, t, {"mem_used_mib": vals[0], "sm_util_pct": vals[1], "mem_total_mib": vals[2]})
         msg = ingest_pb2.SignatureBatch(profiler_id=profiler_id, tick=tick, sent_at_s=now, columns=cols)
@@ -475,11 +505,14 @@ async def _max_stream(channel: Any, enc: BatchEncoder, sid: int, app_idx: list[i
 
 
 async def _run_max(address: str, mgr: ManagerProcess, device_ids: list[str], rates: Sequence[int], step_s: float,
-                   budget_s: float, streams: int, n_apps: int, encoding: str = "rows") -> dict[str, Any]:
+                   budget_s: float, streams: int, n_apps: int, encoding: str = "auto") -> dict[str, Any]:
     import grpc
 
     names = [f"max-app-{i}" for i in range(n_apps)]
-    enc = (ColumnEncoder if encoding == "columns" else BatchEncoder)(demo_apps(), names, device_ids)
+    if encoding == "rows":
+        enc: BatchEncoder = BatchEncoder(demo_apps(), names, device_ids)
+    else:  # "auto": as the profiler sends them (columns from DEFAULT_COLUMNS_FROM signatures a batch)
+        enc = ColumnEncoder(demo_apps(), names, device_ids, 0 if encoding == "columns" else DEFAULT_COLUMNS_FROM)
     state: dict[str, Any] = {"accepted": 0, "rejected": 0, "replies": 0, "batches": 0, "offered": 0, "per_app": 0,
                              "stop": False}
     groups = [list(range(s, n_apps, streams)) for s in range(streams)]
@@ -538,17 +571,18 @@ DEFAULT_RATES = (5_000, 10_000, 20_000, 30_000, 40_000, 60_000, 80_000, 100_000,
 
 def run_max(*, gpus: int = 8, step_s: float = 3.0, budget_s: float = 60.0, streams: int = 4, apps: int = 200,
             rates: Sequence[int] = DEFAULT_RATES, forecast_interval_s: float = 1.0, batch_window_s: float = 0.001,
-            profile_path: str = "", encoding: str = "rows") -> dict[str, Any]:
+            profile_path: str = "", encoding: str = "auto", forecaster: str = "default") -> dict[str, Any]:
     from vgpu import log
 
     log.configure("console", "error")
-    mgr = ManagerProcess(gpus, forecast_interval_s, profile_path, batch_window_s)
+    mgr = ManagerProcess(gpus, forecast_interval_s, profile_path, batch_window_s, forecaster)
     mgr.start()
     try:
         result = asyncio.run(_run_max(mgr.address, mgr, sim_device_ids(gpus), rates, step_s, budget_s, streams, apps,
                                       encoding))
     finally:
         stats = mgr.stop()
+    result["forecaster"] = mgr.forecaster_name
     result["manager_out_of_order"] = stats.get("out_of_order")
     result["manager_forecast_tick_p99_ms"] = _pct(stats.get("tick_ms", []), 99)
     return result
@@ -567,8 +601,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--batch-window-ms", type=float, default=1.0,
                    help="manager: how long due applications wait for others to join one forecast (default 1)")
     p.add_argument("--max", action="store_true", help="find the highest sustained rate with batched ticks")
-    p.add_argument("--encoding", choices=("rows", "columns"), default="rows",
-                   help="--max: batches as signature rows or as one SignatureColumns (default rows)")
+    p.add_argument("--forecaster", choices=("default", "model", "baseline"), default="default",
+                   help="manager's forecaster: the daemon's default (the shipped model when it loads, else the "
+                        "baseline), the shipped model, or the baseline (default: default)")
+    p.add_argument("--forecast-duty-max", type=float, default=0.25,
+                   help="manager: most of the time its forecasting thread may be busy (default 0.25, as the daemon)")
+    p.add_argument("--encoding", choices=("auto", "rows", "columns"), default="auto",
+                   help="--max: batches as signature rows, as one SignatureColumns, or as the profiler sends them "
+                        f"(auto, the default: columns from {DEFAULT_COLUMNS_FROM} signatures a batch)")
     p.add_argument("--max-seconds", type=float, default=60.0, help="--max: time budget (default 60)")
     p.add_argument("--step-s", type=float, default=3.0, help="--max: seconds per offered rate (default 3)")
     p.add_argument("--streams", type=int, default=4, help="--max: concurrent streams (default 4)")
@@ -581,11 +621,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.max:
         result = run_max(gpus=args.gpus, step_s=args.step_s, budget_s=args.max_seconds, streams=args.streams,
                          forecast_interval_s=args.forecast_interval_s, profile_path=args.profile_manager,
-                         batch_window_s=args.batch_window_ms / 1000.0, encoding=args.encoding)
+                         batch_window_s=args.batch_window_ms / 1000.0, encoding=args.encoding,
+                         forecaster=args.forecaster)
     else:
         result = run_ingest(apps=args.apps, seconds=args.seconds, hz=args.hz, gpus=args.gpus, warmup_s=args.warmup_s,
                             forecast_interval_s=args.forecast_interval_s, profile_path=args.profile_manager,
-                            batch_window_s=args.batch_window_ms / 1000.0, apps_per_stream=args.apps_per_stream)
+                            batch_window_s=args.batch_window_ms / 1000.0, forecaster=args.forecaster,
+                            duty=args.forecast_duty_max,
+                            apps_per_stream=args.apps_per_stream)
     if args.json:
         print(json.dumps(result))
     else:

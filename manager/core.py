@@ -13,6 +13,13 @@ in a worker thread, and the reply to each of those batches waits for it and carr
 So a decision follows its signature by the batching window plus one forecast, not by up to a whole
 forecast tick, while the forecasting work stays bounded at one forecast per application per
 `forecast_interval_s` (a shorter interval buys fresher decisions with proportionally more CPU).
+A forecast call has a fixed cost (the model's is tens of ms on a CPU whatever the batch size), so
+the batches are also spaced to keep the forecasting thread busy at most `forecast_duty_max` of
+the time (0.25 by default): after a batch that took d seconds of the thread's CPU the next starts
+d * (1/duty - 1) later at the earliest, and everything that became due meanwhile joins it. Cheap
+forecasts (the baseline, about a ms) are thus answered within a few ms; the model's wait grows to
+tens of ms, with more applications per call, and its forecasting CPU stays near
+`forecast_duty_max` of a core (torch's own intra-op threads come on top).
 Each forecast becomes a `Decision` (recommended memory = the peak P90 over the horizons plus
 `mem_margin`, recommended SM = the peak P90), and the decisions go to the allocator in-process
 (`Allocator.apply_recommendations`). Applications silent for long are evicted and their forecast
@@ -190,12 +197,13 @@ class Manager:
         windows: WindowStore | None = None,
         forecast_interval_s: float = 1.0,
         batch_window_s: float = 0.001,
+        forecast_duty_max: float = 0.25,
         min_samples: int = 3,
         mem_margin: float = 0.10,
         logger: structlog.typing.FilteringBoundLogger | None = None,
     ) -> None:
-        if forecast_interval_s < 0 or batch_window_s < 0:
-            raise ValueError("forecast_interval_s and batch_window_s must be >= 0")
+        if forecast_interval_s < 0 or batch_window_s < 0 or not 0 < forecast_duty_max <= 1:
+            raise ValueError("forecast_interval_s and batch_window_s must be >= 0, forecast_duty_max in (0, 1]")
         self.allocator = allocator
         self.fallback = fallback if fallback is not None else default_baseline()
         self.forecaster = forecaster if forecaster is not None else self.fallback
@@ -203,6 +211,8 @@ class Manager:
         self.windows = windows if windows is not None else WindowStore()
         self.forecast_interval_s = forecast_interval_s
         self.batch_window_s = batch_window_s
+        self.forecast_duty_max = forecast_duty_max
+        self._next_batch_at = -math.inf  # loop time before which no forecast batch starts
         self.min_samples = min_samples
         self.mem_margin = mem_margin
         self.stats = ManagerStats()
@@ -367,18 +377,29 @@ class Manager:
     async def _run_pending(self) -> None:
         """Forecast the pending applications in batches until none is left: wait `batch_window_s`
         for more to join, copy their windows here, forecast in a worker thread, act here."""
+        loop = asyncio.get_running_loop()
         while self._pending:
-            await asyncio.sleep(self.batch_window_s)
+            await asyncio.sleep(max(self.batch_window_s, self._next_batch_at - loop.time()))
             apps, self._pending = sorted(self._pending), set()
             done, self._pending_done = self._pending_done, None
             try:
                 items = self._begin_tick(apps)
-                self._act(await asyncio.to_thread(self._decide, items))
+                decisions, took = await asyncio.to_thread(self._timed_decide, items)
+                # The forecasting duty cycle stays under forecast_duty_max: a batch that took d
+                # seconds of CPU is followed by d * (1 / duty - 1) without one (more apps join the next).
+                self._next_batch_at = loop.time() + took * (1.0 / self.forecast_duty_max - 1.0)
+                self._act(decisions)
             except Exception as exc:  # noqa: BLE001 - the waiting replies go out without decisions
                 self._log.error("forecast_batch_failed", error=repr(exc), exc_info=exc)
             finally:
                 if done is not None and not done.done():
                     done.set_result(None)
+
+    def _timed_decide(self, items: list[Item]) -> tuple[list[Decision], float]:
+        """`_decide` and the CPU time this thread spent on it (not a loaded machine's wall time)."""
+        started = time.thread_time()
+        decisions = self._decide(items)
+        return decisions, time.thread_time() - started
 
     def _attach(self, reply: ingest_pb2.IngestReply, stream: StreamState | None) -> None:
         """Add the decisions this stream has not seen yet for its own applications (all

@@ -246,3 +246,36 @@ async def test_stream_of_signatures_yields_decisions_and_grants_over_grpc(
         assert by_app["b"].grants[0].source == "forecast" and by_app["b"].grants[0].memory_mib >= 6000
         assert by_app["a"].forecast_mem_p90_mib > 2000
     assert mgr.stats.rejected == 1 and mgr.stats.forecast_ticks >= 2
+
+
+class _CpuHungryForecaster(EwmaMarginForecaster):
+    """Burns `cpu_s` of this thread's CPU per call, like a model with a fixed cost per call."""
+
+    def __init__(self, cpu_s: float) -> None:
+        super().__init__()
+        self.cpu_s = cpu_s
+        self.calls: list[int] = []
+
+    def forecast_batch(self, histories: Sequence[AppTrace]) -> list[Forecast]:
+        import time
+
+        end = time.thread_time() + self.cpu_s
+        while time.thread_time() < end:
+            pass
+        self.calls.append(len(histories))
+        return super().forecast_batch(histories)
+
+
+async def test_forecast_batches_are_spaced_to_keep_the_forecasting_duty_cycle() -> None:
+    fc = _CpuHungryForecaster(0.03)
+    mgr = Manager(None, fc, min_samples=1, forecast_duty_max=0.5, batch_window_s=0.0)
+    loop = asyncio.get_running_loop()
+    await mgr.ingest_async(batch(1, [sig("a", 1, 10.0)]))
+    started = loop.time()
+    # due while the gap runs: b and c wait and share one call
+    replies = await asyncio.gather(mgr.ingest_async(batch(2, [sig("b", 1, 10.0)]), StreamState("p2")),
+                                   mgr.ingest_async(batch(3, [sig("c", 1, 10.0)]), StreamState("p3")))
+    assert loop.time() - started >= 0.03 * (1 / 0.5 - 1) * 0.9  # the gap after a's 30 ms call
+    assert fc.calls == [1, 2] and [[d.app_id for d in r.decisions] for r in replies] == [["b"], ["c"]]
+    with pytest.raises(ValueError, match="forecast_duty_max"):
+        Manager(None, fc, forecast_duty_max=0.0)
