@@ -260,6 +260,9 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     ) -> AsyncIterator[pb.AllocationEvent]:
         sub = await self._call(context, "WatchAllocations", lambda _c: self.allocator.watch(request.app_id or None))
         try:
+            # Initial metadata now tells the client the watch is live: every event from here on
+            # reaches it (`await call.initial_metadata()` before acting, to miss nothing).
+            await context.send_initial_metadata(())
             async for event in sub:
                 yield event_to_pb(event)
         finally:

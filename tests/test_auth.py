@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import stat
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -174,6 +176,10 @@ def test_unknown_methods_need_the_operator() -> None:
 
 
 # --- through gRPC, in front of the real servicer -----------------------------------------------------------
+# Every call carries a deadline, so a lost reply fails the test in seconds instead of stalling the run.
+RPC_TIMEOUT_S = 10.0
+
+
 @dataclass
 class Served:
     channel: grpc.aio.Channel
@@ -185,15 +191,14 @@ class Served:
         return auth.bearer(self.authority.token_for(scope))
 
 
-@pytest.fixture
-async def served(tmp_path: Path) -> AsyncIterator[Served]:
+@contextlib.asynccontextmanager
+async def _serve(tmp_path: Path, authority: TokenAuthority) -> AsyncIterator[Served]:
     from allocator.core import Allocator
     from allocator.service import AllocatorServicer, build_server
     from manager.daemon import LedgerView
     from vgpu.device.sim import SimBackend
 
     allocator = Allocator(SimBackend(["h100-80gb"]), dry_run=False)
-    authority = TokenAuthority(tmp_path / "tokens")
     access = AccessControl(authority, Registry(), LedgerView(allocator))
     sock = f"unix:{tmp_path}/s.sock"
     server = build_server(
@@ -206,13 +211,20 @@ async def served(tmp_path: Path) -> AsyncIterator[Served]:
     try:
         yield Served(channel, pb_grpc.AllocatorStub(channel), authority, allocator)
     finally:
-        await channel.close()
-        await server.stop(0)
+        allocator.stop()  # ends open watch streams
+        await asyncio.wait_for(channel.close(), RPC_TIMEOUT_S)
+        await asyncio.wait_for(server.stop(0), RPC_TIMEOUT_S)
+
+
+@pytest.fixture
+async def served(tmp_path: Path) -> AsyncIterator[Served]:
+    async with _serve(tmp_path, TokenAuthority(tmp_path / "tokens")) as s:
+        yield s
 
 
 async def _request(s: Served, app: str, mib: float, md: tuple[tuple[str, str], ...] = ()) -> tuple[pb.Grant, str]:
     msg = pb.RequestResourceAllocationRequest(request=pb.ResourceRequest(app_id=app, memory_mib=mib))
-    call = s.stub.RequestResourceAllocation(msg, metadata=md)
+    call = s.stub.RequestResourceAllocation(msg, metadata=md, timeout=RPC_TIMEOUT_S)
     resp = await call
     trailers = dict(await call.trailing_metadata() or ())
     return resp.grant, trailers.get(auth.APP_TOKEN_TRAILER, "")
@@ -225,7 +237,9 @@ async def test_an_app_cannot_release_or_resize_anothers_grant(served: Served) ->
     with capture_logs() as logs:
         for md, code in ((served.tok("app:b"), DENY), ((), UNAUTH), ((("authorization", "Bearer forged"),), UNAUTH)):
             with pytest.raises(grpc.aio.AioRpcError) as info:
-                await served.stub.ReleaseResources(pb.ReleaseResourcesRequest(grant_id=grant_a.grant_id), metadata=md)
+                await served.stub.ReleaseResources(
+                    pb.ReleaseResourcesRequest(grant_id=grant_a.grant_id), metadata=md, timeout=RPC_TIMEOUT_S
+                )
             assert info.value.code() == code
         # "Resizing" is a request on the app's behalf; b may not do it either, nor claim a again.
         for md in (served.tok("app:b"), ()):
@@ -236,9 +250,13 @@ async def test_an_app_cannot_release_or_resize_anothers_grant(served: Served) ->
     denied = [e for e in logs if e["event"] == "access_denied"]
     assert len(denied) == 5 and {e["method"] for e in denied} >= {"/vgpu.v1.Allocator/ReleaseResources"}
     # The owner and the operator may.
-    await served.stub.ReleaseResources(pb.ReleaseResourcesRequest(grant_id=grant_a.grant_id), metadata=auth.bearer(token_a))
+    await served.stub.ReleaseResources(
+        pb.ReleaseResourcesRequest(grant_id=grant_a.grant_id), metadata=auth.bearer(token_a), timeout=RPC_TIMEOUT_S
+    )
     grant_a2, _ = await _request(served, "a", 10, served.tok("app:a"))
-    await served.stub.ReleaseResources(pb.ReleaseResourcesRequest(grant_id=grant_a2.grant_id), metadata=served.tok("operator"))
+    await served.stub.ReleaseResources(
+        pb.ReleaseResourcesRequest(grant_id=grant_a2.grant_id), metadata=served.tok("operator"), timeout=RPC_TIMEOUT_S
+    )
     assert served.allocator.ledger.grants() == []  # type: ignore[attr-defined]
 
 
@@ -246,15 +264,15 @@ async def test_operator_calls_need_the_role(served: Served) -> None:
     limits = pb.SetResourceLimitsRequest(limits=pb.AppLimits(app_id="a", max_memory_mib=100))
     for md, code in ((served.tok("app:a"), DENY), (served.tok("profiler"), DENY), ((), UNAUTH)):
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await served.stub.SetResourceLimits(limits, metadata=md)
+            await served.stub.SetResourceLimits(limits, metadata=md, timeout=RPC_TIMEOUT_S)
         assert info.value.code() == code
     assert served.allocator.ledger.limits("a") is None  # type: ignore[attr-defined]
-    resp = await served.stub.SetResourceLimits(limits, metadata=served.tok("operator"))
+    resp = await served.stub.SetResourceLimits(limits, metadata=served.tok("operator"), timeout=RPC_TIMEOUT_S)
     assert resp.limits.max_memory_mib == 100
 
 
 async def test_reads_are_open_and_failed_requests_claim_nothing(served: Served) -> None:
-    avail = await served.stub.GetAvailableResources(pb.GetAvailableResourcesRequest())
+    avail = await served.stub.GetAvailableResources(pb.GetAvailableResourcesRequest(), timeout=RPC_TIMEOUT_S)
     assert len(avail.devices) == 1
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await _request(served, "big", 10_000_000)
@@ -265,13 +283,43 @@ async def test_reads_are_open_and_failed_requests_claim_nothing(served: Served) 
 
 
 async def test_watch_stream_passes_through(served: Served) -> None:
-    call = served.stub.WatchAllocations(pb.WatchAllocationsRequest(app_id="w"))
-    # the watch must be registered before the grant, or its event is (rightly) not delivered
-    deadline = asyncio.get_running_loop().time() + 10
-    while not served.allocator.watchers:  # type: ignore[attr-defined]
-        assert asyncio.get_running_loop().time() < deadline, "the watch never reached the allocator"
-        await asyncio.sleep(0.01)
+    call = served.stub.WatchAllocations(pb.WatchAllocationsRequest(app_id="w"), timeout=RPC_TIMEOUT_S)
+    # The watch must be registered before the grant, or its event is (rightly) not delivered: the
+    # watch RPC and the request race through the server, and under load the request often wins
+    # (without a wait, about half the runs on a loaded 2-core machine waited forever in read()).
+    # The server sends initial metadata once the subscription is registered.
+    await asyncio.wait_for(call.initial_metadata(), RPC_TIMEOUT_S)
+    assert served.allocator.watchers == 1  # type: ignore[attr-defined]
     await _request(served, "w", 5)
-    event = await asyncio.wait_for(call.read(), 10)
+    event = await asyncio.wait_for(call.read(), RPC_TIMEOUT_S)
     assert event.kind == pb.AllocationEvent.GRANTED and event.grant.app_id == "w"
     call.cancel()
+
+
+class _SlowDisk(TokenAuthority):
+    """A token directory on a disk that stalls: each app token write waits until released."""
+
+    def __init__(self, token_dir: Path) -> None:
+        super().__init__(token_dir)
+        self.writing = threading.Event()
+        self.release = threading.Event()
+
+    def write_app_token(self, app_id: str) -> Path:
+        self.writing.set()
+        assert self.release.wait(RPC_TIMEOUT_S), "the test never released the write"
+        return super().write_app_token(app_id)
+
+
+async def test_a_slow_token_write_does_not_stall_other_calls(tmp_path: Path) -> None:
+    disk = _SlowDisk(tmp_path / "tokens")
+    async with _serve(tmp_path, disk) as s:
+        claiming = asyncio.ensure_future(_request(s, "slow", 5))
+        assert await asyncio.to_thread(disk.writing.wait, RPC_TIMEOUT_S), "the claim never wrote its token"
+        # The claim is stuck in its token write; the event loop still answers everyone else.
+        avail = await s.stub.GetAvailableResources(pb.GetAvailableResourcesRequest(), timeout=2.0)
+        assert avail.devices[0].mem_granted_mib == 5
+        assert not claiming.done()
+        disk.release.set()
+        _, token = await asyncio.wait_for(claiming, RPC_TIMEOUT_S)
+        assert disk.verify(token) == Principal("app", "slow", "token")
+        assert disk.verify(disk.app_token_path("slow").read_text()) == Principal("app", "slow", "token")

@@ -168,7 +168,7 @@ class TokenAuthority:
             self.token_dir.mkdir(parents=True, exist_ok=True)
             os.chmod(self.token_dir, 0o711)  # traversable, not listable
             if not path.exists():
-                _write_private(path, secrets.token_bytes(SECRET_BYTES), 0o600)
+                _write_private(path, secrets.token_bytes(SECRET_BYTES), 0o600, durable=True)
             data = path.read_bytes()
         except OSError as exc:
             raise AuthSetupError(f"cannot set up the token secret {path}: {exc}") from exc
@@ -240,13 +240,17 @@ def _gid(group: str) -> int:
         raise AuthSetupError(f"group {group!r} does not exist (create it, or clear the setting)") from None
 
 
-def _write_private(path: Path, data: bytes, mode: int) -> None:
-    """Write atomically with `mode` from the start (never briefly world-readable)."""
+def _write_private(path: Path, data: bytes, mode: int, *, durable: bool = False) -> None:
+    """Write atomically with `mode` from the start (never briefly world-readable). `durable`: fsync
+    before the rename. Only the secret needs it: every token file is derived from the secret and
+    rewritten by the daemon at each start, so a token file lost in a crash costs nothing, while an
+    fsync can stall for seconds on a busy disk."""
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.write(fd, data)
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
     finally:
         os.close(fd)
     os.chmod(tmp, mode)
@@ -386,10 +390,12 @@ class AccessControl:
             )
         raise Denied(grpc.StatusCode.PERMISSION_DENIED, f"unknown access rule {need!r}")
 
-    def claim(self, app_id: str) -> str:
-        """Mark the application owned, write its token file, and return the token."""
+    async def claim(self, app_id: str) -> str:
+        """Mark the application owned, write its token file, and return the token. The registry is
+        called on the caller's thread (the daemon's store is a SQLite connection bound to it); the
+        file is written in a worker thread, so a slow disk never stalls the event loop's other calls."""
         self.registry.claim_app(app_id)
-        self.authority.write_app_token(app_id)
+        await asyncio.to_thread(self.authority.write_app_token, app_id)
         return self.authority.token_for(f"app:{app_id}")
 
 
@@ -538,7 +544,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             claim, locked = state
             try:
                 if claim is not None and ok:
-                    token = access.claim(claim)
+                    token = await access.claim(claim)
                     context.set_trailing_metadata(((APP_TOKEN_TRAILER, token),))
                     self._log.info("app_claimed", app=claim, token_file=str(access.authority.app_token_path(claim)))
             finally:
