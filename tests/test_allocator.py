@@ -200,6 +200,10 @@ async def test_slow_watcher_drops_oldest() -> None:
 
 
 # --- over gRPC -------------------------------------------------------------------------------------
+# Every call carries a deadline, so a lost reply fails the test in seconds instead of stalling the run.
+T_S = 10.0
+
+
 @pytest.fixture
 async def served(tmp_path: Path) -> AsyncIterator[tuple[pb_grpc.AllocatorStub, Allocator, grpc.aio.Channel]]:
     alloc, _, _ = make_allocator()
@@ -210,9 +214,9 @@ async def served(tmp_path: Path) -> AsyncIterator[tuple[pb_grpc.AllocatorStub, A
     try:
         yield pb_grpc.AllocatorStub(channel), alloc, channel
     finally:
-        await channel.close()
+        await asyncio.wait_for(channel.close(), T_S)
         alloc.stop()
-        await server.stop(0)
+        await asyncio.wait_for(server.stop(0), T_S)
 
 
 def req(app: str = "a", mem: float = 1000, sm: float = 10) -> pb.RequestResourceAllocationRequest:
@@ -221,22 +225,22 @@ def req(app: str = "a", mem: float = 1000, sm: float = 10) -> pb.RequestResource
 
 async def test_grpc_grant_refuse_release(served: tuple[pb_grpc.AllocatorStub, Allocator, grpc.aio.Channel]) -> None:
     stub, alloc, _ = served
-    g = (await stub.RequestResourceAllocation(req("a", 70_000, 50))).grant
+    g = (await stub.RequestResourceAllocation(req("a", 70_000, 50), timeout=T_S)).grant
     assert g.app_id == "a" and g.device_id == GPU and g.memory_mib == 70_000
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await stub.RequestResourceAllocation(req("b", 20_000, 10))
+        await stub.RequestResourceAllocation(req("b", 20_000, 10), timeout=T_S)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "does not fit" in (err.value.details() or "")
     assert len(alloc.ledger.grants()) == 1
-    avail = await stub.GetAvailableResources(pb.GetAvailableResourcesRequest())
+    avail = await stub.GetAvailableResources(pb.GetAvailableResourcesRequest(), timeout=T_S)
     (d,) = avail.devices
     assert d.mem_granted_mib == 70_000 and d.power_max_mw == 700_000
-    released = await stub.ReleaseResources(pb.ReleaseResourcesRequest(grant_id=g.grant_id))
+    released = await stub.ReleaseResources(pb.ReleaseResourcesRequest(grant_id=g.grant_id), timeout=T_S)
     assert released.released.grant_id == g.grant_id
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await stub.ReleaseResources(pb.ReleaseResourcesRequest(grant_id=g.grant_id))
+        await stub.ReleaseResources(pb.ReleaseResourcesRequest(grant_id=g.grant_id), timeout=T_S)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await stub.GetAvailableResources(pb.GetAvailableResourcesRequest(device_id="GPU-nope"))
+        await stub.GetAvailableResources(pb.GetAvailableResourcesRequest(device_id="GPU-nope"), timeout=T_S)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
@@ -260,7 +264,7 @@ async def test_grpc_input_validation(
 ) -> None:
     stub, alloc, _ = served
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await stub.RequestResourceAllocation(message)
+        await stub.RequestResourceAllocation(message, timeout=T_S)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert match in (err.value.details() or "")
     assert alloc.ledger.grants() == []
@@ -269,19 +273,19 @@ async def test_grpc_input_validation(
 async def test_grpc_limits_list_and_validation(served: tuple[pb_grpc.AllocatorStub, Allocator, grpc.aio.Channel]) -> None:
     stub, _, _ = served
     lim = (await stub.SetResourceLimits(pb.SetResourceLimitsRequest(
-        limits=pb.AppLimits(app_id="a", max_memory_mib=2000, priority=3)))).limits
+        limits=pb.AppLimits(app_id="a", max_memory_mib=2000, priority=3)), timeout=T_S)).limits
     assert lim.max_memory_mib == 2000 and not lim.HasField("max_sm_pct") and lim.priority == 3
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await stub.RequestResourceAllocation(req("a", 3000))
+        await stub.RequestResourceAllocation(req("a", 3000), timeout=T_S)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await stub.SetResourceLimits(pb.SetResourceLimitsRequest(limits=pb.AppLimits(app_id="a", max_sm_pct=-1)))
+        await stub.SetResourceLimits(pb.SetResourceLimitsRequest(limits=pb.AppLimits(app_id="a", max_sm_pct=-1)), timeout=T_S)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await stub.ReleaseResources(pb.ReleaseResourcesRequest())
+        await stub.ReleaseResources(pb.ReleaseResourcesRequest(), timeout=T_S)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    await stub.RequestResourceAllocation(req("a", 1500))
-    apps = (await stub.ListApplications(pb.ListApplicationsRequest())).apps
+    await stub.RequestResourceAllocation(req("a", 1500), timeout=T_S)
+    apps = (await stub.ListApplications(pb.ListApplicationsRequest(), timeout=T_S)).apps
     assert [(a.app_id, len(a.grants), a.limits.max_memory_mib) for a in apps] == [("a", 1, 2000)]
 
 
@@ -293,30 +297,28 @@ async def test_grpc_identity_is_enforced(tmp_path: Path) -> None:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.AllocatorStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stub.RequestResourceAllocation(req("b"))
+            await stub.RequestResourceAllocation(req("b"), timeout=T_S)
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        assert (await stub.RequestResourceAllocation(req("a"))).grant.app_id == "a"
+        assert (await stub.RequestResourceAllocation(req("a"), timeout=T_S)).grant.app_id == "a"
     await server.stop(0)
 
 
 async def test_grpc_watch_and_health(served: tuple[pb_grpc.AllocatorStub, Allocator, grpc.aio.Channel]) -> None:
     stub, alloc, channel = served
-    call = stub.WatchAllocations(pb.WatchAllocationsRequest(app_id="a"))
-    # wait until the server has registered the subscription
-    for _ in range(200):
-        if alloc._subscriptions:
-            break
-        await asyncio.sleep(0.01)
-    g = (await stub.RequestResourceAllocation(req("a"))).grant
-    await stub.RequestResourceAllocation(req("b"))
-    await stub.ReleaseResources(pb.ReleaseResourcesRequest(grant_id=g.grant_id))
-    events = [await call.read(), await call.read()]
+    call = stub.WatchAllocations(pb.WatchAllocationsRequest(app_id="a"), timeout=T_S)
+    # the server sends initial metadata once the subscription is registered; events before it are missed
+    await asyncio.wait_for(call.initial_metadata(), T_S)
+    assert alloc.watchers == 1
+    g = (await stub.RequestResourceAllocation(req("a"), timeout=T_S)).grant
+    await stub.RequestResourceAllocation(req("b"), timeout=T_S)
+    await stub.ReleaseResources(pb.ReleaseResourcesRequest(grant_id=g.grant_id), timeout=T_S)
+    events = [await asyncio.wait_for(call.read(), T_S), await asyncio.wait_for(call.read(), T_S)]
     assert [e.kind for e in events] == [pb.AllocationEvent.GRANTED, pb.AllocationEvent.RELEASED]
     assert events[0].grant.grant_id == g.grant_id
     call.cancel()
     health = health_pb2_grpc.HealthStub(channel)
     for name in ("", "vgpu.v1.Allocator"):
-        resp = await health.Check(health_pb2.HealthCheckRequest(service=name))
+        resp = await health.Check(health_pb2.HealthCheckRequest(service=name), timeout=T_S)
         assert resp.status == health_pb2.HealthCheckResponse.SERVING
 
 

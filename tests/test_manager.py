@@ -234,14 +234,14 @@ async def test_stream_of_signatures_yields_decisions_and_grants_over_grpc(
             await asyncio.sleep(0.03)
 
     async with grpc.aio.insecure_channel(address) as channel:
-        replies = [r async for r in ingest_pb2_grpc.IngestStub(channel).StreamSignatures(batches())]
+        replies = [r async for r in ingest_pb2_grpc.IngestStub(channel).StreamSignatures(batches(), timeout=30)]
         assert [r.tick for r in replies] == list(range(1, 16))
         assert sum(r.accepted for r in replies) == 30
         (rej,) = [x for r in replies for x in r.rejected]
         assert rej.app_id == "c" and "not a finite number" in rej.reason
         decisions = [d for r in replies for d in r.decisions]
         assert {d.app_id for d in decisions} == {"a", "b"}
-        apps = (await apb_grpc.AllocatorStub(channel).ListApplications(apb.ListApplicationsRequest())).apps
+        apps = (await apb_grpc.AllocatorStub(channel).ListApplications(apb.ListApplicationsRequest(), timeout=10)).apps
         by_app = {a.app_id: a for a in apps}
         assert by_app["b"].grants[0].source == "forecast" and by_app["b"].grants[0].memory_mib >= 6000
         assert by_app["a"].forecast_mem_p90_mib > 2000
