@@ -1,7 +1,8 @@
 """The `Manager`: signatures in, windows, batched forecasts soon after arrival, decisions out.
 
-Each ingested `SignatureBatch` is read signature by signature in one pass (`parse_signature`:
-validated and turned into the window's values together; a malformed one is rejected with a reason,
+Each ingested `SignatureBatch` is read signature by signature in one pass (`parse_signature` in
+manager/columns.py: validated and turned into the window's values together; a columnar part is read
+as arrays there too; a malformed signature is rejected with a reason,
 an out-of-order one is rejected as such, the rest of the batch and the stream go on) and added to
 the per-application windows (manager/window.py, numpy ring buffers).
 
