@@ -19,7 +19,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Protocol
 
 import structlog
@@ -96,7 +96,7 @@ class AppInfo:
     source: str = ""
 
 
-class EventKind(str, Enum):
+class EventKind(StrEnum):
     GRANTED = "granted"
     RESIZED = "resized"
     RELEASED = "released"

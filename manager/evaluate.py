@@ -204,12 +204,14 @@ def evaluate(
             pools[fc.name] = _score_history_method(fc, app_map, grids, chunk)
         if timings is not None:
             timings[fc.name] = time.perf_counter() - started
+    def cat(parts: list[npt.NDArray[np.float64]]) -> npt.NDArray[np.float64]:
+        return np.concatenate(parts) if parts else np.zeros(0)
+
     results = []
     for target in TARGETS:
         for j, h in enumerate(HORIZONS_S):
             for fc in forecasters:
                 pool = pools[fc.name][target]
-                cat = (lambda parts: np.concatenate(parts) if parts else np.zeros(0))
                 row: dict[str, Any] = {"target": target, "horizon_s": h, "method": fc.name}
                 row.update(pooled_metrics(cat(pool.p50[j]), cat(pool.p90[j]), cat(pool.truth[j])))
                 results.append(row)

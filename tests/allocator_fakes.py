@@ -21,6 +21,8 @@ from vgpu.device.base import (
 )
 from vgpu.device.errors import InvalidArgument, NoPermission, NotSupported
 
+H100_CONSTRAINTS = PowerConstraints(200_000, 700_000, 700_000)
+
 
 class FakeDevice(Device):
     def __init__(
@@ -29,7 +31,7 @@ class FakeDevice(Device):
         *,
         mem_total_mib: float = 81559.0,
         power_limit_mw: int = 700_000,
-        constraints: PowerConstraints = PowerConstraints(200_000, 700_000, 700_000),
+        constraints: PowerConstraints = H100_CONSTRAINTS,
         write_error: type[Exception] | None = None,
         readback_offset_mw: int = 0,
     ) -> None:

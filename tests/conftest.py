@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+# The device rigs (simulator, NVML over the fake pynvml, real NVML) as fixtures for every test module.
+pytest_plugins = ("device_rigs",)
+
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("VGPU_SHARED", ROOT.parent / "shared"))
 SHARED_DATA = SHARED / "data"

@@ -5,7 +5,7 @@ over the fake pynvml that shares the simulator's state ("fake"), and real NVML (
 reason when nvmlInit fails). On real NVML only reads run: a test that writes calls `rig.need_writes()`,
 one that drives the simulator (launching applications, losing the GPU) calls `rig.need_sim()`.
 
-Import the fixtures into a test module with `from device_rigs import rig, rig_factory  # noqa: F401`.
+Its fixtures `rig` and `rig_factory` are registered for every test module by tests/conftest.py (pytest_plugins).
 """
 
 from __future__ import annotations

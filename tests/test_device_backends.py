@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+from device_rigs import Rig, trace
 
-from device_rigs import Rig, rig, rig_factory, trace  # noqa: F401
 from vgpu.device.base import MemoryInfo, ProcessInfo
 from vgpu.device.errors import (
     GpuLost,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pynvml
 import pytest
-
 from device_rigs import trace
+
 from vgpu.device.errors import (
     NVML_ERRORS,
     DeviceError,

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import pytest
+from device_rigs import Rig
 
-from device_rigs import Rig, rig_factory  # noqa: F401
 from vgpu.device.base import Device, GpuInstance
 from vgpu.device.skus import SKUS, LayoutSlot, get_sku, valid_layouts
 

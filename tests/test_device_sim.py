@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from device_rigs import trace
+
 from vgpu.device import open_backend, parse_sim_spec
 from vgpu.device.errors import InvalidArgument, NotFound
 from vgpu.device.fake_pynvml import FakePynvml

@@ -69,7 +69,7 @@ from vgpu.device.errors import (
     NotSupported,
     from_nvml_code,
 )
-from vgpu.device.skus import Sku, get_sku, layout_problem, LayoutSlot
+from vgpu.device.skus import LayoutSlot, Sku, get_sku, layout_problem
 from vgpu.traces import AppTrace
 
 Clock = Callable[[], float]

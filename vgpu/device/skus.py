@@ -262,7 +262,7 @@ def _enumerate(sku: Sku) -> Iterator[MigLayout]:
     yield from walk(0, (), {}, 0)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def valid_layouts(sku: Sku) -> tuple[MigLayout, ...]:
     """Every set of non-overlapping GPU instances `sku` accepts (within max counts and the compute
     slices), the empty layout included, each sorted by start."""
