@@ -141,14 +141,19 @@ def pack(apps: list[ReplayApp], sku: Sku) -> list[ReplayApp]:
 # metrics
 # ------------------------------------------------------------------------------------------------
 def slack_and_violations(alloc: np.ndarray, used: np.ndarray) -> tuple[float, float]:
-    """(mean of max(0, alloc - used) / alloc, share of used > alloc) over the given app-ticks."""
+    """(mean of max(0, alloc - used) / alloc, share of used > alloc) over the given app-ticks.
+
+    A zero allocation (an idle application granted nothing, e.g. 0 % SM) holds no slack; any use
+    on it is a violation. A negative allocation is an error."""
     alloc = np.asarray(alloc, dtype=np.float64)
     used = np.asarray(used, dtype=np.float64)
     if alloc.shape != used.shape or alloc.size == 0:
         raise ValueError("alloc and used must be non-empty and of one shape")
-    if np.any(alloc <= 0):
-        raise ValueError("an allocation must be > 0 to have a slack fraction")
-    slack = np.maximum(alloc - used, 0.0) / alloc
+    if np.any(alloc < 0):
+        raise ValueError("an allocation must be >= 0")
+    positive = alloc > 0
+    slack = np.zeros_like(alloc)
+    slack[positive] = np.maximum(alloc[positive] - used[positive], 0.0) / alloc[positive]
     return float(slack.mean()), float(np.mean(used > alloc + 1e-9))
 
 

@@ -30,8 +30,12 @@ def test_slack_and_violation_formulas() -> None:
     slack, viol = R.slack_and_violations(np.array([10.0, 10.0, 10.0]), np.array([5.0, 10.0, 12.0]))
     assert slack == pytest.approx(0.5 / 3)
     assert viol == pytest.approx(1 / 3)
+    # a zero allocation holds no slack; use on it is a violation (an idle app granted 0 % SM)
+    slack, viol = R.slack_and_violations(np.array([0.0, 0.0, 4.0]), np.array([0.0, 1.0, 2.0]))
+    assert slack == pytest.approx(0.5 / 3)
+    assert viol == pytest.approx(1 / 3)
     with pytest.raises(ValueError):
-        R.slack_and_violations(np.array([0.0]), np.array([1.0]))
+        R.slack_and_violations(np.array([-1.0]), np.array([1.0]))
     with pytest.raises(ValueError):
         R.slack_and_violations(np.array([]), np.array([]))
 
