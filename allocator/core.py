@@ -480,8 +480,14 @@ class Allocator:
                 rec = dataclasses.replace(rec, device_id=parent)  # noqa: PLW2901 - a MIG app, on its GPU
             self._latest[rec.app_id] = rec
             usable.append(rec)
+        # Recommendations arrive per application as each becomes due, but a device's plan (SM shares
+        # under contention, its power limit) must weigh every application on it: the others stand in
+        # with their latest recommendation.
+        fresh = {r.app_id for r in usable}
+        devices_touched = {r.device_id for r in usable}
+        usable += [r for app, r in self._latest.items() if app not in fresh and r.device_id in devices_touched]
         views = []
-        for device_id in sorted({r.device_id for r in usable}):
+        for device_id in sorted(devices_touched):
             view, readable = self._read_view(device_id)
             if readable:
                 views.append(view)

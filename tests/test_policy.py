@@ -262,3 +262,37 @@ def test_sm_changes_do_not_restart_the_memory_dwell() -> None:
         assert g.memory_mib == pytest.approx(22_000 if clock() < 1010 else 11_000)  # dwell 10 s from 1000
     assert len(sm_changes) >= 4 and min(sm_changes) < 1005
     assert g.mem_changed_at_s == 1010.0
+
+
+def test_a_device_is_planned_with_every_application_when_recommendations_arrive_one_by_one() -> None:
+    """The manager hands over recommendations per application as each becomes due. The power limit and
+    SM shares of a device must still weigh all of its applications: one busy application's lone
+    recommendation must not plan the GPU as if it ran alone (which flapped the demo's power limit)."""
+    from allocator.core import Allocator
+    from allocator.plan import Recommendation
+    from allocator.policy import ForecastPolicy
+    from vgpu.device.sim import ManualClock, SimBackend
+
+    clock = ManualClock(1000.0)
+    backend = SimBackend(["h100-80gb"], clock=clock)
+    dev = backend.devices()[0]
+    alloc = Allocator(backend, clock=clock, dry_run=False, policy=ForecastPolicy(PolicyConfig(confidence_multiplier=0)))
+
+    def rec(app: str, sm: float) -> Recommendation:
+        return Recommendation(app, dev.uuid, 4_000, sm, mem_p90_peak_mib=4_000, sm_p90_peak_pct=sm,
+                              mem_used_mib=4_000, sm_util_pct=sm)
+
+    alloc.apply_recommendations([rec("busy", 60)])
+    limit_busy_alone = dev.power_limit_mw()
+    clock.advance(1.0)
+    alloc.apply_recommendations([rec("idle", 1)])  # alone, this would plan 1 % SM: the lowest limit
+    assert dev.power_limit_mw() == limit_busy_alone
+    for _ in range(5):  # 60 % + 60 % asked: the shares are cut in proportion, never one app planned alone
+        clock.advance(1.0)
+        alloc.apply_recommendations([rec("idle", 60)])
+        clock.advance(1.0)
+        alloc.apply_recommendations([rec("busy", 60)])
+    shares = {g.app_id: g.sm_pct for g in alloc.ledger.grants()}
+    assert sum(shares.values()) <= 100.0 + 1e-6
+    assert shares["busy"] == pytest.approx(shares["idle"], rel=0.2)
+    alloc.stop()
