@@ -100,7 +100,9 @@ class AllocatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WatchAllocations(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Events from the moment the watch is live. The server sends initial metadata once it is: a client
+        that awaits it before acting (e.g. before requesting) misses no event of its own.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
