@@ -165,7 +165,8 @@ class ManagerStats:
     accepted: int = 0
     rejected: int = 0
     out_of_order: int = 0
-    forecast_ticks: int = 0
+    # forecaster calls (one per batch of due applications) and their summed wall time
+    forecast_batches: int = 0
     forecast_failures: int = 0
     decisions: int = 0
     evicted: int = 0
@@ -455,6 +456,7 @@ class Manager:
         started = time.perf_counter()
         forecasts = self._run_forecaster([it[3] for it in items])
         self.stats.forecast_s_total += time.perf_counter() - started
+        self.stats.forecast_batches += 1
         now = self.clock()
         decisions = []
         for (app_id, device_id, seq, _trace, mem_used, sm_used), fc in zip(items, forecasts, strict=True):
@@ -480,7 +482,6 @@ class Manager:
         return mem, sm
 
     def _act(self, decisions: list[Decision]) -> None:
-        self.stats.forecast_ticks += 1
         decisions = [d for d in decisions if d.app_id in self.windows]  # not one evicted meanwhile
         for d in decisions:
             self._next_serial += 1

@@ -166,7 +166,7 @@ class StateSource:
             mig_changes=c.mig_changes,
             grants_resized=c.resized,
             failures=tuple((dev, mech, n) for (dev, mech), n in sorted(c.failures.items())),
-            forecast_ticks=s.forecast_ticks,
+            forecast_batches=s.forecast_batches,
             forecast_s_total=s.forecast_s_total,
             forecast_failures=s.forecast_failures,
             signatures_accepted=s.accepted,

@@ -151,7 +151,7 @@ async def test_metrics_endpoint_serves_the_registry(tmp_path: Path) -> None:
     finally:
         await d.stop("test")
     assert 'vgpu_app_granted_mem_mib{app="m"} 64.0' in body
-    assert "vgpu_forecast_tick_seconds_count" in body and "vgpu_enforcement_actions_total" in body
+    assert "vgpu_forecast_batch_seconds_count" in body and "vgpu_enforcement_actions_total" in body
 
 
 async def test_busy_metrics_port_is_logged_and_serving_goes_on(tmp_path: Path) -> None:

@@ -83,7 +83,7 @@ def test_a_new_checkpoint_is_swapped_in_without_dropping_the_stream(tmp_path: Pa
         )
         try:
             def ticks() -> float:
-                return _metrics(port).get(("vgpu_forecast_tick_seconds_count", ()), 0.0)
+                return _metrics(port).get(("vgpu_forecast_batch_seconds_count", ()), 0.0)
 
             _until("the first forecasts", lambda: ticks() > 0, 15.0)
 

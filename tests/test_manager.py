@@ -126,7 +126,7 @@ def test_batches_become_decisions_and_grants_at_most_once_per_forecast_interval(
     assert replies[0].rejected[0].index == 2 and replies[0].rejected[0].reason == "app_id is empty"
     # each app is forecast as soon as it has 3 samples (batch 3), then at most once a second
     # (batches 13 and 23): 3 forecasts of both apps, each in the reply to the batch that made it due
-    assert mgr.stats.forecast_ticks == 3 and mgr.stats.decisions == 6
+    assert mgr.stats.forecast_batches == 3 and mgr.stats.decisions == 6
     with_decisions = [r for r in replies if r.decisions]
     assert [r.tick for r in with_decisions] == [3, 13, 23]
     assert all(d.for_seq == r.tick for r in with_decisions for d in r.decisions)
@@ -186,10 +186,10 @@ async def test_signatures_arriving_together_are_forecast_in_one_batch_and_each_r
     streams = [StreamState(f"p{i}") for i in range(3)]
     replies = await asyncio.gather(*(mgr.ingest_async(batch(1, [sig(f"app{i}", 1, 10.0)]), streams[i])
                                      for i in range(3)))
-    assert mgr.stats.forecast_ticks == 1 and mgr.stats.decisions == 3
+    assert mgr.stats.forecast_batches == 1 and mgr.stats.decisions == 3
     assert [[d.app_id for d in r.decisions] for r in replies] == [["app0"], ["app1"], ["app2"]]
     again = await mgr.ingest_async(batch(2, [sig("app0", 2, 10.1)]), streams[0])  # under forecast_interval_s
-    assert again.accepted == 1 and not again.decisions and mgr.stats.forecast_ticks == 1
+    assert again.accepted == 1 and not again.decisions and mgr.stats.forecast_batches == 1
 
 
 def test_each_stream_gets_decisions_for_its_own_apps_once() -> None:
@@ -245,7 +245,7 @@ async def test_stream_of_signatures_yields_decisions_and_grants_over_grpc(
         by_app = {a.app_id: a for a in apps}
         assert by_app["b"].grants[0].source == "forecast" and by_app["b"].grants[0].memory_mib >= 6000
         assert by_app["a"].forecast_mem_p90_mib > 2000
-    assert mgr.stats.rejected == 1 and mgr.stats.forecast_ticks >= 2
+    assert mgr.stats.rejected == 1 and mgr.stats.forecast_batches >= 2
 
 
 class _CpuHungryForecaster(EwmaMarginForecaster):

@@ -78,7 +78,7 @@ def test_an_hour_of_replay_does_not_grow_memory() -> None:
     soak = Soak()
     soak.run(WARMUP_S)
     m = soak.manager
-    assert m.stats.forecast_ticks > 50 and m.stats.decisions > 0 and m.stats.evicted > 0
+    assert m.stats.forecast_batches > 50 and m.stats.decisions > 0 and m.stats.evicted > 0
     tracemalloc.start(1)
     try:
         soak.run(SETTLE_S)

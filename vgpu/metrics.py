@@ -13,8 +13,9 @@ Metric names (all prefixed `vgpu_`):
 - per device: `device_mem_total_mib`, `device_mem_granted_mib`, `device_power_limit_mw`;
 - enforcement: `enforcement_actions_total{mechanism}`, `enforcement_failures_total{device,mechanism}`,
   `enforcement_disabled{device,mechanism}`, `restore_actions_total{mechanism,result}`;
-- manager: `forecast_tick_seconds` (summary: count and sum of forecast tick latency),
-  `forecast_failures_total`, `signatures_total{result}`, `forecaster_serving{forecaster}` (1 for
+- manager: `forecast_batch_seconds` (summary: count = forecaster calls, one per batch of the
+  applications due together, and sum = their wall time; divide for the mean latency of one batch),
+  `forecast_failures_total` (batches whose forecaster raised and the fallback served), `signatures_total{result}`, `forecaster_serving{forecaster}` (1 for
   "model" or "baseline", whichever serves), `forecaster_reloads_total{result}` (hot reloads of the
   checkpoint, "ok" or "failed");
 - access: `access_denied_total{method,code}`; persistence: `store_writes_total`.
@@ -63,7 +64,7 @@ class CounterSnapshot:
     grants_resized: int = 0
     # (device_id, mechanism, count) of device changes that failed, mechanism "power_limit" or "mig"
     failures: tuple[tuple[str, str, int], ...] = ()
-    forecast_ticks: int = 0
+    forecast_batches: int = 0  # forecaster calls, one per batch of due applications
     forecast_s_total: float = 0.0
     forecast_failures: int = 0
     signatures_accepted: int = 0
@@ -138,9 +139,12 @@ class _StateCollector(Collector):
             failures.add_metric([device_id, mechanism], count)
         yield failures
         yield SummaryMetricFamily(
-            "vgpu_forecast_tick_seconds", "Forecast tick latency", count_value=c.forecast_ticks, sum_value=c.forecast_s_total
+            "vgpu_forecast_batch_seconds",
+            "Wall time of one forecaster call over a batch of the applications due together",
+            count_value=c.forecast_batches,
+            sum_value=c.forecast_s_total,
         )
-        yield CounterMetricFamily("vgpu_forecast_failures", "Forecast ticks that fell back", value=c.forecast_failures)
+        yield CounterMetricFamily("vgpu_forecast_failures", "Forecast batches whose forecaster raised (the fallback served)", value=c.forecast_failures)
         sigs = CounterMetricFamily("vgpu_signatures", "Signatures ingested", labels=["result"])
         sigs.add_metric(["accepted"], c.signatures_accepted)
         sigs.add_metric(["rejected"], c.signatures_rejected)

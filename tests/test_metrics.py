@@ -1,0 +1,57 @@
+"""vgpu/metrics.py: the forecast summary counts forecaster calls (batches), not 1 s ticks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from allocator_fakes import FakeBackend, FakeClock, FakeDevice
+from prometheus_client import CollectorRegistry
+
+from allocator.core import Allocator
+from manager.core import EwmaMarginForecaster, Manager
+from manager.daemon import StateSource
+from manager.forecast import Forecast
+from vgpu.metrics import DaemonMetrics
+from vgpu.traces import AppTrace
+from vgpu.v1 import ingest_pb2
+from vgpu.v1 import signature_pb2 as spb
+
+GPU = "GPU-fake-0"
+
+
+class CountingForecaster(EwmaMarginForecaster):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.histories = 0
+
+    def forecast_batch(self, histories: Sequence[AppTrace]) -> list[Forecast]:
+        self.calls += 1
+        self.histories += len(histories)
+        return super().forecast_batch(histories)
+
+
+def _sig(app: str, seq: int, t: float) -> spb.BehavioralSignature:
+    return spb.BehavioralSignature(app_id=app, pid=1, device_id=GPU, timestamp_s=t, seq=seq,
+                                   device=spb.DeviceCounters(mem_total_mib=81559.0),
+                                   process=spb.ProcessCounters(gpu_mem_used_mib=1000.0, sm_util_pct=30.0))
+
+
+def test_forecast_batch_summary_counts_forecaster_calls_not_applications_or_ticks() -> None:
+    clock = FakeClock()
+    alloc = Allocator(FakeBackend([FakeDevice(GPU)]), clock=clock)
+    fc = CountingForecaster()
+    mgr = Manager(alloc, fc, clock=clock, min_samples=1)
+    registry = CollectorRegistry()
+    DaemonMetrics(registry, StateSource(alloc, mgr))
+    for k in range(1, 26):  # 2.5 s of batches every 0.1 s, three apps each
+        t = 1000.0 + k * 0.1
+        mgr.ingest(ingest_pb2.SignatureBatch(profiler_id="p", tick=k, sent_at_s=t,
+                                             signatures=[_sig(a, k, t) for a in ("a", "b", "c")]))
+        clock.advance(0.1)
+    # the three apps are due together: one call per second for all three, not one per app
+    assert fc.calls == 3 and fc.histories == 9
+    assert registry.get_sample_value("vgpu_forecast_batch_seconds_count") == fc.calls
+    total = registry.get_sample_value("vgpu_forecast_batch_seconds_sum")
+    assert total is not None and total >= 0.0 and total == mgr.stats.forecast_s_total
+    assert registry.get_sample_value("vgpu_forecast_tick_seconds_count") is None  # the old, misleading name is gone
