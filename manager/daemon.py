@@ -487,7 +487,9 @@ class Daemon:
         baseline = default_baseline()
         interval_s = cfg.manager.model_check_interval_s
         self.manager = Manager(self.allocator, load_model(cfg.manager.model, fallback=baseline, check_interval_s=interval_s),
-                               clock=self.clock, fallback=baseline)
+                               clock=self.clock, fallback=baseline,
+                               batch_window_s=cfg.manager.batch_window_ms / 1000.0,
+                               forecast_duty_max=cfg.manager.forecast_duty_max)
         model = resolve_model(cfg.manager.model)
         if model.configured:
             self.log.info("forecaster", serving="model", path=str(model.path), check_interval_s=interval_s)

@@ -62,6 +62,11 @@ def test_env_booleans_and_numbers() -> None:
         ("", {"VGPU_SERVER_DRY_RUN": "maybe"}, "expected true/false"),
         ("[manager]\nmodel_check_interval_s = 0\n", {}, r"manager.model_check_interval_s: must be > 0"),
         ("", {"VGPU_MANAGER_MODEL_CHECK_INTERVAL_S": "-1"}, r"manager.model_check_interval_s: must be > 0"),
+        ("[manager]\nbatch_window_ms = -1.0\n", {}, r"manager.batch_window_ms: expected 0..1000 ms"),
+        ("", {"VGPU_MANAGER_BATCH_WINDOW_MS": "5000"}, r"manager.batch_window_ms: expected 0..1000 ms"),
+        ('[manager]\nbatch_window_ms = "1"\n', {}, r"manager.batch_window_ms .*expected float, got str"),
+        ("[manager]\nforecast_duty_max = 0\n", {}, r"manager.forecast_duty_max: expected a share in \(0, 1\]"),
+        ("", {"VGPU_MANAGER_FORECAST_DUTY_MAX": "1.5"}, r"manager.forecast_duty_max: expected a share in \(0, 1\]"),
     ],
 )
 def test_bad_configuration_is_a_clear_error(tmp_path: Path, toml: str, env: dict[str, str], match: str) -> None:
@@ -108,3 +113,18 @@ def test_one_default_socket_everywhere() -> None:
     assert client.grpc_target(client.DEFAULT_SOCKET) == f"unix://{path}"
     assert profiler_parser("p").parse_args(["--no-token"]).manager == client.DEFAULT_SOCKET
     assert config.load(SHIPPED, env={}).server.socket == path
+
+
+async def test_the_daemon_hands_the_manager_knobs_to_the_manager(tmp_path: Path) -> None:
+    from daemon_fixtures import sim_daemon
+
+    d = sim_daemon(tmp_path, **{"manager.batch_window_ms": 7.5, "manager.forecast_duty_max": 0.5})
+    await d.start()
+    try:
+        assert d.manager.batch_window_s == pytest.approx(0.0075)
+        assert d.manager.forecast_duty_max == 0.5
+    finally:
+        await d.stop("test")
+    env = {"VGPU_MANAGER_BATCH_WINDOW_MS": "0", "VGPU_MANAGER_FORECAST_DUTY_MAX": "1"}
+    cfg = config.load(None, env=env)
+    assert (cfg.manager.batch_window_ms, cfg.manager.forecast_duty_max) == (0.0, 1.0)

@@ -90,6 +90,12 @@ class ManagerConfig:
     # Seconds between checks of the checkpoint file for a new version (mtime/size), hot-loaded
     # without dropping streams; a new file that does not load is logged and the old model serves.
     model_check_interval_s: float = 5.0
+    # Milliseconds the manager waits after a signature batch makes an application due, so that
+    # others arriving meanwhile are forecast in the same call (one forecaster call per batch).
+    batch_window_ms: float = 1.0
+    # Largest share of the time the forecasting thread may be busy: after a batch that took d
+    # seconds, the next starts d * (1 / duty - 1) later at the earliest. In (0, 1].
+    forecast_duty_max: float = 0.25
 
 
 @dataclass(frozen=True)
@@ -198,6 +204,10 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("tls.ca: mutual TLS needs tls.cert and tls.key as well")
     if not cfg.manager.model_check_interval_s > 0:
         raise ConfigError(f"manager.model_check_interval_s: must be > 0, got {cfg.manager.model_check_interval_s}")
+    if not 0 <= cfg.manager.batch_window_ms <= 1000:
+        raise ConfigError(f"manager.batch_window_ms: expected 0..1000 ms, got {cfg.manager.batch_window_ms}")
+    if not 0 < cfg.manager.forecast_duty_max <= 1:
+        raise ConfigError(f"manager.forecast_duty_max: expected a share in (0, 1], got {cfg.manager.forecast_duty_max}")
     if not 0 <= cfg.metrics.port <= 65535:
         raise ConfigError(f"metrics.port: expected 0..65535, got {cfg.metrics.port}")
     if cfg.log.format not in ("json", "console"):
