@@ -138,11 +138,37 @@ class Grid:
 
 def build_grid(traces: Sequence[AppTrace]) -> Grid:
     """The 1 s grids of many applications at once (a handful of numpy calls, whatever their number)."""
-    n_apps = len(traces)
     lengths = np.array([len(t) for t in traces], dtype=np.int64)
+    t_all = np.concatenate([t.t_s for t in traces]) if traces else np.zeros(0)
+    return _grid(lengths, t_all, _columns(traces, lengths))
+
+
+def _columns(traces: Sequence[AppTrace], lengths: npt.NDArray[np.int64]) -> dict[str, F64]:
+    """Each numeric column of all traces end to end (NaN where a trace lacks it)."""
+    cols: dict[str, F64] = {}
+    for name in NUMERIC:
+        parts = [t.columns.get(name) for t in traces]
+        if all(part is None for part in parts):
+            continue
+        cols[name] = np.concatenate(
+            [np.full(n, np.nan) if part is None else np.asarray(part, dtype=np.float64)
+             for part, n in zip(parts, lengths, strict=True)]
+        )
+    return cols
+
+
+def _grid(
+    lengths: npt.NDArray[np.int64],
+    t_all: F64,
+    cols: dict[str, F64],
+    mem_seed_mib: F64 | None = None,
+) -> Grid:
+    """`build_grid` on columns laid end to end (application i owns `lengths[i]` samples).
+    `mem_seed_mib` (per application, -inf for none) joins the running memory maximum at each
+    application's first second: the largest memory of samples left out before it."""
+    n_apps = len(lengths)
     app_of_sample = np.repeat(np.arange(n_apps), lengths)
     sample_offsets = np.concatenate([[0], np.cumsum(lengths)])
-    t_all = np.concatenate([t.t_s for t in traces]) if n_apps else np.zeros(0)
     secs = np.floor(t_all).astype(np.int64)
     order: npt.NDArray[np.int64] | None = None
     same_app = app_of_sample[1:] == app_of_sample[:-1]
@@ -172,15 +198,11 @@ def build_grid(traces: Sequence[AppTrace]) -> Grid:
     values: dict[str, F64] = {}
     mem_max = np.full(total, np.nan)
     for name in NUMERIC:
-        col = np.full(len(t_all), np.nan)
-        for i, trace in enumerate(traces):
-            part = trace.columns.get(name)
-            if part is not None:
-                col[sample_offsets[i] : sample_offsets[i + 1]] = part
-        if order is not None:
+        col = cols.get(name)
+        if col is not None and order is not None:
             col = col[order]
-        ok = np.isfinite(col)
-        if not ok.any():
+        ok = np.isfinite(col) if col is not None else None
+        if col is None or ok is None or not ok.any():
             values[name] = np.full(total, np.nan)
             continue
         b = bins[ok]
@@ -205,6 +227,9 @@ def build_grid(traces: Sequence[AppTrace]) -> Grid:
             raw_max = np.full(total, -np.inf)
             firsts = np.flatnonzero(np.r_[True, b[1:] != b[:-1]])
             raw_max[b[firsts]] = np.maximum.reduceat(col[ok], firsts)
+            if mem_seed_mib is not None:
+                heads = offsets[:-1][nonempty]
+                raw_max[heads] = np.maximum(raw_max[heads], mem_seed_mib[nonempty])
             # running max within each application: lift each application above the ones before it
             lift = bin_app.astype(np.float64) * 1e12
             cum = np.maximum.accumulate(raw_max + lift) - lift
@@ -336,8 +361,75 @@ def targets(grid: Grid, windows: Windows, horizons_s: Sequence[int]) -> tuple[F3
 
 def encode_latest(histories: Sequence[AppTrace], window_s: int) -> tuple[Windows, npt.NDArray[np.bool_]]:
     """One window per history, ending at its last second (the forecast origin). Returns the windows
-    of the non-empty histories and a boolean per history saying which those are."""
-    grid = build_grid(histories)
+    of the non-empty histories and a boolean per history saying which those are.
+
+    Only each history's recent seconds are put on the grid (see `_recent_cut`); the windows are the
+    same as from the whole histories."""
+    lengths = np.array([len(t) for t in histories], dtype=np.int64)
+    t_all = np.concatenate([t.t_s for t in histories]) if histories else np.zeros(0)
+    cols = _columns(histories, lengths)
+    cut = _recent_cut(lengths, t_all, cols, window_s)
+    if cut is None:
+        grid = _grid(lengths, t_all, cols)
+    else:
+        keep, kept_lengths, mem_seed = cut
+        grid = _grid(kept_lengths, t_all[keep], {c: v[keep] for c, v in cols.items()}, mem_seed)
     last = grid.last_bins()
     present = last >= 0
     return encode(grid, window_s, last[present]), present
+
+
+def _recent_cut(
+    lengths: npt.NDArray[np.int64], t_all: F64, cols: dict[str, F64], window_s: int
+) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.int64], F64] | None:
+    """Which samples the latest windows need: of each application, the samples from the last
+    second with a sample before its window on (that second whole, so its mean and anything carried
+    from it are unchanged). An application keeps its whole history where a column it had earlier
+    has no value in that first kept second (the window could carry that older value forward).
+    Returns (samples kept, kept per application, largest memory sample left out per application
+    (-inf where none)), or None to keep everything (samples out of time order, nothing to cut)."""
+    n_apps = len(lengths)
+    if n_apps == 0 or len(t_all) == 0:
+        return None
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    ends = starts + lengths
+    secs = np.floor(t_all)
+    if not np.isfinite(secs).all():
+        return None
+    app_of_sample = np.repeat(np.arange(n_apps), lengths)
+    # one increasing key over all applications, so one searchsorted serves all of them
+    span = float(secs.max() - secs.min()) + 2.0
+    key = app_of_sample * span + (secs - secs.min())
+    if np.any(np.diff(key) < 0):
+        return None
+    nonempty = lengths > 0
+    base = np.arange(n_apps) * span - secs.min()
+    last_sec = np.where(nonempty, secs[np.maximum(ends - 1, 0)], 0.0)
+    before = np.searchsorted(key, base + last_sec - window_s + 1, side="left")  # first in the window
+    has_before = nonempty & (before > starts)
+    cut_sec = np.where(has_before, secs[np.maximum(before - 1, 0)], 0.0)
+    first = np.where(has_before, np.searchsorted(key, base + cut_sec, side="left"), starts)
+    first_end = np.where(has_before, np.searchsorted(key, base + cut_sec, side="right"), starts)
+    if not np.any(first > starts):
+        return None
+    # carry from before the cut: a column with a value before it and none in its first second
+    cuts = has_before & (first > starts)
+    bounds = np.stack([starts, first, first_end], axis=1)[cuts].ravel()
+    for col in cols.values():
+        if not cuts.any():
+            break
+        seg = np.logical_or.reduceat(np.isfinite(col), bounds).reshape(-1, 3)
+        # segments [start, first) and [first, first_end) are non-empty for every cut application
+        back = np.zeros(n_apps, dtype=bool)
+        back[cuts] = seg[:, 0] & ~seg[:, 1]
+        first = np.where(back, starts, first)
+        cuts &= ~back
+        bounds = np.stack([starts, first, first_end], axis=1)[cuts].ravel()
+    mem_seed = np.full(n_apps, -np.inf)
+    mem = cols.get("mem_used_mib")
+    if mem is not None and cuts.any():
+        prior = np.fmax.reduceat(mem, bounds).reshape(-1, 3)[:, 0]  # NaN where all are missing
+        mem_seed[cuts] = np.where(np.isfinite(prior), prior, -np.inf)
+    pos = np.arange(len(t_all))
+    keep = pos >= first[app_of_sample]
+    return keep, ends - first, mem_seed
