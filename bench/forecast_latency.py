@@ -7,7 +7,10 @@ included (what the manager pays per forecast tick).
 Each application's history is `--history-s` seconds of 100 ms samples (the profiler's rate) with
 memory, compute, capacity and power, as the manager's window holds them. `--model` picks a
 checkpoint (default: the shipped one; an untrained model of the default configuration where none
-is shipped, which costs the same). `--mode torchscript` traces the network with TorchScript.
+is shipped, which costs the same). `--mode` picks how the network runs (manager.predictor.MODES:
+eager, fused, onnx; default: the daemon's, onnx); `torchscript` traces the eager network with
+TorchScript, for comparison. `mode_serving` says what ran (onnx falls back to fused without ONNX
+Runtime).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from manager.checkpoint import Checkpoint, Metadata, load_checkpoint  # noqa: E402
 from manager.features import N_FEATURES, FeatureSpec  # noqa: E402
 from manager.model import ModelConfig, TransformerBiGRU  # noqa: E402
-from manager.predictor import DEFAULT_MODEL_PATH, ModelForecaster  # noqa: E402
+from manager.predictor import DEFAULT_MODE, DEFAULT_MODEL_PATH, MODES, ModelForecaster  # noqa: E402
 from manager.train import DEFAULT_WINDOW_S  # noqa: E402
 from vgpu.traces import AppTrace  # noqa: E402
 
@@ -76,16 +79,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iterations", type=int, default=200)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--model", default=None)
-    p.add_argument("--mode", choices=("eager", "torchscript"), default="eager")
+    p.add_argument("--mode", choices=(*MODES, "torchscript"), default=DEFAULT_MODE)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     ck = _checkpoint(args.model)
-    forecaster = ModelForecaster(ck, device="cpu")
+    mode = "eager" if args.mode == "torchscript" else args.mode
+    forecaster = ModelForecaster(ck, device="cpu", mode=mode, threads=args.threads)
     if args.mode == "torchscript":
         example = torch.zeros(args.apps, ck.metadata.features.window_s, N_FEATURES)
         with torch.inference_mode():
-            forecaster.model = torch.jit.freeze(torch.jit.trace(forecaster.model, example))  # type: ignore[assignment]
+            forecaster._net = torch.jit.freeze(torch.jit.trace(forecaster.model, example))  # noqa: SLF001
     hist = histories(args.apps, args.history_s)
     for _ in range(10):
         forecaster.forecast_batch(hist)
@@ -107,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         "tick_ms": TICK_MS,
         "features_p50_ms": round(float(np.percentile(feat_times, 50)), 3),
         "mode": args.mode,
+        "mode_serving": "torchscript" if args.mode == "torchscript" else forecaster.mode_serving,
         "threads": args.threads,
         "window_s": forecaster.window_s,
         "order": ck.metadata.config.order,

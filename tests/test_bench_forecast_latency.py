@@ -1,0 +1,25 @@
+"""bench/forecast_latency.py runs end to end in a short run and reports the fields it claims (no
+speed is asserted here: the figures come from the command, docs/forecasting.md)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+import forecast_latency  # noqa: E402
+
+
+@pytest.mark.parametrize("mode", ["eager", "fused", "onnx"])
+def test_forecast_latency_json_fields(mode: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert forecast_latency.main(["--apps", "5", "--iterations", "3", "--history-s", "20", "--json", "--mode", mode]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["apps"] == 5 and out["tick_ms"] == 100 and out["mode"] == mode and out["threads"] == 1
+    assert 0 < out["features_p50_ms"] and 0 < out["p50_ms"] <= out["p99_ms"]
+    assert out["mode_serving"] in ("eager", "fused", "onnx")
+    if mode != "onnx":
+        assert out["mode_serving"] == mode
