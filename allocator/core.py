@@ -27,7 +27,16 @@ import structlog
 from allocator.enforce import PowerLimitMechanism, PowerLimitResult
 from allocator.errors import DeviceError, InvalidRequest, NotSupported, VerifyFailed
 from allocator.ledger import AppLimits, DeviceCapacity, Grant, Ledger
-from allocator.plan import BaselinePolicy, DeviceView, GrantTarget, MigTarget, Plan, Policy, Recommendation
+from allocator.plan import (
+    BaselinePolicy,
+    DeviceView,
+    GrantTarget,
+    MigOutcome,
+    MigTarget,
+    Plan,
+    Policy,
+    Recommendation,
+)
 from vgpu.device.base import Backend, Device, GpuInstance, PowerConstraints
 from vgpu.jobs import InvalidJobConfig, JobConfig
 from vgpu.log import get_logger
@@ -49,9 +58,11 @@ class Sizer(Protocol):
 
 
 class MigMechanism(Protocol):
-    """Applies MIG layouts (allocator/mig.py). `apply` returns True when the layout changed."""
+    """Applies MIG layouts (allocator/mig.py). `apply` says what it did in a `MigOutcome`: whether
+    instances changed and how many steps it left undone (the allocator counts a failure for those);
+    it raises only for device errors it does not handle."""
 
-    def apply(self, device: Device, profiles: Sequence[str]) -> bool: ...
+    def apply(self, device: Device, profiles: Sequence[str]) -> MigOutcome: ...
 
     def restore(self) -> None: ...
 
@@ -577,19 +588,20 @@ class Allocator:
         if dev is None:
             self.counters.failed(target.device_id, "mig")
             return 0
-        disabled_before = _mig_disabled(self.mig, target.device_id)
         try:
-            changed = self.mig.apply(dev, target.profiles)
+            outcome = self.mig.apply(dev, target.profiles)
         except (DeviceError, VerifyFailed) as exc:
             self.counters.failed(target.device_id, "mig")
             self._log.error("mig_failed", device=target.device_id, profiles=list(target.profiles), error=str(exc))
             return 0
-        if _mig_incomplete(self.mig, target.device_id, disabled_before):
+        if outcome.failed_steps:
             self.counters.failed(target.device_id, "mig")
-        if changed:
+            self._log.warning("mig_incomplete", device=target.device_id, profiles=list(target.profiles),
+                              failed_steps=outcome.failed_steps, reason=outcome.reason)
+        if outcome.changed:
             self.counters.mig_changes += 1
             self._publish(EventKind.MIG_CHANGED, device_id=target.device_id, detail=",".join(target.profiles))
-        return int(changed)
+        return int(outcome.changed)
 
     # --- shutdown --------------------------------------------------------------------------------
     def stop(self) -> list[PowerLimitResult]:
@@ -613,21 +625,6 @@ class Allocator:
         return results
 
 
-def _mig_disabled(mig: MigMechanism, device_id: str) -> bool:
-    rec = getattr(mig, "reconfigurers", {}).get(device_id)
-    return getattr(rec, "disabled", None) is not None
-
-
-def _mig_incomplete(mig: MigMechanism, device_id: str, disabled_before: bool) -> bool:
-    """A MIG apply that refused (newly disabled) or left steps undone, for mechanisms that report
-    their last result per device like allocator/mig.py's `MigLayoutMechanism` (`last`, with
-    `skipped` steps); a mechanism that only returns a bool fails by raising."""
-    result = getattr(mig, "last", {}).get(device_id)
-    if not disabled_before and _mig_disabled(mig, device_id):
-        return True
-    return result is not None and bool(getattr(result, "skipped", ()))
-
-
 def _limits_text(limits: AppLimits) -> str:
     parts = []
     if limits.max_memory_mib is not None:
@@ -649,6 +646,7 @@ __all__ = [
     "DeviceResources",
     "EventKind",
     "MigMechanism",
+    "MigOutcome",
     "Sizer",
     "Sizing",
     "Subscription",

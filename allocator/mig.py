@@ -36,6 +36,7 @@ from typing import Literal
 
 import structlog
 
+from allocator.plan import MigOutcome
 from vgpu.device.base import Device, GpuInstance
 from vgpu.device.errors import InsufficientResources, InUse, NoPermission, NotSupported
 from vgpu.device.skus import SKUS, LayoutSlot, MigLayout, Sku, layout_problem, valid_layouts
@@ -187,6 +188,18 @@ class MigApplyResult:
     @property
     def complete(self) -> bool:
         return self.disabled is None and not self.skipped and (self.dry_run or len(self.done) == len(self.steps))
+
+
+def mig_outcome(result: MigApplyResult) -> MigOutcome:
+    """The allocator's summary of one apply on a device where the mechanism was on: undone steps
+    are the skipped ones, plus, when it turned itself off during the apply, the steps it never
+    reached (at least 1)."""
+    failed = len(result.skipped)
+    reasons = [why for _, why in result.skipped]
+    if result.disabled is not None:  # `MigLayoutMechanism.apply` calls this only while the device was on
+        failed += max(1, len(result.steps) - len(result.done) - len(result.skipped))
+        reasons.insert(0, f"off: {result.disabled}")
+    return MigOutcome(changed=bool(result.done), failed_steps=failed, reason="; ".join(reasons))
 
 
 def _overlaps(a_start: int, a_size: int, b_start: int, b_size: int) -> bool:
@@ -422,7 +435,8 @@ def layout_for_profiles(sku: Sku, profiles: Sequence[str], current: MigLayout = 
 
 class MigLayoutMechanism:
     """One `MigReconfigurer` per device behind `allocator.core.MigMechanism`:
-    `apply(device, profile_names) -> bool` (True when instances changed) and `restore()`."""
+    `apply(device, profile_names) -> MigOutcome` and `restore()`. `last` keeps each device's latest
+    `MigApplyResult` for diagnostics (`vgpu` commands, tests); the allocator reads only the outcome."""
 
     def __init__(self, *, state_dir: str | Path | None = None, dry_run: bool = False,
                  logger: structlog.typing.FilteringBoundLogger | None = None) -> None:
@@ -440,19 +454,19 @@ class MigLayoutMechanism:
             self.reconfigurers[device.uuid] = rec
         return rec
 
-    def apply(self, device: Device, profiles: Sequence[str]) -> bool:
+    def apply(self, device: Device, profiles: Sequence[str]) -> MigOutcome:
         rec = self._for(device)
         if rec.disabled is not None:
-            return False
+            return MigOutcome(False, 0, f"off: {rec.disabled}")
         try:
             sku = sku_for_device(device)
             target = layout_for_profiles(sku, profiles, rec.current_layout())
         except NotSupported as exc:
             rec._disable(f"NotSupported: {exc}")
-            return False
+            return MigOutcome(False, 1, f"off: {rec.disabled}")  # turned off now: counted once
         result = rec.apply(target)
         self.last[device.uuid] = result
-        return bool(result.done)
+        return mig_outcome(result)
 
     def restore(self) -> None:
         for rec in self.reconfigurers.values():

@@ -83,6 +83,20 @@ class MigTarget:
 
 
 @dataclass(frozen=True)
+class MigOutcome:
+    """What a `MigMechanism.apply` did on one device (allocator/core.py counts from it, nothing else).
+
+    `changed`: GPU instances were created or destroyed. `failed_steps`: steps of the plan left undone
+    by this call (an instance in use, a create blocked or refused, or the mechanism turning itself
+    off now: then at least 1); 0 when the layout is reached, already there, planned in dry-run, or
+    the mechanism was already off. `reason`: why it is incomplete or off; empty when complete."""
+
+    changed: bool
+    failed_steps: int = 0
+    reason: str = ""
+
+
+@dataclass(frozen=True)
 class Plan:
     grants: tuple[GrantTarget, ...] = ()
     power: tuple[PowerTarget, ...] = ()

@@ -183,3 +183,27 @@ def test_mig_failures_are_counted_per_device() -> None:
     for _ in range(2):
         alloc.apply_recommendations([_rec(dev.uuid)])
     assert alloc.counters.failures == {(dev.uuid, "mig"): 2}
+
+
+def test_allocator_counts_mig_failures_from_the_outcome_alone() -> None:
+    from allocator.plan import MigOutcome
+
+    class Outcomes:
+        """A MIG mechanism with scripted outcomes and no attributes for the allocator to peek at."""
+
+        def __init__(self, outcomes: list[MigOutcome]) -> None:
+            self.outcomes = outcomes
+
+        def apply(self, device: object, profiles: Sequence[str]) -> MigOutcome:
+            return self.outcomes.pop(0)
+
+        def restore(self) -> None:
+            pass
+
+    alloc, backend = _sim_allocator(_Fixed(profiles=("7g.80gb",)), mig_enabled=True)
+    dev = backend.devices()[0]
+    alloc.mig = Outcomes([MigOutcome(True, 2, "IN_USE"), MigOutcome(False, 0, ""), MigOutcome(True, 0, "")])
+    for _ in range(3):
+        alloc.apply_recommendations([_rec(dev.uuid)])
+    assert alloc.counters.failures == {(dev.uuid, "mig"): 1}
+    assert alloc.counters.mig_changes == 2

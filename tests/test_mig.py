@@ -200,16 +200,17 @@ def test_scheduler_acts_a_reconfiguration_time_ahead() -> None:
 
 def test_layout_mechanism_serves_the_allocator_protocol(tmp_path: Path) -> None:
     from allocator.mig import MigLayoutMechanism, layout_for_profiles
+    from allocator.plan import MigOutcome
     from vgpu.device.errors import InvalidArgument
 
     backend, _ = sim()
     dev = backend.devices()[0]
     mech = MigLayoutMechanism(state_dir=tmp_path)
-    assert mech.apply(dev, ["3g.40gb", "3g.40gb"])
+    assert mech.apply(dev, ["3g.40gb", "3g.40gb"]) == MigOutcome(True, 0, "")
     assert sorted(gi.profile_name for gi in dev.gpu_instances()) == ["3g.40gb", "3g.40gb"]
-    assert not mech.apply(dev, ["3g.40gb", "3g.40gb"])  # already there: no change
+    assert mech.apply(dev, ["3g.40gb", "3g.40gb"]) == MigOutcome(False, 0, "")  # already there: no change
     # keeps one 3g and replaces the other
-    assert mech.apply(dev, ["3g.40gb", "2g.20gb", "1g.10gb"])
+    assert mech.apply(dev, ["3g.40gb", "2g.20gb", "1g.10gb"]).changed
     assert mech.last[dev.uuid].writes == 3
     with pytest.raises(InvalidArgument):
         layout_for_profiles(SKU, ["9g.99gb"])
@@ -217,3 +218,35 @@ def test_layout_mechanism_serves_the_allocator_protocol(tmp_path: Path) -> None:
         layout_for_profiles(SKU, ["7g.80gb", "1g.10gb"])
     mech.restore()
     assert dev.gpu_instances() == []
+
+
+def test_layout_mechanism_outcome_counts_undone_steps_and_turning_off_once() -> None:
+    from allocator.mig import MigLayoutMechanism
+    from allocator.plan import MigOutcome
+    from vgpu.device.errors import NoPermission
+
+    backend, clock = sim(mig_reconfig_s=0.0)
+    dev = backend.devices()[0]
+    mech = MigLayoutMechanism()
+    assert mech.apply(dev, ["3g.40gb", "3g.40gb"]).changed
+    busy = next(gi for gi in dev.gpu_instances() if gi.placement.start == 0)
+    trace = AppTrace("app", np.arange(5.0), {"mem_used_mib": np.full(5, 1000.0), "sm_util_pct": np.full(5, 50.0)})
+    backend.launch("app", 4242, trace, 0, gpu_instance_id=busy.instance_id)
+    clock.advance(1.0)
+    # one 7g needs both 3g gone: the busy one stays (IN_USE), the create is blocked, the free one goes
+    out = mech.apply(dev, ["7g.80gb"])
+    assert out.changed and out.failed_steps == 2
+    assert "IN_USE" in out.reason and "blocked" in out.reason
+    clock.advance(10.0)  # the process has ended: the retry completes
+    assert mech.apply(dev, ["7g.80gb"]) == MigOutcome(True, 0, "")
+    # a refusal turns the mechanism off for the device: one failed step now, none afterwards
+    dev.inject("destroy_gpu_instance", NoPermission, times=None)
+    off = mech.apply(dev, ["3g.40gb", "3g.40gb"])
+    assert not off.changed and off.failed_steps == 3 and off.reason.startswith("off: NoPermission")
+    again = mech.apply(dev, ["3g.40gb", "3g.40gb"])
+    assert again.failed_steps == 0 and not again.changed and again.reason.startswith("off:")
+    # dry-run plans without writing and without failing
+    dry = MigLayoutMechanism(dry_run=True)
+    dev.clear_faults()
+    assert dry.apply(dev, ["3g.40gb", "3g.40gb"]) == MigOutcome(False, 0, "")
+    assert [gi.profile_name for gi in dev.gpu_instances()] == ["7g.80gb"]
