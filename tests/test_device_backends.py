@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import pytest
@@ -379,3 +380,54 @@ def test_two_gpus_are_independent(rig_factory: Callable[..., Rig]) -> None:
     assert d0.memory().total_mib == 40960 and "A100" in d0.name and "H100" in d1.name
     with pytest.raises(InvalidArgument):
         sim.launch("again", 5, trace("again", [1], 1.0), device_index=0)  # pid already runs
+
+
+# --- per-cgroup memory limits (nvmlDevice{Set,Get}MemoryLimits_v1) ---------------------------------
+def test_cgroup_memory_limit_sets_reads_back_and_clears(rig: Rig) -> None:
+    rig.need_writes()
+    dev = rig.device()
+    ns = "/system.slice/job-a.scope"
+    assert dev.memory_limit_mib(ns) == (math.inf, math.inf, 0.0)  # nothing set: no limit
+    dev.set_memory_limit_mib(ns, 6_000, 8_000.5)
+    assert dev.memory_limit_mib(ns) == (6_000, 8_000.5, 0.0)
+    assert dev.memory_limit_mib("/system.slice/job-b.scope").hard_mib == math.inf  # per namespace
+    writes = rig.sim_device().writes
+    dev.set_memory_limit_mib(ns, 6_000, 8_000.5)  # the current limits: nothing written
+    assert rig.sim_device().writes == writes
+    dev.set_memory_limit_mib(ns, math.inf, math.inf)
+    assert dev.memory_limit_mib(ns) == (math.inf, math.inf, 0.0)
+
+
+def test_cgroup_memory_limit_clips_the_namespace_processes(rig: Rig) -> None:
+    sim = rig.need_sim()
+    dev = rig.device()
+    sim.launch("a1", 11, trace("a1", [3_000] * 20, 10), cgroup="/jobs/a")
+    sim.launch("a2", 12, trace("a2", [3_000] * 20, 10), cgroup="/jobs/a")
+    sim.launch("b", 13, trace("b", [3_000] * 20, 10), cgroup="/jobs/b")
+    rig.advance(0.5)
+    assert dev.memory_limit_mib("/jobs/a").used_mib == 6_000
+    dev.set_memory_limit_mib("/jobs/a", 4_000, 4_000)
+    used = {p.pid: p.used_mib for p in dev.processes()}
+    assert used == {11: 3_000, 12: 1_000, 13: 3_000}  # the later process of /jobs/a is clipped, /jobs/b is not
+    assert dev.memory_limit_mib("/jobs/a") == (4_000, 4_000, 4_000)
+    assert dev.memory().used_mib == 7_000
+
+
+def test_cgroup_memory_limit_refusals(rig_factory: Callable[..., Rig]) -> None:
+    rig = rig_factory()
+    rig.need_writes()
+    dev = rig.device()
+    for ns, soft, hard in [("relative/path", 1.0, 1.0), ("/a", 2.0, 1.0), ("/a", 0.0, 1.0), ("/a", math.nan, 1.0)]:
+        with pytest.raises(InvalidArgument):
+            dev.set_memory_limit_mib(ns, soft, hard)
+    assert dev.memory_limit_mib("/a").hard_mib == math.inf
+    rig.need_sim().privileged = False
+    with pytest.raises(NoPermission):
+        dev.set_memory_limit_mib("/a", 1_000, 1_000)
+    assert dev.memory_limit_mib("/a").hard_mib == math.inf
+    # a driver without the functions: NotSupported for reads and writes (FUNCTION_NOT_FOUND under NVML)
+    old = rig_factory(memory_limits=False).device()
+    with pytest.raises(NotSupported):
+        old.memory_limit_mib("/a")
+    with pytest.raises(NotSupported):
+        old.set_memory_limit_mib("/a", 1_000, 1_000)

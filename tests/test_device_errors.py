@@ -31,6 +31,7 @@ CASES = [
     (pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES, InsufficientResources),
     (pynvml.NVML_ERROR_GPU_IS_LOST, GpuLost),
     (pynvml.NVML_ERROR_INVALID_ARGUMENT, InvalidArgument),
+    (pynvml.NVML_ERROR_FUNCTION_NOT_FOUND, NotSupported),  # a driver older than the function
     (4242, UnknownDeviceError),  # a code no table knows
 ]
 
@@ -151,3 +152,18 @@ def test_close_shuts_nvml_down_once() -> None:
 def test_from_nvml_code_keeps_the_code() -> None:
     err = from_nvml_code(4242)
     assert isinstance(err, UnknownDeviceError) and err.nvml_code == 4242
+
+
+def test_an_nvidia_ml_py_without_memory_limits_is_not_supported() -> None:
+    class OldPynvml(FakePynvml):
+        def __getattr__(self, name: str) -> object:
+            if "MemoryLimits" in name:
+                raise AttributeError(name)  # nvidia-ml-py before 13.615
+            return super().__getattr__(name)
+
+    sim = SimBackend(["h100-80gb"], clock=ManualClock(0.0))
+    dev = NvmlBackend(nvml=OldPynvml(sim)).devices()[0]
+    with pytest.raises(NotSupported, match="nvidia-ml-py"):
+        dev.memory_limit_mib("/a")
+    with pytest.raises(NotSupported, match="nvidia-ml-py"):
+        dev.set_memory_limit_mib("/a", 1.0, 1.0)

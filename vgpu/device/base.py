@@ -8,8 +8,10 @@ typed errors from `vgpu.device.errors` and never fail silently.
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,34 @@ class GpuInstance:
     placement: Placement
     uuid: str  # "MIG-..."
     mem_total_mib: float
+
+
+class MemoryLimitMib(NamedTuple):
+    """A namespace's GPU memory limits (nvmlDeviceGetMemoryLimits_v1); `math.inf`: no limit."""
+
+    soft_mib: float
+    hard_mib: float
+    used_mib: float  # what the namespace's processes use now
+
+
+def check_memory_limit_namespace(namespace: str) -> None:
+    """InvalidArgument unless `namespace` is an absolute cgroup path."""
+    from vgpu.device.errors import InvalidArgument
+
+    if not isinstance(namespace, str) or not namespace.startswith("/") or "\0" in namespace:
+        raise InvalidArgument(f"a memory-limit namespace is an absolute cgroup path like '/system.slice/x', not {namespace!r}")
+
+
+def check_memory_limit(namespace: str, soft_mib: float, hard_mib: float) -> None:
+    """InvalidArgument unless the namespace is an absolute cgroup path and 0 < soft <= hard (inf: none)."""
+    from vgpu.device.errors import InvalidArgument
+
+    check_memory_limit_namespace(namespace)
+    for what, mib in (("soft", soft_mib), ("hard", hard_mib)):
+        if math.isnan(mib) or mib <= 0:
+            raise InvalidArgument(f"{what} memory limit must be > 0 MiB (inf: no limit), not {mib}")
+    if soft_mib > hard_mib:
+        raise InvalidArgument(f"soft memory limit {soft_mib} MiB is above the hard limit {hard_mib} MiB")
 
 
 class Device(abc.ABC):
@@ -161,6 +191,20 @@ class Device(abc.ABC):
         from vgpu.device.errors import NotSupported
 
         raise NotSupported(f"{type(self).__name__} cannot change MIG mode")
+
+    def memory_limit_mib(self, namespace: str) -> MemoryLimitMib:
+        """GPU memory limits of the processes in `namespace` (the cgroup path of an application's
+        process; see the NVML backend), NVML's per-cgroup limits (driver R615+)."""
+        from vgpu.device.errors import NotSupported
+
+        raise NotSupported(f"{type(self).__name__} has no per-cgroup memory limits")
+
+    def set_memory_limit_mib(self, namespace: str, soft_mib: float, hard_mib: float) -> None:
+        """Cap the GPU memory of `namespace`'s processes (a write: typed errors on failure); `math.inf`
+        removes a limit. A set to the current limits writes nothing."""
+        from vgpu.device.errors import NotSupported
+
+        raise NotSupported(f"{type(self).__name__} has no per-cgroup memory limits")
 
 
 class Backend(abc.ABC):

@@ -117,6 +117,12 @@ NVML_ERRORS: dict[int, type[DeviceError]] = {
     )
 }
 
+# NVML_ERROR_FUNCTION_NOT_FOUND: the installed driver's libnvidia-ml lacks the function (nvidia-ml-py
+# knows functions newer than the driver, e.g. nvmlDeviceSetMemoryLimits_v1 before R615). For a caller
+# this is the same as the device not supporting the operation.
+FUNCTION_NOT_FOUND = 13
+NVML_ERRORS[FUNCTION_NOT_FOUND] = NotSupported
+
 
 def from_nvml_code(code: int, message: str = "") -> DeviceError:
     """The typed error for an NVML return code; codes outside the table become UnknownDeviceError."""

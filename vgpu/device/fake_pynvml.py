@@ -10,6 +10,10 @@ Test hooks: `inject(function, code, times=1)` makes the next calls of one NVML f
 NVML code (any int: an unknown code gives the bare `NVMLError`); `calls` counts calls per function;
 `FakePynvml(..., init_error=12)` makes `nvmlInit` fail as on a machine without the driver.
 
+Per-cgroup memory limits (nvmlDevice{Set,Get}MemoryLimits_v1): kept by the simulator per namespace
+(`SimDevice.set_memory_limit_mib`), in bytes here; `SimBackend(memory_limits=False)` answers
+FUNCTION_NOT_FOUND, as a driver older than the functions does.
+
 Compute instances: each GPU instance holds at most one compute instance spanning all its slices; asking
 for a smaller compute-instance profile gives NOT_SUPPORTED (the simulator does not model them).
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -476,3 +481,36 @@ class FakePynvml:
     @_faked
     def nvmlDeviceSetPowerManagementLimit(self, handle: Any, limit: int) -> None:
         self._dev(handle).set_power_limit_mw(int(limit))
+
+    # --- per-cgroup memory limits ------------------------------------------------------------
+    def _limits_target(self, device: Any, limits: Any) -> tuple[SimDevice, str]:
+        dev = self._dev(device)
+        if not self.backend.memory_limits:
+            raise _error(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)  # the driver predates the function
+        ns = _target(limits).nameSpace
+        if not ns:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return dev, ns.decode() if isinstance(ns, bytes) else str(ns)
+
+    @staticmethod
+    def _mib(value: int) -> float:
+        return math.inf if value >= pynvml.NVML_DEVICE_MEMORY_LIMIT_MAX else value / _MIB
+
+    @staticmethod
+    def _bytes(mib: float) -> int:
+        return pynvml.NVML_DEVICE_MEMORY_LIMIT_MAX if math.isinf(mib) else int(round(mib * _MIB))
+
+    @_faked
+    def nvmlDeviceSetMemoryLimits_v1(self, device: Any, limits: Any) -> None:
+        dev, ns = self._limits_target(device, limits)
+        lim = _target(limits)
+        dev.set_memory_limit_mib(ns, self._mib(int(lim.softLimit)), self._mib(int(lim.hardLimit)))
+
+    @_faked
+    def nvmlDeviceGetMemoryLimits_v1(self, device: Any, limits: Any) -> None:
+        dev, ns = self._limits_target(device, limits)
+        soft, hard, used = dev.memory_limit_mib(ns)
+        lim = _target(limits)
+        lim.softLimit = self._bytes(soft)
+        lim.hardLimit = self._bytes(hard)
+        lim.currentUsed = int(round(used * _MIB))

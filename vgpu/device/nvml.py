@@ -13,6 +13,7 @@ instance back.
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,11 +23,14 @@ from vgpu.device.base import (
     GpuInstance,
     GpuInstanceProfile,
     MemoryInfo,
+    MemoryLimitMib,
     Placement,
     PowerConstraints,
     ProcessInfo,
     ProcessUtilization,
     Utilization,
+    check_memory_limit,
+    check_memory_limit_namespace,
 )
 from vgpu.device.errors import (
     DeviceError,
@@ -45,6 +49,18 @@ DEFAULT_MIG_RECONFIG_S = 6.0
 # Compute slices of each NVML_COMPUTE_INSTANCE_PROFILE_* constant (nvml.h: 1, 2, 3, 4, 7, 8, 6, 1-rev1,
 # 7-NVL); a constant not listed here is probed anyway.
 _CI_PROFILE_SLICES = {0: 1, 1: 2, 2: 3, 3: 4, 4: 7, 5: 8, 6: 6, 7: 1, 8: 7}
+# nvmlDevice{Set,Get}MemoryLimits_v1 (nvidia-ml-py 13.615+, driver R615+): their ctypes structures and
+# the value meaning "no limit" (NVML_DEVICE_MEMORY_LIMIT_MAX, all bits set).
+_LIMIT_FUNCTIONS = ("nvmlDeviceSetMemoryLimits_v1", "nvmlDeviceGetMemoryLimits_v1")
+_NO_LIMIT = 0xFFFFFFFFFFFFFFFF
+
+
+def _limit_mib(value: int) -> float:
+    return math.inf if value >= _NO_LIMIT else value / _MIB
+
+
+def _limit_bytes(mib: float) -> int:
+    return _NO_LIMIT if math.isinf(mib) else min(_NO_LIMIT - 1, int(round(mib * _MIB)))
 
 
 def _message(exc: Exception) -> str:
@@ -259,6 +275,37 @@ class NvmlDevice(Device):
             infos.extend(self._n.call("nvmlGpuInstanceGetInfo", array[i]) for i in range(count.value))
         uuids = self._mig_uuids({int(info.id) for info in infos})
         return sorted((self._gi_value(info, uuids) for info in infos), key=lambda g: g.instance_id)
+
+    # --- per-cgroup memory limits ----------------------------------------------------------
+    # nvmlDeviceSetMemoryLimits_v1 / nvmlDeviceGetMemoryLimits_v1 take a `nameSpace` string. No public
+    # NVIDIA document we could find says what it holds beyond "cgroup"; we pass the cgroup path of the
+    # application's process (the path in /proc/<pid>/cgroup, e.g. "/system.slice/job.scope"). Limits
+    # are bytes; NVML_DEVICE_MEMORY_LIMIT_MAX means none (math.inf here).
+    def _limits_struct(self, kind: str, namespace: str) -> Any:
+        m = self._n.m
+        struct_t = getattr(m, f"c_nvml{kind}MemoryLimits_v1_t", None)
+        if struct_t is None or not all(hasattr(m, name) for name in _LIMIT_FUNCTIONS):
+            raise NotSupported("per-cgroup memory limits need nvidia-ml-py 13.615 or newer (nvmlDeviceSetMemoryLimits_v1)")
+        limits = struct_t()
+        limits.nameSpace = namespace.encode()
+        return limits
+
+    def memory_limit_mib(self, namespace: str) -> MemoryLimitMib:
+        check_memory_limit_namespace(namespace)
+        limits = self._limits_struct("Get", namespace)
+        self._call("nvmlDeviceGetMemoryLimits_v1", limits)  # FUNCTION_NOT_FOUND (older driver) -> NotSupported
+        return MemoryLimitMib(_limit_mib(int(limits.softLimit)), _limit_mib(int(limits.hardLimit)),
+                              int(limits.currentUsed) / _MIB)
+
+    def set_memory_limit_mib(self, namespace: str, soft_mib: float, hard_mib: float) -> None:
+        check_memory_limit(namespace, soft_mib, hard_mib)
+        before = self.memory_limit_mib(namespace)
+        if (before.soft_mib, before.hard_mib) == (_limit_mib(_limit_bytes(soft_mib)), _limit_mib(_limit_bytes(hard_mib))):
+            return
+        limits = self._limits_struct("Set", namespace)
+        limits.softLimit = _limit_bytes(soft_mib)
+        limits.hardLimit = _limit_bytes(hard_mib)
+        self._call("nvmlDeviceSetMemoryLimits_v1", limits)
 
     # --- writes ----------------------------------------------------------------------------
     def set_power_limit_mw(self, limit_mw: int) -> None:

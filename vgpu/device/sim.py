@@ -13,6 +13,11 @@ the SKU tables in `vgpu.device.skus`. Applications are launched onto a device wi
 - Memory: a process uses the trace's `mem_used_mib`, capped at what is left in its domain (the whole
   GPU, or its GPU instance under MIG) after processes launched before it: an over-ask is clipped, as an
   allocation past capacity fails on a real GPU (`SimDevice.snapshot()` shows the demand beside it).
+- Per-cgroup memory limits (NVML's nvmlDeviceSetMemoryLimits_v1): a process launched with
+  `cgroup=PATH` belongs to that namespace; its memory is also capped at the namespace's hard limit
+  minus what the namespace's earlier processes use, clipped like an over-ask of capacity. The soft
+  limit is stored and read back but not enforced (what a driver does at it is not documented).
+  `SimBackend(memory_limits=False)` models a driver without the functions (NotSupported).
 - Utilization: the device's SM / memory-bandwidth utilization are the sums over processes, capped at
   100. Reads raise NotSupported while MIG is enabled, as on real devices.
 - Power: demand = idle floor + (max limit - idle floor) * SM util / 100. When the demand exceeds the
@@ -52,11 +57,14 @@ from vgpu.device.base import (
     GpuInstance,
     GpuInstanceProfile,
     MemoryInfo,
+    MemoryLimitMib,
     Placement,
     PowerConstraints,
     ProcessInfo,
     ProcessUtilization,
     Utilization,
+    check_memory_limit,
+    check_memory_limit_namespace,
 )
 from vgpu.device.errors import (
     DeviceError,
@@ -189,8 +197,10 @@ class _Proc:
         loop: bool,
         gi_id: int | None,
         seq: int,
+        cgroup: str | None = None,
     ) -> None:
         self.app_id = app_id
+        self.cgroup = cgroup
         self.pid = pid
         self.series = series
         self.start_s = start_s
@@ -233,8 +243,9 @@ _READS = (
     "mig_enabled",
     "gpu_instance_profiles",
     "gpu_instances",
+    "memory_limit_mib",
 )
-_WRITES = ("set_power_limit_mw", "create_gpu_instance", "destroy_gpu_instance", "set_mig_mode")
+_WRITES = ("set_power_limit_mw", "create_gpu_instance", "destroy_gpu_instance", "set_mig_mode", "set_memory_limit_mib")
 INJECTABLE = frozenset(_READS + _WRITES)
 
 
@@ -265,6 +276,7 @@ class SimDevice(Device):
         self._reconfig_until_s = -math.inf
         self._gis: dict[int, _Gi] = {}
         self._procs: dict[int, _Proc] = {}
+        self._mem_limits: dict[str, tuple[float, float]] = {}  # cgroup -> (soft, hard) MiB
         self._lost = False
         self._faults: dict[str, list[object]] = {}  # method -> [error, remaining or None]
         self.writes = 0  # state-changing writes so far (a set to the current value is none)
@@ -350,6 +362,7 @@ class SimDevice(Device):
     def _snapshot(self, now: float) -> list[SimProcessSample]:
         self._prune(now)
         domain_used: dict[int | None, float] = {}
+        cgroup_used: dict[str, float] = {}
         out = []
         for p in sorted(self._procs.values(), key=lambda p: p.seq):
             if not p.active(now):
@@ -358,8 +371,13 @@ class SimDevice(Device):
             s = p.series
             want = float(s.mem[i])
             cap = self._gi_mem(p.gi_id) if p.gi_id is not None else float(self.sku.mem_total_mib)
-            used = max(0.0, min(want, cap - domain_used.get(p.gi_id, 0.0)))
+            room = cap - domain_used.get(p.gi_id, 0.0)
+            if p.cgroup is not None and p.cgroup in self._mem_limits:
+                room = min(room, self._mem_limits[p.cgroup][1] - cgroup_used.get(p.cgroup, 0.0))
+            used = max(0.0, min(want, room))
             domain_used[p.gi_id] = domain_used.get(p.gi_id, 0.0) + used
+            if p.cgroup is not None:
+                cgroup_used[p.cgroup] = cgroup_used.get(p.cgroup, 0.0) + used
             out.append(
                 SimProcessSample(
                     app_id=p.app_id,
@@ -535,6 +553,23 @@ class SimDevice(Device):
             self._require_mig("gpu_instances")
             return [self._gi_value(gi) for gi in sorted(self._gis.values(), key=lambda g: g.instance_id)]
 
+    def _require_memory_limits(self, method: str) -> None:
+        if not self._backend.memory_limits:
+            raise NotSupported(f"{method}: the driver of GPU {self._index} has no per-cgroup memory limits")
+
+    def memory_limit_mib(self, namespace: str) -> MemoryLimitMib:
+        """The namespace's (soft, hard) limits (inf: none) and what its processes use now."""
+        with self._lock:
+            self._enter("memory_limit_mib")
+            self._require_memory_limits("memory_limit_mib")
+            check_memory_limit_namespace(namespace)
+            soft, hard = self._mem_limits.get(namespace, (math.inf, math.inf))
+            used = sum((s.used_mib for s, p in self._snapshot_procs(self._now()) if p.cgroup == namespace), 0.0)
+            return MemoryLimitMib(soft, hard, used)
+
+    def _snapshot_procs(self, now: float) -> list[tuple[SimProcessSample, _Proc]]:
+        return [(s, self._procs[s.pid]) for s in self._snapshot(now)]
+
     def mig_reconfiguring_until_s(self) -> float | None:
         """Clock time the current MIG reconfiguration window closes; None when none is open."""
         with self._lock:
@@ -565,6 +600,23 @@ class SimDevice(Device):
                     f"power limit {limit_mw} mW is outside {s.power_min_mw}..{s.power_max_mw} mW on GPU {self._index}"
                 )
             self._power_limit_mw = limit_mw
+            self.writes += 1
+
+    def set_memory_limit_mib(self, namespace: str, soft_mib: float, hard_mib: float) -> None:
+        """Cap the namespace's memory (inf, inf: no limit); a set to the current limits writes nothing.
+        A hard limit under what the namespace uses now clips its processes at once."""
+        with self._lock:
+            self._enter("set_memory_limit_mib")
+            self._require_memory_limits("set_memory_limit_mib")
+            check_memory_limit(namespace, soft_mib, hard_mib)
+            new = (float(soft_mib), float(hard_mib))
+            if self._mem_limits.get(namespace, (math.inf, math.inf)) == new:
+                return
+            self._check_privilege("set_memory_limit_mib")
+            if new == (math.inf, math.inf):
+                del self._mem_limits[namespace]
+            else:
+                self._mem_limits[namespace] = new
             self.writes += 1
 
     def set_mig_mode(self, enabled: bool) -> None:
@@ -704,6 +756,7 @@ class SimBackend(Backend):
         mig_reconfig_s: float = DEFAULT_MIG_RECONFIG_S,
         sample_period_s: float = DEFAULT_SAMPLE_PERIOD_S,
         sample_buffer_s: float = DEFAULT_SAMPLE_BUFFER_S,
+        memory_limits: bool = True,
     ) -> None:
         if not gpus:
             raise ValueError("a SimBackend needs at least one GPU")
@@ -711,6 +764,7 @@ class SimBackend(Backend):
             raise ValueError("sample_period_s and sample_buffer_s must be > 0")
         self.clock = clock
         self.privileged = privileged
+        self.memory_limits = memory_limits  # False: a driver without per-cgroup memory limits
         self.sample_period_s = float(sample_period_s)
         self.sample_buffer_s = float(sample_buffer_s)
         skus = [get_sku(g) if isinstance(g, str) else g for g in gpus]
@@ -750,11 +804,14 @@ class SimBackend(Backend):
         speed: float = 1.0,
         *,
         loop: bool = False,
+        cgroup: str | None = None,
     ) -> SimLaunch:
         """Start `pid` on a GPU (inside GPU instance `gpu_instance_id` when MIG is enabled), its usage
-        following `trace` from now at `speed` x real time."""
+        following `trace` from now at `speed` x real time; `cgroup` is its memory-limit namespace."""
         if speed <= 0 or not math.isfinite(speed):
             raise ValueError(f"speed must be a positive number, not {speed}")
+        if cgroup is not None:
+            check_memory_limit_namespace(cgroup)
         dev = self._device(device_index)
         series = _Series(trace)
         other = self._where.get(pid)
@@ -777,7 +834,7 @@ class SimBackend(Backend):
             elif gpu_instance_id is not None:
                 raise InvalidArgument(f"GPU {device_index} has MIG disabled: no GPU instance {gpu_instance_id}")
             self._seq += 1
-            proc = _Proc(app_id, pid, series, start, speed, loop, gpu_instance_id, self._seq)
+            proc = _Proc(app_id, pid, series, start, speed, loop, gpu_instance_id, self._seq, cgroup)
             dev._add_proc(proc)
             self._where[pid] = device_index
             return SimLaunch(app_id, pid, device_index, gpu_instance_id, proc.start_s, proc.end_s)
