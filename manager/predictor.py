@@ -119,6 +119,9 @@ class ModelForecaster:
             options.inter_op_num_threads = 1
             options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
             options.log_severity_level = 3
+            # A daemon must not busy-wait between forecasts: ONNX Runtime's worker threads spin by default
+            # (measured: the manager at 57 % of a core instead of under 30 % with 2 threads).
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
             session = ort.InferenceSession(buf.getvalue(), options, providers=["CPUExecutionProvider"])
         except Exception as exc:  # noqa: BLE001 - any exporter/runtime failure: serve the torch path instead
             _log.warning(
