@@ -2,8 +2,10 @@
 
 The allocator alone writes to devices. It answers applications (request / release / limits),
 carries out the manager's recommendations through a `Policy` (allocator/plan.py), enforces power
-limits (allocator/enforce.py) and MIG layouts (a `MigMechanism`, plugged in), publishes every
-change to `watch()` subscribers and restores device settings on `stop()`.
+limits (allocator/enforce.py) and MIG layouts (a `MigMechanism`, plugged in), caps each
+application's cgroup at its granted memory through NVML's per-cgroup limits where the pid is known
+and `cgroup_limits` is given (allocator/limits.py), publishes every change to `watch()`
+subscribers and restores device settings on `stop()`.
 
 Concurrency: the daemon runs on one asyncio loop and every method here is synchronous and must be
 called from that loop's thread (the gRPC servicers call them directly; none of them awaits). Device
@@ -27,6 +29,7 @@ import structlog
 from allocator.enforce import PowerLimitMechanism, PowerLimitResult
 from allocator.errors import DeviceError, InvalidRequest, NotSupported, VerifyFailed
 from allocator.ledger import AppLimits, DeviceCapacity, Grant, Ledger
+from allocator.limits import CgroupMemoryLimits, read_cgroup
 from allocator.plan import (
     BaselinePolicy,
     DeviceView,
@@ -224,6 +227,8 @@ class Allocator:
         ledger: Ledger | None = None,
         power: PowerLimitMechanism | None = None,
         mig: MigMechanism | None = None,
+        cgroup_limits: CgroupMemoryLimits | None = None,
+        cgroup_of: Callable[[int], str | None] = read_cgroup,
         on_change: Callable[[Ledger], None] | None = None,
         watch_queue_size: int = 1024,
         logger: structlog.typing.FilteringBoundLogger | None = None,
@@ -237,6 +242,9 @@ class Allocator:
         self.ledger = ledger if ledger is not None else Ledger(device_capacities(backend), clock=clock)
         self.power = power if power is not None else PowerLimitMechanism(dry_run=self.dry_run, logger=self._log)
         self.mig = mig
+        # None: the mechanism is off. `cgroup_of(pid)` finds an application's cgroup (/proc/<pid>/cgroup).
+        self.cgroup_limits = cgroup_limits
+        self._cgroup_of = cgroup_of
         self.on_change = on_change
         self.counters = Counters()
         self._watch_queue_size = watch_queue_size
@@ -314,6 +322,7 @@ class Allocator:
         self._log.info("granted", app=grant.app_id, device=grant.device_id, memory_mib=grant.memory_mib,
                        sm_pct=grant.sm_pct, source=source, grant=grant.grant_id)
         self._publish(EventKind.GRANTED, grant=grant, detail=source)
+        self._sync_cgroup_limits(grant.device_id)
         self._changed()
         return grant
 
@@ -333,6 +342,7 @@ class Allocator:
         self.counters.released += 1
         self._log.info("released", app=grant.app_id, grant=grant_id)
         self._publish(EventKind.RELEASED, grant=grant)
+        self._sync_cgroup_limits(grant.device_id)
         self._changed()
         return grant
 
@@ -533,6 +543,8 @@ class Allocator:
                                   detail=f"{old.memory_mib:.0f} -> {grant.memory_mib:.0f} MiB")
             except (DeviceError, InvalidRequest) as exc:
                 skipped.append(f"{target.app_id}: {exc}")
+        for device_id in sorted({g.device_id for g in (*created, *resized)}):
+            self._sync_cgroup_limits(device_id)
         power_results = [self._apply_power(t.device_id, t.limit_mw, t.reason) for t in plan.power]
         mig_changes = sum(self._apply_mig(t) for t in plan.mig)
         if created or resized:
@@ -603,6 +615,48 @@ class Allocator:
             self._publish(EventKind.MIG_CHANGED, device_id=target.device_id, detail=",".join(target.profiles))
         return int(outcome.changed)
 
+    def _sync_cgroup_limits(self, device_id: str) -> None:
+        """Cap each cgroup on the device at the memory granted to the applications whose process
+        runs in it (an application's pid: from any of its grants there); put back the original
+        limits of cgroups that no longer hold a grant. Failures are counted ("cgroup_memory") and
+        logged; they never undo the grant."""
+        lim = self.cgroup_limits
+        if lim is None or self._stopped or lim.disabled_reason(device_id) is not None:
+            return
+        grants = self.ledger.grants(device_id=device_id)
+        pids: dict[str, int] = {}
+        for g in grants:
+            if g.pid > 0:
+                pids.setdefault(g.app_id, g.pid)
+        cgroups: dict[str, str | None] = {}
+        wanted: dict[str, float] = {}
+        for g in grants:
+            pid = pids.get(g.app_id)
+            if pid is None:
+                continue
+            if g.app_id not in cgroups:
+                cgroups[g.app_id] = self._cgroup_of(pid)
+            cg = cgroups[g.app_id]
+            if cg is not None:
+                wanted[cg] = wanted.get(cg, 0.0) + g.memory_mib
+        stale = lim.limited(device_id) - {cg for cg, mib in wanted.items() if mib > 0}
+        if not wanted and not stale:
+            return
+        dev = self._read_device(device_id)
+        if dev is None:
+            return
+        for cg, mib in sorted(wanted.items()):
+            if mib <= 0:
+                continue
+            try:
+                lim.apply(dev, cg, mib)
+            except (DeviceError, VerifyFailed) as exc:
+                self.counters.failed(device_id, "cgroup_memory")
+                self._log.error("cgroup_memory_limit_failed", device=device_id, cgroup=cg, hard_mib=mib, error=str(exc))
+        for cg in sorted(stale):
+            if lim.restore_one(device_id, cg).startswith("failed"):
+                self.counters.failed(device_id, "cgroup_memory")
+
     # --- shutdown --------------------------------------------------------------------------------
     def stop(self) -> list[PowerLimitResult]:
         """Restore device settings (power limits, MIG layouts) and end every watch subscription.
@@ -611,6 +665,10 @@ class Allocator:
             return []
         self._stopped = True
         results = self.power.restore()
+        if self.cgroup_limits is not None:
+            for device_id, _cgroup, outcome in self.cgroup_limits.restore():
+                if outcome.startswith("failed"):  # logged by the mechanism
+                    self.counters.failed(device_id, "cgroup_memory")
         if self.mig is not None:
             try:
                 self.mig.restore()

@@ -17,9 +17,13 @@ Three mechanisms, each optional and each degrading cleanly where the node lacks 
    `nvidia-cuda-mps-control` is on PATH. Absent: NotSupported, logged once, the mechanism is off.
 3. **NVML cgroup memory limits** (`CgroupMemoryLimits`): `nvmlDeviceSetMemoryLimits_v1` (driver
    R615+) caps the GPU memory of a cgroup. Only the device layer talks to NVML, so this asks the
-   device for `set_memory_limit_mib(cgroup, soft_mib, hard_mib)` and `memory_limit_mib(cgroup)`;
-   a device without them (the current NVML and simulated backends) or a driver that answers
-   NotSupported turns the mechanism off with one log line. Writes otherwise fail loudly.
+   device (`Device.memory_limit_mib(cgroup)` / `set_memory_limit_mib(cgroup, soft, hard)`) with
+   check -> change -> verify, saving each cgroup's original limits before the first write and
+   writing them back on `restore()` (or `restore_one` when the application's grants are gone). A
+   device or driver that answers NotSupported (no such NVML function, an older nvidia-ml-py), or
+   NoPermission on a write, turns the mechanism off for that device with one log line; other
+   errors and a value that does not read back fail loudly. The allocator finds an application's
+   cgroup from its pid (`read_cgroup`: /proc/<pid>/cgroup).
 """
 
 from __future__ import annotations
@@ -31,7 +35,6 @@ import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
 
 import structlog
 
@@ -218,17 +221,31 @@ class MpsControl:
 # ------------------------------------------------------------------------------------------------
 # 3. NVML cgroup-based memory limits (through the device layer)
 # ------------------------------------------------------------------------------------------------
-@runtime_checkable
-class MemoryLimitDevice(Protocol):
-    """What a device offers when its backend wraps nvmlDevice{Set,Get}MemoryLimits_v1."""
+def read_cgroup(pid: int, proc_root: str | Path = "/proc") -> str | None:
+    """The cgroup path of `pid` (the cgroup v2 entry "0::PATH" of /proc/<pid>/cgroup, else the v1
+    memory controller's), or None when the process is gone or the file says nothing usable."""
+    if pid <= 0:
+        return None
+    try:
+        text = (Path(proc_root) / str(pid) / "cgroup").read_text(encoding="utf-8")
+    except OSError:
+        return None
+    v1_memory = None
+    for line in text.splitlines():
+        hier, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if not path.startswith("/"):
+            continue
+        if hier == "0" and controllers == "":
+            return path
+        if "memory" in controllers.split(","):
+            v1_memory = path
+    return v1_memory
 
-    uuid: str
 
-    def set_memory_limit_mib(self, cgroup: str, soft_mib: float, hard_mib: float) -> None: ...
-
-    def memory_limit_mib(self, cgroup: str) -> tuple[float, float]:
-        """(soft, hard) limits of the cgroup in MiB."""
-        ...
+def _same(a: float, b: float) -> bool:
+    """Equal limits in MiB (bytes round-trip through NVML); inf equals only inf."""
+    return a == b or (math.isfinite(a) and math.isfinite(b) and math.isclose(a, b, rel_tol=0.0, abs_tol=0.01))
 
 
 class CgroupMemoryLimits:
@@ -245,57 +262,81 @@ class CgroupMemoryLimits:
     def disabled_reason(self, device_id: str) -> str | None:
         return self._disabled.get(device_id)
 
+    def limited(self, device_id: str) -> set[str]:
+        """The cgroups of the device whose limits this changed (and will restore)."""
+        return {cg for dev, cg in self._original if dev == device_id}
+
     def _disable(self, device_id: str, reason: str) -> None:
         if device_id not in self._disabled:
             self._disabled[device_id] = reason
             self._log.warning("cgroup_memory_limit_disabled", device=device_id, reason=reason)
 
     def apply(self, device: Device, cgroup: str, hard_mib: float, soft_mib: float | None = None) -> bool:
-        """Cap `cgroup` on `device`; True when a write happened."""
+        """Cap `cgroup` on `device`; True when a write happened. False when off, unchanged or dry-run."""
         if not cgroup.startswith("/"):
             raise ValueError(f"cgroup must be an absolute cgroup path, got {cgroup!r}")
         if not (hard_mib > 0 and math.isfinite(hard_mib)):
             raise ValueError(f"hard_mib must be a positive number, got {hard_mib}")
         soft = hard_mib if soft_mib is None else soft_mib
+        if not 0 < soft <= hard_mib:
+            raise ValueError(f"soft_mib must be in (0, hard_mib], got {soft}")
+        return self._set(device, cgroup, soft, hard_mib, save=True)
+
+    def _set(self, device: Device, cgroup: str, soft: float, hard: float, *, save: bool) -> bool:
         dev_id = device.uuid
         if dev_id in self._disabled:
-            return False
-        if not isinstance(device, MemoryLimitDevice):
-            self._disable(dev_id, "the device backend has no NVML memory-limit support (needs driver R615+)")
             return False
         try:
             before = device.memory_limit_mib(cgroup)
         except NotSupported as exc:
             self._disable(dev_id, f"NotSupported: {exc}")
             return False
-        if math.isclose(before[0], soft) and math.isclose(before[1], hard_mib):
+        if _same(before.soft_mib, soft) and _same(before.hard_mib, hard):
             return False
         if self.dry_run:
-            self._log.info("cgroup_memory_limit_plan", device=dev_id, cgroup=cgroup, before=before, hard_mib=hard_mib)
+            self._log.info("cgroup_memory_limit_plan", device=dev_id, cgroup=cgroup, dry_run=True,
+                           before_mib=[before.soft_mib, before.hard_mib], soft_mib=soft, hard_mib=hard)
             return False
-        self._original.setdefault((dev_id, cgroup), before)
-        self._devices[dev_id] = device
+        if save:
+            self._original.setdefault((dev_id, cgroup), (before.soft_mib, before.hard_mib))
+            self._devices[dev_id] = device
         self.writes += 1
         try:
-            device.set_memory_limit_mib(cgroup, soft, hard_mib)
+            device.set_memory_limit_mib(cgroup, soft, hard)
         except (NotSupported, NoPermission) as exc:
             self._disable(dev_id, f"{type(exc).__name__}: {exc}")
             return False
         after = device.memory_limit_mib(cgroup)
-        if not (math.isclose(after[0], soft) and math.isclose(after[1], hard_mib)):
-            raise VerifyFailed(f"cgroup {cgroup} on {dev_id} reads {after} MiB after setting {(soft, hard_mib)}")
+        if not (_same(after.soft_mib, soft) and _same(after.hard_mib, hard)):
+            raise VerifyFailed(f"cgroup {cgroup} on {dev_id} reads {after[:2]} MiB after setting {(soft, hard)}")
+        self._log.info("cgroup_memory_limit_set", device=dev_id, cgroup=cgroup, hard_mib=hard,
+                       before_mib=[before.soft_mib, before.hard_mib])
         return True
+
+    def restore_one(self, device_id: str, cgroup: str) -> str:
+        """Write the cgroup's saved original back: "restored", "unchanged" (nothing saved) or
+        "failed: ..." (logged; the original stays saved for `restore()`)."""
+        saved = self._original.get((device_id, cgroup))
+        if saved is None:
+            return "unchanged"
+        device = self._devices[device_id]
+        dry, self.dry_run = self.dry_run, False
+        disabled = self._disabled.pop(device_id, None)  # an off mechanism still puts back what it changed
+        try:
+            self._set(device, cgroup, saved[0], saved[1], save=False)
+            refused = self._disabled.get(device_id)  # NotSupported / NoPermission during this write
+        except (DeviceError, VerifyFailed) as exc:
+            refused = repr(exc)
+        finally:
+            self.dry_run = dry
+            if disabled is not None:
+                self._disabled.setdefault(device_id, disabled)
+        if refused is not None:
+            self._log.error("cgroup_memory_limit_restore_failed", device=device_id, cgroup=cgroup, error=refused)
+            return f"failed: {refused}"
+        del self._original[(device_id, cgroup)]
+        return "restored"
 
     def restore(self) -> list[tuple[str, str, str]]:
         """Write every saved original back; (device, cgroup, outcome) per entry, failures logged."""
-        out = []
-        for (dev_id, cgroup), (soft, hard) in list(self._original.items()):
-            device = self._devices[dev_id]
-            try:
-                device.set_memory_limit_mib(cgroup, soft, hard)  # type: ignore[attr-defined]
-                out.append((dev_id, cgroup, "restored"))
-            except DeviceError as exc:
-                self._log.error("cgroup_memory_limit_restore_failed", device=dev_id, cgroup=cgroup, error=repr(exc))
-                out.append((dev_id, cgroup, f"failed: {exc}"))
-            del self._original[(dev_id, cgroup)]
-        return out
+        return [(dev_id, cgroup, self.restore_one(dev_id, cgroup)) for dev_id, cgroup in list(self._original)]

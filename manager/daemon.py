@@ -57,6 +57,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from allocator.core import Allocator, Sizer, device_capacities
 from allocator.errors import NotFound
 from allocator.ledger import Ledger
+from allocator.limits import CgroupMemoryLimits
 from allocator.mig import MigLayoutMechanism
 from allocator.policy import ForecastPolicy
 from allocator.service import AllocatorServicer, Server, build_server
@@ -146,14 +147,16 @@ class StateSource:
     def device_snapshots(self) -> list[DeviceSnapshot]:
         out = []
         for d in self.allocator.available():
-            reason = self.allocator.power.disabled_reason(d.device_id)
+            off = [("power_limit", self.allocator.power.disabled_reason(d.device_id))]
+            if self.allocator.cgroup_limits is not None:
+                off.append(("cgroup_memory", self.allocator.cgroup_limits.disabled_reason(d.device_id)))
             out.append(
                 DeviceSnapshot(
                     d.device_id,
                     d.mem_total_mib,
                     d.mem_granted_mib,
                     d.power_limit_mw,
-                    (("power_limit", reason),) if reason else (),
+                    tuple((mech, reason) for mech, reason in off if reason),
                 )
             )
         return out
@@ -482,8 +485,10 @@ class Daemon:
         (self.state_dir / "mig").mkdir(mode=0o700, exist_ok=True)
         mig = MigLayoutMechanism(state_dir=self.state_dir / "mig", dry_run=cfg.server.dry_run)
         self.sizer = BackgroundSizer(self._load_sizer, self.log)
+        cgroup_limits = CgroupMemoryLimits(dry_run=cfg.server.dry_run) if cfg.server.cgroup_memory_limits else None
         self.allocator = Allocator(self.backend, clock=self.clock, dry_run=cfg.server.dry_run, ledger=ledger,
-                                   mig=mig, sizer=self.sizer, policy=ForecastPolicy(), on_change=self._save)
+                                   mig=mig, cgroup_limits=cgroup_limits, sizer=self.sizer, policy=ForecastPolicy(),
+                                   on_change=self._save)
         baseline = default_baseline()
         interval_s = cfg.manager.model_check_interval_s
         self.manager = Manager(self.allocator, load_model(cfg.manager.model, fallback=baseline, check_interval_s=interval_s),

@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+import math
+import os
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from device_rigs import Rig, trace
 
+from allocator.core import AllocationRequest, Allocator
 from allocator.errors import VerifyFailed
-from allocator.limits import CgroupMemoryLimits, MemoryLimitBook, MpsControl, client_env, memory_fraction
-from vgpu.device.errors import NotSupported
+from allocator.limits import (
+    CgroupMemoryLimits,
+    MemoryLimitBook,
+    MpsControl,
+    client_env,
+    memory_fraction,
+    read_cgroup,
+)
+from vgpu.device.base import MemoryLimitMib
 from vgpu.device.sim import ManualClock, SimBackend
 
 
@@ -117,40 +129,159 @@ def test_client_env() -> None:
         client_env(0)
 
 
-class LimitDevice:
-    """A device whose backend wraps nvmlDevice{Set,Get}MemoryLimits_v1."""
+class _Log:
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, str, dict[str, object]]] = []
 
-    def __init__(self, *, supported: bool = True) -> None:
-        self.uuid = "GPU-x"
-        self.supported = supported
-        self.limits: dict[str, tuple[float, float]] = {}
+    def _add(self, level: str, event: str, **kw: object) -> None:
+        self.lines.append((level, event, kw))
 
-    def memory_limit_mib(self, cgroup: str) -> tuple[float, float]:
-        if not self.supported:
-            raise NotSupported("driver older than R615")
-        return self.limits.get(cgroup, (float("inf"), float("inf")))
+    def info(self, event: str, **kw: object) -> None:
+        self._add("info", event, **kw)
 
-    def set_memory_limit_mib(self, cgroup: str, soft_mib: float, hard_mib: float) -> None:
-        self.limits[cgroup] = (soft_mib, hard_mib)
+    def warning(self, event: str, **kw: object) -> None:
+        self._add("warning", event, **kw)
+
+    def error(self, event: str, **kw: object) -> None:
+        self._add("error", event, **kw)
 
 
-def test_cgroup_limits_check_change_verify_and_restore() -> None:
-    dev = LimitDevice()
+def test_cgroup_limits_check_change_verify_and_restore(rig: Rig) -> None:
+    rig.need_writes()
+    dev = rig.device()
+    dev.set_memory_limit_mib("/jobs/b", 20_000, 30_000)  # an operator's limit, there before vgpu
     lim = CgroupMemoryLimits()
-    assert lim.apply(dev, "/vgpu/app-a", 8_000)  # type: ignore[arg-type]
-    assert dev.limits["/vgpu/app-a"] == (8_000, 8_000)
-    assert not lim.apply(dev, "/vgpu/app-a", 8_000)  # type: ignore[arg-type]
-    assert lim.writes == 1
-    assert lim.restore() == [("GPU-x", "/vgpu/app-a", "restored")]
-    assert dev.limits["/vgpu/app-a"] == (float("inf"), float("inf"))
+    assert lim.apply(dev, "/jobs/a", 8_000)
+    assert dev.memory_limit_mib("/jobs/a")[:2] == (8_000, 8_000)
+    assert not lim.apply(dev, "/jobs/a", 8_000) and lim.writes == 1  # already there: no write
+    assert lim.apply(dev, "/jobs/a", 6_000.5)
+    assert lim.apply(dev, "/jobs/b", 5_000)
+    assert lim.limited(dev.uuid) == {"/jobs/a", "/jobs/b"}
+    assert sorted(lim.restore()) == [(dev.uuid, "/jobs/a", "restored"), (dev.uuid, "/jobs/b", "restored")]
+    assert dev.memory_limit_mib("/jobs/a")[:2] == (math.inf, math.inf)  # the first original, not 8000
+    assert dev.memory_limit_mib("/jobs/b")[:2] == (20_000, 30_000)
+    assert lim.restore() == [] and lim.limited(dev.uuid) == set()
     with pytest.raises(ValueError, match="absolute"):
-        lim.apply(dev, "app", 1)  # type: ignore[arg-type]
+        lim.apply(dev, "app", 1)
+    with pytest.raises(ValueError, match="soft_mib"):
+        lim.apply(dev, "/jobs/a", 1_000, soft_mib=2_000)
 
 
-def test_cgroup_limits_degrade_on_old_drivers_and_backends_without_support() -> None:
+def test_cgroup_limits_degrade_once_where_the_driver_has_none(rig_factory: Callable[..., Rig]) -> None:
+    rig = rig_factory(memory_limits=False)
+    dev = rig.device()
+    log = _Log()
+    lim = CgroupMemoryLimits(logger=log)  # type: ignore[arg-type]
+    assert not lim.apply(dev, "/jobs/a", 1_000)
+    assert not lim.apply(dev, "/jobs/b", 2_000)
+    assert "NotSupported" in (lim.disabled_reason(dev.uuid) or "")
+    assert [e for lvl, e, _ in log.lines if lvl == "warning"] == ["cgroup_memory_limit_disabled"]
+    assert lim.writes == 0 and lim.restore() == []
+
+
+def test_cgroup_limits_refused_write_turns_off_and_dry_run_writes_nothing(rig: Rig) -> None:
+    sim = rig.need_sim()
+    dev = rig.device()
+    writes = rig.sim_device().writes
+    dry = CgroupMemoryLimits(dry_run=True, logger=_Log())  # type: ignore[arg-type]
+    assert not dry.apply(dev, "/jobs/a", 1_000)
+    assert dev.memory_limit_mib("/jobs/a").hard_mib == math.inf and rig.sim_device().writes == writes
+    assert dry.limited(dev.uuid) == set() and dry.restore() == []
+    sim.privileged = False
     lim = CgroupMemoryLimits()
-    assert not lim.apply(LimitDevice(supported=False), "/vgpu/a", 1_000)  # type: ignore[arg-type]
-    assert "NotSupported" in (lim.disabled_reason("GPU-x") or "")
+    assert not lim.apply(dev, "/jobs/a", 1_000)
+    assert "NoPermission" in (lim.disabled_reason(dev.uuid) or "")
+    assert dev.memory_limit_mib("/jobs/a").hard_mib == math.inf
+
+
+def test_cgroup_limit_that_does_not_read_back_fails_loudly() -> None:
     sim_dev = SimBackend(["h100-80gb"], clock=ManualClock()).devices()[0]
-    assert not lim.apply(sim_dev, "/vgpu/a", 1_000)
-    assert "no NVML memory-limit support" in (lim.disabled_reason(sim_dev.uuid) or "")
+
+    class Deaf:
+        """Takes the write and ignores it."""
+
+        uuid = sim_dev.uuid
+
+        def memory_limit_mib(self, cgroup: str) -> MemoryLimitMib:
+            return sim_dev.memory_limit_mib(cgroup)
+
+        def set_memory_limit_mib(self, cgroup: str, soft_mib: float, hard_mib: float) -> None:
+            pass
+
+    with pytest.raises(VerifyFailed, match="/jobs/a"):
+        CgroupMemoryLimits().apply(Deaf(), "/jobs/a", 1_000)  # type: ignore[arg-type]
+
+
+def test_read_cgroup_v2_v1_and_gone(tmp_path: Path) -> None:
+    (tmp_path / "10").mkdir()
+    (tmp_path / "10" / "cgroup").write_text("0::/system.slice/train.scope\n")
+    (tmp_path / "11").mkdir()
+    (tmp_path / "11" / "cgroup").write_text("12:cpu,cpuacct:/a\n4:memory:/slurm/job_7\n1:name=systemd:/b\n")
+    (tmp_path / "12").mkdir()
+    (tmp_path / "12" / "cgroup").write_text("garbage\n")
+    assert read_cgroup(10, tmp_path) == "/system.slice/train.scope"
+    assert read_cgroup(11, tmp_path) == "/slurm/job_7"
+    assert read_cgroup(12, tmp_path) is None
+    assert read_cgroup(13, tmp_path) is None  # the process is gone
+    assert read_cgroup(0, tmp_path) is None
+    mine = read_cgroup(os.getpid())
+    assert mine is None or mine.startswith("/")
+
+
+# --- the allocator: a grant's memory becomes its application's cgroup hard limit -----------------
+def _allocator(rig: Rig, **kw: object) -> Allocator:
+    cgroups = {4242: "/jobs/a", 4343: "/jobs/a", 5151: "/jobs/b"}
+    return Allocator(rig.backend, clock=rig.clock, dry_run=kw.pop("dry_run", False),  # type: ignore[arg-type]
+                     cgroup_limits=CgroupMemoryLimits(dry_run=bool(kw.pop("lim_dry_run", False)), logger=_Log()),  # type: ignore[arg-type]
+                     cgroup_of=cgroups.get, **kw)  # type: ignore[arg-type]
+
+
+def test_allocator_caps_the_application_cgroup_at_its_grant_and_restores(rig: Rig) -> None:
+    rig.need_writes()
+    dev = rig.device()
+    alloc = _allocator(rig)
+    g1 = alloc.request_allocation(AllocationRequest("a", memory_mib=8_000, pid=4242, device_id=dev.uuid))
+    assert dev.memory_limit_mib("/jobs/a")[:2] == (8_000, 8_000)
+    # a second application in the same cgroup: the cgroup gets both grants
+    alloc.request_allocation(AllocationRequest("a2", memory_mib=2_000, pid=4343, device_id=dev.uuid))
+    assert dev.memory_limit_mib("/jobs/a").hard_mib == 10_000
+    alloc.request_allocation(AllocationRequest("nopid", memory_mib=1_000, device_id=dev.uuid))  # no pid: nothing
+    alloc.request_allocation(AllocationRequest("b", memory_mib=3_000, pid=5151, device_id=dev.uuid))
+    assert dev.memory_limit_mib("/jobs/b").hard_mib == 3_000
+    alloc.release(g1.grant_id)
+    assert dev.memory_limit_mib("/jobs/a").hard_mib == 2_000
+    alloc.stop()
+    assert dev.memory_limit_mib("/jobs/a").hard_mib == math.inf
+    assert dev.memory_limit_mib("/jobs/b").hard_mib == math.inf
+    assert alloc.counters.failures == {}
+
+
+def test_allocator_cgroup_limit_clips_the_simulated_process(rig: Rig) -> None:
+    sim = rig.need_sim()
+    dev = rig.device()
+    alloc = _allocator(rig)
+    sim.launch("a", 4242, trace("a", [12_000] * 30, 20), cgroup="/jobs/a")
+    rig.advance(0.5)
+    assert [p.used_mib for p in dev.processes()] == [12_000]
+    grant = alloc.request_allocation(AllocationRequest("a", memory_mib=9_000, pid=4242, device_id=dev.uuid))
+    assert [p.used_mib for p in dev.processes()] == [9_000]  # capped at the grant
+    alloc.release(grant.grant_id)  # the original (no limit) is back
+    assert [p.used_mib for p in dev.processes()] == [12_000]
+
+
+def test_allocator_dry_run_and_unsupported_driver_write_nothing(rig_factory: Callable[..., Rig]) -> None:
+    rig = rig_factory()
+    rig.need_writes()
+    dev = rig.device()
+    writes = rig.sim_device().writes
+    dry = _allocator(rig, dry_run=True, lim_dry_run=True)
+    dry.request_allocation(AllocationRequest("a", memory_mib=8_000, pid=4242, device_id=dev.uuid))
+    assert dev.memory_limit_mib("/jobs/a").hard_mib == math.inf and rig.sim_device().writes == writes
+    assert dry.cgroup_limits is not None
+    assert [e for _, e, _ in dry.cgroup_limits._log.lines] == ["cgroup_memory_limit_plan"]  # type: ignore[attr-defined]
+    old = rig_factory(memory_limits=False)
+    alloc = _allocator(old)
+    grant = alloc.request_allocation(AllocationRequest("a", memory_mib=8_000, pid=4242, device_id=old.device().uuid))
+    assert grant.memory_mib == 8_000  # the grant stands; the mechanism is off for the device
+    assert alloc.cgroup_limits is not None and alloc.cgroup_limits.disabled_reason(old.device().uuid)
+    assert alloc.counters.failures == {}

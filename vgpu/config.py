@@ -47,6 +47,10 @@ class ServerConfig:
     tcp: str = ""
     # Decide and log, but write nothing to the device.
     dry_run: bool = False
+    # Cap each application's GPU memory at its grant through NVML's per-cgroup memory limits
+    # (nvmlDeviceSetMemoryLimits_v1, driver R615+), for applications whose pid is known; a driver
+    # without them turns this off with one log line.
+    cgroup_memory_limits: bool = True
     # Seconds a graceful stop waits for in-flight RPCs.
     grace_s: float = 5.0
 

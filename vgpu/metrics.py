@@ -62,7 +62,8 @@ class CounterSnapshot:
     power_limit_changes: int = 0
     mig_changes: int = 0
     grants_resized: int = 0
-    # (device_id, mechanism, count) of device changes that failed, mechanism "power_limit" or "mig"
+    # (device_id, mechanism, count) of device changes that failed, mechanism "power_limit", "mig" or
+    # "cgroup_memory"
     failures: tuple[tuple[str, str, int], ...] = ()
     forecast_batches: int = 0  # forecaster calls, one per batch of due applications
     forecast_s_total: float = 0.0
