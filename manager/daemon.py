@@ -76,6 +76,8 @@ from vgpu.metrics import AppSnapshot, CounterSnapshot, DaemonMetrics, DeviceSnap
 
 SIM_STATE_FILE = "sim-devices.json"
 LOCK_FILE = "daemon.lock"
+# How long a stop waits for background model loads to end (they take seconds; systemd's stop timeout is 90 s).
+LOADER_JOIN_S = 60.0
 
 
 class StartupError(RuntimeError):
@@ -629,6 +631,7 @@ class Daemon:
             self._save(self.allocator.ledger)
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
+        await asyncio.to_thread(self._wait_for_loaders, LOADER_JOIN_S)
         if hasattr(self, "backend"):
             self.backend.close()
         if hasattr(self, "store"):
@@ -638,6 +641,23 @@ class Daemon:
             self._lock.close()
         self.stopped.set()
         return actions
+
+    def _wait_for_loaders(self, timeout_s: float) -> None:
+        """Let background loads (forecaster, cold-start sizer, a hot reload) finish before the process
+        exits: exiting while one is inside torch or ONNX Runtime aborts the process (SIGABRT,
+        "terminate called without an active exception") instead of exiting 0."""
+        deadline = time.monotonic() + timeout_s
+        waits: list[Callable[[float], object]] = []
+        if self.model_loader is not None:
+            waits.append(self.model_loader.join)
+        sizer = getattr(self, "sizer", None)
+        if hasattr(sizer, "wait"):
+            waits.append(sizer.wait)
+        forecaster = getattr(getattr(self, "manager", None), "forecaster", None)
+        if hasattr(forecaster, "wait_idle"):
+            waits.append(forecaster.wait_idle)
+        for wait in waits:
+            wait(max(0.0, deadline - time.monotonic()))
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()

@@ -1,0 +1,58 @@
+"""A stop waits for background model loads: a process that exits while another thread is inside torch
+or ONNX Runtime aborts (SIGABRT, "terminate called without an active exception") instead of exiting 0.
+Seen on a fresh clone, where the first imports are slow enough for SIGTERM to land mid-load."""
+
+from __future__ import annotations
+
+import threading
+import time
+import types
+
+from manager.daemon import Daemon
+
+
+class _Waits:
+    def __init__(self, delay_s: float) -> None:
+        self.done = threading.Event()
+        self._delay_s = delay_s
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        time.sleep(self._delay_s)
+        self.done.set()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        return self.done.wait(timeout_s)
+
+    def wait_idle(self, timeout_s: float = 30.0) -> None:
+        self.done.wait(timeout_s)
+
+
+def _daemon_with_loaders(delay_s: float) -> tuple[Daemon, threading.Event, _Waits, _Waits]:
+    daemon = Daemon.__new__(Daemon)
+    loaded = threading.Event()
+
+    def load() -> None:
+        time.sleep(delay_s)
+        loaded.set()
+
+    daemon.model_loader = threading.Thread(target=load, daemon=True)
+    daemon.model_loader.start()
+    sizer, reload = _Waits(delay_s), _Waits(delay_s)
+    daemon.sizer = sizer  # type: ignore[assignment]
+    daemon.manager = types.SimpleNamespace(forecaster=reload)  # type: ignore[assignment]
+    return daemon, loaded, sizer, reload
+
+
+def test_stop_waits_for_every_background_load() -> None:
+    daemon, loaded, sizer, reload = _daemon_with_loaders(0.3)
+    daemon._wait_for_loaders(10.0)
+    assert loaded.is_set() and sizer.done.is_set() and reload.done.is_set()
+
+
+def test_the_wait_is_bounded_by_one_deadline() -> None:
+    daemon, loaded, _, _ = _daemon_with_loaders(5.0)
+    started = time.monotonic()
+    daemon._wait_for_loaders(0.3)
+    assert time.monotonic() - started < 1.5  # one deadline for all three, not 0.3 s each plus slack
+    assert not loaded.is_set()
