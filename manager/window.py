@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from manager.columns import parse_signature
 from vgpu.traces import NUMERIC, AppTrace
 from vgpu.v1 import signature_pb2
 
@@ -42,33 +43,11 @@ class Sample:
         return self.values[_COL[column]]
 
 
-def _opt(msg: object, name: str, scale: float = 1.0) -> float:
-    if msg is not None and msg.HasField(name):  # type: ignore[attr-defined]
-        return float(getattr(msg, name)) * scale
-    return math.nan
-
-
 def sample_from_signature(sig: signature_pb2.BehavioralSignature) -> Sample:
-    """The window's view of a (validated) signature."""
-    dev = sig.device if sig.HasField("device") else None
-    proc = sig.process if sig.HasField("process") else None
-    inapp = sig.in_app if sig.HasField("in_app") else None
-    mem = _opt(proc, "gpu_mem_used_mib")
-    if math.isnan(mem):
-        mem = _opt(inapp, "torch_reserved_mib")
-    values = dict.fromkeys(NUMERIC, math.nan)
-    values.update(
-        mem_used_mib=mem,
-        sm_util_pct=_opt(proc, "sm_util_pct"),
-        mem_total_mib=_opt(dev, "mem_total_mib"),
-        power_w=_opt(dev, "power_mw", 1e-3),
-        power_limit_w=_opt(dev, "power_limit_mw", 1e-3),
-        mem_util_pct=_opt(dev, "mem_bw_util_pct"),
-        sm_clock_mhz=_opt(dev, "sm_clock_mhz"),
-        pcie_tx_kbps=_opt(dev, "pcie_tx_kbps"),
-        pcie_rx_kbps=_opt(dev, "pcie_rx_kbps"),
-    )
-    return Sample(sig.app_id, sig.device_id, sig.seq, sig.timestamp_s, tuple(values[c] for c in NUMERIC))
+    """The window's view of a (validated) signature: the same mapping the manager's ingest uses
+    (`manager.columns.parse_signature`), as a Sample."""
+    _, values = parse_signature(sig)
+    return Sample(sig.app_id, sig.device_id, sig.seq, sig.timestamp_s, tuple(values))
 
 
 class AppWindow:

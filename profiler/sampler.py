@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from manager.columns import MAX_ID_CHARS  # the manager rejects longer ids
 from profiler.source import SeqCounter
 from vgpu.client import DEFAULT_INAPP_DIR, InAppFormatError, InAppReport, read_inapp
 from vgpu.device.base import Backend, Device, GpuInstance, ProcessInfo
@@ -37,7 +38,6 @@ from vgpu.v1 import signature_pb2
 
 T = TypeVar("T")
 MIB = 1024 * 1024
-MAX_APP_ID_CHARS = 256  # the manager rejects longer app ids (manager/core.py)
 _DEFAULT_PSUTIL: Any = object()
 
 
@@ -394,11 +394,11 @@ class Sampler:
 
     def _app_id(self, pid: int, pstate: _ProcState, inapp: InAppReport | None) -> str:
         if pstate.app_id is None and inapp is not None:
-            if len(inapp.app_id) <= MAX_APP_ID_CHARS:
+            if len(inapp.app_id) <= MAX_ID_CHARS:
                 pstate.app_id = inapp.app_id  # sticky for the life of the process
             else:
                 self._once(f"pid:{pid}", "inapp_app_id",
-                           f"ignoring an in-app app_id of {len(inapp.app_id)} characters (at most {MAX_APP_ID_CHARS})")
+                           f"ignoring an in-app app_id of {len(inapp.app_id)} characters (at most {MAX_ID_CHARS})")
         if pstate.app_id is None and self._app_id_of is not None:
             pstate.app_id = self._app_id_of(pid)
         if pstate.app_id is not None:
