@@ -23,6 +23,9 @@ from vgpu.traces import NUMERIC
 from vgpu.v1 import ingest_pb2, signature_pb2
 
 MAX_ID_CHARS = 256
+# No GPU counter comes near this (a petabyte in MiB, a terawatt in W); larger values are corrupt, and
+# carried through a forecast plus margin they overflow to inf.
+MAX_COUNTER = 1e12
 _PCT = ("sm_util_pct", "mem_util_pct")
 
 
@@ -148,9 +151,11 @@ def parse_signature(sig: signature_pb2.BehavioralSignature) -> tuple[str | None,
         for fd, value in part.ListFields():
             where, col, scale, pct = specs[fd]
             if value.__class__ is float:
-                if not (0.0 <= value < math.inf):
+                if not (0.0 <= value <= MAX_COUNTER):
                     if value != value or value in (math.inf, -math.inf):
                         return f"{where} is not a finite number ({value})", _NAN_ROW
+                    if value > MAX_COUNTER:
+                        return f"{where} is implausibly large ({value:g} > {MAX_COUNTER:g})", _NAN_ROW
                     return f"{where} is negative ({value:g})", _NAN_ROW
                 if pct and value > 100.0:
                     return f"{where} is outside 0-100 ({value:g})", _NAN_ROW
@@ -254,6 +259,7 @@ def read_columns(msg: ingest_pb2.SignatureColumns) -> ColumnRows:
             v = values[_COL[c]]
             mark(np.isinf(v), f"{c} is not a finite number")
             mark(v < 0, f"{c} is negative")
+            mark(np.isfinite(v) & (v > MAX_COUNTER), f"{c} is implausibly large (> {MAX_COUNTER:g})")
             if c in _PCT:
                 mark(v > 100.0, f"{c} is outside 0-100")
     bad = np.flatnonzero(reason)

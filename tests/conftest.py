@@ -6,6 +6,13 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# CI explores a fixed set of examples (a red run can be re-run and bisected); elsewhere hypothesis
+# draws fresh ones every run, which is how the fuzz tests find new bugs.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 # The device rigs (simulator, NVML over the fake pynvml, real NVML) as fixtures for every test module.
 pytest_plugins = ("device_rigs",)

@@ -139,3 +139,18 @@ def test_columns_from_signatures_keeps_the_window_values_and_leaves_bad_ones_as_
     trace = m.windows.trace("a")
     np.testing.assert_array_equal(trace.column("mem_used_mib"), [100.0, 200.0, 300.0])
     np.testing.assert_array_equal(trace.column("power_w"), [250.0] * 3)
+
+
+def test_implausibly_large_counters_are_rejected_in_rows_and_columns() -> None:
+    """Found by hypothesis: a finite but absurd memory (1.4e308 MiB) passed ingest, and the forecast plus
+    margin overflowed to an infinite recommendation. Counters beyond any GPU are rejected, both forms."""
+    m = _manager()
+    row = spb.BehavioralSignature(app_id="b", device_id=GPU, seq=1, timestamp_s=1000.0)
+    row.process.gpu_mem_used_mib = 1.4211012923812774e308
+    cols = encode_columns(["c", "c"], [GPU, GPU], [1, 2], [1000.0, 1000.1],
+                          {"mem_used_mib": [1.4211012923812774e308, 512.0], "sm_util_pct": [0.0, 0.0]})
+    reply = m.accept(ingest_pb2.SignatureBatch(tick=1, signatures=[row], columns=cols))
+    got = {r.index: r.reason for r in reply.rejected}
+    assert sorted(got) == [0, 1]
+    assert "implausibly large" in got[0] and "implausibly large" in got[1]
+    assert reply.accepted == 1 and m.windows.apps() == ["c"]
