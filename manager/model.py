@@ -12,7 +12,7 @@ Only manager/ imports torch (see ../shared/STYLE.md).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from torch import nn
@@ -76,7 +76,8 @@ class _AttentionBlock(nn.Module):
         p = self.dropout_p if self.training else 0.0
         att = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p)
         att = att.transpose(1, 2).reshape(batch, q.shape[2], d)
-        return self.norm(x + self.out(att))
+        out: torch.Tensor = self.norm(x + self.out(att))
+        return out
 
 
 class _BiGRU(nn.Module):
@@ -170,6 +171,12 @@ class _FusedAttention(nn.Module):
     (folded into an earlier affine map) and which, with `last_only`, projects the query of the
     last position alone."""
 
+    # Buffers, registered in __init__ (declared here for their type).
+    w_q: torch.Tensor
+    b_q: torch.Tensor
+    w_kv: torch.Tensor
+    b_kv: torch.Tensor
+
     def __init__(self, block: _AttentionBlock) -> None:
         super().__init__()
         self.heads = block.heads
@@ -197,18 +204,20 @@ class _FusedAttention(nn.Module):
             x = x[:, -1:, :]
         att = nn.functional.scaled_dot_product_attention(q, k, v)
         att = att.transpose(1, 2).reshape(batch, q.shape[2], d)
-        return self.norm(x + self.out(att))
+        out: torch.Tensor = self.norm(x + self.out(att))
+        return out
 
 
 def _folded_gru(gru: nn.GRU, weight: torch.Tensor, bias: torch.Tensor) -> nn.GRU:
     """A GRU reading x directly where `gru` read `weight @ x + bias`: the affine map is folded into
     the GRU's input weights (the same function up to float rounding)."""
     folded = nn.GRU(weight.shape[1], gru.hidden_size, batch_first=True)
+    w_ih = gru.get_parameter("weight_ih_l0")
     with torch.no_grad():
-        folded.weight_ih_l0.copy_(gru.weight_ih_l0 @ weight)
-        folded.bias_ih_l0.copy_(gru.weight_ih_l0 @ bias + gru.bias_ih_l0)
-        folded.weight_hh_l0.copy_(gru.weight_hh_l0)
-        folded.bias_hh_l0.copy_(gru.bias_hh_l0)
+        folded.get_parameter("weight_ih_l0").copy_(w_ih @ weight)
+        folded.get_parameter("bias_ih_l0").copy_(w_ih @ bias + gru.get_parameter("bias_ih_l0"))
+        folded.get_parameter("weight_hh_l0").copy_(gru.get_parameter("weight_hh_l0"))
+        folded.get_parameter("bias_hh_l0").copy_(gru.get_parameter("bias_hh_l0"))
     return folded
 
 
@@ -225,6 +234,12 @@ class FusedTransformerBiGRU(nn.Module):
     longer than the one it was built for are refused; shorter ones are fine. Not for training.
     """
 
+    # Buffers, registered in __init__ (declared here for their type).
+    w_h0: torch.Tensor
+    b_h0: torch.Tensor
+    w_qkv0: torch.Tensor
+    b_qkv0: torch.Tensor
+
     def __init__(self, model: TransformerBiGRU, window_s: int) -> None:
         super().__init__()
         cfg = model.config
@@ -232,10 +247,11 @@ class FusedTransformerBiGRU(nn.Module):
             raise ValueError(f"window of {window_s} steps exceeds max_len {cfg.max_len}")
         self.config = cfg
         self.window_s = window_s
+        blocks = [cast(_AttentionBlock, block) for block in model.attn]  # model.attn holds only these
         with torch.no_grad():
             pos = model.position.weight[:window_s].detach().clone()  # (T, d)
             w_in, b_in = model.input_proj.weight.detach(), model.input_proj.bias.detach()
-            first = model.attn[0].qkv
+            first = blocks[0].qkv
             if cfg.order == "gru_first":
                 self.fwd = _folded_gru(model.gru.fwd, w_in, b_in)
                 self.bwd = _folded_gru(model.gru.bwd, w_in, b_in)
@@ -249,7 +265,7 @@ class FusedTransformerBiGRU(nn.Module):
             self.register_buffer("b_h0", (b_a[None, :] + pos).clone())
             self.register_buffer("w_qkv0", (first.weight @ w_a).clone())
             self.register_buffer("b_qkv0", ((b_a[None, :] + pos) @ first.weight.T + first.bias).clone())
-        self.attn = nn.ModuleList(_FusedAttention(block) for block in model.attn)
+        self.attn = nn.ModuleList(_FusedAttention(block) for block in blocks)
         self.head_p50 = model.head_p50
         self.head_delta = model.head_delta
         self.eval()
