@@ -99,7 +99,7 @@ class UnknownDeviceError(DeviceError):
 
 # NVML return code -> typed error. The one place this mapping is written down.
 NVML_ERRORS: dict[int, type[DeviceError]] = {
-    cls.nvml_code: cls  # type: ignore[misc]
+    cls.nvml_code: cls
     for cls in (
         Uninitialized,
         InvalidArgument,

@@ -26,7 +26,7 @@ import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import pynvml
 
@@ -34,9 +34,11 @@ from vgpu.device.errors import DeviceError
 from vgpu.device.sim import SimBackend, SimDevice
 from vgpu.device.skus import CI_PROFILE_FOR_SLICES, MigProfile
 
-_F = TypeVar("_F", bound=Callable[..., Any])
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 _NO_ID = 0xFFFFFFFF  # NVML's "not applicable" for gpuInstanceId / computeInstanceId
 _MIB = 1024 * 1024
+_SUCCESS: int = pynvml.NVML_SUCCESS
 
 
 @dataclass(frozen=True)
@@ -49,11 +51,11 @@ def _error(code: int) -> pynvml.NVMLError:
     return pynvml.NVMLError(code)
 
 
-def _faked(fn: _F) -> _F:
+def _faked(fn: Callable[Concatenate[FakePynvml, _P], _R]) -> Callable[Concatenate[FakePynvml, _P], _R]:
     """Count the call, check nvmlInit, fire injected faults, turn typed errors into NVMLError."""
 
     @functools.wraps(fn)
-    def wrapper(self: FakePynvml, *args: Any, **kwargs: Any) -> Any:
+    def wrapper(self: FakePynvml, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         name = fn.__name__
         self.calls[name] += 1
         if not self._initialised and name != "nvmlInit":
@@ -73,8 +75,8 @@ def _faked(fn: _F) -> _F:
             code = exc.nvml_code if exc.nvml_code is not None else pynvml.NVML_ERROR_UNKNOWN
             raise _error(code) from exc
 
-    wrapper.__faked__ = True  # type: ignore[attr-defined]
-    return wrapper  # type: ignore[return-value]
+    wrapper.__dict__["__faked__"] = True  # FakePynvml.faked_functions() lists these
+    return wrapper
 
 
 def _target(ref: Any) -> Any:
@@ -301,7 +303,7 @@ class FakePynvml:
         if mode not in (pynvml.NVML_DEVICE_MIG_DISABLE, pynvml.NVML_DEVICE_MIG_ENABLE):
             raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         self._dev(device).set_mig_mode(mode == pynvml.NVML_DEVICE_MIG_ENABLE)
-        return pynvml.NVML_SUCCESS
+        return _SUCCESS
 
     @_faked
     def nvmlDeviceGetGpuInstanceProfileInfo(self, device: Any, profile: int, version: int = 2) -> Any:
@@ -336,7 +338,7 @@ class FakePynvml:
         count = _target(countRef)
         if placementsRef is None:
             count.value = len(prof.placements)
-            return pynvml.NVML_SUCCESS
+            return _SUCCESS
         array = _target(placementsRef)
         if len(array) < len(prof.placements):
             raise _error(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
@@ -344,7 +346,7 @@ class FakePynvml:
             array[i].start = p.start
             array[i].size = p.size
         count.value = len(prof.placements)
-        return pynvml.NVML_SUCCESS
+        return _SUCCESS
 
     @_faked
     def nvmlDeviceGetGpuInstances(
@@ -362,7 +364,7 @@ class FakePynvml:
         for i, g in enumerate(found):
             array[i] = self._handle("gi", dev.index, g.instance_id)
         _target(countRef).value = len(found)
-        return pynvml.NVML_SUCCESS
+        return _SUCCESS
 
     @_faked
     def nvmlDeviceGetGpuInstanceById(self, device: Any, gpuInstanceId: int) -> Any:  # noqa: N803
@@ -399,7 +401,7 @@ class FakePynvml:
         dev, gi_id = self._resolve("gi", gpuInstance)
         with dev._lock:
             dev._destroy_gi(gi_id, require_no_ci=True)
-        return pynvml.NVML_SUCCESS
+        return _SUCCESS
 
     def _full_ci_profile(self, dev: SimDevice, gi_id: int) -> tuple[int, int]:
         """(compute-instance profile constant, slice count) of the instance's one compute instance."""
@@ -443,7 +445,7 @@ class FakePynvml:
                 raise _error(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
             array[0] = self._handle("ci", dev.index, gi_id)
         _target(countRef).value = int(has_ci)
-        return pynvml.NVML_SUCCESS
+        return _SUCCESS
 
     @_faked
     def nvmlComputeInstanceDestroy(self, computeInstance: Any) -> int:  # noqa: N803
@@ -452,7 +454,7 @@ class FakePynvml:
             raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         dev = self.backend.devices()[found[1]]
         dev._set_ci(found[2], False)
-        return pynvml.NVML_SUCCESS
+        return _SUCCESS
 
     @_faked
     def nvmlDeviceGetMaxMigDeviceCount(self, device: Any) -> int:

@@ -267,7 +267,7 @@ class NvmlDevice(Device):
     def gpu_instances(self) -> Sequence[GpuInstance]:
         self._require_mig("gpu_instances")
         m = self._n.m
-        infos = []
+        infos: list[Any] = []  # pynvml's c_nvmlGpuInstanceInfo_t, untyped
         for _, prof in self._profile_table():
             array = (m.c_nvmlGpuInstance_t * max(1, prof.max_count))()
             count = ctypes.c_uint(len(array))

@@ -278,7 +278,8 @@ class SimDevice(Device):
         self._procs: dict[int, _Proc] = {}
         self._mem_limits: dict[str, tuple[float, float]] = {}  # cgroup -> (soft, hard) MiB
         self._lost = False
-        self._faults: dict[str, list[object]] = {}  # method -> [error, remaining or None]
+        # method -> (error, calls it still fails or None for until cleared)
+        self._faults: dict[str, tuple[DeviceError | type[DeviceError] | int, int | None]] = {}
         self.writes = 0  # state-changing writes so far (a set to the current value is none)
 
     # --- identity --------------------------------------------------------------------------
@@ -315,7 +316,7 @@ class SimDevice(Device):
             raise ValueError(f"cannot inject into {method!r}; one of {', '.join(sorted(INJECTABLE))}")
         if times is not None and times < 1:
             raise ValueError(f"times must be >= 1 or None, not {times}")
-        self._faults[method] = [error, times]
+        self._faults[method] = (error, times)
 
     def clear_faults(self) -> None:
         self._faults.clear()
@@ -330,12 +331,11 @@ class SimDevice(Device):
                 if remaining <= 1:
                     del self._faults[method]
                 else:
-                    fault[1] = remaining - 1
+                    self._faults[method] = (error, remaining - 1)
             if isinstance(error, int):
                 raise from_nvml_code(error, f"injected into {method}")
             if isinstance(error, type):
                 raise error(f"injected into {method}")
-            assert isinstance(error, DeviceError)
             raise error
         if write:
             self._check_privilege(method)
