@@ -132,12 +132,14 @@ class Client:
         for tok, cached in candidates:
             md = auth.bearer(tok) if tok else ()
             try:
-                return fn(request, metadata=md, timeout=self.timeout_s)
+                # with_call gives (response, call); the response's type depends on `method`.
+                answer: tuple[Any, Any] = fn(request, metadata=md, timeout=self.timeout_s)
+                return answer
             except grpc.RpcError as exc:
-                code = exc.code()  # type: ignore[attr-defined]
+                code = exc.code()
                 if code == grpc.StatusCode.UNAVAILABLE:
                     raise CliError(
-                        f"cannot reach the vgpu daemon at {self.socket_path} ({exc.details()}); "  # type: ignore[attr-defined]
+                        f"cannot reach the vgpu daemon at {self.socket_path} ({exc.details()}); "
                         "is vgpu-manager running, and may you open its socket?"
                     ) from None
                 if code == grpc.StatusCode.UNAUTHENTICATED and cached is not None:
@@ -145,9 +147,9 @@ class Client:
                 if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED) and tok is not None:
                     last = exc
                     continue
-                raise CliError(f"{code.name}: {exc.details()}") from None  # type: ignore[attr-defined]
+                raise CliError(f"{code.name}: {exc.details()}") from None
         assert last is not None
-        raise CliError(f"{last.code().name}: {last.details()}")  # type: ignore[attr-defined]
+        raise CliError(f"{last.code().name}: {last.details()}")
 
 
 def _dict(msg: Message) -> dict[str, Any]:

@@ -430,7 +430,8 @@ class Allocator:
         cap = self.ledger.capacity(device_id)
         dev = self._read_device(device_id)
         limit = constraints = None
-        mig_enabled, instances = False, ()
+        mig_enabled = False
+        instances: tuple[GpuInstance, ...] = ()
         readable = dev is not None
         if dev is not None:
             try:

@@ -39,7 +39,7 @@ import structlog
 from allocator.plan import MigOutcome
 from vgpu.device.base import Device, GpuInstance
 from vgpu.device.errors import InsufficientResources, InUse, NoPermission, NotSupported
-from vgpu.device.skus import SKUS, LayoutSlot, MigLayout, Sku, layout_problem, valid_layouts
+from vgpu.device.skus import SKUS, LayoutSlot, MigLayout, MigProfile, Sku, layout_problem, valid_layouts
 from vgpu.log import get_logger
 
 MIN_RECONFIG_S = 6.0
@@ -84,15 +84,21 @@ def _slices_for(sku: Sku, sm_pct: float) -> int:
     return max(1, math.ceil(sm_pct / 100.0 * sku.compute_slices - 1e-9))
 
 
+def _profile(sku: Sku, profile_id: int) -> MigProfile:
+    """The profile of a slot of one of `valid_layouts(sku)`, which are made of the SKU's own profiles."""
+    prof = sku.profile(profile_id)
+    assert prof is not None, f"{sku.key} has no MIG profile {profile_id}"
+    return prof
+
+
 def _assign(sku: Sku, layout: MigLayout, needs: Sequence[MigNeed]) -> list[tuple[str, LayoutSlot]] | None:
     """Largest need first into the smallest free instance that fits it; None if one does not fit."""
-    free = sorted(layout, key=lambda s: (sku.profile(s.profile_id).mem_mib, s.start))  # type: ignore[union-attr]
+    free = sorted(layout, key=lambda s: (_profile(sku, s.profile_id).mem_mib, s.start))
     out = []
     for need in sorted(needs, key=lambda n: (-n.mem_mib, -n.sm_pct, n.app_id)):
         want_slices = _slices_for(sku, need.sm_pct)
         for slot in free:
-            prof = sku.profile(slot.profile_id)
-            assert prof is not None
+            prof = _profile(sku, slot.profile_id)
             if prof.mem_mib >= need.mem_mib and prof.slice_count >= want_slices:
                 out.append((need.app_id, slot))
                 free.remove(slot)
@@ -124,8 +130,8 @@ def choose_layout(sku: Sku, needs: Sequence[MigNeed], current: MigLayout = ()) -
         if trimmed != layout:
             continue  # the trimmed layout is itself enumerated and will be scored
         changes = len(cur.symmetric_difference(layout))
-        slices = sum(sku.profile(s.profile_id).slice_count for s in layout)  # type: ignore[union-attr]
-        mem = sum(sku.profile(s.profile_id).mem_mib for s in layout)  # type: ignore[union-attr]
+        slices = sum(_profile(sku, s.profile_id).slice_count for s in layout)
+        mem = sum(_profile(sku, s.profile_id).mem_mib for s in layout)
         key = (changes, slices, mem, layout)
         if best is None or key < best[0]:
             best = (key, LayoutChoice(layout, tuple(sorted(assignment)), changes))
@@ -422,7 +428,7 @@ def layout_for_profiles(sku: Sku, profiles: Sequence[str], current: MigLayout = 
     for layout in valid_layouts(sku):
         if len(layout) != len(wanted):
             continue
-        names = sorted(sku.profile(s.profile_id).name for s in layout)  # type: ignore[union-attr]
+        names = sorted(_profile(sku, s.profile_id).name for s in layout)
         if names != wanted:
             continue
         kept = len(cur.intersection(layout))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import NoReturn, TypeVar
+from typing import Any, NoReturn, TypeAlias, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -36,7 +36,10 @@ from vgpu.v1 import allocator_pb2 as pb
 from vgpu.v1 import allocator_pb2_grpc as pb_grpc
 from vgpu.v1 import ingest_pb2, ingest_pb2_grpc
 
-Identify = Callable[[grpc.aio.ServicerContext], str | None]
+# A servicer context whatever the method's messages: the handlers here only abort and send metadata.
+# (A string: grpc's ServicerContext is generic in its stubs only.)
+Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
+Identify: TypeAlias = Callable[[Context], str | None]
 T = TypeVar("T")
 
 _log = get_logger("vgpu.allocator.service")
@@ -186,7 +189,7 @@ def request_from_pb(msg: pb.ResourceRequest) -> AllocationRequest:
     )
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> NoReturn:
+async def _abort(context: Context, exc: BaseException, method: str) -> NoReturn:
     code, message = status_for(exc)
     if code == grpc.StatusCode.INTERNAL:
         _log.error("rpc_failed", method=method, error=repr(exc), exc_info=exc)
@@ -201,7 +204,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         self.allocator = allocator
         self._identify: Identify = identify or (lambda _ctx: None)
 
-    async def _call(self, context: grpc.aio.ServicerContext, method: str, fn: Callable[[str | None], T]) -> T:
+    async def _call(self, context: Context, method: str, fn: Callable[[str | None], T]) -> T:
         try:
             caller = self._identify(context)
             return fn(caller)
@@ -209,7 +212,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             await _abort(context, exc, method)
 
     async def RequestResourceAllocation(  # noqa: N802 - gRPC method names
-        self, request: pb.RequestResourceAllocationRequest, context: grpc.aio.ServicerContext
+        self, request: pb.RequestResourceAllocationRequest, context: Context
     ) -> pb.RequestResourceAllocationResponse:
         def run(caller: str | None) -> Grant:
             if not request.HasField("request"):
@@ -220,7 +223,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         return pb.RequestResourceAllocationResponse(grant=grant_to_pb(grant))
 
     async def ReleaseResources(  # noqa: N802
-        self, request: pb.ReleaseResourcesRequest, context: grpc.aio.ServicerContext
+        self, request: pb.ReleaseResourcesRequest, context: Context
     ) -> pb.ReleaseResourcesResponse:
         def run(caller: str | None) -> Grant:
             if not request.grant_id:
@@ -231,7 +234,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         return pb.ReleaseResourcesResponse(released=grant_to_pb(grant))
 
     async def GetAvailableResources(  # noqa: N802
-        self, request: pb.GetAvailableResourcesRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GetAvailableResourcesRequest, context: Context
     ) -> pb.GetAvailableResourcesResponse:
         devices = await self._call(
             context, "GetAvailableResources", lambda _c: self.allocator.available(request.device_id or None)
@@ -239,7 +242,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         return pb.GetAvailableResourcesResponse(devices=[device_to_pb(d) for d in devices])
 
     async def SetResourceLimits(  # noqa: N802
-        self, request: pb.SetResourceLimitsRequest, context: grpc.aio.ServicerContext
+        self, request: pb.SetResourceLimitsRequest, context: Context
     ) -> pb.SetResourceLimitsResponse:
         def run(caller: str | None) -> AppLimits:
             if not request.HasField("limits"):
@@ -250,13 +253,13 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         return pb.SetResourceLimitsResponse(limits=limits_to_pb(limits))
 
     async def ListApplications(  # noqa: N802
-        self, request: pb.ListApplicationsRequest, context: grpc.aio.ServicerContext
+        self, request: pb.ListApplicationsRequest, context: Context
     ) -> pb.ListApplicationsResponse:
         apps = await self._call(context, "ListApplications", lambda _c: self.allocator.list_apps())
         return pb.ListApplicationsResponse(apps=[app_to_pb(a) for a in apps])
 
     async def WatchAllocations(  # noqa: N802
-        self, request: pb.WatchAllocationsRequest, context: grpc.aio.ServicerContext
+        self, request: pb.WatchAllocationsRequest, context: Context
     ) -> AsyncIterator[pb.AllocationEvent]:
         sub = await self._call(context, "WatchAllocations", lambda _c: self.allocator.watch(request.app_id or None))
         try:

@@ -212,7 +212,7 @@ class TokenAuthority:
         """(Re)write operator.token and profiler.token with their modes and groups."""
         out: dict[str, Path] = {}
         for role in ("operator", "profiler"):
-            path = self.role_token_path(role)  # type: ignore[arg-type]
+            path = self.role_token_path(role)
             group = self._groups[role]
             try:
                 _write_private(path, (self.token_for(role) + "\n").encode(), 0o640 if group else 0o600)
@@ -418,7 +418,9 @@ Before = Callable[[object, Any], Awaitable[Any]]
 After = Callable[[Any, Any, bool], Awaitable[None]]
 
 
-def wrap_handler(handler: grpc.RpcMethodHandler, before: Before, after: After | None = None) -> grpc.RpcMethodHandler:
+def wrap_handler(
+    handler: grpc.RpcMethodHandler[Any, Any], before: Before, after: After | None = None
+) -> grpc.RpcMethodHandler[Any, Any]:
     """A handler that awaits `before(request, context)` (request is None for client-streaming
     calls; it aborts the call to deny it), then runs the original, then always awaits
     `after(state, context, ok)` where `state` is what `before` returned and `ok` says whether the
@@ -461,7 +463,8 @@ def wrap_handler(handler: grpc.RpcMethodHandler, before: Before, after: After | 
             return await run(None, context, lambda: su(requests, context))
 
         return grpc.stream_unary_rpc_method_handler(su_wrapped, **kw)
-    streaming = handler.unary_stream if handler.unary_stream is not None else handler.stream_stream
+    streaming: Behavior | None = handler.unary_stream if handler.unary_stream is not None else handler.stream_stream
+    assert streaming is not None, "a method handler has one behaviour"
     client_streams = handler.unary_stream is None
     make = grpc.stream_stream_rpc_method_handler if client_streams else grpc.unary_stream_rpc_method_handler
 
@@ -480,7 +483,7 @@ def wrap_handler(handler: grpc.RpcMethodHandler, before: Before, after: After | 
     return make(co_wrapped, **kw)
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Applies `AccessControl` to every call before the servicer sees it."""
 
     def __init__(
@@ -504,9 +507,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(handler_call_details)
         method: str = handler_call_details.method
         need = need_for(method)

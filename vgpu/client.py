@@ -44,7 +44,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeGuard
 
 import grpc
 
@@ -160,7 +160,8 @@ def parse_inapp(text: str) -> InAppReport:
         raise InAppFormatError("app_id missing or not a string")
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
         raise InAppFormatError("pid missing or not a positive integer")
-    if not _is_number(written):
+    written_at_s = float(written) if _is_number(written) else None
+    if written_at_s is None:
         raise InAppFormatError("written_at_s missing or not a number")
     start = data.get("pid_start_s")
     if start is not None and not _is_number(start):
@@ -180,7 +181,7 @@ def parse_inapp(text: str) -> InAppReport:
         app_id=app_id,
         pid=pid,
         pid_start_s=None if start is None else float(start),
-        written_at_s=float(written),
+        written_at_s=written_at_s,
         counters=InAppCounters(**values),
     )
 
@@ -213,7 +214,7 @@ def read_inapp(
     return report
 
 
-def _is_number(v: object) -> bool:
+def _is_number(v: object) -> TypeGuard[int | float]:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
@@ -322,7 +323,7 @@ class VgpuClient:
         job = job if job is not None else self.job
         if job is not None:
             req.job.CopyFrom(job.to_proto() if isinstance(job, JobConfig) else job)
-        resp = self._stub.RequestResourceAllocation(
+        resp: allocator_pb2.RequestResourceAllocationResponse = self._stub.RequestResourceAllocation(
             allocator_pb2.RequestResourceAllocationRequest(request=req),
             timeout=self._timeout_s,
             metadata=self._metadata,

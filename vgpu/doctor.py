@@ -19,9 +19,12 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal, TextIO
+from typing import TYPE_CHECKING, Literal, TextIO
 
 from vgpu import config as vconfig
+
+if TYPE_CHECKING:
+    from vgpu.device.base import Backend
 
 Status = Literal["OK", "WARN", "FAIL"]
 CAP_SYS_ADMIN = 21
@@ -47,7 +50,7 @@ def check_driver(proc_root: Path = Path("/proc"), *, required: bool = True) -> C
     return Check("driver", "OK", first)
 
 
-def check_nvml(open_backend: Callable[[], object] | None = None, *, required: bool = True) -> Check:
+def check_nvml(open_backend: Callable[[], Backend] | None = None, *, required: bool = True) -> Check:
     """nvmlInit through the NVML backend (the one module that imports pynvml)."""
     try:
         if open_backend is None:
@@ -58,7 +61,7 @@ def check_nvml(open_backend: Callable[[], object] | None = None, *, required: bo
     except Exception as exc:  # noqa: BLE001 - every failure is the answer
         return Check("nvml", "FAIL" if required else "WARN", f"nvmlInit failed: {type(exc).__name__}: {exc}")
     try:
-        devices = list(backend.devices())  # type: ignore[attr-defined]
+        devices = list(backend.devices())
         names = ", ".join(sorted({d.name for d in devices})) or "none"
         return Check("nvml", "OK" if devices else "WARN", f"nvmlInit OK, {len(devices)} device(s): {names}")
     finally:
@@ -113,9 +116,11 @@ def check_socket(path: Path, *, timeout_s: float = 2.0) -> Check:
 
     try:
         with grpc.insecure_channel(f"unix:{path}") as ch:
-            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+            # types-grpcio-health-checking declares HealthStub without its methods.
+            check = health_pb2_grpc.HealthStub(ch).Check  # type: ignore[attr-defined]
+            resp: health_pb2.HealthCheckResponse = check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
     except grpc.RpcError as exc:
-        return Check("socket", "FAIL", f"{desc}: no answer ({exc.code().name}: {exc.details()})")  # type: ignore[attr-defined]
+        return Check("socket", "FAIL", f"{desc}: no answer ({exc.code().name}: {exc.details()})")
     if resp.status != health_pb2.HealthCheckResponse.SERVING:
         return Check("socket", "WARN", f"{desc}: daemon answers but is not serving")
     if mode & 0o007:
@@ -166,7 +171,7 @@ def run_checks(
     model: Path | None = None,
     model_required: bool = False,
     proc_root: Path = Path("/proc"),
-    open_nvml: Callable[[], object] | None = None,
+    open_nvml: Callable[[], Backend] | None = None,
     euid: int | None = None,
     proc_status: str | None = None,
     load_model: Callable[[Path], object] | None = None,
