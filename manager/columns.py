@@ -109,7 +109,9 @@ def _field_specs() -> dict[object, tuple[str, int, float, bool]]:
     }
     out: dict[object, tuple[str, int, float, bool]] = {}
     for part in ("device", "process", "host", "in_app"):
-        for fd in sig.fields_by_name[part].message_type.fields:
+        message = sig.fields_by_name[part].message_type
+        assert message is not None, f"BehavioralSignature.{part} is a message field"
+        for fd in message.fields:
             col, scale = to_col.get((part, fd.name), ("", 1.0))
             out[fd] = (f"{part}.{fd.name}", _COL[col] if col else -1, scale, fd.name in _PCT_FIELDS)
     return out

@@ -19,12 +19,13 @@ import csv
 import math
 import re
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from vgpu.traces import AppTrace, RowIssue, TraceFormatError
 
@@ -88,7 +89,7 @@ def _finite(text: str) -> float:
     return value
 
 
-def _app(app: str, t_s: Sequence[float], columns: dict[str, Sequence[float]], gpu: str | None) -> AppTrace:
+def _app(app: str, t_s: ArrayLike, columns: Mapping[str, ArrayLike], gpu: str | None) -> AppTrace:
     return AppTrace(
         app=app,
         t_s=np.asarray(t_s, dtype=np.float64),
@@ -169,6 +170,19 @@ def _gpu_model(path: Path) -> str:
     raise TraceFormatError(f"{path}: cannot tell the GPU (no A100-40g / A100-80g folder in the path)")
 
 
+@dataclass
+class _RunFacts:
+    """What the result tables say of one run: model, batch and seq from the first row that lists
+    it, each other fact from the first row that states it."""
+
+    model: str
+    batch: int
+    seq: int | None
+    slice: str | None = None
+    gract: float | None = None
+    fb: float | None = None
+
+
 def migperf_runs(dcgm_dir: Path, issues: _Issues, left_out: Counter[str]) -> list[MigperfRun]:
     """The runs recorded by `dcgm_dir/dcgm.csv`, from every result table below `dcgm_dir`.
 
@@ -178,7 +192,7 @@ def migperf_runs(dcgm_dir: Path, issues: _Issues, left_out: Counter[str]) -> lis
     gpu_model = _gpu_model(dcgm_dir)
     gpu_dir = next(p for p in [dcgm_dir, *dcgm_dir.parents] if p.name == gpu_model)
     workload = "-".join(dcgm_dir.relative_to(gpu_dir).parts).replace("_", "-")
-    merged: dict[tuple[int, int], dict[str, object]] = {}
+    merged: dict[tuple[int, int], _RunFacts] = {}
     failed: set[tuple[str, int, int | None, str | None]] = set()
     for table in sorted(dcgm_dir.rglob("*.csv")):
         if table.name == "dcgm.csv":
@@ -203,29 +217,31 @@ def migperf_runs(dcgm_dir: Path, issues: _Issues, left_out: Counter[str]) -> lis
             if end <= start:
                 issues.add(table, line, f"end_timestamp {end} not after start_timestamp {start}")
                 continue
-            facts = merged.setdefault((start, end), {"model": row.get("model_name", ""), "batch": batch})
-            facts.setdefault("seq", seq)
-            for key, value in (("slice", row_slice), ("gract", gract), ("fb", fb)):
-                if value is not None and facts.get(key) is None:
-                    facts[key] = value
+            facts = merged.setdefault((start, end), _RunFacts(row.get("model_name", ""), batch, seq))
+            if facts.slice is None:
+                facts.slice = row_slice
+            if facts.gract is None:
+                facts.gract = gract
+            if facts.fb is None:
+                facts.fb = fb
     left_out["failed run (latency 0, start_timestamp 0)"] += len(failed)
     runs = []
     for (start, end), facts in sorted(merged.items()):
-        if facts.get("slice") is None:
+        if facts.slice is None:
             left_out["run whose MIG slice no table states"] += 1
             continue
         runs.append(
             MigperfRun(
                 gpu_model=gpu_model,
                 workload=workload,
-                model=str(facts["model"]),
-                batch_size=int(facts["batch"]),  # type: ignore[call-overload]
-                seq_length=facts.get("seq"),  # type: ignore[arg-type]
-                mig_profile=str(facts["slice"]),
+                model=facts.model,
+                batch_size=facts.batch,
+                seq_length=facts.seq,
+                mig_profile=facts.slice,
                 start_s=start,
                 end_s=end,
-                gract_mean=facts.get("gract"),  # type: ignore[arg-type]
-                fb_used_mean_mib=facts.get("fb"),  # type: ignore[arg-type]
+                gract_mean=facts.gract,
+                fb_used_mean_mib=facts.fb,
             )
         )
     return runs
@@ -490,7 +506,7 @@ def _smi_file(
             v = values.get(col)
             cols[col].append(math.nan if v is None else v)
     apps = [
-        _app(f"{prefix}/gpu{gpu}", t_list, cols, gpu)  # type: ignore[arg-type]
+        _app(f"{prefix}/gpu{gpu}", t_list, cols, gpu)
         for gpu, (t_list, cols) in sorted(per_gpu.items())
         if t_list
     ]

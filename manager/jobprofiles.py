@@ -108,7 +108,7 @@ def _f(value: str) -> float:
 
 def _read_csv(path: Path) -> Iterator[dict[str, str]]:
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", newline="") as fh:  # type: ignore[operator]
+    with opener(path, "rt", newline="") as fh:
         yield from csv.DictReader(fh)
 
 

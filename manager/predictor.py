@@ -27,9 +27,10 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -47,6 +48,12 @@ _MEM_TOTAL_KNOWN = FEATURES.index("mem_total_known")
 DEFAULT_MODEL_PATH = Path(__file__).resolve().parent / "models" / "default.pt"
 MODES = ("eager", "fused", "onnx")
 DEFAULT_MODE = "onnx"
+
+
+class OnnxSession(Protocol):
+    """What the forecaster uses of an `onnxruntime.InferenceSession` (onnxruntime has no types)."""
+
+    def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, np.ndarray]) -> list[Any]: ...
 
 
 def import_onnxruntime() -> ModuleType:
@@ -86,7 +93,7 @@ class ModelForecaster:
         self._deadband = np.asarray(meta.p50_deadband, dtype=np.float64)
         self.mode = mode
         self._net: torch.nn.Module = self.model
-        self._session: object | None = None
+        self._session: OnnxSession | None = None
         if mode in ("fused", "onnx"):
             self._net = FusedTransformerBiGRU(self.model, self.window_s).to(self.device)
         self.mode_serving = "eager" if mode == "eager" else "fused"
@@ -95,7 +102,7 @@ class ModelForecaster:
             if self._session is not None:
                 self.mode_serving = "onnx"
 
-    def _onnx_session(self, onnx_import: Callable[[], ModuleType], threads: int) -> object | None:
+    def _onnx_session(self, onnx_import: Callable[[], ModuleType], threads: int) -> OnnxSession | None:
         """An ONNX Runtime session of the fused network, or None (logged once) to run it in torch."""
         if self.device.type != "cpu":
             _log.info("forecaster_mode", requested="onnx", serving="fused", reason=f"device {self.device.type}")
@@ -111,7 +118,9 @@ class ModelForecaster:
             with warnings.catch_warnings(), torch.no_grad():
                 warnings.simplefilter("ignore")
                 torch.onnx.export(
-                    self._net, (example,), buf, input_names=["x"], output_names=["y"],
+                    # the TorchScript exporter (dynamo=False) writes to a file object too; torch
+                    # annotates `f` as a path only
+                    self._net, (example,), buf, input_names=["x"], output_names=["y"],  # type: ignore[arg-type]
                     dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}}, dynamo=False, opset_version=17,
                 )
             options = ort.SessionOptions()
@@ -122,7 +131,7 @@ class ModelForecaster:
             # A daemon must not busy-wait between forecasts: ONNX Runtime's worker threads spin by default
             # (measured: the manager at 57 % of a core instead of under 30 % with 2 threads).
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-            session = ort.InferenceSession(buf.getvalue(), options, providers=["CPUExecutionProvider"])
+            session: OnnxSession = ort.InferenceSession(buf.getvalue(), options, providers=["CPUExecutionProvider"])
         except Exception as exc:  # noqa: BLE001 - any exporter/runtime failure: serve the torch path instead
             _log.warning(
                 "forecaster_mode", requested="onnx", serving="fused", reason=f"{type(exc).__name__}: {exc}"
@@ -140,10 +149,10 @@ class ModelForecaster:
             return np.zeros((0, 2, len(self.horizons_s), 2))
         x = np.ascontiguousarray(x, dtype=np.float32)
         if self._session is not None and x.shape[1] == self.window_s:
-            out_np = self._session.run(None, {"x": x})[0]  # type: ignore[attr-defined]
+            out_np = self._session.run(None, {"x": x})[0]
             return np.asarray(out_np, dtype=np.float64)
         with torch.inference_mode():
-            out = self._net(torch.from_numpy(x).to(self.device))
+            out: torch.Tensor = self._net(torch.from_numpy(x).to(self.device))
         return out.float().cpu().numpy().astype(np.float64)
 
     def forecast_batch(self, histories: Sequence[AppTrace]) -> list[Forecast]:

@@ -61,20 +61,26 @@ def make_tree(name: str, seed: int = 0) -> Regressor:
     if name == "ExtraTrees":
         from sklearn.ensemble import ExtraTreesRegressor
 
-        return ExtraTreesRegressor(n_estimators=300, random_state=seed, n_jobs=1)
+        extra: Regressor = ExtraTreesRegressor(n_estimators=300, random_state=seed, n_jobs=1)
+        return extra
     if name == "RandomForest":
         from sklearn.ensemble import RandomForestRegressor
 
-        return RandomForestRegressor(n_estimators=300, random_state=seed, n_jobs=1)
+        forest: Regressor = RandomForestRegressor(n_estimators=300, random_state=seed, n_jobs=1)
+        return forest
     if name == "DecisionTree":
         from sklearn.tree import DecisionTreeRegressor
 
-        return DecisionTreeRegressor(random_state=seed)
+        tree: Regressor = DecisionTreeRegressor(random_state=seed)
+        return tree
     if name == "AdaBoost":
         from sklearn.ensemble import AdaBoostRegressor
         from sklearn.tree import DecisionTreeRegressor
 
-        return AdaBoostRegressor(DecisionTreeRegressor(max_depth=6, random_state=seed), n_estimators=200, random_state=seed)
+        ada: Regressor = AdaBoostRegressor(
+            DecisionTreeRegressor(max_depth=6, random_state=seed), n_estimators=200, random_state=seed
+        )
+        return ada
     if name == "LightGBM":
         import lightgbm
 
@@ -98,9 +104,10 @@ def make_tree(name: str, seed: int = 0) -> Regressor:
     if name == "CatBoost":
         import catboost
 
-        return catboost.CatBoostRegressor(
+        cat: Regressor = catboost.CatBoostRegressor(
             iterations=500, learning_rate=0.1, depth=6, random_seed=seed, thread_count=1, verbose=False, allow_writing_files=False
         )
+        return cat
     raise ValueError(f"unknown model {name!r}; expected one of {', '.join(ALL_MODELS)}")
 
 
@@ -175,7 +182,7 @@ class TransformerBiGRURegressor:
                     pred = net(tokens[idx])[:, :, 0, 0]
                     loss = torch.nn.functional.mse_loss(pred, target[idx])
                     opt.zero_grad()
-                    loss.backward()
+                    loss.backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
                     opt.step()
                 sched.step()
             net.eval()
@@ -193,7 +200,7 @@ class TransformerBiGRURegressor:
         tokens = torch.from_numpy(encode_tokens(np.asarray(x, dtype=np.float64), self._x_mean, self._x_std))
         with torch.no_grad():
             z = self._net(tokens)[:, :, 0, 0].numpy().astype(np.float64)
-        y = z * self._y_std + self._y_mean
+        y: np.ndarray = z * self._y_std + self._y_mean
         for j, use_log in enumerate(self.log_targets[: y.shape[1]]):
             if use_log:
                 y[:, j] = np.exp(y[:, j])

@@ -271,7 +271,7 @@ def _load_slice_groups(root: Path) -> list[_Group]:
         for row in _read_csv(miso):
             if row["model"] == "dummy":
                 continue
-            key = ("miso", row["model"], row["batch_size"])
+            key: tuple[str, ...] = ("miso", row["model"], row["batch_size"])
             times[key][compute_slices(row["mig_slice"])] = float(row["iter_time_median_s"])
             meta[key] = (row["model"], int(row["batch_size"]))
     if (root / "migperf-a100-mig").is_dir():

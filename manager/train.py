@@ -239,7 +239,7 @@ def train_model(
                 xb, yb, mb = x[idx].to(device), y[idx].to(device), mask[idx].to(device)
                 opt.zero_grad(set_to_none=True)
                 loss = pinball_loss(model(xb), yb, mb)
-                loss.backward()
+                loss.backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
                 torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_norm)
                 opt.step()
                 total += float(loss.detach()) * len(idx)

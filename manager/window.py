@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from manager.columns import parse_signature
 from vgpu.traces import NUMERIC, AppTrace
@@ -110,7 +110,7 @@ class AppWindow:
         self.device_id = device_id
         self.last_seq, self.last_t_s = int(seq[-1]), float(t_s[-1])
 
-    def append(self, device_id: str, seq: int, t_s: float, values: Sequence[float]) -> None:
+    def append(self, device_id: str, seq: int, t_s: float, values: ArrayLike) -> None:
         cap = self._grow(1)
         i = self._end
         self._values[:, i] = values
@@ -191,7 +191,7 @@ class WindowStore:
         (seq not above the app's last, or time before its last sample) is not kept."""
         return self.add_row(sample.app_id, sample.device_id, sample.seq, sample.t_s, sample.values, now_s)
 
-    def add_row(self, app_id: str, device_id: str, seq: int, t_s: float, values: Sequence[float],
+    def add_row(self, app_id: str, device_id: str, seq: int, t_s: float, values: ArrayLike,
                 now_s: float) -> tuple[bool, list[str]]:
         """`add` without building a `Sample` (values indexed like vgpu.traces.NUMERIC)."""
         evicted: list[str] = []
