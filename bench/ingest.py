@@ -16,7 +16,7 @@ After `--warmup-s` the measurement window of `--seconds` opens. Printed:
 
     {"apps", "signatures_per_s", "decision_p50_ms", "decision_p99_ms", "manager_cpu_frac", ...}
 
-* signatures_per_s: signatures the manager accepted (IngestReply.accepted) per second of the window;
+* signatures_per_s: signatures the manager accepted (its own counter) per second of the window;
 * decision latency: for every Decision a profiler receives, `decided_at_s` minus the wall time at
   which the signature numbered `for_seq` was handed to gRPC (both clocks are this machine's
   time.time()). A decision covers the newest signature of each app at the manager's forecast tick,
@@ -27,10 +27,13 @@ After `--warmup-s` the measurement window of `--seconds` opens. Printed:
 * manager_cpu_frac: the manager process's CPU time (user + system, all threads) over the window's
   wall time; 1.0 is one core.
 
+`--null-manager`: the same streams into a servicer that only reads them (no manager behind it): its
+manager_cpu_frac is what gRPC alone costs for that many streams, the floor under the real figure.
+
 `--max`: a few raw streams send batched ticks (10 batches/s per stream, thousands of signatures per
 batch, 200 applications so windows stay within the manager's app bound) at stepped offered rates;
-a rate is sustained when the manager's accepted rate over the step reaches 95 % of it and its
-replies catch up within 0.5 s of the step's end. The batches are encoded from pre-serialised pieces
+a rate is sustained when the manager's accepted rate over the step reaches 95 % of it and it has
+handled the batches sent in the step within 0.5 s of the step's end. The batches are encoded from pre-serialised pieces
 (valid protobuf, parsed by the manager like any other) so that the load generator is not the
 bottleneck. Bounded by `--max-seconds`. Prints {"max_sustained_signatures_per_s", "steps": [...],
 "manager_cpu_frac_at_max", ...}.
@@ -61,11 +64,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from manager.core import Decision, Manager  # noqa: E402
 from profiler.replay import ReplaySource  # noqa: E402
 from profiler.stream import DEFAULT_COLUMNS_FROM, SignatureStreamer  # noqa: E402
+from vgpu.config import ManagerConfig  # noqa: E402
 from vgpu.device.sim import SimBackend  # noqa: E402
 from vgpu.traces import AppTrace, Trace, read_trace  # noqa: E402
-from vgpu.v1 import ingest_pb2, signature_pb2  # noqa: E402
+from vgpu.v1 import ingest_pb2, ingest_pb2_grpc, signature_pb2  # noqa: E402
 
 SKU = "h100-80gb"
+ACK_INTERVAL_S = ManagerConfig().ack_interval_ms / 1000.0  # as `vgpu serve` answers quiet batches
 INGEST_METHOD = "/vgpu.v1.Ingest/StreamSignatures"
 
 
@@ -97,7 +102,8 @@ class TimedManager(Manager):
 
 
 def manager_main(conn: Connection, address: str, gpus: int, forecast_interval_s: float, profile_path: str = "",
-                 batch_window_s: float = 0.001, forecaster: str = "default", duty: float = 0.25) -> None:
+                 batch_window_s: float = 0.001, forecaster: str = "default", duty: float = 0.25,
+                 ack_interval_s: float = ACK_INTERVAL_S, null: bool = False) -> None:
     """Child process: serve until told to stop, then send back the manager's counters. With
     `profile_path`, the event loop's thread runs under cProfile and its stats are dumped there."""
     from allocator.core import Allocator
@@ -115,7 +121,7 @@ def manager_main(conn: Connection, address: str, gpus: int, forecast_interval_s:
                                batch_window_s=batch_window_s, forecast_duty_max=duty)
         conn_info["forecaster"] = getattr(manager.forecaster, "name", "?")
         server = build_server(address, allocator_servicer=AllocatorServicer(allocator),
-                              ingest_servicer=IngestServicer(manager))
+                              ingest_servicer=NullIngest() if null else IngestServicer(manager, ack_interval_s=ack_interval_s))
         await server.start()
         conn.send(("ready", os.getpid(), conn_info["forecaster"]))
         loop = asyncio.get_running_loop()
@@ -124,6 +130,8 @@ def manager_main(conn: Connection, address: str, gpus: int, forecast_interval_s:
             if msg == "mark":
                 manager.tick_ms.clear()
                 conn.send(("marked", asdict_stats(manager)))
+            elif msg == "stats":
+                conn.send(("stats", asdict_stats(manager)))
             elif msg == "stop":
                 break
         result = asdict_stats(manager)
@@ -144,6 +152,17 @@ def manager_main(conn: Connection, address: str, gpus: int, forecast_interval_s:
     finally:
         prof.disable()
         prof.dump_stats(profile_path)
+
+
+class NullIngest(ingest_pb2_grpc.IngestServicer):
+    """Reads every batch of a stream and does nothing else: what gRPC itself costs the manager process
+    for the same streams (`--null-manager`), the floor under manager_cpu_frac."""
+
+    async def StreamSignatures(self, request_iterator: Any, context: Any) -> None:  # noqa: N802 - gRPC name
+        import grpc
+
+        while await context.read() is not grpc.aio.EOF:
+            pass
 
 
 def open_forecaster(which: str) -> Any:
@@ -177,6 +196,8 @@ class ManagerProcess:
     batch_window_s: float = 0.001
     forecaster: str = "default"
     duty: float = 0.25
+    ack_interval_s: float = ACK_INTERVAL_S
+    null: bool = False
     address: str = ""
     proc: Any = None
     conn: Connection | None = None
@@ -193,7 +214,7 @@ class ManagerProcess:
         parent, child = ctx.Pipe()
         self.proc = ctx.Process(target=manager_main, args=(child, self.address, self.gpus, self.forecast_interval_s,
                                                                   self.profile_path, self.batch_window_s, self.forecaster,
-                                                                  self.duty),
+                                                                  self.duty, self.ack_interval_s, self.null),
                                 daemon=True)
         self.proc.start()
         if not parent.poll(60):
@@ -210,6 +231,12 @@ class ManagerProcess:
     def mark(self) -> dict[str, Any]:
         assert self.conn is not None
         self.conn.send("mark")
+        return dict(self.conn.recv()[1])
+
+    def stats(self) -> dict[str, Any]:
+        """The manager's counters (ManagerStats) now."""
+        assert self.conn is not None
+        self.conn.send("stats")
         return dict(self.conn.recv()[1])
 
     def stop(self) -> dict[str, Any]:
@@ -233,7 +260,7 @@ class Latencies:
     window_end_s: float = math.inf
     decision_ms: list[float] = field(default_factory=list)
     reply_ms: list[float] = field(default_factory=list)
-    accepted: int = 0
+    accepted: int = 0  # by the manager in the window (its counter, not the replies': those come later)
     rejected: int = 0
     decisions: int = 0
 
@@ -241,7 +268,6 @@ class Latencies:
         now = time.time()
         if not (self.window_start_s <= now < self.window_end_s):
             return
-        self.accepted += reply.accepted
         self.rejected += len(reply.rejected)
         for d in reply.decisions:
             sent = self.sent.get((d.app_id, d.for_seq))
@@ -316,11 +342,12 @@ async def _run_profilers(address: str, apps: int, hz: float, device_ids: list[st
 
     tasks = await asyncio.gather(*(launch(i, s) for i, s in enumerate(streamers)))
     await asyncio.sleep(warmup_s)
-    mgr.mark()
+    accepted0 = mgr.mark()["accepted"]
     cpu0, wall0 = mgr.cpu_s(), time.time()
     lat.window_start_s, lat.window_end_s = wall0, wall0 + seconds
     await asyncio.sleep(seconds)
     cpu1, wall1 = mgr.cpu_s(), time.time()
+    lat.accepted = mgr.stats()["accepted"] - accepted0
     for s in streamers:
         s.stop()
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -329,12 +356,14 @@ async def _run_profilers(address: str, apps: int, hz: float, device_ids: list[st
 
 def run_ingest(*, apps: int = 64, seconds: float = 20.0, hz: float = 10.0, gpus: int = 8, warmup_s: float = 3.0,
                forecast_interval_s: float = 1.0, profile_path: str = "", apps_per_stream: int = 1,
-               batch_window_s: float = 0.001, forecaster: str = "default", duty: float = 0.25) -> dict[str, Any]:
+               batch_window_s: float = 0.001, forecaster: str = "default", duty: float = 0.25,
+               ack_interval_s: float = ACK_INTERVAL_S, null: bool = False) -> dict[str, Any]:
     """Normal mode; see the module docstring."""
     from vgpu import log
 
     log.configure("console", "error")
-    mgr = ManagerProcess(gpus, forecast_interval_s, profile_path, batch_window_s, forecaster, duty)
+    mgr = ManagerProcess(gpus, forecast_interval_s, profile_path, batch_window_s, forecaster, duty, ack_interval_s,
+                         null)
     mgr.start()
     try:
         lat, cpu_s, wall_s, streamers = asyncio.run(
@@ -357,6 +386,8 @@ def run_ingest(*, apps: int = 64, seconds: float = 20.0, hz: float = 10.0, gpus:
         "batch_window_ms": batch_window_s * 1000.0,
         "forecaster": mgr.forecaster_name,
         "forecast_duty_max": duty,
+        "ack_interval_ms": ack_interval_s * 1000.0,
+        "null_manager": null,
         "decisions": lat.decisions,
         "rejected": lat.rejected,
         "late_ticks": sum(s.loop.stats.late_ticks for s in streamers),
@@ -478,9 +509,7 @@ async def _max_stream(channel: Any, enc: BatchEncoder, sid: int, app_idx: list[i
 
     async def read() -> None:
         async for reply in call:
-            state["accepted"] += reply.accepted
             state["rejected"] += len(reply.rejected)
-            state["replies"] += 1
 
     reader = asyncio.create_task(read())
     period = 0.1
@@ -513,8 +542,7 @@ async def _run_max(address: str, mgr: ManagerProcess, device_ids: list[str], rat
         enc: BatchEncoder = BatchEncoder(demo_apps(), names, device_ids)
     else:  # "auto": as the profiler sends them (columns from DEFAULT_COLUMNS_FROM signatures a batch)
         enc = ColumnEncoder(demo_apps(), names, device_ids, 0 if encoding == "columns" else DEFAULT_COLUMNS_FROM)
-    state: dict[str, Any] = {"accepted": 0, "rejected": 0, "replies": 0, "batches": 0, "offered": 0, "per_app": 0,
-                             "stop": False}
+    state: dict[str, Any] = {"rejected": 0, "batches": 0, "offered": 0, "per_app": 0, "stop": False}
     groups = [list(range(s, n_apps, streams)) for s in range(streams)]
     started = time.monotonic()
     steps: list[dict[str, Any]] = []
@@ -530,17 +558,17 @@ async def _run_max(address: str, mgr: ManagerProcess, device_ids: list[str], rat
             state["per_app"] = max(1, round(rate / (10 * n_apps)))
             offered_rate = state["per_app"] * 10 * n_apps
             await asyncio.sleep(settle_s)  # settle into the new rate
-            a0, b0, r0 = state["accepted"], state["batches"], state["replies"]
+            a0, b0 = mgr.stats()["accepted"], state["batches"]
             cpu0, t0 = mgr.cpu_s(), time.monotonic()
             await asyncio.sleep(step_s)
-            a1, cpu1, t1 = state["accepted"], mgr.cpu_s(), time.monotonic()
+            a1, cpu1, t1 = mgr.stats()["accepted"], mgr.cpu_s(), time.monotonic()
             sent_batches = state["batches"] - b0
             achieved = (a1 - a0) / (t1 - t0)
-            # does the manager catch up with what was sent in the step?
+            # does the manager catch up with what was sent in the step? (its batch counter against
+            # what was sent: the streams began before the step, so both started counting at 0)
             deadline = time.monotonic() + 0.5
-            while state["replies"] < state["batches"] and time.monotonic() < deadline:
+            while (backlog := state["batches"] - mgr.stats()["batches"]) > streams and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
-            backlog = state["batches"] - state["replies"]
             ok = achieved >= 0.95 * offered_rate and backlog <= streams
             steps.append({"offered_per_s": offered_rate, "accepted_per_s": round(achieved, 1),
                           "manager_cpu_frac": round((cpu1 - cpu0) / (t1 - t0), 3), "backlog_batches": backlog,
@@ -548,7 +576,6 @@ async def _run_max(address: str, mgr: ManagerProcess, device_ids: list[str], rat
             if not ok:
                 break
             best, best_cpu = offered_rate, (cpu1 - cpu0) / (t1 - t0)
-            _ = r0
         state["stop"] = True
         state["per_app"] = 0
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -612,6 +639,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-seconds", type=float, default=60.0, help="--max: time budget (default 60)")
     p.add_argument("--step-s", type=float, default=3.0, help="--max: seconds per offered rate (default 3)")
     p.add_argument("--streams", type=int, default=4, help="--max: concurrent streams (default 4)")
+    p.add_argument("--ack-interval-ms", type=float, default=ACK_INTERVAL_S * 1000.0,
+                   help="manager: longest a stream goes without a reply when there is nothing to say "
+                        f"(default {ACK_INTERVAL_S * 1000.0:g}, as the daemon; 0: a reply per batch)")
+    p.add_argument("--null-manager", action="store_true",
+                   help="replace the manager by a servicer that only reads the batches: gRPC's own CPU for the "
+                        "same streams, the floor under manager_cpu_frac")
     p.add_argument("--profile-manager", metavar="PATH", default="",
                    help="run the manager's event loop under cProfile and write its stats to PATH")
     p.add_argument("--json", action="store_true", help="print only the JSON result")
@@ -627,8 +660,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = run_ingest(apps=args.apps, seconds=args.seconds, hz=args.hz, gpus=args.gpus, warmup_s=args.warmup_s,
                             forecast_interval_s=args.forecast_interval_s, profile_path=args.profile_manager,
                             batch_window_s=args.batch_window_ms / 1000.0, forecaster=args.forecaster,
-                            duty=args.forecast_duty_max,
-                            apps_per_stream=args.apps_per_stream)
+                            duty=args.forecast_duty_max, ack_interval_s=args.ack_interval_ms / 1000.0,
+                            null=args.null_manager, apps_per_stream=args.apps_per_stream)
     if args.json:
         print(json.dumps(result))
     else:

@@ -538,7 +538,7 @@ class Daemon:
             self.server = build_server(
                 f"unix:{self.socket_path}",
                 allocator_servicer=AllocatorServicer(self.allocator, identify=auth.identify_caller),
-                ingest_servicer=IngestServicer(self.manager),
+                ingest_servicer=IngestServicer(self.manager, ack_interval_s=cfg.manager.ack_interval_ms / 1000.0),
                 interceptors=[interceptor],
             )
         except RuntimeError as exc:

@@ -40,6 +40,7 @@ from manager.service import IngestServicer
 from profiler.sampler import Sampler
 from profiler.stream import SignatureStreamer
 from vgpu import log
+from vgpu.config import ManagerConfig
 from vgpu.device.sim import SimBackend
 from vgpu.traces import AppTrace, Trace, read_trace
 from vgpu.v1 import signature_pb2
@@ -195,7 +196,7 @@ async def run_demo(
     manager = Manager(allocator, forecaster)
     with tempfile.TemporaryDirectory(prefix="vgpu-demo-") as tmp:
         address = f"unix:{tmp}/vgpu.sock"
-        server = build_server(address, allocator_servicer=AllocatorServicer(allocator), ingest_servicer=IngestServicer(manager))
+        server = build_server(address, allocator_servicer=AllocatorServicer(allocator), ingest_servicer=IngestServicer(manager, ack_interval_s=ManagerConfig().ack_interval_ms / 1000.0))
         await server.start()
         # Enumerate processes every tick: the simulator is cheap to ask, and a new application then
         # shows from its first tick (the summary's signature count is exact).

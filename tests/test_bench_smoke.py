@@ -83,6 +83,14 @@ def test_ingest_bench_short_run_reports_every_field() -> None:
 
 
 @pytest.mark.slow
+def test_ingest_null_manager_measures_the_transport_alone() -> None:
+    r = ingest.run_ingest(apps=4, seconds=1.0, warmup_s=1.0, gpus=1, null=True)
+    assert r["null_manager"] is True and r["streams"] == 4
+    assert r["signatures_per_s"] == 0 and r["decisions"] == 0  # nothing behind the transport
+    assert 0 < r["manager_cpu_frac"] < 2
+
+
+@pytest.mark.slow
 def test_ingest_max_mode_steps_up_until_the_budget() -> None:
     r = ingest.run_max(gpus=1, step_s=0.6, budget_s=3.0, streams=2, apps=20, rates=(1_000, 2_000, 500_000),
                        encoding="rows")

@@ -97,9 +97,14 @@ class ManagerConfig:
     # Milliseconds the manager waits after a signature batch makes an application due, so that
     # others arriving meanwhile are forecast in the same call (one forecaster call per batch).
     batch_window_ms: float = 1.0
-    # Largest share of the time the forecasting thread may be busy: after a batch that took d
-    # seconds, the next starts d * (1 / duty - 1) later at the earliest. In (0, 1].
+    # Largest share of the time the forecasting thread may be busy, in (0, 1]: it earns that many
+    # seconds of CPU per second (keeping at most one second's worth) and each forecast batch spends
+    # what it took; with the budget spent, the next batch waits and what becomes due joins it.
     forecast_duty_max: float = 0.25
+    # Milliseconds a profiler stream may go without a reply when there is nothing to say (no
+    # decision, no rejection): accepted counts wait for the next reply, at most this long. 0: every
+    # batch is answered (twice the messages: each one costs the manager CPU).
+    ack_interval_ms: float = 1000.0
 
 
 @dataclass(frozen=True)
@@ -210,6 +215,8 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"manager.model_check_interval_s: must be > 0, got {cfg.manager.model_check_interval_s}")
     if not 0 <= cfg.manager.batch_window_ms <= 1000:
         raise ConfigError(f"manager.batch_window_ms: expected 0..1000 ms, got {cfg.manager.batch_window_ms}")
+    if not 0 <= cfg.manager.ack_interval_ms <= 60_000:
+        raise ConfigError(f"manager.ack_interval_ms: expected 0..60000 ms, got {cfg.manager.ack_interval_ms}")
     if not 0 < cfg.manager.forecast_duty_max <= 1:
         raise ConfigError(f"manager.forecast_duty_max: expected a share in (0, 1], got {cfg.manager.forecast_duty_max}")
     if not 0 <= cfg.metrics.port <= 65535:
