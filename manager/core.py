@@ -14,13 +14,14 @@ in a worker thread, and the reply to each of those batches waits for it and carr
 So a decision follows its signature by the batching window plus one forecast, not by up to a whole
 forecast tick, while the forecasting work stays bounded at one forecast per application per
 `forecast_interval_s` (a shorter interval buys fresher decisions with proportionally more CPU).
-A forecast call has a fixed cost (the model's is tens of ms on a CPU whatever the batch size), so
-the batches are also spaced to keep the forecasting thread busy at most `forecast_duty_max` of
-the time (0.25 by default): after a batch that took d seconds of the thread's CPU the next starts
-d * (1/duty - 1) later at the earliest, and everything that became due meanwhile joins it. Cheap
-forecasts (the baseline, about a ms) are thus answered within a few ms; the model's wait grows to
-tens of ms, with more applications per call, and its forecasting CPU stays near
-`forecast_duty_max` of a core (torch's own intra-op threads come on top).
+A forecast call has a fixed cost (a few ms for the shipped model on a CPU whatever the batch size),
+so the forecasting thread is held to `forecast_duty_max` of the time (0.25 by default) by a budget
+(`DutyBudget`): it earns `forecast_duty_max` seconds of CPU per second, keeps at most
+`duty_window_s` (1 s) worth of it, and each batch spends its thread CPU time. While the budget
+lasts, batches start after `batch_window_s`; once it is spent, the next batch waits until the
+debt is earned back and everything that became due meanwhile joins it. So bursts are answered
+within a few ms, and under sustained overload the forecasting CPU stays near `forecast_duty_max`
+of a core (torch's own intra-op threads come on top), with decisions later and batches larger.
 Each forecast becomes a `Decision` (recommended memory = the peak P90 over the horizons plus
 `mem_margin`, recommended SM = the peak P90), and the decisions go to the allocator in-process
 (`Allocator.apply_recommendations`). Applications silent for long are evicted and their forecast
@@ -186,6 +187,38 @@ class StreamState:
 Item = tuple[str, str, int, AppTrace, float, float]  # app, device, seq, window, mem used, SM used
 
 
+class DutyBudget:
+    """How long the next forecast batch must wait so that the forecasting thread stays busy at most
+    `duty` of the time: `duty` seconds of CPU are earned per second, at most `duty * window_s` are
+    kept (the burst allowance), and each batch spends the CPU it took. Over any interval T the
+    thread is busy at most duty * (T + window_s) plus one batch. window_s 0: no burst; after a
+    batch that took d, the next waits d / duty."""
+
+    def __init__(self, duty: float, window_s: float) -> None:
+        if not 0 < duty <= 1 or not window_s >= 0:
+            raise ValueError(f"duty must be in (0, 1] and window_s >= 0, got {duty} and {window_s}")
+        self.duty = duty
+        self.cap_s = duty * window_s
+        self._credit_s = self.cap_s
+        self._at = -math.inf  # when the credit was last brought up to date
+
+    def _earn(self, now: float) -> None:
+        if now > self._at:
+            self._credit_s = min(self.cap_s, self._credit_s + self.duty * (now - self._at)) if math.isfinite(self._at) \
+                else self.cap_s
+            self._at = now
+
+    def wait_s(self, now: float) -> float:
+        """Seconds from `now` until a batch may start."""
+        self._earn(now)
+        return max(0.0, -self._credit_s / self.duty)
+
+    def spend(self, now: float, cpu_s: float) -> None:
+        """A batch that ended at `now` took `cpu_s` seconds of the thread's CPU."""
+        self._earn(now)
+        self._credit_s -= max(0.0, cpu_s)
+
+
 class Manager:
     """See the module docstring. `allocator` None: decide only (tests, dry analysis)."""
 
@@ -200,6 +233,7 @@ class Manager:
         forecast_interval_s: float = 1.0,
         batch_window_s: float = 0.001,
         forecast_duty_max: float = 0.25,
+        duty_window_s: float = 1.0,
         min_samples: int = 3,
         mem_margin: float = 0.10,
         logger: structlog.typing.FilteringBoundLogger | None = None,
@@ -214,7 +248,7 @@ class Manager:
         self.forecast_interval_s = forecast_interval_s
         self.batch_window_s = batch_window_s
         self.forecast_duty_max = forecast_duty_max
-        self._next_batch_at = -math.inf  # loop time before which no forecast batch starts
+        self._duty = DutyBudget(forecast_duty_max, duty_window_s)
         self.min_samples = min_samples
         self.mem_margin = mem_margin
         self.stats = ManagerStats()
@@ -381,15 +415,13 @@ class Manager:
         for more to join, copy their windows here, forecast in a worker thread, act here."""
         loop = asyncio.get_running_loop()
         while self._pending:
-            await asyncio.sleep(max(self.batch_window_s, self._next_batch_at - loop.time()))
+            await asyncio.sleep(max(self.batch_window_s, self._duty.wait_s(loop.time())))
             apps, self._pending = sorted(self._pending), set()
             done, self._pending_done = self._pending_done, None
             try:
                 items = self._begin_tick(apps)
                 decisions, took = await asyncio.to_thread(self._timed_decide, items)
-                # The forecasting duty cycle stays under forecast_duty_max: a batch that took d
-                # seconds of CPU is followed by d * (1 / duty - 1) without one (more apps join the next).
-                self._next_batch_at = loop.time() + took * (1.0 / self.forecast_duty_max - 1.0)
+                self._duty.spend(loop.time(), took)
                 self._act(decisions)
             except Exception as exc:  # noqa: BLE001 - the waiting replies go out without decisions
                 self._log.error("forecast_batch_failed", error=repr(exc), exc_info=exc)
@@ -473,8 +505,8 @@ class Manager:
     def recommend(self, fc: Forecast, mem_used_mib: float, sm_util_pct: float) -> tuple[float, float]:
         """(memory MiB, SM %) to recommend: the peak P90 over the horizons (P50 where no P90, the last
         observation where no forecast), memory with `mem_margin` on top; NaN where nothing is known."""
-        mem = _first_finite(fc.peak_mem_p90_mib(), _peak(fc.mem_p50_mib), mem_used_mib)
-        sm = _first_finite(fc.peak_sm_p90_pct(), _peak(fc.sm_p50_pct), sm_util_pct)
+        mem = _first_finite(fc.peak_mem_p90_mib, lambda: _peak(fc.mem_p50_mib), lambda: mem_used_mib)
+        sm = _first_finite(fc.peak_sm_p90_pct, lambda: _peak(fc.sm_p50_pct), lambda: sm_util_pct)
         if not math.isnan(mem):
             mem = max(0.0, mem) * (1 + self.mem_margin)
         if not math.isnan(sm):
@@ -512,12 +544,17 @@ class Manager:
 
 
 def _peak(values: Sequence[float]) -> float:
-    arr = np.asarray(values, dtype=np.float64)
-    return float(np.nanmax(arr)) if np.isfinite(arr).any() else math.nan
+    """Largest finite value (NaN if none). Plain Python: a forecast has five values, and numpy's
+    per-call cost is many times the work."""
+    finite = [v for v in values if math.isfinite(v)]
+    return max(finite) if finite else math.nan
 
 
-def _first_finite(*values: float) -> float:
-    for v in values:
+def _first_finite(*candidates: Callable[[], float]) -> float:
+    """The first finite value among the candidates, each computed only when the ones before it
+    were not finite (NaN if none is)."""
+    for candidate in candidates:
+        v = candidate()
         if math.isfinite(v):
             return v
     return math.nan

@@ -15,7 +15,7 @@ from allocator_fakes import FakeBackend, FakeClock, FakeDevice
 
 from allocator.core import Allocator
 from allocator.service import AllocatorServicer, build_server
-from manager.core import EwmaMarginForecaster, Manager, StreamState, validate_signature
+from manager.core import DutyBudget, EwmaMarginForecaster, Manager, StreamState, validate_signature
 from manager.forecast import HORIZONS_S, Forecast
 from manager.service import IngestServicer
 from manager.window import WindowStore, sample_from_signature
@@ -268,14 +268,50 @@ class _CpuHungryForecaster(EwmaMarginForecaster):
 
 async def test_forecast_batches_are_spaced_to_keep_the_forecasting_duty_cycle() -> None:
     fc = _CpuHungryForecaster(0.03)
-    mgr = Manager(None, fc, min_samples=1, forecast_duty_max=0.5, batch_window_s=0.0)
+    mgr = Manager(None, fc, min_samples=1, forecast_duty_max=0.5, duty_window_s=0.0, batch_window_s=0.0)
     loop = asyncio.get_running_loop()
     await mgr.ingest_async(batch(1, [sig("a", 1, 10.0)]))
     started = loop.time()
     # due while the gap runs: b and c wait and share one call
     replies = await asyncio.gather(mgr.ingest_async(batch(2, [sig("b", 1, 10.0)]), StreamState("p2")),
                                    mgr.ingest_async(batch(3, [sig("c", 1, 10.0)]), StreamState("p3")))
-    assert loop.time() - started >= 0.03 * (1 / 0.5 - 1) * 0.9  # the gap after a's 30 ms call
+    assert loop.time() - started >= 0.03 / 0.5 * 0.9  # no burst allowance: a's 30 ms earned back first
     assert fc.calls == [1, 2] and [[d.app_id for d in r.decisions] for r in replies] == [["b"], ["c"]]
     with pytest.raises(ValueError, match="forecast_duty_max"):
         Manager(None, fc, forecast_duty_max=0.0)
+
+
+def test_the_duty_budget_lets_a_burst_through_and_then_spaces_batches() -> None:
+    budget = DutyBudget(0.25, window_s=1.0)  # 0.25 s of CPU per second, at most 0.25 s kept
+    assert budget.wait_s(100.0) == 0.0
+    budget.spend(100.1, 0.1)
+    budget.spend(100.2, 0.1)
+    assert budget.wait_s(100.2) == 0.0  # 0.25 - 0.2 + 0.05 earned meanwhile: still in credit
+    budget.spend(100.3, 0.2)  # 0.075 + 0.025 earned - 0.2: now 0.1 s in debt ...
+    assert budget.wait_s(100.3) == pytest.approx(0.4)  # ... earned back at 0.25 s per second
+    assert budget.wait_s(100.7) == pytest.approx(0.0)
+    assert budget.wait_s(200.0) == 0.0
+    budget.spend(200.0, 0.25 + 0.05)  # a long idle time earned only the cap
+    assert budget.wait_s(200.0) == pytest.approx(0.2)
+
+
+def test_the_duty_budget_bounds_the_busy_share_under_overload() -> None:
+    budget, now, busy = DutyBudget(0.25, window_s=1.0), 0.0, 0.0
+    while now < 60.0:  # always something due; every batch takes 40 ms
+        now += budget.wait_s(now)
+        now += 0.04
+        busy += 0.04
+        budget.spend(now, 0.04)
+    assert busy <= 0.25 * (now + 1.0) + 0.04
+    assert busy >= 0.25 * now * 0.95  # and it does not idle more than the budget asks
+
+
+def test_the_duty_budget_without_a_window_waits_out_each_batch() -> None:
+    budget = DutyBudget(0.5, window_s=0.0)
+    assert budget.wait_s(0.0) == 0.0
+    budget.spend(0.03, 0.03)
+    assert budget.wait_s(0.03) == pytest.approx(0.06)
+    with pytest.raises(ValueError, match="duty"):
+        DutyBudget(0.0, 1.0)
+    with pytest.raises(ValueError, match="window_s"):
+        DutyBudget(0.5, -1.0)
