@@ -89,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "torchscript":
         example = torch.zeros(args.apps, ck.metadata.features.window_s, N_FEATURES)
         with torch.inference_mode():
-            forecaster._net = torch.jit.freeze(torch.jit.trace(forecaster.model, example))  # noqa: SLF001
+            # torch.jit.trace is unannotated
+            traced = torch.jit.trace(forecaster.model, example)  # type: ignore[no-untyped-call]
+            forecaster._net = torch.jit.freeze(traced)  # noqa: SLF001
     hist = histories(args.apps, args.history_s)
     for _ in range(10):
         forecaster.forecast_batch(hist)

@@ -56,19 +56,20 @@ def compare(
     y = np.stack([mem, util], axis=1)
     train, test = split_indices(len(profiles), 0.7, seed)
     lucid = jobprofiles.load_lucid(data_root) if lucid_check else []
-    x_l, mem_l, util_l = jobprofiles.encode_profiles(lucid) if lucid else (None, None, None)
+    lucid_xy = jobprofiles.encode_profiles(lucid) if lucid else None  # (x, mem, util)
     rows: list[dict[str, Any]] = []
     lucid_rows: list[dict[str, Any]] = []
     timings: dict[str, float] = {}
     for name in models:
         t0 = time.perf_counter()
-        x_eval = x[test] if x_l is None else np.concatenate([x[test], x_l])
+        x_eval = x[test] if lucid_xy is None else np.concatenate([x[test], lucid_xy[0]])
         pred = fit_predict(name, x[train], y[train], x_eval, seed=seed, bigru=bigru)
         timings[name] = round(time.perf_counter() - t0, 2)
         for j, target in enumerate(TARGETS):
             m = regression_metrics(y[test, j], pred[: len(test), j])
             rows.append({"model": name, "target": target, **{k: round(v, 4) for k, v in m.items()}})
-            if x_l is not None:
+            if lucid_xy is not None:
+                _, mem_l, util_l = lucid_xy
                 truth = (mem_l, util_l)[j]
                 ml = regression_metrics(truth, pred[len(test) :, j])
                 lucid_rows.append({"model": name, "target": target, **{k: round(v, 4) for k, v in ml.items()}})

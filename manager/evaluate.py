@@ -242,7 +242,7 @@ def load_model(path: str | None, prog: str) -> Forecaster | None:
             return None
         path = str(default)
     try:
-        model: Forecaster = predictor.load_forecaster(path)
+        model = predictor.load_forecaster(path)
     except Exception as exc:  # noqa: BLE001 - a model that does not load is reported, not fatal
         _warn(prog, f"model rows absent: cannot load {path}: {exc}")
         return None
@@ -250,7 +250,7 @@ def load_model(path: str | None, prog: str) -> Forecaster | None:
         try:
             model.name = "model"
         except AttributeError:
-            model = _Renamed(model)
+            return _Renamed(model)
     return model
 
 

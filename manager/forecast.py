@@ -49,7 +49,11 @@ class Forecast:
 class Forecaster(Protocol):
     """Forecasts for many applications at once (one batched call per forecast tick)."""
 
-    name: str
+    @property
+    def name(self) -> str:
+        """The method, as forecasts' `source` and the reports name it (read only: a forecaster
+        that serves another's forecasts, such as `ReloadingForecaster`, reports that one's)."""
+        ...
 
     def forecast_batch(self, histories: Sequence[AppTrace]) -> list[Forecast]:
         """One Forecast per history, in order. A history may be short; a forecaster that cannot
