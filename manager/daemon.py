@@ -650,20 +650,27 @@ class Daemon:
         waits: list[Callable[[float], object]] = []
         if self.model_loader is not None:
             waits.append(self.model_loader.join)
-        sizer = getattr(self, "sizer", None)
-        if hasattr(sizer, "wait"):
-            waits.append(sizer.wait)
+        # Either may be missing (start-up failed before it) or be a stand-in without the method.
+        sizer_wait = getattr(getattr(self, "sizer", None), "wait", None)
+        if sizer_wait is not None:
+            waits.append(sizer_wait)
         forecaster = getattr(getattr(self, "manager", None), "forecaster", None)
-        if hasattr(forecaster, "wait_idle"):
-            waits.append(forecaster.wait_idle)
+        forecaster_wait = getattr(forecaster, "wait_idle", None)
+        if forecaster_wait is not None:
+            waits.append(forecaster_wait)
         for wait in waits:
             wait(max(0.0, deadline - time.monotonic()))
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         stop_signal: asyncio.Future[str] = loop.create_future()
+
+        def on_signal(sig: signal.Signals) -> None:
+            if not stop_signal.done():
+                stop_signal.set_result(sig.name)
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda s=sig: stop_signal.done() or stop_signal.set_result(signal.Signals(s).name))
+            loop.add_signal_handler(sig, on_signal, sig)
         try:
             await self.start()
         except BaseException:

@@ -175,7 +175,7 @@ async def run_demo(
     if forecaster is None:
         forecaster, label = default_forecaster()
         forecaster_label = forecaster_label or label
-    label = forecaster_label or getattr(forecaster, "name", "forecaster")
+    label = forecaster_label or forecaster.name
 
     backend = SimBackend([gpu], clock=time.monotonic)
     apps = launch_order(trace)
