@@ -19,11 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import structlog
-
 from allocator.errors import NoPermission, NotSupported, VerifyFailed
 from vgpu.device.base import Device, PowerConstraints
-from vgpu.log import get_logger
+from vgpu.log import Logger, get_logger
 
 
 @dataclass(frozen=True)
@@ -49,7 +47,7 @@ class PowerLimitResult:
 class PowerLimitMechanism:
     """Sets power limits on devices with check -> change -> verify and restores originals."""
 
-    def __init__(self, *, dry_run: bool = False, logger: structlog.typing.FilteringBoundLogger | None = None) -> None:
+    def __init__(self, *, dry_run: bool = False, logger: Logger | None = None) -> None:
         self.dry_run = dry_run
         self._log = logger or get_logger("vgpu.allocator.power")
         self._devices: dict[str, Device] = {}

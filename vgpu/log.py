@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Literal
+from typing import Any, Literal, Protocol
 
 import structlog
 
@@ -42,6 +42,19 @@ class _Stderr:
 
 def _stderr_logger(*_args: object) -> structlog.PrintLogger:
     return structlog.PrintLogger(file=_Stderr())  # type: ignore[arg-type]
+
+
+class Logger(Protocol):
+    """The calls our code makes on a logger: `get_logger`'s structlog loggers have them, and so may
+    a quiet or recording stand-in that a component takes as its `logger` argument."""
+
+    def debug(self, event: str, *args: Any, **kw: Any) -> Any: ...
+
+    def info(self, event: str, *args: Any, **kw: Any) -> Any: ...
+
+    def warning(self, event: str, *args: Any, **kw: Any) -> Any: ...
+
+    def error(self, event: str, *args: Any, **kw: Any) -> Any: ...
 
 
 def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:
