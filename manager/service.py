@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -40,7 +41,7 @@ class IngestServicer(ingest_pb2_grpc.IngestServicer):
         self.streams_open = 0
 
     async def StreamSignatures(  # noqa: N802 - gRPC method name
-        self, request_iterator: AsyncIterator[ingest_pb2.SignatureBatch], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[ingest_pb2.SignatureBatch], context: grpc.aio.ServicerContext[Any, Any]
     ) -> None:
         # The read/write form (context.read / context.write) rather than iterating and yielding:
         # grpc.aio runs an async-generator handler through more machinery per message.

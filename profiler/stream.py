@@ -29,7 +29,7 @@ import grpc.aio
 from manager.columns import columns_from_signatures
 from profiler.source import SignatureSource
 from vgpu.client import grpc_target
-from vgpu.log import get_logger
+from vgpu.log import Logger, get_logger
 from vgpu.v1 import ingest_pb2, ingest_pb2_grpc, signature_pb2
 
 Sleep = Callable[[float], Awaitable[None]]
@@ -183,7 +183,7 @@ class SignatureStreamer:
         on_reply: Callable[[ingest_pb2.IngestReply], None] | None = None,
         metadata: Callable[[], Sequence[tuple[str, str]]] | None = None,
         sample_in_thread: bool = False,
-        logger: object = None,
+        logger: Logger | None = None,
     ) -> None:
         if buffer_max < 1 or max_batch < 1 or max_batch_bytes < 1024:
             raise ValueError("buffer_max and max_batch must be at least 1, max_batch_bytes at least 1024")
