@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import structlog
 from hypothesis import settings
 
 # CI explores a fixed set of examples (a red run can be re-run and bisected); elsewhere hypothesis
@@ -28,3 +30,13 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"needs the real datasets at {SHARED_DATA} (absent on a bare clone)")
     return SHARED_DATA
+
+
+@pytest.fixture(autouse=True)
+def _restore_structlog() -> Iterator[None]:
+    """Each test starts with the logging configuration the one before it found: a test (or a bench
+    it runs) that calls vgpu.log.configure(level="error") would otherwise filter warnings out of
+    every later test's structlog.testing.capture_logs."""
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
