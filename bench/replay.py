@@ -18,7 +18,10 @@ Policies (one run, the same packing):
   max(1.2 x usage, usage + 100 MiB) (VPA's OOM bump) and never falls under that again.
 - `predictive` (vgpu): the P90 forecast over 1-5 s from the forecaster (the trained checkpoint when
   present, else gradient-boosted trees trained on the trace's train split, else the VPA percentile;
-  the JSON says which), plus the margin, through the policy.
+  the JSON says which), through the policy with the settings the daemon plans with
+  (`allocator.policy.PREDICTIVE_CONFIG`: margin, overrun bumps, SM threshold and shrink dwell).
+  `--set NAME=VALUE` (repeatable) overrides one of those settings for a trade-off study; the JSON
+  lists the overrides under `predictive_overrides`.
 - `oracle`: perfect foresight: the true peak of the next 5 s, no margin, through the policy.
 Every dynamic policy chooses each GPU's power limit from its planned SM share
 (allocator/power_policy.py) and sets it through the power-limit mechanism on its own simulated
@@ -43,7 +46,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -53,7 +56,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from allocator.enforce import PowerLimitMechanism  # noqa: E402
-from allocator.policy import AppState, DeviceState, PolicyConfig, plan  # noqa: E402
+from allocator.policy import PREDICTIVE_CONFIG, AppState, DeviceState, PolicyConfig, plan  # noqa: E402
 from allocator.power_policy import PowerController  # noqa: E402
 from manager.forecast import Forecaster  # noqa: E402
 from vgpu.device.sim import ManualClock, SimBackend  # noqa: E402
@@ -70,9 +73,7 @@ FORECASTERS = ("auto", "model", "gbdt", "vpa_percentile", "ewma", "last_value")
 # The policy settings each dynamic policy runs with (the same hysteresis for all).
 REACTIVE_CONFIG = PolicyConfig(mem_margin_frac=0.10, sm_margin_frac=0.10, confidence_multiplier=0.0)
 VPA_CONFIG = PolicyConfig(mem_margin_frac=VPA_MARGIN, sm_margin_frac=VPA_MARGIN, confidence_multiplier=0.0)
-# chosen on the val split of MIGPerf (docs/allocation.md): a small margin on the P90, and a
-# confidence multiplier that widens only the first grants (x1.3 after 1 s, x1.03 after 10 s)
-PREDICTIVE_CONFIG = PolicyConfig(mem_margin_frac=0.02, sm_margin_frac=0.05, confidence_multiplier=0.3)
+# predictive runs PREDICTIVE_CONFIG (allocator/policy.py), the daemon's own settings
 ORACLE_CONFIG = PolicyConfig(mem_margin_frac=0.0, sm_margin_frac=0.0, confidence_multiplier=0.0)
 
 
@@ -200,6 +201,23 @@ def default_checkpoint() -> Path | None:
     models = ROOT / "manager" / "models"
     found = sorted(p for p in models.glob("*.pt") if "coldstart" not in p.name) if models.is_dir() else []
     return found[0] if found else None
+
+
+def config_overrides(base: PolicyConfig, assignments: Sequence[str]) -> tuple[PolicyConfig, dict[str, float]]:
+    """`base` with each NAME=VALUE applied to one of its numeric settings. An unknown name, a value
+    that is not a number, or one the config refuses (PolicyConfig validates) is a ValueError."""
+    numeric = sorted(f.name for f in fields(base) if isinstance(getattr(base, f.name), float))
+    changes: dict[str, float] = {}
+    for item in assignments:
+        name, sep, text = item.partition("=")
+        name = name.strip()
+        if not sep or name not in numeric:
+            raise ValueError(f"--set {item!r}: expected NAME=VALUE, NAME one of {', '.join(numeric)}")
+        try:
+            changes[name] = float(text)
+        except ValueError:
+            raise ValueError(f"--set {item!r}: {text.strip()!r} is not a number") from None
+    return PolicyConfig(**{**asdict(base), **changes}), changes
 
 
 def make_forecaster(kind: str, train: Sequence[AppTrace], checkpoint: Path | None) -> tuple[Forecaster, str]:
@@ -372,12 +390,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="predictive policy's forecaster (auto: the checkpoint, else gbdt on the train split)")
     ap.add_argument("--checkpoint", type=Path, default=None, help="forecaster checkpoint (default: manager/models/)")
     ap.add_argument("--max-apps", type=int, default=0, help="replay only the first N applications (0: all)")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="override one PREDICTIVE_CONFIG setting of the predictive policy (repeatable)")
     ap.add_argument("--json", action="store_true", help="print JSON")
     args = ap.parse_args(argv)
 
     from manager.splits import select
 
     try:
+        predictive_config, overrides = config_overrides(PREDICTIVE_CONFIG, args.set)
         sku = get_sku(args.gpu)
         trace = read_trace(args.trace)
     except (ValueError, TraceFormatError) as exc:
@@ -404,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"replay: {exc}", file=sys.stderr)
         return 2
     t1 = time.perf_counter()
-    results = replay(apps, sku, forecaster)
+    results = replay(apps, sku, forecaster, configs={"predictive": predictive_config})
     replay_s = time.perf_counter() - t1
     app_ticks = sum(a.ticks - 1 for a in apps)
     out = {
@@ -417,6 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "app_ticks": app_ticks,
         "tick_s": 1.0,
         "forecaster": described,
+        "predictive_overrides": overrides,
         "skipped": skipped,
         "fit_s": round(fit_s, 1),
         "replay_s": round(replay_s, 1),

@@ -12,6 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from allocator.policy import PREDICTIVE_CONFIG, ForecastPolicy  # noqa: E402
 from bench import replay as R  # noqa: E402
 from vgpu.device.skus import get_sku  # noqa: E402
 from vgpu.traces import AppTrace, write_trace  # noqa: E402
@@ -61,7 +62,7 @@ def test_tiny_trace_static_and_oracle_by_hand() -> None:
     # reactive: the last usage (+10 %) misses the step at tick 4 exactly once
     assert out["reactive"]["mem_violation_rate"] == pytest.approx(round(1 / 7, 4))
     for r in out.values():
-        assert r["energy_j"] > 0
+        assert float(r["energy_j"]) > 0
 
 
 def test_vpa_bumps_memory_after_a_violation() -> None:
@@ -120,3 +121,61 @@ def test_cli_bad_input_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFi
     assert "unknown GPU SKU" in capsys.readouterr().err
     assert R.main(["--trace", str(path), "--split", "all", "--forecaster", "model",
                    "--checkpoint", str(tmp_path / "none.pt")]) == 2
+
+
+# the daemon's own policy settings, and `--set` for a trade-off study
+def test_predictive_replays_the_settings_the_daemon_plans_with() -> None:
+    apps = R.pack(R.prepare([app_trace("a", [1000.0] * 6, [10.0] * 6)])[0], SKU)
+    from manager.baselines import LastValueForecaster
+
+    runs: dict[str, R.PolicyRun] = {}
+    R.replay(apps, SKU, LastValueForecaster(), policies=("predictive",), runs_out=runs)
+    assert runs["predictive"].config is PREDICTIVE_CONFIG is ForecastPolicy().config
+
+
+def test_predictive_bump_covers_a_memory_step_after_its_first_second() -> None:
+    # memory climbs 200 MiB a second for 6 s; the last-value forecast sees only the past
+    mem = [2000.0] * 10 + [2000.0 + 200 * i for i in range(1, 7)] + [3200.0] * 10
+    apps = R.pack(R.prepare([app_trace("a", mem, [10.0] * len(mem))])[0], SKU)
+    from manager.baselines import LastValueForecaster
+
+    def violations(**overrides: float) -> int:
+        config, _ = R.config_overrides(PREDICTIVE_CONFIG, [f"{k}={v}" for k, v in overrides.items()])
+        runs: dict[str, R.PolicyRun] = {}
+        R.replay(apps, SKU, LastValueForecaster(), policies=("predictive",), configs={"predictive": config},
+                 runs_out=runs)
+        return int(np.sum(np.array(runs["predictive"].mem_used) > np.array(runs["predictive"].mem_alloc)))
+
+    assert violations() == 1
+    assert violations(mem_bump_frac=0.0, mem_bump_min_mib=0.0) >= 5  # most seconds of the step
+
+
+def test_config_overrides_apply_numbers_and_refuse_the_rest() -> None:
+    config, changes = R.config_overrides(PREDICTIVE_CONFIG, ["sm_shrink_dwell_s=30", " mem_bump_min_mib = 512"])
+    assert config.sm_shrink_dwell_s == 30.0 and config.mem_bump_min_mib == 512.0
+    assert config.mem_bump_frac == PREDICTIVE_CONFIG.mem_bump_frac
+    assert changes == {"sm_shrink_dwell_s": 30.0, "mem_bump_min_mib": 512.0}
+    assert R.config_overrides(PREDICTIVE_CONFIG, []) == (PREDICTIVE_CONFIG, {})
+    with pytest.raises(ValueError, match="NAME one of"):
+        R.config_overrides(PREDICTIVE_CONFIG, ["no_such=1"])
+    with pytest.raises(ValueError, match="NAME one of"):
+        R.config_overrides(PREDICTIVE_CONFIG, ["grow_on_overrun=1"])  # a flag, not a number
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        R.config_overrides(PREDICTIVE_CONFIG, ["dwell_s"])
+    with pytest.raises(ValueError, match="not a number"):
+        R.config_overrides(PREDICTIVE_CONFIG, ["dwell_s=soon"])
+    with pytest.raises(ValueError, match="dwell_s must be >= 0"):
+        R.config_overrides(PREDICTIVE_CONFIG, ["dwell_s=-1"])
+
+
+def test_cli_set_is_reported_and_a_bad_one_is_a_clear_error(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "t.csv"
+    write_trace(path, [app_trace("x", [1000.0 + 10 * i for i in range(12)], [30.0] * 12)])
+    base = ["--trace", str(path), "--split", "all", "--forecaster", "last_value", "--json"]
+    assert R.main([*base, "--set", "sm_min_change_pct=0"]) == 0
+    assert json.loads(capsys.readouterr().out)["predictive_overrides"] == {"sm_min_change_pct": 0.0}
+    assert R.main(base) == 0
+    assert json.loads(capsys.readouterr().out)["predictive_overrides"] == {}
+    assert R.main([*base, "--set", "sm_bump_pct=-5"]) == 2
+    assert "sm_bump_pct must be >= 0" in capsys.readouterr().err
