@@ -79,8 +79,9 @@ def sim_device_ids(gpus: int) -> list[str]:
     return [d.uuid for d in SimBackend([SKU] * gpus).devices()]
 
 
-def _pct(values: Sequence[float], q: float) -> float:
-    return round(float(np.percentile(np.asarray(values, dtype=np.float64), q)), 3) if len(values) else math.nan
+def _pct(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile, rounded; None (JSON null) when there is nothing to take it of."""
+    return round(float(np.percentile(np.asarray(values, dtype=np.float64), q)), 3) if len(values) else None
 
 
 # --- the manager process ---------------------------------------------------------------------------------
@@ -384,7 +385,7 @@ def run_ingest(*, apps: int = 64, seconds: float = 20.0, hz: float = 10.0, gpus:
         "tick_p99_ms": _pct(tick_ms, 99),
         "forecast_interval_s": forecast_interval_s,
         "batch_window_ms": batch_window_s * 1000.0,
-        "forecaster": mgr.forecaster_name,
+        "forecaster": "none" if null else mgr.forecaster_name,
         "forecast_duty_max": duty,
         "ack_interval_ms": ack_interval_s * 1000.0,
         "null_manager": null,

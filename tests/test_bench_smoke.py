@@ -87,6 +87,8 @@ def test_ingest_null_manager_measures_the_transport_alone() -> None:
     r = ingest.run_ingest(apps=4, seconds=1.0, warmup_s=1.0, gpus=1, null=True)
     assert r["null_manager"] is True and r["streams"] == 4
     assert r["signatures_per_s"] == 0 and r["decisions"] == 0  # nothing behind the transport
+    assert r["decision_p99_ms"] is None and r["forecaster"] == "none"
+    json.loads(json.dumps(r, allow_nan=False))  # strict JSON: no NaN
     assert 0 < r["manager_cpu_frac"] < 2
 
 
