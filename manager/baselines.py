@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -110,12 +110,12 @@ class EwmaForecaster(_GridBaseline):
         if not 0 < alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         self.alpha = alpha
-        self._weights = np.zeros(0)
+        self._weights: FloatArray = np.zeros(0)
 
     def _weights_for(self, n: int) -> FloatArray:
         """Weights of x_0..x_{n-1} in s_{n-1}: (1-a)^(n-1) for x_0, a (1-a)^(n-1-k) for k >= 1."""
         if len(self._weights) < n:
-            self._weights = self.alpha * (1 - self.alpha) ** np.arange(max(n, 256))
+            self._weights = self.alpha * (1 - self.alpha) ** np.arange(max(n, 256), dtype=np.float64)
         w = self._weights[:n][::-1].copy()
         w[0] = (1 - self.alpha) ** (n - 1)
         return w
@@ -249,7 +249,7 @@ class GbdtForecaster(_GridBaseline):
         max_rows: int = 20_000,
         seed: int = 0,
     ) -> None:
-        self.params = {
+        self.params: dict[str, Any] = {  # LGBMRegressor keyword arguments
             "n_estimators": n_estimators,
             "learning_rate": learning_rate,
             "num_leaves": num_leaves,
