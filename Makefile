@@ -36,6 +36,7 @@ proto: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(PY) -m mypy
 
 clean:
 	rm -rf $(VENV) build *.egg-info
