@@ -624,22 +624,7 @@ class Allocator:
         lim = self.cgroup_limits
         if lim is None or self._stopped or lim.disabled_reason(device_id) is not None:
             return
-        grants = self.ledger.grants(device_id=device_id)
-        pids: dict[str, int] = {}
-        for g in grants:
-            if g.pid > 0:
-                pids.setdefault(g.app_id, g.pid)
-        cgroups: dict[str, str | None] = {}
-        wanted: dict[str, float] = {}
-        for g in grants:
-            pid = pids.get(g.app_id)
-            if pid is None:
-                continue
-            if g.app_id not in cgroups:
-                cgroups[g.app_id] = self._cgroup_of(pid)
-            cg = cgroups[g.app_id]
-            if cg is not None:
-                wanted[cg] = wanted.get(cg, 0.0) + g.memory_mib
+        wanted = self._cgroup_memory(device_id)
         stale = lim.limited(device_id) - {cg for cg, mib in wanted.items() if mib > 0}
         if not wanted and not stale:
             return
@@ -657,6 +642,43 @@ class Allocator:
         for cg in sorted(stale):
             if lim.restore_one(device_id, cg).startswith("failed"):
                 self.counters.failed(device_id, "cgroup_memory")
+
+    def _cgroup_memory(self, device_id: str) -> dict[str, float]:
+        """cgroup -> MiB granted on the device to the applications whose process runs in it."""
+        grants = self.ledger.grants(device_id=device_id)
+        pids: dict[str, int] = {}
+        for g in grants:
+            if g.pid > 0:
+                pids.setdefault(g.app_id, g.pid)
+        cgroups: dict[str, str | None] = {}
+        wanted: dict[str, float] = {}
+        for g in grants:
+            pid = pids.get(g.app_id)
+            if pid is None:
+                continue
+            if g.app_id not in cgroups:
+                cgroups[g.app_id] = self._cgroup_of(pid)
+            cg = cgroups[g.app_id]
+            if cg is not None:
+                wanted[cg] = wanted.get(cg, 0.0) + g.memory_mib
+        return wanted
+
+    def reconcile_cgroup_limits(self) -> list[tuple[str, str, str]]:
+        """At start-up, over a ledger restored after a crash: the cgroup originals the store holds
+        are written back where no grant's application runs in the cgroup any more, and kept (to be
+        restored later) where one does (`CgroupMemoryLimits.reconcile`). (device, cgroup, outcome)
+        per record; failures count as "cgroup_memory". The caps themselves follow at each device's
+        next grant, resize or release, as always."""
+        lim = self.cgroup_limits
+        if lim is None:
+            return []
+        devices = [c.device_id for c in self.ledger.devices()]
+        in_use = {d: {cg for cg, mib in self._cgroup_memory(d).items() if mib > 0} for d in devices}
+        outcomes = lim.reconcile(self.backend, in_use)
+        for device_id, _cgroup, outcome in outcomes:
+            if outcome.startswith("failed"):
+                self.counters.failed(device_id, "cgroup_memory")
+        return outcomes
 
     # --- shutdown --------------------------------------------------------------------------------
     def stop(self) -> list[PowerLimitResult]:

@@ -23,7 +23,9 @@ Three mechanisms, each optional and each degrading cleanly where the node lacks 
    device or driver that answers NotSupported (no such NVML function, an older nvidia-ml-py), or
    NoPermission on a write, turns the mechanism off for that device with one log line; other
    errors and a value that does not read back fail loudly. The allocator finds an application's
-   cgroup from its pid (`read_cgroup`: /proc/<pid>/cgroup).
+   cgroup from its pid (`read_cgroup`: /proc/<pid>/cgroup). Given the daemon's store, each original
+   is also recorded there before the first write (first record wins) and forgotten once written
+   back; at start-up `reconcile` puts back what a crashed run left on cgroups no grant holds now.
 """
 
 from __future__ import annotations
@@ -32,15 +34,17 @@ import math
 import os
 import shutil
 import subprocess
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 
 from allocator.errors import VerifyFailed
-from vgpu.device.base import Device
-from vgpu.device.errors import DeviceError, NoPermission, NotSupported
+from allocator.store import CgroupOriginal, Store
+from vgpu.device.base import Backend, Device
+from vgpu.device.errors import DeviceError, NoPermission, NotFound, NotSupported
 from vgpu.log import get_logger
 
 DEFAULT_MPS_PIPE_DIR = "/tmp/nvidia-mps"
@@ -243,16 +247,44 @@ def read_cgroup(pid: int, proc_root: str | Path = "/proc") -> str | None:
     return v1_memory
 
 
+def cgroup_exists(cgroup: str, root: str | Path = "/sys/fs/cgroup") -> bool:
+    """Whether `cgroup` (a path as /proc/<pid>/cgroup gives it) still exists under the cgroup v2
+    hierarchy, a hybrid layout's unified one, or the v1 memory controller's. True when none of
+    these is mounted under `root`: unknown counts as existing, so its original is kept, not dropped."""
+    base = Path(root)
+    rel = cgroup.strip("/")
+    hierarchies = [h for h in (base, base / "unified", base / "memory")
+                   if (h / "cgroup.controllers").exists() or (h / "cgroup.procs").exists()]
+    if not hierarchies:
+        return True
+    return any((h / rel).is_dir() for h in hierarchies)
+
+
 def _same(a: float, b: float) -> bool:
     """Equal limits in MiB (bytes round-trip through NVML); inf equals only inf."""
     return a == b or (math.isfinite(a) and math.isfinite(b) and math.isclose(a, b, rel_tol=0.0, abs_tol=0.01))
 
 
 class CgroupMemoryLimits:
-    """Per-cgroup GPU memory caps with check -> change -> verify, originals saved and restored."""
+    """Per-cgroup GPU memory caps with check -> change -> verify, originals saved and restored.
 
-    def __init__(self, *, dry_run: bool = False, logger: structlog.typing.FilteringBoundLogger | None = None) -> None:
+    With a `store`, each original is also recorded there before the first write (the first record
+    wins) and forgotten once written back, so that a daemon started after a crash restores the
+    true original rather than the limit vgpu left (`reconcile`)."""
+
+    def __init__(
+        self,
+        *,
+        dry_run: bool = False,
+        store: Store | None = None,
+        cgroup_exists: Callable[[str], bool] = cgroup_exists,
+        clock: Callable[[], float] = time.time,
+        logger: structlog.typing.FilteringBoundLogger | None = None,
+    ) -> None:
         self.dry_run = dry_run
+        self.store = store
+        self._cgroup_exists = cgroup_exists
+        self._clock = clock
         self._log = logger or get_logger("vgpu.allocator.memlimit")
         self._disabled: dict[str, str] = {}
         self._original: dict[tuple[str, str], tuple[float, float]] = {}
@@ -280,32 +312,30 @@ class CgroupMemoryLimits:
         soft = hard_mib if soft_mib is None else soft_mib
         if not 0 < soft <= hard_mib:
             raise ValueError(f"soft_mib must be in (0, hard_mib], got {soft}")
-        return self._set(device, cgroup, soft, hard_mib, save=True)
-
-    def _set(self, device: Device, cgroup: str, soft: float, hard: float, *, save: bool) -> bool:
-        dev_id = device.uuid
-        if dev_id in self._disabled:
+        if device.uuid in self._disabled:
             return False
         try:
-            before = device.memory_limit_mib(cgroup)
-        except NotSupported as exc:
-            self._disable(dev_id, f"NotSupported: {exc}")
+            return self._write(device, cgroup, soft, hard_mib, save=True, dry_run=self.dry_run)
+        except (NotSupported, NoPermission) as exc:
+            self._disable(device.uuid, f"{type(exc).__name__}: {exc}")
             return False
+
+    def _write(self, device: Device, cgroup: str, soft: float, hard: float, *, save: bool, dry_run: bool) -> bool:
+        """check -> change -> verify; True when a write happened. Device errors propagate."""
+        dev_id = device.uuid
+        before = device.memory_limit_mib(cgroup)
         if _same(before.soft_mib, soft) and _same(before.hard_mib, hard):
             return False
-        if self.dry_run:
+        if dry_run:
             self._log.info("cgroup_memory_limit_plan", device=dev_id, cgroup=cgroup, dry_run=True,
                            before_mib=[before.soft_mib, before.hard_mib], soft_mib=soft, hard_mib=hard)
             return False
+        if save and (dev_id, cgroup) not in self._original:
+            self._original[(dev_id, cgroup)] = self._record_original(dev_id, cgroup, before.soft_mib, before.hard_mib)
         if save:
-            self._original.setdefault((dev_id, cgroup), (before.soft_mib, before.hard_mib))
             self._devices[dev_id] = device
         self.writes += 1
-        try:
-            device.set_memory_limit_mib(cgroup, soft, hard)
-        except (NotSupported, NoPermission) as exc:
-            self._disable(dev_id, f"{type(exc).__name__}: {exc}")
-            return False
+        device.set_memory_limit_mib(cgroup, soft, hard)
         after = device.memory_limit_mib(cgroup)
         if not (_same(after.soft_mib, soft) and _same(after.hard_mib, hard)):
             raise VerifyFailed(f"cgroup {cgroup} on {dev_id} reads {after[:2]} MiB after setting {(soft, hard)}")
@@ -313,30 +343,95 @@ class CgroupMemoryLimits:
                        before_mib=[before.soft_mib, before.hard_mib])
         return True
 
+    def _record_original(self, device_id: str, cgroup: str, soft_mib: float, hard_mib: float) -> tuple[float, float]:
+        """Persist the original before the first write; the stored one when a previous run (which
+        crashed, leaving its own limit on the device) recorded it first."""
+        if self.store is None:
+            return soft_mib, hard_mib
+        self.store.save_cgroup_original(CgroupOriginal(device_id, cgroup, soft_mib, hard_mib, self._clock()))
+        stored = self.store.cgroup_original(device_id, cgroup)
+        assert stored is not None
+        return stored.soft_mib, stored.hard_mib
+
+    def _forget(self, device_id: str, cgroup: str) -> None:
+        self._original.pop((device_id, cgroup), None)
+        if self.store is not None:
+            self.store.forget_cgroup_original(device_id, cgroup)
+
     def restore_one(self, device_id: str, cgroup: str) -> str:
-        """Write the cgroup's saved original back: "restored", "unchanged" (nothing saved) or
-        "failed: ..." (logged; the original stays saved for `restore()`)."""
+        """Write the cgroup's saved original back (even where the mechanism is off or dry-run: a
+        saved original means vgpu wrote). "restored"; "unchanged" (nothing saved); "forgotten:
+        cgroup gone" (the write-back failed and the cgroup no longer exists, by `cgroup_exists` or
+        NVML's NotFound for the namespace: nothing is left to restore); "failed: ..." (the original
+        stays saved for `restore()` and the next start; NotSupported or NoPermission also turn the
+        mechanism off for the device). A failure is one log line."""
         saved = self._original.get((device_id, cgroup))
         if saved is None:
             return "unchanged"
-        device = self._devices[device_id]
-        dry, self.dry_run = self.dry_run, False
-        disabled = self._disabled.pop(device_id, None)  # an off mechanism still puts back what it changed
         try:
-            self._set(device, cgroup, saved[0], saved[1], save=False)
-            refused = self._disabled.get(device_id)  # NotSupported / NoPermission during this write
+            self._write(self._devices[device_id], cgroup, saved[0], saved[1], save=False, dry_run=False)
         except (DeviceError, VerifyFailed) as exc:
-            refused = repr(exc)
-        finally:
-            self.dry_run = dry
-            if disabled is not None:
-                self._disabled.setdefault(device_id, disabled)
-        if refused is not None:
-            self._log.error("cgroup_memory_limit_restore_failed", device=device_id, cgroup=cgroup, error=refused)
-            return f"failed: {refused}"
-        del self._original[(device_id, cgroup)]
+            return self._restore_failed(device_id, cgroup, exc)
+        self._forget(device_id, cgroup)
         return "restored"
+
+    def _restore_failed(self, device_id: str, cgroup: str, exc: DeviceError | VerifyFailed) -> str:
+        if isinstance(exc, NotFound) or not self._cgroup_exists(cgroup):  # NotFound: no such namespace
+            return self._gone(device_id, cgroup, exc)
+        error = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, (NotSupported, NoPermission)):
+            self._disabled.setdefault(device_id, error)  # said once, by the line below
+        self._log.error("cgroup_memory_limit_restore_failed", device=device_id, cgroup=cgroup, error=error)
+        return f"failed: {error}"
+
+    def _gone(self, device_id: str, cgroup: str, exc: Exception) -> str:
+        self._forget(device_id, cgroup)
+        self._log.warning("cgroup_memory_limit_original_forgotten", device=device_id, cgroup=cgroup,
+                          reason="cgroup gone", error=f"{type(exc).__name__}: {exc}")
+        return "forgotten: cgroup gone"
 
     def restore(self) -> list[tuple[str, str, str]]:
         """Write every saved original back; (device, cgroup, outcome) per entry, failures logged."""
         return [(dev_id, cgroup, self.restore_one(dev_id, cgroup)) for dev_id, cgroup in list(self._original)]
+
+    def reconcile(self, backend: Backend, in_use: Mapping[str, Collection[str]]) -> list[tuple[str, str, str]]:
+        """At start-up, for each original the store holds (a previous run recorded it and did not
+        write it back: it crashed): a cgroup that `in_use[device_id]` names keeps its record and is
+        adopted, so that its eventual restore (release, stop) writes the true original ("kept: in
+        use"); any other gets its original written back and forgotten (`restore_one`'s outcomes).
+        A device the backend does not have keeps its records ("failed: ...", one line each) unless
+        the cgroup is gone too. Dry-run touches neither the devices nor the store: it logs each
+        restore it would make ("planned")."""
+        if self.store is None:
+            return []
+        out: list[tuple[str, str, str]] = []
+        for rec in self.store.cgroup_originals():
+            dev_id, cgroup, original = rec.device_id, rec.cgroup, (rec.soft_mib, rec.hard_mib)
+            held = cgroup in in_use.get(dev_id, ())
+            if self.dry_run:
+                if not held:
+                    self._log.info("cgroup_memory_limit_plan", device=dev_id, cgroup=cgroup, dry_run=True,
+                                   restore_mib=list(original))
+                out.append((dev_id, cgroup, "kept: in use" if held else "planned"))
+                continue
+            try:
+                self._devices[dev_id] = backend.device(dev_id)
+            except DeviceError as exc:
+                out.append((dev_id, cgroup, self._device_missing(dev_id, cgroup, exc)))
+                continue
+            self._original.setdefault((dev_id, cgroup), original)
+            if held:
+                self._log.info("cgroup_memory_limit_original_kept", device=dev_id, cgroup=cgroup,
+                               original_mib=list(original))
+                out.append((dev_id, cgroup, "kept: in use"))
+            else:
+                out.append((dev_id, cgroup, self.restore_one(dev_id, cgroup)))
+        return out
+
+    def _device_missing(self, device_id: str, cgroup: str, exc: DeviceError) -> str:
+        if not self._cgroup_exists(cgroup):
+            return self._gone(device_id, cgroup, exc)
+        error = f"{type(exc).__name__}: {exc}"
+        self._log.error("cgroup_memory_limit_restore_failed", device=device_id, cgroup=cgroup,
+                        error=f"device not found: {error}")
+        return f"failed: {error}"

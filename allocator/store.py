@@ -9,7 +9,14 @@ What is stored:
 - `ledger`: the latest `Ledger.to_records()` snapshot (grants, limits, devices), as JSON;
 - `device_originals`: each device's power limit and MIG layout as found *before* vgpu wrote to it,
   recorded once and kept across crashes until a graceful stop has restored them;
+- `cgroup_originals`: the NVML memory limits of each (device, cgroup) as found before vgpu first
+  capped that cgroup (allocator/limits.py), on the same terms: the first record wins, and it is
+  forgotten once written back (at release, at stop, or by the start-up reconcile after a crash);
 - `apps`: application ids that have been claimed (their token has been issued).
+
+The schema is versioned (`meta.schema_version`). Opening a database of an older version upgrades it
+in place, one step per version, each step and its version bump in one transaction (`_MIGRATIONS`);
+a database of a newer version, which this vgpu cannot read, is refused.
 
 Not thread-safe: the daemon's asyncio loop owns it (sqlite3 objects stay on their thread).
 """
@@ -17,6 +24,7 @@ Not thread-safe: the daemon's asyncio loop owns it (sqlite3 objects stay on thei
 from __future__ import annotations
 
 import json
+import math
 import os
 import sqlite3
 import time
@@ -25,10 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 DB_NAME = "vgpu.sqlite3"
 
-_SCHEMA = """
+# Version 1, the tables every database starts from; `_MIGRATIONS` takes it to SCHEMA_VERSION.
+_SCHEMA_V1 = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS ledger (
     id INTEGER PRIMARY KEY CHECK (id = 1),
@@ -45,6 +54,21 @@ CREATE TABLE IF NOT EXISTS device_originals (
 );
 CREATE TABLE IF NOT EXISTS apps (app_id TEXT PRIMARY KEY, claimed_at_s REAL NOT NULL);
 """
+
+# version -> the statements that take a database from version - 1 to it.
+_MIGRATIONS: dict[int, str] = {
+    # NVML per-cgroup memory limits before vgpu first wrote them; NULL: no limit (NVML's maximum).
+    2: """
+CREATE TABLE cgroup_originals (
+    device_id TEXT NOT NULL,
+    cgroup TEXT NOT NULL,
+    soft_mib REAL,
+    hard_mib REAL,
+    saved_at_s REAL NOT NULL,
+    PRIMARY KEY (device_id, cgroup)
+);
+""",
+}
 
 
 class StoreError(RuntimeError):
@@ -71,6 +95,17 @@ class DeviceOriginal:
     saved_at_s: float
 
 
+@dataclass(frozen=True)
+class CgroupOriginal:
+    """A cgroup's NVML memory limits on a device before vgpu first capped it; `math.inf`: no limit."""
+
+    device_id: str
+    cgroup: str
+    soft_mib: float
+    hard_mib: float
+    saved_at_s: float
+
+
 class Store:
     """The daemon's SQLite state under `state_dir`."""
 
@@ -89,17 +124,30 @@ class Store:
                 raise StoreError(f"{self.path}: SQLite refused WAL mode (got {mode!r}); is the state dir on NFS?")
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.execute("PRAGMA busy_timeout=5000")
-            self._db.executescript(_SCHEMA)
-            row = self._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-        except sqlite3.DatabaseError as exc:
+            self._db.executescript(_SCHEMA_V1)
+            self._db.execute("INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', '1')")
+            version = int(self._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0])
+        except (sqlite3.DatabaseError, ValueError) as exc:  # ValueError: a schema_version that is no number
             raise StoreError(f"cannot open state database {self.path}: {exc}") from exc
         except OSError as exc:
             raise StoreError(f"cannot create state directory {self.state_dir}: {exc}") from exc
-        if row is None:
-            self._db.execute("INSERT INTO meta(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-        elif int(row[0]) != SCHEMA_VERSION:
-            raise StoreError(f"{self.path} has schema {row[0]}, this vgpu expects {SCHEMA_VERSION}")
+        if not 1 <= version <= SCHEMA_VERSION:
+            raise StoreError(f"{self.path} has schema {version}; this vgpu reads schemas 1 to {SCHEMA_VERSION}")
+        for step in range(version + 1, SCHEMA_VERSION + 1):
+            self._migrate(step)
         self.writes = 0
+
+    def _migrate(self, version: int) -> None:
+        """Take the database to `version`: the step's statements and the version bump commit together."""
+        try:
+            self._db.executescript(
+                f"BEGIN IMMEDIATE;\n{_MIGRATIONS[version]}\n"
+                f"UPDATE meta SET value='{version}' WHERE key='schema_version';\nCOMMIT;"
+            )
+        except sqlite3.DatabaseError as exc:
+            if self._db.in_transaction:
+                self._db.rollback()
+            raise StoreError(f"{self.path}: cannot upgrade the schema to version {version}: {exc}") from exc
 
     def close(self) -> None:
         self._db.close()
@@ -179,6 +227,40 @@ class Store:
         """After the original has been written back: the next start records the device afresh."""
         self._write("DELETE FROM device_originals WHERE device_id=?", (device_id,))
 
+    # --- cgroup memory-limit originals -------------------------------------------------------------
+    def save_cgroup_original(self, original: CgroupOriginal) -> bool:
+        """Record a cgroup's original limits unless some are already recorded for that (device,
+        cgroup): the first record wins, as for devices. True if stored."""
+        for what, mib in (("soft", original.soft_mib), ("hard", original.hard_mib)):
+            if not mib > 0:  # NaN too
+                raise ValueError(f"{original.cgroup}: an original {what} limit must be > 0 MiB (inf: none), not {mib}")
+        cur = self._db.execute(
+            "INSERT OR IGNORE INTO cgroup_originals(device_id, cgroup, soft_mib, hard_mib, saved_at_s) "
+            "VALUES (?, ?, ?, ?, ?)",
+            (original.device_id, original.cgroup, _mib_or_null(original.soft_mib), _mib_or_null(original.hard_mib),
+             original.saved_at_s),
+        )
+        self.writes += 1
+        return cur.rowcount == 1
+
+    def cgroup_original(self, device_id: str, cgroup: str) -> CgroupOriginal | None:
+        row = self._db.execute(
+            "SELECT device_id, cgroup, soft_mib, hard_mib, saved_at_s FROM cgroup_originals "
+            "WHERE device_id=? AND cgroup=?",
+            (device_id, cgroup),
+        ).fetchone()
+        return None if row is None else _cgroup_original_from_row(row)
+
+    def cgroup_originals(self) -> list[CgroupOriginal]:
+        rows = self._db.execute(
+            "SELECT device_id, cgroup, soft_mib, hard_mib, saved_at_s FROM cgroup_originals ORDER BY device_id, cgroup"
+        ).fetchall()
+        return [_cgroup_original_from_row(r) for r in rows]
+
+    def forget_cgroup_original(self, device_id: str, cgroup: str) -> None:
+        """After the original has been written back (or its cgroup is gone)."""
+        self._write("DELETE FROM cgroup_originals WHERE device_id=? AND cgroup=?", (device_id, cgroup))
+
     # --- application ownership -----------------------------------------------------------------------
     def claim_app(self, app_id: str) -> bool:
         """Mark `app_id` as owned (its token issued). True if this call claimed it, False if it was
@@ -206,5 +288,20 @@ def _original_from_row(row: tuple[Any, ...]) -> DeviceOriginal:
         power_limit_mw=None if power is None else int(power),
         mig_enabled=None if mig is None else bool(mig),
         mig_layout=layout,
+        saved_at_s=float(saved),
+    )
+
+
+def _mib_or_null(mib: float) -> float | None:
+    return None if math.isinf(mib) else mib
+
+
+def _cgroup_original_from_row(row: tuple[Any, ...]) -> CgroupOriginal:
+    device_id, cgroup, soft, hard, saved = row
+    return CgroupOriginal(
+        device_id=device_id,
+        cgroup=cgroup,
+        soft_mib=math.inf if soft is None else float(soft),
+        hard_mib=math.inf if hard is None else float(hard),
         saved_at_s=float(saved),
     )

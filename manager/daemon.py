@@ -11,7 +11,9 @@ Start-up, in order (each step fails loudly with a message that names what to fix
    unless a previous run already recorded one (then the device may show our settings: a crash);
 4. the ledger from the store, reconciled with the device: grants on devices that are gone and
    grants of processes that have exited are released; a power limit or MIG layout that is not the
-   original is reported (and put back at the next graceful stop);
+   original is reported (and put back at the next graceful stop); a cgroup memory limit a crashed
+   run left on a cgroup no remaining grant holds gets its recorded original back at once
+   (`Allocator.reconcile_cgroup_limits`);
 5. the forecaster (manager/modelpath.py): a configured `manager.model` must load or the start stops;
    otherwise the shipped model loads in a worker thread while the baseline serves. Either is a
    `ReloadingForecaster` that checks its file every `manager.model_check_interval_s` and swaps a new
@@ -487,10 +489,14 @@ class Daemon:
         (self.state_dir / "mig").mkdir(mode=0o700, exist_ok=True)
         mig = MigLayoutMechanism(state_dir=self.state_dir / "mig", dry_run=cfg.server.dry_run)
         self.sizer = BackgroundSizer(self._load_sizer, self.log)
-        cgroup_limits = CgroupMemoryLimits(dry_run=cfg.server.dry_run) if cfg.server.cgroup_memory_limits else None
+        cgroup_limits = CgroupMemoryLimits(dry_run=cfg.server.dry_run, store=self.store, clock=self.clock)
         self.allocator = Allocator(self.backend, clock=self.clock, dry_run=cfg.server.dry_run, ledger=ledger,
-                                   mig=mig, cgroup_limits=cgroup_limits, sizer=self.sizer, policy=ForecastPolicy(),
-                                   on_change=self._save)
+                                   mig=mig, cgroup_limits=cgroup_limits if cfg.server.cgroup_memory_limits else None,
+                                   sizer=self.sizer, policy=ForecastPolicy(), on_change=self._save)
+        # cgroup limits a crashed run left: put back where no grant holds the cgroup now (all of
+        # them where the mechanism is now off: nothing would restore them later)
+        cgroup_outcomes = (self.allocator.reconcile_cgroup_limits() if cfg.server.cgroup_memory_limits
+                           else cgroup_limits.reconcile(self.backend, {}))
         baseline = default_baseline()
         interval_s = cfg.manager.model_check_interval_s
         self.manager = Manager(self.allocator, load_model(cfg.manager.model, fallback=baseline, check_interval_s=interval_s),
@@ -514,6 +520,7 @@ class Daemon:
             released_process_gone=rec.released_gone_process,
             devices_not_original=rec.devices_not_original,
             originals={k: v.power_limit_mw for k, v in self.store.originals().items()},
+            cgroup_originals={f"{dev} {cg}": outcome for dev, cg, outcome in cgroup_outcomes},
         )
 
         authority = auth.TokenAuthority(

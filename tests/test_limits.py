@@ -1,11 +1,12 @@
-"""Per-application limits: the cooperative memory limit book, MPS control, NVML cgroup memory limits."""
+"""Per-application limits: the cooperative memory limit book, MPS control, NVML cgroup memory limits
+(their originals recorded in the store and restored after a crash)."""
 
 from __future__ import annotations
 
 import math
 import os
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import pytest
@@ -13,15 +14,20 @@ from device_rigs import Rig, trace
 
 from allocator.core import AllocationRequest, Allocator
 from allocator.errors import VerifyFailed
+from allocator.ledger import Ledger
 from allocator.limits import (
     CgroupMemoryLimits,
     MemoryLimitBook,
     MpsControl,
+    cgroup_exists,
     client_env,
     memory_fraction,
     read_cgroup,
 )
-from vgpu.device.base import MemoryLimitMib
+from allocator.store import CgroupOriginal, Store
+from manager.daemon import reconcile
+from vgpu.device.base import Device, MemoryLimitMib
+from vgpu.device.errors import NotFound
 from vgpu.device.sim import ManualClock, SimBackend
 
 
@@ -285,3 +291,246 @@ def test_allocator_dry_run_and_unsupported_driver_write_nothing(rig_factory: Cal
     assert grant.memory_mib == 8_000  # the grant stands; the mechanism is off for the device
     assert alloc.cgroup_limits is not None and alloc.cgroup_limits.disabled_reason(old.device().uuid)
     assert alloc.counters.failures == {}
+
+
+# --- originals in the store: a daemon restarted after a crash puts back the true original ---------------
+class _Spy:
+    """A device that notes, at each limit write, what the store holds for that cgroup."""
+
+    def __init__(self, dev: Device, store: Store) -> None:
+        self.dev, self.store, self.uuid = dev, store, dev.uuid
+        self.seen: list[CgroupOriginal | None] = []
+
+    def memory_limit_mib(self, cgroup: str) -> MemoryLimitMib:
+        return self.dev.memory_limit_mib(cgroup)
+
+    def set_memory_limit_mib(self, cgroup: str, soft_mib: float, hard_mib: float) -> None:
+        self.seen.append(self.store.cgroup_original(self.uuid, cgroup))
+        self.dev.set_memory_limit_mib(cgroup, soft_mib, hard_mib)
+
+
+def test_cgroup_original_is_recorded_before_the_first_write(rig: Rig, tmp_path: Path) -> None:
+    rig.need_writes()
+    dev = rig.device()
+    dev.set_memory_limit_mib("/jobs/a", 20_000, 30_000)  # an operator's limit, there before vgpu
+    with Store(tmp_path) as store:
+        spy = _Spy(dev, store)
+        lim = CgroupMemoryLimits(store=store, clock=lambda: 5.0, logger=_Log())  # type: ignore[arg-type]
+        first = CgroupOriginal(dev.uuid, "/jobs/a", 20_000, 30_000, 5.0)
+        assert lim.apply(spy, "/jobs/a", 8_000)  # type: ignore[arg-type]
+        assert spy.seen == [first]  # on record when the write happened
+        assert lim.apply(spy, "/jobs/a", 6_000)  # type: ignore[arg-type]
+        assert not lim.apply(spy, "/jobs/a", 6_000)  # type: ignore[arg-type]
+        assert spy.seen == [first, first] and store.cgroup_originals() == [first]
+        dry = CgroupMemoryLimits(dry_run=True, store=store, logger=_Log())  # type: ignore[arg-type]
+        assert not dry.apply(spy, "/jobs/b", 1_000)  # type: ignore[arg-type]
+        assert store.cgroup_originals() == [first] and len(spy.seen) == 2  # records nothing, writes nothing
+
+
+def _persisting(rig: Rig, store: Store, *, dry_run: bool = False, log: _Log | None = None,
+                cgroup_exists: Callable[[str], bool] = lambda cg: True, ledger: Ledger | None = None) -> Allocator:
+    """An allocator whose cgroup originals go to `store` and whose ledger is saved there on each change."""
+    lim = CgroupMemoryLimits(dry_run=dry_run, store=store, cgroup_exists=cgroup_exists, logger=log or _Log())  # type: ignore[arg-type]
+
+    def save(led: Ledger) -> None:
+        store.save_ledger(led.to_records())
+
+    return Allocator(rig.backend, clock=rig.clock, dry_run=dry_run, ledger=ledger, cgroup_limits=lim,  # type: ignore[arg-type]
+                     cgroup_of={4242: "/jobs/a", 5151: "/jobs/b"}.get, on_change=save)
+
+
+def _crash(rig: Rig, tmp_path: Path) -> None:
+    """A daemon capped /jobs/a (operator's limit 20000/30000 before it) and /jobs/b (none), then died:
+    no stop, so its own limits stay on the device and the originals only in its store."""
+    dev = rig.device()
+    dev.set_memory_limit_mib("/jobs/a", 20_000, 30_000)
+    store = Store(tmp_path)
+    alloc = _persisting(rig, store)
+    alloc.request_allocation(AllocationRequest("a", memory_mib=8_000, pid=4242, device_id=dev.uuid))
+    alloc.request_allocation(AllocationRequest("b", memory_mib=3_000, pid=5151, device_id=dev.uuid))
+    assert dev.memory_limit_mib("/jobs/a")[:2] == (8_000, 8_000) and dev.memory_limit_mib("/jobs/b").hard_mib == 3_000
+    store.close()  # what the kernel does for a killed process; the rows were committed before each write
+
+
+def _restart(rig: Rig, store: Store, *, alive: Collection[int] = (5151,)) -> Ledger:
+    """The daemon's start-up reconcile of the ledger: grants of processes that are gone are released."""
+    ledger, _ = reconcile(store, rig.backend, clock=lambda: 2_000.0, pid_exists=lambda pid: pid in alive)
+    return ledger
+
+
+def test_a_restart_after_a_crash_restores_the_true_original(rig: Rig, tmp_path: Path) -> None:
+    rig.need_writes()
+    dev = rig.device()
+    _crash(rig, tmp_path)
+    with Store(tmp_path) as store:
+        alloc = _persisting(rig, store, ledger=_restart(rig, store))  # app a exited meanwhile, b runs on
+        assert sorted(alloc.reconcile_cgroup_limits()) == [(dev.uuid, "/jobs/a", "restored"),
+                                                           (dev.uuid, "/jobs/b", "kept: in use")]
+        assert dev.memory_limit_mib("/jobs/a")[:2] == (20_000, 30_000)  # the operator's, not vgpu's 8000
+        assert dev.memory_limit_mib("/jobs/b").hard_mib == 3_000  # still b's cap
+        assert [(o.cgroup, o.hard_mib) for o in store.cgroup_originals()] == [("/jobs/b", math.inf)]
+        (grant,) = alloc.ledger.grants()
+        alloc.release(grant.grant_id)  # the eventual restore writes the true original, not 3000
+        assert dev.memory_limit_mib("/jobs/b").hard_mib == math.inf
+        assert store.cgroup_originals() == [] and alloc.counters.failures == {}
+
+
+def test_a_restart_keeps_the_first_record_without_reconciling(rig: Rig, tmp_path: Path) -> None:
+    rig.need_writes()
+    dev = rig.device()
+    _crash(rig, tmp_path)
+    with Store(tmp_path) as store:
+        alloc = _persisting(rig, store, ledger=_restart(rig, store, alive=(4242, 5151)))
+        # no reconcile: the next write to /jobs/b reads vgpu's 3000 as "before", the store says inf
+        alloc.request_allocation(AllocationRequest("b2", memory_mib=1_000, pid=5151, device_id=dev.uuid))
+        assert dev.memory_limit_mib("/jobs/b").hard_mib == 4_000
+        assert store.cgroup_original(dev.uuid, "/jobs/b") is not None
+        assert store.cgroup_original(dev.uuid, "/jobs/b").hard_mib == math.inf  # type: ignore[union-attr]
+        alloc.stop()
+        assert dev.memory_limit_mib("/jobs/b").hard_mib == math.inf
+        assert [o.cgroup for o in store.cgroup_originals()] == ["/jobs/a"]  # never touched, so never adopted
+
+
+def test_restoring_forgets_the_record(rig: Rig, tmp_path: Path) -> None:
+    rig.need_writes()
+    dev = rig.device()
+    with Store(tmp_path) as store:
+        alloc = _persisting(rig, store)
+        g = alloc.request_allocation(AllocationRequest("a", memory_mib=8_000, pid=4242, device_id=dev.uuid))
+        assert [o.cgroup for o in store.cgroup_originals()] == ["/jobs/a"]
+        alloc.release(g.grant_id)
+        assert store.cgroup_originals() == []
+        alloc.request_allocation(AllocationRequest("b", memory_mib=1_000, pid=5151, device_id=dev.uuid))
+        assert [o.cgroup for o in store.cgroup_originals()] == ["/jobs/b"]
+        alloc.stop()
+        assert store.cgroup_originals() == [] and dev.memory_limit_mib("/jobs/b").hard_mib == math.inf
+
+
+def _no_permission(rig: Rig, store: Store) -> None:
+    rig.need_sim().privileged = False
+
+
+def _not_supported(rig: Rig, store: Store) -> None:
+    rig.need_sim().memory_limits = False  # a driver without the functions now
+
+
+def _gpu_lost(rig: Rig, store: Store) -> None:
+    rig.sim_device().lose()
+
+
+def _namespace_not_found(rig: Rig, store: Store) -> None:
+    rig.sim_device().inject("memory_limit_mib", NotFound, times=None)
+
+
+def _device_gone(rig: Rig, store: Store) -> None:
+    """The record is of a device this node no longer has."""
+    store.forget_cgroup_original(rig.device().uuid, "/jobs/a")
+    store.save_cgroup_original(CgroupOriginal("GPU-gone", "/jobs/a", math.inf, math.inf, 1.0))
+
+
+# (break the node, does the cgroup still exist, expected outcome for /jobs/a, its record kept)
+FAILURES = {
+    "no permission": (_no_permission, True, "failed: NoPermission", True),
+    "not supported": (_not_supported, True, "failed: NotSupported", True),
+    "gpu lost": (_gpu_lost, True, "failed: GpuLost", True),
+    "device gone": (_device_gone, True, "failed: NotFound", True),
+    "cgroup gone": (_no_permission, False, "forgotten: cgroup gone", False),
+    "namespace not found": (_namespace_not_found, True, "forgotten: cgroup gone", False),
+    "device and cgroup gone": (_device_gone, False, "forgotten: cgroup gone", False),
+}
+
+
+@pytest.mark.parametrize("name", list(FAILURES))
+def test_reconcile_failures_are_one_line_each_and_keep_what_can_still_be_restored(
+    rig: Rig, tmp_path: Path, name: str
+) -> None:
+    rig.need_sim()
+    breaks, exists, outcome, kept = FAILURES[name]
+    _crash(rig, tmp_path)
+    log = _Log()
+    with Store(tmp_path) as store:
+        alloc = _persisting(rig, store, log=log, cgroup_exists=lambda cg: exists, ledger=_restart(rig, store))
+        breaks(rig, store)
+        outcomes = {cg: (dev, out) for dev, cg, out in alloc.reconcile_cgroup_limits()}
+        dev_a, out_a = outcomes["/jobs/a"]
+        assert out_a.startswith(outcome), outcomes
+        assert outcomes["/jobs/b"][1] == "kept: in use"  # b's process lives: no device call needed
+        about_a = [(level, event) for level, event, kw in log.lines if kw.get("cgroup") == "/jobs/a"]
+        assert about_a == [("error", "cgroup_memory_limit_restore_failed") if kept
+                           else ("warning", "cgroup_memory_limit_original_forgotten")]
+        assert any(o.cgroup == "/jobs/a" for o in store.cgroup_originals()) is kept
+        assert alloc.counters.failures == ({(dev_a, "cgroup_memory"): 1} if kept else {})
+        if name in ("no permission", "not supported"):  # off for the device, as when a write is refused
+            assert alloc.cgroup_limits is not None and alloc.cgroup_limits.disabled_reason(dev_a)
+            assert not [e for _, e, _ in log.lines if e == "cgroup_memory_limit_disabled"]  # said once, above
+
+
+def test_a_restore_that_failed_is_done_at_the_next_start(rig: Rig, tmp_path: Path) -> None:
+    sim = rig.need_sim()
+    dev = rig.device()
+    _crash(rig, tmp_path)
+    with Store(tmp_path) as store:
+        sim.privileged = False
+        first = _persisting(rig, store, ledger=_restart(rig, store))
+        assert dict(((d, c), o) for d, c, o in first.reconcile_cgroup_limits())[(dev.uuid, "/jobs/a")].startswith("failed")
+        sim.privileged = True  # fixed; the daemon crashes again, or stops: either way a next start
+        again = _persisting(rig, store, ledger=_restart(rig, store))
+        assert (dev.uuid, "/jobs/a", "restored") in again.reconcile_cgroup_limits()
+        assert dev.memory_limit_mib("/jobs/a")[:2] == (20_000, 30_000)
+
+
+def test_dry_run_reconcile_touches_neither_the_device_nor_the_store(rig: Rig, tmp_path: Path) -> None:
+    rig.need_sim()
+    dev = rig.device()
+    _crash(rig, tmp_path)
+    with Store(tmp_path) as store:
+        ledger = _restart(rig, store)
+        before, writes, log = store.cgroup_originals(), rig.sim_device().writes, _Log()
+        store.writes = 0
+        alloc = _persisting(rig, store, dry_run=True, log=log, cgroup_exists=lambda cg: False, ledger=ledger)
+        assert sorted(alloc.reconcile_cgroup_limits()) == [(dev.uuid, "/jobs/a", "planned"),
+                                                           (dev.uuid, "/jobs/b", "kept: in use")]
+        alloc.request_allocation(AllocationRequest("b2", memory_mib=500, pid=5151, device_id=dev.uuid))
+        alloc.stop()
+        assert store.cgroup_originals() == before and rig.sim_device().writes == writes
+        assert store.writes == 1  # the ledger save of b2's grant; no cgroup original written or forgotten
+        assert dev.memory_limit_mib("/jobs/a").hard_mib == 8_000
+        assert [e for _, e, kw in log.lines if kw.get("cgroup") == "/jobs/a"] == ["cgroup_memory_limit_plan"]
+
+
+def test_cgroup_exists_under_v2_v1_or_unknown(tmp_path: Path) -> None:
+    v2 = tmp_path / "v2"
+    (v2 / "system.slice" / "train.scope").mkdir(parents=True)
+    (v2 / "cgroup.controllers").touch()
+    assert cgroup_exists("/system.slice/train.scope", v2) and cgroup_exists("/", v2)
+    assert not cgroup_exists("/system.slice/gone.scope", v2)
+    v1 = tmp_path / "v1"
+    (v1 / "memory" / "slurm" / "job_7").mkdir(parents=True)
+    (v1 / "memory" / "cgroup.procs").touch()
+    assert cgroup_exists("/slurm/job_7", v1) and not cgroup_exists("/slurm/job_8", v1)
+    assert cgroup_exists("/anything", tmp_path / "not-mounted")  # unknown: kept, not dropped
+
+
+async def test_the_daemon_restores_a_crashed_run_s_cgroup_limits_at_start(tmp_path: Path) -> None:
+    """Through `Daemon.start`, with the mechanism on and off (off: nothing would restore it later)."""
+    from daemon_fixtures import sim_daemon
+    from prometheus_client import CollectorRegistry
+
+    from manager.daemon import Daemon, SdNotifier
+
+    for on in (True, False):
+        sim = SimBackend(["h100-80gb"], clock=ManualClock(1000.0))
+        dev = sim.devices()[0]
+        dev.set_memory_limit_mib("/jobs/gone", 8_000, 8_000)  # what the crashed daemon left
+        state = tmp_path / str(on)
+        with Store(state / "state") as store:
+            store.save_cgroup_original(CgroupOriginal(dev.uuid, "/jobs/gone", 20_000, 30_000, 1.0))
+        cfg = sim_daemon(state, **{"server.cgroup_memory_limits": on}).cfg  # type: ignore[arg-type]
+        d = Daemon(cfg, backend=sim, notifier=SdNotifier(env={}), registry=CollectorRegistry(),
+                   load_sizer=lambda: None)  # type: ignore[arg-type, return-value]
+        await d.start()
+        try:
+            assert dev.memory_limit_mib("/jobs/gone")[:2] == (20_000, 30_000)
+            assert d.store.cgroup_originals() == []
+        finally:
+            await d.stop("test")

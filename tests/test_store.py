@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sqlite3
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from allocator.store import DeviceOriginal, MigSlot, Store, StoreError
+from allocator.store import SCHEMA_VERSION, CgroupOriginal, DeviceOriginal, MigSlot, Store, StoreError
 
 RECORDS = {
     "version": 1,
@@ -74,10 +75,11 @@ def test_commit_survives_kill_9(tmp_path: Path) -> None:
         f"""
         import os, signal
         from pathlib import Path
-        from allocator.store import Store
+        from allocator.store import CgroupOriginal, Store
         s = Store(Path({str(tmp_path)!r}))
         s.save_ledger({RECORDS!r})
         s.claim_app("a")
+        s.save_cgroup_original(CgroupOriginal("GPU-0", "/jobs/a", 20000.0, float("inf"), 1.0))
         os.kill(os.getpid(), signal.SIGKILL)
         """
     )
@@ -86,6 +88,7 @@ def test_commit_survives_kill_9(tmp_path: Path) -> None:
     with Store(tmp_path) as store:
         assert store.load_ledger() == RECORDS
         assert store.app_claimed("a")
+        assert store.cgroup_originals() == [CgroupOriginal("GPU-0", "/jobs/a", 20000.0, math.inf, 1.0)]
 
 
 def test_garbage_database_is_a_clear_error(tmp_path: Path) -> None:
@@ -114,3 +117,57 @@ def test_unwritable_state_dir(tmp_path: Path) -> None:
         tmp_path.chmod(0o500)
         with pytest.raises(StoreError):
             Store(tmp_path / "sub")
+
+
+def test_first_cgroup_original_wins_until_forgotten(tmp_path: Path) -> None:
+    none = CgroupOriginal("GPU-0", "/jobs/a", math.inf, math.inf, 1.0)  # no limit: stored as NULL
+    operator = CgroupOriginal("GPU-0", "/jobs/b", 20_000.0, 30_000.0, 1.5)
+    with Store(tmp_path) as store:
+        assert store.save_cgroup_original(none) and store.save_cgroup_original(operator)
+        # After a crash the cgroup shows our limit; it must not replace the original.
+        assert not store.save_cgroup_original(CgroupOriginal("GPU-0", "/jobs/a", 8_000.0, 8_000.0, 2.0))
+        assert store.save_cgroup_original(CgroupOriginal("GPU-1", "/jobs/a", 8_000.0, 8_000.0, 2.0))  # per device
+    with Store(tmp_path) as store:
+        assert store.cgroup_original("GPU-0", "/jobs/a") == none
+        assert [(o.device_id, o.cgroup) for o in store.cgroup_originals()] == [
+            ("GPU-0", "/jobs/a"), ("GPU-0", "/jobs/b"), ("GPU-1", "/jobs/a")]
+        store.forget_cgroup_original("GPU-0", "/jobs/a")
+        assert store.cgroup_original("GPU-0", "/jobs/a") is None and store.cgroup_original("GPU-0", "/jobs/b") == operator
+        assert store.save_cgroup_original(CgroupOriginal("GPU-0", "/jobs/a", 8_000.0, 8_000.0, 3.0))
+        for bad in (0.0, -1.0, math.nan):
+            with pytest.raises(ValueError, match="original"):
+                store.save_cgroup_original(CgroupOriginal("GPU-0", "/jobs/c", bad, 1.0, 3.0))
+
+
+def _as_version_1(path: Path) -> None:
+    """What a vgpu of schema 1 left: its tables and data, no cgroup_originals."""
+    db = sqlite3.connect(path / "vgpu.sqlite3")
+    db.executescript("DROP TABLE cgroup_originals; UPDATE meta SET value='1' WHERE key='schema_version';")
+    db.close()
+
+
+def test_a_version_1_database_is_upgraded_in_place(tmp_path: Path) -> None:
+    orig = DeviceOriginal("GPU-0", 700_000, False, (), 1.0)
+    with Store(tmp_path) as store:
+        store.save_ledger(RECORDS)
+        store.save_original(orig)
+        store.claim_app("a")
+    _as_version_1(tmp_path)
+    with Store(tmp_path) as store:
+        assert store.load_ledger() == RECORDS and store.originals() == {"GPU-0": orig} and store.app_claimed("a")
+        assert store.cgroup_originals() == []
+        assert store.save_cgroup_original(CgroupOriginal("GPU-0", "/jobs/a", math.inf, math.inf, 2.0))
+    db = sqlite3.connect(tmp_path / "vgpu.sqlite3")
+    assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == str(SCHEMA_VERSION) == "2"
+
+
+def test_a_failed_upgrade_changes_nothing(tmp_path: Path) -> None:
+    Store(tmp_path).close()
+    _as_version_1(tmp_path)
+    db = sqlite3.connect(tmp_path / "vgpu.sqlite3")
+    db.execute("CREATE VIEW cgroup_originals AS SELECT 1 AS x")  # in the way of the new table
+    db.commit()
+    with pytest.raises(StoreError, match="cannot upgrade the schema to version 2"):
+        Store(tmp_path)
+    assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "1"
+    db.close()
