@@ -89,7 +89,7 @@ def test_ingest_null_manager_measures_the_transport_alone() -> None:
     assert r["signatures_per_s"] == 0 and r["decisions"] == 0  # nothing behind the transport
     assert r["decision_p99_ms"] is None and r["forecaster"] == "none"
     json.loads(json.dumps(r, allow_nan=False))  # strict JSON: no NaN
-    assert 0 < r["manager_cpu_frac"] < 2
+    assert 0 <= r["manager_cpu_frac"] < 2  # 4 streams for 1 s can cost less than psutil's 10 ms tick
 
 
 @pytest.mark.slow
