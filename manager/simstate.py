@@ -1,10 +1,10 @@
 """A simulated GPU whose settings outlive the daemon, as a real GPU's do.
 
-A real GPU keeps the power limit and MIG layout vgpu set when the daemon crashes; a restarted
-daemon finds them there and must reconcile. `PersistentSimBackend` gives the simulator the same
-property: after every successful write it saves each device's power limit, MIG mode and GPU
-instances to a JSON file (atomically), and when it is created over an existing file it puts the
-devices back into that state. Tests read the file to observe the device from outside the daemon.
+A real GPU keeps the power limit, MIG layout and cgroup memory limits vgpu set when the daemon
+crashes; a restarted daemon finds them there and must reconcile. `PersistentSimBackend` gives the
+simulator the same property: after every successful write it saves each device's power limit, MIG
+mode, GPU instances and memory limits to a JSON file (atomically), and when it is created over an
+existing file it puts the devices back into that state. Tests read the file to observe the device from outside the daemon.
 
 Only `vgpu serve --backend sim:<sku>` uses it; the simulator itself (vgpu/device/sim.py) stays pure.
 """
@@ -12,6 +12,7 @@ Only `vgpu serve --backend sim:<sku>` uses it; the simulator itself (vgpu/device
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -23,6 +24,7 @@ from vgpu.device.base import (
     GpuInstance,
     GpuInstanceProfile,
     MemoryInfo,
+    MemoryLimitMib,
     PowerConstraints,
     ProcessInfo,
     ProcessUtilization,
@@ -33,10 +35,13 @@ from vgpu.device.sim import SimBackend, SimDevice
 STATE_VERSION = 1
 
 
-def device_state(dev: Device) -> dict[str, Any]:
-    """What the file keeps of one device."""
+def device_state(dev: SimDevice | PersistentSimDevice) -> dict[str, Any]:
+    """What the file keeps of one device (a memory limit's inf as null: JSON has no infinity)."""
+    sim = dev.inner if isinstance(dev, PersistentSimDevice) else dev
     mig = dev.mig_enabled()
     return {
+        "memory_limits_mib": {ns: [None if math.isinf(v) else v for v in limits]
+                              for ns, limits in sorted(sim.memory_limits().items())},
         "power_limit_mw": dev.power_limit_mw(),
         "mig_enabled": mig,
         "gpu_instances": [
@@ -115,8 +120,15 @@ class PersistentSimDevice(Device):
     def gpu_instances(self) -> Sequence[GpuInstance]:
         return self.inner.gpu_instances()
 
+    def memory_limit_mib(self, namespace: str) -> MemoryLimitMib:
+        return self.inner.memory_limit_mib(namespace)
+
     def set_power_limit_mw(self, limit_mw: int) -> None:
         self.inner.set_power_limit_mw(limit_mw)
+        self._on_write()
+
+    def set_memory_limit_mib(self, namespace: str, soft_mib: float, hard_mib: float) -> None:
+        self.inner.set_memory_limit_mib(namespace, soft_mib, hard_mib)
         self._on_write()
 
     def create_gpu_instance(self, profile_id: int, start: int) -> GpuInstance:
@@ -152,6 +164,9 @@ class PersistentSimBackend(Backend):
                 for gi in st.get("gpu_instances", []):
                     dev.create_gpu_instance(int(gi["profile_id"]), int(gi["start"]))
             dev.set_power_limit_mw(int(st["power_limit_mw"]))
+            for ns, (soft, hard) in (st.get("memory_limits_mib", {}) if self.sim.memory_limits else {}).items():
+                dev.set_memory_limit_mib(ns, math.inf if soft is None else float(soft),
+                                         math.inf if hard is None else float(hard))
         self.save()
 
     def devices(self) -> Sequence[PersistentSimDevice]:

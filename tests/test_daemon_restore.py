@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import structlog
@@ -34,6 +35,21 @@ def test_sim_state_outlives_the_backend(tmp_path: Path) -> None:
     assert again.power_limit_mw() == 500_000 and again.mig_enabled()
     assert [(g.profile_name, g.placement.start) for g in again.gpu_instances()] == [("3g.40gb", 0)]
     assert read_state(path)[dev.uuid]["power_limit_mw"] == 500_000
+
+
+def test_sim_cgroup_memory_limits_outlive_the_backend(tmp_path: Path) -> None:
+    path = tmp_path / "sim.json"
+    dev = PersistentSimBackend(["h100-80gb"], path).devices()[0]
+    dev.set_memory_limit_mib("/job/a", 6000.0, 8000.0)
+    dev.set_memory_limit_mib("/job/b", 1000.0, 2000.0)
+    dev.set_memory_limit_mib("/job/b", math.inf, math.inf)  # lifted again: not kept
+    assert read_state(path)[dev.uuid]["memory_limits_mib"] == {"/job/a": [6000.0, 8000.0]}
+    again = PersistentSimBackend(["h100-80gb"], path).devices()[0]
+    assert (again.memory_limit_mib("/job/a").soft_mib, again.memory_limit_mib("/job/a").hard_mib) == (6000.0, 8000.0)
+    assert again.memory_limit_mib("/job/b").hard_mib == math.inf
+    # a driver without the functions: the saved limits cannot be put back, and the backend still starts
+    no_limits = PersistentSimBackend(["h100-80gb"], path, memory_limits=False).devices()[0]
+    assert no_limits.power_limit_mw() == again.power_limit_mw()
 
 
 def test_restore_puts_power_and_mig_back_then_forgets(tmp_path: Path) -> None:

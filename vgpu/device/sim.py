@@ -567,6 +567,12 @@ class SimDevice(Device):
             used = sum((s.used_mib for s, p in self._snapshot_procs(self._now()) if p.cgroup == namespace), 0.0)
             return MemoryLimitMib(soft, hard, used)
 
+    def memory_limits(self) -> dict[str, tuple[float, float]]:
+        """Every namespace with a memory limit: (soft, hard) MiB, inf where that one is unset. The
+        simulator's view for tests and for persisting its state; NVML has no such listing."""
+        with self._lock:
+            return dict(self._mem_limits)
+
     def _snapshot_procs(self, now: float) -> list[tuple[SimProcessSample, _Proc]]:
         return [(s, self._procs[s.pid]) for s in self._snapshot(now)]
 
