@@ -11,7 +11,9 @@ The metadata holds the `ModelConfig`, the `FeatureSpec` (window, feature names, 
 calibration (a P90 shift and a P50 dead band per target and horizon, in normalised units), the training data
 (trace files, application counts per split, licences), validation metrics and the git commit.
 A file that is missing, truncated, corrupt, of another format or version, or whose weights do not
-fit its configuration is refused with a `CheckpointError` naming the file and the problem.
+fit its configuration is refused with a `CheckpointError` naming the file and the problem. Any
+feature encoding this build can produce (`manager.features.FEATURES_BY_VERSION`: v2 and v3) loads,
+and is served with that encoding; one whose version or feature list it cannot produce is refused.
 
 Files are written atomically (a temporary file in the same folder, then `os.replace`), so a
 watcher never sees half a checkpoint.
@@ -29,7 +31,7 @@ from typing import Any
 
 import torch
 
-from manager.features import FEATURE_VERSION, FEATURES, FeatureSpec
+from manager.features import FEATURES_BY_VERSION, FeatureSpec
 from manager.model import ModelConfig, TransformerBiGRU
 
 FORMAT = "vgpu-forecaster"
@@ -165,10 +167,12 @@ def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu
         raise CheckpointError(path, f"metadata format version {metadata.format_version}")
     spec = metadata.features
     cfg = metadata.config
-    if spec.features != FEATURES or spec.version != FEATURE_VERSION:
+    if FEATURES_BY_VERSION.get(spec.version) != spec.features:
+        readable = ", ".join(f"v{v} ({len(f)} features)" for v, f in sorted(FEATURES_BY_VERSION.items()))
         raise CheckpointError(
             path,
-            f"trained on feature encoding v{spec.version} {list(spec.features)}, this build has v{FEATURE_VERSION}",
+            f"trained on feature encoding v{spec.version} {list(spec.features)}, which this build cannot "
+            f"produce (it encodes {readable})",
         )
     if cfg.n_features != len(spec.features):
         raise CheckpointError(path, f"config has {cfg.n_features} inputs, features list {len(spec.features)}")

@@ -10,6 +10,14 @@ memory by `mem_total_mib` (or, where the capacity is unknown, by a fallback scal
 itself, flagged by `mem_total_known` = 0), compute by 100 %, power by the power limit. A signal the
 trace lacks is zero with its `*_present` flag at 0.
 
+Encoding v3 (`FEATURE_VERSION`) adds context the 16 s window cannot hold, the same for every step of
+a window (zero where `valid` = 0): the application's age at the origin (seconds since its first
+sample, capped at `AGE_CAP_S` = 120 s and scaled to [0, 1]: the manager's window holds 120 s of
+samples, so serving and training see the same capped value), and the mean, max, min and std of
+memory and compute over the last `CONTEXT_S` = 30 s up to the origin, relative to the origin's value
+in the units of `mem_frac_vs_last` / `sm_frac_vs_last`. Encoding v2 (the first 19 channels, computed
+the same way) is still produced for checkpoints trained on it (`encode(..., version=2)`).
+
 Targets are the change from the origin's value in percent of the capacity:
 `100 * (value[origin + h] - value[origin]) / capacity` for h in 1..5 s (percentage points for
 compute); `mask` marks targets that exist
@@ -27,7 +35,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from vgpu.traces import NUMERIC, AppTrace
 
-FEATURES: tuple[str, ...] = (
+FEATURES_V2: tuple[str, ...] = (
     "mem_frac",
     "mem_present",
     "sm_frac",
@@ -48,9 +56,26 @@ FEATURES: tuple[str, ...] = (
     "mem_frac_vs_last",
     "sm_frac_vs_last",
 )
+# v3: per-window context, broadcast over the window's valid steps
+CONTEXT_FEATURES: tuple[str, ...] = (
+    "age_frac",
+    "mem_ctx_mean",
+    "mem_ctx_max",
+    "mem_ctx_min",
+    "mem_ctx_std",
+    "sm_ctx_mean",
+    "sm_ctx_max",
+    "sm_ctx_min",
+    "sm_ctx_std",
+)
+FEATURES_V3 = FEATURES_V2 + CONTEXT_FEATURES
+FEATURES_BY_VERSION: dict[int, tuple[str, ...]] = {2: FEATURES_V2, 3: FEATURES_V3}
+FEATURE_VERSION = 3  # what `vgpu train` writes; every version of FEATURES_BY_VERSION can be encoded
+FEATURES = FEATURES_BY_VERSION[FEATURE_VERSION]
 N_FEATURES = len(FEATURES)
 TARGET_NAMES: tuple[str, ...] = ("mem_used_mib", "sm_util_pct")
-FEATURE_VERSION = 2
+AGE_CAP_S = 120  # the manager keeps 1200 samples (120 s at 10 Hz) per application
+CONTEXT_S = 30  # the summaries' span, origin included
 
 # Fixed scales for signals with no capacity in the trace.
 SM_CLOCK_SCALE_MHZ = 2000.0
@@ -63,6 +88,21 @@ OUTPUT_PER_CAPACITY = 100.0
 
 F32 = npt.NDArray[np.float32]
 F64 = npt.NDArray[np.float64]
+
+
+def features_of(version: int) -> tuple[str, ...]:
+    """The feature names of an encoding version (ValueError for one this build cannot produce)."""
+    try:
+        return FEATURES_BY_VERSION[version]
+    except KeyError:
+        known = ", ".join(f"v{v}" for v in sorted(FEATURES_BY_VERSION))
+        raise ValueError(f"unknown feature encoding v{version}; this build encodes {known}") from None
+
+
+def history_needed_s(window_s: int, version: int = FEATURE_VERSION) -> int:
+    """How many recent seconds of a history an encoding reads (the age aside, which needs only the
+    history's first sample second)."""
+    return max(window_s, CONTEXT_S) if version >= 3 else window_s
 
 
 @dataclass(frozen=True)
@@ -80,6 +120,10 @@ class FeatureSpec:
             raise ValueError(f"window_s must be at least 2, not {self.window_s}")
         if not self.horizons_s or min(self.horizons_s) < 1:
             raise ValueError(f"horizons_s must be positive, not {self.horizons_s}")
+
+    @classmethod
+    def for_version(cls, window_s: int, version: int = FEATURE_VERSION) -> FeatureSpec:
+        return cls(window_s=window_s, features=features_of(version), version=version)
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -112,13 +156,16 @@ class Grid:
 
     `values[c]` is the protocol grid of column c: NaN before its first value and after its last
     sample second (so a carried-forward value never invents a future truth). `mem_max_mib` is the
-    largest raw memory sample of the application up to and including each second."""
+    largest raw memory sample of the application up to and including each second. `first_s` is
+    the second of each application's first sample in its whole history (`start_s` unless earlier
+    samples were left out of the grid)."""
 
     offsets: npt.NDArray[np.int64]
     start_s: npt.NDArray[np.int64]
     values: dict[str, F64]
     observed: npt.NDArray[np.bool_]
     mem_max_mib: F64
+    first_s: npt.NDArray[np.int64]
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
@@ -162,10 +209,12 @@ def _grid(
     t_all: F64,
     cols: dict[str, F64],
     mem_seed_mib: F64 | None = None,
+    first_s: npt.NDArray[np.int64] | None = None,
 ) -> Grid:
     """`build_grid` on columns laid end to end (application i owns `lengths[i]` samples).
     `mem_seed_mib` (per application, -inf for none) joins the running memory maximum at each
-    application's first second: the largest memory of samples left out before it."""
+    application's first second: the largest memory of samples left out before it; `first_s` (per
+    application) is the second of its first sample, where samples before were left out."""
     n_apps = len(lengths)
     app_of_sample = np.repeat(np.arange(n_apps), lengths)
     sample_offsets = np.concatenate([[0], np.cumsum(lengths)])
@@ -234,12 +283,19 @@ def _grid(
             lift = bin_app.astype(np.float64) * 1e12
             cum = np.maximum.accumulate(raw_max + lift) - lift
             mem_max = np.where(np.isfinite(cum) & (cum >= 0), cum, np.nan)
-    return Grid(offsets=offsets, start_s=start, values=values, observed=observed, mem_max_mib=mem_max)
+    return Grid(
+        offsets=offsets,
+        start_s=start,
+        values=values,
+        observed=observed,
+        mem_max_mib=mem_max,
+        first_s=start if first_s is None else np.asarray(first_s, dtype=np.int64),
+    )
 
 
 @dataclass(frozen=True)
 class Windows:
-    """Windows for a set of origins. x: (N, window_s, N_FEATURES) float32; the scales turn a
+    """Windows for a set of origins. x: (N, window_s, features of the version) float32; the scales turn a
     normalised target back into units: value = last + y * scale."""
 
     x: F32
@@ -266,8 +322,12 @@ def _carry(values: F64, app_first_bin: npt.NDArray[np.int64]) -> F64:
     return np.where(idx >= 0, values[np.maximum(idx, 0)], np.nan)
 
 
-def encode(grid: Grid, window_s: int, origins: npt.NDArray[np.int64]) -> Windows:
-    """Feature windows of `window_s` seconds ending at each origin (bins of the grid)."""
+def encode(
+    grid: Grid, window_s: int, origins: npt.NDArray[np.int64], version: int = FEATURE_VERSION
+) -> Windows:
+    """Feature windows of `window_s` seconds ending at each origin (bins of the grid), in the
+    feature encoding `version` (ValueError for an unknown one)."""
+    names = features_of(version)
     origins = np.asarray(origins, dtype=np.int64)
     total = len(grid)
     if len(origins) and (origins.min() < 0 or origins.max() >= total):
@@ -276,7 +336,7 @@ def encode(grid: Grid, window_s: int, origins: npt.NDArray[np.int64]) -> Windows
     n = len(origins)
     if n == 0:
         return Windows(
-            x=np.zeros((0, w, N_FEATURES), dtype=np.float32),
+            x=np.zeros((0, w, len(names)), dtype=np.float32),
             mem_scale_mib=np.zeros(0),
             last=np.zeros((0, 2)),
             origin_bin=origins,
@@ -300,8 +360,8 @@ def encode(grid: Grid, window_s: int, origins: npt.NDArray[np.int64]) -> Windows
     mem_scale = np.where(total_ok[origins], total_mib[origins], fallback)
     known = total_ok[origins].astype(np.float64)
 
-    x = np.zeros((n, w, N_FEATURES), dtype=np.float32)
-    fi = FEATURES.index
+    x = np.zeros((n, w, len(names)), dtype=np.float32)
+    fi = names.index
 
     def put(name: str, present: str | None, values: F64) -> npt.NDArray[np.bool_]:
         ok = np.isfinite(values)
@@ -330,10 +390,42 @@ def encode(grid: Grid, window_s: int, origins: npt.NDArray[np.int64]) -> Windows
     last_mem, last_sm = mem[origins], sm[origins]
     put("mem_frac_vs_last", None, mem_frac - (last_mem / mem_scale)[:, None])
     put("sm_frac_vs_last", None, sm_frac - (last_sm / 100.0)[:, None])
+    if version >= 3:
+        app = grid.app_of(origins)
+        origin_s = grid.start_s[app] + (origins - grid.offsets[:-1][app])
+        age = np.clip(origin_s - grid.first_s[app], 0, AGE_CAP_S) / AGE_CAP_S
+        ctx_pos = origins[:, None] + np.arange(-CONTEXT_S + 1, 1)[None, :]
+        in_app = ctx_pos >= origin_first[:, None]
+        # memory and compute stacked (2N rows), so each summary is one numpy call for both
+        padded = np.full((2, total + CONTEXT_S - 1), np.nan)
+        padded[0, CONTEXT_S - 1 :] = mem
+        padded[1, CONTEXT_S - 1 :] = sm
+        span = sliding_window_view(padded, CONTEXT_S, axis=1)[:, origins]  # (2, N, CONTEXT_S)
+        base = np.stack([last_mem, last_sm])[..., None]
+        scale = np.stack([mem_scale, np.full(n, 100.0)])[..., None]
+        stats = _summaries(((span - base) / scale).reshape(2 * n, CONTEXT_S), np.tile(in_app, (2, 1)))
+        context = np.stack([age, *(s[:n] for s in stats), *(s[n:] for s in stats)], axis=1)  # CONTEXT_FEATURES' order
+        first_ctx = fi(CONTEXT_FEATURES[0])
+        x[..., first_ctx : first_ctx + len(CONTEXT_FEATURES)] = context[:, None, :] * valid[..., None]
     np.clip(x, -10.0, 10.0, out=x)
     return Windows(
         x=x, mem_scale_mib=mem_scale, last=np.stack([last_mem, last_sm], axis=1), origin_bin=origins
     )
+
+
+def _summaries(values: F64, inside: npt.NDArray[np.bool_]) -> list[F64]:
+    """Mean, max, min and std of each row's finite values inside (0 for a row with none)."""
+    ok = inside & np.isfinite(values)
+    count = ok.sum(axis=1)
+    some = count > 0
+    denom = np.maximum(count, 1)
+    z = np.where(ok, values, 0.0)
+    mean = z.sum(axis=1) / denom
+    hi = np.where(ok, values, -np.inf).max(axis=1)
+    lo = np.where(ok, values, np.inf).min(axis=1)
+    dev = np.where(ok, values - mean[:, None], 0.0)
+    std = np.sqrt((dev * dev).sum(axis=1) / denom)
+    return [np.where(some, s, 0.0) for s in (mean, hi, lo, std)]
 
 
 def targets(grid: Grid, windows: Windows, horizons_s: Sequence[int]) -> tuple[F32, npt.NDArray[np.bool_]]:
@@ -359,35 +451,40 @@ def targets(grid: Grid, windows: Windows, horizons_s: Sequence[int]) -> tuple[F3
     return y, mask
 
 
-def encode_latest(histories: Sequence[AppTrace], window_s: int) -> tuple[Windows, npt.NDArray[np.bool_]]:
-    """One window per history, ending at its last second (the forecast origin). Returns the windows
-    of the non-empty histories and a boolean per history saying which those are.
+def encode_latest(
+    histories: Sequence[AppTrace], window_s: int, version: int = FEATURE_VERSION
+) -> tuple[Windows, npt.NDArray[np.bool_]]:
+    """One window per history, ending at its last second (the forecast origin), in the feature
+    encoding `version`. Returns the windows of the non-empty histories and a boolean per history
+    saying which those are.
 
-    Only each history's recent seconds are put on the grid (see `_recent_cut`); the windows are the
-    same as from the whole histories."""
+    Only each history's recent seconds (`history_needed_s`) are put on the grid (see `_recent_cut`);
+    the windows are the same as from the whole histories."""
+    features_of(version)  # an unknown version fails before any work
     lengths = np.array([len(t) for t in histories], dtype=np.int64)
     t_all = np.concatenate([t.t_s for t in histories]) if histories else np.zeros(0)
     cols = _columns(histories, lengths)
-    cut = _recent_cut(lengths, t_all, cols, window_s)
+    cut = _recent_cut(lengths, t_all, cols, history_needed_s(window_s, version))
     if cut is None:
         grid = _grid(lengths, t_all, cols)
     else:
-        keep, kept_lengths, mem_seed = cut
-        grid = _grid(kept_lengths, t_all[keep], {c: v[keep] for c, v in cols.items()}, mem_seed)
+        keep, kept_lengths, mem_seed, first_s = cut
+        grid = _grid(kept_lengths, t_all[keep], {c: v[keep] for c, v in cols.items()}, mem_seed, first_s)
     last = grid.last_bins()
     present = last >= 0
-    return encode(grid, window_s, last[present]), present
+    return encode(grid, window_s, last[present], version), present
 
 
 def _recent_cut(
     lengths: npt.NDArray[np.int64], t_all: F64, cols: dict[str, F64], window_s: int
-) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.int64], F64] | None:
+) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.int64], F64, npt.NDArray[np.int64]] | None:
     """Which samples the latest windows need: of each application, the samples from the last
-    second with a sample before its window on (that second whole, so its mean and anything carried
-    from it are unchanged). An application keeps its whole history where a column it had earlier
-    has no value in that first kept second (the window could carry that older value forward).
-    Returns (samples kept, kept per application, largest memory sample left out per application
-    (-inf where none)), or None to keep everything (samples out of time order, nothing to cut)."""
+    second with a sample before its last `window_s` seconds on (that second whole, so its mean and
+    anything carried from it are unchanged). An application keeps its whole history where a column
+    it had earlier has no value in that first kept second (the window could carry that older value
+    forward). Returns (samples kept, kept per application, largest memory sample left out per
+    application (-inf where none), second of each application's first sample (0 where empty)), or
+    None to keep everything (samples out of time order, nothing to cut)."""
     n_apps = len(lengths)
     if n_apps == 0 or len(t_all) == 0:
         return None
@@ -432,4 +529,5 @@ def _recent_cut(
         mem_seed[cuts] = np.where(np.isfinite(prior), prior, -np.inf)
     pos = np.arange(len(t_all))
     keep = pos >= first[app_of_sample]
-    return keep, ends - first, mem_seed
+    first_s = np.where(nonempty, secs[np.minimum(starts, len(secs) - 1)], 0.0).astype(np.int64)
+    return keep, ends - first, mem_seed, first_s

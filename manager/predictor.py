@@ -36,14 +36,13 @@ import numpy as np
 import torch
 
 from manager.checkpoint import Checkpoint, CheckpointError, load_checkpoint
-from manager.features import FEATURES, N_FEATURES, encode_latest
+from manager.features import encode_latest
 from manager.forecast import Forecast, Forecaster
 from manager.model import FusedTransformerBiGRU
 from vgpu.log import get_logger
 from vgpu.traces import AppTrace
 
 _log = get_logger("vgpu.manager.predictor")
-_MEM_TOTAL_KNOWN = FEATURES.index("mem_total_known")
 # The model shipped in the repository (see docs/forecasting.md for how it was trained).
 DEFAULT_MODEL_PATH = Path(__file__).resolve().parent / "models" / "default.pt"
 MODES = ("eager", "fused", "onnx")
@@ -89,6 +88,10 @@ class ModelForecaster:
         meta = checkpoint.metadata
         self.window_s = meta.features.window_s
         self.horizons_s = tuple(meta.features.horizons_s)
+        # the checkpoint's own feature encoding (v2 and v3 checkpoints are both served)
+        self.feature_version = meta.features.version
+        self.n_features = len(meta.features.features)
+        self._mem_total_known = meta.features.features.index("mem_total_known")
         self._shift = np.asarray(meta.p90_shift, dtype=np.float64)  # (targets, horizons)
         self._deadband = np.asarray(meta.p50_deadband, dtype=np.float64)
         self.mode = mode
@@ -113,7 +116,7 @@ class ModelForecaster:
             _log.warning("forecaster_mode", requested="onnx", serving="fused", reason=f"onnxruntime missing: {exc}")
             return None
         try:
-            example = torch.zeros(2, self.window_s, N_FEATURES)
+            example = torch.zeros(2, self.window_s, self.n_features)
             buf = io.BytesIO()
             with warnings.catch_warnings(), torch.no_grad():
                 warnings.simplefilter("ignore")
@@ -157,14 +160,14 @@ class ModelForecaster:
 
     def forecast_batch(self, histories: Sequence[AppTrace]) -> list[Forecast]:
         n_h = len(self.horizons_s)
-        windows, present = encode_latest(histories, self.window_s)
+        windows, present = encode_latest(histories, self.window_s, self.feature_version)
         out = apply_deadband(self.predict_normalised(windows.x), self._deadband)
         scales = windows.scales[:, :, None]  # (N, 2, 1)
         last = windows.last[:, :, None]
         p50 = last + out[..., 0] * scales
         p90 = last + (out[..., 1] + self._shift[None]) * scales
         p90 = np.maximum(p90, p50)
-        known_total = windows.x[:, -1, _MEM_TOTAL_KNOWN] > 0.5  # capacity known at the origin
+        known_total = windows.x[:, -1, self._mem_total_known] > 0.5  # capacity known at the origin
         cap_mem = np.where(known_total, windows.mem_scale_mib, np.inf)
         caps = np.stack([cap_mem, np.full_like(cap_mem, 100.0)], axis=1)[:, :, None]
         p50 = np.clip(p50, 0.0, caps)

@@ -1,7 +1,7 @@
 """`vgpu train`: train the Transformer-BiGRU forecaster on canonical traces.
 
     vgpu train --trace PATH [--trace PATH ...] --out PATH [--epochs N] [--order attn_first|gru_first]
-               [--seed S] [--window S] [--stride K] [--licence TEXT] ...
+               [--seed S] [--window S] [--stride K] [--feature-version V] [--licence TEXT] ...
 
 Applications are split by `manager.splits` (by run family, so no application is in two splits);
 training uses the train split, early stopping and the P90 calibration use the validation split, and
@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from manager import splits
 from manager.checkpoint import Metadata, git_commit, save_checkpoint
-from manager.features import FEATURES, N_FEATURES, FeatureSpec, build_grid, encode, targets
+from manager.features import FEATURE_VERSION, FEATURES_BY_VERSION, FeatureSpec, build_grid, encode, targets
 from manager.model import ModelConfig, TransformerBiGRU, pinball_loss
 from manager.predictor import apply_deadband
 from vgpu.traces import AppTrace, TraceFormatError, read_trace
@@ -87,7 +87,7 @@ def build_dataset(
     h = len(spec.horizons_s)
     if not traces:
         return Dataset(
-            x=np.zeros((0, spec.window_s, N_FEATURES), np.float32),
+            x=np.zeros((0, spec.window_s, len(spec.features)), np.float32),
             y=np.zeros((0, 2, h), np.float32),
             mask=np.zeros((0, 2, h), bool),
             scales=np.zeros((0, 2)),
@@ -101,10 +101,10 @@ def build_dataset(
     origins = np.concatenate(
         [np.arange(s + min_history_s, e, stride, dtype=np.int64) for s, e in zip(starts, ends, strict=True)]
     )
-    win = encode(grid, spec.window_s, origins)
+    win = encode(grid, spec.window_s, origins, spec.version)
     y, mask = targets(grid, win, spec.horizons_s)
     keep = mask.any(axis=(1, 2))
-    known = win.x[:, -1, FEATURES.index("mem_total_known")] > 0.5
+    known = win.x[:, -1, spec.features.index("mem_total_known")] > 0.5
     caps = np.stack([np.where(known, win.mem_scale_mib, np.inf), np.full(len(known), 100.0)], axis=1)
     return Dataset(
         x=win.x[keep],
@@ -314,6 +314,13 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW_S, help="window length in seconds")
     p.add_argument("--stride", type=int, default=1, help="use every K-th origin of each application")
     p.add_argument(
+        "--feature-version",
+        type=int,
+        choices=sorted(FEATURES_BY_VERSION),
+        default=FEATURE_VERSION,
+        help=f"feature encoding (default v{FEATURE_VERSION}; see manager.features)",
+    )
+    p.add_argument(
         "--paper-recipe", action="store_true", help="lr 0.01 -> 0.001, L2 1e-3, patience 20 (the paper's)"
     )
     p.add_argument("--lr", type=float, default=r.lr)
@@ -343,7 +350,7 @@ def main(argv: Sequence[str], prog: str = "vgpu train") -> int:
     started = time.monotonic()
     try:
         apps, files = load_apps(args.trace)
-        spec = FeatureSpec(window_s=args.window)
+        spec = FeatureSpec.for_version(args.window, args.feature_version)
     except (TraceFormatError, ValueError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
@@ -358,7 +365,7 @@ def main(argv: Sequence[str], prog: str = "vgpu train") -> int:
     train = build_dataset(by_split["train"], spec, stride=args.stride)
     val = build_dataset(by_split["val"], spec)
     config = ModelConfig(
-        n_features=N_FEATURES,
+        n_features=len(spec.features),
         n_horizons=len(spec.horizons_s),
         max_len=max(512, spec.window_s),
         order=args.order,

@@ -19,7 +19,7 @@ from manager.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from manager.features import N_FEATURES, FeatureSpec
+from manager.features import FEATURES_V2, FEATURES_V3, N_FEATURES, FeatureSpec
 from manager.model import ModelConfig, TransformerBiGRU
 
 
@@ -91,7 +91,16 @@ def _meta_edit(path: Path, edit: Callable[[dict[str, Any]], object]) -> None:
             "weights do not match",
         ),
         (lambda p: _meta_edit(p, lambda d: d["config"].update(order="sideways")), "bad config"),
-        (lambda p: _meta_edit(p, lambda d: d["features"].update(version=0)), "feature encoding"),
+        (lambda p: _meta_edit(p, lambda d: d["features"].update(version=0)), "feature encoding v0"),
+        (lambda p: _meta_edit(p, lambda d: d["features"].update(version=4)), "cannot produce"),
+        (  # v3 by its version, v2's feature list: neither encoding
+            lambda p: _meta_edit(p, lambda d: d["features"].update(features=list(FEATURES_V2))),
+            "feature encoding v3",
+        ),
+        (  # a feature renamed
+            lambda p: _meta_edit(p, lambda d: d["features"]["features"].__setitem__(-1, "sm_ctx_median")),
+            "it encodes v2 (19 features), v3 (28 features)",
+        ),
         (lambda p: _meta_edit(p, lambda d: d.update(p90_shift=[[0.0]])), "p90_shift"),
         (lambda p: _meta_edit(p, lambda d: d["features"].update(window_s=1000)), "exceeds max_len"),
     ],
@@ -108,6 +117,9 @@ def _meta_edit(path: Path, edit: Callable[[dict[str, Any]], object]) -> None:
         "config-mismatch",
         "bad-order",
         "feature-version",
+        "feature-version-4",
+        "v3-with-v2-features",
+        "feature-renamed",
         "shift-shape",
         "window-too-long",
     ],
@@ -145,3 +157,16 @@ def test_save_is_atomic_and_leaves_no_temporary(tmp_path: Path) -> None:
     save_checkpoint(tmp_path / "m.pt", model, meta)
     save_checkpoint(tmp_path / "m.pt", model, meta)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt", "m.pt.json"]
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_each_feature_encoding_loads_with_its_own_spec(tmp_path: Path, version: int) -> None:
+    """v2 checkpoints (the encoding before the context channels) still load beside v3 ones."""
+    spec = FeatureSpec.for_version(8, version)
+    torch.manual_seed(0)
+    cfg = ModelConfig(n_features=len(spec.features), attn_heads=2, key_channels=8)
+    save_checkpoint(tmp_path / "m.pt", TransformerBiGRU(cfg), Metadata(config=cfg, features=spec))
+    ck = load_checkpoint(tmp_path / "m.pt")
+    assert ck.metadata.features == spec
+    assert ck.metadata.features.features == (FEATURES_V2 if version == 2 else FEATURES_V3)
+    assert ck.model.config.n_features == (19 if version == 2 else 28)

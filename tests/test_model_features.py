@@ -99,7 +99,9 @@ def test_empty_history_is_reported_absent() -> None:
 
 def test_feature_spec_round_trip_and_validation() -> None:
     spec = F.FeatureSpec(window_s=24)
-    assert F.FeatureSpec.from_dict(spec.to_dict()) == spec
+    assert F.FeatureSpec.from_dict(spec.to_dict()) == spec and spec.version == F.FEATURE_VERSION == 3
+    v2 = F.FeatureSpec.for_version(24, 2)
+    assert F.FeatureSpec.from_dict(v2.to_dict()) == v2 and v2.version == 2
     with pytest.raises(ValueError, match="window_s"):
         F.FeatureSpec(window_s=1)
 
@@ -115,3 +117,51 @@ def test_samples_out_of_time_order_give_the_same_grid() -> None:
     for c in ("mem_used_mib", "sm_util_pct"):
         np.testing.assert_array_equal(g1.values[c], g2.values[c])
     np.testing.assert_array_equal(g1.mem_max_mib, g2.mem_max_mib)
+
+
+def _phased(seconds: int = 200) -> AppTrace:
+    """1 sample/s: compute 20 % for 100 s then 80 %; memory 1000 MiB then 3000 MiB of 10240."""
+    t = 500.0 + np.arange(seconds, dtype=np.float64)
+    k = np.arange(seconds)
+    sm = np.where(k < 100, 20.0, 80.0)
+    mem = np.where(k < 100, 1000.0, 3000.0)
+    return AppTrace(app="p", t_s=t, columns={"mem_used_mib": mem, "sm_util_pct": sm, "mem_total_mib": np.full(seconds, 10240.0)})
+
+
+def test_v3_age_and_context_summaries() -> None:
+    grid = F.build_grid([_phased()])
+    win = F.encode(grid, 8, np.array([2, 60, 110, 199]), version=3)
+    fi = F.FEATURES_V3.index
+    x = win.x[:, -1]
+    # age: seconds since the first sample, capped at 120 s, scaled to [0, 1]
+    np.testing.assert_allclose(x[:, fi("age_frac")], [2 / 120, 60 / 120, 110 / 120, 1.0], rtol=1e-6)
+    # origin 110: the last 30 s hold 19 s at 20 % and 11 s at 80 %, relative to the origin's 80 %
+    rel = np.r_[np.full(19, -0.6), np.zeros(11)]
+    assert x[2, fi("sm_ctx_mean")] == pytest.approx(rel.mean(), rel=1e-5)
+    assert x[2, fi("sm_ctx_min")] == pytest.approx(-0.6, rel=1e-6) and x[2, fi("sm_ctx_max")] == 0
+    assert x[2, fi("sm_ctx_std")] == pytest.approx(rel.std(), rel=1e-5)
+    assert x[2, fi("mem_ctx_min")] == pytest.approx(-2000.0 / 10240.0, rel=1e-6)
+    # origin 2: only the 3 seconds of history count; origin 199: a flat stretch
+    assert x[0, fi("sm_ctx_mean")] == 0 and x[0, fi("sm_ctx_std")] == 0
+    assert np.all(x[3, [fi(f"{s}_ctx_{k}") for s in ("mem", "sm") for k in ("mean", "max", "min", "std")]] == 0)
+    # the same on every valid step of the window, zero before the application's first second
+    ctx = [fi(name) for name in F.CONTEXT_FEATURES]
+    assert np.all(win.x[0, :5][:, ctx] == 0) and np.all(win.x[0, 5:][:, ctx] == win.x[0, -1, ctx])
+    assert np.all(win.x[2][:, ctx] == win.x[2, -1, ctx])
+
+
+def test_v2_channels_are_the_first_v3_channels_and_unknown_versions_fail() -> None:
+    grid = F.build_grid([_phased(), ramp_app("a", seconds=40)])
+    origins = np.array([3, 150, 205, 230])
+    v2 = F.encode(grid, 16, origins, version=2)
+    v3 = F.encode(grid, 16, origins, version=3)
+    assert v2.x.shape[2] == len(F.FEATURES_V2) == 19 and v3.x.shape[2] == len(F.FEATURES_V3)
+    assert F.FEATURES_V3[: len(F.FEATURES_V2)] == F.FEATURES_V2
+    np.testing.assert_array_equal(v3.x[..., : len(F.FEATURES_V2)], v2.x)
+    np.testing.assert_array_equal(v3.last, v2.last)
+    for bad in (1, 4):
+        with pytest.raises(ValueError, match=f"unknown feature encoding v{bad}"):
+            F.encode(grid, 16, origins, version=bad)
+        with pytest.raises(ValueError, match="unknown feature encoding"):
+            F.encode_latest([_phased()], 16, bad)
+    assert F.FeatureSpec.for_version(16, 2).features == F.FEATURES_V2

@@ -10,11 +10,13 @@ from manager import features as F
 from vgpu.traces import AppTrace
 
 
-def _reference(histories: list[AppTrace], window_s: int) -> tuple[F.Windows, np.ndarray]:
+def _reference(
+    histories: list[AppTrace], window_s: int, version: int = F.FEATURE_VERSION
+) -> tuple[F.Windows, np.ndarray]:
     grid = F.build_grid(histories)
     last = grid.last_bins()
     present = last >= 0
-    return F.encode(grid, window_s, last[present]), present
+    return F.encode(grid, window_s, last[present], version), present
 
 
 def _app(seed: int, *, seconds: float = 60.0, step_s: float = 0.1) -> AppTrace:
@@ -62,14 +64,18 @@ def _variants() -> list[AppTrace]:
     out.append(_app(15, seconds=5.0))
     out.append(AppTrace("empty", np.zeros(0), {"mem_used_mib": np.zeros(0)}))
     out.append(AppTrace("one", np.array([5.5]), {"sm_util_pct": np.array([40.0])}))
+    # longer than the age cap (v3's age must come out capped from the cut history too)
+    out.append(_app(16, seconds=200.0))
     return out
 
 
+@pytest.mark.parametrize("version", sorted(F.FEATURES_BY_VERSION))
 @pytest.mark.parametrize("window_s", [2, 16, 40])
-def test_latest_windows_equal_those_of_the_whole_histories(window_s: int) -> None:
+def test_latest_windows_equal_those_of_the_whole_histories(window_s: int, version: int) -> None:
     hist = _variants()
-    got, present = F.encode_latest(hist, window_s)
-    ref, ref_present = _reference(hist, window_s)
+    got, present = F.encode_latest(hist, window_s, version)
+    ref, ref_present = _reference(hist, window_s, version)
+    assert got.x.shape[2] == len(F.features_of(version))
     assert present.tolist() == ref_present.tolist()
     np.testing.assert_array_equal(got.x, ref.x)
     np.testing.assert_array_equal(got.mem_scale_mib, ref.mem_scale_mib)
@@ -112,5 +118,17 @@ def test_only_the_recent_seconds_are_gridded() -> None:
     t_all = np.concatenate([h.t_s for h in hist])
     cut = F._recent_cut(lengths, t_all, F._columns(hist, lengths), 16)
     assert cut is not None
-    _, kept, _ = cut
+    _, kept, _, first_s = cut
     assert (kept <= 18 * 10).all() and (kept >= 16 * 10).all()  # ~17 s of 100 ms samples, not 60 s
+    assert first_s.tolist() == [int(np.floor(h.t_s[0])) for h in hist]  # for the age: the whole history's
+
+
+def test_v3_grids_the_context_span_v2_only_the_window() -> None:
+    hist = [_app(42, seconds=90.0)]
+    lengths = np.array([len(hist[0])])
+    t_all = hist[0].t_s
+    cols = F._columns(hist, lengths)
+    for version, seconds in ((2, 16), (3, F.CONTEXT_S)):
+        cut = F._recent_cut(lengths, t_all, cols, F.history_needed_s(16, version))
+        assert cut is not None
+        assert seconds * 10 <= cut[1][0] <= (seconds + 2) * 10

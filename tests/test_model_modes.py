@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from manager.checkpoint import Checkpoint, Metadata, load_checkpoint
-from manager.features import N_FEATURES, FeatureSpec, encode_latest
+from manager.features import FEATURE_VERSION, N_FEATURES, FeatureSpec, encode_latest
 from manager.model import FusedTransformerBiGRU, ModelConfig, TransformerBiGRU
 from manager.predictor import DEFAULT_MODEL_PATH, ModelForecaster
 from tests.model_synth import ramp_app
@@ -33,9 +33,9 @@ def _checkpoint(model: TransformerBiGRU, window_s: int = 16) -> Checkpoint:
     return Checkpoint(model, Metadata(config=model.config, features=FeatureSpec(window_s)), "test")
 
 
-def _windows(n: int, window_s: int, seed: int) -> torch.Tensor:
+def _windows(n: int, window_s: int, seed: int, version: int = FEATURE_VERSION) -> torch.Tensor:
     apps = [ramp_app(f"a{i}", seconds=10 + 3 * i, seed=seed + i) for i in range(n)]
-    win, _ = encode_latest(apps, window_s)
+    win, _ = encode_latest(apps, window_s, version)
     noise = np.random.default_rng(seed).normal(0, 0.5, win.x.shape).astype(np.float32)
     return torch.from_numpy(win.x + noise)
 
@@ -81,7 +81,7 @@ def test_shipped_model_gives_the_same_forecasts_in_the_default_mode() -> None:
         pytest.skip("no shipped model")
     ck = load_checkpoint(DEFAULT_MODEL_PATH, map_location="cpu")
     window_s = ck.metadata.features.window_s
-    x = _windows(64, window_s, seed=5).numpy()
+    x = _windows(64, window_s, seed=5, version=ck.metadata.features.version).numpy()
     ref = ModelForecaster(ck, "cpu", mode="eager").predict_normalised(x)
     fast = ModelForecaster(ck, "cpu")
     np.testing.assert_allclose(fast.predict_normalised(x), ref, rtol=RTOL, atol=ATOL)

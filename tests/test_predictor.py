@@ -9,8 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from manager.checkpoint import CheckpointError
+from manager.features import encode_latest
 from manager.forecast import Forecast, Forecaster
 from manager.predictor import ModelForecaster, ReloadingForecaster, load_forecaster
 from tests.checkpoint_synth import write_tiny_checkpoint as _write
@@ -42,6 +44,24 @@ def test_forecasts_are_in_units_ordered_and_clamped(tmp_path: Path) -> None:
     # batched equals one by one
     single = f.forecast_batch([apps[3]])[0]
     np.testing.assert_allclose(single.mem_p50_mib, out[3].mem_p50_mib, rtol=1e-4)
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_v2_and_v3_checkpoints_are_each_served_with_their_own_encoding(tmp_path: Path, version: int) -> None:
+    """A v2 checkpoint (trained before the v3 context channels) reads v2 windows: its forecasts are
+    its network on `encode_latest(..., version=2)`, in every mode."""
+    pytest.importorskip("onnxruntime")
+    _write(tmp_path / "m.pt", seed=3, version=version)
+    apps = [ramp_app(f"a{i}", seconds=20 + 9 * i, seed=i) for i in range(4)]
+    win, _ = encode_latest(apps, 8, version)
+    with torch.inference_mode():
+        raw = load_forecaster(tmp_path / "m.pt", device="cpu", mode="eager").model(torch.from_numpy(win.x)).numpy()
+    want = win.last[:, 1, None] + raw[:, 1, :, 0] * win.scales[:, 1, None]  # compute P50, % (no dead band)
+    for mode in ("eager", "onnx"):
+        f = load_forecaster(tmp_path / "m.pt", device="cpu", mode=mode)
+        assert f.feature_version == version and f.n_features == win.x.shape[2] == (19 if version == 2 else 28)
+        got = np.array([fc.sm_p50_pct for fc in f.forecast_batch(apps)])
+        np.testing.assert_allclose(got, np.clip(want, 0, 100), rtol=1e-4, atol=1e-3)
 
 
 def test_large_predicted_change_is_clamped_to_capacity(tmp_path: Path) -> None:

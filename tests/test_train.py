@@ -11,7 +11,7 @@ import torch
 
 from manager import train as T
 from manager.checkpoint import load_checkpoint
-from manager.features import N_FEATURES, FeatureSpec
+from manager.features import FEATURES_V2, N_FEATURES, FeatureSpec
 from manager.model import ModelConfig
 from manager.predictor import load_forecaster
 from tests.model_synth import population
@@ -59,6 +59,7 @@ def test_cli_trains_and_writes_a_loadable_checkpoint(
     ck = load_checkpoint(out)
     meta = ck.metadata
     assert meta.features.window_s == 8 and meta.config.order == "gru_first"
+    assert meta.features.version == 3 and meta.config.n_features == len(meta.features.features) == 28
     assert meta.training["apps"] == {"train": 5, "val": 2, "test": 2}
     assert meta.training["licences"] == ["test-only"]
     assert meta.training["trace_files"][0]["path"] == str(trace_file)
@@ -69,6 +70,22 @@ def test_cli_trains_and_writes_a_loadable_checkpoint(
     assert meta.training["windows"]["train"] == len(T.build_dataset(train_apps, meta.features))
     fc = load_forecaster(out, device="cpu").forecast_batch(train_apps[:2])
     assert len(fc) == 2 and all(np.isfinite(fc[0].mem_p50_mib))
+
+
+def test_cli_trains_the_previous_feature_encoding_on_request(
+    trace_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "v2.pt"
+    args = ["--trace", str(trace_file), "--out", str(out), "--epochs", "1", "--window", "8", "--quiet"]
+    assert T.main([*args, "--feature-version", "2"], "vgpu train") == 0
+    ck = load_checkpoint(out)
+    assert ck.metadata.features.version == 2 and ck.metadata.features.features == FEATURES_V2
+    assert ck.model.config.n_features == len(FEATURES_V2)
+    assert "--feature-version 2" in ck.metadata.training["command"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        T.main([*args, "--feature-version", "4"], "vgpu train")
+    assert "invalid choice" in capsys.readouterr().err
 
 
 def test_same_data_and_seed_give_the_same_weights() -> None:
