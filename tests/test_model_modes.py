@@ -33,11 +33,11 @@ def _checkpoint(model: TransformerBiGRU, window_s: int = 16) -> Checkpoint:
     return Checkpoint(model, Metadata(config=model.config, features=FeatureSpec(window_s)), "test")
 
 
-def _windows(n: int, window_s: int, seed: int, version: int = FEATURE_VERSION) -> torch.Tensor:
+def _windows(n: int, window_s: int, seed: int, version: int = FEATURE_VERSION, noise: float = 0.5) -> torch.Tensor:
     apps = [ramp_app(f"a{i}", seconds=10 + 3 * i, seed=seed + i) for i in range(n)]
     win, _ = encode_latest(apps, window_s, version)
-    noise = np.random.default_rng(seed).normal(0, 0.5, win.x.shape).astype(np.float32)
-    return torch.from_numpy(win.x + noise)
+    jitter = np.random.default_rng(seed).normal(0, noise, win.x.shape).astype(np.float32)
+    return torch.from_numpy(win.x + jitter)
 
 
 @pytest.mark.parametrize("order", ["gru_first", "attn_first"])
@@ -81,7 +81,11 @@ def test_shipped_model_gives_the_same_forecasts_in_the_default_mode() -> None:
         pytest.skip("no shipped model")
     ck = load_checkpoint(DEFAULT_MODEL_PATH, map_location="cpu")
     window_s = ck.metadata.features.window_s
-    x = _windows(64, window_s, seed=5, version=ck.metadata.features.version).numpy()
+    # Windows as the encoder makes them, no noise: the trained v3 network is sharp enough that inputs pushed
+    # far out of range (N(0, 0.5) on every channel) give outputs up to ~35 and float32 rounding up to 1.2e-3
+    # between the fused/ONNX and eager orders of operations (relative 3e-5 of the largest output).
+    x = _windows(64, window_s, seed=5, version=ck.metadata.features.version, noise=0.0).numpy()
+    assert np.abs(x[..., -1, :]).max() > 0.1  # real inputs, not zeros
     ref = ModelForecaster(ck, "cpu", mode="eager").predict_normalised(x)
     fast = ModelForecaster(ck, "cpu")
     np.testing.assert_allclose(fast.predict_normalised(x), ref, rtol=RTOL, atol=ATOL)
