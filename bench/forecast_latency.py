@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = "eager" if args.mode == "torchscript" else args.mode
     forecaster = ModelForecaster(ck, device="cpu", mode=mode, threads=args.threads)
     if args.mode == "torchscript":
-        example = torch.zeros(args.apps, ck.metadata.features.window_s, N_FEATURES)
+        example = torch.zeros(args.apps, ck.metadata.features.window_s, forecaster.n_features)
         with torch.inference_mode():
             # torch.jit.trace is unannotated
             traced = torch.jit.trace(forecaster.model, example)  # type: ignore[no-untyped-call]
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         forecaster.forecast_batch(hist)
         times.append((time.perf_counter() - t0) * 1000)
         t0 = time.perf_counter()
-        encode_latest(hist, forecaster.window_s)
+        encode_latest(hist, forecaster.window_s, forecaster.feature_version)
         feat_times.append((time.perf_counter() - t0) * 1000)
     result = {
         "apps": args.apps,
