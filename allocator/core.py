@@ -28,7 +28,7 @@ import structlog
 
 from allocator.enforce import PowerLimitMechanism, PowerLimitResult
 from allocator.errors import DeviceError, InvalidRequest, NotSupported, VerifyFailed
-from allocator.ledger import AppLimits, DeviceCapacity, Grant, Ledger
+from allocator.ledger import AppLimits, DeviceCapacity, DeviceUsage, Grant, Ledger
 from allocator.limits import CgroupMemoryLimits, read_cgroup
 from allocator.plan import (
     BaselinePolicy,
@@ -84,14 +84,9 @@ class AllocationRequest:
 
 
 @dataclass(frozen=True)
-class DeviceResources:
-    device_id: str
-    name: str
-    mem_total_mib: float
-    mem_granted_mib: float
-    mem_available_mib: float
-    sm_granted_pct: float
-    sm_available_pct: float
+class DeviceResources(DeviceUsage):
+    """The ledger's account of a device plus what the device itself says."""
+
     power_limit_mw: int | None = None
     power_constraints: PowerConstraints | None = None
     mig_enabled: bool = False
@@ -371,13 +366,7 @@ class Allocator:
             view = self._device_state(cap.device_id)
             out.append(
                 DeviceResources(
-                    device_id=cap.device_id,
-                    name=cap.name,
-                    mem_total_mib=usage.mem_total_mib,
-                    mem_granted_mib=usage.mem_granted_mib,
-                    mem_available_mib=usage.mem_available_mib,
-                    sm_granted_pct=usage.sm_granted_pct,
-                    sm_available_pct=usage.sm_available_pct,
+                    **vars(usage),
                     power_limit_mw=view.power_limit_mw,
                     power_constraints=view.power_constraints,
                     mig_enabled=view.mig_enabled,

@@ -505,8 +505,8 @@ class Manager:
     def recommend(self, fc: Forecast, mem_used_mib: float, sm_util_pct: float) -> tuple[float, float]:
         """(memory MiB, SM %) to recommend: the peak P90 over the horizons (P50 where no P90, the last
         observation where no forecast), memory with `mem_margin` on top; NaN where nothing is known."""
-        mem = _first_finite(fc.peak_mem_p90_mib, lambda: _peak(fc.mem_p50_mib), lambda: mem_used_mib)
-        sm = _first_finite(fc.peak_sm_p90_pct, lambda: _peak(fc.sm_p50_pct), lambda: sm_util_pct)
+        mem = _first_finite(fc.peak_mem_p90_mib(), _peak(fc.mem_p50_mib), mem_used_mib)
+        sm = _first_finite(fc.peak_sm_p90_pct(), _peak(fc.sm_p50_pct), sm_util_pct)
         if not math.isnan(mem):
             mem = max(0.0, mem) * (1 + self.mem_margin)
         if not math.isnan(sm):
@@ -550,11 +550,8 @@ def _peak(values: Sequence[float]) -> float:
     return max(finite) if finite else math.nan
 
 
-def _first_finite(*candidates: Callable[[], float]) -> float:
-    """The first finite value among the candidates, each computed only when the ones before it
-    were not finite (NaN if none is)."""
-    for candidate in candidates:
-        v = candidate()
+def _first_finite(*values: float) -> float:
+    for v in values:
         if math.isfinite(v):
             return v
     return math.nan

@@ -12,7 +12,6 @@ Only `vgpu serve --backend sim:<sku>` uses it; the simulator itself (vgpu/device
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -36,12 +35,12 @@ STATE_VERSION = 1
 
 
 def device_state(dev: SimDevice | PersistentSimDevice) -> dict[str, Any]:
-    """What the file keeps of one device (a memory limit's inf as null: JSON has no infinity)."""
+    """What the file keeps of one device. A memory limit kept is finite: soft <= hard, and a limit
+    set back to (inf, inf) is removed, not kept."""
     sim = dev.inner if isinstance(dev, PersistentSimDevice) else dev
     mig = dev.mig_enabled()
     return {
-        "memory_limits_mib": {ns: [None if math.isinf(v) else v for v in limits]
-                              for ns, limits in sorted(sim.memory_limits().items())},
+        "memory_limits_mib": {ns: list(limits) for ns, limits in sorted(sim.memory_limits().items())},
         "power_limit_mw": dev.power_limit_mw(),
         "mig_enabled": mig,
         "gpu_instances": [
@@ -165,8 +164,7 @@ class PersistentSimBackend(Backend):
                     dev.create_gpu_instance(int(gi["profile_id"]), int(gi["start"]))
             dev.set_power_limit_mw(int(st["power_limit_mw"]))
             for ns, (soft, hard) in (st.get("memory_limits_mib", {}) if self.sim.memory_limits else {}).items():
-                dev.set_memory_limit_mib(ns, math.inf if soft is None else float(soft),
-                                         math.inf if hard is None else float(hard))
+                dev.set_memory_limit_mib(ns, float(soft), float(hard))
         self.save()
 
     def devices(self) -> Sequence[PersistentSimDevice]:
