@@ -13,7 +13,8 @@ The protocol, as implemented here:
    R2 = 1 - MSE / Var(truth), MAPE in % over truths != 0, and coverage_p90 = share of truths <= P90
    (null for methods without a P90). Rows where a method returned NaN are left out of its `n`.
 
-`evaluate(apps, forecasters)` is the in-process API; `main(argv, prog)` the command.
+`evaluate(apps, forecasters)` is the in-process API, `score_origins` the forecasts behind it (for
+breakdowns such as bench/error_breakdown.py); `main(argv, prog)` the command.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ from manager.splits import select, split_of
 from vgpu.traces import TARGETS, AppTrace, Trace, TraceFormatError, one_second_grid, read_trace
 
 FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
 METHOD_ORDER = ("model", "last_value", "ewma", "vpa_percentile", "gbdt")
 DEFAULT_CHUNK = 4096
 _FORECAST_FIELDS = {"mem_used_mib": ("mem_p50_mib", "mem_p90_mib"), "sm_util_pct": ("sm_p50_pct", "sm_p90_pct")}
@@ -59,21 +61,19 @@ class TargetGrid:
     origins: npt.NDArray[np.int64]
 
 
-@dataclass
-class _Pool:
-    """Predictions and truths of one (method, target), per horizon, gathered over all chunks."""
+@dataclass(frozen=True)
+class OriginScores:
+    """One method's forecasts of one target at every protocol origin, in grid order (applications
+    as given, then origin). `p50`, `p90` and `truth` are (n, len(HORIZONS_S)); a truth past the
+    grid's end is NaN and not scored. `app`, `origin` (grid index) and `grid_len` say where each
+    row comes from, for breakdowns of where the error lies."""
 
-    p50: list[list[FloatArray]] = field(default_factory=lambda: [[] for _ in HORIZONS_S])
-    p90: list[list[FloatArray]] = field(default_factory=lambda: [[] for _ in HORIZONS_S])
-    truth: list[list[FloatArray]] = field(default_factory=lambda: [[] for _ in HORIZONS_S])
-
-    def add(self, p50: FloatArray, p90: FloatArray, truth: FloatArray) -> None:
-        """p50, p90, truth: (n, len(HORIZONS_S)); NaN truth = beyond the grid, not scored."""
-        for j in range(len(HORIZONS_S)):
-            ok = np.isfinite(truth[:, j])
-            self.p50[j].append(p50[ok, j])
-            self.p90[j].append(p90[ok, j])
-            self.truth[j].append(truth[ok, j])
+    p50: FloatArray
+    p90: FloatArray
+    truth: FloatArray
+    app: tuple[str, ...]
+    origin: IntArray
+    grid_len: IntArray
 
 
 def build_grids(apps: Sequence[AppTrace], min_index: int = MIN_ORIGIN_INDEX) -> dict[str, list[TargetGrid]]:
@@ -123,27 +123,26 @@ def _chunks(n: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
-def _score_grid_method(
-    fc: GridForecaster, grids: dict[str, list[TargetGrid]], chunk: int
-) -> dict[str, _Pool]:
-    pools = {t: _Pool() for t in TARGETS}
-    for target, tgrids in grids.items():
-        prefixes = [g.values[: i + 1] for g in tgrids for i in g.origins]
-        truth = np.concatenate([truths_of(g) for g in tgrids]) if tgrids else np.zeros((0, len(HORIZONS_S)))
-        for s in _chunks(len(prefixes), chunk):
-            p50, p90 = fc.forecast_grids(prefixes[s], target)
-            pools[target].add(p50, p90, truth[s])
-    return pools
+def _grid_method_forecasts(
+    fc: GridForecaster, tgrids: Sequence[TargetGrid], target: str, chunk: int
+) -> tuple[FloatArray, FloatArray]:
+    prefixes = [g.values[: i + 1] for g in tgrids for i in g.origins]
+    p50 = np.empty((len(prefixes), len(HORIZONS_S)))
+    p90 = np.empty_like(p50)
+    for s in _chunks(len(prefixes), chunk):
+        p50[s], p90[s] = fc.forecast_grids(prefixes[s], target)
+    return p50, p90
 
 
 def _prefix(app: AppTrace, end: int) -> AppTrace:
     return AppTrace(app=app.app, t_s=app.t_s[:end], columns={k: v[:end] for k, v in app.columns.items()}, gpu=app.gpu)
 
 
-def _score_history_method(
-    fc: Forecaster, apps: Mapping[str, AppTrace], grids: dict[str, list[TargetGrid]], chunk: int
-) -> dict[str, _Pool]:
-    """Any Forecaster: one call per chunk of (application, origin second) histories."""
+def _history_method_forecasts(
+    fc: Forecaster, apps: Mapping[str, AppTrace], grids: Mapping[str, Sequence[TargetGrid]], chunk: int
+) -> dict[str, tuple[FloatArray, FloatArray]]:
+    """Any Forecaster: one call per chunk of (application, origin second) histories, each history
+    forecast once for both targets."""
     wanted: dict[str, set[int]] = {}
     for tgrids in grids.values():
         for g in tgrids:
@@ -160,15 +159,57 @@ def _score_history_method(
         if len(forecasts) != len(histories):
             raise ValueError(f"{fc.name}: {len(forecasts)} forecasts for {len(histories)} histories")
         results.update(zip(keys[s], forecasts, strict=True))
-    pools = {t: _Pool() for t in TARGETS}
+    out = {}
     for target, tgrids in grids.items():
         f50, f90 = _FORECAST_FIELDS[target]
-        for g in tgrids:
-            fcs = [results[(g.app, int(sec))] for sec in g.seconds[g.origins]]
-            p50 = np.array([_by_horizon(f, f50) for f in fcs], dtype=np.float64)
-            p90 = np.array([_by_horizon(f, f90) for f in fcs], dtype=np.float64)
-            pools[target].add(p50, p90, truths_of(g))
-    return pools
+        fcs = [results[(g.app, int(sec))] for g in tgrids for sec in g.seconds[g.origins]]
+        shape = (len(fcs), len(HORIZONS_S))
+        out[target] = (np.array([_by_horizon(f, f50) for f in fcs], dtype=np.float64).reshape(shape),
+                       np.array([_by_horizon(f, f90) for f in fcs], dtype=np.float64).reshape(shape))
+    return out
+
+
+def _by_app(apps: Trace | Mapping[str, AppTrace] | Sequence[AppTrace]) -> dict[str, AppTrace]:
+    if isinstance(apps, Trace):
+        return dict(apps.apps)
+    if isinstance(apps, Mapping):
+        return dict(apps)
+    return {a.app: a for a in apps}
+
+
+def score_origins(
+    apps: Trace | Mapping[str, AppTrace] | Sequence[AppTrace],
+    forecasters: Sequence[Forecaster],
+    *,
+    chunk: int = DEFAULT_CHUNK,
+    timings: dict[str, float] | None = None,
+) -> dict[str, dict[str, OriginScores]]:
+    """Protocol steps 1-2: every forecaster's forecasts at every origin, {method: {target: scores}}.
+    A forecaster with `forecast_grids` is fed grids directly; any other gets raw-sample histories
+    in batches of `chunk`. `timings`, when given, receives seconds spent per method."""
+    app_map = _by_app(apps)
+    grids = build_grids(list(app_map.values()))
+    where: dict[str, tuple[FloatArray, tuple[str, ...], IntArray, IntArray]] = {}
+    for target, tgrids in grids.items():
+        truth = np.concatenate([truths_of(g) for g in tgrids]) if tgrids else np.zeros((0, len(HORIZONS_S)))
+        where[target] = (
+            truth,
+            tuple(g.app for g in tgrids for _ in g.origins),
+            np.concatenate([g.origins for g in tgrids]) if tgrids else np.zeros(0, dtype=np.int64),
+            np.concatenate([np.full(len(g.origins), len(g.values)) for g in tgrids]).astype(np.int64)
+            if tgrids else np.zeros(0, dtype=np.int64),
+        )
+    out: dict[str, dict[str, OriginScores]] = {}
+    for fc in forecasters:
+        started = time.perf_counter()
+        if isinstance(fc, GridForecaster) and hasattr(fc, "forecast_grids"):
+            preds = {t: _grid_method_forecasts(fc, grids[t], t, chunk) for t in grids}
+        else:
+            preds = _history_method_forecasts(fc, app_map, grids, chunk)
+        out[fc.name] = {t: OriginScores(p50, p90, *where[t]) for t, (p50, p90) in preds.items()}
+        if timings is not None:
+            timings[fc.name] = time.perf_counter() - started
+    return out
 
 
 def _by_horizon(f: Forecast, name: str) -> list[float]:
@@ -186,34 +227,17 @@ def evaluate(
     """Score `forecasters` on `apps` by the protocol. Returns
     {"apps", "samples", "results": [{"target", "horizon_s", "method", "mae", "rmse", "r2", "mape",
     "coverage_p90", "n"}]}, rows ordered by target, horizon, then the forecasters' order.
-    A forecaster with `forecast_grids` is fed grids directly; any other gets raw-sample histories
-    in batches of `chunk`. `timings`, when given, receives seconds spent per method."""
-    if isinstance(apps, Trace):
-        app_map = dict(apps.apps)
-    elif isinstance(apps, Mapping):
-        app_map = dict(apps)
-    else:
-        app_map = {a.app: a for a in apps}
-    grids = build_grids(list(app_map.values()))
-    pools: dict[str, dict[str, _Pool]] = {}
-    for fc in forecasters:
-        started = time.perf_counter()
-        if isinstance(fc, GridForecaster) and hasattr(fc, "forecast_grids"):
-            pools[fc.name] = _score_grid_method(fc, grids, chunk)
-        else:
-            pools[fc.name] = _score_history_method(fc, app_map, grids, chunk)
-        if timings is not None:
-            timings[fc.name] = time.perf_counter() - started
-    def cat(parts: list[npt.NDArray[np.float64]]) -> npt.NDArray[np.float64]:
-        return np.concatenate(parts) if parts else np.zeros(0)
-
+    `chunk` and `timings` as for `score_origins`."""
+    app_map = _by_app(apps)
+    scores = score_origins(app_map, forecasters, chunk=chunk, timings=timings)
     results = []
     for target in TARGETS:
         for j, h in enumerate(HORIZONS_S):
             for fc in forecasters:
-                pool = pools[fc.name][target]
+                sc = scores[fc.name][target]
+                ok = np.isfinite(sc.truth[:, j])
                 row: dict[str, Any] = {"target": target, "horizon_s": h, "method": fc.name}
-                row.update(pooled_metrics(cat(pool.p50[j]), cat(pool.p90[j]), cat(pool.truth[j])))
+                row.update(pooled_metrics(sc.p50[ok, j], sc.p90[ok, j], sc.truth[ok, j]))
                 results.append(row)
     return {"apps": len(app_map), "samples": sum(len(a) for a in app_map.values()), "results": results}
 
