@@ -51,12 +51,14 @@ import struct
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import grpc
+import grpc.aio
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -159,10 +161,17 @@ class NullIngest(ingest_pb2_grpc.IngestServicer):
     """Reads every batch of a stream and does nothing else: what gRPC itself costs the manager process
     for the same streams (`--null-manager`), the floor under manager_cpu_frac."""
 
-    async def StreamSignatures(self, request_iterator: Any, context: Any) -> None:  # noqa: N802 - gRPC name
-        import grpc
-
-        while await context.read() is not grpc.aio.EOF:
+    # The read/write form (context.read, no yield), as the manager's servicer. Two stubs miss what grpc.aio
+    # does here, hence the narrow ignores: a stream-stream handler may be a coroutine that returns None
+    # (mypy-protobuf's servicer stub allows only an iterator or async iterator of replies), and
+    # ServicerContext.read() returns grpc.aio.EOF at the end of the stream (types-grpcio types it as the
+    # request message alone).
+    async def StreamSignatures(  # type: ignore[override]  # noqa: N802 - gRPC name
+        self,
+        request_iterator: AsyncIterator[ingest_pb2.SignatureBatch],
+        context: grpc.aio.ServicerContext[ingest_pb2.SignatureBatch, ingest_pb2.IngestReply],
+    ) -> None:
+        while await context.read() is not grpc.aio.EOF:  # type: ignore[comparison-overlap]
             pass
 
 
@@ -536,8 +545,6 @@ async def _max_stream(channel: Any, enc: BatchEncoder, sid: int, app_idx: list[i
 
 async def _run_max(address: str, mgr: ManagerProcess, device_ids: list[str], rates: Sequence[int], step_s: float,
                    budget_s: float, streams: int, n_apps: int, encoding: str = "auto") -> dict[str, Any]:
-    import grpc
-
     names = [f"max-app-{i}" for i in range(n_apps)]
     if encoding == "rows":
         enc: BatchEncoder = BatchEncoder(demo_apps(), names, device_ids)
