@@ -5,9 +5,25 @@
   `late_ticks` and never run in a burst to catch up. Tick numbers in the batches skip with them.
 * **Reconnects** with capped exponential backoff and jitter (`Backoff`), on its own task so ticks keep
   their pace while the manager is away. The backoff restarts once a batch has gone through.
-* **A bounded buffer** holds signatures while disconnected (and whatever did not fit in one batch). When
-  full, the oldest are dropped first; drops are counted, logged when they start, and reported once in the
-  next batch's `dropped_since_last`.
+* **At-least-once delivery within a bounded buffer.** A signature waits in `buffer` (pending) until it is
+  written in a batch, then in the unacknowledged queue until a reply whose `tick` is at least its batch's
+  arrives (the stream is ordered: one reply acknowledges every earlier batch; the manager answers at
+  least every `ack_interval_ms` and when the stream ends). When the stream breaks, the unacknowledged
+  signatures go back in front of the pending ones, in order, and are written again after the reconnect
+  (`resent`, logged once per reconnect). A manager that had read some of them drops those quietly
+  (same application, seq and time as a sample in its window; manager/service.py); a restarted one
+  takes them all. So, while the profiler runs, every signature the source produced reaches the manager
+  at least once (and its window once), unless the bound drops it, and then it is counted.
+* **The bound** covers both: unacknowledged + pending <= `buffer_max`. When full, the oldest go first.
+  A pending signature dropped is counted at once (`dropped_total`), logged when drops start, and
+  reported in the next batch's `dropped_since_last`. An unacknowledged one dropped (`unacked_dropped`)
+  was written, so it is most likely delivered: it is counted as dropped only if its stream then breaks
+  before a reply covers it. A drop report is itself delivered at least once (re-reported when the batch
+  carrying it was not acknowledged), so the manager's count may exceed the profiler's, never fall short.
+  `dropped_written` counts the dropped signatures that had been written before: the manager may hold
+  them after all.
+* **A clean end** (stop) writes what is pending in one last batch, half-closes the stream and waits up to
+  `final_ack_timeout_s` for the manager's last reply; what stays unacknowledged is logged.
 
 Clock, sleep, random, the channel factory and a reply callback are constructor arguments.
 """
@@ -130,8 +146,12 @@ class FixedRateLoop:
 @dataclass
 class StreamStats:
     batches_sent: int = 0
-    signatures_sent: int = 0
-    dropped_total: int = 0
+    signatures_sent: int = 0  # written, resends included
+    dropped_total: int = 0  # given up for lost (and reported in dropped_since_last)
+    dropped_written: int = 0  # of those, written once before: the manager may hold them after all
+    acked: int = 0  # signatures a reply acknowledged
+    resent: int = 0  # signatures written again after a broken stream (the first write may have failed)
+    unacked_dropped: int = 0  # dropped by the bound while unacknowledged (lost only if the stream broke)
     connects: int = 0
     connect_failures: int = 0
     disconnects: int = 0
@@ -141,6 +161,17 @@ class StreamStats:
     source_errors: int = 0
     refused: int = 0  # streams the manager refused (no or a bad token)
     oversized: int = 0  # signatures dropped because one alone is over max_batch_bytes
+
+
+@dataclass(slots=True)
+class _Written:
+    """One written batch not yet acknowledged: its tick, its signatures still held, the drop count it
+    reported, and how many of its signatures the bound has dropped since (`forgotten`)."""
+
+    tick: int
+    sigs: deque[signature_pb2.BehavioralSignature]
+    reported: int
+    forgotten: int = 0
 
 
 class SignatureStreamer:
@@ -158,6 +189,8 @@ class SignatureStreamer:
     metadata (the profiler token: `authorization: Bearer ...`, see vgpu/auth.py); a stream the manager
     refuses (UNAUTHENTICATED / PERMISSION_DENIED) is logged as `manager refused the profiler` and retried
     with backoff, so a token that is fixed (or a daemon whose tokens change) is picked up.
+    `final_ack_timeout_s` bounds the wait for the manager's last reply when the stream ends cleanly.
+    Delivery (at least once within `buffer_max`) is described in the module docstring.
     """
 
     def __init__(
@@ -174,6 +207,7 @@ class SignatureStreamer:
         backoff: Backoff | None = None,
         connect_timeout_s: float = 2.0,
         write_timeout_s: float = 1.0,
+        final_ack_timeout_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         sleep: Sleep = asyncio.sleep,
@@ -197,6 +231,7 @@ class SignatureStreamer:
         self.backoff = backoff or Backoff()
         self._connect_timeout_s = connect_timeout_s
         self._write_timeout_s = write_timeout_s
+        self._final_ack_timeout_s = final_ack_timeout_s
         self._wall = wall_clock
         self._backoff_sleep = backoff_sleep or asyncio.sleep
         self._rng = rng or random.Random()
@@ -207,9 +242,15 @@ class SignatureStreamer:
         self._log = logger or get_logger("profiler.stream")
         self.loop = FixedRateLoop(period_s, clock=clock, sleep=sleep)
         self.stats = StreamStats()
-        self.buffer: deque[signature_pb2.BehavioralSignature] = deque()
+        self.buffer: deque[signature_pb2.BehavioralSignature] = deque()  # pending, oldest first
+        self._written: deque[_Written] = deque()  # unacknowledged batches, oldest first
+        self._unacked = 0  # signatures held in self._written
+        self._resend_left = 0  # how many at the front of `buffer` were written before (put back)
+        self._last_tick = -1  # the tick of the last batch written
+        self._sending = asyncio.Lock()
         self.dropped_since_last = 0
         self._dropping = False
+        self._forgetting = False
         self._stop = asyncio.Event()
         self._channel: grpc.aio.Channel | None = None
         self._call: grpc.aio.StreamStreamCall | None = None  # type: ignore[type-arg]
@@ -221,6 +262,11 @@ class SignatureStreamer:
     def connected(self) -> bool:
         return self._call is not None
 
+    @property
+    def unacked(self) -> int:
+        """Signatures written and not yet acknowledged (held for a resend)."""
+        return self._unacked
+
     def stop(self) -> None:
         self._stop.set()
 
@@ -230,7 +276,7 @@ class SignatureStreamer:
         try:
             await self.loop.run(self._tick, self._stop, max_ticks)
             if self.connected and self.buffer:
-                await self._send(self.loop.stats.ticks)
+                await self._send(self._last_tick + 1)
         finally:
             self._stop.set()
             conn.cancel()
@@ -241,7 +287,10 @@ class SignatureStreamer:
             ticks=self.loop.stats.ticks,
             late_ticks=self.loop.stats.late_ticks,
             sent=self.stats.signatures_sent,
+            acked=self.stats.acked,
+            resent=self.stats.resent,
             dropped=self.stats.dropped_total,
+            unacked=self._unacked,
             buffered=len(self.buffer),
         )
         return self.stats
@@ -260,21 +309,86 @@ class SignatureStreamer:
             await self._send(k)
 
     def enqueue(self, sigs: list[signature_pb2.BehavioralSignature]) -> None:
-        """Add signatures to the buffer, dropping the oldest beyond `buffer_max`."""
+        """Add signatures to the buffer; beyond `buffer_max` signatures held (unacknowledged and
+        pending), drop the oldest: unacknowledged ones first (counted as dropped only if their stream
+        breaks before a reply covers them, `_put_back`), then pending ones (counted at once)."""
         self.buffer.extend(sigs)
-        over = len(self.buffer) - self.buffer_max
-        if over > 0:
-            for _ in range(over):
-                self.buffer.popleft()
-            self.dropped_since_last += over
-            self.stats.dropped_total += over
-            if not self._dropping:
-                self._dropping = True
-                self._log.warning(
-                    "signature buffer full; dropping the oldest", buffer_max=self.buffer_max, connected=self.connected
-                )
+        over = len(self.buffer) + self._unacked - self.buffer_max
+        if over <= 0:
+            return
+        forgotten = self._forget_unacked(over)
+        dropped = over - forgotten
+        for _ in range(dropped):
+            self.buffer.popleft()
+        written = min(dropped, self._resend_left)  # put back after a broken stream: written before
+        self._resend_left -= written
+        self.stats.dropped_written += written
+        self.dropped_since_last += dropped
+        self.stats.dropped_total += dropped
+        if dropped and not self._dropping:
+            self._dropping = True
+            self._log.warning(
+                "signature buffer full; dropping the oldest", buffer_max=self.buffer_max, connected=self.connected,
+            )
+        if forgotten and not self._forgetting:  # once per stream: most likely delivered, so no warning
+            self._forgetting = True
+            self._log.info(
+                "unacknowledged signatures over the buffer bound are no longer held for a resend",
+                buffer_max=self.buffer_max, unacked=self._unacked,
+                hint="a buffer that holds less than the manager's ack interval of signatures cannot resend them all",
+            )
+
+    def _forget_unacked(self, n: int) -> int:
+        """Drop up to `n` of the oldest unacknowledged signatures, noting them in their batch's
+        `forgotten`; returns how many. A batch left with no signatures hands its counts to the next
+        one (a reply that covers the next covers it), so empty entries do not pile up."""
+        done = 0
+        written = self._written
+        while done < n and self._unacked:
+            head = written[0]
+            take = min(n - done, len(head.sigs))
+            for _ in range(take):
+                head.sigs.popleft()
+            head.forgotten += take
+            self._unacked -= take
+            done += take
+            if not head.sigs and len(written) > 1:
+                written.popleft()
+                written[0].reported += head.reported
+                written[0].forgotten += head.forgotten
+        self.stats.unacked_dropped += done
+        return done
+
+    def _acknowledge(self, tick: int) -> None:
+        """A reply covering batches up to `tick`: they were delivered; stop holding them."""
+        written = self._written
+        while written and written[0].tick <= tick:
+            head = written.popleft()
+            self._unacked -= len(head.sigs)
+            self.stats.acked += len(head.sigs) + head.forgotten
+
+    def _put_back(self) -> int:
+        """The stream broke: the unacknowledged signatures go back in front of the pending ones, in
+        order, to be written again; the drop counts their batches carried are reported again, and
+        signatures the bound dropped from them are now counted as dropped (they may be lost).
+        Returns how many signatures were put back."""
+        back = self._unacked
+        for w in reversed(self._written):
+            self.buffer.extendleft(reversed(w.sigs))
+            self.dropped_since_last += w.reported + w.forgotten
+            self.stats.dropped_total += w.forgotten
+            self.stats.dropped_written += w.forgotten
+        self._written.clear()
+        self._unacked = 0
+        self._resend_left += back
+        self._forgetting = False
+        return back
 
     async def _send(self, k: int) -> None:
+        async with self._sending:  # the stream's end puts the unacknowledged back only between writes
+            await self._send_one(k)
+
+    async def _send_one(self, k: int) -> None:
         call = self._call
         if call is None:
             return
@@ -291,15 +405,33 @@ class SignatureStreamer:
             batch.signatures.extend(sigs)
         try:
             await asyncio.wait_for(call.write(batch), self._write_timeout_s)
+            ok = True
         except Exception as exc:  # noqa: BLE001 - any failed write means the stream is gone
-            self._log.warning("write to manager failed; buffering", error=_describe(exc), buffered=len(self.buffer))
-            self._mark_lost()
-            return
-        for _ in range(n):
-            self.buffer.popleft()
-        if self.dropped_since_last:
+            ok = False
+            if self._call is call:
+                self._log.warning("write to manager failed; buffering", error=_describe(exc), buffered=len(self.buffer))
+                self._mark_lost()
+        # Written, or perhaps written (a failed write may still have gone out): held until a reply
+        # covers it, or put back in front of the pending signatures when the stream breaks.
+        held = deque(self.buffer.popleft() for _ in range(n))
+        again = min(n, self._resend_left)
+        self._resend_left -= again
+        self.stats.resent += again
+        if n:
+            self._written.append(_Written(k, held, self.dropped_since_last))
+            self._unacked += n
+        elif self.dropped_since_last:  # only a drop report: the last batch held carries it (acknowledged later)
+            if self._written:
+                self._written[-1].tick = k
+                self._written[-1].reported += self.dropped_since_last
+            else:
+                self._written.append(_Written(k, deque(), self.dropped_since_last))
+        self._last_tick = k
+        if ok and self.dropped_since_last:
             self._log.info("reported dropped signatures", dropped=self.dropped_since_last)
         self.dropped_since_last = 0
+        if not ok:
+            return
         self._dropping = False
         self._sent_ok = True
         self.stats.batches_sent += 1
@@ -344,8 +476,11 @@ class SignatureStreamer:
                 assert self._lost is not None
                 await self._lost.wait()
                 self.stats.disconnects += 1
-                self._log.warning("lost the manager stream; reconnecting", target=self.target)
-                await self._close_call()
+                await self._close_call()  # the reader is gone: no reply can acknowledge anything now
+                async with self._sending:  # a write under way ends first (its batch is then held too)
+                    back = self._put_back()
+                self._log.warning("lost the manager stream; reconnecting", target=self.target,
+                                  resending=back, buffered=len(self.buffer))
                 if self._sent_ok:
                     attempt = 0
             if self._stop.is_set():
@@ -374,6 +509,7 @@ class SignatureStreamer:
         try:
             async for reply in call:
                 self.stats.replies += 1
+                self._acknowledge(reply.tick)
                 self.stats.decisions += len(reply.decisions)
                 if reply.rejected:
                     self.stats.rejected += len(reply.rejected)
@@ -413,11 +549,11 @@ class SignatureStreamer:
         self._call, self._channel, self._reader = None, None, None
         if call is not None:
             if done_writing:
-                # half-close, then give the manager a moment to answer what it got and end the stream
+                # half-close, then give the manager a moment to acknowledge what it got and end the stream
                 try:
-                    await asyncio.wait_for(call.done_writing(), 1.0)
+                    await asyncio.wait_for(call.done_writing(), self._final_ack_timeout_s)
                     if reader is not None:
-                        await asyncio.wait_for(asyncio.shield(reader), 1.0)
+                        await asyncio.wait_for(asyncio.shield(reader), self._final_ack_timeout_s)
                 except Exception:  # noqa: BLE001, S110 - closing a broken stream
                     pass
             call.cancel()

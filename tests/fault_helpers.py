@@ -26,12 +26,14 @@ async def until(pred: Callable[[], bool], timeout_s: float = 5.0) -> None:
 class Link:
     """`async with Link(tmp_path, manager, make_streamers)`: the manager's Ingest server on a Unix socket
     and the streamers `make_streamers(address)` builds, running; `stop_server` / `start_server` take the
-    manager away and bring it (or a new one) back; leaving stops the streamers, then the server."""
+    manager away and bring it (or a new one) back; leaving stops the streamers, then the server. The
+    servicer answers quiet batches every `ack_interval_s` (0: every batch)."""
 
     def __init__(self, tmp_path: Path, manager: Manager,
-                 make_streamers: Callable[[str], list[SignatureStreamer]]) -> None:
+                 make_streamers: Callable[[str], list[SignatureStreamer]], *, ack_interval_s: float = 0.0) -> None:
         self.address = f"unix:{tmp_path}/m.sock"
         self.manager = manager
+        self.ack_interval_s = ack_interval_s
         self.streamers = make_streamers(self.address)
         self._server: Server | None = None
         self._tasks: list[asyncio.Task[object]] = []
@@ -39,7 +41,8 @@ class Link:
     async def start_server(self, manager: Manager | None = None) -> None:
         if manager is not None:
             self.manager = manager
-        self._server = build_server(self.address, ingest_servicer=IngestServicer(self.manager))
+        servicer = IngestServicer(self.manager, ack_interval_s=self.ack_interval_s)
+        self._server = build_server(self.address, ingest_servicer=servicer)
         await self._server.start()
 
     async def stop_server(self, grace_s: float | None) -> None:

@@ -1,20 +1,26 @@
 """Bad input on the manager's Ingest stream, over a real Unix-socket gRPC server: malformed signatures
 (rejected one by one with a reason, the stream goes on), out-of-order ones, bytes that are no
 SignatureBatch at all, and messages over the server's receive limit (a clean error, and the server
-keeps serving)."""
+keeps serving). And input that is not bad: a profiler's resend of signatures the manager already
+has (dropped quietly as duplicates, rows and columns, the rest of the batch answered as sent)."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
+from structlog.testing import capture_logs
 
 from allocator.service import build_server
+from manager.columns import columns_from_signatures
 from manager.core import EwmaMarginForecaster, Manager
 from manager.service import IngestServicer
+from manager.window import WindowStore, sample_from_signature
 from profiler.stream import SignatureStreamer
 from vgpu.v1 import ingest_pb2, ingest_pb2_grpc
 from vgpu.v1 import signature_pb2 as spb
@@ -105,7 +111,7 @@ async def test_out_of_order_signatures_are_not_windowed_and_the_stream_survives(
     ]
     r1, r2 = await _exchange(address, batches)
     assert (r1.accepted, r2.accepted) == (2, 1)
-    assert manager.stats.out_of_order == 3
+    assert manager.stats.out_of_order == 3 and manager.windows.duplicates == 0  # late, not resent
     assert [s.seq for s in manager.windows.window("a").samples] == [5, 6, 7]
 
 
@@ -114,6 +120,90 @@ async def test_an_out_of_order_signature_gets_a_rejection_that_says_so(ingest: t
     (reply,) = await _exchange(address, [ingest_pb2.SignatureBatch(tick=1, signatures=[sig("a", 5), sig("a", 3)])])
     assert [r.index for r in reply.rejected] == [1]
     assert "order" in reply.rejected[0].reason
+
+
+async def test_a_resend_of_what_the_manager_has_is_dropped_quietly_and_counted(ingest: tuple[str, Manager]) -> None:
+    address, manager = ingest
+    (first,) = await _exchange(address, [ingest_pb2.SignatureBatch(tick=1, signatures=[sig("a", k) for k in (1, 2, 3)])])
+    assert first.accepted == 3
+    # the stream broke before that reply arrived: the profiler sends the three again, on a new stream
+    bad = sig("b", 1)
+    bad.device_id = ""
+    resent = ingest_pb2.SignatureBatch(tick=1, signatures=[sig("a", 1), sig("a", 2), sig("a", 3), bad, sig("a", 4)])
+    with capture_logs() as logs:
+        (reply,) = await _exchange(address, [resent])
+        for _ in range(500):  # the server logs the stream's end once its handler returns
+            if any(e["event"] == "profiler_disconnected" and e["duplicates"] for e in logs):
+                break
+            await asyncio.sleep(0.01)
+    assert reply.accepted == 1
+    assert [(r.index, r.app_id) for r in reply.rejected] == [(3, "b")]  # indexes of the batch as sent
+    assert manager.windows.duplicates == 3 and manager.stats.out_of_order == 0 and manager.stats.rejected == 1
+    assert [s.seq for s in manager.windows.window("a").samples] == [1, 2, 3, 4]
+    assert not [e for e in logs if e["log_level"] in ("warning", "error")]
+    assert [e["duplicates"] for e in logs if e["event"] == "profiler_disconnected" and e["duplicates"]] == [3]
+
+
+async def test_a_columnar_resend_is_dropped_row_by_row_and_the_rest_answered_as_sent(
+    ingest: tuple[str, Manager],
+) -> None:
+    address, manager = ingest
+    old = [sig(f"a{i % 3}", i // 3 + 1) for i in range(300)]  # a0, a1, a2: seq 1..100 each
+    cols, rows = columns_from_signatures(old)
+    assert not rows
+    await _exchange(address, [ingest_pb2.SignatureBatch(tick=1, columns=cols)])
+    assert manager.stats.accepted == 300
+    late = sig("a0", 50)  # a seq the window has, at another time: late, not a resend
+    late.timestamp_s -= 0.05
+    new = [sig(f"a{i % 3}", 101 + i // 3) for i in range(30)]
+    bad = sig("a1", 200)
+    bad.process.sm_util_pct = 250.0
+    again = [*old[:150], late, *old[150:], *new]
+    cols, rows = columns_from_signatures(again)
+    batch = ingest_pb2.SignatureBatch(tick=2, signatures=[bad], columns=cols)
+    (reply,) = await _exchange(address, [batch])
+    assert reply.accepted == 30 and manager.windows.duplicates == 300
+    # index 0 is the row; columnar row j is 1 + j in the batch as sent
+    assert sorted((r.index, r.app_id) for r in reply.rejected) == [(0, "a1"), (1 + 150, "a0")]
+    assert "order" in next(r.reason for r in reply.rejected if r.index == 151)
+    for a in ("a0", "a1", "a2"):
+        assert [s.seq for s in manager.windows.window(a).samples] == list(range(1, 111))
+
+
+async def test_a_restarted_manager_takes_a_resent_batch_whole(tmp_path: Path) -> None:
+    address = f"unix:{tmp_path}/m.sock"
+    manager = Manager(None, EwmaMarginForecaster(), forecast_interval_s=0.05, min_samples=2)
+    server = build_server(address, ingest_servicer=IngestServicer(manager))
+    await server.start()
+    try:
+        (reply,) = await _exchange(address, [ingest_pb2.SignatureBatch(tick=9, signatures=[sig("a", k) for k in (1, 2)])])
+    finally:
+        await server.stop(0)
+    assert reply.accepted == 2 and manager.windows.duplicates == 0
+
+
+def test_the_window_holds_only_samples_it_has() -> None:
+    ws = WindowStore(max_samples=4)
+    for k in range(1, 7):  # seq 1..6, the window keeps 3..6
+        ws.add(sample_from_signature(sig("a", k)), 0.0)
+    assert ws.holds("a", 5, sig("a", 5).timestamp_s) and ws.holds("a", 6, sig("a", 6).timestamp_s)
+    assert not ws.holds("a", 5, sig("a", 5).timestamp_s - 0.01)  # same seq, another time
+    assert not ws.holds("a", 2, sig("a", 2).timestamp_s)  # no longer in the window
+    assert not ws.holds("a", 7, sig("a", 7).timestamp_s) and not ws.holds("b", 5, sig("a", 5).timestamp_s)
+    held = ws.holds_rows(["a", "zz"], np.array([0, 0, 0, 1, 7], dtype=np.uint32),
+                         np.array([6, 2, 4, 1, 1], dtype=np.uint64),
+                         np.array([sig("a", 6).timestamp_s, sig("a", 2).timestamp_s, sig("a", 4).timestamp_s, 1.0, 1.0]))
+    assert held.tolist() == [True, False, True, False, False]  # app index 7 is past the table: no window
+
+    # a restarted profiler numbers from 1 again: seq 1..3 twice in the window, at two times each
+    ws = WindowStore(max_samples=10)
+    before, after = [sig("a", k) for k in range(1, 7)], [sig("a", k, t=1.7e9 + 100.0) for k in range(1, 4)]
+    for s in before + after:
+        ws.add(sample_from_signature(s), 0.0)
+    assert ws.seq_restarts == 1
+    assert all(ws.holds("a", s.seq, s.timestamp_s) for s in after + before[:3])
+    assert not ws.holds("a", 2, after[1].timestamp_s + 0.01)
+    assert not ws.holds("a", 5, before[4].timestamp_s)  # above the last seq now: not a resend of this run
 
 
 async def test_an_overlong_device_id_is_rejected(ingest: tuple[str, Manager]) -> None:

@@ -8,8 +8,9 @@ import random
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -17,9 +18,12 @@ import numpy as np
 import pytest
 import structlog
 
+from allocator.service import build_server
+from manager.core import EwmaMarginForecaster, Manager
+from manager.service import IngestServicer
 from profiler.main import main as profiler_main
 from profiler.stream import Backoff, FixedRateLoop, FixedRateSchedule, SignatureStreamer
-from tests.profiler_fakes import ManualClock
+from tests.profiler_fakes import ManualClock, RecordingLogger
 from vgpu.client import grpc_target
 from vgpu.traces import AppTrace, write_trace
 from vgpu.v1 import ingest_pb2, ingest_pb2_grpc, signature_pb2
@@ -144,6 +148,158 @@ def test_buffer_drops_oldest_and_counts() -> None:
     assert s.dropped_since_last == 3 and s.stats.dropped_total == 3
 
 
+# --- at-least-once: the unacknowledged queue ---------------------------------------------------------
+
+
+class _TakingCall:
+    """A stream that takes every write (no server): the batches written, in order."""
+
+    def __init__(self) -> None:
+        self.written: list[ingest_pb2.SignatureBatch] = []
+
+    async def write(self, batch: ingest_pb2.SignatureBatch) -> None:
+        self.written.append(batch)
+
+
+def _on(call: _TakingCall, **kw: Any) -> SignatureStreamer:
+    s = SignatureStreamer(ListSource(), "unix:///nowhere.sock", logger=RecordingLogger(), **kw)  # type: ignore[arg-type]
+    s._call = call  # type: ignore[assignment]
+    return s
+
+
+def _seqs(sigs: Iterable[signature_pb2.BehavioralSignature]) -> list[int]:
+    return [x.seq for x in sigs]
+
+
+def _range(first: int, last: int) -> list[signature_pb2.BehavioralSignature]:
+    return [_sig("a", i) for i in range(first, last + 1)]
+
+
+async def test_a_reply_acknowledges_every_batch_up_to_its_tick_and_frees_them() -> None:
+    s = _on(_TakingCall())
+    for k in (1, 2, 3):
+        s.enqueue(_range(2 * k - 1, 2 * k))
+        await s._send(k)
+    assert s.unacked == 6 and not s.buffer and s.stats.acked == 0
+    s._acknowledge(2)  # one reply covers every batch up to its tick
+    assert s.unacked == 2 and s.stats.acked == 4
+    s._acknowledge(2)
+    assert s.unacked == 2 and s.stats.acked == 4
+    s._acknowledge(9)
+    assert s.unacked == 0 and s.stats.acked == 6
+    assert s._put_back() == 0 and not s.buffer  # nothing acknowledged is ever sent again
+
+
+async def test_a_broken_stream_puts_the_unacknowledged_back_in_front_in_order() -> None:
+    s = _on(_TakingCall())
+    s.enqueue(_range(1, 2))
+    await s._send(1)
+    s.enqueue(_range(3, 4))
+    await s._send(2)
+    s._acknowledge(1)
+    s.enqueue(_range(5, 6))  # pending, never written
+    assert s._put_back() == 2
+    assert _seqs(s.buffer) == [3, 4, 5, 6] and s.unacked == 0
+    again = _TakingCall()
+    s._call = again  # type: ignore[assignment]
+    await s._send(3)
+    assert _seqs(again.written[0].signatures) == [3, 4, 5, 6]
+    assert (s.stats.resent, s.stats.signatures_sent, s.unacked) == (2, 8, 4)
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["write-returns", "write-raises"])
+async def test_a_write_under_way_when_the_stream_breaks_is_held_and_sent_again(fails: bool) -> None:
+    s = _on(_TakingCall())
+
+    class Breaking(_TakingCall):
+        async def write(self, batch: ingest_pb2.SignatureBatch) -> None:
+            s._mark_lost()  # the stream breaks while this write is under way: it may or may not go out
+            await asyncio.sleep(0)
+            if fails:
+                raise grpc.aio.UsageError("the call is done")
+            await super().write(batch)
+
+    s._call = Breaking()  # type: ignore[assignment]
+    s.enqueue(_range(1, 3))
+    send = asyncio.create_task(s._send(1))
+    await asyncio.sleep(0)  # the write is under way: the connection task puts back only after it
+    async with s._sending:
+        assert send.done() and s.unacked == 3 and not s.buffer
+        assert s._put_back() == 3
+    assert _seqs(s.buffer) == [1, 2, 3] and s.stats.batches_sent == (0 if fails else 1)
+    again = _TakingCall()
+    s._call = again  # type: ignore[assignment]
+    await s._send(2)
+    assert _seqs(again.written[0].signatures) == [1, 2, 3] and s.stats.resent == 3
+
+
+async def test_a_drop_report_goes_again_when_its_batch_was_not_acknowledged() -> None:
+    call = _TakingCall()
+    s = _on(call, buffer_max=3)
+    s.enqueue(_range(1, 5))  # 2 dropped
+    await s._send(1)
+    assert call.written[-1].dropped_since_last == 2 and s.dropped_since_last == 0
+    s._put_back()
+    assert s.dropped_since_last == 2 and s.stats.dropped_total == 2  # reported again, not dropped again
+    await s._send(2)
+    assert call.written[-1].dropped_since_last == 2
+    s._acknowledge(2)
+    s._put_back()
+    assert s.dropped_since_last == 0
+
+
+async def test_a_batch_with_only_a_drop_report_is_held_until_acknowledged() -> None:
+    call = _TakingCall()
+    s = _on(call, max_batch_bytes=1024)
+    s.enqueue([signature_pb2.BehavioralSignature(app_id="h" * 2000, seq=1)])  # too big to send: dropped
+    await s._send(1)
+    assert len(call.written[-1].signatures) == 0 and call.written[-1].dropped_since_last == 1
+    s._put_back()
+    assert s.dropped_since_last == 1
+    await s._send(2)
+    s._acknowledge(2)
+    s._put_back()
+    assert s.dropped_since_last == 0
+
+
+@pytest.mark.parametrize("then", ["acknowledged", "broken"])
+async def test_the_bound_holds_unacknowledged_and_pending_together(then: str) -> None:
+    s = _on(_TakingCall(), buffer_max=5)
+    s.enqueue(_range(1, 4))
+    await s._send(1)
+    s.enqueue(_range(5, 7))  # 7 held: the 2 oldest, written and unacknowledged, are let go
+    assert s.unacked == 2 and _seqs(s.buffer) == [5, 6, 7]
+    assert s.stats.unacked_dropped == 2 and s.stats.dropped_total == 0 and s.dropped_since_last == 0
+    s.enqueue(_range(8, 10))  # 3 over: the last 2 unacknowledged, then the oldest pending
+    assert s.unacked == 0 and _seqs(s.buffer) == [6, 7, 8, 9, 10]
+    assert (s.stats.unacked_dropped, s.stats.dropped_total, s.dropped_since_last) == (4, 1, 1)
+    if then == "acknowledged":  # they were delivered after all: not lost, not reported
+        s._acknowledge(1)
+        assert s._put_back() == 0 and s.stats.acked == 4
+        assert (s.stats.dropped_total, s.dropped_since_last, s.stats.dropped_written) == (1, 1, 0)
+    else:  # their stream broke first: they may be lost, and now count as dropped
+        assert s._put_back() == 0
+        assert (s.stats.dropped_total, s.dropped_since_last, s.stats.dropped_written) == (5, 5, 4)
+    assert len(s.buffer) + s.unacked <= 5
+
+
+async def test_signatures_put_back_and_then_dropped_count_as_written_before() -> None:
+    s = _on(_TakingCall(), buffer_max=4)
+    s.enqueue(_range(1, 3))
+    await s._send(1)
+    s._call = None
+    s._put_back()  # 1, 2, 3 wait for the reconnect
+    s.enqueue(_range(4, 6))  # the outage goes on: 1 and 2 go
+    assert _seqs(s.buffer) == [3, 4, 5, 6]
+    assert (s.stats.dropped_total, s.stats.dropped_written) == (2, 2)
+    s.enqueue(_range(7, 8))  # then 3 (written before) and 4 (never written)
+    assert (s.stats.dropped_total, s.stats.dropped_written) == (4, 3)
+    again = _TakingCall()
+    s._call = again  # type: ignore[assignment]
+    await s._send(2)
+    assert _seqs(again.written[0].signatures) == [5, 6, 7, 8] and s.stats.resent == 0
+
+
 def test_bad_target_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="host:port"):
         SignatureStreamer(ListSource(), "no-port-here")
@@ -173,7 +329,7 @@ class IngestRecorder(ingest_pb2_grpc.IngestServicer):
         return [s.seq for b in self.batches for s in b.signatures]
 
 
-async def start_server(sock: Path, servicer: IngestRecorder) -> grpc.aio.Server:
+async def start_server(sock: Path, servicer: ingest_pb2_grpc.IngestServicer) -> grpc.aio.Server:
     server = grpc.aio.server()
     ingest_pb2_grpc.add_IngestServicer_to_server(servicer, server)
     server.add_insecure_port(f"unix://{sock}")
@@ -221,7 +377,9 @@ async def test_streams_reconnects_with_backoff_and_reports_drops(tmp_path: Path)
 
         await server.stop(grace=None)  # the manager goes away
         await wait_for(lambda: not streamer.connected)
-        await wait_for(lambda: streamer.stats.dropped_total >= 10)  # 2 per tick into a buffer of 12
+        # 2 per tick into a buffer of 12; what the first manager had not acknowledged was put back in
+        # front, so it is among the oldest and goes first: wait until it has all gone
+        await wait_for(lambda: streamer.stats.dropped_total >= 10 and streamer._resend_left == 0)
         assert len(streamer.buffer) == 12
         await wait_for(lambda: len(backoff_delays) >= 4)
         # capped exponential: each attempt waits about twice the one before, up to max_s
@@ -244,9 +402,9 @@ async def test_streams_reconnects_with_backoff_and_reports_drops(tmp_path: Path)
         streamer.stop()
         await asyncio.wait_for(task, 5.0)
         await server.stop(grace=None)
-    # nothing sent twice, nothing out of order
+    # nothing sent twice (what would have been resent was dropped in the outage), nothing out of order
     all_seqs = first.seqs() + second.seqs()
-    assert all_seqs == sorted(set(all_seqs))
+    assert all_seqs == sorted(set(all_seqs)) and streamer.stats.resent == 0
 
 
 async def test_starts_while_manager_is_down_and_source_errors_do_not_stop_it(tmp_path: Path) -> None:
@@ -275,6 +433,92 @@ async def test_starts_while_manager_is_down_and_source_errors_do_not_stop_it(tmp
         streamer.stop()
         await asyncio.wait_for(task, 5.0)
         await server.stop(grace=None)
+
+
+class ValidSource(ListSource):
+    """Signatures the manager accepts."""
+
+    def sample(self) -> list[signature_pb2.BehavioralSignature]:
+        out = super().sample()
+        for x in out:
+            x.device_id, x.pid, x.timestamp_s = "GPU-0", 1, 1.7e9 + x.seq * 0.01
+            x.process.gpu_mem_used_mib = 100.0
+        return out
+
+
+class SilentIngest(ingest_pb2_grpc.IngestServicer):
+    """Reads every batch and never answers, not even when the profiler ends the stream."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    async def StreamSignatures(self, request_iterator, context):  # type: ignore[no-untyped-def]  # noqa: N802
+        async for _ in request_iterator:
+            self.batches += 1
+        await asyncio.Event().wait()
+        yield ingest_pb2.IngestReply()  # pragma: no cover - never reached
+
+
+async def test_a_clean_end_waits_for_the_last_reply_so_everything_is_acknowledged(tmp_path: Path) -> None:
+    address = f"unix:{tmp_path}/m.sock"
+    manager = Manager(None, EwmaMarginForecaster(), min_samples=10**9)  # no decisions: no early replies
+    server = build_server(address, ingest_servicer=IngestServicer(manager, ack_interval_s=3600.0))
+    await server.start()
+    streamer = SignatureStreamer(ValidSource(per_tick=2), address, period_s=0.01, profiler_id="p")
+    task = asyncio.create_task(streamer.run())
+    try:
+        await wait_for(lambda: manager.stats.accepted >= 10)
+        assert streamer.stats.acked == 0 and streamer.unacked >= 10  # no reply yet: all held
+        streamer.stop()
+        stats = await asyncio.wait_for(task, 5.0)
+    finally:
+        await server.stop(0)
+    assert streamer.unacked == 0 and stats.acked == stats.signatures_sent == manager.stats.accepted
+
+
+async def test_a_clean_end_waits_a_bounded_time_for_a_reply_that_never_comes(tmp_path: Path) -> None:
+    sock = tmp_path / "m.sock"
+    silent = SilentIngest()
+    server = await start_server(sock, silent)
+    log = RecordingLogger()
+    streamer = SignatureStreamer(ListSource(per_tick=2), f"unix://{sock}", period_s=0.01, final_ack_timeout_s=0.2,
+                                 logger=log)  # type: ignore[arg-type]
+    task = asyncio.create_task(streamer.run())
+    try:
+        await wait_for(lambda: silent.batches >= 3)
+        streamer.stop()
+        t0 = asyncio.get_running_loop().time()
+        await asyncio.wait_for(task, 5.0)
+        waited = asyncio.get_running_loop().time() - t0
+    finally:
+        await server.stop(None)
+    assert waited < 1.0 and streamer.unacked > 0 and streamer.stats.acked == 0
+    (stopped,) = log.matching("profiler stream stopped")
+    assert stopped[2]["unacked"] == streamer.unacked
+
+
+async def test_a_resend_is_logged_once_per_reconnect(tmp_path: Path) -> None:
+    sock = tmp_path / "m.sock"
+    silent = SilentIngest()
+    server = await start_server(sock, silent)
+    log = RecordingLogger()
+    streamer = SignatureStreamer(ListSource(per_tick=3), f"unix://{sock}", period_s=0.01, logger=log,  # type: ignore[arg-type]
+                                 backoff=Backoff(initial_s=0.01, max_s=0.02), connect_timeout_s=0.2,
+                                 final_ack_timeout_s=0.05)
+    task = asyncio.create_task(streamer.run())
+    try:
+        await wait_for(lambda: silent.batches >= 4)
+        await server.stop(None)
+        await wait_for(lambda: streamer.stats.disconnects == 1)
+        server = await start_server(sock, silent)
+        await wait_for(lambda: streamer.stats.resent > 0 and streamer.connected)
+    finally:
+        streamer.stop()
+        await asyncio.wait_for(task, 5.0)
+        await server.stop(None)
+    (lost,) = log.matching("lost the manager stream")
+    assert lost[2]["resending"] >= 12  # every signature of the 4 batches, in one line
+    assert streamer.stats.resent == lost[2]["resending"]
 
 
 # --- `vgpu profiler` ---------------------------------------------------------------------------------
