@@ -3,7 +3,8 @@
 Each ingested `SignatureBatch` is read signature by signature in one pass (`parse_signature` in
 manager/columns.py: validated and turned into the window's values together; a columnar part is read
 as arrays there too; a malformed signature is rejected with a reason,
-an out-of-order one is rejected as such, the rest of the batch and the stream go on) and added to
+an out-of-order one is rejected as such, one the window already holds (a profiler's resend after a
+reconnect) is dropped quietly as a duplicate, the rest of the batch and the stream go on) and added to
 the per-application windows (manager/window.py, numpy ring buffers).
 
 Deciding. An application whose window got new samples is *due* for a forecast when it has at least
@@ -166,6 +167,7 @@ class ManagerStats:
     accepted: int = 0
     rejected: int = 0
     out_of_order: int = 0
+    duplicates: int = 0  # resent signatures the windows already held: dropped quietly, not rejected
     # forecaster calls (one per batch of due applications) and their summed wall time
     forecast_batches: int = 0
     forecast_failures: int = 0
@@ -182,6 +184,7 @@ class StreamState:
     peer: str = ""
     apps: set[str] = field(default_factory=set)
     delivered: int = 0
+    duplicates: int = 0
 
 
 Item = tuple[str, str, int, AppTrace, float, float]  # app, device, seq, window, mem used, SM used
@@ -306,6 +309,8 @@ class Manager:
                 kept_apps.add(app_id)
                 if apps is not None:
                     apps.add(app_id)
+            elif self.windows.holds(app_id, sig.seq, sig.timestamp_s):
+                self._duplicates(1, stream)
             else:
                 stats.out_of_order += 1
                 win = self.windows.window(app_id)
@@ -313,16 +318,17 @@ class Manager:
                     f"out of order: seq {sig.seq} at {sig.timestamp_s:.6f} s after seq {win.last_seq} "
                     f"at {win.last_t_s:.6f} s"))
         if batch.HasField("columns"):
-            accepted += self._accept_columns(batch.columns, len(sigs), reply, now, apps, kept_apps)
+            accepted += self._accept_columns(batch.columns, len(sigs), reply, now, stream, kept_apps)
         reply.accepted = accepted
         stats.accepted += accepted
         self._last_kept = kept_apps
         return reply
 
     def _accept_columns(self, msg: ingest_pb2.SignatureColumns, base: int, reply: ingest_pb2.IngestReply,
-                        now: float, apps: set[str] | None, kept_apps: set[str]) -> int:
+                        now: float, stream: StreamState | None, kept_apps: set[str]) -> int:
         """The columnar part of a batch (manager/columns.py): checked as arrays, then one bulk
         window append per application. Row i answers as index `base + i`. Returns how many were kept."""
+        apps = stream.apps if stream is not None else None
         stats = self.stats
         try:
             rows = read_columns(msg)
@@ -359,12 +365,24 @@ class Manager:
                     apps.add(app_id)
             if n_kept < len(grp):
                 win = self.windows.window(app_id)
-                for i in grp[~kept]:
+                behind = grp[~kept]
+                held = win.has(rows.seq[behind], rows.t_s[behind])
+                self._duplicates(int(held.sum()), stream)
+                for i in behind[~held]:
                     stats.out_of_order += 1
                     reply.rejected.add(index=base + int(i), app_id=app_id, reason=(
                         f"out of order: seq {int(rows.seq[i])} at {float(rows.t_s[i]):.6f} s; the window has seq "
                         f"{win.last_seq} at {win.last_t_s:.6f} s"))
         return accepted
+
+    def _duplicates(self, n: int, stream: StreamState | None) -> None:
+        """`n` signatures the windows already held: a profiler resends, after a reconnect, what no
+        reply had acknowledged (profiler/stream.py), and what this manager did read is held. They are
+        dropped quietly: no Rejection, counted per manager, per window store and per stream."""
+        self.stats.duplicates += n
+        self.windows.duplicates += n
+        if stream is not None:
+            stream.duplicates += n
 
     def due_apps(self, candidates: Iterable[str] | None = None) -> list[str]:
         """Applications (of `candidates`, by default every one with new samples) with new samples,

@@ -178,6 +178,8 @@ class StateSource:
             forecast_failures=s.forecast_failures,
             signatures_accepted=s.accepted,
             signatures_rejected=s.rejected,
+            signatures_out_of_order=s.out_of_order,
+            signatures_duplicate=s.duplicates,
             forecaster=self.manager.source,
             forecaster_reloads=getattr(forecaster, "reloads", 0),
             forecaster_reload_failures=getattr(forecaster, "reload_failures", 0),

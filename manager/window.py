@@ -6,8 +6,8 @@ to make room); `evict_idle(now_s)` drops applications silent for more than `idle
 whose time goes back, or whose `seq` is not above the application's last one at no newer time, is
 dropped and counted; a lower seq with a newer time is taken as a restarted profiler and kept.
 `holds(app_id, seq, t_s)` says whether the window already has a sample (same seq and time): a profiler
-resends what the manager did not acknowledge, and the ingest service drops such a resend before it
-reaches `add` (counted in `duplicates`), instead of rejecting it as out of order.
+resends what the manager did not acknowledge, and the manager drops such a resend quietly (counted in
+`duplicates`) instead of rejecting it as out of order.
 `trace(app_id)` gives the window as a `vgpu.traces.AppTrace` for forecasters.
 
 What a signature contributes (the canonical trace columns; unset fields are NaN):
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -188,7 +187,7 @@ class WindowStore:
         self.out_of_order = 0
         self.seq_restarts = 0
         self.evicted_total = 0
-        self.duplicates = 0  # resent samples the window already held, dropped by the caller (`holds`)
+        self.duplicates = 0  # resent samples the window already held, dropped by the manager (`holds`)
 
     def __len__(self) -> int:
         return len(self._apps)
@@ -220,27 +219,6 @@ class WindowStore:
         cheap first half of `holds`)."""
         win = self._apps.get(app_id)
         return win is not None and seq <= win.last_seq and t_s <= win.last_t_s
-
-    def holds_rows(self, app_ids: Sequence[str], app_index: np.ndarray, seq: np.ndarray,
-                   t_s: np.ndarray) -> np.ndarray:
-        """`holds` for many rows at once, row i being of `app_ids[app_index[i]]` (an index past
-        `app_ids` is held by no window): a vector test against each application's last sample, then
-        one pass over the window of each application with rows that pass it (a resend)."""
-        n = len(seq)
-        last_seq = np.zeros(len(app_ids) + 1, dtype=np.uint64)
-        last_t = np.full(len(app_ids) + 1, -math.inf)
-        for k, app_id in enumerate(app_ids):
-            win = self._apps.get(app_id)
-            if win is not None:
-                last_seq[k], last_t[k] = win.last_seq, win.last_t_s
-        at = np.where(app_index < len(app_ids), app_index, len(app_ids))
-        held = np.zeros(n, dtype=bool)
-        groups: dict[str, list[int]] = {}
-        for i in np.flatnonzero((seq <= last_seq[at]) & (t_s <= last_t[at])).tolist():
-            groups.setdefault(app_ids[int(at[i])], []).append(i)
-        for app_id, rows in groups.items():
-            held[rows] = self._apps[app_id].has(seq[rows], t_s[rows])
-        return held
 
     def add(self, sample: Sample, now_s: float) -> tuple[bool, list[str]]:
         """Add a sample. Returns (kept, apps evicted to make room). A sample that is out of order

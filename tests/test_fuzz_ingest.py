@@ -2,7 +2,8 @@
 
 Whatever a batch holds (any strings, NaN/inf/negative/huge counters, any seq and time, duplicates and
 reordering), `Manager.accept` never raises; every signature is accounted for exactly once (accepted,
-rejected with a reason, or counted out of order); the windows only ever hold finite, non-negative
+rejected with a reason, rejected as out of order, or dropped as a duplicate of a sample the window
+holds); the windows only ever hold finite, non-negative
 values; forecast ticks on what got in give finite, in-range recommendations; and bytes off the wire
 either parse as a SignatureBatch or raise protobuf's DecodeError."""
 
@@ -66,24 +67,26 @@ def _window_values_are_clean(m: Manager) -> None:
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batches=st.lists(st.lists(signatures(), max_size=8), min_size=1, max_size=3),
-       dropped=st.integers(0, 2**64 - 1))
+       dropped=st.integers(0, 2**64 - 1), resend=st.booleans())
 def test_every_signature_is_accounted_for_and_windows_stay_clean(
-    batches: list[list[spb.BehavioralSignature]], dropped: int
+    batches: list[list[spb.BehavioralSignature]], dropped: int, resend: bool
 ) -> None:
     m = Manager(None, EwmaMarginForecaster(), windows=WindowStore(max_samples=8, max_apps=4), clock=lambda: 1000.0)
     total = 0
-    for k, sigs in enumerate(batches):
-        ooo = m.stats.out_of_order
+    # a profiler resends the first batch after a reconnect: what the windows hold of it are duplicates
+    for k, sigs in enumerate(batches + batches[:1] if resend else batches):
+        ooo, dup = m.stats.out_of_order, m.stats.duplicates
         reply = m.accept(ingest_pb2.SignatureBatch(tick=k, signatures=sigs, dropped_since_last=dropped))
         total += len(sigs)
         assert reply.tick == k
-        assert reply.accepted + len(reply.rejected) == len(sigs)
+        assert reply.accepted + len(reply.rejected) + (m.stats.duplicates - dup) == len(sigs)
         assert sum(r.reason.startswith("out of order") for r in reply.rejected) == m.stats.out_of_order - ooo
         for r in reply.rejected:
             assert 0 <= r.index < len(sigs) and r.reason
             assert validate_signature(sigs[r.index]) == (None if r.reason.startswith("out of order") else r.reason)
             assert len(r.app_id) <= 256
-    assert m.stats.accepted + m.stats.rejected + m.stats.out_of_order == total == m.stats.signatures
+    accounted = m.stats.accepted + m.stats.rejected + m.stats.out_of_order + m.stats.duplicates
+    assert accounted == total == m.stats.signatures
     assert len(m.windows) <= 4
     _window_values_are_clean(m)
 
@@ -118,4 +121,5 @@ def test_bytes_off_the_wire_parse_or_raise_decode_error_and_never_crash_accept(d
         return
     m = Manager(None, EwmaMarginForecaster(), clock=lambda: 1000.0)
     reply = m.accept(batch)
-    assert reply.accepted + len(reply.rejected) + m.stats.out_of_order == len(batch.signatures)
+    # out-of-order signatures are among the rejections; duplicates are dropped without one
+    assert reply.accepted + len(reply.rejected) + m.stats.duplicates == len(batch.signatures)

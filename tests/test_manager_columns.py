@@ -82,8 +82,10 @@ def test_out_of_order_rows_are_rejected_as_such_and_the_rest_windowed() -> None:
     cols = encode_columns(["a"] * 4, [GPU] * 4, [4, 6, 6, 7], [1000.4, 1000.6, 1000.6, 1000.7],
                           {"mem_used_mib": [1, 2, 3, 4]})
     reply = m.accept(ingest_pb2.SignatureBatch(tick=2, columns=cols))
-    assert reply.accepted == 2 and [r.index for r in reply.rejected] == [0, 2]
-    assert all(r.reason.startswith("out of order") for r in reply.rejected) and m.stats.out_of_order == 2
+    # row 0 is late; row 2 repeats row 1 (same seq and time): the same sample again, a duplicate
+    assert reply.accepted == 2 and [r.index for r in reply.rejected] == [0]
+    assert reply.rejected[0].reason.startswith("out of order") and m.stats.out_of_order == 1
+    assert m.stats.duplicates == 1
     assert [s.seq for s in m.windows.window("a").samples] == [5, 6, 7]
 
 

@@ -55,3 +55,22 @@ def test_forecast_batch_summary_counts_forecaster_calls_not_applications_or_tick
     total = registry.get_sample_value("vgpu_forecast_batch_seconds_sum")
     assert total is not None and total >= 0.0 and total == mgr.stats.forecast_s_total
     assert registry.get_sample_value("vgpu_forecast_tick_seconds_count") is None  # the old, misleading name is gone
+
+
+def test_signature_results_are_counted_apart() -> None:
+    """Accepted, malformed, out of order and a profiler's resend (held already): four results."""
+    clock = FakeClock()
+    alloc = Allocator(FakeBackend([FakeDevice(GPU)]), clock=clock)
+    mgr = Manager(alloc, EwmaMarginForecaster(), clock=clock, min_samples=100)
+    registry = CollectorRegistry()
+    DaemonMetrics(registry, StateSource(alloc, mgr))
+    first = [_sig("a", k, 1000.0 + k) for k in (1, 2, 3)]
+    mgr.ingest(ingest_pb2.SignatureBatch(profiler_id="p", tick=1, signatures=first))
+    late = _sig("a", 1, 1000.5)  # seq 1 again at a time the window does not hold: out of order
+    bad = _sig("", 9, 1010.0)  # no application id: malformed
+    mgr.ingest(ingest_pb2.SignatureBatch(profiler_id="p", tick=2, signatures=[*first[1:], late, bad]))
+
+    def value(result: str) -> float | None:
+        return registry.get_sample_value("vgpu_signatures_total", {"result": result})
+
+    assert (value("accepted"), value("duplicate"), value("out_of_order"), value("rejected")) == (3, 2, 1, 1)

@@ -69,7 +69,9 @@ class CounterSnapshot:
     forecast_s_total: float = 0.0
     forecast_failures: int = 0
     signatures_accepted: int = 0
-    signatures_rejected: int = 0
+    signatures_rejected: int = 0  # malformed
+    signatures_out_of_order: int = 0  # rejected: older than the application's last sample
+    signatures_duplicate: int = 0  # a profiler's resend the window already held, dropped quietly
     forecaster: str = ""  # "model" or "baseline"; empty = unknown
     forecaster_reloads: int = 0
     forecaster_reload_failures: int = 0
@@ -149,6 +151,8 @@ class _StateCollector(Collector):
         sigs = CounterMetricFamily("vgpu_signatures", "Signatures ingested", labels=["result"])
         sigs.add_metric(["accepted"], c.signatures_accepted)
         sigs.add_metric(["rejected"], c.signatures_rejected)
+        sigs.add_metric(["out_of_order"], c.signatures_out_of_order)
+        sigs.add_metric(["duplicate"], c.signatures_duplicate)
         yield sigs
         serving = GaugeMetricFamily("vgpu_forecaster_serving", "1 for the forecaster that serves", labels=["forecaster"])
         if c.forecaster:
