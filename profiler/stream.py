@@ -11,7 +11,7 @@
   least every `ack_interval_ms` and when the stream ends). When the stream breaks, the unacknowledged
   signatures go back in front of the pending ones, in order, and are written again after the reconnect
   (`resent`, logged once per reconnect). A manager that had read some of them drops those quietly
-  (same application, seq and time as a sample in its window; manager/service.py); a restarted one
+  (same application, seq and time as a sample in its window; Manager.accept); a restarted one
   takes them all. So, while the profiler runs, every signature the source produced reaches the manager
   at least once (and its window once), unless the bound drops it, and then it is counted.
 * **The bound** covers both: unacknowledged + pending <= `buffer_max`. When full, the oldest go first.
