@@ -59,6 +59,44 @@ def test_grant_survives_kill_9_and_restart(env: Env, serves: list[Serve]) -> Non
     assert serves[-1].term() == 0
 
 
+def test_a_cgroup_limit_left_by_kill_9_gets_its_original_back(env: Env, serves: list[Serve]) -> None:
+    """The grant of a process caps its cgroup's GPU memory (the simulated device keeps the limit in the
+    state dir, as a driver keeps it across a daemon crash). The daemon dies with kill -9, then the
+    process ends; the next run finds no grant holding the cgroup and writes the recorded original back."""
+    from allocator.limits import read_cgroup
+
+    sim_file = env.state / "sim-devices.json"
+
+    def limits() -> dict[str, list[float]]:
+        (dev,) = json.loads(sim_file.read_text())["devices"].values()
+        return dict(dev.get("memory_limits_mib", {}))
+
+    app = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        cgroup = read_cgroup(app.pid)
+        if cgroup is None:
+            pytest.skip("no readable /proc/<pid>/cgroup here")
+        serves.append(Serve(env))
+        assert limits() == {}
+        env.json("request", "--app", "job1", "--memory-mib", "2048", "--pid", str(app.pid))
+        assert limits()[cgroup][1] == 2048.0  # the hard limit is the grant
+        serves[-1].kill9()
+        assert limits()[cgroup][1] == 2048.0  # a crash leaves it in force
+    finally:
+        app.kill()
+        app.wait(10)
+
+    serves.append(Serve(env))
+    rec = serves[-1].event("reconciled")
+    assert len(rec["released_process_gone"]) == 1
+    assert list(rec["cgroup_originals"].values()) == ["restored"] and next(iter(rec["cgroup_originals"])).endswith(f" {cgroup}")
+    assert limits() == {}  # back to no limit, the original
+    assert serves[-1].term() == 0
+    serves.append(Serve(env))  # nothing is left to put back
+    assert serves[-1].event("reconciled")["cgroup_originals"] == {}
+    assert serves[-1].term() == 0
+
+
 def test_graceful_stop_restores_the_power_limit(env: Env, serves: list[Serve]) -> None:
     """The simulated GPU keeps its settings in the state dir, as a real GPU keeps them across a daemon
     crash. The first run records the original limit; we then put the device at 450 W, as an
