@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import bisect
 import csv
+import functools
 import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -187,13 +188,14 @@ def choose_power_limit_mw(
         return PowerChoice(lo, 0.0, curve.throughput_at(lo / hi), "idle")
     busy_cap = 1.0 - config.slowdown_bound
     required = min(busy_cap, need / config.max_busy_frac)
-    idle_w = config.idle_power_frac * hi / 1000.0
-    feasible = [x for x in _grid(lo, hi, config.step_mw) if curve.throughput_at(x / hi) >= required - 1e-12]
-    if not feasible:
+    table = _limit_table(lo, hi, config.step_mw, config.idle_power_frac, curve)
+    # the grid's throughputs never fall as the limit rises: the fast-enough limits are a suffix
+    first = bisect.bisect_left(table.throughput, required - 1e-12)
+    if first == len(table.limits):
         return PowerChoice(hi, required, curve.throughput_at(1.0), "busy")
     # among the limits fast enough, the one with the least energy per unit of work (ties: lowest)
-    chosen = min(feasible, key=lambda x: (round(_energy_per_work(x, hi, idle_w, curve), 9), x))
-    lowest_feasible = feasible[0]
+    chosen = table.limits[table.best_from[first]]
+    lowest_feasible = table.limits[first]
     if chosen > lowest_feasible:
         reason = "energy-optimal"
     else:
@@ -210,6 +212,29 @@ def _busy_w(limit_mw: int, max_mw: int, idle_w: float, curve: PowerCurve) -> flo
 def _energy_per_work(limit_mw: int, max_mw: int, idle_w: float, curve: PowerCurve) -> float:
     """(busy draw - idle draw) / speed at this limit: the energy one unit of work adds."""
     return (_busy_w(limit_mw, max_mw, idle_w, curve) - idle_w) / max(curve.throughput_at(limit_mw / max_mw), 1e-6)
+
+
+@dataclass(frozen=True)
+class _LimitTable:
+    """The candidate limits of one device on the step grid, their throughput ratios (never falling,
+    as the curve's), and for each index i the index of the least-energy limit among limits[i:]
+    (ties: the lowest limit). What a choice needs, computed once per (constraints, curve, config)."""
+
+    limits: tuple[int, ...]
+    throughput: tuple[float, ...]
+    best_from: tuple[int, ...]
+
+
+@functools.lru_cache(maxsize=64)
+def _limit_table(lo: int, hi: int, step: int, idle_power_frac: float, curve: PowerCurve) -> _LimitTable:
+    limits = _grid(lo, hi, step)
+    idle_w = idle_power_frac * hi / 1000.0
+    energy = [round(_energy_per_work(x, hi, idle_w, curve), 9) for x in limits]
+    best = [0] * len(limits)
+    best[-1] = len(limits) - 1
+    for i in range(len(limits) - 2, -1, -1):
+        best[i] = i if energy[i] <= energy[best[i + 1]] else best[i + 1]
+    return _LimitTable(tuple(limits), tuple(curve.throughput_at(x / hi) for x in limits), tuple(best))
 
 
 def _grid(lo: int, hi: int, step: int) -> list[int]:

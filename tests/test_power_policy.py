@@ -78,6 +78,25 @@ def test_choice_stays_within_the_constraints() -> None:
         choose_power_limit_mw(50.0, PowerConstraints(min_mw=2, max_mw=1, default_mw=1))
 
 
+@pytest.mark.parametrize("constraints", [H100, PowerConstraints(min_mw=231_000, max_mw=450_123, default_mw=450_123)])
+@pytest.mark.parametrize("step_mw", [1000, 5000, 7000])
+def test_the_choice_is_the_least_energy_limit_that_is_fast_enough(constraints: PowerConstraints, step_mw: int) -> None:
+    """The choice (made from a table cached per device) against its definition, limit by limit:
+    of the grid's limits whose throughput reaches the required ratio, the least energy per unit of
+    work, the lowest of equals."""
+    from allocator.power_policy import _energy_per_work, _grid
+
+    lo, hi = constraints.min_mw, constraints.max_mw
+    for bound, busy in ((0.05, 0.9), (0.0, 1.0), (0.3, 0.5)):
+        config = PowerPolicyConfig(slowdown_bound=bound, max_busy_frac=busy, step_mw=step_mw)
+        idle_w = config.idle_power_frac * hi / 1000.0
+        for need in [5.5 + 1.5 * k for k in range(64)]:
+            required = min(1 - bound, need / 100 / busy)
+            fast = [x for x in _grid(lo, hi, step_mw) if DEFAULT_CURVE.throughput_at(x / hi) >= required - 1e-12]
+            want = min(fast, key=lambda x: (round(_energy_per_work(x, hi, idle_w, DEFAULT_CURVE), 9), x)) if fast else hi
+            assert choose_power_limit_mw(need, constraints, DEFAULT_CURVE, config).limit_mw == want, (need, bound, busy)
+
+
 def test_bad_curves_and_files_are_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no Zeus power summary"):
         load_zeus_curve(tmp_path, "a40")
