@@ -378,9 +378,8 @@ class Manager:
     def _duplicates(self, n: int, stream: StreamState | None) -> None:
         """`n` signatures the windows already held: a profiler resends, after a reconnect, what no
         reply had acknowledged (profiler/stream.py), and what this manager did read is held. They are
-        dropped quietly: no Rejection, counted per manager, per window store and per stream."""
+        dropped quietly: no Rejection, counted per manager and per stream."""
         self.stats.duplicates += n
-        self.windows.duplicates += n
         if stream is not None:
             stream.duplicates += n
 

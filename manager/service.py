@@ -18,7 +18,7 @@ A reply's `tick` is what the profiler counts as delivered: it resends, after a r
 batches no reply had covered when its stream broke (profiler/stream.py). Those this manager had
 read are already in its windows: the manager drops such a signature (`WindowStore.holds`: same
 application, seq and time as a sample the window has) quietly: no Rejection, no log line of its own,
-counted in the manager's stats, `WindowStore.duplicates` and per stream (the `profiler_disconnected`
+counted in the manager's stats and per stream (the `profiler_disconnected`
 line). A restarted manager holds nothing, so it takes the resent batches like any other.
 """
 

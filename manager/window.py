@@ -6,8 +6,8 @@ to make room); `evict_idle(now_s)` drops applications silent for more than `idle
 whose time goes back, or whose `seq` is not above the application's last one at no newer time, is
 dropped and counted; a lower seq with a newer time is taken as a restarted profiler and kept.
 `holds(app_id, seq, t_s)` says whether the window already has a sample (same seq and time): a profiler
-resends what the manager did not acknowledge, and the manager drops such a resend quietly (counted in
-`duplicates`) instead of rejecting it as out of order.
+resends what the manager did not acknowledge, and the manager drops such a resend quietly instead of
+rejecting it as out of order.
 `trace(app_id)` gives the window as a `vgpu.traces.AppTrace` for forecasters.
 
 What a signature contributes (the canonical trace columns; unset fields are NaN):
@@ -187,7 +187,6 @@ class WindowStore:
         self.out_of_order = 0
         self.seq_restarts = 0
         self.evicted_total = 0
-        self.duplicates = 0  # resent samples the window already held, dropped by the manager (`holds`)
 
     def __len__(self) -> int:
         return len(self._apps)
@@ -209,16 +208,10 @@ class WindowStore:
         not newer, and a sample with that seq and time still in the window. A profiler resends the
         batches the manager had not acknowledged when the stream broke; those the manager did read
         are held. A sample that is merely late is not held (`add` drops it as out of order); neither
-        is one so old that the window no longer keeps it. Pure: the caller drops the held ones and
-        counts them in `duplicates`."""
-        return self.behind(app_id, seq, t_s) and bool(
-            self._apps[app_id].has(np.array([seq], dtype=np.uint64), np.array([t_s]))[0])
-
-    def behind(self, app_id: str, seq: int, t_s: float) -> bool:
-        """Seq not above the application's last and time not newer: a resend, or a late sample (the
-        cheap first half of `holds`)."""
+        is one so old that the window no longer keeps it. Pure: the caller drops the held ones."""
         win = self._apps.get(app_id)
-        return win is not None and seq <= win.last_seq and t_s <= win.last_t_s
+        return (win is not None and seq <= win.last_seq and t_s <= win.last_t_s
+                and bool(win.has(np.array([seq], dtype=np.uint64), np.array([t_s]))[0]))
 
     def add(self, sample: Sample, now_s: float) -> tuple[bool, list[str]]:
         """Add a sample. Returns (kept, apps evicted to make room). A sample that is out of order

@@ -113,7 +113,7 @@ async def test_out_of_order_signatures_are_not_windowed_and_the_stream_survives(
     assert (r1.accepted, r2.accepted) == (2, 1)
     # seq 3 and 4 are late (out of order); seq 5 a second time, at the same time, is the same sample:
     # a duplicate, dropped quietly
-    assert manager.stats.out_of_order == 2 and manager.windows.duplicates == 1
+    assert manager.stats.out_of_order == 2 and manager.stats.duplicates == 1
     assert [s.seq for s in manager.windows.window("a").samples] == [5, 6, 7]
 
 
@@ -140,7 +140,7 @@ async def test_a_resend_of_what_the_manager_has_is_dropped_quietly_and_counted(i
             await asyncio.sleep(0.01)
     assert reply.accepted == 1
     assert [(r.index, r.app_id) for r in reply.rejected] == [(3, "b")]  # indexes of the batch as sent
-    assert manager.windows.duplicates == 3 and manager.stats.out_of_order == 0 and manager.stats.rejected == 1
+    assert manager.stats.duplicates == 3 and manager.stats.out_of_order == 0 and manager.stats.rejected == 1
     assert [s.seq for s in manager.windows.window("a").samples] == [1, 2, 3, 4]
     assert not [e for e in logs if e["log_level"] in ("warning", "error")]
     assert [e["duplicates"] for e in logs if e["event"] == "profiler_disconnected" and e["duplicates"]] == [3]
@@ -164,7 +164,7 @@ async def test_a_columnar_resend_is_dropped_row_by_row_and_the_rest_answered_as_
     cols, rows = columns_from_signatures(again)
     batch = ingest_pb2.SignatureBatch(tick=2, signatures=[bad], columns=cols)
     (reply,) = await _exchange(address, [batch])
-    assert reply.accepted == 30 and manager.windows.duplicates == 300
+    assert reply.accepted == 30 and manager.stats.duplicates == 300
     # index 0 is the row; columnar row j is 1 + j in the batch as sent
     assert sorted((r.index, r.app_id) for r in reply.rejected) == [(0, "a1"), (1 + 150, "a0")]
     assert "order" in next(r.reason for r in reply.rejected if r.index == 151)
@@ -181,7 +181,7 @@ async def test_a_restarted_manager_takes_a_resent_batch_whole(tmp_path: Path) ->
         (reply,) = await _exchange(address, [ingest_pb2.SignatureBatch(tick=9, signatures=[sig("a", k) for k in (1, 2)])])
     finally:
         await server.stop(0)
-    assert reply.accepted == 2 and manager.windows.duplicates == 0
+    assert reply.accepted == 2 and manager.stats.duplicates == 0
 
 
 def test_the_window_holds_only_samples_it_has() -> None:

@@ -163,7 +163,7 @@ async def test_abrupt_manager_stops_lose_nothing_uncounted(tmp_path: Path) -> No
     assert manager.stats.accepted == source.emitted
     assert manager.stats.out_of_order == manager.stats.rejected == streamer.stats.rejected == 0
     # a duplicate needs a resend; `resent` also counts rewrites of writes that failed (and may have gone out)
-    assert manager.windows.duplicates <= streamer.stats.resent
+    assert manager.stats.duplicates <= streamer.stats.resent
     assert source.emitted <= streamer.stats.signatures_sent <= source.emitted + streamer.stats.resent
 
 
@@ -193,7 +193,7 @@ async def test_a_manager_that_read_only_some_batches_loses_none(tmp_path: Path, 
         await until(lambda: not streamer.buffer and _seqs(second)[-1:] == [source.emitted])
     assert streamer.unacked == 0 and streamer.stats.acked == source.emitted  # the last reply, at the end
     assert _seqs(second) == list(range(1, source.emitted + 1))  # each exactly once
-    assert second.windows.duplicates == (0 if restarted else had)
+    assert second.stats.duplicates == (0 if restarted else had)
     assert second.stats.accepted == source.emitted  # the same manager: `had` before, the rest after
     assert second.stats.rejected == second.stats.out_of_order == streamer.stats.rejected == 0
     assert streamer.stats.dropped_total == 0 and streamer.stats.resent > had
