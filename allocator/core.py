@@ -26,11 +26,11 @@ from typing import Protocol
 
 import structlog
 
-from allocator.enforce import PowerLimitMechanism, PowerLimitResult
-from allocator.errors import DeviceError, InvalidRequest, NotSupported, VerifyFailed
-from allocator.ledger import AppLimits, DeviceCapacity, DeviceUsage, Grant, Ledger
-from allocator.limits import CgroupMemoryLimits, read_cgroup
-from allocator.plan import (
+from vgpu.allocator.errors import DeviceError, InvalidRequest, NotSupported, VerifyFailed
+from vgpu.allocator.ledger import AppLimits, DeviceCapacity, DeviceUsage, Grant, Ledger
+from vgpu.allocator.mechanisms.limits import CgroupMemoryLimits, read_cgroup
+from vgpu.allocator.mechanisms.power import PowerLimitMechanism, PowerLimitResult
+from vgpu.allocator.policy.base import (
     BaselinePolicy,
     DeviceView,
     GrantTarget,
@@ -39,25 +39,12 @@ from allocator.plan import (
     Plan,
     Policy,
     Recommendation,
+    Sizer,
+    Sizing,
 )
 from vgpu.device.base import Backend, Device, GpuInstance, PowerConstraints
 from vgpu.jobs import InvalidJobConfig, JobConfig
 from vgpu.log import get_logger
-
-
-@dataclass(frozen=True)
-class Sizing:
-    memory_mib: float
-    sm_pct: float
-    reason: str = ""
-
-
-class Sizer(Protocol):
-    """Cold-start sizing (manager/coldstart.py): a job with no history -> initial grant."""
-
-    def size(self, job: JobConfig, *, mem_total_mib: float) -> Sizing:
-        """Raises `InvalidJobConfig` when the job says too little to be sized."""
-        ...
 
 
 class MigMechanism(Protocol):

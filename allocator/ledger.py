@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
-from allocator.errors import InsufficientResources, InvalidRequest, NotFound, PermissionDenied
+from vgpu.allocator.errors import InsufficientResources, InvalidRequest, NotFound, PermissionDenied
 
 Source = Literal["request", "forecast", "cold_start"]
 SOURCES: tuple[str, ...] = ("request", "forecast", "cold_start")

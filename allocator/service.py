@@ -20,7 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from allocator.core import (
+from vgpu.allocator.core import (
     AllocationEvent,
     AllocationRequest,
     Allocator,
@@ -28,8 +28,8 @@ from allocator.core import (
     DeviceResources,
     EventKind,
 )
-from allocator.errors import InvalidRequest, status_for
-from allocator.ledger import AppLimits, Grant
+from vgpu.allocator.errors import InvalidRequest, status_for
+from vgpu.allocator.ledger import AppLimits, Grant
 from vgpu.jobs import InvalidJobConfig, JobConfig
 from vgpu.log import get_logger
 from vgpu.v1 import allocator_pb2 as pb

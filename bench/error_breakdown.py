@@ -32,10 +32,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from manager.baselines import GbdtForecaster, LastValueForecaster  # noqa: E402
-from manager.evaluate import OriginScores, gbdt_training_apps, load_model, score_origins  # noqa: E402
-from manager.forecast import HORIZONS_S, Forecaster  # noqa: E402
-from manager.splits import select  # noqa: E402
+from vgpu.manager.baselines import GbdtForecaster, LastValueForecaster  # noqa: E402
+from vgpu.manager.forecast import HORIZONS_S, Forecaster  # noqa: E402
+from vgpu.offline.evaluate import OriginScores, gbdt_training_apps, load_model, score_origins  # noqa: E402
+from vgpu.offline.splits import select  # noqa: E402
 from vgpu.traces import TARGETS, TraceFormatError, read_trace  # noqa: E402
 
 PROG = "bench/error_breakdown.py"

@@ -7,7 +7,7 @@ included (what the manager pays per forecast tick).
 Each application's history is `--history-s` seconds of 100 ms samples (the profiler's rate) with
 memory, compute, capacity and power, as the manager's window holds them. `--model` picks a
 checkpoint (default: the shipped one; an untrained model of the default configuration where none
-is shipped, which costs the same). `--mode` picks how the network runs (manager.predictor.MODES:
+is shipped, which costs the same). `--mode` picks how the network runs (vgpu.manager.predictor.MODES:
 eager, fused, onnx; default: the daemon's, onnx); `torchscript` traces the eager network with
 TorchScript, for comparison. `mode_serving` says what ran (onnx falls back to fused without ONNX
 Runtime).
@@ -27,11 +27,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from manager.checkpoint import Checkpoint, Metadata, load_checkpoint  # noqa: E402
-from manager.features import N_FEATURES, FeatureSpec  # noqa: E402
-from manager.model import ModelConfig, TransformerBiGRU  # noqa: E402
-from manager.predictor import DEFAULT_MODE, DEFAULT_MODEL_PATH, MODES, ModelForecaster  # noqa: E402
-from manager.train import DEFAULT_WINDOW_S  # noqa: E402
+from vgpu.manager.checkpoint import Checkpoint, Metadata, load_checkpoint  # noqa: E402
+from vgpu.manager.features import N_FEATURES, FeatureSpec  # noqa: E402
+from vgpu.manager.model import ModelConfig, TransformerBiGRU  # noqa: E402
+from vgpu.manager.predictor import DEFAULT_MODE, DEFAULT_MODEL_PATH, MODES, ModelForecaster  # noqa: E402
+from vgpu.offline.train import DEFAULT_WINDOW_S  # noqa: E402
 from vgpu.traces import AppTrace  # noqa: E402
 
 TICK_MS = 100
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         forecaster.forecast_batch(hist)
     times = []
     feat_times = []
-    from manager.features import encode_latest  # noqa: PLC0415
+    from vgpu.manager.features import encode_latest  # noqa: PLC0415
 
     for _ in range(args.iterations):
         t0 = time.perf_counter()

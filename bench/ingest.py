@@ -63,11 +63,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from manager.core import Decision, Manager  # noqa: E402
-from profiler.replay import ReplaySource  # noqa: E402
-from profiler.stream import DEFAULT_COLUMNS_FROM, SignatureStreamer  # noqa: E402
 from vgpu.config import ManagerConfig  # noqa: E402
 from vgpu.device.sim import SimBackend  # noqa: E402
+from vgpu.manager.core import Decision, Manager  # noqa: E402
+from vgpu.profiler.replay import ReplaySource  # noqa: E402
+from vgpu.profiler.stream import DEFAULT_COLUMNS_FROM, SignatureStreamer  # noqa: E402
 from vgpu.traces import AppTrace, Trace, read_trace  # noqa: E402
 from vgpu.v1 import ingest_pb2, ingest_pb2_grpc, signature_pb2  # noqa: E402
 
@@ -109,10 +109,10 @@ def manager_main(conn: Connection, address: str, gpus: int, forecast_interval_s:
                  ack_interval_s: float = ACK_INTERVAL_S, null: bool = False) -> None:
     """Child process: serve until told to stop, then send back the manager's counters. With
     `profile_path`, the event loop's thread runs under cProfile and its stats are dumped there."""
-    from allocator.core import Allocator
-    from allocator.service import AllocatorServicer, build_server
-    from manager.service import IngestServicer
     from vgpu import log
+    from vgpu.allocator.core import Allocator
+    from vgpu.allocator.service import AllocatorServicer, build_server
+    from vgpu.manager.service import IngestServicer
 
     log.configure("console", "error")
     conn_info: dict[str, str] = {}
@@ -176,13 +176,13 @@ class NullIngest(ingest_pb2_grpc.IngestServicer):
 
 
 def open_forecaster(which: str) -> Any:
-    """"baseline": the manager's fallback; "model": the shipped checkpoint (manager.predictor's
+    """"baseline": the manager's fallback; "model": the shipped checkpoint (vgpu.manager.predictor's
     DEFAULT_MODEL_PATH), which must load; "default": what `vgpu serve` uses with no model
     configured, the shipped checkpoint when it loads, else the baseline."""
     if which == "baseline":
         return None
     try:
-        from manager.predictor import DEFAULT_MODEL_PATH, load_forecaster
+        from vgpu.manager.predictor import DEFAULT_MODEL_PATH, load_forecaster
 
         return load_forecaster(DEFAULT_MODEL_PATH)
     except Exception:
@@ -487,7 +487,7 @@ class ColumnEncoder(BatchEncoder):
             self.rows.append(np.stack([a.column("mem_used_mib")[:k], a.column("sm_util_pct")[:k], np.full(k, 81559.0)]))
 
     def batch(self, profiler_id: str, tick: int, app_idx: Sequence[int], per_app: int) -> tuple[bytes, int]:
-        from manager.columns import encode_columns
+        from vgpu.wire import encode_columns
 
         if per_app * len(app_idx) < self.columns_from:
             return super().batch(profiler_id, tick, app_idx, per_app)

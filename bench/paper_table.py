@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from manager import jobprofiles  # noqa: E402
-from manager.regressors import ALL_MODELS, BiGRUSettings, fit_predict, regression_metrics, split_indices  # noqa: E402
+from vgpu.manager import jobprofiles  # noqa: E402
+from vgpu.manager.regressors import ALL_MODELS, BiGRUSettings, fit_predict, regression_metrics, split_indices  # noqa: E402
 
 TARGETS: tuple[str, ...] = ("peak_mem_mib", "sm_util_pct")
 PAPER = {  # the paper's own 517-row private set: (MSE, R2); its units are not stated

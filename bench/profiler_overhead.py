@@ -2,9 +2,9 @@
 
     python bench/profiler_overhead.py --gpus 8 --apps 64 --json
 
-What runs in this process: `profiler.sampler.Sampler` over a `SimBackend` of `--gpus` H100s running
+What runs in this process: `vgpu.profiler.sampler.Sampler` over a `SimBackend` of `--gpus` H100s running
 `--apps` applications (the bundled demo trace's applications, looping, spread round-robin over the
-GPUs), and `profiler.stream.SignatureStreamer` sending one batch per 100 ms tick over gRPC on a Unix
+GPUs), and `vgpu.profiler.stream.SignatureStreamer` sending one batch per 100 ms tick over gRPC on a Unix
 socket to a sink server in a child process (it answers each batch with an `IngestReply`, so the
 profiler reads replies as it would from the manager; the sink's own CPU is not counted).
 
@@ -39,9 +39,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from profiler.sampler import Sampler  # noqa: E402
-from profiler.stream import SignatureStreamer  # noqa: E402
 from vgpu.device.sim import SimBackend  # noqa: E402
+from vgpu.profiler.sampler import Sampler  # noqa: E402
+from vgpu.profiler.stream import SignatureStreamer  # noqa: E402
 from vgpu.traces import AppTrace, read_trace  # noqa: E402
 from vgpu.v1 import ingest_pb2, ingest_pb2_grpc  # noqa: E402
 

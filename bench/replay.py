@@ -19,7 +19,7 @@ Policies (one run, the same packing):
 - `predictive` (vgpu): the P90 forecast over 1-5 s from the forecaster (the trained checkpoint when
   present, else gradient-boosted trees trained on the trace's train split, else the VPA percentile;
   the JSON says which), through the policy with the settings the daemon plans with
-  (`allocator.policy.PREDICTIVE_CONFIG`: margin, overrun bumps, SM threshold and shrink dwell).
+  (`vgpu.allocator.policy.forecast.PREDICTIVE_CONFIG`: margin, overrun bumps, SM threshold and shrink dwell).
   `--set NAME=VALUE` (repeatable) overrides one of those settings for a trade-off study; the JSON
   lists the overrides under `predictive_overrides`.
 - `oracle`: perfect foresight: the true peak of the next 5 s, no margin, through the policy.
@@ -55,12 +55,12 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from allocator.enforce import PowerLimitMechanism  # noqa: E402
-from allocator.policy import PREDICTIVE_CONFIG, AppState, DeviceState, PolicyConfig, plan  # noqa: E402
-from allocator.power_policy import PowerController  # noqa: E402
-from manager.forecast import Forecaster  # noqa: E402
+from vgpu.allocator.mechanisms.power import PowerLimitMechanism  # noqa: E402
+from vgpu.allocator.policy.forecast import PREDICTIVE_CONFIG, AppState, DeviceState, PolicyConfig, plan  # noqa: E402
+from vgpu.allocator.policy.power import PowerController  # noqa: E402
 from vgpu.device.sim import ManualClock, SimBackend  # noqa: E402
 from vgpu.device.skus import Sku, get_sku  # noqa: E402
+from vgpu.manager.forecast import Forecaster  # noqa: E402
 from vgpu.traces import AppTrace, TraceFormatError, one_second_grid, read_trace  # noqa: E402
 
 POLICIES = ("static", "reactive", "vpa", "predictive", "oracle")
@@ -191,7 +191,7 @@ class PolicyRun:
 def default_checkpoint() -> Path | None:
     """The shipped forecaster checkpoint under manager/models/, if any."""
     try:
-        from manager import predictor
+        from vgpu.manager import predictor
     except ImportError:
         return None
     for attr in ("DEFAULT_MODEL_PATH", "DEFAULT_CHECKPOINT"):
@@ -222,13 +222,13 @@ def config_overrides(base: PolicyConfig, assignments: Sequence[str]) -> tuple[Po
 
 def make_forecaster(kind: str, train: Sequence[AppTrace], checkpoint: Path | None) -> tuple[Forecaster, str]:
     """(forecaster, description). `auto`: the checkpoint, else gbdt on `train`, else vpa_percentile."""
-    from manager import baselines
+    from vgpu.manager import baselines
 
     if kind in ("auto", "model"):
         path = checkpoint or default_checkpoint()
         if path is not None:
-            from manager.checkpoint import CheckpointError
-            from manager.predictor import load_forecaster
+            from vgpu.manager.checkpoint import CheckpointError
+            from vgpu.manager.predictor import load_forecaster
 
             try:
                 return load_forecaster(path, "cpu"), f"model ({path.name})"
@@ -271,7 +271,7 @@ def replay(
 ) -> list[dict[str, float | str]]:
     """Run every policy over the packed applications; one result dict per policy. `runs_out`, when
     given, receives each policy's per-app-tick record (for tests and plots)."""
-    from manager.baselines import VpaPercentileForecaster
+    from vgpu.manager.baselines import VpaPercentileForecaster
 
     vpa_fc = vpa_forecaster or VpaPercentileForecaster()
     cfgs = {"reactive": REACTIVE_CONFIG, "vpa": VPA_CONFIG, "predictive": PREDICTIVE_CONFIG,
@@ -395,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print JSON")
     args = ap.parse_args(argv)
 
-    from manager.splits import select
+    from vgpu.offline.splits import select
 
     try:
         predictive_config, overrides = config_overrides(PREDICTIVE_CONFIG, args.set)

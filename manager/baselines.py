@@ -14,7 +14,7 @@ grid to a median and (where it has one) a P90 for horizons 1-5 s.
   (0.5 and 0.9, quantile objective), predicting the change from the origin value; trained with
   `GbdtForecaster.fit(traces)` on the model's own training data.
 
-Every class implements `manager.forecast.Forecaster` (`forecast_batch(histories)`), and also
+Every class implements `vgpu.manager.forecast.Forecaster` (`forecast_batch(histories)`), and also
 `forecast_grids(grids, target)`, which the evaluator calls with grids it has built once per
 application (a prefix of an application's grid equals the grid of the prefix of its samples).
 `BaselineForecaster` is the one the manager daemon falls back to.
@@ -30,7 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from manager.forecast import HORIZONS_S, Forecast
+from vgpu.manager.forecast import HORIZONS_S, Forecast
 from vgpu.traces import TARGETS, AppTrace, one_second_grid
 
 FloatArray = npt.NDArray[np.float64]

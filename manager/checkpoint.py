@@ -12,7 +12,7 @@ calibration (a P90 shift and a P50 dead band per target and horizon, in normalis
 (trace files, application counts per split, licences), validation metrics and the git commit.
 A file that is missing, truncated, corrupt, of another format or version, or whose weights do not
 fit its configuration is refused with a `CheckpointError` naming the file and the problem. Any
-feature encoding this build can produce (`manager.features.FEATURES_BY_VERSION`: v2 and v3) loads,
+feature encoding this build can produce (`vgpu.manager.features.FEATURES_BY_VERSION`: v2 and v3) loads,
 and is served with that encoding; one whose version or feature list it cannot produce is refused.
 
 Files are written atomically (a temporary file in the same folder, then `os.replace`), so a
@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from manager.features import FEATURES_BY_VERSION, FeatureSpec
-from manager.model import ModelConfig, TransformerBiGRU
+from vgpu.manager.features import FEATURES_BY_VERSION, FeatureSpec
+from vgpu.manager.model import ModelConfig, TransformerBiGRU
 
 FORMAT = "vgpu-forecaster"
 FORMAT_VERSION = 1
@@ -54,7 +54,7 @@ class Metadata:
     # P90 shift per target and horizon (normalised units), added to the network's P90
     p90_shift: tuple[tuple[float, ...], ...] = ((0.0,) * 5, (0.0,) * 5)
     # P50 changes smaller than this (normalised units) are read as "no change", per target and
-    # horizon; chosen on the validation split (see manager.train.choose_deadband)
+    # horizon; chosen on the validation split (see vgpu.offline.train.choose_deadband)
     p50_deadband: tuple[tuple[float, ...], ...] = ((0.0,) * 5, (0.0,) * 5)
     training: dict[str, Any] = field(default_factory=dict)
     validation: dict[str, Any] = field(default_factory=dict)

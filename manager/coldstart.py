@@ -7,7 +7,7 @@ CC-BY-4.0; never Lucid). It ships as a small artefact, `manager/models/coldstart
 code, no sklearn needed at run time), because the node running the daemon has no ../shared/data to
 train from. Rebuild it with
 
-    python -m manager.coldstart train --data ../shared/data
+    python -m vgpu.manager.coldstart train --data ../shared/data
 
 The margin comes from the model's measured error: the 90th percentile of the absolute relative
 error of peak memory on the 30 % test part of the 70/30 split (per model family where the test part
@@ -35,9 +35,9 @@ from typing import Any
 import numpy as np
 import structlog
 
-from allocator.core import Sizer, Sizing
-from allocator.errors import NotSupported, Unavailable
-from manager.jobprofiles import (
+from vgpu.allocator.errors import NotSupported, Unavailable
+from vgpu.allocator.policy.base import Sizer, Sizing
+from vgpu.manager.jobprofiles import (
     ENCODING_VERSION,
     FAMILIES,
     FEATURE_NAMES,
@@ -49,7 +49,7 @@ from manager.jobprofiles import (
     load_permitted,
     profiles_summary,
 )
-from manager.regressors import regression_metrics, split_indices
+from vgpu.manager.regressors import regression_metrics, split_indices
 
 DEFAULT_ARTEFACT = Path(__file__).resolve().parent / "models" / "coldstart_randomforest.pt"
 DEFAULT_CAPACITY_MIB = 40960.0  # a whole A100-40GB, where the caller does not say
@@ -237,13 +237,13 @@ class ColdStartSizer:
 
         p = Path(path)
         if not p.is_file():
-            raise FileNotFoundError(f"cold-start model not found at {p}; build it with `python -m manager.coldstart train`")
+            raise FileNotFoundError(f"cold-start model not found at {p}; build it with `python -m vgpu.manager.coldstart train`")
         try:
             data = torch.load(p, map_location="cpu", weights_only=True)
             metadata = json.loads(data["metadata"])
             mem, util = TreeEnsemble.from_tensors(data, "mem"), TreeEnsemble.from_tensors(data, "util")
         except (KeyError, ValueError, RuntimeError, TypeError, EOFError, pickle.UnpicklingError) as exc:
-            raise ValueError(f"cold-start model at {p} is unreadable ({exc}); rebuild it with `python -m manager.coldstart train`") from exc
+            raise ValueError(f"cold-start model at {p} is unreadable ({exc}); rebuild it with `python -m vgpu.manager.coldstart train`") from exc
         return cls(mem, util, metadata)
 
     def save(self, path: Path | str) -> None:
@@ -293,7 +293,7 @@ class ColdStartSizer:
 
 
 class AllocatorSizer:
-    """Adapter to allocator.core's `Sizer` protocol: `size(job, *, mem_total_mib) -> Sizing`.
+    """Adapter to vgpu.allocator.core's `Sizer` protocol: `size(job, *, mem_total_mib) -> Sizing`.
 
     The job is a `JobConfig` (or a `vgpu.v1.JobConfig` message, converted). The grant is the
     prediction plus its margin, trimmed to the device's memory when the prediction alone fits (the
@@ -450,7 +450,7 @@ def size_main(argv: Sequence[str] | None = None, prog: str = "vgpu size") -> int
     return _size(args, prog, as_json=args.json)
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "python -m manager.coldstart") -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m vgpu.manager.coldstart") -> int:
     parser = argparse.ArgumentParser(prog=prog, description="cold-start sizer: train the model or size a job")
     sub = parser.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="train on ../shared/data and write the artefact")

@@ -48,14 +48,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import structlog
 
-from allocator.core import Allocator
-from allocator.plan import Recommendation
-from manager.columns import MAX_ID_CHARS, ColumnsFormatError, parse_signature, read_columns
-from manager.forecast import HORIZONS_S, Forecast, Forecaster
-from manager.window import WindowStore
+from vgpu.allocator.policy.base import Recommendation, RecommendationSink
 from vgpu.log import get_logger
+from vgpu.manager.forecast import HORIZONS_S, Forecast, Forecaster
+from vgpu.manager.window import WindowStore
 from vgpu.traces import AppTrace, one_second_grid
 from vgpu.v1 import ingest_pb2, signature_pb2
+from vgpu.wire import MAX_ID_CHARS, ColumnsFormatError, parse_signature, read_columns
 
 _MAX_APP_ID = MAX_ID_CHARS
 
@@ -92,7 +91,7 @@ class EwmaMarginForecaster:
 def default_baseline() -> Forecaster:
     """B's baseline (manager/baselines.py) when present, else `EwmaMarginForecaster`."""
     try:
-        from manager.baselines import BaselineForecaster  # noqa: PLC0415 - optional module
+        from vgpu.manager.baselines import BaselineForecaster  # noqa: PLC0415 - optional module
     except ImportError:
         return EwmaMarginForecaster()
     forecaster: Forecaster = BaselineForecaster()
@@ -227,7 +226,7 @@ class Manager:
 
     def __init__(
         self,
-        allocator: Allocator | None,
+        allocator: RecommendationSink | None,
         forecaster: Forecaster | None = None,
         *,
         fallback: Forecaster | None = None,

@@ -2,15 +2,15 @@
 
 - A configured path (`manager.model`, `--model`) is the operator's choice: it must load, or the
   daemon refuses to start and doctor says FAIL.
-- Otherwise the default is the shipped model, `manager.predictor.DEFAULT_MODEL_PATH`
+- Otherwise the default is the shipped model, `vgpu.manager.predictor.DEFAULT_MODEL_PATH`
   (manager/models/default.pt): served when it is there and loads; when it is absent or does not
   load, the baseline forecaster serves (doctor says WARN, the daemon logs it once).
 
-Both serve it the same way, through `open_forecaster`: a `manager.predictor.ReloadingForecaster` on
+Both serve it the same way, through `open_forecaster`: a `vgpu.manager.predictor.ReloadingForecaster` on
 the resolved path with the baseline forecaster as its fallback (the daemon checks the file for a new
 checkpoint every `manager.model_check_interval_s`; the demo does not reload).
 
-Reading `DEFAULT_MODEL_PATH` imports manager.predictor and with it torch, which costs seconds; this
+Reading `DEFAULT_MODEL_PATH` imports vgpu.manager.predictor and with it torch, which costs seconds; this
 module does so only when a forecaster checkpoint is present in manager/models/ (loading it needs torch
 anyway) and otherwise answers with `FALLBACK_DEFAULT`, the same path, without importing anything.
 """
@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from manager.forecast import Forecaster
-    from manager.predictor import ReloadingForecaster
+    from vgpu.manager.forecast import Forecaster
+    from vgpu.manager.predictor import ReloadingForecaster
 
 MODELS_DIR = Path(__file__).resolve().parent / "models"
 FALLBACK_DEFAULT = MODELS_DIR / "default.pt"
@@ -47,7 +47,7 @@ def default_model_path(models_dir: Path = MODELS_DIR) -> Path:
     """The shipped forecaster's path (see the module docstring for when this imports torch)."""
     if not _checkpoints(models_dir):
         return FALLBACK_DEFAULT
-    from manager import predictor  # noqa: PLC0415 - torch; only when there is a checkpoint to load
+    from vgpu.manager import predictor  # noqa: PLC0415 - torch; only when there is a checkpoint to load
 
     named = getattr(predictor, "DEFAULT_MODEL_PATH", None)
     return Path(named) if named else FALLBACK_DEFAULT
@@ -71,7 +71,7 @@ def open_forecaster(
     caller's thread), else `fallback`; a new file at the path is hot-loaded in the background at most
     every `check_interval_s` (inf: never). `serving_model` and `last_error` say how the load went;
     whether a failed load is fatal is the caller's rule (a configured model must load). Imports torch."""
-    from manager.predictor import ReloadingForecaster, load_forecaster  # noqa: PLC0415 - torch
+    from vgpu.manager.predictor import ReloadingForecaster, load_forecaster  # noqa: PLC0415 - torch
 
     return ReloadingForecaster(
         choice.path,

@@ -1,6 +1,6 @@
 """The Transformer-BiGRU as a `Forecaster`, and a holder that hot-reloads it.
 
-`ModelForecaster` turns histories into windows (`manager.features`), runs one batched forward for
+`ModelForecaster` turns histories into windows (`vgpu.manager.features`), runs one batched forward for
 all applications (CUDA when present, else CPU; the caller's `torch.set_num_threads` is respected),
 and turns the normalised outputs back into MiB and %: P50 = last + change (zero where the change
 is under the calibrated dead band), P90 = last + P90 change + the calibrated shift, then P90 >= P50 and both clamped to [0, capacity] (the slice's memory where
@@ -11,7 +11,7 @@ one in the background and swaps it in atomically between calls; a corrupt new fi
 the old model keeps serving; when no model loads at start the given baseline serves instead.
 
 Modes (`ModelForecaster(mode=...)`, the same function within float rounding, tested at 1e-4):
-`eager` runs the trained module as it is; `fused` runs `manager.model.FusedTransformerBiGRU` (affine
+`eager` runs the trained module as it is; `fused` runs `vgpu.manager.model.FusedTransformerBiGRU` (affine
 maps folded together, about half the multiply-adds); `onnx` (the default) runs the fused network in
 ONNX Runtime on the CPU, whose own allocator and kernels are faster again at this size. Where ONNX
 Runtime is not installed, cannot take the network, or the device is CUDA, `onnx` serves `fused` and
@@ -35,11 +35,11 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from manager.checkpoint import Checkpoint, CheckpointError, load_checkpoint
-from manager.features import encode_latest
-from manager.forecast import Forecast, Forecaster
-from manager.model import FusedTransformerBiGRU
 from vgpu.log import get_logger
+from vgpu.manager.checkpoint import Checkpoint, CheckpointError, load_checkpoint
+from vgpu.manager.features import encode_latest
+from vgpu.manager.forecast import Forecast, Forecaster
+from vgpu.manager.model import FusedTransformerBiGRU
 from vgpu.traces import AppTrace
 
 _log = get_logger("vgpu.manager.predictor")

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from manager.jobprofiles import FEATURE_NAMES, encode_tokens
+from vgpu.manager.jobprofiles import FEATURE_NAMES, encode_tokens
 
 TREE_MODELS: tuple[str, ...] = (
     "ExtraTrees",
@@ -125,7 +125,7 @@ class TransformerBiGRURegressor:
     """The paper's Transformer-BiGRU as a point regressor over the job's features.
 
     Input: the job's features as a sequence, one token per feature (`encode_tokens`). Output: the
-    P50 head of `manager.model.TransformerBiGRU` (n_horizons=1, one output per target), trained with
+    P50 head of `vgpu.manager.model.TransformerBiGRU` (n_horizons=1, one output per target), trained with
     MSE on standardized targets (peak memory in log space, utilization linear); the P90 head is
     unused. Trained single-threaded with a fixed seed and deterministic algorithms.
     """
@@ -146,7 +146,7 @@ class TransformerBiGRURegressor:
     def fit(self, x: np.ndarray, y: np.ndarray) -> TransformerBiGRURegressor:
         import torch
 
-        from manager.model import ModelConfig, TransformerBiGRU
+        from vgpu.manager.model import ModelConfig, TransformerBiGRU
 
         x = np.asarray(x, dtype=np.float64)
         yt = self._targets(y)

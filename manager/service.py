@@ -31,8 +31,8 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from manager.core import Manager, StreamState
 from vgpu.log import get_logger
+from vgpu.manager.core import Manager, StreamState
 from vgpu.v1 import ingest_pb2, ingest_pb2_grpc
 
 _log = get_logger("vgpu.manager.service")

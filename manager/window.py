@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import ArrayLike
 
-from manager.columns import parse_signature
 from vgpu.traces import NUMERIC, AppTrace
 from vgpu.v1 import signature_pb2
+from vgpu.wire import parse_signature
 
 _COL = {name: i for i, name in enumerate(NUMERIC)}
 
@@ -48,7 +48,7 @@ class Sample:
 
 def sample_from_signature(sig: signature_pb2.BehavioralSignature) -> Sample:
     """The window's view of a (validated) signature: the same mapping the manager's ingest uses
-    (`manager.columns.parse_signature`), as a Sample."""
+    (`vgpu.wire.parse_signature`), as a Sample."""
     _, values = parse_signature(sig)
     return Sample(sig.app_id, sig.device_id, sig.seq, sig.timestamp_s, tuple(values))
 

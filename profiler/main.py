@@ -24,10 +24,10 @@ from pathlib import Path
 
 import structlog
 
-from profiler.source import SignatureSource
-from profiler.stream import SignatureStreamer
 from vgpu import auth, log
 from vgpu.client import DEFAULT_INAPP_DIR, DEFAULT_SOCKET, grpc_target
+from vgpu.profiler.source import SignatureSource
+from vgpu.profiler.stream import SignatureStreamer
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
@@ -88,7 +88,7 @@ def main(argv: Sequence[str], prog: str = "vgpu profiler") -> int:
     source: SignatureSource
     try:
         if args.replay is not None:
-            from profiler.replay import ReplaySource
+            from vgpu.profiler.replay import ReplaySource
             from vgpu.traces import TraceFormatError
 
             try:
@@ -98,9 +98,9 @@ def main(argv: Sequence[str], prog: str = "vgpu profiler") -> int:
                 print(f"{prog}: {exc}", file=sys.stderr)
                 return 1
         else:
-            from profiler.sampler import Sampler
             from vgpu.device import open_backend
             from vgpu.device.errors import DeviceError
+            from vgpu.profiler.sampler import Sampler
 
             try:
                 backend = open_backend(args.backend)

@@ -28,7 +28,7 @@ from typing import Literal
 
 import numpy as np
 
-from profiler.source import SeqCounter
+from vgpu.profiler.source import SeqCounter
 from vgpu.traces import AppTrace, Trace, read_trace
 from vgpu.v1 import signature_pb2
 

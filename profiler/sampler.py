@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from manager.columns import MAX_ID_CHARS  # the manager rejects longer ids
-from profiler.source import SeqCounter
 from vgpu.client import DEFAULT_INAPP_DIR, InAppFormatError, InAppReport, read_inapp
 from vgpu.device.base import Backend, Device, GpuInstance, ProcessInfo
 from vgpu.device.errors import GpuLost, NoData, NotFound, NotSupported
 from vgpu.log import get_logger
+from vgpu.profiler.source import SeqCounter
 from vgpu.v1 import signature_pb2
+from vgpu.wire import MAX_ID_CHARS  # the manager rejects longer ids
 
 T = TypeVar("T")
 MIB = 1024 * 1024
@@ -123,7 +123,7 @@ class Sampler:
         self._clock = clock
         self._mono = monotonic
         self._app_id_of = app_id_of
-        self._log = logger or get_logger("profiler.sampler")
+        self._log = logger or get_logger("vgpu.profiler.sampler")
         self._seq = SeqCounter()
         self._devices: dict[str, _DeviceState] = {}
         self._procs: dict[int, _ProcState] = {}

@@ -42,11 +42,11 @@ from dataclasses import dataclass
 import grpc
 import grpc.aio
 
-from manager.columns import columns_from_signatures
-from profiler.source import SignatureSource
 from vgpu.client import grpc_target
 from vgpu.log import Logger, get_logger
+from vgpu.profiler.source import SignatureSource
 from vgpu.v1 import ingest_pb2, ingest_pb2_grpc, signature_pb2
+from vgpu.wire import columns_from_signatures
 
 Sleep = Callable[[float], Awaitable[None]]
 # A batch stays well under the manager's receive limit (gRPC's default, 4 MiB).
@@ -239,7 +239,7 @@ class SignatureStreamer:
         self._on_reply = on_reply
         self._metadata = metadata
         self._in_thread = sample_in_thread
-        self._log = logger or get_logger("profiler.stream")
+        self._log = logger or get_logger("vgpu.profiler.stream")
         self.loop = FixedRateLoop(period_s, clock=clock, sleep=sleep)
         self.stats = StreamStats()
         self.buffer: deque[signature_pb2.BehavioralSignature] = deque()  # pending, oldest first

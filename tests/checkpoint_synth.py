@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from manager.checkpoint import Metadata, save_checkpoint
-from manager.features import FEATURE_VERSION, FeatureSpec
-from manager.model import ModelConfig, TransformerBiGRU
+from vgpu.manager.checkpoint import Metadata, save_checkpoint
+from vgpu.manager.features import FEATURE_VERSION, FeatureSpec
+from vgpu.manager.model import ModelConfig, TransformerBiGRU
 
 
 def write_tiny_checkpoint(

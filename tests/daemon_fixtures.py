@@ -16,9 +16,9 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from allocator.core import Sizer
-from manager.daemon import Daemon, SdNotifier
 from vgpu import config
+from vgpu.allocator.core import Sizer
+from vgpu.daemon.serve import Daemon, SdNotifier
 
 
 def sim_daemon(tmp_path: Path, *, load_sizer: Callable[[], Sizer] | None = None, **overrides: object) -> Daemon:
@@ -50,12 +50,12 @@ class Env:
 
     def vgpu(self, *args: str, check: bool = True) -> Result:
         """An operator command, run in this process (the daemon is the real subprocess)."""
-        from allocator import cli
+        from vgpu import ctl as cli
 
         if args[0] == "serve":
             from contextlib import redirect_stderr
 
-            from manager import daemon
+            from vgpu.daemon import serve as daemon
 
             err = io.StringIO()
             with redirect_stderr(err):

@@ -8,10 +8,10 @@ from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
-from allocator.service import Server, build_server
-from manager.core import Manager
-from manager.service import IngestServicer
-from profiler.stream import SignatureStreamer
+from vgpu.allocator.service import Server, build_server
+from vgpu.manager.core import Manager
+from vgpu.manager.service import IngestServicer
+from vgpu.profiler.stream import SignatureStreamer
 
 
 async def until(pred: Callable[[], bool], timeout_s: float = 5.0) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from manager import splits
+from vgpu.offline import splits
 from vgpu.traces import AppTrace
 
 
@@ -31,7 +31,7 @@ def ramp_app(
 
 
 def ids_in(split: str, count: int, prefix: str = "synthetic/app") -> list[str]:
-    """`count` application ids that `manager.splits` puts in `split`."""
+    """`count` application ids that `vgpu.offline.splits` puts in `split`."""
     out: list[str] = []
     i = 0
     while len(out) < count:

@@ -13,8 +13,8 @@ import pytest
 from allocator_fakes import FakeBackend, FakeClock, FakeDevice
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from allocator.core import AllocationRequest, Allocator, EventKind, Sizing
-from allocator.errors import (
+from vgpu.allocator.core import AllocationRequest, Allocator, EventKind, Sizing
+from vgpu.allocator.errors import (
     GpuLost,
     InsufficientResources,
     InUse,
@@ -26,9 +26,9 @@ from allocator.errors import (
     VerifyFailed,
     status_for,
 )
-from allocator.ledger import AppLimits
-from allocator.plan import Recommendation
-from allocator.service import AllocatorServicer, build_server
+from vgpu.allocator.ledger import AppLimits
+from vgpu.allocator.policy.base import Recommendation
+from vgpu.allocator.service import AllocatorServicer, build_server
 from vgpu.jobs import InvalidJobConfig, JobConfig
 from vgpu.v1 import allocator_pb2 as pb
 from vgpu.v1 import allocator_pb2_grpc as pb_grpc

@@ -193,9 +193,9 @@ class Served:
 
 @contextlib.asynccontextmanager
 async def _serve(tmp_path: Path, authority: TokenAuthority) -> AsyncIterator[Served]:
-    from allocator.core import Allocator
-    from allocator.service import AllocatorServicer, build_server
-    from manager.daemon import LedgerView
+    from vgpu.allocator.core import Allocator
+    from vgpu.allocator.service import AllocatorServicer, build_server
+    from vgpu.daemon.serve import LedgerView
     from vgpu.device.sim import SimBackend
 
     allocator = Allocator(SimBackend(["h100-80gb"]), dry_run=False)

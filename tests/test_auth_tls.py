@@ -13,8 +13,8 @@ import grpc
 import pytest
 from daemon_fixtures import sim_daemon
 
-from manager.daemon import Daemon
 from vgpu import auth
+from vgpu.daemon.serve import Daemon
 from vgpu.v1 import allocator_pb2 as pb
 from vgpu.v1 import allocator_pb2_grpc as pb_grpc
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from manager.baselines import (
+from vgpu.manager.baselines import (
     HISTOGRAMS,
     BaselineForecaster,
     EwmaForecaster,
@@ -18,8 +18,8 @@ from manager.baselines import (
     lag_features,
     make_baselines,
 )
-from manager.forecast import HORIZONS_S, Forecaster
-from manager.splits import split_of
+from vgpu.manager.forecast import HORIZONS_S, Forecaster
+from vgpu.offline.splits import split_of
 from vgpu.traces import AppTrace, read_trace
 
 FIXTURE = Path(__file__).parent / "fixtures" / "migperf_runs.csv.gz"

@@ -1,5 +1,5 @@
 """bench/error_breakdown.py: the protocol's error split into an application's final seconds and its
-body, on traces whose answer is known by construction, and manager.evaluate.score_origins behind it."""
+body, on traces whose answer is known by construction, and vgpu.offline.evaluate.score_origins behind it."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from manager import evaluate as ev
-from manager.baselines import EwmaForecaster, LastValueForecaster
-from manager.forecast import HORIZONS_S
+from vgpu.manager.baselines import EwmaForecaster, LastValueForecaster
+from vgpu.manager.forecast import HORIZONS_S
+from vgpu.offline import evaluate as ev
 from vgpu.traces import AppTrace
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"

@@ -1,4 +1,4 @@
-"""allocator/cli.py and vgpu/metrics.py against an in-process daemon (manager.daemon.Daemon)."""
+"""allocator/cli.py and vgpu/metrics.py against an in-process daemon (vgpu.daemon.serve.Daemon)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from daemon_fixtures import sim_daemon
 
-from allocator import cli
-from manager.daemon import Daemon
+from vgpu import ctl as cli
+from vgpu.daemon.serve import Daemon
 
 
 @pytest.fixture
@@ -186,7 +186,7 @@ async def test_unwritable_token_cache_keeps_the_grant(daemon: Daemon, tmp_path: 
 
 
 async def test_request_sizes_a_described_job_with_the_cold_start_model(tmp_path: Path) -> None:
-    from allocator.core import Sizing
+    from vgpu.allocator.core import Sizing
     from vgpu.jobs import JobConfig
 
     class PerSample:

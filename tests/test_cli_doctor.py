@@ -7,7 +7,7 @@ import json
 import socket
 from pathlib import Path
 
-from vgpu import doctor
+from vgpu.daemon import doctor
 from vgpu.device.errors import LibraryNotFound
 
 CAPS_ROOT = "CapEff:\t000001ffffffffff\n"
@@ -110,7 +110,7 @@ async def test_socket_ok_against_the_daemon(tmp_path: Path) -> None:
 
 
 def test_a_configured_model_that_is_missing_fails_and_the_default_is_the_shipped_one(tmp_path: Path) -> None:
-    from manager.modelpath import resolve_model
+    from vgpu.manager.modelpath import resolve_model
 
     assert doctor.check_model(tmp_path / "none.pt", required=True).status == "FAIL"
     out = io.StringIO()
@@ -129,8 +129,8 @@ def test_a_configured_model_that_is_missing_fails_and_the_default_is_the_shipped
 
 
 def test_the_default_model_path_is_the_predictors(tmp_path: Path) -> None:
-    from manager import predictor
-    from manager.modelpath import FALLBACK_DEFAULT, default_model_path
+    from vgpu.manager import predictor
+    from vgpu.manager.modelpath import FALLBACK_DEFAULT, default_model_path
 
     assert FALLBACK_DEFAULT == predictor.DEFAULT_MODEL_PATH  # the torch-free answer agrees
     assert default_model_path(tmp_path) == FALLBACK_DEFAULT  # no checkpoint there: no predictor import needed

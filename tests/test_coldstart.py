@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from manager.coldstart import (
+from vgpu.manager.coldstart import (
     DEFAULT_ARTEFACT,
     AllocatorSizer,
     ColdStartSizer,
@@ -18,7 +18,7 @@ from manager.coldstart import (
     choose_source,
     train_sizer,
 )
-from manager.jobprofiles import ENCODING_VERSION, FEATURE_NAMES, InvalidJobConfig, JobConfig
+from vgpu.manager.jobprofiles import ENCODING_VERSION, FEATURE_NAMES, InvalidJobConfig, JobConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -120,7 +120,7 @@ def test_save_load_round_trip_and_broken_files(tmp_path: Path) -> None:
     sizer.save(path)
     job = JobConfig("resnet50", 25_000_000, 64, 224, 50)
     assert ColdStartSizer.load(path).size(job, 4864.0) == sizer.size(job, 4864.0)
-    with pytest.raises(FileNotFoundError, match="manager.coldstart train"):
+    with pytest.raises(FileNotFoundError, match="vgpu.manager.coldstart train"):
         ColdStartSizer.load(tmp_path / "absent.pt")
     (tmp_path / "bad.pt").write_bytes(b"not a model")
     with pytest.raises(ValueError, match="unreadable"):
@@ -154,9 +154,9 @@ def test_allocator_adapter_grants_prediction_plus_margin_and_trims_to_the_device
 
 
 def test_allocator_grants_a_cold_start_size() -> None:
-    from allocator.core import AllocationRequest, Allocator
-    from allocator.errors import InvalidRequest
     from tests.allocator_fakes import FakeBackend, FakeDevice
+    from vgpu.allocator.core import AllocationRequest, Allocator
+    from vgpu.allocator.errors import InvalidRequest
 
     alloc = Allocator(FakeBackend([FakeDevice(mem_total_mib=40960.0)]), sizer=AllocatorSizer(_tiny_sizer()))
     grant = alloc.request_allocation(
@@ -181,7 +181,7 @@ def test_training_measures_the_margin_on_held_out_rows(shared_data: Path) -> Non
 def test_comparison_is_deterministic_on_a_subset(shared_data: Path) -> None:
     sys.path.insert(0, str(ROOT))
     from bench.paper_table import compare
-    from manager.regressors import BiGRUSettings
+    from vgpu.manager.regressors import BiGRUSettings
 
     kw = {"subset": 240, "models": ("Transformer-BiGRU", "LightGBM", "DecisionTree"), "bigru": BiGRUSettings(epochs=2)}
     a, b = compare(shared_data, **kw), compare(shared_data, **kw)  # type: ignore[arg-type]

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from manager import convert, tracecli
-from manager.splits import SPLITS, run_family, select, split_ids, split_of
+from vgpu.offline import convert, tracecli
+from vgpu.offline.splits import SPLITS, run_family, select, split_ids, split_of
 from vgpu.traces import TraceFormatError, read_trace
 
 SMI = """timestamp, power.draw [W], utilization.gpu [%], memory.used [MiB]

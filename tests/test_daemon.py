@@ -63,7 +63,7 @@ def test_a_cgroup_limit_left_by_kill_9_gets_its_original_back(env: Env, serves: 
     """The grant of a process caps its cgroup's GPU memory (the simulated device keeps the limit in the
     state dir, as a driver keeps it across a daemon crash). The daemon dies with kill -9, then the
     process ends; the next run finds no grant holding the cgroup and writes the recorded original back."""
-    from allocator.limits import read_cgroup
+    from vgpu.allocator.mechanisms.limits import read_cgroup
 
     sim_file = env.state / "sim-devices.json"
 

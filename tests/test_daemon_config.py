@@ -104,8 +104,8 @@ def test_replace_validates() -> None:
 
 def test_one_default_socket_everywhere() -> None:
     """The daemon listens where the client stub, the profiler and the CLI connect by default."""
-    from profiler.main import build_parser as profiler_parser
     from vgpu import client
+    from vgpu.profiler.main import build_parser as profiler_parser
 
     path = Config().server.socket
     assert path == config.DEFAULT_SOCKET_PATH

@@ -9,11 +9,11 @@ from pathlib import Path
 import structlog
 from structlog.testing import capture_logs
 
-from allocator.ledger import Ledger
-from allocator.store import Store
-from manager.daemon import read_original, reconcile, restore_devices
-from manager.simstate import PersistentSimBackend, read_state
+from vgpu.allocator.ledger import Ledger
+from vgpu.allocator.store import Store
+from vgpu.daemon.serve import read_original, reconcile, restore_devices
 from vgpu.device.errors import GpuLost
+from vgpu.device.simstate import PersistentSimBackend, read_state
 
 LOG = structlog.get_logger("test")
 
@@ -110,7 +110,7 @@ def test_reconcile_drops_grants_of_gone_devices_and_processes(tmp_path: Path) ->
 def test_a_model_that_does_not_load_stops_the_start(tmp_path: Path) -> None:
     import pytest
 
-    from manager.daemon import StartupError, load_model
+    from vgpu.daemon.serve import StartupError, load_model
 
     assert load_model("") is None
     bad = tmp_path / "bad.pt"

@@ -8,7 +8,7 @@ import threading
 import time
 import types
 
-from manager.daemon import Daemon
+from vgpu.daemon.serve import Daemon
 
 
 class _Waits:

@@ -9,10 +9,10 @@ import grpc
 import pytest
 from daemon_fixtures import sim_daemon
 
-from allocator.core import Sizer, Sizing
-from allocator.policy import ForecastPolicy
-from manager.coldstart import AllocatorSizer, ColdStartSizer
+from vgpu.allocator.core import Sizer, Sizing
+from vgpu.allocator.policy.forecast import ForecastPolicy
 from vgpu.jobs import JobConfig
+from vgpu.manager.coldstart import AllocatorSizer, ColdStartSizer
 from vgpu.v1 import allocator_pb2 as pb
 from vgpu.v1 import allocator_pb2_grpc as pb_grpc
 

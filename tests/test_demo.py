@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from manager.core import EwmaMarginForecaster
-from manager.demo import launch_offsets_s, launch_order, main, run_demo
+from vgpu.daemon.demo import launch_offsets_s, launch_order, main, run_demo
 from vgpu.data import demo_trace_path
+from vgpu.manager.core import EwmaMarginForecaster
 from vgpu.traces import read_trace
 
 

@@ -7,10 +7,10 @@ from collections.abc import Sequence
 import pytest
 from allocator_fakes import FakeDevice
 
-from allocator.core import Allocator
-from allocator.enforce import PowerLimitMechanism
-from allocator.errors import GpuLost, NoPermission, NotSupported, VerifyFailed
-from allocator.plan import DeviceView, MigTarget, Plan, PowerTarget, Recommendation
+from vgpu.allocator.core import Allocator
+from vgpu.allocator.errors import GpuLost, NoPermission, NotSupported, VerifyFailed
+from vgpu.allocator.mechanisms.power import PowerLimitMechanism
+from vgpu.allocator.policy.base import DeviceView, MigTarget, Plan, PowerTarget, Recommendation
 from vgpu.device.sim import ManualClock, SimBackend
 
 
@@ -123,10 +123,10 @@ def _rec(device_id: str) -> Recommendation:
 def test_power_failures_are_counted_per_device_and_reach_the_metric() -> None:
     from prometheus_client import CollectorRegistry
 
-    from manager.core import Manager
-    from manager.daemon import StateSource
+    from vgpu.daemon.metrics import DaemonMetrics
+    from vgpu.daemon.serve import StateSource
     from vgpu.device.errors import GpuLost as DevGpuLost
-    from vgpu.metrics import DaemonMetrics
+    from vgpu.manager.core import Manager
 
     policy = _Fixed(limit_mw=400_000)
     alloc, backend = _sim_allocator(policy)
@@ -164,7 +164,7 @@ def test_refused_power_writes_count_once_then_the_mechanism_is_off() -> None:
 
 
 def test_mig_failures_are_counted_per_device() -> None:
-    from allocator.mig import MigLayoutMechanism
+    from vgpu.allocator.mechanisms.mig import MigLayoutMechanism
     from vgpu.device.errors import NoPermission as DevNoPermission
 
     policy = _Fixed(profiles=("3g.40gb", "4g.40gb"))
@@ -186,7 +186,7 @@ def test_mig_failures_are_counted_per_device() -> None:
 
 
 def test_allocator_counts_mig_failures_from_the_outcome_alone() -> None:
-    from allocator.plan import MigOutcome
+    from vgpu.allocator.policy.base import MigOutcome
 
     class Outcomes:
         """A MIG mechanism with scripted outcomes and no attributes for the allocator to peek at."""

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from manager import evaluate as ev
-from manager.baselines import EwmaForecaster, LastValueForecaster, VpaPercentileForecaster
-from manager.forecast import HORIZONS_S, Forecast
-from manager.splits import split_of
+from vgpu.manager.baselines import EwmaForecaster, LastValueForecaster, VpaPercentileForecaster
+from vgpu.manager.forecast import HORIZONS_S, Forecast
+from vgpu.offline import evaluate as ev
+from vgpu.offline.splits import split_of
 from vgpu.traces import AppTrace, read_trace
 
 FIXTURE = Path(__file__).parent / "fixtures" / "migperf_runs.csv.gz"

@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
-from allocator.service import build_server
-from manager.columns import columns_from_signatures
-from manager.core import EwmaMarginForecaster, Manager
-from manager.service import IngestServicer
-from manager.window import WindowStore, sample_from_signature
-from profiler.stream import SignatureStreamer
+from vgpu.allocator.service import build_server
+from vgpu.manager.core import EwmaMarginForecaster, Manager
+from vgpu.manager.service import IngestServicer
+from vgpu.manager.window import WindowStore, sample_from_signature
+from vgpu.profiler.stream import SignatureStreamer
 from vgpu.v1 import ingest_pb2, ingest_pb2_grpc
 from vgpu.v1 import signature_pb2 as spb
+from vgpu.wire import columns_from_signatures
 
 GPU = "GPU-ingest-0"
 METHOD = "/vgpu.v1.Ingest/StreamSignatures"

@@ -14,16 +14,16 @@ import pynvml
 import pytest
 from fault_helpers import until
 
-from allocator.core import Allocator
-from allocator.plan import Recommendation
-from allocator.service import AllocatorServicer, build_server
-from manager.core import EwmaMarginForecaster, Manager
-from manager.service import IngestServicer
-from profiler.sampler import Sampler
-from profiler.stream import SignatureStreamer
+from vgpu.allocator.core import Allocator
+from vgpu.allocator.policy.base import Recommendation
+from vgpu.allocator.service import AllocatorServicer, build_server
 from vgpu.device.fake_pynvml import FakePynvml
 from vgpu.device.nvml import NvmlBackend
 from vgpu.device.sim import ManualClock, SimBackend
+from vgpu.manager.core import EwmaMarginForecaster, Manager
+from vgpu.manager.service import IngestServicer
+from vgpu.profiler.sampler import Sampler
+from vgpu.profiler.stream import SignatureStreamer
 from vgpu.traces import AppTrace
 from vgpu.v1 import signature_pb2
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from fault_helpers import Link, until
 
-from manager.core import EwmaMarginForecaster, Manager, StreamState
-from manager.window import WindowStore
-from profiler.stream import Backoff, SignatureStreamer
+from vgpu.manager.core import EwmaMarginForecaster, Manager, StreamState
+from vgpu.manager.window import WindowStore
+from vgpu.profiler.stream import Backoff, SignatureStreamer
 from vgpu.v1 import ingest_pb2, signature_pb2
 
 GPU = "GPU-stream-0"

@@ -16,11 +16,11 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, given, settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from allocator.core import Allocator
-from allocator.errors import InsufficientResources, InvalidRequest, NotFound, PermissionDenied
-from allocator.ledger import AppLimits, DeviceCapacity, Ledger
-from allocator.plan import Recommendation
-from allocator.service import request_from_pb
+from vgpu.allocator.core import Allocator
+from vgpu.allocator.errors import InsufficientResources, InvalidRequest, NotFound, PermissionDenied
+from vgpu.allocator.ledger import AppLimits, DeviceCapacity, Ledger
+from vgpu.allocator.policy.base import Recommendation
+from vgpu.allocator.service import request_from_pb
 from vgpu.device.sim import ManualClock, SimBackend
 from vgpu.v1 import allocator_pb2 as pb
 

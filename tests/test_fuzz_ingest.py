@@ -15,8 +15,8 @@ import hypothesis.strategies as st
 from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, given, settings
 
-from manager.core import EwmaMarginForecaster, Manager, validate_signature
-from manager.window import WindowStore
+from vgpu.manager.core import EwmaMarginForecaster, Manager, validate_signature
+from vgpu.manager.window import WindowStore
 from vgpu.traces import NUMERIC
 from vgpu.v1 import ingest_pb2
 from vgpu.v1 import signature_pb2 as spb

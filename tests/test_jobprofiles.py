@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from manager.jobprofiles import (
+from vgpu.manager.jobprofiles import (
     FAMILIES,
     FEATURE_NAMES,
     TOKEN_DIM,

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from allocator.errors import InsufficientResources, InvalidRequest, NotFound, PermissionDenied
-from allocator.ledger import AppLimits, DeviceCapacity, Ledger
+from vgpu.allocator.errors import InsufficientResources, InvalidRequest, NotFound, PermissionDenied
+from vgpu.allocator.ledger import AppLimits, DeviceCapacity, Ledger
 
 GPU0 = DeviceCapacity("GPU-0", 80_000.0, name="H100")
 GPU1 = DeviceCapacity("GPU-1", 40_000.0, name="A100")

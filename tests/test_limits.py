@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from device_rigs import Rig, trace
 
-from allocator.core import AllocationRequest, Allocator
-from allocator.errors import VerifyFailed
-from allocator.ledger import Ledger
-from allocator.limits import (
+from vgpu.allocator.core import AllocationRequest, Allocator
+from vgpu.allocator.errors import VerifyFailed
+from vgpu.allocator.ledger import Ledger
+from vgpu.allocator.mechanisms.limits import (
     CgroupMemoryLimits,
     MemoryLimitBook,
     MpsControl,
@@ -24,8 +24,8 @@ from allocator.limits import (
     memory_fraction,
     read_cgroup,
 )
-from allocator.store import CgroupOriginal, Store
-from manager.daemon import reconcile
+from vgpu.allocator.store import CgroupOriginal, Store
+from vgpu.daemon.serve import reconcile
 from vgpu.device.base import Device, MemoryLimitMib
 from vgpu.device.errors import NotFound
 from vgpu.device.sim import ManualClock, SimBackend
@@ -516,7 +516,7 @@ async def test_the_daemon_restores_a_crashed_run_s_cgroup_limits_at_start(tmp_pa
     from daemon_fixtures import sim_daemon
     from prometheus_client import CollectorRegistry
 
-    from manager.daemon import Daemon, SdNotifier
+    from vgpu.daemon.serve import Daemon, SdNotifier
 
     for on in (True, False):
         sim = SimBackend(["h100-80gb"], clock=ManualClock(1000.0))

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from allocator_fakes import FakeBackend, FakeClock, FakeDevice
 
-from allocator.core import Allocator
-from allocator.service import AllocatorServicer, build_server
-from manager.core import DutyBudget, EwmaMarginForecaster, Manager, StreamState, validate_signature
-from manager.forecast import HORIZONS_S, Forecast
-from manager.service import IngestServicer
-from manager.window import WindowStore, sample_from_signature
+from vgpu.allocator.core import Allocator
+from vgpu.allocator.service import AllocatorServicer, build_server
+from vgpu.manager.core import DutyBudget, EwmaMarginForecaster, Manager, StreamState, validate_signature
+from vgpu.manager.forecast import HORIZONS_S, Forecast
+from vgpu.manager.service import IngestServicer
+from vgpu.manager.window import WindowStore, sample_from_signature
 from vgpu.traces import AppTrace
 from vgpu.v1 import allocator_pb2 as apb
 from vgpu.v1 import allocator_pb2_grpc as apb_grpc

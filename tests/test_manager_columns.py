@@ -7,11 +7,11 @@ import math
 import numpy as np
 import pytest
 
-from manager.columns import ColumnsFormatError, columns_from_signatures, encode_columns, read_columns
-from manager.core import EwmaMarginForecaster, Manager
-from manager.window import WindowStore
+from vgpu.manager.core import EwmaMarginForecaster, Manager
+from vgpu.manager.window import WindowStore
 from vgpu.v1 import ingest_pb2
 from vgpu.v1 import signature_pb2 as spb
+from vgpu.wire import ColumnsFormatError, columns_from_signatures, encode_columns, read_columns
 
 GPU = "GPU-0"
 

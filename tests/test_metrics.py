@@ -7,11 +7,11 @@ from collections.abc import Sequence
 from allocator_fakes import FakeBackend, FakeClock, FakeDevice
 from prometheus_client import CollectorRegistry
 
-from allocator.core import Allocator
-from manager.core import EwmaMarginForecaster, Manager
-from manager.daemon import StateSource
-from manager.forecast import Forecast
-from vgpu.metrics import DaemonMetrics
+from vgpu.allocator.core import Allocator
+from vgpu.daemon.metrics import DaemonMetrics
+from vgpu.daemon.serve import StateSource
+from vgpu.manager.core import EwmaMarginForecaster, Manager
+from vgpu.manager.forecast import Forecast
 from vgpu.traces import AppTrace
 from vgpu.v1 import ingest_pb2
 from vgpu.v1 import signature_pb2 as spb

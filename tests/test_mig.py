@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from allocator.mig import (
+from vgpu.allocator.mechanisms.mig import (
     MigNeed,
     MigReconfigurer,
     MigScheduler,
@@ -199,8 +199,8 @@ def test_scheduler_acts_a_reconfiguration_time_ahead() -> None:
 
 
 def test_layout_mechanism_serves_the_allocator_protocol(tmp_path: Path) -> None:
-    from allocator.mig import MigLayoutMechanism, layout_for_profiles
-    from allocator.plan import MigOutcome
+    from vgpu.allocator.mechanisms.mig import MigLayoutMechanism, layout_for_profiles
+    from vgpu.allocator.policy.base import MigOutcome
     from vgpu.device.errors import InvalidArgument
 
     backend, _ = sim()
@@ -221,8 +221,8 @@ def test_layout_mechanism_serves_the_allocator_protocol(tmp_path: Path) -> None:
 
 
 def test_layout_mechanism_outcome_counts_undone_steps_and_turning_off_once() -> None:
-    from allocator.mig import MigLayoutMechanism
-    from allocator.plan import MigOutcome
+    from vgpu.allocator.mechanisms.mig import MigLayoutMechanism
+    from vgpu.allocator.policy.base import MigOutcome
     from vgpu.device.errors import NoPermission
 
     backend, clock = sim(mig_reconfig_s=0.0)

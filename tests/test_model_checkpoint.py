@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from manager.checkpoint import (
+from vgpu.manager.checkpoint import (
     FORMAT,
     FORMAT_VERSION,
     CheckpointError,
@@ -19,8 +19,8 @@ from manager.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from manager.features import FEATURES_V2, FEATURES_V3, N_FEATURES, FeatureSpec
-from manager.model import ModelConfig, TransformerBiGRU
+from vgpu.manager.features import FEATURES_V2, FEATURES_V3, N_FEATURES, FeatureSpec
+from vgpu.manager.model import ModelConfig, TransformerBiGRU
 
 
 def _small(order: str = "attn_first") -> tuple[TransformerBiGRU, Metadata]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from manager import features as F
 from tests.model_synth import ramp_app
+from vgpu.manager import features as F
 from vgpu.traces import AppTrace, one_second_grid
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from manager import features as F
+from vgpu.manager import features as F
 from vgpu.traces import AppTrace
 
 

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from manager.checkpoint import Checkpoint, Metadata, load_checkpoint
-from manager.features import FEATURE_VERSION, N_FEATURES, FeatureSpec, encode_latest
-from manager.model import FusedTransformerBiGRU, ModelConfig, TransformerBiGRU
-from manager.predictor import DEFAULT_MODEL_PATH, ModelForecaster
 from tests.model_synth import ramp_app
+from vgpu.manager.checkpoint import Checkpoint, Metadata, load_checkpoint
+from vgpu.manager.features import FEATURE_VERSION, N_FEATURES, FeatureSpec, encode_latest
+from vgpu.manager.model import FusedTransformerBiGRU, ModelConfig, TransformerBiGRU
+from vgpu.manager.predictor import DEFAULT_MODEL_PATH, ModelForecaster
 
 RTOL, ATOL = 1e-4, 1e-5
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from allocator.policy import (
+from vgpu.allocator.policy.forecast import (
     AppState,
     DeviceState,
     PolicyConfig,
@@ -202,9 +202,9 @@ def test_foreseen_overrun_grows_despite_threshold_and_dwell() -> None:
 
 
 def test_forecast_policy_drives_the_allocator_on_the_simulator() -> None:
-    from allocator.core import Allocator
-    from allocator.plan import Recommendation
-    from allocator.policy import ForecastPolicy
+    from vgpu.allocator.core import Allocator
+    from vgpu.allocator.policy.base import Recommendation
+    from vgpu.allocator.policy.forecast import ForecastPolicy
     from vgpu.device.sim import ManualClock, SimBackend
 
     clock = ManualClock(1000.0)
@@ -236,9 +236,9 @@ def test_forecast_policy_drives_the_allocator_on_the_simulator() -> None:
 def test_sm_changes_do_not_restart_the_memory_dwell() -> None:
     """Under contention SM shares move at every arrival; the memory grant must still shrink once its own
     dwell has passed (the allocator's ledger keeps a memory change time apart from any change)."""
-    from allocator.core import Allocator
-    from allocator.plan import Recommendation
-    from allocator.policy import ForecastPolicy
+    from vgpu.allocator.core import Allocator
+    from vgpu.allocator.policy.base import Recommendation
+    from vgpu.allocator.policy.forecast import ForecastPolicy
     from vgpu.device.sim import ManualClock, SimBackend
 
     clock = ManualClock(1000.0)
@@ -268,9 +268,9 @@ def test_a_device_is_planned_with_every_application_when_recommendations_arrive_
     """The manager hands over recommendations per application as each becomes due. The power limit and
     SM shares of a device must still weigh all of its applications: one busy application's lone
     recommendation must not plan the GPU as if it ran alone (which flapped the demo's power limit)."""
-    from allocator.core import Allocator
-    from allocator.plan import Recommendation
-    from allocator.policy import ForecastPolicy
+    from vgpu.allocator.core import Allocator
+    from vgpu.allocator.policy.base import Recommendation
+    from vgpu.allocator.policy.forecast import ForecastPolicy
     from vgpu.device.sim import ManualClock, SimBackend
 
     clock = ManualClock(1000.0)

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 from test_policy import DEV, app
 
-from allocator.policy import (
+from vgpu.allocator.policy.forecast import (
     PREDICTIVE_CONFIG,
     DeviceState,
     ForecastPolicy,
@@ -216,8 +216,8 @@ def test_forecast_policy_plans_with_the_replayed_settings() -> None:
 
 
 def test_the_daemon_s_policy_bumps_an_application_at_its_memory_grant() -> None:
-    from allocator.core import Allocator
-    from allocator.plan import Recommendation
+    from vgpu.allocator.core import Allocator
+    from vgpu.allocator.policy.base import Recommendation
     from vgpu.device.sim import ManualClock, SimBackend
 
     clock = ManualClock(1000.0)

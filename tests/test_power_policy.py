@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from allocator.enforce import PowerLimitMechanism
-from allocator.power_policy import (
+from vgpu.allocator.mechanisms.power import PowerLimitMechanism
+from vgpu.allocator.policy.power import (
     DEFAULT_CURVE,
     PowerController,
     PowerCurve,
@@ -84,7 +84,7 @@ def test_the_choice_is_the_least_energy_limit_that_is_fast_enough(constraints: P
     """The choice (made from a table cached per device) against its definition, limit by limit:
     of the grid's limits whose throughput reaches the required ratio, the least energy per unit of
     work, the lowest of equals."""
-    from allocator.power_policy import _energy_per_work, _grid
+    from vgpu.allocator.policy.power import _energy_per_work, _grid
 
     lo, hi = constraints.min_mw, constraints.max_mw
     for bound, busy in ((0.05, 0.9), (0.0, 1.0), (0.3, 0.5)):

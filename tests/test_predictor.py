@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from manager.checkpoint import CheckpointError
-from manager.features import encode_latest
-from manager.forecast import Forecast, Forecaster
-from manager.predictor import ModelForecaster, ReloadingForecaster, load_forecaster
 from tests.checkpoint_synth import write_tiny_checkpoint as _write
 from tests.model_synth import ramp_app
+from vgpu.manager.checkpoint import CheckpointError
+from vgpu.manager.features import encode_latest
+from vgpu.manager.forecast import Forecast, Forecaster
+from vgpu.manager.predictor import ModelForecaster, ReloadingForecaster, load_forecaster
 from vgpu.traces import AppTrace
 
 
@@ -189,7 +189,7 @@ def test_failed_file_is_not_retried_until_it_changes(tmp_path: Path) -> None:
 
 
 def test_the_shipped_model_loads_and_names_only_permitted_data() -> None:
-    from manager.predictor import DEFAULT_MODEL_PATH
+    from vgpu.manager.predictor import DEFAULT_MODEL_PATH
 
     f = load_forecaster(DEFAULT_MODEL_PATH, device="cpu")
     training = f.checkpoint.metadata.training
@@ -237,9 +237,9 @@ def test_a_loader_that_raises_anything_is_logged_counted_and_the_old_model_serve
 
 
 def test_daemon_and_demo_serve_through_the_same_construction(tmp_path: Path) -> None:
-    """manager.modelpath.open_forecaster: the configured/default rule with the baseline fallback."""
-    from manager.daemon import StartupError, load_model
-    from manager.modelpath import ModelChoice, describe_serving, open_forecaster
+    """vgpu.manager.modelpath.open_forecaster: the configured/default rule with the baseline fallback."""
+    from vgpu.daemon.serve import StartupError, load_model
+    from vgpu.manager.modelpath import ModelChoice, describe_serving, open_forecaster
 
     good = tmp_path / "good.pt"
     _write(good)

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from profiler.replay import DEFAULT_DEVICE_ID, ReplaySource
-from profiler.source import SignatureSource
 from tests.profiler_fakes import ManualClock
+from vgpu.profiler.replay import DEFAULT_DEVICE_ID, ReplaySource
+from vgpu.profiler.source import SignatureSource
 from vgpu.traces import AppTrace, Trace, TraceFormatError, read_trace, write_trace
 
 

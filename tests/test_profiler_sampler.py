@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from profiler.sampler import Sampler
 from tests.profiler_fakes import (
     AccessDenied,
     FakeBackend,
@@ -22,6 +21,7 @@ from tests.profiler_fakes import (
 from vgpu.client import InAppCounters, InAppReport, VgpuClient, write_inapp
 from vgpu.device.base import ProcessInfo, ProcessUtilization
 from vgpu.device.errors import GpuLost, InvalidArgument, NoData, NotSupported
+from vgpu.profiler.sampler import Sampler
 from vgpu.traces import AppTrace
 
 MIB = 1024 * 1024

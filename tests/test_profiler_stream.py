@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 import structlog
 
-from allocator.service import build_server
-from manager.core import EwmaMarginForecaster, Manager
-from manager.service import IngestServicer
-from profiler.main import main as profiler_main
-from profiler.stream import Backoff, FixedRateLoop, FixedRateSchedule, SignatureStreamer
 from tests.profiler_fakes import ManualClock, RecordingLogger
+from vgpu.allocator.service import build_server
 from vgpu.client import grpc_target
+from vgpu.manager.core import EwmaMarginForecaster, Manager
+from vgpu.manager.service import IngestServicer
+from vgpu.profiler.main import main as profiler_main
+from vgpu.profiler.stream import Backoff, FixedRateLoop, FixedRateSchedule, SignatureStreamer
 from vgpu.traces import AppTrace, write_trace
 from vgpu.v1 import ingest_pb2, ingest_pb2_grpc, signature_pb2
 
@@ -589,8 +589,8 @@ def test_main_without_a_readable_token_stops_with_a_clear_error(
 
 
 def test_the_default_token_file_is_the_daemons_profiler_token() -> None:
-    from profiler.main import build_parser
     from vgpu import config
+    from vgpu.profiler.main import build_parser
 
     ns = build_parser("vgpu profiler").parse_args([])
     assert ns.token_file == Path(config.Config().server.state_dir) / "tokens" / "profiler.token"

@@ -12,8 +12,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from allocator.policy import PREDICTIVE_CONFIG, ForecastPolicy  # noqa: E402
 from bench import replay as R  # noqa: E402
+from vgpu.allocator.policy.forecast import PREDICTIVE_CONFIG, ForecastPolicy  # noqa: E402
 from vgpu.device.skus import get_sku  # noqa: E402
 from vgpu.traces import AppTrace, write_trace  # noqa: E402
 
@@ -48,7 +48,7 @@ def test_tiny_trace_static_and_oracle_by_hand() -> None:
     apps, skipped = R.prepare([app_trace("a", mem, sm)])
     assert not skipped and apps[0].ticks == 8
     apps = R.pack(apps, SKU)
-    from manager.baselines import LastValueForecaster
+    from vgpu.manager.baselines import LastValueForecaster
 
     out = {r["policy"]: r for r in R.replay(apps, SKU, LastValueForecaster())}
     # static: grants 2000 MiB / 50 % for ticks 1..7 (tick 0 is not scored)
@@ -69,7 +69,7 @@ def test_vpa_bumps_memory_after_a_violation() -> None:
     mem = [1000.0] * 20 + [3000.0] * 20
     apps, _ = R.prepare([app_trace("a", mem, [10.0] * 40)])
     apps = R.pack(apps, SKU)
-    from manager.baselines import LastValueForecaster
+    from vgpu.manager.baselines import LastValueForecaster
 
     runs: dict[str, R.PolicyRun] = {}
     R.replay(apps, SKU, LastValueForecaster(), policies=("vpa",), runs_out=runs)
@@ -126,7 +126,7 @@ def test_cli_bad_input_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFi
 # the daemon's own policy settings, and `--set` for a trade-off study
 def test_predictive_replays_the_settings_the_daemon_plans_with() -> None:
     apps = R.pack(R.prepare([app_trace("a", [1000.0] * 6, [10.0] * 6)])[0], SKU)
-    from manager.baselines import LastValueForecaster
+    from vgpu.manager.baselines import LastValueForecaster
 
     runs: dict[str, R.PolicyRun] = {}
     R.replay(apps, SKU, LastValueForecaster(), policies=("predictive",), runs_out=runs)
@@ -137,7 +137,7 @@ def test_predictive_bump_covers_a_memory_step_after_its_first_second() -> None:
     # memory climbs 200 MiB a second for 6 s; the last-value forecast sees only the past
     mem = [2000.0] * 10 + [2000.0 + 200 * i for i in range(1, 7)] + [3200.0] * 10
     apps = R.pack(R.prepare([app_trace("a", mem, [10.0] * len(mem))])[0], SKU)
-    from manager.baselines import LastValueForecaster
+    from vgpu.manager.baselines import LastValueForecaster
 
     def violations(**overrides: float) -> int:
         config, _ = R.config_overrides(PREDICTIVE_CONFIG, [f"{k}={v}" for k, v in overrides.items()])

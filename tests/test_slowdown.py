@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from manager.slowdown import SlowdownModel, _Group, _PowerCurve, compute_slices
+from vgpu.offline.slowdown import SlowdownModel, _Group, _PowerCurve, compute_slices
 
 SLICES_40 = ("1g.5gb", "2g.10gb", "3g.20gb", "4g.20gb", "7g.40gb")
 

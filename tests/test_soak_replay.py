@@ -11,11 +11,11 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from allocator.core import Allocator
-from manager.core import EwmaMarginForecaster, Manager, StreamState
-from manager.window import WindowStore
-from profiler.replay import ReplaySource
+from vgpu.allocator.core import Allocator
 from vgpu.device.sim import ManualClock, SimBackend
+from vgpu.manager.core import EwmaMarginForecaster, Manager, StreamState
+from vgpu.manager.window import WindowStore
+from vgpu.profiler.replay import ReplaySource
 from vgpu.traces import AppTrace, Trace, read_trace
 from vgpu.v1 import ingest_pb2
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from allocator.store import SCHEMA_VERSION, CgroupOriginal, DeviceOriginal, MigSlot, Store, StoreError
+from vgpu.allocator.store import SCHEMA_VERSION, CgroupOriginal, DeviceOriginal, MigSlot, Store, StoreError
 
 RECORDS = {
     "version": 1,
@@ -75,7 +75,7 @@ def test_commit_survives_kill_9(tmp_path: Path) -> None:
         f"""
         import os, signal
         from pathlib import Path
-        from allocator.store import CgroupOriginal, Store
+        from vgpu.allocator.store import CgroupOriginal, Store
         s = Store(Path({str(tmp_path)!r}))
         s.save_ledger({RECORDS!r})
         s.claim_app("a")

@@ -84,7 +84,7 @@ def test_profiler_is_unprivileged() -> None:
 
 
 def test_exec_start_parses_with_our_cli() -> None:
-    from manager.daemon import build_parser
+    from vgpu.daemon.serve import build_parser
 
     argv = shlex.split(dict(_settings("vgpu-manager.service"))["ExecStart"])
     assert argv[:2] == ["/usr/local/bin/vgpu", "serve"]
@@ -93,8 +93,8 @@ def test_exec_start_parses_with_our_cli() -> None:
 
 
 def test_profiler_exec_start_names_the_daemons_socket_and_token() -> None:
-    from profiler.main import build_parser
     from vgpu import auth, config
+    from vgpu.profiler.main import build_parser
 
     argv = shlex.split(dict(_settings("vgpu-profiler.service"))["ExecStart"])
     assert argv[:2] == ["/usr/local/bin/vgpu", "profiler"]

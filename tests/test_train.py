@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from manager import train as T
-from manager.checkpoint import load_checkpoint
-from manager.features import FEATURES_V2, N_FEATURES, FeatureSpec
-from manager.model import ModelConfig
-from manager.predictor import load_forecaster
 from tests.model_synth import population
+from vgpu.manager.checkpoint import load_checkpoint
+from vgpu.manager.features import FEATURES_V2, N_FEATURES, FeatureSpec
+from vgpu.manager.model import ModelConfig
+from vgpu.manager.predictor import load_forecaster
+from vgpu.offline import train as T
 from vgpu.traces import write_trace
 
 TINY = ModelConfig(n_features=N_FEATURES, attn_heads=2, key_channels=8)
@@ -179,7 +179,7 @@ def test_deadband_zeroes_small_changes_and_never_worsens_validation_mae() -> Non
     )
     band = T.choose_deadband(pred, data)
     assert np.all(band > 0.05) and np.all(band <= 4.0)
-    from manager.predictor import apply_deadband
+    from vgpu.manager.predictor import apply_deadband
 
     out = apply_deadband(pred, band)
     assert np.all(out[20:, ..., 0] == 0) and np.all(out[:20, ..., 0] == 4.0)

@@ -73,7 +73,7 @@ _CALLER: contextvars.ContextVar[str | None] = contextvars.ContextVar("vgpu_calle
 
 def identify_caller(_context: object = None) -> str | None:
     """The application the current call acts as (None: a trusted caller, operator or profiler), for
-    `allocator.service.AllocatorServicer(identify=...)`. Set by `AuthInterceptor` for the call's task,
+    `vgpu.allocator.service.AllocatorServicer(identify=...)`. Set by `AuthInterceptor` for the call's task,
     so the ledger re-checks ownership behind the interceptor (defence in depth)."""
     return _CALLER.get()
 

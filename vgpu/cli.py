@@ -13,20 +13,20 @@ from collections.abc import Callable, Sequence
 
 # name -> (module:function, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("manager.demo:main", "run the whole pipeline on a simulated GPU with a bundled trace"),
-    "serve": ("manager.daemon:main", "run the manager and allocator daemon"),
-    "profiler": ("profiler.main:main", "run the behavioural profiler and stream to the manager"),
-    "available": ("allocator.cli:available_main", "show free and granted resources per device"),
-    "apps": ("allocator.cli:apps_main", "list applications with their usage, forecast and grants"),
-    "request": ("allocator.cli:request_main", "request an allocation for an application"),
-    "release": ("allocator.cli:release_main", "release a grant"),
-    "set-limit": ("allocator.cli:set_limit_main", "set an application's limits (operator)"),
-    "top": ("allocator.cli:top_main", "live view of applications and devices"),
-    "size": ("manager.coldstart:size_main", "size a job before it has a history (the cold-start model)"),
-    "doctor": ("vgpu.doctor:main", "check driver, NVML, privileges, sockets and the model file"),
-    "trace": ("manager.tracecli:main", "convert datasets into the canonical trace format"),
-    "train": ("manager.train:main", "train the forecaster on canonical traces"),
-    "eval": ("manager.evaluate:main", "evaluate forecasters by the trace evaluation protocol"),
+    "demo": ("vgpu.daemon.demo:main", "run the whole pipeline on a simulated GPU with a bundled trace"),
+    "serve": ("vgpu.daemon.serve:main", "run the manager and allocator daemon"),
+    "profiler": ("vgpu.profiler.main:main", "run the behavioural profiler and stream to the manager"),
+    "available": ("vgpu.ctl:available_main", "show free and granted resources per device"),
+    "apps": ("vgpu.ctl:apps_main", "list applications with their usage, forecast and grants"),
+    "request": ("vgpu.ctl:request_main", "request an allocation for an application"),
+    "release": ("vgpu.ctl:release_main", "release a grant"),
+    "set-limit": ("vgpu.ctl:set_limit_main", "set an application's limits (operator)"),
+    "top": ("vgpu.ctl:top_main", "live view of applications and devices"),
+    "size": ("vgpu.manager.coldstart:size_main", "size a job before it has a history (the cold-start model)"),
+    "doctor": ("vgpu.daemon.doctor:main", "check driver, NVML, privileges, sockets and the model file"),
+    "trace": ("vgpu.offline.tracecli:main", "convert datasets into the canonical trace format"),
+    "train": ("vgpu.offline.train:main", "train the forecaster on canonical traces"),
+    "eval": ("vgpu.offline.evaluate:main", "evaluate forecasters by the trace evaluation protocol"),
 }
 
 

@@ -14,8 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from allocator.ledger import Grant
+from vgpu.allocator.ledger import Grant
 from vgpu.device.base import GpuInstance, PowerConstraints
+from vgpu.jobs import JobConfig
 
 
 @dataclass(frozen=True)
@@ -207,3 +208,36 @@ class BaselinePolicy:
         if abs(target - view.power_limit_mw) < self.power_hysteresis_frac * (c.max_mw - c.min_mw):
             return None
         return PowerTarget(view.device_id, target, f"SM demand {demand_pct:.0f} %")
+
+
+@dataclass(frozen=True)
+class Sizing:
+    memory_mib: float
+    sm_pct: float
+    reason: str = ""
+
+
+class Sizer(Protocol):
+    """Cold-start sizing (vgpu.manager.coldstart): a job with no history -> initial grant."""
+
+    def size(self, job: JobConfig, *, mem_total_mib: float) -> Sizing:
+        """Raises `InvalidJobConfig` when the job says too little to be sized."""
+        ...
+
+
+class SkippedReport(Protocol):
+    """What the manager reads back from applying its recommendations."""
+
+    @property
+    def skipped(self) -> Sequence[str]: ...
+
+
+class RecommendationSink(Protocol):
+    """Where the manager sends its recommendations: the `Allocator`, or a stand-in in a benchmark.
+
+    The manager depends on this interface, not on the allocator, so that recommending stays apart
+    from acting."""
+
+    def apply_recommendations(self, recommendations: Sequence[Recommendation]) -> SkippedReport: ...
+
+    def forget_app(self, app_id: str) -> Sequence[Grant]: ...

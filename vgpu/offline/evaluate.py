@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from manager.baselines import (
+from vgpu.manager.baselines import (
     MIN_ORIGIN_INDEX,
     EwmaForecaster,
     GbdtForecaster,
@@ -40,8 +40,8 @@ from manager.baselines import (
     LastValueForecaster,
     VpaPercentileForecaster,
 )
-from manager.forecast import HORIZONS_S, Forecast, Forecaster
-from manager.splits import select, split_of
+from vgpu.manager.forecast import HORIZONS_S, Forecast, Forecaster
+from vgpu.offline.splits import select, split_of
 from vgpu.traces import TARGETS, AppTrace, Trace, TraceFormatError, one_second_grid, read_trace
 
 FloatArray = npt.NDArray[np.float64]
@@ -251,13 +251,13 @@ def _warn(prog: str, message: str) -> None:
 
 
 def load_model(path: str | None, prog: str) -> Forecaster | None:
-    """The trained model through helper C's `manager.predictor.load_forecaster` (imported lazily:
+    """The trained model through helper C's `vgpu.manager.predictor.load_forecaster` (imported lazily:
     torch is heavy and the baselines need none of it). None, with the reason on stderr, where no
     model is given or it cannot be loaded."""
     try:
-        from manager import predictor  # noqa: PLC0415
+        from vgpu.manager import predictor  # noqa: PLC0415
     except Exception as exc:  # noqa: BLE001 - any import failure means: no model rows
-        _warn(prog, f"model rows absent: cannot import manager.predictor ({exc})")
+        _warn(prog, f"model rows absent: cannot import vgpu.manager.predictor ({exc})")
         return None
     if path is None:
         default = getattr(predictor, "DEFAULT_MODEL_PATH", None) or getattr(predictor, "DEFAULT_CHECKPOINT", None)
@@ -349,7 +349,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu eval") -> int:
     parser.add_argument("--trace", required=True, help="canonical trace to evaluate on")
     parser.add_argument("--model", default=None, help="forecaster checkpoint (default: the shipped one)")
     parser.add_argument("--split", default="test", choices=("test", "val", "train", "all"),
-                        help="applications to score, by manager.splits (default: test)")
+                        help="applications to score, by vgpu.offline.splits (default: test)")
     parser.add_argument("--train-trace", action="append", default=[],
                         help="trace gbdt trains on (its train split); repeatable")
     parser.add_argument("--methods", default=",".join(METHOD_ORDER),

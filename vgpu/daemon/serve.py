@@ -56,25 +56,25 @@ import psutil
 import structlog
 from prometheus_client import CollectorRegistry, start_http_server
 
-from allocator.core import Allocator, Sizer, device_capacities
-from allocator.errors import NotFound
-from allocator.ledger import Ledger
-from allocator.limits import CgroupMemoryLimits
-from allocator.mig import MigLayoutMechanism
-from allocator.policy import ForecastPolicy
-from allocator.service import AllocatorServicer, Server, build_server
-from allocator.store import DeviceOriginal, MigSlot, Store, StoreError
-from manager.coldstart import AllocatorSizer, BackgroundSizer, ColdStartSizer
-from manager.core import Manager, default_baseline
-from manager.forecast import Forecaster
-from manager.modelpath import ModelChoice, open_forecaster, resolve_model
-from manager.service import IngestServicer
 from vgpu import auth, log
 from vgpu import config as vconfig
+from vgpu.allocator.core import Allocator, Sizer, device_capacities
+from vgpu.allocator.errors import NotFound
+from vgpu.allocator.ledger import Ledger
+from vgpu.allocator.mechanisms.limits import CgroupMemoryLimits
+from vgpu.allocator.mechanisms.mig import MigLayoutMechanism
+from vgpu.allocator.policy.forecast import ForecastPolicy
+from vgpu.allocator.service import AllocatorServicer, Server, build_server
+from vgpu.allocator.store import DeviceOriginal, MigSlot, Store, StoreError
 from vgpu.config import Config, ConfigError
+from vgpu.daemon.metrics import AppSnapshot, CounterSnapshot, DaemonMetrics, DeviceSnapshot
 from vgpu.device.base import Backend, Device
 from vgpu.device.errors import DeviceError
-from vgpu.metrics import AppSnapshot, CounterSnapshot, DaemonMetrics, DeviceSnapshot
+from vgpu.manager.coldstart import AllocatorSizer, BackgroundSizer, ColdStartSizer
+from vgpu.manager.core import Manager, default_baseline
+from vgpu.manager.forecast import Forecaster
+from vgpu.manager.modelpath import ModelChoice, open_forecaster, resolve_model
+from vgpu.manager.service import IngestServicer
 
 SIM_STATE_FILE = "sim-devices.json"
 LOCK_FILE = "daemon.lock"
@@ -127,7 +127,7 @@ class LedgerView:
 
 
 class StateSource:
-    """The daemon's live state as metric snapshots (vgpu.metrics.MetricsSource)."""
+    """The daemon's live state as metric snapshots (vgpu.daemon.metrics.MetricsSource)."""
 
     def __init__(self, allocator: Allocator, manager: Manager) -> None:
         self.allocator = allocator
@@ -190,7 +190,7 @@ class StateSource:
 def open_backend(spec: str, state_dir: Path) -> Backend:
     """`nvml`, or `sim:<sku>[,<sku>...]` whose device settings persist in the state directory."""
     if spec.startswith("sim:"):
-        from manager.simstate import PersistentSimBackend
+        from vgpu.device.simstate import PersistentSimBackend
 
         skus = [s for s in spec[4:].split(",") if s]
         try:

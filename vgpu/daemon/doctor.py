@@ -149,7 +149,7 @@ def check_model(path: Path, load: Callable[[Path], object] | None = None, *, req
         return Check("model", "WARN", f"no forecaster checkpoint at {path}: the manager forecasts with the baseline")
     try:
         if load is None:
-            from manager.predictor import load_forecaster
+            from vgpu.manager.predictor import load_forecaster
 
             load = load_forecaster
         load(path)
@@ -160,7 +160,7 @@ def check_model(path: Path, load: Callable[[Path], object] | None = None, *, req
 
 def default_model() -> Path:
     """The forecaster the daemon serves when none is configured (manager/modelpath.py)."""
-    from manager.modelpath import resolve_model
+    from vgpu.manager.modelpath import resolve_model
 
     return resolve_model(None).path
 
@@ -207,7 +207,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu doctor", *, out: T
     except vconfig.ConfigError as exc:
         cfg = vconfig.Config()
         checks = [Check("config", "FAIL", str(exc))]
-    from manager.modelpath import resolve_model
+    from vgpu.manager.modelpath import resolve_model
 
     choice = resolve_model(ns.model or cfg.manager.model)
     checks += run_checks(cfg, model=choice.path, model_required=choice.configured)

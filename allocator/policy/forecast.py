@@ -41,12 +41,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from allocator.power_policy import choose_power_limit_mw
+from vgpu.allocator.policy.power import choose_power_limit_mw
 
 if TYPE_CHECKING:
-    from allocator.ledger import Grant
-    from allocator.plan import DeviceView, Recommendation
-    from allocator.plan import Plan as AllocatorPlan
+    from vgpu.allocator.ledger import Grant
+    from vgpu.allocator.policy.base import DeviceView, Recommendation
+    from vgpu.allocator.policy.base import Plan as AllocatorPlan
 
 Resource = Literal["mem", "sm"]
 RESOURCES: tuple[Resource, ...] = ("mem", "sm")
@@ -582,7 +582,7 @@ def advance(apps: Sequence[AppState], result: Plan) -> list[AppState]:
 # ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ForecastPolicy:
-    """This module's policy behind `allocator.plan.Policy`, for `Allocator(policy=ForecastPolicy())`.
+    """This module's policy behind `vgpu.allocator.policy.base.Policy`, for `Allocator(policy=ForecastPolicy())`.
 
     Per application and device: grants the application requested itself (source "request") are its
     guarantee and are left as they are; its most recent other grant (or a new forecast grant)
@@ -599,8 +599,8 @@ class ForecastPolicy:
 
     def plan(self, recommendations: Sequence[Recommendation], devices: Sequence[DeviceView],
              now_s: float) -> AllocatorPlan:
-        from allocator.plan import GrantTarget, PowerTarget
-        from allocator.plan import Plan as AllocatorPlan
+        from vgpu.allocator.policy.base import GrantTarget, PowerTarget
+        from vgpu.allocator.policy.base import Plan as AllocatorPlan
 
         views = {d.device_id: d for d in devices}
         states: list[AppState] = []

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from allocator.errors import NoPermission, NotSupported, VerifyFailed
+from vgpu.allocator.errors import NoPermission, NotSupported, VerifyFailed
 from vgpu.device.base import Device, PowerConstraints
 from vgpu.log import Logger, get_logger
 

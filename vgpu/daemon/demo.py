@@ -30,18 +30,18 @@ from typing import TextIO
 
 import numpy as np
 
-from allocator.core import Allocator
-from allocator.policy import ForecastPolicy
-from allocator.service import AllocatorServicer, build_server
-from manager.core import Manager, default_baseline
-from manager.forecast import Forecaster
-from manager.modelpath import ModelChoice, describe_serving, open_forecaster, resolve_model
-from manager.service import IngestServicer
-from profiler.sampler import Sampler
-from profiler.stream import SignatureStreamer
 from vgpu import log
+from vgpu.allocator.core import Allocator
+from vgpu.allocator.policy.forecast import ForecastPolicy
+from vgpu.allocator.service import AllocatorServicer, build_server
 from vgpu.config import ManagerConfig
 from vgpu.device.sim import SimBackend
+from vgpu.manager.core import Manager, default_baseline
+from vgpu.manager.forecast import Forecaster
+from vgpu.manager.modelpath import ModelChoice, describe_serving, open_forecaster, resolve_model
+from vgpu.manager.service import IngestServicer
+from vgpu.profiler.sampler import Sampler
+from vgpu.profiler.stream import SignatureStreamer
 from vgpu.traces import AppTrace, Trace, read_trace
 from vgpu.v1 import signature_pb2
 

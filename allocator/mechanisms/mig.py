@@ -36,7 +36,7 @@ from typing import Literal
 
 import structlog
 
-from allocator.plan import MigOutcome
+from vgpu.allocator.policy.base import MigOutcome
 from vgpu.device.base import Device, GpuInstance
 from vgpu.device.errors import InsufficientResources, InUse, NoPermission, NotSupported
 from vgpu.device.skus import SKUS, LayoutSlot, MigLayout, MigProfile, Sku, layout_problem, valid_layouts
@@ -356,7 +356,7 @@ class MigReconfigurer:
 
 
 def _verify_failed(message: str) -> Exception:
-    from allocator.errors import VerifyFailed
+    from vgpu.allocator.errors import VerifyFailed
 
     return VerifyFailed(message)
 
@@ -440,7 +440,7 @@ def layout_for_profiles(sku: Sku, profiles: Sequence[str], current: MigLayout = 
 
 
 class MigLayoutMechanism:
-    """One `MigReconfigurer` per device behind `allocator.core.MigMechanism`:
+    """One `MigReconfigurer` per device behind `vgpu.allocator.core.MigMechanism`:
     `apply(device, profile_names) -> MigOutcome` and `restore()`. `last` keeps each device's latest
     `MigApplyResult` for diagnostics (`vgpu` commands, tests); the allocator reads only the outcome."""
 

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from allocator.enforce import PowerLimitMechanism, PowerLimitResult
+from vgpu.allocator.mechanisms.power import PowerLimitMechanism, PowerLimitResult
 from vgpu.device.base import Device, PowerConstraints
 from vgpu.device.errors import NotSupported
 

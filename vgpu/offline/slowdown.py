@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from manager.jobprofiles import load_migperf, model_family
+from vgpu.manager.jobprofiles import load_migperf, model_family
 
 ZEUS_GPUS: tuple[str, ...] = ("a40", "v100", "rtx6000", "p100")
 # Zeus workloads by family, for jobs Zeus did not measure.

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TextIO
 
-from manager import convert
+from vgpu.offline import convert
 from vgpu.traces import NUMERIC, Trace, TraceFormatError, read_trace, write_trace
 
 FORMATS = ("migperf", "nvidia-smi", "alibaba")

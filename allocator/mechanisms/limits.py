@@ -41,8 +41,8 @@ from pathlib import Path
 
 import structlog
 
-from allocator.errors import VerifyFailed
-from allocator.store import CgroupOriginal, Store
+from vgpu.allocator.errors import VerifyFailed
+from vgpu.allocator.store import CgroupOriginal, Store
 from vgpu.device.base import Backend, Device
 from vgpu.device.errors import DeviceError, NoPermission, NotFound, NotSupported
 from vgpu.log import get_logger

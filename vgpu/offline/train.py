@@ -3,7 +3,7 @@
     vgpu train --trace PATH [--trace PATH ...] --out PATH [--epochs N] [--order attn_first|gru_first]
                [--seed S] [--window S] [--stride K] [--feature-version V] [--licence TEXT] ...
 
-Applications are split by `manager.splits` (by run family, so no application is in two splits);
+Applications are split by `vgpu.offline.splits` (by run family, so no application is in two splits);
 training uses the train split, early stopping and the P90 calibration use the validation split, and
 the test split is never read. After training, two calibrations are fitted on the validation split
 and stored in the checkpoint: a dead band under which a predicted median change counts as none
@@ -32,11 +32,18 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from manager import splits
-from manager.checkpoint import Metadata, git_commit, save_checkpoint
-from manager.features import FEATURE_VERSION, FEATURES_BY_VERSION, FeatureSpec, build_grid, encode, targets
-from manager.model import ModelConfig, TransformerBiGRU, pinball_loss
-from manager.predictor import apply_deadband
+from vgpu.manager.checkpoint import Metadata, git_commit, save_checkpoint
+from vgpu.manager.features import (
+    FEATURE_VERSION,
+    FEATURES_BY_VERSION,
+    FeatureSpec,
+    build_grid,
+    encode,
+    targets,
+)
+from vgpu.manager.model import ModelConfig, TransformerBiGRU, pinball_loss
+from vgpu.manager.predictor import apply_deadband
+from vgpu.offline import splits
 from vgpu.traces import AppTrace, TraceFormatError, read_trace
 
 DEFAULT_WINDOW_S = 16
@@ -318,7 +325,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         type=int,
         choices=sorted(FEATURES_BY_VERSION),
         default=FEATURE_VERSION,
-        help=f"feature encoding (default v{FEATURE_VERSION}; see manager.features)",
+        help=f"feature encoding (default v{FEATURE_VERSION}; see vgpu.manager.features)",
     )
     p.add_argument(
         "--paper-recipe", action="store_true", help="lr 0.01 -> 0.001, L2 1e-3, patience 20 (the paper's)"
@@ -410,7 +417,7 @@ def main(argv: Sequence[str], prog: str = "vgpu train") -> int:
             "command": " ".join(["vgpu", "train", *argv]),
             "trace_files": files,
             "licences": list(args.licence),
-            "split_rule": "manager.splits (sha256 of run family; 0.70 train / 0.15 val / 0.15 test)",
+            "split_rule": "vgpu.offline.splits (sha256 of run family; 0.70 train / 0.15 val / 0.15 test)",
             "apps": {s: len(v) for s, v in by_split.items()},
             "windows": {"train": len(train), "val": len(val)},
             "recipe": {k: getattr(recipe, k) for k in Recipe.__dataclass_fields__},
