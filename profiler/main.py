@@ -34,7 +34,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Stream behavioural signatures of GPU applications.")
     p.add_argument("--manager", default=DEFAULT_SOCKET, help="manager address: unix:///path.sock, /path.sock or host:port")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--backend", default="nvml", help="device backend: nvml (default) or sim:<sku>, e.g. sim:h100-80gb")
+    src.add_argument("--backend", default="nvml", help="device backend: nvml (default), sim, or sim:SKU[*N][,SKU[*N]...], e.g. sim:h100-80gb*2")
     src.add_argument("--replay", type=Path, metavar="TRACE", help="replay a canonical trace instead of sampling GPUs")
     p.add_argument("--device-id", default=None,
                    help="replay: the device the signatures name (a device of the daemon, see `vgpu available`); "

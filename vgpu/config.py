@@ -196,8 +196,13 @@ def _validate(cfg: Config) -> None:
         )
     if not s.state_dir:
         raise ConfigError("server.state_dir: must not be empty")
-    if s.backend != "nvml" and not (s.backend.startswith("sim:") and len(s.backend) > 4):
-        raise ConfigError(f"server.backend: expected 'nvml' or 'sim:<sku>', got {s.backend!r}")
+    if s.backend.strip().lower() != "nvml":
+        from vgpu.device import parse_sim_spec
+
+        try:
+            parse_sim_spec(s.backend)
+        except ValueError as exc:
+            raise ConfigError(f"server.backend: expected 'nvml' or 'sim:<sku>', got {s.backend!r} ({exc})") from None
     if s.grace_s < 0:
         raise ConfigError(f"server.grace_s: must be >= 0, got {s.grace_s}")
     if s.tcp:

@@ -188,23 +188,22 @@ class StateSource:
 
 # --- backend, originals, reconciliation ----------------------------------------------------------------
 def open_backend(spec: str, state_dir: Path) -> Backend:
-    """`nvml`, or `sim:<sku>[,<sku>...]` whose device settings persist in the state directory."""
-    if spec.startswith("sim:"):
-        from vgpu.device.simstate import PersistentSimBackend
-
-        skus = [s for s in spec[4:].split(",") if s]
-        try:
-            return PersistentSimBackend(skus, state_dir / SIM_STATE_FILE)
-        except (KeyError, ValueError) as exc:
-            raise StartupError(f"--backend {spec}: {exc}") from exc
-    if spec == "nvml":
+    """A backend by the device layer's one grammar (`vgpu.device.parse_sim_spec`: `nvml`, `sim`,
+    `sim:SKU[*N][,SKU[*N]...]`); a simulated node keeps its device settings in the state directory."""
+    if spec.strip().lower() == "nvml":
         try:
             from vgpu.device.nvml import NvmlBackend
 
             return NvmlBackend()
         except (ImportError, DeviceError) as exc:
             raise StartupError(f"cannot open NVML ({type(exc).__name__}: {exc}); run `vgpu doctor`") from exc
-    raise StartupError(f"unknown backend {spec!r}: use nvml or sim:<sku>")
+    from vgpu.device import parse_sim_spec
+    from vgpu.device.simstate import PersistentSimBackend
+
+    try:
+        return PersistentSimBackend(parse_sim_spec(spec), state_dir / SIM_STATE_FILE)
+    except (KeyError, ValueError) as exc:
+        raise StartupError(f"--backend: {exc}") from exc
 
 
 def read_original(dev: Device, now_s: float) -> DeviceOriginal:
@@ -701,7 +700,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--socket-mode", help="socket permission bits, octal (default 0660)")
     p.add_argument("--socket-group", help="group that owns the socket")
     p.add_argument("--state-dir", help=f"ledger, tokens and saved device settings (default {vconfig.DEFAULT_STATE_DIR})")
-    p.add_argument("--backend", help="nvml (default) or sim:<sku>, e.g. sim:h100-80gb")
+    p.add_argument("--backend", help="nvml (default), sim, or sim:SKU[*N][,SKU[*N]...], e.g. sim:h100-80gb*2")
     p.add_argument("--tcp", metavar="HOST:PORT", help="also listen on TCP; needs --tls-cert and --tls-key")
     p.add_argument("--tls-cert", help="PEM server certificate for --tcp")
     p.add_argument("--tls-key", help="PEM server key for --tcp")
