@@ -55,9 +55,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.power_controller import PowerController  # noqa: E402
 from vgpu.allocator.mechanisms.power import PowerLimitMechanism  # noqa: E402
 from vgpu.allocator.policy.forecast import PREDICTIVE_CONFIG, AppState, DeviceState, PolicyConfig, plan  # noqa: E402
-from vgpu.allocator.policy.power import PowerController  # noqa: E402
 from vgpu.device.sim import ManualClock, SimBackend  # noqa: E402
 from vgpu.device.skus import Sku, get_sku  # noqa: E402
 from vgpu.manager.forecast import Forecaster  # noqa: E402

@@ -49,53 +49,20 @@ import numpy as np
 import structlog
 
 from vgpu.allocator.policy.base import Recommendation, RecommendationSink
-from vgpu.log import get_logger
+from vgpu.log import get_logger, worth_logging
+from vgpu.manager.baselines import BaselineForecaster
 from vgpu.manager.forecast import HORIZONS_S, Forecast, Forecaster
 from vgpu.manager.window import WindowStore
-from vgpu.traces import AppTrace, one_second_grid
-from vgpu.v1 import ingest_pb2, signature_pb2
+from vgpu.traces import AppTrace
+from vgpu.v1 import ingest_pb2
 from vgpu.wire import MAX_ID_CHARS, ColumnsFormatError, parse_signature, read_columns
 
 _MAX_APP_ID = MAX_ID_CHARS
 
 
-class EwmaMarginForecaster:
-    """The manager's own last-resort forecaster (used only when manager/baselines.py is missing):
-    the exponentially weighted mean of the 1 s grid as P50, plus `margin` of it as P90, flat over
-    the horizons."""
-
-    name = "ewma_margin"
-
-    def __init__(self, alpha: float = 0.3, margin: float = 0.15) -> None:
-        self.alpha, self.margin = alpha, margin
-
-    def _one(self, hist: AppTrace, target: str) -> tuple[float, float]:
-        _, grid = one_second_grid(hist, target)
-        if not len(grid):
-            return math.nan, math.nan
-        m = float(grid[0])
-        for v in grid[1:]:
-            m = self.alpha * float(v) + (1 - self.alpha) * m
-        return m, m * (1 + self.margin)
-
-    def forecast_batch(self, histories: Sequence[AppTrace]) -> list[Forecast]:
-        out = []
-        n = len(HORIZONS_S)
-        for hist in histories:
-            m50, m90 = self._one(hist, "mem_used_mib")
-            s50, s90 = self._one(hist, "sm_util_pct")
-            out.append(Forecast(HORIZONS_S, (m50,) * n, (m90,) * n, (s50,) * n, (min(100.0, s90),) * n, self.name))
-        return out
-
-
 def default_baseline() -> Forecaster:
-    """B's baseline (manager/baselines.py) when present, else `EwmaMarginForecaster`."""
-    try:
-        from vgpu.manager.baselines import BaselineForecaster  # noqa: PLC0415 - optional module
-    except ImportError:
-        return EwmaMarginForecaster()
-    forecaster: Forecaster = BaselineForecaster()
-    return forecaster
+    """The fallback forecaster: the VPA-style percentile baseline (`vgpu.manager.baselines`)."""
+    return BaselineForecaster()
 
 
 @dataclass(frozen=True)
@@ -154,11 +121,6 @@ def _z(x: float) -> float:
     return x if math.isfinite(x) else 0.0
 
 
-def validate_signature(sig: signature_pb2.BehavioralSignature) -> str | None:
-    """Why a signature is unusable, or None when it is fine."""
-    return parse_signature(sig)[0]
-
-
 @dataclass
 class ManagerStats:
     batches: int = 0
@@ -186,7 +148,16 @@ class StreamState:
     duplicates: int = 0
 
 
-Item = tuple[str, str, int, AppTrace, float, float]  # app, device, seq, window, mem used, SM used
+@dataclass(frozen=True)
+class Item:
+    """One application due for a forecast: its window copied on the loop, with the latest usage."""
+
+    app_id: str
+    device_id: str
+    seq: int
+    window: AppTrace
+    mem_used_mib: float
+    sm_util_pct: float
 
 
 class DutyBudget:
@@ -479,8 +450,8 @@ class Manager:
             if len(win) < self.min_samples:
                 continue
             self._last_forecast_s[app_id] = now
-            out.append((app_id, win.device_id, win.last_seq, win.trace(), win.latest_value("mem_used_mib"),
-                        win.latest_value("sm_util_pct")))
+            out.append(Item(app_id, win.device_id, win.last_seq, win.trace(), win.latest_value("mem_used_mib"),
+                            win.latest_value("sm_util_pct")))
         return out
 
     def _run_forecaster(self, traces: list[AppTrace]) -> list[Forecast]:
@@ -491,7 +462,7 @@ class Manager:
             return result
         except Exception as exc:  # noqa: BLE001 - the fallback serves this tick
             self.stats.forecast_failures += 1
-            if self.stats.forecast_failures in (1, 10, 100) or self.stats.forecast_failures % 1000 == 0:
+            if worth_logging(self.stats.forecast_failures):
                 self._log.error("forecaster_failed", forecaster=getattr(self.forecaster, "name", "?"), error=repr(exc),
                                 count=self.stats.forecast_failures)
             if self.forecaster is self.fallback:
@@ -502,19 +473,19 @@ class Manager:
         if not items:
             return []
         started = time.perf_counter()
-        forecasts = self._run_forecaster([it[3] for it in items])
+        forecasts = self._run_forecaster([it.window for it in items])
         self.stats.forecast_s_total += time.perf_counter() - started
         self.stats.forecast_batches += 1
         now = self.clock()
         decisions = []
-        for (app_id, device_id, seq, _trace, mem_used, sm_used), fc in zip(items, forecasts, strict=True):
-            mem, sm = self.recommend(fc, mem_used, sm_used)
+        for it, fc in zip(items, forecasts, strict=True):
+            mem, sm = self.recommend(fc, it.mem_used_mib, it.sm_util_pct)
             if math.isnan(mem) and math.isnan(sm):
                 continue
             source = "model" if fc.source == "model" else "baseline"
             decisions.append(
-                Decision(app_id, device_id, fc, 0.0 if math.isnan(mem) else mem, 0.0 if math.isnan(sm) else sm,
-                         source, seq, now, mem_used, sm_used)
+                Decision(it.app_id, it.device_id, fc, 0.0 if math.isnan(mem) else mem, 0.0 if math.isnan(sm) else sm,
+                         source, it.seq, now, it.mem_used_mib, it.sm_util_pct)
             )
         return decisions
 

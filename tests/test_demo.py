@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from manager_fakes import EwmaMarginForecaster
 
 from vgpu.daemon.demo import launch_offsets_s, launch_order, main, run_demo
 from vgpu.data import demo_trace_path
-from vgpu.manager.core import EwmaMarginForecaster
 from vgpu.traces import read_trace
 
 

@@ -183,7 +183,7 @@ def test_model_metadata_names_the_gbdt_training_traces() -> None:
     class Checkpoint:
         metadata = type("M", (), {"training": {"trace_files": [{"path": "c.csv.gz", "apps": 3}]}})()
 
-    class Wrapped:  # helper C's ModelForecaster keeps its metadata on .checkpoint
+    class Wrapped:  # ModelForecaster keeps its metadata on .checkpoint
         checkpoint = Checkpoint()
 
     assert ev.training_traces_of(Wrapped()) == ["c.csv.gz"]

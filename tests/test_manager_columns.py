@@ -6,8 +6,9 @@ import math
 
 import numpy as np
 import pytest
+from manager_fakes import EwmaMarginForecaster
 
-from vgpu.manager.core import EwmaMarginForecaster, Manager
+from vgpu.manager.core import Manager
 from vgpu.manager.window import WindowStore
 from vgpu.v1 import ingest_pb2
 from vgpu.v1 import signature_pb2 as spb

@@ -251,7 +251,7 @@ def _warn(prog: str, message: str) -> None:
 
 
 def load_model(path: str | None, prog: str) -> Forecaster | None:
-    """The trained model through helper C's `vgpu.manager.predictor.load_forecaster` (imported lazily:
+    """The trained model through `vgpu.manager.predictor.load_forecaster` (imported lazily:
     torch is heavy and the baselines need none of it). None, with the reason on stderr, where no
     model is given or it cannot be loaded."""
     try:
