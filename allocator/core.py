@@ -1,10 +1,10 @@
 """The `Allocator`: the ledger, the policy and the mechanisms behind one object.
 
 The allocator alone writes to devices. It answers applications (request / release / limits),
-carries out the manager's recommendations through a `Policy` (allocator/plan.py), enforces power
-limits (allocator/enforce.py) and MIG layouts (a `MigMechanism`, plugged in), caps each
+carries out the manager's recommendations through a `Policy` (allocator/policy/base.py), enforces power
+limits (allocator/mechanisms/power.py) and MIG layouts (a `MigMechanism`, plugged in), caps each
 application's cgroup at its granted memory through NVML's per-cgroup limits where the pid is known
-and `cgroup_limits` is given (allocator/limits.py), publishes every change to `watch()`
+and `cgroup_limits` is given (allocator/mechanisms/limits.py), publishes every change to `watch()`
 subscribers and restores device settings on `stop()`.
 
 Concurrency: the daemon runs on one asyncio loop and every method here is synchronous and must be
@@ -48,7 +48,7 @@ from vgpu.log import get_logger
 
 
 class MigMechanism(Protocol):
-    """Applies MIG layouts (allocator/mig.py). `apply` says what it did in a `MigOutcome`: whether
+    """Applies MIG layouts (allocator/mechanisms/mig.py). `apply` says what it did in a `MigOutcome`: whether
     instances changed and how many steps it left undone (the allocator counts a failure for those);
     it raises only for device errors it does not handle."""
 

@@ -472,7 +472,7 @@ class BatchEncoder:
 
 class ColumnEncoder(BatchEncoder):
     """The same signatures as `BatchEncoder`, a batch of `columns_from` or more sent as one
-    `SignatureColumns` (what the profiler does, profiler/stream.py; manager/columns.py), smaller
+    `SignatureColumns` (what the profiler does, profiler/stream.py; vgpu/wire.py), smaller
     ones as rows. `columns_from` 0: every batch as columns."""
 
     def __init__(self, apps: Sequence[AppTrace], names: Sequence[str], device_ids: Sequence[str],

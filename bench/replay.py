@@ -2,7 +2,7 @@
 
     python bench/replay.py --trace migperf.csv.gz [--gpu h100-80gb] [--split test] --json
 
-Every application of the trace (or of one split of it, manager/splits.py) starts at replay time 0
+Every application of the trace (or of one split of it, vgpu/offline/splits.py) starts at replay time 0
 and follows its own 1 s grid (TRACE_FORMAT.md step 1); the replay ticks once a second. Applications
 are packed first-fit (largest first) onto simulated GPUs of `--gpu` so that their peaks fit: memory
 within the GPU, summed peak SM share within 100 %. At each tick t every policy decides each
@@ -12,7 +12,7 @@ compared with the usage at t + 1.
 Policies (one run, the same packing):
 - `static`: each application gets its peak, for its whole run; power limits stay at the default.
 - `reactive`: usage-based (DeepRes style): the last usage plus the margin, through the policy's
-  hysteresis (allocator/policy.py).
+  hysteresis (allocator/policy/forecast.py).
 - `vpa`: the Kubernetes VPA recommender: P90 of a decaying histogram of the usage (half-life 60 s,
   manager/baselines.py) + 15 %; after a memory violation the memory estimate is bumped to
   max(1.2 x usage, usage + 100 MiB) (VPA's OOM bump) and never falls under that again.
@@ -24,7 +24,7 @@ Policies (one run, the same packing):
   lists the overrides under `predictive_overrides`.
 - `oracle`: perfect foresight: the true peak of the next 5 s, no margin, through the policy.
 Every dynamic policy chooses each GPU's power limit from its planned SM share
-(allocator/power_policy.py) and sets it through the power-limit mechanism on its own simulated
+(allocator/policy/power.py) and sets it through the power-limit mechanism on its own simulated
 backend; energy is the simulator's power draw, summed over the ticks a GPU has work.
 
 Metrics, over app-ticks (an application at one second, its first second excluded: no policy has
@@ -73,7 +73,7 @@ FORECASTERS = ("auto", "model", "gbdt", "vpa_percentile", "ewma", "last_value")
 # The policy settings each dynamic policy runs with (the same hysteresis for all).
 REACTIVE_CONFIG = PolicyConfig(mem_margin_frac=0.10, sm_margin_frac=0.10, confidence_multiplier=0.0)
 VPA_CONFIG = PolicyConfig(mem_margin_frac=VPA_MARGIN, sm_margin_frac=VPA_MARGIN, confidence_multiplier=0.0)
-# predictive runs PREDICTIVE_CONFIG (allocator/policy.py), the daemon's own settings
+# predictive runs PREDICTIVE_CONFIG (allocator/policy/forecast.py), the daemon's own settings
 ORACLE_CONFIG = PolicyConfig(mem_margin_frac=0.0, sm_margin_frac=0.0, confidence_multiplier=0.0)
 
 
@@ -385,7 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--trace", required=True, help="canonical trace (.csv or .csv.gz)")
     ap.add_argument("--gpu", default="h100-80gb", help="simulated GPU SKU (default h100-80gb)")
     ap.add_argument("--split", default="test", choices=("train", "val", "test", "all"),
-                    help="applications to replay (manager/splits.py; default test)")
+                    help="applications to replay (vgpu/offline/splits.py; default test)")
     ap.add_argument("--forecaster", default="auto", choices=FORECASTERS,
                     help="predictive policy's forecaster (auto: the checkpoint, else gbdt on the train split)")
     ap.add_argument("--checkpoint", type=Path, default=None, help="forecaster checkpoint (default: manager/models/)")

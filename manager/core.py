@@ -1,7 +1,7 @@
 """The `Manager`: signatures in, windows, batched forecasts soon after arrival, decisions out.
 
 Each ingested `SignatureBatch` is read signature by signature in one pass (`parse_signature` in
-manager/columns.py: validated and turned into the window's values together; a columnar part is read
+vgpu/wire.py: validated and turned into the window's values together; a columnar part is read
 as arrays there too; a malformed signature is rejected with a reason,
 an out-of-order one is rejected as such, one the window already holds (a profiler's resend after a
 reconnect) is dropped quietly as a duplicate, the rest of the batch and the stream go on) and added to
@@ -296,7 +296,7 @@ class Manager:
 
     def _accept_columns(self, msg: ingest_pb2.SignatureColumns, base: int, reply: ingest_pb2.IngestReply,
                         now: float, stream: StreamState | None, kept_apps: set[str]) -> int:
-        """The columnar part of a batch (manager/columns.py): checked as arrays, then one bulk
+        """The columnar part of a batch (vgpu/wire.py): checked as arrays, then one bulk
         window append per application. Row i answers as index `base + i`. Returns how many were kept."""
         apps = stream.apps if stream is not None else None
         stats = self.stats

@@ -51,7 +51,7 @@ from vgpu.wire import columns_from_signatures
 Sleep = Callable[[float], Awaitable[None]]
 # A batch stays well under the manager's receive limit (gRPC's default, 4 MiB).
 DEFAULT_MAX_BATCH_BYTES = 1024 * 1024
-# A batch of this many signatures or more goes as columns (manager/columns.py), which the manager
+# A batch of this many signatures or more goes as columns (vgpu/wire.py), which the manager
 # reads about ten times faster; smaller ones go as rows, with their host and in-app counters.
 DEFAULT_COLUMNS_FROM = 256
 _FIELD_OVERHEAD_BYTES = 6  # a signature's tag and length prefix inside the batch

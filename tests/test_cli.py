@@ -1,4 +1,4 @@
-"""allocator/cli.py and vgpu/metrics.py against an in-process daemon (vgpu.daemon.serve.Daemon)."""
+"""vgpu/ctl.py and vgpu/daemon/metrics.py against an in-process daemon (vgpu.daemon.serve.Daemon)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Columnar signature batches (manager/columns.py): the manager reads them like rows."""
+"""Columnar signature batches (vgpu/wire.py): the manager reads them like rows."""
 
 from __future__ import annotations
 

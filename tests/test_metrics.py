@@ -1,4 +1,4 @@
-"""vgpu/metrics.py: the forecast summary counts forecaster calls (batches), not 1 s ticks."""
+"""vgpu/daemon/metrics.py: the forecast summary counts forecaster calls (batches), not 1 s ticks."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""manager/train.py: `vgpu train` end to end on tiny synthetic traces, determinism, calibration."""
+"""vgpu/offline/train.py: `vgpu train` end to end on tiny synthetic traces, determinism, calibration."""
 
 from __future__ import annotations
 

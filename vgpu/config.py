@@ -88,7 +88,7 @@ class MetricsConfig:
 
 @dataclass(frozen=True)
 class ManagerConfig:
-    # Forecaster checkpoint (manager/train.py); empty = the shipped model when it loads, else the
+    # Forecaster checkpoint (vgpu/offline/train.py); empty = the shipped model when it loads, else the
     # baseline forecaster (manager/modelpath.py).
     model: str = ""
     # Seconds between checks of the checkpoint file for a new version (mtime/size), hot-loaded

@@ -2,7 +2,7 @@
 
 Nothing here touches a device, a clock or a file: the allocator (allocator/core.py) feeds the
 policy frozen inputs and acts on the `Plan` it returns. `plan()` is the core; `ForecastPolicy`
-puts it behind the allocator's `Policy` protocol (allocator/plan.py).
+puts it behind the allocator's `Policy` protocol (allocator/policy/base.py).
 
 How a target is sized, per application and resource (memory in MiB, compute in SM percent):
 1. **Estimate** by a chain of estimators composed like the Kubernetes VPA recommender's
@@ -578,7 +578,7 @@ def advance(apps: Sequence[AppState], result: Plan) -> list[AppState]:
 
 
 # ------------------------------------------------------------------------------------------------
-# The allocator's Policy protocol (allocator/plan.py): recommendations + device views -> plan
+# The allocator's Policy protocol (allocator/policy/base.py): recommendations + device views -> plan
 # ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ForecastPolicy:
@@ -589,7 +589,7 @@ class ForecastPolicy:
     carries the rest of the planned size. The recommendation's P90 peaks are the forecast (its
     recommended size where they are unknown), its last usage the usage, the managed grant's
     `mem_changed_at_s` / `updated_at_s` the last memory / SM change, and the time since its first
-    grant the history. Power: each device's limit from its planned SM share (allocator/power_policy.py), written only when it moves
+    grant the history. Power: each device's limit from its planned SM share (allocator/policy/power.py), written only when it moves
     by at least `power_hysteresis_frac` of the device's range. The default settings are
     `PREDICTIVE_CONFIG`, the ones bench/replay.py measures."""
 
