@@ -45,7 +45,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
@@ -55,9 +55,16 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.power_controller import PowerController  # noqa: E402
-from vgpu.allocator.mechanisms.power import PowerLimitMechanism  # noqa: E402
+from vgpu.allocator.mechanisms.power import PowerLimitMechanism, PowerLimitResult  # noqa: E402
 from vgpu.allocator.policy.forecast import PREDICTIVE_CONFIG, AppState, DeviceState, PolicyConfig, plan  # noqa: E402
+from vgpu.allocator.policy.power import (  # noqa: E402
+    DEFAULT_CURVE,
+    PowerCurve,
+    PowerPolicyConfig,
+    choose_power_limit_mw,
+)
+from vgpu.device.base import Device  # noqa: E402
+from vgpu.device.errors import NotSupported  # noqa: E402
 from vgpu.device.sim import ManualClock, SimBackend  # noqa: E402
 from vgpu.device.skus import Sku, get_sku  # noqa: E402
 from vgpu.manager.forecast import Forecaster  # noqa: E402
@@ -75,6 +82,48 @@ REACTIVE_CONFIG = PolicyConfig(mem_margin_frac=0.10, sm_margin_frac=0.10, confid
 VPA_CONFIG = PolicyConfig(mem_margin_frac=VPA_MARGIN, sm_margin_frac=VPA_MARGIN, confidence_multiplier=0.0)
 # predictive runs PREDICTIVE_CONFIG (allocator/policy/forecast.py), the daemon's own settings
 ORACLE_CONFIG = PolicyConfig(mem_margin_frac=0.0, sm_margin_frac=0.0, confidence_multiplier=0.0)
+
+
+class PowerController:
+    """The replay's power loop, per device: choose a limit from the forecast need
+    (`choose_power_limit_mw`) and apply it through the allocator's own `PowerLimitMechanism`. The
+    daemon does the same inside `Allocator.apply_recommendations`; the replay drives devices without a
+    ledger, so it keeps this small loop of its own."""
+
+    def __init__(
+        self,
+        mechanism: PowerLimitMechanism | None = None,
+        *,
+        curve: PowerCurve = DEFAULT_CURVE,
+        config: PowerPolicyConfig | None = None,
+    ) -> None:
+        self.mechanism = mechanism or PowerLimitMechanism()
+        self.curve = curve
+        self.config = config or PowerPolicyConfig()
+
+    def step(self, devices: Sequence[Device], need_sm_pct: Mapping[str, float]) -> list[PowerLimitResult]:
+        """One decision per device (keyed by UUID); devices without a need entry are left alone.
+        A device whose constraints cannot be read is handed to the mechanism, which disables itself
+        for that device with one log line."""
+        results = []
+        for dev in devices:
+            if dev.uuid not in need_sm_pct:
+                continue
+            if self.mechanism.disabled_reason(dev.uuid) is not None:
+                results.append(self.mechanism.apply(dev, 0))  # reports "disabled: ..."
+                continue
+            try:
+                constraints = dev.power_constraints()
+            except NotSupported:  # the mechanism reads again and turns itself off for the device
+                results.append(self.mechanism.apply(dev, 0))
+                continue
+            choice = choose_power_limit_mw(need_sm_pct[dev.uuid], constraints, self.curve, self.config)
+            results.append(self.mechanism.apply(dev, choice.limit_mw))
+        return results
+
+    def stop(self) -> list[PowerLimitResult]:
+        """Restore every original limit."""
+        return self.mechanism.restore()
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.power_controller import PowerController
+from bench.replay import PowerController
 from vgpu.allocator.mechanisms.power import PowerLimitMechanism
 from vgpu.allocator.policy.power import (
     DEFAULT_CURVE,
