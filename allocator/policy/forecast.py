@@ -84,6 +84,13 @@ class AppState:
     # when each resource's grant last changed (policy clock, seconds); -inf = never
     last_mem_change_s: float = -math.inf
     last_sm_change_s: float = -math.inf
+    # leading signals (NaN / 0: unknown): seconds the memory usage has risen in a row up to now and
+    # its mean rate over them; the job's cold-start size (what its kind of job peaks at); the peak
+    # usage over the last `PolicyConfig.mem_shrink_window_s`
+    mem_ramp_s: float = 0.0
+    mem_ramp_rate_mib_s: float = math.nan
+    expected_mem_mib: float = math.nan
+    recent_peak_mem_mib: float = math.nan
 
     def __post_init__(self) -> None:
         for name in ("request_mem_mib", "request_sm_pct", "granted_mem_mib", "granted_sm_pct"):
@@ -138,6 +145,8 @@ class Target:
     changed_sm: bool
     reason_mem: str
     reason_sm: str
+    # the memory limit is hard (an overrun ends the application) rather than cooperative
+    hard_mem_limit: bool = True
 
     @property
     def changed(self) -> bool:
@@ -153,6 +162,8 @@ class DevicePlan:
     overcommitted: bool
     contended_mem: bool
     contended_sm: bool
+    # memory limits on this device are hard (PolicyConfig.hard_limit_at_frac)
+    hard_mem_limits: bool = True
 
 
 @dataclass(frozen=True)
@@ -201,15 +212,36 @@ class PolicyConfig:
     # SM utilisation is noisy: an SM change under this many points is not made, and usage or
     # forecast up to this many points over the grant is not an overrun that skips the dwell
     sm_min_change_pct: float = 0.0
+    # leading (0: off). A foreseen rise (forecast P90 over the grant) is granted with this much
+    # headroom above the P90, so the rest of the rise is covered before it comes
+    mem_lead_frac: float = 0.0
+    # a memory ramp that has risen for at least `ramp_min_s` is granted at once to where it ends:
+    # the largest of the forecast P90, the usage plus `ramp_ahead_s` of the ramp's rate, and the
+    # job's cold-start size (plus the margin), instead of one step a second
+    ramp_min_s: float = 0.0
+    ramp_ahead_s: float = 5.0
+    # shrinking slowly: one memory shrink takes at most this fraction of the grant (1: no bound),
+    # and never goes under the peak usage of the last `mem_shrink_window_s` (0: not used) plus the
+    # margin, so a shrink needs the forecast and the recent history to agree
+    mem_shrink_step_frac: float = 1.0
+    mem_shrink_window_s: float = 0.0
+    # memory limits are hard (beyond them: out of memory, the application ends) only on a device
+    # whose planned memory reaches this fraction of its capacity; elsewhere cooperative (the
+    # allocation fails, the application survives). 0: always hard; above 1: hard only when the
+    # device is over capacity
+    hard_limit_at_frac: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("mem_margin_frac", "sm_margin_frac", "confidence_multiplier", "min_mem_mib",
                      "min_sm_pct", "min_change_frac", "dwell_s", "mem_bump_frac", "mem_bump_min_mib",
-                     "sm_bump_pct", "mem_shrink_dwell_s", "sm_shrink_dwell_s", "sm_min_change_pct"):
+                     "sm_bump_pct", "mem_shrink_dwell_s", "sm_shrink_dwell_s", "sm_min_change_pct",
+                     "mem_lead_frac", "ramp_min_s", "ramp_ahead_s", "mem_shrink_window_s", "hard_limit_at_frac"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"PolicyConfig.{name} must be >= 0")
         if self.confidence_unit_s <= 0:
             raise ValueError("PolicyConfig.confidence_unit_s must be > 0")
+        if not 0 < self.mem_shrink_step_frac <= 1:
+            raise ValueError("PolicyConfig.mem_shrink_step_frac must be in (0, 1]")
 
     def margin(self, res: Resource) -> float:
         return self.mem_margin_frac if res == "mem" else self.sm_margin_frac
@@ -375,10 +407,57 @@ def _desired(app: AppState, res: Resource, est: Estimator, config: PolicyConfig,
     if value < floor:
         value, reason = floor, "guarantee" if app.request(res) > 0 else "minimum"
     claim = value
+    if res == "mem":
+        lead = _lead(app, config)
+        if lead > value:
+            value, reason = max(min(lead, upper), floor), "lead"
+        ramp = _ramp_end(app, config)
+        if ramp > value:
+            value, reason = max(min(ramp, upper), floor), "ramp"
     bump = _overrun_bump(app, res, config)
     if bump > value:
         value, reason = max(min(bump, upper), floor), "bump"
+    if res == "mem":
+        value = _slow_shrink(app, value, config)
     return value, reason, claim
+
+
+def _lead(app: AppState, config: PolicyConfig) -> float:
+    """A foreseen rise (the forecast P90 over the grant in force) granted with `mem_lead_frac`
+    headroom over the P90; NaN when off or nothing is foreseen. The P90 over 1-5 s trails a rise
+    that keeps going: the headroom covers the part of it the forecast does not yet see."""
+    f = app.forecast_mem_p90_mib
+    if config.mem_lead_frac <= 0 or math.isnan(f) or f <= app.granted_mem_mib:
+        return math.nan
+    return f * (1.0 + config.mem_margin_frac + config.mem_lead_frac)
+
+
+def _ramp_end(app: AppState, config: PolicyConfig) -> float:
+    """Where a memory ramp that has gone on for `ramp_min_s` ends: the largest of the forecast
+    P90, the usage plus `ramp_ahead_s` of its rate, and the job's cold-start size while the usage
+    is under it, plus the margin; NaN when off or there is no ramp."""
+    if config.ramp_min_s <= 0 or app.mem_ramp_s < config.ramp_min_s or math.isnan(app.used_mem_mib):
+        return math.nan
+    ends = [app.used_mem_mib]
+    if not math.isnan(app.forecast_mem_p90_mib):
+        ends.append(app.forecast_mem_p90_mib)
+    if not math.isnan(app.mem_ramp_rate_mib_s) and app.mem_ramp_rate_mib_s > 0:
+        ends.append(app.used_mem_mib + app.mem_ramp_rate_mib_s * config.ramp_ahead_s)
+    if not math.isnan(app.expected_mem_mib) and app.expected_mem_mib > app.used_mem_mib:
+        ends.append(app.expected_mem_mib)
+    return max(ends) * (1.0 + config.mem_margin_frac)
+
+
+def _slow_shrink(app: AppState, value: float, config: PolicyConfig) -> float:
+    """A memory target under the grant in force, bounded: at most `mem_shrink_step_frac` of the
+    grant in one change, and never under the recent peak usage plus the margin."""
+    current = app.granted_mem_mib
+    if current <= 0 or value >= current:
+        return value
+    floor = current * (1.0 - config.mem_shrink_step_frac)
+    if config.mem_shrink_window_s > 0 and not math.isnan(app.recent_peak_mem_mib):
+        floor = max(floor, app.recent_peak_mem_mib * (1.0 + config.mem_margin_frac))
+    return max(value, min(floor, current))
 
 
 def _overrun_bump(app: AppState, res: Resource, config: PolicyConfig) -> float:
@@ -413,7 +492,7 @@ def _hysteresis(app: AppState, res: Resource, desired: float, reason: str, now_s
     # the resource's absolute threshold: grow now
     need = max((v for v in (app.used(res), app.forecast_p90(res)) if not math.isnan(v)), default=math.nan)
     tolerance = config.min_change_abs(res)
-    if reason == "bump" and desired > current:
+    if reason in ("bump", "lead", "ramp") and desired > current:
         return desired, reason
     if config.grow_on_overrun and desired > current and not math.isnan(need) and need > current + tolerance:
         return desired, "overrun"
@@ -543,6 +622,8 @@ def plan(
         over = any(
             sum(_floor(w.app, res, config) for w in works) > dev.capacity(res) + 1e-9 for res in RESOURCES
         )
+        mem_planned = sum(w.target["mem"] for w in works)
+        hard = contended["mem"] or mem_planned >= config.hard_limit_at_frac * dev.mem_total_mib
         for w in works:
             tmem, tsm = w.target["mem"], w.target["sm"]
             targets.append(Target(
@@ -550,13 +631,14 @@ def plan(
                 priority_score=w.score,
                 changed_mem=not math.isclose(tmem, w.app.granted_mem_mib, rel_tol=1e-9, abs_tol=1e-9),
                 changed_sm=not math.isclose(tsm, w.app.granted_sm_pct, rel_tol=1e-9, abs_tol=1e-9),
-                reason_mem=w.reason["mem"], reason_sm=w.reason["sm"],
+                reason_mem=w.reason["mem"], reason_sm=w.reason["sm"], hard_mem_limit=hard,
             ))
         device_plans.append(DevicePlan(
             device_id=dev_id,
             mem_planned_mib=sum(w.target["mem"] for w in works),
             sm_planned_pct=sum(w.target["sm"] for w in works),
             overcommitted=over, contended_mem=contended["mem"], contended_sm=contended["sm"],
+            hard_mem_limits=hard,
         ))
     return Plan(at_s=now_s, targets=tuple(targets), devices=tuple(device_plans))
 
