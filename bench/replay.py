@@ -45,9 +45,10 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -57,8 +58,8 @@ if str(ROOT) not in sys.path:
 
 from vgpu.allocator.mechanisms.power import PowerLimitMechanism  # noqa: E402
 from vgpu.allocator.policy.forecast import PREDICTIVE_CONFIG, AppState, DeviceState, PolicyConfig, plan  # noqa: E402
-from vgpu.allocator.policy.power import PowerController  # noqa: E402
-from vgpu.device.sim import ManualClock, SimBackend  # noqa: E402
+from vgpu.allocator.policy.power import DEFAULT_CURVE, PowerController, PowerCurve  # noqa: E402
+from vgpu.device.sim import ManualClock, SimBackend, contention_speeds  # noqa: E402
 from vgpu.device.skus import Sku, get_sku  # noqa: E402
 from vgpu.manager.forecast import Forecaster  # noqa: E402
 from vgpu.traces import AppTrace, TraceFormatError, one_second_grid, read_trace  # noqa: E402
@@ -69,6 +70,17 @@ VPA_MARGIN = 0.15
 VPA_OOM_RATIO = 1.2
 VPA_OOM_MIN_MIB = 100.0
 FORECASTERS = ("auto", "model", "gbdt", "vpa_percentile", "ewma", "last_value")
+PACKINGS = ("peak", "mean")
+# lead time of grant increases: a rise is a second whose usage is more than RISE_FRAC over the
+# second before and over the grant in force LEAD_WINDOW_S seconds earlier; one the forecast could
+# see follows at least VISIBLE_RAMP_S seconds of rising usage
+LEAD_WINDOW_S = 5
+RISE_FRAC = 0.01
+VISIBLE_RAMP_S = 2
+PRIORITY_CLASSES = 3
+# one policy's figures, as printed in the JSON (numbers, None where a figure has no data, and the
+# per-priority breakdown)
+Result = dict[str, Any]
 
 # The policy settings each dynamic policy runs with (the same hysteresis for all).
 REACTIVE_CONFIG = PolicyConfig(mem_margin_frac=0.10, sm_margin_frac=0.10, confidence_multiplier=0.0)
@@ -85,6 +97,11 @@ class ReplayApp:
     sm: np.ndarray
     prefix_end: np.ndarray  # raw samples up to and including grid second k: raw[:prefix_end[k]]
     device: int = 0
+    priority: int = 0
+    # seconds the memory has risen (by more than RISE_FRAC a second) in a row up to second k, and
+    # the mean rate over them (MiB/s; NaN when not rising): the policy's leading signal
+    ramp_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    ramp_rate: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     @property
     def ticks(self) -> int:
@@ -114,8 +131,25 @@ def prepare(apps: Sequence[AppTrace]) -> tuple[list[ReplayApp], list[str]]:
         sm = sm[start - sec_s[0]: end - sec_s[0] + 1]
         edges = start + np.arange(1, len(mem) + 1, dtype=np.float64)
         prefix_end = np.searchsorted(a.t_s, edges, side="left")
-        out.append(ReplayApp(a.app, a, mem.astype(np.float64), np.clip(sm, 0, 100).astype(np.float64), prefix_end))
+        mem = mem.astype(np.float64)
+        ramp_s, ramp_rate = ramps(mem)
+        out.append(ReplayApp(a.app, a, mem, np.clip(sm, 0, 100).astype(np.float64), prefix_end,
+                             ramp_s=ramp_s, ramp_rate=ramp_rate))
     return out, skipped
+
+
+def ramps(mem: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per second k: how many seconds in a row the usage has risen by more than RISE_FRAC up to k,
+    and its mean rate over them (NaN where it is not rising)."""
+    n = len(mem)
+    ramp_s = np.zeros(n)
+    rate = np.full(n, math.nan)
+    for k in range(1, n):
+        if mem[k] > mem[k - 1] * (1 + RISE_FRAC) and mem[k] > mem[k - 1]:
+            ramp_s[k] = ramp_s[k - 1] + 1
+            start = k - int(ramp_s[k])
+            rate[k] = (mem[k] - mem[start]) / ramp_s[k]
+    return ramp_s, rate
 
 
 def pack(apps: list[ReplayApp], sku: Sku) -> list[ReplayApp]:
@@ -138,6 +172,37 @@ def pack(apps: list[ReplayApp], sku: Sku) -> list[ReplayApp]:
     return [replace(a, device=placed[a.app_id]) for a in apps]
 
 
+def pack_mean(apps: list[ReplayApp], sku: Sku) -> list[ReplayApp]:
+    """A denser node: first-fit decreasing on mean usage (memory within the GPU, mean SM within
+    100 %), so peaks may meet and the GPUs are contended. Each application gets a priority class
+    0..PRIORITY_CLASSES-1 (round robin by name), so contention has someone to favour."""
+    bins: list[list[float]] = []
+    placed: dict[str, int] = {}
+    for a in sorted(apps, key=lambda a: (-float(a.mem.mean()), -float(a.sm.mean()), a.app_id)):
+        pm, ps = float(a.mem.mean()), float(a.sm.mean())
+        if float(a.mem.max()) > sku.mem_total_mib:
+            raise ValueError(f"{a.app_id} peaks at {a.mem.max():.0f} MiB, more than a {sku.key} has ({sku.mem_total_mib} MiB)")
+        for i, b in enumerate(bins):
+            if b[0] + pm <= sku.mem_total_mib and b[1] + ps <= 100.0 + 1e-9:
+                b[0] += pm
+                b[1] += ps
+                placed[a.app_id] = i
+                break
+        else:
+            bins.append([pm, ps])
+            placed[a.app_id] = len(bins) - 1
+    prio = {name: i % PRIORITY_CLASSES for i, name in enumerate(sorted(a.app_id for a in apps))}
+    return [replace(a, device=placed[a.app_id], priority=prio[a.app_id]) for a in apps]
+
+
+def packing(apps: Sequence[ReplayApp]) -> dict[str, list[str]]:
+    """GPU index -> the applications on it (with their priority when not 0), for the JSON."""
+    out: dict[str, list[str]] = {}
+    for a in sorted(apps, key=lambda a: (a.device, a.app_id)):
+        out.setdefault(str(a.device), []).append(a.app_id if a.priority == 0 else f"{a.app_id} (priority {a.priority})")
+    return out
+
+
 # ------------------------------------------------------------------------------------------------
 # metrics
 # ------------------------------------------------------------------------------------------------
@@ -158,6 +223,100 @@ def slack_and_violations(alloc: np.ndarray, used: np.ndarray) -> tuple[float, fl
     return float(slack.mean()), float(np.mean(used > alloc + 1e-9))
 
 
+def lead_times(used: np.ndarray, granted: np.ndarray, window_s: int = LEAD_WINDOW_S) -> list[tuple[int, int]]:
+    """(lead seconds, seconds of rising usage before it) for each rise of one application.
+
+    `granted[k]` is the memory grant in force during second k (NaN: none), `used[k]` the usage. A
+    rise is a second k whose usage is over the second before by more than RISE_FRAC and over the
+    grant in force `window_s` seconds earlier. Its lead is how many seconds before k the grant
+    had grown to cover it (held since): 0 when it covered it only at k; negative when it covered
+    it only after k (minus the seconds after k it took; never covered: minus the seconds left)."""
+    n = len(used)
+    out: list[tuple[int, int]] = []
+    ramp = 0
+    for k in range(1, n):
+        rising = used[k] > used[k - 1] * (1 + RISE_FRAC) and used[k] > used[k - 1]
+        before = ramp
+        ramp = ramp + 1 if rising else 0
+        if not rising or k < window_s:
+            continue
+        g0 = granted[k - window_s]
+        if math.isnan(g0) or used[k] <= g0:
+            continue
+        need = used[k]
+        if granted[k] >= need:
+            j = k
+            while j - 1 > k - window_s and granted[j - 1] >= need:
+                j -= 1
+            out.append((k - j, before))
+        else:
+            later = [j for j in range(k + 1, n) if granted[j] >= need]
+            out.append((k - later[0] if later else k - n, before))
+    return out
+
+
+@dataclass
+class AppRecord:
+    """One application under one policy."""
+
+    app_id: str
+    device: int
+    priority: int
+    grant_mem: list[float] = field(default_factory=list)  # in force each second it ran (NaN: none)
+    used_mem: list[float] = field(default_factory=list)
+    progress: float = 0.0  # seconds of work done (a second at full speed is 1)
+    ticks_run: int = 0
+    oom_events: int = 0
+    killed_at: int | None = None
+
+    @property
+    def slowdown(self) -> float:
+        return self.ticks_run / self.progress if self.progress > 0 else math.inf
+
+
+@dataclass
+class _TickTotals:
+    mem_granted: float = 0.0
+    mem_used: float = 0.0
+    sm_granted: float = 0.0
+    sm_used: float = 0.0
+    oom: int = 0
+    speed_sum: float = 0.0
+    apps: int = 0
+
+    def add(self, mem_granted: float, mem_used: float, sm_granted: float, sm_used: float) -> None:
+        self.mem_granted += mem_granted
+        self.mem_used += mem_used
+        self.sm_granted += sm_granted
+        self.sm_used += sm_used
+
+
+def _median(values: Sequence[int]) -> float | None:
+    return float(np.median(values)) if values else None
+
+
+def _user_figures(recs: Sequence[AppRecord]) -> Result:
+    """What users feel, over a set of applications: kills, OOM events, slowdown, lead times."""
+    done = [r.slowdown for r in recs if r.killed_at is None and r.ticks_run > 0]
+    leads = [lt for r in recs for lt in lead_times(np.array(r.used_mem), np.array(r.grant_mem))]
+    visible = [lead for lead, ramp in leads if ramp >= VISIBLE_RAMP_S]
+    ticks = sum(r.ticks_run for r in recs)
+    return {
+        "apps": len(recs),
+        "apps_killed_oom": sum(r.killed_at is not None for r in recs),
+        "oom_events": sum(r.oom_events for r in recs),
+        "oom_event_rate": round(sum(r.oom_events for r in recs) / ticks, 5) if ticks else 0.0,
+        "mean_slowdown": round(float(np.mean(done)), 4) if done else None,
+        "p95_slowdown": round(float(np.percentile(done, 95)), 4) if done else None,
+        "lost_work_s": round(sum(r.progress for r in recs if r.killed_at is not None), 1),
+        "rises": len(leads),
+        "lead_time_median_s": _median([lead for lead, _ in leads]),
+        "rises_visible": len(visible),
+        "lead_time_median_visible_s": _median(visible),
+        "lead_time_ahead_frac_visible": round(sum(v >= 1 for v in visible) / len(visible), 4) if visible else None,
+    }
+
+
 @dataclass
 class PolicyRun:
     name: str
@@ -168,12 +327,15 @@ class PolicyRun:
     sm_used: list[float] = field(default_factory=list)
     changes: int = 0
     energy_j: float = 0.0
-    slowdowns: list[float] = field(default_factory=list)
+    slowdowns: list[float] = field(default_factory=list)  # the simulator's power throttling, per busy GPU-second
+    apps: dict[str, AppRecord] = field(default_factory=dict)
+    ticks: list[_TickTotals] = field(default_factory=list)
 
-    def result(self, app_hours: float) -> dict[str, float | str]:
+    def result(self, app_hours: float) -> Result:
         ms, mv = slack_and_violations(np.array(self.mem_alloc), np.array(self.mem_used))
         ss, sv = slack_and_violations(np.array(self.sm_alloc), np.array(self.sm_used))
-        return {
+        recs = list(self.apps.values())
+        out: Result = {
             "policy": self.name,
             "mem_slack_frac": round(ms, 4),
             "mem_violation_rate": round(mv, 4),
@@ -181,8 +343,16 @@ class PolicyRun:
             "sm_violation_rate": round(sv, 4),
             "changes_per_hour": round(self.changes / app_hours, 2) if app_hours > 0 else 0.0,
             "energy_j": round(self.energy_j, 1),
-            "mean_slowdown": round(float(np.mean(self.slowdowns)), 4) if self.slowdowns else 1.0,
+            "throttle_slowdown": round(float(np.mean(self.slowdowns)), 4) if self.slowdowns else 1.0,
         }
+        out.update(_user_figures(recs))
+        del out["apps"]
+        if out["mean_slowdown"] is None:
+            out["mean_slowdown"] = 1.0
+        classes = sorted({r.priority for r in recs})
+        if len(classes) > 1:
+            out["by_priority"] = {str(c): _user_figures([r for r in recs if r.priority == c]) for c in classes}
+        return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -268,9 +438,12 @@ def replay(
     configs: dict[str, PolicyConfig] | None = None,
     progress: Callable[[int, int], None] | None = None,
     runs_out: dict[str, PolicyRun] | None = None,
-) -> list[dict[str, float | str]]:
+    kill_on_oom: bool = True,
+    curve: PowerCurve = DEFAULT_CURVE,
+) -> list[Result]:
     """Run every policy over the packed applications; one result dict per policy. `runs_out`, when
-    given, receives each policy's per-app-tick record (for tests and plots)."""
+    given, receives each policy's per-app-tick record (for tests and plots: `tick_series`).
+    `kill_on_oom=False` makes every memory limit cooperative (an overrun is never fatal)."""
     from vgpu.manager.baselines import VpaPercentileForecaster
 
     vpa_fc = vpa_forecaster or VpaPercentileForecaster()
@@ -280,53 +453,120 @@ def replay(
     horizon = max(a.ticks for a in apps)
     devices = [DeviceState(str(i), float(sku.mem_total_mib)) for i in range(n_dev)]
     runs = {p: PolicyRun(p, cfgs.get(p)) for p in policies}
+    for run in runs.values():
+        run.apps = {a.app_id: AppRecord(a.app_id, a.device, a.priority) for a in apps}
     if runs_out is not None:
         runs_out.update(runs)
     clock = ManualClock()
     backends = {p: SimBackend([sku] * n_dev, clock=clock) for p in policies}
     controllers = {p: PowerController(PowerLimitMechanism(logger=_QuietLog())) for p in policies if p != "static"}
-    pid = 1000
+    pids: dict[str, int] = {}
     for p in policies:
-        for a in apps:
-            pid += 1
-            backends[p].launch(a.app_id, pid, a.raw, a.device)
+        for i, a in enumerate(apps):
+            pids[a.app_id] = 1001 + i
+            backends[p].launch(a.app_id, pids[a.app_id], a.raw, a.device)
     states: dict[str, dict[str, AppState]] = {p: {} for p in policies}
+    hard: dict[str, dict[str, bool]] = {p: {} for p in policies}
     oom_floor: dict[str, float] = {}
+    mem_cap = float(sku.mem_total_mib)
 
     for k in range(horizon):
         clock.set(float(k) + 0.5)  # the middle of second k
         active = [a for a in apps if k < a.ticks]
-        # 1. score the grants in force during second k (decided at k - 1)
+        observed: dict[str, dict[str, float]] = {p: {} for p in policies}
         for p in policies:
             run = runs[p]
-            for a in active:
+            alive = [a for a in active if run.apps[a.app_id].killed_at is None]
+            tick = _TickTotals()
+            # 1. memory in launch order, as a GPU hands it out: an overrun of the grant is an OOM
+            #    event (hard limit: the application ends; cooperative: the allocation fails and the
+            #    application survives, held at its grant, its second of work lost); a device that
+            #    runs out fails the allocations of whoever asks last
+            dev_used: dict[int, float] = {}
+            failed: set[str] = set()
+            running: list[ReplayApp] = []
+            for a in alive:
+                rec = run.apps[a.app_id]
                 st = states[p].get(a.app_id)
-                if k == 0 or st is None:
-                    continue
-                run.mem_alloc.append(st.granted_mem_mib)
-                run.mem_used.append(float(a.mem[k]))
-                run.sm_alloc.append(st.granted_sm_pct)
-                run.sm_used.append(float(a.sm[k]))
-                if p == "vpa" and a.mem[k] > st.granted_mem_mib + 1e-9:
-                    bump = max(a.mem[k] * VPA_OOM_RATIO, a.mem[k] + VPA_OOM_MIN_MIB)
-                    oom_floor[a.app_id] = max(oom_floor.get(a.app_id, 0.0), bump)
+                demand = float(a.mem[k])
+                grant = st.granted_mem_mib if (st is not None and k > 0) else math.inf
+                if k > 0 and st is not None:  # 2. score the grants in force during second k
+                    run.mem_alloc.append(st.granted_mem_mib)
+                    run.mem_used.append(demand)
+                    run.sm_alloc.append(st.granted_sm_pct)
+                    run.sm_used.append(float(a.sm[k]))
+                    tick.add(st.granted_mem_mib, demand, st.granted_sm_pct, float(a.sm[k]))
+                    if p == "vpa" and demand > grant + 1e-9:
+                        bump = max(demand * VPA_OOM_RATIO, demand + VPA_OOM_MIN_MIB)
+                        oom_floor[a.app_id] = max(oom_floor.get(a.app_id, 0.0), bump)
+                rec.grant_mem.append(grant if math.isfinite(grant) else math.nan)
+                rec.used_mem.append(demand)
+                got = demand
+                if demand > grant + 1e-9:
+                    rec.oom_events += 1
+                    tick.oom += 1
+                    if kill_on_oom and hard[p].get(a.app_id, True):
+                        rec.killed_at = k
+                        backends[p].kill(pids[a.app_id])
+                        continue
+                    got = grant
+                    failed.add(a.app_id)
+                room = mem_cap - dev_used.get(a.device, 0.0)
+                if got > room + 1e-9:
+                    rec.oom_events += 1
+                    tick.oom += 1
+                    got = max(room, 0.0)
+                    failed.add(a.app_id)
+                dev_used[a.device] = dev_used.get(a.device, 0.0) + got
+                observed[p][a.app_id] = got
+                running.append(a)
+            # 3. SM: the grant is an MPS share; a device asked for more than it serves time-slices
+            #    (vgpu.device.sim.contention_speeds); a power limit slows the device's work by the
+            #    Zeus curve (allocator/policy/power.py)
+            devs = backends[p].devices()
+            by_dev: dict[int, list[ReplayApp]] = {}
+            for a in running:
+                by_dev.setdefault(a.device, []).append(a)
+            for d, group in by_dev.items():
+                demand_sm = [float(a.sm[k]) for a in group]
+                shares = [states[p][a.app_id].granted_sm_pct if (k > 0 and a.app_id in states[p]) else math.inf
+                          for a in group]
+                speeds = contention_speeds(demand_sm, 100.0, shares)
+                dev = devs[d]
+                c = dev.power_constraints()
+                r = max(curve.throughput_at(dev.power_limit_mw() / c.max_mw), 1e-6)
+                u = sum(v * s for v, s in zip(speeds, demand_sm, strict=True)) / 100.0
+                power_speed = min(1.0, r / u) if u > 0 else 1.0
+                for a, v in zip(group, speeds, strict=True):
+                    rec = run.apps[a.app_id]
+                    speed = 0.0 if a.app_id in failed else v * power_speed
+                    rec.progress += speed
+                    rec.ticks_run += 1
+                    tick.speed_sum += speed
+                    tick.apps += 1
             # energy of second k under the limits in force
-            for dev in backends[p].devices():
-                if any(a.device == dev.index for a in active):
+            for dev in devs:
+                if dev.index in by_dev:
                     run.energy_j += dev.power_usage_mw() / 1000.0
                     run.slowdowns.append(dev.throttle().slowdown)
-        # 2. forecasts at origin k (one batch per forecaster)
+            run.ticks.append(tick)
+        # 4. forecasts at origin k (one batch per forecaster)
         deciding = [a for a in active if k + 1 < a.ticks]
         if not deciding:
             continue
-        fc_needed = "predictive" in policies
-        forecasts = forecaster.forecast_batch([a.history(k) for a in deciding]) if fc_needed else []
+        forecasts = forecaster.forecast_batch([a.history(k) for a in deciding]) if "predictive" in policies else []
         vpa_fcs = vpa_fc.forecast_batch([a.history(k) for a in deciding]) if "vpa" in policies else []
-        # 3. each policy plans the grants for second k + 1
+        # 5. each policy plans the grants for second k + 1
         for p in policies:
+            run = runs[p]
+            cfg = run.config
             new_states = []
             for i, a in enumerate(deciding):
-                old = states[p].get(a.app_id) or AppState(a.app_id, str(a.device))
+                if a.app_id not in observed[p]:
+                    continue  # ended by an OOM
+                old = states[p].get(a.app_id) or AppState(a.app_id, str(a.device), priority=a.priority)
+                # the policy sees the demand, as the forecasters do (their histories are the trace);
+                # in a second whose allocation failed, what the application asked for
                 used_m, used_s = float(a.mem[k]), float(a.sm[k])
                 f_m = f_s = math.nan
                 if p == "static":
@@ -341,27 +581,31 @@ def replay(
                 elif p == "oracle":
                     f_m = float(a.mem[k + 1: k + 1 + HORIZON_S].max())
                     f_s = float(a.sm[k + 1: k + 1 + HORIZON_S].max())
+                window = int(cfg.mem_shrink_window_s) if cfg is not None else 0
                 new_states.append(replace(
                     old, used_mem_mib=used_m, used_sm_pct=used_s,
                     forecast_mem_p90_mib=f_m, forecast_sm_p90_pct=f_s, history_s=float(k + 1),
+                    mem_ramp_s=float(a.ramp_s[k]), mem_ramp_rate_mib_s=float(a.ramp_rate[k]),
+                    recent_peak_mem_mib=float(a.mem[max(0, k - window + 1): k + 1].max()) if window > 0 else math.nan,
                 ))
             if p == "static":
                 for st in new_states:
                     states[p][st.app_id] = st
                 continue
-            result = plan(new_states, devices, float(k), runs[p].config)
+            result = plan(new_states, devices, float(k), cfg)
             need_by_dev: dict[str, float] = {}
             for st in new_states:
                 t = result.target(st.app_id)
                 if st.app_id in states[p] and t.changed:
-                    runs[p].changes += 1
+                    run.changes += 1
+                hard[p][st.app_id] = t.hard_mem_limit
                 states[p][st.app_id] = replace(
                     st, granted_mem_mib=t.mem_mib, granted_sm_pct=t.sm_pct,
                     last_mem_change_s=float(k) if t.changed_mem else st.last_mem_change_s,
                     last_sm_change_s=float(k) if t.changed_sm else st.last_sm_change_s,
                 )
                 need_by_dev[t.device_id] = min(100.0, need_by_dev.get(t.device_id, 0.0) + t.sm_pct)
-            # 4. power limits for second k + 1, from the planned SM share
+            # 6. power limits for second k + 1, from the planned SM share
             devs = backends[p].devices()
             clock_dev = {str(d.index): d for d in devs}
             controllers[p].step(devs, {clock_dev[d].uuid: v for d, v in need_by_dev.items()})
@@ -369,6 +613,23 @@ def replay(
             progress(k, horizon)
     app_hours = sum(max(a.ticks - 1, 0) for a in apps) / 3600.0
     return [runs[p].result(app_hours) for p in policies]
+
+
+def tick_series(runs: Mapping[str, PolicyRun]) -> dict[str, dict[str, list[float]]]:
+    """Per policy, one value per replay second: memory and SM granted and used (sums over the
+    applications scored that second), OOM events, and the mean progress rate of the applications
+    that ran. For plots of a replay (`replay(..., runs_out=runs)`)."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for name, run in runs.items():
+        out[name] = {
+            "mem_granted_mib": [t.mem_granted for t in run.ticks],
+            "mem_used_mib": [t.mem_used for t in run.ticks],
+            "sm_granted_pct": [t.sm_granted for t in run.ticks],
+            "sm_used_pct": [t.sm_used for t in run.ticks],
+            "oom_events": [float(t.oom) for t in run.ticks],
+            "mean_speed": [t.speed_sum / t.apps if t.apps else 1.0 for t in run.ticks],
+        }
+    return out
 
 
 class _QuietLog:
@@ -392,6 +653,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-apps", type=int, default=0, help="replay only the first N applications (0: all)")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help="override one PREDICTIVE_CONFIG setting of the predictive policy (repeatable)")
+    ap.add_argument("--pack", default="peak", choices=PACKINGS,
+                    help="peak: first-fit so every GPU holds its applications' peaks (no contention); mean: "
+                         "first-fit on mean usage, a denser node where peaks meet, with priority classes")
     ap.add_argument("--json", action="store_true", help="print JSON")
     args = ap.parse_args(argv)
 
@@ -416,7 +680,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"replay: no usable application ({'; '.join(skipped)})", file=sys.stderr)
         return 2
     try:
-        apps = pack(apps, sku)
+        apps = pack(apps, sku) if args.pack == "peak" else pack_mean(apps, sku)
         t0 = time.perf_counter()
         train = [] if args.split in ("train", "all") else list(select(trace.apps, "train").values())
         forecaster, described = make_forecaster(args.forecaster, train, args.checkpoint)
@@ -439,6 +703,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "tick_s": 1.0,
         "forecaster": described,
         "predictive_overrides": overrides,
+        "pack": args.pack,
+        "packing": packing(apps),
         "skipped": skipped,
         "fit_s": round(fit_s, 1),
         "replay_s": round(replay_s, 1),
@@ -447,11 +713,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(out, indent=1))
     else:
         cols = ("mem_slack_frac", "mem_violation_rate", "sm_slack_frac", "sm_violation_rate", "changes_per_hour",
-                "energy_j", "mean_slowdown")
+                "energy_j", "mean_slowdown", "p95_slowdown", "apps_killed_oom", "oom_events",
+                "lead_time_median_visible_s", "lead_time_median_s")
         print(f"{len(apps)} apps, {app_ticks} app-ticks on {out['gpus']} x {sku.key}; forecaster: {described}")
         print(f"{'policy':<11}" + "".join(f"{c:>20}" for c in cols))
         for r in results:
-            print(f"{r['policy']:<11}" + "".join(f"{r[c]:>20}" for c in cols))
+            print(f"{r['policy']:<11}" + "".join(f"{r[c]!s:>20}" for c in cols))
     return 0
 
 
