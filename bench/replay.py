@@ -57,6 +57,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from vgpu.allocator.mechanisms.power import PowerLimitMechanism  # noqa: E402
+from vgpu.allocator.policy import lead  # noqa: E402
 from vgpu.allocator.policy.forecast import PREDICTIVE_CONFIG, AppState, DeviceState, PolicyConfig, plan  # noqa: E402
 from vgpu.allocator.policy.power import DEFAULT_CURVE, PowerController, PowerCurve  # noqa: E402
 from vgpu.device.sim import ManualClock, SimBackend, contention_speeds  # noqa: E402
@@ -74,9 +75,9 @@ PACKINGS = ("peak", "mean")
 # lead time of grant increases: a rise is a second whose usage is more than RISE_FRAC over the
 # second before and over the grant in force LEAD_WINDOW_S seconds earlier; one the forecast could
 # see follows at least VISIBLE_RAMP_S seconds of rising usage
-LEAD_WINDOW_S = 5
-RISE_FRAC = 0.01
-VISIBLE_RAMP_S = 2
+LEAD_WINDOW_S = lead.LEAD_WINDOW
+RISE_FRAC = lead.RISE_FRAC
+VISIBLE_RAMP_S = lead.VISIBLE_RAMP
 PRIORITY_CLASSES = 3
 # one policy's figures, as printed in the JSON (numbers, None where a figure has no data, and the
 # per-priority breakdown)
@@ -224,35 +225,9 @@ def slack_and_violations(alloc: np.ndarray, used: np.ndarray) -> tuple[float, fl
 
 
 def lead_times(used: np.ndarray, granted: np.ndarray, window_s: int = LEAD_WINDOW_S) -> list[tuple[int, int]]:
-    """(lead seconds, seconds of rising usage before it) for each rise of one application.
-
-    `granted[k]` is the memory grant in force during second k (NaN: none), `used[k]` the usage. A
-    rise is a second k whose usage is over the second before by more than RISE_FRAC and over the
-    grant in force `window_s` seconds earlier. Its lead is how many seconds before k the grant
-    had grown to cover it (held since): 0 when it covered it only at k; negative when it covered
-    it only after k (minus the seconds after k it took; never covered: minus the seconds left)."""
-    n = len(used)
-    out: list[tuple[int, int]] = []
-    ramp = 0
-    for k in range(1, n):
-        rising = used[k] > used[k - 1] * (1 + RISE_FRAC) and used[k] > used[k - 1]
-        before = ramp
-        ramp = ramp + 1 if rising else 0
-        if not rising or k < window_s:
-            continue
-        g0 = granted[k - window_s]
-        if math.isnan(g0) or used[k] <= g0:
-            continue
-        need = used[k]
-        if granted[k] >= need:
-            j = k
-            while j - 1 > k - window_s and granted[j - 1] >= need:
-                j -= 1
-            out.append((k - j, before))
-        else:
-            later = [j for j in range(k + 1, n) if granted[j] >= need]
-            out.append((k - later[0] if later else k - n, before))
-    return out
+    """(lead seconds, seconds of rising usage before it) for each rise of one application, on the
+    replay's 1 s grid (vgpu.allocator.policy.lead)."""
+    return lead.lead_times([float(x) for x in used], [float(x) for x in granted], window_s, RISE_FRAC)
 
 
 @dataclass
@@ -291,15 +266,11 @@ class _TickTotals:
         self.sm_used += sm_used
 
 
-def _median(values: Sequence[int]) -> float | None:
-    return float(np.median(values)) if values else None
-
-
 def _user_figures(recs: Sequence[AppRecord]) -> Result:
     """What users feel, over a set of applications: kills, OOM events, slowdown, lead times."""
     done = [r.slowdown for r in recs if r.killed_at is None and r.ticks_run > 0]
     leads = [lt for r in recs for lt in lead_times(np.array(r.used_mem), np.array(r.grant_mem))]
-    visible = [lead for lead, ramp in leads if ramp >= VISIBLE_RAMP_S]
+    summary = lead.summarize(leads, VISIBLE_RAMP_S)
     ticks = sum(r.ticks_run for r in recs)
     return {
         "apps": len(recs),
@@ -309,11 +280,11 @@ def _user_figures(recs: Sequence[AppRecord]) -> Result:
         "mean_slowdown": round(float(np.mean(done)), 4) if done else None,
         "p95_slowdown": round(float(np.percentile(done, 95)), 4) if done else None,
         "lost_work_s": round(sum(r.progress for r in recs if r.killed_at is not None), 1),
-        "rises": len(leads),
-        "lead_time_median_s": _median([lead for lead, _ in leads]),
-        "rises_visible": len(visible),
-        "lead_time_median_visible_s": _median(visible),
-        "lead_time_ahead_frac_visible": round(sum(v >= 1 for v in visible) / len(visible), 4) if visible else None,
+        "rises": summary.rises,
+        "lead_time_median_s": summary.median,
+        "rises_visible": summary.rises_visible,
+        "lead_time_median_visible_s": summary.median_visible,
+        "lead_time_ahead_frac_visible": summary.ahead_frac_visible,
     }
 
 

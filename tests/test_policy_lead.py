@@ -95,3 +95,18 @@ def test_predictive_settings_validate() -> None:
         PolicyConfig(mem_shrink_step_frac=0.0)
     with pytest.raises(ValueError):
         PolicyConfig(ramp_min_s=-1.0)
+
+
+def test_a_starting_application_gets_start_up_headroom() -> None:
+    a = app("a", granted_mem_mib=1_300, used_mem_mib=1_200, forecast_mem_p90_mib=1_250, history_s=1.0,
+            last_mem_change_s=99.0)
+    cfg = replace(BASE, start_window_s=10.0, start_headroom_mib=1024.0)
+    t = plan([a], [DEV], 100.0, cfg).target("a")
+    assert t.mem_mib == pytest.approx((1_200 + 1024) * 1.02) and t.reason_mem == "start"
+    # the job's cold-start size instead, when known
+    sized = plan([replace(a, expected_mem_mib=6_000)], [DEV], 100.0, cfg).target("a")
+    assert sized.mem_mib == pytest.approx(6_000 * 1.02)
+    # past the window, or without the rule: the forecast
+    old = plan([replace(a, history_s=30.0)], [DEV], 100.0, cfg).target("a")
+    assert old.reason_mem != "start"
+    assert plan([a], [DEV], 100.0, BASE).target("a").mem_mib == pytest.approx(1_300)  # held (threshold)

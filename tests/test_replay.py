@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -250,6 +251,10 @@ def test_lead_times_by_hand() -> None:
     assert R.lead_times(used, never, window_s=5) == [(6 - 10, 0), (7 - 10, 1)]
     # a rise the old grant already covered is no rise
     assert R.lead_times(used, np.full(10, 400.0), window_s=5) == []
+    # an application starting: no grant at its first second counts as none
+    start = np.array([100.0, 500, 500, 500])
+    assert R.lead_times(start, np.array([math.nan, 600, 600, 600]), window_s=5) == [(0, 0)]
+    assert R.lead_times(start, np.array([math.nan, 300, 600, 600]), window_s=5) == [(-1, 0)]
 
 
 def test_the_leading_rules_grant_a_ramp_ahead_of_its_rise() -> None:

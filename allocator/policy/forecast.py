@@ -220,6 +220,11 @@ class PolicyConfig:
     # job's cold-start size (plus the margin), instead of one step a second
     ramp_min_s: float = 0.0
     ramp_ahead_s: float = 5.0
+    # an application starting (under `start_window_s` of history) is on the ramp of its start-up,
+    # which the forecast has not seen yet: its memory grant is at least its cold-start size, or
+    # without one its usage plus `start_headroom_mib` (plus the margin). 0: off
+    start_window_s: float = 0.0
+    start_headroom_mib: float = 0.0
     # shrinking slowly: one memory shrink takes at most this fraction of the grant (1: no bound),
     # and never goes under the peak usage of the last `mem_shrink_window_s` (0: not used) plus the
     # margin, so a shrink needs the forecast and the recent history to agree
@@ -235,7 +240,8 @@ class PolicyConfig:
         for name in ("mem_margin_frac", "sm_margin_frac", "confidence_multiplier", "min_mem_mib",
                      "min_sm_pct", "min_change_frac", "dwell_s", "mem_bump_frac", "mem_bump_min_mib",
                      "sm_bump_pct", "mem_shrink_dwell_s", "sm_shrink_dwell_s", "sm_min_change_pct",
-                     "mem_lead_frac", "ramp_min_s", "ramp_ahead_s", "mem_shrink_window_s", "hard_limit_at_frac"):
+                     "mem_lead_frac", "ramp_min_s", "ramp_ahead_s", "mem_shrink_window_s", "hard_limit_at_frac",
+                     "start_window_s", "start_headroom_mib"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"PolicyConfig.{name} must be >= 0")
         if self.confidence_unit_s <= 0:
@@ -414,6 +420,9 @@ def _desired(app: AppState, res: Resource, est: Estimator, config: PolicyConfig,
         ramp = _ramp_end(app, config)
         if ramp > value:
             value, reason = max(min(ramp, upper), floor), "ramp"
+        start = _start_up(app, config)
+        if start > value:
+            value, reason = max(min(start, upper), floor), "start"
     bump = _overrun_bump(app, res, config)
     if bump > value:
         value, reason = max(min(bump, upper), floor), "bump"
@@ -446,6 +455,18 @@ def _ramp_end(app: AppState, config: PolicyConfig) -> float:
     if not math.isnan(app.expected_mem_mib) and app.expected_mem_mib > app.used_mem_mib:
         ends.append(app.expected_mem_mib)
     return max(ends) * (1.0 + config.mem_margin_frac)
+
+
+def _start_up(app: AppState, config: PolicyConfig) -> float:
+    """The grant of an application still starting: its cold-start size, else its usage plus
+    `start_headroom_mib`, plus the margin; NaN when off, past the window, or nothing is known."""
+    if config.start_window_s <= 0 or app.history_s >= config.start_window_s:
+        return math.nan
+    if not math.isnan(app.expected_mem_mib):
+        return app.expected_mem_mib * (1.0 + config.mem_margin_frac)
+    if math.isnan(app.used_mem_mib) or config.start_headroom_mib <= 0:
+        return math.nan
+    return (app.used_mem_mib + config.start_headroom_mib) * (1.0 + config.mem_margin_frac)
 
 
 def _slow_shrink(app: AppState, value: float, config: PolicyConfig) -> float:
@@ -492,7 +513,7 @@ def _hysteresis(app: AppState, res: Resource, desired: float, reason: str, now_s
     # the resource's absolute threshold: grow now
     need = max((v for v in (app.used(res), app.forecast_p90(res)) if not math.isnan(v)), default=math.nan)
     tolerance = config.min_change_abs(res)
-    if reason in ("bump", "lead", "ramp") and desired > current:
+    if reason in ("bump", "lead", "ramp", "start") and desired > current:
         return desired, reason
     if config.grow_on_overrun and desired > current and not math.isnan(need) and need > current + tolerance:
         return desired, "overrun"
