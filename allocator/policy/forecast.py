@@ -45,7 +45,7 @@ from vgpu.allocator.policy.power import choose_power_limit_mw
 
 if TYPE_CHECKING:
     from vgpu.allocator.ledger import Grant
-    from vgpu.allocator.policy.base import DeviceView, Recommendation
+    from vgpu.allocator.policy.base import DeviceView, MigTarget, Recommendation
     from vgpu.allocator.policy.base import Plan as AllocatorPlan
 
 Resource = Literal["mem", "sm"]
@@ -699,6 +699,11 @@ class ForecastPolicy:
     config: PolicyConfig = PREDICTIVE_CONFIG
     power_hysteresis_frac: float = 0.05
     manage_power: bool = True
+    # MIG (server.manage_mig_layout): on a device in MIG mode, a layout with an instance per
+    # application sized for its planned grant (forecast and leads included) and its usage now,
+    # started `mig_reconfig_s` ahead (allocator/mechanisms/mig.py: plan_layout)
+    manage_mig: bool = False
+    mig_reconfig_s: float = 6.0
 
     def plan(self, recommendations: Sequence[Recommendation], devices: Sequence[DeviceView],
              now_s: float) -> AllocatorPlan:
@@ -764,4 +769,34 @@ class ForecastPolicy:
                 if abs(choice.limit_mw - view.power_limit_mw) >= self.power_hysteresis_frac * (c.max_mw - c.min_mw):
                     power.append(PowerTarget(dp.device_id, choice.limit_mw,
                                              f"{choice.reason}: planned SM {dp.sm_planned_pct:.0f} %"))
-        return AllocatorPlan(grants=tuple(grants), power=tuple(power))
+        mig: list[MigTarget] = []
+        if self.manage_mig:
+            mig = [m for v in devices if v.mig_enabled and (m := self._mig_target(v, states, result)) is not None]
+        return AllocatorPlan(grants=tuple(grants), power=tuple(power), mig=tuple(mig))
+
+    def _mig_target(self, view: DeviceView, states: Sequence[AppState], result: Plan) -> MigTarget | None:
+        """The layout for the applications planned on a device in MIG mode, when its current one
+        no longer fits their needs now or at the reconfiguration time ahead; None otherwise."""
+        from vgpu.allocator.mechanisms.mig import MigNeed, plan_layout, sku_for_name
+        from vgpu.allocator.policy.base import MigTarget
+
+        sku = sku_for_name(view.name)
+        if sku is None or not sku.supports_mig:
+            return None
+        now: list[MigNeed] = []
+        ahead: list[MigNeed] = []
+        for st in states:
+            if st.device_id != view.device_id:
+                continue
+            t = result.target(st.app_id)
+            used_mem = 0.0 if math.isnan(st.used_mem_mib) else st.used_mem_mib
+            used_sm = 0.0 if math.isnan(st.used_sm_pct) else st.used_sm_pct
+            now.append(MigNeed(st.app_id, used_mem, min(100.0, used_sm)))
+            ahead.append(MigNeed(st.app_id, t.mem_mib, min(100.0, t.sm_pct)))
+        if not now:
+            return None
+        choice = plan_layout(sku, view.mig_instances, now, ahead, self.mig_reconfig_s)
+        if choice is None:
+            return None
+        profiles = tuple(sorted(sku.profile(s.profile_id).name for s in choice.layout))  # type: ignore[union-attr]
+        return MigTarget(view.device_id, profiles, f"forecast needs of {len(now)} application(s)")
