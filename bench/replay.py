@@ -603,6 +603,171 @@ def tick_series(runs: Mapping[str, PolicyRun]) -> dict[str, dict[str, list[float
     return out
 
 
+# ------------------------------------------------------------------------------------------------
+# MIG: slices used, reconfigurations and their lead time, beside a static layout (--mig)
+# ------------------------------------------------------------------------------------------------
+def pack_mig(apps: list[ReplayApp], sku: Sku) -> list[ReplayApp]:
+    """First-fit decreasing on peak memory: an application joins a GPU while one valid MIG layout
+    still gives every application there its own instance holding its peak."""
+    from vgpu.allocator.mechanisms.mig import MigNeed, choose_layout
+
+    groups: list[list[ReplayApp]] = []
+    placed: dict[str, int] = {}
+    for a in sorted(apps, key=lambda a: (-float(a.mem.max()), a.app_id)):
+        for i, g in enumerate(groups):
+            if choose_layout(sku, [MigNeed(x.app_id, float(x.mem.max())) for x in (*g, a)]) is not None:
+                g.append(a)
+                placed[a.app_id] = i
+                break
+        else:
+            if choose_layout(sku, [MigNeed(a.app_id, float(a.mem.max()))]) is None:
+                raise ValueError(f"{a.app_id} peaks at {a.mem.max():.0f} MiB, more than any MIG instance of {sku.key}")
+            groups.append([a])
+            placed[a.app_id] = len(groups) - 1
+    return [replace(a, device=placed[a.app_id]) for a in apps]
+
+
+@dataclass
+class _MigGpu:
+    layout: tuple[object, ...]  # MigLayout in force
+    assignment: dict[str, tuple[int, int]]  # app -> (memory MiB, compute slices) of its instance, in force
+    # (ready tick, layout, assignment) of a reconfiguration under way
+    pending: tuple[int, tuple[object, ...], dict[str, tuple[int, int]]] | None = None
+
+
+def mig_replay(apps: list[ReplayApp], sku: Sku, forecaster: Forecaster, *, reconfig_s: float = 6.0,
+               config: PolicyConfig = PREDICTIVE_CONFIG) -> list[Result]:
+    """Each GPU in MIG mode, one instance per application (memory only: the traces' SM is measured
+    on the slice each run had, not on a whole GPU, so an instance is sized by memory and gets at
+    least one compute slice).
+
+    - `static`: the layout that holds every application's peak, from the start, never changed.
+    - `predictive`: at each second the layout (mechanisms/mig.py: `MigScheduler`) for the larger of
+      the usage now and the need `reconfig_s` ahead: the forecast's P90 extended to that lead
+      (`needs_ahead`) plus the policy's margin and lead headroom. A change takes `reconfig_s`; until
+      then the old layout is in force. The replay assumes an application can move to its new
+      instance when it is ready (a checkpoint/restore at a step boundary); the daemon itself never
+      destroys a busy instance (tests/test_mig_managed.py).
+
+    Per policy: `slices_used` (mean compute slices of the instances of running applications per
+    busy GPU-second), `slice_seconds` (their sum), `slices_held` (every instance of the layout:
+    the planner keeps an instance it no longer needs rather than destroy it), `instance_mem_mib` (mean
+    memory of the instances of running applications per busy GPU-second),
+    `reconfigurations`, `oom_events` (usage over the memory of the instance in force), and the lead
+    time of each reconfiguration: the first second at or after the decision whose usage the old
+    layout no longer holds, minus the second the new one is ready (positive: ready ahead of the
+    need; `unneeded`: the old layout held to the end)."""
+    from vgpu.allocator.mechanisms.mig import MigNeed, MigScheduler, _assign, choose_layout, needs_ahead
+
+    def size_of(slot: object) -> tuple[int, int]:
+        prof = sku.profile(slot.profile_id)  # type: ignore[attr-defined]
+        assert prof is not None
+        return int(prof.mem_mib), prof.slice_count
+
+    def slices_of(layout: Sequence[object]) -> int:
+        total = 0
+        for slot in layout:
+            prof = sku.profile(slot.profile_id)  # type: ignore[attr-defined]
+            assert prof is not None
+            total += prof.slice_count
+        return total
+
+    def fits(layout: tuple[object, ...], needs: list[MigNeed]) -> bool:
+        return _assign(sku, layout, needs) is not None  # type: ignore[arg-type]
+
+    sched = MigScheduler(sku, reconfig_s)
+    lead_ticks = int(math.ceil(max(reconfig_s, 0.0)))
+    by_gpu: dict[int, list[ReplayApp]] = {}
+    for a in apps:
+        by_gpu.setdefault(a.device, []).append(a)
+    horizon = max(a.ticks for a in apps)
+    out: list[Result] = []
+    for policy in ("static", "predictive"):
+        gpus: dict[int, _MigGpu] = {}
+        slice_s = held_s = busy_s = ooms = reconfigs = 0
+        mem_s = 0.0
+        leads: list[int] = []
+        unneeded = 0
+        watching: list[tuple[int, int, tuple[object, ...], int]] = []  # (gpu, decided, old layout, ready)
+        for k in range(horizon):
+            active = [a for a in apps if k < a.ticks]
+            fcs = (forecaster.forecast_batch([a.history(k) for a in active])
+                   if policy == "predictive" and active else [])
+            fc_of = {a.app_id: f for a, f in zip(active, fcs, strict=True)} if fcs else {}
+            for gi, group in by_gpu.items():
+                live = [a for a in group if k < a.ticks]
+                if not live:
+                    continue
+                now = [MigNeed(a.app_id, float(a.mem[k])) for a in live]
+                gpu = gpus.get(gi)
+                if gpu is not None and gpu.pending is not None and gpu.pending[0] <= k:
+                    gpu.layout, gpu.assignment, gpu.pending = gpu.pending[1], gpu.pending[2], None
+                # the need of second k against the layout in force
+                for w in list(watching):
+                    if w[0] == gi and not fits(w[2], now):
+                        leads.append(k - w[3])
+                        watching.remove(w)
+                if gpu is not None:
+                    for a in live:
+                        if float(a.mem[k]) > gpu.assignment.get(a.app_id, (0, 0))[0] + 1e-9:
+                            ooms += 1
+                    slice_s += sum(gpu.assignment.get(a.app_id, (0, 0))[1] for a in live)
+                    mem_s += sum(gpu.assignment.get(a.app_id, (0, 0))[0] for a in live)
+                    held_s += slices_of(gpu.layout)  # type: ignore[arg-type]
+                    busy_s += 1
+                # decide the layout
+                if policy == "static":
+                    if gpu is None:
+                        choice = choose_layout(sku, [MigNeed(a.app_id, float(a.mem.max())) for a in group])
+                        assert choice is not None
+                        gpus[gi] = _MigGpu(choice.layout, {app: size_of(slot) for app, slot in choice.assignment})
+                    continue
+                ahead = []
+                for a in live:
+                    f = fc_of[a.app_id]
+                    need = needs_ahead(f.horizons_s, f.mem_p90_mib, reconfig_s)
+                    need = float(a.mem[k]) if math.isnan(need) else max(need, float(a.mem[k]))
+                    ahead.append(MigNeed(a.app_id, need * (1.0 + config.mem_margin_frac + config.mem_lead_frac)))
+                if gpu is None:  # the first layout, made before the applications start
+                    choice = choose_layout(sku, ahead) or choose_layout(sku, now)
+                    assert choice is not None
+                    gpus[gi] = _MigGpu(choice.layout, {app: size_of(slot) for app, slot in choice.assignment})
+                    continue
+                if gpu.pending is not None:
+                    continue  # a reconfiguration is under way
+                current = gpu.layout
+                try:
+                    choice = sched.decide(current, now, ahead)  # type: ignore[arg-type]
+                except ValueError:
+                    choice = None
+                if choice is None and not fits(current, now):
+                    choice = choose_layout(sku, now, current)  # type: ignore[arg-type]
+                if choice is None or choice.layout == current:
+                    continue
+                reconfigs += 1
+                ready = k + lead_ticks
+                gpu.pending = (ready, choice.layout, {app: size_of(slot) for app, slot in choice.assignment})
+                if fits(current, now):
+                    watching.append((gi, k, current, ready))
+                else:  # the need is already here: the change comes reconfig_s after it
+                    leads.append(k - ready)
+        unneeded = len(watching)
+        out.append({
+            "policy": f"mig-{policy}",
+            "gpus": len(by_gpu),
+            "slices_used": round(slice_s / busy_s, 3) if busy_s else 0.0,
+            "slice_seconds": slice_s,
+            "slices_held": round(held_s / busy_s, 3) if busy_s else 0.0,
+            "instance_mem_mib": round(mem_s / busy_s, 1) if busy_s else 0.0,
+            "reconfigurations": reconfigs,
+            "oom_events": ooms,
+            "lead_time_median_s": float(np.median(leads)) if leads else None,
+            "lead_times_s": sorted(leads),
+            "unneeded_reconfigurations": unneeded,
+        })
+    return out
+
+
 class _QuietLog:
     """The replay changes power limits every few seconds on dozens of GPUs; it does not log them."""
 
@@ -615,7 +780,10 @@ class _QuietLog:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench/replay.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", required=True, help="canonical trace (.csv or .csv.gz)")
-    ap.add_argument("--gpu", default="h100-80gb", help="simulated GPU SKU (default h100-80gb)")
+    ap.add_argument("--gpu", default=None, help="simulated GPU SKU (default h100-80gb; with --mig a100-80gb)")
+    ap.add_argument("--mig", action="store_true",
+                    help="also replay MIG layouts (slices used, reconfigurations, lead time) beside a static layout")
+    ap.add_argument("--mig-reconfig-s", type=float, default=6.0, help="seconds a MIG reconfiguration takes (default 6)")
     ap.add_argument("--split", default="test", choices=("train", "val", "test", "all"),
                     help="applications to replay (manager/splits.py; default test)")
     ap.add_argument("--forecaster", default="auto", choices=FORECASTERS,
@@ -634,7 +802,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         predictive_config, overrides = config_overrides(PREDICTIVE_CONFIG, args.set)
-        sku = get_sku(args.gpu)
+        sku = get_sku(args.gpu or ("a100-80gb" if args.mig else "h100-80gb"))
+        if args.mig and not sku.supports_mig:
+            raise ValueError(f"--mig needs a GPU with MIG; {sku.key} has none")
         trace = read_trace(args.trace)
     except (ValueError, TraceFormatError) as exc:
         print(f"replay: {exc}", file=sys.stderr)
@@ -662,6 +832,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     t1 = time.perf_counter()
     results = replay(apps, sku, forecaster, configs={"predictive": predictive_config})
     replay_s = time.perf_counter() - t1
+    mig_results: list[Result] = []
+    if args.mig:
+        try:
+            mig_apps = pack_mig(apps, sku)
+        except ValueError as exc:
+            print(f"replay: {exc}", file=sys.stderr)
+            return 2
+        mig_results = mig_replay(mig_apps, sku, forecaster, reconfig_s=args.mig_reconfig_s, config=predictive_config)
     app_ticks = sum(a.ticks - 1 for a in apps)
     out = {
         "policies": results,
@@ -675,6 +853,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "forecaster": described,
         "predictive_overrides": overrides,
         "pack": args.pack,
+        **({"mig": mig_results, "mig_reconfig_s": args.mig_reconfig_s} if args.mig else {}),
         "packing": packing(apps),
         "skipped": skipped,
         "fit_s": round(fit_s, 1),
@@ -690,6 +869,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{'policy':<11}" + "".join(f"{c:>20}" for c in cols))
         for r in results:
             print(f"{r['policy']:<11}" + "".join(f"{r[c]!s:>20}" for c in cols))
+        for m in mig_results:
+            print(f"{m['policy']:<15} slices used {m['slices_used']}, reconfigurations {m['reconfigurations']}, "
+                  f"OOM events {m['oom_events']}, lead time median {m['lead_time_median_s']} s")
     return 0
 
 
