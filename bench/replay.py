@@ -19,13 +19,32 @@ Policies (one run, the same packing):
 - `predictive` (vgpu): the P90 forecast over 1-5 s from the forecaster (the trained checkpoint when
   present, else gradient-boosted trees trained on the trace's train split, else the VPA percentile;
   the JSON says which), through the policy with the settings the daemon plans with
-  (`vgpu.allocator.policy.forecast.PREDICTIVE_CONFIG`: margin, overrun bumps, SM threshold and shrink dwell).
+  (`vgpu.allocator.policy.forecast.PREDICTIVE_CONFIG`: margin, overrun bumps, SM threshold and shrink dwell,
+  the leading rules, hard limits only where contended).
   `--set NAME=VALUE` (repeatable) overrides one of those settings for a trade-off study; the JSON
   lists the overrides under `predictive_overrides`.
 - `oracle`: perfect foresight: the true peak of the next 5 s, no margin, through the policy.
 Every dynamic policy chooses each GPU's power limit from its planned SM share
 (allocator/power_policy.py) and sets it through the power-limit mechanism on its own simulated
 backend; energy is the simulator's power draw, summed over the ticks a GPU has work.
+
+What the applications live through (the physics, per policy, per second):
+- Memory, handed out in launch order as a GPU does: usage over the grant in force is an OOM event.
+  Where the policy's limit is hard (`Target.hard_mem_limit`: always for static, reactive, vpa and
+  oracle; for predictive only on a device whose planned memory reaches `hard_limit_at_frac` of
+  it) the application ends there (`backend.kill`), and its work so far is lost; under a
+  cooperative limit the allocation fails, the application survives (as PyTorch raises and a
+  training loop retries) and that second's work is lost. A GPU that runs out fails the
+  allocation of whoever asks last, likewise. The policies see the demand (the trace), as the
+  forecasters do. `kill_on_oom=False` (tests) makes every limit cooperative.
+- SM: a grant is an MPS share that caps what the application gets; applications of one GPU that
+  together ask for more than it serves are time-sliced in proportion
+  (`vgpu.device.sim.contention_speeds`, checked against Gavel and MISO in tests/test_contention.py).
+  Their progress that second is what they got over what they asked.
+- Power: a limit below what the GPU's work needs slows it by the Zeus curve the policy chose the
+  limit with (`allocator/policy/power.py`: speed min(1, r / u)).
+The trace is not stretched: an application's demand follows its trace, its progress is counted.
+Its slowdown is seconds run / work done.
 
 Metrics, over app-ticks (an application at one second, its first second excluded: no policy has
 seen anything before it):
@@ -34,8 +53,23 @@ seen anything before it):
 - `mem_violation_rate` / `sm_violation_rate`: share of app-ticks with used > allocated.
 - `changes_per_hour`: grant changes (memory or SM of an application, the first grant excluded) per
   application-hour.
-- `energy_j`: simulated energy; `mean_slowdown`: the simulator's mean throttling slowdown on busy
-  GPU-ticks (1.0 = none), since a lower power limit is not free.
+- `energy_j`: simulated energy; `throttle_slowdown`: the simulator's own mean throttling slowdown
+  on busy GPU-ticks (cube-root clock model; this was `mean_slowdown` before the physics above).
+- `apps_killed_oom`, `oom_events`, `oom_event_rate` (per app-second run), `lost_work_s` (work of
+  the killed applications); `mean_slowdown` / `p95_slowdown` over the applications that finished.
+- Lead time of grant increases (`vgpu.allocator.policy.lead`): for each rise of usage beyond the
+  grant in force 5 s earlier, how many seconds before the rise the grant had already grown to
+  cover it (negative: after). `lead_time_median_s` over all rises (`rises`),
+  `lead_time_median_visible_s` over rises after >= 2 s of rising usage (`rises_visible`), and the
+  share of those covered >= 1 s ahead.
+- `by_priority` (when the applications have several priority classes, `--pack mean`): the same
+  figures per class, to show which yields first.
+
+`--cooperative` makes every limit cooperative, so the OOM events of all policies are counted under
+the same rules (with hard limits an application has at most one). `--pack mean` packs on mean usage instead of peaks: a denser node where peaks meet, GPUs are
+contended, and every application gets a priority class 0-2 (round robin by name); the JSON prints
+the packing. `--mig` adds a MIG replay (`mig_replay`) beside a static layout. `tick_series(runs)`
+gives per-second series per policy, for plots.
 """
 
 from __future__ import annotations
@@ -795,6 +829,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--pack", default="peak", choices=PACKINGS,
                     help="peak: first-fit so every GPU holds its applications' peaks (no contention); mean: "
                          "first-fit on mean usage, a denser node where peaks meet, with priority classes")
+    ap.add_argument("--cooperative", action="store_true",
+                    help="every memory limit cooperative (no policy's overrun ends an application), to compare "
+                         "OOM events under the same rules")
     ap.add_argument("--json", action="store_true", help="print JSON")
     args = ap.parse_args(argv)
 
@@ -830,7 +867,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"replay: {exc}", file=sys.stderr)
         return 2
     t1 = time.perf_counter()
-    results = replay(apps, sku, forecaster, configs={"predictive": predictive_config})
+    results = replay(apps, sku, forecaster, configs={"predictive": predictive_config},
+                     kill_on_oom=not args.cooperative)
     replay_s = time.perf_counter() - t1
     mig_results: list[Result] = []
     if args.mig:
@@ -853,6 +891,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "forecaster": described,
         "predictive_overrides": overrides,
         "pack": args.pack,
+        "cooperative": args.cooperative,
         **({"mig": mig_results, "mig_reconfig_s": args.mig_reconfig_s} if args.mig else {}),
         "packing": packing(apps),
         "skipped": skipped,

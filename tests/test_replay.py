@@ -328,3 +328,17 @@ def test_mig_replay_reconfigures_ahead_of_a_growth_and_static_holds_the_peak() -
     assert dyn["lead_time_median_s"] is not None and dyn["lead_time_median_s"] >= 0  # ready before the need
     assert dyn["slices_used"] <= static["slices_used"]
     assert dyn["instance_mem_mib"] < static["instance_mem_mib"]  # the peak's instance only from the growth on
+
+
+def test_cli_cooperative_counts_every_overrun_and_kills_none(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "t.csv"
+    write_trace(path, [app_trace("x", [1000.0] * 12 + [3000.0] * 12 + [6000.0] * 12, [30.0] * 36)])
+    base = ["--trace", str(path), "--split", "all", "--forecaster", "last_value", "--json"]
+    assert R.main(base) == 0
+    hard = {p["policy"]: p for p in json.loads(capsys.readouterr().out)["policies"]}
+    assert R.main([*base, "--cooperative"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    coop = {p["policy"]: p for p in out["policies"]}
+    assert out["cooperative"] is True
+    assert hard["reactive"]["apps_killed_oom"] == 1 and hard["reactive"]["oom_events"] == 1
+    assert coop["reactive"]["apps_killed_oom"] == 0 and coop["reactive"]["oom_events"] >= 2
