@@ -37,7 +37,8 @@ What the applications live through (the physics, per policy, per second):
   training loop retries) and that second's work is lost. A GPU that runs out fails the
   allocation of whoever asks last, likewise. The policies see the demand (the trace), as the
   forecasters do. `kill_on_oom=False` (tests) makes every limit cooperative.
-- SM: a grant is an MPS share that caps what the application gets; applications of one GPU that
+- SM: a grant is an MPS share that caps what the application gets (for predictive only where its
+  plan says the device's SM is contended, `Target.hard_sm_limit`); applications of one GPU that
   together ask for more than it serves are time-sliced in proportion
   (`vgpu.device.sim.contention_speeds`, checked against Gavel and MISO in tests/test_contention.py).
   Their progress that second is what they got over what they asked.
@@ -472,6 +473,7 @@ def replay(
             backends[p].launch(a.app_id, pids[a.app_id], a.raw, a.device)
     states: dict[str, dict[str, AppState]] = {p: {} for p in policies}
     hard: dict[str, dict[str, bool]] = {p: {} for p in policies}
+    hard_sm: dict[str, dict[str, bool]] = {p: {} for p in policies}
     oom_floor: dict[str, float] = {}
     mem_cap = float(sku.mem_total_mib)
 
@@ -534,7 +536,8 @@ def replay(
                 by_dev.setdefault(a.device, []).append(a)
             for d, group in by_dev.items():
                 demand_sm = [float(a.sm[k]) for a in group]
-                shares = [states[p][a.app_id].granted_sm_pct if (k > 0 and a.app_id in states[p]) else math.inf
+                shares = [states[p][a.app_id].granted_sm_pct
+                          if (k > 0 and a.app_id in states[p] and hard_sm[p].get(a.app_id, True)) else math.inf
                           for a in group]
                 speeds = contention_speeds(demand_sm, 100.0, shares)
                 dev = devs[d]
@@ -604,6 +607,7 @@ def replay(
                 if st.app_id in states[p] and t.changed:
                     run.changes += 1
                 hard[p][st.app_id] = t.hard_mem_limit
+                hard_sm[p][st.app_id] = t.hard_sm_limit
                 states[p][st.app_id] = replace(
                     st, granted_mem_mib=t.mem_mib, granted_sm_pct=t.sm_pct,
                     last_mem_change_s=float(k) if t.changed_mem else st.last_mem_change_s,

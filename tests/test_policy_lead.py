@@ -77,6 +77,15 @@ def test_hard_limits_only_on_a_contended_device() -> None:
     assert plan([app("a", forecast_mem_p90_mib=10_000)], [DEV], 0.0, BASE).target("a").hard_mem_limit
 
 
+def test_sm_caps_only_on_a_contended_device() -> None:
+    cfg = replace(BASE, hard_limit_at_frac=0.9)
+    roomy = plan([app("a", forecast_sm_p90_pct=30)], [DEV], 0.0, cfg)
+    assert not roomy.target("a").hard_sm_limit and not roomy.devices[0].hard_sm_limits
+    full = plan([app("a", forecast_sm_p90_pct=60), app("b", forecast_sm_p90_pct=50)], [DEV], 0.0, cfg)
+    assert full.target("a").hard_sm_limit and full.devices[0].contended_sm
+    assert plan([app("a", forecast_sm_p90_pct=30)], [DEV], 0.0, BASE).target("a").hard_sm_limit
+
+
 def test_the_lead_is_taken_back_first_on_a_full_device() -> None:
     # leads above the claims yield before any claim (forecast + margin) is cut
     small = DeviceState("gpu0", mem_total_mib=20_000)

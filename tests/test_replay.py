@@ -342,3 +342,17 @@ def test_cli_cooperative_counts_every_overrun_and_kills_none(tmp_path: Path, cap
     assert out["cooperative"] is True
     assert hard["reactive"]["apps_killed_oom"] == 1 and hard["reactive"]["oom_events"] == 1
     assert coop["reactive"]["apps_killed_oom"] == 0 and coop["reactive"]["oom_events"] >= 2
+
+
+def test_an_sm_share_caps_only_where_the_plan_says_the_gpu_is_contended() -> None:
+    # one application whose SM jumps past its share: capped (slowed) only when caps are hard
+    sm = [20.0] * 20 + [80.0] * 20
+    apps = R.pack(R.prepare([app_trace("a", [1000.0] * 40, sm)])[0], SKU)
+
+    def slowdown(frac: float) -> float:
+        config, _ = R.config_overrides(PREDICTIVE_CONFIG, [f"hard_limit_at_frac={frac}"])
+        runs: dict[str, R.PolicyRun] = {}
+        R.replay(apps, SKU, _lv(), policies=("predictive",), configs={"predictive": config}, runs_out=runs)
+        return runs["predictive"].apps["a"].slowdown
+
+    assert slowdown(0.0) > slowdown(0.9)

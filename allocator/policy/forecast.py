@@ -147,6 +147,8 @@ class Target:
     reason_sm: str
     # the memory limit is hard (an overrun ends the application) rather than cooperative
     hard_mem_limit: bool = True
+    # the SM share is enforced (an MPS cap) rather than left to the GPU's own time slicing
+    hard_sm_limit: bool = True
 
     @property
     def changed(self) -> bool:
@@ -162,8 +164,9 @@ class DevicePlan:
     overcommitted: bool
     contended_mem: bool
     contended_sm: bool
-    # memory limits on this device are hard (PolicyConfig.hard_limit_at_frac)
+    # memory limits / SM caps on this device are hard (PolicyConfig.hard_limit_at_frac)
     hard_mem_limits: bool = True
+    hard_sm_limits: bool = True
 
 
 @dataclass(frozen=True)
@@ -232,8 +235,9 @@ class PolicyConfig:
     mem_shrink_window_s: float = 0.0
     # memory limits are hard (beyond them: out of memory, the application ends) only on a device
     # whose planned memory reaches this fraction of its capacity; elsewhere cooperative (the
-    # allocation fails, the application survives). 0: always hard; above 1: hard only when the
-    # device is over capacity
+    # allocation fails, the application survives). Likewise SM shares are enforced (MPS caps) only
+    # where the planned SM reaches this fraction; elsewhere the GPU time-slices what is asked.
+    # 0: always hard; above 1: hard only when the device is over capacity
     hard_limit_at_frac: float = 0.0
 
     def __post_init__(self) -> None:
@@ -656,6 +660,8 @@ def plan(
         )
         mem_planned = sum(w.target["mem"] for w in works)
         hard = contended["mem"] or mem_planned >= config.hard_limit_at_frac * dev.mem_total_mib
+        sm_planned = sum(w.target["sm"] for w in works)
+        hard_sm = contended["sm"] or sm_planned >= config.hard_limit_at_frac * dev.sm_total_pct
         for w in works:
             tmem, tsm = w.target["mem"], w.target["sm"]
             targets.append(Target(
@@ -664,13 +670,14 @@ def plan(
                 changed_mem=not math.isclose(tmem, w.app.granted_mem_mib, rel_tol=1e-9, abs_tol=1e-9),
                 changed_sm=not math.isclose(tsm, w.app.granted_sm_pct, rel_tol=1e-9, abs_tol=1e-9),
                 reason_mem=w.reason["mem"], reason_sm=w.reason["sm"], hard_mem_limit=hard,
+                hard_sm_limit=hard_sm,
             ))
         device_plans.append(DevicePlan(
             device_id=dev_id,
             mem_planned_mib=sum(w.target["mem"] for w in works),
             sm_planned_pct=sum(w.target["sm"] for w in works),
             overcommitted=over, contended_mem=contended["mem"], contended_sm=contended["sm"],
-            hard_mem_limits=hard,
+            hard_mem_limits=hard, hard_sm_limits=hard_sm,
         ))
     return Plan(at_s=now_s, targets=tuple(targets), devices=tuple(device_plans))
 
