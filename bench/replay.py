@@ -96,7 +96,7 @@ from vgpu.allocator.policy import lead  # noqa: E402
 from vgpu.allocator.policy.forecast import PREDICTIVE_CONFIG, AppState, DeviceState, PolicyConfig, plan  # noqa: E402
 from vgpu.allocator.policy.power import DEFAULT_CURVE, PowerController, PowerCurve  # noqa: E402
 from vgpu.device.sim import ManualClock, SimBackend, contention_speeds  # noqa: E402
-from vgpu.device.skus import Sku, get_sku  # noqa: E402
+from vgpu.device.skus import LayoutSlot, MigLayout, Sku, get_sku  # noqa: E402
 from vgpu.manager.forecast import Forecaster  # noqa: E402
 from vgpu.traces import AppTrace, TraceFormatError, one_second_grid, read_trace  # noqa: E402
 
@@ -667,10 +667,10 @@ def pack_mig(apps: list[ReplayApp], sku: Sku) -> list[ReplayApp]:
 
 @dataclass
 class _MigGpu:
-    layout: tuple[object, ...]  # MigLayout in force
+    layout: MigLayout  # in force
     assignment: dict[str, tuple[int, int]]  # app -> (memory MiB, compute slices) of its instance, in force
     # (ready tick, layout, assignment) of a reconfiguration under way
-    pending: tuple[int, tuple[object, ...], dict[str, tuple[int, int]]] | None = None
+    pending: tuple[int, MigLayout, dict[str, tuple[int, int]]] | None = None
 
 
 def mig_replay(apps: list[ReplayApp], sku: Sku, forecaster: Forecaster, *, reconfig_s: float = 6.0,
@@ -697,21 +697,21 @@ def mig_replay(apps: list[ReplayApp], sku: Sku, forecaster: Forecaster, *, recon
     need; `unneeded`: the old layout held to the end)."""
     from vgpu.allocator.mechanisms.mig import MigNeed, MigScheduler, _assign, choose_layout, needs_ahead
 
-    def size_of(slot: object) -> tuple[int, int]:
-        prof = sku.profile(slot.profile_id)  # type: ignore[attr-defined]
+    def size_of(slot: LayoutSlot) -> tuple[int, int]:
+        prof = sku.profile(slot.profile_id)
         assert prof is not None
         return int(prof.mem_mib), prof.slice_count
 
-    def slices_of(layout: Sequence[object]) -> int:
+    def slices_of(layout: MigLayout) -> int:
         total = 0
         for slot in layout:
-            prof = sku.profile(slot.profile_id)  # type: ignore[attr-defined]
+            prof = sku.profile(slot.profile_id)
             assert prof is not None
             total += prof.slice_count
         return total
 
-    def fits(layout: tuple[object, ...], needs: list[MigNeed]) -> bool:
-        return _assign(sku, layout, needs) is not None  # type: ignore[arg-type]
+    def fits(layout: MigLayout, needs: list[MigNeed]) -> bool:
+        return _assign(sku, layout, needs) is not None
 
     sched = MigScheduler(sku, reconfig_s)
     lead_ticks = int(math.ceil(max(reconfig_s, 0.0)))
@@ -726,7 +726,7 @@ def mig_replay(apps: list[ReplayApp], sku: Sku, forecaster: Forecaster, *, recon
         mem_s = 0.0
         leads: list[int] = []
         unneeded = 0
-        watching: list[tuple[int, int, tuple[object, ...], int]] = []  # (gpu, decided, old layout, ready)
+        watching: list[tuple[int, int, MigLayout, int]] = []  # (gpu, decided, old layout, ready)
         for k in range(horizon):
             active = [a for a in apps if k < a.ticks]
             fcs = (forecaster.forecast_batch([a.history(k) for a in active])
@@ -751,7 +751,7 @@ def mig_replay(apps: list[ReplayApp], sku: Sku, forecaster: Forecaster, *, recon
                             ooms += 1
                     slice_s += sum(gpu.assignment.get(a.app_id, (0, 0))[1] for a in live)
                     mem_s += sum(gpu.assignment.get(a.app_id, (0, 0))[0] for a in live)
-                    held_s += slices_of(gpu.layout)  # type: ignore[arg-type]
+                    held_s += slices_of(gpu.layout)
                     busy_s += 1
                 # decide the layout
                 if policy == "static":
@@ -775,11 +775,11 @@ def mig_replay(apps: list[ReplayApp], sku: Sku, forecaster: Forecaster, *, recon
                     continue  # a reconfiguration is under way
                 current = gpu.layout
                 try:
-                    choice = sched.decide(current, now, ahead)  # type: ignore[arg-type]
+                    choice = sched.decide(current, now, ahead)
                 except ValueError:
                     choice = None
                 if choice is None and not fits(current, now):
-                    choice = choose_layout(sku, now, current)  # type: ignore[arg-type]
+                    choice = choose_layout(sku, now, current)
                 if choice is None or choice.layout == current:
                     continue
                 reconfigs += 1
