@@ -119,3 +119,14 @@ def test_a_starting_application_gets_start_up_headroom() -> None:
     old = plan([replace(a, history_s=30.0)], [DEV], 100.0, cfg).target("a")
     assert old.reason_mem != "start"
     assert plan([a], [DEV], 100.0, BASE).target("a").mem_mib == pytest.approx(1_300)  # held (threshold)
+
+
+def test_on_a_contended_gpu_only_the_shares_that_were_cut_are_capped() -> None:
+    # a (priority 1) keeps its claim; b (priority 0) is cut to fit: only b must yield
+    apps = [app("a", forecast_sm_p90_pct=60, priority=1), app("b", forecast_sm_p90_pct=60)]
+    cut_only = plan(apps, [DEV], 0.0, replace(BASE, hard_limit_at_frac=0.9, sm_cap_cut_only=1.0))
+    assert cut_only.devices[0].contended_sm
+    assert not cut_only.target("a").hard_sm_limit and cut_only.target("b").hard_sm_limit
+    assert cut_only.target("b").reason_sm == "contention"
+    every = plan(apps, [DEV], 0.0, replace(BASE, hard_limit_at_frac=0.9))
+    assert every.target("a").hard_sm_limit and every.target("b").hard_sm_limit
