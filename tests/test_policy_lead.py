@@ -4,6 +4,7 @@ is contended. Each test shows the rule's effect and that it is absent without th
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -130,3 +131,47 @@ def test_on_a_contended_gpu_only_the_shares_that_were_cut_are_capped() -> None:
     assert cut_only.target("b").reason_sm == "contention"
     every = plan(apps, [DEV], 0.0, replace(BASE, hard_limit_at_frac=0.9))
     assert every.target("a").hard_sm_limit and every.target("b").hard_sm_limit
+
+
+def test_usage_history_sees_a_ramp_and_the_recent_peak() -> None:
+    from vgpu.allocator.policy.forecast import UsageHistory
+
+    h = UsageHistory()
+    for t, used in [(0.0, 1_000.0), (1.0, 1_000.0), (2.0, 1_300.0), (2.4, 1_350.0), (3.0, 1_700.0)]:
+        h.observe("a", t, used)
+    ramp_s, rate = h.ramp("a")
+    assert ramp_s == pytest.approx(2.0) and rate == pytest.approx(350.0)  # 1,000 -> 1,700 over 2 s
+    assert h.peak("a", 3.0, 1.5) == 1_700.0 and h.peak("a", 3.0, 30.0) == 1_700.0
+    h.observe("a", 4.0, 1_700.0, seq=7)
+    assert h.ramp("a") == (0.0, pytest.approx(math.nan, nan_ok=True))  # flat: no ramp
+    h.observe("a", 5.0, 9_000.0, seq=7)  # a stale stand-in (seen seq): no new sample
+    assert h.peak("a", 5.0, 30.0) == 1_700.0
+    h.prune(500.0)
+    assert math.isnan(h.peak("a", 500.0, 1e9))
+
+
+def test_the_daemons_policy_grants_a_ramp_it_saw_through_recommendations() -> None:
+    from vgpu.allocator.core import Allocator
+    from vgpu.allocator.policy.base import Recommendation
+    from vgpu.allocator.policy.forecast import ForecastPolicy
+    from vgpu.device.sim import ManualClock, SimBackend
+
+    def run(config: PolicyConfig) -> float:
+        clock = ManualClock(1000.0)
+        backend = SimBackend(["h100-80gb"], clock=clock)
+        uuid = backend.devices()[0].uuid
+        alloc = Allocator(backend, clock=clock, dry_run=False, policy=ForecastPolicy(config))
+        for seq, used in enumerate([4_000.0] * 15 + [4_400.0, 4_900.0], start=1):
+            # the forecast trails the ramp (it says the last value)
+            alloc.apply_recommendations([Recommendation("a", uuid, used, 20, mem_p90_peak_mib=used,
+                                                        sm_p90_peak_pct=20, mem_used_mib=used, sm_util_pct=20,
+                                                        for_seq=seq)])
+            clock.advance(1.0)
+        (g,) = alloc.ledger.grants()
+        alloc.stop()
+        return g.memory_mib
+
+    cfg = replace(PREDICTIVE_CONFIG, confidence_multiplier=0.0)
+    # 4,400 -> 4,900 at 450 MiB/s over the last 2 s: granted to 4,900 + 3 s of it, plus the margin
+    assert run(cfg) == pytest.approx((4_900 + 3 * 450) * 1.02)
+    assert run(replace(cfg, ramp_min_s=0.0)) < 4_900 + 3 * 450

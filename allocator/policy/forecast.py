@@ -705,6 +705,62 @@ def advance(apps: Sequence[AppState], result: Plan) -> list[AppState]:
 
 
 # ------------------------------------------------------------------------------------------------
+# Leading signals from the usage the policy has seen
+# ------------------------------------------------------------------------------------------------
+class UsageHistory:
+    """Each application's recent memory usage, as the policy saw it at each plan: the leading
+    signals `AppState` carries (how long the usage has risen in a row and how fast, the recent
+    peak). Samples closer than `min_step_s` to the previous one are not kept (the daemon plans
+    several times a second while recommendations arrive); `keep_s` bounds the memory."""
+
+    def __init__(self, min_step_s: float = 1.0, keep_s: float = 120.0, rise_frac: float = 0.01) -> None:
+        self.min_step_s = min_step_s
+        self.keep_s = keep_s
+        self.rise_frac = rise_frac
+        self._samples: dict[str, list[tuple[float, float]]] = {}
+        self._seq: dict[str, int] = {}
+
+    def observe(self, app_id: str, now_s: float, used_mib: float, seq: int = 0) -> None:
+        """Record a usage sample; one with a `seq` (the recommendation's) already seen is a stale
+        stand-in for a neighbour's plan, not a new sample, and is ignored."""
+        if math.isnan(used_mib) or (seq and self._seq.get(app_id) == seq):
+            return
+        if seq:
+            self._seq[app_id] = seq
+        samples = self._samples.setdefault(app_id, [])
+        if samples and now_s - samples[-1][0] < self.min_step_s:
+            if used_mib > samples[-1][1]:  # keep the larger value of a step
+                samples[-1] = (samples[-1][0], used_mib)
+            return
+        samples.append((now_s, used_mib))
+        while samples and now_s - samples[0][0] > self.keep_s:
+            samples.pop(0)
+
+    def prune(self, now_s: float) -> None:
+        """Forget applications not seen for `keep_s`."""
+        for app_id in [a for a, smp in self._samples.items() if not smp or now_s - smp[-1][0] > self.keep_s]:
+            del self._samples[app_id]
+            self._seq.pop(app_id, None)
+
+    def ramp(self, app_id: str) -> tuple[float, float]:
+        """(seconds the usage has risen by more than `rise_frac` at every sample up to the last,
+        its mean rate in MiB/s; NaN when not rising)."""
+        samples = self._samples.get(app_id, [])
+        i = len(samples) - 1
+        while i > 0 and samples[i][1] > samples[i - 1][1] * (1 + self.rise_frac) and samples[i][1] > samples[i - 1][1]:
+            i -= 1
+        if i == len(samples) - 1:
+            return 0.0, math.nan
+        span = samples[-1][0] - samples[i][0]
+        return span, (samples[-1][1] - samples[i][1]) / span if span > 0 else math.nan
+
+    def peak(self, app_id: str, now_s: float, window_s: float) -> float:
+        """The largest usage seen in the last `window_s`; NaN when none."""
+        vals = [v for t, v in self._samples.get(app_id, []) if now_s - t <= window_s]
+        return max(vals) if vals else math.nan
+
+
+# ------------------------------------------------------------------------------------------------
 # The allocator's Policy protocol (allocator/plan.py): recommendations + device views -> plan
 # ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -728,6 +784,8 @@ class ForecastPolicy:
     # started `mig_reconfig_s` ahead (allocator/mechanisms/mig.py: plan_layout)
     manage_mig: bool = False
     mig_reconfig_s: float = 6.0
+    # the usage seen at each plan, for the leading signals (ramps, the recent peak)
+    history: UsageHistory = field(default_factory=UsageHistory, compare=False)
 
     def plan(self, recommendations: Sequence[Recommendation], devices: Sequence[DeviceView],
              now_s: float) -> AllocatorPlan:
@@ -759,6 +817,9 @@ class ForecastPolicy:
             mem_changed_at = own.mem_changed_at_s if own is not None else -math.inf
             sm_changed_at = own.updated_at_s if own is not None else -math.inf
             first = min((g.created_at_s for g in mine), default=now_s)
+            self.history.observe(rec.app_id, now_s, rec.mem_used_mib, rec.for_seq)
+            ramp_s, ramp_rate = self.history.ramp(rec.app_id)
+            window = self.config.mem_shrink_window_s
             states.append(AppState(
                 app_id=rec.app_id, device_id=rec.device_id,
                 request_mem_mib=req_mem, request_sm_pct=req_sm,
@@ -770,7 +831,10 @@ class ForecastPolicy:
                 history_s=max(now_s - first, 0.0),
                 priority=max((g.priority for g in mine), default=0),
                 last_mem_change_s=mem_changed_at, last_sm_change_s=sm_changed_at,
+                mem_ramp_s=ramp_s, mem_ramp_rate_mib_s=ramp_rate,
+                recent_peak_mem_mib=self.history.peak(rec.app_id, now_s, window) if window > 0 else math.nan,
             ))
+        self.history.prune(now_s)
         caps = [DeviceState(v.device_id, v.mem_total_mib, v.sm_total_pct) for v in devices]
         result = plan(states, caps, now_s, self.config)
         grants: list[GrantTarget] = []
