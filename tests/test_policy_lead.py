@@ -143,7 +143,8 @@ def test_usage_history_sees_a_ramp_and_the_recent_peak() -> None:
     assert ramp_s == pytest.approx(2.0) and rate == pytest.approx(350.0)  # 1,000 -> 1,700 over 2 s
     assert h.peak("a", 3.0, 1.5) == 1_700.0 and h.peak("a", 3.0, 30.0) == 1_700.0
     h.observe("a", 4.0, 1_700.0, seq=7)
-    assert h.ramp("a") == (0.0, pytest.approx(math.nan, nan_ok=True))  # flat: no ramp
+    flat_s, flat_rate = h.ramp("a")
+    assert flat_s == 0.0 and math.isnan(flat_rate)  # flat: no ramp
     h.observe("a", 5.0, 9_000.0, seq=7)  # a stale stand-in (seen seq): no new sample
     assert h.peak("a", 5.0, 30.0) == 1_700.0
     h.prune(500.0)
