@@ -45,8 +45,8 @@ def lead_times(used: Sequence[float], granted: Sequence[float], window: int = LE
                 j -= 1
             out.append((k - j, before))
         else:
-            later = [j for j in range(k + 1, n) if granted[j] >= need]
-            out.append((k - later[0] if later else k - n, before))
+            later = next((j for j in range(k + 1, n) if granted[j] >= need), n)
+            out.append((k - later, before))
     return out
 
 
