@@ -176,3 +176,14 @@ def test_the_daemons_policy_grants_a_ramp_it_saw_through_recommendations() -> No
     # 4,400 -> 4,900 at 450 MiB/s over the last 2 s: granted to 4,900 + 3 s of it, plus the margin
     assert run(cfg) == pytest.approx((4_900 + 3 * 450) * 1.02)
     assert run(replace(cfg, ramp_min_s=0.0)) < 4_900 + 3 * 450
+
+
+def test_lead_summary_medians_over_all_and_visible_rises() -> None:
+    from vgpu.allocator.policy import lead
+
+    s = lead.summarize([(3, 0), (-1, 2), (2, 5), (0, 1)])
+    assert (s.rises, s.median, s.rises_visible, s.median_visible, s.ahead_frac_visible) == (4, 1.0, 2, 0.5, 0.5)
+    empty = lead.summarize([])
+    assert empty.rises == 0 and empty.median is None and empty.median_visible is None
+    with pytest.raises(ValueError):
+        lead.lead_times([1.0, 2.0], [1.0])
