@@ -51,6 +51,10 @@ class ServerConfig:
     # (nvmlDeviceSetMemoryLimits_v1, driver R615+), for applications whose pid is known; a driver
     # without them turns this off with one log line.
     cgroup_memory_limits: bool = True
+    # On a GPU in MIG mode, let vgpu choose its MIG layout from the forecast needs of the
+    # applications on it (created ahead of need; an instance with processes is never destroyed).
+    # Off: the operator's layout is left as it is.
+    manage_mig_layout: bool = False
     # Seconds a graceful stop waits for in-flight RPCs.
     grace_s: float = 5.0
 

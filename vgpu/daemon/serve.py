@@ -493,7 +493,8 @@ class Daemon:
         cgroup_limits = CgroupMemoryLimits(dry_run=cfg.server.dry_run, store=self.store, clock=self.clock)
         self.allocator = Allocator(self.backend, clock=self.clock, dry_run=cfg.server.dry_run, ledger=ledger,
                                    mig=mig, cgroup_limits=cgroup_limits if cfg.server.cgroup_memory_limits else None,
-                                   sizer=self.sizer, policy=ForecastPolicy(), on_change=self._save)
+                                   sizer=self.sizer, policy=ForecastPolicy(manage_mig=cfg.server.manage_mig_layout),
+                                   on_change=self._save)
         # cgroup limits a crashed run left: put back where no grant holds the cgroup now (all of
         # them where the mechanism is now off: nothing would restore them later)
         cgroup_outcomes = (self.allocator.reconcile_cgroup_limits() if cfg.server.cgroup_memory_limits
