@@ -10,7 +10,8 @@
 
 Tokens (vgpu/auth.py). A command sends, in order until one is accepted: the token of `--token-file`
 or `$VGPU_TOKEN_FILE` or `$VGPU_TOKEN`; for an application's grants, the application token this
-user was handed by an earlier `vgpu request` (kept in `~/.config/vgpu/tokens/`, 0600, per socket)
+user was handed by an earlier `vgpu request` or client stub (kept in `~/.config/vgpu/tokens/`, 0600, per
+socket: vgpu.client.app_token_path)
 or found readable in `<state-dir>/tokens/apps/`; the operator token `<state-dir>/tokens/operator.token`
 when readable; finally nothing (a new application may claim its id without a token). A token the
 daemon rejects as not its own (a new state directory) is dropped from the cache.
@@ -22,7 +23,6 @@ or configuration error.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -37,6 +37,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from vgpu import auth
+from vgpu import client as vclient
 from vgpu import config as vconfig
 from vgpu.v1 import allocator_pb2 as pb
 from vgpu.v1 import allocator_pb2_grpc as pb_grpc
@@ -50,18 +51,20 @@ class CliError(Exception):
 
 # --- tokens ----------------------------------------------------------------------------------------------
 def token_cache_dir(socket_path: str, env: dict[str, str] | None = None) -> Path:
-    env = dict(os.environ) if env is None else env
-    base = Path(env.get("XDG_CONFIG_HOME") or Path(env.get("HOME", "~")).expanduser() / ".config")
-    key = hashlib.sha256(os.path.realpath(socket_path).encode()).hexdigest()[:16]
-    return base / "vgpu" / "tokens" / key
+    """Where this user keeps application tokens for the daemon at `socket_path` (shared with the client
+    stub, vgpu.client.token_cache_dir)."""
+    return vclient.token_cache_dir(socket_path, env)
 
 
 def _read_token(path: Path) -> str | None:
+    """The token in a file this command may or may not be able to read (the daemon's, a cache): None
+    when it is missing or unreadable; CliError naming the file when it holds something else."""
     try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    return text or None
+        return vclient.read_token(path)
+    except vclient.TokenFileError as exc:
+        if isinstance(exc.__cause__, OSError):
+            return None
+        raise CliError(str(exc)) from None
 
 
 class Tokens:
@@ -69,19 +72,23 @@ class Tokens:
 
     def __init__(self, socket_path: str, state_dir: Path, token_file: Path | None, env: dict[str, str] | None = None) -> None:
         self.env = dict(os.environ) if env is None else env
+        self.socket_path = socket_path
         self.cache = token_cache_dir(socket_path, self.env)
         self.state_dir = state_dir
         explicit = token_file or (Path(self.env["VGPU_TOKEN_FILE"]) if self.env.get("VGPU_TOKEN_FILE") else None)
         self.explicit: str | None = None
-        if explicit is not None:
-            self.explicit = _read_token(explicit)
-            if self.explicit is None:
-                raise CliError(f"cannot read a token from {explicit}")
-        elif self.env.get("VGPU_TOKEN"):
-            self.explicit = self.env["VGPU_TOKEN"].strip()
+        try:
+            if explicit is not None:
+                self.explicit = vclient.read_token(explicit)
+                if self.explicit is None:
+                    raise CliError(f"cannot read a token from {explicit}: no such file")
+            elif self.env.get("VGPU_TOKEN"):
+                self.explicit = vclient.check_token(self.env["VGPU_TOKEN"], "$VGPU_TOKEN")
+        except vclient.TokenFileError as exc:
+            raise CliError(str(exc)) from None
 
     def app_cache_path(self, app_id: str) -> Path:
-        return self.cache / auth.app_token_filename(app_id)
+        return vclient.app_token_path(app_id, self.socket_path, self.env)
 
     def candidates(self, app_id: str | None) -> Iterator[tuple[str | None, Path | None]]:
         """(token, cache file it came from or None); the last candidate is (None, None)."""
@@ -102,12 +109,7 @@ class Tokens:
         yield None, None
 
     def remember(self, app_id: str, token: str) -> Path:
-        path = self.app_cache_path(app_id)
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(token + "\n")
-        return path
+        return vclient.save_token(self.app_cache_path(app_id), token)
 
 
 # --- calls -----------------------------------------------------------------------------------------------
