@@ -232,6 +232,9 @@ def available_main(argv: Sequence[str] | None = None, prog: str = "vgpu availabl
         if ns.json:
             _print_json(_dict(resp), o)
         else:
+            if resp.dry_run:
+                o.write("dry run: the daemon decides and logs, and writes nothing to the devices "
+                        "(server.dry_run = false to act)\n")
             o.write(devices_table(resp) + "\n")
         return 0
 
