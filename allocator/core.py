@@ -491,6 +491,11 @@ class Allocator:
         )
         return view, readable
 
+    def knows_device(self, device_id: str) -> bool:
+        """Whether `device_id` is one of this allocator's GPUs or a MIG instance on one of them."""
+        known = {c.device_id for c in self.ledger.devices()}
+        return device_id in known or self._parent_gpu(device_id, known) is not None
+
     def _parent_gpu(self, device_id: str, known: set[str]) -> str | None:
         """The whole GPU a MIG instance UUID belongs to (the ledger holds whole GPUs; a MIG
         application reports its instance's UUID), or None when no device has that instance. The

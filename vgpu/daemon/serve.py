@@ -177,8 +177,9 @@ class StateSource:
             forecast_s_total=s.forecast_s_total,
             forecast_failures=s.forecast_failures,
             signatures_accepted=s.accepted,
-            signatures_rejected=s.rejected,
+            signatures_rejected=s.rejected - s.unknown_device,
             signatures_out_of_order=s.out_of_order,
+            signatures_unknown_device=s.unknown_device,
             signatures_duplicate=s.duplicates,
             forecaster=self.manager.source,
             forecaster_reloads=getattr(forecaster, "reloads", 0),
@@ -510,7 +511,8 @@ class Daemon:
         self.manager = Manager(self.allocator, load_model(cfg.manager.model, fallback=baseline, check_interval_s=interval_s),
                                clock=self.clock, fallback=baseline,
                                batch_window_s=cfg.manager.batch_window_ms / 1000.0,
-                               forecast_duty_max=cfg.manager.forecast_duty_max)
+                               forecast_duty_max=cfg.manager.forecast_duty_max,
+                               device_known=self.allocator.knows_device)
         self.allocator.signature_seen = self.manager.windows.last_seen_s
         model = resolve_model(cfg.manager.model)
         if model.configured:
