@@ -390,10 +390,48 @@ class Allocator:
         return gone
 
     def set_limits(self, limits: AppLimits, *, caller: str | None = None) -> AppLimits:
+        """Set an application's caps. A cap covers every grant of the application, the ones it holds
+        already included: grants over the new memory or SM cap are cut down to it at once (each a
+        RESIZED event), largest first. Logged as `limits_set`, and `limit_below_usage` when the
+        application uses more memory than its new cap."""
+        before = self.ledger.limits(limits.app_id)
         result = self.ledger.set_limits(limits, caller=caller)
+        capped = self._cap_grants(result)
+        rec = self._latest.get(result.app_id)
+        self._log.info("limits_set", app=result.app_id, before=_limits_text(before) if before else None,
+                       after=_limits_text(result), grants_capped=[g.grant_id for g in capped])
+        used = rec.mem_used_mib if rec is not None else math.nan
+        if result.max_memory_mib is not None and math.isfinite(used) and used > result.max_memory_mib:
+            self._log.warning("limit_below_usage", app=result.app_id, mem_used_mib=used,
+                              max_memory_mib=result.max_memory_mib)
         self._publish(EventKind.LIMITS_CHANGED, app_id=result.app_id, detail=_limits_text(result))
+        for device_id in sorted({g.device_id for g in capped}):
+            self._sync_cgroup_limits(device_id)
         self._changed()
         return result
+
+    def _cap_grants(self, limits: AppLimits) -> list[Grant]:
+        """Cut the application's grants down to its caps, largest first; the grants changed."""
+        grants = sorted(self.ledger.grants(app_id=limits.app_id), key=lambda g: (-g.memory_mib, g.grant_id))
+        mem_left = limits.max_memory_mib if limits.max_memory_mib is not None else math.inf
+        sm_left = limits.max_sm_pct if limits.max_sm_pct is not None else math.inf
+        over_mem = sum(g.memory_mib for g in grants) - mem_left
+        over_sm = sum(g.sm_pct for g in grants) - sm_left
+        changed = []
+        for g in grants:
+            mem_cut = min(g.memory_mib, max(0.0, over_mem))
+            sm_cut = min(g.sm_pct, max(0.0, over_sm))
+            if mem_cut <= 0 and sm_cut <= 0:
+                continue
+            over_mem -= mem_cut
+            over_sm -= sm_cut
+            new = self.ledger.resize(g.grant_id, g.memory_mib - mem_cut, g.sm_pct - sm_cut, clamp=True)
+            changed.append(new)
+            self.counters.resized += 1
+            self._publish(EventKind.RESIZED, grant=new,
+                          detail=f"capped by limits: {g.memory_mib:.0f} -> {new.memory_mib:.0f} MiB, "
+                                 f"{g.sm_pct:g} -> {new.sm_pct:g} % SM")
+        return changed
 
     def available(self, device_id: str | None = None) -> list[DeviceResources]:
         """Free and granted resources per device (one device when `device_id` is given; NotFound

@@ -95,7 +95,8 @@ async def test_stale_cached_token_is_dropped(daemon: Daemon, tmp_path: Path) -> 
 
 async def test_operator_token_from_state_dir(daemon: Daemon, tmp_path: Path) -> None:
     rc, text = await run(cli.set_limit_main, tmp_path, "--socket", str(daemon.socket_path), "--state-dir",
-                         str(daemon.state_dir), "--app", "a", "--max-sm-pct", "50", "--priority", "3", "--json")
+                         str(daemon.state_dir), "--app", "a", "--max-sm-pct", "50", "--priority", "3", "--create",
+                         "--json")
     assert rc == 0 and json.loads(text) == {"app_id": "a", "max_sm_pct": 50.0, "priority": 3}
 
 
