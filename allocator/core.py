@@ -370,6 +370,10 @@ class Allocator:
         `idle_s` seconds, with a log line and a RELEASED event per grant saying why; the apps released."""
         now = self.clock()
         gone = []
+        for app_id in sorted(set(self._latest) - set(self.ledger.apps())):
+            seen = self.last_seen_s(app_id)  # listed for its last recommendation only: drop it when stale
+            if seen is None or now - seen > idle_s:
+                self._latest.pop(app_id, None)
         for app_id in sorted(self.ledger.apps()):
             grants = self.ledger.grants(app_id=app_id)
             if not grants:
