@@ -131,6 +131,8 @@ def app_to_pb(a: AppInfo) -> pb.ApplicationInfo:
     )
     if a.limits is not None:
         msg.limits.CopyFrom(limits_to_pb(a.limits))
+    if a.last_seen_s is not None:
+        msg.last_seen_s = a.last_seen_s
     return msg
 
 
@@ -239,7 +241,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         devices = await self._call(
             context, "GetAvailableResources", lambda _c: self.allocator.available(request.device_id or None)
         )
-        return pb.GetAvailableResourcesResponse(devices=[device_to_pb(d) for d in devices])
+        return pb.GetAvailableResourcesResponse(devices=[device_to_pb(d) for d in devices],
+                                                dry_run=self.allocator.dry_run)
 
     async def SetResourceLimits(  # noqa: N802
         self, request: pb.SetResourceLimitsRequest, context: Context

@@ -136,6 +136,7 @@ class ManagerStats:
     evicted: int = 0
     dropped_by_profilers: int = 0
     forecast_s_total: float = 0.0
+    unknown_device: int = 0  # rejected (and in `rejected`): the signature names a device the daemon lacks
 
 
 @dataclass(eq=False)
@@ -210,6 +211,7 @@ class Manager:
         min_samples: int = 3,
         mem_margin: float = 0.10,
         logger: structlog.typing.FilteringBoundLogger | None = None,
+        device_known: Callable[[str], bool] | None = None,
     ) -> None:
         if forecast_interval_s < 0 or batch_window_s < 0 or not 0 < forecast_duty_max <= 1:
             raise ValueError("forecast_interval_s and batch_window_s must be >= 0, forecast_duty_max in (0, 1]")
@@ -237,6 +239,10 @@ class Manager:
         self._last_kept: set[str] = set()  # the apps the last accepted batch added samples to
         self._delivered_plain = 0  # decisions handed out to callers without stream state
         self._log = logger or get_logger("vgpu.manager")
+        # Whether a signature's device is one the daemon has (None: every device is taken). A
+        # signature for another device could never become a grant: it is rejected, with the reason.
+        self.device_known = device_known
+        self._unknown_devices_said: set[str] = set()
 
     @property
     def source(self) -> str:
@@ -265,6 +271,8 @@ class Manager:
         stats.signatures += len(sigs)
         for i, sig in enumerate(sigs):
             reason, values = parse_signature(sig)
+            if reason is None and not self._device_ok(sig.device_id):
+                reason = self._unknown_device(sig.device_id)
             if reason is not None:
                 stats.rejected += 1
                 reply.rejected.add(index=i, app_id=sig.app_id[:_MAX_APP_ID], reason=reason)
@@ -314,6 +322,18 @@ class Manager:
             k = int(rows.app_index[i])
             reply.rejected.add(index=base + i, app_id=rows.app_ids[k][:_MAX_APP_ID] if k < len(rows.app_ids) else "",
                                reason=why)
+        if self.device_known is not None:
+            for k, device_id in enumerate(rows.device_ids):
+                if self._device_ok(device_id):
+                    continue
+                reason = self._unknown_device(device_id, count=0)
+                for row in np.flatnonzero(rows.good & (rows.device_index == k)).tolist():
+                    stats.rejected += 1
+                    stats.unknown_device += 1
+                    rows.good[row] = False
+                    a = int(rows.app_index[row])
+                    reply.rejected.add(index=base + row, reason=reason,
+                                       app_id=rows.app_ids[a][:_MAX_APP_ID] if a < len(rows.app_ids) else "")
         good = np.flatnonzero(rows.good)
         if not len(good):
             return 0
@@ -515,6 +535,20 @@ class Manager:
                 return
             if report.skipped:
                 self._log.debug("recommendations_skipped", skipped=list(report.skipped))
+
+    def _device_ok(self, device_id: str) -> bool:
+        return self.device_known is None or self.device_known(device_id)
+
+    def _unknown_device(self, device_id: str, count: int = 1) -> str:
+        """The rejection reason for a signature naming `device_id`, which the daemon does not have;
+        counted, and logged once per device id."""
+        self.stats.unknown_device += count
+        reason = (f"unknown device {device_id[:128]!r}: this daemon has no such device (`vgpu available` lists "
+                  "them; a replay names one with --device-id)")
+        if device_id not in self._unknown_devices_said and len(self._unknown_devices_said) < 64:
+            self._unknown_devices_said.add(device_id)
+            self._log.warning("signatures_rejected_unknown_device", device=device_id[:128])
+        return reason
 
     def _forget(self, app_ids: list[str]) -> None:
         for app_id in app_ids:

@@ -289,6 +289,7 @@ class SignatureStreamer:
             sent=self.stats.signatures_sent,
             acked=self.stats.acked,
             resent=self.stats.resent,
+            rejected=self.stats.rejected,
             dropped=self.stats.dropped_total,
             unacked=self._unacked,
             buffered=len(self.buffer),

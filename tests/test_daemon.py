@@ -215,7 +215,8 @@ def test_profiler_streams_with_its_token_and_the_apps_show_up(env: Env, serves: 
     wrong = env.tmp / "wrong.token"
     wrong.write_text("vgpu1.cHJvZmlsZXI.0000\n")
     refused = _profiler(env, trace, "--device-id", device, "--token-file", str(wrong), seconds=1.5)
-    assert refused.returncode == 0, refused.stderr
+    assert refused.returncode == 1, refused.stderr  # refused every stream: a failure, said at exit
+    assert "the manager refused every stream" in refused.stderr
     assert "manager refused the profiler" in refused.stderr and "UNAUTHENTICATED" in refused.stderr
     assert any(e.get("event") == "access_denied" and e.get("method") == "/vgpu.v1.Ingest/StreamSignatures"
                for e in serves[-1].events())

@@ -45,8 +45,9 @@ class ServerConfig:
     backend: str = "nvml"
     # Optional TCP listener "HOST:PORT"; refused unless tls.cert and tls.key are set.
     tcp: str = ""
-    # Decide and log, but write nothing to the device.
-    dry_run: bool = False
+    # Decide and log, but write nothing to the device. Unset (None, the default): on for the nvml
+    # backend, so a real GPU is changed only once `dry_run = false` says so; off for a simulator.
+    dry_run: bool | None = None
     # Cap each application's GPU memory at its grant through NVML's per-cgroup memory limits
     # (nvmlDeviceSetMemoryLimits_v1, driver R615+), for applications whose pid is known; a driver
     # without them turns this off with one log line.
@@ -57,6 +58,10 @@ class ServerConfig:
     manage_mig_layout: bool = False
     # Seconds a graceful stop waits for in-flight RPCs.
     grace_s: float = 5.0
+    # An application with grants that shows no sign of life for this long (no signature, no live
+    # process among its grants' pids, no open watch of its own, no request) has its grants released.
+    # 0 keeps grants until they are released.
+    idle_release_s: float = 120.0
 
 
 @dataclass(frozen=True)
@@ -146,7 +151,7 @@ _SECTIONS: dict[str, type] = {
     "manager": ManagerConfig,
     "log": LogConfig,
 }
-_TYPES: dict[str, type] = {"str": str, "bool": bool, "int": int, "float": float}
+_TYPES: dict[str, type] = {"str": str, "bool": bool, "int": int, "float": float, "bool | None": bool}
 
 
 def _field_type(section: str, key: str) -> type:
@@ -209,6 +214,8 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"server.backend: expected 'nvml' or 'sim:<sku>', got {s.backend!r} ({exc})") from None
     if s.grace_s < 0:
         raise ConfigError(f"server.grace_s: must be >= 0, got {s.grace_s}")
+    if not s.idle_release_s >= 0:
+        raise ConfigError(f"server.idle_release_s: must be >= 0 (0: never), got {s.idle_release_s}")
     if s.tcp:
         parse_host_port(s.tcp)  # raises ConfigError
         if not cfg.tls.cert:
@@ -326,6 +333,17 @@ def replace(cfg: Config, **sections: dict[str, object]) -> Config:
     return out
 
 
+def dry_run_of(server: ServerConfig) -> bool:
+    """Whether the daemon writes nothing to the devices: `server.dry_run` when set, else True on the
+    nvml backend (a real GPU) and False on a simulator."""
+    return server.backend == "nvml" if server.dry_run is None else server.dry_run
+
+
+def resolve_dry_run(cfg: Config) -> Config:
+    """`cfg` with `server.dry_run` set to what it means for its backend (see `dry_run_of`)."""
+    return dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, dry_run=dry_run_of(cfg.server)))
+
+
 def to_toml(cfg: Config) -> str:
     """The configuration as TOML (used by `vgpu doctor` and to check the shipped file)."""
     lines: list[str] = []
@@ -333,6 +351,9 @@ def to_toml(cfg: Config) -> str:
         lines.append(f"[{name}]")
         for f in fields(getattr(cfg, name)):
             value = getattr(getattr(cfg, name), f.name)
+            if value is None:  # unset: TOML has no null, so the key is shown commented out
+                lines.append(f"# {f.name} unset")
+                continue
             if isinstance(value, bool):
                 text = "true" if value else "false"
             elif isinstance(value, str):

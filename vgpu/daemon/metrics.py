@@ -71,6 +71,7 @@ class CounterSnapshot:
     signatures_accepted: int = 0
     signatures_rejected: int = 0  # malformed
     signatures_out_of_order: int = 0  # rejected: older than the application's last sample
+    signatures_unknown_device: int = 0  # rejected: for a device the daemon does not have
     signatures_duplicate: int = 0  # a profiler's resend the window already held, dropped quietly
     forecaster: str = ""  # "model" or "baseline"; empty = unknown
     forecaster_reloads: int = 0
@@ -152,6 +153,7 @@ class _StateCollector(Collector):
         sigs.add_metric(["accepted"], c.signatures_accepted)
         sigs.add_metric(["rejected"], c.signatures_rejected)
         sigs.add_metric(["out_of_order"], c.signatures_out_of_order)
+        sigs.add_metric(["unknown_device"], c.signatures_unknown_device)
         sigs.add_metric(["duplicate"], c.signatures_duplicate)
         yield sigs
         serving = GaugeMetricFamily("vgpu_forecaster_serving", "1 for the forecaster that serves", labels=["forecaster"])

@@ -177,8 +177,9 @@ class StateSource:
             forecast_s_total=s.forecast_s_total,
             forecast_failures=s.forecast_failures,
             signatures_accepted=s.accepted,
-            signatures_rejected=s.rejected,
+            signatures_rejected=s.rejected - s.unknown_device,
             signatures_out_of_order=s.out_of_order,
+            signatures_unknown_device=s.unknown_device,
             signatures_duplicate=s.duplicates,
             forecaster=self.manager.source,
             forecaster_reloads=getattr(forecaster, "reloads", 0),
@@ -471,6 +472,7 @@ class Daemon:
         self.metrics_server: Any = None
         self._lock: TextIO | None = None
         self._watchdog: asyncio.Task[None] | None = None
+        self._idle_release: asyncio.Task[None] | None = None
         self.model_loader: threading.Thread | None = None
         self.stopped = asyncio.Event()
 
@@ -479,7 +481,11 @@ class Daemon:
         self.metrics.store_writes.inc()
 
     async def start(self) -> None:
-        cfg = self.cfg
+        self.cfg = cfg = vconfig.resolve_dry_run(self.cfg)
+        if cfg.server.dry_run:
+            self.log.warning("dry_run", backend=cfg.server.backend,
+                             meaning="decisions are logged, nothing is written to the devices",
+                             to_act="set server.dry_run = false (or VGPU_SERVER_DRY_RUN=false, or --no-dry-run)")
         self._lock = lock_state_dir(self.state_dir)
         try:
             self.store = Store(self.state_dir, clock=self.clock)
@@ -488,10 +494,11 @@ class Daemon:
         self.backend = self._backend_override or open_backend(cfg.server.backend, self.state_dir)
         ledger, rec = reconcile(self.store, self.backend, clock=self.clock)
         (self.state_dir / "mig").mkdir(mode=0o700, exist_ok=True)
-        mig = MigLayoutMechanism(state_dir=self.state_dir / "mig", dry_run=cfg.server.dry_run)
+        dry_run = vconfig.dry_run_of(cfg.server)  # resolved above; said again for the type checker
+        mig = MigLayoutMechanism(state_dir=self.state_dir / "mig", dry_run=dry_run)
         self.sizer = BackgroundSizer(self._load_sizer, self.log)
-        cgroup_limits = CgroupMemoryLimits(dry_run=cfg.server.dry_run, store=self.store, clock=self.clock)
-        self.allocator = Allocator(self.backend, clock=self.clock, dry_run=cfg.server.dry_run, ledger=ledger,
+        cgroup_limits = CgroupMemoryLimits(dry_run=dry_run, store=self.store, clock=self.clock)
+        self.allocator = Allocator(self.backend, clock=self.clock, dry_run=dry_run, ledger=ledger,
                                    mig=mig, cgroup_limits=cgroup_limits if cfg.server.cgroup_memory_limits else None,
                                    sizer=self.sizer, policy=ForecastPolicy(manage_mig=cfg.server.manage_mig_layout),
                                    on_change=self._save)
@@ -504,7 +511,9 @@ class Daemon:
         self.manager = Manager(self.allocator, load_model(cfg.manager.model, fallback=baseline, check_interval_s=interval_s),
                                clock=self.clock, fallback=baseline,
                                batch_window_s=cfg.manager.batch_window_ms / 1000.0,
-                               forecast_duty_max=cfg.manager.forecast_duty_max)
+                               forecast_duty_max=cfg.manager.forecast_duty_max,
+                               device_known=self.allocator.knows_device)
+        self.allocator.signature_seen = self.manager.windows.last_seen_s
         model = resolve_model(cfg.manager.model)
         if model.configured:
             self.log.info("forecaster", serving="model", path=str(model.path), check_interval_s=interval_s)
@@ -593,6 +602,19 @@ class Daemon:
         self.notifier.notify(f"READY=1\nSTATUS=serving on {self.socket_path}\nMAINPID={os.getpid()}")
         if self.notifier.watchdog_s:
             self._watchdog = asyncio.create_task(self._ping_watchdog(self.notifier.watchdog_s / 3))
+        if cfg.server.idle_release_s > 0:
+            self._idle_release = asyncio.create_task(self._release_vanished(cfg.server.idle_release_s))
+
+    async def _release_vanished(self, idle_s: float) -> None:
+        """Release the grants of applications silent for `idle_s` (Allocator.release_vanished),
+        checked a few times per `idle_s` (at most every 5 s)."""
+        period_s = min(5.0, idle_s / 4)
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                self.allocator.release_vanished(idle_s)
+            except Exception as exc:  # noqa: BLE001 - a failed sweep is logged; the next one tries again
+                self.log.error("idle_release_failed", error=repr(exc))
 
     def _load_default_model(self, path: Path) -> None:
         """Serve the default forecaster once it loads; until then (or if it does not) the baseline."""
@@ -628,6 +650,8 @@ class Daemon:
         self.log.info("stopping", reason=reason)
         if self._watchdog is not None:
             self._watchdog.cancel()
+        if self._idle_release is not None:
+            self._idle_release.cancel()
         if self.server is not None:
             await self.server.stop(self.cfg.server.grace_s)
         actions: list[dict[str, Any]] = []
@@ -710,7 +734,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--metrics-address", help="address of the metrics endpoint (default 127.0.0.1)")
     p.add_argument("--model", help="forecaster checkpoint; must load (default: the shipped model when it loads, "
                    "else the baseline forecaster)")
-    p.add_argument("--dry-run", action="store_true", default=None, help="decide and log, write nothing to devices")
+    p.add_argument("--dry-run", action=argparse.BooleanOptionalAction, default=None,
+                   help="decide and log, write nothing to devices (default: on for the nvml backend, off for sim:<sku>)")
     p.add_argument("--log-format", choices=("json", "console"), help="log format (default json)")
     p.add_argument("--log-level", help="debug, info, warning or error (default info)")
     p.add_argument("--check-config", action="store_true", help="print the effective configuration and exit")

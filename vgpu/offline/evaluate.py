@@ -388,7 +388,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu eval") -> int:
         try:
             train_apps, described = gbdt_training_apps(train_paths, trace, args.split, prog)
         except TraceFormatError as exc:
-            _warn(prog, f"gbdt rows absent: {exc}")
+            where = ""
+            if not args.train_trace:  # the paths came from the model's metadata: say where they were sought
+                sought = ", ".join(f"{p} -> {Path(p).resolve()}" for p in train_paths)
+                where = (f" (the model names its training trace(s) {sought}, looked up relative to the working "
+                         f"directory {Path.cwd()}; give --train-trace PATH)")
+            _warn(prog, f"gbdt rows absent: {exc}{where}")
             train_apps, described = [], ""
         if train_apps:
             started = time.perf_counter()

@@ -146,10 +146,12 @@ class GetAvailableResourcesRequest(_message.Message):
     def __init__(self, device_id: _Optional[str] = ...) -> None: ...
 
 class GetAvailableResourcesResponse(_message.Message):
-    __slots__ = ("devices",)
+    __slots__ = ("devices", "dry_run")
     DEVICES_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
     devices: _containers.RepeatedCompositeFieldContainer[DeviceResources]
-    def __init__(self, devices: _Optional[_Iterable[_Union[DeviceResources, _Mapping]]] = ...) -> None: ...
+    dry_run: bool
+    def __init__(self, devices: _Optional[_Iterable[_Union[DeviceResources, _Mapping]]] = ..., dry_run: _Optional[bool] = ...) -> None: ...
 
 class AppLimits(_message.Message):
     __slots__ = ("app_id", "max_memory_mib", "max_sm_pct", "priority")
@@ -180,7 +182,7 @@ class ListApplicationsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ApplicationInfo(_message.Message):
-    __slots__ = ("app_id", "grants", "limits", "mem_used_mib", "sm_util_pct", "forecast_mem_p90_mib", "forecast_sm_p90_pct")
+    __slots__ = ("app_id", "grants", "limits", "mem_used_mib", "sm_util_pct", "forecast_mem_p90_mib", "forecast_sm_p90_pct", "last_seen_s")
     APP_ID_FIELD_NUMBER: _ClassVar[int]
     GRANTS_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +190,7 @@ class ApplicationInfo(_message.Message):
     SM_UTIL_PCT_FIELD_NUMBER: _ClassVar[int]
     FORECAST_MEM_P90_MIB_FIELD_NUMBER: _ClassVar[int]
     FORECAST_SM_P90_PCT_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_S_FIELD_NUMBER: _ClassVar[int]
     app_id: str
     grants: _containers.RepeatedCompositeFieldContainer[Grant]
     limits: AppLimits
@@ -195,7 +198,8 @@ class ApplicationInfo(_message.Message):
     sm_util_pct: float
     forecast_mem_p90_mib: float
     forecast_sm_p90_pct: float
-    def __init__(self, app_id: _Optional[str] = ..., grants: _Optional[_Iterable[_Union[Grant, _Mapping]]] = ..., limits: _Optional[_Union[AppLimits, _Mapping]] = ..., mem_used_mib: _Optional[float] = ..., sm_util_pct: _Optional[float] = ..., forecast_mem_p90_mib: _Optional[float] = ..., forecast_sm_p90_pct: _Optional[float] = ...) -> None: ...
+    last_seen_s: float
+    def __init__(self, app_id: _Optional[str] = ..., grants: _Optional[_Iterable[_Union[Grant, _Mapping]]] = ..., limits: _Optional[_Union[AppLimits, _Mapping]] = ..., mem_used_mib: _Optional[float] = ..., sm_util_pct: _Optional[float] = ..., forecast_mem_p90_mib: _Optional[float] = ..., forecast_sm_p90_pct: _Optional[float] = ..., last_seen_s: _Optional[float] = ...) -> None: ...
 
 class ListApplicationsResponse(_message.Message):
     __slots__ = ("apps",)
