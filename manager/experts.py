@@ -1,0 +1,492 @@
+"""The served forecast: per application, a mixture of experts weighted by their recent error.
+
+"Never worse than the last value." Each application's forecast is a weighted mean of several
+experts' medians: the last value, an EWMA of the 1 s grid, and forecasters given from outside (the
+global model, later a node-local model). The weights are learnt online, separately for every
+application, target (memory, compute) and horizon (1-5 s), from the experts' own past forecasts
+once their truth has arrived: an application no model knows is forecast about as well as by the
+last value, one a model knows gets that model's gain.
+
+Weights: exponential weights (Hedge) with fixed share. For one (application, target, horizon)
+stream, every scored forecast gives each expert i a loss l_i in [0, 1]: its absolute error divided
+by the stream's scale S (below), capped at 1. Then
+
+    w_i <- w_i * exp(-eta * l_i);  w <- w / sum(w);  w <- (1 - alpha) * w + alpha / N
+
+with learning rate `eta` (`MixtureConfig.learning_rate`, 2.0) and share `alpha` (0.01), N experts.
+The mixture's median is sum_i w_i p_i, whose absolute loss is convex in the prediction, so its loss
+is at most the weighted mean of the experts' losses. Regret (Cesa-Bianchi and Lugosi, "Prediction,
+Learning, and Games", 2006, Thm 2.2 and 5.x; Herbster and Warmuth 1998 for fixed share): over T
+scored forecasts,
+
+    alpha = 0:  L_mix - min_i L_i <= ln(N) / eta + eta * T / 8
+    alpha > 0:  L_mix - L_seq <= ((m + 1) ln N + m ln(1 / alpha) + T ln(1 / (1 - alpha))) / eta + eta * T / 8
+
+for any sequence of experts with m switches (L in normalised loss units). The worst-case term
+eta * T / 8 is what a fixed rate pays against an adversary; on forecast errors the weights settle
+on the better expert within tens of seconds (tests/test_experts.py measures it). Fixed share keeps
+every weight at least alpha / N, so a workload whose best expert changes (a phase change, a
+reloaded model) is followed instead of being locked out by old losses.
+
+An expert with no forecast at an origin (NaN: a model not loaded yet, a target it cannot see) is
+asleep there: it is left out of that origin's mean and, when the origin is scored, given the
+mixture's own loss (sleeping experts, Freund et al. 1997), so its weight relative to the others
+does not move.
+
+Scale: S is per stream max(floor, 2 * an exponentially weighted mean (decay 0.98) of the experts'
+mean absolute error), updated after each scoring; the floor is 8 MiB for memory and 1 % for
+compute. The losses are normalised by a scale known before the truth, so each stays in [0, 1] and
+the bound above holds in those units.
+
+P90: conformal on the mixture. The P90 is the mixture's median plus an offset q per stream,
+tracked online (adaptive conformal inference in its quantile-tracking form, Gibbs and Candes 2021;
+Angelopoulos, Candes and Tibshirani 2023): after each scoring,
+
+    q <- clip(q + gamma * S * (miss - 0.1), 0, capacity),   miss = truth > P90,
+
+with step `gamma` (`MixtureConfig.conformal_step`, 0.1) times the stream's scale. With a fixed step
+lr the long-run miss rate satisfies |mean(miss) - 0.1| <= (B + lr) / (lr * T) for offsets bounded
+by B (Angelopoulos et al. 2023, Prop. 1); the clip at 0 (a P90 never under the median) can only
+raise coverage. q starts at the experts' own P90 margin over the mixture (the model's calibrated
+P90) where one has a P90, else 0.
+
+No peeking. The newest second of a history is still filling (the daemon forecasts while samples
+of the current second arrive), so a second's truth is scored only once a sample of a later second
+has been seen; the evaluation protocol's prefixes see the same thing one second later.
+
+Bad input. A history with no sample or whose memory and compute are all missing gets an all-NaN
+forecast and no state changes. Time going back (a restarted profiler's clock) or jumping forward by
+more than `max_gap_s` drops the application's unscored forecasts (logged once per forecaster) and
+keeps its weights. State is bounded: at most `max_apps` applications (the longest unseen is
+forgotten).
+
+Cost: state lives in numpy arrays, one row per application, and each call is a few vectorised
+steps over all applications plus the external experts' own forecasts (bench/forecast_latency.py
+--mixture times both).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import structlog
+
+from vgpu.log import get_logger
+from vgpu.manager.forecast import HORIZONS_S, Forecast, Forecaster
+from vgpu.traces import TARGETS, AppTrace
+
+F64 = npt.NDArray[np.float64]
+I64 = npt.NDArray[np.int64]
+_FIELDS = ("mem_p50_mib", "sm_p50_pct", "mem_p90_mib", "sm_p90_pct")  # (p50 of targets, p90 of targets)
+INTERNAL_EXPERTS = ("last_value", "ewma")
+_RING = 8  # origins kept per application: more than the longest horizon
+_NONE = np.iinfo(np.int64).min
+
+
+@dataclass(frozen=True)
+class MixtureConfig:
+    """The mixture's constants (see the module docstring for what each does)."""
+
+    learning_rate: float = 2.0  # eta
+    share: float = 0.01  # fixed-share alpha
+    conformal_step: float = 0.1  # gamma: the P90 offset's step, in units of the stream's scale
+    coverage: float = 0.9
+    scale_decay: float = 0.98
+    mem_floor_mib: float = 8.0
+    sm_floor_pct: float = 1.0
+    ewma_alpha: float = 0.3
+    max_apps: int = 1024
+    max_gap_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not self.learning_rate > 0 or not 0 <= self.share < 1 or not self.conformal_step > 0:
+            raise ValueError("learning_rate and conformal_step must be > 0, share in [0, 1)")
+        if not 0 < self.coverage < 1 or not 0 <= self.scale_decay < 1 or not 0 < self.ewma_alpha <= 1:
+            raise ValueError("coverage in (0, 1), scale_decay in [0, 1), ewma_alpha in (0, 1]")
+        if self.mem_floor_mib <= 0 or self.sm_floor_pct <= 0 or self.max_apps < 1 or self.max_gap_s < 1:
+            raise ValueError("floors must be > 0, max_apps >= 1, max_gap_s >= 1")
+
+    def regret_bound(self, n_experts: int, scored: int, switches: int = 0) -> float:
+        """The bound of the module docstring on L_mix minus the loss of the best sequence of
+        experts with `switches` switches, over `scored` forecasts (normalised loss units)."""
+        eta, a, n = self.learning_rate, self.share, n_experts
+        if a == 0:
+            return math.log(n) / eta + eta * scored / 8
+        return ((switches + 1) * math.log(n) + switches * math.log(1 / a)
+                + scored * math.log(1 / (1 - a))) / eta + eta * scored / 8
+
+
+class _State:
+    """Every application's online state, one row each, grown by doubling."""
+
+    w: F64  # (rows, targets, horizons, experts) weights
+    scale: F64  # (rows, targets, horizons) loss scale S
+    q: F64  # (rows, targets, horizons) conformal P90 offset
+    pred: F64  # (rows, ring, targets, horizons, experts) experts' medians at stored origins
+    mix50: F64  # (rows, ring, targets, horizons)
+    mix90: F64
+    origin: I64  # (rows, ring) origin second of each stored slot
+    done: I64  # (rows,) last second whose truth was taken in
+    value: F64  # (rows, targets) grid value of second `done` (carried forward)
+    ewma: F64  # (rows, targets) EWMA of the grid up to second `done`
+    cap: int
+
+    def __init__(self, n_experts: int, cfg: MixtureConfig, capacity: int = 64) -> None:
+        self.e = n_experts
+        self.cfg = cfg
+        self.rows: OrderedDict[str, int] = OrderedDict()  # least recently forecast first
+        self.free: list[int] = []
+        self._alloc(capacity)
+
+    def _alloc(self, cap: int) -> None:
+        t, h, e, r = len(TARGETS), len(HORIZONS_S), self.e, _RING
+        old = getattr(self, "cap", 0)
+        arrays = {
+            "w": (np.full, (cap, t, h, e), 1.0 / e),
+            "scale": (np.full, (cap, t, h), np.nan),
+            "q": (np.full, (cap, t, h), np.nan),
+            "pred": (np.full, (cap, r, t, h, e), np.nan),
+            "mix50": (np.full, (cap, r, t, h), np.nan),
+            "mix90": (np.full, (cap, r, t, h), np.nan),
+            "origin": (np.full, (cap, r), _NONE),
+            "done": (np.full, (cap,), _NONE),
+            "value": (np.full, (cap, t), np.nan),
+            "ewma": (np.full, (cap, t), np.nan),
+        }
+        for name, (make, shape, fill) in arrays.items():
+            new = make(shape, fill, dtype=np.int64 if name in ("origin", "done") else np.float64)
+            if old:
+                new[:old] = getattr(self, name)
+            setattr(self, name, new)
+        self.free.extend(range(cap - 1, old - 1, -1))
+        self.cap = cap
+
+    def reset_row(self, row: int) -> None:
+        self.w[row] = 1.0 / self.e
+        for name in ("scale", "q", "pred", "mix50", "mix90", "value", "ewma"):
+            getattr(self, name)[row] = np.nan
+        self.origin[row] = _NONE
+        self.done[row] = _NONE
+
+    def forget_time(self, row: int) -> None:
+        """Drop the unscored forecasts and the grid state; keep what was learnt."""
+        self.origin[row] = _NONE
+        self.done[row] = _NONE
+        self.value[row] = np.nan
+        self.ewma[row] = np.nan
+
+    def row_of(self, app: str) -> tuple[int, bool]:
+        row = self.rows.get(app)
+        if row is not None:
+            self.rows.move_to_end(app)
+            return row, False
+        if len(self.rows) >= self.cfg.max_apps:
+            _, old = self.rows.popitem(last=False)
+            self.free.append(old)
+        if not self.free:
+            self._alloc(self.cap * 2)
+        row = self.free.pop()
+        self.reset_row(row)
+        self.rows[app] = row
+        return row, True
+
+
+class MixtureForecaster:
+    """The per-application expert mixture of the module docstring, as a `Forecaster`.
+
+    `experts` maps a name to a forecaster (or None: a slot that abstains until `set_expert` fills
+    it, e.g. a node-local model still training); the last value and an EWMA are always experts.
+    `name` is "mixture" and so is every forecast's `source`."""
+
+    name = "mixture"
+
+    def __init__(
+        self,
+        experts: Mapping[str, Forecaster | None] | None = None,
+        config: MixtureConfig | None = None,
+        *,
+        logger: structlog.typing.FilteringBoundLogger | None = None,
+    ) -> None:
+        self.config = config or MixtureConfig()
+        self._external: dict[str, Forecaster | None] = dict(experts or {})
+        clash = set(self._external) & set(INTERNAL_EXPERTS)
+        if clash:
+            raise ValueError(f"expert names {sorted(clash)} are the mixture's own")
+        self.expert_names: tuple[str, ...] = (*INTERNAL_EXPERTS, *self._external)
+        self._state = _State(len(self.expert_names), self.config)
+        self._log = logger or get_logger("vgpu.manager.experts")
+        self._logged: set[str] = set()
+        self.scored = 0  # (stream, origin) pairs scored
+        self.expert_failures = 0
+        self.time_resets = 0
+
+    # --- what the daemon and reports read ---------------------------------------------------------
+    def set_expert(self, name: str, forecaster: Forecaster | None) -> None:
+        """Put a forecaster in an external slot (one reference store: the next call uses it)."""
+        if name not in self._external:
+            raise KeyError(f"no expert slot {name!r}; slots: {sorted(self._external)}")
+        self._external[name] = forecaster
+
+    def expert(self, name: str) -> Forecaster | None:
+        return self._external.get(name)
+
+    def weights(self, app: str) -> dict[str, F64] | None:
+        """{target: (horizons, experts) weights} of an application, or None if unknown."""
+        row = self._state.rows.get(app)
+        if row is None:
+            return None
+        return {t: self._state.w[row, k].copy() for k, t in enumerate(TARGETS)}
+
+    def forget(self, app: str) -> None:
+        row = self._state.rows.pop(app, None)
+        if row is not None:
+            self._state.free.append(row)
+
+    def _once(self, key: str, event: str, **kw: object) -> None:
+        if key not in self._logged:
+            self._logged.add(key)
+            self._log.warning(event, **kw)
+
+    # --- forecasting ------------------------------------------------------------------------------
+    def forecast_batch(self, histories: Sequence[AppTrace]) -> list[Forecast]:
+        """One forecast per history. An application that appears more than once (the evaluator's
+        successive origins) is forecast in order, one origin per step."""
+        seen: dict[str, int] = {}
+        step = [0] * len(histories)
+        for i, h in enumerate(histories):
+            step[i] = seen.get(h.app, 0)
+            seen[h.app] = step[i] + 1
+        if len(seen) == len(histories):
+            return self._step(histories)
+        out: list[Forecast | None] = [None] * len(histories)
+        for k in range(max(seen.values())):
+            idx = [i for i, s in enumerate(step) if s == k]
+            for i, f in zip(idx, self._step([histories[i] for i in idx]), strict=True):
+                out[i] = f
+        return [f for f in out if f is not None]
+
+    def _step(self, histories: Sequence[AppTrace]) -> list[Forecast]:
+        cfg, st = self.config, self._state
+        n, nt, nh = len(histories), len(TARGETS), len(HORIZONS_S)
+        nan_fc = Forecast(HORIZONS_S, (math.nan,) * nh, (math.nan,) * nh, (math.nan,) * nh, (math.nan,) * nh,
+                          self.name)
+        # 1. which histories can be forecast, their rows and origin seconds
+        live: list[int] = []
+        rows: list[int] = []
+        cur: list[int] = []
+        for i, h in enumerate(histories):
+            if not len(h) or not any(c in h.columns for c in TARGETS) or not math.isfinite(float(h.t_s[-1])):
+                continue
+            row, _ = st.row_of(h.app)
+            live.append(i)
+            rows.append(row)
+            cur.append(int(math.floor(float(h.t_s[-1]))))
+        result = [nan_fc] * n
+        if not live:
+            return result
+        rows_a = np.asarray(rows, dtype=np.int64)
+        cur_a = np.asarray(cur, dtype=np.int64)
+        # 2. clock checks: back in time, or a jump past max_gap_s: forget unscored forecasts
+        done = st.done[rows_a]
+        known = done != _NONE
+        bad = known & ((cur_a <= done) | (cur_a - done > cfg.max_gap_s))
+        for k in np.flatnonzero(bad).tolist():
+            self.time_resets += 1
+            self._once("clock", "mixture_clock_jump", app=histories[live[k]].app, last_second=int(done[k]),
+                       now_second=int(cur_a[k]), count=self.time_resets)
+            st.forget_time(int(rows_a[k]))
+        done = st.done[rows_a]
+        first = done == _NONE
+        # 3. the samples of each application from its first second not yet taken in (the second
+        #    before the origin on first sight), as per-second sums and counts of both targets
+        start = np.where(first, cur_a - 1, done + 1)
+        ts_parts, val_parts, app_parts = [], [], []
+        for k, i in enumerate(live):
+            h = histories[i]
+            lo = int(np.searchsorted(h.t_s, float(start[k]), side="left"))
+            ts_parts.append(h.t_s[lo:])
+            val_parts.append(np.stack([h.column(c)[lo:] for c in TARGETS]))
+            app_parts.append(np.full(len(h) - lo, k, dtype=np.int64))
+        t_all = np.concatenate(ts_parts)
+        v_all = np.concatenate(val_parts, axis=1)  # (targets, samples)
+        a_all = np.concatenate(app_parts)
+        span = cur_a - start + 1  # seconds per application, origin included
+        offs = np.concatenate([[0], np.cumsum(span)])
+        sec = np.floor(t_all).astype(np.int64) - start[a_all]
+        b = offs[a_all] + sec
+        ok = np.isfinite(v_all) & ((sec >= 0) & (sec < span[a_all]))[None, :]  # a stray older sample: not counted
+        total = int(offs[-1])
+        sums = np.stack([np.bincount(b[ok[j]], weights=v_all[j, ok[j]], minlength=total) for j in range(nt)])
+        cnts = np.stack([np.bincount(b[ok[j]], minlength=total) for j in range(nt)])
+        means = np.where(cnts > 0, sums / np.maximum(cnts, 1), np.nan)
+        # 4. walk each application's new complete seconds: carry forward, EWMA, truths to score
+        alpha = cfg.ewma_alpha
+        means_l = means.T.tolist()  # (bins, targets)
+        val_l = st.value[rows_a].tolist()
+        ewma_l = st.ewma[rows_a].tolist()
+        ev_row: list[int] = []
+        ev_sec: list[int] = []
+        ev_y: list[list[float]] = []
+        ev_round: list[int] = []
+        origin_val: list[list[float]] = []
+        origin_ewma: list[list[float]] = []
+        for k in range(len(live)):
+            value, ew = val_l[k], ewma_l[k]
+            base = int(offs[k])
+            s0 = int(start[k])
+            for j in range(int(span[k]) - 1):  # complete seconds (the origin's is still filling)
+                m = means_l[base + j]
+                for t in range(nt):
+                    x = m[t]
+                    if x == x:  # a value this second; else the previous one is carried
+                        value[t] = x
+                    if value[t] == value[t]:
+                        ew[t] = value[t] if ew[t] != ew[t] else alpha * value[t] + (1 - alpha) * ew[t]
+                if not first[k]:
+                    ev_row.append(rows[k])
+                    ev_sec.append(s0 + j)
+                    ev_y.append(list(value))
+                    ev_round.append(j)
+            m = means_l[base + int(span[k]) - 1]
+            ov = [m[t] if m[t] == m[t] else value[t] for t in range(nt)]
+            origin_val.append(ov)
+            origin_ewma.append([ov[t] if ew[t] != ew[t] else alpha * ov[t] + (1 - alpha) * ew[t] for t in range(nt)])
+            val_l[k], ewma_l[k] = value, ew
+        st.value[rows_a] = np.asarray(val_l, dtype=np.float64).reshape(-1, nt)
+        st.ewma[rows_a] = np.asarray(ewma_l, dtype=np.float64).reshape(-1, nt)
+        st.done[rows_a] = cur_a - 1
+        if ev_row:
+            self._score(np.asarray(ev_row), np.asarray(ev_sec), np.asarray(ev_y, dtype=np.float64),
+                        np.asarray(ev_round))
+        # 5. the experts' forecasts at the origin: (apps, targets, horizons, experts)
+        m_live = len(live)
+        p50 = np.full((m_live, nt, nh, len(self.expert_names)), np.nan)
+        p50[..., 0] = np.asarray(origin_val, dtype=np.float64)[:, :, None]
+        p50[..., 1] = np.asarray(origin_ewma, dtype=np.float64)[:, :, None]
+        ext90 = np.full((m_live, nt, nh), np.nan)
+        sub = [histories[i] for i in live]
+        for e, (name, fc) in enumerate(self._external.items(), start=len(INTERNAL_EXPERTS)):
+            if fc is None:
+                continue
+            got = self._expert_forecasts(name, fc, sub)
+            if got is None:
+                continue
+            p50[..., e] = got[:, :nt]
+            ext90 = np.where(np.isfinite(ext90), ext90, got[:, nt:])
+        # 6. mix, P90 = mix + conformal offset, clipped to [0, capacity]
+        w = st.w[rows_a]
+        awake = np.isfinite(p50)
+        wa = np.where(awake, w, 0.0)
+        wsum = wa.sum(axis=-1)
+        mix50 = np.where(wsum > 0, (wa * np.where(awake, p50, 0.0)).sum(axis=-1) / np.where(wsum > 0, wsum, 1.0),
+                         np.nan)
+        q = st.q[rows_a]
+        fresh = ~np.isfinite(q) & np.isfinite(mix50)
+        if fresh.any():
+            start_q = np.where(np.isfinite(ext90), np.maximum(ext90 - mix50, 0.0), 0.0)
+            q = np.where(fresh, start_q, q)
+            st.q[rows_a] = q
+        scale = st.scale[rows_a]
+        floors = np.array([cfg.mem_floor_mib, cfg.sm_floor_pct])[None, :, None]
+        if np.isnan(scale).any():
+            st.scale[rows_a] = np.where(np.isnan(scale), floors, scale)
+        caps = np.full((m_live, nt, 1), np.inf)
+        caps[:, 1] = 100.0
+        for k, i in enumerate(live):
+            total_mib = histories[i].columns.get("mem_total_mib")
+            if total_mib is not None and len(total_mib) and math.isfinite(float(total_mib[-1])) and total_mib[-1] > 0:
+                caps[k, 0] = float(total_mib[-1])
+        mix50 = np.clip(mix50, 0.0, caps)
+        mix90 = np.clip(np.maximum(mix50 + np.nan_to_num(q), mix50), 0.0, caps)
+        # 7. remember this origin's forecasts for scoring
+        slot = cur_a % _RING
+        st.pred[rows_a, slot] = p50
+        st.mix50[rows_a, slot] = mix50
+        st.mix90[rows_a, slot] = mix90
+        st.origin[rows_a, slot] = cur_a
+        vals = np.concatenate([mix50, mix90], axis=1).tolist()  # (apps, [mem50, sm50, mem90, sm90], H)
+        for k, i in enumerate(live):
+            m50, s50, m90, s90 = vals[k]
+            result[i] = Forecast(HORIZONS_S, tuple(m50), tuple(m90), tuple(s50), tuple(s90), self.name)
+        return result
+
+    def _expert_forecasts(self, name: str, fc: Forecaster, histories: Sequence[AppTrace]) -> F64 | None:
+        """(apps, [p50 targets, p90 targets], horizons) from an external expert; None when it fails
+        (logged once; the expert abstains at this origin)."""
+        try:
+            fcs = fc.forecast_batch(histories)
+            if len(fcs) != len(histories):
+                raise ValueError(f"{len(fcs)} forecasts for {len(histories)} histories")
+            if all(f.horizons_s == HORIZONS_S for f in fcs):
+                return np.array([[getattr(f, a) for a in _FIELDS] for f in fcs], dtype=np.float64).reshape(
+                    len(fcs), len(_FIELDS), len(HORIZONS_S))
+            out = np.full((len(fcs), len(_FIELDS), len(HORIZONS_S)), np.nan)
+            for k, f in enumerate(fcs):
+                pos = {h: j for j, h in enumerate(f.horizons_s)}
+                for a, attr in enumerate(_FIELDS):
+                    vals = getattr(f, attr)
+                    for j, h in enumerate(HORIZONS_S):
+                        if h in pos:
+                            out[k, a, j] = vals[pos[h]]
+            return out
+        except Exception as exc:  # noqa: BLE001 - an expert that fails abstains; the others serve
+            self.expert_failures += 1
+            self._once(f"expert:{name}", "mixture_expert_failed", expert=name, error=repr(exc))
+            return None
+
+    def _score(self, ev_row: I64, ev_sec: I64, ev_y: F64, ev_round: I64) -> None:
+        """Score the stored forecasts whose truth second is in the events (application row,
+        second, truth per target), in rounds so that one application's seconds go in order."""
+        cfg, st = self.config, self._state
+        eta, share, n_e = cfg.learning_rate, cfg.share, len(self.expert_names)
+        miss_target = 1.0 - cfg.coverage
+        floors = np.array([cfg.mem_floor_mib, cfg.sm_floor_pct])[None, :]
+        for r in range(int(ev_round.max()) + 1):
+            pick = ev_round == r
+            rows, secs, y = ev_row[pick], ev_sec[pick], ev_y[pick]
+            for hi, h in enumerate(HORIZONS_S):
+                o = secs - h
+                slot = o % _RING
+                hit = st.origin[rows, slot] == o
+                if not hit.any():
+                    continue
+                rr, ss, yy = rows[hit], slot[hit], y[hit]  # yy: (k, targets)
+                pred = st.pred[rr, ss, :, hi, :]  # (k, targets, experts)
+                mix = st.mix50[rr, ss, :, hi]
+                p90 = st.mix90[rr, ss, :, hi]
+                scale = st.scale[rr, :, hi]
+                valid = np.isfinite(yy) & np.isfinite(mix)  # (k, targets)
+                if not valid.any():
+                    continue
+                err = np.abs(pred - yy[..., None])
+                mix_loss = np.minimum(1.0, np.abs(mix - yy) / scale)
+                loss = np.where(np.isfinite(err), np.minimum(1.0, err / scale[..., None]), mix_loss[..., None])
+                w = st.w[rr, :, hi, :] * np.exp(-eta * loss)
+                w /= w.sum(axis=-1, keepdims=True)
+                w = (1 - share) * w + share / n_e
+                st.w[rr, :, hi, :] = np.where(valid[..., None], w, st.w[rr, :, hi, :])
+                miss = (yy > p90).astype(np.float64)
+                q = st.q[rr, :, hi]
+                cap = np.where(np.arange(len(TARGETS))[None, :] == 1, 100.0, np.inf)
+                q_new = np.clip(np.nan_to_num(q) + cfg.conformal_step * scale * (miss - miss_target), 0.0, cap)
+                st.q[rr, :, hi] = np.where(valid, q_new, q)
+                have = np.isfinite(err)
+                n_have = have.sum(axis=-1)
+                mean_err = np.where(n_have > 0, np.where(have, err, 0.0).sum(axis=-1) / np.maximum(n_have, 1), np.nan)
+                d = cfg.scale_decay
+                s_new = np.maximum(floors, d * scale + (1 - d) * 2.0 * np.nan_to_num(mean_err, nan=0.0))
+                st.scale[rr, :, hi] = np.where(valid & np.isfinite(mean_err), s_new, scale)
+                self.scored += int(valid.sum())
+
+
+def make_served(model: Forecaster | None, config: MixtureConfig | None = None) -> MixtureForecaster:
+    """The daemon's served forecaster: the mixture over the last value, the EWMA and `model`."""
+    return MixtureForecaster({"model": model}, config)
+
+
+__all__ = ["INTERNAL_EXPERTS", "MixtureConfig", "MixtureForecaster", "make_served"]
