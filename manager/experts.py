@@ -305,16 +305,20 @@ class MixtureForecaster:
         # 3. the samples of each application from its first second not yet taken in (the second
         #    before the origin on first sight), as per-second sums and counts of both targets
         start = np.where(first, cur_a - 1, done + 1)
-        ts_parts, val_parts, app_parts = [], [], []
-        for k, i in enumerate(live):
-            h = histories[i]
-            lo = int(np.searchsorted(h.t_s, float(start[k]), side="left"))
+        ts_parts: list[F64] = []
+        val_parts: list[list[F64]] = [[] for _ in TARGETS]
+        counts: list[int] = []
+        for k, lo_s in enumerate(start.tolist()):
+            h = histories[live[k]]
+            lo = int(h.t_s.searchsorted(lo_s))
             ts_parts.append(h.t_s[lo:])
-            val_parts.append(np.stack([h.column(c)[lo:] for c in TARGETS]))
-            app_parts.append(np.full(len(h) - lo, k, dtype=np.int64))
+            counts.append(len(h.t_s) - lo)
+            for j, c in enumerate(TARGETS):
+                col = h.columns.get(c)
+                val_parts[j].append(col[lo:] if col is not None else np.full(len(h.t_s) - lo, np.nan))
         t_all = np.concatenate(ts_parts)
-        v_all = np.concatenate(val_parts, axis=1)  # (targets, samples)
-        a_all = np.concatenate(app_parts)
+        v_all = np.stack([np.concatenate(p) for p in val_parts])  # (targets, samples)
+        a_all = np.repeat(np.arange(len(live)), counts)
         span = cur_a - start + 1  # seconds per application, origin included
         offs = np.concatenate([[0], np.cumsum(span)])
         sec = np.floor(t_all).astype(np.int64) - start[a_all]
@@ -324,50 +328,40 @@ class MixtureForecaster:
         sums = np.stack([np.bincount(b[ok[j]], weights=v_all[j, ok[j]], minlength=total) for j in range(nt)])
         cnts = np.stack([np.bincount(b[ok[j]], minlength=total) for j in range(nt)])
         means = np.where(cnts > 0, sums / np.maximum(cnts, 1), np.nan)
-        # 4. walk each application's new complete seconds: carry forward, EWMA, truths to score
-        alpha = cfg.ewma_alpha
-        means_l = means.T.tolist()  # (bins, targets)
-        val_l = st.value[rows_a].tolist()
-        ewma_l = st.ewma[rows_a].tolist()
-        ev_row: list[int] = []
-        ev_sec: list[int] = []
-        ev_y: list[list[float]] = []
-        ev_round: list[int] = []
-        origin_val: list[list[float]] = []
-        origin_ewma: list[list[float]] = []
-        for k in range(len(live)):
-            value, ew = val_l[k], ewma_l[k]
-            base = int(offs[k])
-            s0 = int(start[k])
-            for j in range(int(span[k]) - 1):  # complete seconds (the origin's is still filling)
-                m = means_l[base + j]
-                for t in range(nt):
-                    x = m[t]
-                    if x == x:  # a value this second; else the previous one is carried
-                        value[t] = x
-                    if value[t] == value[t]:
-                        ew[t] = value[t] if ew[t] != ew[t] else alpha * value[t] + (1 - alpha) * ew[t]
-                if not first[k]:
-                    ev_row.append(rows[k])
-                    ev_sec.append(s0 + j)
-                    ev_y.append(list(value))
-                    ev_round.append(j)
-            m = means_l[base + int(span[k]) - 1]
-            ov = [m[t] if m[t] == m[t] else value[t] for t in range(nt)]
-            origin_val.append(ov)
-            origin_ewma.append([ov[t] if ew[t] != ew[t] else alpha * ov[t] + (1 - alpha) * ew[t] for t in range(nt)])
-            val_l[k], ewma_l[k] = value, ew
-        st.value[rows_a] = np.asarray(val_l, dtype=np.float64).reshape(-1, nt)
-        st.ewma[rows_a] = np.asarray(ewma_l, dtype=np.float64).reshape(-1, nt)
-        st.done[rows_a] = cur_a - 1
-        if ev_row:
-            self._score(np.asarray(ev_row), np.asarray(ev_sec), np.asarray(ev_y, dtype=np.float64),
-                        np.asarray(ev_round))
-        # 5. the experts' forecasts at the origin: (apps, targets, horizons, experts)
+        # 4. every bin but each application's last is a complete second: carry values forward
+        #    (from the state's value of the second before), run the EWMA over them, and score the
+        #    truths they bring; the origin's bin (still filling) gives the last value
         m_live = len(live)
+        alpha = cfg.ewma_alpha
+        app_of_bin = np.repeat(np.arange(m_live), span)
+        first_bin = offs[:-1]
+        grid = means.T  # (bins, targets)
+        idx = np.where(np.isfinite(grid), np.arange(total)[:, None], -1)
+        np.maximum.accumulate(idx, axis=0, out=idx)
+        mine = idx >= first_bin[app_of_bin][:, None]
+        carried = np.where(mine, grid[np.maximum(idx, 0), np.arange(nt)[None, :]], st.value[rows_a][app_of_bin])
+        ew = st.ewma[rows_a]
+        n_done = span - 1  # complete seconds per application
+        for j in range(int(n_done.max())):
+            on = n_done > j
+            x = carried[first_bin[on] + j]
+            prev = ew[on]
+            ew[on] = np.where(np.isnan(prev), x, np.where(np.isnan(x), prev, alpha * x + (1 - alpha) * prev))
+        last_done = np.maximum(offs[1:] - 2, first_bin)
+        st.value[rows_a] = np.where((n_done > 0)[:, None], carried[last_done], st.value[rows_a])
+        st.ewma[rows_a] = ew
+        st.done[rows_a] = cur_a - 1
+        origin_val = carried[offs[1:] - 1]  # (apps, targets)
+        origin_ewma = np.where(np.isnan(ew), origin_val, alpha * origin_val + (1 - alpha) * ew)
+        pos = np.arange(total) - first_bin[app_of_bin]
+        scored = (pos < n_done[app_of_bin]) & ~first[app_of_bin]
+        if scored.any():
+            on_app = app_of_bin[scored]
+            self._score(rows_a[on_app], start[on_app] + pos[scored], carried[scored], pos[scored])
+        # 5. the experts' forecasts at the origin: (apps, targets, horizons, experts)
         p50 = np.full((m_live, nt, nh, len(self.expert_names)), np.nan)
-        p50[..., 0] = np.asarray(origin_val, dtype=np.float64)[:, :, None]
-        p50[..., 1] = np.asarray(origin_ewma, dtype=np.float64)[:, :, None]
+        p50[..., 0] = origin_val[:, :, None]
+        p50[..., 1] = origin_ewma[:, :, None]
         ext90 = np.full((m_live, nt, nh), np.nan)
         sub = [histories[i] for i in live]
         for e, (name, fc) in enumerate(self._external.items(), start=len(INTERNAL_EXPERTS)):
@@ -446,42 +440,47 @@ class MixtureForecaster:
         eta, share, n_e = cfg.learning_rate, cfg.share, len(self.expert_names)
         miss_target = 1.0 - cfg.coverage
         floors = np.array([cfg.mem_floor_mib, cfg.sm_floor_pct])[None, :]
+        hz = np.asarray(HORIZONS_S, dtype=np.int64)
+        cap = np.array([np.inf, 100.0])[None, :]
         for r in range(int(ev_round.max()) + 1):
             pick = ev_round == r
-            rows, secs, y = ev_row[pick], ev_sec[pick], ev_y[pick]
-            for hi, h in enumerate(HORIZONS_S):
-                o = secs - h
-                slot = o % _RING
-                hit = st.origin[rows, slot] == o
-                if not hit.any():
-                    continue
-                rr, ss, yy = rows[hit], slot[hit], y[hit]  # yy: (k, targets)
-                pred = st.pred[rr, ss, :, hi, :]  # (k, targets, experts)
-                mix = st.mix50[rr, ss, :, hi]
-                p90 = st.mix90[rr, ss, :, hi]
-                scale = st.scale[rr, :, hi]
-                valid = np.isfinite(yy) & np.isfinite(mix)  # (k, targets)
-                if not valid.any():
-                    continue
-                err = np.abs(pred - yy[..., None])
-                mix_loss = np.minimum(1.0, np.abs(mix - yy) / scale)
-                loss = np.where(np.isfinite(err), np.minimum(1.0, err / scale[..., None]), mix_loss[..., None])
-                w = st.w[rr, :, hi, :] * np.exp(-eta * loss)
-                w /= w.sum(axis=-1, keepdims=True)
-                w = (1 - share) * w + share / n_e
-                st.w[rr, :, hi, :] = np.where(valid[..., None], w, st.w[rr, :, hi, :])
-                miss = (yy > p90).astype(np.float64)
-                q = st.q[rr, :, hi]
-                cap = np.where(np.arange(len(TARGETS))[None, :] == 1, 100.0, np.inf)
-                q_new = np.clip(np.nan_to_num(q) + cfg.conformal_step * scale * (miss - miss_target), 0.0, cap)
-                st.q[rr, :, hi] = np.where(valid, q_new, q)
-                have = np.isfinite(err)
-                n_have = have.sum(axis=-1)
-                mean_err = np.where(n_have > 0, np.where(have, err, 0.0).sum(axis=-1) / np.maximum(n_have, 1), np.nan)
-                d = cfg.scale_decay
-                s_new = np.maximum(floors, d * scale + (1 - d) * 2.0 * np.nan_to_num(mean_err, nan=0.0))
-                st.scale[rr, :, hi] = np.where(valid & np.isfinite(mean_err), s_new, scale)
-                self.scored += int(valid.sum())
+            # every (event, horizon) pair of this round at once: an application has one event per
+            # round, so each (row, horizon) is written once
+            rows = np.repeat(ev_row[pick], len(hz))
+            hh = np.tile(np.arange(len(hz)), int(pick.sum()))
+            o = np.repeat(ev_sec[pick], len(hz)) - hz[hh]
+            slot = o % _RING
+            hit = st.origin[rows, slot] == o
+            if not hit.any():
+                continue
+            rr, ss, hi = rows[hit], slot[hit], hh[hit]
+            yy = np.repeat(ev_y[pick], len(hz), axis=0)[hit]  # (k, targets)
+            pred = st.pred[rr, ss, :, hi, :]  # (k, targets, experts)
+            mix = st.mix50[rr, ss, :, hi]
+            p90 = st.mix90[rr, ss, :, hi]
+            scale = st.scale[rr, :, hi]
+            valid = np.isfinite(yy) & np.isfinite(mix)  # (k, targets)
+            if not valid.any():
+                continue
+            err = np.abs(pred - yy[..., None])
+            have = np.isfinite(err)
+            mix_loss = np.minimum(1.0, np.abs(mix - yy) / scale)
+            loss = np.where(have, np.minimum(1.0, err / scale[..., None]), mix_loss[..., None])
+            w_old = st.w[rr, :, hi, :]
+            w = w_old * np.exp(-eta * loss)
+            w /= w.sum(axis=-1, keepdims=True)
+            w = (1 - share) * w + share / n_e
+            st.w[rr, :, hi, :] = np.where(valid[..., None], w, w_old)
+            miss = (yy > p90).astype(np.float64)
+            q = st.q[rr, :, hi]
+            q_new = np.clip(np.nan_to_num(q) + cfg.conformal_step * scale * (miss - miss_target), 0.0, cap)
+            st.q[rr, :, hi] = np.where(valid, q_new, q)
+            n_have = have.sum(axis=-1)
+            mean_err = np.where(have, err, 0.0).sum(axis=-1) / np.maximum(n_have, 1)
+            d = cfg.scale_decay
+            s_new = np.maximum(floors, d * scale + (1 - d) * 2.0 * mean_err)
+            st.scale[rr, :, hi] = np.where(valid & (n_have > 0), s_new, scale)
+            self.scored += int(valid.sum())
 
 
 def make_served(model: Forecaster | None, config: MixtureConfig | None = None) -> MixtureForecaster:
