@@ -92,9 +92,9 @@ _NONE = np.iinfo(np.int64).min
 class MixtureConfig:
     """The mixture's constants (see the module docstring for what each does)."""
 
-    learning_rate: float = 2.0  # eta
-    share: float = 0.01  # fixed-share alpha
-    conformal_step: float = 0.1  # gamma: the P90 offset's step, in units of the stream's scale
+    learning_rate: float = 1.0  # eta
+    share: float = 0.002  # fixed-share alpha
+    conformal_step: float = 0.3  # gamma: the P90 offset's step, in units of the stream's scale
     coverage: float = 0.9
     scale_decay: float = 0.98
     mem_floor_mib: float = 8.0
@@ -126,6 +126,8 @@ class _State:
 
     w: F64  # (rows, targets, horizons, experts) weights
     scale: F64  # (rows, targets, horizons) loss scale S
+    scale_m: F64  # (rows, targets, horizons) the scale's running mean before bias correction
+    scale_n: F64  # (rows, targets, horizons) scorings taken into it
     q: F64  # (rows, targets, horizons) conformal P90 offset
     pred: F64  # (rows, ring, targets, horizons, experts) experts' medians at stored origins
     mix50: F64  # (rows, ring, targets, horizons)
@@ -136,8 +138,9 @@ class _State:
     ewma: F64  # (rows, targets) EWMA of the grid up to second `done`
     cap: int
 
-    def __init__(self, n_experts: int, cfg: MixtureConfig, capacity: int = 64) -> None:
-        self.e = n_experts
+    def __init__(self, prior: F64, cfg: MixtureConfig, capacity: int = 64) -> None:
+        self.e = len(prior)
+        self.prior = prior
         self.cfg = cfg
         self.rows: OrderedDict[str, int] = OrderedDict()  # least recently forecast first
         self.free: list[int] = []
@@ -147,9 +150,11 @@ class _State:
         t, h, e, r = len(TARGETS), len(HORIZONS_S), self.e, _RING
         old = getattr(self, "cap", 0)
         arrays = {
-            "w": (np.full, (cap, t, h, e), 1.0 / e),
+            "w": (np.full, (cap, t, h, e), 0.0),
             "scale": (np.full, (cap, t, h), np.nan),
             "q": (np.full, (cap, t, h), np.nan),
+            "scale_m": (np.full, (cap, t, h), 0.0),
+            "scale_n": (np.full, (cap, t, h), 0.0),
             "pred": (np.full, (cap, r, t, h, e), np.nan),
             "mix50": (np.full, (cap, r, t, h), np.nan),
             "mix90": (np.full, (cap, r, t, h), np.nan),
@@ -163,13 +168,16 @@ class _State:
             if old:
                 new[:old] = getattr(self, name)
             setattr(self, name, new)
+        self.w[old:] = self.prior
         self.free.extend(range(cap - 1, old - 1, -1))
         self.cap = cap
 
     def reset_row(self, row: int) -> None:
-        self.w[row] = 1.0 / self.e
+        self.w[row] = self.prior
         for name in ("scale", "q", "pred", "mix50", "mix90", "value", "ewma"):
             getattr(self, name)[row] = np.nan
+        self.scale_m[row] = 0.0
+        self.scale_n[row] = 0.0
         self.origin[row] = _NONE
         self.done[row] = _NONE
 
@@ -201,24 +209,31 @@ class MixtureForecaster:
 
     `experts` maps a name to a forecaster (or None: a slot that abstains until `set_expert` fills
     it, e.g. a node-local model still training); the last value and an EWMA are always experts.
-    `name` is "mixture" and so is every forecast's `source`."""
-
-    name = "mixture"
+    `name` ("mixture" unless given, e.g. "served" in `vgpu eval`) is every forecast's `source`."""
 
     def __init__(
         self,
         experts: Mapping[str, Forecaster | None] | None = None,
         config: MixtureConfig | None = None,
         *,
+        name: str = "mixture",
+        prior: Mapping[str, float] | None = None,
         logger: structlog.typing.FilteringBoundLogger | None = None,
     ) -> None:
+        self.name = name
         self.config = config or MixtureConfig()
         self._external: dict[str, Forecaster | None] = dict(experts or {})
         clash = set(self._external) & set(INTERNAL_EXPERTS)
         if clash:
             raise ValueError(f"expert names {sorted(clash)} are the mixture's own")
         self.expert_names: tuple[str, ...] = (*INTERNAL_EXPERTS, *self._external)
-        self._state = _State(len(self.expert_names), self.config)
+        weights = dict(prior or {})
+        unknown = set(weights) - set(self.expert_names)
+        if unknown or any(not v > 0 for v in weights.values()):
+            raise ValueError(f"prior: unknown experts {sorted(unknown)} or a weight not > 0")
+        raw = np.array([weights.get(n, 1.0) for n in self.expert_names], dtype=np.float64)
+        self.prior = raw / raw.sum()
+        self._state = _State(self.prior, self.config)
         self._log = logger or get_logger("vgpu.manager.experts")
         self._logged: set[str] = set()
         self.scored = 0  # (stream, origin) pairs scored
@@ -379,16 +394,17 @@ class MixtureForecaster:
         wsum = wa.sum(axis=-1)
         mix50 = np.where(wsum > 0, (wa * np.where(awake, p50, 0.0)).sum(axis=-1) / np.where(wsum > 0, wsum, 1.0),
                          np.nan)
+        scale = st.scale[rows_a]
+        floors = np.array([cfg.mem_floor_mib, cfg.sm_floor_pct])[None, :, None]
+        if np.isnan(scale).any():
+            scale = np.where(np.isnan(scale), floors, scale)
+            st.scale[rows_a] = scale
         q = st.q[rows_a]
         fresh = ~np.isfinite(q) & np.isfinite(mix50)
         if fresh.any():
             start_q = np.where(np.isfinite(ext90), np.maximum(ext90 - mix50, 0.0), 0.0)
             q = np.where(fresh, start_q, q)
             st.q[rows_a] = q
-        scale = st.scale[rows_a]
-        floors = np.array([cfg.mem_floor_mib, cfg.sm_floor_pct])[None, :, None]
-        if np.isnan(scale).any():
-            st.scale[rows_a] = np.where(np.isnan(scale), floors, scale)
         caps = np.full((m_live, nt, 1), np.inf)
         caps[:, 1] = 100.0
         for k, i in enumerate(live):
@@ -396,7 +412,7 @@ class MixtureForecaster:
             if total_mib is not None and len(total_mib) and math.isfinite(float(total_mib[-1])) and total_mib[-1] > 0:
                 caps[k, 0] = float(total_mib[-1])
         mix50 = np.clip(mix50, 0.0, caps)
-        mix90 = np.clip(np.maximum(mix50 + np.nan_to_num(q), mix50), 0.0, caps)
+        mix90 = np.clip(mix50 + np.nan_to_num(q), 0.0, caps)
         # 7. remember this origin's forecasts for scoring
         slot = cur_a % _RING
         st.pred[rows_a, slot] = p50
@@ -437,7 +453,7 @@ class MixtureForecaster:
         """Score the stored forecasts whose truth second is in the events (application row,
         second, truth per target), in rounds so that one application's seconds go in order."""
         cfg, st = self.config, self._state
-        eta, share, n_e = cfg.learning_rate, cfg.share, len(self.expert_names)
+        eta, share, prior = cfg.learning_rate, cfg.share, self.prior
         miss_target = 1.0 - cfg.coverage
         floors = np.array([cfg.mem_floor_mib, cfg.sm_floor_pct])[None, :]
         hz = np.asarray(HORIZONS_S, dtype=np.int64)
@@ -469,7 +485,7 @@ class MixtureForecaster:
             w_old = st.w[rr, :, hi, :]
             w = w_old * np.exp(-eta * loss)
             w /= w.sum(axis=-1, keepdims=True)
-            w = (1 - share) * w + share / n_e
+            w = (1 - share) * w + share * prior
             st.w[rr, :, hi, :] = np.where(valid[..., None], w, w_old)
             miss = (yy > p90).astype(np.float64)
             q = st.q[rr, :, hi]
@@ -477,15 +493,29 @@ class MixtureForecaster:
             st.q[rr, :, hi] = np.where(valid, q_new, q)
             n_have = have.sum(axis=-1)
             mean_err = np.where(have, err, 0.0).sum(axis=-1) / np.maximum(n_have, 1)
+            # the scale: a bias-corrected exponentially weighted mean of twice the experts' mean
+            # error (right from the first scorings, not pulled towards a starting value)
             d = cfg.scale_decay
-            s_new = np.maximum(floors, d * scale + (1 - d) * 2.0 * mean_err)
-            st.scale[rr, :, hi] = np.where(valid & (n_have > 0), s_new, scale)
+            upd = valid & (n_have > 0)
+            m_old, n_old = st.scale_m[rr, :, hi], st.scale_n[rr, :, hi]
+            m_new = np.where(upd, d * m_old + (1 - d) * 2.0 * mean_err, m_old)
+            n_new = n_old + upd
+            st.scale_m[rr, :, hi], st.scale_n[rr, :, hi] = m_new, n_new
+            st.scale[rr, :, hi] = np.where(n_new > 0, np.maximum(floors, m_new / (1 - d ** np.maximum(n_new, 1))),
+                                           scale)
             self.scored += int(valid.sum())
 
 
-def make_served(model: Forecaster | None, config: MixtureConfig | None = None) -> MixtureForecaster:
-    """The daemon's served forecaster: the mixture over the last value, the EWMA and `model`."""
-    return MixtureForecaster({"model": model}, config)
+# The served mixture's starting weights (before normalising), chosen on the MIGPerf validation split:
+# the model a little ahead of the last value, the EWMA (worst of the three there) far behind.
+SERVED_PRIOR: dict[str, float] = {"last_value": 1.0, "ewma": 0.2, "model": 2.0}
 
 
-__all__ = ["INTERNAL_EXPERTS", "MixtureConfig", "MixtureForecaster", "make_served"]
+def make_served(model: Forecaster | None, config: MixtureConfig | None = None, *,
+                name: str = "mixture") -> MixtureForecaster:
+    """The daemon's served forecaster: the mixture over the last value, the EWMA and `model`
+    (a slot that abstains while None), starting from `SERVED_PRIOR`."""
+    return MixtureForecaster({"model": model}, config, name=name, prior=SERVED_PRIOR)
+
+
+__all__ = ["INTERNAL_EXPERTS", "SERVED_PRIOR", "MixtureConfig", "MixtureForecaster", "make_served"]

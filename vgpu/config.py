@@ -105,6 +105,9 @@ class ManagerConfig:
     # decision, no rejection): accepted counts wait for the next reply, at most this long. 0: every
     # batch is answered (twice the messages: each one costs the manager CPU).
     ack_interval_ms: float = 1000.0
+    # Serve the per-application expert mixture (manager/experts.py: the last value, an EWMA and the
+    # model weighed by their recent error, a conformal P90) instead of the model alone.
+    mixture: bool = True
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,7 @@ from vgpu.device.base import Backend, Device
 from vgpu.device.errors import DeviceError
 from vgpu.manager.coldstart import AllocatorSizer, BackgroundSizer, ColdStartSizer
 from vgpu.manager.core import Manager, default_baseline
+from vgpu.manager.experts import MixtureForecaster, make_served
 from vgpu.manager.forecast import Forecaster
 from vgpu.manager.modelpath import ModelChoice, open_forecaster, resolve_model
 from vgpu.manager.service import IngestServicer
@@ -126,6 +127,12 @@ class LedgerView:
         return bool(self._allocator.ledger.grants(app_id=app_id)) or self._allocator.ledger.limits(app_id) is not None
 
 
+def model_of(forecaster: Forecaster) -> Forecaster | None:
+    """The model behind the served forecaster (the mixture's "model" expert, else itself): what the
+    reload counters and the shutdown's wait read."""
+    return forecaster.expert("model") if isinstance(forecaster, MixtureForecaster) else forecaster
+
+
 class StateSource:
     """The daemon's live state as metric snapshots (vgpu.daemon.metrics.MetricsSource)."""
 
@@ -167,7 +174,7 @@ class StateSource:
 
     def counter_snapshot(self) -> CounterSnapshot:
         c, s = self.allocator.counters, self.manager.stats
-        forecaster = self.manager.forecaster
+        forecaster = model_of(self.manager.forecaster)
         return CounterSnapshot(
             power_limit_changes=c.power_limit_changes,
             mig_changes=c.mig_changes,
@@ -501,7 +508,11 @@ class Daemon:
                            else cgroup_limits.reconcile(self.backend, {}))
         baseline = default_baseline()
         interval_s = cfg.manager.model_check_interval_s
-        self.manager = Manager(self.allocator, load_model(cfg.manager.model, fallback=baseline, check_interval_s=interval_s),
+        model_forecaster = load_model(cfg.manager.model, fallback=baseline, check_interval_s=interval_s)
+        # the served forecast: the expert mixture over the last value, an EWMA and the model (a slot
+        # that abstains until the model loads), or with manager.mixture off the model alone
+        self.mixture = make_served(model_forecaster) if cfg.manager.mixture else None
+        self.manager = Manager(self.allocator, self.mixture or model_forecaster,
                                clock=self.clock, fallback=baseline,
                                batch_window_s=cfg.manager.batch_window_ms / 1000.0,
                                forecast_duty_max=cfg.manager.forecast_duty_max)
@@ -606,7 +617,11 @@ class Daemon:
             error = f"{type(exc).__name__}: {exc}"
         else:
             if model.serving_model:
-                self.manager.forecaster = model  # one attribute store; the next forecast tick uses it
+                # one reference store; the next forecast tick uses it
+                if self.mixture is not None:
+                    self.mixture.set_expert("model", model)
+                else:
+                    self.manager.forecaster = model
                 self.log.info("forecaster", serving="model", path=str(path), check_interval_s=interval_s)
                 return
             error = model.last_error or "did not load"
@@ -663,7 +678,7 @@ class Daemon:
         sizer_wait = getattr(getattr(self, "sizer", None), "wait", None)
         if sizer_wait is not None:
             waits.append(sizer_wait)
-        forecaster = getattr(getattr(self, "manager", None), "forecaster", None)
+        forecaster = model_of(self.manager.forecaster) if hasattr(self, "manager") else None
         forecaster_wait = getattr(forecaster, "wait_idle", None)
         if forecaster_wait is not None:
             waits.append(forecaster_wait)
