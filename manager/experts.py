@@ -218,15 +218,20 @@ class MixtureForecaster:
         *,
         name: str = "mixture",
         prior: Mapping[str, float] | None = None,
+        internal: Sequence[str] = INTERNAL_EXPERTS,
         logger: structlog.typing.FilteringBoundLogger | None = None,
     ) -> None:
         self.name = name
         self.config = config or MixtureConfig()
         self._external: dict[str, Forecaster | None] = dict(experts or {})
+        unknown = set(internal) - set(INTERNAL_EXPERTS)
+        if "last_value" not in internal or unknown:
+            raise ValueError(f"internal experts: last_value and any of {INTERNAL_EXPERTS}, not {internal}")
+        self._internal = tuple(n for n in INTERNAL_EXPERTS if n in internal)
         clash = set(self._external) & set(INTERNAL_EXPERTS)
         if clash:
             raise ValueError(f"expert names {sorted(clash)} are the mixture's own")
-        self.expert_names: tuple[str, ...] = (*INTERNAL_EXPERTS, *self._external)
+        self.expert_names: tuple[str, ...] = (*self._internal, *self._external)
         weights = dict(prior or {})
         unknown = set(weights) - set(self.expert_names)
         if unknown or any(not v > 0 for v in weights.values()):
@@ -376,10 +381,11 @@ class MixtureForecaster:
         # 5. the experts' forecasts at the origin: (apps, targets, horizons, experts)
         p50 = np.full((m_live, nt, nh, len(self.expert_names)), np.nan)
         p50[..., 0] = origin_val[:, :, None]
-        p50[..., 1] = origin_ewma[:, :, None]
+        if "ewma" in self._internal:
+            p50[..., 1] = origin_ewma[:, :, None]
         ext90 = np.full((m_live, nt, nh), np.nan)
         sub = [histories[i] for i in live]
-        for e, (name, fc) in enumerate(self._external.items(), start=len(INTERNAL_EXPERTS)):
+        for e, (name, fc) in enumerate(self._external.items(), start=len(self._internal)):
             if fc is None:
                 continue
             got = self._expert_forecasts(name, fc, sub)
@@ -506,16 +512,19 @@ class MixtureForecaster:
             self.scored += int(valid.sum())
 
 
-# The served mixture's starting weights (before normalising), chosen on the MIGPerf validation split:
-# the model a little ahead of the last value, the EWMA (worst of the three there) far behind.
-SERVED_PRIOR: dict[str, float] = {"last_value": 1.0, "ewma": 0.2, "model": 2.0}
+# The served mixture: the last value and the model (the EWMA, the worst of the three at every horizon on
+# the MIGPerf validation split, is left out), starting at weights 1 : 2 (before normalising). Both
+# chosen on that split: 5 s compute MAE 0.832 x the last value's against 0.843 with the EWMA in, and
+# 0.846 from equal starting weights.
+SERVED_INTERNAL: tuple[str, ...] = ("last_value",)
+SERVED_PRIOR: dict[str, float] = {"last_value": 1.0, "model": 2.0}
 
 
 def make_served(model: Forecaster | None, config: MixtureConfig | None = None, *,
                 name: str = "mixture") -> MixtureForecaster:
-    """The daemon's served forecaster: the mixture over the last value, the EWMA and `model`
-    (a slot that abstains while None), starting from `SERVED_PRIOR`."""
-    return MixtureForecaster({"model": model}, config, name=name, prior=SERVED_PRIOR)
+    """The daemon's served forecaster: the mixture over the last value and `model` (a slot that
+    abstains while None), starting from `SERVED_PRIOR`."""
+    return MixtureForecaster({"model": model}, config, name=name, prior=SERVED_PRIOR, internal=SERVED_INTERNAL)
 
 
-__all__ = ["INTERNAL_EXPERTS", "SERVED_PRIOR", "MixtureConfig", "MixtureForecaster", "make_served"]
+__all__ = ["INTERNAL_EXPERTS", "SERVED_INTERNAL", "SERVED_PRIOR", "MixtureConfig", "MixtureForecaster", "make_served"]

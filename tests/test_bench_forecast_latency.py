@@ -29,5 +29,5 @@ def test_forecast_latency_mixture_fields(capsys: pytest.CaptureFixture[str]) -> 
     argv = ["--apps", "4", "--iterations", "5", "--history-s", "20", "--json", "--mixture", "--mode", "fused"]
     assert forecast_latency.main(argv) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["forecaster"] == "mixture" and out["experts"] == ["last_value", "ewma", "model"]
+    assert out["forecaster"] == "mixture" and out["experts"] == ["last_value", "model"]
     assert 0 < out["p50_ms"] <= out["p99_ms"] and out["model_p50_ms"] > 0 and out["scored"] > 0

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pytest
 
-from vgpu.manager.experts import MixtureConfig, MixtureForecaster
+from vgpu.manager.experts import MixtureConfig, MixtureForecaster, make_served
 from vgpu.manager.forecast import HORIZONS_S, Forecast
 from vgpu.traces import AppTrace
 
@@ -187,3 +187,17 @@ def test_state_is_bounded_by_max_apps() -> None:
     for i in range(10):
         mix.forecast_batch([AppTrace(f"a{i}", t, {"mem_used_mib": np.full(10, 100.0)})])
     assert sum(mix.weights(f"a{i}") is not None for i in range(10)) == 4
+
+
+def test_the_served_mixture_is_the_last_value_and_the_model() -> None:
+    grids = {"a": _noisy_walk(120, 7)}
+    served = make_served(FutureModel(grids, noise=5.0))
+    assert served.expert_names == ("last_value", "model") and served.name == "mixture"
+    assert served.prior.tolist() == pytest.approx([1 / 3, 2 / 3])
+    r = _run(served, grids)
+    assert _mae(r["mix50"], r["truth"], 30) < 0.5 * _mae(r["last"], r["truth"], 30)
+    # without its model (not loaded yet) it serves the last value
+    alone = make_served(None)
+    alone.forecast_batch([AppTrace("a", np.arange(5.0), {"mem_used_mib": np.full(5, 300.0)})])
+    f = alone.forecast_batch([AppTrace("a", np.arange(6.0), {"mem_used_mib": np.full(6, 300.0)})])[0]
+    assert f.mem_p50_mib == (300.0,) * 5 and f.source == "mixture"
