@@ -71,6 +71,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -204,6 +205,23 @@ class _State:
         return row, True
 
 
+def _capacity(h: AppTrace) -> float:
+    """The application's memory capacity at its last sample (inf where unknown)."""
+    total_mib = h.columns.get("mem_total_mib")
+    if total_mib is not None and len(total_mib):
+        v = float(total_mib[-1])
+        if math.isfinite(v) and v > 0:
+            return v
+    return math.inf
+
+
+class HistorySink(Protocol):
+    """Where the mixture sends each application's complete seconds (manager/history.py)."""
+
+    def add(self, apps: Sequence[str], gpus: Sequence[str], t_s: np.ndarray, values: np.ndarray,
+            mem_total_mib: Sequence[float]) -> None: ...
+
+
 class MixtureForecaster:
     """The per-application expert mixture of the module docstring, as a `Forecaster`.
 
@@ -219,9 +237,11 @@ class MixtureForecaster:
         name: str = "mixture",
         prior: Mapping[str, float] | None = None,
         internal: Sequence[str] = INTERNAL_EXPERTS,
+        history: HistorySink | None = None,
         logger: structlog.typing.FilteringBoundLogger | None = None,
     ) -> None:
         self.name = name
+        self.history = history
         self.config = config or MixtureConfig()
         self._external: dict[str, Forecaster | None] = dict(experts or {})
         unknown = set(internal) - set(INTERNAL_EXPERTS)
@@ -378,6 +398,10 @@ class MixtureForecaster:
         if scored.any():
             on_app = app_of_bin[scored]
             self._score(rows_a[on_app], start[on_app] + pos[scored], carried[scored], pos[scored])
+            if self.history is not None:
+                hist = [histories[live[k]] for k in on_app.tolist()]
+                self.history.add([h.app for h in hist], [h.gpu or "" for h in hist], start[on_app] + pos[scored],
+                                 carried[scored], [_capacity(h) for h in hist])
         # 5. the experts' forecasts at the origin: (apps, targets, horizons, experts)
         p50 = np.full((m_live, nt, nh, len(self.expert_names)), np.nan)
         p50[..., 0] = origin_val[:, :, None]
@@ -414,9 +438,7 @@ class MixtureForecaster:
         caps = np.full((m_live, nt, 1), np.inf)
         caps[:, 1] = 100.0
         for k, i in enumerate(live):
-            total_mib = histories[i].columns.get("mem_total_mib")
-            if total_mib is not None and len(total_mib) and math.isfinite(float(total_mib[-1])) and total_mib[-1] > 0:
-                caps[k, 0] = float(total_mib[-1])
+            caps[k, 0] = _capacity(histories[i])
         mix50 = np.clip(mix50, 0.0, caps)
         mix90 = np.clip(mix50 + np.nan_to_num(q), 0.0, caps)
         # 7. remember this origin's forecasts for scoring
@@ -520,11 +542,18 @@ SERVED_INTERNAL: tuple[str, ...] = ("last_value",)
 SERVED_PRIOR: dict[str, float] = {"last_value": 1.0, "model": 2.0}
 
 
-def make_served(model: Forecaster | None, config: MixtureConfig | None = None, *,
-                name: str = "mixture") -> MixtureForecaster:
+def make_served(model: Forecaster | None, config: MixtureConfig | None = None, *, name: str = "mixture",
+                local: bool = False, history: HistorySink | None = None) -> MixtureForecaster:
     """The daemon's served forecaster: the mixture over the last value and `model` (a slot that
-    abstains while None), starting from `SERVED_PRIOR`."""
-    return MixtureForecaster({"model": model}, config, name=name, prior=SERVED_PRIOR, internal=SERVED_INTERNAL)
+    abstains while None), starting from `SERVED_PRIOR`; with `local`, a "local" slot for the
+    node-local model (empty until one is promoted; starting weight the model's); `history` receives
+    every complete second (manager/history.py)."""
+    experts: dict[str, Forecaster | None] = {"model": model}
+    prior = dict(SERVED_PRIOR)
+    if local:
+        experts["local"] = None
+        prior["local"] = SERVED_PRIOR["model"]
+    return MixtureForecaster(experts, config, name=name, prior=prior, internal=SERVED_INTERNAL, history=history)
 
 
 __all__ = ["INTERNAL_EXPERTS", "SERVED_INTERNAL", "SERVED_PRIOR", "MixtureConfig", "MixtureForecaster", "make_served"]
