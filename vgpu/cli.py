@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "trace": ("vgpu.offline.tracecli:main", "convert datasets into the canonical trace format"),
     "train": ("vgpu.offline.train:main", "train the forecaster on canonical traces"),
     "eval": ("vgpu.offline.evaluate:main", "evaluate forecasters by the trace evaluation protocol"),
+    "model": ("vgpu.manager.nodelearn:model_main", "the node-local forecaster: status, rollback"),
 }
 
 
