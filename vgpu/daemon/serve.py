@@ -74,7 +74,9 @@ from vgpu.manager.coldstart import AllocatorSizer, BackgroundSizer, ColdStartSiz
 from vgpu.manager.core import Manager, default_baseline
 from vgpu.manager.experts import MixtureForecaster, make_served
 from vgpu.manager.forecast import Forecaster
+from vgpu.manager.history import NodeHistory
 from vgpu.manager.modelpath import ModelChoice, open_forecaster, resolve_model
+from vgpu.manager.nodelearn import BackgroundLearner, LocalModelWatcher
 from vgpu.manager.service import IngestServicer
 
 SIM_STATE_FILE = "sim-devices.json"
@@ -480,6 +482,9 @@ class Daemon:
         self._lock: TextIO | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self.model_loader: threading.Thread | None = None
+        self.mixture: MixtureForecaster | None = None
+        self.history: NodeHistory | None = None
+        self.learner: BackgroundLearner | None = None
         self.stopped = asyncio.Event()
 
     def _save(self, ledger: Ledger) -> None:
@@ -511,7 +516,18 @@ class Daemon:
         model_forecaster = load_model(cfg.manager.model, fallback=baseline, check_interval_s=interval_s)
         # the served forecast: the expert mixture over the last value, an EWMA and the model (a slot
         # that abstains until the model loads), or with manager.mixture off the model alone
-        self.mixture = make_served(model_forecaster) if cfg.manager.mixture else None
+        self.mixture = None
+        if cfg.manager.mixture:
+            self.history = (NodeHistory(self.state_dir / "history", horizon_s=cfg.manager.history_horizon_s,
+                                        max_bytes=int(cfg.manager.history_max_mib * 2**20))
+                            if cfg.manager.history else None)
+            self.mixture = make_served(model_forecaster, local=True, history=self.history)
+            mixture = self.mixture
+            watcher = LocalModelWatcher(self.state_dir, lambda m: mixture.set_expert("local", m))
+            self.learner = BackgroundLearner(self.state_dir, self.state_dir / "history",
+                                             resolve_model(cfg.manager.model).path, watcher,
+                                             interval_s=cfg.manager.learn_interval_s if self.history else 0.0)
+            self.learner.start()
         self.manager = Manager(self.allocator, self.mixture or model_forecaster,
                                clock=self.clock, fallback=baseline,
                                batch_window_s=cfg.manager.batch_window_ms / 1000.0,
@@ -656,6 +672,10 @@ class Daemon:
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
         await asyncio.to_thread(self._wait_for_loaders, LOADER_JOIN_S)
+        if self.learner is not None:
+            await asyncio.to_thread(self.learner.stop)
+        if self.history is not None:
+            self.history.close()
         if hasattr(self, "backend"):
             self.backend.close()
         if hasattr(self, "store"):
