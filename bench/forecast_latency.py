@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -139,31 +140,35 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _upto(hist: list[AppTrace], end_s: float) -> list[AppTrace]:
-    """Each history's samples before `end_s` (the daemon's window one second later each time)."""
+def _upto(hist: list[AppTrace], end_s: float, span_s: float) -> list[AppTrace]:
+    """Each history's last `span_s` seconds before `end_s` (the daemon's window one second later
+    each time, as long as the plain run's)."""
     out = []
     for h in hist:
-        n = int(np.searchsorted(h.t_s, end_s))
-        out.append(AppTrace(h.app, h.t_s[:n], {k: v[:n] for k, v in h.columns.items()}))
+        lo, n = int(np.searchsorted(h.t_s, end_s - span_s)), int(np.searchsorted(h.t_s, end_s))
+        out.append(AppTrace(h.app, h.t_s[lo:n], {k: v[lo:n] for k, v in h.columns.items()}))
     return out
 
 
 def _mixture(args: argparse.Namespace, model: ModelForecaster, hist: list[AppTrace]) -> int:
     mixture = make_served(model)
     t0_s = float(hist[0].t_s[0]) + args.history_s
-    steps = [_upto(hist, t0_s + k) for k in range(args.iterations + 10)]
-    times, model_times = [], []
+    steps = [_upto(hist, t0_s + k, args.history_s) for k in range(args.iterations + 10)]
+    times, model_times, cpu, model_cpu = [], [], [], []
     for k, batch in enumerate(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         mixture.forecast_batch(batch)
-        took = (time.perf_counter() - t0) * 1000
-        t0 = time.perf_counter()
+        took, took_cpu = (time.perf_counter() - t0) * 1000, (time.thread_time() - c0) * 1000
+        t0, c0 = time.perf_counter(), time.thread_time()
         model.forecast_batch(batch)
-        model_took = (time.perf_counter() - t0) * 1000
+        model_took, model_took_cpu = (time.perf_counter() - t0) * 1000, (time.thread_time() - c0) * 1000
         if k >= 10:
             times.append(took)
             model_times.append(model_took)
+            cpu.append(took_cpu)
+            model_cpu.append(model_took_cpu)
     own = np.asarray(times) - np.asarray(model_times)
+    own_cpu = np.asarray(cpu) - np.asarray(model_cpu)
     result = {
         "apps": args.apps,
         "forecaster": "mixture",
@@ -172,6 +177,11 @@ def _mixture(args: argparse.Namespace, model: ModelForecaster, hist: list[AppTra
         "p99_ms": round(float(np.percentile(times, 99)), 3),
         "model_p50_ms": round(float(np.percentile(model_times, 50)), 3),
         "mixture_only_p50_ms": round(float(np.percentile(own, 50)), 3),
+        # the calling thread's CPU time: what a shared, loaded machine's wall time overstates
+        "cpu_p50_ms": round(float(np.percentile(cpu, 50)), 3),
+        "model_cpu_p50_ms": round(float(np.percentile(model_cpu, 50)), 3),
+        "mixture_only_cpu_p50_ms": round(float(np.percentile(own_cpu, 50)), 3),
+        "load_average_1m": round(os.getloadavg()[0], 2),
         "scored": mixture.scored,
         "mode_serving": model.mode_serving,
         "threads": args.threads,

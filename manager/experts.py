@@ -461,8 +461,8 @@ class MixtureForecaster:
             if len(fcs) != len(histories):
                 raise ValueError(f"{len(fcs)} forecasts for {len(histories)} histories")
             if all(f.horizons_s == HORIZONS_S for f in fcs):
-                return np.array([[getattr(f, a) for a in _FIELDS] for f in fcs], dtype=np.float64).reshape(
-                    len(fcs), len(_FIELDS), len(HORIZONS_S))
+                return np.array([(f.mem_p50_mib, f.sm_p50_pct, f.mem_p90_mib, f.sm_p90_pct) for f in fcs],
+                                dtype=np.float64).reshape(len(fcs), len(_FIELDS), len(HORIZONS_S))
             out = np.full((len(fcs), len(_FIELDS), len(HORIZONS_S)), np.nan)
             for k, f in enumerate(fcs):
                 pos = {h: j for j, h in enumerate(f.horizons_s)}
