@@ -100,7 +100,7 @@ class NodeHistory:
                 fh.write("".join(lines[seg]))
                 fh.flush()
                 self.rows_written += len(lines[seg])
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: written after close (a stop mid-tick)
             self.write_failures += 1
             if self.write_failures == 1:
                 self._log.error("history_write_failed", dir=str(self.dir), error=repr(exc))
