@@ -383,8 +383,8 @@ class BackgroundLearner:
                "--history-dir", str(self.history_dir), "--global-model", str(self.global_model)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         try:
-            self._child = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                           preexec_fn=lambda: os.nice(19))  # noqa: PLW1509 - only os.nice
+            # the child lowers its own priority first thing (a preexec_fn is unsafe in a threaded daemon)
+            self._child = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             _, err = self._child.communicate()
         except OSError as exc:
             self._log.error("node_learning_failed", error=repr(exc))
@@ -429,6 +429,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--history-dir", required=True)
     p.add_argument("--global-model", required=True)
     args = p.parse_args(argv)
+    os.nice(19)  # the lowest CPU priority: the node's jobs and the daemon come first
     import torch  # noqa: PLC0415
 
     from vgpu.manager.history import NodeHistory  # noqa: PLC0415

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -151,3 +152,31 @@ def test_cli_status_and_rollback(tmp_path: Path) -> None:
     out = vgpu("rollback")
     assert out.returncode == 1 and "nothing to roll back" in out.stderr
     assert json.loads(vgpu("status").stdout)["rollbacks"] == 1
+
+
+def test_the_background_learner_runs_a_round_in_a_child_process(tmp_path: Path) -> None:
+    from vgpu.manager.history import NodeHistory
+
+    hist = NodeHistory(tmp_path / "history")
+    for app in _node(seconds=3700, apps=2):
+        n = len(app)
+        hist.add([app.app] * n, ["GPU-0"] * n, app.t_s,
+                 np.stack([app.columns["mem_used_mib"], app.columns["sm_util_pct"]], axis=1), [40960.0] * n)
+    hist.close()
+    base = write_tiny_checkpoint(tmp_path / "global.pt", seed=1)
+    served: list[object] = []
+    watcher = NL.LocalModelWatcher(tmp_path / "state", served.append)
+    learner = NL.BackgroundLearner(tmp_path / "state", tmp_path / "history", base, watcher, interval_s=0.2,
+                                   poll_s=0.1)
+    learner.start()
+    try:
+        deadline = time.monotonic() + 180
+        while not NL.read_log(tmp_path / "state") and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        learner.stop(timeout_s=60)
+    (entry, *_) = NL.read_log(tmp_path / "state")
+    assert entry["event"] in ("promoted", "rejected") and entry["train_apps"] == 2 and entry["held_back_apps"] == 2
+    assert learner.rounds >= 1
+    if entry["event"] == "promoted":
+        assert served and served[-1] is not None  # the watcher picked local.pt up
