@@ -6,7 +6,8 @@ mem_total_mib`), one per application and complete second, as the served mixture 
 (manager/experts.py: the mean of the second's samples, an empty second carrying the previous value).
 
 Files. `<dir>/seg-<k>.csv`, segment k holding the seconds [k * segment_s, (k + 1) * segment_s) of
-the node's clock, appended to and never rewritten, so `vgpu eval --trace` and `read_trace` read a
+the node's clock, appended to and never rewritten (once closed, gzipped to `seg-<k>.csv.gz` by
+`compress_closed` from a background thread), so `vgpu eval --trace` and `read_trace` read a
 segment as it is. Crash safety: a crash leaves at most a partial last line, which the reader leaves
 out (a row cut short may still parse) and the next writer cuts off before appending; a segment that cannot be read at all (corrupt, not a trace) is skipped and
 logged once, never fatal. Bounds: segments whose last second is older than `horizon_s` are deleted,
@@ -15,6 +16,7 @@ then the oldest until the directory holds at most `max_bytes` (the segment being
 
 from __future__ import annotations
 
+import gzip
 import math
 import os
 import re
@@ -31,7 +33,7 @@ from vgpu.log import get_logger
 from vgpu.traces import AppTrace, Trace, TraceFormatError, read_trace
 
 HEADER = "t_s,app,gpu,mem_used_mib,sm_util_pct,mem_total_mib\n"
-_SEGMENT = re.compile(r"^seg-(\d+)\.csv$")
+_SEGMENT = re.compile(r"^seg-(\d+)\.csv(\.gz)?$")
 
 
 def _cell(v: float) -> str:
@@ -68,12 +70,45 @@ class NodeHistory:
         self.write_failures = 0
 
     def segments(self) -> list[tuple[int, Path]]:
+        """(k, path) of every segment file, oldest first (a segment may have a compressed file and a
+        plain one: rows written after compression, or a crash between compressing and deleting;
+        `read` drops the duplicate seconds)."""
         out = []
         for p in self.dir.iterdir():
             m = _SEGMENT.match(p.name)
             if m:
                 out.append((int(m.group(1)), p))
-        return sorted(out)
+        return sorted(out, key=lambda kp: (kp[0], kp[1].suffix != ".gz"))
+
+    def compress_closed(self) -> list[Path]:
+        """Gzip every plain segment but the one being written (about 8 x smaller; `read_trace` reads
+        both): written aside, renamed into place, then the plain file deleted, so a crash leaves one
+        whole copy. Meant for a background thread (the learner's), not the forecast's."""
+        done = []
+        for k, p in self.segments():
+            if p.suffix != ".csv" or k == self._segment:
+                continue
+            out = p.with_name(p.name + ".gz")  # seg-k.csv -> seg-k.csv.gz
+            tmp = p.with_name(f".{p.name}.gz.tmp")
+            try:
+                data = p.read_bytes()
+                data = data[: data.rfind(b"\n") + 1]  # a crash's partial last line is not kept
+                if out.exists():
+                    # rows written to a segment after it was compressed (the clock stepped back):
+                    # one more gzip member on the end, without the header (gzip reads members as one)
+                    with gzip.open(out, "ab", compresslevel=6) as fh:
+                        fh.write(data[len(HEADER):] if data.startswith(HEADER.encode()) else data)
+                else:
+                    with gzip.open(tmp, "wb", compresslevel=6) as fh:
+                        fh.write(data)
+                    os.replace(tmp, out)
+                p.unlink()
+            except OSError as exc:
+                tmp.unlink(missing_ok=True)
+                self._log.warning("history_compress_failed", path=str(p), error=repr(exc))
+                continue
+            done.append(out)
+        return done
 
     def size_bytes(self) -> int:
         return sum(p.stat().st_size for _, p in self.segments() if p.exists())
@@ -179,11 +214,12 @@ class NodeHistory:
         out = []
         for app, trs in parts.items():
             t = np.concatenate([a.t_s for a in trs])
-            order = np.argsort(t, kind="stable")
+            # one row per second: the first copy of a second kept (files of one segment may repeat it)
+            _, first = np.unique(t, return_index=True)
             names = {c for a in trs for c in a.columns}
-            cols = {c: np.concatenate([a.column(c) for a in trs])[order] for c in names}
-            keep = t[order] >= since_s
-            out.append(AppTrace(app, t[order][keep], {c: v[keep] for c, v in cols.items()}, gpu=gpus[app]))
+            cols = {c: np.concatenate([a.column(c) for a in trs])[first] for c in names}
+            keep = t[first] >= since_s
+            out.append(AppTrace(app, t[first][keep], {c: v[keep] for c, v in cols.items()}, gpu=gpus[app]))
         return sorted(out, key=lambda a: a.app)
 
 
@@ -194,7 +230,7 @@ def _quote(text: str) -> str:
 def _read_segment(path: Path) -> Trace:
     """A segment as a trace, less a partial last line (a row cut short can still parse, as a shorter
     number or with cells missing, so an unterminated line is never read)."""
-    if _ends_with_newline(path):
+    if path.suffix == ".gz" or _ends_with_newline(path):
         return read_trace(path)
     data = path.read_bytes()
     cut = data.rfind(b"\n") + 1

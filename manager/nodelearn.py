@@ -343,15 +343,17 @@ class LocalModelWatcher:
 
 
 class BackgroundLearner:
-    """A daemon thread: polls `local.pt` every `poll_s` and every `interval_s` runs one learning round
+    """A daemon thread: polls `local.pt` (and runs `housekeeping`) every `poll_s` and every `interval_s` runs one learning round
     in a child process (`python -m vgpu.manager.nodelearn learn ...`) at the lowest CPU priority with
     one torch thread, waiting for it without holding anything the forecasting needs."""
 
     def __init__(self, state_dir: str | Path, history_dir: str | Path, global_model: str | Path,
                  watcher: LocalModelWatcher, *, interval_s: float = 3600.0, poll_s: float = 5.0,
+                 housekeeping: Callable[[], object] | None = None,
                  logger: structlog.typing.FilteringBoundLogger | None = None) -> None:
         self.state_dir, self.history_dir, self.global_model = Path(state_dir), Path(history_dir), Path(global_model)
         self.watcher = watcher
+        self.housekeeping = housekeeping  # e.g. the history's compression of closed segments, each poll
         self.interval_s, self.poll_s = interval_s, poll_s
         self._log = logger or get_logger("vgpu.manager.nodelearn")
         self._stop = threading.Event()
@@ -373,6 +375,11 @@ class BackgroundLearner:
         next_round = time.monotonic() + self.interval_s
         while not self._stop.is_set():
             self.watcher.poll()
+            if self.housekeeping is not None:
+                try:
+                    self.housekeeping()
+                except Exception as exc:  # noqa: BLE001 - housekeeping must not end the thread
+                    self._log.error("node_housekeeping_failed", error=repr(exc))
             if self.interval_s > 0 and time.monotonic() >= next_round:
                 next_round = time.monotonic() + self.interval_s
                 self._round()

@@ -97,3 +97,24 @@ def test_a_write_that_fails_is_counted_and_logged_once(tmp_path: Path) -> None:
 def test_bad_bounds_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         NodeHistory(tmp_path, max_bytes=0)
+
+
+def test_closed_segments_are_compressed_and_read_the_same(tmp_path: Path) -> None:
+    h = NodeHistory(tmp_path, segment_s=100)
+    _rows(h, "a", range(0, 250))
+    with open(tmp_path / "seg-0.csv", "a") as fh:
+        fh.write("99.5,a,GPU-0,1")  # a crash's partial line in a closed segment
+    plain = h.size_bytes()
+    assert [p.name for p in h.compress_closed()] == ["seg-0.csv.gz", "seg-1.csv.gz"]  # not the open seg-2
+    assert h.size_bytes() < plain / 2
+    (back,) = h.read()
+    assert back.t_s.tolist() == list(range(0, 250))
+    # a clock step back writes into a compressed segment's range again: appended on compression
+    _rows(h, "b", range(10, 12))
+    assert {p.name for _, p in h.segments()} == {"seg-0.csv.gz", "seg-0.csv", "seg-1.csv.gz", "seg-2.csv"}
+    assert {a.app: len(a) for a in h.read()} == {"a": 250, "b": 2}
+    h.close()
+    h2 = NodeHistory(tmp_path, segment_s=100)
+    assert [p.name for p in h2.compress_closed()] == ["seg-0.csv.gz", "seg-2.csv.gz"]
+    by_app = {a.app: a for a in h2.read()}
+    assert by_app["b"].t_s.tolist() == [10, 11] and len(by_app["a"]) == 250

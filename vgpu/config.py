@@ -112,7 +112,7 @@ class ManagerConfig:
     # <state_dir>/history for this many seconds, at most history_max_mib MiB.
     history: bool = True
     history_horizon_s: float = 604800.0
-    history_max_mib: float = 256.0
+    history_max_mib: float = 512.0
     # Seconds between rounds of node-local learning (a niced child process fine-tunes a copy of the
     # model on the history and promotes it only when it beats the serving one on the most recent
     # held-back hour's worth); 0 = never. `vgpu model status|rollback` shows and undoes promotions.

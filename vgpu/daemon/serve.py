@@ -526,7 +526,8 @@ class Daemon:
             watcher = LocalModelWatcher(self.state_dir, lambda m: mixture.set_expert("local", m))
             self.learner = BackgroundLearner(self.state_dir, self.state_dir / "history",
                                              resolve_model(cfg.manager.model).path, watcher,
-                                             interval_s=cfg.manager.learn_interval_s if self.history else 0.0)
+                                             interval_s=cfg.manager.learn_interval_s if self.history else 0.0,
+                                             housekeeping=self.history.compress_closed if self.history else None)
             self.learner.start()
         self.manager = Manager(self.allocator, self.mixture or model_forecaster,
                                clock=self.clock, fallback=baseline,
