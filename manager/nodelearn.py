@@ -293,7 +293,14 @@ def status(state_dir: str | Path) -> dict[str, Any]:
         "rejections": sum(e.get("event") == "rejected" for e in log),
         "rollbacks": sum(e.get("event") == "rollback" for e in log),
         "last": log[-1] if log else None,
+        "history": _history_files(Path(state_dir) / "history"),
     }
+
+
+def _history_files(directory: Path) -> dict[str, int]:
+    """How much node history is on disk (segment files and bytes; none where there is no directory)."""
+    files = [p for p in directory.glob("seg-*.csv*") if p.is_file()] if directory.is_dir() else []
+    return {"segment_files": len(files), "bytes": sum(p.stat().st_size for p in files)}
 
 
 class LocalModelWatcher:

@@ -151,7 +151,8 @@ def test_cli_status_and_rollback(tmp_path: Path) -> None:
     assert out.returncode == 0 and json.loads(out.stdout)["undone"] == "local-1.pt"
     out = vgpu("rollback")
     assert out.returncode == 1 and "nothing to roll back" in out.stderr
-    assert json.loads(vgpu("status").stdout)["rollbacks"] == 1
+    final = json.loads(vgpu("status").stdout)
+    assert final["rollbacks"] == 1 and final["history"] == {"segment_files": 0, "bytes": 0}
 
 
 def test_the_background_learner_runs_a_round_in_a_child_process(tmp_path: Path) -> None:
