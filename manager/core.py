@@ -58,6 +58,7 @@ from vgpu.v1 import ingest_pb2
 from vgpu.wire import MAX_ID_CHARS, ColumnsFormatError, parse_signature, read_columns
 
 _MAX_APP_ID = MAX_ID_CHARS
+_NAMED_SOURCES = ("model", "mixture")  # forecast sources a decision names; any other is "baseline"
 
 
 def default_baseline() -> Forecaster:
@@ -72,7 +73,7 @@ class Decision:
     forecast: Forecast
     recommended_mem_mib: float
     recommended_sm_pct: float
-    source: str  # "model" or "baseline"
+    source: str  # "model", "mixture" or "baseline"
     for_seq: int
     decided_at_s: float
     mem_used_mib: float = math.nan
@@ -246,8 +247,10 @@ class Manager:
 
     @property
     def source(self) -> str:
-        """"model" when the forecaster is the trained model, else "baseline"."""
-        return "model" if getattr(self.forecaster, "name", "") == "model" else "baseline"
+        """"model" when the forecaster is the trained model, "mixture" when it is the expert mixture
+        (manager/experts.py), else "baseline"."""
+        name = getattr(self.forecaster, "name", "")
+        return name if name in _NAMED_SOURCES else "baseline"
 
     # --- ingest ----------------------------------------------------------------------------------
     def accept(self, batch: ingest_pb2.SignatureBatch, stream: StreamState | None = None) -> ingest_pb2.IngestReply:
@@ -502,7 +505,7 @@ class Manager:
             mem, sm = self.recommend(fc, it.mem_used_mib, it.sm_util_pct)
             if math.isnan(mem) and math.isnan(sm):
                 continue
-            source = "model" if fc.source == "model" else "baseline"
+            source = fc.source if fc.source in _NAMED_SOURCES else "baseline"
             decisions.append(
                 Decision(it.app_id, it.device_id, fc, 0.0 if math.isnan(mem) else mem, 0.0 if math.isnan(sm) else sm,
                          source, it.seq, now, it.mem_used_mib, it.sm_util_pct)
@@ -561,6 +564,9 @@ class Manager:
                 stream.apps.discard(app_id)
             if self.allocator is not None:
                 self.allocator.forget_app(app_id)
+            forget = getattr(self.forecaster, "forget", None)  # a stateful forecaster drops the app too
+            if forget is not None:
+                forget(app_id)
             self._log.info("app_evicted", app=app_id)
 
 

@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "cut (the bundled demo trace from MIGPerf)"),
     "train": ("vgpu.offline.train:main", "train the forecaster on canonical traces"),
     "eval": ("vgpu.offline.evaluate:main", "evaluate forecasters by the trace evaluation protocol"),
+    "model": ("vgpu.manager.nodelearn:model_main", "the node-local forecaster: status, rollback"),
 }
 
 

@@ -114,6 +114,18 @@ class ManagerConfig:
     # decision, no rejection): accepted counts wait for the next reply, at most this long. 0: every
     # batch is answered (twice the messages: each one costs the manager CPU).
     ack_interval_ms: float = 1000.0
+    # Serve the per-application expert mixture (manager/experts.py: the last value, an EWMA and the
+    # model weighed by their recent error, a conformal P90) instead of the model alone.
+    mixture: bool = True
+    # With the mixture: keep the node's history (every application's 1 s grid) under
+    # <state_dir>/history for this many seconds, at most history_max_mib MiB.
+    history: bool = True
+    history_horizon_s: float = 604800.0
+    history_max_mib: float = 512.0
+    # Seconds between rounds of node-local learning (a niced child process fine-tunes a copy of the
+    # model on the history and promotes it only when it beats the serving one on the most recent
+    # held-back hour's worth); 0 = never. `vgpu model status|rollback` shows and undoes promotions.
+    learn_interval_s: float = 3600.0
 
 
 @dataclass(frozen=True)
@@ -233,6 +245,10 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"manager.batch_window_ms: expected 0..1000 ms, got {cfg.manager.batch_window_ms}")
     if not 0 <= cfg.manager.ack_interval_ms <= 60_000:
         raise ConfigError(f"manager.ack_interval_ms: expected 0..60000 ms, got {cfg.manager.ack_interval_ms}")
+    if not cfg.manager.history_horizon_s > 0 or not cfg.manager.history_max_mib > 0:
+        raise ConfigError("manager.history_horizon_s and manager.history_max_mib: must be > 0")
+    if not cfg.manager.learn_interval_s >= 0:
+        raise ConfigError(f"manager.learn_interval_s: must be >= 0 (0: never), got {cfg.manager.learn_interval_s}")
     if not 0 < cfg.manager.forecast_duty_max <= 1:
         raise ConfigError(f"manager.forecast_duty_max: expected a share in (0, 1], got {cfg.manager.forecast_duty_max}")
     if not 0 <= cfg.metrics.port <= 65535:

@@ -16,7 +16,7 @@ Metric names (all prefixed `vgpu_`):
 - manager: `forecast_batch_seconds` (summary: count = forecaster calls, one per batch of the
   applications due together, and sum = their wall time; divide for the mean latency of one batch),
   `forecast_failures_total` (batches whose forecaster raised and the fallback served), `signatures_total{result}`, `forecaster_serving{forecaster}` (1 for
-  "model" or "baseline", whichever serves), `forecaster_reloads_total{result}` (hot reloads of the
+  "mixture", "model" or "baseline", whichever serves), `forecaster_reloads_total{result}` (hot reloads of the
   checkpoint, "ok" or "failed");
 - access: `access_denied_total{method,code}`; persistence: `store_writes_total`.
 """
@@ -73,7 +73,7 @@ class CounterSnapshot:
     signatures_out_of_order: int = 0  # rejected: older than the application's last sample
     signatures_unknown_device: int = 0  # rejected: for a device the daemon does not have
     signatures_duplicate: int = 0  # a profiler's resend the window already held, dropped quietly
-    forecaster: str = ""  # "model" or "baseline"; empty = unknown
+    forecaster: str = ""  # "mixture", "model" or "baseline"; empty = unknown
     forecaster_reloads: int = 0
     forecaster_reload_failures: int = 0
 

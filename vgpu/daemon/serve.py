@@ -72,8 +72,11 @@ from vgpu.device.base import Backend, Device
 from vgpu.device.errors import DeviceError
 from vgpu.manager.coldstart import AllocatorSizer, BackgroundSizer, ColdStartSizer
 from vgpu.manager.core import Manager, default_baseline
+from vgpu.manager.experts import MixtureForecaster, make_served
 from vgpu.manager.forecast import Forecaster
+from vgpu.manager.history import NodeHistory
 from vgpu.manager.modelpath import ModelChoice, open_forecaster, resolve_model
+from vgpu.manager.nodelearn import BackgroundLearner, LocalModelWatcher
 from vgpu.manager.service import IngestServicer
 
 SIM_STATE_FILE = "sim-devices.json"
@@ -126,6 +129,12 @@ class LedgerView:
         return bool(self._allocator.ledger.grants(app_id=app_id)) or self._allocator.ledger.limits(app_id) is not None
 
 
+def model_of(forecaster: Forecaster) -> Forecaster | None:
+    """The model behind the served forecaster (the mixture's "model" expert, else itself): what the
+    reload counters and the shutdown's wait read."""
+    return forecaster.expert("model") if isinstance(forecaster, MixtureForecaster) else forecaster
+
+
 class StateSource:
     """The daemon's live state as metric snapshots (vgpu.daemon.metrics.MetricsSource)."""
 
@@ -167,7 +176,7 @@ class StateSource:
 
     def counter_snapshot(self) -> CounterSnapshot:
         c, s = self.allocator.counters, self.manager.stats
-        forecaster = self.manager.forecaster
+        forecaster = model_of(self.manager.forecaster)
         return CounterSnapshot(
             power_limit_changes=c.power_limit_changes,
             mig_changes=c.mig_changes,
@@ -474,6 +483,9 @@ class Daemon:
         self._watchdog: asyncio.Task[None] | None = None
         self._idle_release: asyncio.Task[None] | None = None
         self.model_loader: threading.Thread | None = None
+        self.mixture: MixtureForecaster | None = None
+        self.history: NodeHistory | None = None
+        self.learner: BackgroundLearner | None = None
         self.stopped = asyncio.Event()
 
     def _save(self, ledger: Ledger) -> None:
@@ -508,7 +520,23 @@ class Daemon:
                            else cgroup_limits.reconcile(self.backend, {}))
         baseline = default_baseline()
         interval_s = cfg.manager.model_check_interval_s
-        self.manager = Manager(self.allocator, load_model(cfg.manager.model, fallback=baseline, check_interval_s=interval_s),
+        model_forecaster = load_model(cfg.manager.model, fallback=baseline, check_interval_s=interval_s)
+        # the served forecast: the expert mixture over the last value, an EWMA and the model (a slot
+        # that abstains until the model loads), or with manager.mixture off the model alone
+        self.mixture = None
+        if cfg.manager.mixture:
+            self.history = (NodeHistory(self.state_dir / "history", horizon_s=cfg.manager.history_horizon_s,
+                                        max_bytes=int(cfg.manager.history_max_mib * 2**20))
+                            if cfg.manager.history else None)
+            self.mixture = make_served(model_forecaster, local=True, history=self.history)
+            mixture = self.mixture
+            watcher = LocalModelWatcher(self.state_dir, lambda m: mixture.set_expert("local", m))
+            self.learner = BackgroundLearner(self.state_dir, self.state_dir / "history",
+                                             resolve_model(cfg.manager.model).path, watcher,
+                                             interval_s=cfg.manager.learn_interval_s if self.history else 0.0,
+                                             housekeeping=self.history.compress_closed if self.history else None)
+            self.learner.start()
+        self.manager = Manager(self.allocator, self.mixture or model_forecaster,
                                clock=self.clock, fallback=baseline,
                                batch_window_s=cfg.manager.batch_window_ms / 1000.0,
                                forecast_duty_max=cfg.manager.forecast_duty_max,
@@ -628,7 +656,11 @@ class Daemon:
             error = f"{type(exc).__name__}: {exc}"
         else:
             if model.serving_model:
-                self.manager.forecaster = model  # one attribute store; the next forecast tick uses it
+                # one reference store; the next forecast tick uses it
+                if self.mixture is not None:
+                    self.mixture.set_expert("model", model)
+                else:
+                    self.manager.forecaster = model
                 self.log.info("forecaster", serving="model", path=str(path), check_interval_s=interval_s)
                 return
             error = model.last_error or "did not load"
@@ -665,6 +697,10 @@ class Daemon:
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
         await asyncio.to_thread(self._wait_for_loaders, LOADER_JOIN_S)
+        if self.learner is not None:
+            await asyncio.to_thread(self.learner.stop)
+        if self.history is not None:
+            self.history.close()
         if hasattr(self, "backend"):
             self.backend.close()
         if hasattr(self, "store"):
@@ -687,7 +723,7 @@ class Daemon:
         sizer_wait = getattr(getattr(self, "sizer", None), "wait", None)
         if sizer_wait is not None:
             waits.append(sizer_wait)
-        forecaster = getattr(getattr(self, "manager", None), "forecaster", None)
+        forecaster = model_of(self.manager.forecaster) if hasattr(self, "manager") else None
         forecaster_wait = getattr(forecaster, "wait_idle", None)
         if forecaster_wait is not None:
             waits.append(forecaster_wait)
