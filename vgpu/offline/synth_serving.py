@@ -594,6 +594,7 @@ def synthesize(
         "derived": True,
         "generator": GENERATOR,
         "kind": "serving",
+        "clock": "shared",  # every replica on the hour's one clock
         "service": service,
         "seed": seed,
         "inputs": [

@@ -358,6 +358,7 @@ def synthesize(
         "derived": True,
         "generator": GENERATOR,
         "kind": "training",
+        "clock": "per-app",  # each job from its own launch
         "seed": seed,
         "inputs": [{"path": u, "license": licences[u]} for u in used] + [
             {"path": "dl-throughput-profiles-pollux-gavel/pollux_traces/*/placements.csv", "license": "Apache-2.0"},
