@@ -449,7 +449,7 @@ def serve_series(
     cfg: EngineConfig,
     perf: PerfModel,
     *,
-    seed: int,
+    seed: int | Sequence[int],
     duration_s: float | None = None,
     gpu: str | None = None,
 ) -> tuple[AppTrace, EngineStats]:
@@ -583,7 +583,9 @@ def synthesize(
     for rep in range(n_rep):
         mine = requests[rep::n_rep]
         name = f"serving/{service}/{cfg.model}-tp{cfg.tp}-{cfg.memory}/r{rep:02d}"
-        trace, stats = serve_series(name, mine, cfg, perf, seed=seed * 1000 + rep, duration_s=duration_s)
+        # one stream per (seed, service, replica): services do not share start-ups
+        stream = [seed, list(SERVICES).index(service), rep]
+        trace, stats = serve_series(name, mine, cfg, perf, seed=stream, duration_s=duration_s)
         apps += cut_segments(trace, segment_s)
         per_replica.append({"app": name, "requests": stats.requests, "finished": stats.finished,
                             "dropped": stats.dropped, "preemptions": stats.preemptions,
