@@ -135,6 +135,11 @@ def test_training_cli_is_deterministic_valid_and_has_phases(tmp_path: Path) -> N
         peak = int(np.argmax(mem))
         assert mem[peak] > 2 * mem[0]  # a ramp from the context to the working set
         assert np.all(app.column("power_w") <= app.column("power_limit_w") + 1e-9)
+        step, reserved = app.column("inapp_step"), app.column("inapp_torch_reserved_mib")
+        live = np.isfinite(step)
+        assert live[0] and not live[-1]  # counters while the process lives, none after it exits
+        assert np.all(np.diff(step[live]) >= 0) and step[live][-1] > 10
+        np.testing.assert_allclose(reserved[live], mem[live] - mem[0], atol=1e-5)  # NVML = context + reserve
 
 
 def test_training_profiles_from_each_source() -> None:

@@ -34,6 +34,8 @@ and sigma given, Exp = exponential with the mean given, Poisson process with the
 7. **Checkpoint** after every U(2, 4)-th evaluation, U(2, 15) s: SM U(0, 5) %.
 8. **Teardown** after U(120, 900) s of training: SM 0 % with memory held for U(1, 5) s, then memory 0
    for U(2, 5) s (the process has exited; the device view).
+In-app counters while the process lives: `inapp_torch_reserved_mib` = memory less the context (the caching
+allocator's reserve, which NVML shows), `inapp_step` = iterations finished.
 Power = idle + (training power - idle) x SM / training SM, where idle is 0.15 of the limit (an
 assumption: a typical nvidia-smi idle reading) and training power is the profile's measurement, else
 the Zeus share x the limit. Memory never exceeds the slice's capacity (a profile whose peak would is
@@ -222,12 +224,18 @@ class _Series:
         self.mem: list[float] = []
         self.sm: list[float] = []
         self.step: list[float] = []
+        self.iters: list[float] = []  # iterations completed by the end of each sample
+        self._iters_total = 0.0
 
-    def emit(self, seconds: float, mem: float, sm: float, step: float = math.nan) -> None:
+    def emit(self, seconds: float, mem: float, sm: float, step: float = math.nan, iters: float = 0.0) -> None:
+        """`seconds` (rounded to whole periods) at `mem` and `sm`, during which `iters` iterations
+        complete, evenly."""
         n = max(int(round(seconds / self.period_s)), 1)
         self.mem += [mem] * n
         self.sm += [sm] * n
         self.step += [step] * n
+        self.iters += [self._iters_total + iters * (i + 1) / n for i in range(n)]
+        self._iters_total += iters
         self.t += n * self.period_s
 
     def emit_ramp(self, seconds: float, mem0: float, mem1: float, sm: float) -> None:
@@ -235,6 +243,7 @@ class _Series:
         self.mem += list(np.linspace(mem0, mem1, n + 1)[1:])
         self.sm += [sm] * n
         self.step += [math.nan] * n
+        self.iters += [self._iters_total] * n
         self.t += n * self.period_s
 
 
@@ -262,16 +271,18 @@ def compose_job(app: str, profile: Profile, cat: Catalogue, seed: int, period_s:
     # first iterations: memory per iteration, in 100 ms samples; a step shorter than a period is
     # accumulated so the series advances by whole periods
     first = step_s * rng.uniform(3, 20)
-    s.emit(first, after1, util)
+    s.emit(first, after1, util, iters=1)
     mem = after2
     it = 2
     clock = 0.0
+    pending = 0
     while it < ramp_iters:
         clock += step_s
+        pending += 1
         mem = after2 + (peak - after2) * (it - 1) / max(ramp_iters - 2, 1)
         if clock >= period_s:
-            s.emit(clock, min(mem, peak), util)
-            clock = 0.0
+            s.emit(clock, min(mem, peak), util, iters=pending)
+            clock, pending = 0.0, 0
         it += 1
     mem = peak
     train_s = rng.uniform(120, 900)
@@ -291,7 +302,7 @@ def compose_job(app: str, profile: Profile, cat: Catalogue, seed: int, period_s:
         sm = float(np.clip(util * np.exp(rng.normal(0, 0.03)), 0, 100))
         # a straggling iteration (multiplier > 1) leaves the GPU idle for part of the period
         sm = float(np.clip(sm / max(mult, 1.0), 0, 100))
-        s.emit(period_s, mem, sm, step_s * mult)
+        s.emit(period_s, mem, sm, step_s * mult, iters=period_s / (step_s * mult))
         trained += period_s
         if trained >= next_stall:
             s.emit(rng.exponential(2.0), mem, rng.uniform(0, 20))
@@ -320,6 +331,11 @@ def compose_job(app: str, profile: Profile, cat: Catalogue, seed: int, period_s:
         "power_w": power,
         "power_limit_w": np.full(n, limit),
     }
+    # in-app counters while the process lives: the caching allocator's reserve is what NVML shows
+    # less the CUDA context; the step counter counts finished iterations
+    alive = np.asarray(s.mem) > 0
+    columns["inapp_torch_reserved_mib"] = np.where(alive, np.maximum(np.asarray(s.mem) - ctx, 0.0), np.nan)
+    columns["inapp_step"] = np.where(alive, np.floor(np.asarray(s.iters) + 1e-9), np.nan)
     facts = {"app": app, "profile": profile.name, "source": profile.source, "seed": seed,
              "peak_mem_mib": round(peak, 1), "step_s": round(step_s, 5), "train_s": round(train_s, 1),
              "evals": evals}
