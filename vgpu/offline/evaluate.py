@@ -424,7 +424,7 @@ def _format_table(report: Mapping[str, Any], results_key: str = "results", title
                  f"{'cov90':>6} {'pinb90':>9} {'n':>7}")
 
     def fmt(v: object, spec: str) -> str:
-        return format(v, spec) if isinstance(v, float | int) else "-"
+        return format(v, spec) if isinstance(v, float | int) else format("-", ">" + spec.split(".")[0])
 
     for r in report[results_key]:
         lines.append(

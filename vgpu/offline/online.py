@@ -75,7 +75,7 @@ def node_layout(
         elif len(apps) > 1 and all(float(a.t_s[0]) < 60.0 for a in apps):
             clock, why = "per-app", "every application starts within its first minute (t_s < 60): per-application clocks"
         else:
-            clock, why = "shared", "application clocks overlap on one time line"
+            clock, why = "shared", "the applications' times lie on one time line (not all start at t_s < 60)"
     else:
         why = "as asked (--clock)"
     if clock not in ("shared", "per-app"):
