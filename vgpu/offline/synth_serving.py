@@ -472,7 +472,7 @@ def serve_series(
     power_frac = np.asarray(steps.power)
     busy = _cumulative(starts, ends, np.ones(len(starts)), t) - _cumulative(starts, ends, np.ones(len(starts)), lo)
     sm = np.clip(busy / cfg.period_s, 0.0, 1.0) * 100.0
-    has_power = cfg.hardware == "a100-80gb" and bool(np.isfinite(power_frac).any())
+    has_power = perf.prefill_power is not None and len(perf.decode_power) > 0  # measured for this configuration
     excess = np.nan_to_num(power_frac, nan=cfg.idle_power_frac) - cfg.idle_power_frac
     energy = _cumulative(starts, ends, excess, t) - _cumulative(starts, ends, excess, lo)
     power = (cfg.idle_power_frac + energy / cfg.period_s) * cfg.power_limit_w if has_power else np.full(n, np.nan)
