@@ -3,6 +3,7 @@
     vgpu profiler                                         # NVML every 100 ms, to /run/vgpu/vgpu.sock
     vgpu profiler --manager 127.0.0.1:7070 --backend sim:h100-80gb
     vgpu profiler --replay trace.csv.gz --speed 10 --loop --device-id GPU-...
+    vgpu profiler --record node.csv                       # also write what is sampled (vgpu/profiler/record.py)
 
 The daemon accepts signatures only from a profiler that sends its profiler token (vgpu/auth.py):
 `--token-file` (default /var/lib/vgpu/tokens/profiler.token, written by `vgpu serve`) is read at
@@ -58,6 +59,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--buffer-max", type=int, default=10_000, help="signatures kept while the manager is away")
     p.add_argument("--profiler-id", default=None, help="id sent with every batch (default <hostname>:profiler)")
     p.add_argument("--seconds", type=float, default=0.0, help="stop after this many seconds (default: run until signalled)")
+    p.add_argument("--record", type=Path, default=None, metavar="FILE",
+                   help="also write every sampled signature to this canonical trace (see `vgpu record`)")
     p.add_argument("--log-format", choices=("json", "console"), default="json")
     p.add_argument("--log-level", default="info")
     return p
@@ -121,6 +124,15 @@ def main(argv: Sequence[str], prog: str = "vgpu profiler") -> int:
             # simulated processes are not host processes: no psutil for them
             psutil_module = None if args.backend.startswith("sim") else _psutil()
             source = Sampler(backend, psutil_module=psutil_module, inapp_dir=args.inapp_dir)
+        if args.record is not None:
+            from vgpu.profiler.record import RecordingSource, TraceRecorder, recording_metadata
+
+            try:
+                recorder = TraceRecorder(args.record, recording_metadata(list(argv), prog, args.backend, backend))
+            except OSError as exc:
+                print(f"{prog}: cannot write {args.record}: {exc}", file=sys.stderr)
+                return 1
+            source = RecordingSource(source, recorder)
         streamer = SignatureStreamer(
             source,
             args.manager,

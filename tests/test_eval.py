@@ -6,6 +6,7 @@ import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -27,7 +28,7 @@ def ramp(n_s: int = 30, app: str = "ramp", per_second: int = 1) -> AppTrace:
     return AppTrace(app=app, t_s=t, columns={"sm_util_pct": sm, "mem_used_mib": np.full(len(t), 100.0)})
 
 
-def rows(report: dict, method: str, target: str = "sm_util_pct") -> dict[int, dict]:
+def rows(report: dict[str, Any], method: str, target: str = "sm_util_pct") -> dict[int, dict[str, Any]]:
     return {r["horizon_s"]: r for r in report["results"] if r["method"] == method and r["target"] == target}
 
 
@@ -152,12 +153,13 @@ def test_cli_json_shape_on_the_fixture(capsys: pytest.CaptureFixture[str], tmp_p
     assert "model rows absent" in captured.err
     assert len(report["results"]) == 2 * 5 * 5
     for r in report["results"]:
-        assert set(r) == {"target", "horizon_s", "method", "mae", "rmse", "r2", "mape", "coverage_p90", "n"}
+        assert set(r) == {"target", "horizon_s", "method", "mae", "rmse", "r2", "mape", "coverage_p90",
+                          "pinball_p90", "n"}
         assert r["n"] > 300
-        if r["method"] in ("last_value", "ewma"):
-            assert r["coverage_p90"] is None
-        else:
-            assert 0.0 <= r["coverage_p90"] <= 1.0
+        if r["method"] == "ewma":
+            assert r["coverage_p90"] is None and r["pinball_p90"] is None
+        else:  # last_value has its margin, learned on the fixture's train split
+            assert 0.0 <= r["coverage_p90"] <= 1.0 and r["pinball_p90"] >= 0.0
 
 
 def test_cli_errors(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -196,3 +198,32 @@ def test_ewma_and_last_value_text_table(capsys: pytest.CaptureFixture[str]) -> N
     out = capsys.readouterr().out
     assert "last_value" in out and "ewma" in out and "MAE" in out
     assert EwmaForecaster().name == "ewma"
+
+
+def test_pinball_p90_is_the_protocol_formula() -> None:
+    truth = np.array([10.0, 10.0, 0.0])
+    p90 = np.array([8.0, 12.0, 0.0])
+    # d = 2 -> 0.9*2 = 1.8; d = -2 -> 0.1*2 = 0.2; d = 0 -> 0
+    assert ev.pinball_p90(p90, truth) == pytest.approx((1.8 + 0.2) / 3)
+    m = ev.pooled_metrics(truth, p90, truth)
+    assert m["pinball_p90"] == pytest.approx((1.8 + 0.2) / 3) and m["coverage_p90"] == pytest.approx(2 / 3)
+
+
+def test_last_value_margin_is_the_90th_percentile_of_the_change_in_capacity_units() -> None:
+    """Training: memory rises by 10 MiB a second on a 1,000 MiB device; evaluated on a 2,000 MiB one,
+    the margin for h seconds is 10 h / 1000 x 2000 = 20 h MiB."""
+    t = np.arange(40.0)
+    train = AppTrace("tr", t, {"mem_used_mib": 10 * t, "mem_total_mib": np.full(40, 1000.0),
+                               "sm_util_pct": np.where(t % 2 == 0, 10.0, 30.0)})
+    fc = ev.LastValueMarginForecaster().fit([train])
+    evald = AppTrace("ev", t, {"mem_used_mib": np.full(40, 500.0), "mem_total_mib": np.full(40, 2000.0),
+                               "sm_util_pct": np.full(40, 50.0)})
+    scores = ev.score_origins([evald], [fc])["last_value"]
+    np.testing.assert_allclose(scores["mem_used_mib"].p90[0], [500 + 20 * h for h in HORIZONS_S])
+    np.testing.assert_allclose(scores["mem_used_mib"].p50[0], [500.0] * 5)
+    # compute alternates by +-20: the 90th percentile of the change is +20 (odd h) or 0 (even h)
+    np.testing.assert_allclose(scores["sm_util_pct"].p90[0], [70, 50, 70, 50, 70])
+    # without a stated capacity the margin is in MiB as trained
+    bare = AppTrace("bare", t, {"mem_used_mib": np.full(40, 500.0)})
+    np.testing.assert_allclose(ev.score_origins([bare], [fc])["last_value"]["mem_used_mib"].p90[0],
+                               [500 + 10 * h for h in HORIZONS_S])

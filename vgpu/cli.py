@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("vgpu.daemon.demo:main", "run the whole pipeline on a simulated GPU with a bundled trace"),
     "serve": ("vgpu.daemon.serve:main", "run the manager and allocator daemon"),
     "profiler": ("vgpu.profiler.main:main", "run the behavioural profiler and stream to the manager"),
+    "record": ("vgpu.profiler.record:main", "record what the profiler samples to a canonical trace"),
     "available": ("vgpu.ctl:available_main", "show free and granted resources per device"),
     "apps": ("vgpu.ctl:apps_main", "list applications with their usage, forecast and grants"),
     "request": ("vgpu.ctl:request_main", "request an allocation for an application"),

@@ -313,23 +313,63 @@ def iter_rows(apps: Iterable[AppTrace], header: Sequence[str] = HEADER) -> Itera
             yield [_format(float(t)), trace.app, trace.gpu or ""] + [_format(float(c[i])) for c in cols]
 
 
+def format_value(value: float | None) -> str:
+    """A cell of the canonical CSV: empty for a missing value, else the number to 6 decimals."""
+    return "" if value is None else _format(float(value))
+
+
+def open_for_writing(path: str | Path) -> io.TextIOWrapper:
+    """A text stream to a new trace file (gzip when the name ends in .gz), for writers that add rows
+    as they come (`vgpu record`); `write_trace` for whole traces."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return _open_for_writing(path)
+
+
+def meta_line(metadata: Mapping[str, Any]) -> str:
+    """The `#meta` line (with its newline) for `metadata`."""
+    line = META_PREFIX + json.dumps(dict(metadata), sort_keys=True, separators=(",", ":"))
+    if "\n" in line:
+        raise ValueError("metadata must serialise to one line")
+    return line + "\n"
+
+
+def _open_for_writing(path: Path) -> io.TextIOWrapper:
+    """A text stream to `path`; gzip without a time or name in its header, so the same rows give the
+    same bytes."""
+    raw = open(path, "wb")  # noqa: SIM115 - closed with the wrapper
+    if path.suffix != ".gz":
+        return io.TextIOWrapper(raw, encoding="utf-8", newline="")
+    gz = gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0)
+    return _ClosingTextWrapper(gz, raw)
+
+
+class _ClosingTextWrapper(io.TextIOWrapper):
+    """Closes the file under the gzip stream too (GzipFile leaves a given fileobj open)."""
+
+    def __init__(self, gz: gzip.GzipFile, raw: io.BufferedWriter) -> None:
+        super().__init__(gz, encoding="utf-8", newline="")
+        self._raw = raw
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self._raw.close()
+
+
 def write_trace(path: str | Path, apps: Iterable[AppTrace], *, metadata: Mapping[str, Any] | None = None) -> int:
     """Write a canonical trace (gzip-compressed when the name ends in .gz); returns the row count.
     `metadata` (JSON-serialisable) goes on one `#meta` line before the header."""
     path = Path(path)
     apps = list(apps)
     header = header_for(apps)
-    meta_line = META_PREFIX + json.dumps(dict(metadata), sort_keys=True, separators=(",", ":")) if metadata else None
-    if meta_line is not None and "\n" in meta_line:
-        raise ValueError("metadata must serialise to one line")
+    first = meta_line(metadata) if metadata else None
     path.parent.mkdir(parents=True, exist_ok=True)
-    opener = gzip.open(path, "wt", encoding="utf-8", newline="") if path.suffix == ".gz" else open(
-        path, "w", encoding="utf-8", newline=""
-    )
     n = 0
-    with opener as fh:
-        if meta_line is not None:
-            fh.write(meta_line + "\n")
+    with _open_for_writing(path) as fh:
+        if first is not None:
+            fh.write(first)
         writer = csv.writer(fh)
         writer.writerow(header)
         for row in iter_rows(apps, header):

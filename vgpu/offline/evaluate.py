@@ -10,8 +10,18 @@ The protocol, as implemented here:
    including the origin, which is the same thing). The truth for horizon h is the grid value
    h seconds after the origin; an (origin, h) pair whose truth lies past the grid's end is not scored.
 3. Per (target, horizon, method), pooled over applications and origins: MAE, RMSE,
-   R2 = 1 - MSE / Var(truth), MAPE in % over truths != 0, and coverage_p90 = share of truths <= P90
-   (null for methods without a P90). Rows where a method returned NaN are left out of its `n`.
+   R2 = 1 - MSE / Var(truth), MAPE in % over truths != 0, coverage_p90 = share of truths <= P90 and
+   pinball_p90 = mean of max(0.9 d, -0.1 d) with d = truth - P90 (both null for methods without a
+   P90). Rows where a method returned NaN are left out of its `n`.
+4. `last_value` carries a P90 once it is fitted on training data (`LastValueMarginForecaster`): the
+   origin's value plus, per target and horizon, the 90th percentile of the h-second change over the
+   training applications' protocol origins, in units of capacity (memory: the application's
+   `mem_total_mib`; compute: 100 %), times the evaluated application's capacity. Where an application
+   states no memory capacity, the margin in MiB (the same percentile of the change itself) is added.
+   Unfitted, it has no P90, as before.
+
+`vgpu eval --online` runs the node protocol instead (vgpu/offline/online.py) and prints its figures
+beside the offline ones.
 
 `evaluate(apps, forecasters)` is the in-process API, `score_origins` the forecasts behind it (for
 breakdowns such as bench/error_breakdown.py); `main(argv, prog)` the command.
@@ -27,7 +37,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -62,6 +72,7 @@ class TargetGrid:
     seconds: npt.NDArray[np.int64]
     values: FloatArray
     origins: npt.NDArray[np.int64]
+    capacity: float = math.nan  # the target's capacity (mem_total_mib; 100 for compute); NaN unknown
 
 
 @dataclass(frozen=True)
@@ -87,7 +98,80 @@ def build_grids(apps: Sequence[AppTrace], min_index: int = MIN_ORIGIN_INDEX) -> 
             seconds, values = one_second_grid(app, target)
             origins = np.arange(min_index, len(values) - 1, dtype=np.int64)
             if len(origins):
-                out[target].append(TargetGrid(app.app, seconds, values, origins))
+                out[target].append(TargetGrid(app.app, seconds, values, origins, capacity_of(app, target)))
+    return out
+
+
+def capacity_of(app: AppTrace, target: str) -> float:
+    """100 for compute; the largest stated `mem_total_mib` for memory (NaN where none is)."""
+    if target == "sm_util_pct":
+        return 100.0
+    total = app.column("mem_total_mib")
+    ok = np.isfinite(total) & (total > 0)
+    return float(total[ok].max()) if ok.any() else math.nan
+
+
+def pinball_p90(p90: FloatArray, truth: FloatArray) -> float:
+    """Mean pinball loss of a P90: max(0.9 d, -0.1 d) with d = truth - P90."""
+    d = truth - p90
+    return float(np.mean(np.maximum(0.9 * d, -0.1 * d)))
+
+
+class LastValueMarginForecaster(LastValueForecaster):
+    """`last_value` with the fixed-margin P90 of the protocol (module docstring, step 4). `fit`
+    learns the margins; `forecast_grids_cap` applies them (the evaluator passes each grid's
+    capacity); `forecast_grids` without capacities uses the margins in native units."""
+
+    name = "last_value"
+
+    def __init__(self) -> None:
+        # (target, horizon index) -> (margin in units of capacity or NaN, margin in native units)
+        self.margins: dict[tuple[str, int], tuple[float, float]] = {}
+
+    @property
+    def fitted(self) -> bool:
+        return bool(self.margins)
+
+    def fit(self, apps: Sequence[AppTrace], min_index: int = MIN_ORIGIN_INDEX) -> LastValueMarginForecaster:
+        """Margins from every protocol origin of `apps` whose truth lies in its grid."""
+        self.margins = margins_from_grids(build_grids(apps, min_index))
+        return self
+
+    def forecast_grids_cap(
+        self, grids: Sequence[FloatArray], target: str, capacities: FloatArray
+    ) -> tuple[FloatArray, FloatArray]:
+        p50, _ = super().forecast_grids(grids, target)
+        p90 = np.full_like(p50, np.nan)
+        for j in range(len(self.horizons_s)):
+            rel, native = self.margins.get((target, j), (math.nan, math.nan))
+            add = np.where(np.isfinite(capacities) & math.isfinite(rel), rel * capacities, native)
+            p90[:, j] = p50[:, j] + add
+        if target == "sm_util_pct":
+            p90 = np.minimum(p90, 100.0)
+        return p50, p90
+
+    def forecast_grids(self, grids: Sequence[FloatArray], target: str) -> tuple[FloatArray, FloatArray]:
+        return self.forecast_grids_cap(grids, target, np.full(len(grids), np.nan))
+
+
+def margins_from_grids(grids: Mapping[str, Sequence[TargetGrid]]) -> dict[tuple[str, int], tuple[float, float]]:
+    """(target, horizon index) -> (90th percentile of the h-second change / capacity over the grids
+    that state a capacity (NaN if none does), 90th percentile of the change itself)."""
+    out: dict[tuple[str, int], tuple[float, float]] = {}
+    for target, tgrids in grids.items():
+        for j, h in enumerate(HORIZONS_S):
+            rel_parts, abs_parts = [], []
+            for g in tgrids:
+                idx = g.origins[g.origins + h < len(g.values)]
+                change = g.values[idx + h] - g.values[idx]
+                abs_parts.append(change)
+                if math.isfinite(g.capacity) and g.capacity > 0:
+                    rel_parts.append(change / g.capacity)
+            absolute = np.concatenate(abs_parts) if abs_parts else np.zeros(0)
+            relative = np.concatenate(rel_parts) if rel_parts else np.zeros(0)
+            if len(absolute):
+                out[(target, j)] = (float(np.percentile(relative, 90)) if len(relative) else math.nan,
+                                    float(np.percentile(absolute, 90)))
     return out
 
 
@@ -105,7 +189,7 @@ def pooled_metrics(p50: FloatArray, p90: FloatArray, truth: FloatArray) -> dict[
     ok = np.isfinite(p50) & np.isfinite(truth)
     n = int(ok.sum())
     if n == 0:
-        return {"mae": None, "rmse": None, "r2": None, "mape": None, "coverage_p90": None, "n": 0}
+        return {"mae": None, "rmse": None, "r2": None, "mape": None, "coverage_p90": None, "pinball_p90": None, "n": 0}
     err = p50[ok] - truth[ok]
     y = truth[ok]
     mse = float(np.mean(err**2))
@@ -118,6 +202,7 @@ def pooled_metrics(p50: FloatArray, p90: FloatArray, truth: FloatArray) -> dict[
         "r2": 1.0 - mse / var if var > 0 else None,
         "mape": float(np.mean(np.abs(err[nonzero]) / np.abs(y[nonzero])) * 100.0) if nonzero.any() else None,
         "coverage_p90": float(np.mean(truth[has90] <= p90[has90])) if has90.any() else None,
+        "pinball_p90": pinball_p90(p90[has90], truth[has90]) if has90.any() else None,
         "n": n,
     }
 
@@ -130,10 +215,15 @@ def _grid_method_forecasts(
     fc: GridForecaster, tgrids: Sequence[TargetGrid], target: str, chunk: int
 ) -> tuple[FloatArray, FloatArray]:
     prefixes = [g.values[: i + 1] for g in tgrids for i in g.origins]
+    caps = np.array([g.capacity for g in tgrids for _ in g.origins], dtype=np.float64)
+    with_cap = getattr(fc, "forecast_grids_cap", None)
     p50 = np.empty((len(prefixes), len(HORIZONS_S)))
     p90 = np.empty_like(p50)
     for s in _chunks(len(prefixes), chunk):
-        p50[s], p90[s] = fc.forecast_grids(prefixes[s], target)
+        if with_cap is not None:
+            p50[s], p90[s] = with_cap(prefixes[s], target, caps[s])
+        else:
+            p50[s], p90[s] = fc.forecast_grids(prefixes[s], target)
     return p50, p90
 
 
@@ -331,18 +421,19 @@ def gbdt_training_apps(
     return [], "none: give --train-trace (evaluating on all applications leaves no held-out training data)"
 
 
-def _format_table(report: Mapping[str, Any]) -> str:
-    lines = [f"{report['apps']} apps, {report['samples']} samples"]
-    lines.append(f"{'target':<13} {'h':>2} {'method':<15} {'MAE':>10} {'RMSE':>10} {'R2':>7} {'MAPE%':>8} {'cov90':>6} {'n':>7}")
+def _format_table(report: Mapping[str, Any], results_key: str = "results", title: str | None = None) -> str:
+    lines = [title or f"{report['apps']} apps, {report['samples']} samples"]
+    lines.append(f"{'target':<13} {'h':>2} {'method':<15} {'MAE':>10} {'RMSE':>10} {'R2':>7} {'MAPE%':>8} "
+                 f"{'cov90':>6} {'pinb90':>9} {'n':>7}")
 
     def fmt(v: object, spec: str) -> str:
-        return format(v, spec) if isinstance(v, float | int) else "-"
+        return format(v, spec) if isinstance(v, float | int) else format("-", ">" + spec.split(".")[0])
 
-    for r in report["results"]:
+    for r in report[results_key]:
         lines.append(
             f"{r['target']:<13} {r['horizon_s']:>2} {r['method']:<15} {fmt(r['mae'], '10.3f')} "
             f"{fmt(r['rmse'], '10.3f')} {fmt(r['r2'], '7.3f')} {fmt(r['mape'], '8.2f')} "
-            f"{fmt(r['coverage_p90'], '6.3f')} {r['n']:>7}"
+            f"{fmt(r['coverage_p90'], '6.3f')} {fmt(r.get('pinball_p90'), '9.3f')} {r['n']:>7}"
         )
     return "\n".join(lines)
 
@@ -351,18 +442,28 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu eval") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--trace", required=True, help="canonical trace to evaluate on")
     parser.add_argument("--model", default=None, help="forecaster checkpoint (default: the shipped one)")
-    parser.add_argument("--split", default="test", choices=("test", "val", "train", "all"),
-                        help="applications to score, by vgpu.offline.splits (default: test)")
+    parser.add_argument("--split", default=None, choices=("test", "val", "train", "all"),
+                        help="applications to score, by vgpu.offline.splits (default: test; all with --online)")
     parser.add_argument("--train-trace", action="append", default=[],
-                        help="trace gbdt trains on (its train split); repeatable")
+                        help="trace gbdt and the last value's margin learn from (its train split); repeatable")
     parser.add_argument("--methods", default=",".join(METHOD_ORDER),
                         help=f"comma-separated subset of {','.join(METHOD_ORDER)}")
+    parser.add_argument("--online", action="store_true",
+                        help="also run the node protocol (one clock, learning as it goes); see vgpu/offline/online.py")
+    parser.add_argument("--clock", default="auto", choices=("auto", "shared", "per-app"),
+                        help="--online: the trace's clocks (default: from its metadata, else guessed; reported)")
+    parser.add_argument("--refit-every-s", type=int, default=1800, help="--online: gbdt re-fit period, node seconds")
+    parser.add_argument("--learn-every-s", type=int, default=60,
+                        help="--online: how often the last value's margin (and a model's learn hook) learn")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = set(methods) - set(METHOD_ORDER)
     if unknown:
         parser.error(f"unknown methods {sorted(unknown)}; choose from {METHOD_ORDER}")
+    if args.refit_every_s < 1 or args.learn_every_s < 1:
+        parser.error("--refit-every-s and --learn-every-s must be at least 1")
+    split: Literal["train", "val", "test", "all"] = args.split or ("all" if args.online else "test")
 
     try:
         trace = read_trace(args.trace)
@@ -371,9 +472,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu eval") -> int:
         return 1
     if trace.issues:
         _warn(prog, f"{len(trace.issues)} bad rows skipped in {args.trace} (first: {trace.issues[0]})")
-    apps = select(trace.apps, args.split)
+    apps = select(trace.apps, split)
     if not apps:
-        _warn(prog, f"no application of {args.trace} falls in the {args.split!r} split")
+        _warn(prog, f"no application of {args.trace} falls in the {split!r} split")
         return 1
 
     forecasters: list[Forecaster] = []
@@ -384,24 +485,31 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu eval") -> int:
         from vgpu.manager.experts import make_served  # noqa: PLC0415 - only for this method
 
         forecasters.append(make_served(model, name="served"))
-    baseline_factories: dict[str, Callable[[], Forecaster]] = {
-        "last_value": LastValueForecaster,
-        "ewma": EwmaForecaster,
-        "vpa_percentile": VpaPercentileForecaster,
-    }
-    forecasters += [baseline_factories[m]() for m in METHOD_ORDER if m in methods and m in baseline_factories]
-    if "gbdt" in methods:
+    train_apps: list[AppTrace] = []
+    described = ""
+    if "gbdt" in methods or "last_value" in methods:
         train_paths = list(args.train_trace) or training_traces_of(model)
         try:
-            train_apps, described = gbdt_training_apps(train_paths, trace, args.split, prog)
+            train_apps, described = gbdt_training_apps(train_paths, trace, split, prog)
         except TraceFormatError as exc:
             where = ""
             if not args.train_trace:  # the paths came from the model's metadata: say where they were sought
                 sought = ", ".join(f"{p} -> {Path(p).resolve()}" for p in train_paths)
                 where = (f" (the model names its training trace(s) {sought}, looked up relative to the working "
                          f"directory {Path.cwd()}; give --train-trace PATH)")
-            _warn(prog, f"gbdt rows absent: {exc}{where}")
-            train_apps, described = [], ""
+            _warn(prog, f"no training data for gbdt and the last value's margin: {exc}{where}")
+    if "last_value" in methods:
+        if train_apps:
+            forecasters.append(LastValueMarginForecaster().fit(train_apps))
+        else:
+            forecasters.append(LastValueForecaster())
+            _warn(prog, "last_value has no P90: no training data for its margin (give --train-trace)")
+    baseline_factories: dict[str, Callable[[], Forecaster]] = {
+        "ewma": EwmaForecaster,
+        "vpa_percentile": VpaPercentileForecaster,
+    }
+    forecasters += [baseline_factories[m]() for m in METHOD_ORDER if m in methods and m in baseline_factories]
+    if "gbdt" in methods:
         if train_apps:
             started = time.perf_counter()
             try:
@@ -416,8 +524,40 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu eval") -> int:
     timings: dict[str, float] = {}
     report = evaluate(apps, forecasters, timings=timings)
     _warn(prog, "seconds per method: " + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()))
+    if trace.metadata.get("derived"):
+        report["derived"] = True
+        report["generator"] = trace.metadata.get("generator")
+    if not args.online:
+        if args.json:
+            print(json.dumps(report))
+        else:
+            print(_format_table(report))
+        return 0
+
+    from vgpu.offline import online  # noqa: PLC0415
+
+    try:
+        layout = online.node_layout(list(apps.values()), args.clock, trace.metadata)
+        online_methods = online.default_methods(methods, model, refit_every_s=args.refit_every_s,
+                                                learn_every_s=args.learn_every_s)
+        online_timings: dict[str, float] = {}
+        online_report = online.evaluate_online(layout, online_methods, timings=online_timings)
+    except ValueError as exc:
+        _warn(prog, f"online: {exc}")
+        return 1
+    _warn(prog, f"online clock: {layout.clock} ({layout.why})")
+    _warn(prog, "online seconds per method: " + ", ".join(f"{k} {v:.1f}" for k, v in online_timings.items()))
+    both = {"offline": report, "online": online_report}
     if args.json:
-        print(json.dumps(report))
+        print(json.dumps(both))
     else:
-        print(_format_table(report))
+        print(_format_table(report, title=f"OFFLINE: {report['apps']} apps, {report['samples']} samples"))
+        print()
+        head = (f"ONLINE ({online_report['clock']} clock: {online_report['clock_why']}); "
+                f"timeline {online_report['timeline_s'][0]}-{online_report['timeline_s'][1]} s")
+        print(_format_table(online_report, "results", head))
+        for half in ("first_half", "second_half"):
+            print()
+            print(_format_table(online_report, half, f"ONLINE, {half.replace('_', ' ')} of the timeline "
+                                f"(split at {online_report['half_split_s']:.0f} s)"))
     return 0

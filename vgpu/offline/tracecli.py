@@ -4,6 +4,15 @@
                        [--gpus N] [--strict]
     vgpu trace info PATH [--json]
     vgpu trace cut {demo,fixture} --src MIGPERF_DATA --out OUT.csv.gz
+    vgpu trace synth --kind serving --service {azure-conv,azure-code,mooncake} --out OUT.csv.gz
+                     [--data ../shared/data] [--replicas N] [--model llama2-70b] [--hardware a100-80gb]
+                     [--tp 2] [--memory dynamic|pool] [--max-requests N] [--duration-s S]
+                     [--segment-s S] [--time-scale X] [--seed N] [--json]
+    vgpu trace synth --kind training --jobs N --out OUT.csv.gz [--data ../shared/data]
+                     [--sources migperf,miso,gpumemnet] [--seed N] [--json]
+
+`synth` writes derived series (vgpu/offline/synth_serving.py, synth_training.py) with their provenance
+on the trace's `#meta` line.
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ from pathlib import Path
 from typing import TextIO
 
 from vgpu.offline import convert
-from vgpu.traces import NUMERIC, Trace, TraceFormatError, read_trace, write_trace
+from vgpu.traces import ALL_NUMERIC, Trace, TraceFormatError, read_trace, write_trace
 
 FORMATS = ("migperf", "nvidia-smi", "alibaba")
 _MAX_LISTED_ISSUES = 20
@@ -78,7 +87,7 @@ def _print_summary(summary: dict[str, object], result: convert.Conversion, strea
 
 def trace_info(trace: Trace) -> dict[str, object]:
     durations = [a.duration_s for a in trace.apps.values()]
-    columns = sorted({c for a in trace.apps.values() for c in NUMERIC if a.has(c)}, key=NUMERIC.index)
+    columns = sorted({c for a in trace.apps.values() for c in ALL_NUMERIC if a.has(c)}, key=ALL_NUMERIC.index)
     return {
         "path": trace.source,
         "apps": len(trace.apps),
@@ -93,6 +102,8 @@ def trace_info(trace: Trace) -> dict[str, object]:
         "skipped_rows": len(trace.issues),
         "skipped_by_reason": dict(Counter(i.reason.split(" (")[0] for i in trace.issues)),
         "skipped_first": [str(i) for i in trace.issues[:_MAX_LISTED_ISSUES]],
+        "derived": bool(trace.metadata.get("derived", False)),
+        "generator": trace.metadata.get("generator"),
     }
 
 
@@ -115,7 +126,29 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu trace") -> int:
     cut.add_argument("what", choices=("demo", "fixture"))
     cut.add_argument("--src", required=True, help="the MIGPerf data folder (migperf-a100-mig/data)")
     cut.add_argument("--out", required=True)
+    syn = sub.add_parser("synth", help="derive serving or training series from the permitted datasets")
+    syn.add_argument("--kind", required=True, choices=("serving", "training"))
+    syn.add_argument("--data", default="../shared/data", help="the shared data folder (default %(default)s)")
+    syn.add_argument("--out", required=True, help="canonical trace to write (.csv or .csv.gz)")
+    syn.add_argument("--seed", type=int, default=0)
+    syn.add_argument("--json", action="store_true", help="print the metadata written as JSON")
+    syn.add_argument("--service", help="serving: which request trace")
+    syn.add_argument("--replicas", type=int, default=None, help="serving: engines the requests are dealt to in turn")
+    syn.add_argument("--model", default="llama2-70b", help="serving: llama2-70b or bloom-176b")
+    syn.add_argument("--hardware", default="a100-80gb", help="serving: a100-80gb, h100-80gb or h100-80gb-pcap")
+    syn.add_argument("--tp", type=int, default=2, help="serving: tensor parallelism (2, 4, 8 as measured)")
+    syn.add_argument("--memory", default="dynamic", choices=("dynamic", "pool"),
+                     help="serving: memory in use (dynamic) or a vLLM-style preallocated pool (pool)")
+    syn.add_argument("--max-requests", type=int, default=None, help="serving: only the first N requests")
+    syn.add_argument("--duration-s", type=float, default=None, help="serving: series length after start-up")
+    syn.add_argument("--segment-s", type=float, default=0.0, help="serving: cut each engine's series into pieces")
+    syn.add_argument("--time-scale", type=float, default=1.0, help="serving: multiply arrival times by X")
+    syn.add_argument("--jobs", type=int, default=None, help="training: number of jobs")
+    syn.add_argument("--sources", default="migperf,miso,gpumemnet", help="training: profile sources")
     args = parser.parse_args(argv)
+
+    if args.command == "synth":
+        return _synth(args, parser, prog)
 
     if args.command == "cut":
         try:
@@ -171,4 +204,44 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu trace") -> int:
                 print(f"  {issue}")
             if len(trace.issues) > _MAX_LISTED_ISSUES:
                 print(f"  ... and {len(trace.issues) - _MAX_LISTED_ISSUES} more")
+        if facts["derived"]:
+            print(f"derived series: {facts['generator']} (provenance on the #meta line)")
+    return 0
+
+
+_SERVING_OPTIONS = ("kind", "service", "data", "seed", "replicas", "model", "hardware", "tp", "memory",
+                    "max_requests", "duration_s", "segment_s", "time_scale")
+_TRAINING_OPTIONS = ("kind", "data", "seed", "jobs", "sources")
+
+
+def _synth(args: argparse.Namespace, parser: argparse.ArgumentParser, prog: str) -> int:
+    from vgpu.offline import synth_serving, synth_training  # noqa: PLC0415 - only this command needs them
+
+    try:
+        if args.kind == "serving":
+            if not args.service:
+                parser.error("--kind serving needs --service")
+            cfg = synth_serving.EngineConfig(model=args.model, hardware=args.hardware, tp=args.tp, memory=args.memory)
+            apps, meta = synth_serving.synthesize(
+                Path(args.data) / "llm-serving-requests", args.service, cfg, replicas=args.replicas, seed=args.seed,
+                time_scale=args.time_scale, max_requests=args.max_requests, duration_s=args.duration_s,
+                segment_s=args.segment_s,
+            )
+        else:
+            if args.jobs is None:
+                parser.error("--kind training needs --jobs")
+            sources = [s.strip() for s in args.sources.split(",") if s.strip()]
+            apps, meta = synth_training.synthesize(args.data, args.jobs, seed=args.seed, sources=sources)
+    except (ValueError, OSError) as exc:
+        print(f"{prog} synth: {exc}", file=sys.stderr)
+        return 1
+    wanted = _SERVING_OPTIONS if args.kind == "serving" else _TRAINING_OPTIONS
+    meta["command"] = "vgpu trace synth " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k in wanted and v is not None
+    )
+    rows = write_trace(args.out, apps, metadata=meta)
+    if args.json:
+        print(json.dumps(meta))
+    else:
+        print(f"wrote {len(apps)} apps, {rows} rows -> {args.out}")
     return 0

@@ -1,0 +1,118 @@
+"""`vgpu record` / `vgpu profiler --record`: what the profiler samples, written as a canonical trace and
+read back with vgpu.traces exactly as it was streamed."""
+
+from __future__ import annotations
+
+import gzip
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from vgpu.client import InAppCounters, InAppReport, write_inapp
+from vgpu.device.sim import ManualClock, SimBackend
+from vgpu.profiler.record import RECORD_HEADER, RecordingSource, TraceRecorder, signature_values
+from vgpu.profiler.sampler import Sampler
+from vgpu.traces import AppTrace, read_trace, write_trace
+from vgpu.v1 import signature_pb2
+
+DEMO = Path(__file__).resolve().parent.parent / "vgpu" / "data" / "demo_trace.csv.gz"
+
+
+def _ramp(app: str, n: int = 60) -> AppTrace:
+    t = np.arange(n, dtype=np.float64) / 10
+    k = np.arange(n, dtype=np.float64)
+    return AppTrace(app, t, {"mem_used_mib": 1000.0 + 50 * k, "sm_util_pct": 10.0 + (k % 7) * 5})
+
+
+@pytest.mark.parametrize("name", ["rec.csv", "rec.csv.gz"])
+def test_recorded_rows_are_what_was_streamed(tmp_path: Path, name: str) -> None:
+    clock = ManualClock(0.0)
+    backend = SimBackend(["h100-80gb"], clock=clock)
+    backend.launch("train", 101, _ramp("train"))
+    backend.launch("infer", 102, _ramp("infer", 40))
+    inapp = tmp_path / "inapp"
+    write_inapp(inapp, InAppReport("train-job", 101, None, 1_700_000_000.0,
+                                   InAppCounters(torch_allocated_mib=900.0, torch_reserved_mib=1024.0, step=7)))
+    sampler = Sampler(backend, psutil_module=None, inapp_dir=inapp, inapp_max_age_s=1e12,
+                      clock=lambda: 1_700_000_000.0 + clock(), monotonic=clock)
+    path = tmp_path / name
+    source = RecordingSource(sampler, TraceRecorder(path, {"recorded": True, "clock": "shared"}, monotonic=clock))
+    streamed: list[signature_pb2.BehavioralSignature] = []
+    for _ in range(30):
+        clock.advance(0.1)
+        streamed += source.sample()
+    source.close()
+
+    trace = read_trace(path, strict=True)
+    assert trace.metadata == {"recorded": True, "clock": "shared"}
+    assert len(streamed) == trace.samples > 40 and not trace.issues
+    assert set(trace.apps) == {s.app_id for s in streamed} == {"train-job", "pid:102"}
+    for app_id, app in trace.apps.items():
+        sigs = [s for s in streamed if s.app_id == app_id]
+        np.testing.assert_allclose(app.t_s, [s.timestamp_s for s in sigs], atol=1e-6)
+        assert app.gpu == sigs[0].device_id
+        for column in RECORD_HEADER[3:]:
+            expected = np.array([signature_values(s).get(column, np.nan) for s in sigs])
+            np.testing.assert_allclose(app.column(column), expected, atol=1e-6, equal_nan=True, err_msg=column)
+    train = trace.apps["train-job"]
+    assert np.all(train.column("inapp_torch_reserved_mib") == 1024.0) and np.all(train.column("inapp_step") == 7)
+    assert np.isnan(trace.apps["pid:102"].column("inapp_step")).all()
+    assert np.nanmax(train.column("mem_used_mib")) > np.nanmin(train.column("mem_used_mib"))  # it follows the trace
+    assert np.all(train.column("dev_mem_used_mib") >= train.column("mem_used_mib"))
+
+
+def test_a_signature_without_a_target_is_counted_not_written(tmp_path: Path) -> None:
+    rec = TraceRecorder(tmp_path / "r.csv")
+    sig = signature_pb2.BehavioralSignature(app_id="a", device_id="g", timestamp_s=1.0)
+    sig.device.power_mw = 100_000
+    ok = signature_pb2.BehavioralSignature(app_id="a", device_id="g", timestamp_s=2.0)
+    ok.process.gpu_mem_used_mib = 5.0
+    ok.device.power_mw = 150_000
+    assert rec.write([sig, ok]) == 1
+    rec.close()
+    assert rec.skipped_no_target == 1
+    app = read_trace(tmp_path / "r.csv", strict=True).apps["a"]
+    assert app.t_s.tolist() == [2.0] and app.column("power_w").tolist() == [150.0]
+
+
+def test_cli_records_the_simulated_gpu(tmp_path: Path) -> None:
+    src = tmp_path / "src.csv"
+    write_trace(src, [_ramp("job-a", 100)])
+    out = tmp_path / "node.csv.gz"
+    r = subprocess.run([sys.executable, "-m", "vgpu.cli", "record", "--backend", "sim:a100-80gb", "--sim-trace", str(src),
+                        "--seconds", "1.5", "--period-ms", "100", "--inapp-dir", str(tmp_path / "none"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    trace = read_trace(out, strict=True)
+    assert trace.metadata["recorded"] is True and trace.metadata["backend"] == "sim:a100-80gb"
+    assert trace.metadata["devices"][0]["mem_total_mib"] == 81920.0
+    assert list(trace.apps) == ["job-a"] and 8 <= trace.samples <= 16
+    assert gzip.open(out, "rt").readline().startswith("#meta ")
+
+
+def test_cli_refuses_bad_options(tmp_path: Path) -> None:
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "vgpu.cli", "record", *args], capture_output=True, text=True,
+                              timeout=120, check=False)
+
+    assert run("--backend", "nvml", "--sim-trace", str(DEMO), "--out", str(tmp_path / "x.csv")).returncode == 2
+    r = run("--backend", "sim:nope", "--out", str(tmp_path / "x.csv"))
+    assert r.returncode == 1 and "cannot open backend" in r.stderr
+    r = run("--backend", "sim:h100-80gb", "--sim-trace", str(tmp_path / "missing.csv"), "--out", str(tmp_path / "x.csv"))
+    assert r.returncode == 1 and "no such file" in r.stderr
+
+
+def test_profiler_record_option_writes_the_trace_while_streaming(tmp_path: Path) -> None:
+    """The profiler keeps sampling (and recording) while its manager is away; the bare simulated GPU
+    has no process, so the trace is its metadata and header."""
+    out = tmp_path / "p.csv"
+    r = subprocess.run([sys.executable, "-m", "vgpu.cli", "profiler", "--backend", "sim:h100-80gb", "--no-token",
+                        "--manager", "127.0.0.1:9", "--seconds", "1", "--record", str(out),
+                        "--inapp-dir", str(tmp_path / "none")], capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    lines = out.read_text().splitlines()
+    assert lines[0].startswith("#meta ") and '"recorded":true' in lines[0]
+    assert lines[1] == ",".join(RECORD_HEADER) and len(lines) == 2
