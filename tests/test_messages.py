@@ -81,6 +81,6 @@ def test_eval_says_where_it_looked_for_the_models_training_trace(tmp_path: Path)
                         for i in range(2)])
     r = vgpu("eval", "--trace", str(trace), "--split", "all", "--methods", "model,gbdt", cwd=tmp_path,
              env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
-    assert "gbdt rows absent" in r.stderr, r.stderr
+    assert "no training data for gbdt" in r.stderr, r.stderr
     assert f"relative to the working directory {tmp_path}" in r.stderr and "--train-trace" in r.stderr
     assert str(tmp_path / "runs" / "migperf.csv.gz") in r.stderr

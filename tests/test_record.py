@@ -106,13 +106,14 @@ def test_cli_refuses_bad_options(tmp_path: Path) -> None:
 
 
 def test_profiler_record_option_writes_the_trace_while_streaming(tmp_path: Path) -> None:
-    """The profiler keeps sampling (and recording) while its manager is away; the bare simulated GPU
-    has no process, so the trace is its metadata and header."""
+    """The profiler keeps sampling (and recording) while its manager is away, and says at exit that it
+    never reached it (exit 1); the bare simulated GPU has no process, so the trace is its metadata and
+    header."""
     out = tmp_path / "p.csv"
     r = subprocess.run([sys.executable, "-m", "vgpu.cli", "profiler", "--backend", "sim:h100-80gb", "--no-token",
                         "--manager", "127.0.0.1:9", "--seconds", "1", "--record", str(out),
                         "--inapp-dir", str(tmp_path / "none")], capture_output=True, text=True, timeout=120, check=False)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 1 and "never reached the manager" in r.stderr, r.stderr
     lines = out.read_text().splitlines()
     assert lines[0].startswith("#meta ") and '"recorded":true' in lines[0]
     assert lines[1] == ",".join(RECORD_HEADER) and len(lines) == 2
