@@ -146,6 +146,8 @@ class Decision:
             sm_util_pct=self.sm_util_pct,
             for_seq=self.for_seq,
             decided_at_s=self.decided_at_s,
+            mem_p50_peak_mib=_peak(self.forecast.mem_p50_mib),
+            sm_p50_peak_pct=_peak(self.forecast.sm_p50_pct),
         )
 
 
@@ -184,6 +186,7 @@ class StreamState:
     apps: set[str] = field(default_factory=set)
     delivered: int = 0
     duplicates: int = 0
+    closed: bool = False  # the stream has ended (set by the servicer)
 
 
 Item = tuple[str, str, int, AppTrace, float, float]  # app, device, seq, window, mem used, SM used
@@ -265,6 +268,7 @@ class Manager:
         self._streams: weakref.WeakSet[StreamState] = weakref.WeakSet()
         self._last_kept: set[str] = set()  # the apps the last accepted batch added samples to
         self._delivered_plain = 0  # decisions handed out to callers without stream state
+        self._pids: dict[str, int] = {}  # app -> the pid its latest signature named
         self._log = logger or get_logger("vgpu.manager")
 
     @property
@@ -306,6 +310,8 @@ class Manager:
                 accepted += 1
                 dirty.add(app_id)
                 kept_apps.add(app_id)
+                if sig.pid:
+                    self._pids[app_id] = sig.pid
                 if apps is not None:
                     apps.add(app_id)
             elif self.windows.holds(app_id, sig.seq, sig.timestamp_s):
@@ -347,6 +353,7 @@ class Manager:
         if not len(good):
             return 0
         order = good[np.argsort(rows.app_index[good], kind="stable")]  # by app, batch order within
+        pids = np.frombuffer(msg.pid_u32, dtype="<u4") if len(msg.pid_u32) == 4 * len(rows.seq) else None
         by_app = rows.app_index[order]
         accepted = 0
         for grp in np.split(order, np.flatnonzero(np.diff(by_app)) + 1):
@@ -359,6 +366,8 @@ class Manager:
             if n_kept:
                 accepted += n_kept
                 self._dirty.add(app_id)
+                if pids is not None and pids[grp[-1]]:
+                    self._pids[app_id] = int(pids[grp[-1]])
                 kept_apps.add(app_id)
                 if apps is not None:
                     apps.add(app_id)
@@ -466,6 +475,36 @@ class Manager:
                     reply.decisions.append(self.latest[app_id].to_pb())
         stream.delivered = self._next_serial
 
+    # --- what operators see ---------------------------------------------------------------------
+    def app_pids(self, app_id: str) -> list[int]:
+        """The pid the application's latest signature named (empty when none did)."""
+        pid = self._pids.get(app_id)
+        return [pid] if pid else []
+
+    def app_last_seen_s(self, app_id: str) -> float | None:
+        """When the application's latest kept signature arrived (this manager's clock), or None."""
+        if app_id not in self.windows:
+            return None
+        seen = self.windows.window(app_id).last_seen_s
+        return seen if math.isfinite(seen) else None
+
+    def profiler_states(self) -> dict[str, tuple[int, float | None]]:
+        """device -> (open profiler streams that sent for it, when its newest signature arrived).
+        A device's newest signature is that of its most recently heard application still held."""
+        streams: dict[str, int] = {}
+        newest: dict[str, float] = {}
+        for app_id in self.windows.apps():
+            win = self.windows.window(app_id)
+            if math.isfinite(win.last_seen_s):
+                newest[win.device_id] = max(newest.get(win.device_id, -math.inf), win.last_seen_s)
+        for stream in list(self._streams):
+            if stream.closed:
+                continue
+            devices = {self.windows.window(a).device_id for a in stream.apps if a in self.windows}
+            for dev in devices:
+                streams[dev] = streams.get(dev, 0) + 1
+        return {dev: (streams.get(dev, 0), newest.get(dev)) for dev in sorted({*streams, *newest})}
+
     # --- forecasts -------------------------------------------------------------------------------
     def _begin_tick(self, apps: Sequence[str]) -> list[Item]:
         """Copy the windows of `apps` for a forecast (on the loop: the windows change there)."""
@@ -551,6 +590,7 @@ class Manager:
             self.latest.pop(app_id, None)
             self._serial.pop(app_id, None)
             self._last_forecast_s.pop(app_id, None)
+            self._pids.pop(app_id, None)
             self._dirty.discard(app_id)
             for stream in self._streams:
                 stream.apps.discard(app_id)

@@ -64,7 +64,7 @@ from vgpu.allocator.ledger import Ledger
 from vgpu.allocator.mechanisms.limits import CgroupMemoryLimits
 from vgpu.allocator.mechanisms.mig import MigLayoutMechanism
 from vgpu.allocator.policy.forecast import ForecastPolicy
-from vgpu.allocator.service import AllocatorServicer, Server, build_server
+from vgpu.allocator.service import AllocatorServicer, ProfilerState, Server, build_server
 from vgpu.allocator.store import DeviceOriginal, MigSlot, Store, StoreError
 from vgpu.config import Config, ConfigError
 from vgpu.daemon.metrics import AppSnapshot, CounterSnapshot, DaemonMetrics, DeviceSnapshot
@@ -124,6 +124,22 @@ class LedgerView:
 
     def has_app(self, app_id: str) -> bool:
         return bool(self._allocator.ledger.grants(app_id=app_id)) or self._allocator.ledger.limits(app_id) is not None
+
+
+class NodeView:
+    """What the manager knows that the allocator's RPCs show (vgpu.allocator.service.NodeObserver)."""
+
+    def __init__(self, manager: Manager) -> None:
+        self.manager = manager
+
+    def app_pids(self, app_id: str) -> list[int]:
+        return self.manager.app_pids(app_id)
+
+    def app_last_seen_s(self, app_id: str) -> float | None:
+        return self.manager.app_last_seen_s(app_id)
+
+    def profiler_states(self) -> dict[str, ProfilerState]:
+        return {dev: ProfilerState(n, t) for dev, (n, t) in self.manager.profiler_states().items()}
 
 
 class StateSource:
@@ -546,7 +562,8 @@ class Daemon:
         try:
             self.server = build_server(
                 f"unix:{self.socket_path}",
-                allocator_servicer=AllocatorServicer(self.allocator, identify=auth.identify_caller),
+                allocator_servicer=AllocatorServicer(self.allocator, identify=auth.identify_caller,
+                                                     observer=NodeView(self.manager)),
                 ingest_servicer=IngestServicer(self.manager, ack_interval_s=cfg.manager.ack_interval_ms / 1000.0),
                 interceptors=[interceptor],
             )
