@@ -616,7 +616,7 @@ class Allocator:
         point = HistoryPoint(t, rec.mem_used_mib, rec.mem_p50_peak_mib, rec.mem_p90_peak_mib, mem,
                              rec.sm_util_pct, rec.sm_p90_peak_pct, sm)
         if self.history.record(rec.app_id, rec.device_id, point, granted_before_mib=before[0]):
-            self._log.warning("oom_event", app=rec.app_id, device=rec.device_id, mem_used_mib=rec.mem_used_mib,
+            self._log.info("oom_event", app=rec.app_id, device=rec.device_id, mem_used_mib=rec.mem_used_mib,
                               granted_mib=before[0])
 
     def _shrinks_first(self, targets: Sequence[GrantTarget]) -> list[GrantTarget]:
