@@ -49,6 +49,7 @@ import numpy as np
 import structlog
 
 from vgpu.allocator.policy.base import Recommendation, RecommendationSink
+from vgpu.histogram import LatencyHistogram
 from vgpu.log import get_logger
 from vgpu.manager.forecast import HORIZONS_S, Forecast, Forecaster
 from vgpu.manager.window import WindowStore
@@ -176,6 +177,9 @@ class ManagerStats:
     evicted: int = 0
     dropped_by_profilers: int = 0
     forecast_s_total: float = 0.0
+    # wall time of each forecaster call, and of each tick (windows copied, forecast, allocator acted)
+    forecast_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
+    tick_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
 
 
 @dataclass(eq=False)
@@ -269,6 +273,7 @@ class Manager:
         self._last_kept: set[str] = set()  # the apps the last accepted batch added samples to
         self._delivered_plain = 0  # decisions handed out to callers without stream state
         self._pids: dict[str, int] = {}  # app -> the pid its latest signature named
+        self._device_newest_s: dict[str, float] = {}  # device -> when its newest kept signature arrived
         self._log = logger or get_logger("vgpu.manager")
 
     @property
@@ -327,6 +332,12 @@ class Manager:
         reply.accepted = accepted
         stats.accepted += accepted
         self._last_kept = kept_apps
+        newest = self._device_newest_s
+        for app_id in kept_apps:  # a few per batch; kept past the apps' eviction
+            if app_id in self.windows:
+                newest[self.windows.window(app_id).device_id] = now
+        while len(newest) > self.windows.max_apps:  # device ids come from the wire: bounded
+            del newest[min(newest, key=newest.__getitem__)]
         return reply
 
     def _accept_columns(self, msg: ingest_pb2.SignatureColumns, base: int, reply: ingest_pb2.IngestReply,
@@ -413,7 +424,9 @@ class Manager:
         reply = self.accept(batch, stream)
         due = self.due_apps(self._last_kept)
         if due:
+            started = time.perf_counter()
             self._act(self._decide(self._begin_tick(due)))
+            self.stats.tick_latency.observe(time.perf_counter() - started)
         self._attach(reply, stream)
         return reply
 
@@ -444,10 +457,12 @@ class Manager:
             apps, self._pending = sorted(self._pending), set()
             done, self._pending_done = self._pending_done, None
             try:
+                started = time.perf_counter()
                 items = self._begin_tick(apps)
                 decisions, took = await asyncio.to_thread(self._timed_decide, items)
                 self._duty.spend(loop.time(), took)
                 self._act(decisions)
+                self.stats.tick_latency.observe(time.perf_counter() - started)
             except Exception as exc:  # noqa: BLE001 - the waiting replies go out without decisions
                 self._log.error("forecast_batch_failed", error=repr(exc), exc_info=exc)
             finally:
@@ -489,14 +504,10 @@ class Manager:
         return seen if math.isfinite(seen) else None
 
     def profiler_states(self) -> dict[str, tuple[int, float | None]]:
-        """device -> (open profiler streams that sent for it, when its newest signature arrived).
-        A device's newest signature is that of its most recently heard application still held."""
+        """device -> (open profiler streams that sent for applications on it that are still held,
+        when its newest signature arrived, remembered after its applications are evicted)."""
         streams: dict[str, int] = {}
-        newest: dict[str, float] = {}
-        for app_id in self.windows.apps():
-            win = self.windows.window(app_id)
-            if math.isfinite(win.last_seen_s):
-                newest[win.device_id] = max(newest.get(win.device_id, -math.inf), win.last_seen_s)
+        newest = dict(self._device_newest_s)
         for stream in list(self._streams):
             if stream.closed:
                 continue
@@ -542,7 +553,9 @@ class Manager:
             return []
         started = time.perf_counter()
         forecasts = self._run_forecaster([it[3] for it in items])
-        self.stats.forecast_s_total += time.perf_counter() - started
+        took = time.perf_counter() - started
+        self.stats.forecast_s_total += took
+        self.stats.forecast_latency.observe(took)
         self.stats.forecast_batches += 1
         now = self.clock()
         decisions = []
