@@ -77,6 +77,8 @@ class NodeObserver(Protocol):
 
     def profiler_states(self) -> Mapping[str, ProfilerState]: ...
 
+    def open_profiler_streams(self) -> int: ...
+
 
 def process_info(pid: int) -> tuple[str, str]:
     """(user, command line) of a process; empty strings for what cannot be read (gone, no access)."""
@@ -336,7 +338,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         states = self.observer.profiler_states()
         now = self.allocator.clock()
         return pb.GetAvailableResourcesResponse(
-            devices=[device_to_pb(d, states.get(d.device_id, ProfilerState(0, None)), now) for d in devices]
+            devices=[device_to_pb(d, states.get(d.device_id, ProfilerState(0, None)), now) for d in devices],
+            profiler_streams_open=self.observer.open_profiler_streams(),
         )
 
     async def SetResourceLimits(  # noqa: N802

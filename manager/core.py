@@ -503,6 +503,10 @@ class Manager:
         seen = self.windows.window(app_id).last_seen_s
         return seen if math.isfinite(seen) else None
 
+    def open_streams(self) -> int:
+        """Profiler streams open now that have sent a batch (a profiler sends one every tick)."""
+        return sum(1 for stream in list(self._streams) if not stream.closed)
+
     def profiler_states(self) -> dict[str, tuple[int, float | None]]:
         """device -> (open profiler streams that sent for applications on it that are still held,
         when its newest signature arrived, remembered after its applications are evicted)."""

@@ -142,6 +142,9 @@ class NodeView:
     def profiler_states(self) -> dict[str, ProfilerState]:
         return {dev: ProfilerState(n, t) for dev, (n, t) in self.manager.profiler_states().items()}
 
+    def open_profiler_streams(self) -> int:
+        return self.manager.open_streams()
+
 
 class StateSource:
     """The daemon's live state as metric snapshots (vgpu.daemon.metrics.MetricsSource)."""

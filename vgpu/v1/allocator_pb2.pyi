@@ -170,10 +170,12 @@ class GetAvailableResourcesRequest(_message.Message):
     def __init__(self, device_id: _Optional[str] = ...) -> None: ...
 
 class GetAvailableResourcesResponse(_message.Message):
-    __slots__ = ("devices",)
+    __slots__ = ("devices", "profiler_streams_open")
     DEVICES_FIELD_NUMBER: _ClassVar[int]
+    PROFILER_STREAMS_OPEN_FIELD_NUMBER: _ClassVar[int]
     devices: _containers.RepeatedCompositeFieldContainer[DeviceResources]
-    def __init__(self, devices: _Optional[_Iterable[_Union[DeviceResources, _Mapping]]] = ...) -> None: ...
+    profiler_streams_open: int
+    def __init__(self, devices: _Optional[_Iterable[_Union[DeviceResources, _Mapping]]] = ..., profiler_streams_open: _Optional[int] = ...) -> None: ...
 
 class AppLimits(_message.Message):
     __slots__ = ("app_id", "max_memory_mib", "max_sm_pct", "priority")
