@@ -320,6 +320,8 @@ def test_history_marks_oom_at_the_start_of_each_overrun_run() -> None:
     assert started == [False, True, False, False, True]
     (s,) = h.series("a")
     assert (s.overruns, s.ooms) == (3, 2)
+    assert [p.mem_used_mib for p in s.points] == uses and {p.mem_granted_mib for p in s.points} == {200}
+    assert math.isnan(s.points[0].mem_p90_mib) and math.isnan(s.points[0].sm_granted_pct)
     assert [e.t_s for e in s.events if e.kind == "oom"] == [1.0, 4.0]
     assert [p.t_s for p in h.series("a", since_t_s=3.0)[0].points] == [3.0, 4.0]
 
