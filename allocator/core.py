@@ -43,7 +43,7 @@ from vgpu.allocator.policy.base import (
     Sizer,
     Sizing,
 )
-from vgpu.device.base import Backend, Device, GpuInstance, PowerConstraints
+from vgpu.device.base import Backend, Device, GpuInstance, PowerConstraints, ProcessInfo
 from vgpu.jobs import InvalidJobConfig, JobConfig
 from vgpu.log import get_logger
 
@@ -91,6 +91,7 @@ class DeviceResources(DeviceUsage):
     sm_util_pct: float | None = None
     mem_bw_util_pct: float | None = None
     dry_run: bool = False
+    processes: tuple[ProcessInfo, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -417,6 +418,7 @@ class Allocator:
             sm_clock_mhz=_try(dev.sm_clock_mhz),
             sm_util_pct=util.sm_pct if util is not None else None,
             mem_bw_util_pct=util.mem_bw_pct if util is not None else None,
+            processes=tuple(_try(dev.processes) or ()),
         )
 
     def list_apps(self) -> list[AppInfo]:

@@ -132,7 +132,8 @@ def limits_from_pb(msg: pb.AppLimits) -> AppLimits:
     return AppLimits(app_id=app_id, max_memory_mib=mem, max_sm_pct=sm, priority=prio)
 
 
-def device_to_pb(d: DeviceResources, profiler: ProfilerState | None = None, now_s: float = math.nan) -> pb.DeviceResources:
+def device_to_pb(d: DeviceResources, profiler: ProfilerState | None = None, now_s: float = math.nan,
+                 process_info: Callable[[int], tuple[str, str]] = process_info) -> pb.DeviceResources:
     """`profiler`: the device's profiler streams, when the server knows them."""
     msg = pb.DeviceResources(
         device_id=d.device_id,
@@ -156,6 +157,13 @@ def device_to_pb(d: DeviceResources, profiler: ProfilerState | None = None, now_
         value = getattr(d, name)
         if value is not None and value >= 0:
             setattr(msg, name, int(value))
+    for proc in d.processes:
+        user, command = process_info(proc.pid)
+        entry = msg.processes.add(pid=proc.pid, user=user, command=command[:512])
+        if proc.used_mib is not None and math.isfinite(proc.used_mib):
+            entry.used_mib = proc.used_mib
+        if proc.gpu_instance_id is not None:
+            entry.gpu_instance_id = proc.gpu_instance_id
     if profiler is not None:
         msg.profiler_streams = profiler.streams
         if profiler.newest_signature_s is not None and math.isfinite(now_s):
@@ -333,12 +341,13 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         devices = await self._call(
             context, "GetAvailableResources", lambda _c: self.allocator.available(request.device_id or None)
         )
+        info = self._process_info
         if self.observer is None:
-            return pb.GetAvailableResourcesResponse(devices=[device_to_pb(d) for d in devices])
+            return pb.GetAvailableResourcesResponse(devices=[device_to_pb(d, process_info=info) for d in devices])
         states = self.observer.profiler_states()
         now = self.allocator.clock()
         return pb.GetAvailableResourcesResponse(
-            devices=[device_to_pb(d, states.get(d.device_id, ProfilerState(0, None)), now) for d in devices],
+            devices=[device_to_pb(d, states.get(d.device_id, ProfilerState(0, None)), now, info) for d in devices],
             profiler_streams_open=self.observer.open_profiler_streams(),
         )
 

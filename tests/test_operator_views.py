@@ -21,7 +21,7 @@ import pytest
 
 from tests.daemon_fixtures import ROOT, Env, Serve, make_env, serves_killed_after
 from vgpu import ctl
-from vgpu.allocator.core import Allocator
+from vgpu.allocator.core import Allocator, AppInfo
 from vgpu.allocator.history import History, HistoryPoint
 from vgpu.allocator.service import ProfilerState, app_to_pb, device_to_pb, process_info
 from vgpu.device.errors import GpuLost, NotSupported
@@ -303,8 +303,6 @@ def test_process_info_degrades_for_a_process_that_is_gone() -> None:
 
 
 def test_apps_table_marks_unknowns() -> None:
-    from vgpu.allocator.core import AppInfo
-
     msg = app_to_pb(AppInfo("a", (), None, pids=(4242,)), process_info=lambda pid: ("", ""))
     row = _row(ctl.apps_table(pb.ListApplicationsResponse(apps=[msg])), "a")
     assert row["PID"] == "4242" and row["USER"] == "N/A" and row["COMMAND"] == "N/A"
@@ -346,3 +344,27 @@ def test_sparkline_bins_and_scale() -> None:
     levels = bins([40.0, 41.0, 70.0, 99.0], [1.0, 3.0, 2.0, 4.0], now, window_s=60, width=6)
     assert levels[0] == 3.0 and levels[3] == 2.0 and levels[5] == 4.0 and math.isnan(levels[1])
     assert spark(levels, 4.0) == "▆  ▅ █"
+
+
+def test_every_process_on_the_gpu_is_listed_with_its_application() -> None:
+    from vgpu.traces import read_trace
+
+    trace = read_trace(TRACE)
+    sim = SimBackend(["h100-80gb"])
+    alloc = Allocator(sim)
+    first = sorted(trace.apps)[0]
+    sim.launch(first, os.getpid(), trace.apps[first])  # a vgpu application (it names this pid)
+    sim.launch("other", 999_999, trace.apps[first])  # a process vgpu does not manage
+    resp = pb.GetAvailableResourcesResponse(devices=[device_to_pb(d) for d in alloc.available()])
+    apps = pb.ListApplicationsResponse(apps=[app_to_pb(AppInfo(first, (), None, pids=(os.getpid(),)))])
+    text = ctl.devices_table(resp, apps)
+    assert "Processes" in text
+    procs = text.split("Processes\n")[1].splitlines()
+    header = re.split(r"\s{2,}", procs[0].strip())
+    assert header == ["GPU", "GI", "PID", "APP", "USER", "USED MiB", "COMMAND"]
+    rows = {r["PID"]: r for r in (dict(zip(header, re.split(r"\s{2,}", line.strip()), strict=True)) for line in procs[1:])}
+    assert set(rows) == {str(os.getpid()), "999999"}
+    mine, other = rows[str(os.getpid())], rows["999999"]
+    assert mine["APP"] == first and mine["USER"] == getpass.getuser() and mine["GPU"] == "0" and mine["GI"] == "-"
+    assert float(mine["USED MiB"].replace(",", "")) > 0
+    assert other["APP"] == "-" and other["USER"] == "N/A" and other["COMMAND"] == "N/A"  # not vgpu's; no such process

@@ -286,14 +286,34 @@ def mig_rows(resp: pb.GetAvailableResourcesResponse) -> list[dict[str, str]]:
     ]
 
 
-def devices_table(resp: pb.GetAvailableResourcesResponse) -> str:
-    """`vgpu available`: one row per GPU, then the MIG instances of GPUs in MIG mode."""
+PROCESS_COLUMNS = ("GPU", "GI", "PID", "APP", "USER", "USED MiB", "COMMAND")
+
+
+def process_rows(resp: pb.GetAvailableResourcesResponse,
+                 apps: pb.ListApplicationsResponse | None = None) -> list[dict[str, str]]:
+    """Every process with a context on a GPU (nvidia-smi's process table); APP where a vgpu
+    application names the pid (its grants or signatures), "-" for a process vgpu does not manage."""
+    owner = {p.pid: a.app_id for a in apps.apps for p in a.processes} if apps is not None else {}
+    return [
+        {"GPU": str(d.index), "GI": str(p.gpu_instance_id) if p.HasField("gpu_instance_id") else "-",
+         "PID": str(p.pid), "APP": owner.get(p.pid, "-" if apps is not None else NA), "USER": p.user or NA,
+         "USED MiB": _opt(p, "used_mib"), "COMMAND": p.command[:48] or NA}
+        for d in resp.devices for p in d.processes
+    ]
+
+
+def devices_table(resp: pb.GetAvailableResourcesResponse, apps: pb.ListApplicationsResponse | None = None) -> str:
+    """`vgpu available`: one row per GPU, the MIG instances of GPUs in MIG mode, then every process
+    on the GPUs (`apps`: to name the vgpu application of each)."""
     text = _text_table(device_rows(resp), DEVICE_COLUMNS, _DEVICE_RIGHT, "(no devices)")
     mig = mig_rows(resp)
     if mig:
         text += "\n\nMIG instances\n" + _text_table(mig, MIG_COLUMNS, {"GI ID", "START", "SIZE", "MEM MiB"}, "")
     elif any(d.mig_enabled for d in resp.devices):
         text += "\n\nMIG instances: none (MIG mode on)"
+    procs = process_rows(resp, apps)
+    if procs:
+        text += "\n\nProcesses\n" + _text_table(procs, PROCESS_COLUMNS, {"PID", "USED MiB"}, "")
     return text
 
 
@@ -306,8 +326,11 @@ def available_main(argv: Sequence[str] | None = None, prog: str = "vgpu availabl
         resp, _ = c.call("GetAvailableResources", pb.GetAvailableResourcesRequest(device_id=ns.device), token=False)
         if ns.json:
             _print_json(_dict(resp), o)
-        else:
-            o.write(devices_table(resp) + "\n")
+            return 0
+        apps = None
+        if any(d.processes for d in resp.devices):
+            apps, _ = c.call("ListApplications", pb.ListApplicationsRequest(), token=False)
+        o.write(devices_table(resp, apps) + "\n")
         return 0
 
     return _run(prog, argv, build, body, out, env)
@@ -528,7 +551,7 @@ def top_main(
             devices, _ = c.call("GetAvailableResources", pb.GetAvailableResourcesRequest(), token=False)
             apps, _ = c.call("ListApplications", pb.ListApplicationsRequest(), token=False)
             stamp = time.strftime("%H:%M:%S")
-            o.write(f"vgpu top  {stamp}  {c.socket_path}\n\n{devices_table(devices)}\n\n"
+            o.write(f"vgpu top  {stamp}  {c.socket_path}\n\n{devices_table(devices, apps)}\n\n"
                     f"{apps_table(apps, devices)}\n\n")
             o.flush()
             n += 1

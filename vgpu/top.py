@@ -110,7 +110,16 @@ def _sort_value(row: dict[str, str], column: str) -> tuple[int, float, str]:
 
 def render(snap: Snapshot, *, sort: int = 0, reverse: bool = False, socket: str = "") -> RenderableType:
     """The whole screen for one snapshot."""
-    from vgpu.ctl import APP_COLUMNS, DEVICE_COLUMNS, MIG_COLUMNS, app_rows, device_rows, mig_rows
+    from vgpu.ctl import (
+        APP_COLUMNS,
+        DEVICE_COLUMNS,
+        MIG_COLUMNS,
+        PROCESS_COLUMNS,
+        app_rows,
+        device_rows,
+        mig_rows,
+        process_rows,
+    )
 
     modes = sorted({"dry run" if d.dry_run else "live" for d in snap.devices.devices}) or ["no devices"]
     head = Text()
@@ -137,6 +146,16 @@ def render(snap: Snapshot, *, sort: int = 0, reverse: bool = False, socket: str 
         for row in mig:
             mig_table.add_row(*(row[c] for c in MIG_COLUMNS))
         parts.append(mig_table)
+
+    procs = process_rows(snap.devices, snap.apps)
+    if procs:
+        proc_table = Table(title="Processes", title_justify="left", pad_edge=False)
+        for col in PROCESS_COLUMNS:
+            proc_table.add_column(col, justify="right" if col in ("PID", "USED MiB") else "left", no_wrap=True,
+                                  max_width=40 if col == "COMMAND" else None)
+        for row in procs:
+            proc_table.add_row(*(row[c] for c in PROCESS_COLUMNS))
+        parts.append(proc_table)
 
     key, column = SORT_KEYS[sort % len(SORT_KEYS)]
     hist = {(h.app_id, h.device_id): h for h in snap.history.apps}

@@ -112,7 +112,7 @@ class MigInstance(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., profile: _Optional[str] = ..., start: _Optional[int] = ..., size: _Optional[int] = ..., mem_total_mib: _Optional[float] = ..., gpu_instance_id: _Optional[int] = ...) -> None: ...
 
 class DeviceResources(_message.Message):
-    __slots__ = ("device_id", "name", "mem_total_mib", "mem_granted_mib", "mem_available_mib", "sm_granted_pct", "sm_available_pct", "power_limit_mw", "power_min_mw", "power_max_mw", "power_default_mw", "mig_enabled", "mig_instances", "index", "pci_bus_id", "mem_used_mib", "power_draw_mw", "temperature_c", "sm_clock_mhz", "sm_util_pct", "mem_bw_util_pct", "dry_run", "profiler_streams", "newest_signature_age_s")
+    __slots__ = ("device_id", "name", "mem_total_mib", "mem_granted_mib", "mem_available_mib", "sm_granted_pct", "sm_available_pct", "power_limit_mw", "power_min_mw", "power_max_mw", "power_default_mw", "mig_enabled", "mig_instances", "index", "pci_bus_id", "mem_used_mib", "power_draw_mw", "temperature_c", "sm_clock_mhz", "sm_util_pct", "mem_bw_util_pct", "dry_run", "profiler_streams", "newest_signature_age_s", "processes")
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     MEM_TOTAL_MIB_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,7 @@ class DeviceResources(_message.Message):
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
     PROFILER_STREAMS_FIELD_NUMBER: _ClassVar[int]
     NEWEST_SIGNATURE_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
     device_id: str
     name: str
     mem_total_mib: float
@@ -161,7 +162,22 @@ class DeviceResources(_message.Message):
     dry_run: bool
     profiler_streams: int
     newest_signature_age_s: float
-    def __init__(self, device_id: _Optional[str] = ..., name: _Optional[str] = ..., mem_total_mib: _Optional[float] = ..., mem_granted_mib: _Optional[float] = ..., mem_available_mib: _Optional[float] = ..., sm_granted_pct: _Optional[float] = ..., sm_available_pct: _Optional[float] = ..., power_limit_mw: _Optional[int] = ..., power_min_mw: _Optional[int] = ..., power_max_mw: _Optional[int] = ..., power_default_mw: _Optional[int] = ..., mig_enabled: _Optional[bool] = ..., mig_instances: _Optional[_Iterable[_Union[MigInstance, _Mapping]]] = ..., index: _Optional[int] = ..., pci_bus_id: _Optional[str] = ..., mem_used_mib: _Optional[float] = ..., power_draw_mw: _Optional[int] = ..., temperature_c: _Optional[int] = ..., sm_clock_mhz: _Optional[int] = ..., sm_util_pct: _Optional[float] = ..., mem_bw_util_pct: _Optional[float] = ..., dry_run: _Optional[bool] = ..., profiler_streams: _Optional[int] = ..., newest_signature_age_s: _Optional[float] = ...) -> None: ...
+    processes: _containers.RepeatedCompositeFieldContainer[DeviceProcess]
+    def __init__(self, device_id: _Optional[str] = ..., name: _Optional[str] = ..., mem_total_mib: _Optional[float] = ..., mem_granted_mib: _Optional[float] = ..., mem_available_mib: _Optional[float] = ..., sm_granted_pct: _Optional[float] = ..., sm_available_pct: _Optional[float] = ..., power_limit_mw: _Optional[int] = ..., power_min_mw: _Optional[int] = ..., power_max_mw: _Optional[int] = ..., power_default_mw: _Optional[int] = ..., mig_enabled: _Optional[bool] = ..., mig_instances: _Optional[_Iterable[_Union[MigInstance, _Mapping]]] = ..., index: _Optional[int] = ..., pci_bus_id: _Optional[str] = ..., mem_used_mib: _Optional[float] = ..., power_draw_mw: _Optional[int] = ..., temperature_c: _Optional[int] = ..., sm_clock_mhz: _Optional[int] = ..., sm_util_pct: _Optional[float] = ..., mem_bw_util_pct: _Optional[float] = ..., dry_run: _Optional[bool] = ..., profiler_streams: _Optional[int] = ..., newest_signature_age_s: _Optional[float] = ..., processes: _Optional[_Iterable[_Union[DeviceProcess, _Mapping]]] = ...) -> None: ...
+
+class DeviceProcess(_message.Message):
+    __slots__ = ("pid", "used_mib", "gpu_instance_id", "user", "command")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    USED_MIB_FIELD_NUMBER: _ClassVar[int]
+    GPU_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    USER_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    used_mib: float
+    gpu_instance_id: int
+    user: str
+    command: str
+    def __init__(self, pid: _Optional[int] = ..., used_mib: _Optional[float] = ..., gpu_instance_id: _Optional[int] = ..., user: _Optional[str] = ..., command: _Optional[str] = ...) -> None: ...
 
 class GetAvailableResourcesRequest(_message.Message):
     __slots__ = ("device_id",)
