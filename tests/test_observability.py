@@ -78,6 +78,18 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def test_dashboard_is_well_formed() -> None:
+    dash = json.loads(DASHBOARD.read_text())
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+    for p in dash["panels"]:
+        assert {"x", "y", "w", "h"} <= set(p["gridPos"]) and p["gridPos"]["x"] + p["gridPos"]["w"] <= 24
+        if p["type"] != "row":
+            assert p["datasource"]["uid"] == "${datasource}" and p["targets"], p["title"]
+            assert all(t["expr"].strip() for t in p["targets"])
+    assert {v["name"] for v in dash["templating"]["list"]} == {"datasource", "device"}
+
+
 def test_rules_file_has_an_expr_per_alert() -> None:
     text = RULES.read_text()
     alerts = re.findall(r"^\s+- alert: (\w+)$", text, flags=re.M)

@@ -150,8 +150,14 @@ def test_streamed_apps_show_usage_forecast_history_and_profiler(env: Env, serves
         assert re.fullmatch(r"1 \(\d+s ago\)", dev["PROFILERS"]), dev["PROFILERS"]
 
         with grpc.insecure_channel(f"unix:{env.sock}") as ch:
-            hist = allocator_pb2_grpc.AllocatorStub(ch).GetAppHistory(
-                pb.GetAppHistoryRequest(app_id="bert-train", since_s=60), timeout=10)
+            stub = allocator_pb2_grpc.AllocatorStub(ch)
+            hist = stub.GetAppHistory(pb.GetAppHistoryRequest(app_id="bert-train", since_s=60), timeout=10)
+            for bad in (-1.0, math.nan):
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.GetAppHistory(pb.GetAppHistoryRequest(since_s=bad), timeout=10)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "since_s" in str(err.value.details())
+            gpu = stub.GetAppHistory(pb.GetAppHistoryRequest(device_id=device), timeout=10)
+            assert {h.app_id for h in gpu.apps} >= {"bert-train", "vit-infer"} and {h.device_id for h in gpu.apps} == {device}
         assert len(hist.apps) == 1
         h = hist.apps[0]
         assert h.device_id == device and len(h.t_unix_s) >= 2
