@@ -1,10 +1,10 @@
 """The `Allocator`: the ledger, the policy and the mechanisms behind one object.
 
 The allocator alone writes to devices. It answers applications (request / release / limits),
-carries out the manager's recommendations through a `Policy` (allocator/plan.py), enforces power
-limits (allocator/enforce.py) and MIG layouts (a `MigMechanism`, plugged in), caps each
+carries out the manager's recommendations through a `Policy` (allocator/policy/base.py), enforces power
+limits (allocator/mechanisms/power.py) and MIG layouts (a `MigMechanism`, plugged in), caps each
 application's cgroup at its granted memory through NVML's per-cgroup limits where the pid is known
-and `cgroup_limits` is given (allocator/limits.py), publishes every change to `watch()`
+and `cgroup_limits` is given (allocator/mechanisms/limits.py), publishes every change to `watch()`
 subscribers and restores device settings on `stop()`.
 
 Concurrency: the daemon runs on one asyncio loop and every method here is synchronous and must be
@@ -51,7 +51,7 @@ T = TypeVar("T")
 
 
 class MigMechanism(Protocol):
-    """Applies MIG layouts (allocator/mig.py). `apply` says what it did in a `MigOutcome`: whether
+    """Applies MIG layouts (allocator/mechanisms/mig.py). `apply` says what it did in a `MigOutcome`: whether
     instances changed and how many steps it left undone (the allocator counts a failure for those);
     it raises only for device errors it does not handle."""
 
@@ -104,12 +104,12 @@ class AppInfo:
     forecast_mem_p90_mib: float = math.nan
     forecast_sm_p90_pct: float = math.nan
     source: str = ""
+    # When the application last showed a sign of life (Allocator.last_seen_s); None: never.
+    last_seen_s: float | None = None
     # The device of the latest recommendation, else of the first grant; "" when neither.
     device_id: str = ""
     forecast_mem_p50_mib: float = math.nan
     forecast_sm_p50_pct: float = math.nan
-    # When the latest recommendation was decided or a grant last changed (Unix s; NaN: never).
-    last_seen_s: float = math.nan
     # Processes named by the application's grants.
     pids: tuple[int, ...] = ()
 
@@ -264,6 +264,13 @@ class Allocator:
         self._warned: set[str] = set()
         self._mig_parent: dict[str, str] = {}  # MIG instance UUID -> its GPU's UUID
         self._mig_parent_at_s = -math.inf
+        # Signs of life of applications (see last_seen_s): the daemon plugs in the manager's
+        # "last signature" and a pid check; the start time is the floor, so grants restored after a
+        # restart get the full idle time to show up again.
+        self.signature_seen: Callable[[str], float | None] = lambda _app: None
+        self.pid_alive: Callable[[int], bool] = _pid_alive
+        self._started_s = clock()
+        self._seen: dict[str, float] = {}
 
     # --- events ----------------------------------------------------------------------------------
     def _publish(self, kind: EventKind, *, grant: Grant | None = None, app_id: str = "", device_id: str = "",
@@ -339,6 +346,7 @@ class Allocator:
             caller=caller,
         )
         self._requests[grant.grant_id] = request
+        self._seen[grant.app_id] = self.clock()
         self.counters.granted += 1
         self._log.info("granted", app=grant.app_id, device=grant.device_id, memory_mib=grant.memory_mib,
                        sm_pct=grant.sm_pct, source=source, grant=grant.grant_id)
@@ -357,12 +365,12 @@ class Allocator:
         """The request a grant came from (None for forecast grants and restored ones)."""
         return self._requests.get(grant_id)
 
-    def release(self, grant_id: str, *, caller: str | None = None) -> Grant:
+    def release(self, grant_id: str, *, caller: str | None = None, reason: str = "") -> Grant:
         grant = self.ledger.release(grant_id, caller=caller)
         self._requests.pop(grant_id, None)
         self.counters.released += 1
-        self._log.info("released", app=grant.app_id, grant=grant_id)
-        self._publish(EventKind.RELEASED, grant=grant)
+        self._log.info("released", app=grant.app_id, grant=grant_id, **({"reason": reason} if reason else {}))
+        self._publish(EventKind.RELEASED, grant=grant, detail=reason)
         self._sync_cgroup_limits(grant.device_id)
         self._changed()
         return grant
@@ -376,11 +384,95 @@ class Allocator:
             self.release(g.grant_id)
         return gone
 
+    # --- applications that vanished --------------------------------------------------------------
+    def last_seen_s(self, app_id: str) -> float | None:
+        """When `app_id` last showed a sign of life: now while it has a watch of its own open or a
+        grant whose pid is alive; else the latest of its last request, a change to one of its grants,
+        its last signature (`signature_seen`) and, for an app with grants, this allocator's start.
+        None when there is no sign at all."""
+        now = self.clock()
+        grants = self.ledger.grants(app_id=app_id)
+        if any(sub.app_id == app_id for sub in self._subscriptions):
+            return now
+        if any(g.pid > 0 and self.pid_alive(g.pid) for g in grants):
+            return now
+        signs = [self._seen.get(app_id), self.signature_seen(app_id), *(g.updated_at_s for g in grants)]
+        if grants:
+            signs.append(self._started_s)
+        known = [t for t in signs if t is not None and math.isfinite(t)]
+        return max(known) if known else None
+
+    def release_vanished(self, idle_s: float) -> list[str]:
+        """Release every grant of each application with no sign of life (`last_seen_s`) for more than
+        `idle_s` seconds, with a log line and a RELEASED event per grant saying why; the apps released."""
+        now = self.clock()
+        gone = []
+        for app_id in sorted(set(self._latest) - set(self.ledger.apps())):
+            seen = self.last_seen_s(app_id)  # listed for its last recommendation only: drop it when stale
+            if seen is None or now - seen > idle_s:
+                self._latest.pop(app_id, None)
+        for app_id in sorted(self.ledger.apps()):
+            grants = self.ledger.grants(app_id=app_id)
+            if not grants:
+                continue
+            seen = self.last_seen_s(app_id)
+            if seen is not None and now - seen <= idle_s:
+                continue
+            idle = math.inf if seen is None else now - seen
+            reason = f"idle: no signature, live process, watch or request for {idle:.0f} s (limit {idle_s:g} s)"
+            self._log.warning("app_released_idle", app=app_id, last_seen_s=seen, idle_s=round(idle, 1),
+                              limit_s=idle_s, grants=[g.grant_id for g in grants],
+                              memory_mib=sum(g.memory_mib for g in grants))
+            for g in grants:
+                self.release(g.grant_id, reason=reason)
+            self._latest.pop(app_id, None)
+            self._seen.pop(app_id, None)
+            gone.append(app_id)
+        return gone
+
     def set_limits(self, limits: AppLimits, *, caller: str | None = None) -> AppLimits:
+        """Set an application's caps. A cap covers every grant of the application, the ones it holds
+        already included: grants over the new memory or SM cap are cut down to it at once (each a
+        RESIZED event), largest first. Logged as `limits_set`, and `limit_below_usage` when the
+        application uses more memory than its new cap."""
+        before = self.ledger.limits(limits.app_id)
         result = self.ledger.set_limits(limits, caller=caller)
+        capped = self._cap_grants(result)
+        rec = self._latest.get(result.app_id)
+        self._log.info("limits_set", app=result.app_id, before=_limits_text(before) if before else None,
+                       after=_limits_text(result), grants_capped=[g.grant_id for g in capped])
+        used = rec.mem_used_mib if rec is not None else math.nan
+        if result.max_memory_mib is not None and math.isfinite(used) and used > result.max_memory_mib:
+            self._log.warning("limit_below_usage", app=result.app_id, mem_used_mib=used,
+                              max_memory_mib=result.max_memory_mib)
         self._publish(EventKind.LIMITS_CHANGED, app_id=result.app_id, detail=_limits_text(result))
+        for device_id in sorted({g.device_id for g in capped}):
+            self._sync_cgroup_limits(device_id)
         self._changed()
         return result
+
+    def _cap_grants(self, limits: AppLimits) -> list[Grant]:
+        """Cut the application's grants down to its caps, largest first; the grants changed."""
+        grants = sorted(self.ledger.grants(app_id=limits.app_id), key=lambda g: (-g.memory_mib, g.grant_id))
+        mem_left = limits.max_memory_mib if limits.max_memory_mib is not None else math.inf
+        sm_left = limits.max_sm_pct if limits.max_sm_pct is not None else math.inf
+        over_mem = sum(g.memory_mib for g in grants) - mem_left
+        over_sm = sum(g.sm_pct for g in grants) - sm_left
+        changed = []
+        for g in grants:
+            mem_cut = min(g.memory_mib, max(0.0, over_mem))
+            sm_cut = min(g.sm_pct, max(0.0, over_sm))
+            if mem_cut <= 0 and sm_cut <= 0:
+                continue
+            over_mem -= mem_cut
+            over_sm -= sm_cut
+            new = self.ledger.resize(g.grant_id, g.memory_mib - mem_cut, g.sm_pct - sm_cut, clamp=True)
+            changed.append(new)
+            self.counters.resized += 1
+            self._publish(EventKind.RESIZED, grant=new,
+                          detail=f"capped by limits: {g.memory_mib:.0f} -> {new.memory_mib:.0f} MiB, "
+                                 f"{g.sm_pct:g} -> {new.sm_pct:g} % SM")
+        return changed
 
     def available(self, device_id: str | None = None) -> list[DeviceResources]:
         """Free and granted resources per device (one device when `device_id` is given; NotFound
@@ -428,7 +520,6 @@ class Allocator:
         for app_id in ids:
             rec = self._latest.get(app_id)
             grants = tuple(self.ledger.grants(app_id=app_id))
-            seen = [g.updated_at_s for g in grants] + ([rec.decided_at_s] if rec and rec.decided_at_s > 0 else [])
             out.append(
                 AppInfo(
                     app_id=app_id,
@@ -439,10 +530,10 @@ class Allocator:
                     forecast_mem_p90_mib=rec.mem_p90_peak_mib if rec else math.nan,
                     forecast_sm_p90_pct=rec.sm_p90_peak_pct if rec else math.nan,
                     source=rec.source if rec else "",
+                    last_seen_s=self.last_seen_s(app_id),
                     device_id=rec.device_id if rec else (grants[0].device_id if grants else ""),
                     forecast_mem_p50_mib=rec.mem_p50_peak_mib if rec else math.nan,
                     forecast_sm_p50_pct=rec.sm_p50_peak_pct if rec else math.nan,
-                    last_seen_s=max(seen, default=math.nan),
                     pids=tuple(sorted({g.pid for g in grants if g.pid > 0})),
                 )
             )
@@ -503,6 +594,11 @@ class Allocator:
             mig_instances=instances,
         )
         return view, readable
+
+    def knows_device(self, device_id: str) -> bool:
+        """Whether `device_id` is one of this allocator's GPUs or a MIG instance on one of them."""
+        known = {c.device_id for c in self.ledger.devices()}
+        return device_id in known or self._parent_gpu(device_id, known) is not None
 
     def _parent_gpu(self, device_id: str, known: set[str]) -> str | None:
         """The whole GPU a MIG instance UUID belongs to (the ledger holds whole GPUs; a MIG
@@ -804,3 +900,12 @@ __all__ = [
     "Subscription",
     "device_capacities",
 ]
+
+
+def _pid_alive(pid: int) -> bool:
+    import psutil  # the daemon's dependency; imported here so the pure logic does not need it
+
+    try:
+        return bool(psutil.pid_exists(pid))
+    except OSError:
+        return False

@@ -5,7 +5,7 @@ grant), the device error is reused so callers catch one class whichever layer re
 the allocator can say lives here: a bad argument (`InvalidRequest`), a caller acting on another
 application's grant (`PermissionDenied`), a write that did not read back (`VerifyFailed`).
 
-Every RPC edge (allocator/service.py, manager/service.py and G's daemon) converts exceptions with
+Every RPC edge (allocator/service.py, manager/service.py and the daemon in vgpu/daemon/serve.py) converts exceptions with
 `status_for(exc)`; no other module chooses status codes.
 """
 

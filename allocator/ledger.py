@@ -204,11 +204,12 @@ class Ledger:
         if memory_mib > cap.mem_total_mib - mem_dev + _EPS:
             raise InsufficientResources(
                 f"{memory_mib:g} MiB does not fit on {device_id}: {cap.mem_total_mib - mem_dev:g} of "
-                f"{cap.mem_total_mib:g} MiB are not granted"
+                f"{cap.mem_total_mib:g} MiB are free (not granted to any application)"
             )
         if sm_pct > cap.sm_total_pct - sm_dev + _EPS:
             raise InsufficientResources(
-                f"{sm_pct:g} % SM does not fit on {device_id}: {cap.sm_total_pct - sm_dev:g} % are not granted"
+                f"{sm_pct:g} % SM does not fit on {device_id}: {cap.sm_total_pct - sm_dev:g} % SM is free "
+                "(not granted to any application)"
             )
         lim = self._limits.get(app_id)
         if lim is not None:

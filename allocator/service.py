@@ -73,8 +73,6 @@ class NodeObserver(Protocol):
 
     def app_pids(self, app_id: str) -> Sequence[int]: ...
 
-    def app_last_seen_s(self, app_id: str) -> float | None: ...
-
     def profiler_states(self) -> Mapping[str, ProfilerState]: ...
 
     def open_profiler_streams(self) -> int: ...
@@ -190,11 +188,9 @@ def _finite_or_zero(x: float) -> float:
     return x if math.isfinite(x) else 0.0
 
 
-def app_to_pb(a: AppInfo, *, pids: Sequence[int] = (), last_seen_s: float | None = None,
+def app_to_pb(a: AppInfo, *, pids: Sequence[int] = (),
               process_info: Callable[[int], tuple[str, str]] = process_info) -> pb.ApplicationInfo:
-    """`pids` and `last_seen_s`: what the manager adds to the allocator's account."""
-    seen = max(x for x in (a.last_seen_s, last_seen_s if last_seen_s is not None else math.nan, 0.0)
-               if math.isfinite(x))
+    """`pids`: the processes the manager has seen the application's signatures name."""
     msg = pb.ApplicationInfo(
         app_id=a.app_id,
         grants=[grant_to_pb(g) for g in a.grants],
@@ -202,7 +198,6 @@ def app_to_pb(a: AppInfo, *, pids: Sequence[int] = (), last_seen_s: float | None
         sm_util_pct=_finite_or_zero(a.sm_util_pct),
         forecast_mem_p90_mib=_finite_or_zero(a.forecast_mem_p90_mib),
         forecast_sm_p90_pct=_finite_or_zero(a.forecast_sm_p90_pct),
-        last_seen_unix_s=seen,
         device_id=a.device_id,
         forecast_mem_p50_mib=_finite_or_zero(a.forecast_mem_p50_mib),
         forecast_sm_p50_pct=_finite_or_zero(a.forecast_sm_p50_pct),
@@ -212,6 +207,8 @@ def app_to_pb(a: AppInfo, *, pids: Sequence[int] = (), last_seen_s: float | None
         msg.processes.add(pid=pid, user=user, command=command[:512])
     if a.limits is not None:
         msg.limits.CopyFrom(limits_to_pb(a.limits))
+    if a.last_seen_s is not None:
+        msg.last_seen_s = a.last_seen_s
     return msg
 
 
@@ -342,12 +339,15 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             context, "GetAvailableResources", lambda _c: self.allocator.available(request.device_id or None)
         )
         info = self._process_info
+        dry_run = self.allocator.dry_run
         if self.observer is None:
-            return pb.GetAvailableResourcesResponse(devices=[device_to_pb(d, process_info=info) for d in devices])
+            return pb.GetAvailableResourcesResponse(devices=[device_to_pb(d, process_info=info) for d in devices],
+                                                    dry_run=dry_run)
         states = self.observer.profiler_states()
         now = self.allocator.clock()
         return pb.GetAvailableResourcesResponse(
             devices=[device_to_pb(d, states.get(d.device_id, ProfilerState(0, None)), now, info) for d in devices],
+            dry_run=dry_run,
             profiler_streams_open=self.observer.open_profiler_streams(),
         )
 
@@ -368,8 +368,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         apps = await self._call(context, "ListApplications", lambda _c: self.allocator.list_apps())
         obs = self.observer
         return pb.ListApplicationsResponse(apps=[
-            app_to_pb(a, pids=obs.app_pids(a.app_id) if obs else (),
-                      last_seen_s=obs.app_last_seen_s(a.app_id) if obs else None, process_info=self._process_info)
+            app_to_pb(a, pids=obs.app_pids(a.app_id) if obs else (), process_info=self._process_info)
             for a in apps
         ])
 

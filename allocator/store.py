@@ -10,7 +10,7 @@ What is stored:
 - `device_originals`: each device's power limit and MIG layout as found *before* vgpu wrote to it,
   recorded once and kept across crashes until a graceful stop has restored them;
 - `cgroup_originals`: the NVML memory limits of each (device, cgroup) as found before vgpu first
-  capped that cgroup (allocator/limits.py), on the same terms: the first record wins, and it is
+  capped that cgroup (allocator/mechanisms/limits.py), on the same terms: the first record wins, and it is
   forgotten once written back (at release, at stop, or by the start-up reconcile after a crash);
 - `apps`: application ids that have been claimed (their token has been issued).
 

@@ -3,7 +3,7 @@ truth falls in an application's final seconds (its teardown) and the rest of its
 
     python bench/error_breakdown.py --trace runs/migperf.csv.gz [--split test] [--horizon 5] --json
 
-Same protocol, origins and methods as `vgpu eval` (manager/evaluate.py): the model (`--model`,
+Same protocol, origins and methods as `vgpu eval` (vgpu/offline/evaluate.py): the model (`--model`,
 default: the shipped checkpoint), `last_value`, and `gbdt` trained on the trace's train split. Per
 target it prints:
 - `change_mae`: the mean |truth - origin value|, i.e. how much there is to forecast at all

@@ -11,12 +11,19 @@ is shipped, which costs the same). `--mode` picks how the network runs (vgpu.man
 eager, fused, onnx; default: the daemon's, onnx); `torchscript` traces the eager network with
 TorchScript, for comparison. `mode_serving` says what ran (onnx falls back to fused without ONNX
 Runtime).
+
+`--mixture` times the served forecaster instead: the per-application expert mixture
+(manager/experts.py) over the last value, the EWMA and the model, weighting included. Each
+iteration advances every history by one second (the daemon forecasts each application once a
+second), so every call also scores the forecasts whose truth arrived; `mixture_only_p50_ms` is the
+mixture's own share (its time less the model's call on the same histories).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -28,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vgpu.manager.checkpoint import Checkpoint, Metadata, load_checkpoint  # noqa: E402
+from vgpu.manager.experts import make_served  # noqa: E402
 from vgpu.manager.features import N_FEATURES, FeatureSpec  # noqa: E402
 from vgpu.manager.model import ModelConfig, TransformerBiGRU  # noqa: E402
 from vgpu.manager.predictor import DEFAULT_MODE, DEFAULT_MODEL_PATH, MODES, ModelForecaster  # noqa: E402
@@ -80,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--model", default=None)
     p.add_argument("--mode", choices=(*MODES, "torchscript"), default=DEFAULT_MODE)
+    p.add_argument("--mixture", action="store_true", help="time the served expert mixture (model included)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -92,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
             # torch.jit.trace is unannotated
             traced = torch.jit.trace(forecaster.model, example)  # type: ignore[no-untyped-call]
             forecaster._net = torch.jit.freeze(traced)  # noqa: SLF001
-    hist = histories(args.apps, args.history_s)
+    hist = histories(args.apps, args.history_s + (args.iterations + 11 if args.mixture else 0))
+    if args.mixture:
+        return _mixture(args, forecaster, hist)
     for _ in range(10):
         forecaster.forecast_batch(hist)
     times = []
@@ -126,6 +137,63 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for k, v in result.items():
             print(f"{k}: {v}")
+    return 0
+
+
+def _upto(hist: list[AppTrace], end_s: float, span_s: float) -> list[AppTrace]:
+    """Each history's last `span_s` seconds before `end_s` (the daemon's window one second later
+    each time, as long as the plain run's)."""
+    out = []
+    for h in hist:
+        lo, n = int(np.searchsorted(h.t_s, end_s - span_s)), int(np.searchsorted(h.t_s, end_s))
+        out.append(AppTrace(h.app, h.t_s[lo:n], {k: v[lo:n] for k, v in h.columns.items()}))
+    return out
+
+
+def _mixture(args: argparse.Namespace, model: ModelForecaster, hist: list[AppTrace]) -> int:
+    mixture = make_served(model)
+    t0_s = float(hist[0].t_s[0]) + args.history_s
+    steps = [_upto(hist, t0_s + k, args.history_s) for k in range(args.iterations + 10)]
+    times, model_times, cpu, model_cpu = [], [], [], []
+    for k, batch in enumerate(steps):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        mixture.forecast_batch(batch)
+        took, took_cpu = (time.perf_counter() - t0) * 1000, (time.thread_time() - c0) * 1000
+        t0, c0 = time.perf_counter(), time.thread_time()
+        model.forecast_batch(batch)
+        model_took, model_took_cpu = (time.perf_counter() - t0) * 1000, (time.thread_time() - c0) * 1000
+        if k >= 10:
+            times.append(took)
+            model_times.append(model_took)
+            cpu.append(took_cpu)
+            model_cpu.append(model_took_cpu)
+    own = np.asarray(times) - np.asarray(model_times)
+    own_cpu = np.asarray(cpu) - np.asarray(model_cpu)
+    result = {
+        "apps": args.apps,
+        "forecaster": "mixture",
+        "experts": list(mixture.expert_names),
+        "p50_ms": round(float(np.percentile(times, 50)), 3),
+        "p99_ms": round(float(np.percentile(times, 99)), 3),
+        "model_p50_ms": round(float(np.percentile(model_times, 50)), 3),
+        "mixture_only_p50_ms": round(float(np.percentile(own, 50)), 3),
+        # the calling thread's CPU time: what a shared, loaded machine's wall time overstates
+        "cpu_p50_ms": round(float(np.percentile(cpu, 50)), 3),
+        "model_cpu_p50_ms": round(float(np.percentile(model_cpu, 50)), 3),
+        "mixture_only_cpu_p50_ms": round(float(np.percentile(own_cpu, 50)), 3),
+        "load_average_1m": round(os.getloadavg()[0], 2),
+        "scored": mixture.scored,
+        "mode_serving": model.mode_serving,
+        "threads": args.threads,
+        "history_s": args.history_s,
+        "model": model.checkpoint.path,
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch thread(s), torch {torch.__version__}",
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key, v in result.items():
+            print(f"{key}: {v}")
     return 0
 
 

@@ -65,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vgpu.config import ManagerConfig  # noqa: E402
 from vgpu.device.sim import SimBackend  # noqa: E402
-from vgpu.manager.core import Decision, Manager  # noqa: E402
+from vgpu.manager.core import Decision, Item, Manager  # noqa: E402
 from vgpu.profiler.replay import ReplaySource  # noqa: E402
 from vgpu.profiler.stream import DEFAULT_COLUMNS_FROM, SignatureStreamer  # noqa: E402
 from vgpu.traces import AppTrace, Trace, read_trace  # noqa: E402
@@ -95,7 +95,7 @@ class TimedManager(Manager):
         self.tick_ms: list[float] = []
         self._tick_started = 0.0
 
-    def _begin_tick(self, apps: Sequence[str]) -> list[tuple[str, str, int, AppTrace, float, float]]:
+    def _begin_tick(self, apps: Sequence[str]) -> list[Item]:
         self._tick_started = time.perf_counter()
         return super()._begin_tick(apps)
 
@@ -472,7 +472,7 @@ class BatchEncoder:
 
 class ColumnEncoder(BatchEncoder):
     """The same signatures as `BatchEncoder`, a batch of `columns_from` or more sent as one
-    `SignatureColumns` (what the profiler does, profiler/stream.py; manager/columns.py), smaller
+    `SignatureColumns` (what the profiler does, profiler/stream.py; vgpu/wire.py), smaller
     ones as rows. `columns_from` 0: every batch as columns."""
 
     def __init__(self, apps: Sequence[AppTrace], names: Sequence[str], device_ids: Sequence[str],

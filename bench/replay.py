@@ -2,7 +2,7 @@
 
     python bench/replay.py --trace migperf.csv.gz [--gpu h100-80gb] [--split test] --json
 
-Every application of the trace (or of one split of it, manager/splits.py) starts at replay time 0
+Every application of the trace (or of one split of it, vgpu/offline/splits.py) starts at replay time 0
 and follows its own 1 s grid (TRACE_FORMAT.md step 1); the replay ticks once a second. Applications
 are packed first-fit (largest first) onto simulated GPUs of `--gpu` so that their peaks fit: memory
 within the GPU, summed peak SM share within 100 %. At each tick t every policy decides each
@@ -12,20 +12,40 @@ compared with the usage at t + 1.
 Policies (one run, the same packing):
 - `static`: each application gets its peak, for its whole run; power limits stay at the default.
 - `reactive`: usage-based (DeepRes style): the last usage plus the margin, through the policy's
-  hysteresis (allocator/policy.py).
+  hysteresis (allocator/policy/forecast.py).
 - `vpa`: the Kubernetes VPA recommender: P90 of a decaying histogram of the usage (half-life 60 s,
   manager/baselines.py) + 15 %; after a memory violation the memory estimate is bumped to
   max(1.2 x usage, usage + 100 MiB) (VPA's OOM bump) and never falls under that again.
 - `predictive` (vgpu): the P90 forecast over 1-5 s from the forecaster (the trained checkpoint when
   present, else gradient-boosted trees trained on the trace's train split, else the VPA percentile;
   the JSON says which), through the policy with the settings the daemon plans with
-  (`vgpu.allocator.policy.forecast.PREDICTIVE_CONFIG`: margin, overrun bumps, SM threshold and shrink dwell).
+  (`vgpu.allocator.policy.forecast.PREDICTIVE_CONFIG`: margin, overrun bumps, SM threshold and shrink dwell,
+  the leading rules, hard limits only where contended).
   `--set NAME=VALUE` (repeatable) overrides one of those settings for a trade-off study; the JSON
   lists the overrides under `predictive_overrides`.
 - `oracle`: perfect foresight: the true peak of the next 5 s, no margin, through the policy.
 Every dynamic policy chooses each GPU's power limit from its planned SM share
-(allocator/power_policy.py) and sets it through the power-limit mechanism on its own simulated
+(allocator/policy/power.py) and sets it through the power-limit mechanism on its own simulated
 backend; energy is the simulator's power draw, summed over the ticks a GPU has work.
+
+What the applications live through (the physics, per policy, per second):
+- Memory, handed out in launch order as a GPU does: usage over the grant in force is an OOM event.
+  Where the policy's limit is hard (`Target.hard_mem_limit`: always for static, reactive, vpa and
+  oracle; for predictive only on a device whose planned memory reaches `hard_limit_at_frac` of
+  it) the application ends there (`backend.kill`), and its work so far is lost; under a
+  cooperative limit the allocation fails, the application survives (as PyTorch raises and a
+  training loop retries) and that second's work is lost. A GPU that runs out fails the
+  allocation of whoever asks last, likewise. The policies see the demand (the trace), as the
+  forecasters do. `kill_on_oom=False` (tests) makes every limit cooperative.
+- SM: a grant is an MPS share that caps what the application gets (for predictive only where its
+  plan says the device's SM is contended, `Target.hard_sm_limit`); applications of one GPU that
+  together ask for more than it serves are time-sliced in proportion
+  (`vgpu.device.sim.contention_speeds`, checked against Gavel and MISO in tests/test_contention.py).
+  Their progress that second is what they got over what they asked.
+- Power: a limit below what the GPU's work needs slows it by the Zeus curve the policy chose the
+  limit with (`allocator/policy/power.py`: speed min(1, r / u)).
+The trace is not stretched: an application's demand follows its trace, its progress is counted.
+Its slowdown is seconds run / work done.
 
 Metrics, over app-ticks (an application at one second, its first second excluded: no policy has
 seen anything before it):
@@ -34,8 +54,23 @@ seen anything before it):
 - `mem_violation_rate` / `sm_violation_rate`: share of app-ticks with used > allocated.
 - `changes_per_hour`: grant changes (memory or SM of an application, the first grant excluded) per
   application-hour.
-- `energy_j`: simulated energy; `mean_slowdown`: the simulator's mean throttling slowdown on busy
-  GPU-ticks (1.0 = none), since a lower power limit is not free.
+- `energy_j`: simulated energy; `throttle_slowdown`: the simulator's own mean throttling slowdown
+  on busy GPU-ticks (cube-root clock model; this was `mean_slowdown` before the physics above).
+- `apps_killed_oom`, `oom_events`, `oom_event_rate` (per app-second run), `lost_work_s` (work of
+  the killed applications); `mean_slowdown` / `p95_slowdown` over the applications that finished.
+- Lead time of grant increases (`vgpu.allocator.policy.lead`): for each rise of usage beyond the
+  grant in force 5 s earlier, how many seconds before the rise the grant had already grown to
+  cover it (negative: after). `lead_time_median_s` over all rises (`rises`),
+  `lead_time_median_visible_s` over rises after >= 2 s of rising usage (`rises_visible`), and the
+  share of those covered >= 1 s ahead.
+- `by_priority` (when the applications have several priority classes, `--pack mean`): the same
+  figures per class, to show which yields first.
+
+`--cooperative` makes every limit cooperative, so the OOM events of all policies are counted under
+the same rules (with hard limits an application has at most one). `--pack mean` packs on mean usage instead of peaks: a denser node where peaks meet, GPUs are
+contended, and every application gets a priority class 0-2 (round robin by name); the JSON prints
+the packing. `--mig` adds a MIG replay (`mig_replay`) beside a static layout. `tick_series(runs)`
+gives per-second series per policy, for plots.
 """
 
 from __future__ import annotations
@@ -45,9 +80,10 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -55,11 +91,19 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from vgpu.allocator.mechanisms.power import PowerLimitMechanism  # noqa: E402
+from vgpu.allocator.mechanisms.power import PowerLimitMechanism, PowerLimitResult  # noqa: E402
+from vgpu.allocator.policy import lead  # noqa: E402
 from vgpu.allocator.policy.forecast import PREDICTIVE_CONFIG, AppState, DeviceState, PolicyConfig, plan  # noqa: E402
-from vgpu.allocator.policy.power import PowerController  # noqa: E402
-from vgpu.device.sim import ManualClock, SimBackend  # noqa: E402
-from vgpu.device.skus import Sku, get_sku  # noqa: E402
+from vgpu.allocator.policy.power import (  # noqa: E402
+    DEFAULT_CURVE,
+    PowerCurve,
+    PowerPolicyConfig,
+    choose_power_limit_mw,
+)
+from vgpu.device.base import Device  # noqa: E402
+from vgpu.device.errors import NotSupported  # noqa: E402
+from vgpu.device.sim import ManualClock, SimBackend, contention_speeds  # noqa: E402
+from vgpu.device.skus import LayoutSlot, MigLayout, Sku, get_sku  # noqa: E402
 from vgpu.manager.forecast import Forecaster  # noqa: E402
 from vgpu.traces import AppTrace, TraceFormatError, one_second_grid, read_trace  # noqa: E402
 
@@ -69,12 +113,65 @@ VPA_MARGIN = 0.15
 VPA_OOM_RATIO = 1.2
 VPA_OOM_MIN_MIB = 100.0
 FORECASTERS = ("auto", "model", "gbdt", "vpa_percentile", "ewma", "last_value")
+PACKINGS = ("peak", "mean")
+# lead time of grant increases: a rise is a second whose usage is more than RISE_FRAC over the
+# second before and over the grant in force LEAD_WINDOW_S seconds earlier; one the forecast could
+# see follows at least VISIBLE_RAMP_S seconds of rising usage
+LEAD_WINDOW_S = lead.LEAD_WINDOW
+RISE_FRAC = lead.RISE_FRAC
+VISIBLE_RAMP_S = lead.VISIBLE_RAMP
+PRIORITY_CLASSES = 3
+# one policy's figures, as printed in the JSON (numbers, None where a figure has no data, and the
+# per-priority breakdown)
+Result = dict[str, Any]
 
 # The policy settings each dynamic policy runs with (the same hysteresis for all).
 REACTIVE_CONFIG = PolicyConfig(mem_margin_frac=0.10, sm_margin_frac=0.10, confidence_multiplier=0.0)
 VPA_CONFIG = PolicyConfig(mem_margin_frac=VPA_MARGIN, sm_margin_frac=VPA_MARGIN, confidence_multiplier=0.0)
-# predictive runs PREDICTIVE_CONFIG (allocator/policy.py), the daemon's own settings
+# predictive runs PREDICTIVE_CONFIG (allocator/policy/forecast.py), the daemon's own settings
 ORACLE_CONFIG = PolicyConfig(mem_margin_frac=0.0, sm_margin_frac=0.0, confidence_multiplier=0.0)
+
+
+class PowerController:
+    """The replay's power loop, per device: choose a limit from the forecast need
+    (`choose_power_limit_mw`) and apply it through the allocator's own `PowerLimitMechanism`. The
+    daemon does the same inside `Allocator.apply_recommendations`; the replay drives devices without a
+    ledger, so it keeps this small loop of its own."""
+
+    def __init__(
+        self,
+        mechanism: PowerLimitMechanism | None = None,
+        *,
+        curve: PowerCurve = DEFAULT_CURVE,
+        config: PowerPolicyConfig | None = None,
+    ) -> None:
+        self.mechanism = mechanism or PowerLimitMechanism()
+        self.curve = curve
+        self.config = config or PowerPolicyConfig()
+
+    def step(self, devices: Sequence[Device], need_sm_pct: Mapping[str, float]) -> list[PowerLimitResult]:
+        """One decision per device (keyed by UUID); devices without a need entry are left alone.
+        A device whose constraints cannot be read is handed to the mechanism, which disables itself
+        for that device with one log line."""
+        results = []
+        for dev in devices:
+            if dev.uuid not in need_sm_pct:
+                continue
+            if self.mechanism.disabled_reason(dev.uuid) is not None:
+                results.append(self.mechanism.apply(dev, 0))  # reports "disabled: ..."
+                continue
+            try:
+                constraints = dev.power_constraints()
+            except NotSupported:  # the mechanism reads again and turns itself off for the device
+                results.append(self.mechanism.apply(dev, 0))
+                continue
+            choice = choose_power_limit_mw(need_sm_pct[dev.uuid], constraints, self.curve, self.config)
+            results.append(self.mechanism.apply(dev, choice.limit_mw))
+        return results
+
+    def stop(self) -> list[PowerLimitResult]:
+        """Restore every original limit."""
+        return self.mechanism.restore()
 
 
 @dataclass(frozen=True)
@@ -85,6 +182,11 @@ class ReplayApp:
     sm: np.ndarray
     prefix_end: np.ndarray  # raw samples up to and including grid second k: raw[:prefix_end[k]]
     device: int = 0
+    priority: int = 0
+    # seconds the memory has risen (by more than RISE_FRAC a second) in a row up to second k, and
+    # the mean rate over them (MiB/s; NaN when not rising): the policy's leading signal
+    ramp_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    ramp_rate: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     @property
     def ticks(self) -> int:
@@ -114,8 +216,25 @@ def prepare(apps: Sequence[AppTrace]) -> tuple[list[ReplayApp], list[str]]:
         sm = sm[start - sec_s[0]: end - sec_s[0] + 1]
         edges = start + np.arange(1, len(mem) + 1, dtype=np.float64)
         prefix_end = np.searchsorted(a.t_s, edges, side="left")
-        out.append(ReplayApp(a.app, a, mem.astype(np.float64), np.clip(sm, 0, 100).astype(np.float64), prefix_end))
+        mem = mem.astype(np.float64)
+        ramp_s, ramp_rate = ramps(mem)
+        out.append(ReplayApp(a.app, a, mem, np.clip(sm, 0, 100).astype(np.float64), prefix_end,
+                             ramp_s=ramp_s, ramp_rate=ramp_rate))
     return out, skipped
+
+
+def ramps(mem: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per second k: how many seconds in a row the usage has risen by more than RISE_FRAC up to k,
+    and its mean rate over them (NaN where it is not rising)."""
+    n = len(mem)
+    ramp_s = np.zeros(n)
+    rate = np.full(n, math.nan)
+    for k in range(1, n):
+        if mem[k] > mem[k - 1] * (1 + RISE_FRAC) and mem[k] > mem[k - 1]:
+            ramp_s[k] = ramp_s[k - 1] + 1
+            start = k - int(ramp_s[k])
+            rate[k] = (mem[k] - mem[start]) / ramp_s[k]
+    return ramp_s, rate
 
 
 def pack(apps: list[ReplayApp], sku: Sku) -> list[ReplayApp]:
@@ -138,6 +257,37 @@ def pack(apps: list[ReplayApp], sku: Sku) -> list[ReplayApp]:
     return [replace(a, device=placed[a.app_id]) for a in apps]
 
 
+def pack_mean(apps: list[ReplayApp], sku: Sku) -> list[ReplayApp]:
+    """A denser node: first-fit decreasing on mean usage (memory within the GPU, mean SM within
+    100 %), so peaks may meet and the GPUs are contended. Each application gets a priority class
+    0..PRIORITY_CLASSES-1 (round robin by name), so contention has someone to favour."""
+    bins: list[list[float]] = []
+    placed: dict[str, int] = {}
+    for a in sorted(apps, key=lambda a: (-float(a.mem.mean()), -float(a.sm.mean()), a.app_id)):
+        pm, ps = float(a.mem.mean()), float(a.sm.mean())
+        if float(a.mem.max()) > sku.mem_total_mib:
+            raise ValueError(f"{a.app_id} peaks at {a.mem.max():.0f} MiB, more than a {sku.key} has ({sku.mem_total_mib} MiB)")
+        for i, b in enumerate(bins):
+            if b[0] + pm <= sku.mem_total_mib and b[1] + ps <= 100.0 + 1e-9:
+                b[0] += pm
+                b[1] += ps
+                placed[a.app_id] = i
+                break
+        else:
+            bins.append([pm, ps])
+            placed[a.app_id] = len(bins) - 1
+    prio = {name: i % PRIORITY_CLASSES for i, name in enumerate(sorted(a.app_id for a in apps))}
+    return [replace(a, device=placed[a.app_id], priority=prio[a.app_id]) for a in apps]
+
+
+def packing(apps: Sequence[ReplayApp]) -> dict[str, list[str]]:
+    """GPU index -> the applications on it (with their priority when not 0), for the JSON."""
+    out: dict[str, list[str]] = {}
+    for a in sorted(apps, key=lambda a: (a.device, a.app_id)):
+        out.setdefault(str(a.device), []).append(a.app_id if a.priority == 0 else f"{a.app_id} (priority {a.priority})")
+    return out
+
+
 # ------------------------------------------------------------------------------------------------
 # metrics
 # ------------------------------------------------------------------------------------------------
@@ -158,6 +308,70 @@ def slack_and_violations(alloc: np.ndarray, used: np.ndarray) -> tuple[float, fl
     return float(slack.mean()), float(np.mean(used > alloc + 1e-9))
 
 
+def lead_times(used: np.ndarray, granted: np.ndarray, window_s: int = LEAD_WINDOW_S) -> list[tuple[int, int]]:
+    """(lead seconds, seconds of rising usage before it) for each rise of one application, on the
+    replay's 1 s grid (vgpu.allocator.policy.lead)."""
+    return lead.lead_times([float(x) for x in used], [float(x) for x in granted], window_s, RISE_FRAC)
+
+
+@dataclass
+class AppRecord:
+    """One application under one policy."""
+
+    app_id: str
+    device: int
+    priority: int
+    grant_mem: list[float] = field(default_factory=list)  # in force each second it ran (NaN: none)
+    used_mem: list[float] = field(default_factory=list)
+    progress: float = 0.0  # seconds of work done (a second at full speed is 1)
+    ticks_run: int = 0
+    oom_events: int = 0
+    killed_at: int | None = None
+
+    @property
+    def slowdown(self) -> float:
+        return self.ticks_run / self.progress if self.progress > 0 else math.inf
+
+
+@dataclass
+class _TickTotals:
+    mem_granted: float = 0.0
+    mem_used: float = 0.0
+    sm_granted: float = 0.0
+    sm_used: float = 0.0
+    oom: int = 0
+    speed_sum: float = 0.0
+    apps: int = 0
+
+    def add(self, mem_granted: float, mem_used: float, sm_granted: float, sm_used: float) -> None:
+        self.mem_granted += mem_granted
+        self.mem_used += mem_used
+        self.sm_granted += sm_granted
+        self.sm_used += sm_used
+
+
+def _user_figures(recs: Sequence[AppRecord]) -> Result:
+    """What users feel, over a set of applications: kills, OOM events, slowdown, lead times."""
+    done = [r.slowdown for r in recs if r.killed_at is None and r.ticks_run > 0]
+    leads = [lt for r in recs for lt in lead_times(np.array(r.used_mem), np.array(r.grant_mem))]
+    summary = lead.summarize(leads, VISIBLE_RAMP_S)
+    ticks = sum(r.ticks_run for r in recs)
+    return {
+        "apps": len(recs),
+        "apps_killed_oom": sum(r.killed_at is not None for r in recs),
+        "oom_events": sum(r.oom_events for r in recs),
+        "oom_event_rate": round(sum(r.oom_events for r in recs) / ticks, 5) if ticks else 0.0,
+        "mean_slowdown": round(float(np.mean(done)), 4) if done else None,
+        "p95_slowdown": round(float(np.percentile(done, 95)), 4) if done else None,
+        "lost_work_s": round(sum(r.progress for r in recs if r.killed_at is not None), 1),
+        "rises": summary.rises,
+        "lead_time_median_s": summary.median,
+        "rises_visible": summary.rises_visible,
+        "lead_time_median_visible_s": summary.median_visible,
+        "lead_time_ahead_frac_visible": summary.ahead_frac_visible,
+    }
+
+
 @dataclass
 class PolicyRun:
     name: str
@@ -168,12 +382,15 @@ class PolicyRun:
     sm_used: list[float] = field(default_factory=list)
     changes: int = 0
     energy_j: float = 0.0
-    slowdowns: list[float] = field(default_factory=list)
+    slowdowns: list[float] = field(default_factory=list)  # the simulator's power throttling, per busy GPU-second
+    apps: dict[str, AppRecord] = field(default_factory=dict)
+    ticks: list[_TickTotals] = field(default_factory=list)
 
-    def result(self, app_hours: float) -> dict[str, float | str]:
+    def result(self, app_hours: float) -> Result:
         ms, mv = slack_and_violations(np.array(self.mem_alloc), np.array(self.mem_used))
         ss, sv = slack_and_violations(np.array(self.sm_alloc), np.array(self.sm_used))
-        return {
+        recs = list(self.apps.values())
+        out: Result = {
             "policy": self.name,
             "mem_slack_frac": round(ms, 4),
             "mem_violation_rate": round(mv, 4),
@@ -181,8 +398,16 @@ class PolicyRun:
             "sm_violation_rate": round(sv, 4),
             "changes_per_hour": round(self.changes / app_hours, 2) if app_hours > 0 else 0.0,
             "energy_j": round(self.energy_j, 1),
-            "mean_slowdown": round(float(np.mean(self.slowdowns)), 4) if self.slowdowns else 1.0,
+            "throttle_slowdown": round(float(np.mean(self.slowdowns)), 4) if self.slowdowns else 1.0,
         }
+        out.update(_user_figures(recs))
+        del out["apps"]
+        if out["mean_slowdown"] is None:
+            out["mean_slowdown"] = 1.0
+        classes = sorted({r.priority for r in recs})
+        if len(classes) > 1:
+            out["by_priority"] = {str(c): _user_figures([r for r in recs if r.priority == c]) for c in classes}
+        return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -268,12 +493,15 @@ def replay(
     configs: dict[str, PolicyConfig] | None = None,
     progress: Callable[[int, int], None] | None = None,
     runs_out: dict[str, PolicyRun] | None = None,
+    kill_on_oom: bool = True,
+    curve: PowerCurve = DEFAULT_CURVE,
     timeline_out: dict[tuple[str, str], list[tuple[float, float, float, float, float]]] | None = None,
-) -> list[dict[str, float | str]]:
+) -> list[Result]:
     """Run every policy over the packed applications; one result dict per policy. `runs_out`, when
-    given, receives each policy's per-app-tick record (for tests and plots); `timeline_out`, per
-    (policy, app), (t, used MiB, P50 MiB, P90 MiB, grant MiB in force at t) at each tick a policy
-    decides (bench/replay_plot.py draws it)."""
+    given, receives each policy's per-app-tick record (for tests and plots: `tick_series`).
+    `kill_on_oom=False` makes every memory limit cooperative (an overrun is never fatal).
+    `timeline_out`, per (policy, app), receives (t, used MiB, P50 MiB, P90 MiB, grant MiB in force
+    at t) at each tick a policy decides (bench/replay_plot.py draws it)."""
     from vgpu.manager.baselines import VpaPercentileForecaster
 
     vpa_fc = vpa_forecaster or VpaPercentileForecaster()
@@ -283,53 +511,122 @@ def replay(
     horizon = max(a.ticks for a in apps)
     devices = [DeviceState(str(i), float(sku.mem_total_mib)) for i in range(n_dev)]
     runs = {p: PolicyRun(p, cfgs.get(p)) for p in policies}
+    for run in runs.values():
+        run.apps = {a.app_id: AppRecord(a.app_id, a.device, a.priority) for a in apps}
     if runs_out is not None:
         runs_out.update(runs)
     clock = ManualClock()
     backends = {p: SimBackend([sku] * n_dev, clock=clock) for p in policies}
     controllers = {p: PowerController(PowerLimitMechanism(logger=_QuietLog())) for p in policies if p != "static"}
-    pid = 1000
+    pids: dict[str, int] = {}
     for p in policies:
-        for a in apps:
-            pid += 1
-            backends[p].launch(a.app_id, pid, a.raw, a.device)
+        for i, a in enumerate(apps):
+            pids[a.app_id] = 1001 + i
+            backends[p].launch(a.app_id, pids[a.app_id], a.raw, a.device)
     states: dict[str, dict[str, AppState]] = {p: {} for p in policies}
+    hard: dict[str, dict[str, bool]] = {p: {} for p in policies}
+    hard_sm: dict[str, dict[str, bool]] = {p: {} for p in policies}
     oom_floor: dict[str, float] = {}
+    mem_cap = float(sku.mem_total_mib)
 
     for k in range(horizon):
         clock.set(float(k) + 0.5)  # the middle of second k
         active = [a for a in apps if k < a.ticks]
-        # 1. score the grants in force during second k (decided at k - 1)
+        observed: dict[str, dict[str, float]] = {p: {} for p in policies}
         for p in policies:
             run = runs[p]
-            for a in active:
+            alive = [a for a in active if run.apps[a.app_id].killed_at is None]
+            tick = _TickTotals()
+            # 1. memory in launch order, as a GPU hands it out: an overrun of the grant is an OOM
+            #    event (hard limit: the application ends; cooperative: the allocation fails and the
+            #    application survives, held at its grant, its second of work lost); a device that
+            #    runs out fails the allocations of whoever asks last
+            dev_used: dict[int, float] = {}
+            failed: set[str] = set()
+            running: list[ReplayApp] = []
+            for a in alive:
+                rec = run.apps[a.app_id]
                 st = states[p].get(a.app_id)
-                if k == 0 or st is None:
-                    continue
-                run.mem_alloc.append(st.granted_mem_mib)
-                run.mem_used.append(float(a.mem[k]))
-                run.sm_alloc.append(st.granted_sm_pct)
-                run.sm_used.append(float(a.sm[k]))
-                if p == "vpa" and a.mem[k] > st.granted_mem_mib + 1e-9:
-                    bump = max(a.mem[k] * VPA_OOM_RATIO, a.mem[k] + VPA_OOM_MIN_MIB)
-                    oom_floor[a.app_id] = max(oom_floor.get(a.app_id, 0.0), bump)
+                demand = float(a.mem[k])
+                grant = st.granted_mem_mib if (st is not None and k > 0) else math.inf
+                if k > 0 and st is not None:  # 2. score the grants in force during second k
+                    run.mem_alloc.append(st.granted_mem_mib)
+                    run.mem_used.append(demand)
+                    run.sm_alloc.append(st.granted_sm_pct)
+                    run.sm_used.append(float(a.sm[k]))
+                    tick.add(st.granted_mem_mib, demand, st.granted_sm_pct, float(a.sm[k]))
+                    if p == "vpa" and demand > grant + 1e-9:
+                        bump = max(demand * VPA_OOM_RATIO, demand + VPA_OOM_MIN_MIB)
+                        oom_floor[a.app_id] = max(oom_floor.get(a.app_id, 0.0), bump)
+                rec.grant_mem.append(grant if math.isfinite(grant) else math.nan)
+                rec.used_mem.append(demand)
+                got = demand
+                if demand > grant + 1e-9:
+                    rec.oom_events += 1
+                    tick.oom += 1
+                    if kill_on_oom and hard[p].get(a.app_id, True):
+                        rec.killed_at = k
+                        backends[p].kill(pids[a.app_id])
+                        continue
+                    got = grant
+                    failed.add(a.app_id)
+                room = mem_cap - dev_used.get(a.device, 0.0)
+                if got > room + 1e-9:
+                    rec.oom_events += 1
+                    tick.oom += 1
+                    got = max(room, 0.0)
+                    failed.add(a.app_id)
+                dev_used[a.device] = dev_used.get(a.device, 0.0) + got
+                observed[p][a.app_id] = got
+                running.append(a)
+            # 3. SM: the grant is an MPS share; a device asked for more than it serves time-slices
+            #    (vgpu.device.sim.contention_speeds); a power limit slows the device's work by the
+            #    Zeus curve (allocator/policy/power.py)
+            devs = backends[p].devices()
+            by_dev: dict[int, list[ReplayApp]] = {}
+            for a in running:
+                by_dev.setdefault(a.device, []).append(a)
+            for d, group in by_dev.items():
+                demand_sm = [float(a.sm[k]) for a in group]
+                shares = [states[p][a.app_id].granted_sm_pct
+                          if (k > 0 and a.app_id in states[p] and hard_sm[p].get(a.app_id, True)) else math.inf
+                          for a in group]
+                speeds = contention_speeds(demand_sm, 100.0, shares)
+                dev = devs[d]
+                c = dev.power_constraints()
+                r = max(curve.throughput_at(dev.power_limit_mw() / c.max_mw), 1e-6)
+                u = sum(v * s for v, s in zip(speeds, demand_sm, strict=True)) / 100.0
+                power_speed = min(1.0, r / u) if u > 0 else 1.0
+                for a, v in zip(group, speeds, strict=True):
+                    rec = run.apps[a.app_id]
+                    speed = 0.0 if a.app_id in failed else v * power_speed
+                    rec.progress += speed
+                    rec.ticks_run += 1
+                    tick.speed_sum += speed
+                    tick.apps += 1
             # energy of second k under the limits in force
-            for dev in backends[p].devices():
-                if any(a.device == dev.index for a in active):
+            for dev in devs:
+                if dev.index in by_dev:
                     run.energy_j += dev.power_usage_mw() / 1000.0
                     run.slowdowns.append(dev.throttle().slowdown)
-        # 2. forecasts at origin k (one batch per forecaster)
+            run.ticks.append(tick)
+        # 4. forecasts at origin k (one batch per forecaster)
         deciding = [a for a in active if k + 1 < a.ticks]
         if not deciding:
             continue
-        fc_needed = "predictive" in policies
-        forecasts = forecaster.forecast_batch([a.history(k) for a in deciding]) if fc_needed else []
+        forecasts = forecaster.forecast_batch([a.history(k) for a in deciding]) if "predictive" in policies else []
         vpa_fcs = vpa_fc.forecast_batch([a.history(k) for a in deciding]) if "vpa" in policies else []
-        # 3. each policy plans the grants for second k + 1
+        # 5. each policy plans the grants for second k + 1
         for p in policies:
+            run = runs[p]
+            cfg = run.config
             new_states = []
             for i, a in enumerate(deciding):
-                old = states[p].get(a.app_id) or AppState(a.app_id, str(a.device))
+                if a.app_id not in observed[p]:
+                    continue  # ended by an OOM
+                old = states[p].get(a.app_id) or AppState(a.app_id, str(a.device), priority=a.priority)
+                # the policy sees the demand, as the forecasters do (their histories are the trace);
+                # in a second whose allocation failed, what the application asked for
                 used_m, used_s = float(a.mem[k]), float(a.sm[k])
                 f_m = f_s = math.nan
                 if timeline_out is not None:
@@ -350,27 +647,32 @@ def replay(
                 elif p == "oracle":
                     f_m = float(a.mem[k + 1: k + 1 + HORIZON_S].max())
                     f_s = float(a.sm[k + 1: k + 1 + HORIZON_S].max())
+                window = int(cfg.mem_shrink_window_s) if cfg is not None else 0
                 new_states.append(replace(
                     old, used_mem_mib=used_m, used_sm_pct=used_s,
                     forecast_mem_p90_mib=f_m, forecast_sm_p90_pct=f_s, history_s=float(k + 1),
+                    mem_ramp_s=float(a.ramp_s[k]), mem_ramp_rate_mib_s=float(a.ramp_rate[k]),
+                    recent_peak_mem_mib=float(a.mem[max(0, k - window + 1): k + 1].max()) if window > 0 else math.nan,
                 ))
             if p == "static":
                 for st in new_states:
                     states[p][st.app_id] = st
                 continue
-            result = plan(new_states, devices, float(k), runs[p].config)
+            result = plan(new_states, devices, float(k), cfg)
             need_by_dev: dict[str, float] = {}
             for st in new_states:
                 t = result.target(st.app_id)
                 if st.app_id in states[p] and t.changed:
-                    runs[p].changes += 1
+                    run.changes += 1
+                hard[p][st.app_id] = t.hard_mem_limit
+                hard_sm[p][st.app_id] = t.hard_sm_limit
                 states[p][st.app_id] = replace(
                     st, granted_mem_mib=t.mem_mib, granted_sm_pct=t.sm_pct,
                     last_mem_change_s=float(k) if t.changed_mem else st.last_mem_change_s,
                     last_sm_change_s=float(k) if t.changed_sm else st.last_sm_change_s,
                 )
                 need_by_dev[t.device_id] = min(100.0, need_by_dev.get(t.device_id, 0.0) + t.sm_pct)
-            # 4. power limits for second k + 1, from the planned SM share
+            # 6. power limits for second k + 1, from the planned SM share
             devs = backends[p].devices()
             clock_dev = {str(d.index): d for d in devs}
             controllers[p].step(devs, {clock_dev[d].uuid: v for d, v in need_by_dev.items()})
@@ -378,6 +680,188 @@ def replay(
             progress(k, horizon)
     app_hours = sum(max(a.ticks - 1, 0) for a in apps) / 3600.0
     return [runs[p].result(app_hours) for p in policies]
+
+
+def tick_series(runs: Mapping[str, PolicyRun]) -> dict[str, dict[str, list[float]]]:
+    """Per policy, one value per replay second: memory and SM granted and used (sums over the
+    applications scored that second), OOM events, and the mean progress rate of the applications
+    that ran. For plots of a replay (`replay(..., runs_out=runs)`)."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for name, run in runs.items():
+        out[name] = {
+            "mem_granted_mib": [t.mem_granted for t in run.ticks],
+            "mem_used_mib": [t.mem_used for t in run.ticks],
+            "sm_granted_pct": [t.sm_granted for t in run.ticks],
+            "sm_used_pct": [t.sm_used for t in run.ticks],
+            "oom_events": [float(t.oom) for t in run.ticks],
+            "mean_speed": [t.speed_sum / t.apps if t.apps else 1.0 for t in run.ticks],
+        }
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# MIG: slices used, reconfigurations and their lead time, beside a static layout (--mig)
+# ------------------------------------------------------------------------------------------------
+def pack_mig(apps: list[ReplayApp], sku: Sku) -> list[ReplayApp]:
+    """First-fit decreasing on peak memory: an application joins a GPU while one valid MIG layout
+    still gives every application there its own instance holding its peak."""
+    from vgpu.allocator.mechanisms.mig import MigNeed, choose_layout
+
+    groups: list[list[ReplayApp]] = []
+    placed: dict[str, int] = {}
+    for a in sorted(apps, key=lambda a: (-float(a.mem.max()), a.app_id)):
+        for i, g in enumerate(groups):
+            if choose_layout(sku, [MigNeed(x.app_id, float(x.mem.max())) for x in (*g, a)]) is not None:
+                g.append(a)
+                placed[a.app_id] = i
+                break
+        else:
+            if choose_layout(sku, [MigNeed(a.app_id, float(a.mem.max()))]) is None:
+                raise ValueError(f"{a.app_id} peaks at {a.mem.max():.0f} MiB, more than any MIG instance of {sku.key}")
+            groups.append([a])
+            placed[a.app_id] = len(groups) - 1
+    return [replace(a, device=placed[a.app_id]) for a in apps]
+
+
+@dataclass
+class _MigGpu:
+    layout: MigLayout  # in force
+    assignment: dict[str, tuple[int, int]]  # app -> (memory MiB, compute slices) of its instance, in force
+    # (ready tick, layout, assignment) of a reconfiguration under way
+    pending: tuple[int, MigLayout, dict[str, tuple[int, int]]] | None = None
+
+
+def mig_replay(apps: list[ReplayApp], sku: Sku, forecaster: Forecaster, *, reconfig_s: float = 6.0,
+               config: PolicyConfig = PREDICTIVE_CONFIG) -> list[Result]:
+    """Each GPU in MIG mode, one instance per application (memory only: the traces' SM is measured
+    on the slice each run had, not on a whole GPU, so an instance is sized by memory and gets at
+    least one compute slice).
+
+    - `static`: the layout that holds every application's peak, from the start, never changed.
+    - `predictive`: at each second the layout (mechanisms/mig.py: `MigScheduler`) for the larger of
+      the usage now and the need `reconfig_s` ahead: the forecast's P90 extended to that lead
+      (`needs_ahead`) plus the policy's margin and lead headroom. A change takes `reconfig_s`; until
+      then the old layout is in force. The replay assumes an application can move to its new
+      instance when it is ready (a checkpoint/restore at a step boundary); the daemon itself never
+      destroys a busy instance (tests/test_mig_managed.py).
+
+    Per policy: `slices_used` (mean compute slices of the instances of running applications per
+    busy GPU-second), `slice_seconds` (their sum), `slices_held` (every instance of the layout:
+    the planner keeps an instance it no longer needs rather than destroy it), `instance_mem_mib` (mean
+    memory of the instances of running applications per busy GPU-second),
+    `reconfigurations`, `oom_events` (usage over the memory of the instance in force), and the lead
+    time of each reconfiguration: the first second at or after the decision whose usage the old
+    layout no longer holds, minus the second the new one is ready (positive: ready ahead of the
+    need; `unneeded`: the old layout held to the end)."""
+    from vgpu.allocator.mechanisms.mig import MigNeed, MigScheduler, _assign, choose_layout, needs_ahead
+
+    def size_of(slot: LayoutSlot) -> tuple[int, int]:
+        prof = sku.profile(slot.profile_id)
+        assert prof is not None
+        return int(prof.mem_mib), prof.slice_count
+
+    def slices_of(layout: MigLayout) -> int:
+        total = 0
+        for slot in layout:
+            prof = sku.profile(slot.profile_id)
+            assert prof is not None
+            total += prof.slice_count
+        return total
+
+    def fits(layout: MigLayout, needs: list[MigNeed]) -> bool:
+        return _assign(sku, layout, needs) is not None
+
+    sched = MigScheduler(sku, reconfig_s)
+    lead_ticks = int(math.ceil(max(reconfig_s, 0.0)))
+    by_gpu: dict[int, list[ReplayApp]] = {}
+    for a in apps:
+        by_gpu.setdefault(a.device, []).append(a)
+    horizon = max(a.ticks for a in apps)
+    out: list[Result] = []
+    for policy in ("static", "predictive"):
+        gpus: dict[int, _MigGpu] = {}
+        slice_s = held_s = busy_s = ooms = reconfigs = 0
+        mem_s = 0.0
+        leads: list[int] = []
+        unneeded = 0
+        watching: list[tuple[int, int, MigLayout, int]] = []  # (gpu, decided, old layout, ready)
+        for k in range(horizon):
+            active = [a for a in apps if k < a.ticks]
+            fcs = (forecaster.forecast_batch([a.history(k) for a in active])
+                   if policy == "predictive" and active else [])
+            fc_of = {a.app_id: f for a, f in zip(active, fcs, strict=True)} if fcs else {}
+            for gi, group in by_gpu.items():
+                live = [a for a in group if k < a.ticks]
+                if not live:
+                    continue
+                now = [MigNeed(a.app_id, float(a.mem[k])) for a in live]
+                gpu = gpus.get(gi)
+                if gpu is not None and gpu.pending is not None and gpu.pending[0] <= k:
+                    gpu.layout, gpu.assignment, gpu.pending = gpu.pending[1], gpu.pending[2], None
+                # the need of second k against the layout in force
+                for w in list(watching):
+                    if w[0] == gi and not fits(w[2], now):
+                        leads.append(k - w[3])
+                        watching.remove(w)
+                if gpu is not None:
+                    for a in live:
+                        if float(a.mem[k]) > gpu.assignment.get(a.app_id, (0, 0))[0] + 1e-9:
+                            ooms += 1
+                    slice_s += sum(gpu.assignment.get(a.app_id, (0, 0))[1] for a in live)
+                    mem_s += sum(gpu.assignment.get(a.app_id, (0, 0))[0] for a in live)
+                    held_s += slices_of(gpu.layout)
+                    busy_s += 1
+                # decide the layout
+                if policy == "static":
+                    if gpu is None:
+                        choice = choose_layout(sku, [MigNeed(a.app_id, float(a.mem.max())) for a in group])
+                        assert choice is not None
+                        gpus[gi] = _MigGpu(choice.layout, {app: size_of(slot) for app, slot in choice.assignment})
+                    continue
+                ahead = []
+                for a in live:
+                    f = fc_of[a.app_id]
+                    need = needs_ahead(f.horizons_s, f.mem_p90_mib, reconfig_s)
+                    need = float(a.mem[k]) if math.isnan(need) else max(need, float(a.mem[k]))
+                    ahead.append(MigNeed(a.app_id, need * (1.0 + config.mem_margin_frac + config.mem_lead_frac)))
+                if gpu is None:  # the first layout, made before the applications start
+                    choice = choose_layout(sku, ahead) or choose_layout(sku, now)
+                    assert choice is not None
+                    gpus[gi] = _MigGpu(choice.layout, {app: size_of(slot) for app, slot in choice.assignment})
+                    continue
+                if gpu.pending is not None:
+                    continue  # a reconfiguration is under way
+                current = gpu.layout
+                try:
+                    choice = sched.decide(current, now, ahead)
+                except ValueError:
+                    choice = None
+                if choice is None and not fits(current, now):
+                    choice = choose_layout(sku, now, current)
+                if choice is None or choice.layout == current:
+                    continue
+                reconfigs += 1
+                ready = k + lead_ticks
+                gpu.pending = (ready, choice.layout, {app: size_of(slot) for app, slot in choice.assignment})
+                if fits(current, now):
+                    watching.append((gi, k, current, ready))
+                else:  # the need is already here: the change comes reconfig_s after it
+                    leads.append(k - ready)
+        unneeded = len(watching)
+        out.append({
+            "policy": f"mig-{policy}",
+            "gpus": len(by_gpu),
+            "slices_used": round(slice_s / busy_s, 3) if busy_s else 0.0,
+            "slice_seconds": slice_s,
+            "slices_held": round(held_s / busy_s, 3) if busy_s else 0.0,
+            "instance_mem_mib": round(mem_s / busy_s, 1) if busy_s else 0.0,
+            "reconfigurations": reconfigs,
+            "oom_events": ooms,
+            "lead_time_median_s": float(np.median(leads)) if leads else None,
+            "lead_times_s": sorted(leads),
+            "unneeded_reconfigurations": unneeded,
+        })
+    return out
 
 
 class _QuietLog:
@@ -392,15 +876,24 @@ class _QuietLog:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench/replay.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", required=True, help="canonical trace (.csv or .csv.gz)")
-    ap.add_argument("--gpu", default="h100-80gb", help="simulated GPU SKU (default h100-80gb)")
+    ap.add_argument("--gpu", default=None, help="simulated GPU SKU (default h100-80gb; with --mig a100-80gb)")
+    ap.add_argument("--mig", action="store_true",
+                    help="also replay MIG layouts (slices used, reconfigurations, lead time) beside a static layout")
+    ap.add_argument("--mig-reconfig-s", type=float, default=6.0, help="seconds a MIG reconfiguration takes (default 6)")
     ap.add_argument("--split", default="test", choices=("train", "val", "test", "all"),
-                    help="applications to replay (manager/splits.py; default test)")
+                    help="applications to replay (vgpu/offline/splits.py; default test)")
     ap.add_argument("--forecaster", default="auto", choices=FORECASTERS,
                     help="predictive policy's forecaster (auto: the checkpoint, else gbdt on the train split)")
     ap.add_argument("--checkpoint", type=Path, default=None, help="forecaster checkpoint (default: manager/models/)")
     ap.add_argument("--max-apps", type=int, default=0, help="replay only the first N applications (0: all)")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help="override one PREDICTIVE_CONFIG setting of the predictive policy (repeatable)")
+    ap.add_argument("--pack", default="peak", choices=PACKINGS,
+                    help="peak: first-fit so every GPU holds its applications' peaks (no contention); mean: "
+                         "first-fit on mean usage, a denser node where peaks meet, with priority classes")
+    ap.add_argument("--cooperative", action="store_true",
+                    help="every memory limit cooperative (no policy's overrun ends an application), to compare "
+                         "OOM events under the same rules")
     ap.add_argument("--json", action="store_true", help="print JSON")
     ap.add_argument("--plot", type=Path, metavar="DIR",
                     help="also draw use, forecast and grant per application, policy beside policy, into DIR")
@@ -411,7 +904,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         predictive_config, overrides = config_overrides(PREDICTIVE_CONFIG, args.set)
-        sku = get_sku(args.gpu)
+        sku = get_sku(args.gpu or ("a100-80gb" if args.mig else "h100-80gb"))
+        if args.mig and not sku.supports_mig:
+            raise ValueError(f"--mig needs a GPU with MIG; {sku.key} has none")
         trace = read_trace(args.trace)
     except (ValueError, TraceFormatError) as exc:
         print(f"replay: {exc}", file=sys.stderr)
@@ -428,7 +923,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"replay: no usable application ({'; '.join(skipped)})", file=sys.stderr)
         return 2
     try:
-        apps = pack(apps, sku)
+        apps = pack(apps, sku) if args.pack == "peak" else pack_mean(apps, sku)
         t0 = time.perf_counter()
         train = [] if args.split in ("train", "all") else list(select(trace.apps, "train").values())
         forecaster, described = make_forecaster(args.forecaster, train, args.checkpoint)
@@ -439,7 +934,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     t1 = time.perf_counter()
     timeline: dict[tuple[str, str], list[tuple[float, float, float, float, float]]] | None = \
         {} if args.plot is not None else None
-    results = replay(apps, sku, forecaster, configs={"predictive": predictive_config}, timeline_out=timeline)
+    results = replay(apps, sku, forecaster, configs={"predictive": predictive_config},
+                     kill_on_oom=not args.cooperative, timeline_out=timeline)
     replay_s = time.perf_counter() - t1
     if args.plot is not None and timeline is not None:
         if str(Path(__file__).resolve().parent) not in sys.path:  # imported as bench.replay (tests)
@@ -449,6 +945,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         drawn = plot_replay(timeline, args.plot, max_apps=args.plot_apps,
                             title=f"{Path(args.trace).name} on {sku.key}, forecaster: {described}")
         print("\n".join(str(p) for p in drawn), file=sys.stderr)
+    mig_results: list[Result] = []
+    if args.mig:
+        try:
+            mig_apps = pack_mig(apps, sku)
+        except ValueError as exc:
+            print(f"replay: {exc}", file=sys.stderr)
+            return 2
+        mig_results = mig_replay(mig_apps, sku, forecaster, reconfig_s=args.mig_reconfig_s, config=predictive_config)
     app_ticks = sum(a.ticks - 1 for a in apps)
     out = {
         "policies": results,
@@ -461,6 +965,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "tick_s": 1.0,
         "forecaster": described,
         "predictive_overrides": overrides,
+        "pack": args.pack,
+        "cooperative": args.cooperative,
+        **({"mig": mig_results, "mig_reconfig_s": args.mig_reconfig_s} if args.mig else {}),
+        "packing": packing(apps),
         "skipped": skipped,
         "fit_s": round(fit_s, 1),
         "replay_s": round(replay_s, 1),
@@ -469,11 +977,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(out, indent=1))
     else:
         cols = ("mem_slack_frac", "mem_violation_rate", "sm_slack_frac", "sm_violation_rate", "changes_per_hour",
-                "energy_j", "mean_slowdown")
+                "energy_j", "mean_slowdown", "p95_slowdown", "apps_killed_oom", "oom_events",
+                "lead_time_median_visible_s", "lead_time_median_s")
         print(f"{len(apps)} apps, {app_ticks} app-ticks on {out['gpus']} x {sku.key}; forecaster: {described}")
         print(f"{'policy':<11}" + "".join(f"{c:>20}" for c in cols))
         for r in results:
-            print(f"{r['policy']:<11}" + "".join(f"{r[c]:>20}" for c in cols))
+            print(f"{r['policy']:<11}" + "".join(f"{r[c]!s:>20}" for c in cols))
+        for m in mig_results:
+            print(f"{m['policy']:<15} slices used {m['slices_used']}, reconfigurations {m['reconfigurations']}, "
+                  f"OOM events {m['oom_events']}, lead time median {m['lead_time_median_s']} s")
     return 0
 
 

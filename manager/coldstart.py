@@ -22,6 +22,7 @@ time-series forecaster (once the application has enough history).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import pickle
@@ -37,6 +38,7 @@ import structlog
 
 from vgpu.allocator.errors import NotSupported, Unavailable
 from vgpu.allocator.policy.base import Sizer, Sizing
+from vgpu.jobs import known_model, physics_estimate
 from vgpu.manager.jobprofiles import (
     ENCODING_VERSION,
     FAMILIES,
@@ -202,6 +204,15 @@ class SizeEstimate:
     family: str
     family_seen: bool  # False: a family absent from the training data (a wider margin is used)
     notes: tuple[str, ...] = field(default=())
+    # "high": the learned model, inside its training data's ranges, with every input it needs given;
+    # "low": it extrapolates (`extrapolated` names the inputs out of range) or inputs are missing.
+    confidence: str = "high"
+    missing: tuple[str, ...] = field(default=())  # inputs not given (and assumed; see notes)
+    extrapolated: tuple[str, ...] = field(default=())  # inputs outside the training data's ranges
+    method: str = "learned"  # "learned", "learned, raised to the physical floor", or "physics"
+    floor_mib: float = 0.0  # what the job needs by construction (vgpu.jobs.physics_estimate)
+    physics_mib: float = 0.0  # the physical estimate, activations included
+    param_count: int = 0  # the parameters sized with (given, or from the known-model table)
 
     @property
     def grant_mib(self) -> float:
@@ -264,19 +275,42 @@ class ColdStartSizer:
         job.check_sizable()
         assumed = capacity_mib is None
         cap = DEFAULT_CAPACITY_MIB if capacity_mib is None else float(capacity_mib)
-        x = encode(job, cap)[None, :]  # raises InvalidJobConfig on a bad capacity
-        mem, util = (float(v[0]) for v in self.predict_raw(x))
+        phys = physics_estimate(job)
+        known = known_model(job.model_type)
+        filled = dataclasses.replace(
+            job,
+            param_count=job.param_count or phys.param_count,
+            input_size=job.input_size or (known[1].input_size if known else 0),
+            num_layers=job.num_layers or (known[1].num_layers if known else 0),
+        )
+        x = encode(filled, cap)[None, :]  # raises InvalidJobConfig on a bad capacity
+        learned, util = (float(v[0]) for v in self.predict_raw(x))
         family = job.family
         seen = family in self._seen
         notes: list[str] = []
+        extrapolated = self._out_of_range(x[0])
         if not seen:
-            rel = self._margin_unseen
+            extrapolated = ("family", *extrapolated)
             notes.append(f"model family {family!r} is not in the training data: widest margin used")
+        if phys.param_source.startswith("known model"):
+            notes.append(f"param_count {phys.param_count:,} from the {phys.param_source} table")
+        notes.extend(f"assumed {a}" for a in phys.assumed)
+        if extrapolated:
+            mem, method = phys.estimate_mib, "physics"
+            rel = self._margin_unseen
+            notes.append(
+                f"outside the learned model's training data ({', '.join(extrapolated)}): sized from "
+                "parameters, precision, optimizer and activations; widest margin used"
+            )
         else:
             rel = self._margin_family.get(family, self._margin_all)
+            mem, method = max(learned, 0.0), "learned"
+            if mem < phys.floor_mib:
+                mem, method = phys.floor_mib, "learned, raised to the physical floor"
+                notes.append(f"the learned model's {learned:.0f} MiB is below what the job needs by construction")
         if assumed:
             notes.append(f"no capacity given: assumed {DEFAULT_CAPACITY_MIB:.0f} MiB")
-        mem = max(mem, 0.0)
+        low = bool(extrapolated or phys.missing)
         return SizeEstimate(
             mem_mib=mem,
             sm_pct=min(100.0, max(0.0, util)),
@@ -289,7 +323,56 @@ class ColdStartSizer:
             family=family,
             family_seen=seen,
             notes=tuple(notes),
+            confidence="low" if low else "high",
+            missing=phys.missing,
+            extrapolated=extrapolated,
+            method=method,
+            floor_mib=phys.floor_mib,
+            physics_mib=phys.estimate_mib,
+            param_count=phys.param_count,
         )
+
+    def _out_of_range(self, x: np.ndarray) -> tuple[str, ...]:
+        """The encoded inputs outside the training data's ranges (metadata "feature_ranges"; a
+        categorical one outside the values seen). An artefact without ranges: every input is."""
+        family = FAMILIES[int(x[0])]
+        by_family: dict[str, Any] = self.metadata.get("feature_ranges_by_family", {}).get(family, {})
+        ranges: dict[str, list[float]] = by_family.get("ranges", {})
+        seen_values: dict[str, list[float]] = by_family.get("seen", {})
+        out = []
+        for i, name in enumerate(FEATURE_NAMES):
+            if name in ("family", "log2_capacity_mib"):
+                continue  # family: by families_seen; capacity: the device's, not the job's
+            if name in seen_values:
+                if float(x[i]) not in seen_values[name]:
+                    out.append(_FEATURE_INPUT.get(name, name))
+                continue
+            lo, hi = ranges.get(name, (math.inf, -math.inf))
+            if not lo <= float(x[i]) <= hi:
+                out.append(_FEATURE_INPUT.get(name, name))
+        return tuple(out)
+
+
+# The job input each encoded feature comes from, to name it to a person.
+_FEATURE_INPUT = {"log10_params": "param_count", "log2_batch": "batch_size", "log2_input": "input_size",
+                  "train": "mode"}
+
+
+def training_ranges(x: np.ndarray) -> dict[str, dict[str, dict[str, list[float]]]]:
+    """Per model family of the encoded training rows: "ranges" (numeric feature -> [min, max]) and
+    "seen" (categorical feature -> the values seen). The learned model is trusted only inside them."""
+    out: dict[str, dict[str, dict[str, list[float]]]] = {}
+    for fam_index in sorted({int(v) for v in x[:, 0]}):
+        rows = x[x[:, 0] == fam_index]
+        ranges, seen = {}, {}
+        for i, name in enumerate(FEATURE_NAMES):
+            col = rows[:, i]
+            if name in ("family", "precision", "optimizer", "train"):
+                seen[name] = sorted({float(v) for v in col})
+            else:
+                ranges[name] = [float(col.min()), float(col.max())]
+        out[FAMILIES[fam_index]] = {"ranges": ranges, "seen": seen}
+    return out
 
 
 class AllocatorSizer:
@@ -307,7 +390,10 @@ class AllocatorSizer:
         config = job if isinstance(job, JobConfig) else JobConfig.from_proto(job)
         est = self.sizer.size(config, mem_total_mib if mem_total_mib > 0 else None)
         memory = est.grant_mib
-        reason = f"cold_start {est.model}: peak {est.mem_mib:.0f} MiB + margin {est.margin_mib:.0f} MiB (p90 rel err {est.margin_rel:.3f})"
+        reason = (f"cold_start {est.model} ({est.method}, confidence {est.confidence}): peak {est.mem_mib:.0f} MiB "
+                  f"+ margin {est.margin_mib:.0f} MiB (p90 rel err {est.margin_rel:.3f})")
+        if est.missing:
+            reason += f"; missing {', '.join(est.missing)}"
         if not est.fits and est.mem_mib <= est.capacity_mib:
             memory = est.capacity_mib
             reason += f"; margin trimmed to the device's {est.capacity_mib:.0f} MiB"
@@ -399,6 +485,7 @@ def train_sizer(data_root: Path, seed: int = 0, gpumemnet_rows: int | None = Non
         "sm_margin_pct": round(_quantile(np.abs(p_util - util[test]), MARGIN_QUANTILE), 4),
         "refit_on_all_rows": True,
     }
+    metadata["feature_ranges_by_family"] = training_ranges(x)
     all_rows = np.arange(len(profiles))
     return ColdStartSizer(
         TreeEnsemble.from_sklearn(fit(all_rows, mem)), TreeEnsemble.from_sklearn(fit(all_rows, util)), metadata
@@ -408,11 +495,12 @@ def train_sizer(data_root: Path, seed: int = 0, gpumemnet_rows: int | None = Non
 def _add_size_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--model-type", required=True, help="e.g. resnet50, bert-base, vit_b_16")
     s.add_argument("--batch-size", type=int, required=True)
-    s.add_argument("--param-count", type=int, default=0)
-    s.add_argument("--input-size", type=int, default=0)
+    s.add_argument("--param-count", type=int, default=0,
+                   help="parameters (default: from the table of known models, vgpu.jobs.KNOWN_MODELS)")
+    s.add_argument("--input-size", type=int, default=0, help="image side (px) or sequence length (tokens)")
     s.add_argument("--num-layers", type=int, default=0)
     s.add_argument("--precision", default="fp32", help="fp32, fp16, bf16 or amp")
-    s.add_argument("--optimizer", default="")
+    s.add_argument("--optimizer", default="", help="adam, adamw, sgd, ... (training; default: Adam assumed)")
     s.add_argument("--mode", default="train", help="train or infer")
     s.add_argument("--capacity-mib", type=float, default=None,
                    help=f"memory of the GPU or MIG slice (default: a whole A100-40GB, {DEFAULT_CAPACITY_MIB:.0f} MiB)")
@@ -427,14 +515,20 @@ def _size(args: argparse.Namespace, prog: str, *, as_json: bool) -> int:
     except (InvalidJobConfig, FileNotFoundError, ValueError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
+    verdict = "fits" if est.fits else (
+        f"does not fit: needs {est.grant_mib:,.0f} MiB ({est.mem_mib:,.0f} MiB without the margin), "
+        f"the device has {est.capacity_mib:,.0f} MiB"
+    )
     if as_json:
-        print(json.dumps({**est.__dict__, "grant_mib": est.grant_mib, "fits": est.fits}))
+        print(json.dumps({**dataclasses.asdict(est), "grant_mib": est.grant_mib, "fits": est.fits, "verdict": verdict}))
         return 0
-    print(f"{job.model_type} ({est.family}), batch {job.batch_size}, {job.mode_norm}, {job.precision_norm} "
-          f"on {est.capacity_mib:.0f} MiB:")
+    print(f"{job.model_type} ({est.family}, {est.param_count:,} parameters), batch {job.batch_size}, "
+          f"{job.mode_norm}, {job.precision_norm} on {est.capacity_mib:.0f} MiB:")
     print(f"  peak memory  {est.mem_mib:8.0f} MiB + margin {est.margin_mib:.0f} MiB "
-          f"(p90 relative error {est.margin_rel:.1%}) = grant {est.grant_mib:.0f} MiB"
-          + ("" if est.fits else "  DOES NOT FIT"))
+          f"(p90 relative error {est.margin_rel:.1%}) = grant {est.grant_mib:.0f} MiB")
+    print(f"  {verdict}")
+    print(f"  method {est.method}, confidence {est.confidence}"
+          + (f" (missing: {', '.join(est.missing)})" if est.missing else ""))
     print(f"  utilization  {est.sm_pct:8.0f} %   (+ {est.sm_margin_pct:.0f} points)   model {est.model}")
     for note in est.notes:
         print(f"  note: {note}")

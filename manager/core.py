@@ -1,7 +1,7 @@
 """The `Manager`: signatures in, windows, batched forecasts soon after arrival, decisions out.
 
 Each ingested `SignatureBatch` is read signature by signature in one pass (`parse_signature` in
-manager/columns.py: validated and turned into the window's values together; a columnar part is read
+vgpu/wire.py: validated and turned into the window's values together; a columnar part is read
 as arrays there too; a malformed signature is rejected with a reason,
 an out-of-order one is rejected as such, one the window already holds (a profiler's resend after a
 reconnect) is dropped quietly as a duplicate, the rest of the batch and the stream go on) and added to
@@ -50,53 +50,21 @@ import structlog
 
 from vgpu.allocator.policy.base import Recommendation, RecommendationSink
 from vgpu.histogram import LatencyHistogram
-from vgpu.log import get_logger
+from vgpu.log import get_logger, worth_logging
+from vgpu.manager.baselines import BaselineForecaster
 from vgpu.manager.forecast import HORIZONS_S, Forecast, Forecaster
 from vgpu.manager.window import WindowStore
-from vgpu.traces import AppTrace, one_second_grid
-from vgpu.v1 import ingest_pb2, signature_pb2
+from vgpu.traces import AppTrace
+from vgpu.v1 import ingest_pb2
 from vgpu.wire import MAX_ID_CHARS, ColumnsFormatError, parse_signature, read_columns
 
 _MAX_APP_ID = MAX_ID_CHARS
-
-
-class EwmaMarginForecaster:
-    """The manager's own last-resort forecaster (used only when manager/baselines.py is missing):
-    the exponentially weighted mean of the 1 s grid as P50, plus `margin` of it as P90, flat over
-    the horizons."""
-
-    name = "ewma_margin"
-
-    def __init__(self, alpha: float = 0.3, margin: float = 0.15) -> None:
-        self.alpha, self.margin = alpha, margin
-
-    def _one(self, hist: AppTrace, target: str) -> tuple[float, float]:
-        _, grid = one_second_grid(hist, target)
-        if not len(grid):
-            return math.nan, math.nan
-        m = float(grid[0])
-        for v in grid[1:]:
-            m = self.alpha * float(v) + (1 - self.alpha) * m
-        return m, m * (1 + self.margin)
-
-    def forecast_batch(self, histories: Sequence[AppTrace]) -> list[Forecast]:
-        out = []
-        n = len(HORIZONS_S)
-        for hist in histories:
-            m50, m90 = self._one(hist, "mem_used_mib")
-            s50, s90 = self._one(hist, "sm_util_pct")
-            out.append(Forecast(HORIZONS_S, (m50,) * n, (m90,) * n, (s50,) * n, (min(100.0, s90),) * n, self.name))
-        return out
+_NAMED_SOURCES = ("model", "mixture")  # forecast sources a decision names; any other is "baseline"
 
 
 def default_baseline() -> Forecaster:
-    """B's baseline (manager/baselines.py) when present, else `EwmaMarginForecaster`."""
-    try:
-        from vgpu.manager.baselines import BaselineForecaster  # noqa: PLC0415 - optional module
-    except ImportError:
-        return EwmaMarginForecaster()
-    forecaster: Forecaster = BaselineForecaster()
-    return forecaster
+    """The fallback forecaster: the VPA-style percentile baseline (`vgpu.manager.baselines`)."""
+    return BaselineForecaster()
 
 
 @dataclass(frozen=True)
@@ -106,7 +74,7 @@ class Decision:
     forecast: Forecast
     recommended_mem_mib: float
     recommended_sm_pct: float
-    source: str  # "model" or "baseline"
+    source: str  # "model", "mixture" or "baseline"
     for_seq: int
     decided_at_s: float
     mem_used_mib: float = math.nan
@@ -157,11 +125,6 @@ def _z(x: float) -> float:
     return x if math.isfinite(x) else 0.0
 
 
-def validate_signature(sig: signature_pb2.BehavioralSignature) -> str | None:
-    """Why a signature is unusable, or None when it is fine."""
-    return parse_signature(sig)[0]
-
-
 @dataclass
 class ManagerStats:
     batches: int = 0
@@ -177,6 +140,7 @@ class ManagerStats:
     evicted: int = 0
     dropped_by_profilers: int = 0
     forecast_s_total: float = 0.0
+    unknown_device: int = 0  # rejected (and in `rejected`): the signature names a device the daemon lacks
     # wall time of each forecaster call, and of each tick (windows copied, forecast, allocator acted)
     forecast_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
     tick_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
@@ -193,7 +157,16 @@ class StreamState:
     closed: bool = False  # the stream has ended (set by the servicer)
 
 
-Item = tuple[str, str, int, AppTrace, float, float]  # app, device, seq, window, mem used, SM used
+@dataclass(frozen=True)
+class Item:
+    """One application due for a forecast: its window copied on the loop, with the latest usage."""
+
+    app_id: str
+    device_id: str
+    seq: int
+    window: AppTrace
+    mem_used_mib: float
+    sm_util_pct: float
 
 
 class DutyBudget:
@@ -246,6 +219,7 @@ class Manager:
         min_samples: int = 3,
         mem_margin: float = 0.10,
         logger: structlog.typing.FilteringBoundLogger | None = None,
+        device_known: Callable[[str], bool] | None = None,
     ) -> None:
         if forecast_interval_s < 0 or batch_window_s < 0 or not 0 < forecast_duty_max <= 1:
             raise ValueError("forecast_interval_s and batch_window_s must be >= 0, forecast_duty_max in (0, 1]")
@@ -275,11 +249,17 @@ class Manager:
         self._pids: dict[str, int] = {}  # app -> the pid its latest signature named
         self._device_newest_s: dict[str, float] = {}  # device -> when its newest kept signature arrived
         self._log = logger or get_logger("vgpu.manager")
+        # Whether a signature's device is one the daemon has (None: every device is taken). A
+        # signature for another device could never become a grant: it is rejected, with the reason.
+        self.device_known = device_known
+        self._unknown_devices_said: set[str] = set()
 
     @property
     def source(self) -> str:
-        """"model" when the forecaster is the trained model, else "baseline"."""
-        return "model" if getattr(self.forecaster, "name", "") == "model" else "baseline"
+        """"model" when the forecaster is the trained model, "mixture" when it is the expert mixture
+        (manager/experts.py), else "baseline"."""
+        name = getattr(self.forecaster, "name", "")
+        return name if name in _NAMED_SOURCES else "baseline"
 
     # --- ingest ----------------------------------------------------------------------------------
     def accept(self, batch: ingest_pb2.SignatureBatch, stream: StreamState | None = None) -> ingest_pb2.IngestReply:
@@ -303,6 +283,8 @@ class Manager:
         stats.signatures += len(sigs)
         for i, sig in enumerate(sigs):
             reason, values = parse_signature(sig)
+            if reason is None and not self._device_ok(sig.device_id):
+                reason = self._unknown_device(sig.device_id)
             if reason is not None:
                 stats.rejected += 1
                 reply.rejected.add(index=i, app_id=sig.app_id[:_MAX_APP_ID], reason=reason)
@@ -342,7 +324,7 @@ class Manager:
 
     def _accept_columns(self, msg: ingest_pb2.SignatureColumns, base: int, reply: ingest_pb2.IngestReply,
                         now: float, stream: StreamState | None, kept_apps: set[str]) -> int:
-        """The columnar part of a batch (manager/columns.py): checked as arrays, then one bulk
+        """The columnar part of a batch (vgpu/wire.py): checked as arrays, then one bulk
         window append per application. Row i answers as index `base + i`. Returns how many were kept."""
         apps = stream.apps if stream is not None else None
         stats = self.stats
@@ -360,6 +342,18 @@ class Manager:
             k = int(rows.app_index[i])
             reply.rejected.add(index=base + i, app_id=rows.app_ids[k][:_MAX_APP_ID] if k < len(rows.app_ids) else "",
                                reason=why)
+        if self.device_known is not None:
+            for k, device_id in enumerate(rows.device_ids):
+                if self._device_ok(device_id):
+                    continue
+                reason = self._unknown_device(device_id, count=0)
+                for row in np.flatnonzero(rows.good & (rows.device_index == k)).tolist():
+                    stats.rejected += 1
+                    stats.unknown_device += 1
+                    rows.good[row] = False
+                    a = int(rows.app_index[row])
+                    reply.rejected.add(index=base + row, reason=reason,
+                                       app_id=rows.app_ids[a][:_MAX_APP_ID] if a < len(rows.app_ids) else "")
         good = np.flatnonzero(rows.good)
         if not len(good):
             return 0
@@ -496,13 +490,6 @@ class Manager:
         pid = self._pids.get(app_id)
         return [pid] if pid else []
 
-    def app_last_seen_s(self, app_id: str) -> float | None:
-        """When the application's latest kept signature arrived (this manager's clock), or None."""
-        if app_id not in self.windows:
-            return None
-        seen = self.windows.window(app_id).last_seen_s
-        return seen if math.isfinite(seen) else None
-
     def open_streams(self) -> int:
         """Profiler streams open now that have sent a batch (a profiler sends one every tick)."""
         return sum(1 for stream in list(self._streams) if not stream.closed)
@@ -533,8 +520,8 @@ class Manager:
             if len(win) < self.min_samples:
                 continue
             self._last_forecast_s[app_id] = now
-            out.append((app_id, win.device_id, win.last_seq, win.trace(), win.latest_value("mem_used_mib"),
-                        win.latest_value("sm_util_pct")))
+            out.append(Item(app_id, win.device_id, win.last_seq, win.trace(), win.latest_value("mem_used_mib"),
+                            win.latest_value("sm_util_pct")))
         return out
 
     def _run_forecaster(self, traces: list[AppTrace]) -> list[Forecast]:
@@ -545,7 +532,7 @@ class Manager:
             return result
         except Exception as exc:  # noqa: BLE001 - the fallback serves this tick
             self.stats.forecast_failures += 1
-            if self.stats.forecast_failures in (1, 10, 100) or self.stats.forecast_failures % 1000 == 0:
+            if worth_logging(self.stats.forecast_failures):
                 self._log.error("forecaster_failed", forecaster=getattr(self.forecaster, "name", "?"), error=repr(exc),
                                 count=self.stats.forecast_failures)
             if self.forecaster is self.fallback:
@@ -556,21 +543,21 @@ class Manager:
         if not items:
             return []
         started = time.perf_counter()
-        forecasts = self._run_forecaster([it[3] for it in items])
+        forecasts = self._run_forecaster([it.window for it in items])
         took = time.perf_counter() - started
         self.stats.forecast_s_total += took
         self.stats.forecast_latency.observe(took)
         self.stats.forecast_batches += 1
         now = self.clock()
         decisions = []
-        for (app_id, device_id, seq, _trace, mem_used, sm_used), fc in zip(items, forecasts, strict=True):
-            mem, sm = self.recommend(fc, mem_used, sm_used)
+        for it, fc in zip(items, forecasts, strict=True):
+            mem, sm = self.recommend(fc, it.mem_used_mib, it.sm_util_pct)
             if math.isnan(mem) and math.isnan(sm):
                 continue
-            source = "model" if fc.source == "model" else "baseline"
+            source = fc.source if fc.source in _NAMED_SOURCES else "baseline"
             decisions.append(
-                Decision(app_id, device_id, fc, 0.0 if math.isnan(mem) else mem, 0.0 if math.isnan(sm) else sm,
-                         source, seq, now, mem_used, sm_used)
+                Decision(it.app_id, it.device_id, fc, 0.0 if math.isnan(mem) else mem, 0.0 if math.isnan(sm) else sm,
+                         source, it.seq, now, it.mem_used_mib, it.sm_util_pct)
             )
         return decisions
 
@@ -601,6 +588,20 @@ class Manager:
             if report.skipped:
                 self._log.debug("recommendations_skipped", skipped=list(report.skipped))
 
+    def _device_ok(self, device_id: str) -> bool:
+        return self.device_known is None or self.device_known(device_id)
+
+    def _unknown_device(self, device_id: str, count: int = 1) -> str:
+        """The rejection reason for a signature naming `device_id`, which the daemon does not have;
+        counted, and logged once per device id."""
+        self.stats.unknown_device += count
+        reason = (f"unknown device {device_id[:128]!r}: this daemon has no such device (`vgpu available` lists "
+                  "them; a replay names one with --device-id)")
+        if device_id not in self._unknown_devices_said and len(self._unknown_devices_said) < 64:
+            self._unknown_devices_said.add(device_id)
+            self._log.warning("signatures_rejected_unknown_device", device=device_id[:128])
+        return reason
+
     def _forget(self, app_ids: list[str]) -> None:
         for app_id in app_ids:
             self.stats.evicted += 1
@@ -613,6 +614,9 @@ class Manager:
                 stream.apps.discard(app_id)
             if self.allocator is not None:
                 self.allocator.forget_app(app_id)
+            forget = getattr(self.forecaster, "forget", None)  # a stateful forecaster drops the app too
+            if forget is not None:
+                forget(app_id)
             self._log.info("app_evicted", app=app_id)
 
 

@@ -18,6 +18,14 @@ memory and compute over the last `CONTEXT_S` = 30 s up to the origin, relative t
 in the units of `mem_frac_vs_last` / `sm_frac_vs_last`. Encoding v2 (the first 19 channels, computed
 the same way) is still produced for checkpoints trained on it (`encode(..., version=2)`).
 
+Encoding v4 adds the application's own leading signals, the in-app counters of the canonical trace
+(`vgpu.traces.INAPP_NUMERIC`), each group with a presence flag so that one model serves applications
+that report them and those that do not: the PyTorch allocator's allocated and reserved memory (as
+fractions of the memory scale; `torch_present`), allocation retries in each second (log;
+`retries_present`), a serving engine's requests running and waiting (log; `requests_present`) and its
+KV cache in use (a fraction of the pool where `inapp_kv_total_mib` is reported, else of the memory
+scale; `kv_present`). v3 and v2 checkpoints read none of them and are encoded as before.
+
 Targets are the change from the origin's value in percent of the capacity:
 `100 * (value[origin + h] - value[origin]) / capacity` for h in 1..5 s (percentage points for
 compute); `mask` marks targets that exist
@@ -26,7 +34,7 @@ compute); `mask` marks targets that exist
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,8 +77,35 @@ CONTEXT_FEATURES: tuple[str, ...] = (
     "sm_ctx_std",
 )
 FEATURES_V3 = FEATURES_V2 + CONTEXT_FEATURES
-FEATURES_BY_VERSION: dict[int, tuple[str, ...]] = {2: FEATURES_V2, 3: FEATURES_V3}
-FEATURE_VERSION = 3  # what `vgpu train` writes; every version of FEATURES_BY_VERSION can be encoded
+# v4: the application's own leading signals (in-app counters of the canonical trace), each group with
+# a presence flag, zero where the application does not report them
+INAPP_FEATURES: tuple[str, ...] = (
+    "torch_allocated_frac",
+    "torch_reserved_frac",
+    "torch_present",
+    "torch_retries_log",
+    "retries_present",
+    "requests_running_log",
+    "requests_waiting_log",
+    "requests_present",
+    "kv_used_frac",
+    "kv_present",
+)
+FEATURES_V4 = FEATURES_V3 + INAPP_FEATURES
+# the trace columns v4 reads beyond vgpu.traces.NUMERIC
+INAPP_COLUMNS: tuple[str, ...] = (
+    "inapp_torch_allocated_mib",
+    "inapp_torch_reserved_mib",
+    "inapp_alloc_retries",
+    "inapp_requests_running",
+    "inapp_requests_waiting",
+    "inapp_kv_used_mib",
+    "inapp_kv_total_mib",
+)
+FEATURES_BY_VERSION: dict[int, tuple[str, ...]] = {2: FEATURES_V2, 3: FEATURES_V3, 4: FEATURES_V4}
+# what `vgpu train` writes by default (the shipped model's); every version of FEATURES_BY_VERSION can be
+# encoded and served (`vgpu train --feature-version 4` trains on the in-app signals)
+FEATURE_VERSION = 3
 FEATURES = FEATURES_BY_VERSION[FEATURE_VERSION]
 N_FEATURES = len(FEATURES)
 TARGET_NAMES: tuple[str, ...] = ("mem_used_mib", "sm_util_pct")
@@ -80,11 +115,16 @@ CONTEXT_S = 30  # the summaries' span, origin included
 # Fixed scales for signals with no capacity in the trace.
 SM_CLOCK_SCALE_MHZ = 2000.0
 PCIE_LOG_SCALE = 20.0  # log1p(kB/s) / 20 stays under 1 up to ~480 GB/s
+COUNT_LOG_SCALE = 8.0  # log1p(requests) / 8 stays under 1 up to ~3000 requests
+RETRIES_LOG_SCALE = 5.0  # log1p(allocation retries in the second) / 5
 MEM_FALLBACK_MIN_MIB = 1024.0
 MEM_FALLBACK_HEADROOM = 1.25  # unknown capacity: 1.25 x the largest memory seen so far
 # Targets and outputs are in percent of capacity: changes of a few MiB on a 40 GB device would
 # otherwise be ~1e-4, too small for the optimiser's step sizes.
 OUTPUT_PER_CAPACITY = 100.0
+
+# what the grids hold: the format's columns and the in-app counters v4 reads
+GRID_COLUMNS: tuple[str, ...] = NUMERIC + INAPP_COLUMNS
 
 F32 = npt.NDArray[np.float32]
 F64 = npt.NDArray[np.float64]
@@ -193,7 +233,7 @@ def build_grid(traces: Sequence[AppTrace]) -> Grid:
 def _columns(traces: Sequence[AppTrace], lengths: npt.NDArray[np.int64]) -> dict[str, F64]:
     """Each numeric column of all traces end to end (NaN where a trace lacks it)."""
     cols: dict[str, F64] = {}
-    for name in NUMERIC:
+    for name in GRID_COLUMNS:
         parts = [t.columns.get(name) for t in traces]
         if all(part is None for part in parts):
             continue
@@ -246,8 +286,10 @@ def _grid(
     observed = np.bincount(bins, minlength=total) > 0
     values: dict[str, F64] = {}
     mem_max = np.full(total, np.nan)
-    for name in NUMERIC:
+    for name in GRID_COLUMNS:
         col = cols.get(name)
+        if col is None and name not in NUMERIC:
+            continue  # an in-app column no application has: absent from the grid, read as all missing
         if col is not None and order is not None:
             col = col[order]
         ok = np.isfinite(col) if col is not None else None
@@ -407,10 +449,50 @@ def encode(
         context = np.stack([age, *(s[:n] for s in stats), *(s[n:] for s in stats)], axis=1)  # CONTEXT_FEATURES' order
         first_ctx = fi(CONTEXT_FEATURES[0])
         x[..., first_ctx : first_ctx + len(CONTEXT_FEATURES)] = context[:, None, :] * valid[..., None]
+    if version >= 4:
+        _encode_inapp(grid, win, first_bin, mem_scale, put, x, fi)
     np.clip(x, -10.0, 10.0, out=x)
     return Windows(
         x=x, mem_scale_mib=mem_scale, last=np.stack([last_mem, last_sm], axis=1), origin_bin=origins
     )
+
+
+def _encode_inapp(
+    grid: Grid,
+    win: Callable[[F64], F64],
+    first_bin: npt.NDArray[np.int64],
+    mem_scale: F64,
+    put: Callable[[str, str | None, F64], npt.NDArray[np.bool_]],
+    x: F32,
+    fi: Callable[[str], int],
+) -> None:
+    """The v4 channels: the PyTorch allocator's allocated and reserved memory (fractions of the
+    memory scale), allocation retries per second (log), a serving engine's requests running and
+    waiting (log) and KV cache in use (fraction of its pool where reported, else of the memory
+    scale). Each group has a presence flag, set at the steps where its signal has a value."""
+    nan = np.full(len(grid), np.nan)
+
+    def col(name: str) -> F64:
+        values = grid.values.get(name)
+        return nan if values is None else _carry(values, first_bin)
+
+    scale = mem_scale[:, None]
+    ok_a = put("torch_allocated_frac", None, win(col("inapp_torch_allocated_mib")) / scale)
+    ok_r = put("torch_reserved_frac", None, win(col("inapp_torch_reserved_mib")) / scale)
+    x[..., fi("torch_present")] = ok_a | ok_r
+    retries = col("inapp_alloc_retries")
+    # the counter is cumulative: its increase over the second before (never negative: a restart)
+    rate = np.maximum(np.diff(retries, prepend=np.nan), 0.0)
+    rate[first_bin == np.arange(len(grid))] = np.nan  # no second before the application's first
+    put("torch_retries_log", "retries_present", win(np.log1p(rate)) / RETRIES_LOG_SCALE)
+    ok_run = put("requests_running_log", None, win(np.log1p(col("inapp_requests_running"))) / COUNT_LOG_SCALE)
+    ok_wait = put("requests_waiting_log", None, win(np.log1p(col("inapp_requests_waiting"))) / COUNT_LOG_SCALE)
+    x[..., fi("requests_present")] = ok_run | ok_wait
+    kv_total = col("inapp_kv_total_mib")
+    kv_scale = np.where(np.isfinite(kv_total) & (kv_total > 0), kv_total, np.nan)
+    kv_used = win(col("inapp_kv_used_mib"))
+    kv_den = win(kv_scale)
+    put("kv_used_frac", "kv_present", kv_used / np.where(np.isfinite(kv_den), kv_den, scale))
 
 
 def _summaries(values: F64, inside: npt.NDArray[np.bool_]) -> list[F64]:

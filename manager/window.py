@@ -269,6 +269,11 @@ class WindowStore:
             return False
         return len(t_s) == 1 or bool((np.diff(t_s) > 0).all() and (seq[1:] > seq[:-1]).all())
 
+    def last_seen_s(self, app_id: str) -> float | None:
+        """When the last sample of `app_id` arrived (the caller's clock); None when it has no window."""
+        win = self._apps.get(app_id)
+        return None if win is None else win.last_seen_s
+
     def evict_idle(self, now_s: float) -> list[str]:
         """Drop applications whose last sample arrived more than `idle_evict_s` before `now_s`."""
         gone = []

@@ -10,7 +10,13 @@ start and again at every reconnect, and sent as `authorization: Bearer <token>` 
 stream. A missing or unreadable token file stops the profiler at start with exit status 2;
 `--no-token` streams without one (for a daemon with `auth.open_ingest = true`).
 
-SIGTERM or SIGINT stops it gracefully: the last batch is flushed, the stream closed, exit status 0.
+A replay's `--device-id` must be a device of the daemon: it is checked against `GetAvailableResources`
+at start (exit status 2 when the daemon answers without it; a daemon not reachable yet is only
+warned about). Signatures the daemon rejects (for a device it does not have, malformed, out of order)
+are logged with the daemon's reason and counted in the final `profiler stream stopped` line.
+
+SIGTERM or SIGINT stops it gracefully: the last batch is flushed, the stream closed, exit status 0;
+1 when it never reached the manager, or the manager refused every stream (wrong socket, wrong token).
 """
 
 from __future__ import annotations
@@ -19,22 +25,22 @@ import argparse
 import asyncio
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import structlog
 
 from vgpu import auth, log
-from vgpu.client import DEFAULT_INAPP_DIR, DEFAULT_SOCKET, grpc_target
+from vgpu.client import DEFAULT_INAPP_DIR, DEFAULT_SOCKET, check_token, grpc_target
 from vgpu.profiler.source import SignatureSource
-from vgpu.profiler.stream import SignatureStreamer
+from vgpu.profiler.stream import SignatureStreamer, StreamStats
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Stream behavioural signatures of GPU applications.")
     p.add_argument("--manager", default=DEFAULT_SOCKET, help="manager address: unix:///path.sock, /path.sock or host:port")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--backend", default="nvml", help="device backend: nvml (default) or sim:<sku>, e.g. sim:h100-80gb")
+    src.add_argument("--backend", default="nvml", help="device backend: nvml (default), sim, or sim:SKU[*N][,SKU[*N]...], e.g. sim:h100-80gb*2")
     src.add_argument("--replay", type=Path, metavar="TRACE", help="replay a canonical trace instead of sampling GPUs")
     p.add_argument("--device-id", default=None,
                    help="replay: the device the signatures name (a device of the daemon, see `vgpu available`); "
@@ -91,6 +97,11 @@ def main(argv: Sequence[str], prog: str = "vgpu profiler") -> int:
             from vgpu.profiler.replay import ReplaySource
             from vgpu.traces import TraceFormatError
 
+            if args.device_id is not None:
+                problem = check_device_id(args.manager, args.device_id, metadata, logger)
+                if problem:
+                    print(f"{prog}: {problem}", file=sys.stderr)
+                    return 2
             try:
                 source = ReplaySource(args.replay, speed=args.speed, copies=args.copies, loop=args.loop,
                                       device_id=args.device_id)
@@ -120,7 +131,16 @@ def main(argv: Sequence[str], prog: str = "vgpu profiler") -> int:
         )
         logger.info("profiler starting", manager=streamer.target, source=type(source).__name__,
                     period_ms=args.period_ms, token_file=None if args.no_token else str(args.token_file))
-        asyncio.run(_run(streamer, args.seconds))
+        stats = asyncio.run(_run(streamer, args.seconds))
+        if stats.connects == 0 or (stats.refused and not stats.acked):
+            why = ("the manager refused every stream (see the log: the profiler token?)" if stats.refused
+                   else f"never reached the manager ({stats.connect_failures} failed attempts; is vgpu serve "
+                        "listening there?)")
+            print(f"{prog}: {streamer.target}: {why}; {stats.signatures_sent} signatures sent", file=sys.stderr)
+            return 1
+        if stats.rejected:
+            print(f"{prog}: the manager rejected {stats.rejected} of {stats.signatures_sent} signatures "
+                  "(reasons in the log: 'manager rejected signatures')", file=sys.stderr)
         return 0
     finally:
         if backend is not None:
@@ -134,17 +154,50 @@ class TokenReader:
     def __init__(self, path: Path, logger: structlog.typing.FilteringBoundLogger) -> None:
         self.path = path
         self._log = logger
-        self.token = auth.read_token_file(path)
+        self.token = check_token(auth.read_token_file(path), f"the token file {path}")
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         try:
-            self.token = auth.read_token_file(self.path)
+            self.token = check_token(auth.read_token_file(self.path), f"the token file {self.path}")
         except (OSError, ValueError) as exc:
             self._log.warning("cannot re-read the profiler token; using the last one", error=str(exc))
         return auth.bearer(self.token)
 
 
-async def _run(streamer: SignatureStreamer, seconds: float) -> None:
+def check_device_id(
+    manager: str,
+    device_id: str,
+    metadata: Callable[[], tuple[tuple[str, str], ...]] | None,
+    logger: structlog.typing.FilteringBoundLogger,
+    timeout_s: float = 5.0,
+) -> str | None:
+    """Why `device_id` cannot be used with the daemon at `manager` (it answers without such a device
+    or MIG instance), or None. A daemon that cannot be asked now is warned about, not an error: the
+    profiler waits for it like for any manager that is away."""
+    import grpc
+
+    from vgpu.v1 import allocator_pb2, allocator_pb2_grpc
+
+    channel = grpc.insecure_channel(grpc_target(manager))
+    try:
+        resp = allocator_pb2_grpc.AllocatorStub(channel).GetAvailableResources(
+            allocator_pb2.GetAvailableResourcesRequest(), timeout=timeout_s,
+            metadata=metadata() if metadata is not None else (),
+        )
+    except grpc.RpcError as exc:
+        logger.warning("cannot check --device-id against the manager", manager=manager, device_id=device_id,
+                       code=str(exc.code()), detail=exc.details())
+        return None
+    finally:
+        channel.close()
+    ids = [d.device_id for d in resp.devices]
+    if device_id in ids or any(device_id == m.instance_id for d in resp.devices for m in d.mig_instances):
+        return None
+    return (f"--device-id {device_id!r} is not a device of the daemon at {manager}; its devices: "
+            f"{', '.join(ids) or 'none'} (vgpu available)")
+
+
+async def _run(streamer: SignatureStreamer, seconds: float) -> StreamStats:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
@@ -154,7 +207,7 @@ async def _run(streamer: SignatureStreamer, seconds: float) -> None:
     if seconds > 0:
         loop.call_later(seconds, streamer.stop)
     try:
-        await streamer.run()
+        return await streamer.run()
     finally:
         streamer.source.close()
         for sig in (signal.SIGTERM, signal.SIGINT):

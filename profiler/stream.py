@@ -43,7 +43,7 @@ import grpc
 import grpc.aio
 
 from vgpu.client import grpc_target
-from vgpu.log import Logger, get_logger
+from vgpu.log import Logger, get_logger, worth_logging
 from vgpu.profiler.source import SignatureSource
 from vgpu.v1 import ingest_pb2, ingest_pb2_grpc, signature_pb2
 from vgpu.wire import columns_from_signatures
@@ -51,7 +51,7 @@ from vgpu.wire import columns_from_signatures
 Sleep = Callable[[float], Awaitable[None]]
 # A batch stays well under the manager's receive limit (gRPC's default, 4 MiB).
 DEFAULT_MAX_BATCH_BYTES = 1024 * 1024
-# A batch of this many signatures or more goes as columns (manager/columns.py), which the manager
+# A batch of this many signatures or more goes as columns (vgpu/wire.py), which the manager
 # reads about ten times faster; smaller ones go as rows, with their host and in-app counters.
 DEFAULT_COLUMNS_FROM = 256
 _FIELD_OVERHEAD_BYTES = 6  # a signature's tag and length prefix inside the batch
@@ -289,6 +289,7 @@ class SignatureStreamer:
             sent=self.stats.signatures_sent,
             acked=self.stats.acked,
             resent=self.stats.resent,
+            rejected=self.stats.rejected,
             dropped=self.stats.dropped_total,
             unacked=self._unacked,
             buffered=len(self.buffer),
@@ -301,7 +302,7 @@ class SignatureStreamer:
             sigs = await asyncio.to_thread(self.source.sample) if self._in_thread else self.source.sample()
         except Exception as exc:  # noqa: BLE001 - a bad tick is counted, the loop goes on
             self.stats.source_errors += 1
-            if self.stats.source_errors in (1, 10, 100) or self.stats.source_errors % 1000 == 0:
+            if worth_logging(self.stats.source_errors):
                 self._log.error("signature source failed", error=repr(exc), count=self.stats.source_errors)
             sigs = []
         self.enqueue(sigs)
@@ -528,7 +529,7 @@ class SignatureStreamer:
         except Exception as exc:  # noqa: BLE001
             if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in _REFUSED:
                 self.stats.refused += 1
-                if self.stats.refused in (1, 10, 100) or self.stats.refused % 1000 == 0:
+                if worth_logging(self.stats.refused):
                     self._log.error(
                         "manager refused the profiler", error=_describe(exc), count=self.stats.refused,
                         hint="check the profiler token (--token-file) or the daemon's auth.open_ingest",

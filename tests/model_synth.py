@@ -1,4 +1,4 @@
-"""Synthetic traces for the forecaster's tests (C's area): small, deterministic, seconds to train on."""
+"""Synthetic traces for the forecaster's tests : small, deterministic, seconds to train on."""
 
 from __future__ import annotations
 

@@ -135,6 +135,7 @@ UNAUTH = grpc.StatusCode.UNAUTHENTICATED
         ("app_grant", ANON, pb.ReleaseResourcesRequest(grant_id="ga"), UNAUTH),
         ("app_grant", OP, pb.ReleaseResourcesRequest(grant_id="ga"), None),
         ("app_grant", APP_B, pb.ReleaseResourcesRequest(grant_id="missing"), None),  # servicer: NOT_FOUND
+        ("app_grant", ANON, pb.ReleaseResourcesRequest(grant_id="missing"), None),  # NOT_FOUND, not UNAUTHENTICATED
     ],
 )
 def test_policy(tmp_path: Path, need: auth.Need, who: Principal, req: object, expect: object) -> None:

@@ -23,3 +23,20 @@ def test_forecast_latency_json_fields(mode: str, capsys: pytest.CaptureFixture[s
     assert out["mode_serving"] in ("eager", "fused", "onnx")
     if mode != "onnx":
         assert out["mode_serving"] == mode
+
+
+def test_forecast_latency_mixture_fields(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--apps", "4", "--iterations", "5", "--history-s", "20", "--json", "--mixture", "--mode", "fused"]
+    assert forecast_latency.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["forecaster"] == "mixture" and out["experts"] == ["last_value", "model"]
+    assert 0 < out["p50_ms"] <= out["p99_ms"] and out["model_p50_ms"] > 0 and out["scored"] > 0
+
+
+def test_node_learn_bench_fields(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    import node_learn
+
+    fixture = Path(__file__).resolve().parent / "fixtures" / "migperf_runs.csv.gz"
+    assert node_learn.main(["--trace", str(fixture), "--json", "--state-dir", str(tmp_path)]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["apps"] == 8 and out["event"] in ("skipped", "promoted", "rejected") and out["max_rss_mib"] > 0

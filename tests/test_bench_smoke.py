@@ -43,7 +43,9 @@ def test_batch_encoder_bytes_parse_as_the_signatures_they_stand_for() -> None:
 
 
 def test_column_encoder_carries_the_same_signatures_as_the_row_encoder() -> None:
-    from vgpu.manager.core import EwmaMarginForecaster, Manager
+    from manager_fakes import EwmaMarginForecaster
+
+    from vgpu.manager.core import Manager
 
     apps = ingest.demo_apps()
     rows, cols = (E(apps, ["x", "y"], ["GPU-a", "GPU-b"]) for E in (ingest.BatchEncoder, ingest.ColumnEncoder))

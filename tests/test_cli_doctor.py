@@ -1,4 +1,4 @@
-"""vgpu/doctor.py: each check says OK / WARN / FAIL with what to do; any FAIL exits 1."""
+"""vgpu/daemon/doctor.py: each check says OK / WARN / FAIL with what to do; any FAIL exits 1."""
 
 from __future__ import annotations
 

@@ -63,6 +63,11 @@ def _tiny_sizer(margin_all: float = 0.1, by_family: dict[str, float] | None = No
         "margin_rel": {"all": margin_all, "by_family": by_family or {}},
         "sm_margin_pct": 3.0,
         "families_seen": ["transformer", "vit", "cnn"],
+        # Trusted everywhere: these tests are about the margins, not the training ranges.
+        "feature_ranges_by_family": {fam: {
+            "ranges": {n: [-1e9, 1e9] for n in FEATURE_NAMES},
+            "seen": {n: [float(i) for i in range(12)] for n in ("precision", "optimizer", "train")},
+        } for fam in ("transformer", "vit", "cnn")},
     }
     return ColdStartSizer(TreeEnsemble.from_sklearn(m), TreeEnsemble.from_sklearn(u), meta)
 
@@ -205,6 +210,6 @@ def test_vgpu_size_prints_the_shipped_models_estimate(capsys: pytest.CaptureFixt
     assert out["grant_mib"] == pytest.approx(out["mem_mib"] + out["margin_mib"])
     assert vgpu_main(args) == 0
     text = capsys.readouterr().out
-    assert f"grant {want.grant_mib:.0f} MiB" in text and "resnet50 (cnn)" in text
+    assert f"grant {want.grant_mib:.0f} MiB" in text and "resnet50 (cnn, " in text
     assert vgpu_main(["size", "--model-type", "resnet50", "--batch-size", "0"]) == 2
     assert "batch_size must be >= 1" in capsys.readouterr().err

@@ -215,7 +215,8 @@ def test_profiler_streams_with_its_token_and_the_apps_show_up(env: Env, serves: 
     wrong = env.tmp / "wrong.token"
     wrong.write_text("vgpu1.cHJvZmlsZXI.0000\n")
     refused = _profiler(env, trace, "--device-id", device, "--token-file", str(wrong), seconds=1.5)
-    assert refused.returncode == 0, refused.stderr
+    assert refused.returncode == 1, refused.stderr  # refused every stream: a failure, said at exit
+    assert "the manager refused every stream" in refused.stderr
     assert "manager refused the profiler" in refused.stderr and "UNAUTHENTICATED" in refused.stderr
     assert any(e.get("event") == "access_denied" and e.get("method") == "/vgpu.v1.Ingest/StreamSignatures"
                for e in serves[-1].events())
@@ -243,3 +244,27 @@ def test_profiler_without_a_token_file_stops_at_once(env: Env) -> None:
     result = _profiler(env, trace, "--token-file", str(missing), seconds=1.0)
     assert result.returncode == 2
     assert f"cannot read the token file {missing}" in result.stderr and "--token-file" in result.stderr
+
+
+@pytest.mark.parametrize(("spec", "names"), [
+    ("sim", ["NVIDIA H100 80GB HBM3"]),
+    ("sim:h100-80gb*2", ["NVIDIA H100 80GB HBM3"] * 2),
+    ("sim:a100-40gb,h100-80gb", ["NVIDIA A100-SXM4-40GB", "NVIDIA H100 80GB HBM3"]),
+])
+def test_serve_takes_the_backend_grammar_the_profiler_takes(env: Env, serves: list[Serve], spec: str,
+                                                            names: list[str]) -> None:
+    serves.append(Serve(env, "--backend", spec))
+    assert [d["name"] for d in env.json("available")["devices"]] == names
+    assert serves[-1].term() == 0
+
+
+def test_a_bad_backend_spec_is_refused_by_serve_and_profiler_alike(env: Env) -> None:
+    outs = []
+    for cmd in (["serve", "--socket", str(env.sock), "--state-dir", str(env.state)],
+                ["profiler", "--manager", f"unix://{env.sock}", "--no-token"]):
+        r = subprocess.run([sys.executable, "-m", "vgpu.cli", *cmd, "--backend", "sim:h100-80gb*0"],
+                           cwd=ROOT, env=env.env, capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0
+        outs.append(r.stderr)
+    for err in outs:
+        assert "GPU count 0 is outside 1..64" in err, outs

@@ -57,9 +57,15 @@ def _replace(path: Path, write: Callable[[Path], object]) -> None:
     os.replace(tmp, path)
 
 
-def test_a_new_checkpoint_is_swapped_in_without_dropping_the_stream(tmp_path: Path, serves: list[Serve]) -> None:
+@pytest.mark.parametrize("mixture", [True, False], ids=["mixture", "model-alone"])
+def test_a_new_checkpoint_is_swapped_in_without_dropping_the_stream(tmp_path: Path, serves: list[Serve],
+                                                                     mixture: bool) -> None:
+    """With the expert mixture on (the default) the model is its expert and "mixture" serves; with
+    `manager.mixture` off the model serves alone. The reload counts the same either way."""
     env: Env = make_env(tmp_path)
     env.env["VGPU_MANAGER_MODEL_CHECK_INTERVAL_S"] = "0.2"
+    env.env["VGPU_MANAGER_MIXTURE"] = "true" if mixture else "false"
+    serving = "mixture" if mixture else "model"
     model = write_tiny_checkpoint(tmp_path / "model.pt", seed=1)
     port = _free_port()
     serves.append(Serve(env, "--model", str(model), "--metrics-port", str(port)))
@@ -96,7 +102,7 @@ def test_a_new_checkpoint_is_swapped_in_without_dropping_the_stream(tmp_path: Pa
             _until("forecasts after the swap", lambda: ticks() > after_swap)
             m = _metrics(port)
             assert m[("vgpu_forecaster_reloads_total", (("result", "ok"),))] == 1
-            assert m[("vgpu_forecaster_serving", (("forecaster", "model"),))] == 1
+            assert m[("vgpu_forecaster_serving", (("forecaster", serving),))] == 1
 
             # 2. a corrupt file: logged, the loaded model keeps serving
             _replace(model, lambda p: p.write_bytes(b"\x00 not a checkpoint"))
@@ -108,7 +114,7 @@ def test_a_new_checkpoint_is_swapped_in_without_dropping_the_stream(tmp_path: Pa
             m = _metrics(port)
             assert m[("vgpu_forecaster_reloads_total", (("result", "failed"),))] == 1
             assert m[("vgpu_forecaster_reloads_total", (("result", "ok"),))] == 1
-            assert m[("vgpu_forecaster_serving", (("forecaster", "model"),))] == 1
+            assert m[("vgpu_forecaster_serving", (("forecaster", serving),))] == 1
             assert m.get(("vgpu_forecast_failures_total", ()), 0.0) == 0
             apps = {a["app_id"]: a for a in env.json("apps")["apps"]}
             assert set(apps) == {"train-a", "infer-b"}

@@ -1,4 +1,4 @@
-"""manager/daemon.py reconcile() and restore_devices(), and the persistent simulated GPU, without processes."""
+"""vgpu/daemon/serve.py reconcile() and restore_devices(), and the persistent simulated GPU, without processes."""
 
 from __future__ import annotations
 

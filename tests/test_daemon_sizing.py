@@ -100,6 +100,6 @@ async def test_a_loaded_sizer_is_what_the_allocator_asks(tmp_path: Path) -> None
             grant = (await pb_grpc.AllocatorStub(ch).RequestResourceAllocation(
                 _request("x", pb.JobConfig(model_type="mlp", batch_size=30)))).grant
         assert (grant.memory_mib, grant.sm_pct, grant.source) == (3000, 7, "cold_start")
-        assert isinstance(d.allocator.policy, ForecastPolicy)  # the daemon plans with E's policy
+        assert isinstance(d.allocator.policy, ForecastPolicy)  # the daemon plans with the predictive policy
     finally:
         await d.stop("test")

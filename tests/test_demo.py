@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from manager_fakes import EwmaMarginForecaster
 
 from vgpu.daemon.demo import launch_offsets_s, launch_order, main, run_demo
 from vgpu.data import demo_trace_path
-from vgpu.manager.core import EwmaMarginForecaster
 from vgpu.traces import read_trace
 
 
@@ -24,6 +24,8 @@ async def test_demo_summary_numbers() -> None:
     assert s.decisions > 0 and result.rejected == 0
     assert s.mig_changes == 0
     assert result.power_limit_start_mw == 700_000
+    # OOM events and lead times of the run (a median only where there were rises)
+    assert s.oom_events >= 0 and (s.lead_time_median_s is None) == (s.rises == 0)
 
 
 def test_launch_schedule_starts_the_lightest_first_and_alone() -> None:
@@ -40,7 +42,9 @@ def test_json_output_is_only_the_summary(capsys: pytest.CaptureFixture[str]) -> 
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1
     summary = json.loads(out[0])
-    assert set(summary) == {"apps", "ticks", "signatures", "decisions", "power_limit_changes", "mig_changes"}
+    assert set(summary) == {"apps", "ticks", "signatures", "decisions", "power_limit_changes", "mig_changes",
+                            "oom_events", "rises", "lead_time_median_s", "lead_time_median_visible_s"}
+    assert summary["oom_events"] >= 0 and summary["rises"] >= 0
     assert summary["apps"] == 5 and 16 <= summary["ticks"] <= 21 and summary["signatures"] >= summary["ticks"]
 
 

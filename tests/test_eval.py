@@ -147,9 +147,10 @@ def test_cli_json_shape_on_the_fixture(capsys: pytest.CaptureFixture[str], tmp_p
     test_apps = [a for a in read_trace(FIXTURE).apps if split_of(a) == "test"]
     assert report["apps"] == len(test_apps) == 3
     methods = {r["method"] for r in report["results"]}
-    assert methods == {"last_value", "ewma", "vpa_percentile", "gbdt"}  # the model did not load
+    # the model did not load; the served mixture goes on without it, as the daemon does
+    assert methods == {"served", "last_value", "ewma", "vpa_percentile", "gbdt"}
     assert "model rows absent" in captured.err
-    assert len(report["results"]) == 2 * 5 * 4
+    assert len(report["results"]) == 2 * 5 * 5
     for r in report["results"]:
         assert set(r) == {"target", "horizon_s", "method", "mae", "rmse", "r2", "mape", "coverage_p90", "n"}
         assert r["n"] > 300
@@ -183,7 +184,7 @@ def test_model_metadata_names_the_gbdt_training_traces() -> None:
     class Checkpoint:
         metadata = type("M", (), {"training": {"trace_files": [{"path": "c.csv.gz", "apps": 3}]}})()
 
-    class Wrapped:  # helper C's ModelForecaster keeps its metadata on .checkpoint
+    class Wrapped:  # ModelForecaster keeps its metadata on .checkpoint
         checkpoint = Checkpoint()
 
     assert ev.training_traces_of(Wrapped()) == ["c.csv.gz"]

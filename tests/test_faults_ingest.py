@@ -14,10 +14,11 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from manager_fakes import EwmaMarginForecaster
 from structlog.testing import capture_logs
 
 from vgpu.allocator.service import build_server
-from vgpu.manager.core import EwmaMarginForecaster, Manager
+from vgpu.manager.core import Manager
 from vgpu.manager.service import IngestServicer
 from vgpu.manager.window import WindowStore, sample_from_signature
 from vgpu.profiler.stream import SignatureStreamer

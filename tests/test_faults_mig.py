@@ -9,12 +9,13 @@ from __future__ import annotations
 import numpy as np
 import pynvml
 import pytest
+from manager_fakes import EwmaMarginForecaster
 
 from vgpu.allocator.core import Allocator
 from vgpu.device.fake_pynvml import FakePynvml
 from vgpu.device.nvml import NvmlBackend
 from vgpu.device.sim import ManualClock, SimBackend
-from vgpu.manager.core import EwmaMarginForecaster, Manager
+from vgpu.manager.core import Manager
 from vgpu.profiler.sampler import Sampler
 from vgpu.traces import AppTrace
 from vgpu.v1 import ingest_pb2

@@ -13,6 +13,7 @@ import numpy as np
 import pynvml
 import pytest
 from fault_helpers import until
+from manager_fakes import EwmaMarginForecaster
 
 from vgpu.allocator.core import Allocator
 from vgpu.allocator.policy.base import Recommendation
@@ -20,7 +21,7 @@ from vgpu.allocator.service import AllocatorServicer, build_server
 from vgpu.device.fake_pynvml import FakePynvml
 from vgpu.device.nvml import NvmlBackend
 from vgpu.device.sim import ManualClock, SimBackend
-from vgpu.manager.core import EwmaMarginForecaster, Manager
+from vgpu.manager.core import Manager
 from vgpu.manager.service import IngestServicer
 from vgpu.profiler.sampler import Sampler
 from vgpu.profiler.stream import SignatureStreamer

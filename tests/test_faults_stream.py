@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 from fault_helpers import Link, until
+from manager_fakes import EwmaMarginForecaster
 
-from vgpu.manager.core import EwmaMarginForecaster, Manager, StreamState
+from vgpu.manager.core import Manager, StreamState
 from vgpu.manager.window import WindowStore
 from vgpu.profiler.stream import Backoff, SignatureStreamer
 from vgpu.v1 import ingest_pb2, signature_pb2

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+from manager_fakes import EwmaMarginForecaster
 
 from vgpu.allocator.service import build_server
 from vgpu.config import ConfigError, ManagerConfig, load
-from vgpu.manager.core import EwmaMarginForecaster, Manager
+from vgpu.manager.core import Manager
 from vgpu.manager.service import IngestServicer
 from vgpu.v1 import ingest_pb2, ingest_pb2_grpc
 from vgpu.v1 import signature_pb2 as spb

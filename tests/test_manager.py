@@ -12,10 +12,11 @@ import grpc
 import numpy as np
 import pytest
 from allocator_fakes import FakeBackend, FakeClock, FakeDevice
+from manager_fakes import EwmaMarginForecaster
 
 from vgpu.allocator.core import Allocator
 from vgpu.allocator.service import AllocatorServicer, build_server
-from vgpu.manager.core import DutyBudget, EwmaMarginForecaster, Manager, StreamState, validate_signature
+from vgpu.manager.core import DutyBudget, Manager, StreamState
 from vgpu.manager.forecast import HORIZONS_S, Forecast
 from vgpu.manager.service import IngestServicer
 from vgpu.manager.window import WindowStore, sample_from_signature
@@ -24,6 +25,7 @@ from vgpu.v1 import allocator_pb2 as apb
 from vgpu.v1 import allocator_pb2_grpc as apb_grpc
 from vgpu.v1 import ingest_pb2, ingest_pb2_grpc
 from vgpu.v1 import signature_pb2 as spb
+from vgpu.wire import parse_signature
 
 GPU = "GPU-fake-0"
 
@@ -96,9 +98,9 @@ def test_window_evicts_the_longest_silent_app_when_full_and_idle_apps() -> None:
 def test_malformed_signatures_are_rejected_with_a_reason(mutate: object, reason: str) -> None:
     s = sig("a", 1, 10.0)
     mutate(s)  # type: ignore[operator]
-    got = validate_signature(s)
+    got = parse_signature(s)[0]
     assert got is not None and reason in got
-    assert validate_signature(sig("a", 1, 10.0)) is None
+    assert parse_signature(sig("a", 1, 10.0))[0] is None
 
 
 # --- the manager -----------------------------------------------------------------------------------

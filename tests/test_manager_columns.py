@@ -1,4 +1,4 @@
-"""Columnar signature batches (manager/columns.py): the manager reads them like rows."""
+"""Columnar signature batches (vgpu/wire.py): the manager reads them like rows."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import math
 
 import numpy as np
 import pytest
+from manager_fakes import EwmaMarginForecaster
 
-from vgpu.manager.core import EwmaMarginForecaster, Manager
+from vgpu.manager.core import Manager
 from vgpu.manager.window import WindowStore
 from vgpu.v1 import ingest_pb2
 from vgpu.v1 import signature_pb2 as spb
@@ -156,3 +157,17 @@ def test_implausibly_large_counters_are_rejected_in_rows_and_columns() -> None:
     assert sorted(got) == [0, 1]
     assert "implausibly large" in got[0] and "implausibly large" in got[1]
     assert reply.accepted == 1 and m.windows.apps() == ["c"]
+
+
+def test_rows_and_columns_for_a_device_the_daemon_lacks_are_rejected_and_counted() -> None:
+    m = _manager(device_known=lambda d: d == GPU)
+    row = spb.BehavioralSignature(app_id="r", device_id="GPU-elsewhere", seq=1, timestamp_s=1000.0)
+    row.process.gpu_mem_used_mib = 5.0
+    cols = encode_columns(["a", "b", "a"], [GPU, "GPU-elsewhere", GPU], [1, 1, 2], [1000.0, 1000.0, 1000.1],
+                          {"mem_used_mib": [1, 1, 1]})
+    reply = m.accept(ingest_pb2.SignatureBatch(tick=1, signatures=[row], columns=cols))
+    got = {r.index: (r.app_id, r.reason) for r in reply.rejected}
+    assert sorted(got) == [0, 2]
+    assert got[0][0] == "r" and got[2][0] == "b" and all("unknown device 'GPU-elsewhere'" in why for _, why in got.values())
+    assert reply.accepted == 2 and m.stats.unknown_device == 2 and m.stats.rejected == 2
+    assert m.windows.last_seen_s("b") is None and m.windows.last_seen_s("a") == 2000.0

@@ -1,16 +1,17 @@
-"""vgpu/metrics.py: the forecast summary counts forecaster calls (batches), not 1 s ticks."""
+"""vgpu/daemon/metrics.py: the forecast summary counts forecaster calls (batches), not 1 s ticks."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from allocator_fakes import FakeBackend, FakeClock, FakeDevice
+from manager_fakes import EwmaMarginForecaster
 from prometheus_client import CollectorRegistry
 
 from vgpu.allocator.core import Allocator
 from vgpu.daemon.metrics import DaemonMetrics
 from vgpu.daemon.serve import StateSource
-from vgpu.manager.core import EwmaMarginForecaster, Manager
+from vgpu.manager.core import Manager
 from vgpu.manager.forecast import Forecast
 from vgpu.traces import AppTrace
 from vgpu.v1 import ingest_pb2

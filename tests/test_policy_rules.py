@@ -224,7 +224,8 @@ def test_the_daemon_s_policy_bumps_an_application_at_its_memory_grant() -> None:
     backend = SimBackend(["h100-80gb"], clock=clock)
     uuid = backend.devices()[0].uuid
     alloc = Allocator(backend, clock=clock, dry_run=False,
-                      policy=ForecastPolicy(replace(PREDICTIVE_CONFIG, confidence_multiplier=0.0)))
+                      policy=ForecastPolicy(replace(PREDICTIVE_CONFIG, confidence_multiplier=0.0,
+                                                    start_window_s=0.0)))
 
     def rec(used: float) -> Recommendation:
         return Recommendation("a", uuid, used, 20, mem_p90_peak_mib=used, sm_p90_peak_pct=20,

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from bench.replay import PowerController
 from vgpu.allocator.mechanisms.power import PowerLimitMechanism
 from vgpu.allocator.policy.power import (
     DEFAULT_CURVE,
-    PowerController,
     PowerCurve,
     PowerPolicyConfig,
     choose_power_limit_mw,

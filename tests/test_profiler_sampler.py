@@ -349,7 +349,7 @@ def test_registered_app_id_sticks_when_the_file_goes_stale(tmp_path: Path) -> No
     assert sig.app_id == "bert" and sig.seq == 2 and not sig.HasField("in_app")
 
 
-# --- on A's simulator ------------------------------------------------------------------------------
+# --- on the simulator ---------------------------------------------------------------------------------
 
 
 def test_sampler_on_the_simulated_h100() -> None:

@@ -17,11 +17,12 @@ import grpc.aio
 import numpy as np
 import pytest
 import structlog
+from manager_fakes import EwmaMarginForecaster
 
 from tests.profiler_fakes import ManualClock, RecordingLogger
 from vgpu.allocator.service import build_server
 from vgpu.client import grpc_target
-from vgpu.manager.core import EwmaMarginForecaster, Manager
+from vgpu.manager.core import Manager
 from vgpu.manager.service import IngestServicer
 from vgpu.profiler.main import main as profiler_main
 from vgpu.profiler.stream import Backoff, FixedRateLoop, FixedRateSchedule, SignatureStreamer

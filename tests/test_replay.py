@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +17,7 @@ sys.path.insert(0, str(ROOT))
 from bench import replay as R  # noqa: E402
 from vgpu.allocator.policy.forecast import PREDICTIVE_CONFIG, ForecastPolicy  # noqa: E402
 from vgpu.device.skus import get_sku  # noqa: E402
+from vgpu.manager.forecast import Forecast, Forecaster  # noqa: E402
 from vgpu.traces import AppTrace, write_trace  # noqa: E402
 
 SKU = get_sku("h100-80gb")
@@ -50,7 +53,8 @@ def test_tiny_trace_static_and_oracle_by_hand() -> None:
     apps = R.pack(apps, SKU)
     from vgpu.manager.baselines import LastValueForecaster
 
-    out = {r["policy"]: r for r in R.replay(apps, SKU, LastValueForecaster())}
+    # cooperative limits throughout, so an overrun is scored, not fatal
+    out = {r["policy"]: r for r in R.replay(apps, SKU, LastValueForecaster(), kill_on_oom=False)}
     # static: grants 2000 MiB / 50 % for ticks 1..7 (tick 0 is not scored)
     # mem slack: ticks 1-3 -> 0.5 each, ticks 4-7 -> 0 -> 1.5 / 7
     assert out["static"]["mem_slack_frac"] == pytest.approx(round(1.5 / 7, 4))
@@ -72,7 +76,7 @@ def test_vpa_bumps_memory_after_a_violation() -> None:
     from vgpu.manager.baselines import LastValueForecaster
 
     runs: dict[str, R.PolicyRun] = {}
-    R.replay(apps, SKU, LastValueForecaster(), policies=("vpa",), runs_out=runs)
+    R.replay(apps, SKU, LastValueForecaster(), policies=("vpa",), runs_out=runs, kill_on_oom=False)
     alloc = np.array(runs["vpa"].mem_alloc)
     # one violation at the step (tick 20), then at least max(1.2 x 3000, 3100) from the next tick on
     assert int(np.sum(np.array(runs["vpa"].mem_used) > alloc)) == 1
@@ -143,11 +147,13 @@ def test_predictive_bump_covers_a_memory_step_after_its_first_second() -> None:
         config, _ = R.config_overrides(PREDICTIVE_CONFIG, [f"{k}={v}" for k, v in overrides.items()])
         runs: dict[str, R.PolicyRun] = {}
         R.replay(apps, SKU, LastValueForecaster(), policies=("predictive",), configs={"predictive": config},
-                 runs_out=runs)
+                 runs_out=runs, kill_on_oom=False)
         return int(np.sum(np.array(runs["predictive"].mem_used) > np.array(runs["predictive"].mem_alloc)))
 
-    assert violations() == 1
-    assert violations(mem_bump_frac=0.0, mem_bump_min_mib=0.0) >= 5  # most seconds of the step
+    # the leading rules off: the bump alone
+    off = {"ramp_min_s": 0.0, "mem_lead_frac": 0.0}
+    assert violations(**off) == 1
+    assert violations(**off, mem_bump_frac=0.0, mem_bump_min_mib=0.0) >= 5  # most seconds of the step
 
 
 def test_config_overrides_apply_numbers_and_refuse_the_rest() -> None:
@@ -179,3 +185,174 @@ def test_cli_set_is_reported_and_a_bad_one_is_a_clear_error(tmp_path: Path,
     assert json.loads(capsys.readouterr().out)["predictive_overrides"] == {}
     assert R.main([*base, "--set", "sm_bump_pct=-5"]) == 2
     assert "sm_bump_pct must be >= 0" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------
+# what users feel: OOM kills and failures, slowdown from contention and power, lead times
+# ------------------------------------------------------------------------------------------------
+def _lv() -> Forecaster:
+    from vgpu.manager.baselines import LastValueForecaster
+
+    return LastValueForecaster()
+
+
+def test_an_overrun_of_a_hard_limit_ends_the_application() -> None:
+    mem = [1000.0] * 20 + [3000.0] * 20
+    apps = R.pack(R.prepare([app_trace("a", mem, [10.0] * 40)])[0], SKU)
+    runs: dict[str, R.PolicyRun] = {}
+    out = {r["policy"]: r for r in R.replay(apps, SKU, _lv(), policies=("static", "vpa"),
+                                            runs_out=runs)}
+    assert out["vpa"]["apps_killed_oom"] == 1 and out["vpa"]["oom_events"] == 1
+    assert runs["vpa"].apps["a"].killed_at == 20
+    assert out["vpa"]["lost_work_s"] == pytest.approx(20.0)
+    assert out["static"]["apps_killed_oom"] == 0 and out["static"]["oom_events"] == 0
+
+
+def test_an_overrun_of_a_cooperative_limit_is_survived_at_a_cost() -> None:
+    mem = [1000.0] * 20 + [3000.0] * 20
+    apps = R.pack(R.prepare([app_trace("a", mem, [10.0] * 40)])[0], SKU)
+    cooperative, _ = R.config_overrides(PREDICTIVE_CONFIG, ["hard_limit_at_frac=2", "mem_bump_min_mib=0",
+                                                            "mem_bump_frac=0", "mem_lead_frac=0"])
+    out = R.replay(apps, SKU, _lv(), policies=("predictive",),
+                   configs={"predictive": cooperative})[0]
+    assert out["apps_killed_oom"] == 0 and out["oom_events"] >= 1
+    assert float(out["mean_slowdown"]) > 1.0  # the failed second's work is lost
+    hard, _ = R.config_overrides(cooperative, ["hard_limit_at_frac=0"])
+    assert R.replay(apps, SKU, _lv(), policies=("predictive",),
+                    configs={"predictive": hard})[0]["apps_killed_oom"] == 1
+
+
+def test_apps_asking_more_sm_than_the_gpu_has_run_slower() -> None:
+    traces = [app_trace(f"a{i}", [1000.0] * 30, [90.0] * 30) for i in range(2)]
+    apps = [replace(a, device=0) for a in R.prepare(traces)[0]]  # both on one GPU
+    out = R.replay(apps, SKU, _lv(), policies=("static",))[0]
+    assert out["mean_slowdown"] == pytest.approx(1.8, rel=1e-3)
+    alone = R.replay(R.pack(R.prepare(traces)[0], SKU), SKU, _lv(), policies=("static",))[0]
+    assert alone["mean_slowdown"] == pytest.approx(1.0)
+
+
+def test_a_lower_power_limit_slows_a_busy_gpu_by_the_zeus_curve() -> None:
+    apps = R.pack(R.prepare([app_trace("a", [1000.0] * 40, [100.0] * 40)])[0], SKU)
+    out = {r["policy"]: r for r in R.replay(apps, SKU, _lv(), policies=("static", "oracle"))}
+    assert out["static"]["mean_slowdown"] == pytest.approx(1.0)
+    assert 1.0 < float(out["oracle"]["mean_slowdown"]) < 1.1  # a busy GPU's limit: within ~5 % on the curve
+
+
+def test_lead_times_by_hand() -> None:
+    used = np.array([100.0, 100, 100, 100, 100, 100, 200, 300, 300, 300])
+    # grant grew to 300 at second 4 (two seconds before the rise at 6 and three before 7)
+    early = np.array([150.0, 150, 150, 150, 300, 300, 300, 300, 300, 300])
+    assert R.lead_times(used, early, window_s=5) == [(2, 0), (3, 1)]
+    # grant follows one second late: covers 200 at 7 and 300 at 8
+    late = np.array([150.0, 150, 150, 150, 150, 150, 150, 200, 300, 300])
+    assert R.lead_times(used, late, window_s=5) == [(-1, 0), (-1, 1)]
+    # never covered: minus the seconds left
+    never = np.full(10, 150.0)
+    assert R.lead_times(used, never, window_s=5) == [(6 - 10, 0), (7 - 10, 1)]
+    # a rise the old grant already covered is no rise
+    assert R.lead_times(used, np.full(10, 400.0), window_s=5) == []
+    # an application starting: no grant at its first second counts as none
+    start = np.array([100.0, 500, 500, 500])
+    assert R.lead_times(start, np.array([math.nan, 600, 600, 600]), window_s=5) == [(0, 0)]
+    assert R.lead_times(start, np.array([math.nan, 300, 600, 600]), window_s=5) == [(-1, 0)]
+
+
+def test_the_leading_rules_grant_a_ramp_ahead_of_its_rise() -> None:
+    # a ramp of 300 MiB a second for 8 s after a flat start (a training job filling its memory)
+    mem = [1000.0] * 15 + [1000.0 + 300 * i for i in range(1, 9)] + [3400.0] * 15
+    apps = R.pack(R.prepare([app_trace("a", mem, [10.0] * len(mem))])[0], SKU)
+
+    def result(*sets: str) -> R.Result:
+        config, _ = R.config_overrides(PREDICTIVE_CONFIG, list(sets))
+        return R.replay(apps, SKU, _lv(), policies=("predictive",),
+                        configs={"predictive": config}, kill_on_oom=False)[0]
+
+    led = result()
+    bump_only = result("ramp_min_s=0", "mem_lead_frac=0")  # the overrun bump alone trails the ramp
+    plain = result("ramp_min_s=0", "mem_lead_frac=0", "mem_bump_frac=0", "mem_bump_min_mib=0")
+    assert led["lead_time_median_visible_s"] >= 1 and led["oom_events"] == 0
+    assert bump_only["lead_time_median_visible_s"] < 1 and bump_only["oom_events"] > 0
+    assert plain["lead_time_median_visible_s"] < 0 and plain["oom_events"] > bump_only["oom_events"]
+
+
+def test_tick_series_and_priorities_of_a_dense_node() -> None:
+    traces = [app_trace(f"a{i}", [20_000.0] * 10 + [50_000.0] * 10, [40.0] * 20) for i in range(3)]
+    apps = R.pack_mean(R.prepare(traces)[0], SKU)
+    assert len({a.device for a in apps}) < len(apps)  # peaks meet on a GPU
+    assert sorted(a.priority for a in apps) == [0, 1, 2]
+    runs: dict[str, R.PolicyRun] = {}
+    out = {r["policy"]: r for r in R.replay(apps, SKU, _lv(), policies=("static", "predictive"),
+                                            runs_out=runs)}
+    series = R.tick_series(runs)
+    assert len(series["predictive"]["mem_granted_mib"]) == 20
+    assert set(series["static"]) >= {"mem_used_mib", "oom_events", "mean_speed"}
+    assert "by_priority" in out["predictive"]
+    assert set(R.packing(apps)) == {str(a.device) for a in apps}
+
+
+# ------------------------------------------------------------------------------------------------
+# MIG layouts (--mig)
+# ------------------------------------------------------------------------------------------------
+class _Foresight:
+    """A forecaster that knows each application's next 5 s (the P90 is the true peak of each
+    horizon), so the MIG replay's timing can be checked by hand."""
+
+    name = "foresight"
+
+    def __init__(self, full: dict[str, list[float]]) -> None:
+        self.full = full
+
+    def forecast_batch(self, histories: list[AppTrace]) -> list[Forecast]:
+        out = []
+        for h in histories:
+            mem = self.full[h.app]
+            k = len(h) - 1
+            ahead = tuple(max(mem[min(k + i, len(mem) - 1)] for i in range(1, j + 1)) for j in range(1, 6))
+            out.append(Forecast((1, 2, 3, 4, 5), ahead, ahead, (10.0,) * 5, (10.0,) * 5, "foresight"))
+        return out
+
+
+def test_mig_replay_reconfigures_ahead_of_a_growth_and_static_holds_the_peak() -> None:
+    sku = get_sku("a100-80gb")
+    grow = [5_000.0] * 30 + [5_000.0 + 1_500 * i for i in range(1, 9)] + [17_000.0] * 30
+    flat = [8_000.0] * len(grow)
+    traces = [app_trace("grow", grow, [10.0] * len(grow)), app_trace("flat", flat, [10.0] * len(flat))]
+    apps = R.pack_mig(R.prepare(traces)[0], sku)
+    assert {a.device for a in apps} == {0}
+    full = {"grow": grow, "flat": flat}
+    exact = replace(PREDICTIVE_CONFIG, mem_margin_frac=0.0, mem_lead_frac=0.0)  # the foresight needs no margin
+    out = {r["policy"]: r for r in R.mig_replay(apps, sku, _Foresight(full), reconfig_s=6.0, config=exact)}  # type: ignore[arg-type]
+    static, dyn = out["mig-static"], out["mig-predictive"]
+    assert static["reconfigurations"] == 0 and static["oom_events"] == 0
+    assert dyn["reconfigurations"] >= 1 and dyn["oom_events"] == 0
+    assert dyn["lead_time_median_s"] is not None and dyn["lead_time_median_s"] >= 0  # ready before the need
+    assert dyn["slices_used"] <= static["slices_used"]
+    assert dyn["instance_mem_mib"] < static["instance_mem_mib"]  # the peak's instance only from the growth on
+
+
+def test_cli_cooperative_counts_every_overrun_and_kills_none(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "t.csv"
+    write_trace(path, [app_trace("x", [1000.0] * 12 + [3000.0] * 12 + [6000.0] * 12, [30.0] * 36)])
+    base = ["--trace", str(path), "--split", "all", "--forecaster", "last_value", "--json"]
+    assert R.main(base) == 0
+    hard = {p["policy"]: p for p in json.loads(capsys.readouterr().out)["policies"]}
+    assert R.main([*base, "--cooperative"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    coop = {p["policy"]: p for p in out["policies"]}
+    assert out["cooperative"] is True
+    assert hard["reactive"]["apps_killed_oom"] == 1 and hard["reactive"]["oom_events"] == 1
+    assert coop["reactive"]["apps_killed_oom"] == 0 and coop["reactive"]["oom_events"] >= 2
+
+
+def test_an_sm_share_caps_only_where_the_plan_says_the_gpu_is_contended() -> None:
+    # one application whose SM jumps past its share: capped (slowed) only when caps are hard
+    sm = [20.0] * 20 + [80.0] * 20
+    apps = R.pack(R.prepare([app_trace("a", [1000.0] * 40, sm)])[0], SKU)
+
+    def slowdown(frac: float) -> float:
+        config, _ = R.config_overrides(PREDICTIVE_CONFIG, [f"hard_limit_at_frac={frac}", "sm_cap_cut_only=0"])
+        runs: dict[str, R.PolicyRun] = {}
+        R.replay(apps, SKU, _lv(), policies=("predictive",), configs={"predictive": config}, runs_out=runs)
+        return runs["predictive"].apps["a"].slowdown
+
+    assert slowdown(0.0) > slowdown(0.9)

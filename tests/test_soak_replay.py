@@ -10,10 +10,11 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from manager_fakes import EwmaMarginForecaster
 
 from vgpu.allocator.core import Allocator
 from vgpu.device.sim import ManualClock, SimBackend
-from vgpu.manager.core import EwmaMarginForecaster, Manager, StreamState
+from vgpu.manager.core import Manager, StreamState
 from vgpu.manager.window import WindowStore
 from vgpu.profiler.replay import ReplaySource
 from vgpu.traces import AppTrace, Trace, read_trace

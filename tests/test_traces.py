@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vgpu.traces import AppTrace, TraceFormatError, one_second_grid, read_trace, write_trace
+from vgpu.traces import HEADER, AppTrace, TraceFormatError, one_second_grid, read_trace, write_trace
 
 
 def _write(path: Path, text: str) -> Path:
@@ -101,3 +101,43 @@ def test_one_second_grid_means_and_carries_forward() -> None:
     assert vals.tolist() == [3.0, 7.0, 7.0, 7.0, 1.0]
     empty_secs, empty_vals = one_second_grid(app, "sm_util_pct")
     assert len(empty_secs) == 0 and len(empty_vals) == 0
+
+
+def test_extra_columns_and_metadata_round_trip(tmp_path: Path) -> None:
+    """In-app columns and a `#meta` line survive write -> read; a trace without them is written with
+    the format's header only."""
+    t = np.array([0.0, 0.1, 0.2])
+    app = AppTrace(
+        "a",
+        t,
+        {"mem_used_mib": np.array([1.0, 2.0, 3.0]), "inapp_requests_running": np.array([0.0, 4.0, np.nan])},
+        gpu="g0",
+    )
+    p = tmp_path / "t.csv.gz"
+    write_trace(p, [app], metadata={"generator": "x", "inputs": [{"path": "p", "license": "MIT"}]})
+    trace = read_trace(p, strict=True)
+    assert trace.metadata == {"generator": "x", "inputs": [{"path": "p", "license": "MIT"}]}
+    got = trace.apps["a"].column("inapp_requests_running")
+    assert got[:2].tolist() == [0.0, 4.0] and np.isnan(got[2])
+    plain = tmp_path / "plain.csv"
+    write_trace(plain, [AppTrace("b", t, {"mem_used_mib": np.ones(3)})])
+    assert plain.read_text().splitlines()[0] == ",".join(HEADER)
+
+
+def test_comment_lines_before_header_are_skipped_and_bad_metadata_reported(tmp_path: Path) -> None:
+    p = _write(
+        tmp_path / "t.csv",
+        '# a comment\n#meta {"a": 1}\n#meta [1]\n#meta {bad\nt_s,app,mem_used_mib\n0,a,1\n1,a,x\n',
+    )
+    trace = read_trace(p)
+    assert trace.metadata == {"a": 1}
+    assert [(i.line, "metadata" in i.reason) for i in trace.issues] == [(3, True), (4, True), (7, False)]
+    with pytest.raises(TraceFormatError, match=r"t\.csv:3"):
+        read_trace(p, strict=True)
+
+
+def test_extra_columns_are_validated(tmp_path: Path) -> None:
+    p = _write(tmp_path / "t.csv", "t_s,app,mem_used_mib,inapp_kv_used_mib,dev_sm_util_pct\n0,a,1,-2,\n1,a,1,,120\n2,a,1,3,50\n")
+    trace = read_trace(p)
+    assert [i.line for i in trace.issues] == [2, 3]
+    assert trace.apps["a"].column("inapp_kv_used_mib").tolist() == [3.0]

@@ -25,17 +25,22 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("vgpu.report:main", "draw use, forecast and grant over time for an application or a GPU"),
     "size": ("vgpu.manager.coldstart:size_main", "size a job before it has a history (the cold-start model)"),
     "doctor": ("vgpu.daemon.doctor:main", "check driver, NVML, privileges, sockets and the model file"),
-    "trace": ("vgpu.offline.tracecli:main", "convert datasets into the canonical trace format"),
+    "trace": ("vgpu.offline.tracecli:main",
+              "canonical traces: convert (a dataset into the format), info (describe one), "
+              "cut (the bundled demo trace from MIGPerf)"),
     "train": ("vgpu.offline.train:main", "train the forecaster on canonical traces"),
     "eval": ("vgpu.offline.evaluate:main", "evaluate forecasters by the trace evaluation protocol"),
+    "model": ("vgpu.manager.nodelearn:model_main", "the node-local forecaster: status, rollback"),
 }
 
 
 def _usage() -> str:
-    width = max(len(n) for n in COMMANDS)
-    lines = ["usage: vgpu COMMAND [ARGS...]", "", "commands:"]
+    width = max(len("-h, --help"), *(len(n) for n in COMMANDS))
+    lines = ["usage: vgpu COMMAND [ARGS...]", "       vgpu --version", "", "commands:"]
     lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
-    lines += ["", "Run `vgpu COMMAND --help` for a command's options."]
+    lines += ["", "options:", f"  {'--version':<{width}}  print vgpu's version and exit",
+              f"  {'-h, --help':<{width}}  show this help and exit",
+              "", "Run `vgpu COMMAND --help` for a command's options."]
     return "\n".join(lines)
 
 

@@ -7,6 +7,18 @@
         client.step()
     client.close()          # releases the app's grants and removes its in-app file
 
+Identity. The daemon knows an application by its id and, once the id is taken, by the application's
+token (vgpu/auth.py). A new id needs no token: the first grant comes back with the application's token,
+and the stub keeps it (in memory, and in `token_file`, 0600) and sends it on every later call, so
+`release()`, `close()` and `with VgpuClient(...)` release the app's grants, and the same app id started
+again (a restarted application) finds the token in the same file and goes on. The default
+`token_file` is `$XDG_CONFIG_HOME/vgpu/tokens/<hash of the socket>/<hash of the app id>.token`
+(`~/.config/...` without XDG_CONFIG_HOME), the same file `vgpu request --app ID` writes and reads, so
+an application and its operator's CLI share it (`app_token_path()` says where it is). Pass `token=`
+to give a token you were handed (`<state-dir>/tokens/apps/...`, from the operator), or `token_file=`
+to keep it elsewhere. A token the daemon rejects as not its own (it was re-keyed) is dropped and the
+id claimed anew; an id owned by someone else, with no token here, is refused with PERMISSION_DENIED.
+
 Three things run behind that API:
 
 * **Requests** go to the `Allocator` gRPC service (`RequestResourceAllocation`, `ReleaseResources`).
@@ -32,10 +44,12 @@ torch, or no CUDA, the stub still requests, watches and reports; the torch count
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import random
+import re
 import sys
 import tempfile
 import threading
@@ -64,6 +78,12 @@ MIB = 1024 * 1024
 
 _log = get_logger("vgpu.client")
 
+AUTH_METADATA_KEY = "authorization"  # as vgpu/auth.py: `authorization: Bearer <token>`
+APP_TOKEN_TRAILER = "vgpu-app-token"  # the trailer that carries a newly claimed app's token
+# A token's shape (vgpu/auth.py): `vgpu1.<base64url scope>.<hex HMAC>`. Checked here so a wrong file
+# is named at once rather than sent (gRPC refuses most bytes in metadata with a bare "Invalid metadata").
+_TOKEN_RE = re.compile(r"vgpu1\.[A-Za-z0-9_=-]{1,2048}\.[0-9a-fA-F]{1,128}")
+
 
 def grpc_target(address: str) -> str:
     """A gRPC target from `unix:///abs/path`, `unix:rel`, a bare absolute socket path, or `host:port`."""
@@ -78,6 +98,86 @@ def grpc_target(address: str) -> str:
     if not sep or not host or not port.isdigit():
         raise ValueError(f"bad address {address!r}: expected unix:///path/to.sock, /path/to.sock or host:port")
     return address
+
+
+# --- the application's token ---------------------------------------------------------------------------
+
+
+class TokenFileError(ValueError):
+    """A token file that cannot be read or does not hold a token; the message names the file."""
+
+
+def _socket_key(address: str) -> str:
+    """The same key for every spelling of one Unix socket (`unix:///p`, `unix:p`, `/p`); host:port as is."""
+    address = address.strip()
+    for prefix in ("unix://", "unix:"):
+        if address.startswith(prefix):
+            return os.path.realpath(address[len(prefix):])
+    if "/" in address or not address.rpartition(":")[2].isdigit():
+        return os.path.realpath(address)
+    return address
+
+
+def token_cache_dir(socket: str, env: Mapping[str, str] | None = None) -> Path:
+    """Where this user keeps application tokens for the daemon at `socket`:
+    `$XDG_CONFIG_HOME/vgpu/tokens/<hash of the socket>/` (`~/.config/...` without XDG_CONFIG_HOME)."""
+    env = os.environ if env is None else env
+    base = Path(env.get("XDG_CONFIG_HOME") or Path(env.get("HOME") or "~").expanduser() / ".config")
+    return base / "vgpu" / "tokens" / hashlib.sha256(_socket_key(socket).encode()).hexdigest()[:16]
+
+
+def app_token_path(app_id: str, socket: str = DEFAULT_SOCKET, env: Mapping[str, str] | None = None) -> Path:
+    """The file that keeps `app_id`'s token for the daemon at `socket` (named by a hash of the id, so
+    any id, however long or odd, gives a short, safe file name)."""
+    return token_cache_dir(socket, env) / (hashlib.sha256(app_id.encode()).hexdigest()[:32] + ".token")
+
+
+def check_token(text: str, source: str) -> str:
+    """`text` stripped, if it looks like a token; TokenFileError naming `source` otherwise."""
+    token = text.strip()
+    if not token:
+        raise TokenFileError(f"{source} is empty; it should hold one vgpu token (vgpu1.<scope>.<mac>)")
+    if not _TOKEN_RE.fullmatch(token):
+        raise TokenFileError(
+            f"{source} does not hold a vgpu token (vgpu1.<scope>.<mac>, one line of letters, digits and dots); "
+            "replace it with the token file the daemon wrote, or delete it"
+        )
+    return token
+
+
+def read_token(path: str | Path) -> str | None:
+    """The token in `path`; None when there is no such file; TokenFileError naming the file when it
+    cannot be read or holds something else."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise TokenFileError(f"cannot read the token file {path}: {exc.strerror or exc}") from exc
+    try:
+        text = data.decode("ascii")
+    except UnicodeDecodeError:
+        raise TokenFileError(f"the token file {path} is not text; it should hold one vgpu token") from None
+    return check_token(text, f"the token file {path}")
+
+
+def save_token(path: str | Path, token: str) -> Path:
+    """Write `token` to `path` (mode 0600, directory 0700), atomically."""
+    path = Path(path)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)  # mkstemp: mode 0600
+    try:
+        with os.fdopen(fd, "w", encoding="ascii") as fh:
+            fh.write(token.strip() + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return path
 
 
 # --- in-app counters: the file protocol -------------------------------------------------------------
@@ -229,8 +329,10 @@ class VgpuClient:
     Arguments beyond `app_id` are optional: `socket` is the daemon's address (Unix socket path or
     host:port), `job` the job's configuration (`vgpu.jobs.JobConfig` or the proto message; with
     `request(memory_mib=0)` the daemon's cold-start model sizes the grant from it), `inapp_dir`
-    where in-app counters go. `channel`, `torch_module`, `clock`, `pid` and `sleep` exist for tests.
-    `watch=False` / `report=False` turn the background threads off.
+    where in-app counters go, `token` / `token_file` the application's identity (module docstring,
+    "Identity"; `env` stands in for os.environ when finding the default token file). `channel`,
+    `torch_module`, `clock`, `pid` and `sleep` exist for tests. `watch=False` / `report=False` turn the
+    background threads off. A token file that holds no token raises TokenFileError naming it.
     """
 
     def __init__(
@@ -252,6 +354,9 @@ class VgpuClient:
         pid: int | None = None,
         pid_start_s: float | None = None,
         rng: random.Random | None = None,
+        token: str | None = None,
+        token_file: str | Path | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         if not app_id or not app_id.strip():
             raise ValueError("app_id must be a non-empty string")
@@ -269,6 +374,11 @@ class VgpuClient:
         self.pid = os.getpid() if pid is None else pid
         self._pid_start_s = pid_start_s if pid_start_s is not None else _own_start_time(self.pid)
         self._rng = rng or random.Random()
+        self.token_file = Path(token_file) if token_file is not None else app_token_path(app_id, socket, env)
+        self._token: str | None = (
+            check_token(token, "the token argument") if token is not None else read_token(self.token_file)
+        )
+        self._token_from_file = token is None and self._token is not None
         self._own_channel = channel is None
         self._channel = channel if channel is not None else grpc.insecure_channel(grpc_target(socket))
         self._stub = allocator_pb2_grpc.AllocatorStub(self._channel)
@@ -287,6 +397,8 @@ class VgpuClient:
         self.report_errors = 0
 
         self._threads: list[threading.Thread] = []
+        if report:
+            self._ensure_inapp_dir()
         if watch:
             self._start(self._watch_loop, "vgpu-client-watch")
         if report:
@@ -323,13 +435,59 @@ class VgpuClient:
         job = job if job is not None else self.job
         if job is not None:
             req.job.CopyFrom(job.to_proto() if isinstance(job, JobConfig) else job)
-        resp: allocator_pb2.RequestResourceAllocationResponse = self._stub.RequestResourceAllocation(
-            allocator_pb2.RequestResourceAllocationRequest(request=req),
-            timeout=self._timeout_s,
-            metadata=self._metadata,
-        )
+        message = allocator_pb2.RequestResourceAllocationRequest(request=req)
+        try:
+            resp, call = self._stub.RequestResourceAllocation.with_call(
+                message, timeout=self._timeout_s, metadata=self._call_metadata()
+            )
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED and self._token_from_file:
+                # A token from another key (the daemon's secret was replaced): drop it, claim anew.
+                _log.warning("stored application token refused; claiming the id again",
+                             app_id=self.app_id, token_file=str(self.token_file), reason=exc.details())
+                with self._lock:
+                    self._token, self._token_from_file = None, False
+                self.token_file.unlink(missing_ok=True)
+                resp, call = self._stub.RequestResourceAllocation.with_call(
+                    message, timeout=self._timeout_s, metadata=self._call_metadata()
+                )
+            else:
+                if exc.code() == grpc.StatusCode.PERMISSION_DENIED and self._token is None:
+                    self._warn_once("no_token", "application id taken and no token for it here",
+                                    token_file=str(self.token_file),
+                                    fix="run with the token file of the first run, pass token=, or use another app_id")
+                raise
+        self._keep_token(call)
         self._on_grant(resp.grant, released=False)
         return resp.grant
+
+    @property
+    def token(self) -> str | None:
+        """The application's token (None until the first grant of a new app id)."""
+        with self._lock:
+            return self._token
+
+    def _call_metadata(self) -> tuple[tuple[str, str], ...]:
+        with self._lock:
+            token = self._token
+        bearer = ((AUTH_METADATA_KEY, f"Bearer {token}"),) if token else ()
+        return self._metadata + bearer
+
+    def _keep_token(self, call: Any) -> None:
+        """Keep the token a first grant came back with, in memory and in `token_file`."""
+        trailers = dict(call.trailing_metadata() or ())
+        token = trailers.get(APP_TOKEN_TRAILER)
+        if not isinstance(token, str) or not token:
+            return
+        with self._lock:
+            self._token, self._token_from_file = token, True
+        try:
+            save_token(self.token_file, token)
+        except OSError as exc:
+            _log.warning("cannot save the application token: a restarted application will not find it",
+                         app_id=self.app_id, token_file=str(self.token_file), error=str(exc))
+            return
+        _log.info("application token saved", app_id=self.app_id, token_file=str(self.token_file))
 
     def release(self, grant_id: str | None = None) -> list[allocator_pb2.Grant]:
         """Release one grant, or every grant this client holds; the released grants."""
@@ -338,7 +496,9 @@ class VgpuClient:
         released = []
         for gid in ids:
             resp = self._stub.ReleaseResources(
-                allocator_pb2.ReleaseResourcesRequest(grant_id=gid), timeout=self._timeout_s, metadata=self._metadata
+                allocator_pb2.ReleaseResourcesRequest(grant_id=gid),
+                timeout=self._timeout_s,
+                metadata=self._call_metadata(),
             )
             self._on_grant(resp.released, released=True, grant_id=gid)
             released.append(resp.released)
@@ -374,7 +534,8 @@ class VgpuClient:
         return InAppCounters(step=step, applied_mem_limit_mib=limit, **stats)
 
     def report_now(self) -> Path:
-        """Write the in-app file now (the reporter thread does this every `report_period_s`)."""
+        """Write the in-app file now (the reporter thread does this every `report_period_s`); OSError
+        when the directory is missing (it is the profiler's to create, with mode 1777)."""
         report = InAppReport(
             app_id=self.app_id,
             pid=self.pid,
@@ -506,6 +667,29 @@ class VgpuClient:
             out["oom_count"] = int(stats["num_ooms"])
         return out
 
+    def _ensure_inapp_dir(self) -> None:
+        """Create the in-app directory (mode 1777, shared by every application) when it is missing and
+        may be created; say once, under the reporter's warning key, when it cannot: the reporter keeps
+        trying, and writes once the directory appears."""
+        if self.inapp_dir.is_dir():
+            return
+        try:
+            self.inapp_dir.mkdir(parents=True)
+            os.chmod(self.inapp_dir, 0o1777)
+        except FileExistsError:
+            return
+        except OSError as exc:
+            self._warn_once(
+                "report",
+                "in-app counter directory missing and cannot be created: the profiler gets no in-app "
+                "counters from this application",
+                dir=str(self.inapp_dir),
+                error=exc.strerror or str(exc),
+                fix=f"as root: install -d -m 1777 {self.inapp_dir}; or pass inapp_dir= (and the profiler --inapp-dir)",
+            )
+            return
+        _log.info("in-app counter directory created", dir=str(self.inapp_dir))
+
     def _warn_once(self, key: str, message: str, **kw: Any) -> None:
         if key not in self._warned:
             self._warned.add(key)
@@ -522,7 +706,7 @@ class VgpuClient:
         while not self._closed.is_set():
             try:
                 call = self._stub.WatchAllocations(
-                    allocator_pb2.WatchAllocationsRequest(app_id=self.app_id), metadata=self._metadata
+                    allocator_pb2.WatchAllocationsRequest(app_id=self.app_id), metadata=self._call_metadata()
                 )
                 self._watch_call = call
                 if self._closed.is_set():

@@ -45,14 +45,23 @@ class ServerConfig:
     backend: str = "nvml"
     # Optional TCP listener "HOST:PORT"; refused unless tls.cert and tls.key are set.
     tcp: str = ""
-    # Decide and log, but write nothing to the device.
-    dry_run: bool = False
+    # Decide and log, but write nothing to the device. Unset (None, the default): on for the nvml
+    # backend, so a real GPU is changed only once `dry_run = false` says so; off for a simulator.
+    dry_run: bool | None = None
     # Cap each application's GPU memory at its grant through NVML's per-cgroup memory limits
     # (nvmlDeviceSetMemoryLimits_v1, driver R615+), for applications whose pid is known; a driver
     # without them turns this off with one log line.
     cgroup_memory_limits: bool = True
+    # On a GPU in MIG mode, let vgpu choose its MIG layout from the forecast needs of the
+    # applications on it (created ahead of need; an instance with processes is never destroyed).
+    # Off: the operator's layout is left as it is.
+    manage_mig_layout: bool = False
     # Seconds a graceful stop waits for in-flight RPCs.
     grace_s: float = 5.0
+    # An application with grants that shows no sign of life for this long (no signature, no live
+    # process among its grants' pids, no open watch of its own, no request) has its grants released.
+    # 0 keeps grants until they are released.
+    idle_release_s: float = 120.0
 
 
 @dataclass(frozen=True)
@@ -88,7 +97,7 @@ class MetricsConfig:
 
 @dataclass(frozen=True)
 class ManagerConfig:
-    # Forecaster checkpoint (manager/train.py); empty = the shipped model when it loads, else the
+    # Forecaster checkpoint (vgpu/offline/train.py); empty = the shipped model when it loads, else the
     # baseline forecaster (manager/modelpath.py).
     model: str = ""
     # Seconds between checks of the checkpoint file for a new version (mtime/size), hot-loaded
@@ -105,6 +114,18 @@ class ManagerConfig:
     # decision, no rejection): accepted counts wait for the next reply, at most this long. 0: every
     # batch is answered (twice the messages: each one costs the manager CPU).
     ack_interval_ms: float = 1000.0
+    # Serve the per-application expert mixture (manager/experts.py: the last value, an EWMA and the
+    # model weighed by their recent error, a conformal P90) instead of the model alone.
+    mixture: bool = True
+    # With the mixture: keep the node's history (every application's 1 s grid) under
+    # <state_dir>/history for this many seconds, at most history_max_mib MiB.
+    history: bool = True
+    history_horizon_s: float = 604800.0
+    history_max_mib: float = 512.0
+    # Seconds between rounds of node-local learning (a niced child process fine-tunes a copy of the
+    # model on the history and promotes it only when it beats the serving one on the most recent
+    # held-back hour's worth); 0 = never. `vgpu model status|rollback` shows and undoes promotions.
+    learn_interval_s: float = 3600.0
 
 
 @dataclass(frozen=True)
@@ -142,7 +163,7 @@ _SECTIONS: dict[str, type] = {
     "manager": ManagerConfig,
     "log": LogConfig,
 }
-_TYPES: dict[str, type] = {"str": str, "bool": bool, "int": int, "float": float}
+_TYPES: dict[str, type] = {"str": str, "bool": bool, "int": int, "float": float, "bool | None": bool}
 
 
 def _field_type(section: str, key: str) -> type:
@@ -196,10 +217,17 @@ def _validate(cfg: Config) -> None:
         )
     if not s.state_dir:
         raise ConfigError("server.state_dir: must not be empty")
-    if s.backend != "nvml" and not (s.backend.startswith("sim:") and len(s.backend) > 4):
-        raise ConfigError(f"server.backend: expected 'nvml' or 'sim:<sku>', got {s.backend!r}")
+    if s.backend.strip().lower() != "nvml":
+        from vgpu.device import parse_sim_spec
+
+        try:
+            parse_sim_spec(s.backend)
+        except ValueError as exc:
+            raise ConfigError(f"server.backend: expected 'nvml' or 'sim:<sku>', got {s.backend!r} ({exc})") from None
     if s.grace_s < 0:
         raise ConfigError(f"server.grace_s: must be >= 0, got {s.grace_s}")
+    if not s.idle_release_s >= 0:
+        raise ConfigError(f"server.idle_release_s: must be >= 0 (0: never), got {s.idle_release_s}")
     if s.tcp:
         parse_host_port(s.tcp)  # raises ConfigError
         if not cfg.tls.cert:
@@ -217,6 +245,10 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"manager.batch_window_ms: expected 0..1000 ms, got {cfg.manager.batch_window_ms}")
     if not 0 <= cfg.manager.ack_interval_ms <= 60_000:
         raise ConfigError(f"manager.ack_interval_ms: expected 0..60000 ms, got {cfg.manager.ack_interval_ms}")
+    if not cfg.manager.history_horizon_s > 0 or not cfg.manager.history_max_mib > 0:
+        raise ConfigError("manager.history_horizon_s and manager.history_max_mib: must be > 0")
+    if not cfg.manager.learn_interval_s >= 0:
+        raise ConfigError(f"manager.learn_interval_s: must be >= 0 (0: never), got {cfg.manager.learn_interval_s}")
     if not 0 < cfg.manager.forecast_duty_max <= 1:
         raise ConfigError(f"manager.forecast_duty_max: expected a share in (0, 1], got {cfg.manager.forecast_duty_max}")
     if not 0 <= cfg.metrics.port <= 65535:
@@ -317,6 +349,17 @@ def replace(cfg: Config, **sections: dict[str, object]) -> Config:
     return out
 
 
+def dry_run_of(server: ServerConfig) -> bool:
+    """Whether the daemon writes nothing to the devices: `server.dry_run` when set, else True on the
+    nvml backend (a real GPU) and False on a simulator."""
+    return server.backend == "nvml" if server.dry_run is None else server.dry_run
+
+
+def resolve_dry_run(cfg: Config) -> Config:
+    """`cfg` with `server.dry_run` set to what it means for its backend (see `dry_run_of`)."""
+    return dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, dry_run=dry_run_of(cfg.server)))
+
+
 def to_toml(cfg: Config) -> str:
     """The configuration as TOML (used by `vgpu doctor` and to check the shipped file)."""
     lines: list[str] = []
@@ -324,6 +367,9 @@ def to_toml(cfg: Config) -> str:
         lines.append(f"[{name}]")
         for f in fields(getattr(cfg, name)):
             value = getattr(getattr(cfg, name), f.name)
+            if value is None:  # unset: TOML has no null, so the key is shown commented out
+                lines.append(f"# {f.name} unset")
+                continue
             if isinstance(value, bool):
                 text = "true" if value else "false"
             elif isinstance(value, str):

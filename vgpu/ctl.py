@@ -5,12 +5,13 @@
     vgpu request   --socket PATH --app ID --memory-mib N [--sm-pct P] [--device ID] [--priority N] [--pid N] [--json]
     vgpu request   --socket PATH --app ID --model-type NAME --batch-size N [job flags...]   (cold-start sized)
     vgpu release   --socket PATH --grant ID [--json]
-    vgpu set-limit --socket PATH --app ID [--max-memory-mib N] [--max-sm-pct P] [--priority N] [--json]
+    vgpu set-limit --socket PATH --app ID [--max-memory-mib N] [--max-sm-pct P] [--priority N] [--clear] [--create] [--json]
     vgpu top       --socket PATH [--interval-s 1] [--iterations N]
 
 Tokens (vgpu/auth.py). A command sends, in order until one is accepted: the token of `--token-file`
 or `$VGPU_TOKEN_FILE` or `$VGPU_TOKEN`; for an application's grants, the application token this
-user was handed by an earlier `vgpu request` (kept in `~/.config/vgpu/tokens/`, 0600, per socket)
+user was handed by an earlier `vgpu request` or client stub (kept in `~/.config/vgpu/tokens/`, 0600, per
+socket: vgpu.client.app_token_path)
 or found readable in `<state-dir>/tokens/apps/`; the operator token `<state-dir>/tokens/operator.token`
 when readable; finally nothing (a new application may claim its id without a token). A token the
 daemon rejects as not its own (a new state directory) is dropped from the cache.
@@ -22,7 +23,6 @@ or configuration error.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -37,6 +37,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from vgpu import auth
+from vgpu import client as vclient
 from vgpu import config as vconfig
 from vgpu.v1 import allocator_pb2 as pb
 from vgpu.v1 import allocator_pb2_grpc as pb_grpc
@@ -48,20 +49,26 @@ class CliError(Exception):
     """A refusal or failure to report as `PROG: message` with exit status 1."""
 
 
+class UsageError(CliError):
+    """A command line that cannot be carried out as given: `PROG: message`, exit status 2."""
+
+
 # --- tokens ----------------------------------------------------------------------------------------------
 def token_cache_dir(socket_path: str, env: dict[str, str] | None = None) -> Path:
-    env = dict(os.environ) if env is None else env
-    base = Path(env.get("XDG_CONFIG_HOME") or Path(env.get("HOME", "~")).expanduser() / ".config")
-    key = hashlib.sha256(os.path.realpath(socket_path).encode()).hexdigest()[:16]
-    return base / "vgpu" / "tokens" / key
+    """Where this user keeps application tokens for the daemon at `socket_path` (shared with the client
+    stub, vgpu.client.token_cache_dir)."""
+    return vclient.token_cache_dir(socket_path, env)
 
 
 def _read_token(path: Path) -> str | None:
+    """The token in a file this command may or may not be able to read (the daemon's, a cache): None
+    when it is missing or unreadable; CliError naming the file when it holds something else."""
     try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    return text or None
+        return vclient.read_token(path)
+    except vclient.TokenFileError as exc:
+        if isinstance(exc.__cause__, OSError):
+            return None
+        raise CliError(str(exc)) from None
 
 
 class Tokens:
@@ -69,19 +76,23 @@ class Tokens:
 
     def __init__(self, socket_path: str, state_dir: Path, token_file: Path | None, env: dict[str, str] | None = None) -> None:
         self.env = dict(os.environ) if env is None else env
+        self.socket_path = socket_path
         self.cache = token_cache_dir(socket_path, self.env)
         self.state_dir = state_dir
         explicit = token_file or (Path(self.env["VGPU_TOKEN_FILE"]) if self.env.get("VGPU_TOKEN_FILE") else None)
         self.explicit: str | None = None
-        if explicit is not None:
-            self.explicit = _read_token(explicit)
-            if self.explicit is None:
-                raise CliError(f"cannot read a token from {explicit}")
-        elif self.env.get("VGPU_TOKEN"):
-            self.explicit = self.env["VGPU_TOKEN"].strip()
+        try:
+            if explicit is not None:
+                self.explicit = vclient.read_token(explicit)
+                if self.explicit is None:
+                    raise CliError(f"cannot read a token from {explicit}: no such file")
+            elif self.env.get("VGPU_TOKEN"):
+                self.explicit = vclient.check_token(self.env["VGPU_TOKEN"], "$VGPU_TOKEN")
+        except vclient.TokenFileError as exc:
+            raise CliError(str(exc)) from None
 
     def app_cache_path(self, app_id: str) -> Path:
-        return self.cache / auth.app_token_filename(app_id)
+        return vclient.app_token_path(app_id, self.socket_path, self.env)
 
     def candidates(self, app_id: str | None) -> Iterator[tuple[str | None, Path | None]]:
         """(token, cache file it came from or None); the last candidate is (None, None)."""
@@ -102,12 +113,7 @@ class Tokens:
         yield None, None
 
     def remember(self, app_id: str, token: str) -> Path:
-        path = self.app_cache_path(app_id)
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(token + "\n")
-        return path
+        return vclient.save_token(self.app_cache_path(app_id), token)
 
 
 # --- calls -----------------------------------------------------------------------------------------------
@@ -192,6 +198,9 @@ def _run(
     try:
         client = Client(socket_path, Tokens(socket_path, state_dir, ns.token_file, env), ns.timeout_s)
         return body(ns, client, out)
+    except UsageError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
     except CliError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 1
@@ -327,6 +336,9 @@ def available_main(argv: Sequence[str] | None = None, prog: str = "vgpu availabl
         if ns.json:
             _print_json(_dict(resp), o)
             return 0
+        if resp.dry_run:
+            o.write("dry run: the daemon decides and logs, and writes nothing to the devices "
+                    "(server.dry_run = false to act)\n")
         apps = None
         if any(d.processes for d in resp.devices):
             apps, _ = c.call("ListApplications", pb.ListApplicationsRequest(), token=False)
@@ -372,7 +384,7 @@ def app_rows(resp: pb.ListApplicationsResponse, devices: pb.GetAvailableResource
             "SM %": _known(a.sm_util_pct, known),
             "P90 SM %": _known(a.forecast_sm_p90_pct, known and a.forecast_sm_p90_pct > 0),
             "GRANT SM %": f"{sum(g.sm_pct for g in a.grants):.0f}",
-            "LAST SEEN": _age(now - a.last_seen_unix_s) if a.last_seen_unix_s > 0 else NA,
+            "LAST SEEN": _age(now - a.last_seen_s) if a.HasField("last_seen_s") else NA,
         })
     return rows
 
@@ -497,27 +509,66 @@ def release_main(argv: Sequence[str] | None = None, prog: str = "vgpu release", 
 
 
 # --- set-limit -------------------------------------------------------------------------------------------
+SET_LIMIT_HELP = """Cap an application (needs the operator token).
+
+A cap covers every grant of the application, the grants it holds now included: the daemon cuts grants
+over a new memory or SM cap down to it at once (largest first) and logs every change (limits_set). The
+flags given change those values; the others keep their current ones. An application the daemon does not
+list (vgpu apps) is refused unless --create, so a typo does not leave a limit behind for an app that
+will never come. --clear removes the memory and SM caps (the priority stays; --priority 0 resets it)."""
+
+
 def set_limit_main(argv: Sequence[str] | None = None, prog: str = "vgpu set-limit", *, out: TextIO | None = None, env: dict[str, str] | None = None) -> int:
     def build(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--app", required=True)
-        p.add_argument("--max-memory-mib", type=_nonneg)
-        p.add_argument("--max-sm-pct", type=_nonneg)
-        p.add_argument("--priority", type=int)
-        p.add_argument("--json", action="store_true")
+        p.description = SET_LIMIT_HELP
+        p.formatter_class = argparse.RawDescriptionHelpFormatter
+        p.add_argument("--app", required=True, help="application id (as vgpu apps lists it)")
+        p.add_argument("--max-memory-mib", type=_nonneg,
+                       help="most GPU memory (MiB) all the application's grants may hold together")
+        p.add_argument("--max-sm-pct", type=_nonneg, help="most SM share (%%) all its grants may hold together")
+        p.add_argument("--priority", type=int, help="the application's priority (larger is more important; default 0)")
+        p.add_argument("--clear", action="store_true", help="remove the memory and SM caps")
+        p.add_argument("--create", action="store_true",
+                       help="set limits for an application the daemon does not list yet (one that has not started)")
+        p.add_argument("--json", action="store_true", help="print the application's limits as JSON")
 
     def body(ns: argparse.Namespace, c: Client, o: TextIO) -> int:
+        changes = {k: v for k, v in (("max_memory_mib", ns.max_memory_mib), ("max_sm_pct", ns.max_sm_pct),
+                                     ("priority", ns.priority)) if v is not None}
+        if ns.clear and (ns.max_memory_mib is not None or ns.max_sm_pct is not None):
+            raise UsageError("--clear removes the caps: give it alone (or with --priority)")
+        if not changes and not ns.clear:
+            raise UsageError("nothing to set: give --max-memory-mib, --max-sm-pct or --priority "
+                             "(--clear removes the caps)")
+        listed, _ = c.call("ListApplications", pb.ListApplicationsRequest(), token=False)
+        current = next((a for a in listed.apps if a.app_id == ns.app), None)
+        if current is None and not ns.create:
+            known = ", ".join(a.app_id for a in listed.apps) or "none"
+            raise CliError(f"NOT_FOUND: no application {ns.app!r} on this daemon (it lists: {known}); "
+                           "--create sets limits for one that has not started yet")
         lim = pb.AppLimits(app_id=ns.app)
-        if ns.max_memory_mib is not None:
-            lim.max_memory_mib = ns.max_memory_mib
-        if ns.max_sm_pct is not None:
-            lim.max_sm_pct = ns.max_sm_pct
-        if ns.priority is not None:
-            lim.priority = ns.priority
+        if current is not None and current.HasField("limits") and not ns.clear:
+            lim.CopyFrom(current.limits)  # the flags not given keep their values
+        if ns.clear:
+            lim.ClearField("max_memory_mib")
+            lim.ClearField("max_sm_pct")
+        for key, value in changes.items():
+            setattr(lim, key, value)
         resp, _ = c.call("SetResourceLimits", pb.SetResourceLimitsRequest(limits=lim))
+        after, _ = c.call("ListApplications", pb.ListApplicationsRequest(), token=False)
+        app = next((a for a in after.apps if a.app_id == ns.app), None)
         if ns.json:
             _print_json(_dict(resp.limits), o)
         else:
             o.write(f"limits of {ns.app}: {json.dumps(_dict(resp.limits), sort_keys=True)}\n")
+        if app is not None and resp.limits.HasField("max_memory_mib"):
+            cap = resp.limits.max_memory_mib
+            granted = sum(g.memory_mib for g in app.grants)
+            if current is not None and sum(g.memory_mib for g in current.grants) > granted:
+                print(f"{prog}: {ns.app}'s grants were cut to {granted:g} MiB to fit the cap", file=sys.stderr)
+            if app.mem_used_mib > cap:
+                print(f"{prog}: warning: {ns.app} uses {app.mem_used_mib:,.0f} MiB now, above its cap of "
+                      f"{cap:,.0f} MiB; it may run out of memory", file=sys.stderr)
         return 0
 
     return _run(prog, argv, build, body, out, env)

@@ -11,6 +11,7 @@ INVALID_ARGUMENT with its message, allocator/errors.py).
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -177,4 +178,236 @@ class JobConfig:
         )
 
 
-__all__ = ["FAMILIES", "MODES", "OPTIMIZERS", "PRECISIONS", "InvalidJobConfig", "JobConfig", "model_family"]
+# --- what physics says a job needs ------------------------------------------------------------------------
+#
+# A job's memory is its weights, and in training their gradients and the optimizer's state, plus the
+# activations its batch keeps alive, plus the CUDA context of the process. The first three follow from the
+# parameter count and the precision; activations from the architecture, the batch and the input size.
+# These figures bound the learned cold-start model from below and stand in for it outside the ranges its
+# training data covers (manager/coldstart.py).
+
+MIB = 1024 * 1024
+# A PyTorch process's CUDA context and allocator slack (about 0.5-1.5 GB measured on A100/H100; the
+# smallest job in the sizer's training data peaks at 1443 MiB).
+CUDA_CONTEXT_MIB = 1000.0
+# Bytes per weight as stored for the forward pass. AMP (autocast) keeps fp32 weights.
+WEIGHT_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "amp": 4.0}
+# Training, per parameter, on top of the weights: gradients (the weights' precision), and for 16-bit
+# weights an fp32 master copy (mixed-precision training: 2 + 2 + 4 + Adam's 8 = 16 bytes, as in ZeRO).
+TRAIN_EXTRA_BYTES = {"fp32": 4.0, "fp16": 2.0 + 4.0, "bf16": 2.0 + 4.0, "amp": 4.0}
+# Optimizer state per parameter, fp32: Adam/AdamW keep two moments (8 B), momentum SGD, RMSprop and
+# Adagrad one (4 B). Not given: Adam is assumed (the most common, and the largest), and said.
+OPTIMIZER_BYTES = {"adam": 8.0, "adamw": 8.0, "adadelta": 8.0, "sgd": 4.0, "rmsprop": 4.0, "adagrad": 4.0,
+                   "none": 0.0, "unknown": 8.0}
+# Bytes per activation value.
+ACTIVATION_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "amp": 2.0}
+# Inference keeps only the live layers' activations, not every layer's for the backward pass.
+INFER_ACTIVATION_FRACTION = 0.1
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    """A public model's size. CNNs: `act_mib_per_sample`, the activations one sample keeps for the
+    backward pass in fp32 at `input_size` (scaled by the input's area); transformers: layers, hidden
+    size and heads, whose activations follow Korthikanti et al. 2022 ("Reducing Activation
+    Recomputation in Large Transformer Models", eq. 2)."""
+
+    param_count: int
+    input_size: int  # image side (px) or sequence length (tokens) the model is usually run at
+    num_layers: int = 0
+    hidden: int = 0
+    heads: int = 0
+    act_mib_per_sample: float = 0.0  # CNNs, fp32 training, at input_size
+    decoder: bool = False  # keeps a KV cache when it generates
+    patch: int = 0  # ViT: tokens = (input / patch)^2 + 1
+
+
+# Parameter counts from the models' papers and model cards (torchvision, Hugging Face). CNN activations
+# per sample from the batch sizes NVIDIA's DeepLearningExamples fit in 16 GB (ResNet-50 fp32: 112) and
+# the feature-map sizes of each architecture relative to ResNet-50.
+KNOWN_MODELS: dict[str, KnownModel] = {
+    "resnet18": KnownModel(11_689_512, 224, 18, act_mib_per_sample=35.0),
+    "resnet34": KnownModel(21_797_672, 224, 34, act_mib_per_sample=50.0),
+    "resnet50": KnownModel(25_557_032, 224, 50, act_mib_per_sample=105.0),
+    "resnet101": KnownModel(44_549_160, 224, 101, act_mib_per_sample=160.0),
+    "resnet152": KnownModel(60_192_808, 224, 152, act_mib_per_sample=220.0),
+    "vgg16": KnownModel(138_357_544, 224, 16, act_mib_per_sample=150.0),
+    "vgg19": KnownModel(143_667_240, 224, 19, act_mib_per_sample=165.0),
+    "alexnet": KnownModel(61_100_840, 224, 8, act_mib_per_sample=8.0),
+    "mobilenetv2": KnownModel(3_504_872, 224, 53, act_mib_per_sample=55.0),
+    "mobilenetv3large": KnownModel(5_483_032, 224, 62, act_mib_per_sample=40.0),
+    "efficientnetb0": KnownModel(5_288_548, 224, 82, act_mib_per_sample=80.0),
+    "densenet121": KnownModel(7_978_856, 224, 121, act_mib_per_sample=130.0),
+    "inceptionv3": KnownModel(27_161_264, 299, 48, act_mib_per_sample=120.0),
+    "vitb16": KnownModel(86_567_656, 224, 12, 768, 12, patch=16),
+    "vitb32": KnownModel(88_224_232, 224, 12, 768, 12, patch=32),
+    "vitl16": KnownModel(304_326_632, 224, 24, 1024, 16, patch=16),
+    "vith14": KnownModel(632_045_800, 224, 32, 1280, 16, patch=14),
+    "bertbase": KnownModel(110_000_000, 128, 12, 768, 12),
+    "bertlarge": KnownModel(340_000_000, 128, 24, 1024, 16),
+    "distilbert": KnownModel(66_000_000, 128, 6, 768, 12),
+    "robertabase": KnownModel(125_000_000, 128, 12, 768, 12),
+    "robertalarge": KnownModel(355_000_000, 128, 24, 1024, 16),
+    "t5small": KnownModel(60_000_000, 512, 12, 512, 8),
+    "t5base": KnownModel(220_000_000, 512, 24, 768, 12),
+    "t5large": KnownModel(770_000_000, 512, 48, 1024, 16),
+    "gpt2": KnownModel(124_000_000, 1024, 12, 768, 12, decoder=True),
+    "gpt2medium": KnownModel(355_000_000, 1024, 24, 1024, 16, decoder=True),
+    "gpt2large": KnownModel(774_000_000, 1024, 36, 1280, 20, decoder=True),
+    "gpt2xl": KnownModel(1_558_000_000, 1024, 48, 1600, 25, decoder=True),
+    "llama7b": KnownModel(6_738_000_000, 2048, 32, 4096, 32, decoder=True),
+    "llama13b": KnownModel(13_016_000_000, 2048, 40, 5120, 40, decoder=True),
+    "llama30b": KnownModel(32_529_000_000, 2048, 60, 6656, 52, decoder=True),
+    "llama65b": KnownModel(65_286_000_000, 2048, 80, 8192, 64, decoder=True),
+    "llama70b": KnownModel(68_977_000_000, 4096, 80, 8192, 64, decoder=True),
+    "mistral7b": KnownModel(7_242_000_000, 4096, 32, 4096, 32, decoder=True),
+}
+_ALIASES = {
+    "bert": "bertbase", "bertbaseuncased": "bertbase", "bertbasecased": "bertbase",
+    "bertlargeuncased": "bertlarge", "bertlargecased": "bertlarge", "distilbertbaseuncased": "distilbert",
+    "vitbase16": "vitb16", "vitbasepatch16224": "vitb16", "vitlarge16": "vitl16", "gpt2small": "gpt2",
+    "llama27b": "llama7b", "llama213b": "llama13b", "llama270b": "llama70b", "llama38b": "llama7b",
+    "mobilenet": "mobilenetv2", "efficientnet": "efficientnetb0", "resnet": "resnet50", "vgg": "vgg16",
+}
+
+
+def known_model(model_type: str) -> tuple[str, KnownModel] | None:
+    """The table entry for a model type, by its name without case, dashes, dots or underscores
+    ("vit_b_16", "ViT-B/16" -> vitb16; "Llama-2-7b-hf" -> llama7b); None when it is not in the table."""
+    key = re.sub(r"[^a-z0-9]", "", model_type.lower())
+    key = re.sub(r"(hf|chat|instruct)$", "", key)
+    key = _ALIASES.get(key, key)
+    entry = KNOWN_MODELS.get(key)
+    return None if entry is None else (key, entry)
+
+
+# For a model not in the table: the input size its family usually runs at.
+_FAMILY_INPUT = {"cnn": 224, "vit": 224, "transformer": 512, "gan": 256}
+
+
+@dataclass(frozen=True)
+class PhysicsEstimate:
+    """What a job needs by construction, in MiB. `floor_mib` holds what cannot be avoided (weights,
+    gradients, optimizer state, context, and half the estimated activations); `estimate_mib` the
+    full figure. `missing` names the inputs that were not given and were assumed (see `assumed`)."""
+
+    weights_mib: float
+    gradients_mib: float  # gradients and fp32 master weights
+    optimizer_mib: float
+    activations_mib: float
+    context_mib: float
+    param_count: int
+    param_source: str  # "given", "known model <name>" or "none"
+    missing: tuple[str, ...]
+    assumed: tuple[str, ...]
+
+    @property
+    def estimate_mib(self) -> float:
+        return self.weights_mib + self.gradients_mib + self.optimizer_mib + self.activations_mib + self.context_mib
+
+    @property
+    def floor_mib(self) -> float:
+        return self.weights_mib + self.gradients_mib + self.optimizer_mib + 0.5 * self.activations_mib + self.context_mib
+
+
+def physics_estimate(job: JobConfig) -> PhysicsEstimate:
+    """The memory `job` needs from its parameters, precision, mode, optimizer, batch and input size."""
+    missing: list[str] = []
+    assumed: list[str] = []
+    found = known_model(job.model_type)
+    entry = found[1] if found else None
+    family = job.family
+    if job.param_count > 0:
+        params, source = job.param_count, "given"
+    elif entry is not None:
+        params, source = entry.param_count, f"known model {found[0]}"  # type: ignore[index]
+    else:
+        params, source = 0, "none"
+        missing.append("param_count")
+    precision, train = job.precision_norm, job.mode_norm == "train"
+    weights = params * WEIGHT_BYTES[precision] / MIB
+    grads = params * TRAIN_EXTRA_BYTES[precision] / MIB if train else 0.0
+    optimizer = 0.0
+    if train:
+        opt = job.optimizer_norm
+        if opt == "unknown":
+            missing.append("optimizer")
+            assumed.append("Adam (8 bytes of state per parameter)")
+        optimizer = params * OPTIMIZER_BYTES[opt] / MIB
+
+    if job.input_size > 0:
+        size = job.input_size
+    elif entry is not None:
+        size = entry.input_size
+        assumed.append(f"input_size {size} ({found[0]}'s usual)")  # type: ignore[index]
+    else:
+        size = _FAMILY_INPUT.get(family, 0)
+        missing.append("input_size")
+        if size:
+            assumed.append(f"input_size {size} (usual for {family})")
+    act_bytes = ACTIVATION_BYTES[precision]
+    batch = max(job.batch_size, 1)
+    activations = 0.0
+    transformer = family in ("transformer", "vit") or (entry is not None and entry.hidden > 0)
+    if transformer and params > 0 and size > 0:
+        layers = job.num_layers or (entry.num_layers if entry else 0)
+        hidden = entry.hidden if entry and entry.hidden else 0
+        if not hidden:
+            if layers:
+                hidden = int(math.sqrt(params / (12 * layers)))
+            else:  # the usual aspect ratio, hidden ~ 128 x layers: params ~ 12 L h^2
+                hidden = int((params * 128 / 12) ** (1 / 3))
+                layers = max(1, hidden // 128)
+                missing.append("num_layers")
+                assumed.append(f"{layers} layers of hidden size {hidden} (from param_count)")
+        heads = entry.heads if entry and entry.heads else max(1, hidden // 64)
+        seq = size
+        if family == "vit" or (entry is not None and entry.patch):
+            patch = entry.patch if entry and entry.patch else 16
+            seq = (size // patch) ** 2 + 1
+        # Korthikanti et al. eq. 2 counts 16-bit activations: s*b*h*(34 + 5*a*s/h) bytes per layer.
+        per_layer = seq * batch * hidden * (34 + 5 * heads * seq / hidden) * act_bytes / 2
+        if train:
+            activations = layers * per_layer / MIB
+        else:
+            activations = per_layer / MIB  # one layer live at a time
+            if entry is not None and entry.decoder:
+                activations += 2 * layers * seq * batch * hidden * act_bytes / MIB  # the KV cache
+    elif family in ("cnn", "gan") and size > 0:
+        per_sample = entry.act_mib_per_sample if entry and entry.act_mib_per_sample else 0.0
+        if not per_sample:
+            per_sample = KNOWN_MODELS["resnet50"].act_mib_per_sample
+            assumed.append("ResNet-50's activations per sample")
+        ref = entry.input_size if entry else 224
+        activations = batch * per_sample * (size / ref) ** 2 * act_bytes / 4.0
+        if not train:
+            activations *= INFER_ACTIVATION_FRACTION
+    elif params == 0 or size == 0:
+        missing.append("architecture (a known model_type)")
+    return PhysicsEstimate(
+        weights_mib=weights,
+        gradients_mib=grads,
+        optimizer_mib=optimizer,
+        activations_mib=activations,
+        context_mib=CUDA_CONTEXT_MIB,
+        param_count=params,
+        param_source=source,
+        missing=tuple(dict.fromkeys(missing)),
+        assumed=tuple(assumed),
+    )
+
+
+__all__ = [
+    "FAMILIES",
+    "KNOWN_MODELS",
+    "MODES",
+    "OPTIMIZERS",
+    "PRECISIONS",
+    "InvalidJobConfig",
+    "JobConfig",
+    "KnownModel",
+    "PhysicsEstimate",
+    "known_model",
+    "model_family",
+    "physics_estimate",
+]

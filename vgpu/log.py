@@ -60,3 +60,9 @@ class Logger(Protocol):
 def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:
     logger: structlog.typing.FilteringBoundLogger = structlog.get_logger(name)
     return logger
+
+
+def worth_logging(count: int) -> bool:
+    """Whether the `count`-th repeat of one failure gets its own log line: the 1st, 10th and 100th,
+    then every 1000th, so a failure that repeats every tick neither floods the log nor goes quiet."""
+    return count in (1, 10, 100) or (count > 0 and count % 1000 == 0)

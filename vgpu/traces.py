@@ -3,6 +3,20 @@
 Every tool that reads GPU usage history goes through `read_trace`; converters for other formats
 write through `write_trace`. A row that cannot be parsed is reported with file, line and reason and
 skipped (or, with `strict=True`, fails the read); a file with no usable row is an error.
+
+Two compatible extensions of the format, both optional and ignored by a reader that does not know them:
+
+* **Further columns** (`EXTRA_NUMERIC`): in-app counters an application reports about itself
+  (`inapp_*`: the PyTorch allocator's allocated/reserved/active MiB, allocation retries, OOMs, step; a
+  serving engine's requests running and waiting, KV cache in use and its pool, tokens in flight), the
+  whole device's memory and SM busy beside the application's own (`dev_*`), and the process's host
+  counters (`host_*`). They are read and written like the columns of the format, never required, and
+  never counted as targets. `NUMERIC` stays the format's own columns (the model's features and the wire
+  codec index by it); `ALL_NUMERIC` is both.
+* **Metadata lines**: lines before the header that start with `#`. A line `#meta <JSON object>` carries
+  the trace's metadata (provenance of a derived series: generator, inputs with their licences, seed,
+  assumptions); its keys are merged in order into `Trace.metadata`. Other `#` lines are comments.
+  `write_trace(..., metadata=...)` writes one such line.
 """
 
 from __future__ import annotations
@@ -10,10 +24,13 @@ from __future__ import annotations
 import csv
 import gzip
 import io
+import itertools
+import json
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -30,8 +47,35 @@ OPTIONAL_NUMERIC = (
 )
 NUMERIC = TARGETS + OPTIONAL_NUMERIC
 HEADER = ("t_s", "app", "gpu", *NUMERIC)
-_PCT_COLUMNS = ("sm_util_pct", "mem_util_pct")
-_NONNEGATIVE = ("mem_used_mib", "mem_total_mib", "power_w", "power_limit_w", "sm_clock_mhz", "pcie_tx_kbps", "pcie_rx_kbps")
+# In-app counters (what the application reports about itself; vgpu.client's InAppCounters and a serving
+# engine's metrics), the device's totals beside the application's share, and host counters.
+INAPP_NUMERIC = (
+    "inapp_torch_allocated_mib",
+    "inapp_torch_reserved_mib",
+    "inapp_torch_active_mib",
+    "inapp_alloc_retries",
+    "inapp_oom_count",
+    "inapp_step",
+    "inapp_requests_running",
+    "inapp_requests_waiting",
+    "inapp_kv_used_mib",
+    "inapp_kv_total_mib",
+    "inapp_tokens_in_flight",
+)
+EXTRA_NUMERIC = (
+    *INAPP_NUMERIC,
+    "dev_mem_used_mib",
+    "dev_sm_util_pct",
+    "host_cpu_pct",
+    "host_rss_mib",
+)
+ALL_NUMERIC = NUMERIC + EXTRA_NUMERIC
+META_PREFIX = "#meta "
+_PCT_COLUMNS = ("sm_util_pct", "mem_util_pct", "dev_sm_util_pct")
+_NONNEGATIVE = (
+    "mem_used_mib", "mem_total_mib", "power_w", "power_limit_w", "sm_clock_mhz", "pcie_tx_kbps", "pcie_rx_kbps",
+    *INAPP_NUMERIC, "dev_mem_used_mib", "host_cpu_pct", "host_rss_mib",
+)
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -62,7 +106,7 @@ class AppTrace:
     def __post_init__(self) -> None:
         n = len(self.t_s)
         for name, values in self.columns.items():
-            if name not in NUMERIC:
+            if name not in ALL_NUMERIC:
                 raise ValueError(f"unknown column {name!r}")
             if len(values) != n:
                 raise ValueError(f"column {name!r} has {len(values)} values for {n} samples")
@@ -72,7 +116,7 @@ class AppTrace:
 
     def column(self, name: str) -> FloatArray:
         """The column's values, all NaN where the trace lacks it."""
-        if name not in NUMERIC:
+        if name not in ALL_NUMERIC:
             raise KeyError(name)
         values = self.columns.get(name)
         if values is None:
@@ -93,6 +137,7 @@ class Trace:
     apps: dict[str, AppTrace]
     issues: list[RowIssue] = field(default_factory=list)
     source: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
 
     @property
     def samples(self) -> int:
@@ -132,8 +177,41 @@ def read_trace(path: str | Path, *, strict: bool = False) -> Trace:
         raise TraceFormatError(f"{path}: cannot read: {exc}") from exc
 
 
+def _leading_metadata(
+    fh: Iterable[str], name: str, strict: bool
+) -> tuple[Iterator[str], dict[str, Any], list[RowIssue], int]:
+    """Peel the `#` lines before the header: (the remaining lines, the metadata, issues with
+    unreadable `#meta` lines, how many lines were peeled)."""
+    lines = iter(fh)
+    metadata: dict[str, Any] = {}
+    issues: list[RowIssue] = []
+    peeled = 0
+    for line in lines:
+        if not line.startswith("#"):
+            return itertools.chain([line], lines), metadata, issues, peeled
+        peeled += 1
+        if not line.startswith(META_PREFIX):
+            continue
+        try:
+            value = json.loads(line[len(META_PREFIX):])
+        except ValueError as exc:
+            value, reason = None, f"unreadable metadata line ({exc})"
+        else:
+            reason = "" if isinstance(value, dict) else "metadata line is not a JSON object"
+        if reason:
+            issue = RowIssue(name, peeled, reason)
+            if strict:
+                raise TraceFormatError(str(issue))
+            issues.append(issue)
+            continue
+        assert isinstance(value, dict)
+        metadata.update(value)
+    return iter(()), metadata, issues, peeled
+
+
 def _read(fh: Iterable[str], name: str, strict: bool) -> Trace:
-    reader = csv.reader(fh)
+    rest, metadata, issues, peeled = _leading_metadata(fh, name, strict)
+    reader = csv.reader(rest)
     try:
         header = [h.strip() for h in next(reader)]
     except StopIteration:
@@ -144,9 +222,8 @@ def _read(fh: Iterable[str], name: str, strict: bool) -> Trace:
             raise TraceFormatError(f"{name}: header lacks the required column {required!r}")
     if not any(t in index for t in TARGETS):
         raise TraceFormatError(f"{name}: header has neither target column {TARGETS}")
-    numeric = [c for c in NUMERIC if c in index]
+    numeric = [c for c in ALL_NUMERIC if c in index]
 
-    issues: list[RowIssue] = []
     rows: dict[str, list[list[float]]] = {}
     gpus: dict[str, str] = {}
     last_t: dict[str, float] = {}
@@ -157,7 +234,7 @@ def _read(fh: Iterable[str], name: str, strict: bool) -> Trace:
             raise TraceFormatError(str(issue))
         issues.append(issue)
 
-    for line, row in enumerate(reader, start=2):
+    for line, row in enumerate(reader, start=peeled + 2):
         if not row or all(not cell.strip() for cell in row):
             continue
         if len(row) < len(header):
@@ -196,7 +273,7 @@ def _read(fh: Iterable[str], name: str, strict: bool) -> Trace:
         data = np.asarray(app_rows, dtype=np.float64)
         columns = {c: data[:, i + 1] for i, c in enumerate(numeric)}
         apps[app] = AppTrace(app=app, t_s=data[:, 0], columns=columns, gpu=gpus.get(app))
-    return Trace(apps=apps, issues=issues, source=name)
+    return Trace(apps=apps, issues=issues, source=name, metadata=metadata)
 
 
 def _check_values(values: Mapping[str, float | None]) -> str | None:
@@ -219,26 +296,43 @@ def _format(value: float) -> str:
     return repr(round(value, 6))
 
 
-def iter_rows(apps: Iterable[AppTrace]) -> Iterator[list[str]]:
-    """Rows of the canonical CSV (without header), application by application."""
+def header_for(apps: Iterable[AppTrace]) -> tuple[str, ...]:
+    """The format's header, then the further columns that some application has (in `EXTRA_NUMERIC`
+    order): a trace without them is written exactly as before."""
+    extras = {c for a in apps for c in a.columns if c in EXTRA_NUMERIC}
+    return HEADER + tuple(c for c in EXTRA_NUMERIC if c in extras)
+
+
+def iter_rows(apps: Iterable[AppTrace], header: Sequence[str] = HEADER) -> Iterator[list[str]]:
+    """Rows of the canonical CSV (without header), application by application, with the numeric
+    columns of `header` (which starts with t_s, app, gpu)."""
+    names = [c for c in header if c in ALL_NUMERIC]
     for trace in apps:
-        cols = [trace.column(c) for c in NUMERIC]
+        cols = [trace.column(c) for c in names]
         for i, t in enumerate(trace.t_s):
             yield [_format(float(t)), trace.app, trace.gpu or ""] + [_format(float(c[i])) for c in cols]
 
 
-def write_trace(path: str | Path, apps: Iterable[AppTrace]) -> int:
-    """Write a canonical trace (gzip-compressed when the name ends in .gz); returns the row count."""
+def write_trace(path: str | Path, apps: Iterable[AppTrace], *, metadata: Mapping[str, Any] | None = None) -> int:
+    """Write a canonical trace (gzip-compressed when the name ends in .gz); returns the row count.
+    `metadata` (JSON-serialisable) goes on one `#meta` line before the header."""
     path = Path(path)
+    apps = list(apps)
+    header = header_for(apps)
+    meta_line = META_PREFIX + json.dumps(dict(metadata), sort_keys=True, separators=(",", ":")) if metadata else None
+    if meta_line is not None and "\n" in meta_line:
+        raise ValueError("metadata must serialise to one line")
     path.parent.mkdir(parents=True, exist_ok=True)
     opener = gzip.open(path, "wt", encoding="utf-8", newline="") if path.suffix == ".gz" else open(
         path, "w", encoding="utf-8", newline=""
     )
     n = 0
     with opener as fh:
+        if meta_line is not None:
+            fh.write(meta_line + "\n")
         writer = csv.writer(fh)
-        writer.writerow(HEADER)
-        for row in iter_rows(apps):
+        writer.writerow(header)
+        for row in iter_rows(apps, header):
             writer.writerow(row)
             n += 1
     return n

@@ -411,6 +411,22 @@ class MigScheduler:
         return choose_layout(self.sku, merged, current)
 
 
+def sku_for_name(name: str) -> Sku | None:
+    """The SKU table entry of a product name ("NVIDIA A100-SXM4-40GB"), or None."""
+    for s in SKUS.values():
+        if s.product_name == name:
+            return s
+    return None
+
+
+def plan_layout(sku: Sku, instances: Sequence[GpuInstance], now_needs: Sequence[MigNeed],
+                ahead_needs: Sequence[MigNeed], reconfig_s: float = MIN_RECONFIG_S) -> LayoutChoice | None:
+    """The layout a device in MIG mode should start reaching now for the needs now and at now +
+    the reconfiguration time, or None to keep the one it has (`MigScheduler.decide`). Instances are
+    kept where they can be (fewest changes first), and the reconfigurer never destroys a busy one."""
+    return MigScheduler(sku, reconfig_s).decide(layout_of(instances), now_needs, ahead_needs)
+
+
 # ------------------------------------------------------------------------------------------------
 # The allocator's MigMechanism protocol (allocator/core.py): profile names per device
 # ------------------------------------------------------------------------------------------------

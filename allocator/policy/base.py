@@ -3,7 +3,7 @@
 Recommend, then act: the manager turns forecasts into `Recommendation`s; a `Policy` (pure, no
 I/O) turns recommendations plus a read-only view of the devices into a `Plan`; the `Allocator`
 alone carries the plan out (ledger resizes, power limits, MIG layouts). `BaselinePolicy` is the
-simple rule used until a better policy (allocator/policy.py) is plugged in with
+simple rule used until a better policy (allocator/policy/forecast.py) is plugged in with
 `Allocator(policy=...)`.
 """
 

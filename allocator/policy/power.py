@@ -23,7 +23,7 @@ The curves were measured on A40/V100/RTX6000/P100; mapping them onto another SKU
 its maximum limit is an assumption (no H100 or A100 curve is public). Below the lowest measured
 fraction the ratio is extrapolated linearly towards 0, which only makes the choice more cautious.
 
-`PowerController` applies the choice through F2's `PowerLimitMechanism` (allocator/enforce.py):
+The allocator applies the choice through `PowerLimitMechanism` (vgpu.allocator.mechanisms.power):
 check -> change -> verify, original saved first, restored on stop, dry-run, and a device that
 refuses (NoPermission / NotSupported) turns the mechanism off for that device with one log line.
 """
@@ -35,15 +35,12 @@ import csv
 import functools
 import math
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from vgpu.allocator.mechanisms.power import PowerLimitMechanism, PowerLimitResult
-from vgpu.device.base import Device, PowerConstraints
-from vgpu.device.errors import NotSupported
+from vgpu.device.base import PowerConstraints
 
 
 @dataclass(frozen=True)
@@ -269,42 +266,3 @@ def power_draw(
     busy_w = _busy_w(limit_mw, constraints.max_mw, idle_w, curve)
     slowdown = max(0.0, 1.0 - r / u) if u > r else 0.0
     return PowerDraw(idle_w + busy * (busy_w - idle_w), busy, slowdown)
-
-
-class PowerController:
-    """Per device: choose a limit from the forecast need and apply it through the mechanism."""
-
-    def __init__(
-        self,
-        mechanism: PowerLimitMechanism | None = None,
-        *,
-        curve: PowerCurve = DEFAULT_CURVE,
-        config: PowerPolicyConfig | None = None,
-    ) -> None:
-        self.mechanism = mechanism or PowerLimitMechanism()
-        self.curve = curve
-        self.config = config or PowerPolicyConfig()
-
-    def step(self, devices: Sequence[Device], need_sm_pct: Mapping[str, float]) -> list[PowerLimitResult]:
-        """One decision per device (keyed by UUID); devices without a need entry are left alone.
-        A device whose constraints cannot be read is handed to the mechanism, which disables itself
-        for that device with one log line."""
-        results = []
-        for dev in devices:
-            if dev.uuid not in need_sm_pct:
-                continue
-            if self.mechanism.disabled_reason(dev.uuid) is not None:
-                results.append(self.mechanism.apply(dev, 0))  # reports "disabled: ..."
-                continue
-            try:
-                constraints = dev.power_constraints()
-            except NotSupported:  # the mechanism reads again and turns itself off for the device
-                results.append(self.mechanism.apply(dev, 0))
-                continue
-            choice = choose_power_limit_mw(need_sm_pct[dev.uuid], constraints, self.curve, self.config)
-            results.append(self.mechanism.apply(dev, choice.limit_mw))
-        return results
-
-    def stop(self) -> list[PowerLimitResult]:
-        """Restore every original limit."""
-        return self.mechanism.restore()

@@ -11,9 +11,15 @@ manager/models when one loads, else the baseline; the demo says which) and handi
 to the allocator, which grants memory/SM shares and sets the GPU's power limit (restored at the end).
 
 Every second a plain-text table shows each application's usage, forecast and allocation and the
-GPU's power limit; at the end a summary. `--plot FILE` also draws each application's memory use
-against its forecast and grant over the run (vgpu/plots.py) and prints the path. `--json` prints only the summary as one JSON object:
-{"apps", "ticks", "signatures", "decisions", "power_limit_changes", "mig_changes"}.
+GPU's power limit; at the end a summary. `--json` prints only the summary as one JSON object:
+{"apps", "ticks", "signatures", "decisions", "power_limit_changes", "mig_changes", "oom_events", "rises",
+"lead_time_median_s", "lead_time_median_visible_s"}. OOM events are the samples (every 100 ms) at which
+an application asked the simulator for more memory than its grant (the demo enforces no limit, so
+each is an out-of-memory error a hard limit would have raised); lead times are in seconds of the
+run, over the rises of each application's memory (vgpu.allocator.policy.lead: how long before a
+rise its grant had already grown to cover it; negative: after). `--plot FILE` also draws each
+application's memory use against its forecast and grant over the run (vgpu/plots.py; its OOM marks
+are the allocator's, one per forecast tick at which the use crossed above the grant) and prints the path.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import numpy as np
 from vgpu import log
 from vgpu.allocator.core import Allocator
 from vgpu.allocator.history import AppSeries
+from vgpu.allocator.policy import lead
 from vgpu.allocator.policy.forecast import ForecastPolicy
 from vgpu.allocator.service import AllocatorServicer, build_server
 from vgpu.config import ManagerConfig
@@ -59,6 +66,10 @@ class DemoSummary:
     decisions: int
     power_limit_changes: int
     mig_changes: int
+    oom_events: int = 0
+    rises: int = 0
+    lead_time_median_s: float | None = None
+    lead_time_median_visible_s: float | None = None
 
     def to_json(self) -> str:
         return json.dumps(
@@ -69,6 +80,10 @@ class DemoSummary:
                 "decisions": self.decisions,
                 "power_limit_changes": self.power_limit_changes,
                 "mig_changes": self.mig_changes,
+                "oom_events": self.oom_events,
+                "rises": self.rises,
+                "lead_time_median_s": self.lead_time_median_s,
+                "lead_time_median_visible_s": self.lead_time_median_visible_s,
             }
         )
 
@@ -120,16 +135,52 @@ def launch_offsets_s(n: int, seconds: float) -> list[float]:
     return [0.0] + [first + (last - first) * i / max(1, n - 2) for i in range(n - 1)]
 
 
+class _GrantWatch:
+    """Per application, at each sample: the memory it asks of the simulator and the grant in force
+    (NaN before its first), for OOM events and lead times."""
+
+    def __init__(self, backend: SimBackend, allocator: Allocator) -> None:
+        self.backend = backend
+        self.allocator = allocator
+        self.used: dict[str, list[float]] = {}
+        self.granted: dict[str, list[float]] = {}
+        self.oom_events = 0
+
+    def sample(self) -> None:
+        grants: dict[str, float] = {}
+        for g in self.allocator.ledger.grants():
+            grants[g.app_id] = grants.get(g.app_id, 0.0) + g.memory_mib
+        for dev in self.backend.devices():
+            for p in dev.snapshot():
+                grant = grants.get(p.app_id, math.nan)
+                self.used.setdefault(p.app_id, []).append(p.demand_mib)
+                self.granted.setdefault(p.app_id, []).append(grant)
+                if p.demand_mib > grant:  # NaN (no grant yet) compares False
+                    self.oom_events += 1
+
+    def leads(self, period_s: float) -> lead.LeadSummary:
+        found = [lt for app, used in self.used.items() for lt in lead.lead_times(used, self.granted[app])]
+        s = lead.summarize(found)
+
+        def secs(v: float | None) -> float | None:
+            return None if v is None else round(v * period_s, 2)
+
+        return lead.LeadSummary(s.rises, secs(s.median), s.rises_visible, secs(s.median_visible), s.ahead_frac_visible)
+
+
 class _CountingSource:
     """The sampler, plus an independent count of the processes the simulator runs at each tick."""
 
-    def __init__(self, sampler: Sampler, backend: SimBackend) -> None:
+    def __init__(self, sampler: Sampler, backend: SimBackend, watch: _GrantWatch | None = None) -> None:
         self.sampler = sampler
         self.backend = backend
+        self.watch = watch
         self.apps_present_total = 0
 
     def sample(self) -> list[signature_pb2.BehavioralSignature]:
         self.apps_present_total += sum(len(d.processes()) for d in self.backend.devices())
+        if self.watch is not None:
+            self.watch.sample()
         return self.sampler.sample()
 
     def close(self) -> None:
@@ -206,7 +257,8 @@ async def run_demo(
         # Enumerate processes every tick: the simulator is cheap to ask, and a new application then
         # shows from its first tick (the summary's signature count is exact).
         sampler = Sampler(backend, psutil_module=None, inapp_dir=None, app_id_of=names.get, enumerate_every_s=0.0)
-        source = _CountingSource(sampler, backend)
+        watch = _GrantWatch(backend, allocator)
+        source = _CountingSource(sampler, backend, watch)
         streamer = SignatureStreamer(source, address, period_s=period_s, profiler_id="demo")
         if live is not None:
             print(f"forecaster: {label}\n", file=live, flush=True)
@@ -235,6 +287,7 @@ async def run_demo(
             allocator.stop()
             backend.close()
     stats = streamer.stats
+    leads = watch.leads(period_s)
     summary = DemoSummary(
         apps=len(trace.apps),
         ticks=streamer.loop.stats.ticks,
@@ -242,6 +295,10 @@ async def run_demo(
         decisions=manager.stats.decisions,
         power_limit_changes=allocator.counters.power_limit_changes,
         mig_changes=allocator.counters.mig_changes,
+        oom_events=watch.oom_events,
+        rises=leads.rises,
+        lead_time_median_s=leads.median,
+        lead_time_median_visible_s=leads.median_visible,
     )
     return DemoResult(
         summary=summary,
@@ -270,8 +327,15 @@ def describe(result: DemoResult) -> str:
             f"{result.power_limit_min_seen_mw / 1000:.0f} W, {result.power_limit_end_mw / 1000:.0f} W at the end "
             f"({s.power_limit_changes} changes; restored to {result.power_limit_start_mw / 1000:.0f} W)",
             f"  MIG changes         {s.mig_changes}",
+            f"  OOM events          {s.oom_events} (samples asking more memory than granted)",
+            f"  lead time           median {_secs(s.lead_time_median_s)} over {s.rises} rises of memory, "
+            f"{_secs(s.lead_time_median_visible_s)} over those after a ramp (ahead of the rise > 0)",
         ]
     )
+
+
+def _secs(v: float | None) -> str:
+    return "-" if v is None else f"{v:+.1f} s"
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:

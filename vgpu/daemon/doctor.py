@@ -262,7 +262,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu doctor", *, out: T
     p.add_argument("--config", type=Path, help="configuration file (default /etc/vgpu/vgpu.toml if present)")
     p.add_argument("--socket", help="daemon socket to check (default: from the configuration)")
     p.add_argument("--state-dir", help="state directory to check (default: from the configuration)")
-    p.add_argument("--backend", help="nvml or sim:<sku> (sim: driver and NVML problems are warnings)")
+    p.add_argument("--backend", help="nvml, sim, or sim:SKU[*N][,...] (sim: driver and NVML problems are warnings)")
     p.add_argument("--model", type=Path, help="forecaster checkpoint (default: manager.model, else the shipped model)")
     p.add_argument("--max-signature-age-s", type=float, default=DEFAULT_MAX_SIGNATURE_AGE_S,
                    help=f"oldest newest-signature age that passes on a GPU with grants (default {DEFAULT_MAX_SIGNATURE_AGE_S:g})")

@@ -25,12 +25,12 @@ is absent, not 0. All prefixed `vgpu_`:
 - enforcement: `enforcement_actions_total{mechanism}`, `enforcement_failures_total{device,mechanism}`,
   `enforcement_disabled{device,mechanism}` (0 or 1), `restore_actions_total{mechanism,result}`,
   `grant_changes_total{kind,reason}` (kind granted/resized/released; reason the grant's source,
-  grow/shrink, released);
+  grow/shrink, released, or why it was released);
 - manager: `forecast_batch_seconds` (histogram: one observation per forecaster call, which serves a
   batch of the applications due together), `tick_seconds` (histogram: windows copied, forecast,
   allocator acted), `forecast_failures_total` (batches whose forecaster raised and the fallback
-  served), `signatures_total{result}`, `forecaster_serving{forecaster}` (1 for "model" or
-  "baseline", whichever serves), `forecaster_reloads_total{result}`;
+  served), `signatures_total{result}`, `forecaster_serving{forecaster}` (1 for "mixture", "model"
+  or "baseline", whichever serves), `forecaster_reloads_total{result}`;
 - access: `access_denied_total{method,code}`; persistence: `store_writes_total`;
 - `build_info{version,python,backend}` (1).
 """
@@ -111,8 +111,9 @@ class CounterSnapshot:
     signatures_accepted: int = 0
     signatures_rejected: int = 0  # malformed
     signatures_out_of_order: int = 0  # rejected: older than the application's last sample
+    signatures_unknown_device: int = 0  # rejected: for a device the daemon does not have
     signatures_duplicate: int = 0  # a profiler's resend the window already held, dropped quietly
-    forecaster: str = ""  # "model" or "baseline"; empty = unknown
+    forecaster: str = ""  # "mixture", "model" or "baseline"; empty = unknown
     forecaster_reloads: int = 0
     forecaster_reload_failures: int = 0
     # (kind, reason, count) of grant changes
@@ -262,6 +263,7 @@ class _StateCollector(Collector):
         sigs.add_metric(["accepted"], c.signatures_accepted)
         sigs.add_metric(["rejected"], c.signatures_rejected)
         sigs.add_metric(["out_of_order"], c.signatures_out_of_order)
+        sigs.add_metric(["unknown_device"], c.signatures_unknown_device)
         sigs.add_metric(["duplicate"], c.signatures_duplicate)
         yield sigs
         serving = GaugeMetricFamily("vgpu_forecaster_serving", "1 for the forecaster that serves", labels=["forecaster"])

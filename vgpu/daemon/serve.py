@@ -73,8 +73,11 @@ from vgpu.device.base import Backend, Device
 from vgpu.device.errors import DeviceError
 from vgpu.manager.coldstart import AllocatorSizer, BackgroundSizer, ColdStartSizer
 from vgpu.manager.core import Manager, default_baseline
+from vgpu.manager.experts import MixtureForecaster, make_served
 from vgpu.manager.forecast import Forecaster
+from vgpu.manager.history import NodeHistory
 from vgpu.manager.modelpath import ModelChoice, open_forecaster, resolve_model
+from vgpu.manager.nodelearn import BackgroundLearner, LocalModelWatcher
 from vgpu.manager.service import IngestServicer
 
 SIM_STATE_FILE = "sim-devices.json"
@@ -127,6 +130,12 @@ class LedgerView:
         return bool(self._allocator.ledger.grants(app_id=app_id)) or self._allocator.ledger.limits(app_id) is not None
 
 
+def model_of(forecaster: Forecaster) -> Forecaster | None:
+    """The model behind the served forecaster (the mixture's "model" expert, else itself): what the
+    reload counters and the shutdown's wait read."""
+    return forecaster.expert("model") if isinstance(forecaster, MixtureForecaster) else forecaster
+
+
 class NodeView:
     """What the manager knows that the allocator's RPCs show (vgpu.allocator.service.NodeObserver)."""
 
@@ -135,9 +144,6 @@ class NodeView:
 
     def app_pids(self, app_id: str) -> list[int]:
         return self.manager.app_pids(app_id)
-
-    def app_last_seen_s(self, app_id: str) -> float | None:
-        return self.manager.app_last_seen_s(app_id)
 
     def profiler_states(self) -> dict[str, ProfilerState]:
         return {dev: ProfilerState(n, t) for dev, (n, t) in self.manager.profiler_states().items()}
@@ -160,9 +166,6 @@ class StateSource:
         counts = {(app, dev): (over, oom) for app, dev, over, oom in self.allocator.history.counts()}
         out = []
         for a in self.allocator.list_apps():
-            seen = self.manager.app_last_seen_s(a.app_id)
-            last_seen = max(x for x in (a.last_seen_s, seen if seen is not None else math.nan, -math.inf)
-                            if not math.isnan(x))
             devices = sorted({a.device_id, *(g.device_id for g in a.grants)} - {""}) or [""]
             for dev in devices:
                 grants = [g for g in a.grants if g.device_id == dev]
@@ -179,7 +182,7 @@ class StateSource:
                     granted_mem_mib=sum(g.memory_mib for g in grants),
                     granted_sm_pct=sum(g.sm_pct for g in grants),
                     grants=len(grants),
-                    last_seen_s=last_seen if math.isfinite(last_seen) else math.nan,
+                    last_seen_s=a.last_seen_s if a.last_seen_s is not None else math.nan,
                     overruns=over,
                     oom_events=oom,
                 ))
@@ -218,7 +221,7 @@ class StateSource:
 
     def counter_snapshot(self) -> CounterSnapshot:
         c, s = self.allocator.counters, self.manager.stats
-        forecaster = self.manager.forecaster
+        forecaster = model_of(self.manager.forecaster)
         return CounterSnapshot(
             power_limit_changes=c.power_limit_changes,
             mig_changes=c.mig_changes,
@@ -230,8 +233,9 @@ class StateSource:
             tick_latency=s.tick_latency,
             forecast_failures=s.forecast_failures,
             signatures_accepted=s.accepted,
-            signatures_rejected=s.rejected,
+            signatures_rejected=s.rejected - s.unknown_device,
             signatures_out_of_order=s.out_of_order,
+            signatures_unknown_device=s.unknown_device,
             signatures_duplicate=s.duplicates,
             forecaster=self.manager.source,
             forecaster_reloads=getattr(forecaster, "reloads", 0),
@@ -243,23 +247,22 @@ class StateSource:
 
 # --- backend, originals, reconciliation ----------------------------------------------------------------
 def open_backend(spec: str, state_dir: Path) -> Backend:
-    """`nvml`, or `sim:<sku>[,<sku>...]` whose device settings persist in the state directory."""
-    if spec.startswith("sim:"):
-        from vgpu.device.simstate import PersistentSimBackend
-
-        skus = [s for s in spec[4:].split(",") if s]
-        try:
-            return PersistentSimBackend(skus, state_dir / SIM_STATE_FILE)
-        except (KeyError, ValueError) as exc:
-            raise StartupError(f"--backend {spec}: {exc}") from exc
-    if spec == "nvml":
+    """A backend by the device layer's one grammar (`vgpu.device.parse_sim_spec`: `nvml`, `sim`,
+    `sim:SKU[*N][,SKU[*N]...]`); a simulated node keeps its device settings in the state directory."""
+    if spec.strip().lower() == "nvml":
         try:
             from vgpu.device.nvml import NvmlBackend
 
             return NvmlBackend()
         except (ImportError, DeviceError) as exc:
             raise StartupError(f"cannot open NVML ({type(exc).__name__}: {exc}); run `vgpu doctor`") from exc
-    raise StartupError(f"unknown backend {spec!r}: use nvml or sim:<sku>")
+    from vgpu.device import parse_sim_spec
+    from vgpu.device.simstate import PersistentSimBackend
+
+    try:
+        return PersistentSimBackend(parse_sim_spec(spec), state_dir / SIM_STATE_FILE)
+    except (KeyError, ValueError) as exc:
+        raise StartupError(f"--backend: {exc}") from exc
 
 
 def read_original(dev: Device, now_s: float) -> DeviceOriginal:
@@ -527,7 +530,11 @@ class Daemon:
         self.metrics_server: Any = None
         self._lock: TextIO | None = None
         self._watchdog: asyncio.Task[None] | None = None
+        self._idle_release: asyncio.Task[None] | None = None
         self.model_loader: threading.Thread | None = None
+        self.mixture: MixtureForecaster | None = None
+        self.history: NodeHistory | None = None
+        self.learner: BackgroundLearner | None = None
         self.stopped = asyncio.Event()
 
     def _save(self, ledger: Ledger) -> None:
@@ -535,7 +542,11 @@ class Daemon:
         self.metrics.store_writes.inc()
 
     async def start(self) -> None:
-        cfg = self.cfg
+        self.cfg = cfg = vconfig.resolve_dry_run(self.cfg)
+        if cfg.server.dry_run:
+            self.log.warning("dry_run", backend=cfg.server.backend,
+                             meaning="decisions are logged, nothing is written to the devices",
+                             to_act="set server.dry_run = false (or VGPU_SERVER_DRY_RUN=false, or --no-dry-run)")
         self._lock = lock_state_dir(self.state_dir)
         try:
             self.store = Store(self.state_dir, clock=self.clock)
@@ -544,22 +555,42 @@ class Daemon:
         self.backend = self._backend_override or open_backend(cfg.server.backend, self.state_dir)
         ledger, rec = reconcile(self.store, self.backend, clock=self.clock)
         (self.state_dir / "mig").mkdir(mode=0o700, exist_ok=True)
-        mig = MigLayoutMechanism(state_dir=self.state_dir / "mig", dry_run=cfg.server.dry_run)
+        dry_run = vconfig.dry_run_of(cfg.server)  # resolved above; said again for the type checker
+        mig = MigLayoutMechanism(state_dir=self.state_dir / "mig", dry_run=dry_run)
         self.sizer = BackgroundSizer(self._load_sizer, self.log)
-        cgroup_limits = CgroupMemoryLimits(dry_run=cfg.server.dry_run, store=self.store, clock=self.clock)
-        self.allocator = Allocator(self.backend, clock=self.clock, dry_run=cfg.server.dry_run, ledger=ledger,
+        cgroup_limits = CgroupMemoryLimits(dry_run=dry_run, store=self.store, clock=self.clock)
+        self.allocator = Allocator(self.backend, clock=self.clock, dry_run=dry_run, ledger=ledger,
                                    mig=mig, cgroup_limits=cgroup_limits if cfg.server.cgroup_memory_limits else None,
-                                   sizer=self.sizer, policy=ForecastPolicy(), on_change=self._save)
+                                   sizer=self.sizer, policy=ForecastPolicy(manage_mig=cfg.server.manage_mig_layout),
+                                   on_change=self._save)
         # cgroup limits a crashed run left: put back where no grant holds the cgroup now (all of
         # them where the mechanism is now off: nothing would restore them later)
         cgroup_outcomes = (self.allocator.reconcile_cgroup_limits() if cfg.server.cgroup_memory_limits
                            else cgroup_limits.reconcile(self.backend, {}))
         baseline = default_baseline()
         interval_s = cfg.manager.model_check_interval_s
-        self.manager = Manager(self.allocator, load_model(cfg.manager.model, fallback=baseline, check_interval_s=interval_s),
+        model_forecaster = load_model(cfg.manager.model, fallback=baseline, check_interval_s=interval_s)
+        # the served forecast: the expert mixture over the last value, an EWMA and the model (a slot
+        # that abstains until the model loads), or with manager.mixture off the model alone
+        self.mixture = None
+        if cfg.manager.mixture:
+            self.history = (NodeHistory(self.state_dir / "history", horizon_s=cfg.manager.history_horizon_s,
+                                        max_bytes=int(cfg.manager.history_max_mib * 2**20))
+                            if cfg.manager.history else None)
+            self.mixture = make_served(model_forecaster, local=True, history=self.history)
+            mixture = self.mixture
+            watcher = LocalModelWatcher(self.state_dir, lambda m: mixture.set_expert("local", m))
+            self.learner = BackgroundLearner(self.state_dir, self.state_dir / "history",
+                                             resolve_model(cfg.manager.model).path, watcher,
+                                             interval_s=cfg.manager.learn_interval_s if self.history else 0.0,
+                                             housekeeping=self.history.compress_closed if self.history else None)
+            self.learner.start()
+        self.manager = Manager(self.allocator, self.mixture or model_forecaster,
                                clock=self.clock, fallback=baseline,
                                batch_window_s=cfg.manager.batch_window_ms / 1000.0,
-                               forecast_duty_max=cfg.manager.forecast_duty_max)
+                               forecast_duty_max=cfg.manager.forecast_duty_max,
+                               device_known=self.allocator.knows_device)
+        self.allocator.signature_seen = self.manager.windows.last_seen_s
         model = resolve_model(cfg.manager.model)
         if model.configured:
             self.log.info("forecaster", serving="model", path=str(model.path), check_interval_s=interval_s)
@@ -649,6 +680,19 @@ class Daemon:
         self.notifier.notify(f"READY=1\nSTATUS=serving on {self.socket_path}\nMAINPID={os.getpid()}")
         if self.notifier.watchdog_s:
             self._watchdog = asyncio.create_task(self._ping_watchdog(self.notifier.watchdog_s / 3))
+        if cfg.server.idle_release_s > 0:
+            self._idle_release = asyncio.create_task(self._release_vanished(cfg.server.idle_release_s))
+
+    async def _release_vanished(self, idle_s: float) -> None:
+        """Release the grants of applications silent for `idle_s` (Allocator.release_vanished),
+        checked a few times per `idle_s` (at most every 5 s)."""
+        period_s = min(5.0, idle_s / 4)
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                self.allocator.release_vanished(idle_s)
+            except Exception as exc:  # noqa: BLE001 - a failed sweep is logged; the next one tries again
+                self.log.error("idle_release_failed", error=repr(exc))
 
     def _load_default_model(self, path: Path) -> None:
         """Serve the default forecaster once it loads; until then (or if it does not) the baseline."""
@@ -662,7 +706,11 @@ class Daemon:
             error = f"{type(exc).__name__}: {exc}"
         else:
             if model.serving_model:
-                self.manager.forecaster = model  # one attribute store; the next forecast tick uses it
+                # one reference store; the next forecast tick uses it
+                if self.mixture is not None:
+                    self.mixture.set_expert("model", model)
+                else:
+                    self.manager.forecaster = model
                 self.log.info("forecaster", serving="model", path=str(path), check_interval_s=interval_s)
                 return
             error = model.last_error or "did not load"
@@ -684,6 +732,8 @@ class Daemon:
         self.log.info("stopping", reason=reason)
         if self._watchdog is not None:
             self._watchdog.cancel()
+        if self._idle_release is not None:
+            self._idle_release.cancel()
         if self.server is not None:
             await self.server.stop(self.cfg.server.grace_s)
         actions: list[dict[str, Any]] = []
@@ -697,6 +747,10 @@ class Daemon:
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
         await asyncio.to_thread(self._wait_for_loaders, LOADER_JOIN_S)
+        if self.learner is not None:
+            await asyncio.to_thread(self.learner.stop)
+        if self.history is not None:
+            self.history.close()
         if hasattr(self, "backend"):
             self.backend.close()
         if hasattr(self, "store"):
@@ -719,7 +773,7 @@ class Daemon:
         sizer_wait = getattr(getattr(self, "sizer", None), "wait", None)
         if sizer_wait is not None:
             waits.append(sizer_wait)
-        forecaster = getattr(getattr(self, "manager", None), "forecaster", None)
+        forecaster = model_of(self.manager.forecaster) if hasattr(self, "manager") else None
         forecaster_wait = getattr(forecaster, "wait_idle", None)
         if forecaster_wait is not None:
             waits.append(forecaster_wait)
@@ -757,7 +811,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--socket-mode", help="socket permission bits, octal (default 0660)")
     p.add_argument("--socket-group", help="group that owns the socket")
     p.add_argument("--state-dir", help=f"ledger, tokens and saved device settings (default {vconfig.DEFAULT_STATE_DIR})")
-    p.add_argument("--backend", help="nvml (default) or sim:<sku>, e.g. sim:h100-80gb")
+    p.add_argument("--backend", help="nvml (default), sim, or sim:SKU[*N][,SKU[*N]...], e.g. sim:h100-80gb*2")
     p.add_argument("--tcp", metavar="HOST:PORT", help="also listen on TCP; needs --tls-cert and --tls-key")
     p.add_argument("--tls-cert", help="PEM server certificate for --tcp")
     p.add_argument("--tls-key", help="PEM server key for --tcp")
@@ -766,7 +820,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--metrics-address", help="address of the metrics endpoint (default 127.0.0.1)")
     p.add_argument("--model", help="forecaster checkpoint; must load (default: the shipped model when it loads, "
                    "else the baseline forecaster)")
-    p.add_argument("--dry-run", action="store_true", default=None, help="decide and log, write nothing to devices")
+    p.add_argument("--dry-run", action=argparse.BooleanOptionalAction, default=None,
+                   help="decide and log, write nothing to devices (default: on for the nvml backend, off for sim:<sku>)")
     p.add_argument("--log-format", choices=("json", "console"), help="log format (default json)")
     p.add_argument("--log-level", help="debug, info, warning or error (default info)")
     p.add_argument("--check-config", action="store_true", help="print the effective configuration and exit")

@@ -20,6 +20,14 @@ the SKU tables in `vgpu.device.skus`. Applications are launched onto a device wi
   `SimBackend(memory_limits=False)` models a driver without the functions (NotSupported).
 - Utilization: the device's SM / memory-bandwidth utilization are the sums over processes, capped at
   100. Reads raise NotSupported while MIG is enabled, as on real devices.
+- SM contention (`contention_speeds`): a process's `sm_util_pct` is what it asks of a whole GPU when
+  alone. An MPS share (`set_sm_share`) caps what it gets; the processes of one domain (the GPU, or a
+  MIG instance, which serves slices / compute slices of the GPU) that together ask for more than the
+  domain serves are time-sliced in proportion to what they ask. A process's progress rate
+  (`SimProcessSample.speed`, 1.0 = as fast as alone) is what it got over what it asked, so five
+  processes at 90 % on one GPU each run at 100 / 450 = 0.22 x. Checked against the Gavel pair
+  throughputs and the MISO per-slice iteration times (tests/test_contention.py). The trace itself
+  is not stretched; benchmarks account the lost progress (bench/replay.py).
 - Power: demand = idle floor + (max limit - idle floor) * SM util / 100. When the demand exceeds the
   power limit, the draw is the limit and the SM clock drops by the cube root of the dynamic-power
   ratio (dynamic power ~ f * V^2 with V ~ f); `throttle().slowdown` = 1 / clock ratio.
@@ -90,6 +98,30 @@ DEFAULT_SAMPLE_BUFFER_S = 10.0
 MIN_CLOCK_RATIO = 0.2
 
 
+def contention_speeds(
+    demand_pct: Sequence[float],
+    capacity_pct: float = 100.0,
+    share_pct: Sequence[float] | None = None,
+) -> list[float]:
+    """The progress rate of each process of one domain under SM contention (1.0: as fast as alone).
+
+    `demand_pct[i]` is the SM share of a whole GPU process i keeps busy when alone (its trace's
+    `sm_util_pct`); `capacity_pct` is what the domain serves (100 for a whole GPU, 100 x slices /
+    compute slices for a MIG instance); `share_pct[i]` caps what process i may get (an MPS active
+    thread percentage; inf or absent: no cap). Each process first gets min(demand, share); when
+    those together exceed the capacity, each is scaled by capacity / their sum (time slicing in
+    proportion to demand). The rate is got / demand; a process asking nothing runs at 1.0."""
+    if capacity_pct < 0 or not math.isfinite(capacity_pct):
+        raise ValueError(f"capacity_pct must be a finite number >= 0, not {capacity_pct}")
+    shares = list(share_pct) if share_pct is not None else [math.inf] * len(demand_pct)
+    if len(shares) != len(demand_pct):
+        raise ValueError("demand_pct and share_pct must have one entry per process")
+    asked = [max(0.0, min(float(d), s)) for d, s in zip(demand_pct, shares, strict=True)]
+    total = sum(asked)
+    scale = 1.0 if total <= capacity_pct or total <= 0 else capacity_pct / total
+    return [1.0 if d <= 0 else min(1.0, a * scale / float(d)) for d, a in zip(demand_pct, asked, strict=True)]
+
+
 class ManualClock:
     """A clock for tests and replays: call it for the time, `advance(dt_s)` or `set(t_s)` to move it."""
 
@@ -147,6 +179,7 @@ class SimProcessSample:
     used_mib: float  # after clipping to its domain's capacity
     sm_pct: float
     mem_bw_pct: float
+    speed: float = 1.0  # progress rate under SM contention (contention_speeds), 1.0 = as fast as alone
 
     @property
     def clipped(self) -> bool:
@@ -279,6 +312,7 @@ class SimDevice(Device):
         self._gis: dict[int, _Gi] = {}
         self._procs: dict[int, _Proc] = {}
         self._mem_limits: dict[str, tuple[float, float]] = {}  # cgroup -> (soft, hard) MiB
+        self._sm_shares: dict[int, float] = {}  # pid -> MPS share cap (set_sm_share)
         self._lost = False
         # method -> (error, calls it still fails or None for until cleared)
         self._faults: dict[str, tuple[DeviceError | type[DeviceError] | int, int | None]] = {}
@@ -359,6 +393,7 @@ class SimDevice(Device):
     def _prune(self, now: float) -> None:
         for pid in [pid for pid, p in self._procs.items() if p.end_s is not None and now >= p.end_s]:
             del self._procs[pid]
+            self._sm_shares.pop(pid, None)
             self._backend._forget(pid)
 
     def _snapshot(self, now: float) -> list[SimProcessSample]:
@@ -391,7 +426,39 @@ class SimDevice(Device):
                     mem_bw_pct=float(min(100.0, s.mem_bw[i])),
                 )
             )
+        return self._with_speeds(out)
+
+    def _domain_sm_pct(self, gi_id: int | None) -> float:
+        """The SM a domain serves, as a share of the whole GPU: 100, or a MIG instance's slices."""
+        if gi_id is None or gi_id not in self._gis:
+            return 100.0
+        prof = self.sku.profile(self._gis[gi_id].profile_id)
+        assert prof is not None
+        return 100.0 * prof.slice_count / self.sku.compute_slices
+
+    def _with_speeds(self, samples: list[SimProcessSample]) -> list[SimProcessSample]:
+        by_domain: dict[int | None, list[int]] = {}
+        for i, smp in enumerate(samples):
+            by_domain.setdefault(smp.gpu_instance_id, []).append(i)
+        out = list(samples)
+        for gi_id, idx in by_domain.items():
+            speeds = contention_speeds([samples[i].sm_pct for i in idx], self._domain_sm_pct(gi_id),
+                                       [self._sm_shares.get(samples[i].pid, math.inf) for i in idx])
+            for i, v in zip(idx, speeds, strict=True):
+                if v != 1.0:
+                    out[i] = replace(samples[i], speed=v)
         return out
+
+    def set_sm_share(self, pid: int, share_pct: float | None) -> None:
+        """Cap the SM share process `pid` may use (an MPS client's active thread percentage; None:
+        no cap). A simulator hook: NVML has no such call, MPS sets it per client at launch."""
+        with self._lock:
+            if share_pct is None:
+                self._sm_shares.pop(pid, None)
+                return
+            if not 0 <= share_pct <= 100:
+                raise InvalidArgument(f"an SM share must be in [0, 100], not {share_pct}")
+            self._sm_shares[pid] = float(share_pct)
 
     def _gi_mem(self, gi_id: int) -> float:
         prof = self.sku.profile(self._gis[gi_id].profile_id)
@@ -757,6 +824,7 @@ class SimDevice(Device):
         self._procs[proc.pid] = proc
 
     def _remove_proc(self, pid: int) -> bool:
+        self._sm_shares.pop(pid, None)
         return self._procs.pop(pid, None) is not None
 
 

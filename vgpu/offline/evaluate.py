@@ -46,7 +46,10 @@ from vgpu.traces import TARGETS, AppTrace, Trace, TraceFormatError, one_second_g
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
-METHOD_ORDER = ("model", "last_value", "ewma", "vpa_percentile", "gbdt")
+# "served": what the daemon serves, the per-application expert mixture (manager/experts.py) over the
+# last value, the EWMA and the model (without the model where it does not load), learning online
+# from each application's own earlier origins as the daemon does
+METHOD_ORDER = ("model", "served", "last_value", "ewma", "vpa_percentile", "gbdt")
 DEFAULT_CHUNK = 4096
 _FORECAST_FIELDS = {"mem_used_mib": ("mem_p50_mib", "mem_p90_mib"), "sm_util_pct": ("sm_p50_pct", "sm_p90_pct")}
 
@@ -251,7 +254,7 @@ def _warn(prog: str, message: str) -> None:
 
 
 def load_model(path: str | None, prog: str) -> Forecaster | None:
-    """The trained model through helper C's `vgpu.manager.predictor.load_forecaster` (imported lazily:
+    """The trained model through `vgpu.manager.predictor.load_forecaster` (imported lazily:
     torch is heavy and the baselines need none of it). None, with the reason on stderr, where no
     model is given or it cannot be loaded."""
     try:
@@ -374,9 +377,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu eval") -> int:
         return 1
 
     forecasters: list[Forecaster] = []
-    model = load_model(args.model, prog) if "model" in methods else None
-    if model is not None:
+    model = load_model(args.model, prog) if "model" in methods or "served" in methods else None
+    if model is not None and "model" in methods:
         forecasters.append(model)
+    if "served" in methods:
+        from vgpu.manager.experts import make_served  # noqa: PLC0415 - only for this method
+
+        forecasters.append(make_served(model, name="served"))
     baseline_factories: dict[str, Callable[[], Forecaster]] = {
         "last_value": LastValueForecaster,
         "ewma": EwmaForecaster,
@@ -388,7 +395,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu eval") -> int:
         try:
             train_apps, described = gbdt_training_apps(train_paths, trace, args.split, prog)
         except TraceFormatError as exc:
-            _warn(prog, f"gbdt rows absent: {exc}")
+            where = ""
+            if not args.train_trace:  # the paths came from the model's metadata: say where they were sought
+                sought = ", ".join(f"{p} -> {Path(p).resolve()}" for p in train_paths)
+                where = (f" (the model names its training trace(s) {sought}, looked up relative to the working "
+                         f"directory {Path.cwd()}; give --train-trace PATH)")
+            _warn(prog, f"gbdt rows absent: {exc}{where}")
             train_apps, described = [], ""
         if train_apps:
             started = time.perf_counter()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TextIO
@@ -90,6 +91,8 @@ def trace_info(trace: Trace) -> dict[str, object]:
         "columns": columns,
         "gpus": sorted({a.gpu for a in trace.apps.values() if a.gpu}),
         "skipped_rows": len(trace.issues),
+        "skipped_by_reason": dict(Counter(i.reason.split(" (")[0] for i in trace.issues)),
+        "skipped_first": [str(i) for i in trace.issues[:_MAX_LISTED_ISSUES]],
     }
 
 
@@ -160,4 +163,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu trace") -> int:
             print(f"gpus: {', '.join(facts['gpus'])}")  # type: ignore[arg-type]
         if trace.issues:
             print(f"skipped rows: {len(trace.issues)}")
+            reasons = facts["skipped_by_reason"]
+            assert isinstance(reasons, dict)
+            for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
+                print(f"  {n:6d}  {reason}")
+            for issue in trace.issues[:_MAX_LISTED_ISSUES]:
+                print(f"  {issue}")
+            if len(trace.issues) > _MAX_LISTED_ISSUES:
+                print(f"  ... and {len(trace.issues) - _MAX_LISTED_ISSUES} more")
     return 0

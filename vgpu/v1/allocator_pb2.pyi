@@ -186,12 +186,14 @@ class GetAvailableResourcesRequest(_message.Message):
     def __init__(self, device_id: _Optional[str] = ...) -> None: ...
 
 class GetAvailableResourcesResponse(_message.Message):
-    __slots__ = ("devices", "profiler_streams_open")
+    __slots__ = ("devices", "dry_run", "profiler_streams_open")
     DEVICES_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
     PROFILER_STREAMS_OPEN_FIELD_NUMBER: _ClassVar[int]
     devices: _containers.RepeatedCompositeFieldContainer[DeviceResources]
+    dry_run: bool
     profiler_streams_open: int
-    def __init__(self, devices: _Optional[_Iterable[_Union[DeviceResources, _Mapping]]] = ..., profiler_streams_open: _Optional[int] = ...) -> None: ...
+    def __init__(self, devices: _Optional[_Iterable[_Union[DeviceResources, _Mapping]]] = ..., dry_run: _Optional[bool] = ..., profiler_streams_open: _Optional[int] = ...) -> None: ...
 
 class AppLimits(_message.Message):
     __slots__ = ("app_id", "max_memory_mib", "max_sm_pct", "priority")
@@ -222,7 +224,7 @@ class ListApplicationsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ApplicationInfo(_message.Message):
-    __slots__ = ("app_id", "grants", "limits", "mem_used_mib", "sm_util_pct", "forecast_mem_p90_mib", "forecast_sm_p90_pct", "last_seen_unix_s", "device_id", "forecast_mem_p50_mib", "forecast_sm_p50_pct", "processes")
+    __slots__ = ("app_id", "grants", "limits", "mem_used_mib", "sm_util_pct", "forecast_mem_p90_mib", "forecast_sm_p90_pct", "last_seen_s", "device_id", "forecast_mem_p50_mib", "forecast_sm_p50_pct", "processes")
     APP_ID_FIELD_NUMBER: _ClassVar[int]
     GRANTS_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
@@ -230,7 +232,7 @@ class ApplicationInfo(_message.Message):
     SM_UTIL_PCT_FIELD_NUMBER: _ClassVar[int]
     FORECAST_MEM_P90_MIB_FIELD_NUMBER: _ClassVar[int]
     FORECAST_SM_P90_PCT_FIELD_NUMBER: _ClassVar[int]
-    LAST_SEEN_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_S_FIELD_NUMBER: _ClassVar[int]
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     FORECAST_MEM_P50_MIB_FIELD_NUMBER: _ClassVar[int]
     FORECAST_SM_P50_PCT_FIELD_NUMBER: _ClassVar[int]
@@ -242,12 +244,12 @@ class ApplicationInfo(_message.Message):
     sm_util_pct: float
     forecast_mem_p90_mib: float
     forecast_sm_p90_pct: float
-    last_seen_unix_s: float
+    last_seen_s: float
     device_id: str
     forecast_mem_p50_mib: float
     forecast_sm_p50_pct: float
     processes: _containers.RepeatedCompositeFieldContainer[AppProcess]
-    def __init__(self, app_id: _Optional[str] = ..., grants: _Optional[_Iterable[_Union[Grant, _Mapping]]] = ..., limits: _Optional[_Union[AppLimits, _Mapping]] = ..., mem_used_mib: _Optional[float] = ..., sm_util_pct: _Optional[float] = ..., forecast_mem_p90_mib: _Optional[float] = ..., forecast_sm_p90_pct: _Optional[float] = ..., last_seen_unix_s: _Optional[float] = ..., device_id: _Optional[str] = ..., forecast_mem_p50_mib: _Optional[float] = ..., forecast_sm_p50_pct: _Optional[float] = ..., processes: _Optional[_Iterable[_Union[AppProcess, _Mapping]]] = ...) -> None: ...
+    def __init__(self, app_id: _Optional[str] = ..., grants: _Optional[_Iterable[_Union[Grant, _Mapping]]] = ..., limits: _Optional[_Union[AppLimits, _Mapping]] = ..., mem_used_mib: _Optional[float] = ..., sm_util_pct: _Optional[float] = ..., forecast_mem_p90_mib: _Optional[float] = ..., forecast_sm_p90_pct: _Optional[float] = ..., last_seen_s: _Optional[float] = ..., device_id: _Optional[str] = ..., forecast_mem_p50_mib: _Optional[float] = ..., forecast_sm_p50_pct: _Optional[float] = ..., processes: _Optional[_Iterable[_Union[AppProcess, _Mapping]]] = ...) -> None: ...
 
 class AppProcess(_message.Message):
     __slots__ = ("pid", "user", "command")

@@ -1,0 +1,458 @@
+"""Learning on the node: fine-tune a node-local copy of the model on the node's own history, promote it
+only when it beats the serving one on the most recent held-back history, log every promotion, roll back.
+
+Files, under `<state_dir>/models/`:
+- `local.pt`: the node-local model the daemon serves as the mixture's "local" expert (absent: none);
+- `archive/local-<n>.pt`: every promoted model, kept for rollback;
+- `promotions.jsonl`: one JSON object per promotion, rejection or rollback, appended.
+
+One learning round (`learn_once`): read the history (manager/history.py), hold back its last
+`holdout_s` seconds of the node's clock, fine-tune a copy of the serving model (the local one when it
+loads, else the global one) on the rest for a few epochs with the training loss (pinball on P50 and
+P90, manager/model.py) at a small learning rate, then score both on the held-back seconds (mean
+absolute error of the P50 change, normalised units, the same windows for both). The candidate is
+promoted only when its error is below (1 - `min_gain`) x the serving one's; a serving local model that
+does not load is replaced by the global one as the reference (and logged). A round runs in a child
+process at the lowest CPU priority with one torch thread (`BackgroundLearner`), so it never holds the
+daemon's interpreter lock nor delays a tick.
+
+`vgpu model status` prints the state as JSON; `vgpu model rollback` puts the previously promoted model
+back in `local.pt` (or removes it when there was none before) and logs it; the daemon watches
+`local.pt` and serves what is there (nothing: the global model and the last value only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from vgpu.log import get_logger
+from vgpu.manager.forecast import Forecaster
+from vgpu.traces import AppTrace
+
+LOCAL = "local.pt"
+LOG = "promotions.jsonl"
+
+
+@dataclass(frozen=True)
+class LearnConfig:
+    holdout_s: float = 1800.0  # the most recent seconds held back to judge a candidate
+    min_history_s: float = 3600.0  # no round before the history spans this much
+    epochs: int = 3
+    learning_rate: float = 1e-4
+    max_windows: int = 20000
+    min_gain: float = 0.02  # promote only below (1 - min_gain) x the serving model's error
+    seed: int = 0
+
+
+def models_dir(state_dir: str | Path) -> Path:
+    return Path(state_dir) / "models"
+
+
+def _append_log(state_dir: str | Path, entry: dict[str, Any]) -> None:
+    d = models_dir(state_dir)
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with open(d / LOG, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(entry, sort_keys=True) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def read_log(state_dir: str | Path) -> list[dict[str, Any]]:
+    """The promotion log; a line that is not a JSON object (a crash mid-write) is skipped."""
+    path = models_dir(state_dir) / LOG
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict):
+            out.append(entry)
+    return out
+
+
+def split_recent(traces: Sequence[AppTrace], holdout_s: float) -> tuple[list[AppTrace], list[AppTrace]]:
+    """(before, held back): every application cut at the node's last second minus `holdout_s`."""
+    ends = [float(t.t_s[-1]) for t in traces if len(t)]
+    if not ends:
+        return [], []
+    cut = max(ends) - holdout_s
+    before: list[AppTrace] = []
+    after: list[AppTrace] = []
+    for t in traces:
+        early = t.t_s < cut
+        for keep, out in ((early, before), (~early, after)):
+            if keep.any():
+                out.append(AppTrace(t.app, t.t_s[keep], {c: v[keep] for c, v in t.columns.items()}, gpu=t.gpu))
+    return before, after
+
+
+def _dataset(traces: Sequence[AppTrace], spec: Any, max_windows: int, seed: int) -> tuple[Any, Any, Any]:
+    """(x, y, mask) windows of every origin from the 10th second on (at most `max_windows`, a seeded
+    sample), in the checkpoint's feature encoding."""
+    import numpy as np  # noqa: PLC0415
+
+    from vgpu.manager.features import build_grid, encode, targets  # noqa: PLC0415
+
+    grid = build_grid(traces)
+    origins = []
+    for i in range(grid.n_apps):
+        lo, hi = int(grid.offsets[i]), int(grid.offsets[i + 1])
+        origins.append(np.arange(lo + 9, hi - 1))
+    all_o = np.concatenate(origins) if origins else np.zeros(0, dtype=np.int64)
+    if len(all_o) > max_windows:
+        all_o = np.sort(np.random.default_rng(seed).choice(all_o, max_windows, replace=False))
+    win = encode(grid, spec.window_s, all_o.astype(np.int64), spec.version)
+    y, mask = targets(grid, win, spec.horizons_s)
+    return win.x, y, mask
+
+
+def score(checkpoint: Any, traces: Sequence[AppTrace], max_windows: int = 20000, seed: int = 0) -> float:
+    """Mean absolute error of the P50 change (normalised units, dead band applied) of a checkpoint on
+    the windows of `traces`; NaN when there is no window."""
+    import numpy as np  # noqa: PLC0415
+
+    from vgpu.manager.predictor import ModelForecaster, apply_deadband  # noqa: PLC0415
+
+    x, y, mask = _dataset(traces, checkpoint.metadata.features, max_windows, seed)
+    if not mask.any():
+        return math.nan
+    fc = ModelForecaster(checkpoint, "cpu", mode="fused")
+    out = apply_deadband(fc.predict_normalised(x), np.asarray(checkpoint.metadata.p50_deadband))
+    return float(np.abs(out[..., 0] - y)[mask].mean())
+
+
+def finetune(checkpoint: Any, traces: Sequence[AppTrace], cfg: LearnConfig) -> Any:
+    """A fine-tuned copy of the checkpoint's network (the checkpoint itself is left as it is)."""
+    import copy  # noqa: PLC0415
+
+    import numpy as np  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+
+    from vgpu.manager.model import pinball_loss  # noqa: PLC0415
+
+    torch.manual_seed(cfg.seed)
+    model = copy.deepcopy(checkpoint.model).train()
+    x, y, mask = _dataset(traces, checkpoint.metadata.features, cfg.max_windows, cfg.seed)
+    if not mask.any():
+        raise ValueError("no training window in the history")
+    xt, yt, mt = torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(mask)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.learning_rate)
+    rng = np.random.default_rng(cfg.seed)
+    for _ in range(cfg.epochs):
+        for idx in np.array_split(rng.permutation(len(x)), max(1, len(x) // 256)):
+            opt.zero_grad()
+            loss = pinball_loss(model(xt[idx]), yt[idx], mt[idx])
+            loss.backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
+            opt.step()
+    return model.eval()
+
+
+def learn_once(
+    state_dir: str | Path,
+    history: Sequence[AppTrace],
+    global_model: str | Path,
+    cfg: LearnConfig | None = None,
+    *,
+    logger: structlog.typing.FilteringBoundLogger | None = None,
+    tune: Callable[[Any, Sequence[AppTrace], LearnConfig], Any] = finetune,
+) -> dict[str, Any]:
+    """One round (module docstring). Returns the log entry it appended ({"event": "skipped"} without
+    appending when the history is too short)."""
+    from vgpu.manager.checkpoint import CheckpointError, load_checkpoint, save_checkpoint  # noqa: PLC0415
+
+    cfg = cfg or LearnConfig()
+    log = logger or get_logger("vgpu.manager.nodelearn")
+    spans = [float(t.t_s[-1] - t.t_s[0]) for t in history if len(t)]
+    node_span = (max(float(t.t_s[-1]) for t in history if len(t)) - min(float(t.t_s[0]) for t in history if len(t))
+                 if spans else 0.0)
+    if node_span < cfg.min_history_s:
+        return {"event": "skipped", "reason": f"history spans {node_span:.0f} s < {cfg.min_history_s:.0f} s"}
+    before, held = split_recent(history, cfg.holdout_s)
+    d = models_dir(state_dir)
+    local = d / LOCAL
+    reference, ref_name = None, "global"
+    if local.exists():
+        try:
+            reference, ref_name = load_checkpoint(local), "local"
+        except CheckpointError as exc:
+            log.warning("local_model_unusable", path=str(local), error=str(exc))
+    if reference is None:
+        reference = load_checkpoint(global_model)
+    serving_error = score(reference, held, cfg.max_windows, cfg.seed)
+    entry: dict[str, Any] = {"at": time.time(), "reference": ref_name, "serving_error": serving_error,
+                             "train_apps": len(before), "held_back_apps": len(held), "holdout_s": cfg.holdout_s}
+    try:
+        tuned = tune(reference, before, cfg)
+        candidate_path = d / "candidate.pt"
+        meta = reference.metadata
+        save_checkpoint(candidate_path, tuned, type(meta)(
+            config=meta.config, features=meta.features, p90_shift=meta.p90_shift, p50_deadband=meta.p50_deadband,
+            training={**meta.training, "node_finetune": {"epochs": cfg.epochs, "lr": cfg.learning_rate,
+                                                         "from": ref_name}},
+            validation=meta.validation, git_commit=meta.git_commit))
+        candidate = load_checkpoint(candidate_path)
+        candidate_error = score(candidate, held, cfg.max_windows, cfg.seed)
+    except (ValueError, CheckpointError, RuntimeError) as exc:
+        entry |= {"event": "rejected", "reason": f"candidate failed: {exc}"}
+        _append_log(state_dir, entry)
+        log.warning("local_model_rejected", **_fields(entry))
+        return entry
+    entry["candidate_error"] = candidate_error
+    if not (math.isfinite(candidate_error) and math.isfinite(serving_error)
+            and candidate_error < (1 - cfg.min_gain) * serving_error):
+        entry |= {"event": "rejected", "reason": "no better on the held-back history"}
+        candidate_path.unlink(missing_ok=True)
+        _append_log(state_dir, entry)
+        log.info("local_model_rejected", **_fields(entry))
+        return entry
+    promote(state_dir, candidate_path, entry)
+    log.info("local_model_promoted", **_fields(entry))
+    return entry
+
+
+def _fields(entry: dict[str, Any]) -> dict[str, Any]:
+    """A log entry as log fields (structlog's own `event` is the message)."""
+    return {k: v for k, v in entry.items() if k != "event"}
+
+
+def promote(state_dir: str | Path, candidate: Path, entry: dict[str, Any]) -> Path:
+    """Archive the candidate and put it in `local.pt` (atomically), logging `entry` as a promotion."""
+    d = models_dir(state_dir)
+    archive = d / "archive"
+    archive.mkdir(parents=True, exist_ok=True, mode=0o700)
+    n = 1 + max((int(p.stem.split("-")[1]) for p in archive.glob("local-*.pt") if p.stem.split("-")[1].isdigit()),
+                default=0)
+    kept = archive / f"local-{n}.pt"
+    shutil.copyfile(candidate, kept)
+    tmp = d / f".{LOCAL}.tmp"
+    shutil.copyfile(candidate, tmp)
+    os.replace(tmp, d / LOCAL)
+    candidate.unlink(missing_ok=True)
+    entry |= {"event": "promoted", "archived": kept.name}
+    _append_log(state_dir, entry)
+    return kept
+
+
+def serving_archive(state_dir: str | Path) -> list[str]:
+    """The archived models that served in turn, oldest first, rollbacks applied: what the log says
+    `local.pt` held after each promotion or rollback."""
+    stack: list[str] = []
+    for e in read_log(state_dir):
+        if e.get("event") == "promoted" and isinstance(e.get("archived"), str):
+            stack.append(e["archived"])
+        elif e.get("event") == "rollback" and stack:
+            stack.pop()
+    return stack
+
+
+def rollback(state_dir: str | Path) -> dict[str, Any]:
+    """Put the model promoted before the serving one back in `local.pt` (or remove it when none was)."""
+    d = models_dir(state_dir)
+    stack = serving_archive(state_dir)
+    if not stack:
+        raise LookupError("nothing to roll back: no promoted node-local model serves")
+    undone = stack.pop()
+    entry: dict[str, Any] = {"at": time.time(), "event": "rollback", "undone": undone,
+                             "serving": stack[-1] if stack else None}
+    if stack:
+        tmp = d / f".{LOCAL}.tmp"
+        shutil.copyfile(d / "archive" / stack[-1], tmp)
+        os.replace(tmp, d / LOCAL)
+    else:
+        (d / LOCAL).unlink(missing_ok=True)
+    _append_log(state_dir, entry)
+    return entry
+
+
+def status(state_dir: str | Path) -> dict[str, Any]:
+    d = models_dir(state_dir)
+    log = read_log(state_dir)
+    stack = serving_archive(state_dir)
+    local = d / LOCAL
+    return {
+        "local_model": str(local) if local.exists() else None,
+        "serving_archive": stack[-1] if stack else None,
+        "promotions": sum(e.get("event") == "promoted" for e in log),
+        "rejections": sum(e.get("event") == "rejected" for e in log),
+        "rollbacks": sum(e.get("event") == "rollback" for e in log),
+        "last": log[-1] if log else None,
+        "history": _history_files(Path(state_dir) / "history"),
+    }
+
+
+def _history_files(directory: Path) -> dict[str, int]:
+    """How much node history is on disk (segment files and bytes; none where there is no directory)."""
+    files = [p for p in directory.glob("seg-*.csv*") if p.is_file()] if directory.is_dir() else []
+    return {"segment_files": len(files), "bytes": sum(p.stat().st_size for p in files)}
+
+
+class LocalModelWatcher:
+    """Serves `local.pt` as the mixture's "local" expert: `poll()` loads a changed file (a failed load is
+    logged once per file version and the slot left empty: the global model and the last value
+    serve), and empties the slot when the file is gone (a rollback to none)."""
+
+    def __init__(self, state_dir: str | Path, set_expert: Callable[[Forecaster | None], None],
+                 loader: Callable[[Path], Forecaster] | None = None,
+                 logger: structlog.typing.FilteringBoundLogger | None = None) -> None:
+        self.path = models_dir(state_dir) / LOCAL
+        self._set = set_expert
+        self._loader = loader
+        self._log = logger or get_logger("vgpu.manager.nodelearn")
+        self._sig: tuple[int, int] | None = None
+        self.loaded = 0
+        self.failures = 0
+
+    def poll(self) -> None:
+        try:
+            st = os.stat(self.path)
+            sig: tuple[int, int] | None = (st.st_mtime_ns, st.st_size)
+        except OSError:
+            sig = None
+        if sig == self._sig:
+            return
+        self._sig = sig
+        if sig is None:
+            self._set(None)
+            self._log.info("local_model", serving=None)
+            return
+        try:
+            if self._loader is None:
+                from vgpu.manager.predictor import load_forecaster  # noqa: PLC0415 - torch
+
+                model: Forecaster = load_forecaster(self.path, "cpu")
+            else:
+                model = self._loader(self.path)
+        except Exception as exc:  # noqa: BLE001 - any unusable file: no local expert, the others serve
+            self.failures += 1
+            self._set(None)
+            self._log.warning("local_model_unusable", path=str(self.path), error=repr(exc))
+            return
+        self.loaded += 1
+        self._set(model)
+        self._log.info("local_model", serving=str(self.path))
+
+
+class BackgroundLearner:
+    """A daemon thread: polls `local.pt` (and runs `housekeeping`) every `poll_s` and every `interval_s` runs one learning round
+    in a child process (`python -m vgpu.manager.nodelearn learn ...`) at the lowest CPU priority with
+    one torch thread, waiting for it without holding anything the forecasting needs."""
+
+    def __init__(self, state_dir: str | Path, history_dir: str | Path, global_model: str | Path,
+                 watcher: LocalModelWatcher, *, interval_s: float = 3600.0, poll_s: float = 5.0,
+                 housekeeping: Callable[[], object] | None = None,
+                 logger: structlog.typing.FilteringBoundLogger | None = None) -> None:
+        self.state_dir, self.history_dir, self.global_model = Path(state_dir), Path(history_dir), Path(global_model)
+        self.watcher = watcher
+        self.housekeeping = housekeeping  # e.g. the history's compression of closed segments, each poll
+        self.interval_s, self.poll_s = interval_s, poll_s
+        self._log = logger or get_logger("vgpu.manager.nodelearn")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="node-learner", daemon=True)
+        self._child: subprocess.Popen[bytes] | None = None
+        self.rounds = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        child = self._child
+        if child is not None and child.poll() is None:
+            child.terminate()
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        next_round = time.monotonic() + self.interval_s
+        while not self._stop.is_set():
+            self.watcher.poll()
+            if self.housekeeping is not None:
+                try:
+                    self.housekeeping()
+                except Exception as exc:  # noqa: BLE001 - housekeeping must not end the thread
+                    self._log.error("node_housekeeping_failed", error=repr(exc))
+            if self.interval_s > 0 and time.monotonic() >= next_round:
+                next_round = time.monotonic() + self.interval_s
+                self._round()
+            self._stop.wait(self.poll_s)
+
+    def _round(self) -> None:
+        cmd = [sys.executable, "-m", "vgpu.manager.nodelearn", "learn", "--state-dir", str(self.state_dir),
+               "--history-dir", str(self.history_dir), "--global-model", str(self.global_model)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        try:
+            # the child lowers its own priority first thing (a preexec_fn is unsafe in a threaded daemon)
+            self._child = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            _, err = self._child.communicate()
+        except OSError as exc:
+            self._log.error("node_learning_failed", error=repr(exc))
+            return
+        self.rounds += 1
+        if self._child.returncode != 0 and not self._stop.is_set():
+            self._log.error("node_learning_failed", rc=self._child.returncode, stderr=err.decode(errors="replace")[-2000:])
+        self.watcher.poll()
+
+
+# --- the commands ---------------------------------------------------------------------------------
+def _default_state_dir() -> str:
+    from vgpu import config  # noqa: PLC0415
+
+    return str(config.Config().server.state_dir)
+
+
+def model_main(argv: Sequence[str] | None = None, prog: str = "vgpu model") -> int:
+    """`vgpu model status|rollback [--state-dir DIR]`."""
+    p = argparse.ArgumentParser(prog=prog, description="the node-local forecaster: status and rollback")
+    p.add_argument("action", choices=("status", "rollback"))
+    p.add_argument("--state-dir", default=None, help="the daemon's state directory (default: the configured one)")
+    args = p.parse_args(argv)
+    state_dir = args.state_dir or _default_state_dir()
+    if args.action == "status":
+        print(json.dumps(status(state_dir), indent=2, sort_keys=True))
+        return 0
+    try:
+        entry = rollback(state_dir)
+    except LookupError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(entry, sort_keys=True))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m vgpu.manager.nodelearn learn ...`: one round, as the background learner runs it."""
+    p = argparse.ArgumentParser(prog="vgpu.manager.nodelearn")
+    p.add_argument("action", choices=("learn",))
+    p.add_argument("--state-dir", required=True)
+    p.add_argument("--history-dir", required=True)
+    p.add_argument("--global-model", required=True)
+    args = p.parse_args(argv)
+    os.nice(19)  # the lowest CPU priority: the node's jobs and the daemon come first
+    import torch  # noqa: PLC0415
+
+    from vgpu.manager.history import NodeHistory  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    entry = learn_once(args.state_dir, NodeHistory(args.history_dir).read(), args.global_model)
+    print(json.dumps(entry, sort_keys=True, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""The client stub as an application uses it: a short program against a real `vgpu serve` process.
+
+It requests, releases, leaves a `with` block (which releases), starts again with the same app id, and
+is refused for an id it does not own; the token file and the in-app directory are where the docs say.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from daemon_fixtures import ROOT, Env, Serve, make_env, serves_killed_after
+
+from vgpu.client import app_token_path
+
+# The program a user writes from the client stub's docstrings.
+APP = """
+import sys
+from vgpu.client import VgpuClient
+
+sock, app_id, inapp = sys.argv[1], sys.argv[2], sys.argv[3]
+with VgpuClient(app_id, socket=sock, inapp_dir=inapp) as client:
+    first = client.request(memory_mib=1000)
+    (released,) = client.release()
+    assert released.grant_id == first.grant_id, (released, first)
+    second = client.request(memory_mib=2000)
+    print("granted", second.grant_id, "token file", client.token_file, flush=True)
+print("closed", flush=True)
+"""
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Env:
+    return make_env(tmp_path)
+
+
+@pytest.fixture
+def serves() -> Iterator[list[Serve]]:
+    yield from serves_killed_after()
+
+
+def run_app(env: Env, app_id: str, inapp: Path, *, config_home: Path | None = None,
+            program: str = APP) -> subprocess.CompletedProcess[str]:
+    penv = dict(env.env)
+    if config_home is not None:
+        penv["XDG_CONFIG_HOME"] = str(config_home)
+    return subprocess.run([sys.executable, "-c", program, str(env.sock), app_id, str(inapp)],
+                          cwd=ROOT, env=penv, capture_output=True, text=True, timeout=60)
+
+
+def grants_of(env: Env, app_id: str) -> list[dict]:  # type: ignore[type-arg]
+    apps = {a["app_id"]: a for a in env.json("apps").get("apps", [])}
+    return apps[app_id].get("grants", []) if app_id in apps else []
+
+
+def test_application_releases_its_grants_and_restarts(env: Env, serves: list[Serve], tmp_path: Path) -> None:
+    serves.append(Serve(env))
+    inapp = tmp_path / "inapp"
+
+    r = run_app(env, "train-a", inapp)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "closed" in r.stdout
+    assert grants_of(env, "train-a") == []  # release() worked, and so did the `with` block's close
+
+    token_file = app_token_path("train-a", str(env.sock), env.env)
+    assert str(token_file) in r.stdout
+    assert token_file.is_relative_to(tmp_path / "home-config" / "vgpu" / "tokens")
+    assert token_file.stat().st_mode & 0o777 == 0o600
+    assert token_file.read_text().startswith("vgpu1.")
+
+    # The same application started again finds its token and is served.
+    r = run_app(env, "train-a", inapp)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert grants_of(env, "train-a") == []
+
+    # The CLI shares the token: `vgpu request --app train-a` works for this user.
+    env.vgpu("request", "--socket", str(env.sock), "--app", "train-a", "--memory-mib", "10")
+    assert len(grants_of(env, "train-a")) == 1
+
+    # Someone else (no token) is refused the id, and the stub says where it looked.
+    r = run_app(env, "train-a", inapp, config_home=tmp_path / "other-user")
+    assert r.returncode != 0
+    assert "PERMISSION_DENIED" in r.stderr
+    assert "application id taken and no token for it here" in r.stdout + r.stderr
+    assert str(app_token_path("train-a", str(env.sock), {"XDG_CONFIG_HOME": str(tmp_path / "other-user")})) in (
+        r.stdout + r.stderr
+    )
+
+
+def test_a_garbage_token_file_is_named(env: Env, serves: list[Serve], tmp_path: Path) -> None:
+    serves.append(Serve(env))
+    token_file = app_token_path("bad", str(env.sock), env.env)
+    token_file.parent.mkdir(parents=True)
+    token_file.write_text("not a token\n")
+    r = run_app(env, "bad", tmp_path / "inapp")
+    assert r.returncode != 0
+    assert "TokenFileError" in r.stderr and str(token_file) in r.stderr
+    assert "Invalid metadata" not in r.stderr
+
+
+def test_missing_inapp_directory_is_said_once(env: Env, serves: list[Serve], tmp_path: Path) -> None:
+    serves.append(Serve(env))
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")  # the directory cannot be created below a file
+    program = APP.replace('print("closed", flush=True)', 'import time; time.sleep(0.5); print("closed", flush=True)')
+    program = program.replace("VgpuClient(app_id, socket=sock, inapp_dir=inapp)",
+                              "VgpuClient(app_id, socket=sock, inapp_dir=inapp, report_period_s=0.05)")
+    r = run_app(env, "no-inapp", blocker / "inapp", program=program)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout + r.stderr
+    assert out.count("in-app counter directory missing") == 1, out
+    assert "cannot write in-app counters" not in out
+    assert str(blocker / "inapp") in out

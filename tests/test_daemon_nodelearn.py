@@ -1,0 +1,76 @@
+"""The served mixture in a real `vgpu serve`: it writes the node's history to the state directory while a
+real `vgpu profiler` streams, serves a node-local model dropped in `models/local.pt`, and goes on
+without it when that file is corrupt."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from daemon_fixtures import ROOT, Env, Serve, make_env, serves_killed_after
+
+from tests.checkpoint_synth import write_tiny_checkpoint
+from vgpu.manager.history import NodeHistory
+from vgpu.traces import AppTrace, write_trace
+
+
+@pytest.fixture
+def serves() -> Iterator[list[Serve]]:
+    yield from serves_killed_after()
+
+
+def _until(what: str, check: Callable[[], bool], timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def test_history_is_written_and_a_local_model_is_served_or_skipped(tmp_path: Path, serves: list[Serve]) -> None:
+    env: Env = make_env(tmp_path)
+    model = write_tiny_checkpoint(tmp_path / "model.pt", seed=1)
+    serves.append(Serve(env, "--model", str(model)))
+    daemon = serves[-1]
+    t = np.arange(0.0, 200.0, 0.5)
+    trace = tmp_path / "trace.csv"
+    write_trace(trace, [
+        AppTrace("train-a", t, {"mem_used_mib": 4000 + 10 * t, "sm_util_pct": np.full(len(t), 60.0)}),
+        AppTrace("infer-b", t, {"mem_used_mib": np.full(len(t), 1500.0), "sm_util_pct": np.full(len(t), 20.0)}),
+    ])
+    device = env.json("available")["devices"][0]["device_id"]
+    profiler = subprocess.Popen(
+        [sys.executable, "-m", "vgpu.cli", "profiler", "--manager", f"unix://{env.sock}", "--replay", str(trace),
+         "--speed", "5", "--seconds", "30", "--device-id", device,
+         "--token-file", str(env.state / "tokens" / "profiler.token")],
+        cwd=ROOT, env=env.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        history = NodeHistory(env.state / "history")
+        _until("history rows of both applications",
+               lambda: {a.app for a in history.read() if len(a) >= 3} == {"train-a", "infer-b"})
+        # a promoted node-local model appears: the daemon serves it as the mixture's local expert
+        models = env.state / "models"
+        models.mkdir(exist_ok=True)
+        write_tiny_checkpoint(models / ".local.pt.tmp", seed=3)
+        os.replace(models / ".local.pt.tmp", models / "local.pt")
+        daemon.wait_for("local_model", 20.0)
+        assert daemon.event("local_model")["serving"] == str(models / "local.pt")
+        # a corrupt one: logged, the slot emptied, forecasts go on
+        (models / ".bad").write_bytes(b"\x00 not a checkpoint")
+        os.replace(models / ".bad", models / "local.pt")
+        daemon.wait_for("local_model_unusable", 20.0)
+        before = len(history.read()[0])
+        _until("more history after the corrupt local model", lambda: len(history.read()[0]) > before)
+        apps = {a["app_id"]: a for a in env.json("apps")["apps"]}
+        assert all(a["forecast_mem_p90_mib"] > 0 for a in apps.values())
+    finally:
+        profiler.terminate()
+        profiler.wait(30)
+    assert daemon.term() == 0

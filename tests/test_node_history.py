@@ -1,0 +1,120 @@
+"""The node's on-disk history (manager/history.py): written by the served mixture, read back, bounded,
+and a corrupt or partly written segment skipped (logged once), never fatal."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from vgpu.manager.experts import make_served
+from vgpu.manager.history import NodeHistory
+from vgpu.traces import AppTrace
+
+
+class Rec:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict[str, object]]] = []
+
+    def _add(self, event: str, **kw: object) -> None:
+        self.events.append((event, kw))
+
+    info = warning = error = debug = _add
+
+
+def _rows(h: NodeHistory, app: str, secs: range, value: float = 100.0) -> None:
+    n = len(secs)
+    h.add([app] * n, ["GPU-0"] * n, np.array(list(secs), dtype=np.float64), np.tile([value, 50.0], (n, 1)),
+          [40960.0] * n)
+
+
+def test_the_mixture_writes_each_complete_second_once(tmp_path: Path) -> None:
+    hist = NodeHistory(tmp_path / "h")
+    served = make_served(None, history=hist)
+    t = np.arange(1000.0, 1030.0, 0.5)
+    mem = 1000.0 + 10 * np.floor(t - 1000)
+    for k in range(1005, 1030):
+        keep = t < k + 1
+        served.forecast_batch([AppTrace("a", t[keep], {"mem_used_mib": mem[keep], "sm_util_pct": np.full(keep.sum(), 7.0)},
+                                        gpu="GPU-x")])
+    hist.close()
+    (back,) = hist.read()
+    assert back.app == "a" and back.gpu == "GPU-x"
+    # the last forecast's origin is second 1029 (still filling): 1005..1028 are complete; the second
+    # before the first origin only seeds the state and is not written
+    assert back.t_s.tolist() == list(range(1005, 1029))
+    np.testing.assert_allclose(back.columns["mem_used_mib"], 1000.0 + 10 * (back.t_s - 1000))
+    assert (back.columns["sm_util_pct"] == 7.0).all()
+
+
+def test_a_partial_last_line_and_a_corrupt_segment_are_skipped(tmp_path: Path) -> None:
+    log = Rec()
+    h = NodeHistory(tmp_path, segment_s=100, logger=log)  # type: ignore[arg-type]
+    _rows(h, "a", range(0, 100))
+    _rows(h, "a", range(100, 150))
+    h.close()
+    with open(tmp_path / "seg-1.csv", "a") as fh:
+        fh.write("150,a,GPU-0,12")  # a crash mid-line
+    (tmp_path / "seg-5.csv").write_bytes(b"\x1f\x8b\x00garbage\xff\xfe")
+    (tmp_path / "seg-6.csv").write_text("")
+    for _ in range(2):
+        (back,) = h.read()
+        assert back.t_s.tolist() == list(range(0, 150))
+    skipped = [kw["path"] for e, kw in log.events if e == "history_segment_skipped"]
+    assert sorted(Path(str(p)).name for p in skipped) == ["seg-5.csv", "seg-6.csv"]  # once each
+    # writing goes on after the partial line, which stays one bad row
+    h2 = NodeHistory(tmp_path, segment_s=100, logger=log)  # type: ignore[arg-type]
+    _rows(h2, "a", range(151, 155))
+    h2.close()
+    (back,) = h2.read()
+    assert back.t_s.tolist() == [*range(0, 150), *range(151, 155)]
+
+
+def test_segments_past_the_horizon_or_over_the_cap_are_deleted(tmp_path: Path) -> None:
+    h = NodeHistory(tmp_path, segment_s=100, horizon_s=300, max_bytes=10**9, prune_every_s=0)
+    for seg in range(6):
+        _rows(h, "a", range(seg * 100, seg * 100 + 100))
+    h.close()
+    assert [k for k, _ in h.segments()] == [2, 3, 4, 5]  # segments ending at or before 600 - 300: gone
+    size = h.segments()[0][1].stat().st_size
+    capped = NodeHistory(tmp_path, segment_s=100, horizon_s=10**6, max_bytes=2 * size + 10, prune_every_s=0)
+    _rows(capped, "a", range(600, 610))
+    capped.close()
+    assert capped.size_bytes() <= 2 * size + 10 + size  # the open segment may sit over the cap
+    assert [k for k, _ in capped.segments()][-1] == 6 and len(capped.segments()) <= 3
+
+
+def test_a_write_that_fails_is_counted_and_logged_once(tmp_path: Path) -> None:
+    log = Rec()
+    h = NodeHistory(tmp_path / "gone", logger=log)  # type: ignore[arg-type]
+    (tmp_path / "gone").rmdir()
+    for _ in range(3):
+        _rows(h, "a", range(0, 3))
+    assert h.write_failures == 3 and [e for e, _ in log.events].count("history_write_failed") == 1
+
+
+def test_bad_bounds_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError):
+        NodeHistory(tmp_path, max_bytes=0)
+
+
+def test_closed_segments_are_compressed_and_read_the_same(tmp_path: Path) -> None:
+    h = NodeHistory(tmp_path, segment_s=100)
+    _rows(h, "a", range(0, 250))
+    with open(tmp_path / "seg-0.csv", "a") as fh:
+        fh.write("99.5,a,GPU-0,1")  # a crash's partial line in a closed segment
+    plain = h.size_bytes()
+    assert [p.name for p in h.compress_closed()] == ["seg-0.csv.gz", "seg-1.csv.gz"]  # not the open seg-2
+    assert h.size_bytes() < plain / 2
+    (back,) = h.read()
+    assert back.t_s.tolist() == list(range(0, 250))
+    # a clock step back writes into a compressed segment's range again: appended on compression
+    _rows(h, "b", range(10, 12))
+    assert {p.name for _, p in h.segments()} == {"seg-0.csv.gz", "seg-0.csv", "seg-1.csv.gz", "seg-2.csv"}
+    assert {a.app: len(a) for a in h.read()} == {"a": 250, "b": 2}
+    h.close()
+    h2 = NodeHistory(tmp_path, segment_s=100)
+    assert [p.name for p in h2.compress_closed()] == ["seg-0.csv.gz", "seg-2.csv.gz"]
+    by_app = {a.app: a for a in h2.read()}
+    assert by_app["b"].t_s.tolist() == [10, 11] and len(by_app["a"]) == 250

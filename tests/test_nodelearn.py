@@ -1,0 +1,183 @@
+"""Learning on the node (manager/nodelearn.py): promotion only when the candidate beats the serving model
+on the held-back history, a candidate that fails or scores worse is not promoted, an unusable local
+model falls back to the global one, rollback, and `vgpu model status|rollback` as a subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tests.checkpoint_synth import write_tiny_checkpoint
+from vgpu.manager import nodelearn as NL
+from vgpu.manager.checkpoint import load_checkpoint
+from vgpu.traces import AppTrace
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _node(seconds: int = 400, apps: int = 3) -> list[AppTrace]:
+    """A node's history at 1 s: memory that steps every 50 s, compute that follows it."""
+    out = []
+    for i in range(apps):
+        t = np.arange(0.0, seconds)
+        mem = 2000.0 + 500.0 * ((t // 50 + i) % 3)
+        out.append(AppTrace(f"job-{i}", t, {"mem_used_mib": mem, "sm_util_pct": 20 + mem / 100,
+                                             "mem_total_mib": np.full(seconds, 40960.0)}, gpu="GPU-0"))
+    return out
+
+
+CFG = NL.LearnConfig(holdout_s=100, min_history_s=200, epochs=1, max_windows=300)
+
+
+def _shifted(bias: float) -> Any:
+    """A 'fine-tune' that returns the network with its P50 head biased: far off (worse) or unchanged."""
+    def tune(ck: Any, traces: Sequence[AppTrace], cfg: NL.LearnConfig) -> Any:
+        import copy
+
+        model = copy.deepcopy(ck.model)
+        with torch.no_grad():
+            model.head_p50.bias.add_(bias)
+        return model
+    return tune
+
+
+def test_a_candidate_that_scores_worse_is_not_promoted(tmp_path: Path) -> None:
+    base = write_tiny_checkpoint(tmp_path / "global.pt", seed=1, bias=0.0)
+    entry = NL.learn_once(tmp_path / "state", _node(), base, CFG, tune=_shifted(5.0))
+    assert entry["event"] == "rejected" and entry["candidate_error"] > entry["serving_error"]
+    assert not (tmp_path / "state" / "models" / "local.pt").exists()
+    assert [e["event"] for e in NL.read_log(tmp_path / "state")] == ["rejected"]
+
+
+def test_a_better_candidate_is_promoted_logged_and_rolled_back(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    base = write_tiny_checkpoint(tmp_path / "global.pt", seed=1, bias=3.0)  # a global model far off
+    first = NL.learn_once(state, _node(), base, CFG, tune=_shifted(-3.0))
+    assert first["event"] == "promoted" and first["reference"] == "global"
+    assert first["candidate_error"] < first["serving_error"]
+    local = state / "models" / "local.pt"
+    load_checkpoint(local)
+    # a second round starts from the local model; worse again is not promoted
+    second = NL.learn_once(state, _node(), base, CFG, tune=_shifted(2.0))
+    assert second["event"] == "rejected" and second["reference"] == "local"
+    status = NL.status(state)
+    assert (status["promotions"], status["rejections"], status["serving_archive"]) == (1, 1, "local-1.pt")
+    back = NL.rollback(state)
+    assert back["undone"] == "local-1.pt" and back["serving"] is None and not local.exists()
+    with pytest.raises(LookupError):
+        NL.rollback(state)
+
+
+def test_rollback_restores_the_previous_promotion(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    base = write_tiny_checkpoint(tmp_path / "global.pt", seed=1, bias=3.0)
+    NL.learn_once(state, _node(), base, CFG, tune=_shifted(-2.0))
+    NL.learn_once(state, _node(), base, CFG, tune=_shifted(-1.0))
+    assert NL.serving_archive(state) == ["local-1.pt", "local-2.pt"]
+    NL.rollback(state)
+    local = state / "models" / "local.pt"
+    assert local.read_bytes() == (state / "models" / "archive" / "local-1.pt").read_bytes()
+
+
+def test_an_unusable_local_model_falls_back_to_the_global_one(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    (state / "models").mkdir(parents=True)
+    (state / "models" / "local.pt").write_bytes(b"\x00 truncated")
+    base = write_tiny_checkpoint(tmp_path / "global.pt", seed=1, bias=0.0)
+    entry = NL.learn_once(state, _node(), base, CFG, tune=_shifted(0.0))
+    assert entry["reference"] == "global" and entry["event"] == "rejected"  # no gain: not promoted
+
+
+def test_a_candidate_that_fails_is_rejected(tmp_path: Path) -> None:
+    def broken(ck: Any, traces: Sequence[AppTrace], cfg: NL.LearnConfig) -> Any:
+        raise ValueError("no training window in the history")
+
+    base = write_tiny_checkpoint(tmp_path / "global.pt", seed=1)
+    entry = NL.learn_once(tmp_path / "s", _node(), base, CFG, tune=broken)
+    assert entry["event"] == "rejected" and "candidate failed" in entry["reason"]
+
+
+def test_a_short_history_is_skipped_and_a_real_finetune_runs(tmp_path: Path) -> None:
+    base = write_tiny_checkpoint(tmp_path / "global.pt", seed=1)
+    assert NL.learn_once(tmp_path / "s", _node(seconds=100), base, CFG)["event"] == "skipped"
+    entry = NL.learn_once(tmp_path / "s", _node(), base, CFG)  # the real fine-tune, one epoch
+    assert entry["event"] in ("promoted", "rejected") and entry["candidate_error"] >= 0
+
+
+def test_the_watcher_serves_local_pt_and_empties_the_slot_on_a_bad_file(tmp_path: Path) -> None:
+    slot: list[object] = []
+    watcher = NL.LocalModelWatcher(tmp_path, slot.append, loader=lambda p: "model@" + p.read_text())  # type: ignore[arg-type,return-value]
+    watcher.poll()
+    assert slot == []  # no file, nothing changed
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "local.pt").write_text("v1")
+    watcher.poll()
+    watcher.poll()
+    assert slot == ["model@v1"]
+
+    def bad(p: Path) -> object:
+        raise RuntimeError("corrupt")
+    watcher._loader = bad  # type: ignore[assignment]  # noqa: SLF001
+    (tmp_path / "models" / "local.pt").write_text("v2 longer")
+    watcher.poll()
+    assert slot == ["model@v1", None] and watcher.failures == 1
+    (tmp_path / "models" / "local.pt").unlink()
+    watcher.poll()
+    assert slot == ["model@v1", None, None]
+
+
+def test_cli_status_and_rollback(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    base = write_tiny_checkpoint(tmp_path / "global.pt", seed=1, bias=3.0)
+    NL.learn_once(state, _node(), base, CFG, tune=_shifted(-3.0))
+
+    def vgpu(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "vgpu.cli", "model", *args, "--state-dir", str(state)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+    out = vgpu("status")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["serving_archive"] == "local-1.pt"
+    out = vgpu("rollback")
+    assert out.returncode == 0 and json.loads(out.stdout)["undone"] == "local-1.pt"
+    out = vgpu("rollback")
+    assert out.returncode == 1 and "nothing to roll back" in out.stderr
+    final = json.loads(vgpu("status").stdout)
+    assert final["rollbacks"] == 1 and final["history"] == {"segment_files": 0, "bytes": 0}
+
+
+def test_the_background_learner_runs_a_round_in_a_child_process(tmp_path: Path) -> None:
+    from vgpu.manager.history import NodeHistory
+
+    hist = NodeHistory(tmp_path / "history")
+    for app in _node(seconds=3700, apps=2):
+        n = len(app)
+        hist.add([app.app] * n, ["GPU-0"] * n, app.t_s,
+                 np.stack([app.columns["mem_used_mib"], app.columns["sm_util_pct"]], axis=1), [40960.0] * n)
+    hist.close()
+    base = write_tiny_checkpoint(tmp_path / "global.pt", seed=1)
+    served: list[object] = []
+    watcher = NL.LocalModelWatcher(tmp_path / "state", served.append)
+    learner = NL.BackgroundLearner(tmp_path / "state", tmp_path / "history", base, watcher, interval_s=0.2,
+                                   poll_s=0.1)
+    learner.start()
+    try:
+        deadline = time.monotonic() + 180
+        while not NL.read_log(tmp_path / "state") and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        learner.stop(timeout_s=60)
+    (entry, *_) = NL.read_log(tmp_path / "state")
+    assert entry["event"] in ("promoted", "rejected") and entry["train_apps"] == 2 and entry["held_back_apps"] == 2
+    assert learner.rounds >= 1
+    if entry["event"] == "promoted":
+        assert served and served[-1] is not None  # the watcher picked local.pt up

@@ -1,0 +1,189 @@
+"""The policy's leading rules: headroom on a foreseen rise, a ramp granted to its end, slow shrinking
+that needs the forecast and the recent history to agree, and hard memory limits only where a device
+is contended. Each test shows the rule's effect and that it is absent without the rule."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+from test_policy import DEV, app
+
+from vgpu.allocator.policy.forecast import PREDICTIVE_CONFIG, DeviceState, PolicyConfig, plan
+
+BASE = PolicyConfig(confidence_multiplier=0.0, mem_margin_frac=0.02, min_change_frac=0.05, dwell_s=10.0)
+
+
+def test_a_foreseen_rise_is_granted_with_headroom_above_the_p90() -> None:
+    a = app("a", granted_mem_mib=4_000, used_mem_mib=3_900, forecast_mem_p90_mib=5_000,
+            last_mem_change_s=99.0)  # inside the dwell: growth is made anyway
+    led = plan([a], [DEV], 100.0, replace(BASE, mem_lead_frac=0.2)).target("a")
+    assert led.mem_mib == pytest.approx(5_000 * 1.22) and led.reason_mem == "lead"
+    plain = plan([a], [DEV], 100.0, BASE).target("a")
+    assert plain.mem_mib == pytest.approx(5_000 * 1.02)
+
+
+def test_no_headroom_when_the_forecast_stays_under_the_grant() -> None:
+    a = app("a", granted_mem_mib=6_000, used_mem_mib=3_900, forecast_mem_p90_mib=5_000, last_mem_change_s=99.0)
+    assert plan([a], [DEV], 100.0, replace(BASE, mem_lead_frac=0.2)).target("a").reason_mem != "lead"
+
+
+def test_a_ramp_is_granted_to_where_its_rate_says_it_ends() -> None:
+    # 294 -> 956 MiB over the last 2 s: at 331 MiB/s for 5 s more, the ramp ends near 2,611 MiB
+    a = app("a", granted_mem_mib=1_000, used_mem_mib=956, forecast_mem_p90_mib=1_100,
+            mem_ramp_s=2.0, mem_ramp_rate_mib_s=331.0, last_mem_change_s=99.0)
+    cfg = replace(BASE, ramp_min_s=1.0, ramp_ahead_s=5.0)
+    t = plan([a], [DEV], 100.0, cfg).target("a")
+    assert t.mem_mib == pytest.approx((956 + 331 * 5) * 1.02) and t.reason_mem == "ramp"
+    assert plan([a], [DEV], 100.0, BASE).target("a").mem_mib == pytest.approx(1_100 * 1.02)
+    # too short a ramp for the rule
+    short = replace(a, mem_ramp_s=0.0)
+    assert plan([short], [DEV], 100.0, cfg).target("a").reason_mem != "ramp"
+
+
+def test_a_ramp_is_granted_to_the_cold_start_size() -> None:
+    a = app("a", granted_mem_mib=1_000, used_mem_mib=956, forecast_mem_p90_mib=1_100,
+            mem_ramp_s=2.0, mem_ramp_rate_mib_s=10.0, expected_mem_mib=9_000, last_mem_change_s=99.0)
+    t = plan([a], [DEV], 100.0, replace(BASE, ramp_min_s=1.0)).target("a")
+    assert t.mem_mib == pytest.approx(9_000 * 1.02) and t.reason_mem == "ramp"
+
+
+def test_a_shrink_takes_a_bounded_step() -> None:
+    a = app("a", granted_mem_mib=10_000, used_mem_mib=2_000, forecast_mem_p90_mib=2_000, last_mem_change_s=0.0)
+    slow = plan([a], [DEV], 100.0, replace(BASE, mem_shrink_step_frac=0.25)).target("a")
+    assert slow.mem_mib == pytest.approx(7_500)
+    assert plan([a], [DEV], 100.0, BASE).target("a").mem_mib == pytest.approx(2_040)
+
+
+def test_a_shrink_waits_for_the_recent_history_to_agree() -> None:
+    # the forecast says 2 GB, but the usage peaked at 8 GB within the window: keep room for it
+    a = app("a", granted_mem_mib=10_000, used_mem_mib=2_000, forecast_mem_p90_mib=2_000,
+            recent_peak_mem_mib=8_000, last_mem_change_s=0.0)
+    t = plan([a], [DEV], 100.0, replace(BASE, mem_shrink_window_s=30.0)).target("a")
+    assert t.mem_mib == pytest.approx(8_160)
+    assert plan([a], [DEV], 100.0, BASE).target("a").mem_mib == pytest.approx(2_040)
+
+
+def test_hard_limits_only_on_a_contended_device() -> None:
+    cfg = replace(BASE, hard_limit_at_frac=0.9)
+    roomy = plan([app("a", forecast_mem_p90_mib=10_000)], [DEV], 0.0, cfg)
+    assert not roomy.target("a").hard_mem_limit and not roomy.devices[0].hard_mem_limits
+    full = plan([app("a", forecast_mem_p90_mib=40_000), app("b", forecast_mem_p90_mib=35_000)], [DEV], 0.0, cfg)
+    assert full.target("a").hard_mem_limit and full.devices[0].hard_mem_limits
+    over = plan([app("a", forecast_mem_p90_mib=50_000), app("b", forecast_mem_p90_mib=50_000)], [DEV], 0.0,
+                replace(BASE, hard_limit_at_frac=2.0))
+    assert over.devices[0].contended_mem and over.target("b").hard_mem_limit
+    # without the rule (0: today's behaviour) every limit is hard
+    assert plan([app("a", forecast_mem_p90_mib=10_000)], [DEV], 0.0, BASE).target("a").hard_mem_limit
+
+
+def test_sm_caps_only_on_a_contended_device() -> None:
+    cfg = replace(BASE, hard_limit_at_frac=0.9)
+    roomy = plan([app("a", forecast_sm_p90_pct=30)], [DEV], 0.0, cfg)
+    assert not roomy.target("a").hard_sm_limit and not roomy.devices[0].hard_sm_limits
+    full = plan([app("a", forecast_sm_p90_pct=60), app("b", forecast_sm_p90_pct=50)], [DEV], 0.0, cfg)
+    assert full.target("a").hard_sm_limit and full.devices[0].contended_sm
+    assert plan([app("a", forecast_sm_p90_pct=30)], [DEV], 0.0, BASE).target("a").hard_sm_limit
+
+
+def test_the_lead_is_taken_back_first_on_a_full_device() -> None:
+    # leads above the claims yield before any claim (forecast + margin) is cut
+    small = DeviceState("gpu0", mem_total_mib=20_000)
+    a = app("a", granted_mem_mib=8_000, used_mem_mib=8_000, forecast_mem_p90_mib=10_000)
+    b = app("b", granted_mem_mib=8_000, used_mem_mib=8_000, forecast_mem_p90_mib=9_000)
+    p = plan([a, b], [small], 100.0, replace(BASE, mem_lead_frac=0.5))
+    ta, tb = p.target("a"), p.target("b")
+    assert ta.mem_mib + tb.mem_mib == pytest.approx(20_000)
+    assert ta.mem_mib > 10_000 * 1.02 and tb.mem_mib > 9_000 * 1.02
+    assert ta.reason_mem == tb.reason_mem == "contention"
+
+
+def test_predictive_settings_validate() -> None:
+    assert PREDICTIVE_CONFIG.mem_shrink_step_frac <= 1.0
+    with pytest.raises(ValueError):
+        PolicyConfig(mem_shrink_step_frac=0.0)
+    with pytest.raises(ValueError):
+        PolicyConfig(ramp_min_s=-1.0)
+
+
+def test_a_starting_application_gets_start_up_headroom() -> None:
+    a = app("a", granted_mem_mib=1_300, used_mem_mib=1_200, forecast_mem_p90_mib=1_250, history_s=1.0,
+            last_mem_change_s=99.0)
+    cfg = replace(BASE, start_window_s=10.0, start_headroom_mib=1024.0)
+    t = plan([a], [DEV], 100.0, cfg).target("a")
+    assert t.mem_mib == pytest.approx((1_200 + 1024) * 1.02) and t.reason_mem == "start"
+    # the job's cold-start size instead, when known
+    sized = plan([replace(a, expected_mem_mib=6_000)], [DEV], 100.0, cfg).target("a")
+    assert sized.mem_mib == pytest.approx(6_000 * 1.02)
+    # past the window, or without the rule: the forecast
+    old = plan([replace(a, history_s=30.0)], [DEV], 100.0, cfg).target("a")
+    assert old.reason_mem != "start"
+    assert plan([a], [DEV], 100.0, BASE).target("a").mem_mib == pytest.approx(1_300)  # held (threshold)
+
+
+def test_on_a_contended_gpu_only_the_shares_that_were_cut_are_capped() -> None:
+    # a (priority 1) keeps its claim; b (priority 0) is cut to fit: only b must yield
+    apps = [app("a", forecast_sm_p90_pct=60, priority=1), app("b", forecast_sm_p90_pct=60)]
+    cut_only = plan(apps, [DEV], 0.0, replace(BASE, hard_limit_at_frac=0.9, sm_cap_cut_only=1.0))
+    assert cut_only.devices[0].contended_sm
+    assert not cut_only.target("a").hard_sm_limit and cut_only.target("b").hard_sm_limit
+    assert cut_only.target("b").reason_sm == "contention"
+    every = plan(apps, [DEV], 0.0, replace(BASE, hard_limit_at_frac=0.9))
+    assert every.target("a").hard_sm_limit and every.target("b").hard_sm_limit
+
+
+def test_usage_history_sees_a_ramp_and_the_recent_peak() -> None:
+    from vgpu.allocator.policy.forecast import UsageHistory
+
+    h = UsageHistory()
+    for t, used in [(0.0, 1_000.0), (1.0, 1_000.0), (2.0, 1_300.0), (2.4, 1_350.0), (3.0, 1_700.0)]:
+        h.observe("a", t, used)
+    ramp_s, rate = h.ramp("a")
+    assert ramp_s == pytest.approx(2.0) and rate == pytest.approx(350.0)  # 1,000 -> 1,700 over 2 s
+    assert h.peak("a", 3.0, 1.5) == 1_700.0 and h.peak("a", 3.0, 30.0) == 1_700.0
+    h.observe("a", 4.0, 1_700.0, seq=7)
+    flat_s, flat_rate = h.ramp("a")
+    assert flat_s == 0.0 and math.isnan(flat_rate)  # flat: no ramp
+    h.observe("a", 5.0, 9_000.0, seq=7)  # a stale stand-in (seen seq): no new sample
+    assert h.peak("a", 5.0, 30.0) == 1_700.0
+    h.prune(500.0)
+    assert math.isnan(h.peak("a", 500.0, 1e9))
+
+
+def test_the_daemons_policy_grants_a_ramp_it_saw_through_recommendations() -> None:
+    from vgpu.allocator.core import Allocator
+    from vgpu.allocator.policy.base import Recommendation
+    from vgpu.allocator.policy.forecast import ForecastPolicy
+    from vgpu.device.sim import ManualClock, SimBackend
+
+    def run(config: PolicyConfig) -> float:
+        clock = ManualClock(1000.0)
+        backend = SimBackend(["h100-80gb"], clock=clock)
+        uuid = backend.devices()[0].uuid
+        alloc = Allocator(backend, clock=clock, dry_run=False, policy=ForecastPolicy(config))
+        for seq, used in enumerate([4_000.0] * 15 + [4_400.0, 4_900.0], start=1):
+            # the forecast trails the ramp (it says the last value)
+            alloc.apply_recommendations([Recommendation("a", uuid, used, 20, mem_p90_peak_mib=used,
+                                                        sm_p90_peak_pct=20, mem_used_mib=used, sm_util_pct=20,
+                                                        for_seq=seq)])
+            clock.advance(1.0)
+        (g,) = alloc.ledger.grants()
+        alloc.stop()
+        return g.memory_mib
+
+    cfg = replace(PREDICTIVE_CONFIG, confidence_multiplier=0.0)
+    # 4,400 -> 4,900 at 450 MiB/s over the last 2 s: granted to 4,900 + 3 s of it, plus the margin
+    assert run(cfg) == pytest.approx((4_900 + 3 * 450) * 1.02)
+    assert run(replace(cfg, ramp_min_s=0.0)) < 4_900 + 3 * 450
+
+
+def test_lead_summary_medians_over_all_and_visible_rises() -> None:
+    from vgpu.allocator.policy import lead
+
+    s = lead.summarize([(3, 0), (-1, 2), (2, 5), (0, 1)])
+    assert (s.rises, s.median, s.rises_visible, s.median_visible, s.ahead_frac_visible) == (4, 1.0, 2, 0.5, 0.5)
+    empty = lead.summarize([])
+    assert empty.rises == 0 and empty.median is None and empty.median_visible is None
+    with pytest.raises(ValueError):
+        lead.lead_times([1.0, 2.0], [1.0])

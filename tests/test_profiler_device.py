@@ -1,0 +1,73 @@
+"""`vgpu profiler --replay` against a real `vgpu serve`: signatures for a device the daemon does not have
+are rejected with the reason and counted, and the profiler says so; an unknown `--device-id` stops it at
+start; a profiler that never reaches the manager exits non-zero."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from daemon_fixtures import ROOT, Env, Serve, make_env, serves_killed_after
+
+DEMO = ROOT / "vgpu" / "data" / "demo_trace.csv.gz"
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Env:
+    return make_env(tmp_path)
+
+
+@pytest.fixture
+def serves() -> Iterator[list[Serve]]:
+    yield from serves_killed_after()
+
+
+def profiler(env: Env, *extra: str, sock: Path | None = None, seconds: float = 2.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "vgpu.cli", "profiler", "--manager", f"unix://{sock or env.sock}", "--replay", str(DEMO),
+         "--speed", "20", "--seconds", str(seconds), "--token-file", str(env.state / "tokens" / "profiler.token"),
+         "--log-format", "console", *extra],
+        cwd=ROOT, env=env.env, capture_output=True, text=True, timeout=90, check=False,
+    )
+
+
+def test_signatures_for_an_unknown_device_are_rejected_and_said(env: Env, serves: list[Serve]) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve = Serve(env, "--metrics-port", str(port))
+    serves.append(serve)
+    r = profiler(env)  # no --device-id: the trace's own gpu ids, which this daemon does not have
+    assert r.returncode == 0, r.stderr
+    assert "manager rejected signatures" in r.stderr and "unknown device" in r.stderr
+    assert "the manager rejected" in r.stderr.splitlines()[-1]
+    assert serve.event("signatures_rejected_unknown_device")["device"]
+    assert env.json("apps")["apps"] == []
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    (line,) = [x for x in text.splitlines() if x.startswith('vgpu_signatures_total{result="unknown_device"}')]
+    assert float(line.split()[-1]) > 0
+
+
+def test_a_device_id_the_daemon_lacks_stops_the_profiler_at_start(env: Env, serves: list[Serve]) -> None:
+    serves.append(Serve(env))
+    device = env.json("available")["devices"][0]["device_id"]
+    r = profiler(env, "--device-id", "GPU-not-here")
+    assert r.returncode == 2
+    assert "--device-id 'GPU-not-here' is not a device of the daemon" in r.stderr and device in r.stderr
+    ok = profiler(env, "--device-id", device)
+    assert ok.returncode == 0, ok.stderr
+    assert "manager rejected signatures" not in ok.stderr
+    assert {a["app_id"] for a in env.json("apps")["apps"]}
+
+
+def test_a_profiler_that_never_reaches_the_manager_fails(env: Env) -> None:
+    (env.state / "tokens").mkdir(parents=True)
+    (env.state / "tokens" / "profiler.token").write_text("vgpu1.cHJvZmlsZXI.00\n")
+    r = profiler(env, sock=env.tmp / "nobody-here.sock", seconds=1.5)
+    assert r.returncode == 1
+    assert "never reached the manager" in r.stderr
