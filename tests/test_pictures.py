@@ -189,9 +189,9 @@ def test_replay_timeline_panels() -> None:
 
 
 async def test_demo_plot_shows_every_app(tmp_path: Path) -> None:
+    from tests.manager_fakes import EwmaMarginForecaster
     from vgpu.daemon.demo import plot_demo, run_demo
     from vgpu.data import demo_trace_path
-    from vgpu.manager.core import EwmaMarginForecaster
     from vgpu.traces import read_trace
 
     result = await run_demo(seconds=4, trace=read_trace(demo_trace_path()), forecaster=EwmaMarginForecaster(),
