@@ -209,3 +209,14 @@ def test_demo_cli_prints_the_picture_path(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, "-m", "vgpu.cli", "demo", "--plot", "x.gif"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60, check=False)
     assert bad.returncode == 2 and "--plot must name" in bad.stderr
+
+
+def test_the_grant_line_steps_where_a_change_happened_between_points() -> None:
+    t = np.array([0.0, 1.0, 2.0])
+    tl = plots.Timeline("a", t, np.full(3, 50.0), np.full(3, 50.0), np.full(3, 60.0), np.array([100.0, 100.0, 80.0]),
+                        (plots.Mark(1.4, "shrink", "100 -> 80 MiB", 80.0),))
+    st, sv = plots.grant_steps(tl)
+    assert list(zip(st, sv, strict=True)) == [(0.0, 100.0), (1.0, 100.0), (1.4, 80.0), (2.0, 80.0)]
+    ax = plots.figure([[tl]], title="t").axes[0]
+    (grant,) = [line for line in ax.get_lines() if line.get_label() == "granted"]
+    assert 1.4 in set(grant.get_xdata())

@@ -105,6 +105,18 @@ def marks_from_series(t_s: FloatArray, used_mib: FloatArray, granted_mib: FloatA
     return tuple(marks)
 
 
+def grant_steps(tl: Timeline) -> tuple[FloatArray, FloatArray]:
+    """The grant over time: the points' values, and each grant change where it happened (a change
+    made while planning another application's tick falls between this one's points)."""
+    changes = [(m.t_s, m.mib) for m in tl.marks if m.kind != "oom" and math.isfinite(m.mib)]
+    if not changes:
+        return tl.t_s, tl.granted_mib
+    t = np.concatenate([tl.t_s, np.array([c[0] for c in changes])])
+    v = np.concatenate([tl.granted_mib, np.array([c[1] for c in changes])])
+    order = np.argsort(t, kind="stable")
+    return t[order], v[order]
+
+
 def draw_panel(ax: object, tl: Timeline, *, legend: bool = True) -> None:
     """One application on one matplotlib Axes."""
     from matplotlib.axes import Axes
@@ -115,7 +127,8 @@ def draw_panel(ax: object, tl: Timeline, *, legend: bool = True) -> None:
     ax.plot(t, tl.used_mib, color=COLOURS["used"], linewidth=3.0, alpha=0.35, label="used")
     ax.fill_between(t, tl.p50_mib, tl.p90_mib, color=COLOURS["p90"], alpha=0.15, linewidth=0,
                     label="forecast P50-P90 band")
-    ax.step(t, tl.granted_mib, where="post", color=COLOURS["granted"], linewidth=1.8, label="granted")
+    grant_t, grant_v = grant_steps(tl)
+    ax.step(grant_t, grant_v, where="post", color=COLOURS["granted"], linewidth=1.8, label="granted")
     ax.plot(t, tl.p50_mib, color=COLOURS["p50"], linewidth=1.0, linestyle="--", label="forecast P50")
     ax.plot(t, tl.p90_mib, color=COLOURS["p90"], linewidth=1.0, label="forecast P90")
     ooms = [m for m in tl.marks if m.kind == "oom"]
@@ -217,4 +230,5 @@ def save(fig: Figure, path: Path, *, title: str, timelines: Sequence[Timeline] =
     return path
 
 
-__all__ = ["FORMATS", "Mark", "Timeline", "draw_panel", "figure", "from_history", "marks_from_series", "save"]
+__all__ = ["FORMATS", "Mark", "Timeline", "draw_panel", "figure", "from_history", "grant_steps", "marks_from_series",
+           "save"]
