@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/vgpu demo
+	$(VENV)/bin/vgpu demo --plot runs/demo.png
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider

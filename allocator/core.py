@@ -22,11 +22,12 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import structlog
 
 from vgpu.allocator.errors import DeviceError, InvalidRequest, NotSupported, VerifyFailed
+from vgpu.allocator.history import History, HistoryEvent, HistoryPoint
 from vgpu.allocator.ledger import AppLimits, DeviceCapacity, DeviceUsage, Grant, Ledger
 from vgpu.allocator.mechanisms.limits import CgroupMemoryLimits, read_cgroup
 from vgpu.allocator.mechanisms.power import PowerLimitMechanism, PowerLimitResult
@@ -42,9 +43,11 @@ from vgpu.allocator.policy.base import (
     Sizer,
     Sizing,
 )
-from vgpu.device.base import Backend, Device, GpuInstance, PowerConstraints
+from vgpu.device.base import Backend, Device, GpuInstance, PowerConstraints, ProcessInfo
 from vgpu.jobs import InvalidJobConfig, JobConfig
 from vgpu.log import get_logger
+
+T = TypeVar("T")
 
 
 class MigMechanism(Protocol):
@@ -78,6 +81,17 @@ class DeviceResources(DeviceUsage):
     power_constraints: PowerConstraints | None = None
     mig_enabled: bool = False
     mig_instances: tuple[GpuInstance, ...] = ()
+    # What the device reports now; None where it cannot (reads degrade field by field).
+    index: int = 0
+    pci_bus_id: str | None = None
+    mem_used_mib: float | None = None
+    power_draw_mw: int | None = None
+    temperature_c: int | None = None
+    sm_clock_mhz: int | None = None
+    sm_util_pct: float | None = None
+    mem_bw_util_pct: float | None = None
+    dry_run: bool = False
+    processes: tuple[ProcessInfo, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -92,6 +106,12 @@ class AppInfo:
     source: str = ""
     # When the application last showed a sign of life (Allocator.last_seen_s); None: never.
     last_seen_s: float | None = None
+    # The device of the latest recommendation, else of the first grant; "" when neither.
+    device_id: str = ""
+    forecast_mem_p50_mib: float = math.nan
+    forecast_sm_p50_pct: float = math.nan
+    # Processes named by the application's grants.
+    pids: tuple[int, ...] = ()
 
 
 class EventKind(StrEnum):
@@ -135,6 +155,9 @@ class Counters:
     mig_changes: int = 0
     recommendations: int = 0
     events_dropped: int = 0
+    # (event kind, reason) -> grant changes: ("granted", source), ("resized", "grow"|"shrink"),
+    # ("released", "released")
+    grant_changes: dict[tuple[str, str], int] = field(default_factory=dict)
     # (device_id, mechanism) -> device changes that failed: "power_limit" (write refused, raised or
     # did not read back; device unreadable) and "mig" (raised, refused, or steps left undone)
     failures: dict[tuple[str, str], int] = field(default_factory=dict)
@@ -216,6 +239,7 @@ class Allocator:
         on_change: Callable[[Ledger], None] | None = None,
         watch_queue_size: int = 1024,
         logger: structlog.typing.FilteringBoundLogger | None = None,
+        history: History | None = None,
     ) -> None:
         self.backend = backend
         self.clock = clock
@@ -231,6 +255,7 @@ class Allocator:
         self._cgroup_of = cgroup_of
         self.on_change = on_change
         self.counters = Counters()
+        self.history = history if history is not None else History()
         self._watch_queue_size = watch_queue_size
         self._subscriptions: list[Subscription] = []
         self._latest: dict[str, Recommendation] = {}
@@ -249,7 +274,9 @@ class Allocator:
 
     # --- events ----------------------------------------------------------------------------------
     def _publish(self, kind: EventKind, *, grant: Grant | None = None, app_id: str = "", device_id: str = "",
-                 detail: str = "") -> None:
+                 detail: str = "", reason: str = "") -> None:
+        if grant is not None and kind in (EventKind.GRANTED, EventKind.RESIZED, EventKind.RELEASED):
+            self._note_grant_change(kind, grant, detail, reason)
         event = AllocationEvent(
             kind=kind,
             at_s=self.clock(),
@@ -263,6 +290,16 @@ class Allocator:
                 before = sub.dropped
                 sub.push(event)
                 self.counters.events_dropped += sub.dropped - before
+
+    def _note_grant_change(self, kind: EventKind, grant: Grant, detail: str, reason: str) -> None:
+        """Count a grant change by reason and mark it in the application's history."""
+        if not reason:
+            reason = grant.source if kind == EventKind.GRANTED else str(kind)
+        key = (str(kind), reason)
+        self.counters.grant_changes[key] = self.counters.grant_changes.get(key, 0) + 1
+        held = sum(g.memory_mib for g in self.ledger.grants(app_id=grant.app_id, device_id=grant.device_id))
+        text = detail if kind != EventKind.GRANTED else f"{grant.memory_mib:.0f} MiB ({detail or grant.source})"
+        self.history.event(grant.app_id, grant.device_id, HistoryEvent(self.clock(), str(kind), text, held))
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -445,16 +482,36 @@ class Allocator:
         for cap in caps:
             usage = self.ledger.usage(cap.device_id)
             view = self._device_state(cap.device_id)
-            out.append(
-                DeviceResources(
-                    **vars(usage),
-                    power_limit_mw=view.power_limit_mw,
-                    power_constraints=view.power_constraints,
-                    mig_enabled=view.mig_enabled,
-                    mig_instances=view.mig_instances,
-                )
+            base = DeviceResources(
+                **vars(usage),
+                power_limit_mw=view.power_limit_mw,
+                power_constraints=view.power_constraints,
+                mig_enabled=view.mig_enabled,
+                mig_instances=view.mig_instances,
+                dry_run=self.dry_run,
             )
+            out.append(self._live_reads(cap.device_id, base))
         return out
+
+    def _live_reads(self, device_id: str, base: DeviceResources) -> DeviceResources:
+        """`base` with what the device reports now, field by field: a read that fails leaves its
+        field None."""
+        dev = self._read_device(device_id)
+        if dev is None:
+            return base
+        util = _try(dev.utilization)
+        return dataclasses.replace(
+            base,
+            index=dev.index,
+            pci_bus_id=_try(dev.pci_bus_id),
+            mem_used_mib=_try(lambda: dev.memory().used_mib),
+            power_draw_mw=_try(dev.power_usage_mw),
+            temperature_c=_try(dev.temperature_c),
+            sm_clock_mhz=_try(dev.sm_clock_mhz),
+            sm_util_pct=util.sm_pct if util is not None else None,
+            mem_bw_util_pct=util.mem_bw_pct if util is not None else None,
+            processes=tuple(_try(dev.processes) or ()),
+        )
 
     def list_apps(self) -> list[AppInfo]:
         """Every application with a grant, limits or a recommendation, sorted by id."""
@@ -462,10 +519,11 @@ class Allocator:
         out = []
         for app_id in ids:
             rec = self._latest.get(app_id)
+            grants = tuple(self.ledger.grants(app_id=app_id))
             out.append(
                 AppInfo(
                     app_id=app_id,
-                    grants=tuple(self.ledger.grants(app_id=app_id)),
+                    grants=grants,
                     limits=self.ledger.limits(app_id),
                     mem_used_mib=rec.mem_used_mib if rec else math.nan,
                     sm_util_pct=rec.sm_util_pct if rec else math.nan,
@@ -473,6 +531,10 @@ class Allocator:
                     forecast_sm_p90_pct=rec.sm_p90_peak_pct if rec else math.nan,
                     source=rec.source if rec else "",
                     last_seen_s=self.last_seen_s(app_id),
+                    device_id=rec.device_id if rec else (grants[0].device_id if grants else ""),
+                    forecast_mem_p50_mib=rec.mem_p50_peak_mib if rec else math.nan,
+                    forecast_sm_p50_pct=rec.sm_p50_peak_pct if rec else math.nan,
+                    pids=tuple(sorted({g.pid for g in grants if g.pid > 0})),
                 )
             )
         return out
@@ -592,6 +654,7 @@ class Allocator:
                 continue
             skipped.extend(f"{r.app_id}: device {device_id!r} cannot be read" for r in usable if r.device_id == device_id)
             usable = [r for r in usable if r.device_id != device_id]
+        granted_before = {r.app_id: self._granted(r.app_id, r.device_id) for r in usable if r.app_id in fresh}
         plan: Plan = self.policy.plan(usable, views, self.clock())
         created: list[Grant] = []
         resized: list[Grant] = []
@@ -617,11 +680,16 @@ class Allocator:
                     resized.append(grant)
                     self.counters.resized += 1
                     self._publish(EventKind.RESIZED, grant=grant,
-                                  detail=f"{old.memory_mib:.0f} -> {grant.memory_mib:.0f} MiB")
+                                  detail=f"{old.memory_mib:.0f} -> {grant.memory_mib:.0f} MiB",
+                                  reason="grow" if grant.memory_mib > old.memory_mib or grant.sm_pct > old.sm_pct
+                                  else "shrink")
             except (DeviceError, InvalidRequest) as exc:
                 skipped.append(f"{target.app_id}: {exc}")
         for device_id in sorted({g.device_id for g in (*created, *resized)}):
             self._sync_cgroup_limits(device_id)
+        for rec in usable:
+            if rec.app_id in granted_before:
+                self._record_tick(rec, granted_before[rec.app_id])
         power_results = [self._apply_power(t.device_id, t.limit_mw, t.reason) for t in plan.power]
         mig_changes = sum(self._apply_mig(t) for t in plan.mig)
         if created or resized:
@@ -633,6 +701,21 @@ class Allocator:
             mig_changes=mig_changes,
             skipped=tuple(skipped),
         )
+
+    def _granted(self, app_id: str, device_id: str) -> tuple[float, float]:
+        grants = self.ledger.grants(app_id=app_id, device_id=device_id)
+        return sum(g.memory_mib for g in grants), sum(g.sm_pct for g in grants)
+
+    def _record_tick(self, rec: Recommendation, before: tuple[float, float]) -> None:
+        """One history point for a recommendation just carried out: the use it reports, its
+        forecast, and the grant after it; an overrun is judged against the grant `before`."""
+        mem, sm = self._granted(rec.app_id, rec.device_id)
+        t = rec.decided_at_s if rec.decided_at_s > 0 else self.clock()
+        point = HistoryPoint(t, rec.mem_used_mib, rec.mem_p50_peak_mib, rec.mem_p90_peak_mib, mem,
+                             rec.sm_util_pct, rec.sm_p90_peak_pct, sm)
+        if self.history.record(rec.app_id, rec.device_id, point, granted_before_mib=before[0]):
+            self._log.info("oom_event", app=rec.app_id, device=rec.device_id, mem_used_mib=rec.mem_used_mib,
+                              granted_mib=before[0])
 
     def _shrinks_first(self, targets: Sequence[GrantTarget]) -> list[GrantTarget]:
         """Carry out shrinking resizes before growing ones and new grants, so that what one
@@ -780,6 +863,14 @@ class Allocator:
         for sub in list(self._subscriptions):
             sub.close()
         return results
+
+
+def _try(fn: Callable[[], T]) -> T | None:
+    """fn(), or None when the device cannot answer (reads degrade)."""
+    try:
+        return fn()
+    except DeviceError:
+        return None
 
 
 def _limits_text(limits: AppLimits) -> str:

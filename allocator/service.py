@@ -4,6 +4,10 @@ The servicer validates input (INVALID_ARGUMENT with a message that says what to 
 `Allocator` (allocator/core.py) directly on the server's event loop, and turns every exception into
 a status through the one map in allocator/errors.py.
 
+What the allocator does not know itself (the processes an application's signatures name, when the
+manager last heard from it, the profiler streams per device) comes from an optional `NodeObserver`
+the daemon plugs in; the user and command of a process from `process_info` (psutil by default).
+
 Caller identity: `identify(context)` returns the application identity of the caller, or None for a
 trusted caller (operator, same-user socket). The default trusts everyone; the daemon's auth
 (vgpu/auth.py) plugs in here.
@@ -12,11 +16,12 @@ trusted caller (operator, same-user socket). The default trusts everyone; the da
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn, TypeAlias, TypeVar
+from typing import Any, NoReturn, Protocol, TypeAlias, TypeVar
 
 import grpc
+import psutil
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -29,6 +34,7 @@ from vgpu.allocator.core import (
     EventKind,
 )
 from vgpu.allocator.errors import InvalidRequest, status_for
+from vgpu.allocator.history import AppSeries
 from vgpu.allocator.ledger import AppLimits, Grant
 from vgpu.jobs import InvalidJobConfig, JobConfig
 from vgpu.log import get_logger
@@ -52,6 +58,42 @@ _EVENT_KIND = {
     EventKind.POWER_LIMIT_CHANGED: pb.AllocationEvent.POWER_LIMIT_CHANGED,
     EventKind.MIG_CHANGED: pb.AllocationEvent.MIG_CHANGED,
 }
+
+
+@dataclass(frozen=True)
+class ProfilerState:
+    """Profiler streams now open that sent for a device, and when its newest signature arrived."""
+
+    streams: int
+    newest_signature_s: float | None  # Unix s; None: none yet
+
+
+class NodeObserver(Protocol):
+    """What the daemon knows beyond the allocator (the manager's view)."""
+
+    def app_pids(self, app_id: str) -> Sequence[int]: ...
+
+    def profiler_states(self) -> Mapping[str, ProfilerState]: ...
+
+    def open_profiler_streams(self) -> int: ...
+
+
+def process_info(pid: int) -> tuple[str, str]:
+    """(user, command line) of a process; empty strings for what cannot be read (gone, no access)."""
+    try:
+        proc = psutil.Process(pid)
+    except (psutil.Error, ValueError):
+        return "", ""
+    user = command = ""
+    try:
+        user = proc.username()
+    except psutil.Error:
+        pass
+    try:
+        command = " ".join(proc.cmdline()) or proc.name()
+    except psutil.Error:
+        pass
+    return user, command
 
 
 # --- conversions -----------------------------------------------------------------------------------
@@ -88,7 +130,9 @@ def limits_from_pb(msg: pb.AppLimits) -> AppLimits:
     return AppLimits(app_id=app_id, max_memory_mib=mem, max_sm_pct=sm, priority=prio)
 
 
-def device_to_pb(d: DeviceResources) -> pb.DeviceResources:
+def device_to_pb(d: DeviceResources, profiler: ProfilerState | None = None, now_s: float = math.nan,
+                 process_info: Callable[[int], tuple[str, str]] = process_info) -> pb.DeviceResources:
+    """`profiler`: the device's profiler streams, when the server knows them."""
     msg = pb.DeviceResources(
         device_id=d.device_id,
         name=d.name,
@@ -98,7 +142,30 @@ def device_to_pb(d: DeviceResources) -> pb.DeviceResources:
         sm_granted_pct=d.sm_granted_pct,
         sm_available_pct=d.sm_available_pct,
         mig_enabled=d.mig_enabled,
+        index=d.index,
+        dry_run=d.dry_run,
     )
+    if d.pci_bus_id is not None:
+        msg.pci_bus_id = d.pci_bus_id
+    for name in ("mem_used_mib", "sm_util_pct", "mem_bw_util_pct"):
+        value = getattr(d, name)
+        if value is not None and math.isfinite(value):
+            setattr(msg, name, value)
+    for name in ("power_draw_mw", "temperature_c", "sm_clock_mhz"):
+        value = getattr(d, name)
+        if value is not None and value >= 0:
+            setattr(msg, name, int(value))
+    for proc in d.processes:
+        user, command = process_info(proc.pid)
+        entry = msg.processes.add(pid=proc.pid, user=user, command=command[:512])
+        if proc.used_mib is not None and math.isfinite(proc.used_mib):
+            entry.used_mib = proc.used_mib
+        if proc.gpu_instance_id is not None:
+            entry.gpu_instance_id = proc.gpu_instance_id
+    if profiler is not None:
+        msg.profiler_streams = profiler.streams
+        if profiler.newest_signature_s is not None and math.isfinite(now_s):
+            msg.newest_signature_age_s = max(0.0, now_s - profiler.newest_signature_s)
     if d.power_limit_mw is not None:
         msg.power_limit_mw = d.power_limit_mw
     if d.power_constraints is not None:
@@ -112,6 +179,7 @@ def device_to_pb(d: DeviceResources) -> pb.DeviceResources:
             start=inst.placement.start,
             size=inst.placement.size,
             mem_total_mib=inst.mem_total_mib,
+            gpu_instance_id=inst.instance_id,
         )
     return msg
 
@@ -120,7 +188,9 @@ def _finite_or_zero(x: float) -> float:
     return x if math.isfinite(x) else 0.0
 
 
-def app_to_pb(a: AppInfo) -> pb.ApplicationInfo:
+def app_to_pb(a: AppInfo, *, pids: Sequence[int] = (),
+              process_info: Callable[[int], tuple[str, str]] = process_info) -> pb.ApplicationInfo:
+    """`pids`: the processes the manager has seen the application's signatures name."""
     msg = pb.ApplicationInfo(
         app_id=a.app_id,
         grants=[grant_to_pb(g) for g in a.grants],
@@ -128,12 +198,36 @@ def app_to_pb(a: AppInfo) -> pb.ApplicationInfo:
         sm_util_pct=_finite_or_zero(a.sm_util_pct),
         forecast_mem_p90_mib=_finite_or_zero(a.forecast_mem_p90_mib),
         forecast_sm_p90_pct=_finite_or_zero(a.forecast_sm_p90_pct),
+        device_id=a.device_id,
+        forecast_mem_p50_mib=_finite_or_zero(a.forecast_mem_p50_mib),
+        forecast_sm_p50_pct=_finite_or_zero(a.forecast_sm_p50_pct),
     )
+    for pid in sorted({*a.pids, *(p for p in pids if p > 0)}):
+        user, command = process_info(pid)
+        msg.processes.add(pid=pid, user=user, command=command[:512])
     if a.limits is not None:
         msg.limits.CopyFrom(limits_to_pb(a.limits))
     if a.last_seen_s is not None:
         msg.last_seen_s = a.last_seen_s
     return msg
+
+
+def history_to_pb(s: AppSeries) -> pb.AppHistory:
+    pts = s.points
+    return pb.AppHistory(
+        app_id=s.app_id,
+        device_id=s.device_id,
+        t_unix_s=[p.t_s for p in pts],
+        mem_used_mib=[p.mem_used_mib for p in pts],
+        mem_p50_mib=[p.mem_p50_mib for p in pts],
+        mem_p90_mib=[p.mem_p90_mib for p in pts],
+        mem_granted_mib=[p.mem_granted_mib for p in pts],
+        sm_used_pct=[p.sm_used_pct for p in pts],
+        sm_p90_pct=[p.sm_p90_pct for p in pts],
+        sm_granted_pct=[p.sm_granted_pct for p in pts],
+        events=[pb.HistoryEvent(t_unix_s=e.t_s, kind=e.kind, detail=e.detail, mem_granted_mib=e.mem_granted_mib)
+                for e in s.events],
+    )
 
 
 def event_to_pb(e: AllocationEvent) -> pb.AllocationEvent:
@@ -202,9 +296,12 @@ async def _abort(context: Context, exc: BaseException, method: str) -> NoReturn:
 class AllocatorServicer(pb_grpc.AllocatorServicer):
     """`vgpu.v1.Allocator` over an `Allocator`."""
 
-    def __init__(self, allocator: Allocator, *, identify: Identify | None = None) -> None:
+    def __init__(self, allocator: Allocator, *, identify: Identify | None = None, observer: NodeObserver | None = None,
+                 process_info: Callable[[int], tuple[str, str]] = process_info) -> None:
         self.allocator = allocator
         self._identify: Identify = identify or (lambda _ctx: None)
+        self.observer = observer
+        self._process_info = process_info
 
     async def _call(self, context: Context, method: str, fn: Callable[[str | None], T]) -> T:
         try:
@@ -241,8 +338,18 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         devices = await self._call(
             context, "GetAvailableResources", lambda _c: self.allocator.available(request.device_id or None)
         )
-        return pb.GetAvailableResourcesResponse(devices=[device_to_pb(d) for d in devices],
-                                                dry_run=self.allocator.dry_run)
+        info = self._process_info
+        dry_run = self.allocator.dry_run
+        if self.observer is None:
+            return pb.GetAvailableResourcesResponse(devices=[device_to_pb(d, process_info=info) for d in devices],
+                                                    dry_run=dry_run)
+        states = self.observer.profiler_states()
+        now = self.allocator.clock()
+        return pb.GetAvailableResourcesResponse(
+            devices=[device_to_pb(d, states.get(d.device_id, ProfilerState(0, None)), now, info) for d in devices],
+            dry_run=dry_run,
+            profiler_streams_open=self.observer.open_profiler_streams(),
+        )
 
     async def SetResourceLimits(  # noqa: N802
         self, request: pb.SetResourceLimitsRequest, context: Context
@@ -259,7 +366,24 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         self, request: pb.ListApplicationsRequest, context: Context
     ) -> pb.ListApplicationsResponse:
         apps = await self._call(context, "ListApplications", lambda _c: self.allocator.list_apps())
-        return pb.ListApplicationsResponse(apps=[app_to_pb(a) for a in apps])
+        obs = self.observer
+        return pb.ListApplicationsResponse(apps=[
+            app_to_pb(a, pids=obs.app_pids(a.app_id) if obs else (), process_info=self._process_info)
+            for a in apps
+        ])
+
+    async def GetAppHistory(  # noqa: N802
+        self, request: pb.GetAppHistoryRequest, context: Context
+    ) -> pb.GetAppHistoryResponse:
+        def run(_caller: str | None) -> list[AppSeries]:
+            since = request.since_s
+            if math.isnan(since) or since < 0:
+                raise InvalidRequest(f"since_s must be seconds >= 0 (0: everything kept), got {since}")
+            cutoff = self.allocator.clock() - since if since > 0 else -math.inf
+            return self.allocator.history.series(request.app_id or None, request.device_id or None, cutoff)
+
+        series = await self._call(context, "GetAppHistory", run)
+        return pb.GetAppHistoryResponse(apps=[history_to_pb(s) for s in series], now_unix_s=self.allocator.clock())
 
     async def WatchAllocations(  # noqa: N802
         self, request: pb.WatchAllocationsRequest, context: Context
@@ -336,4 +460,4 @@ def build_server(
     return Server(server, health_servicer, tuple(names), address)
 
 
-__all__ = ["AllocatorServicer", "SERVICE_NAMES", "Server", "build_server"]
+__all__ = ["AllocatorServicer", "NodeObserver", "ProfilerState", "SERVICE_NAMES", "Server", "build_server", "process_info"]

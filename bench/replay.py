@@ -495,10 +495,13 @@ def replay(
     runs_out: dict[str, PolicyRun] | None = None,
     kill_on_oom: bool = True,
     curve: PowerCurve = DEFAULT_CURVE,
+    timeline_out: dict[tuple[str, str], list[tuple[float, float, float, float, float]]] | None = None,
 ) -> list[Result]:
     """Run every policy over the packed applications; one result dict per policy. `runs_out`, when
     given, receives each policy's per-app-tick record (for tests and plots: `tick_series`).
-    `kill_on_oom=False` makes every memory limit cooperative (an overrun is never fatal)."""
+    `kill_on_oom=False` makes every memory limit cooperative (an overrun is never fatal).
+    `timeline_out`, per (policy, app), receives (t, used MiB, P50 MiB, P90 MiB, grant MiB in force
+    at t) at each tick a policy decides (bench/replay_plot.py draws it)."""
     from vgpu.manager.baselines import VpaPercentileForecaster
 
     vpa_fc = vpa_forecaster or VpaPercentileForecaster()
@@ -626,6 +629,12 @@ def replay(
                 # in a second whose allocation failed, what the application asked for
                 used_m, used_s = float(a.mem[k]), float(a.sm[k])
                 f_m = f_s = math.nan
+                if timeline_out is not None:
+                    fc = forecasts[i] if p == "predictive" else vpa_fcs[i] if p == "vpa" else None
+                    timeline_out.setdefault((p, a.app_id), []).append((
+                        float(k), used_m, _nanmax(fc.mem_p50_mib) if fc else math.nan,
+                        _nanmax(fc.mem_p90_mib) if fc else math.nan,
+                        old.granted_mem_mib if a.app_id in states[p] else math.nan))
                 if p == "static":
                     new_states.append(replace(old, granted_mem_mib=float(a.mem.max()), granted_sm_pct=float(a.sm.max())))
                     continue
@@ -886,6 +895,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="every memory limit cooperative (no policy's overrun ends an application), to compare "
                          "OOM events under the same rules")
     ap.add_argument("--json", action="store_true", help="print JSON")
+    ap.add_argument("--plot", type=Path, metavar="DIR",
+                    help="also draw use, forecast and grant per application, policy beside policy, into DIR")
+    ap.add_argument("--plot-apps", type=int, default=6, help="with --plot: draw the first N applications (default 6)")
     args = ap.parse_args(argv)
 
     from vgpu.offline.splits import select
@@ -920,9 +932,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"replay: {exc}", file=sys.stderr)
         return 2
     t1 = time.perf_counter()
+    timeline: dict[tuple[str, str], list[tuple[float, float, float, float, float]]] | None = \
+        {} if args.plot is not None else None
     results = replay(apps, sku, forecaster, configs={"predictive": predictive_config},
-                     kill_on_oom=not args.cooperative)
+                     kill_on_oom=not args.cooperative, timeline_out=timeline)
     replay_s = time.perf_counter() - t1
+    if args.plot is not None and timeline is not None:
+        if str(Path(__file__).resolve().parent) not in sys.path:  # imported as bench.replay (tests)
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from replay_plot import plot_replay
+
+        drawn = plot_replay(timeline, args.plot, max_apps=args.plot_apps,
+                            title=f"{Path(args.trace).name} on {sku.key}, forecaster: {described}")
+        print("\n".join(str(p) for p in drawn), file=sys.stderr)
     mig_results: list[Result] = []
     if args.mig:
         try:

@@ -49,6 +49,7 @@ import numpy as np
 import structlog
 
 from vgpu.allocator.policy.base import Recommendation, RecommendationSink
+from vgpu.histogram import LatencyHistogram
 from vgpu.log import get_logger, worth_logging
 from vgpu.manager.baselines import BaselineForecaster
 from vgpu.manager.forecast import HORIZONS_S, Forecast, Forecaster
@@ -114,6 +115,8 @@ class Decision:
             sm_util_pct=self.sm_util_pct,
             for_seq=self.for_seq,
             decided_at_s=self.decided_at_s,
+            mem_p50_peak_mib=_peak(self.forecast.mem_p50_mib),
+            sm_p50_peak_pct=_peak(self.forecast.sm_p50_pct),
         )
 
 
@@ -138,6 +141,9 @@ class ManagerStats:
     dropped_by_profilers: int = 0
     forecast_s_total: float = 0.0
     unknown_device: int = 0  # rejected (and in `rejected`): the signature names a device the daemon lacks
+    # wall time of each forecaster call, and of each tick (windows copied, forecast, allocator acted)
+    forecast_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
+    tick_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
 
 
 @dataclass(eq=False)
@@ -148,6 +154,7 @@ class StreamState:
     apps: set[str] = field(default_factory=set)
     delivered: int = 0
     duplicates: int = 0
+    closed: bool = False  # the stream has ended (set by the servicer)
 
 
 @dataclass(frozen=True)
@@ -239,6 +246,8 @@ class Manager:
         self._streams: weakref.WeakSet[StreamState] = weakref.WeakSet()
         self._last_kept: set[str] = set()  # the apps the last accepted batch added samples to
         self._delivered_plain = 0  # decisions handed out to callers without stream state
+        self._pids: dict[str, int] = {}  # app -> the pid its latest signature named
+        self._device_newest_s: dict[str, float] = {}  # device -> when its newest kept signature arrived
         self._log = logger or get_logger("vgpu.manager")
         # Whether a signature's device is one the daemon has (None: every device is taken). A
         # signature for another device could never become a grant: it is rejected, with the reason.
@@ -288,6 +297,8 @@ class Manager:
                 accepted += 1
                 dirty.add(app_id)
                 kept_apps.add(app_id)
+                if sig.pid:
+                    self._pids[app_id] = sig.pid
                 if apps is not None:
                     apps.add(app_id)
             elif self.windows.holds(app_id, sig.seq, sig.timestamp_s):
@@ -303,6 +314,12 @@ class Manager:
         reply.accepted = accepted
         stats.accepted += accepted
         self._last_kept = kept_apps
+        newest = self._device_newest_s
+        for app_id in kept_apps:  # a few per batch; kept past the apps' eviction
+            if app_id in self.windows:
+                newest[self.windows.window(app_id).device_id] = now
+        while len(newest) > self.windows.max_apps:  # device ids come from the wire: bounded
+            del newest[min(newest, key=newest.__getitem__)]
         return reply
 
     def _accept_columns(self, msg: ingest_pb2.SignatureColumns, base: int, reply: ingest_pb2.IngestReply,
@@ -341,6 +358,7 @@ class Manager:
         if not len(good):
             return 0
         order = good[np.argsort(rows.app_index[good], kind="stable")]  # by app, batch order within
+        pids = np.frombuffer(msg.pid_u32, dtype="<u4") if len(msg.pid_u32) == 4 * len(rows.seq) else None
         by_app = rows.app_index[order]
         accepted = 0
         for grp in np.split(order, np.flatnonzero(np.diff(by_app)) + 1):
@@ -353,6 +371,8 @@ class Manager:
             if n_kept:
                 accepted += n_kept
                 self._dirty.add(app_id)
+                if pids is not None and pids[grp[-1]]:
+                    self._pids[app_id] = int(pids[grp[-1]])
                 kept_apps.add(app_id)
                 if apps is not None:
                     apps.add(app_id)
@@ -398,7 +418,9 @@ class Manager:
         reply = self.accept(batch, stream)
         due = self.due_apps(self._last_kept)
         if due:
+            started = time.perf_counter()
             self._act(self._decide(self._begin_tick(due)))
+            self.stats.tick_latency.observe(time.perf_counter() - started)
         self._attach(reply, stream)
         return reply
 
@@ -429,10 +451,12 @@ class Manager:
             apps, self._pending = sorted(self._pending), set()
             done, self._pending_done = self._pending_done, None
             try:
+                started = time.perf_counter()
                 items = self._begin_tick(apps)
                 decisions, took = await asyncio.to_thread(self._timed_decide, items)
                 self._duty.spend(loop.time(), took)
                 self._act(decisions)
+                self.stats.tick_latency.observe(time.perf_counter() - started)
             except Exception as exc:  # noqa: BLE001 - the waiting replies go out without decisions
                 self._log.error("forecast_batch_failed", error=repr(exc), exc_info=exc)
             finally:
@@ -459,6 +483,29 @@ class Manager:
                 if self._serial.get(app_id, 0) > stream.delivered:
                     reply.decisions.append(self.latest[app_id].to_pb())
         stream.delivered = self._next_serial
+
+    # --- what operators see ---------------------------------------------------------------------
+    def app_pids(self, app_id: str) -> list[int]:
+        """The pid the application's latest signature named (empty when none did)."""
+        pid = self._pids.get(app_id)
+        return [pid] if pid else []
+
+    def open_streams(self) -> int:
+        """Profiler streams open now that have sent a batch (a profiler sends one every tick)."""
+        return sum(1 for stream in list(self._streams) if not stream.closed)
+
+    def profiler_states(self) -> dict[str, tuple[int, float | None]]:
+        """device -> (open profiler streams that sent for applications on it that are still held,
+        when its newest signature arrived, remembered after its applications are evicted)."""
+        streams: dict[str, int] = {}
+        newest = dict(self._device_newest_s)
+        for stream in list(self._streams):
+            if stream.closed:
+                continue
+            devices = {self.windows.window(a).device_id for a in stream.apps if a in self.windows}
+            for dev in devices:
+                streams[dev] = streams.get(dev, 0) + 1
+        return {dev: (streams.get(dev, 0), newest.get(dev)) for dev in sorted({*streams, *newest})}
 
     # --- forecasts -------------------------------------------------------------------------------
     def _begin_tick(self, apps: Sequence[str]) -> list[Item]:
@@ -497,7 +544,9 @@ class Manager:
             return []
         started = time.perf_counter()
         forecasts = self._run_forecaster([it.window for it in items])
-        self.stats.forecast_s_total += time.perf_counter() - started
+        took = time.perf_counter() - started
+        self.stats.forecast_s_total += took
+        self.stats.forecast_latency.observe(took)
         self.stats.forecast_batches += 1
         now = self.clock()
         decisions = []
@@ -559,6 +608,7 @@ class Manager:
             self.latest.pop(app_id, None)
             self._serial.pop(app_id, None)
             self._last_forecast_s.pop(app_id, None)
+            self._pids.pop(app_id, None)
             self._dirty.discard(app_id)
             for stream in self._streams:
                 stream.apps.discard(app_id)

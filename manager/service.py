@@ -93,5 +93,6 @@ class IngestServicer(ingest_pb2_grpc.IngestServicer):
                 await context.write(reply)
         finally:
             self.streams_open -= 1
+            stream.closed = True
             _log.info("profiler_disconnected", peer=stream.peer, duplicates=stream.duplicates)
 

@@ -52,6 +52,6 @@ def test_the_backend_calls_only_faked_functions() -> None:
 def test_unfaked_functions_are_missing_not_silently_real() -> None:
     fake = FakePynvml(SimBackend())
     with pytest.raises(AttributeError, match="not faked"):
-        fake.nvmlDeviceGetTemperature  # noqa: B018
+        fake.nvmlDeviceGetFanSpeed  # noqa: B018
     assert fake.NVML_CLOCK_SM == pynvml.NVML_CLOCK_SM
     assert fake.c_nvmlGpuInstancePlacement_t is pynvml.c_nvmlGpuInstancePlacement_t

@@ -61,6 +61,7 @@ METHOD_NEEDS: dict[str, Need] = {
     "/vgpu.v1.Allocator/ReleaseResources": "app_grant",
     "/vgpu.v1.Allocator/GetAvailableResources": "read",
     "/vgpu.v1.Allocator/ListApplications": "read",
+    "/vgpu.v1.Allocator/GetAppHistory": "read",
     "/vgpu.v1.Allocator/WatchAllocations": "read",
     "/vgpu.v1.Allocator/SetResourceLimits": "operator",
     "/vgpu.v1.Ingest/StreamSignatures": "profiler",

@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "release": ("vgpu.ctl:release_main", "release a grant"),
     "set-limit": ("vgpu.ctl:set_limit_main", "set an application's limits (operator)"),
     "top": ("vgpu.ctl:top_main", "live view of applications and devices"),
+    "report": ("vgpu.report:main", "draw use, forecast and grant over time for an application or a GPU"),
     "size": ("vgpu.manager.coldstart:size_main", "size a job before it has a history (the cold-start model)"),
     "doctor": ("vgpu.daemon.doctor:main", "check driver, NVML, privileges, sockets and the model file"),
     "trace": ("vgpu.offline.tracecli:main",

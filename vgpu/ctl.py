@@ -212,21 +212,118 @@ def _run(
 
 
 # --- available -------------------------------------------------------------------------------------------
+NA = "N/A"
+
+
 def _fmt(x: float, unit: str = "") -> str:
     return "-" if not math.isfinite(x) else f"{x:,.0f}{unit}"
 
 
-def devices_table(resp: pb.GetAvailableResourcesResponse) -> str:
-    lines = [f"{'DEVICE':<42} {'NAME':<24} {'TOTAL MiB':>10} {'GRANTED':>10} {'FREE':>10} {'SM FREE':>8} {'POWER W':>8}"]
+def _opt(msg: Message, name: str, fmt: str = "{:,.0f}", scale: float = 1.0) -> str:
+    """An optional field as text, or N/A when the daemon left it unset (the device could not say)."""
+    if not msg.HasField(name):
+        return NA
+    return fmt.format(getattr(msg, name) * scale)
+
+
+def _mode(d: pb.DeviceResources) -> str:
+    return "dry run" if d.dry_run else "live"
+
+
+def _age(seconds: float) -> str:
+    if not math.isfinite(seconds) or seconds < 0:
+        return NA
+    if seconds < 120:
+        return f"{seconds:.0f}s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m ago"
+    return f"{seconds / 3600:.0f}h ago"
+
+
+def device_rows(resp: pb.GetAvailableResourcesResponse) -> list[dict[str, str]]:
+    """One dict of display strings per device (the columns of `vgpu available` and `vgpu top`)."""
+    rows = []
     for d in resp.devices:
-        power = f"{d.power_limit_mw / 1000:.0f}" if d.power_limit_mw else "-"
-        lines.append(
-            f"{d.device_id:<42} {d.name[:24]:<24} {_fmt(d.mem_total_mib):>10} {_fmt(d.mem_granted_mib):>10} "
-            f"{_fmt(d.mem_available_mib):>10} {d.sm_available_pct:>7.0f}% {power:>8}"
-        )
-        for inst in d.mig_instances:
-            lines.append(f"  MIG {inst.profile:<10} start {inst.start} size {inst.size} {inst.mem_total_mib:,.0f} MiB")
+        draw = _opt(d, "power_draw_mw", "{:.0f}", 1e-3)
+        limit = f"{d.power_limit_mw / 1000:.0f}" if d.power_limit_mw else NA
+        profiler = NA
+        if d.HasField("profiler_streams"):
+            age = _age(d.newest_signature_age_s) if d.HasField("newest_signature_age_s") else "no signature"
+            profiler = f"{d.profiler_streams} ({age})"
+        rows.append({
+            "IDX": str(d.index),
+            "NAME": d.name,
+            "BUS ID": d.pci_bus_id if d.HasField("pci_bus_id") else NA,
+            "USED MiB": _opt(d, "mem_used_mib"),
+            "GRANTED MiB": _fmt(d.mem_granted_mib),
+            "FREE MiB": _fmt(d.mem_available_mib),
+            "TOTAL MiB": _fmt(d.mem_total_mib),
+            "SM FREE": f"{d.sm_available_pct:.0f}%",
+            "PWR W": f"{draw} / {limit}",
+            "TEMP": _opt(d, "temperature_c", "{:.0f}C"),
+            "SM MHz": _opt(d, "sm_clock_mhz"),
+            "UTIL": _opt(d, "sm_util_pct", "{:.0f}%"),
+            "MODE": _mode(d),
+            "PROFILERS": profiler,
+            "UUID": d.device_id,
+        })
+    return rows
+
+
+def _text_table(rows: Sequence[dict[str, str]], columns: Sequence[str], right: set[str], empty: str) -> str:
+    widths = {c: max([len(c), *(len(r[c]) for r in rows)]) for c in columns}
+    head = "  ".join(c.rjust(widths[c]) if c in right else c.ljust(widths[c]) for c in columns)
+    lines = [head.rstrip()]
+    for r in rows:
+        lines.append("  ".join(r[c].rjust(widths[c]) if c in right else r[c].ljust(widths[c]) for c in columns).rstrip())
+    if not rows:
+        lines.append(empty)
     return "\n".join(lines)
+
+
+DEVICE_COLUMNS = ("IDX", "NAME", "BUS ID", "USED MiB", "GRANTED MiB", "FREE MiB", "TOTAL MiB", "SM FREE", "PWR W",
+                  "TEMP", "SM MHz", "UTIL", "MODE", "PROFILERS", "UUID")
+_DEVICE_RIGHT = {"USED MiB", "GRANTED MiB", "FREE MiB", "TOTAL MiB", "SM FREE", "PWR W", "TEMP", "SM MHz", "UTIL"}
+MIG_COLUMNS = ("GPU", "GI ID", "PROFILE", "START", "SIZE", "MEM MiB", "UUID")
+
+
+def mig_rows(resp: pb.GetAvailableResourcesResponse) -> list[dict[str, str]]:
+    return [
+        {"GPU": str(d.index), "GI ID": str(inst.gpu_instance_id), "PROFILE": inst.profile, "START": str(inst.start),
+         "SIZE": str(inst.size), "MEM MiB": _fmt(inst.mem_total_mib), "UUID": inst.instance_id}
+        for d in resp.devices for inst in d.mig_instances
+    ]
+
+
+PROCESS_COLUMNS = ("GPU", "GI", "PID", "APP", "USER", "USED MiB", "COMMAND")
+
+
+def process_rows(resp: pb.GetAvailableResourcesResponse,
+                 apps: pb.ListApplicationsResponse | None = None) -> list[dict[str, str]]:
+    """Every process with a context on a GPU (nvidia-smi's process table); APP where a vgpu
+    application names the pid (its grants or signatures), "-" for a process vgpu does not manage."""
+    owner = {p.pid: a.app_id for a in apps.apps for p in a.processes} if apps is not None else {}
+    return [
+        {"GPU": str(d.index), "GI": str(p.gpu_instance_id) if p.HasField("gpu_instance_id") else "-",
+         "PID": str(p.pid), "APP": owner.get(p.pid, "-" if apps is not None else NA), "USER": p.user or NA,
+         "USED MiB": _opt(p, "used_mib"), "COMMAND": p.command[:48] or NA}
+        for d in resp.devices for p in d.processes
+    ]
+
+
+def devices_table(resp: pb.GetAvailableResourcesResponse, apps: pb.ListApplicationsResponse | None = None) -> str:
+    """`vgpu available`: one row per GPU, the MIG instances of GPUs in MIG mode, then every process
+    on the GPUs (`apps`: to name the vgpu application of each)."""
+    text = _text_table(device_rows(resp), DEVICE_COLUMNS, _DEVICE_RIGHT, "(no devices)")
+    mig = mig_rows(resp)
+    if mig:
+        text += "\n\nMIG instances\n" + _text_table(mig, MIG_COLUMNS, {"GI ID", "START", "SIZE", "MEM MiB"}, "")
+    elif any(d.mig_enabled for d in resp.devices):
+        text += "\n\nMIG instances: none (MIG mode on)"
+    procs = process_rows(resp, apps)
+    if procs:
+        text += "\n\nProcesses\n" + _text_table(procs, PROCESS_COLUMNS, {"PID", "USED MiB"}, "")
+    return text
 
 
 def available_main(argv: Sequence[str] | None = None, prog: str = "vgpu available", *, out: TextIO | None = None, env: dict[str, str] | None = None) -> int:
@@ -238,26 +335,66 @@ def available_main(argv: Sequence[str] | None = None, prog: str = "vgpu availabl
         resp, _ = c.call("GetAvailableResources", pb.GetAvailableResourcesRequest(device_id=ns.device), token=False)
         if ns.json:
             _print_json(_dict(resp), o)
-        else:
-            if resp.dry_run:
-                o.write("dry run: the daemon decides and logs, and writes nothing to the devices "
-                        "(server.dry_run = false to act)\n")
-            o.write(devices_table(resp) + "\n")
+            return 0
+        if resp.dry_run:
+            o.write("dry run: the daemon decides and logs, and writes nothing to the devices "
+                    "(server.dry_run = false to act)\n")
+        apps = None
+        if any(d.processes for d in resp.devices):
+            apps, _ = c.call("ListApplications", pb.ListApplicationsRequest(), token=False)
+        o.write(devices_table(resp, apps) + "\n")
         return 0
 
     return _run(prog, argv, build, body, out, env)
 
 
 # --- apps ------------------------------------------------------------------------------------------------
-def apps_table(resp: pb.ListApplicationsResponse) -> str:
-    lines = [f"{'APP':<24} {'GRANTS':>6} {'GRANTED MiB':>12} {'USED MiB':>10} {'P90 MiB':>10} {'SM %':>6} {'P90 SM %':>8}"]
+APP_COLUMNS = ("APP", "PID", "USER", "COMMAND", "GPU", "USED MiB", "P50 MiB", "P90 MiB", "GRANTED MiB", "LIMIT MiB",
+               "SM %", "P90 SM %", "GRANT SM %", "LAST SEEN")
+_APP_RIGHT = {"USED MiB", "P50 MiB", "P90 MiB", "GRANTED MiB", "LIMIT MiB", "SM %", "P90 SM %", "GRANT SM %"}
+
+
+def _known(x: float, forecast_known: bool, fmt: str = "{:,.0f}") -> str:
+    return fmt.format(x) if forecast_known and math.isfinite(x) else NA
+
+
+def app_rows(resp: pb.ListApplicationsResponse, devices: pb.GetAvailableResourcesResponse | None = None,
+             now_s: float | None = None) -> list[dict[str, str]]:
+    """One dict of display strings per application. `devices`: to show a GPU's index instead of its
+    UUID; `now_s`: the clock to tell how long ago each was seen (default: this host's)."""
+    index = {d.device_id: str(d.index) for d in devices.devices} if devices is not None else {}
+    now = time.time() if now_s is None else now_s
+    rows = []
     for a in resp.apps:
-        granted = sum(g.memory_mib for g in a.grants)
-        lines.append(
-            f"{a.app_id[:24]:<24} {len(a.grants):>6} {granted:>12,.0f} {_fmt(a.mem_used_mib):>10} "
-            f"{_fmt(a.forecast_mem_p90_mib):>10} {a.sm_util_pct:>6.0f} {a.forecast_sm_p90_pct:>8.0f}"
-        )
-    return "\n".join(lines)
+        # Usage and forecast arrive together with a recommendation; before one, nothing is known.
+        known = a.mem_used_mib > 0 or a.forecast_mem_p90_mib > 0 or a.sm_util_pct > 0
+        procs = list(a.processes)
+        lim = a.limits
+        rows.append({
+            "APP": a.app_id,
+            "PID": ",".join(str(p.pid) for p in procs) or NA,
+            "USER": ",".join(sorted({p.user for p in procs if p.user})) or NA,
+            "COMMAND": (procs[0].command if procs and procs[0].command else NA),
+            "GPU": index.get(a.device_id, a.device_id or NA),
+            "USED MiB": _known(a.mem_used_mib, known),
+            "P50 MiB": _known(a.forecast_mem_p50_mib, known and a.forecast_mem_p50_mib > 0),
+            "P90 MiB": _known(a.forecast_mem_p90_mib, known and a.forecast_mem_p90_mib > 0),
+            "GRANTED MiB": f"{sum(g.memory_mib for g in a.grants):,.0f}",
+            "LIMIT MiB": f"{lim.max_memory_mib:,.0f}" if a.HasField("limits") and lim.HasField("max_memory_mib") else "-",
+            "SM %": _known(a.sm_util_pct, known),
+            "P90 SM %": _known(a.forecast_sm_p90_pct, known and a.forecast_sm_p90_pct > 0),
+            "GRANT SM %": f"{sum(g.sm_pct for g in a.grants):.0f}",
+            "LAST SEEN": _age(now - a.last_seen_s) if a.HasField("last_seen_s") else NA,
+        })
+    return rows
+
+
+def apps_table(resp: pb.ListApplicationsResponse, devices: pb.GetAvailableResourcesResponse | None = None,
+               now_s: float | None = None, *, command_width: int = 32) -> str:
+    rows = app_rows(resp, devices, now_s)
+    for r in rows:
+        r["COMMAND"] = r["COMMAND"][:command_width]
+    return _text_table(rows, APP_COLUMNS, _APP_RIGHT, "(no applications)")
 
 
 def apps_main(argv: Sequence[str] | None = None, prog: str = "vgpu apps", *, out: TextIO | None = None, env: dict[str, str] | None = None) -> int:
@@ -268,8 +405,9 @@ def apps_main(argv: Sequence[str] | None = None, prog: str = "vgpu apps", *, out
         resp, _ = c.call("ListApplications", pb.ListApplicationsRequest(), token=False)
         if ns.json:
             _print_json(_dict(resp), o)
-        else:
-            o.write(apps_table(resp) + "\n")
+            return 0
+        devices, _ = c.call("GetAvailableResources", pb.GetAvailableResourcesRequest(), token=False)
+        o.write(apps_table(resp, devices) + "\n")
         return 0
 
     return _run(prog, argv, build, body, out, env)
@@ -446,21 +584,26 @@ def top_main(
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
 ) -> int:
+    """On a terminal, the full-screen view of vgpu/top.py (`q` quits); otherwise plain tables every
+    interval (`--iterations` of them, or until interrupted)."""
     def build(p: argparse.ArgumentParser) -> None:
         p.add_argument("--interval-s", type=float, default=1.0, help="refresh period (default 1 s)")
-        p.add_argument("--iterations", type=int, default=0, help="stop after N refreshes (default: until Ctrl-C)")
+        p.add_argument("--iterations", type=int, default=0, help="stop after N refreshes (default: until q or Ctrl-C)")
+        p.add_argument("--plain", action="store_true", help="plain tables even on a terminal")
 
     def body(ns: argparse.Namespace, c: Client, o: TextIO) -> int:
         if ns.interval_s <= 0:
             raise CliError("--interval-s must be > 0")
-        clear = "\x1b[H\x1b[2J" if o.isatty() else ""
+        if not ns.plain and o is sys.stdout and o.isatty() and sys.stdin.isatty():
+            return _top_screen(ns, c)
         n = 0
         deadline = clock()
         while ns.iterations <= 0 or n < ns.iterations:
             devices, _ = c.call("GetAvailableResources", pb.GetAvailableResourcesRequest(), token=False)
             apps, _ = c.call("ListApplications", pb.ListApplicationsRequest(), token=False)
             stamp = time.strftime("%H:%M:%S")
-            o.write(f"{clear}vgpu top  {stamp}  {c.socket_path}\n\n{devices_table(devices)}\n\n{apps_table(apps)}\n\n")
+            o.write(f"vgpu top  {stamp}  {c.socket_path}\n\n{devices_table(devices, apps)}\n\n"
+                    f"{apps_table(apps, devices)}\n\n")
             o.flush()
             n += 1
             if ns.iterations > 0 and n >= ns.iterations:
@@ -470,3 +613,26 @@ def top_main(
         return 0
 
     return _run(prog, argv, build, body, out, env)
+
+
+def _top_screen(ns: argparse.Namespace, c: Client) -> int:
+    from vgpu import top
+
+    last: list[top.Snapshot] = []
+
+    def fetch() -> top.Snapshot:
+        try:
+            devices, _ = c.call("GetAvailableResources", pb.GetAvailableResourcesRequest(), token=False)
+            apps, _ = c.call("ListApplications", pb.ListApplicationsRequest(), token=False)
+            history, _ = c.call("GetAppHistory", pb.GetAppHistoryRequest(since_s=top.SPARK_WINDOW_S), token=False)
+        except CliError as exc:
+            if not last:
+                raise
+            snap = top.Snapshot(last[-1].devices, last[-1].apps, last[-1].history, time.time(), str(exc))
+        else:
+            snap = top.Snapshot(devices, apps, history, history.now_unix_s or time.time())
+        last[:] = [snap]
+        return snap
+
+    return top.run(fetch, interval_s=ns.interval_s, socket=c.socket_path, iterations=ns.iterations,
+                   stdin_fd=sys.stdin.fileno())

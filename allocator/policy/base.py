@@ -36,6 +36,9 @@ class Recommendation:
     sm_util_pct: float = math.nan
     for_seq: int = 0
     decided_at_s: float = 0.0
+    # Peak P50 forecast over the horizons (NaN where unknown), for what operators see.
+    mem_p50_peak_mib: float = math.nan
+    sm_p50_peak_pct: float = math.nan
 
 
 @dataclass(frozen=True)

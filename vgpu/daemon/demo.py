@@ -1,6 +1,6 @@
 """`vgpu demo`: the whole pipeline on a simulated GPU, in one process, with no GPU needed.
 
-    vgpu demo [--seconds N] [--json] [--gpu h100-80gb] [--speed X] [--baseline]
+    vgpu demo [--seconds N] [--json] [--gpu h100-80gb] [--speed X] [--baseline] [--plot FILE.png]
 
 What runs: a simulated GPU (vgpu.device.sim) whose processes follow the applications of the bundled
 trace (vgpu/data/demo_trace.csv.gz, looping, at X times the trace's pace; the lightest starts first
@@ -17,7 +17,9 @@ GPU's power limit; at the end a summary. `--json` prints only the summary as one
 an application asked the simulator for more memory than its grant (the demo enforces no limit, so
 each is an out-of-memory error a hard limit would have raised); lead times are in seconds of the
 run, over the rises of each application's memory (vgpu.allocator.policy.lead: how long before a
-rise its grant had already grown to cover it; negative: after).
+rise its grant had already grown to cover it; negative: after). `--plot FILE` also draws each
+application's memory use against its forecast and grant over the run (vgpu/plots.py; its OOM marks
+are the allocator's, one per forecast tick at which the use crossed above the grant) and prints the path.
 """
 
 from __future__ import annotations
@@ -31,12 +33,14 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TextIO
 
 import numpy as np
 
 from vgpu import log
 from vgpu.allocator.core import Allocator
+from vgpu.allocator.history import AppSeries
 from vgpu.allocator.policy import lead
 from vgpu.allocator.policy.forecast import ForecastPolicy
 from vgpu.allocator.service import AllocatorServicer, build_server
@@ -96,6 +100,8 @@ class DemoResult:
     power_limit_end_mw: int
     power_limit_min_seen_mw: int
     seconds: float
+    # Each application's history on the GPU (use, forecast, grant, events), for `--plot`.
+    history: tuple[AppSeries, ...] = ()
 
 
 def default_forecaster() -> tuple[Forecaster, str]:
@@ -304,6 +310,7 @@ async def run_demo(
         power_limit_end_mw=end_limit_before_restore,
         power_limit_min_seen_mw=min(min_limit, end_limit_before_restore),
         seconds=time.monotonic() - started,
+        history=tuple(allocator.history.series()),
     )
 
 
@@ -339,7 +346,22 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--speed", type=float, default=10.0,
                    help="trace seconds per wall second (default 10: the 200 s trace in 20 s)")
     p.add_argument("--baseline", action="store_true", help="use the baseline forecaster even when a model exists")
+    p.add_argument("--plot", metavar="FILE", help="also draw use, forecast and grant over the run into FILE "
+                   "(.png, .svg or .html) and print its path")
     return p
+
+
+def plot_demo(result: DemoResult, path: str, gpu: str) -> str:
+    """Draw every application of the run, one panel each, on seconds since the first point."""
+    from vgpu import plots  # noqa: PLC0415 - matplotlib only when a picture is asked for
+    from vgpu.allocator.service import history_to_pb  # noqa: PLC0415
+
+    series = [history_to_pb(s) for s in result.history]
+    t0 = min((h.t_unix_s[0] for h in series if len(h.t_unix_s)), default=0.0)
+    timelines = [plots.from_history(h, t0) for h in series]
+    title = f"vgpu demo: {gpu}, {result.forecaster}"
+    fig = plots.figure([[tl] for tl in timelines], title=title, xlabel="time since the first forecast (s)")
+    return str(plots.save(fig, Path(path), title=title, timelines=timelines))
 
 
 def main(argv: Sequence[str], prog: str = "vgpu demo") -> int:
@@ -353,6 +375,8 @@ def main(argv: Sequence[str], prog: str = "vgpu demo") -> int:
 
     if args.gpu not in SKUS:
         parser.error(f"--gpu must be one of {', '.join(sorted(SKUS))}, got {args.gpu!r}")
+    if args.plot and Path(args.plot).suffix.lower() not in (".png", ".svg", ".html"):
+        parser.error(f"--plot must name a .png, .svg or .html file, got {args.plot!r}")
     log.configure("console", "warning")
     forecaster: Forecaster | None = None
     label = None
@@ -380,4 +404,10 @@ def main(argv: Sequence[str], prog: str = "vgpu demo") -> int:
         print(result.summary.to_json())
     else:
         print(describe(result))
+    if args.plot:
+        try:
+            print(f"picture: {plot_demo(result, args.plot, args.gpu)}")
+        except (OSError, ValueError) as exc:
+            print(f"{prog}: cannot write the picture: {exc}", file=sys.stderr)
+            return 1
     return 0

@@ -1,12 +1,16 @@
 """`vgpu doctor`: what a GPU server is missing for vgpu, one line per check.
 
-    vgpu doctor [--config FILE] [--socket PATH] [--state-dir DIR] [--model FILE] [--json]
+    vgpu doctor [--config FILE] [--socket PATH] [--state-dir DIR] [--model FILE] [--max-signature-age-s S] [--json]
 
 Checks, each OK / WARN / FAIL with what to do: the configuration loads; the NVIDIA driver is loaded
 (/proc/driver/nvidia/version); NVML initialises and lists devices; the process may write device
 settings (root or CAP_SYS_ADMIN); the daemon's socket exists, has no bits for "other", and answers a
-health check; the state directory is writable; the forecaster checkpoint loads. With a `sim:`
-backend configured, driver and NVML problems are warnings only. Exit status 1 when any check fails.
+health check; the state directory is writable; the forecaster checkpoint loads; a profiler is
+streaming to the daemon, and for every GPU how old the newest signature is (`profiler`, one line
+per GPU: FAIL when no profiler stream is open, or when applications hold grants on a GPU whose
+newest signature is older than `--max-signature-age-s`; an idle GPU has no signature to send). With
+a `sim:` backend configured, driver and NVML problems are warnings only. Exit status 1 when any
+check fails.
 """
 
 from __future__ import annotations
@@ -128,6 +132,65 @@ def check_socket(path: Path, *, timeout_s: float = 2.0) -> Check:
     return Check("socket", "OK", f"{desc}, daemon serving")
 
 
+DEFAULT_MAX_SIGNATURE_AGE_S = 10.0
+
+
+def check_profilers(socket_path: Path, state_dir: Path, *, max_age_s: float = DEFAULT_MAX_SIGNATURE_AGE_S,
+                    timeout_s: float = 2.0) -> list[Check]:
+    """Whether a profiler streams to the daemon, and per GPU how old its newest signature is."""
+    import grpc
+
+    from vgpu import auth
+    from vgpu.v1 import allocator_pb2 as pb
+    from vgpu.v1 import allocator_pb2_grpc as pb_grpc
+
+    try:
+        operator = (auth.role_token_file("operator", state_dir)).read_text().strip()
+    except OSError:
+        operator = ""
+    resp: pb.GetAvailableResourcesResponse | None = None
+    error = ""
+    with grpc.insecure_channel(f"unix:{socket_path}") as ch:
+        stub = pb_grpc.AllocatorStub(ch)
+        for token in ("", operator) if operator else ("",):
+            try:
+                resp = stub.GetAvailableResources(pb.GetAvailableResourcesRequest(), timeout=timeout_s,
+                                                  metadata=auth.bearer(token) if token else ())
+                break
+            except grpc.RpcError as exc:
+                error = f"{exc.code().name}: {exc.details()}"
+    if resp is None:
+        return [Check("profiler", "WARN", f"not checked: the daemon did not answer ({error})")]
+    if not resp.HasField("profiler_streams_open"):
+        return [Check("profiler", "WARN", "not checked: this daemon does not report its profiler streams")]
+    if resp.profiler_streams_open == 0:
+        return [Check("profiler", "FAIL", "no profiler is streaming to the daemon: nothing is forecast and grants do "
+                      "not follow the use; start it (systemctl status vgpu-profiler)")]
+    checks = []
+    for d in resp.devices:
+        name = f"GPU {d.index} ({d.device_id})"
+        streams = f"{d.profiler_streams} stream{'s' if d.profiler_streams != 1 else ''}"
+        busy = d.mem_granted_mib > 0
+        if not d.HasField("newest_signature_age_s"):
+            if busy:
+                checks.append(Check("profiler", "FAIL", f"{name}: applications hold {d.mem_granted_mib:,.0f} MiB but "
+                                    "no signature has arrived for this GPU: does the profiler see it?"))
+            else:
+                checks.append(Check("profiler", "OK", f"{name}: idle, no signature yet (the profiler sends for a GPU "
+                                    f"once an application runs on it); {resp.profiler_streams_open} stream(s) open"))
+            continue
+        age = d.newest_signature_age_s
+        text = f"{name}: {streams}, newest signature {age:.1f} s ago"
+        if age <= max_age_s:
+            checks.append(Check("profiler", "OK", text))
+        elif busy:
+            checks.append(Check("profiler", "FAIL", f"{text} (over {max_age_s:g} s while applications hold grants: "
+                                "forecasts are stale)"))
+        else:
+            checks.append(Check("profiler", "WARN", f"{text} (over {max_age_s:g} s; no grants on it)"))
+    return checks or [Check("profiler", "WARN", "the daemon reports no GPU")]
+
+
 def check_state_dir(path: Path) -> Check:
     if path.is_dir():
         if os.access(path, os.W_OK | os.X_OK):
@@ -175,16 +238,23 @@ def run_checks(
     euid: int | None = None,
     proc_status: str | None = None,
     load_model: Callable[[Path], object] | None = None,
+    max_signature_age_s: float = DEFAULT_MAX_SIGNATURE_AGE_S,
 ) -> list[Check]:
     gpu_required = cfg.server.backend == "nvml"
-    return [
+    sock = check_socket(Path(cfg.server.socket))
+    checks = [
         check_driver(proc_root, required=gpu_required),
         check_nvml(open_nvml, required=gpu_required),
         check_privileges(euid, proc_status),
-        check_socket(Path(cfg.server.socket)),
+        sock,
         check_state_dir(Path(cfg.server.state_dir)),
         check_model(model if model is not None else default_model(), load_model, required=model_required),
     ]
+    if sock.status == "FAIL":
+        checks.append(Check("profiler", "WARN", "not checked: the daemon does not answer (see socket)"))
+    else:
+        checks += check_profilers(Path(cfg.server.socket), Path(cfg.server.state_dir), max_age_s=max_signature_age_s)
+    return checks
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "vgpu doctor", *, out: TextIO | None = None) -> int:
@@ -194,6 +264,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu doctor", *, out: T
     p.add_argument("--state-dir", help="state directory to check (default: from the configuration)")
     p.add_argument("--backend", help="nvml, sim, or sim:SKU[*N][,...] (sim: driver and NVML problems are warnings)")
     p.add_argument("--model", type=Path, help="forecaster checkpoint (default: manager.model, else the shipped model)")
+    p.add_argument("--max-signature-age-s", type=float, default=DEFAULT_MAX_SIGNATURE_AGE_S,
+                   help=f"oldest newest-signature age that passes on a GPU with grants (default {DEFAULT_MAX_SIGNATURE_AGE_S:g})")
     p.add_argument("--json", action="store_true", help="print the checks as JSON")
     ns = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     out = out or sys.stdout
@@ -210,7 +282,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu doctor", *, out: T
     from vgpu.manager.modelpath import resolve_model
 
     choice = resolve_model(ns.model or cfg.manager.model)
-    checks += run_checks(cfg, model=choice.path, model_required=choice.configured)
+    checks += run_checks(cfg, model=choice.path, model_required=choice.configured,
+                         max_signature_age_s=ns.max_signature_age_s)
     if ns.json:
         out.write(json.dumps([asdict(c) for c in checks], indent=2) + "\n")
     else:

@@ -7,42 +7,69 @@ Events that only the daemon sees (denied calls, store writes, restores) are coun
 increments. The registry is injected: tests pass a fresh `CollectorRegistry` and read it back with
 `registry.get_sample_value(...)`.
 
-Metric names (all prefixed `vgpu_`):
-- per application: `app_mem_used_mib`, `app_sm_util_pct`, `app_forecast_mem_p90_mib`,
-  `app_forecast_sm_p90_pct`, `app_granted_mem_mib`, `app_granted_sm_pct`, `app_grants`;
-- per device: `device_mem_total_mib`, `device_mem_granted_mib`, `device_power_limit_mw`;
+Names follow Prometheus conventions: base units (bytes, seconds, watts, hertz, celsius, ratios
+0-1), `_total` on counters, a `device` label (the GPU UUID) on everything per device and per
+application. A value the daemon does not know (no forecast yet, a counter the device cannot report)
+is absent, not 0. All prefixed `vgpu_`:
+- per application {app, device}: `app_memory_used_bytes`, `app_sm_utilization_ratio`,
+  `app_forecast_memory_p50_bytes`, `app_forecast_memory_p90_bytes`, `app_forecast_sm_p90_ratio`,
+  `app_granted_memory_bytes`, `app_granted_sm_ratio`, `app_grants`, `app_last_seen_timestamp_seconds`;
+  counters `app_memory_overruns_total` (forecast ticks with the use above the grant) and
+  `app_oom_events_total` (runs of overruns: where a memory cap fails an allocation);
+- per device {device}: `device_info{device,index,name,pci_bus_id}` (1), `device_memory_total_bytes`,
+  `device_memory_granted_bytes`, `device_memory_used_bytes`, `device_power_limit_watts`,
+  `device_power_draw_watts`, `device_temperature_celsius`, `device_sm_clock_hertz`,
+  `device_sm_utilization_ratio`, `device_dry_run` (1: decisions are logged, nothing is written);
+  `profiler_connected` (1 while a profiler stream that sent for the device is open),
+  `profiler_streams`, `newest_signature_age_seconds`;
 - enforcement: `enforcement_actions_total{mechanism}`, `enforcement_failures_total{device,mechanism}`,
-  `enforcement_disabled{device,mechanism}`, `restore_actions_total{mechanism,result}`;
-- manager: `forecast_batch_seconds` (summary: count = forecaster calls, one per batch of the
-  applications due together, and sum = their wall time; divide for the mean latency of one batch),
-  `forecast_failures_total` (batches whose forecaster raised and the fallback served), `signatures_total{result}`, `forecaster_serving{forecaster}` (1 for
-  "mixture", "model" or "baseline", whichever serves), `forecaster_reloads_total{result}` (hot reloads of the
-  checkpoint, "ok" or "failed");
-- access: `access_denied_total{method,code}`; persistence: `store_writes_total`.
+  `enforcement_disabled{device,mechanism}` (0 or 1), `restore_actions_total{mechanism,result}`,
+  `grant_changes_total{kind,reason}` (kind granted/resized/released; reason the grant's source,
+  grow/shrink, released, or why it was released);
+- manager: `forecast_batch_seconds` (histogram: one observation per forecaster call, which serves a
+  batch of the applications due together), `tick_seconds` (histogram: windows copied, forecast,
+  allocator acted), `forecast_failures_total` (batches whose forecaster raised and the fallback
+  served), `signatures_total{result}`, `forecaster_serving{forecaster}` (1 for "mixture", "model"
+  or "baseline", whichever serves), `forecaster_reloads_total{result}`;
+- access: `access_denied_total{method,code}`; persistence: `store_writes_total`;
+- `build_info{version,python,backend}` (1).
 """
 
 from __future__ import annotations
 
 import math
+import platform
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from vgpu import __version__
+from vgpu.histogram import LatencyHistogram
+
+MIB = 1024 * 1024
 
 
 @dataclass(frozen=True)
 class AppSnapshot:
+    """One application on one device."""
+
     app_id: str
+    device_id: str = ""
     mem_used_mib: float = math.nan
     sm_util_pct: float = math.nan
+    forecast_mem_p50_mib: float = math.nan
     forecast_mem_p90_mib: float = math.nan
     forecast_sm_p90_pct: float = math.nan
     granted_mem_mib: float = 0.0
     granted_sm_pct: float = 0.0
     grants: int = 0
+    last_seen_s: float = math.nan  # Unix s
+    overruns: int | None = None  # None: no history kept for it
+    oom_events: int | None = None
 
 
 @dataclass(frozen=True)
@@ -51,8 +78,19 @@ class DeviceSnapshot:
     mem_total_mib: float
     mem_granted_mib: float
     power_limit_mw: int | None = None
-    # mechanism -> why it is off on this device
+    # mechanism -> why it is off on this device ("" when it is on)
     disabled: tuple[tuple[str, str], ...] = ()
+    index: int = 0
+    name: str = ""
+    pci_bus_id: str | None = None
+    mem_used_mib: float | None = None
+    power_draw_mw: int | None = None
+    temperature_c: int | None = None
+    sm_clock_mhz: int | None = None
+    sm_util_pct: float | None = None
+    dry_run: bool = False
+    profiler_streams: int | None = None  # None: unknown
+    newest_signature_age_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -67,6 +105,8 @@ class CounterSnapshot:
     failures: tuple[tuple[str, str, int], ...] = ()
     forecast_batches: int = 0  # forecaster calls, one per batch of due applications
     forecast_s_total: float = 0.0
+    forecast_latency: LatencyHistogram | None = None
+    tick_latency: LatencyHistogram | None = None
     forecast_failures: int = 0
     signatures_accepted: int = 0
     signatures_rejected: int = 0  # malformed
@@ -76,6 +116,9 @@ class CounterSnapshot:
     forecaster: str = ""  # "mixture", "model" or "baseline"; empty = unknown
     forecaster_reloads: int = 0
     forecaster_reload_failures: int = 0
+    # (kind, reason, count) of grant changes
+    grant_changes: tuple[tuple[str, str, int], ...] = field(default=())
+    backend: str = ""
 
 
 class MetricsSource(Protocol):
@@ -90,46 +133,108 @@ def _finite(x: float | None) -> bool:
     return x is not None and math.isfinite(x)
 
 
+def _histogram(name: str, doc: str, hist: LatencyHistogram | None, count: int, sum_s: float) -> HistogramMetricFamily:
+    if hist is None:  # only totals known: every observation in +Inf
+        return HistogramMetricFamily(name, doc, buckets=[("+Inf", count)], sum_value=sum_s)
+    return HistogramMetricFamily(name, doc, buckets=hist.cumulative(), sum_value=hist.sum_s)
+
+
 class _StateCollector(Collector):
     def __init__(self, source: MetricsSource) -> None:
         self._source = source
 
     def collect(self) -> Iterator[Metric]:
-        app_gauges = {
-            "mem_used_mib": GaugeMetricFamily("vgpu_app_mem_used_mib", "Memory the application uses (MiB)", labels=["app"]),
-            "sm_util_pct": GaugeMetricFamily("vgpu_app_sm_util_pct", "SM utilisation of the application (%)", labels=["app"]),
-            "forecast_mem_p90_mib": GaugeMetricFamily(
-                "vgpu_app_forecast_mem_p90_mib", "Peak P90 memory forecast over 1-5 s (MiB)", labels=["app"]
-            ),
-            "forecast_sm_p90_pct": GaugeMetricFamily(
-                "vgpu_app_forecast_sm_p90_pct", "Peak P90 SM forecast over 1-5 s (%)", labels=["app"]
-            ),
-            "granted_mem_mib": GaugeMetricFamily("vgpu_app_granted_mem_mib", "Memory granted (MiB)", labels=["app"]),
-            "granted_sm_pct": GaugeMetricFamily("vgpu_app_granted_sm_pct", "SM share granted (%)", labels=["app"]),
-            "grants": GaugeMetricFamily("vgpu_app_grants", "Grants held", labels=["app"]),
+        yield from self._apps()
+        yield from self._devices()
+        yield from self._counters()
+
+    def _apps(self) -> Iterator[Metric]:
+        labels = ["app", "device"]
+        # attribute -> (family, scale to base units)
+        gauges = {
+            "mem_used_mib": (GaugeMetricFamily("vgpu_app_memory_used_bytes", "GPU memory the application uses",
+                                               labels=labels), MIB),
+            "sm_util_pct": (GaugeMetricFamily("vgpu_app_sm_utilization_ratio",
+                                              "Share of the GPU's SMs the application keeps busy (0-1)", labels=labels),
+                            0.01),
+            "forecast_mem_p50_mib": (GaugeMetricFamily("vgpu_app_forecast_memory_p50_bytes",
+                                                       "Peak P50 memory forecast over the next 1-5 s", labels=labels),
+                                     MIB),
+            "forecast_mem_p90_mib": (GaugeMetricFamily("vgpu_app_forecast_memory_p90_bytes",
+                                                       "Peak P90 memory forecast over the next 1-5 s", labels=labels),
+                                     MIB),
+            "forecast_sm_p90_pct": (GaugeMetricFamily("vgpu_app_forecast_sm_p90_ratio",
+                                                      "Peak P90 SM forecast over the next 1-5 s (0-1)", labels=labels),
+                                    0.01),
+            "granted_mem_mib": (GaugeMetricFamily("vgpu_app_granted_memory_bytes", "GPU memory granted",
+                                                  labels=labels), MIB),
+            "granted_sm_pct": (GaugeMetricFamily("vgpu_app_granted_sm_ratio", "SM share granted (0-1)",
+                                                 labels=labels), 0.01),
+            "grants": (GaugeMetricFamily("vgpu_app_grants", "Grants held", labels=labels), 1.0),
+            "last_seen_s": (GaugeMetricFamily("vgpu_app_last_seen_timestamp_seconds",
+                                              "When the daemon last heard from the application (Unix time)",
+                                              labels=labels), 1.0),
         }
+        overruns = CounterMetricFamily("vgpu_app_memory_overruns", "Forecast ticks at which the application "
+                                       "used more memory than it was granted", labels=labels)
+        ooms = CounterMetricFamily("vgpu_app_oom_events", "Runs of overruns: where a memory cap fails an allocation",
+                                   labels=labels)
         for app in self._source.app_snapshots():
-            for attr, family in app_gauges.items():
+            key = [app.app_id, app.device_id]
+            for attr, (family, scale) in gauges.items():
                 value = float(getattr(app, attr))
                 if _finite(value):  # unknown values are absent, not 0
-                    family.add_metric([app.app_id], value)
-        yield from app_gauges.values()
+                    family.add_metric(key, value * scale)
+            if app.overruns is not None:
+                overruns.add_metric(key, app.overruns)
+            if app.oom_events is not None:
+                ooms.add_metric(key, app.oom_events)
+        yield from (family for family, _ in gauges.values())
+        yield from (overruns, ooms)
 
-        total = GaugeMetricFamily("vgpu_device_mem_total_mib", "Device memory (MiB)", labels=["device"])
-        granted = GaugeMetricFamily("vgpu_device_mem_granted_mib", "Device memory granted (MiB)", labels=["device"])
-        power = GaugeMetricFamily("vgpu_device_power_limit_mw", "Current power limit (mW)", labels=["device"])
-        disabled = GaugeMetricFamily(
-            "vgpu_enforcement_disabled", "1 when a mechanism is off on a device", labels=["device", "mechanism"]
-        )
-        for dev in self._source.device_snapshots():
-            total.add_metric([dev.device_id], dev.mem_total_mib)
-            granted.add_metric([dev.device_id], dev.mem_granted_mib)
-            if dev.power_limit_mw is not None:
-                power.add_metric([dev.device_id], dev.power_limit_mw)
-            for mechanism, _reason in dev.disabled:
-                disabled.add_metric([dev.device_id, mechanism], 1)
-        yield from (total, granted, power, disabled)
+    def _devices(self) -> Iterator[Metric]:
+        dev = ["device"]
+        info = GaugeMetricFamily("vgpu_device_info", "The GPU's index, name and bus id (value 1)",
+                                 labels=["device", "index", "name", "pci_bus_id"])
+        total = GaugeMetricFamily("vgpu_device_memory_total_bytes", "GPU memory", labels=dev)
+        granted = GaugeMetricFamily("vgpu_device_memory_granted_bytes", "GPU memory granted", labels=dev)
+        used = GaugeMetricFamily("vgpu_device_memory_used_bytes", "GPU memory in use, as the device reports it",
+                                 labels=dev)
+        limit = GaugeMetricFamily("vgpu_device_power_limit_watts", "Power limit in force", labels=dev)
+        draw = GaugeMetricFamily("vgpu_device_power_draw_watts", "Power drawn", labels=dev)
+        temp = GaugeMetricFamily("vgpu_device_temperature_celsius", "GPU core temperature", labels=dev)
+        clock = GaugeMetricFamily("vgpu_device_sm_clock_hertz", "SM clock", labels=dev)
+        util = GaugeMetricFamily("vgpu_device_sm_utilization_ratio", "Share of the last sample period the SMs were "
+                                 "busy (0-1)", labels=dev)
+        dry = GaugeMetricFamily("vgpu_device_dry_run", "1 when the allocator writes nothing to the device", labels=dev)
+        disabled = GaugeMetricFamily("vgpu_enforcement_disabled", "1 when a mechanism is off on a device",
+                                     labels=["device", "mechanism"])
+        connected = GaugeMetricFamily("vgpu_profiler_connected", "1 while a profiler stream that sent signatures "
+                                      "for the device is open", labels=dev)
+        streams = GaugeMetricFamily("vgpu_profiler_streams", "Open profiler streams that sent for the device",
+                                    labels=dev)
+        age = GaugeMetricFamily("vgpu_newest_signature_age_seconds", "Seconds since the newest signature for the "
+                                "device arrived", labels=dev)
+        for d in self._source.device_snapshots():
+            k = [d.device_id]
+            info.add_metric([d.device_id, str(d.index), d.name, d.pci_bus_id or ""], 1)
+            total.add_metric(k, d.mem_total_mib * MIB)
+            granted.add_metric(k, d.mem_granted_mib * MIB)
+            dry.add_metric(k, int(d.dry_run))
+            for family, value, scale in ((used, d.mem_used_mib, MIB), (limit, d.power_limit_mw, 1e-3),
+                                         (draw, d.power_draw_mw, 1e-3), (temp, d.temperature_c, 1.0),
+                                         (clock, d.sm_clock_mhz, 1e6), (util, d.sm_util_pct, 0.01),
+                                         (age, d.newest_signature_age_s, 1.0)):
+                if value is not None and _finite(float(value)):
+                    family.add_metric(k, float(value) * scale)
+            for mechanism, reason in d.disabled:
+                disabled.add_metric([d.device_id, mechanism], 1 if reason else 0)
+            if d.profiler_streams is not None:
+                streams.add_metric(k, d.profiler_streams)
+                connected.add_metric(k, 1 if d.profiler_streams > 0 else 0)
+        yield from (info, total, granted, used, limit, draw, temp, clock, util, dry, disabled, connected, streams, age)
 
+    def _counters(self) -> Iterator[Metric]:
         c = self._source.counter_snapshot()
         actions = CounterMetricFamily("vgpu_enforcement_actions", "Device changes made", labels=["mechanism"])
         actions.add_metric(["power_limit"], c.power_limit_changes)
@@ -142,12 +247,17 @@ class _StateCollector(Collector):
         for device_id, mechanism, count in c.failures:
             failures.add_metric([device_id, mechanism], count)
         yield failures
-        yield SummaryMetricFamily(
-            "vgpu_forecast_batch_seconds",
-            "Wall time of one forecaster call over a batch of the applications due together",
-            count_value=c.forecast_batches,
-            sum_value=c.forecast_s_total,
-        )
+        changes = CounterMetricFamily("vgpu_grant_changes", "Grants made, resized and released, by reason",
+                                      labels=["kind", "reason"])
+        for kind, reason, count in c.grant_changes:
+            changes.add_metric([kind, reason], count)
+        yield changes
+        yield _histogram("vgpu_forecast_batch_seconds",
+                         "Wall time of one forecaster call over a batch of the applications due together",
+                         c.forecast_latency, c.forecast_batches, c.forecast_s_total)
+        if c.tick_latency is not None:
+            yield _histogram("vgpu_tick_seconds", "Wall time of one manager tick: windows copied, forecast, "
+                             "the allocator acted", c.tick_latency, 0, 0.0)
         yield CounterMetricFamily("vgpu_forecast_failures", "Forecast batches whose forecaster raised (the fallback served)", value=c.forecast_failures)
         sigs = CounterMetricFamily("vgpu_signatures", "Signatures ingested", labels=["result"])
         sigs.add_metric(["accepted"], c.signatures_accepted)
@@ -164,6 +274,10 @@ class _StateCollector(Collector):
         reloads.add_metric(["ok"], c.forecaster_reloads)
         reloads.add_metric(["failed"], c.forecaster_reload_failures)
         yield reloads
+        build = GaugeMetricFamily("vgpu_build_info", "The daemon's version (value 1)",
+                                  labels=["version", "python", "backend"])
+        build.add_metric([__version__, platform.python_version(), c.backend], 1)
+        yield build
 
 
 class DaemonMetrics:

@@ -39,6 +39,7 @@ import argparse
 import asyncio
 import fcntl
 import grp
+import math
 import os
 import pwd
 import signal
@@ -64,7 +65,7 @@ from vgpu.allocator.ledger import Ledger
 from vgpu.allocator.mechanisms.limits import CgroupMemoryLimits
 from vgpu.allocator.mechanisms.mig import MigLayoutMechanism
 from vgpu.allocator.policy.forecast import ForecastPolicy
-from vgpu.allocator.service import AllocatorServicer, Server, build_server
+from vgpu.allocator.service import AllocatorServicer, ProfilerState, Server, build_server
 from vgpu.allocator.store import DeviceOriginal, MigSlot, Store, StoreError
 from vgpu.config import Config, ConfigError
 from vgpu.daemon.metrics import AppSnapshot, CounterSnapshot, DaemonMetrics, DeviceSnapshot
@@ -135,41 +136,85 @@ def model_of(forecaster: Forecaster) -> Forecaster | None:
     return forecaster.expert("model") if isinstance(forecaster, MixtureForecaster) else forecaster
 
 
+class NodeView:
+    """What the manager knows that the allocator's RPCs show (vgpu.allocator.service.NodeObserver)."""
+
+    def __init__(self, manager: Manager) -> None:
+        self.manager = manager
+
+    def app_pids(self, app_id: str) -> list[int]:
+        return self.manager.app_pids(app_id)
+
+    def profiler_states(self) -> dict[str, ProfilerState]:
+        return {dev: ProfilerState(n, t) for dev, (n, t) in self.manager.profiler_states().items()}
+
+    def open_profiler_streams(self) -> int:
+        return self.manager.open_streams()
+
+
 class StateSource:
     """The daemon's live state as metric snapshots (vgpu.daemon.metrics.MetricsSource)."""
 
-    def __init__(self, allocator: Allocator, manager: Manager) -> None:
+    def __init__(self, allocator: Allocator, manager: Manager, backend_name: str = "") -> None:
         self.allocator = allocator
         self.manager = manager
+        self.backend_name = backend_name
 
     def app_snapshots(self) -> list[AppSnapshot]:
-        return [
-            AppSnapshot(
-                app_id=a.app_id,
-                mem_used_mib=a.mem_used_mib,
-                sm_util_pct=a.sm_util_pct,
-                forecast_mem_p90_mib=a.forecast_mem_p90_mib,
-                forecast_sm_p90_pct=a.forecast_sm_p90_pct,
-                granted_mem_mib=sum(g.memory_mib for g in a.grants),
-                granted_sm_pct=sum(g.sm_pct for g in a.grants),
-                grants=len(a.grants),
-            )
-            for a in self.allocator.list_apps()
-        ]
+        """One snapshot per application and device: its grants there, and its use and forecast on
+        the device its signatures name."""
+        counts = {(app, dev): (over, oom) for app, dev, over, oom in self.allocator.history.counts()}
+        out = []
+        for a in self.allocator.list_apps():
+            devices = sorted({a.device_id, *(g.device_id for g in a.grants)} - {""}) or [""]
+            for dev in devices:
+                grants = [g for g in a.grants if g.device_id == dev]
+                mine = dev == a.device_id
+                over, oom = counts.get((a.app_id, dev), (None, None))
+                out.append(AppSnapshot(
+                    app_id=a.app_id,
+                    device_id=dev,
+                    mem_used_mib=a.mem_used_mib if mine else math.nan,
+                    sm_util_pct=a.sm_util_pct if mine else math.nan,
+                    forecast_mem_p50_mib=a.forecast_mem_p50_mib if mine else math.nan,
+                    forecast_mem_p90_mib=a.forecast_mem_p90_mib if mine else math.nan,
+                    forecast_sm_p90_pct=a.forecast_sm_p90_pct if mine else math.nan,
+                    granted_mem_mib=sum(g.memory_mib for g in grants),
+                    granted_sm_pct=sum(g.sm_pct for g in grants),
+                    grants=len(grants),
+                    last_seen_s=a.last_seen_s if a.last_seen_s is not None else math.nan,
+                    overruns=over,
+                    oom_events=oom,
+                ))
+        return out
 
     def device_snapshots(self) -> list[DeviceSnapshot]:
+        states = self.manager.profiler_states()
+        now = self.allocator.clock()
         out = []
         for d in self.allocator.available():
-            off = [("power_limit", self.allocator.power.disabled_reason(d.device_id))]
+            off = [("power_limit", self.allocator.power.disabled_reason(d.device_id) or "")]
             if self.allocator.cgroup_limits is not None:
-                off.append(("cgroup_memory", self.allocator.cgroup_limits.disabled_reason(d.device_id)))
+                off.append(("cgroup_memory", self.allocator.cgroup_limits.disabled_reason(d.device_id) or ""))
+            streams, newest = states.get(d.device_id, (0, None))
             out.append(
                 DeviceSnapshot(
                     d.device_id,
                     d.mem_total_mib,
                     d.mem_granted_mib,
                     d.power_limit_mw,
-                    tuple((mech, reason) for mech, reason in off if reason),
+                    tuple(off),
+                    index=d.index,
+                    name=d.name,
+                    pci_bus_id=d.pci_bus_id,
+                    mem_used_mib=d.mem_used_mib,
+                    power_draw_mw=d.power_draw_mw,
+                    temperature_c=d.temperature_c,
+                    sm_clock_mhz=d.sm_clock_mhz,
+                    sm_util_pct=d.sm_util_pct,
+                    dry_run=d.dry_run,
+                    profiler_streams=streams,
+                    newest_signature_age_s=max(0.0, now - newest) if newest is not None else None,
                 )
             )
         return out
@@ -184,6 +229,8 @@ class StateSource:
             failures=tuple((dev, mech, n) for (dev, mech), n in sorted(c.failures.items())),
             forecast_batches=s.forecast_batches,
             forecast_s_total=s.forecast_s_total,
+            forecast_latency=s.forecast_latency,
+            tick_latency=s.tick_latency,
             forecast_failures=s.forecast_failures,
             signatures_accepted=s.accepted,
             signatures_rejected=s.rejected - s.unknown_device,
@@ -193,6 +240,8 @@ class StateSource:
             forecaster=self.manager.source,
             forecaster_reloads=getattr(forecaster, "reloads", 0),
             forecaster_reload_failures=getattr(forecaster, "reload_failures", 0),
+            grant_changes=tuple((kind, reason, n) for (kind, reason), n in sorted(c.grant_changes.items())),
+            backend=self.backend_name,
         )
 
 
@@ -550,7 +599,7 @@ class Daemon:
             self.model_loader = threading.Thread(target=self._load_default_model, args=(model.path,),
                                                  name="forecaster-load", daemon=True)
             self.model_loader.start()
-        self.metrics = DaemonMetrics(self.registry, StateSource(self.allocator, self.manager))
+        self.metrics = DaemonMetrics(self.registry, StateSource(self.allocator, self.manager, cfg.server.backend))
         self._save(ledger)  # the reconciled ledger is what a crash from here on must find
         self.log.info(
             "reconciled",
@@ -583,7 +632,8 @@ class Daemon:
         try:
             self.server = build_server(
                 f"unix:{self.socket_path}",
-                allocator_servicer=AllocatorServicer(self.allocator, identify=auth.identify_caller),
+                allocator_servicer=AllocatorServicer(self.allocator, identify=auth.identify_caller,
+                                                     observer=NodeView(self.manager)),
                 ingest_servicer=IngestServicer(self.manager, ack_interval_s=cfg.manager.ack_interval_ms / 1000.0),
                 interceptors=[interceptor],
             )

@@ -186,6 +186,18 @@ class Device(abc.ABC):
         no public source states it, a third-party report gives about 6 s)."""
         return 6.0
 
+    def pci_bus_id(self) -> str:
+        """The PCI bus id as nvidia-smi prints it ("00000000:17:00.0"); NotSupported where unknown."""
+        from vgpu.device.errors import NotSupported
+
+        raise NotSupported(f"{type(self).__name__} does not report a PCI bus id")
+
+    def temperature_c(self) -> int:
+        """GPU core temperature (degrees Celsius); NotSupported where the device does not report it."""
+        from vgpu.device.errors import NotSupported
+
+        raise NotSupported(f"{type(self).__name__} does not report a temperature")
+
     def set_mig_mode(self, enabled: bool) -> None:
         """Enable or disable MIG mode (a write: typed errors on failure)."""
         from vgpu.device.errors import NotSupported

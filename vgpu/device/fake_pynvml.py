@@ -230,6 +230,16 @@ class FakePynvml:
         return self._dev(handle).power_usage_mw()
 
     @_faked
+    def nvmlDeviceGetPciInfo(self, handle: Any) -> Any:
+        return pynvml.nvmlPciInfo_t(busId=self._dev(handle).pci_bus_id().encode())
+
+    @_faked
+    def nvmlDeviceGetTemperature(self, handle: Any, sensor: int) -> int:
+        if sensor != pynvml.NVML_TEMPERATURE_GPU:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return self._dev(handle).temperature_c()
+
+    @_faked
     def nvmlDeviceGetPowerManagementLimit(self, handle: Any) -> int:
         return self._dev(handle).power_limit_mw()
 

@@ -133,6 +133,12 @@ class NvmlDevice(Device):
     def power_usage_mw(self) -> int:
         return int(self._call("nvmlDeviceGetPowerUsage"))
 
+    def pci_bus_id(self) -> str:
+        return self._text(self._call("nvmlDeviceGetPciInfo").busId)
+
+    def temperature_c(self) -> int:
+        return int(self._call("nvmlDeviceGetTemperature", self._n.m.NVML_TEMPERATURE_GPU))
+
     def power_limit_mw(self) -> int:
         return int(self._call("nvmlDeviceGetPowerManagementLimit"))
 

@@ -270,6 +270,8 @@ _READS = (
     "power_limit_mw",
     "power_constraints",
     "sm_clock_mhz",
+    "pci_bus_id",
+    "temperature_c",
     "pcie_throughput_kbps",
     "processes",
     "process_utilization",
@@ -521,6 +523,19 @@ class SimDevice(Device):
         with self._lock:
             self._enter("power_usage_mw")
             return self._throttle(self._now()).power_mw
+
+    def pci_bus_id(self) -> str:
+        with self._lock:
+            self._enter("pci_bus_id")
+            return f"00000000:{0x17 + 0x10 * self._index:02X}:00.0"
+
+    def temperature_c(self) -> int:
+        """A steady-state model: 30 C idle, rising linearly with the power drawn to 80 C at the
+        board's maximum power."""
+        with self._lock:
+            self._enter("temperature_c")
+            draw = self._throttle(self._now()).power_mw
+            return int(round(30 + 50 * draw / max(1, self.sku.power_max_mw)))
 
     def power_limit_mw(self) -> int:
         with self._lock:

@@ -101,6 +101,12 @@ class PersistentSimDevice(Device):
     def sm_clock_mhz(self) -> int:
         return self.inner.sm_clock_mhz()
 
+    def pci_bus_id(self) -> str:
+        return self.inner.pci_bus_id()
+
+    def temperature_c(self) -> int:
+        return self.inner.temperature_c()
+
     def pcie_throughput_kbps(self) -> tuple[float, float]:
         return self.inner.pcie_throughput_kbps()
 

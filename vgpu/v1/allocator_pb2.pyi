@@ -96,21 +96,23 @@ class ReleaseResourcesResponse(_message.Message):
     def __init__(self, released: _Optional[_Union[Grant, _Mapping]] = ...) -> None: ...
 
 class MigInstance(_message.Message):
-    __slots__ = ("instance_id", "profile", "start", "size", "mem_total_mib")
+    __slots__ = ("instance_id", "profile", "start", "size", "mem_total_mib", "gpu_instance_id")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     MEM_TOTAL_MIB_FIELD_NUMBER: _ClassVar[int]
+    GPU_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     profile: str
     start: int
     size: int
     mem_total_mib: float
-    def __init__(self, instance_id: _Optional[str] = ..., profile: _Optional[str] = ..., start: _Optional[int] = ..., size: _Optional[int] = ..., mem_total_mib: _Optional[float] = ...) -> None: ...
+    gpu_instance_id: int
+    def __init__(self, instance_id: _Optional[str] = ..., profile: _Optional[str] = ..., start: _Optional[int] = ..., size: _Optional[int] = ..., mem_total_mib: _Optional[float] = ..., gpu_instance_id: _Optional[int] = ...) -> None: ...
 
 class DeviceResources(_message.Message):
-    __slots__ = ("device_id", "name", "mem_total_mib", "mem_granted_mib", "mem_available_mib", "sm_granted_pct", "sm_available_pct", "power_limit_mw", "power_min_mw", "power_max_mw", "power_default_mw", "mig_enabled", "mig_instances")
+    __slots__ = ("device_id", "name", "mem_total_mib", "mem_granted_mib", "mem_available_mib", "sm_granted_pct", "sm_available_pct", "power_limit_mw", "power_min_mw", "power_max_mw", "power_default_mw", "mig_enabled", "mig_instances", "index", "pci_bus_id", "mem_used_mib", "power_draw_mw", "temperature_c", "sm_clock_mhz", "sm_util_pct", "mem_bw_util_pct", "dry_run", "profiler_streams", "newest_signature_age_s", "processes")
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     MEM_TOTAL_MIB_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +126,18 @@ class DeviceResources(_message.Message):
     POWER_DEFAULT_MW_FIELD_NUMBER: _ClassVar[int]
     MIG_ENABLED_FIELD_NUMBER: _ClassVar[int]
     MIG_INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    PCI_BUS_ID_FIELD_NUMBER: _ClassVar[int]
+    MEM_USED_MIB_FIELD_NUMBER: _ClassVar[int]
+    POWER_DRAW_MW_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_C_FIELD_NUMBER: _ClassVar[int]
+    SM_CLOCK_MHZ_FIELD_NUMBER: _ClassVar[int]
+    SM_UTIL_PCT_FIELD_NUMBER: _ClassVar[int]
+    MEM_BW_UTIL_PCT_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    PROFILER_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    NEWEST_SIGNATURE_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
     device_id: str
     name: str
     mem_total_mib: float
@@ -137,7 +151,33 @@ class DeviceResources(_message.Message):
     power_default_mw: int
     mig_enabled: bool
     mig_instances: _containers.RepeatedCompositeFieldContainer[MigInstance]
-    def __init__(self, device_id: _Optional[str] = ..., name: _Optional[str] = ..., mem_total_mib: _Optional[float] = ..., mem_granted_mib: _Optional[float] = ..., mem_available_mib: _Optional[float] = ..., sm_granted_pct: _Optional[float] = ..., sm_available_pct: _Optional[float] = ..., power_limit_mw: _Optional[int] = ..., power_min_mw: _Optional[int] = ..., power_max_mw: _Optional[int] = ..., power_default_mw: _Optional[int] = ..., mig_enabled: _Optional[bool] = ..., mig_instances: _Optional[_Iterable[_Union[MigInstance, _Mapping]]] = ...) -> None: ...
+    index: int
+    pci_bus_id: str
+    mem_used_mib: float
+    power_draw_mw: int
+    temperature_c: int
+    sm_clock_mhz: int
+    sm_util_pct: float
+    mem_bw_util_pct: float
+    dry_run: bool
+    profiler_streams: int
+    newest_signature_age_s: float
+    processes: _containers.RepeatedCompositeFieldContainer[DeviceProcess]
+    def __init__(self, device_id: _Optional[str] = ..., name: _Optional[str] = ..., mem_total_mib: _Optional[float] = ..., mem_granted_mib: _Optional[float] = ..., mem_available_mib: _Optional[float] = ..., sm_granted_pct: _Optional[float] = ..., sm_available_pct: _Optional[float] = ..., power_limit_mw: _Optional[int] = ..., power_min_mw: _Optional[int] = ..., power_max_mw: _Optional[int] = ..., power_default_mw: _Optional[int] = ..., mig_enabled: _Optional[bool] = ..., mig_instances: _Optional[_Iterable[_Union[MigInstance, _Mapping]]] = ..., index: _Optional[int] = ..., pci_bus_id: _Optional[str] = ..., mem_used_mib: _Optional[float] = ..., power_draw_mw: _Optional[int] = ..., temperature_c: _Optional[int] = ..., sm_clock_mhz: _Optional[int] = ..., sm_util_pct: _Optional[float] = ..., mem_bw_util_pct: _Optional[float] = ..., dry_run: _Optional[bool] = ..., profiler_streams: _Optional[int] = ..., newest_signature_age_s: _Optional[float] = ..., processes: _Optional[_Iterable[_Union[DeviceProcess, _Mapping]]] = ...) -> None: ...
+
+class DeviceProcess(_message.Message):
+    __slots__ = ("pid", "used_mib", "gpu_instance_id", "user", "command")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    USED_MIB_FIELD_NUMBER: _ClassVar[int]
+    GPU_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    USER_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    used_mib: float
+    gpu_instance_id: int
+    user: str
+    command: str
+    def __init__(self, pid: _Optional[int] = ..., used_mib: _Optional[float] = ..., gpu_instance_id: _Optional[int] = ..., user: _Optional[str] = ..., command: _Optional[str] = ...) -> None: ...
 
 class GetAvailableResourcesRequest(_message.Message):
     __slots__ = ("device_id",)
@@ -146,12 +186,14 @@ class GetAvailableResourcesRequest(_message.Message):
     def __init__(self, device_id: _Optional[str] = ...) -> None: ...
 
 class GetAvailableResourcesResponse(_message.Message):
-    __slots__ = ("devices", "dry_run")
+    __slots__ = ("devices", "dry_run", "profiler_streams_open")
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    PROFILER_STREAMS_OPEN_FIELD_NUMBER: _ClassVar[int]
     devices: _containers.RepeatedCompositeFieldContainer[DeviceResources]
     dry_run: bool
-    def __init__(self, devices: _Optional[_Iterable[_Union[DeviceResources, _Mapping]]] = ..., dry_run: _Optional[bool] = ...) -> None: ...
+    profiler_streams_open: int
+    def __init__(self, devices: _Optional[_Iterable[_Union[DeviceResources, _Mapping]]] = ..., dry_run: _Optional[bool] = ..., profiler_streams_open: _Optional[int] = ...) -> None: ...
 
 class AppLimits(_message.Message):
     __slots__ = ("app_id", "max_memory_mib", "max_sm_pct", "priority")
@@ -182,7 +224,7 @@ class ListApplicationsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ApplicationInfo(_message.Message):
-    __slots__ = ("app_id", "grants", "limits", "mem_used_mib", "sm_util_pct", "forecast_mem_p90_mib", "forecast_sm_p90_pct", "last_seen_s")
+    __slots__ = ("app_id", "grants", "limits", "mem_used_mib", "sm_util_pct", "forecast_mem_p90_mib", "forecast_sm_p90_pct", "last_seen_s", "device_id", "forecast_mem_p50_mib", "forecast_sm_p50_pct", "processes")
     APP_ID_FIELD_NUMBER: _ClassVar[int]
     GRANTS_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +233,10 @@ class ApplicationInfo(_message.Message):
     FORECAST_MEM_P90_MIB_FIELD_NUMBER: _ClassVar[int]
     FORECAST_SM_P90_PCT_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_S_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    FORECAST_MEM_P50_MIB_FIELD_NUMBER: _ClassVar[int]
+    FORECAST_SM_P50_PCT_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
     app_id: str
     grants: _containers.RepeatedCompositeFieldContainer[Grant]
     limits: AppLimits
@@ -199,7 +245,21 @@ class ApplicationInfo(_message.Message):
     forecast_mem_p90_mib: float
     forecast_sm_p90_pct: float
     last_seen_s: float
-    def __init__(self, app_id: _Optional[str] = ..., grants: _Optional[_Iterable[_Union[Grant, _Mapping]]] = ..., limits: _Optional[_Union[AppLimits, _Mapping]] = ..., mem_used_mib: _Optional[float] = ..., sm_util_pct: _Optional[float] = ..., forecast_mem_p90_mib: _Optional[float] = ..., forecast_sm_p90_pct: _Optional[float] = ..., last_seen_s: _Optional[float] = ...) -> None: ...
+    device_id: str
+    forecast_mem_p50_mib: float
+    forecast_sm_p50_pct: float
+    processes: _containers.RepeatedCompositeFieldContainer[AppProcess]
+    def __init__(self, app_id: _Optional[str] = ..., grants: _Optional[_Iterable[_Union[Grant, _Mapping]]] = ..., limits: _Optional[_Union[AppLimits, _Mapping]] = ..., mem_used_mib: _Optional[float] = ..., sm_util_pct: _Optional[float] = ..., forecast_mem_p90_mib: _Optional[float] = ..., forecast_sm_p90_pct: _Optional[float] = ..., last_seen_s: _Optional[float] = ..., device_id: _Optional[str] = ..., forecast_mem_p50_mib: _Optional[float] = ..., forecast_sm_p50_pct: _Optional[float] = ..., processes: _Optional[_Iterable[_Union[AppProcess, _Mapping]]] = ...) -> None: ...
+
+class AppProcess(_message.Message):
+    __slots__ = ("pid", "user", "command")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    USER_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    user: str
+    command: str
+    def __init__(self, pid: _Optional[int] = ..., user: _Optional[str] = ..., command: _Optional[str] = ...) -> None: ...
 
 class ListApplicationsResponse(_message.Message):
     __slots__ = ("apps",)
@@ -240,3 +300,59 @@ class AllocationEvent(_message.Message):
     at_s: float
     detail: str
     def __init__(self, kind: _Optional[_Union[AllocationEvent.Kind, str]] = ..., grant: _Optional[_Union[Grant, _Mapping]] = ..., at_s: _Optional[float] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class GetAppHistoryRequest(_message.Message):
+    __slots__ = ("app_id", "device_id", "since_s")
+    APP_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    SINCE_S_FIELD_NUMBER: _ClassVar[int]
+    app_id: str
+    device_id: str
+    since_s: float
+    def __init__(self, app_id: _Optional[str] = ..., device_id: _Optional[str] = ..., since_s: _Optional[float] = ...) -> None: ...
+
+class HistoryEvent(_message.Message):
+    __slots__ = ("t_unix_s", "kind", "detail", "mem_granted_mib")
+    T_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    MEM_GRANTED_MIB_FIELD_NUMBER: _ClassVar[int]
+    t_unix_s: float
+    kind: str
+    detail: str
+    mem_granted_mib: float
+    def __init__(self, t_unix_s: _Optional[float] = ..., kind: _Optional[str] = ..., detail: _Optional[str] = ..., mem_granted_mib: _Optional[float] = ...) -> None: ...
+
+class AppHistory(_message.Message):
+    __slots__ = ("app_id", "device_id", "t_unix_s", "mem_used_mib", "mem_p50_mib", "mem_p90_mib", "mem_granted_mib", "sm_used_pct", "sm_p90_pct", "sm_granted_pct", "events")
+    APP_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    T_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    MEM_USED_MIB_FIELD_NUMBER: _ClassVar[int]
+    MEM_P50_MIB_FIELD_NUMBER: _ClassVar[int]
+    MEM_P90_MIB_FIELD_NUMBER: _ClassVar[int]
+    MEM_GRANTED_MIB_FIELD_NUMBER: _ClassVar[int]
+    SM_USED_PCT_FIELD_NUMBER: _ClassVar[int]
+    SM_P90_PCT_FIELD_NUMBER: _ClassVar[int]
+    SM_GRANTED_PCT_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    app_id: str
+    device_id: str
+    t_unix_s: _containers.RepeatedScalarFieldContainer[float]
+    mem_used_mib: _containers.RepeatedScalarFieldContainer[float]
+    mem_p50_mib: _containers.RepeatedScalarFieldContainer[float]
+    mem_p90_mib: _containers.RepeatedScalarFieldContainer[float]
+    mem_granted_mib: _containers.RepeatedScalarFieldContainer[float]
+    sm_used_pct: _containers.RepeatedScalarFieldContainer[float]
+    sm_p90_pct: _containers.RepeatedScalarFieldContainer[float]
+    sm_granted_pct: _containers.RepeatedScalarFieldContainer[float]
+    events: _containers.RepeatedCompositeFieldContainer[HistoryEvent]
+    def __init__(self, app_id: _Optional[str] = ..., device_id: _Optional[str] = ..., t_unix_s: _Optional[_Iterable[float]] = ..., mem_used_mib: _Optional[_Iterable[float]] = ..., mem_p50_mib: _Optional[_Iterable[float]] = ..., mem_p90_mib: _Optional[_Iterable[float]] = ..., mem_granted_mib: _Optional[_Iterable[float]] = ..., sm_used_pct: _Optional[_Iterable[float]] = ..., sm_p90_pct: _Optional[_Iterable[float]] = ..., sm_granted_pct: _Optional[_Iterable[float]] = ..., events: _Optional[_Iterable[_Union[HistoryEvent, _Mapping]]] = ...) -> None: ...
+
+class GetAppHistoryResponse(_message.Message):
+    __slots__ = ("apps", "now_unix_s")
+    APPS_FIELD_NUMBER: _ClassVar[int]
+    NOW_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    apps: _containers.RepeatedCompositeFieldContainer[AppHistory]
+    now_unix_s: float
+    def __init__(self, apps: _Optional[_Iterable[_Union[AppHistory, _Mapping]]] = ..., now_unix_s: _Optional[float] = ...) -> None: ...

@@ -59,6 +59,11 @@ class AllocatorStub:
                 request_serializer=vgpu_dot_v1_dot_allocator__pb2.ListApplicationsRequest.SerializeToString,
                 response_deserializer=vgpu_dot_v1_dot_allocator__pb2.ListApplicationsResponse.FromString,
                 _registered_method=True)
+        self.GetAppHistory = channel.unary_unary(
+                '/vgpu.v1.Allocator/GetAppHistory',
+                request_serializer=vgpu_dot_v1_dot_allocator__pb2.GetAppHistoryRequest.SerializeToString,
+                response_deserializer=vgpu_dot_v1_dot_allocator__pb2.GetAppHistoryResponse.FromString,
+                _registered_method=True)
         self.WatchAllocations = channel.unary_stream(
                 '/vgpu.v1.Allocator/WatchAllocations',
                 request_serializer=vgpu_dot_v1_dot_allocator__pb2.WatchAllocationsRequest.SerializeToString,
@@ -99,6 +104,13 @@ class AllocatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetAppHistory(self, request, context):
+        """The bounded recent history the daemon keeps per application (use, forecast, grant, events).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WatchAllocations(self, request, context):
         """Events from the moment the watch is live. The server sends initial metadata once it is: a client
         that awaits it before acting (e.g. before requesting) misses no event of its own.
@@ -134,6 +146,11 @@ def add_AllocatorServicer_to_server(servicer, server):
                     servicer.ListApplications,
                     request_deserializer=vgpu_dot_v1_dot_allocator__pb2.ListApplicationsRequest.FromString,
                     response_serializer=vgpu_dot_v1_dot_allocator__pb2.ListApplicationsResponse.SerializeToString,
+            ),
+            'GetAppHistory': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetAppHistory,
+                    request_deserializer=vgpu_dot_v1_dot_allocator__pb2.GetAppHistoryRequest.FromString,
+                    response_serializer=vgpu_dot_v1_dot_allocator__pb2.GetAppHistoryResponse.SerializeToString,
             ),
             'WatchAllocations': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchAllocations,
@@ -276,6 +293,33 @@ class Allocator:
             '/vgpu.v1.Allocator/ListApplications',
             vgpu_dot_v1_dot_allocator__pb2.ListApplicationsRequest.SerializeToString,
             vgpu_dot_v1_dot_allocator__pb2.ListApplicationsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetAppHistory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vgpu.v1.Allocator/GetAppHistory',
+            vgpu_dot_v1_dot_allocator__pb2.GetAppHistoryRequest.SerializeToString,
+            vgpu_dot_v1_dot_allocator__pb2.GetAppHistoryResponse.FromString,
             options,
             channel_credentials,
             insecure,

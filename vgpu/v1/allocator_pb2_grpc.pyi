@@ -36,6 +36,8 @@ class AllocatorStub:
     GetAvailableResources: _grpc.UnaryUnaryMultiCallable[_allocator_pb2.GetAvailableResourcesRequest, _allocator_pb2.GetAvailableResourcesResponse]
     SetResourceLimits: _grpc.UnaryUnaryMultiCallable[_allocator_pb2.SetResourceLimitsRequest, _allocator_pb2.SetResourceLimitsResponse]
     ListApplications: _grpc.UnaryUnaryMultiCallable[_allocator_pb2.ListApplicationsRequest, _allocator_pb2.ListApplicationsResponse]
+    GetAppHistory: _grpc.UnaryUnaryMultiCallable[_allocator_pb2.GetAppHistoryRequest, _allocator_pb2.GetAppHistoryResponse]
+    """The bounded recent history the daemon keeps per application (use, forecast, grant, events)."""
     WatchAllocations: _grpc.UnaryStreamMultiCallable[_allocator_pb2.WatchAllocationsRequest, _allocator_pb2.AllocationEvent]
     """Events from the moment the watch is live. The server sends initial metadata once it is: a client
     that awaits it before acting (e.g. before requesting) misses no event of its own.
@@ -49,6 +51,8 @@ class AllocatorAsyncStub(AllocatorStub):
     GetAvailableResources: _aio.UnaryUnaryMultiCallable[_allocator_pb2.GetAvailableResourcesRequest, _allocator_pb2.GetAvailableResourcesResponse]  # type: ignore[assignment]
     SetResourceLimits: _aio.UnaryUnaryMultiCallable[_allocator_pb2.SetResourceLimitsRequest, _allocator_pb2.SetResourceLimitsResponse]  # type: ignore[assignment]
     ListApplications: _aio.UnaryUnaryMultiCallable[_allocator_pb2.ListApplicationsRequest, _allocator_pb2.ListApplicationsResponse]  # type: ignore[assignment]
+    GetAppHistory: _aio.UnaryUnaryMultiCallable[_allocator_pb2.GetAppHistoryRequest, _allocator_pb2.GetAppHistoryResponse]  # type: ignore[assignment]
+    """The bounded recent history the daemon keeps per application (use, forecast, grant, events)."""
     WatchAllocations: _aio.UnaryStreamMultiCallable[_allocator_pb2.WatchAllocationsRequest, _allocator_pb2.AllocationEvent]  # type: ignore[assignment]
     """Events from the moment the watch is live. The server sends initial metadata once it is: a client
     that awaits it before acting (e.g. before requesting) misses no event of its own.
@@ -89,6 +93,14 @@ class AllocatorServicer(metaclass=_abc_1.ABCMeta):
         request: _allocator_pb2.ListApplicationsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_allocator_pb2.ListApplicationsResponse, _abc.Awaitable[_allocator_pb2.ListApplicationsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def GetAppHistory(
+        self,
+        request: _allocator_pb2.GetAppHistoryRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_allocator_pb2.GetAppHistoryResponse, _abc.Awaitable[_allocator_pb2.GetAppHistoryResponse]]:
+        """The bounded recent history the daemon keeps per application (use, forecast, grant, events)."""
 
     @_abc_1.abstractmethod
     def WatchAllocations(

@@ -1,0 +1,210 @@
+"""Metrics that fit Prometheus and Grafana: a running `vgpu serve` with a replay profiler is scraped,
+and every metric the shipped dashboard (deploy/grafana) and alerting rules (deploy/prometheus) use
+must be among what it exports; the names follow the conventions; the collector's pieces."""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import re
+import socket
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.daemon_fixtures import ROOT, Env, Serve, make_env, serves_killed_after
+from tests.test_operator_views import cli, start_profiler
+from vgpu import __version__
+from vgpu.daemon.metrics import AppSnapshot, CounterSnapshot, DaemonMetrics, DeviceSnapshot
+from vgpu.histogram import LatencyHistogram
+
+DASHBOARD = ROOT / "deploy" / "grafana" / "vgpu-dashboard.json"
+RULES = ROOT / "deploy" / "prometheus" / "vgpu-alerts.yml"
+NAME = re.compile(r"\bvgpu_[a-z0-9_]+")
+MIB = 1024 * 1024
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Env:
+    return make_env(tmp_path)
+
+
+@pytest.fixture
+def serves() -> Iterator[list[Serve]]:
+    yield from serves_killed_after()
+
+
+def dashboard_exprs() -> list[str]:
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    exprs += [v["definition"] for v in dash["templating"]["list"] if "definition" in v]
+    return exprs
+
+
+def rule_exprs() -> list[str]:
+    # One `expr:` per rule, on one line (the file keeps them so; PyYAML is not a dependency).
+    return [line.split("expr:", 1)[1].strip() for line in RULES.read_text().splitlines() if line.strip().startswith("expr:")]
+
+
+def used_names() -> set[str]:
+    return {name for expr in (*dashboard_exprs(), *rule_exprs()) for name in NAME.findall(expr)}
+
+
+def scrape(port: int) -> dict[str, list[tuple[str, dict[str, str], float]]]:
+    """family name -> [(sample name, labels, value)], with every family the endpoint declares; a
+    counter's family is also listed as NAME_total (its samples' name) even before it has one."""
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out: dict[str, list[tuple[str, dict[str, str], float]]] = {}
+    for f in text_string_to_metric_families(body):
+        out[f.name] = [(s.name, s.labels, s.value) for s in f.samples]
+        if f.type == "counter":
+            out.setdefault(f.name + "_total", [])
+    return out
+
+
+def exported_names(families: dict[str, list[tuple[str, dict[str, str], float]]]) -> set[str]:
+    return set(families) | {s for samples in families.values() for s, _, _ in samples}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_dashboard_is_well_formed() -> None:
+    dash = json.loads(DASHBOARD.read_text())
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+    for p in dash["panels"]:
+        assert {"x", "y", "w", "h"} <= set(p["gridPos"]) and p["gridPos"]["x"] + p["gridPos"]["w"] <= 24
+        if p["type"] != "row":
+            assert p["datasource"]["uid"] == "${datasource}" and p["targets"], p["title"]
+            assert all(t["expr"].strip() for t in p["targets"])
+    assert {v["name"] for v in dash["templating"]["list"]} == {"datasource", "device"}
+
+
+def test_rules_file_has_an_expr_per_alert() -> None:
+    text = RULES.read_text()
+    alerts = re.findall(r"^\s+- alert: (\w+)$", text, flags=re.M)
+    assert len(alerts) == len(rule_exprs()) >= 5
+    assert {"VgpuProfilerSilent", "VgpuForecastFailures", "VgpuEnforcementDisabled", "VgpuOomEvents"} <= set(alerts)
+
+
+def test_dashboard_and_rules_load_only_what_a_running_daemon_exports(env: Env, serves: list[Serve]) -> None:
+    port = _free_port()
+    serves.append(Serve(env, "--metrics-port", str(port)))
+    device = json.loads(cli(env, "available", "--json").stdout)["devices"][0]["device_id"]
+    assert cli(env, "request", "--app", "asked", "--memory-mib", "512").returncode == 0
+    prof = start_profiler(env, device)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            fams = scrape(port)
+            if any(v > 0 for _, _, v in fams.get("vgpu_app_forecast_memory_p90_bytes", [])) and \
+                    fams.get("vgpu_app_oom_events"):
+                break
+            time.sleep(0.5)
+        time.sleep(1.5)
+        fams = scrape(port)
+    finally:
+        prof.terminate()
+        prof.wait(10)
+
+    missing = sorted(used_names() - exported_names(fams))
+    assert not missing, f"the dashboard or rules use metrics the daemon does not export: {missing}"
+    assert len(used_names()) >= 25
+
+    def samples(name: str) -> list[tuple[str, dict[str, str], float]]:
+        return [s for fam in fams.values() for s in fam if s[0] == name]
+
+    # a device label on every per-application metric
+    for fam, rows in fams.items():
+        if fam.startswith("vgpu_app_") and not fam.endswith("_total"):
+            assert rows, fam
+            assert all("device" in labels and "app" in labels for _, labels, _ in rows), fam
+    used = {labels["app"]: v for _, labels, v in samples("vgpu_app_memory_used_bytes")}
+    assert used["bert-train"] > 1000 * MIB  # bytes, not MiB
+    (draw,) = samples("vgpu_device_power_draw_watts")
+    assert 50 < draw[2] < 800
+    assert samples("vgpu_device_power_limit_watts")[0][2] <= 700
+    assert samples("vgpu_profiler_connected")[0][1:] == ({"device": device}, 1.0)
+    assert 0 <= samples("vgpu_newest_signature_age_seconds")[0][2] < 10
+    (build,) = samples("vgpu_build_info")
+    assert build[1]["version"] == __version__ and build[1]["backend"] == "sim:h100-80gb"
+    buckets = samples("vgpu_forecast_batch_seconds_bucket")
+    assert buckets[-1][1]["le"] == "+Inf" and buckets[-1][2] == samples("vgpu_forecast_batch_seconds_count")[0][2] > 0
+    assert samples("vgpu_tick_seconds_count")[0][2] > 0
+    reasons = {(labels["kind"], labels["reason"]) for _, labels, _ in samples("vgpu_grant_changes_total")}
+    assert ("granted", "request") in reasons and ("granted", "forecast") in reasons
+    assert {labels["mechanism"] for _, labels, v in samples("vgpu_enforcement_disabled") if v == 0} >= {"power_limit"}
+    # conventions: base units in names (no MiB, percent or milliwatts), counters end in _total
+    for fam in fams:
+        assert not re.search(r"_(mib|pct|mw)(_|$)", fam), fam
+    for name in ("vgpu_signatures_total", "vgpu_grant_changes_total", "vgpu_app_oom_events_total",
+                 "vgpu_app_memory_overruns_total", "vgpu_forecast_failures_total", "vgpu_store_writes_total"):
+        assert samples(name), name
+
+
+class _Source:
+    def __init__(self, apps: list[AppSnapshot], devices: list[DeviceSnapshot], counters: CounterSnapshot) -> None:
+        self.apps, self.devices, self.counters = apps, devices, counters
+
+    def app_snapshots(self) -> list[AppSnapshot]:
+        return self.apps
+
+    def device_snapshots(self) -> list[DeviceSnapshot]:
+        return self.devices
+
+    def counter_snapshot(self) -> CounterSnapshot:
+        return self.counters
+
+
+def test_collector_units_absent_values_and_histograms() -> None:
+    hist = LatencyHistogram()
+    for s in (0.0004, 0.003, 0.003, 0.2, 9.0, math.nan, -1.0):
+        hist.observe(s)
+    registry = CollectorRegistry()
+    DaemonMetrics(registry, _Source(
+        [AppSnapshot("a", "GPU-1", mem_used_mib=100, sm_util_pct=50, granted_mem_mib=200, grants=1, overruns=3,
+                     oom_events=1),
+         AppSnapshot("a", "GPU-2", granted_mem_mib=10, grants=1)],  # another device: no use known there
+        [DeviceSnapshot("GPU-1", 1000, 200, 300_000, (("power_limit", ""), ("cgroup_memory", "not supported")),
+                        index=0, name="X", pci_bus_id="00000000:17:00.0", power_draw_mw=150_000, temperature_c=40,
+                        sm_clock_mhz=1500, sm_util_pct=50, profiler_streams=0)],
+        CounterSnapshot(forecast_latency=hist, tick_latency=LatencyHistogram(), forecast_batches=4,
+                        grant_changes=(("resized", "grow", 2),), backend="nvml")))
+    get = registry.get_sample_value
+    assert get("vgpu_app_memory_used_bytes", {"app": "a", "device": "GPU-1"}) == 100 * MIB
+    assert get("vgpu_app_memory_used_bytes", {"app": "a", "device": "GPU-2"}) is None  # unknown: absent
+    assert get("vgpu_app_granted_memory_bytes", {"app": "a", "device": "GPU-2"}) == 10 * MIB
+    assert get("vgpu_app_sm_utilization_ratio", {"app": "a", "device": "GPU-1"}) == 0.5
+    assert get("vgpu_app_oom_events_total", {"app": "a", "device": "GPU-1"}) == 1
+    assert get("vgpu_app_oom_events_total", {"app": "a", "device": "GPU-2"}) is None
+    assert get("vgpu_device_power_draw_watts", {"device": "GPU-1"}) == 150
+    assert get("vgpu_device_sm_clock_hertz", {"device": "GPU-1"}) == 1.5e9
+    assert get("vgpu_device_memory_used_bytes", {"device": "GPU-1"}) is None  # not reported
+    assert get("vgpu_enforcement_disabled", {"device": "GPU-1", "mechanism": "power_limit"}) == 0
+    assert get("vgpu_enforcement_disabled", {"device": "GPU-1", "mechanism": "cgroup_memory"}) == 1
+    assert get("vgpu_profiler_connected", {"device": "GPU-1"}) == 0
+    assert get("vgpu_newest_signature_age_seconds", {"device": "GPU-1"}) is None
+    assert get("vgpu_device_info", {"device": "GPU-1", "index": "0", "name": "X", "pci_bus_id": "00000000:17:00.0"}) == 1
+    assert get("vgpu_grant_changes_total", {"kind": "resized", "reason": "grow"}) == 2
+    assert get("vgpu_forecast_batch_seconds_bucket", {"le": "0.0005"}) == 1
+    assert get("vgpu_forecast_batch_seconds_bucket", {"le": "0.005"}) == 3
+    assert get("vgpu_forecast_batch_seconds_bucket", {"le": "2.5"}) == 4
+    assert get("vgpu_forecast_batch_seconds_bucket", {"le": "+Inf"}) == get("vgpu_forecast_batch_seconds_count") == 5
+    assert get("vgpu_forecast_batch_seconds_sum") == pytest.approx(9.2064)
+    assert get("vgpu_tick_seconds_count") == 0
+    assert get("vgpu_build_info", {"version": __version__, "python": platform.python_version(), "backend": "nvml"}) == 1
+
+
+def test_histogram_bounds_are_checked() -> None:
+    with pytest.raises(ValueError):
+        LatencyHistogram(bounds_s=(0.1, 0.01))

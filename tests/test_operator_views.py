@@ -1,0 +1,381 @@
+"""What an operator sees: `vgpu available`, `vgpu apps` and `vgpu top` run as commands against a real
+`vgpu serve`, with a replay profiler streaming, and the pieces they are built from (reads that
+degrade field by field, the MIG table, the history behind the sparklines)."""
+
+from __future__ import annotations
+
+import getpass
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from tests.daemon_fixtures import ROOT, Env, Serve, make_env, serves_killed_after
+from vgpu import ctl
+from vgpu.allocator.core import Allocator, AppInfo
+from vgpu.allocator.history import History, HistoryPoint
+from vgpu.allocator.service import ProfilerState, app_to_pb, device_to_pb, process_info
+from vgpu.device.errors import GpuLost, NotSupported
+from vgpu.device.sim import SimBackend
+from vgpu.v1 import allocator_pb2 as pb
+from vgpu.v1 import allocator_pb2_grpc
+
+TRACE = ROOT / "vgpu" / "data" / "demo_trace.csv.gz"
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Env:
+    return make_env(tmp_path)
+
+
+@pytest.fixture
+def serves() -> Iterator[list[Serve]]:
+    yield from serves_killed_after()
+
+
+def cli(env: Env, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+    """`vgpu ARGS --socket ... --state-dir ...` as a separate process, the way an operator runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "vgpu.cli", *args, "--socket", str(env.sock), "--state-dir", str(env.state)],
+        cwd=ROOT, env=env.env, capture_output=True, text=True, timeout=timeout_s, check=False,
+    )
+
+
+def _device_uuid(env: Env) -> str:
+    out = cli(env, "available", "--json")
+    assert out.returncode == 0, out.stderr
+    return str(json.loads(out.stdout)["devices"][0]["device_id"])
+
+
+def start_profiler(env: Env, device: str, seconds: float = 60) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "vgpu.cli", "profiler", "--manager", str(env.sock), "--replay", str(TRACE),
+         "--device-id", device, "--token-file", str(env.state / "tokens" / "profiler.token"), "--loop",
+         "--seconds", str(seconds)],
+        cwd=ROOT, env=env.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+
+
+def _wait_for(pred: Callable[[], object], timeout_s: float = 30.0, show: Callable[[], str] | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.2)
+    raise AssertionError("condition not met in time" + (f":\n{show()}" if show else ""))
+
+
+def _row(table: str, first: str, header: str = "") -> dict[str, str]:
+    """The row of a plain table whose first cell is `first`, by column (columns are split at runs of
+    two or more spaces, as printed). `header`: the first column's name (default IDX or APP)."""
+    lines = table.splitlines()
+    header_at = next(i for i, line in enumerate(lines) if line.startswith((header,) if header else ("IDX", "APP")))
+    header = lines[header_at]
+    starts = [m.start() for m in re.finditer(r"(?:(?<=  )|^)\S", header)]
+    names = [header[a:b].strip() for a, b in zip(starts, [*starts[1:], None], strict=True)]
+    for line in lines[header_at + 1:]:
+        if line.split("  ")[0].strip() == first:
+            cells = re.split(r"\s{2,}", line.strip())
+            assert len(cells) == len(names), (names, cells)
+            return dict(zip(names, cells, strict=True))
+    raise AssertionError(f"no row {first!r} in\n{table}")
+
+
+# --- against a real daemon ------------------------------------------------------------------------------
+def test_available_and_apps_show_what_nvidia_smi_shows(env: Env, serves: list[Serve]) -> None:
+    serves.append(Serve(env))
+    device = _device_uuid(env)
+    out = cli(env, "request", "--app", "mine", "--memory-mib", "2048", "--pid", str(os.getpid()))
+    assert out.returncode == 0, out.stderr
+
+    avail = cli(env, "available")
+    assert avail.returncode == 0, avail.stderr
+    row = _row(avail.stdout, "0")
+    assert row["NAME"] == "NVIDIA H100 80GB HBM3"
+    assert row["BUS ID"] == "00000000:17:00.0"
+    assert row["GRANTED MiB"] == "2,048"
+    assert row["TOTAL MiB"] == "81,559"
+    assert re.fullmatch(r"\d+ / 700", row["PWR W"]), row["PWR W"]  # draw / limit
+    assert re.fullmatch(r"\d+C", row["TEMP"]) and row["SM MHz"] == "1,980" and row["UTIL"].endswith("%")
+    assert row["MODE"] == "live"
+    assert row["UUID"] == device
+    assert row["PROFILERS"] == "0 (no signature)"
+
+    apps = cli(env, "apps")
+    assert apps.returncode == 0, apps.stderr
+    mine = _row(apps.stdout, "mine")
+    assert mine["PID"] == str(os.getpid())
+    assert mine["USER"] == getpass.getuser()
+    assert "python" in mine["COMMAND"] or "pytest" in mine["COMMAND"]
+    assert mine["GPU"] == "0"
+    assert mine["GRANTED MiB"] == "2,048"
+    assert mine["USED MiB"] == "N/A"  # no signature yet: unknown, not 0
+    assert re.fullmatch(r"\d+s ago", mine["LAST SEEN"])
+
+
+def test_dry_run_is_shown(env: Env, serves: list[Serve]) -> None:
+    serves.append(Serve(env, "--dry-run"))
+    assert _row(cli(env, "available").stdout, "0")["MODE"] == "dry run"
+
+
+def test_streamed_apps_show_usage_forecast_history_and_profiler(env: Env, serves: list[Serve]) -> None:
+    serves.append(Serve(env))
+    device = _device_uuid(env)
+    prof = start_profiler(env, device)
+    try:
+        def forecast_made() -> bool:
+            apps = json.loads(cli(env, "apps", "--json").stdout)["apps"]
+            return any(a["forecast_mem_p90_mib"] > 0 for a in apps)
+
+        _wait_for(forecast_made, 60)
+        time.sleep(2.0)  # a few ticks of history
+        apps = cli(env, "apps").stdout
+        row = _row(apps, "bert-train")
+        assert float(row["USED MiB"].replace(",", "")) > 1000
+        assert float(row["P90 MiB"].replace(",", "")) >= float(row["P50 MiB"].replace(",", "")) > 0
+        assert float(row["GRANTED MiB"].replace(",", "")) > 0
+        assert row["PID"].isdigit()  # the pid the signatures name (a trace's: no such process here)
+        assert row["USER"] == "N/A" and row["COMMAND"] == "N/A"
+        assert row["GPU"] == "0" and re.fullmatch(r"\d+s ago", row["LAST SEEN"])
+        dev = _row(cli(env, "available").stdout, "0")
+        assert re.fullmatch(r"1 \(\d+s ago\)", dev["PROFILERS"]), dev["PROFILERS"]
+
+        with grpc.insecure_channel(f"unix:{env.sock}") as ch:
+            stub = allocator_pb2_grpc.AllocatorStub(ch)
+            hist = stub.GetAppHistory(pb.GetAppHistoryRequest(app_id="bert-train", since_s=60), timeout=10)
+            for bad in (-1.0, math.nan):
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.GetAppHistory(pb.GetAppHistoryRequest(since_s=bad), timeout=10)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "since_s" in str(err.value.details())
+            gpu = stub.GetAppHistory(pb.GetAppHistoryRequest(device_id=device), timeout=10)
+            assert {h.app_id for h in gpu.apps} >= {"bert-train", "vit-infer"} and {h.device_id for h in gpu.apps} == {device}
+        assert len(hist.apps) == 1
+        h = hist.apps[0]
+        assert h.device_id == device and len(h.t_unix_s) >= 2
+        assert len(h.mem_used_mib) == len(h.mem_p90_mib) == len(h.mem_granted_mib) == len(h.t_unix_s)
+        assert any(e.kind == "granted" for e in h.events)
+        assert abs(hist.now_unix_s - time.time()) < 5
+    finally:
+        prof.terminate()
+        prof.wait(10)
+
+
+def test_top_prints_plain_tables_off_a_terminal(env: Env, serves: list[Serve]) -> None:
+    serves.append(Serve(env))
+    cli(env, "request", "--app", "mine", "--memory-mib", "1024")
+    out = cli(env, "top", "--iterations", "2", "--interval-s", "0.2")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("vgpu top") == 2
+    assert "\x1b" not in out.stdout  # no escape codes into a pipe
+    assert _row(out.stdout, "mine", "APP")["GRANTED MiB"] == "1,024"
+
+
+# A tmux server of this test's own (not the user's default one, whose sessions may set the window size).
+TMUX = ["tmux", "-L", f"vgpu-test-{os.getpid()}", "-f", "/dev/null"]
+
+
+def _tmux(*args: str) -> str:
+    return subprocess.run([*TMUX, *args], capture_output=True, text=True, check=False, timeout=10).stdout
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_top_on_a_terminal_draws_sparklines_sorts_and_quits_on_q(env: Env, serves: list[Serve]) -> None:
+    serves.append(Serve(env))
+    device = _device_uuid(env)
+    prof = start_profiler(env, device)
+    session = f"vgpu-top-{os.getpid()}"
+    done = env.tmp / "top.exit"
+    env_args = " ".join(f"{k}={v!r}" for k, v in env.env.items() if k in ("PYTHONPATH", "XDG_CONFIG_HOME", "HOME", "PATH"))
+    # (pytest exports COLUMNS=80 and LINES=24, which rich would take over the pane's real size)
+    command = (f"cd {ROOT} && env -u COLUMNS -u LINES {env_args} {sys.executable} -m vgpu.cli top --socket {env.sock} "
+               f"--state-dir {env.state} --interval-s 0.5; echo $? > {done}; sleep 60")
+    try:
+        _wait_for(lambda: json.loads(cli(env, "apps", "--json").stdout)["apps"], 60)
+        subprocess.run([*TMUX, "new-session", "-d", "-s", session, "-x", "200", "-y", "60", command], check=True)
+        # (the first frame may be drawn before tmux gives the pane its size: wait for a full one)
+        _wait_for(lambda: all(x in _tmux("capture-pane", "-p", "-t", session)
+                              for x in ("Applications", "grant ", "00000000:17:00.0")), 30,
+                  lambda: _tmux("capture-pane", "-p", "-t", session))
+        screen = _tmux("capture-pane", "-p", "-t", session)
+        assert "GPUs" in screen and "00000000:17:00.0" in screen
+        assert "sorted by granted" in screen
+        assert re.search(r"use +[▁▂▃▄▅▆▇█]", screen), screen
+        assert re.search(r"p90 +[▁▂▃▄▅▆▇█ ]", screen)
+        subprocess.run([*TMUX, "send-keys", "-t", session, "s"], check=True)
+        _wait_for(lambda: "sorted by used" in _tmux("capture-pane", "-p", "-t", session), 10)
+        prof.terminate()
+        serves[0].term()  # the daemon goes away: the screen says so and keeps the last figures
+        _wait_for(lambda: "refresh failed" in _tmux("capture-pane", "-p", "-t", session), 15,
+                  lambda: _tmux("capture-pane", "-p", "-t", session))
+        assert "bert-train" in _tmux("capture-pane", "-p", "-t", session)
+        subprocess.run([*TMUX, "send-keys", "-t", session, "q"], check=True)
+        _wait_for(done.exists, 10)
+        assert done.read_text().strip() == "0"
+        # the terminal is given back: the shell's next output is on the normal screen
+        assert "Applications" not in _tmux("capture-pane", "-p", "-t", session)
+    finally:
+        subprocess.run([*TMUX, "kill-server"], check=False, capture_output=True)
+        prof.terminate()
+        prof.wait(10)
+
+
+def test_top_on_a_terminal_when_the_daemon_is_down_says_so(env: Env) -> None:
+    import pty
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: vgpu top on a terminal, against a socket nobody listens on
+        os.chdir(ROOT)
+        os.execve(sys.executable, [sys.executable, "-m", "vgpu.cli", "top", "--socket", str(env.sock)], env.env)
+    out = b""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 1
+    assert b"cannot reach the vgpu daemon" in out
+
+
+# --- the pieces -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fault", [NotSupported, GpuLost])
+def test_device_reads_degrade_field_by_field(fault: type[Exception]) -> None:
+    sim = SimBackend(["h100-80gb"])
+    dev = sim.devices()[0]
+    dev.inject("temperature_c", fault, times=None)  # type: ignore[arg-type]
+    dev.inject("pci_bus_id", fault, times=None)  # type: ignore[arg-type]
+    alloc = Allocator(sim)
+    resp = pb.GetAvailableResourcesResponse(devices=[device_to_pb(d) for d in alloc.available()])
+    msg = resp.devices[0]
+    assert not msg.HasField("temperature_c") and not msg.HasField("pci_bus_id")
+    assert msg.HasField("power_draw_mw") and msg.HasField("sm_clock_mhz")  # the rest still read
+    row = _row(ctl.devices_table(resp), "0")
+    assert row["TEMP"] == "N/A" and row["BUS ID"] == "N/A"
+    assert row["SM MHz"] == "1,980"
+
+
+def test_a_lost_gpu_shows_every_device_field_as_na() -> None:
+    sim = SimBackend(["h100-80gb"])
+    alloc = Allocator(sim)
+    sim.devices()[0].lose()
+    resp = pb.GetAvailableResourcesResponse(devices=[device_to_pb(d) for d in alloc.available()])
+    row = _row(ctl.devices_table(resp), "0")
+    assert {row[c] for c in ("BUS ID", "USED MiB", "TEMP", "SM MHz", "UTIL")} == {"N/A"}
+    assert row["PWR W"] == "N/A / N/A"
+    assert row["TOTAL MiB"] == "81,559"  # the ledger's account stands
+
+
+def test_mig_instances_are_a_table() -> None:
+    sim = SimBackend(["a100-40gb"])
+    dev = sim.devices()[0]
+    dev.set_mig_mode(True)
+    prof = {p.name: p for p in dev.gpu_instance_profiles()}
+    dev.create_gpu_instance(prof["3g.20gb"].profile_id, 0)
+    dev.create_gpu_instance(prof["1g.5gb"].profile_id, 6)
+    text = ctl.devices_table(pb.GetAvailableResourcesResponse(devices=[device_to_pb(d) for d in Allocator(sim).available()]))
+    assert "MIG instances" in text
+    mig = text.split("MIG instances")[1]
+    lines = [line.split() for line in mig.strip().splitlines()]
+    assert lines[0][:6] == ["GPU", "GI", "ID", "PROFILE", "START", "SIZE"]
+    assert [(cells[2], cells[3], cells[4]) for cells in lines[1:]] == [("3g.20gb", "0", "4"), ("1g.5gb", "6", "1")]
+    assert all(cells[-1].startswith("MIG-") for cells in lines[1:])
+
+
+def test_profiler_state_and_last_seen_reach_the_messages() -> None:
+    sim = SimBackend(["h100-80gb"])
+    d = Allocator(sim).available()[0]
+    msg = device_to_pb(d, ProfilerState(2, 100.0), now_s=103.5)
+    assert msg.profiler_streams == 2 and msg.newest_signature_age_s == pytest.approx(3.5)
+    assert _row(ctl.devices_table(pb.GetAvailableResourcesResponse(devices=[msg])), "0")["PROFILERS"] == "2 (4s ago)"
+    silent = device_to_pb(d, ProfilerState(0, None), now_s=103.5)
+    assert silent.profiler_streams == 0 and not silent.HasField("newest_signature_age_s")
+    assert not device_to_pb(d).HasField("profiler_streams")  # no manager: unknown, not 0
+
+
+def test_process_info_degrades_for_a_process_that_is_gone() -> None:
+    user, command = process_info(os.getpid())
+    assert user == getpass.getuser() and "python" in command.lower() or "pytest" in command
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    assert process_info(gone.pid) == ("", "")
+
+
+def test_apps_table_marks_unknowns() -> None:
+    msg = app_to_pb(AppInfo("a", (), None, pids=(4242,)), process_info=lambda pid: ("", ""))
+    row = _row(ctl.apps_table(pb.ListApplicationsResponse(apps=[msg])), "a")
+    assert row["PID"] == "4242" and row["USER"] == "N/A" and row["COMMAND"] == "N/A"
+    assert row["USED MiB"] == row["P90 MiB"] == row["LAST SEEN"] == "N/A"
+
+
+# --- the history behind sparklines and reports ----------------------------------------------------------
+def test_history_marks_oom_at_the_start_of_each_overrun_run() -> None:
+    h = History(max_points=10)
+    uses = [100, 300, 310, 150, 400]  # granted 200 throughout: over at 1, 2 and 4
+    started = [h.record("a", "g", HistoryPoint(float(t), mem_used_mib=u, mem_granted_mib=200), granted_before_mib=200)
+               for t, u in enumerate(uses)]
+    assert started == [False, True, False, False, True]
+    (s,) = h.series("a")
+    assert (s.overruns, s.ooms) == (3, 2)
+    assert [p.mem_used_mib for p in s.points] == uses and {p.mem_granted_mib for p in s.points} == {200}
+    assert math.isnan(s.points[0].mem_p90_mib) and math.isnan(s.points[0].sm_granted_pct)
+    assert [e.t_s for e in s.events if e.kind == "oom"] == [1.0, 4.0]
+    assert [p.t_s for p in h.series("a", since_t_s=3.0)[0].points] == [3.0, 4.0]
+
+
+def test_history_is_bounded() -> None:
+    h = History(max_points=5, max_series=2)
+    for t in range(20):
+        h.record("a", "g", HistoryPoint(float(t)), granted_before_mib=0)
+    h.record("b", "g", HistoryPoint(0.0), granted_before_mib=0)
+    h.record("c", "g", HistoryPoint(0.0), granted_before_mib=0)  # pushes out "a", the least recent
+    assert [s.app_id for s in h.series()] == ["b", "c"]
+    h2 = History(max_points=5)
+    for t in range(20):
+        h2.record("a", "g", HistoryPoint(float(t)), granted_before_mib=0)
+    assert [p.t_s for p in h2.series()[0].points] == [15.0, 16.0, 17.0, 18.0, 19.0]
+
+
+def test_sparkline_bins_and_scale() -> None:
+    from vgpu.top import bins, spark
+
+    now = 100.0
+    levels = bins([40.0, 41.0, 70.0, 99.0], [1.0, 3.0, 2.0, 4.0], now, window_s=60, width=6)
+    assert levels[0] == 3.0 and levels[3] == 2.0 and levels[5] == 4.0 and math.isnan(levels[1])
+    assert spark(levels, 4.0) == "▆  ▅ █"
+
+
+def test_every_process_on_the_gpu_is_listed_with_its_application() -> None:
+    from vgpu.traces import read_trace
+
+    trace = read_trace(TRACE)
+    sim = SimBackend(["h100-80gb"])
+    alloc = Allocator(sim)
+    first = sorted(trace.apps)[0]
+    sim.launch(first, os.getpid(), trace.apps[first])  # a vgpu application (it names this pid)
+    sim.launch("other", 999_999, trace.apps[first])  # a process vgpu does not manage
+    resp = pb.GetAvailableResourcesResponse(devices=[device_to_pb(d) for d in alloc.available()])
+    apps = pb.ListApplicationsResponse(apps=[app_to_pb(AppInfo(first, (), None, pids=(os.getpid(),)))])
+    text = ctl.devices_table(resp, apps)
+    assert "Processes" in text
+    procs = text.split("Processes\n")[1].splitlines()
+    header = re.split(r"\s{2,}", procs[0].strip())
+    assert header == ["GPU", "GI", "PID", "APP", "USER", "USED MiB", "COMMAND"]
+    rows = {r["PID"]: r for r in (dict(zip(header, re.split(r"\s{2,}", line.strip()), strict=True)) for line in procs[1:])}
+    assert set(rows) == {str(os.getpid()), "999999"}
+    mine, other = rows[str(os.getpid())], rows["999999"]
+    assert mine["APP"] == first and mine["USER"] == getpass.getuser() and mine["GPU"] == "0" and mine["GI"] == "-"
+    assert float(mine["USED MiB"].replace(",", "")) > 0
+    assert other["APP"] == "-" and other["USER"] == "N/A" and other["COMMAND"] == "N/A"  # not vgpu's; no such process
