@@ -26,7 +26,7 @@ from typing import Protocol
 
 import structlog
 
-from vgpu.allocator.errors import DeviceError, InvalidRequest, NotSupported, VerifyFailed
+from vgpu.allocator.errors import DeviceError, InvalidRequest, NotSupported, StateNotSaved, VerifyFailed
 from vgpu.allocator.ledger import AppLimits, DeviceCapacity, DeviceUsage, Grant, Ledger
 from vgpu.allocator.mechanisms.limits import CgroupMemoryLimits, read_cgroup
 from vgpu.allocator.mechanisms.power import PowerLimitMechanism, PowerLimitResult
@@ -256,8 +256,16 @@ class Allocator:
                 self.counters.events_dropped += sub.dropped - before
 
     def _changed(self) -> None:
-        if self.on_change is not None:
+        """Store the ledger's changes (`on_change`), before anything else acts on them: when that
+        fails the changes are undone in memory and the error propagates (the call made nothing)."""
+        if self.on_change is None:
+            self.ledger.commit_changes()
+            return
+        try:
             self.on_change(self.ledger)
+        except BaseException:
+            self.ledger.rollback_changes()
+            raise
 
     @property
     def watchers(self) -> int:
@@ -299,13 +307,13 @@ class Allocator:
             pid=request.pid,
             caller=caller,
         )
+        self._changed()  # stored before anyone hears of it
         self._requests[grant.grant_id] = request
         self.counters.granted += 1
         self._log.info("granted", app=grant.app_id, device=grant.device_id, memory_mib=grant.memory_mib,
                        sm_pct=grant.sm_pct, source=source, grant=grant.grant_id)
         self._publish(EventKind.GRANTED, grant=grant, detail=source)
         self._sync_cgroup_limits(grant.device_id)
-        self._changed()
         return grant
 
     def _total_for(self, device_id: str | None) -> float:
@@ -320,12 +328,12 @@ class Allocator:
 
     def release(self, grant_id: str, *, caller: str | None = None) -> Grant:
         grant = self.ledger.release(grant_id, caller=caller)
+        self._changed()
         self._requests.pop(grant_id, None)
         self.counters.released += 1
         self._log.info("released", app=grant.app_id, grant=grant_id)
         self._publish(EventKind.RELEASED, grant=grant)
         self._sync_cgroup_limits(grant.device_id)
-        self._changed()
         return grant
 
     def forget_app(self, app_id: str) -> list[Grant]:
@@ -339,8 +347,8 @@ class Allocator:
 
     def set_limits(self, limits: AppLimits, *, caller: str | None = None) -> AppLimits:
         result = self.ledger.set_limits(limits, caller=caller)
-        self._publish(EventKind.LIMITS_CHANGED, app_id=result.app_id, detail=_limits_text(result))
         self._changed()
+        self._publish(EventKind.LIMITS_CHANGED, app_id=result.app_id, detail=_limits_text(result))
         return result
 
     def available(self, device_id: str | None = None) -> list[DeviceResources]:
@@ -495,6 +503,7 @@ class Allocator:
         plan: Plan = self.policy.plan(usable, views, self.clock())
         created: list[Grant] = []
         resized: list[Grant] = []
+        events: list[tuple[EventKind, Grant, str]] = []  # published once the changes are stored
         for target in self._shrinks_first(plan.grants):
             try:
                 if target.grant_id is None:
@@ -507,25 +516,31 @@ class Allocator:
                         source="forecast",
                     )
                     created.append(grant)
-                    self.counters.granted += 1
-                    self._publish(EventKind.GRANTED, grant=grant, detail=target.reason or "forecast")
+                    events.append((EventKind.GRANTED, grant, target.reason or "forecast"))
                 else:
                     old = self.ledger.get(target.grant_id)
                     grant = self.ledger.resize(target.grant_id, target.memory_mib, target.sm_pct, clamp=True)
                     if (grant.memory_mib, grant.sm_pct) == (old.memory_mib, old.sm_pct):
                         continue
                     resized.append(grant)
-                    self.counters.resized += 1
-                    self._publish(EventKind.RESIZED, grant=grant,
-                                  detail=f"{old.memory_mib:.0f} -> {grant.memory_mib:.0f} MiB")
+                    events.append((EventKind.RESIZED, grant, f"{old.memory_mib:.0f} -> {grant.memory_mib:.0f} MiB"))
             except (DeviceError, InvalidRequest) as exc:
                 skipped.append(f"{target.app_id}: {exc}")
+        if created or resized:
+            try:
+                self._changed()
+            except StateNotSaved as exc:  # undone in memory: this plan's grants were not made
+                self._log.error("plan_not_saved", grants=len(created) + len(resized), error=str(exc))
+                skipped += [f"{g.app_id}: not saved: {exc}" for g in (*created, *resized)]
+                created, resized, events = [], [], []
+        self.counters.granted += len(created)
+        self.counters.resized += len(resized)
+        for kind, grant, detail in events:
+            self._publish(kind, grant=grant, detail=detail)
         for device_id in sorted({g.device_id for g in (*created, *resized)}):
             self._sync_cgroup_limits(device_id)
         power_results = [self._apply_power(t.device_id, t.limit_mw, t.reason) for t in plan.power]
         mig_changes = sum(self._apply_mig(t) for t in plan.mig)
-        if created or resized:
-            self._changed()
         return ApplyReport(
             created=tuple(created),
             resized=tuple(resized),

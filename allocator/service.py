@@ -30,6 +30,7 @@ from vgpu.allocator.core import (
 )
 from vgpu.allocator.errors import InvalidRequest, status_for
 from vgpu.allocator.ledger import AppLimits, Grant
+from vgpu.ids import MAX_PID, app_id_problem
 from vgpu.jobs import InvalidJobConfig, JobConfig
 from vgpu.log import get_logger
 from vgpu.v1 import allocator_pb2 as pb
@@ -147,10 +148,9 @@ def event_to_pb(e: AllocationEvent) -> pb.AllocationEvent:
 
 # --- validation ------------------------------------------------------------------------------------
 def _app_id(value: str, name: str = "app_id") -> str:
-    if not value or not value.strip():
-        raise InvalidRequest(f"{name} is empty: give the application's identifier")
-    if len(value) > 256:
-        raise InvalidRequest(f"{name} is {len(value)} characters long; at most 256 are allowed")
+    problem = app_id_problem(value, name)
+    if problem is not None:
+        raise InvalidRequest(problem)
     return value
 
 
@@ -170,6 +170,8 @@ def request_from_pb(msg: pb.ResourceRequest) -> AllocationRequest:
     sm = _amount(msg.sm_pct, "request.sm_pct", upper=100.0)
     if math.isnan(msg.deadline_s) or msg.deadline_s < 0:
         raise InvalidRequest(f"request.deadline_s must be Unix seconds >= 0 (0: none), got {msg.deadline_s}")
+    if msg.pid > MAX_PID:
+        raise InvalidRequest(f"request.pid {msg.pid} is out of range: a pid is 1 to {MAX_PID} (0: none)")
     job = None
     if msg.HasField("job"):
         try:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from daemon_fixtures import sim_daemon
 
+from vgpu import auth
 from vgpu import ctl as cli
 from vgpu.daemon.serve import Daemon
 
@@ -41,7 +42,7 @@ async def test_request_available_apps_release(daemon: Daemon, tmp_path: Path, ca
     grant = json.loads(text)
     assert rc == 0 and grant["memory_mib"] == 4096 and grant["sm_pct"] == 20 and len(grant["grant_id"]) > 8
     assert "application token for 'a' saved" in capsys.readouterr().err
-    cached = cli.token_cache_dir(str(daemon.socket_path), _env(tmp_path)) / "a.token"
+    cached = cli.token_cache_dir(str(daemon.socket_path), _env(tmp_path)) / auth.app_token_filename("a")
     assert cached.stat().st_mode & 0o777 == 0o600
 
     rc, text = await run(cli.available_main, tmp_path, *sock, "--json")
@@ -85,12 +86,12 @@ async def test_denials_are_counted(daemon: Daemon, tmp_path: Path, capsys: pytes
 async def test_stale_cached_token_is_dropped(daemon: Daemon, tmp_path: Path) -> None:
     cache = cli.token_cache_dir(str(daemon.socket_path), _env(tmp_path))
     cache.mkdir(parents=True)
-    (cache / "b.token").write_text("vgpu1.YXBwOmI.0000\n")  # from some other daemon
+    (cache / auth.app_token_filename("b")).write_text("vgpu1.YXBwOmI.0000\n")  # from some other daemon
     rc, text = await run(cli.request_main, tmp_path, "--socket", str(daemon.socket_path), "--app", "b",
                          "--memory-mib", "1", "--json")
     assert rc == 0 and json.loads(text)["app_id"] == "b"
     assert daemon.store.app_claimed("b")
-    assert (cache / "b.token").read_text().strip() == (daemon.state_dir / "tokens" / "apps" / "b.token").read_text().strip()
+    assert (cache / auth.app_token_filename("b")).read_text().strip() == auth.app_token_file("b", daemon.state_dir).read_text().strip()
 
 
 async def test_operator_token_from_state_dir(daemon: Daemon, tmp_path: Path) -> None:

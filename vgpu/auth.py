@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import contextvars
 import grp
 import hashlib
@@ -33,7 +34,6 @@ import hmac
 import inspect
 import os
 import secrets
-import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +43,7 @@ import grpc
 import structlog
 
 from vgpu.config import DEFAULT_STATE_DIR
+from vgpu.ids import MAX_PID, app_id_digest, app_id_problem
 from vgpu.log import get_logger
 
 TOKEN_PREFIX = "vgpu1"
@@ -140,8 +141,9 @@ def _unb64(text: str) -> bytes:
 
 
 def app_token_filename(app_id: str) -> str:
-    """A file name for an application id (any characters, '/' included)."""
-    return urllib.parse.quote(app_id, safe="") + ".token"
+    """A file name for an application id: the id's SHA-256 in hex, so its length is fixed whatever
+    the id (an id spelled out in a file name can exceed the file system's 255-byte limit)."""
+    return app_id_digest(app_id) + ".token"
 
 
 class TokenAuthority:
@@ -269,6 +271,8 @@ class AppRegistry(Protocol):
 
     def claim_app(self, app_id: str) -> bool: ...
 
+    def unclaim_app(self, app_id: str) -> None: ...
+
 
 class LedgerView(Protocol):
     def grant_owner(self, grant_id: str) -> str | None:
@@ -351,6 +355,21 @@ class AccessControl:
             raise Denied(grpc.StatusCode.PERMISSION_DENIED, f"{principal.describe()} may not stream signatures")
         if need == "app_request":
             app_id = _request_app_id(request)
+            problem = app_id_problem(app_id, "request.app_id") if app_id else None
+            if problem is not None:  # checked before anything is claimed for it
+                raise Denied(grpc.StatusCode.INVALID_ARGUMENT, problem)
+            pid = _request_pid(request)
+            if pid > MAX_PID:
+                raise Denied(grpc.StatusCode.INVALID_ARGUMENT, f"request.pid {pid} is out of range: a pid is 1 to {MAX_PID} (0: none)")
+            if pid:  # (the operator was let through above)
+                # The Unix socket does not tell the daemon which user calls (grpc hides SO_PEERCRED),
+                # so it cannot check that the process is the caller's: a grant tied to a pid caps
+                # that process's cgroup, which only the operator may ask for.
+                raise Denied(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"{principal.describe()} may not name a process (pid {pid}): a grant tied to a pid "
+                    "caps that process's cgroup and needs the operator token",
+                )
             if role == "app":
                 if principal.app_id == app_id:
                     return None
@@ -391,12 +410,41 @@ class AccessControl:
         raise Denied(grpc.StatusCode.PERMISSION_DENIED, f"unknown access rule {need!r}")
 
     async def claim(self, app_id: str) -> str:
-        """Mark the application owned, write its token file, and return the token. The registry is
-        called on the caller's thread (the daemon's store is a SQLite connection bound to it); the
-        file is written in a worker thread, so a slow disk never stalls the event loop's other calls."""
-        self.registry.claim_app(app_id)
-        await asyncio.to_thread(self.authority.write_app_token, app_id)
+        """Mark the application owned, write its token file, and return the token; on any failure
+        nothing stays claimed and ClaimFailed says why. The registry is called on the caller's thread
+        (the daemon's store is a SQLite connection bound to it); the file is written in a worker
+        thread, so a slow disk never stalls the event loop's other calls."""
+        try:
+            self.registry.claim_app(app_id)
+        except Exception as exc:  # noqa: BLE001 - the store says why (a full disk, a damaged file)
+            raise ClaimFailed(f"cannot record the new application: {exc}") from exc
+        try:
+            await asyncio.to_thread(self.authority.write_app_token, app_id)
+        except AuthSetupError as exc:
+            await self.unclaim(app_id)
+            raise ClaimFailed(f"cannot write the application's token file: {exc.__cause__ or exc}") from exc
         return self.authority.token_for(f"app:{app_id}")
+
+    async def unclaim(self, app_id: str) -> None:
+        """Undo `claim` (the call it was for failed): the id is free again. Best effort: a token
+        file left behind is harmless (it names nothing the ledger holds, and the id may be claimed
+        again, which rewrites it)."""
+        try:
+            self.registry.unclaim_app(app_id)
+        except Exception:  # noqa: BLE001 - logged by the caller's failure already
+            pass
+        with contextlib.suppress(OSError):
+            self.authority.app_token_path(app_id).unlink()
+
+
+class ClaimFailed(Exception):
+    """A new application could not be claimed (its row or its token file could not be written)."""
+
+
+def _request_pid(request: object) -> int:
+    inner = getattr(request, "request", None)
+    pid = getattr(inner, "pid", 0) if inner is not None else 0
+    return pid if isinstance(pid, int) else 0
 
 
 def _request_app_id(request: object) -> str:
@@ -498,6 +546,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self._on_denied = on_denied
         # Claims of new application ids are serialised so two anonymous callers cannot both win.
         self._claim_lock = asyncio.Lock()
+        self._pending_token: dict[str, str] = {}
 
     async def _deny(self, context: Any, method: str, caller: str, denied: Denied) -> None:
         self._log.warning("access_denied", method=method, caller=caller, code=denied.code.name, reason=denied.reason)
@@ -541,15 +590,28 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 self._claim_lock.release()
                 await self._deny(context, method, caller, denied)
                 raise
+            # Validate, then write: the claim (its row and token file) is made before the call
+            # changes anything, so a claim that cannot be written fails the call with nothing done,
+            # and a call that fails gives the claim back (`after`).
+            try:
+                self._pending_token[claim] = await access.claim(claim)
+            except ClaimFailed as exc:
+                self._claim_lock.release()
+                self._log.error("app_claim_failed", method=method, app=claim, error=str(exc))
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"{exc}; free space in the state directory and retry")
+                raise
             return claim, True
 
         async def after(state: tuple[str | None, bool], context: Any, ok: bool) -> None:
             claim, locked = state
             try:
-                if claim is not None and ok:
-                    token = await access.claim(claim)
-                    context.set_trailing_metadata(((APP_TOKEN_TRAILER, token),))
-                    self._log.info("app_claimed", app=claim, token_file=str(access.authority.app_token_path(claim)))
+                if claim is not None:
+                    token = self._pending_token.pop(claim, "")
+                    if ok:
+                        context.set_trailing_metadata(((APP_TOKEN_TRAILER, token),))
+                        self._log.info("app_claimed", app=claim, token_file=str(access.authority.app_token_path(claim)))
+                    else:
+                        await access.unclaim(claim)
             finally:
                 if locked:
                     self._claim_lock.release()

@@ -59,17 +59,18 @@ from prometheus_client import CollectorRegistry, start_http_server
 from vgpu import auth, log
 from vgpu import config as vconfig
 from vgpu.allocator.core import Allocator, Sizer, device_capacities
-from vgpu.allocator.errors import NotFound
+from vgpu.allocator.errors import NotFound, StateNotSaved
 from vgpu.allocator.ledger import Ledger
 from vgpu.allocator.mechanisms.limits import CgroupMemoryLimits
 from vgpu.allocator.mechanisms.mig import MigLayoutMechanism
 from vgpu.allocator.policy.forecast import ForecastPolicy
 from vgpu.allocator.service import AllocatorServicer, Server, build_server
-from vgpu.allocator.store import DeviceOriginal, MigSlot, Store, StoreError
+from vgpu.allocator.store import DeviceOriginal, MigSlot, Store, StoreError, reset_state
 from vgpu.config import Config, ConfigError
 from vgpu.daemon.metrics import AppSnapshot, CounterSnapshot, DaemonMetrics, DeviceSnapshot
 from vgpu.device.base import Backend, Device
 from vgpu.device.errors import DeviceError
+from vgpu.ids import MAX_PID
 from vgpu.manager.coldstart import AllocatorSizer, BackgroundSizer, ColdStartSizer
 from vgpu.manager.core import Manager, default_baseline
 from vgpu.manager.forecast import Forecaster
@@ -238,6 +239,8 @@ class Reconciliation:
     released_gone_device: list[str] = field(default_factory=list)
     released_gone_process: list[str] = field(default_factory=list)
     devices_not_original: dict[str, str] = field(default_factory=dict)
+    # records that could not be used (dropped), each with why
+    bad_records: list[str] = field(default_factory=list)
 
 
 def reconcile(
@@ -267,12 +270,24 @@ def reconcile(
     if records is None:
         return Ledger(caps, clock=clock), rec
     try:
-        ledger = Ledger.from_records(records, devices=caps, clock=clock)
+        ledger = Ledger.from_records(records, devices=caps, clock=clock, skip_bad=True)
     except ValueError as exc:
-        raise StartupError(f"{store.path}: the stored ledger cannot be read ({exc}); move the file aside to start empty") from exc
+        raise StartupError(
+            f"{store.path}: the stored ledger cannot be read ({exc}); start with --reset-state to begin empty"
+        ) from exc
+    rec.bad_records += [*store.bad_rows, *ledger.bad_on_restore]
     rec.released_gone_device = [g.grant_id for g in ledger.dropped_on_restore]
     for g in ledger.grants():
-        if g.pid > 0 and not pid_exists(g.pid):
+        # One bad record (a pid no process can have) is logged, dropped and counted; it never stops a start.
+        try:
+            if not 0 <= g.pid <= MAX_PID:
+                raise ValueError(f"pid {g.pid} is out of range")
+            gone = g.pid > 0 and not pid_exists(g.pid)
+        except (ValueError, OverflowError, OSError) as exc:
+            ledger.release(g.grant_id)
+            rec.bad_records.append(f"grant {g.grant_id}: {exc}")
+            continue
+        if gone:
             ledger.release(g.grant_id)
             rec.released_gone_process.append(g.grant_id)
     rec.grants_restored = len(ledger.grants())
@@ -458,8 +473,10 @@ class Daemon:
         logger: structlog.typing.FilteringBoundLogger | None = None,
         backend: Backend | None = None,
         load_sizer: Callable[[], Sizer] | None = None,
+        reset_state: bool = False,
     ) -> None:
         self.cfg = cfg
+        self._reset_state = reset_state
         self._load_sizer = load_sizer or default_sizer
         self.clock = clock
         self.notifier = notifier or SdNotifier()
@@ -476,12 +493,37 @@ class Daemon:
         self.stopped = asyncio.Event()
 
     def _save(self, ledger: Ledger) -> None:
+        """Store the ledger's changes since the last save (O(1) rows per change). When they cannot
+        be stored, StateNotSaved: the allocator undoes them in memory and the call that made them
+        is answered UNAVAILABLE; reads keep working."""
+        try:
+            self.store.apply_changes(ledger.changes())
+        except (StoreError, ValueError) as exc:
+            self.log.error("state_not_saved", path=str(self.store.path), error=str(exc))
+            raise StateNotSaved(
+                f"the change was not made: the state directory {self.state_dir} is full or failing "
+                f"({exc.__cause__ or exc}); free space there (or fix the disk) and retry"
+            ) from exc
+        ledger.commit_changes()
+        metrics: DaemonMetrics | None = getattr(self, "metrics", None)
+        if metrics is not None:
+            metrics.store_writes.inc()
+
+    def _save_all(self, ledger: Ledger) -> None:
+        """Replace the stored ledger with this one (the reconciled ledger at start)."""
         self.store.save_ledger(ledger.to_records())
-        self.metrics.store_writes.inc()
+        ledger.commit_changes()
+        metrics: DaemonMetrics | None = getattr(self, "metrics", None)
+        if metrics is not None:
+            metrics.store_writes.inc()
 
     async def start(self) -> None:
         cfg = self.cfg
         self._lock = lock_state_dir(self.state_dir)
+        if self._reset_state:
+            moved = reset_state(self.state_dir, clock=self.clock)
+            self.log.warning("state_reset", moved_to=str(moved) if moved else None,
+                             reason="--reset-state: the ledger starts empty; the old database is kept beside it")
         try:
             self.store = Store(self.state_dir, clock=self.clock)
         except StoreError as exc:
@@ -514,12 +556,17 @@ class Daemon:
                                                  name="forecaster-load", daemon=True)
             self.model_loader.start()
         self.metrics = DaemonMetrics(self.registry, StateSource(self.allocator, self.manager))
-        self._save(ledger)  # the reconciled ledger is what a crash from here on must find
+        try:  # the reconciled ledger is what a crash from here on must find
+            self._save_all(ledger)
+        except StoreError as exc:
+            raise StartupError(f"cannot store the reconciled ledger: {exc}") from exc
         self.log.info(
             "reconciled",
             grants_restored=rec.grants_restored,
             released_device_gone=rec.released_gone_device,
             released_process_gone=rec.released_gone_process,
+            bad_records=len(rec.bad_records),
+            bad_record_reasons=rec.bad_records[:20],
             devices_not_original=rec.devices_not_original,
             originals={k: v.power_limit_mw for k, v in self.store.originals().items()},
             cgroup_originals={f"{dev} {cg}": outcome for dev, cg, outcome in cgroup_outcomes},
@@ -530,7 +577,10 @@ class Daemon:
         )
         token_files = authority.write_role_tokens()
         for app_id in self.store.claimed_apps():
-            authority.write_app_token(app_id)
+            try:  # a token file is derived from the secret: one that cannot be written costs only itself
+                authority.write_app_token(app_id)
+            except auth.AuthSetupError as exc:
+                self.log.error("app_token_unwritable", app=app_id, error=str(exc))
         access = auth.AccessControl(
             authority,
             self.store,
@@ -623,7 +673,8 @@ class Daemon:
             await asyncio.sleep(max(0.0, deadline - time.monotonic()))
 
     async def stop(self, reason: str = "signal") -> list[dict[str, Any]]:
-        """Stop serving, restore the devices, save. Safe to call once start() got past the lock."""
+        """Stop serving, restore the devices, save. Works from any point of a failed start: each
+        part is undone only if start() got to it (attributes it never set are absent)."""
         self.notifier.notify("STOPPING=1\nSTATUS=restoring device settings")
         self.log.info("stopping", reason=reason)
         if self._watchdog is not None:
@@ -631,20 +682,26 @@ class Daemon:
         if self.server is not None:
             await self.server.stop(self.cfg.server.grace_s)
         actions: list[dict[str, Any]] = []
-        if hasattr(self, "allocator"):
-            self.allocator.stop()
+        allocator: Allocator | None = getattr(self, "allocator", None)
+        store: Store | None = getattr(self, "store", None)
+        backend: Backend | None = getattr(self, "backend", None)
+        if allocator is not None and store is not None and backend is not None:
+            allocator.stop()
             if self.cfg.server.dry_run:
                 self.log.info("restore_skipped", reason="dry run: nothing was written to the devices")
             else:
-                actions = restore_devices(self.store, self.backend, self.log, self.metrics)
-            self._save(self.allocator.ledger)
+                actions = restore_devices(store, backend, self.log, getattr(self, "metrics", None))
+            try:
+                self._save(allocator.ledger)
+            except StateNotSaved:
+                pass  # logged by _save; every acknowledged change is stored already
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
         await asyncio.to_thread(self._wait_for_loaders, LOADER_JOIN_S)
-        if hasattr(self, "backend"):
-            self.backend.close()
-        if hasattr(self, "store"):
-            self.store.close()
+        if backend is not None:
+            backend.close()
+        if store is not None:
+            store.close()
         self.log.info("stopped", devices_restored=len(actions), restore_actions=actions)
         if self._lock is not None:
             self._lock.close()
@@ -714,6 +771,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--log-format", choices=("json", "console"), help="log format (default json)")
     p.add_argument("--log-level", help="debug, info, warning or error (default info)")
     p.add_argument("--check-config", action="store_true", help="print the effective configuration and exit")
+    p.add_argument("--reset-state", action="store_true",
+                   help="move a damaged state database aside (kept as *.damaged-<time>) and start with an empty ledger")
     return p
 
 
@@ -750,13 +809,23 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu serve") -> int:
         return 0
     log.configure(cfg.log.format, cfg.log.level)  # type: ignore[arg-type]
     logger = log.get_logger("vgpu.daemon")
-    daemon = Daemon(cfg, logger=logger)
+    daemon = Daemon(cfg, logger=logger, reset_state=ns.reset_state)
     try:
         return asyncio.run(daemon.run())
     except (StartupError, auth.AuthSetupError) as exc:
         logger.error("startup_failed", error=str(exc))
-        print(f"{prog}: {exc}", file=sys.stderr)
+        print(f"{prog}: {_one_line(str(exc))}", file=sys.stderr)
         return 1
+    except Exception as exc:  # noqa: BLE001 - one line with the cause, not a traceback, for the operator
+        cause = f"{type(exc).__name__}: {exc}"
+        logger.error("startup_failed", error=cause, exc_info=exc)
+        print(f"{prog}: cannot start: {_one_line(cause)}", file=sys.stderr)
+        return 1
+
+
+def _one_line(text: str) -> str:
+    """A message on one line (a library's error may span several)."""
+    return " ".join(text.split())
 
 
 if __name__ == "__main__":
