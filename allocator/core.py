@@ -26,7 +26,14 @@ from typing import Protocol
 
 import structlog
 
-from vgpu.allocator.errors import DeviceError, InvalidRequest, NotSupported, StateNotSaved, VerifyFailed
+from vgpu.allocator.errors import (
+    DeviceError,
+    InsufficientResources,
+    InvalidRequest,
+    NotSupported,
+    StateNotSaved,
+    VerifyFailed,
+)
 from vgpu.allocator.ledger import AppLimits, DeviceCapacity, DeviceUsage, Grant, Ledger
 from vgpu.allocator.mechanisms.limits import CgroupMemoryLimits, read_cgroup
 from vgpu.allocator.mechanisms.power import PowerLimitMechanism, PowerLimitResult
@@ -148,11 +155,17 @@ _CLOSED = object()
 class Subscription:
     """An async iterator of `AllocationEvent`s. Registered when created, so no event published after
     `watch()` returns is missed. Bounded: when the consumer lags, the oldest events are dropped and
-    counted in `dropped`."""
+    counted in `dropped`; with `drop_slow`, a consumer that has lost a whole queue of events is
+    dropped itself (closed, `overflowed` set): the publisher never waits for anyone."""
 
-    def __init__(self, app_id: str | None, maxsize: int, on_close: Callable[[Subscription], None]) -> None:
+    def __init__(self, app_id: str | None, maxsize: int, on_close: Callable[[Subscription], None], *,
+                 owner: str = "", drop_slow: bool = False) -> None:
         self.app_id = app_id or None
+        self.owner = owner
         self.dropped = 0
+        self.overflowed = False
+        self._maxsize = max(1, maxsize)
+        self._drop_slow = drop_slow
         self._queue: asyncio.Queue[object] = asyncio.Queue(maxsize=max(1, maxsize))
         self._on_close = on_close
         self._closed = False
@@ -166,6 +179,10 @@ class Subscription:
         if self._queue.full():
             self._queue.get_nowait()
             self.dropped += 1
+            if self._drop_slow and self.dropped >= self._maxsize:
+                self.overflowed = True
+                self.close()
+                return
         self._queue.put_nowait(item)
 
     def close(self) -> None:
@@ -213,6 +230,9 @@ class Allocator:
         cgroup_of: Callable[[int], str | None] = read_cgroup,
         on_change: Callable[[Ledger], None] | None = None,
         watch_queue_size: int = 1024,
+        max_watchers: int | None = None,
+        max_watchers_per_caller: int | None = None,
+        drop_slow_watchers: bool = False,
         logger: structlog.typing.FilteringBoundLogger | None = None,
     ) -> None:
         self.backend = backend
@@ -230,6 +250,9 @@ class Allocator:
         self.on_change = on_change
         self.counters = Counters()
         self._watch_queue_size = watch_queue_size
+        self._max_watchers = max_watchers
+        self._max_watchers_per_caller = max_watchers_per_caller
+        self._drop_slow_watchers = drop_slow_watchers
         self._subscriptions: list[Subscription] = []
         self._latest: dict[str, Recommendation] = {}
         self._requests: dict[str, AllocationRequest] = {}
@@ -272,10 +295,25 @@ class Allocator:
         """Open `watch()` subscriptions."""
         return len(self._subscriptions)
 
-    def watch(self, app_id: str | None = None) -> Subscription:
+    def watch(self, app_id: str | None = None, *, owner: str = "") -> Subscription:
         """Subscribe to allocation events (every application's, or one's plus device-level events).
-        Iterate with `async for`; `close()` it when done. Must be called on the allocator's loop."""
-        sub = Subscription(app_id, self._watch_queue_size, self._subscriptions.remove)
+        Iterate with `async for`; `close()` it when done. Must be called on the allocator's loop.
+        `owner` names the caller for the per-caller bound; InsufficientResources names the bound
+        that is reached."""
+        if self._max_watchers is not None and len(self._subscriptions) >= self._max_watchers:
+            raise InsufficientResources(
+                f"quota: {len(self._subscriptions)} watchers are open, the limit (max_watchers = "
+                f"{self._max_watchers}); close one first"
+            )
+        if self._max_watchers_per_caller is not None:
+            mine = sum(1 for s in self._subscriptions if s.owner == owner)
+            if mine >= self._max_watchers_per_caller:
+                raise InsufficientResources(
+                    f"quota: {owner or 'this caller'} has {mine} watchers open, its limit "
+                    f"(max_watchers_per_caller = {self._max_watchers_per_caller}); close one first"
+                )
+        sub = Subscription(app_id, self._watch_queue_size, self._subscriptions.remove, owner=owner,
+                           drop_slow=self._drop_slow_watchers)
         self._subscriptions.append(sub)
         return sub
 

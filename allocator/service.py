@@ -202,9 +202,12 @@ async def _abort(context: Context, exc: BaseException, method: str) -> NoReturn:
 class AllocatorServicer(pb_grpc.AllocatorServicer):
     """`vgpu.v1.Allocator` over an `Allocator`."""
 
-    def __init__(self, allocator: Allocator, *, identify: Identify | None = None) -> None:
+    def __init__(self, allocator: Allocator, *, identify: Identify | None = None,
+                 watcher_owner: Callable[[], str] | None = None) -> None:
         self.allocator = allocator
         self._identify: Identify = identify or (lambda _ctx: None)
+        # Who a watcher counts against for the per-caller bound (the daemon: the caller's token).
+        self._watcher_owner = watcher_owner or (lambda: "")
 
     async def _call(self, context: Context, method: str, fn: Callable[[str | None], T]) -> T:
         try:
@@ -263,7 +266,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     async def WatchAllocations(  # noqa: N802
         self, request: pb.WatchAllocationsRequest, context: Context
     ) -> AsyncIterator[pb.AllocationEvent]:
-        sub = await self._call(context, "WatchAllocations", lambda _c: self.allocator.watch(request.app_id or None))
+        sub = await self._call(context, "WatchAllocations",
+                               lambda _c: self.allocator.watch(request.app_id or None, owner=self._watcher_owner()))
         try:
             # Initial metadata now tells the client the watch is live: every event from here on
             # reaches it (`await call.initial_metadata()` before acting, to miss nothing).
@@ -272,6 +276,9 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
                 yield event_to_pb(event)
         finally:
             sub.close()
+        if sub.overflowed:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"this watcher fell {sub.dropped} events behind and was dropped; watch again and read faster")
 
 
 SERVICE_NAMES: tuple[str, ...] = (

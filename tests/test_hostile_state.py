@@ -172,3 +172,12 @@ def test_a_lost_or_garbage_wal_loses_nothing(env: Env, serves: list[Serve], clie
     assert serves[-1].event("reconciled")["grants_restored"] == 20
     assert client.granted_mib() == 2000
     assert serves[-1].term() == 0
+
+
+def test_removing_daemon_lock_does_not_let_a_second_daemon_in(env: Env, serves: list[Serve]) -> None:
+    serves.append(Serve(env))
+    (env.state / "daemon.lock").unlink()
+    second = Env(env.tmp, env.tmp / "run2" / "vgpu.sock", env.state, env.env)  # same state, another socket
+    failed = _serve_fails(second)
+    assert failed.returncode == 1 and "another vgpu daemon is using the state directory" in failed.stderr
+    assert serves[-1].term() == 0

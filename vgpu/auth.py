@@ -70,6 +70,13 @@ OPEN_PREFIXES: tuple[str, ...] = ("/grpc.health.v1.Health/", "/grpc.reflection."
 
 
 _CALLER: contextvars.ContextVar[str | None] = contextvars.ContextVar("vgpu_caller", default=None)
+_PRINCIPAL: contextvars.ContextVar[str] = contextvars.ContextVar("vgpu_principal", default="")
+
+
+def caller_name() -> str:
+    """Who the current call is ("operator", "profiler", "app:<id>" or "anonymous"), for per-caller
+    bounds; set by `AuthInterceptor` for the call's task."""
+    return _PRINCIPAL.get()
 
 
 def identify_caller(_context: object = None) -> str | None:
@@ -280,7 +287,8 @@ class LedgerView(Protocol):
         ...
 
     def has_app(self, app_id: str) -> bool:
-        """The ledger holds grants or limits for the application."""
+        """The ledger holds grants someone asked for, or limits, for the application (forecast
+        grants, made from signatures, do not make an application owned)."""
         ...
 
 
@@ -577,6 +585,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 await self._deny(context, method, caller, denied)
                 raise  # abort raises; never reached
             _CALLER.set(principal.app_id if principal.role == "app" else claim)
+            _PRINCIPAL.set(principal.describe())
             if claim is None and principal.role == "operator" and need == "app_request":
                 app_id = _request_app_id(request)
                 if app_id and not access.registry.app_claimed(app_id):

@@ -53,6 +53,14 @@ class ServerConfig:
     cgroup_memory_limits: bool = True
     # Seconds a graceful stop waits for in-flight RPCs.
     grace_s: float = 5.0
+    # Grant quotas: at most this many grants per application and on the node (RESOURCE_EXHAUSTED
+    # naming the quota beyond); they bound the ledger whatever callers pile up.
+    max_grants_per_app: int = 64
+    max_grants_per_node: int = 4096
+    # WatchAllocations streams at most per caller (one token, or all anonymous callers together)
+    # and in all; a watcher that does not keep up with its events is dropped.
+    max_watchers_per_caller: int = 16
+    max_watchers: int = 256
 
 
 @dataclass(frozen=True)
@@ -200,6 +208,9 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"server.backend: expected 'nvml' or 'sim:<sku>', got {s.backend!r}")
     if s.grace_s < 0:
         raise ConfigError(f"server.grace_s: must be >= 0, got {s.grace_s}")
+    for name in ("max_grants_per_app", "max_grants_per_node", "max_watchers_per_caller", "max_watchers"):
+        if getattr(s, name) < 1:
+            raise ConfigError(f"server.{name}: must be >= 1, got {getattr(s, name)}")
     if s.tcp:
         parse_host_port(s.tcp)  # raises ConfigError
         if not cfg.tls.cert:

@@ -76,9 +76,15 @@ from vgpu.manager.core import Manager, default_baseline
 from vgpu.manager.forecast import Forecaster
 from vgpu.manager.modelpath import ModelChoice, open_forecaster, resolve_model
 from vgpu.manager.service import IngestServicer
+from vgpu.manager.window import WindowStore
 
 SIM_STATE_FILE = "sim-devices.json"
 LOCK_FILE = "daemon.lock"
+# A window's trace covers at most this long before its latest sample (a forecast's 1 s grid is
+# bounded by it, whatever time stamps a profiler sends); samples stamped further ahead of the
+# daemon's clock than MAX_FUTURE_S are rejected with the reason.
+MAX_WINDOW_SPAN_S = 3600.0
+MAX_FUTURE_S = 300.0
 # How long a stop waits for background model loads to end (they take seconds; systemd's stop timeout is 90 s).
 LOADER_JOIN_S = 60.0
 
@@ -124,7 +130,11 @@ class LedgerView:
             return None
 
     def has_app(self, app_id: str) -> bool:
-        return bool(self._allocator.ledger.grants(app_id=app_id)) or self._allocator.ledger.limits(app_id) is not None
+        """Grants someone asked for, or limits an operator set. Forecast grants do not count: they
+        come from signatures, whose app ids a profiler may make up, and must not lock the real owner
+        of an id out of claiming it."""
+        ledger = self._allocator.ledger
+        return any(g.source != "forecast" for g in ledger.grants(app_id=app_id)) or ledger.limits(app_id) is not None
 
 
 class StateSource:
@@ -432,23 +442,43 @@ def secure_socket(path: Path, *, mode: int, owner: str, group: str) -> None:
     os.chmod(path, mode)
 
 
-def lock_state_dir(state_dir: Path) -> TextIO:
-    """An exclusive lock held for the daemon's life: two daemons on one state dir would corrupt it."""
+class StateLock:
+    """An exclusive flock(2) on the state directory itself, held for the daemon's life, plus
+    `daemon.lock` naming the holder's pid for people. The lock is on the directory, not on the file:
+    removing or replacing `daemon.lock` cannot let a second daemon in (a lock on a file that is
+    unlinked and created again is a lock on another inode)."""
+
+    def __init__(self, dir_fd: int, pid_file: TextIO) -> None:
+        self._dir_fd: int | None = dir_fd
+        self._pid_file = pid_file
+
+    def close(self) -> None:
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)  # releases the flock
+            self._dir_fd = None
+        self._pid_file.close()
+
+
+def lock_state_dir(state_dir: Path) -> StateLock:
+    """Lock the state directory (see StateLock): two daemons on one state dir would corrupt it."""
     try:
         state_dir.mkdir(parents=True, exist_ok=True)
-        fh = open(state_dir / LOCK_FILE, "a+")  # noqa: SIM115 - held until exit
+        dir_fd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
         raise StartupError(f"state directory {state_dir} is not usable: {exc}") from exc
     try:
-        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        fh.close()
+        os.close(dir_fd)
         raise StartupError(f"another vgpu daemon is using the state directory {state_dir}") from None
-    fh.seek(0)
-    fh.truncate()
-    fh.write(f"{os.getpid()}\n")
-    fh.flush()
-    return fh
+    try:
+        fh = open(state_dir / LOCK_FILE, "w")  # noqa: SIM115 - held until exit
+        fh.write(f"{os.getpid()}\n")
+        fh.flush()
+    except OSError as exc:
+        os.close(dir_fd)
+        raise StartupError(f"state directory {state_dir} is not usable: {exc}") from exc
+    return StateLock(dir_fd, fh)
 
 
 def _read(path: str, what: str) -> bytes:
@@ -487,7 +517,7 @@ class Daemon:
         self.socket_path = Path(cfg.server.socket)
         self.server: Server | None = None
         self.metrics_server: Any = None
-        self._lock: TextIO | None = None
+        self._lock: StateLock | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self.model_loader: threading.Thread | None = None
         self.stopped = asyncio.Event()
@@ -530,13 +560,18 @@ class Daemon:
             raise StartupError(str(exc)) from exc
         self.backend = self._backend_override or open_backend(cfg.server.backend, self.state_dir)
         ledger, rec = reconcile(self.store, self.backend, clock=self.clock)
+        ledger.max_grants_per_app = cfg.server.max_grants_per_app
+        ledger.max_grants = cfg.server.max_grants_per_node
         (self.state_dir / "mig").mkdir(mode=0o700, exist_ok=True)
         mig = MigLayoutMechanism(state_dir=self.state_dir / "mig", dry_run=cfg.server.dry_run)
         self.sizer = BackgroundSizer(self._load_sizer, self.log)
         cgroup_limits = CgroupMemoryLimits(dry_run=cfg.server.dry_run, store=self.store, clock=self.clock)
         self.allocator = Allocator(self.backend, clock=self.clock, dry_run=cfg.server.dry_run, ledger=ledger,
                                    mig=mig, cgroup_limits=cgroup_limits if cfg.server.cgroup_memory_limits else None,
-                                   sizer=self.sizer, policy=ForecastPolicy(), on_change=self._save)
+                                   sizer=self.sizer, policy=ForecastPolicy(), on_change=self._save,
+                                   max_watchers=cfg.server.max_watchers,
+                                   max_watchers_per_caller=cfg.server.max_watchers_per_caller,
+                                   drop_slow_watchers=True)
         # cgroup limits a crashed run left: put back where no grant holds the cgroup now (all of
         # them where the mechanism is now off: nothing would restore them later)
         cgroup_outcomes = (self.allocator.reconcile_cgroup_limits() if cfg.server.cgroup_memory_limits
@@ -546,7 +581,8 @@ class Daemon:
         self.manager = Manager(self.allocator, load_model(cfg.manager.model, fallback=baseline, check_interval_s=interval_s),
                                clock=self.clock, fallback=baseline,
                                batch_window_s=cfg.manager.batch_window_ms / 1000.0,
-                               forecast_duty_max=cfg.manager.forecast_duty_max)
+                               forecast_duty_max=cfg.manager.forecast_duty_max,
+                               windows=WindowStore(max_span_s=MAX_WINDOW_SPAN_S), max_future_s=MAX_FUTURE_S)
         model = resolve_model(cfg.manager.model)
         if model.configured:
             self.log.info("forecaster", serving="model", path=str(model.path), check_interval_s=interval_s)
@@ -596,7 +632,8 @@ class Daemon:
         try:
             self.server = build_server(
                 f"unix:{self.socket_path}",
-                allocator_servicer=AllocatorServicer(self.allocator, identify=auth.identify_caller),
+                allocator_servicer=AllocatorServicer(self.allocator, identify=auth.identify_caller,
+                                                     watcher_owner=auth.caller_name),
                 ingest_servicer=IngestServicer(self.manager, ack_interval_s=cfg.manager.ack_interval_ms / 1000.0),
                 interceptors=[interceptor],
             )
