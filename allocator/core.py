@@ -378,9 +378,14 @@ class Allocator:
         """An application went silent: release its forecast and cold-start grants (grants it
         requested itself stay until it releases them) and drop its latest recommendation."""
         self._latest.pop(app_id, None)
-        gone = [g for g in self.ledger.grants(app_id=app_id) if g.source != "request"]
-        for g in gone:
-            self.release(g.grant_id)
+        gone = []
+        for g in [g for g in self.ledger.grants(app_id=app_id) if g.source != "request"]:
+            try:
+                self.release(g.grant_id)
+            except StateNotSaved as exc:  # kept (undone in memory); an operator can release it later
+                self._log.error("release_not_saved", app=app_id, grant=g.grant_id, error=str(exc))
+                continue
+            gone.append(g)
         return gone
 
     def set_limits(self, limits: AppLimits, *, caller: str | None = None) -> AppLimits:

@@ -409,6 +409,9 @@ class Store:
         """Forget a claim (the call that made it failed)."""
         self._write("DELETE FROM apps WHERE app_id=?", (app_id,))
 
+    def claimed_count(self) -> int:
+        return int(self._db.execute("SELECT count(*) FROM apps").fetchone()[0])
+
     def app_claimed(self, app_id: str) -> bool:
         return self._db.execute("SELECT 1 FROM apps WHERE app_id=?", (app_id,)).fetchone() is not None
 

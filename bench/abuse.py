@@ -11,7 +11,8 @@ What runs. `vgpu serve --backend sim:h100-80gb` as a child process on a temporar
 2. N `WatchAllocations` streams are opened (as anonymous callers, over N/50 channels) and never read;
 3. N idle connections are opened to the socket (connected, never a byte sent);
 each pile-up goes on until N or until the daemon refuses (its quotas: `server.max_grants_per_*`,
-`server.max_watchers*`); how many were accepted is reported. `--raise-quotas` lifts the quotas to
+`server.max_watchers*`); how many were accepted is reported. When the node's grant quota is reached,
+two piled grants are released so the well-behaved client has room (a full node refuses everyone). `--raise-quotas` lifts the quotas to
 N + 1000, so what piled-up state itself costs can be measured.
 
 Then one well-behaved application does `--pairs` request + release pairs in sequence (1 MiB,
@@ -96,16 +97,21 @@ def measure(n: int, pairs: int, raise_quotas: bool) -> dict[str, Any]:
         op = auth.bearer(auth.read_token_file(auth.role_token_file("operator", state)))
         main = grpc.insecure_channel(f"unix:{sock}")
         stub = pb_grpc.AllocatorStub(main)
-        grants = 0
+        piled: list[str] = []
         for i in range(n):
             try:
-                stub.RequestResourceAllocation(pb.RequestResourceAllocationRequest(
-                    request=pb.ResourceRequest(app_id=f"pile{i // 32}", memory_mib=1.0)), metadata=op, timeout=30)
-                grants += 1
+                piled.append(stub.RequestResourceAllocation(pb.RequestResourceAllocationRequest(
+                    request=pb.ResourceRequest(app_id=f"pile{i // 32}", memory_mib=1.0)), metadata=op,
+                    timeout=30).grant.grant_id)
             except grpc.RpcError as err:
                 _refusal(refusals, err)
                 if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_grants_per_node" in str(err.details()):
+                    # the node is full: leave room for the well-behaved client's one grant
+                    for grant_id in piled[-2:]:
+                        stub.ReleaseResources(pb.ReleaseResourcesRequest(grant_id=grant_id), metadata=op, timeout=30)
+                    piled = piled[:-2]
                     break
+        grants = len(piled)
         channels = [grpc.insecure_channel(f"unix:{sock}") for _ in range(max(1, n // 50))] if n else []
         watches: list[Any] = []
         watchers = 0

@@ -53,11 +53,5 @@ def raw(sock: Path) -> Iterator[Raw]:
         r.close()
 
 
-def code_of(call: object) -> grpc.StatusCode:
-    """The status code of a failed call (an RpcError)."""
-    assert isinstance(call, grpc.RpcError), call
-    return call.code()  # type: ignore[no-any-return]
-
-
 def operator_token(state: Path) -> str:
     return auth.read_token_file(auth.role_token_file("operator", state))

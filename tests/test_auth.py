@@ -81,6 +81,9 @@ class Registry:
     def unclaim_app(self, app_id: str) -> None:
         self.claimed.discard(app_id)
 
+    def claimed_count(self) -> int:
+        return len(self.claimed)
+
 
 @dataclass
 class Grants:

@@ -26,7 +26,8 @@ from vgpu.v1 import signature_pb2 as spb
 def env(tmp_path: Path) -> Env:
     e = make_env(tmp_path)
     e.env.update({"VGPU_SERVER_MAX_GRANTS_PER_APP": "3", "VGPU_SERVER_MAX_GRANTS_PER_NODE": "5",
-                  "VGPU_SERVER_MAX_WATCHERS_PER_CALLER": "2", "VGPU_SERVER_MAX_WATCHERS": "3"})
+                  "VGPU_SERVER_MAX_WATCHERS_PER_CALLER": "2", "VGPU_SERVER_MAX_WATCHERS": "3",
+                  "VGPU_AUTH_MAX_SELF_REGISTERED_APPS": "2"})
     return e
 
 
@@ -54,6 +55,19 @@ def test_grant_quotas_per_app_and_per_node(env: Env, serves: list[Serve], client
         client.request("d", 1, token=op)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_grants_per_node = 5" in str(err.value.details())
     assert client.granted_mib() == 5 and "d" not in [a.app_id for a in client.apps()]
+    assert serves[-1].term() == 0
+
+
+def test_self_registered_app_ids_are_bounded(env: Env, serves: list[Serve], client: Raw) -> None:
+    serves.append(Serve(env))
+    for app in ("x1", "x2"):
+        client.request(app, 1)
+    with pytest.raises(grpc.RpcError) as err:
+        client.request("x3", 1)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_self_registered_apps = 2" in str(err.value.details())
+    assert not auth.app_token_file("x3", env.state).exists()
+    assert client.request("x3", 1, token=operator_token(env.state)).app_id == "x3"  # the operator still may
     assert serves[-1].term() == 0
 
 
@@ -123,3 +137,15 @@ def test_a_window_trace_is_bounded_by_its_span_not_by_time_stamps() -> None:
         win.append("GPU-0", k + 1, t, np.zeros(len(NUMERIC)))
     trace = win.trace()
     assert list(trace.t_s) == [1e8 - 10, 1e8]  # a 1 s grid of it has 11 bins, not 1e8
+
+
+async def test_a_watcher_that_does_not_read_is_dropped() -> None:
+    # in process: a subscription of the daemon's kind (drop_slow), fed more than two queues of events
+    from vgpu.allocator.core import AllocationEvent, EventKind, Subscription
+
+    closed: list[Subscription] = []
+    sub = Subscription(None, 4, closed.append, owner="anonymous", drop_slow=True)
+    for k in range(9):
+        sub.push(AllocationEvent(EventKind.GRANTED, float(k)))
+    assert sub.overflowed and closed == [sub] and sub.dropped == 4
+    assert [e.at_s async for e in sub] == [4.0, 5.0, 6.0]  # what it still had, then the end

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sqlite3
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,10 +70,10 @@ async def test_a_full_disk_changes_nothing_and_reads_keep_working(daemon: Daemon
             return sum(d.mem_granted_mib for d in devs)
 
         kept = await request("a", 1000)
-        disk = _FullDisk(daemon.store._db)  # type: ignore[arg-type]
+        disk = _FullDisk(daemon.store._db)
         daemon.store._db = disk  # type: ignore[assignment]
         # A grant, a claim by a new anonymous application, a release and limits: all UNAVAILABLE.
-        calls = [
+        calls: list[Awaitable[Any]] = [
             request("a", 500),
             request("new-app", 500, ()),
             stub.ReleaseResources(pb.ReleaseResourcesRequest(grant_id=kept.grant_id), metadata=op, timeout=10),
@@ -96,7 +96,7 @@ async def test_a_full_disk_changes_nothing_and_reads_keep_working(daemon: Daemon
         await request("a", 500)
         await request("new-app", 500, ())
         assert await granted() == 2000
-    daemon.store._db = disk.db  # type: ignore[assignment]
+    daemon.store._db = disk.db
     stored = daemon.store.load_ledger()
     assert stored is not None and sorted(g["memory_mib"] for g in stored["grants"]) == [500, 500, 1000]
 

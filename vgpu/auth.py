@@ -280,6 +280,8 @@ class AppRegistry(Protocol):
 
     def unclaim_app(self, app_id: str) -> None: ...
 
+    def claimed_count(self) -> int: ...
+
 
 class LedgerView(Protocol):
     def grant_owner(self, grant_id: str) -> str | None:
@@ -309,6 +311,7 @@ class AccessControl:
         *,
         open_reads: bool = True,
         app_self_registration: bool = True,
+        max_self_registered_apps: int | None = None,
         open_ingest: bool = False,
         mtls_role: Role = "profiler",
     ) -> None:
@@ -317,6 +320,7 @@ class AccessControl:
         self.ledger = ledger
         self.open_reads = open_reads
         self.app_self_registration = app_self_registration
+        self.max_self_registered_apps = max_self_registered_apps
         self.open_ingest = open_ingest
         self.mtls_role = mtls_role
 
@@ -392,6 +396,13 @@ class AccessControl:
                     raise Denied(
                         grpc.StatusCode.PERMISSION_DENIED,
                         f"application {app_id!r} is owned by another client; present its token",
+                    )
+                limit = self.max_self_registered_apps
+                if limit is not None and self.registry.claimed_count() >= limit:
+                    raise Denied(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"quota: {limit} application ids are claimed (auth.max_self_registered_apps = {limit}); "
+                        "ask the operator for this application's token",
                     )
                 return app_id
             if role == "anonymous":

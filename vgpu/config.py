@@ -80,6 +80,9 @@ class AuthConfig:
     profiler_group: str = ""
     # A client without a token may claim an application id nobody owns yet (and gets its token).
     app_self_registration: bool = True
+    # At most this many application ids may be claimed by self-registration (each is a row and a
+    # token file that outlive its grants); beyond, RESOURCE_EXHAUSTED naming the bound.
+    max_self_registered_apps: int = 10000
     # GetAvailableResources / ListApplications / WatchAllocations need no token.
     open_reads: bool = True
     # Ingest streams need no profiler token (only for profilers that cannot send one yet).
@@ -211,6 +214,8 @@ def _validate(cfg: Config) -> None:
     for name in ("max_grants_per_app", "max_grants_per_node", "max_watchers_per_caller", "max_watchers"):
         if getattr(s, name) < 1:
             raise ConfigError(f"server.{name}: must be >= 1, got {getattr(s, name)}")
+    if cfg.auth.max_self_registered_apps < 1:
+        raise ConfigError(f"auth.max_self_registered_apps: must be >= 1, got {cfg.auth.max_self_registered_apps}")
     if s.tcp:
         parse_host_port(s.tcp)  # raises ConfigError
         if not cfg.tls.cert:

@@ -623,6 +623,7 @@ class Daemon:
             LedgerView(self.allocator),
             open_reads=cfg.auth.open_reads,
             app_self_registration=cfg.auth.app_self_registration,
+            max_self_registered_apps=cfg.auth.max_self_registered_apps,
             open_ingest=cfg.auth.open_ingest,
         )
         interceptor = auth.AuthInterceptor(access, on_denied=self.metrics.on_denied)
