@@ -670,11 +670,16 @@ class Allocator:
                 continue
             try:
                 lim.apply(dev, cg, mib)
-            except (DeviceError, VerifyFailed) as exc:
+            except Exception as exc:  # noqa: BLE001 - the grant is stored: a device or store error here never fails it
                 self.counters.failed(device_id, "cgroup_memory")
                 self._log.error("cgroup_memory_limit_failed", device=device_id, cgroup=cg, hard_mib=mib, error=str(exc))
         for cg in sorted(stale):
-            if lim.restore_one(device_id, cg).startswith("failed"):
+            try:
+                outcome = lim.restore_one(device_id, cg)
+            except Exception as exc:  # noqa: BLE001 - as above (the original could not be forgotten in the store)
+                outcome = f"failed: {exc}"
+                self._log.error("cgroup_memory_restore_failed", device=device_id, cgroup=cg, error=str(exc))
+            if outcome.startswith("failed"):
                 self.counters.failed(device_id, "cgroup_memory")
 
     def _cgroup_memory(self, device_id: str) -> dict[str, float]:
