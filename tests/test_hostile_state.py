@@ -10,6 +10,9 @@ WAL is checkpointed after every change); `--reset-state` starts empty and keeps 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import io
 import sqlite3
 import subprocess
 import sys
@@ -22,7 +25,7 @@ import pytest
 from daemon_fixtures import ROOT, SKU, Env, Serve, make_env, serves_killed_after, sim_daemon
 from hostile import Raw, operator_token, raw
 
-from vgpu import auth
+from vgpu import auth, ctl
 from vgpu.daemon.serve import Daemon
 from vgpu.v1 import allocator_pb2 as pb
 from vgpu.v1 import allocator_pb2_grpc as pb_grpc
@@ -85,6 +88,14 @@ async def test_a_full_disk_changes_nothing_and_reads_keep_working(daemon: Daemon
                 await call
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
             assert "full" in str(err.value.details())
+        # The CLI says what the daemon said (not "cannot reach the daemon").
+        err_text = io.StringIO()
+        with contextlib.redirect_stderr(err_text):
+            rc = await asyncio.to_thread(
+                ctl.request_main, ["--socket", str(daemon.socket_path), "--app", "cli-app", "--memory-mib", "1"],
+                "vgpu request", out=io.StringIO(), env={"XDG_CONFIG_HOME": str(tmp_path / "cfg"), "HOME": str(tmp_path)})
+        assert rc == 1 and "UNAVAILABLE" in err_text.getvalue() and "full" in err_text.getvalue(), err_text.getvalue()
+        assert "cannot reach" not in err_text.getvalue()
         # Reads work and show exactly what was acknowledged.
         assert await granted() == 1000
         apps = (await stub.ListApplications(pb.ListApplicationsRequest(), timeout=10)).apps
