@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 from daemon_fixtures import Env, Serve, make_env, serves_killed_after
-from hostile import Raw, raw
+from hostile import Raw, operator_token, raw
 
 from vgpu import auth
 from vgpu.ids import app_id_problem, sanitize_app_id_part
@@ -62,4 +62,14 @@ def test_long_and_emoji_ids_are_refused_and_the_daemon_restarts(env: Env, serves
     serves.append(Serve(env))
     assert serves[-1].event("reconciled")["grants_restored"] == 1
     assert client.granted_mib() == 64
+    assert serves[-1].term() == 0
+
+
+def test_the_operator_s_bad_id_is_refused_before_anything_is_claimed(env: Env, serves: list[Serve], client: Raw) -> None:
+    serves.append(Serve(env))
+    bad = "\U0001f600" * 21
+    with pytest.raises(grpc.RpcError) as err:
+        client.request(bad, 1, token=operator_token(env.state))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert not [e for e in serves[-1].events() if e.get("event") in ("app_claimed", "app_claim_failed")]
     assert serves[-1].term() == 0

@@ -599,7 +599,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             _PRINCIPAL.set(principal.describe())
             if claim is None and principal.role == "operator" and need == "app_request":
                 app_id = _request_app_id(request)
-                if app_id and not access.registry.app_claimed(app_id):
+                if app_id and app_id_problem(app_id) is None and not access.registry.app_claimed(app_id):
                     claim = app_id  # the operator's first grant for an app creates its token file
             if claim is None:
                 return None, False
