@@ -13,7 +13,8 @@ What runs. `vgpu serve --backend sim:h100-80gb` as a child process on a temporar
 each pile-up goes on until N or until the daemon refuses (its quotas: `server.max_grants_per_*`,
 `server.max_watchers*`); how many were accepted is reported. When the node's grant quota is reached,
 two piled grants are released so the well-behaved client has room (a full node refuses everyone). `--raise-quotas` lifts the quotas to
-N + 1000, so what piled-up state itself costs can be measured.
+N + 1000, so what piled-up state itself costs can be measured; `--pile grants` (or `watchers`,
+`connections`, comma-separated) piles up only those.
 
 Then one well-behaved application does `--pairs` request + release pairs in sequence (1 MiB,
 anonymous, its own token after the first) and the latency of each pair is measured. Printed, per N:
@@ -83,11 +84,11 @@ def daemon(tmp: Path, env_extra: dict[str, str]) -> Iterator[tuple[subprocess.Po
 
 
 def _refusal(counts: dict[str, int], err: grpc.RpcError) -> None:
-    key = f"{err.code().name}: {str(err.details())[:60]}"
+    key = f"{err.code().name}: {str(err.details())[:120]}"
     counts[key] = counts.get(key, 0) + 1
 
 
-def measure(n: int, pairs: int, raise_quotas: bool) -> dict[str, Any]:
+def measure(n: int, pairs: int, raise_quotas: bool, pile: set[str]) -> dict[str, Any]:
     extra = {}
     if raise_quotas:
         extra = {"VGPU_SERVER_MAX_GRANTS_PER_APP": str(n + 1000), "VGPU_SERVER_MAX_GRANTS_PER_NODE": str(n + 1000),
@@ -98,7 +99,7 @@ def measure(n: int, pairs: int, raise_quotas: bool) -> dict[str, Any]:
         main = grpc.insecure_channel(f"unix:{sock}")
         stub = pb_grpc.AllocatorStub(main)
         piled: list[str] = []
-        for i in range(n):
+        for i in range(n if "grants" in pile else 0):
             try:
                 piled.append(stub.RequestResourceAllocation(pb.RequestResourceAllocationRequest(
                     request=pb.ResourceRequest(app_id=f"pile{i // 32}", memory_mib=1.0)), metadata=op,
@@ -112,10 +113,11 @@ def measure(n: int, pairs: int, raise_quotas: bool) -> dict[str, Any]:
                     piled = piled[:-2]
                     break
         grants = len(piled)
-        channels = [grpc.insecure_channel(f"unix:{sock}") for _ in range(max(1, n // 50))] if n else []
+        n_watch = n if "watchers" in pile else 0
+        channels = [grpc.insecure_channel(f"unix:{sock}") for _ in range(max(1, n_watch // 50))] if n_watch else []
         watches: list[Any] = []
         watchers = 0
-        for i in range(n):
+        for i in range(n_watch):
             call: Any = pb_grpc.AllocatorStub(channels[i % len(channels)]).WatchAllocations(
                 pb.WatchAllocationsRequest(), timeout=3600)
             try:
@@ -129,7 +131,7 @@ def measure(n: int, pairs: int, raise_quotas: bool) -> dict[str, Any]:
                 if "max_watchers" in str(err.details()):
                     break
         idle: list[socket.socket] = []
-        for _ in range(n):
+        for _ in range(n if "connections" in pile else 0):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 s.connect(str(sock))
@@ -177,15 +179,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, nargs="+", default=[0, 1000])
     p.add_argument("--pairs", type=int, default=200)
     p.add_argument("--raise-quotas", action="store_true")
+    p.add_argument("--pile", default="grants,watchers,connections",
+                   help="what piles up, comma-separated (default all three)")
     p.add_argument("--json", action="store_true")
     ns = p.parse_args(argv)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the idle connections are ours too
-    rows = [measure(n, ns.pairs, ns.raise_quotas) for n in ns.n]
+    pile = set(ns.pile.split(","))
+    rows = [measure(n, ns.pairs, ns.raise_quotas, pile) for n in ns.n]
     base = next((r for r in rows if r["n"] == 0), rows[0])
     out = {
         "machine": f"{os.cpu_count()} cpus, {psutil.virtual_memory().total / 2**30:.0f} GiB",
         "raise_quotas": ns.raise_quotas,
+        "pile": sorted(pile),
         "pairs": ns.pairs,
         "rows": rows,
         "p99_within_2x": all(r["pair_p99_ms"] <= 2 * base["pair_p99_ms"] for r in rows),
