@@ -188,10 +188,11 @@ class Store:
             raise StoreError(f"cannot create state directory {self.state_dir}: {exc}") from exc
         if not 1 <= version <= SCHEMA_VERSION:
             raise StoreError(f"{self.path} has schema {version}; this vgpu reads schemas 1 to {SCHEMA_VERSION}")
+        self._quick_check()  # before an upgrade writes to a damaged file
         for step in range(version + 1, SCHEMA_VERSION + 1):
             self._migrate(step)
         self.writes = 0
-        self._check()
+        self._check_grant_rows()
         self._checkpoint()
 
     def _damaged(self, what: str) -> StoreDamaged:
@@ -200,12 +201,17 @@ class Store:
             f"or start with `vgpu serve --reset-state` to move it aside and begin empty (its grants are lost)"
         )
 
-    def _check(self) -> None:
-        """quick_check, and the grant rows against the count committed with them."""
+    def _quick_check(self) -> None:
         try:
             rows = self._db.execute("PRAGMA quick_check").fetchall()
-            if [r[0] for r in rows] != ["ok"]:
-                raise self._damaged("; ".join(str(r[0]) for r in rows[:5]))
+        except sqlite3.DatabaseError as exc:
+            raise self._damaged(str(exc)) from exc
+        if [r[0] for r in rows] != ["ok"]:
+            raise self._damaged("; ".join(str(r[0]) for r in rows[:5]))
+
+    def _check_grant_rows(self) -> None:
+        """The grant rows against the count committed with them (a row deleted behind our back)."""
+        try:
             n = self._db.execute("SELECT count(*) FROM grants").fetchone()[0]
             row = self._db.execute("SELECT value FROM meta WHERE key='grant_rows'").fetchone()
         except sqlite3.DatabaseError as exc:
