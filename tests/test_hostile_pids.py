@@ -7,20 +7,27 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
 from daemon_fixtures import Env, Serve, make_env, serves_killed_after
 from hostile import Raw, operator_token, raw
 
 from vgpu import auth
+from vgpu.client import InAppCounters, InAppReport, write_inapp
 
 
 @pytest.fixture
 def env(tmp_path: Path) -> Env:
-    return make_env(tmp_path)
+    e = make_env(tmp_path)
+    e.env["VGPU_SERVER_INAPP_DIR"] = str(tmp_path / "inapp")
+    return e
 
 
 @pytest.fixture
@@ -61,6 +68,34 @@ def test_a_pid_needs_the_operator(env: Env, serves: list[Serve], client: Raw) ->
     # The operator may name a process.
     grant = client.request("app", 32, pid=os.getpid(), token=operator_token(env.state))
     assert grant.memory_mib == 32
+    assert serves[-1].term() == 0
+
+
+def test_a_process_that_reports_itself_may_be_named_by_its_application(env: Env, serves: list[Serve],
+                                                                      client: Raw) -> None:
+    serves.append(Serve(env))
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        inapp = env.tmp / "inapp"
+        # what the client stub's in-app reporter writes for its process
+        path = write_inapp(inapp, InAppReport("mine", child.pid, psutil.Process(child.pid).create_time(), time.time(),
+                                              InAppCounters()))
+        # another application may not name it, nor may "mine" name a process that does not report
+        for app, pid in (("other", child.pid), ("mine", 1)):
+            with pytest.raises(grpc.RpcError) as err:
+                client.request(app, 8, pid=pid)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, (app, pid)
+        if os.geteuid() == 0:  # a report not owned by the process's user proves nothing
+            os.chown(path, 12345, 12345)
+            with pytest.raises(grpc.RpcError) as err:
+                client.request("mine", 8, pid=child.pid)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            os.chown(path, os.getuid(), os.getgid())
+        grant = client.request("mine", 8, pid=child.pid)
+        assert grant.app_id == "mine" and client.granted_mib() == 8
+    finally:
+        child.kill()
+        child.wait(10)
     assert serves[-1].term() == 0
 
 

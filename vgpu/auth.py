@@ -312,6 +312,7 @@ class AccessControl:
         open_reads: bool = True,
         app_self_registration: bool = True,
         max_self_registered_apps: int | None = None,
+        pid_proof: Callable[[int, str], bool] | None = None,
         open_ingest: bool = False,
         mtls_role: Role = "profiler",
     ) -> None:
@@ -321,6 +322,9 @@ class AccessControl:
         self.open_reads = open_reads
         self.app_self_registration = app_self_registration
         self.max_self_registered_apps = max_self_registered_apps
+        # pid_proof(pid, app_id): whether the process shows it is that application's, in a way
+        # only its own user could arrange (the daemon: `InAppPidProof`); None: nothing proves it.
+        self.pid_proof = pid_proof
         self.open_ingest = open_ingest
         self.mtls_role = mtls_role
 
@@ -373,14 +377,15 @@ class AccessControl:
             pid = _request_pid(request)
             if pid > MAX_PID:
                 raise Denied(grpc.StatusCode.INVALID_ARGUMENT, f"request.pid {pid} is out of range: a pid is 1 to {MAX_PID} (0: none)")
-            if pid:  # (the operator was let through above)
+            if pid and (self.pid_proof is None or not self.pid_proof(pid, app_id)):  # (the operator was let through above)
                 # The Unix socket does not tell the daemon which user calls (grpc hides SO_PEERCRED),
-                # so it cannot check that the process is the caller's: a grant tied to a pid caps
-                # that process's cgroup, which only the operator may ask for.
+                # so a pid is taken only with the operator token or the process's own proof that it
+                # runs this application (its in-app report, owned by the process's user): a grant tied
+                # to a pid caps that process's cgroup.
                 raise Denied(
                     grpc.StatusCode.PERMISSION_DENIED,
-                    f"{principal.describe()} may not name a process (pid {pid}): a grant tied to a pid "
-                    "caps that process's cgroup and needs the operator token",
+                    f"{principal.describe()} may not name process {pid}: it does not report itself as "
+                    f"{app_id!r} (a fresh in-app report of its own user); naming it needs the operator token",
                 )
             if role == "app":
                 if principal.app_id == app_id:

@@ -61,6 +61,9 @@ class ServerConfig:
     # and in all; a watcher that does not keep up with its events is dropped.
     max_watchers_per_caller: int = 16
     max_watchers: int = 256
+    # Where client stubs write their in-app reports (vgpu/client.py); a request naming a pid without
+    # the operator token is taken only when that pid's report there, owned by its user, names the app.
+    inapp_dir: str = "/run/vgpu/inapp"
 
 
 @dataclass(frozen=True)

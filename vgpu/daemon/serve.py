@@ -43,6 +43,7 @@ import os
 import pwd
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -66,6 +67,14 @@ from vgpu.allocator.mechanisms.mig import MigLayoutMechanism
 from vgpu.allocator.policy.forecast import ForecastPolicy
 from vgpu.allocator.service import AllocatorServicer, Server, build_server
 from vgpu.allocator.store import DeviceOriginal, MigSlot, Store, StoreError, reset_state
+from vgpu.client import (
+    DEFAULT_INAPP_DIR,
+    INAPP_MAX_AGE_S,
+    PID_START_TOLERANCE_S,
+    InAppFormatError,
+    inapp_path,
+    parse_inapp,
+)
 from vgpu.config import Config, ConfigError
 from vgpu.daemon.metrics import AppSnapshot, CounterSnapshot, DaemonMetrics, DeviceSnapshot
 from vgpu.device.base import Backend, Device
@@ -194,6 +203,46 @@ class StateSource:
             forecaster=self.manager.source,
             forecaster_reloads=getattr(forecaster, "reloads", 0),
             forecaster_reload_failures=getattr(forecaster, "reload_failures", 0),
+        )
+
+
+class InAppPidProof:
+    """Whether a process runs a given application, shown in a way only the process's own user could
+    arrange: its client stub's in-app report (`<inapp_dir>/<pid>.json`, vgpu/client.py) is a regular
+    file owned by the process's user, fresh, written by this very process (its start time), and names
+    the application. Another user cannot make a file owned by that user (and in the sticky in-app
+    directory cannot replace one); the same user could, but may signal or trace the process anyway.
+    The file is opened once (no symlink) and checked through that descriptor."""
+
+    def __init__(self, directory: Path = DEFAULT_INAPP_DIR, *, clock: Callable[[], float] = time.time,
+                 proc_root: Path = Path("/proc"), process: Callable[[int], psutil.Process] = psutil.Process) -> None:
+        self.directory = Path(directory)
+        self._clock = clock
+        self._proc_root = Path(proc_root)
+        self._process = process
+
+    def __call__(self, pid: int, app_id: str) -> bool:
+        try:
+            proc_uid = os.stat(self._proc_root / str(pid)).st_uid
+            start_s = self._process(pid).create_time()
+            fd = os.open(inapp_path(self.directory, pid), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except (OSError, psutil.Error):
+            return False
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != proc_uid or st.st_size > 64 * 1024:
+                return False
+            report = parse_inapp(os.read(fd, 64 * 1024).decode("utf-8"))
+        except (OSError, UnicodeDecodeError, InAppFormatError):
+            return False
+        finally:
+            os.close(fd)
+        return (
+            report.pid == pid
+            and report.app_id == app_id
+            and self._clock() - report.written_at_s <= INAPP_MAX_AGE_S
+            and report.pid_start_s is not None
+            and abs(report.pid_start_s - start_s) <= PID_START_TOLERANCE_S
         )
 
 
@@ -624,6 +673,7 @@ class Daemon:
             open_reads=cfg.auth.open_reads,
             app_self_registration=cfg.auth.app_self_registration,
             max_self_registered_apps=cfg.auth.max_self_registered_apps,
+            pid_proof=InAppPidProof(Path(cfg.server.inapp_dir), clock=self.clock),
             open_ingest=cfg.auth.open_ingest,
         )
         interceptor = auth.AuthInterceptor(access, on_denied=self.metrics.on_denied)
