@@ -318,11 +318,12 @@ def build_server(
     ingest_servicer: ingest_pb2_grpc.IngestServicer | None = None,
     extra: Sequence[tuple[str, Callable[[grpc.aio.Server], None]]] = (),
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    options: Sequence[tuple[str, int]] = (),
 ) -> Server:
     """A grpc.aio server on `address` ("unix:/path" or "host:port") with the given servicers, gRPC
     health and reflection. `extra`: (full service name, add-to-server callback) pairs for more
-    services. Raises RuntimeError when it cannot bind (grpc's own message names the address)."""
-    server = grpc.aio.server(interceptors=list(interceptors))
+    services; `options`: gRPC channel arguments for the server. Raises RuntimeError when it cannot bind (grpc's own message names the address)."""
+    server = grpc.aio.server(interceptors=list(interceptors), options=list(options))
     names: list[str] = []
     if allocator_servicer is not None:
         pb_grpc.add_AllocatorServicer_to_server(allocator_servicer, server)

@@ -4,6 +4,8 @@ profiler made up do not lock the id's real owner out."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -149,3 +151,21 @@ async def test_a_watcher_that_does_not_read_is_dropped() -> None:
         sub.push(AllocationEvent(EventKind.GRANTED, float(k)))
     assert sub.overflowed and closed == [sub] and sub.dropped == 4
     assert [e.at_s async for e in sub] == [4.0, 5.0, 6.0]  # what it still had, then the end
+
+
+def test_a_connection_that_never_speaks_is_closed(env: Env, serves: list[Serve], client: Raw) -> None:
+    serves.append(Serve(env))
+    idle = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        idle.connect(str(env.sock))
+        idle.settimeout(30)
+        t0 = time.monotonic()
+        data = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := idle.recv(4096):  # the server's settings frame, then the close
+                data += chunk
+        assert 5 < time.monotonic() - t0 < 25  # grpc.server_handshake_timeout_ms = 10 s
+    finally:
+        idle.close()
+    assert client.granted_mib() == 0  # and the daemon serves on
+    assert serves[-1].term() == 0

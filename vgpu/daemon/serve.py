@@ -93,6 +93,12 @@ LOCK_FILE = "daemon.lock"
 # bounded by it, whatever time stamps a profiler sends); samples stamped further ahead of the
 # daemon's clock than MAX_FUTURE_S are rejected with the reason.
 MAX_WINDOW_SPAN_S = 3600.0
+# Connections that hold a descriptor and do nothing are closed: one that has not finished its
+# HTTP/2 handshake after 10 s (a local client needs milliseconds), and one with no call for 10 min.
+SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.server_handshake_timeout_ms", 10_000),
+    ("grpc.max_connection_idle_ms", 600_000),
+)
 MAX_FUTURE_S = 300.0
 # How long a stop waits for background model loads to end (they take seconds; systemd's stop timeout is 90 s).
 LOADER_JOIN_S = 60.0
@@ -687,6 +693,7 @@ class Daemon:
                                                      watcher_owner=auth.caller_name),
                 ingest_servicer=IngestServicer(self.manager, ack_interval_s=cfg.manager.ack_interval_ms / 1000.0),
                 interceptors=[interceptor],
+                options=SERVER_OPTIONS,
             )
         except RuntimeError as exc:
             raise StartupError(f"cannot listen on {self.socket_path}: {exc}") from exc
