@@ -9,7 +9,8 @@ What runs. `vgpu serve --backend sim:h100-80gb` as a child process on a temporar
 
 1. N grants are requested with the operator token, spread over N/32 applications (1 MiB each);
 2. N `WatchAllocations` streams are opened (as anonymous callers, over N/50 channels) and never read;
-3. N idle connections are opened to the socket (connected, never a byte sent);
+3. N idle connections are opened to the socket (connected, never a byte sent; the daemon closes
+   such a connection 10 s after it opened, so they are all open only while the pairs start);
 each pile-up goes on until N or until the daemon refuses (its quotas: `server.max_grants_per_*`,
 `server.max_watchers*`); how many were accepted is reported. When the node's grant quota is reached,
 two piled grants are released so the well-behaved client has room (a full node refuses everyone). `--raise-quotas` lifts the quotas to
