@@ -26,7 +26,14 @@ from typing import Protocol, TypeVar
 
 import structlog
 
-from vgpu.allocator.errors import DeviceError, InvalidRequest, NotSupported, VerifyFailed
+from vgpu.allocator.errors import (
+    DeviceError,
+    InsufficientResources,
+    InvalidRequest,
+    NotSupported,
+    StateNotSaved,
+    VerifyFailed,
+)
 from vgpu.allocator.history import History, HistoryEvent, HistoryPoint
 from vgpu.allocator.ledger import AppLimits, DeviceCapacity, DeviceUsage, Grant, Ledger
 from vgpu.allocator.mechanisms.limits import CgroupMemoryLimits, read_cgroup
@@ -173,11 +180,17 @@ _CLOSED = object()
 class Subscription:
     """An async iterator of `AllocationEvent`s. Registered when created, so no event published after
     `watch()` returns is missed. Bounded: when the consumer lags, the oldest events are dropped and
-    counted in `dropped`."""
+    counted in `dropped`; with `drop_slow`, a consumer that has lost a whole queue of events is
+    dropped itself (closed, `overflowed` set): the publisher never waits for anyone."""
 
-    def __init__(self, app_id: str | None, maxsize: int, on_close: Callable[[Subscription], None]) -> None:
+    def __init__(self, app_id: str | None, maxsize: int, on_close: Callable[[Subscription], None], *,
+                 owner: str = "", drop_slow: bool = False) -> None:
         self.app_id = app_id or None
+        self.owner = owner
         self.dropped = 0
+        self.overflowed = False
+        self._maxsize = max(1, maxsize)
+        self._drop_slow = drop_slow
         self._queue: asyncio.Queue[object] = asyncio.Queue(maxsize=max(1, maxsize))
         self._on_close = on_close
         self._closed = False
@@ -191,6 +204,10 @@ class Subscription:
         if self._queue.full():
             self._queue.get_nowait()
             self.dropped += 1
+            if self._drop_slow and self.dropped >= self._maxsize:
+                self.overflowed = True
+                self.close()
+                return
         self._queue.put_nowait(item)
 
     def close(self) -> None:
@@ -238,6 +255,9 @@ class Allocator:
         cgroup_of: Callable[[int], str | None] = read_cgroup,
         on_change: Callable[[Ledger], None] | None = None,
         watch_queue_size: int = 1024,
+        max_watchers: int | None = None,
+        max_watchers_per_caller: int | None = None,
+        drop_slow_watchers: bool = False,
         logger: structlog.typing.FilteringBoundLogger | None = None,
         history: History | None = None,
     ) -> None:
@@ -257,6 +277,9 @@ class Allocator:
         self.counters = Counters()
         self.history = history if history is not None else History()
         self._watch_queue_size = watch_queue_size
+        self._max_watchers = max_watchers
+        self._max_watchers_per_caller = max_watchers_per_caller
+        self._drop_slow_watchers = drop_slow_watchers
         self._subscriptions: list[Subscription] = []
         self._latest: dict[str, Recommendation] = {}
         self._requests: dict[str, AllocationRequest] = {}
@@ -302,18 +325,41 @@ class Allocator:
         self.history.event(grant.app_id, grant.device_id, HistoryEvent(self.clock(), str(kind), text, held))
 
     def _changed(self) -> None:
-        if self.on_change is not None:
+        """Store the ledger's changes (`on_change`), before anything else acts on them: when that
+        fails the changes are undone in memory and the error propagates (the call made nothing)."""
+        if self.on_change is None:
+            self.ledger.commit_changes()
+            return
+        try:
             self.on_change(self.ledger)
+        except BaseException:
+            self.ledger.rollback_changes()
+            raise
 
     @property
     def watchers(self) -> int:
         """Open `watch()` subscriptions."""
         return len(self._subscriptions)
 
-    def watch(self, app_id: str | None = None) -> Subscription:
+    def watch(self, app_id: str | None = None, *, owner: str = "") -> Subscription:
         """Subscribe to allocation events (every application's, or one's plus device-level events).
-        Iterate with `async for`; `close()` it when done. Must be called on the allocator's loop."""
-        sub = Subscription(app_id, self._watch_queue_size, self._subscriptions.remove)
+        Iterate with `async for`; `close()` it when done. Must be called on the allocator's loop.
+        `owner` names the caller for the per-caller bound; InsufficientResources names the bound
+        that is reached."""
+        if self._max_watchers is not None and len(self._subscriptions) >= self._max_watchers:
+            raise InsufficientResources(
+                f"quota: {len(self._subscriptions)} watchers are open, the limit (max_watchers = "
+                f"{self._max_watchers}); close one first"
+            )
+        if self._max_watchers_per_caller is not None:
+            mine = sum(1 for s in self._subscriptions if s.owner == owner)
+            if mine >= self._max_watchers_per_caller:
+                raise InsufficientResources(
+                    f"quota: {owner or 'this caller'} has {mine} watchers open, its limit "
+                    f"(max_watchers_per_caller = {self._max_watchers_per_caller}); close one first"
+                )
+        sub = Subscription(app_id, self._watch_queue_size, self._subscriptions.remove, owner=owner,
+                           drop_slow=self._drop_slow_watchers)
         self._subscriptions.append(sub)
         return sub
 
@@ -345,6 +391,7 @@ class Allocator:
             pid=request.pid,
             caller=caller,
         )
+        self._changed()  # stored before anyone hears of it
         self._requests[grant.grant_id] = request
         self._seen[grant.app_id] = self.clock()
         self.counters.granted += 1
@@ -352,7 +399,6 @@ class Allocator:
                        sm_pct=grant.sm_pct, source=source, grant=grant.grant_id)
         self._publish(EventKind.GRANTED, grant=grant, detail=source)
         self._sync_cgroup_limits(grant.device_id)
-        self._changed()
         return grant
 
     def _total_for(self, device_id: str | None) -> float:
@@ -367,21 +413,26 @@ class Allocator:
 
     def release(self, grant_id: str, *, caller: str | None = None, reason: str = "") -> Grant:
         grant = self.ledger.release(grant_id, caller=caller)
+        self._changed()
         self._requests.pop(grant_id, None)
         self.counters.released += 1
         self._log.info("released", app=grant.app_id, grant=grant_id, **({"reason": reason} if reason else {}))
         self._publish(EventKind.RELEASED, grant=grant, detail=reason)
         self._sync_cgroup_limits(grant.device_id)
-        self._changed()
         return grant
 
     def forget_app(self, app_id: str) -> list[Grant]:
         """An application went silent: release its forecast and cold-start grants (grants it
         requested itself stay until it releases them) and drop its latest recommendation."""
         self._latest.pop(app_id, None)
-        gone = [g for g in self.ledger.grants(app_id=app_id) if g.source != "request"]
-        for g in gone:
-            self.release(g.grant_id)
+        gone = []
+        for g in [g for g in self.ledger.grants(app_id=app_id) if g.source != "request"]:
+            try:
+                self.release(g.grant_id)
+            except StateNotSaved as exc:  # kept (undone in memory); an operator can release it later
+                self._log.error("release_not_saved", app=app_id, grant=g.grant_id, error=str(exc))
+                continue
+            gone.append(g)
         return gone
 
     # --- applications that vanished --------------------------------------------------------------
@@ -438,21 +489,27 @@ class Allocator:
         before = self.ledger.limits(limits.app_id)
         result = self.ledger.set_limits(limits, caller=caller)
         capped = self._cap_grants(result)
+        self._changed()  # stored before anyone hears of it; undone in memory (limits and cuts) if not
         rec = self._latest.get(result.app_id)
         self._log.info("limits_set", app=result.app_id, before=_limits_text(before) if before else None,
-                       after=_limits_text(result), grants_capped=[g.grant_id for g in capped])
+                       after=_limits_text(result), grants_capped=[g.grant_id for g, _ in capped])
         used = rec.mem_used_mib if rec is not None else math.nan
         if result.max_memory_mib is not None and math.isfinite(used) and used > result.max_memory_mib:
             self._log.warning("limit_below_usage", app=result.app_id, mem_used_mib=used,
                               max_memory_mib=result.max_memory_mib)
+        for new, old in capped:
+            self.counters.resized += 1
+            self._publish(EventKind.RESIZED, grant=new,
+                          detail=f"capped by limits: {old.memory_mib:.0f} -> {new.memory_mib:.0f} MiB, "
+                                 f"{old.sm_pct:g} -> {new.sm_pct:g} % SM", reason="limits")
         self._publish(EventKind.LIMITS_CHANGED, app_id=result.app_id, detail=_limits_text(result))
-        for device_id in sorted({g.device_id for g in capped}):
+        for device_id in sorted({g.device_id for g, _ in capped}):
             self._sync_cgroup_limits(device_id)
-        self._changed()
         return result
 
-    def _cap_grants(self, limits: AppLimits) -> list[Grant]:
-        """Cut the application's grants down to its caps, largest first; the grants changed."""
+    def _cap_grants(self, limits: AppLimits) -> list[tuple[Grant, Grant]]:
+        """Cut the application's grants down to its caps, largest first, in the ledger only (the
+        caller stores and announces them); each changed grant as (new, old)."""
         grants = sorted(self.ledger.grants(app_id=limits.app_id), key=lambda g: (-g.memory_mib, g.grant_id))
         mem_left = limits.max_memory_mib if limits.max_memory_mib is not None else math.inf
         sm_left = limits.max_sm_pct if limits.max_sm_pct is not None else math.inf
@@ -467,11 +524,7 @@ class Allocator:
             over_mem -= mem_cut
             over_sm -= sm_cut
             new = self.ledger.resize(g.grant_id, g.memory_mib - mem_cut, g.sm_pct - sm_cut, clamp=True)
-            changed.append(new)
-            self.counters.resized += 1
-            self._publish(EventKind.RESIZED, grant=new,
-                          detail=f"capped by limits: {g.memory_mib:.0f} -> {new.memory_mib:.0f} MiB, "
-                                 f"{g.sm_pct:g} -> {new.sm_pct:g} % SM")
+            changed.append((new, g))
         return changed
 
     def available(self, device_id: str | None = None) -> list[DeviceResources]:
@@ -658,6 +711,8 @@ class Allocator:
         plan: Plan = self.policy.plan(usable, views, self.clock())
         created: list[Grant] = []
         resized: list[Grant] = []
+        # (kind, grant, detail, reason), published once the changes are stored
+        events: list[tuple[EventKind, Grant, str, str]] = []
         for target in self._shrinks_first(plan.grants):
             try:
                 if target.grant_id is None:
@@ -670,21 +725,29 @@ class Allocator:
                         source="forecast",
                     )
                     created.append(grant)
-                    self.counters.granted += 1
-                    self._publish(EventKind.GRANTED, grant=grant, detail=target.reason or "forecast")
+                    events.append((EventKind.GRANTED, grant, target.reason or "forecast", ""))
                 else:
                     old = self.ledger.get(target.grant_id)
                     grant = self.ledger.resize(target.grant_id, target.memory_mib, target.sm_pct, clamp=True)
                     if (grant.memory_mib, grant.sm_pct) == (old.memory_mib, old.sm_pct):
                         continue
                     resized.append(grant)
-                    self.counters.resized += 1
-                    self._publish(EventKind.RESIZED, grant=grant,
-                                  detail=f"{old.memory_mib:.0f} -> {grant.memory_mib:.0f} MiB",
-                                  reason="grow" if grant.memory_mib > old.memory_mib or grant.sm_pct > old.sm_pct
-                                  else "shrink")
+                    events.append((EventKind.RESIZED, grant, f"{old.memory_mib:.0f} -> {grant.memory_mib:.0f} MiB",
+                                   "grow" if grant.memory_mib > old.memory_mib or grant.sm_pct > old.sm_pct
+                                   else "shrink"))
             except (DeviceError, InvalidRequest) as exc:
                 skipped.append(f"{target.app_id}: {exc}")
+        if created or resized:
+            try:
+                self._changed()
+            except StateNotSaved as exc:  # undone in memory: this plan's grants were not made
+                self._log.error("plan_not_saved", grants=len(created) + len(resized), error=str(exc))
+                skipped += [f"{g.app_id}: not saved: {exc}" for g in (*created, *resized)]
+                created, resized, events = [], [], []
+        self.counters.granted += len(created)
+        self.counters.resized += len(resized)
+        for kind, grant, detail, reason in events:
+            self._publish(kind, grant=grant, detail=detail, reason=reason)
         for device_id in sorted({g.device_id for g in (*created, *resized)}):
             self._sync_cgroup_limits(device_id)
         for rec in usable:
@@ -692,8 +755,6 @@ class Allocator:
                 self._record_tick(rec, granted_before[rec.app_id])
         power_results = [self._apply_power(t.device_id, t.limit_mw, t.reason) for t in plan.power]
         mig_changes = sum(self._apply_mig(t) for t in plan.mig)
-        if created or resized:
-            self._changed()
         return ApplyReport(
             created=tuple(created),
             resized=tuple(resized),
@@ -795,11 +856,16 @@ class Allocator:
                 continue
             try:
                 lim.apply(dev, cg, mib)
-            except (DeviceError, VerifyFailed) as exc:
+            except Exception as exc:  # noqa: BLE001 - the grant is stored: a device or store error here never fails it
                 self.counters.failed(device_id, "cgroup_memory")
                 self._log.error("cgroup_memory_limit_failed", device=device_id, cgroup=cg, hard_mib=mib, error=str(exc))
         for cg in sorted(stale):
-            if lim.restore_one(device_id, cg).startswith("failed"):
+            try:
+                outcome = lim.restore_one(device_id, cg)
+            except Exception as exc:  # noqa: BLE001 - as above (the original could not be forgotten in the store)
+                outcome = f"failed: {exc}"
+                self._log.error("cgroup_memory_restore_failed", device=device_id, cgroup=cg, error=str(exc))
+            if outcome.startswith("failed"):
                 self.counters.failed(device_id, "cgroup_memory")
 
     def _cgroup_memory(self, device_id: str) -> dict[str, float]:

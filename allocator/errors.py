@@ -41,6 +41,7 @@ __all__ = [
     "NotFound",
     "NotSupported",
     "PermissionDenied",
+    "StateNotSaved",
     "Unavailable",
     "VerifyFailed",
     "status_for",
@@ -65,6 +66,10 @@ class VerifyFailed(AllocatorError):
 
 class Unavailable(AllocatorError):
     """Something the call needs is not ready yet (e.g. the cold-start model still loading); retry."""
+
+
+class StateNotSaved(Unavailable):
+    """A change could not be stored (a full or failing state directory): it was undone, not made."""
 
 
 # Checked in order with isinstance, so subclasses must come before their bases.

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 from vgpu.allocator.errors import InsufficientResources, InvalidRequest, NotFound, PermissionDenied
+from vgpu.ids import MAX_PID
 
 Source = Literal["request", "forecast", "cold_start"]
 SOURCES: tuple[str, ...] = ("request", "forecast", "cold_start")
@@ -72,6 +73,19 @@ class AppLimits:
 
 
 @dataclass(frozen=True)
+class LedgerChanges:
+    """What changed since the last `commit_changes()`: the rows a store writes for it."""
+
+    grants: tuple[Grant, ...] = ()
+    grants_removed: tuple[str, ...] = ()
+    limits: tuple[AppLimits, ...] = ()
+    limits_removed: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.grants or self.grants_removed or self.limits or self.limits_removed)
+
+
+@dataclass(frozen=True)
 class DeviceUsage:
     device_id: str
     name: str
@@ -117,8 +131,54 @@ class Ledger:
             self._devices[cap.device_id] = cap
         self._grants: dict[str, Grant] = {}
         self._limits: dict[str, AppLimits] = {}
+        # The change journal: each grant / limits touched since the last commit_changes(), with
+        # what it was before (None: it did not exist). O(changes), so persisting costs O(1) rows.
+        self._grants_before: dict[str, Grant | None] = {}
+        self._limits_before: dict[str, AppLimits | None] = {}
+        # Per-application and per-node caps on the number of grants (None: no cap).
+        self.max_grants_per_app: int | None = None
+        self.max_grants: int | None = None
         # Grants from_records() could not place (their device is gone); kept for the caller to report.
         self.dropped_on_restore: tuple[Grant, ...] = ()
+        # Records from_records(skip_bad=True) could not read, each with why.
+        self.bad_on_restore: tuple[str, ...] = ()
+
+    # --- the change journal ----------------------------------------------------------------------
+    def _touch_grant(self, grant_id: str) -> None:
+        if grant_id not in self._grants_before:
+            self._grants_before[grant_id] = self._grants.get(grant_id)
+
+    def _touch_limits(self, app_id: str) -> None:
+        if app_id not in self._limits_before:
+            self._limits_before[app_id] = self._limits.get(app_id)
+
+    def changes(self) -> LedgerChanges:
+        """What changed since the last `commit_changes()` (or since this ledger was built)."""
+        grants = tuple(self._grants[g] for g in self._grants_before if g in self._grants)
+        gone = tuple(g for g in self._grants_before if g not in self._grants)
+        limits = tuple(self._limits[a] for a in self._limits_before if a in self._limits)
+        limits_gone = tuple(a for a in self._limits_before if a not in self._limits)
+        return LedgerChanges(grants, gone, limits, limits_gone)
+
+    def commit_changes(self) -> None:
+        """The changes so far are stored: forget them."""
+        self._grants_before.clear()
+        self._limits_before.clear()
+
+    def rollback_changes(self) -> None:
+        """Put back every grant and limit as it was at the last `commit_changes()` (a change that
+        could not be stored must not stay in memory)."""
+        for grant_id, before in self._grants_before.items():
+            if before is None:
+                self._grants.pop(grant_id, None)
+            else:
+                self._grants[grant_id] = before
+        for app_id, lim in self._limits_before.items():
+            if lim is None:
+                self._limits.pop(app_id, None)
+            else:
+                self._limits[app_id] = lim
+        self.commit_changes()
 
     # --- reads ---------------------------------------------------------------------------------
     def devices(self) -> list[DeviceCapacity]:
@@ -263,6 +323,7 @@ class Ledger:
         if source not in SOURCES:
             raise InvalidRequest(f"source must be one of {SOURCES}, got {source!r}")
         self._check_caller(caller, app_id, "request resources on behalf")
+        self._check_quota(app_id)
         if device_id is None or device_id == "":
             device_id = self.place(memory_mib, sm_pct, app_id)
         self._check_fits(app_id, device_id, memory_mib, sm_pct)
@@ -282,13 +343,29 @@ class Ledger:
             source=source,
             pid=int(pid),
         )
+        self._touch_grant(grant.grant_id)
         self._grants[grant.grant_id] = grant
         return grant
+
+    def _check_quota(self, app_id: str) -> None:
+        if self.max_grants is not None and len(self._grants) >= self.max_grants:
+            raise InsufficientResources(
+                f"quota: this node holds {len(self._grants)} grants, its limit (max_grants_per_node = "
+                f"{self.max_grants}); release some first"
+            )
+        if self.max_grants_per_app is not None:
+            held = sum(1 for g in self._grants.values() if g.app_id == app_id)
+            if held >= self.max_grants_per_app:
+                raise InsufficientResources(
+                    f"quota: application {app_id!r} holds {held} grants, its limit (max_grants_per_app = "
+                    f"{self.max_grants_per_app}); release some first"
+                )
 
     def release(self, grant_id: str, *, caller: str | None = None) -> Grant:
         """Remove a grant and return it; NotFound for an unknown id (nothing changes)."""
         grant = self.get(grant_id)
         self._check_caller(caller, grant.app_id, "release the grants")
+        self._touch_grant(grant_id)
         del self._grants[grant_id]
         return grant
 
@@ -296,6 +373,7 @@ class Ledger:
         """Remove every grant of an application (it exited); returns them."""
         gone = self.grants(app_id=app_id)
         for g in gone:
+            self._touch_grant(g.grant_id)
             del self._grants[g.grant_id]
         return gone
 
@@ -333,6 +411,7 @@ class Ledger:
             source=source if source is not None else grant.source,
             mem_updated_at_s=now if float(memory_mib) != grant.memory_mib else grant.mem_updated_at_s,
         )
+        self._touch_grant(grant_id)
         self._grants[grant_id] = new
         return new
 
@@ -351,6 +430,7 @@ class Ledger:
         old = self._limits.get(limits.app_id)
         if limits.priority is None and old is not None and old.priority is not None:
             limits = replace(limits, priority=old.priority)
+        self._touch_limits(limits.app_id)
         self._limits[limits.app_id] = limits
         return limits
 
@@ -372,18 +452,37 @@ class Ledger:
         devices: Sequence[DeviceCapacity] | None = None,
         clock: Callable[[], float] = time.time,
         id_factory: Callable[[], str] = lambda: uuid.uuid4().hex,
+        skip_bad: bool = False,
     ) -> Ledger:
         """Rebuild a ledger from `to_records()`. With `devices` (what the backend has now), grants on
         devices that are gone are dropped and listed in `dropped_on_restore`. A malformed snapshot
-        raises ValueError naming the bad entry."""
+        raises ValueError naming the bad entry; with `skip_bad`, a malformed grant or limits entry
+        is left out instead and described in `bad_on_restore` (one bad record never stops a start)."""
         if records.get("version") != RECORDS_VERSION:
             raise ValueError(f"ledger records version {records.get('version')!r}, expected {RECORDS_VERSION}")
+        bad: list[str] = []
         try:
             caps = list(devices) if devices is not None else [DeviceCapacity(**d) for d in records["devices"]]
-            grants = [Grant(**g) for g in records["grants"]]
-            limits = [AppLimits(**lim) for lim in records.get("limits", [])]
+            raw_grants = list(records["grants"])
+            raw_limits = list(records.get("limits", []))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed ledger records: {exc}") from exc
+        grants: list[Grant] = []
+        for g in raw_grants:
+            try:
+                grants.append(_grant_from_record(g))
+            except (KeyError, TypeError, ValueError, InvalidRequest) as exc:
+                if not skip_bad:
+                    raise ValueError(f"malformed ledger records: {exc}") from exc
+                bad.append(f"grant {_record_id(g, 'grant_id')}: {exc}")
+        limits: list[AppLimits] = []
+        for lim in raw_limits:
+            try:
+                limits.append(AppLimits(**lim))
+            except TypeError as exc:
+                if not skip_bad:
+                    raise ValueError(f"malformed ledger records: {exc}") from exc
+                bad.append(f"limits {_record_id(lim, 'app_id')}: {exc}")
         ledger = cls(caps, clock=clock, id_factory=id_factory)
         dropped: list[Grant] = []
         for g in grants:
@@ -391,9 +490,35 @@ class Ledger:
                 dropped.append(g)
                 continue
             if g.grant_id in ledger._grants:
-                raise ValueError(f"grant {g.grant_id!r} appears twice in the records")
+                if not skip_bad:
+                    raise ValueError(f"grant {g.grant_id!r} appears twice in the records")
+                bad.append(f"grant {g.grant_id}: appears twice")
+                continue
             ledger._grants[g.grant_id] = g
         for lim in limits:
             ledger._limits[lim.app_id] = lim
         ledger.dropped_on_restore = tuple(dropped)
+        ledger.bad_on_restore = tuple(bad)
         return ledger
+
+
+def _record_id(record: object, key: str) -> str:
+    value = record.get(key) if isinstance(record, Mapping) else None
+    return repr(value)[:80]
+
+
+def _grant_from_record(g: Mapping[str, Any]) -> Grant:
+    """A stored grant, its fields checked (types, finite sizes, a pid in range)."""
+    grant = Grant(**g)
+    for name in ("grant_id", "app_id", "device_id", "source"):
+        if not isinstance(getattr(grant, name), str) or not getattr(grant, name):
+            raise ValueError(f"{name} is {getattr(grant, name)!r}, not a non-empty string")
+    _check_amount("memory_mib", grant.memory_mib)
+    _check_amount("sm_pct", grant.sm_pct, upper=100.0)
+    for name in ("priority", "pid"):
+        value = getattr(grant, name)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"{name} is {value!r}, not an integer")
+    if not 0 <= grant.pid <= MAX_PID:
+        raise ValueError(f"pid {grant.pid} is out of range (0 to {MAX_PID})")
+    return grant

@@ -36,6 +36,7 @@ from vgpu.allocator.core import (
 from vgpu.allocator.errors import InvalidRequest, status_for
 from vgpu.allocator.history import AppSeries
 from vgpu.allocator.ledger import AppLimits, Grant
+from vgpu.ids import MAX_PID, app_id_problem
 from vgpu.jobs import InvalidJobConfig, JobConfig
 from vgpu.log import get_logger
 from vgpu.v1 import allocator_pb2 as pb
@@ -243,10 +244,9 @@ def event_to_pb(e: AllocationEvent) -> pb.AllocationEvent:
 
 # --- validation ------------------------------------------------------------------------------------
 def _app_id(value: str, name: str = "app_id") -> str:
-    if not value or not value.strip():
-        raise InvalidRequest(f"{name} is empty: give the application's identifier")
-    if len(value) > 256:
-        raise InvalidRequest(f"{name} is {len(value)} characters long; at most 256 are allowed")
+    problem = app_id_problem(value, name)
+    if problem is not None:
+        raise InvalidRequest(problem)
     return value
 
 
@@ -266,6 +266,8 @@ def request_from_pb(msg: pb.ResourceRequest) -> AllocationRequest:
     sm = _amount(msg.sm_pct, "request.sm_pct", upper=100.0)
     if math.isnan(msg.deadline_s) or msg.deadline_s < 0:
         raise InvalidRequest(f"request.deadline_s must be Unix seconds >= 0 (0: none), got {msg.deadline_s}")
+    if msg.pid > MAX_PID:
+        raise InvalidRequest(f"request.pid {msg.pid} is out of range: a pid is 1 to {MAX_PID} (0: none)")
     job = None
     if msg.HasField("job"):
         try:
@@ -297,11 +299,14 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     """`vgpu.v1.Allocator` over an `Allocator`."""
 
     def __init__(self, allocator: Allocator, *, identify: Identify | None = None, observer: NodeObserver | None = None,
-                 process_info: Callable[[int], tuple[str, str]] = process_info) -> None:
+                 process_info: Callable[[int], tuple[str, str]] = process_info,
+                 watcher_owner: Callable[[], str] | None = None) -> None:
         self.allocator = allocator
         self._identify: Identify = identify or (lambda _ctx: None)
         self.observer = observer
         self._process_info = process_info
+        # Who a watcher counts against for the per-caller bound (the daemon: the caller's token).
+        self._watcher_owner = watcher_owner or (lambda: "")
 
     async def _call(self, context: Context, method: str, fn: Callable[[str | None], T]) -> T:
         try:
@@ -388,7 +393,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     async def WatchAllocations(  # noqa: N802
         self, request: pb.WatchAllocationsRequest, context: Context
     ) -> AsyncIterator[pb.AllocationEvent]:
-        sub = await self._call(context, "WatchAllocations", lambda _c: self.allocator.watch(request.app_id or None))
+        sub = await self._call(context, "WatchAllocations",
+                               lambda _c: self.allocator.watch(request.app_id or None, owner=self._watcher_owner()))
         try:
             # Initial metadata now tells the client the watch is live: every event from here on
             # reaches it (`await call.initial_metadata()` before acting, to miss nothing).
@@ -397,6 +403,9 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
                 yield event_to_pb(event)
         finally:
             sub.close()
+        if sub.overflowed:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"this watcher fell {sub.dropped} events behind and was dropped; watch again and read faster")
 
 
 SERVICE_NAMES: tuple[str, ...] = (
@@ -436,11 +445,12 @@ def build_server(
     ingest_servicer: ingest_pb2_grpc.IngestServicer | None = None,
     extra: Sequence[tuple[str, Callable[[grpc.aio.Server], None]]] = (),
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    options: Sequence[tuple[str, int]] = (),
 ) -> Server:
     """A grpc.aio server on `address` ("unix:/path" or "host:port") with the given servicers, gRPC
     health and reflection. `extra`: (full service name, add-to-server callback) pairs for more
-    services. Raises RuntimeError when it cannot bind (grpc's own message names the address)."""
-    server = grpc.aio.server(interceptors=list(interceptors))
+    services; `options`: gRPC channel arguments for the server. Raises RuntimeError when it cannot bind (grpc's own message names the address)."""
+    server = grpc.aio.server(interceptors=list(interceptors), options=list(options))
     names: list[str] = []
     if allocator_servicer is not None:
         pb_grpc.add_AllocatorServicer_to_server(allocator_servicer, server)

@@ -2,11 +2,21 @@
 
 One SQLite database, `<state_dir>/vgpu.sqlite3`, in WAL mode with `synchronous=FULL`: every method
 that changes something commits before it returns, so a change the daemon acknowledged survives a
-`kill -9` (and a power cut). The daemon calls `save_ledger()` after each change and before the RPC
-that made it answers.
+`kill -9` (and a power cut). The daemon calls `apply_changes()` after each change and before the RPC
+that made it answers: one transaction that writes the rows of the grants and limits that changed
+(O(1) rows per change, never the whole ledger), then checkpoints the WAL into the database file, so
+the file alone always holds every committed change (a lost or damaged WAL loses nothing, and a copy
+of the file is a complete backup).
+
+Damage is refused, never papered over: opening runs `PRAGMA quick_check` and compares the number of
+grant rows with the count kept beside them in the same transactions; either failing raises
+`StoreDamaged`, which names the file and what to do (`vgpu serve --reset-state` moves the damaged
+state aside and starts empty). A write that fails (a full disk, an I/O error) raises
+`StoreWriteError` and commits nothing.
 
 What is stored:
-- `ledger`: the latest `Ledger.to_records()` snapshot (grants, limits, devices), as JSON;
+- `grants` and `app_limits`: one row per grant and per application's limits (the ledger's records,
+  as JSON), and `meta.grant_rows` / `meta.ledger_generation` kept with them;
 - `device_originals`: each device's power limit and MIG layout as found *before* vgpu wrote to it,
   recorded once and kept across crashes until a graceful stop has restored them;
 - `cgroup_originals`: the NVML memory limits of each (device, cgroup) as found before vgpu first
@@ -29,11 +39,13 @@ import os
 import sqlite3
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 2
+from vgpu.allocator.ledger import LedgerChanges
+
+SCHEMA_VERSION = 3
 DB_NAME = "vgpu.sqlite3"
 
 # Version 1, the tables every database starts from; `_MIGRATIONS` takes it to SCHEMA_VERSION.
@@ -68,11 +80,50 @@ CREATE TABLE cgroup_originals (
     PRIMARY KEY (device_id, cgroup)
 );
 """,
+    # One row per grant and per application's limits, moved out of the one-row JSON snapshot.
+    3: """
+CREATE TABLE grants (grant_id TEXT PRIMARY KEY, record_json TEXT NOT NULL);
+CREATE TABLE app_limits (app_id TEXT PRIMARY KEY, record_json TEXT NOT NULL);
+INSERT OR IGNORE INTO grants(grant_id, record_json)
+    SELECT json_extract(g.value, '$.grant_id'), g.value FROM ledger, json_each(ledger.records_json, '$.grants') AS g
+    WHERE json_valid(ledger.records_json);
+INSERT OR IGNORE INTO app_limits(app_id, record_json)
+    SELECT json_extract(l.value, '$.app_id'), l.value FROM ledger, json_each(ledger.records_json, '$.limits') AS l
+    WHERE json_valid(ledger.records_json);
+INSERT OR REPLACE INTO meta(key, value) SELECT 'ledger_generation', CAST(generation AS TEXT) FROM ledger;
+INSERT OR REPLACE INTO meta(key, value) VALUES ('grant_rows', (SELECT CAST(count(*) AS TEXT) FROM grants));
+DELETE FROM ledger;
+""",
 }
 
 
 class StoreError(RuntimeError):
     """The state database cannot be opened, is from another schema, or is corrupt."""
+
+
+class StoreDamaged(StoreError):
+    """The state database fails its checks at open; the message names the file and what to do."""
+
+
+class StoreWriteError(StoreError):
+    """A change could not be committed (a full disk, an I/O error); nothing of it was stored."""
+
+
+def reset_state(state_dir: Path, *, clock: Callable[[], float] = time.time) -> Path | None:
+    """Move the database and its WAL and SHM files aside (`<name>.damaged-<unix time>`) so the
+    next open starts empty; the moved files are kept for inspection. The path of the moved database,
+    or None when there was none."""
+    state_dir = Path(state_dir)
+    stamp = int(clock())
+    moved = None
+    for suffix in ("", "-wal", "-shm"):
+        src = state_dir / (DB_NAME + suffix)
+        if src.exists():
+            dst = state_dir / f"{DB_NAME}{suffix}.damaged-{stamp}"
+            os.replace(src, dst)
+            if suffix == "":
+                moved = dst
+    return moved
 
 
 @dataclass(frozen=True)
@@ -113,6 +164,7 @@ class Store:
         self.state_dir = Path(state_dir)
         self.path = self.state_dir / DB_NAME
         self._clock = clock
+        self.bad_rows: list[str] = []
         try:
             self.state_dir.mkdir(parents=True, exist_ok=True)
             fresh = not self.path.exists()
@@ -128,14 +180,51 @@ class Store:
             self._db.execute("INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', '1')")
             version = int(self._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0])
         except (sqlite3.DatabaseError, ValueError) as exc:  # ValueError: a schema_version that is no number
-            raise StoreError(f"cannot open state database {self.path}: {exc}") from exc
+            raise StoreDamaged(
+                f"cannot open state database {self.path}: {exc}; restore {self.state_dir} from a backup, or start "
+                "with `vgpu serve --reset-state` to move it aside and begin empty (its grants are lost)"
+            ) from exc
         except OSError as exc:
             raise StoreError(f"cannot create state directory {self.state_dir}: {exc}") from exc
         if not 1 <= version <= SCHEMA_VERSION:
             raise StoreError(f"{self.path} has schema {version}; this vgpu reads schemas 1 to {SCHEMA_VERSION}")
+        self._quick_check()  # before an upgrade writes to a damaged file
         for step in range(version + 1, SCHEMA_VERSION + 1):
             self._migrate(step)
         self.writes = 0
+        self._check_grant_rows()
+        self._checkpoint()
+
+    def _damaged(self, what: str) -> StoreDamaged:
+        return StoreDamaged(
+            f"the state database {self.path} is damaged ({what}); restore {self.state_dir} from a backup, "
+            f"or start with `vgpu serve --reset-state` to move it aside and begin empty (its grants are lost)"
+        )
+
+    def _quick_check(self) -> None:
+        try:
+            rows = self._db.execute("PRAGMA quick_check").fetchall()
+        except sqlite3.DatabaseError as exc:
+            raise self._damaged(str(exc)) from exc
+        if [r[0] for r in rows] != ["ok"]:
+            raise self._damaged("; ".join(str(r[0]) for r in rows[:5]))
+
+    def _check_grant_rows(self) -> None:
+        """The grant rows against the count committed with them (a row deleted behind our back)."""
+        try:
+            n = self._db.execute("SELECT count(*) FROM grants").fetchone()[0]
+            row = self._db.execute("SELECT value FROM meta WHERE key='grant_rows'").fetchone()
+        except sqlite3.DatabaseError as exc:
+            raise self._damaged(str(exc)) from exc
+        if row is not None and str(n) != row[0]:
+            raise self._damaged(f"{n} grant rows where {row[0]} were committed")
+
+    def _checkpoint(self) -> None:
+        """Copy the WAL into the database file (then a lost WAL loses nothing)."""
+        try:
+            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        except sqlite3.DatabaseError as exc:
+            raise StoreWriteError(f"{self.path}: cannot checkpoint: {exc}") from exc
 
     def _migrate(self, version: int) -> None:
         """Take the database to `version`: the step's statements and the version bump commit together."""
@@ -164,29 +253,80 @@ class Store:
         self.writes += 1
 
     # --- ledger ----------------------------------------------------------------------------------
-    def save_ledger(self, records: Mapping[str, Any]) -> int:
-        """Replace the stored snapshot with `records` (committed on return); the new generation."""
-        body = json.dumps(records, sort_keys=True, allow_nan=False)
-        row = self._db.execute("SELECT generation FROM ledger WHERE id=1").fetchone()
-        generation = (row[0] if row else 0) + 1
-        self._write(
-            "INSERT INTO ledger(id, records_json, saved_at_s, generation) VALUES (1, ?, ?, ?) "
-            "ON CONFLICT(id) DO UPDATE SET records_json=excluded.records_json, "
-            "saved_at_s=excluded.saved_at_s, generation=excluded.generation",
-            (body, self._clock(), generation),
-        )
+    def _transaction(self, statements: list[tuple[str, tuple[Any, ...]]]) -> int:
+        """Run `statements` and bump the ledger generation in one transaction, then checkpoint; the
+        new generation. StoreWriteError (and nothing committed) when it fails."""
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                for sql, params in statements:
+                    self._db.execute(sql, params)
+                row = self._db.execute("SELECT value FROM meta WHERE key='ledger_generation'").fetchone()
+                generation = (int(row[0]) if row else 0) + 1
+                self._db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('ledger_generation', ?)", (str(generation),))
+                self._db.execute(
+                    "INSERT OR REPLACE INTO meta(key, value) VALUES ('grant_rows', (SELECT CAST(count(*) AS TEXT) FROM grants))"
+                )
+                self._db.execute("COMMIT")
+            except BaseException:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as exc:
+            raise StoreWriteError(f"cannot write the state database {self.path}: {exc}") from exc
+        self.writes += 1
+        try:
+            self._checkpoint()
+        except StoreWriteError:
+            pass  # committed in the WAL all the same; the next checkpoint copies it
         return generation
 
+    def apply_changes(self, changes: LedgerChanges) -> int:
+        """Store what changed in the ledger (`Ledger.changes()`): its rows only, in one transaction
+        (committed on return). The new generation; ValueError for a value JSON cannot hold (NaN)
+        and StoreWriteError when the disk refuses, with nothing stored in either case."""
+        statements: list[tuple[str, tuple[Any, ...]]] = []
+        for g in changes.grants:
+            statements.append(("INSERT OR REPLACE INTO grants(grant_id, record_json) VALUES (?, ?)",
+                               (g.grant_id, _json(asdict(g)))))
+        statements += [("DELETE FROM grants WHERE grant_id=?", (gid,)) for gid in changes.grants_removed]
+        for lim in changes.limits:
+            statements.append(("INSERT OR REPLACE INTO app_limits(app_id, record_json) VALUES (?, ?)",
+                               (lim.app_id, _json(asdict(lim)))))
+        statements += [("DELETE FROM app_limits WHERE app_id=?", (a,)) for a in changes.limits_removed]
+        return self._transaction(statements)
+
+    def save_ledger(self, records: Mapping[str, Any]) -> int:
+        """Replace every stored grant and limit with `records` (`Ledger.to_records()`), committed
+        on return: for the reconciled ledger at start. The new generation."""
+        statements: list[tuple[str, tuple[Any, ...]]] = [("DELETE FROM grants", ()), ("DELETE FROM app_limits", ())]
+        for g in records.get("grants", []):
+            statements.append(("INSERT OR REPLACE INTO grants(grant_id, record_json) VALUES (?, ?)",
+                               (str(g.get("grant_id", "")), _json(g))))
+        for lim in records.get("limits", []):
+            statements.append(("INSERT OR REPLACE INTO app_limits(app_id, record_json) VALUES (?, ?)",
+                               (str(lim.get("app_id", "")), _json(lim))))
+        return self._transaction(statements)
+
     def load_ledger(self) -> dict[str, Any] | None:
-        """The last saved snapshot, or None when nothing was ever saved."""
-        row = self._db.execute("SELECT records_json FROM ledger WHERE id=1").fetchone()
-        if row is None:
+        """The stored grants and limits as `Ledger.from_records()` reads them (devices come from the
+        backend), or None when nothing was ever saved. A row that is not a JSON object is left out
+        and described in `bad_rows`."""
+        self.bad_rows = []
+        if self._db.execute("SELECT value FROM meta WHERE key='ledger_generation'").fetchone() is None:
             return None
-        try:
-            records: dict[str, Any] = json.loads(row[0])
-        except json.JSONDecodeError as exc:
-            raise StoreError(f"{self.path}: stored ledger is not valid JSON: {exc}") from exc
-        return records
+        out: dict[str, Any] = {"version": 1, "devices": [], "grants": [], "limits": []}
+        for table, key, kind in (("grants", "grant_id", "grants"), ("app_limits", "app_id", "limits")):
+            for rid, body in self._db.execute(f"SELECT {key}, record_json FROM {table} ORDER BY rowid"):  # noqa: S608
+                try:
+                    record = json.loads(body)
+                    if not isinstance(record, dict):
+                        raise ValueError(f"a {type(record).__name__}, not an object")
+                except ValueError as exc:
+                    self.bad_rows.append(f"{table} row {str(rid)[:80]!r}: {exc}")
+                    continue
+                out[kind].append(record)
+        return out
 
     # --- device originals --------------------------------------------------------------------------
     def save_original(self, original: DeviceOriginal) -> bool:
@@ -271,11 +411,22 @@ class Store:
         self.writes += 1
         return cur.rowcount == 1
 
+    def unclaim_app(self, app_id: str) -> None:
+        """Forget a claim (the call that made it failed)."""
+        self._write("DELETE FROM apps WHERE app_id=?", (app_id,))
+
+    def claimed_count(self) -> int:
+        return int(self._db.execute("SELECT count(*) FROM apps").fetchone()[0])
+
     def app_claimed(self, app_id: str) -> bool:
         return self._db.execute("SELECT 1 FROM apps WHERE app_id=?", (app_id,)).fetchone() is not None
 
     def claimed_apps(self) -> list[str]:
         return [r[0] for r in self._db.execute("SELECT app_id FROM apps ORDER BY app_id").fetchall()]
+
+
+def _json(record: Mapping[str, Any]) -> str:
+    return json.dumps(record, sort_keys=True, allow_nan=False)
 
 
 def _original_from_row(row: tuple[Any, ...]) -> DeviceOriginal:

@@ -218,6 +218,7 @@ class Manager:
         duty_window_s: float = 1.0,
         min_samples: int = 3,
         mem_margin: float = 0.10,
+        max_future_s: float | None = None,
         logger: structlog.typing.FilteringBoundLogger | None = None,
         device_known: Callable[[str], bool] | None = None,
     ) -> None:
@@ -234,6 +235,8 @@ class Manager:
         self._duty = DutyBudget(forecast_duty_max, duty_window_s)
         self.min_samples = min_samples
         self.mem_margin = mem_margin
+        # Samples stamped more than this ahead of the clock are rejected (None: no bound).
+        self.max_future_s = max_future_s
         self.stats = ManagerStats()
         self.latest: dict[str, Decision] = {}
         self._serial: dict[str, int] = {}  # app -> serial of its latest decision
@@ -290,6 +293,10 @@ class Manager:
                 reply.rejected.add(index=i, app_id=sig.app_id[:_MAX_APP_ID], reason=reason)
                 continue
             app_id = sig.app_id
+            if self.max_future_s is not None and sig.timestamp_s > now + self.max_future_s:
+                stats.rejected += 1
+                reply.rejected.add(index=i, app_id=app_id, reason=_future_reason(sig.timestamp_s, now, self.max_future_s))
+                continue
             kept, evicted = add(app_id, sig.device_id, sig.seq, sig.timestamp_s, values, now)
             if evicted:
                 self._forget(evicted)
@@ -355,6 +362,13 @@ class Manager:
                     reply.rejected.add(index=base + row, reason=reason,
                                        app_id=rows.app_ids[a][:_MAX_APP_ID] if a < len(rows.app_ids) else "")
         good = np.flatnonzero(rows.good)
+        if self.max_future_s is not None and len(good):
+            ahead = rows.t_s[good] > now + self.max_future_s
+            for i in good[ahead]:
+                stats.rejected += 1
+                reply.rejected.add(index=base + int(i), app_id=rows.app_ids[int(rows.app_index[i])][:_MAX_APP_ID],
+                                   reason=_future_reason(float(rows.t_s[i]), now, self.max_future_s))
+            good = good[~ahead]
         if not len(good):
             return 0
         order = good[np.argsort(rows.app_index[good], kind="stable")]  # by app, batch order within
@@ -637,3 +651,8 @@ def _first_finite(*values: float) -> float:
 def _unknown() -> Forecast:
     nan = (math.nan,) * len(HORIZONS_S)
     return Forecast(HORIZONS_S, nan, nan, nan, nan, "none")
+
+
+def _future_reason(t_s: float, now_s: float, max_future_s: float) -> str:
+    return (f"timestamp_s {t_s:.3f} is {t_s - now_s:.0f} s ahead of the manager's clock; at most {max_future_s:g} s "
+            "ahead is accepted (check the profiler host's clock)")

@@ -61,9 +61,12 @@ class AppWindow:
 
     _FIRST_CAPACITY = 64
 
-    def __init__(self, app_id: str, max_samples: int) -> None:
+    def __init__(self, app_id: str, max_samples: int, max_span_s: float | None = None) -> None:
         self.app_id = app_id
         self.max_samples = max_samples
+        # `trace()` covers at most this many seconds before the latest sample: what a forecast
+        # builds from it (a 1 s grid) is then bounded whatever the samples' time stamps.
+        self.max_span_s = max_span_s
         cap = min(max_samples, self._FIRST_CAPACITY)
         self._values = np.empty((len(NUMERIC), cap), dtype=np.float64)
         self._t = np.empty(cap, dtype=np.float64)
@@ -168,6 +171,9 @@ class AppWindow:
 
     def trace(self) -> AppTrace:
         data, t = self._take(self._values), self._take(self._t)
+        if self.max_span_s is not None and self._n and t[-1] - t[0] > self.max_span_s:
+            first = int(np.searchsorted(t, t[-1] - self.max_span_s, side="left"))  # samples are in time order
+            data, t = data[:, first:], t[first:]
         finite = ~np.isnan(data).all(axis=1) if self._n else np.zeros(len(NUMERIC), dtype=bool)
         columns = {c: data[k] for k, c in enumerate(NUMERIC) if finite[k]}
         return AppTrace(self.app_id, t, columns, gpu=self.device_id or None)
@@ -176,10 +182,14 @@ class AppWindow:
 class WindowStore:
     """Windows of every application, bounded in samples per app and in apps."""
 
-    def __init__(self, *, max_samples: int = 1200, max_apps: int = 256, idle_evict_s: float = 30.0) -> None:
+    def __init__(self, *, max_samples: int = 1200, max_apps: int = 256, idle_evict_s: float = 30.0,
+                 max_span_s: float | None = None) -> None:
         if max_samples < 1 or max_apps < 1 or idle_evict_s <= 0:
             raise ValueError("max_samples and max_apps must be >= 1 and idle_evict_s > 0")
+        if max_span_s is not None and not max_span_s > 0:
+            raise ValueError(f"max_span_s must be > 0, got {max_span_s}")
         self.max_samples = max_samples
+        self.max_span_s = max_span_s
         self.max_apps = max_apps
         self.idle_evict_s = idle_evict_s
         # Least recently seen first: move_to_end on every sample.
@@ -228,7 +238,7 @@ class WindowStore:
                 old, _ = self._apps.popitem(last=False)
                 evicted.append(old)
             self.evicted_total += len(evicted)
-            win = self._apps[app_id] = AppWindow(app_id, self.max_samples)
+            win = self._apps[app_id] = AppWindow(app_id, self.max_samples, self.max_span_s)
         if t_s < win.last_t_s or (seq <= win.last_seq and t_s <= win.last_t_s):
             self.out_of_order += 1
             return False, evicted

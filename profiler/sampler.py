@@ -31,10 +31,10 @@ from typing import Any, TypeVar
 from vgpu.client import DEFAULT_INAPP_DIR, InAppFormatError, InAppReport, read_inapp
 from vgpu.device.base import Backend, Device, GpuInstance, ProcessInfo
 from vgpu.device.errors import GpuLost, NoData, NotFound, NotSupported
+from vgpu.ids import app_id_problem, sanitize_app_id_part  # the manager's rule for app ids
 from vgpu.log import get_logger
 from vgpu.profiler.source import SeqCounter
 from vgpu.v1 import signature_pb2
-from vgpu.wire import MAX_ID_CHARS  # the manager rejects longer ids
 
 T = TypeVar("T")
 MIB = 1024 * 1024
@@ -394,16 +394,18 @@ class Sampler:
 
     def _app_id(self, pid: int, pstate: _ProcState, inapp: InAppReport | None) -> str:
         if pstate.app_id is None and inapp is not None:
-            if len(inapp.app_id) <= MAX_ID_CHARS:
+            problem = app_id_problem(inapp.app_id)
+            if problem is None:
                 pstate.app_id = inapp.app_id  # sticky for the life of the process
             else:
-                self._once(f"pid:{pid}", "inapp_app_id",
-                           f"ignoring an in-app app_id of {len(inapp.app_id)} characters (at most {MAX_ID_CHARS})")
+                self._once(f"pid:{pid}", "inapp_app_id", f"ignoring the in-app app_id: {problem}")
         if pstate.app_id is None and self._app_id_of is not None:
             pstate.app_id = self._app_id_of(pid)
         if pstate.app_id is not None:
             return pstate.app_id
-        return f"pid:{pid}:{pstate.name}" if pstate.name else f"pid:{pid}"
+        # A process name may hold any character: it is cut to what the app-id rule allows.
+        name = sanitize_app_id_part(pstate.name)[:64] if pstate.name else ""
+        return f"pid:{pid}:{name}" if name else f"pid:{pid}"
 
     # --- logging -------------------------------------------------------------------------------------
     def _once(self, where: str, name: str, message: str) -> None:

@@ -97,7 +97,19 @@ class Serve:
              "--backend", f"sim:{SKU}", "--metrics-port", "0", *extra],
             cwd=ROOT, env=penv, stdout=subprocess.DEVNULL, stderr=self.log,
         )
-        self.wait_for("serving")
+        try:
+            self.wait_for("serving")
+        except BaseException:
+            # the caller never gets this object to stop: stop the process here, on every path
+            self.stop_now()
+            raise
+
+    def stop_now(self) -> None:
+        """Kill the process if it still runs (idempotent)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.log.close()
 
     def events(self) -> list[dict]:  # type: ignore[type-arg]
         out = []
@@ -140,6 +152,4 @@ def serves_killed_after() -> Iterator[list[Serve]]:
     started: list[Serve] = []
     yield started
     for s in started:
-        if s.proc.poll() is None:
-            s.proc.kill()
-            s.proc.wait(10)
+        s.stop_now()

@@ -43,7 +43,7 @@ def test_token_files_are_private(tmp_path: Path) -> None:
     for path in [*paths.values(), app_path, tmp_path / "tokens" / "secret"]:
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
     assert ta.verify(paths["operator"].read_text()) == Principal("operator", via="token")
-    assert app_path.name == "job%2F1.token"
+    assert app_path.name == auth.app_token_filename("job/1") and len(app_path.name) == 64 + len(".token")
     assert ta.verify(app_path.read_text()) == Principal("app", app_id="job/1", via="token")
 
 
@@ -77,6 +77,12 @@ class Registry:
         new = app_id not in self.claimed
         self.claimed.add(app_id)
         return new
+
+    def unclaim_app(self, app_id: str) -> None:
+        self.claimed.discard(app_id)
+
+    def claimed_count(self) -> int:
+        return len(self.claimed)
 
 
 @dataclass
@@ -318,7 +324,8 @@ async def test_a_slow_token_write_does_not_stall_other_calls(tmp_path: Path) -> 
         assert await asyncio.to_thread(disk.writing.wait, RPC_TIMEOUT_S), "the claim never wrote its token"
         # The claim is stuck in its token write; the event loop still answers everyone else.
         avail = await s.stub.GetAvailableResources(pb.GetAvailableResourcesRequest(), timeout=2.0)
-        assert avail.devices[0].mem_granted_mib == 5
+        # (the claim is written before the grant is made: nothing is granted until it is on disk)
+        assert avail.devices[0].mem_granted_mib == 0
         assert not claiming.done()
         disk.release.set()
         _, token = await asyncio.wait_for(claiming, RPC_TIMEOUT_S)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from daemon_fixtures import sim_daemon
 
+from vgpu import auth
 from vgpu import ctl as cli
 from vgpu.daemon.serve import Daemon
 
@@ -92,7 +93,7 @@ async def test_stale_cached_token_is_dropped(daemon: Daemon, tmp_path: Path) -> 
                          "--memory-mib", "1", "--json")
     assert rc == 0 and json.loads(text)["app_id"] == "b"
     assert daemon.store.app_claimed("b")
-    assert cached.read_text().strip() == (daemon.state_dir / "tokens" / "apps" / "b.token").read_text().strip()
+    assert cached.read_text().strip() == auth.app_token_file("b", daemon.state_dir).read_text().strip()
 
 
 async def test_operator_token_from_state_dir(daemon: Daemon, tmp_path: Path) -> None:

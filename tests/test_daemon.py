@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from daemon_fixtures import ROOT, SKU, Env, Serve, make_env, serves_killed_after
 
+from vgpu import auth
 from vgpu.traces import AppTrace, write_trace
 
 
@@ -37,7 +38,8 @@ def test_grant_survives_kill_9_and_restart(env: Env, serves: list[Serve]) -> Non
     serves.append(Serve(env))
     grant = env.json("request", "--app", "job1", "--memory-mib", "2048")
     assert grant["app_id"] == "job1" and grant["memory_mib"] == 2048 and grant["grant_id"]
-    gone = env.json("request", "--app", "job2", "--memory-mib", "1024", "--pid", str(_dead_pid()))
+    gone = env.json("request", "--app", "job2", "--memory-mib", "1024", "--pid", str(_dead_pid()),
+                   "--state-dir", str(env.state))  # naming a pid needs the operator token
     serves[-1].kill9()
 
     serves.append(Serve(env))
@@ -52,7 +54,7 @@ def test_grant_survives_kill_9_and_restart(env: Env, serves: list[Serve]) -> Non
     other = env.json("request", "--app", "job3", "--memory-mib", "1")
     assert other["app_id"] == "job3"
     denied = env.vgpu("release", "--socket", str(env.sock), "--grant", grant["grant_id"], "--token-file",
-                      str(env.state / "tokens" / "apps" / "job3.token"), check=False)
+                      str(auth.app_token_file("job3", env.state)), check=False)
     assert denied.returncode == 1 and "PERMISSION_DENIED" in denied.stderr
     env.vgpu("release", "--socket", str(env.sock), "--grant", grant["grant_id"])
     assert env.json("available")["devices"][0]["mem_granted_mib"] == 1
@@ -78,7 +80,8 @@ def test_a_cgroup_limit_left_by_kill_9_gets_its_original_back(env: Env, serves: 
             pytest.skip("no readable /proc/<pid>/cgroup here")
         serves.append(Serve(env))
         assert limits() == {}
-        env.json("request", "--app", "job1", "--memory-mib", "2048", "--pid", str(app.pid))
+        env.json("request", "--app", "job1", "--memory-mib", "2048", "--pid", str(app.pid),
+                 "--state-dir", str(env.state))  # naming a pid needs the operator token
         assert limits()[cgroup][1] == 2048.0  # the hard limit is the grant
         serves[-1].kill9()
         assert limits()[cgroup][1] == 2048.0  # a crash leaves it in force
@@ -174,7 +177,7 @@ def test_operator_cli_calls_need_the_operator_token(env: Env, serves: list[Serve
     env.json("request", "--app", "a", "--memory-mib", "10")
     sock = ["--socket", str(env.sock)]
     denied = env.vgpu("set-limit", *sock, "--app", "a", "--max-memory-mib", "5",
-                      "--token-file", str(env.state / "tokens" / "apps" / "a.token"), check=False)
+                      "--token-file", str(auth.app_token_file("a", env.state)), check=False)
     assert denied.returncode == 1 and "PERMISSION_DENIED" in denied.stderr
     anon = env.vgpu("set-limit", *sock, "--app", "a", "--max-memory-mib", "5", check=False)
     assert anon.returncode == 1 and "UNAUTHENTICATED" in anon.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import sqlite3
 import subprocess
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -325,6 +326,25 @@ def test_cgroup_original_is_recorded_before_the_first_write(rig: Rig, tmp_path: 
         dry = CgroupMemoryLimits(dry_run=True, store=store, logger=_Log())  # type: ignore[arg-type]
         assert not dry.apply(spy, "/jobs/b", 1_000)  # type: ignore[arg-type]
         assert store.cgroup_originals() == [first] and len(spy.seen) == 2  # records nothing, writes nothing
+
+
+class _FullStore:
+    """A store on a full disk: recording a cgroup original fails as SQLite does."""
+
+    def save_cgroup_original(self, original: object) -> bool:
+        raise sqlite3.OperationalError("database or disk is full")
+
+
+def test_a_cap_that_cannot_be_recorded_never_fails_the_stored_grant(rig: Rig) -> None:
+    rig.need_writes()
+    dev = rig.device()
+    alloc = Allocator(rig.backend, clock=rig.clock, dry_run=False,  # type: ignore[arg-type]
+                      cgroup_limits=CgroupMemoryLimits(store=_FullStore(), logger=_Log()),  # type: ignore[arg-type]
+                      cgroup_of={4242: "/jobs/a"}.get)
+    grant = alloc.request_allocation(AllocationRequest("a", memory_mib=8_000, pid=4242, device_id=dev.uuid))
+    assert alloc.ledger.get(grant.grant_id) == grant  # the grant stands
+    assert dev.memory_limit_mib("/jobs/a").hard_mib == math.inf  # nothing written without its original on record
+    assert alloc.counters.failures == {(dev.uuid, "cgroup_memory"): 1}
 
 
 def _persisting(rig: Rig, store: Store, *, dry_run: bool = False, log: _Log | None = None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -15,9 +16,10 @@ import pytest
 
 from vgpu.allocator.store import SCHEMA_VERSION, CgroupOriginal, DeviceOriginal, MigSlot, Store, StoreError
 
+# Devices are not stored (the backend says what there is at each start).
 RECORDS = {
     "version": 1,
-    "devices": [{"device_id": "GPU-0", "mem_total_mib": 81559.0, "sm_total_pct": 100.0, "name": "H100"}],
+    "devices": [],
     "grants": [{"grant_id": "g1", "app_id": "a", "device_id": "GPU-0", "memory_mib": 1024.0}],
     "limits": [],
 }
@@ -139,10 +141,19 @@ def test_first_cgroup_original_wins_until_forgotten(tmp_path: Path) -> None:
                 store.save_cgroup_original(CgroupOriginal("GPU-0", "/jobs/c", bad, 1.0, 3.0))
 
 
-def _as_version_1(path: Path) -> None:
-    """What a vgpu of schema 1 left: its tables and data, no cgroup_originals."""
+def _as_version_1(path: Path, records: dict | None = None) -> None:  # type: ignore[type-arg]
+    """What a vgpu of schema 1 left: its tables and data (the ledger as one JSON row), no
+    cgroup_originals and no rows per grant."""
     db = sqlite3.connect(path / "vgpu.sqlite3")
-    db.executescript("DROP TABLE cgroup_originals; UPDATE meta SET value='1' WHERE key='schema_version';")
+    db.executescript(
+        "DROP TABLE cgroup_originals; DROP TABLE grants; DROP TABLE app_limits; "
+        "DELETE FROM meta WHERE key IN ('grant_rows', 'ledger_generation'); "
+        "UPDATE meta SET value='1' WHERE key='schema_version';"
+    )
+    if records is not None:
+        db.execute("INSERT INTO ledger(id, records_json, saved_at_s, generation) VALUES (1, ?, 1.0, 4)",
+                   (json.dumps(records),))
+        db.commit()
     db.close()
 
 
@@ -152,13 +163,13 @@ def test_a_version_1_database_is_upgraded_in_place(tmp_path: Path) -> None:
         store.save_ledger(RECORDS)
         store.save_original(orig)
         store.claim_app("a")
-    _as_version_1(tmp_path)
+    _as_version_1(tmp_path, RECORDS)
     with Store(tmp_path) as store:
         assert store.load_ledger() == RECORDS and store.originals() == {"GPU-0": orig} and store.app_claimed("a")
         assert store.cgroup_originals() == []
         assert store.save_cgroup_original(CgroupOriginal("GPU-0", "/jobs/a", math.inf, math.inf, 2.0))
     db = sqlite3.connect(tmp_path / "vgpu.sqlite3")
-    assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == str(SCHEMA_VERSION) == "2"
+    assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == str(SCHEMA_VERSION) == "3"
 
 
 def test_a_failed_upgrade_changes_nothing(tmp_path: Path) -> None:

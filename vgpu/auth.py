@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import contextvars
 import grp
 import hashlib
@@ -33,7 +34,6 @@ import hmac
 import inspect
 import os
 import secrets
-import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +43,7 @@ import grpc
 import structlog
 
 from vgpu.config import DEFAULT_STATE_DIR
+from vgpu.ids import MAX_PID, app_id_digest, app_id_problem
 from vgpu.log import get_logger
 
 TOKEN_PREFIX = "vgpu1"
@@ -70,6 +71,13 @@ OPEN_PREFIXES: tuple[str, ...] = ("/grpc.health.v1.Health/", "/grpc.reflection."
 
 
 _CALLER: contextvars.ContextVar[str | None] = contextvars.ContextVar("vgpu_caller", default=None)
+_PRINCIPAL: contextvars.ContextVar[str] = contextvars.ContextVar("vgpu_principal", default="")
+
+
+def caller_name() -> str:
+    """Who the current call is ("operator", "profiler", "app:<id>" or "anonymous"), for per-caller
+    bounds; set by `AuthInterceptor` for the call's task."""
+    return _PRINCIPAL.get()
 
 
 def identify_caller(_context: object = None) -> str | None:
@@ -141,8 +149,9 @@ def _unb64(text: str) -> bytes:
 
 
 def app_token_filename(app_id: str) -> str:
-    """A file name for an application id (any characters, '/' included)."""
-    return urllib.parse.quote(app_id, safe="") + ".token"
+    """A file name for an application id: the id's SHA-256 in hex, so its length is fixed whatever
+    the id (an id spelled out in a file name can exceed the file system's 255-byte limit)."""
+    return app_id_digest(app_id) + ".token"
 
 
 class TokenAuthority:
@@ -270,6 +279,10 @@ class AppRegistry(Protocol):
 
     def claim_app(self, app_id: str) -> bool: ...
 
+    def unclaim_app(self, app_id: str) -> None: ...
+
+    def claimed_count(self) -> int: ...
+
 
 class LedgerView(Protocol):
     def grant_owner(self, grant_id: str) -> str | None:
@@ -277,7 +290,8 @@ class LedgerView(Protocol):
         ...
 
     def has_app(self, app_id: str) -> bool:
-        """The ledger holds grants or limits for the application."""
+        """The ledger holds grants someone asked for, or limits, for the application (forecast
+        grants, made from signatures, do not make an application owned)."""
         ...
 
 
@@ -298,6 +312,8 @@ class AccessControl:
         *,
         open_reads: bool = True,
         app_self_registration: bool = True,
+        max_self_registered_apps: int | None = None,
+        pid_proof: Callable[[int, str], bool] | None = None,
         open_ingest: bool = False,
         mtls_role: Role = "profiler",
     ) -> None:
@@ -306,6 +322,10 @@ class AccessControl:
         self.ledger = ledger
         self.open_reads = open_reads
         self.app_self_registration = app_self_registration
+        self.max_self_registered_apps = max_self_registered_apps
+        # pid_proof(pid, app_id): whether the process shows it is that application's, in a way
+        # only its own user could arrange (the daemon: `InAppPidProof`); None: nothing proves it.
+        self.pid_proof = pid_proof
         self.open_ingest = open_ingest
         self.mtls_role = mtls_role
 
@@ -352,6 +372,22 @@ class AccessControl:
             raise Denied(grpc.StatusCode.PERMISSION_DENIED, f"{principal.describe()} may not stream signatures")
         if need == "app_request":
             app_id = _request_app_id(request)
+            problem = app_id_problem(app_id, "request.app_id") if app_id else None
+            if problem is not None:  # checked before anything is claimed for it
+                raise Denied(grpc.StatusCode.INVALID_ARGUMENT, problem)
+            pid = _request_pid(request)
+            if pid > MAX_PID:
+                raise Denied(grpc.StatusCode.INVALID_ARGUMENT, f"request.pid {pid} is out of range: a pid is 1 to {MAX_PID} (0: none)")
+            if pid and (self.pid_proof is None or not self.pid_proof(pid, app_id)):  # (the operator was let through above)
+                # The Unix socket does not tell the daemon which user calls (grpc hides SO_PEERCRED),
+                # so a pid is taken only with the operator token or the process's own proof that it
+                # runs this application (its in-app report, owned by the process's user): a grant tied
+                # to a pid caps that process's cgroup.
+                raise Denied(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"{principal.describe()} may not name process {pid}: it does not report itself as "
+                    f"{app_id!r} (a fresh in-app report of its own user); naming it needs the operator token",
+                )
             if role == "app":
                 if principal.app_id == app_id:
                     return None
@@ -366,6 +402,13 @@ class AccessControl:
                     raise Denied(
                         grpc.StatusCode.PERMISSION_DENIED,
                         f"application {app_id!r} is owned by another client; present its token",
+                    )
+                limit = self.max_self_registered_apps
+                if limit is not None and self.registry.claimed_count() >= limit:
+                    raise Denied(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"quota: {limit} application ids are claimed (auth.max_self_registered_apps = {limit}); "
+                        "ask the operator for this application's token",
                     )
                 return app_id
             if role == "anonymous":
@@ -390,12 +433,41 @@ class AccessControl:
         raise Denied(grpc.StatusCode.PERMISSION_DENIED, f"unknown access rule {need!r}")
 
     async def claim(self, app_id: str) -> str:
-        """Mark the application owned, write its token file, and return the token. The registry is
-        called on the caller's thread (the daemon's store is a SQLite connection bound to it); the
-        file is written in a worker thread, so a slow disk never stalls the event loop's other calls."""
-        self.registry.claim_app(app_id)
-        await asyncio.to_thread(self.authority.write_app_token, app_id)
+        """Mark the application owned, write its token file, and return the token; on any failure
+        nothing stays claimed and ClaimFailed says why. The registry is called on the caller's thread
+        (the daemon's store is a SQLite connection bound to it); the file is written in a worker
+        thread, so a slow disk never stalls the event loop's other calls."""
+        try:
+            self.registry.claim_app(app_id)
+        except Exception as exc:  # noqa: BLE001 - the store says why (a full disk, a damaged file)
+            raise ClaimFailed(f"cannot record the new application: {exc}") from exc
+        try:
+            await asyncio.to_thread(self.authority.write_app_token, app_id)
+        except AuthSetupError as exc:
+            await self.unclaim(app_id)
+            raise ClaimFailed(f"cannot write the application's token file: {exc.__cause__ or exc}") from exc
         return self.authority.token_for(f"app:{app_id}")
+
+    async def unclaim(self, app_id: str) -> None:
+        """Undo `claim` (the call it was for failed): the id is free again. Best effort: a token
+        file left behind is harmless (it names nothing the ledger holds, and the id may be claimed
+        again, which rewrites it)."""
+        try:
+            self.registry.unclaim_app(app_id)
+        except Exception:  # noqa: BLE001 - logged by the caller's failure already
+            pass
+        with contextlib.suppress(OSError):
+            self.authority.app_token_path(app_id).unlink()
+
+
+class ClaimFailed(Exception):
+    """A new application could not be claimed (its row or its token file could not be written)."""
+
+
+def _request_pid(request: object) -> int:
+    inner = getattr(request, "request", None)
+    pid = getattr(inner, "pid", 0) if inner is not None else 0
+    return pid if isinstance(pid, int) else 0
 
 
 def _request_app_id(request: object) -> str:
@@ -497,6 +569,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self._on_denied = on_denied
         # Claims of new application ids are serialised so two anonymous callers cannot both win.
         self._claim_lock = asyncio.Lock()
+        self._pending_token: dict[str, str] = {}
 
     async def _deny(self, context: Any, method: str, caller: str, denied: Denied) -> None:
         self._log.warning("access_denied", method=method, caller=caller, code=denied.code.name, reason=denied.reason)
@@ -527,9 +600,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 await self._deny(context, method, caller, denied)
                 raise  # abort raises; never reached
             _CALLER.set(principal.app_id if principal.role == "app" else claim)
+            _PRINCIPAL.set(principal.describe())
             if claim is None and principal.role == "operator" and need == "app_request":
                 app_id = _request_app_id(request)
-                if app_id and not access.registry.app_claimed(app_id):
+                if app_id and app_id_problem(app_id) is None and not access.registry.app_claimed(app_id):
                     claim = app_id  # the operator's first grant for an app creates its token file
             if claim is None:
                 return None, False
@@ -540,15 +614,28 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 self._claim_lock.release()
                 await self._deny(context, method, caller, denied)
                 raise
+            # Validate, then write: the claim (its row and token file) is made before the call
+            # changes anything, so a claim that cannot be written fails the call with nothing done,
+            # and a call that fails gives the claim back (`after`).
+            try:
+                self._pending_token[claim] = await access.claim(claim)
+            except ClaimFailed as exc:
+                self._claim_lock.release()
+                self._log.error("app_claim_failed", method=method, app=claim, error=str(exc))
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"{exc}; free space in the state directory and retry")
+                raise
             return claim, True
 
         async def after(state: tuple[str | None, bool], context: Any, ok: bool) -> None:
             claim, locked = state
             try:
-                if claim is not None and ok:
-                    token = await access.claim(claim)
-                    context.set_trailing_metadata(((APP_TOKEN_TRAILER, token),))
-                    self._log.info("app_claimed", app=claim, token_file=str(access.authority.app_token_path(claim)))
+                if claim is not None:
+                    token = self._pending_token.pop(claim, "")
+                    if ok:
+                        context.set_trailing_metadata(((APP_TOKEN_TRAILER, token),))
+                        self._log.info("app_claimed", app=claim, token_file=str(access.authority.app_token_path(claim)))
+                    else:
+                        await access.unclaim(claim)
             finally:
                 if locked:
                     self._claim_lock.release()

@@ -63,6 +63,7 @@ from typing import Any, TypeGuard
 import grpc
 
 from vgpu import config
+from vgpu.ids import app_id_digest
 from vgpu.jobs import JobConfig
 from vgpu.log import get_logger
 from vgpu.v1 import allocator_pb2, allocator_pb2_grpc
@@ -129,7 +130,7 @@ def token_cache_dir(socket: str, env: Mapping[str, str] | None = None) -> Path:
 def app_token_path(app_id: str, socket: str = DEFAULT_SOCKET, env: Mapping[str, str] | None = None) -> Path:
     """The file that keeps `app_id`'s token for the daemon at `socket` (named by a hash of the id, so
     any id, however long or odd, gives a short, safe file name)."""
-    return token_cache_dir(socket, env) / (hashlib.sha256(app_id.encode()).hexdigest()[:32] + ".token")
+    return token_cache_dir(socket, env) / (app_id_digest(app_id) + ".token")
 
 
 def check_token(text: str, source: str) -> str:

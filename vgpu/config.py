@@ -62,6 +62,17 @@ class ServerConfig:
     # process among its grants' pids, no open watch of its own, no request) has its grants released.
     # 0 keeps grants until they are released.
     idle_release_s: float = 120.0
+    # Grant quotas: at most this many grants per application and on the node (RESOURCE_EXHAUSTED
+    # naming the quota beyond); they bound the ledger whatever callers pile up.
+    max_grants_per_app: int = 64
+    max_grants_per_node: int = 4096
+    # WatchAllocations streams at most per caller (one token, or all anonymous callers together)
+    # and in all; a watcher that does not keep up with its events is dropped.
+    max_watchers_per_caller: int = 16
+    max_watchers: int = 256
+    # Where client stubs write their in-app reports (vgpu/client.py); a request naming a pid without
+    # the operator token is taken only when that pid's report there, owned by its user, names the app.
+    inapp_dir: str = "/run/vgpu/inapp"
 
 
 @dataclass(frozen=True)
@@ -81,6 +92,9 @@ class AuthConfig:
     profiler_group: str = ""
     # A client without a token may claim an application id nobody owns yet (and gets its token).
     app_self_registration: bool = True
+    # At most this many application ids may be claimed by self-registration (each is a row and a
+    # token file that outlive its grants); beyond, RESOURCE_EXHAUSTED naming the bound.
+    max_self_registered_apps: int = 10000
     # GetAvailableResources / ListApplications / WatchAllocations need no token.
     open_reads: bool = True
     # Ingest streams need no profiler token (only for profilers that cannot send one yet).
@@ -228,6 +242,11 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"server.grace_s: must be >= 0, got {s.grace_s}")
     if not s.idle_release_s >= 0:
         raise ConfigError(f"server.idle_release_s: must be >= 0 (0: never), got {s.idle_release_s}")
+    for name in ("max_grants_per_app", "max_grants_per_node", "max_watchers_per_caller", "max_watchers"):
+        if getattr(s, name) < 1:
+            raise ConfigError(f"server.{name}: must be >= 1, got {getattr(s, name)}")
+    if cfg.auth.max_self_registered_apps < 1:
+        raise ConfigError(f"auth.max_self_registered_apps: must be >= 1, got {cfg.auth.max_self_registered_apps}")
     if s.tcp:
         parse_host_port(s.tcp)  # raises ConfigError
         if not cfg.tls.cert:

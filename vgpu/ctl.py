@@ -143,6 +143,9 @@ class Client:
                 return answer
             except grpc.RpcError as exc:
                 code = exc.code()
+                if code == grpc.StatusCode.UNAVAILABLE and not _unreachable(exc):
+                    # the daemon answered: a full state directory, a model still loading
+                    raise CliError(f"{code.name}: {exc.details()}") from None
                 if code == grpc.StatusCode.UNAVAILABLE:
                     raise CliError(
                         f"cannot reach the vgpu daemon at {self.socket_path} ({exc.details()}); "
@@ -156,6 +159,13 @@ class Client:
                 raise CliError(f"{code.name}: {exc.details()}") from None
         assert last is not None
         raise CliError(f"{last.code().name}: {last.details()}")
+
+
+def _unreachable(exc: grpc.RpcError) -> bool:
+    """UNAVAILABLE because no connection could be made (no socket, refused, no permission), not
+    because the daemon answered UNAVAILABLE."""
+    text = f"{exc.details()} {getattr(exc, 'debug_error_string', lambda: '')()}".lower()
+    return any(s in text for s in ("failed to connect", "connection refused", "no such file", "permission denied"))
 
 
 def _dict(msg: Message) -> dict[str, Any]:

@@ -1,9 +1,16 @@
-"""structlog set-up: JSON lines for daemons (journald keeps them), readable console output for people."""
+"""structlog set-up: JSON lines for daemons (journald keeps them), readable console output for people.
+
+One record is one line, always valid JSON: every logger of the process writes through one shared
+sink under one lock, each record in a single write (threads never interleave two records on a line),
+and floats JSON cannot hold (inf, NaN) are written as the strings "inf", "-inf" and "nan"."""
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import sys
+import threading
 from typing import Any, Literal, Protocol
 
 import structlog
@@ -19,7 +26,8 @@ def configure(fmt: Literal["json", "console"] = "json", level: str = "info") -> 
         structlog.processors.format_exc_info,
     ]
     renderer: structlog.typing.Processor = (
-        structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer(colors=False)
+        structlog.processors.JSONRenderer(serializer=_dumps) if fmt == "json"
+        else structlog.dev.ConsoleRenderer(colors=False)
     )
     structlog.configure(
         processors=[*processors, renderer],
@@ -29,19 +37,46 @@ def configure(fmt: Literal["json", "console"] = "json", level: str = "info") -> 
     )
 
 
-class _Stderr:
-    """Looks sys.stderr up at each write, so a replaced or closed stream (pytest's capture, a
-    redirected daemon) never leaves the logger holding a dead file."""
+def _finite(obj: Any) -> Any:
+    """`obj` with every non-finite float replaced by its name as a string."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else ("nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf"))
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    return obj
 
-    def write(self, text: str) -> int:
-        return sys.stderr.write(text)
 
-    def flush(self) -> None:
-        sys.stderr.flush()
+def _dumps(obj: Any, **kw: Any) -> str:
+    try:
+        return json.dumps(obj, allow_nan=False, **kw)
+    except ValueError:  # an inf or a NaN somewhere: rare, so only then is the record walked
+        return json.dumps(_finite(obj), allow_nan=False, **kw)
 
 
-def _stderr_logger(*_args: object) -> structlog.PrintLogger:
-    return structlog.PrintLogger(file=_Stderr())  # type: ignore[arg-type]
+class _LineSink:
+    """Where every logger of the process writes: sys.stderr, looked up at each write (so a replaced
+    or closed stream, pytest's capture or a redirected daemon, never leaves a logger holding a dead
+    file), one record per write under one process-wide lock."""
+
+    _lock = threading.Lock()
+
+    def msg(self, message: str) -> None:
+        with self._lock:
+            stream = sys.stderr
+            stream.write(message + "\n")
+            stream.flush()
+
+    log = debug = info = warn = warning = msg
+    fatal = failure = err = error = critical = exception = msg
+
+
+_SINK = _LineSink()
+
+
+def _stderr_logger(*_args: object) -> _LineSink:
+    return _SINK
 
 
 class Logger(Protocol):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from vgpu.ids import app_id_problem
 from vgpu.traces import NUMERIC
 from vgpu.v1 import ingest_pb2, signature_pb2
 
@@ -129,11 +130,9 @@ def parse_signature(sig: signature_pb2.BehavioralSignature) -> tuple[str | None,
     What a signature contributes: mem_used_mib = process.gpu_mem_used_mib, else
     in_app.torch_reserved_mib; sm_util_pct = process.sm_util_pct; the device columns from the device
     fields (power in W from mW)."""
-    app_id = sig.app_id
-    if not app_id.strip():
-        return "app_id is empty", _NAN_ROW
-    if len(app_id) > MAX_ID_CHARS:
-        return f"app_id is {len(app_id)} characters long; at most {MAX_ID_CHARS} are allowed", _NAN_ROW
+    problem = "app_id is empty" if not sig.app_id.strip() else app_id_problem(sig.app_id)
+    if problem is not None:
+        return problem, _NAN_ROW
     device_id = sig.device_id
     if not device_id:
         return "device_id is empty: give the GPU or MIG UUID the application runs on", _NAN_ROW
@@ -210,6 +209,8 @@ def _bad_ids(ids: Sequence[str], what: str) -> list[str | None]:
     for x in ids:
         if not x.strip():
             out.append(f"{what} is empty")
+        elif what == "app_id":
+            out.append(app_id_problem(x))
         elif len(x) > MAX_ID_CHARS:
             out.append(f"{what} is {len(x)} characters long; at most {MAX_ID_CHARS} are allowed")
         else:

@@ -44,6 +44,7 @@ import os
 import pwd
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -60,17 +61,26 @@ from prometheus_client import CollectorRegistry, start_http_server
 from vgpu import auth, log
 from vgpu import config as vconfig
 from vgpu.allocator.core import Allocator, Sizer, device_capacities
-from vgpu.allocator.errors import NotFound
+from vgpu.allocator.errors import NotFound, StateNotSaved
 from vgpu.allocator.ledger import Ledger
 from vgpu.allocator.mechanisms.limits import CgroupMemoryLimits
 from vgpu.allocator.mechanisms.mig import MigLayoutMechanism
 from vgpu.allocator.policy.forecast import ForecastPolicy
 from vgpu.allocator.service import AllocatorServicer, ProfilerState, Server, build_server
-from vgpu.allocator.store import DeviceOriginal, MigSlot, Store, StoreError
+from vgpu.allocator.store import DeviceOriginal, MigSlot, Store, StoreError, reset_state
+from vgpu.client import (
+    DEFAULT_INAPP_DIR,
+    INAPP_MAX_AGE_S,
+    PID_START_TOLERANCE_S,
+    InAppFormatError,
+    inapp_path,
+    parse_inapp,
+)
 from vgpu.config import Config, ConfigError
 from vgpu.daemon.metrics import AppSnapshot, CounterSnapshot, DaemonMetrics, DeviceSnapshot
 from vgpu.device.base import Backend, Device
 from vgpu.device.errors import DeviceError
+from vgpu.ids import MAX_PID
 from vgpu.manager.coldstart import AllocatorSizer, BackgroundSizer, ColdStartSizer
 from vgpu.manager.core import Manager, default_baseline
 from vgpu.manager.experts import MixtureForecaster, make_served
@@ -79,9 +89,21 @@ from vgpu.manager.history import NodeHistory
 from vgpu.manager.modelpath import ModelChoice, open_forecaster, resolve_model
 from vgpu.manager.nodelearn import BackgroundLearner, LocalModelWatcher
 from vgpu.manager.service import IngestServicer
+from vgpu.manager.window import WindowStore
 
 SIM_STATE_FILE = "sim-devices.json"
 LOCK_FILE = "daemon.lock"
+# A window's trace covers at most this long before its latest sample (a forecast's 1 s grid is
+# bounded by it, whatever time stamps a profiler sends); samples stamped further ahead of the
+# daemon's clock than MAX_FUTURE_S are rejected with the reason.
+MAX_WINDOW_SPAN_S = 3600.0
+# Connections that hold a descriptor and do nothing are closed: one that has not finished its
+# HTTP/2 handshake after 10 s (a local client needs milliseconds), and one with no call for 10 min.
+SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.server_handshake_timeout_ms", 10_000),
+    ("grpc.max_connection_idle_ms", 600_000),
+)
+MAX_FUTURE_S = 300.0
 # How long a stop waits for background model loads to end (they take seconds; systemd's stop timeout is 90 s).
 LOADER_JOIN_S = 60.0
 
@@ -127,7 +149,11 @@ class LedgerView:
             return None
 
     def has_app(self, app_id: str) -> bool:
-        return bool(self._allocator.ledger.grants(app_id=app_id)) or self._allocator.ledger.limits(app_id) is not None
+        """Grants someone asked for, or limits an operator set. Forecast grants do not count: they
+        come from signatures, whose app ids a profiler may make up, and must not lock the real owner
+        of an id out of claiming it."""
+        ledger = self._allocator.ledger
+        return any(g.source != "forecast" for g in ledger.grants(app_id=app_id)) or ledger.limits(app_id) is not None
 
 
 def model_of(forecaster: Forecaster) -> Forecaster | None:
@@ -245,6 +271,46 @@ class StateSource:
         )
 
 
+class InAppPidProof:
+    """Whether a process runs a given application, shown in a way only the process's own user could
+    arrange: its client stub's in-app report (`<inapp_dir>/<pid>.json`, vgpu/client.py) is a regular
+    file owned by the process's user, fresh, written by this very process (its start time), and names
+    the application. Another user cannot make a file owned by that user (and in the sticky in-app
+    directory cannot replace one); the same user could, but may signal or trace the process anyway.
+    The file is opened once (no symlink) and checked through that descriptor."""
+
+    def __init__(self, directory: Path = DEFAULT_INAPP_DIR, *, clock: Callable[[], float] = time.time,
+                 proc_root: Path = Path("/proc"), process: Callable[[int], psutil.Process] = psutil.Process) -> None:
+        self.directory = Path(directory)
+        self._clock = clock
+        self._proc_root = Path(proc_root)
+        self._process = process
+
+    def __call__(self, pid: int, app_id: str) -> bool:
+        try:
+            proc_uid = os.stat(self._proc_root / str(pid)).st_uid
+            start_s = self._process(pid).create_time()
+            fd = os.open(inapp_path(self.directory, pid), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except (OSError, psutil.Error):
+            return False
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != proc_uid or st.st_size > 64 * 1024:
+                return False
+            report = parse_inapp(os.read(fd, 64 * 1024).decode("utf-8"))
+        except (OSError, UnicodeDecodeError, InAppFormatError):
+            return False
+        finally:
+            os.close(fd)
+        return (
+            report.pid == pid
+            and report.app_id == app_id
+            and self._clock() - report.written_at_s <= INAPP_MAX_AGE_S
+            and report.pid_start_s is not None
+            and abs(report.pid_start_s - start_s) <= PID_START_TOLERANCE_S
+        )
+
+
 # --- backend, originals, reconciliation ----------------------------------------------------------------
 def open_backend(spec: str, state_dir: Path) -> Backend:
     """A backend by the device layer's one grammar (`vgpu.device.parse_sim_spec`: `nvml`, `sim`,
@@ -296,6 +362,8 @@ class Reconciliation:
     released_gone_device: list[str] = field(default_factory=list)
     released_gone_process: list[str] = field(default_factory=list)
     devices_not_original: dict[str, str] = field(default_factory=dict)
+    # records that could not be used (dropped), each with why
+    bad_records: list[str] = field(default_factory=list)
 
 
 def reconcile(
@@ -325,12 +393,24 @@ def reconcile(
     if records is None:
         return Ledger(caps, clock=clock), rec
     try:
-        ledger = Ledger.from_records(records, devices=caps, clock=clock)
+        ledger = Ledger.from_records(records, devices=caps, clock=clock, skip_bad=True)
     except ValueError as exc:
-        raise StartupError(f"{store.path}: the stored ledger cannot be read ({exc}); move the file aside to start empty") from exc
+        raise StartupError(
+            f"{store.path}: the stored ledger cannot be read ({exc}); start with --reset-state to begin empty"
+        ) from exc
+    rec.bad_records += [*store.bad_rows, *ledger.bad_on_restore]
     rec.released_gone_device = [g.grant_id for g in ledger.dropped_on_restore]
     for g in ledger.grants():
-        if g.pid > 0 and not pid_exists(g.pid):
+        # One bad record (a pid no process can have) is logged, dropped and counted; it never stops a start.
+        try:
+            if not 0 <= g.pid <= MAX_PID:
+                raise ValueError(f"pid {g.pid} is out of range")
+            gone = g.pid > 0 and not pid_exists(g.pid)
+        except (ValueError, OverflowError, OSError) as exc:
+            ledger.release(g.grant_id)
+            rec.bad_records.append(f"grant {g.grant_id}: {exc}")
+            continue
+        if gone:
             ledger.release(g.grant_id)
             rec.released_gone_process.append(g.grant_id)
     rec.grants_restored = len(ledger.grants())
@@ -475,23 +555,43 @@ def secure_socket(path: Path, *, mode: int, owner: str, group: str) -> None:
     os.chmod(path, mode)
 
 
-def lock_state_dir(state_dir: Path) -> TextIO:
-    """An exclusive lock held for the daemon's life: two daemons on one state dir would corrupt it."""
+class StateLock:
+    """An exclusive flock(2) on the state directory itself, held for the daemon's life, plus
+    `daemon.lock` naming the holder's pid for people. The lock is on the directory, not on the file:
+    removing or replacing `daemon.lock` cannot let a second daemon in (a lock on a file that is
+    unlinked and created again is a lock on another inode)."""
+
+    def __init__(self, dir_fd: int, pid_file: TextIO) -> None:
+        self._dir_fd: int | None = dir_fd
+        self._pid_file = pid_file
+
+    def close(self) -> None:
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)  # releases the flock
+            self._dir_fd = None
+        self._pid_file.close()
+
+
+def lock_state_dir(state_dir: Path) -> StateLock:
+    """Lock the state directory (see StateLock): two daemons on one state dir would corrupt it."""
     try:
         state_dir.mkdir(parents=True, exist_ok=True)
-        fh = open(state_dir / LOCK_FILE, "a+")  # noqa: SIM115 - held until exit
+        dir_fd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
         raise StartupError(f"state directory {state_dir} is not usable: {exc}") from exc
     try:
-        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        fh.close()
+        os.close(dir_fd)
         raise StartupError(f"another vgpu daemon is using the state directory {state_dir}") from None
-    fh.seek(0)
-    fh.truncate()
-    fh.write(f"{os.getpid()}\n")
-    fh.flush()
-    return fh
+    try:
+        fh = open(state_dir / LOCK_FILE, "w")  # noqa: SIM115 - held until exit
+        fh.write(f"{os.getpid()}\n")
+        fh.flush()
+    except OSError as exc:
+        os.close(dir_fd)
+        raise StartupError(f"state directory {state_dir} is not usable: {exc}") from exc
+    return StateLock(dir_fd, fh)
 
 
 def _read(path: str, what: str) -> bytes:
@@ -516,8 +616,10 @@ class Daemon:
         logger: structlog.typing.FilteringBoundLogger | None = None,
         backend: Backend | None = None,
         load_sizer: Callable[[], Sizer] | None = None,
+        reset_state: bool = False,
     ) -> None:
         self.cfg = cfg
+        self._reset_state = reset_state
         self._load_sizer = load_sizer or default_sizer
         self.clock = clock
         self.notifier = notifier or SdNotifier()
@@ -528,7 +630,7 @@ class Daemon:
         self.socket_path = Path(cfg.server.socket)
         self.server: Server | None = None
         self.metrics_server: Any = None
-        self._lock: TextIO | None = None
+        self._lock: StateLock | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self._idle_release: asyncio.Task[None] | None = None
         self.model_loader: threading.Thread | None = None
@@ -538,8 +640,29 @@ class Daemon:
         self.stopped = asyncio.Event()
 
     def _save(self, ledger: Ledger) -> None:
+        """Store the ledger's changes since the last save (O(1) rows per change). When they cannot
+        be stored, StateNotSaved: the allocator undoes them in memory and the call that made them
+        is answered UNAVAILABLE; reads keep working."""
+        try:
+            self.store.apply_changes(ledger.changes())
+        except (StoreError, ValueError) as exc:
+            self.log.error("state_not_saved", path=str(self.store.path), error=str(exc))
+            raise StateNotSaved(
+                f"the change was not made: the state directory {self.state_dir} is full or failing "
+                f"({exc.__cause__ or exc}); free space there (or fix the disk) and retry"
+            ) from exc
+        ledger.commit_changes()
+        metrics: DaemonMetrics | None = getattr(self, "metrics", None)
+        if metrics is not None:
+            metrics.store_writes.inc()
+
+    def _save_all(self, ledger: Ledger) -> None:
+        """Replace the stored ledger with this one (the reconciled ledger at start)."""
         self.store.save_ledger(ledger.to_records())
-        self.metrics.store_writes.inc()
+        ledger.commit_changes()
+        metrics: DaemonMetrics | None = getattr(self, "metrics", None)
+        if metrics is not None:
+            metrics.store_writes.inc()
 
     async def start(self) -> None:
         self.cfg = cfg = vconfig.resolve_dry_run(self.cfg)
@@ -548,12 +671,18 @@ class Daemon:
                              meaning="decisions are logged, nothing is written to the devices",
                              to_act="set server.dry_run = false (or VGPU_SERVER_DRY_RUN=false, or --no-dry-run)")
         self._lock = lock_state_dir(self.state_dir)
+        if self._reset_state:
+            moved = reset_state(self.state_dir, clock=self.clock)
+            self.log.warning("state_reset", moved_to=str(moved) if moved else None,
+                             reason="--reset-state: the ledger starts empty; the old database is kept beside it")
         try:
             self.store = Store(self.state_dir, clock=self.clock)
         except StoreError as exc:
             raise StartupError(str(exc)) from exc
         self.backend = self._backend_override or open_backend(cfg.server.backend, self.state_dir)
         ledger, rec = reconcile(self.store, self.backend, clock=self.clock)
+        ledger.max_grants_per_app = cfg.server.max_grants_per_app
+        ledger.max_grants = cfg.server.max_grants_per_node
         (self.state_dir / "mig").mkdir(mode=0o700, exist_ok=True)
         dry_run = vconfig.dry_run_of(cfg.server)  # resolved above; said again for the type checker
         mig = MigLayoutMechanism(state_dir=self.state_dir / "mig", dry_run=dry_run)
@@ -562,7 +691,10 @@ class Daemon:
         self.allocator = Allocator(self.backend, clock=self.clock, dry_run=dry_run, ledger=ledger,
                                    mig=mig, cgroup_limits=cgroup_limits if cfg.server.cgroup_memory_limits else None,
                                    sizer=self.sizer, policy=ForecastPolicy(manage_mig=cfg.server.manage_mig_layout),
-                                   on_change=self._save)
+                                   on_change=self._save,
+                                   max_watchers=cfg.server.max_watchers,
+                                   max_watchers_per_caller=cfg.server.max_watchers_per_caller,
+                                   drop_slow_watchers=True)
         # cgroup limits a crashed run left: put back where no grant holds the cgroup now (all of
         # them where the mechanism is now off: nothing would restore them later)
         cgroup_outcomes = (self.allocator.reconcile_cgroup_limits() if cfg.server.cgroup_memory_limits
@@ -589,7 +721,8 @@ class Daemon:
                                clock=self.clock, fallback=baseline,
                                batch_window_s=cfg.manager.batch_window_ms / 1000.0,
                                forecast_duty_max=cfg.manager.forecast_duty_max,
-                               device_known=self.allocator.knows_device)
+                               device_known=self.allocator.knows_device,
+                               windows=WindowStore(max_span_s=MAX_WINDOW_SPAN_S), max_future_s=MAX_FUTURE_S)
         self.allocator.signature_seen = self.manager.windows.last_seen_s
         model = resolve_model(cfg.manager.model)
         if model.configured:
@@ -600,12 +733,17 @@ class Daemon:
                                                  name="forecaster-load", daemon=True)
             self.model_loader.start()
         self.metrics = DaemonMetrics(self.registry, StateSource(self.allocator, self.manager, cfg.server.backend))
-        self._save(ledger)  # the reconciled ledger is what a crash from here on must find
+        try:  # the reconciled ledger is what a crash from here on must find
+            self._save_all(ledger)
+        except StoreError as exc:
+            raise StartupError(f"cannot store the reconciled ledger: {exc}") from exc
         self.log.info(
             "reconciled",
             grants_restored=rec.grants_restored,
             released_device_gone=rec.released_gone_device,
             released_process_gone=rec.released_gone_process,
+            bad_records=len(rec.bad_records),
+            bad_record_reasons=rec.bad_records[:20],
             devices_not_original=rec.devices_not_original,
             originals={k: v.power_limit_mw for k, v in self.store.originals().items()},
             cgroup_originals={f"{dev} {cg}": outcome for dev, cg, outcome in cgroup_outcomes},
@@ -616,13 +754,18 @@ class Daemon:
         )
         token_files = authority.write_role_tokens()
         for app_id in self.store.claimed_apps():
-            authority.write_app_token(app_id)
+            try:  # a token file is derived from the secret: one that cannot be written costs only itself
+                authority.write_app_token(app_id)
+            except auth.AuthSetupError as exc:
+                self.log.error("app_token_unwritable", app=app_id, error=str(exc))
         access = auth.AccessControl(
             authority,
             self.store,
             LedgerView(self.allocator),
             open_reads=cfg.auth.open_reads,
             app_self_registration=cfg.auth.app_self_registration,
+            max_self_registered_apps=cfg.auth.max_self_registered_apps,
+            pid_proof=InAppPidProof(Path(cfg.server.inapp_dir), clock=self.clock),
             open_ingest=cfg.auth.open_ingest,
         )
         interceptor = auth.AuthInterceptor(access, on_denied=self.metrics.on_denied)
@@ -633,9 +776,11 @@ class Daemon:
             self.server = build_server(
                 f"unix:{self.socket_path}",
                 allocator_servicer=AllocatorServicer(self.allocator, identify=auth.identify_caller,
-                                                     observer=NodeView(self.manager)),
+                                                     observer=NodeView(self.manager),
+                                                     watcher_owner=auth.caller_name),
                 ingest_servicer=IngestServicer(self.manager, ack_interval_s=cfg.manager.ack_interval_ms / 1000.0),
                 interceptors=[interceptor],
+                options=SERVER_OPTIONS,
             )
         except RuntimeError as exc:
             raise StartupError(f"cannot listen on {self.socket_path}: {exc}") from exc
@@ -727,7 +872,8 @@ class Daemon:
             await asyncio.sleep(max(0.0, deadline - time.monotonic()))
 
     async def stop(self, reason: str = "signal") -> list[dict[str, Any]]:
-        """Stop serving, restore the devices, save. Safe to call once start() got past the lock."""
+        """Stop serving, restore the devices, save. Works from any point of a failed start: each
+        part is undone only if start() got to it (attributes it never set are absent)."""
         self.notifier.notify("STOPPING=1\nSTATUS=restoring device settings")
         self.log.info("stopping", reason=reason)
         if self._watchdog is not None:
@@ -737,13 +883,19 @@ class Daemon:
         if self.server is not None:
             await self.server.stop(self.cfg.server.grace_s)
         actions: list[dict[str, Any]] = []
-        if hasattr(self, "allocator"):
-            self.allocator.stop()
+        allocator: Allocator | None = getattr(self, "allocator", None)
+        store: Store | None = getattr(self, "store", None)
+        backend: Backend | None = getattr(self, "backend", None)
+        if allocator is not None and store is not None and backend is not None:
+            allocator.stop()
             if self.cfg.server.dry_run:
                 self.log.info("restore_skipped", reason="dry run: nothing was written to the devices")
             else:
-                actions = restore_devices(self.store, self.backend, self.log, self.metrics)
-            self._save(self.allocator.ledger)
+                actions = restore_devices(store, backend, self.log, getattr(self, "metrics", None))
+            try:
+                self._save(allocator.ledger)
+            except StateNotSaved:
+                pass  # logged by _save; every acknowledged change is stored already
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
         await asyncio.to_thread(self._wait_for_loaders, LOADER_JOIN_S)
@@ -751,10 +903,10 @@ class Daemon:
             await asyncio.to_thread(self.learner.stop)
         if self.history is not None:
             self.history.close()
-        if hasattr(self, "backend"):
-            self.backend.close()
-        if hasattr(self, "store"):
-            self.store.close()
+        if backend is not None:
+            backend.close()
+        if store is not None:
+            store.close()
         self.log.info("stopped", devices_restored=len(actions), restore_actions=actions)
         if self._lock is not None:
             self._lock.close()
@@ -825,6 +977,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--log-format", choices=("json", "console"), help="log format (default json)")
     p.add_argument("--log-level", help="debug, info, warning or error (default info)")
     p.add_argument("--check-config", action="store_true", help="print the effective configuration and exit")
+    p.add_argument("--reset-state", action="store_true",
+                   help="move a damaged state database aside (kept as *.damaged-<time>) and start with an empty ledger")
     return p
 
 
@@ -861,13 +1015,23 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu serve") -> int:
         return 0
     log.configure(cfg.log.format, cfg.log.level)  # type: ignore[arg-type]
     logger = log.get_logger("vgpu.daemon")
-    daemon = Daemon(cfg, logger=logger)
+    daemon = Daemon(cfg, logger=logger, reset_state=ns.reset_state)
     try:
         return asyncio.run(daemon.run())
     except (StartupError, auth.AuthSetupError) as exc:
         logger.error("startup_failed", error=str(exc))
-        print(f"{prog}: {exc}", file=sys.stderr)
+        print(f"{prog}: {_one_line(str(exc))}", file=sys.stderr)
         return 1
+    except Exception as exc:  # noqa: BLE001 - one line with the cause, not a traceback, for the operator
+        cause = f"{type(exc).__name__}: {exc}"
+        logger.error("startup_failed", error=cause, exc_info=exc)
+        print(f"{prog}: cannot start: {_one_line(cause)}", file=sys.stderr)
+        return 1
+
+
+def _one_line(text: str) -> str:
+    """A message on one line (a library's error may span several)."""
+    return " ".join(text.split())
 
 
 if __name__ == "__main__":

@@ -1,0 +1,206 @@
+"""One well-behaved client's latency while hostile callers pile up grants, watchers and idle connections.
+
+    python bench/abuse.py --json                      # N = 0, 1000 (default config)
+    python bench/abuse.py --n 0 1000 10000 --json
+    python bench/abuse.py --n 0 1000 --raise-quotas --json
+
+What runs. `vgpu serve --backend sim:h100-80gb` as a child process on a temporary state directory
+(as a daemon runs; the WAL is fsynced on every change). For each N, on a fresh daemon:
+
+1. N grants are requested with the operator token, spread over N/32 applications (1 MiB each);
+2. N `WatchAllocations` streams are opened (as anonymous callers, over N/50 channels) and never read;
+3. N idle connections are opened to the socket (connected, never a byte sent; the daemon closes
+   such a connection 10 s after it opened, so they are all open only while the pairs start);
+each pile-up goes on until N or until the daemon refuses (its quotas: `server.max_grants_per_*`,
+`server.max_watchers*`); how many were accepted is reported. When the node's grant quota is reached,
+two piled grants are released so the well-behaved client has room (a full node refuses everyone). `--raise-quotas` lifts the quotas to
+N + 1000, so what piled-up state itself costs can be measured; `--pile grants` (or `watchers`,
+`connections`, comma-separated) piles up only those.
+
+Then one well-behaved application does `--pairs` request + release pairs in sequence (1 MiB,
+anonymous, its own token after the first) and the latency of each pair is measured. Printed, per N:
+
+    {"n", "grants_accepted", "watchers_accepted", "idle_connections", "pair_p50_ms", "pair_p99_ms",
+     "daemon_rss_mib", "refusals": {...}}
+
+and, at the end, the target check: p99 at each N within 2x of N = 0 and RSS within +100 MiB.
+No figure is tuned here; on a slow or shared machine, say so with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import resource
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from vgpu import auth  # noqa: E402
+from vgpu.v1 import allocator_pb2 as pb  # noqa: E402
+from vgpu.v1 import allocator_pb2_grpc as pb_grpc  # noqa: E402
+
+
+@contextlib.contextmanager
+def daemon(tmp: Path, env_extra: dict[str, str]) -> Iterator[tuple[subprocess.Popen[bytes], Path, Path]]:
+    sock, state = tmp / "vgpu.sock", tmp / "state"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VGPU_")}
+    env.update({"PYTHONPATH": str(ROOT), **env_extra})
+    log = open(tmp / "serve.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vgpu.cli", "serve", "--socket", str(sock), "--state-dir", str(state),
+         "--backend", "sim:h100-80gb", "--metrics-port", "0"],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while b'"serving"' not in (tmp / "serve.log").read_bytes():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the daemon did not start: {(tmp / 'serve.log').read_text()[-2000:]}")
+            time.sleep(0.05)
+        yield proc, sock, state
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        log.close()
+
+
+def _refusal(counts: dict[str, int], err: grpc.RpcError) -> None:
+    key = f"{err.code().name}: {str(err.details())[:120]}"
+    counts[key] = counts.get(key, 0) + 1
+
+
+def measure(n: int, pairs: int, raise_quotas: bool, pile: set[str]) -> dict[str, Any]:
+    extra = {}
+    if raise_quotas:
+        extra = {"VGPU_SERVER_MAX_GRANTS_PER_APP": str(n + 1000), "VGPU_SERVER_MAX_GRANTS_PER_NODE": str(n + 1000),
+                 "VGPU_SERVER_MAX_WATCHERS_PER_CALLER": str(n + 1000), "VGPU_SERVER_MAX_WATCHERS": str(n + 1000)}
+    refusals: dict[str, int] = {}
+    with tempfile.TemporaryDirectory(prefix="vgpu-abuse-") as d, daemon(Path(d), extra) as (proc, sock, state):
+        op = auth.bearer(auth.read_token_file(auth.role_token_file("operator", state)))
+        main = grpc.insecure_channel(f"unix:{sock}")
+        stub = pb_grpc.AllocatorStub(main)
+        piled: list[str] = []
+        for i in range(n if "grants" in pile else 0):
+            try:
+                piled.append(stub.RequestResourceAllocation(pb.RequestResourceAllocationRequest(
+                    request=pb.ResourceRequest(app_id=f"pile{i // 32}", memory_mib=1.0)), metadata=op,
+                    timeout=30).grant.grant_id)
+            except grpc.RpcError as err:
+                _refusal(refusals, err)
+                if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_grants_per_node" in str(err.details()):
+                    # the node is full: leave room for the well-behaved client's one grant
+                    for grant_id in piled[-2:]:
+                        stub.ReleaseResources(pb.ReleaseResourcesRequest(grant_id=grant_id), metadata=op, timeout=30)
+                    piled = piled[:-2]
+                    break
+        grants = len(piled)
+        n_watch = n if "watchers" in pile else 0
+        channels = [grpc.insecure_channel(f"unix:{sock}") for _ in range(max(1, n_watch // 50))] if n_watch else []
+        watches: list[Any] = []
+        watchers = 0
+        for i in range(n_watch):
+            call: Any = pb_grpc.AllocatorStub(channels[i % len(channels)]).WatchAllocations(
+                pb.WatchAllocationsRequest(), timeout=3600)
+            try:
+                call.initial_metadata()  # sent once the watch is registered; a refusal ends the call first
+                if call.done():
+                    raise call  # the call is the RpcError of its refusal
+                watches.append(call)
+                watchers += 1
+            except grpc.RpcError as err:
+                _refusal(refusals, err)
+                if "max_watchers" in str(err.details()):
+                    break
+        idle: list[socket.socket] = []
+        for _ in range(n if "connections" in pile else 0):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                s.connect(str(sock))
+            except OSError as exc:
+                refusals[f"connect: {exc.strerror}"] = refusals.get(f"connect: {exc.strerror}", 0) + 1
+                s.close()
+                break
+            idle.append(s)
+        # the well-behaved application
+        app_md: tuple[tuple[str, str], ...] = ()
+        lat_ms = []
+        for k in range(pairs + 10):
+            t0 = time.perf_counter()
+            reply, done = stub.RequestResourceAllocation.with_call(pb.RequestResourceAllocationRequest(
+                request=pb.ResourceRequest(app_id="good", memory_mib=1.0)), metadata=app_md, timeout=30)
+            token = dict(done.trailing_metadata() or ()).get(auth.APP_TOKEN_TRAILER)
+            if token:
+                app_md = auth.bearer(str(token))
+            stub.ReleaseResources(pb.ReleaseResourcesRequest(grant_id=reply.grant.grant_id), metadata=app_md,
+                                  timeout=30)
+            if k >= 10:  # the first pairs warm the connection and claim the id
+                lat_ms.append((time.perf_counter() - t0) * 1000)
+        rss_mib = psutil.Process(proc.pid).memory_info().rss / 2**20
+        for c in watches:
+            c.cancel()
+        for s in idle:
+            s.close()
+        for ch in channels:
+            ch.close()
+        main.close()
+    return {
+        "n": n,
+        "grants_accepted": grants,
+        "watchers_accepted": watchers,
+        "idle_connections": len(idle),
+        "pair_p50_ms": round(float(np.percentile(lat_ms, 50)), 2),
+        "pair_p99_ms": round(float(np.percentile(lat_ms, 99)), 2),
+        "daemon_rss_mib": round(rss_mib, 1),
+        "refusals": refusals,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, nargs="+", default=[0, 1000])
+    p.add_argument("--pairs", type=int, default=200)
+    p.add_argument("--raise-quotas", action="store_true")
+    p.add_argument("--pile", default="grants,watchers,connections",
+                   help="what piles up, comma-separated (default all three)")
+    p.add_argument("--json", action="store_true")
+    ns = p.parse_args(argv)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the idle connections are ours too
+    pile = set(ns.pile.split(","))
+    rows = [measure(n, ns.pairs, ns.raise_quotas, pile) for n in ns.n]
+    base = next((r for r in rows if r["n"] == 0), rows[0])
+    out = {
+        "machine": f"{os.cpu_count()} cpus, {psutil.virtual_memory().total / 2**30:.0f} GiB",
+        "raise_quotas": ns.raise_quotas,
+        "pile": sorted(pile),
+        "pairs": ns.pairs,
+        "rows": rows,
+        "p99_within_2x": all(r["pair_p99_ms"] <= 2 * base["pair_p99_ms"] for r in rows),
+        "rss_within_100_mib": all(r["daemon_rss_mib"] <= base["daemon_rss_mib"] + 100 for r in rows),
+    }
+    print(json.dumps(out, indent=None if ns.json else 2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,25 @@
+"""bench/abuse.py runs end to end on a real `vgpu serve` in a short run and reports every field; the
+daemon's watcher bound shows in what it accepted. No speed target is asserted (docs/performance.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_abuse_bench_short_run_reports_every_field() -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "abuse.py"), "--n", "0", "20", "--pairs", "5", "--json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
+    out = json.loads(proc.stdout)
+    assert [r["n"] for r in out["rows"]] == [0, 20]
+    last = out["rows"][-1]
+    assert last["grants_accepted"] == 20 and last["idle_connections"] == 20
+    assert last["watchers_accepted"] == 16  # server.max_watchers_per_caller: anonymous callers count as one
+    assert any("max_watchers_per_caller" in k for k in last["refusals"])
+    for r in out["rows"]:
+        assert 0 < r["pair_p50_ms"] <= r["pair_p99_ms"] and r["daemon_rss_mib"] > 0
+    assert isinstance(out["p99_within_2x"], bool) and isinstance(out["rss_within_100_mib"], bool)

@@ -1,0 +1,75 @@
+"""Hostile application ids against a real `vgpu serve`: refused at the edge with a reason, nothing
+written for them, and the daemon starts again on the same state directory."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from daemon_fixtures import Env, Serve, make_env, serves_killed_after
+from hostile import Raw, operator_token, raw
+
+from vgpu import auth
+from vgpu.ids import app_id_problem, sanitize_app_id_part
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Env:
+    return make_env(tmp_path)
+
+
+@pytest.fixture
+def serves() -> Iterator[list[Serve]]:
+    yield from serves_killed_after()
+
+
+@pytest.fixture
+def client(env: Env) -> Iterator[Raw]:
+    yield from raw(env.sock)
+
+
+def test_the_rule_in_short() -> None:
+    assert app_id_problem("trainer-7") is None
+    assert app_id_problem("team/job:3#2") is None
+    assert app_id_problem("x" * 256) is None
+    assert "257 characters (257 bytes)" in str(app_id_problem("x" * 257))
+    for bad in ("", " lead", "trail ", "a b", "caf\u00e9", "zero\u200bwidth", "\u0430pple", "a\nb", "-x", "\U0001f600"):
+        assert app_id_problem(bad) is not None, bad
+    assert sanitize_app_id_part("Web Content (1)") == "Web_Content__1_"
+
+
+def test_long_and_emoji_ids_are_refused_and_the_daemon_restarts(env: Env, serves: list[Serve], client: Raw) -> None:
+    serves.append(Serve(env))
+    # 250 ASCII characters: valid by the rule; its token file is named by a hash, so it fits.
+    long_id = "a" * 250
+    grant = client.request(long_id, 64)
+    assert grant.app_id == long_id
+    token_file = auth.app_token_file(long_id, env.state)
+    assert token_file.is_file() and len(token_file.name) < 100
+    # 257 characters and 21 emoji (84 bytes, well under 256 characters): INVALID_ARGUMENT, with a
+    # reason and without the state directory's path; nothing granted, nothing claimed.
+    for bad, says in (("b" * 257, "257 characters"), ("\U0001f600" * 21, "U+1F600"), ("evil ", "' '")):
+        with pytest.raises(grpc.RpcError) as err:
+            client.request(bad, 64)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert says in str(err.value.details()) and str(env.state) not in str(err.value.details())
+    assert client.granted_mib() == 64
+    assert [a.app_id for a in client.apps()] == [long_id]
+    assert serves[-1].term() == 0
+    # The same state directory starts again, with the valid grant.
+    serves.append(Serve(env))
+    assert serves[-1].event("reconciled")["grants_restored"] == 1
+    assert client.granted_mib() == 64
+    assert serves[-1].term() == 0
+
+
+def test_the_operator_s_bad_id_is_refused_before_anything_is_claimed(env: Env, serves: list[Serve], client: Raw) -> None:
+    serves.append(Serve(env))
+    bad = "\U0001f600" * 21
+    with pytest.raises(grpc.RpcError) as err:
+        client.request(bad, 1, token=operator_token(env.state))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert not [e for e in serves[-1].events() if e.get("event") in ("app_claimed", "app_claim_failed")]
+    assert serves[-1].term() == 0

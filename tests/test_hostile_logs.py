@@ -1,0 +1,59 @@
+"""Logs are one valid JSON record per line: under threads, with inf and NaN values, and when a start
+fails (one plain error line for the operator, no traceback, and stop() works from that point)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from daemon_fixtures import ROOT, SKU, make_env
+
+_THREADS = textwrap.dedent(
+    """
+    import threading
+    from vgpu import log
+    log.configure("json", "info")
+    def work(name):
+        lg = log.get_logger(name)  # a logger of its own per thread, as the reload thread has
+        for i in range(2000):
+            lg.info("tick", i=i, pad="x" * 200, inf=float("inf"), nan=float("nan"), deep={"l": [float("-inf")]})
+    ts = [threading.Thread(target=work, args=(f"t{n}",)) for n in range(4)]
+    for t in ts: t.start()
+    for t in ts: t.join()
+    """
+)
+
+
+def _not_json(token: str) -> None:
+    raise ValueError(f"{token} is not JSON")
+
+
+def test_every_line_is_one_json_record_under_threads() -> None:
+    proc = subprocess.run([sys.executable, "-c", _THREADS], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          check=True)
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 8000
+    # raises on two records on one line, and (parse_constant) on a bare NaN or Infinity, which JSON lacks
+    records = [json.loads(line, parse_constant=_not_json) for line in lines]
+    assert {r["logger"] if "logger" in r else r["event"] for r in records} == {"tick"}
+    assert records[0]["inf"] == "inf" and records[0]["nan"] == "nan" and records[0]["deep"] == {"l": ["-inf"]}
+
+
+def test_a_failed_start_is_one_line_with_its_cause(tmp_path: Path) -> None:
+    env = make_env(tmp_path)
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a checkpoint")
+    proc = subprocess.run(
+        [sys.executable, "-m", "vgpu.cli", "serve", "--socket", str(env.sock), "--state-dir", str(env.state),
+         "--backend", f"sim:{SKU}", "--metrics-port", "0", "--model", str(bad)],
+        cwd=ROOT, env=env.env, capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert proc.returncode == 1
+    plain = [line for line in proc.stderr.splitlines() if not line.startswith("{")]
+    assert len(plain) == 1 and plain[0].startswith("vgpu serve: manager.model") and str(bad) in plain[0], proc.stderr
+    events = [json.loads(line)["event"] for line in proc.stderr.splitlines() if line.startswith("{")]
+    assert "stopped" in events and events[-1] == "startup_failed"  # stop() ran to its end
+    assert "Traceback" not in proc.stderr and "AttributeError" not in proc.stderr

@@ -1,0 +1,117 @@
+"""Hostile pids against a real `vgpu serve`: out of range is refused at the edge, a pid from a caller
+that is not the operator is refused (the daemon cannot tell whose process it is), and one bad record
+in the store never stops a start."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+from daemon_fixtures import Env, Serve, make_env, serves_killed_after
+from hostile import Raw, operator_token, raw
+
+from vgpu import auth
+from vgpu.client import InAppCounters, InAppReport, write_inapp
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Env:
+    e = make_env(tmp_path)
+    e.env["VGPU_SERVER_INAPP_DIR"] = str(tmp_path / "inapp")
+    return e
+
+
+@pytest.fixture
+def serves() -> Iterator[list[Serve]]:
+    yield from serves_killed_after()
+
+
+@pytest.fixture
+def client(env: Env) -> Iterator[Raw]:
+    yield from raw(env.sock)
+
+
+@pytest.mark.parametrize("pid", [2**31, 2**32 - 1])
+def test_a_pid_out_of_range_is_refused_and_the_next_start_works(env: Env, serves: list[Serve], client: Raw,
+                                                                 pid: int) -> None:
+    serves.append(Serve(env))
+    with pytest.raises(grpc.RpcError) as err:
+        client.request("job", 16, pid=pid, token=operator_token(env.state))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "out of range" in str(err.value.details())
+    assert client.granted_mib() == 0
+    assert serves[-1].term() == 0
+    serves.append(Serve(env))  # before the fix: OverflowError in reconcile, exit 1
+    assert serves[-1].term() == 0
+
+
+def test_a_pid_needs_the_operator(env: Env, serves: list[Serve], client: Raw) -> None:
+    serves.append(Serve(env))
+    # pid 1 (the cgroup "/") from an anonymous caller, and from an application with its own token.
+    with pytest.raises(grpc.RpcError) as err:
+        client.request("intruder", 1024, pid=1)
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "operator token" in str(err.value.details())
+    client.request("app", 16)
+    app_token = auth.read_token_file(auth.app_token_file("app", env.state))
+    with pytest.raises(grpc.RpcError) as err:
+        client.request("app", 16, pid=1, token=app_token)
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert client.granted_mib() == 16 and "intruder" not in [a.app_id for a in client.apps()]
+    # The operator may name a process.
+    grant = client.request("app", 32, pid=os.getpid(), token=operator_token(env.state))
+    assert grant.memory_mib == 32
+    assert serves[-1].term() == 0
+
+
+def test_a_process_that_reports_itself_may_be_named_by_its_application(env: Env, serves: list[Serve],
+                                                                      client: Raw) -> None:
+    serves.append(Serve(env))
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        inapp = env.tmp / "inapp"
+        # what the client stub's in-app reporter writes for its process
+        path = write_inapp(inapp, InAppReport("mine", child.pid, psutil.Process(child.pid).create_time(), time.time(),
+                                              InAppCounters()))
+        # another application may not name it, nor may "mine" name a process that does not report
+        for app, pid in (("other", child.pid), ("mine", 1)):
+            with pytest.raises(grpc.RpcError) as err:
+                client.request(app, 8, pid=pid)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, (app, pid)
+        if os.geteuid() == 0:  # a report not owned by the process's user proves nothing
+            os.chown(path, 12345, 12345)
+            with pytest.raises(grpc.RpcError) as err:
+                client.request("mine", 8, pid=child.pid)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            os.chown(path, os.getuid(), os.getgid())
+        grant = client.request("mine", 8, pid=child.pid)
+        assert grant.app_id == "mine" and client.granted_mib() == 8
+    finally:
+        child.kill()
+        child.wait(10)
+    assert serves[-1].term() == 0
+
+
+def test_bad_records_in_the_store_are_skipped_counted_and_logged(env: Env, serves: list[Serve], client: Raw) -> None:
+    serves.append(Serve(env))
+    ids = [client.request(f"app{i}", 100).grant_id for i in range(3)]
+    assert serves[-1].term() == 0
+    db = sqlite3.connect(env.state / "vgpu.sqlite3")
+    db.execute("UPDATE grants SET record_json='{not json' WHERE grant_id=?", (ids[0],))
+    (body,) = db.execute("SELECT record_json FROM grants WHERE grant_id=?", (ids[1],)).fetchone()
+    db.execute("UPDATE grants SET record_json=? WHERE grant_id=?", (json.dumps({**json.loads(body), "pid": 2**40}), ids[1]))
+    db.commit()
+    db.close()
+    serves.append(Serve(env))
+    rec = serves[-1].event("reconciled")
+    assert rec["grants_restored"] == 1 and rec["bad_records"] == 2
+    assert any("out of range" in r for r in rec["bad_record_reasons"])
+    assert client.granted_mib() == 100
+    assert serves[-1].term() == 0
