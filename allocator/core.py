@@ -433,6 +433,8 @@ class Allocator:
                 self._log.error("release_not_saved", app=app_id, grant=g.grant_id, error=str(exc))
                 continue
             gone.append(g)
+        if not self.ledger.grants(app_id=app_id):
+            self.history.depart(app_id)
         return gone
 
     # --- applications that vanished --------------------------------------------------------------
@@ -478,6 +480,7 @@ class Allocator:
                 self.release(g.grant_id, reason=reason)
             self._latest.pop(app_id, None)
             self._seen.pop(app_id, None)
+            self.history.depart(app_id)
             gone.append(app_id)
         return gone
 

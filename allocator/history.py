@@ -46,15 +46,23 @@ _COLUMNS = len(fields(HistoryPoint))
 
 
 class _Ring:
-    """The last `cap` points as float64 columns (8 x 8 bytes a point: 3600 points are 225 KiB)."""
+    """The last `cap` points as float64 columns (8 x 8 bytes a point: 3600 points are 225 KiB). The
+    storage starts small and doubles up to `cap`, so a short-lived application costs what it used."""
+
+    _FIRST = 64
 
     def __init__(self, cap: int) -> None:
-        self.data = np.empty((_COLUMNS, cap))
+        self.data = np.empty((_COLUMNS, min(cap, self._FIRST)))
         self.cap = cap
         self.head = 0  # index of the oldest point
         self.n = 0
 
     def append(self, point: HistoryPoint) -> None:
+        size = self.data.shape[1]
+        if self.n == size and size < self.cap:  # full but allowed to grow: still in order from 0
+            grown = np.empty((_COLUMNS, min(self.cap, 2 * size)))
+            grown[:, :size] = self.data
+            self.data = grown
         i = (self.head + self.n) % self.cap
         self.data[:, i] = (point.t_s, point.mem_used_mib, point.mem_p50_mib, point.mem_p90_mib,
                            point.mem_granted_mib, point.sm_used_pct, point.sm_p90_pct, point.sm_granted_pct)
@@ -92,21 +100,37 @@ class _Series:
 class History:
     """At most `max_points` points and `max_events` events per (application, device), for at most
     `max_series` pairs; the least recently updated pair goes first. One point a second keeps an
-    hour with the defaults (225 KiB of points per pair, 56 MiB for all 256)."""
+    hour with the defaults (225 KiB of points per pair, 56 MiB for all 256). An application the
+    allocator forgets (it went silent, or was released as idle) keeps its series for a later
+    `vgpu report`, but only the `max_departed` most recent such are kept, so churn does not pile up."""
 
-    def __init__(self, *, max_points: int = 3600, max_events: int = 512, max_series: int = 256) -> None:
-        if min(max_points, max_events, max_series) < 1:
-            raise ValueError("max_points, max_events and max_series must be >= 1")
+    def __init__(self, *, max_points: int = 3600, max_events: int = 512, max_series: int = 256,
+                 max_departed: int = 16) -> None:
+        if min(max_points, max_events, max_series) < 1 or max_departed < 0:
+            raise ValueError("max_points, max_events and max_series must be >= 1, max_departed >= 0")
         self.max_points = max_points
         self.max_events = max_events
         self.max_series = max_series
+        self.max_departed = max_departed
         self._series: OrderedDict[tuple[str, str], _Series] = OrderedDict()
+        self._departed: OrderedDict[str, None] = OrderedDict()  # oldest departure first
+
+    def depart(self, app_id: str) -> None:
+        """The application is gone: keep its series among the `max_departed` most recent departed
+        ones, dropping the series of the application that departed longest ago beyond that."""
+        self._departed.pop(app_id, None)
+        self._departed[app_id] = None
+        while len(self._departed) > self.max_departed:
+            gone, _ = self._departed.popitem(last=False)
+            for key in [k for k in self._series if k[0] == gone]:
+                del self._series[key]
 
     def __len__(self) -> int:
         return len(self._series)
 
     def _get(self, app_id: str, device_id: str) -> _Series:
         key = (app_id, device_id)
+        self._departed.pop(app_id, None)  # back again: live, not departed
         s = self._series.get(key)
         if s is None:
             while len(self._series) >= self.max_series:

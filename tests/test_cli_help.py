@@ -22,7 +22,7 @@ def test_help_lists_version_and_the_trace_subcommands() -> None:
     (trace_line,) = [x for x in r.stdout.splitlines() if x.strip().startswith("trace ")]
     trace_help = vgpu("trace", "--help").stdout
     subcommands = re.search(r"\{([a-z,]+)\}", trace_help).group(1).split(",")  # type: ignore[union-attr]
-    assert set(subcommands) == {"convert", "info", "cut"}
+    assert set(subcommands) == {"convert", "info", "cut", "synth"}
     for sub in subcommands:
         assert sub in trace_line, (sub, trace_line)
     version = vgpu("--version")

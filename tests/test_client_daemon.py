@@ -57,8 +57,9 @@ def grants_of(env: Env, app_id: str) -> list[dict]:  # type: ignore[type-arg]
 
 
 def test_application_releases_its_grants_and_restarts(env: Env, serves: list[Serve], tmp_path: Path) -> None:
-    serves.append(Serve(env))
     inapp = tmp_path / "inapp"
+    env.env["VGPU_SERVER_INAPP_DIR"] = str(inapp)  # where the daemon reads the stub's proof of its pid
+    serves.append(Serve(env))
 
     r = run_app(env, "train-a", inapp)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -113,4 +114,6 @@ def test_missing_inapp_directory_is_said_once(env: Env, serves: list[Serve], tmp
     out = r.stdout + r.stderr
     assert out.count("in-app counter directory missing") == 1, out
     assert "cannot write in-app counters" not in out
+    # without a report to prove its pid the stub names none, says so once, and is still served
+    assert out.count("requests name no pid") == 1, out
     assert str(blocker / "inapp") in out

@@ -43,8 +43,10 @@ def test_json_output_is_only_the_summary(capsys: pytest.CaptureFixture[str]) -> 
     assert len(out) == 1
     summary = json.loads(out[0])
     assert set(summary) == {"apps", "ticks", "signatures", "decisions", "power_limit_changes", "mig_changes",
-                            "oom_events", "rises", "lead_time_median_s", "lead_time_median_visible_s"}
+                            "oom_events", "overrun_samples", "rises", "lead_time_median_s",
+                            "lead_time_median_visible_s"}
     assert summary["oom_events"] >= 0 and summary["rises"] >= 0
+    assert summary["overrun_samples"] >= summary["oom_events"]
     assert summary["apps"] == 5 and 16 <= summary["ticks"] <= 21 and summary["signatures"] >= summary["ticks"]
 
 

@@ -65,7 +65,9 @@ def test_a_vanished_application_is_released_and_a_live_one_kept(env: Env, serves
     reader.start()
     try:
         env.vgpu("request", *sock, "--app", "ghost", "--memory-mib", "4096")  # no pid, nothing else
-        env.vgpu("request", *sock, "--app", "alive", "--memory-mib", "1024", "--pid", str(os.getpid()))
+        # naming a pid takes the operator token (read from the state directory) or the process's own proof
+        env.vgpu("request", *sock, "--state-dir", str(env.state), "--app", "alive", "--memory-mib", "1024",
+                 "--pid", str(os.getpid()))
         before = time.time()
         listed = apps(env)
         assert listed["ghost"]["last_seen_s"] == pytest.approx(before, abs=5)

@@ -73,11 +73,18 @@ def test_wheel_builds_installs_and_serves(tmp_path: Path) -> None:
     serve = subprocess.Popen([venv / "bin" / "vgpu", "serve", "--socket", sock, "--state-dir", state,
                               "--backend", "sim:h100-80gb", "--metrics-port", "0"],
                              cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=log)
+    profiler: subprocess.Popen[bytes] | None = None
     try:
         deadline = time.monotonic() + 60
         while '"serving"' not in (tmp_path / "serve.log").read_text():
             assert serve.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
             time.sleep(0.2)
+        # the node as installed runs both units: the profiler streams (doctor checks that it does)
+        profiler = subprocess.Popen([venv / "bin" / "vgpu", "profiler", "--backend", "sim:h100-80gb",
+                                     "--manager", f"unix://{sock}", "--token-file", state / "tokens" / "profiler.token",
+                                     "--inapp-dir", tmp_path / "inapp"],
+                                    cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(3)
         doctor = subprocess.run([venv / "bin" / "vgpu", "doctor", "--backend", "sim:h100-80gb", "--socket", sock,
                                  "--state-dir", state], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
         assert doctor.returncode == 0, doctor.stdout + doctor.stderr
@@ -86,8 +93,9 @@ def test_wheel_builds_installs_and_serves(tmp_path: Path) -> None:
                    cwd=tmp_path, env=env)
         assert '"fits": true' in size.stdout
     finally:
-        serve.terminate()
-        serve.wait(30)
+        for proc in (p for p in (profiler, serve) if p is not None):
+            proc.terminate()
+            proc.wait(30)
         log.close()
 
 

@@ -13,6 +13,7 @@ import pytest
 from manager_fakes import EwmaMarginForecaster
 
 from vgpu.allocator.core import Allocator
+from vgpu.allocator.history import History
 from vgpu.device.sim import ManualClock, SimBackend
 from vgpu.manager.core import Manager, StreamState
 from vgpu.manager.window import WindowStore
@@ -49,7 +50,9 @@ class Soak:
         self.apps = _demo_apps()
         sim = SimBackend(["h100-80gb", "h100-80gb"], clock=self.clock)
         self.device_ids = [d.uuid for d in sim.devices()]
-        self.allocator = Allocator(sim, clock=self.clock, dry_run=False)
+        # the allocator's history, like the windows, with bounds an hour fills (the daemon keeps an hour)
+        self.allocator = Allocator(sim, clock=self.clock, dry_run=False,
+                                   history=History(max_points=MAX_SAMPLES, max_events=64, max_departed=8))
         self.windows = WindowStore(max_samples=MAX_SAMPLES, max_apps=MAX_APPS, idle_evict_s=30.0)
         self.manager = Manager(self.allocator, EwmaMarginForecaster(), clock=self.clock, windows=self.windows,
                                forecast_interval_s=10.0, min_samples=3)
@@ -102,6 +105,7 @@ def test_an_hour_of_replay_does_not_grow_memory() -> None:
     assert set(m.latest) <= live
     assert {g.app_id for g in soak.allocator.ledger.grants()} <= live
     assert {a.app_id for a in soak.allocator.list_apps()} <= live
+    assert len({s.app_id for s in soak.allocator.history.series()} - live) <= 8  # departed ones kept
     used = np.array([soak.allocator.ledger.usage(d).mem_granted_mib for d in soak.device_ids])
     assert (used <= 81559.0 + 1e-6).all()
     soak.allocator.stop()

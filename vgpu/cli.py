@@ -28,7 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("vgpu.daemon.doctor:main", "check driver, NVML, privileges, sockets and the model file"),
     "trace": ("vgpu.offline.tracecli:main",
               "canonical traces: convert (a dataset into the format), info (describe one), "
-              "cut (the bundled demo trace from MIGPerf)"),
+              "cut (the bundled demo trace from MIGPerf), synth (derived serving and training series)"),
     "train": ("vgpu.offline.train:main", "train the forecaster on canonical traces"),
     "eval": ("vgpu.offline.evaluate:main", "evaluate forecasters by the trace evaluation protocol"),
     "model": ("vgpu.manager.nodelearn:model_main", "the node-local forecaster: status, rollback"),

@@ -431,7 +431,7 @@ class VgpuClient:
             priority=priority,
             deadline_s=deadline_s,
             critical=critical,
-            pid=self.pid,
+            pid=self._provable_pid(),
         )
         job = job if job is not None else self.job
         if job is not None:
@@ -533,6 +533,23 @@ class VgpuClient:
             step, limit = self._step, self._applied_limit_mib
         stats = self._torch_stats()
         return InAppCounters(step=step, applied_mem_limit_mib=limit, **stats)
+
+    def _provable_pid(self) -> int:
+        """The pid to name in a request, or 0 for none. The daemon takes a pid from a caller without the
+        operator token only when that process's fresh in-app report names the application, so the
+        report is written first; where it cannot be, the request names no pid (the grant still
+        holds, but the daemon cannot enforce it on this process's cgroup), and that is said once."""
+        try:
+            self.report_now()
+        except OSError as exc:
+            self._warn_once(
+                "pid",
+                "cannot write the in-app report that proves this process's pid: requests name no pid, "
+                "so the daemon cannot attach the grant to this process",
+                dir=str(self.inapp_dir), error=exc.strerror or str(exc),
+            )
+            return 0
+        return self.pid
 
     def report_now(self) -> Path:
         """Write the in-app file now (the reporter thread does this every `report_period_s`); OSError

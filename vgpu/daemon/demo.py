@@ -12,10 +12,11 @@ to the allocator, which grants memory/SM shares and sets the GPU's power limit (
 
 Every second a plain-text table shows each application's usage, forecast and allocation and the
 GPU's power limit; at the end a summary. `--json` prints only the summary as one JSON object:
-{"apps", "ticks", "signatures", "decisions", "power_limit_changes", "mig_changes", "oom_events", "rises",
-"lead_time_median_s", "lead_time_median_visible_s"}. OOM events are the samples (every 100 ms) at which
-an application asked the simulator for more memory than its grant (the demo enforces no limit, so
-each is an out-of-memory error a hard limit would have raised); lead times are in seconds of the
+{"apps", "ticks", "signatures", "decisions", "power_limit_changes", "mig_changes", "oom_events",
+"overrun_samples", "rises", "lead_time_median_s", "lead_time_median_visible_s"}. An overrun sample is
+one (every 100 ms) at which an application asked the simulator for more memory than its grant; an OOM
+event is the first of a run of them (the demo enforces no limit: each is where a hard limit would
+have ended the job), as the daemon's history and metrics count them; lead times are in seconds of the
 run, over the rises of each application's memory (vgpu.allocator.policy.lead: how long before a
 rise its grant had already grown to cover it; negative: after). `--plot FILE` also draws each
 application's memory use against its forecast and grant over the run (vgpu/plots.py; its OOM marks
@@ -67,6 +68,7 @@ class DemoSummary:
     power_limit_changes: int
     mig_changes: int
     oom_events: int = 0
+    overrun_samples: int = 0
     rises: int = 0
     lead_time_median_s: float | None = None
     lead_time_median_visible_s: float | None = None
@@ -81,6 +83,7 @@ class DemoSummary:
                 "power_limit_changes": self.power_limit_changes,
                 "mig_changes": self.mig_changes,
                 "oom_events": self.oom_events,
+                "overrun_samples": self.overrun_samples,
                 "rises": self.rises,
                 "lead_time_median_s": self.lead_time_median_s,
                 "lead_time_median_visible_s": self.lead_time_median_visible_s,
@@ -137,7 +140,9 @@ def launch_offsets_s(n: int, seconds: float) -> list[float]:
 
 class _GrantWatch:
     """Per application, at each sample: the memory it asks of the simulator and the grant in force
-    (NaN before its first), for OOM events and lead times."""
+    (NaN before its first), for OOM events and lead times. As in the daemon's history
+    (`vgpu.allocator.history`), a sample asking more than the grant is an overrun, and an OOM event
+    is the first sample of a run of overruns: under a hard limit that is where the job would die."""
 
     def __init__(self, backend: SimBackend, allocator: Allocator) -> None:
         self.backend = backend
@@ -145,6 +150,8 @@ class _GrantWatch:
         self.used: dict[str, list[float]] = {}
         self.granted: dict[str, list[float]] = {}
         self.oom_events = 0
+        self.overrun_samples = 0
+        self._over: dict[str, bool] = {}
 
     def sample(self) -> None:
         grants: dict[str, float] = {}
@@ -155,8 +162,12 @@ class _GrantWatch:
                 grant = grants.get(p.app_id, math.nan)
                 self.used.setdefault(p.app_id, []).append(p.demand_mib)
                 self.granted.setdefault(p.app_id, []).append(grant)
-                if p.demand_mib > grant:  # NaN (no grant yet) compares False
-                    self.oom_events += 1
+                over = p.demand_mib > grant  # NaN (no grant yet) compares False
+                if over:
+                    self.overrun_samples += 1
+                    if not self._over.get(p.app_id, False):
+                        self.oom_events += 1
+                self._over[p.app_id] = over
 
     def leads(self, period_s: float) -> lead.LeadSummary:
         found = [lt for app, used in self.used.items() for lt in lead.lead_times(used, self.granted[app])]
@@ -296,6 +307,7 @@ async def run_demo(
         power_limit_changes=allocator.counters.power_limit_changes,
         mig_changes=allocator.counters.mig_changes,
         oom_events=watch.oom_events,
+        overrun_samples=watch.overrun_samples,
         rises=leads.rises,
         lead_time_median_s=leads.median,
         lead_time_median_visible_s=leads.median_visible,
@@ -327,7 +339,8 @@ def describe(result: DemoResult) -> str:
             f"{result.power_limit_min_seen_mw / 1000:.0f} W, {result.power_limit_end_mw / 1000:.0f} W at the end "
             f"({s.power_limit_changes} changes; restored to {result.power_limit_start_mw / 1000:.0f} W)",
             f"  MIG changes         {s.mig_changes}",
-            f"  OOM events          {s.oom_events} (samples asking more memory than granted)",
+            f"  OOM events          {s.oom_events} (runs of samples asking more memory than granted; "
+            f"{s.overrun_samples} samples over)",
             f"  lead time           median {_secs(s.lead_time_median_s)} over {s.rises} rises of memory, "
             f"{_secs(s.lead_time_median_visible_s)} over those after a ramp (ahead of the rise > 0)",
         ]
