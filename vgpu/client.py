@@ -330,7 +330,9 @@ class VgpuClient:
     Arguments beyond `app_id` are optional: `socket` is the daemon's address (Unix socket path or
     host:port), `job` the job's configuration (`vgpu.jobs.JobConfig` or the proto message; with
     `request(memory_mib=0)` the daemon's cold-start model sizes the grant from it), `inapp_dir`
-    where in-app counters go, `token` / `token_file` the application's identity (module docstring,
+    where in-app counters go (the profiler's `--inapp-dir` and the daemon's `server.inapp_dir` must
+    be the same directory: the daemon reads this process's report there as the proof of its pid,
+    and refuses a request naming a pid it cannot verify), `token` / `token_file` the application's identity (module docstring,
     "Identity"; `env` stands in for os.environ when finding the default token file). `channel`,
     `torch_module`, `clock`, `pid` and `sleep` exist for tests. `watch=False` / `report=False` turn the
     background threads off. A token file that holds no token raises TokenFileError naming it.
@@ -453,7 +455,14 @@ class VgpuClient:
                     message, timeout=self._timeout_s, metadata=self._call_metadata()
                 )
             else:
-                if exc.code() == grpc.StatusCode.PERMISSION_DENIED and self._token is None:
+                if exc.code() == grpc.StatusCode.PERMISSION_DENIED and req.pid and "name process" in (exc.details() or ""):
+                    # The daemon takes this process's pid only on its in-app report, read from the
+                    # daemon's own server.inapp_dir: a stub writing elsewhere is refused for that.
+                    self._warn_once("pid_proof", "the daemon could not verify this process's pid",
+                                    inapp_dir=str(self.inapp_dir),
+                                    fix="give the stub the daemon's server.inapp_dir (default /run/vgpu/inapp) "
+                                        "as inapp_dir=, or leave it at the default")
+                elif exc.code() == grpc.StatusCode.PERMISSION_DENIED and self._token is None:
                     self._warn_once("no_token", "application id taken and no token for it here",
                                     token_file=str(self.token_file),
                                     fix="run with the token file of the first run, pass token=, or use another app_id")
