@@ -117,3 +117,16 @@ def test_missing_inapp_directory_is_said_once(env: Env, serves: list[Serve], tmp
     # without a report to prove its pid the stub names none, says so once, and is still served
     assert out.count("requests name no pid") == 1, out
     assert str(blocker / "inapp") in out
+
+
+def test_a_report_the_daemon_does_not_read_is_named_as_the_cause(env: Env, serves: list[Serve],
+                                                                  tmp_path: Path) -> None:
+    """The stub writes its in-app report where the daemon does not look (another inapp_dir): the
+    request naming its pid is refused, and the stub says why, not that the id is taken."""
+    env.env["VGPU_SERVER_INAPP_DIR"] = str(tmp_path / "daemons-inapp")
+    serves.append(Serve(env))
+    r = run_app(env, "elsewhere", tmp_path / "stubs-inapp")
+    assert r.returncode != 0 and "PERMISSION_DENIED" in r.stderr
+    out = r.stdout + r.stderr
+    assert "the daemon could not verify this process's pid" in out and str(tmp_path / "stubs-inapp") in out
+    assert "application id taken" not in out
