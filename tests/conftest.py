@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import structlog
+from daemon_fixtures import Env, Serve, make_env, serves_killed_after
 from hypothesis import settings
 
 # CI explores a fixed set of examples (a red run can be re-run and bisected); elsewhere hypothesis
@@ -40,3 +41,15 @@ def _restore_structlog() -> Iterator[None]:
     saved = structlog.get_config()
     yield
     structlog.configure(**saved)
+
+
+# A real `vgpu serve` per test (tests/daemon_fixtures.py): `env` is its socket, state directory and
+# environment; `serves` collects the daemons a test starts and kills any still running after it.
+@pytest.fixture
+def env(tmp_path: Path) -> Env:
+    return make_env(tmp_path)
+
+
+@pytest.fixture
+def serves() -> Iterator[list[Serve]]:
+    yield from serves_killed_after()

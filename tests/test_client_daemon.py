@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-from daemon_fixtures import ROOT, Env, Serve, make_env, serves_killed_after
+from daemon_fixtures import ROOT, Env, Serve
 
 from vgpu.client import app_token_path
 
@@ -30,16 +28,6 @@ with VgpuClient(app_id, socket=sock, inapp_dir=inapp) as client:
     print("granted", second.grant_id, "token file", client.token_file, flush=True)
 print("closed", flush=True)
 """
-
-
-@pytest.fixture
-def env(tmp_path: Path) -> Env:
-    return make_env(tmp_path)
-
-
-@pytest.fixture
-def serves() -> Iterator[list[Serve]]:
-    yield from serves_killed_after()
 
 
 def run_app(env: Env, app_id: str, inapp: Path, *, config_home: Path | None = None,

@@ -7,25 +7,14 @@ import json
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-from daemon_fixtures import ROOT, SKU, Env, Serve, make_env, serves_killed_after
+from daemon_fixtures import ROOT, SKU, Env, Serve
 
 from vgpu import auth
 from vgpu.traces import AppTrace, write_trace
-
-
-@pytest.fixture
-def env(tmp_path: Path) -> Env:
-    return make_env(tmp_path)
-
-
-@pytest.fixture
-def serves() -> Iterator[list[Serve]]:
-    yield from serves_killed_after()
 
 
 def _dead_pid() -> int:

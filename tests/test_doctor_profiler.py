@@ -8,27 +8,16 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.daemon_fixtures import ROOT, Env, Serve, make_env, serves_killed_after
+from tests.daemon_fixtures import ROOT, Env, Serve
 from tests.test_operator_views import cli, start_profiler
 from vgpu.allocator.service import build_server
 from vgpu.daemon import doctor
 from vgpu.v1 import allocator_pb2 as pb
 from vgpu.v1 import allocator_pb2_grpc as pb_grpc
-
-
-@pytest.fixture
-def env(tmp_path: Path) -> Env:
-    return make_env(tmp_path)
-
-
-@pytest.fixture
-def serves() -> Iterator[list[Serve]]:
-    yield from serves_killed_after()
 
 
 def run_doctor(env: Env, *extra: str) -> tuple[int, list[dict[str, str]]]:

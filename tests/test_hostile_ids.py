@@ -4,25 +4,14 @@ written for them, and the daemon starts again on the same state directory."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
-from daemon_fixtures import Env, Serve, make_env, serves_killed_after
+from daemon_fixtures import Env, Serve
 from hostile import Raw, operator_token, raw
 
 from vgpu import auth
 from vgpu.ids import app_id_problem, sanitize_app_id_part
-
-
-@pytest.fixture
-def env(tmp_path: Path) -> Env:
-    return make_env(tmp_path)
-
-
-@pytest.fixture
-def serves() -> Iterator[list[Serve]]:
-    yield from serves_killed_after()
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 import pytest
-from daemon_fixtures import ROOT, SKU, Env, Serve, make_env, serves_killed_after, sim_daemon
+from daemon_fixtures import ROOT, SKU, Env, Serve, sim_daemon
 from hostile import Raw, operator_token, raw
 
 from vgpu import auth, ctl
@@ -113,16 +113,6 @@ async def test_a_full_disk_changes_nothing_and_reads_keep_working(daemon: Daemon
 
 
 # --- damaged state, against `vgpu serve` -------------------------------------------------------------------
-@pytest.fixture
-def env(tmp_path: Path) -> Env:
-    return make_env(tmp_path)
-
-
-@pytest.fixture
-def serves() -> Iterator[list[Serve]]:
-    yield from serves_killed_after()
-
-
 @pytest.fixture
 def client(env: Env) -> Iterator[Raw]:
     yield from raw(env.sock)

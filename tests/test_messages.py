@@ -5,24 +5,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import pytest
-from daemon_fixtures import ROOT, Env, Serve, make_env, serves_killed_after
+from daemon_fixtures import ROOT, Env, Serve
 
 from vgpu.traces import AppTrace, write_trace
-
-
-@pytest.fixture
-def env(tmp_path: Path) -> Env:
-    return make_env(tmp_path)
-
-
-@pytest.fixture
-def serves() -> Iterator[list[Serve]]:
-    yield from serves_killed_after()
 
 
 def vgpu(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -11,14 +11,12 @@ import re
 import socket
 import time
 import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.daemon_fixtures import ROOT, Env, Serve, make_env, serves_killed_after
+from tests.daemon_fixtures import ROOT, Env, Serve
 from tests.test_operator_views import cli, start_profiler
 from vgpu import __version__
 from vgpu.daemon.metrics import AppSnapshot, CounterSnapshot, DaemonMetrics, DeviceSnapshot
@@ -28,16 +26,6 @@ DASHBOARD = ROOT / "deploy" / "grafana" / "vgpu-dashboard.json"
 RULES = ROOT / "deploy" / "prometheus" / "vgpu-alerts.yml"
 NAME = re.compile(r"\bvgpu_[a-z0-9_]+")
 MIB = 1024 * 1024
-
-
-@pytest.fixture
-def env(tmp_path: Path) -> Env:
-    return make_env(tmp_path)
-
-
-@pytest.fixture
-def serves() -> Iterator[list[Serve]]:
-    yield from serves_killed_after()
 
 
 def dashboard_exprs() -> list[str]:

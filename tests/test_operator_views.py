@@ -13,13 +13,12 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import grpc
 import pytest
 
-from tests.daemon_fixtures import ROOT, Env, Serve, make_env, serves_killed_after
+from tests.daemon_fixtures import ROOT, Env, Serve
 from vgpu import ctl
 from vgpu.allocator.core import Allocator, AppInfo
 from vgpu.allocator.history import History, HistoryPoint
@@ -30,16 +29,6 @@ from vgpu.v1 import allocator_pb2 as pb
 from vgpu.v1 import allocator_pb2_grpc
 
 TRACE = ROOT / "vgpu" / "data" / "demo_trace.csv.gz"
-
-
-@pytest.fixture
-def env(tmp_path: Path) -> Env:
-    return make_env(tmp_path)
-
-
-@pytest.fixture
-def serves() -> Iterator[list[Serve]]:
-    yield from serves_killed_after()
 
 
 def cli(env: Env, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:

@@ -10,30 +10,19 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from tests.daemon_fixtures import ROOT, Env, Serve, make_env, serves_killed_after
+from tests.daemon_fixtures import ROOT, Env, Serve
 from tests.test_operator_views import cli, start_profiler
 from vgpu import plots
 from vgpu.v1 import allocator_pb2 as pb
 
 GRANT_RGB = np.array([0x16, 0xA3, 0x4A]) / 255.0  # plots.COLOURS["granted"]
 OOM_RGB = np.array([0xDC, 0x26, 0x26]) / 255.0
-
-
-@pytest.fixture
-def env(tmp_path: Path) -> Env:
-    return make_env(tmp_path)
-
-
-@pytest.fixture
-def serves() -> Iterator[list[Serve]]:
-    yield from serves_killed_after()
 
 
 def _has_colour(image: np.ndarray, rgb: np.ndarray, tol: float = 0.06) -> bool:

@@ -8,23 +8,11 @@ import socket
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-from daemon_fixtures import ROOT, Env, Serve, make_env, serves_killed_after
+from daemon_fixtures import ROOT, Env, Serve
 
 DEMO = ROOT / "vgpu" / "data" / "demo_trace.csv.gz"
-
-
-@pytest.fixture
-def env(tmp_path: Path) -> Env:
-    return make_env(tmp_path)
-
-
-@pytest.fixture
-def serves() -> Iterator[list[Serve]]:
-    yield from serves_killed_after()
 
 
 def profiler(env: Env, *extra: str, sock: Path | None = None, seconds: float = 2.0) -> subprocess.CompletedProcess[str]:

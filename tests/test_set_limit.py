@@ -7,23 +7,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
-from pathlib import Path
 
-import pytest
-from daemon_fixtures import ROOT, Env, Serve, make_env, serves_killed_after
+from daemon_fixtures import ROOT, Env, Serve
 
 DEMO = ROOT / "vgpu" / "data" / "demo_trace.csv.gz"
-
-
-@pytest.fixture
-def env(tmp_path: Path) -> Env:
-    return make_env(tmp_path)
-
-
-@pytest.fixture
-def serves() -> Iterator[list[Serve]]:
-    yield from serves_killed_after()
 
 
 def op(env: Env, *args: str, check: bool = True):  # type: ignore[no-untyped-def]
