@@ -237,14 +237,15 @@ def ramps(mem: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return ramp_s, rate
 
 
-def pack(apps: list[ReplayApp], sku: Sku) -> list[ReplayApp]:
-    """First-fit decreasing on (peak SM, peak memory): every device's peaks fit it."""
+def _first_fit(ordered: list[ReplayApp], sku: Sku, size: Callable[[ReplayApp], tuple[float, float]]) -> dict[str, int]:
+    """First fit, in the given order, on `size` (memory MiB, SM %) per device: each application's
+    device index. An application whose memory peak exceeds one GPU is an error."""
     bins: list[list[float]] = []  # [mem, sm] used per device
     placed: dict[str, int] = {}
-    for a in sorted(apps, key=lambda a: (-float(a.sm.max()), -float(a.mem.max()), a.app_id)):
-        pm, ps = float(a.mem.max()), float(a.sm.max())
-        if pm > sku.mem_total_mib:
-            raise ValueError(f"{a.app_id} peaks at {pm:.0f} MiB, more than a {sku.key} has ({sku.mem_total_mib} MiB)")
+    for a in ordered:
+        if float(a.mem.max()) > sku.mem_total_mib:
+            raise ValueError(f"{a.app_id} peaks at {a.mem.max():.0f} MiB, more than a {sku.key} has ({sku.mem_total_mib} MiB)")
+        pm, ps = size(a)
         for i, b in enumerate(bins):
             if b[0] + pm <= sku.mem_total_mib and b[1] + ps <= 100.0 + 1e-9:
                 b[0] += pm
@@ -254,6 +255,13 @@ def pack(apps: list[ReplayApp], sku: Sku) -> list[ReplayApp]:
         else:
             bins.append([pm, ps])
             placed[a.app_id] = len(bins) - 1
+    return placed
+
+
+def pack(apps: list[ReplayApp], sku: Sku) -> list[ReplayApp]:
+    """First-fit decreasing on (peak SM, peak memory): every device's peaks fit it."""
+    ordered = sorted(apps, key=lambda a: (-float(a.sm.max()), -float(a.mem.max()), a.app_id))
+    placed = _first_fit(ordered, sku, lambda a: (float(a.mem.max()), float(a.sm.max())))
     return [replace(a, device=placed[a.app_id]) for a in apps]
 
 
@@ -261,21 +269,8 @@ def pack_mean(apps: list[ReplayApp], sku: Sku) -> list[ReplayApp]:
     """A denser node: first-fit decreasing on mean usage (memory within the GPU, mean SM within
     100 %), so peaks may meet and the GPUs are contended. Each application gets a priority class
     0..PRIORITY_CLASSES-1 (round robin by name), so contention has someone to favour."""
-    bins: list[list[float]] = []
-    placed: dict[str, int] = {}
-    for a in sorted(apps, key=lambda a: (-float(a.mem.mean()), -float(a.sm.mean()), a.app_id)):
-        pm, ps = float(a.mem.mean()), float(a.sm.mean())
-        if float(a.mem.max()) > sku.mem_total_mib:
-            raise ValueError(f"{a.app_id} peaks at {a.mem.max():.0f} MiB, more than a {sku.key} has ({sku.mem_total_mib} MiB)")
-        for i, b in enumerate(bins):
-            if b[0] + pm <= sku.mem_total_mib and b[1] + ps <= 100.0 + 1e-9:
-                b[0] += pm
-                b[1] += ps
-                placed[a.app_id] = i
-                break
-        else:
-            bins.append([pm, ps])
-            placed[a.app_id] = len(bins) - 1
+    ordered = sorted(apps, key=lambda a: (-float(a.mem.mean()), -float(a.sm.mean()), a.app_id))
+    placed = _first_fit(ordered, sku, lambda a: (float(a.mem.mean()), float(a.sm.mean())))
     prio = {name: i % PRIORITY_CLASSES for i, name in enumerate(sorted(a.app_id for a in apps))}
     return [replace(a, device=placed[a.app_id], priority=prio[a.app_id]) for a in apps]
 
