@@ -125,7 +125,7 @@ def test_readiness_and_watchdog_over_notify_socket(env: Env, serves: list[Serve]
     listener.bind(str(path))
     listener.settimeout(5)
     serves.append(Serve(env, notify=path))
-    got = []
+    got: list[str] = []
     while not any("WATCHDOG=1" in m for m in got):
         got.append(listener.recv(4096).decode())
     assert got[0].startswith("READY=1")
