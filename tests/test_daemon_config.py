@@ -54,6 +54,7 @@ def test_env_booleans_and_numbers() -> None:
         ('[server]\nsocket_mode = "0666"\n', {}, "lets every local user connect"),
         ('[server]\nsocket_mode = "rw"\n', {}, "expected octal"),
         ('[server]\nbackend = "cuda"\n', {}, "expected 'nvml' or 'sim:<sku>'"),
+        ("", {"VGPU_SERVER_HARD_MEMORY_LIMITS": "never"}, "server.hard_memory_limits: expected 'contended' or 'always'"),
         ('[log]\nformat = "xml"\n', {}, "log.format"),
         ('[tls]\ncert = "/c.pem"\n', {}, "set both or neither"),
         ("[server\n", {}, "not valid TOML"),

@@ -72,6 +72,17 @@ def test_limits_are_cooperative_on_a_free_gpu_and_hard_while_it_is_contended(
     assert serves[-1].term() == 0
 
 
+def test_hard_memory_limits_always_caps_a_free_gpu_too(env: Env, serves: list[Serve], sleeper: tuple[int, str]) -> None:
+    """The operator's setting that turns the rule off: every known pid is capped at its grant."""
+    pid, cgroup = sleeper
+    env.env["VGPU_SERVER_HARD_MEMORY_LIMITS"] = "always"
+    serves.append(Serve(env))
+    env.json("request", "--app", "job1", "--memory-mib", "2048", "--pid", str(pid), "--state-dir", str(env.state))
+    assert _limits(env)[cgroup] == [2048.0, 2048.0]
+    assert _apps(env)["job1"]["mem_limit"] == "hard"
+    assert serves[-1].term() == 0
+
+
 # The program an application writes with the client stub: it asks for 2 GiB and prints how its limit
 # is enforced each time that changes, for at most a minute (the test kills it sooner).
 APP = """
