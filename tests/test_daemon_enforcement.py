@@ -15,8 +15,9 @@ from typing import IO
 
 import numpy as np
 import pytest
-from daemon_fixtures import ROOT, Env, Serve
+from daemon_fixtures import ROOT, Env, Serve, sim_daemon
 
+from vgpu.allocator.core import AllocationRequest
 from vgpu.allocator.mechanisms.limits import read_cgroup
 from vgpu.allocator.policy.forecast import PREDICTIVE_CONFIG
 from vgpu.traces import AppTrace, write_trace
@@ -169,3 +170,19 @@ def test_a_job_that_sends_its_configuration_keeps_its_cold_start_size_until_it_s
     assert held["grant_id"] == grant["grant_id"]
     assert cold_mib <= held["memory_mib"] <= cold_mib * (1 + PREDICTIVE_CONFIG.mem_margin_frac) + 1
     assert serves[-1].term() == 0
+
+
+async def test_the_metrics_say_when_a_gpu_s_limits_are_hard(tmp_path: Path) -> None:
+    d = sim_daemon(tmp_path)
+    await d.start()
+    try:
+        dev = d.allocator.ledger.devices()[0]
+
+        def hard() -> float | None:
+            return d.registry.get_sample_value("vgpu_device_memory_limits_hard", {"device": dev.device_id})
+
+        assert hard() == 0
+        d.allocator.request_allocation(AllocationRequest("big", memory_mib=0.95 * dev.mem_total_mib))
+        assert hard() == 1
+    finally:
+        await d.stop("test")

@@ -214,3 +214,14 @@ def test_first_use_is_the_first_sample_with_memory_or_sm_in_use() -> None:
     sm[3] = 12.0
     assert first_use_s(AppTrace("a", t, {"mem_used_mib": mem, "sm_util_pct": sm})) == 3.0
     assert first_use_s(AppTrace("a", t, {"mem_used_mib": np.zeros(10)})) == math.inf
+
+
+def test_dry_run_decides_the_same_and_writes_nothing() -> None:
+    clock = ManualClock(1000.0)
+    backend = SimBackend(["h100-80gb"], clock=clock)
+    allocator = Allocator(backend, clock=clock, dry_run=True, cgroup_limits=CgroupMemoryLimits(dry_run=True),
+                          cgroup_of=CGROUPS.get, hard_limit_at_frac=0.9)
+    allocator.request_allocation(AllocationRequest("a", memory_mib=0.95 * _total(allocator), pid=11))
+    kind, why = allocator.app_memory_limit("a")
+    assert kind == "hard" and "dry run" in why
+    assert _limits(backend) == {}
