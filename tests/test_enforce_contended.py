@@ -225,3 +225,27 @@ def test_dry_run_decides_the_same_and_writes_nothing() -> None:
     kind, why = allocator.app_memory_limit("a")
     assert kind == "hard" and "dry run" in why
     assert _limits(backend) == {}
+
+
+@pytest.mark.parametrize("told", [True, False])
+def test_a_ramp_after_the_window_is_granted_to_the_cold_start_size(told: bool) -> None:
+    """Past its start-up window, the job's memory starts to climb: the ramp is granted at once to
+    where its cold-start size says it ends, not a few seconds of its rate at a time."""
+    allocator, clock, dev = _cold_rig()
+    if not told:
+        allocator._cold_start_mib.clear()
+    used_at = clock()
+    seq = 0
+    for _ in range(40):  # small and flat for 40 s: the grant shrinks towards it
+        seq += 1
+        clock.advance(1.0)
+        allocator.apply_recommendations([_idle(dev, clock, seq, used_at, used=1000.0)])
+    assert _granted(allocator) < 0.6 * 10_000
+    for used in (1500.0, 2000.0, 2500.0):  # the ramp begins
+        seq += 1
+        clock.advance(1.0)
+        allocator.apply_recommendations([_idle(dev, clock, seq, used_at, used=used)])
+    if told:
+        assert _granted(allocator) == pytest.approx(10_000 * (1 + PREDICTIVE_CONFIG.mem_margin_frac))
+    else:
+        assert _granted(allocator) < 0.6 * 10_000
