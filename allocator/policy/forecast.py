@@ -857,12 +857,11 @@ class ForecastPolicy:
                 used_mem_mib=rec.mem_used_mib, used_sm_pct=rec.sm_util_pct,
                 forecast_mem_p90_mib=f_mem if math.isfinite(f_mem) else math.nan,
                 forecast_sm_p90_pct=f_sm if math.isfinite(f_sm) else math.nan,
-                history_s=history_since_use_s(now_s, first, rec.first_use_s),
+                history_s=history_since_use_s(now_s, first, rec.first_use_s), expected_mem_mib=cold_mib,
                 priority=max((g.priority for g in mine), default=0),
                 last_mem_change_s=mem_changed_at, last_sm_change_s=sm_changed_at,
                 mem_ramp_s=ramp_s, mem_ramp_rate_mib_s=ramp_rate,
                 recent_peak_mem_mib=self.history.peak(rec.app_id, now_s, window) if window > 0 else math.nan,
-                expected_mem_mib=cold_mib,
             ))
         self.history.prune(now_s)
         caps = [DeviceState(v.device_id, v.mem_total_mib, v.sm_total_pct) for v in devices]
