@@ -70,6 +70,11 @@ class ServerConfig:
     # and in all; a watcher that does not keep up with its events is dropped.
     max_watchers_per_caller: int = 16
     max_watchers: int = 256
+    # Connections open at once on the socket (gRPC's grpc.max_allowed_incoming_connections): one
+    # beyond it is closed as soon as it is accepted. Each costs the daemon about 13 KiB (17 KiB once
+    # it has spoken HTTP/2), so the bound caps that memory; the price is that a caller holding this
+    # many connections keeps new clients out (as LimitNOFILE would, at 65536).
+    max_connections: int = 4096
     # Where client stubs write their in-app reports (vgpu/client.py); a request naming a pid without
     # the operator token is taken only when that pid's report there, owned by its user, names the app.
     inapp_dir: str = "/run/vgpu/inapp"
@@ -242,7 +247,8 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"server.grace_s: must be >= 0, got {s.grace_s}")
     if not s.idle_release_s >= 0:
         raise ConfigError(f"server.idle_release_s: must be >= 0 (0: never), got {s.idle_release_s}")
-    for name in ("max_grants_per_app", "max_grants_per_node", "max_watchers_per_caller", "max_watchers"):
+    for name in ("max_grants_per_app", "max_grants_per_node", "max_watchers_per_caller", "max_watchers",
+                 "max_connections"):
         if getattr(s, name) < 1:
             raise ConfigError(f"server.{name}: must be >= 1, got {getattr(s, name)}")
     if cfg.auth.max_self_registered_apps < 1:

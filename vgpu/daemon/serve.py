@@ -99,10 +99,18 @@ LOCK_FILE = "daemon.lock"
 MAX_WINDOW_SPAN_S = 3600.0
 # Connections that hold a descriptor and do nothing are closed: one that has not finished its
 # HTTP/2 handshake after 10 s (a local client needs milliseconds), and one with no call for 10 min.
+# How many may be open at once is `server.max_connections` (server_options).
 SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.server_handshake_timeout_ms", 10_000),
     ("grpc.max_connection_idle_ms", 600_000),
 )
+
+
+def server_options(max_connections: int) -> tuple[tuple[str, int], ...]:
+    """The gRPC server's options: SERVER_OPTIONS and the bound on connections open at once (gRPC
+    core closes one beyond it as soon as it is accepted; an idle connection costs about 13 KiB, and
+    gRPC's read-buffer, BDP and HPACK options do not change that, so the count is what bounds it)."""
+    return (*SERVER_OPTIONS, ("grpc.max_allowed_incoming_connections", max_connections))
 MAX_FUTURE_S = 300.0
 # How long a stop waits for background model loads to end (they take seconds; systemd's stop timeout is 90 s).
 LOADER_JOIN_S = 60.0
@@ -780,7 +788,7 @@ class Daemon:
                                                      watcher_owner=auth.caller_name),
                 ingest_servicer=IngestServicer(self.manager, ack_interval_s=cfg.manager.ack_interval_ms / 1000.0),
                 interceptors=[interceptor],
-                options=SERVER_OPTIONS,
+                options=server_options(cfg.server.max_connections),
             )
         except RuntimeError as exc:
             raise StartupError(f"cannot listen on {self.socket_path}: {exc}") from exc
