@@ -785,7 +785,7 @@ class Daemon:
                 f"unix:{self.socket_path}",
                 allocator_servicer=AllocatorServicer(self.allocator, identify=auth.identify_caller,
                                                      observer=NodeView(self.manager),
-                                                     watcher_owner=auth.caller_name),
+                                                     watcher_owner=auth.caller_name, claims=self.store.claims),
                 ingest_servicer=IngestServicer(self.manager, ack_interval_s=cfg.manager.ack_interval_ms / 1000.0),
                 interceptors=[interceptor],
                 options=server_options(cfg.server.max_connections),
