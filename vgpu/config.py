@@ -145,6 +145,11 @@ class ManagerConfig:
     # model on the history and promotes it only when it beats the serving one on the most recent
     # held-back hour's worth); 0 = never. `vgpu model status|rollback` shows and undoes promotions.
     learn_interval_s: float = 3600.0
+    # Signatures naming processes this node does not run (a replayed trace's pids) from the profiler
+    # token: "yes" takes them, "no" takes only signatures whose pid the node's driver lists as a GPU
+    # process on the device named (a replay then needs the operator token), "auto" is "no" on NVML
+    # and "yes" on the simulator (whose processes no separate profiler can see).
+    accept_replay: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -251,6 +256,8 @@ def _validate(cfg: Config) -> None:
                  "max_connections"):
         if getattr(s, name) < 1:
             raise ConfigError(f"server.{name}: must be >= 1, got {getattr(s, name)}")
+    if cfg.manager.accept_replay not in ("auto", "yes", "no"):
+        raise ConfigError(f"manager.accept_replay: expected auto, yes or no, got {cfg.manager.accept_replay!r}")
     if cfg.auth.max_self_registered_apps < 1:
         raise ConfigError(f"auth.max_self_registered_apps: must be >= 1, got {cfg.auth.max_self_registered_apps}")
     if s.tcp:
@@ -378,6 +385,14 @@ def dry_run_of(server: ServerConfig) -> bool:
     """Whether the daemon writes nothing to the devices: `server.dry_run` when set, else True on the
     nvml backend (a real GPU) and False on a simulator."""
     return server.backend == "nvml" if server.dry_run is None else server.dry_run
+
+
+def accepts_replay(cfg: Config) -> bool:
+    """Whether the profiler token may stream signatures of processes the node does not run
+    (`manager.accept_replay`; "auto": only on the simulator)."""
+    if cfg.manager.accept_replay == "auto":
+        return cfg.server.backend.strip().lower() != "nvml"
+    return cfg.manager.accept_replay == "yes"
 
 
 def resolve_dry_run(cfg: Config) -> Config:

@@ -319,6 +319,50 @@ class InAppPidProof:
         )
 
 
+class ObservedPids:
+    """Whether a pid is a GPU process the node's driver lists on a device (NVML's running compute
+    processes; the simulator's process list), for the manager's check of profiler signatures
+    (`Manager.pid_observed`). The lists are read at most every `max_age_s` when the answer is yes,
+    and again on a no once `min_refresh_s` has passed (a process that just started is found at its
+    next signature; a stream of made-up pids costs at most one read per `min_refresh_s`). A MIG
+    instance's id stands for its GPU's processes; a device that cannot be read lists none."""
+
+    def __init__(self, backend: Backend, *, clock: Callable[[], float] = time.monotonic,
+                 max_age_s: float = 1.0, min_refresh_s: float = 0.2) -> None:
+        self._backend = backend
+        self._clock = clock
+        self._max_age_s = max_age_s
+        self._min_refresh_s = min_refresh_s
+        self._pids: dict[str, frozenset[int]] = {}
+        self._read_at_s = -math.inf
+        self.reads = 0
+
+    def __call__(self, device_id: str, pid: int) -> bool:
+        now = self._clock()
+        if now - self._read_at_s > self._max_age_s:
+            self._read(now)
+        if pid in self._pids.get(device_id, ()):
+            return True
+        if now - self._read_at_s > self._min_refresh_s:
+            self._read(now)
+            return pid in self._pids.get(device_id, ())
+        return False
+
+    def _read(self, now: float) -> None:
+        self._read_at_s = now
+        self.reads += 1
+        out: dict[str, frozenset[int]] = {}
+        for dev in self._backend.devices():
+            try:
+                pids = frozenset(p.pid for p in dev.processes())
+                instances = [gi.uuid for gi in dev.gpu_instances() if gi.uuid] if dev.mig_enabled() else []
+            except DeviceError:
+                continue
+            out[dev.uuid] = pids
+            out.update((uuid, pids) for uuid in instances)
+        self._pids = out
+
+
 # --- backend, originals, reconciliation ----------------------------------------------------------------
 def open_backend(spec: str, state_dir: Path) -> Backend:
     """A backend by the device layer's one grammar (`vgpu.device.parse_sim_spec`: `nvml`, `sim`,
@@ -730,6 +774,7 @@ class Daemon:
                                batch_window_s=cfg.manager.batch_window_ms / 1000.0,
                                forecast_duty_max=cfg.manager.forecast_duty_max,
                                device_known=self.allocator.knows_device,
+                               pid_observed=ObservedPids(self.backend),
                                windows=WindowStore(max_span_s=MAX_WINDOW_SPAN_S), max_future_s=MAX_FUTURE_S)
         self.allocator.signature_seen = self.manager.windows.last_seen_s
         model = resolve_model(cfg.manager.model)
@@ -777,6 +822,7 @@ class Daemon:
             open_ingest=cfg.auth.open_ingest,
         )
         interceptor = auth.AuthInterceptor(access, on_denied=self.metrics.on_denied)
+        replay = vconfig.accepts_replay(cfg)
 
         prepare_socket_path(self.socket_path)
         old_umask = os.umask(0o177)  # the socket is born owner-only ...
@@ -786,7 +832,8 @@ class Daemon:
                 allocator_servicer=AllocatorServicer(self.allocator, identify=auth.identify_caller,
                                                      observer=NodeView(self.manager),
                                                      watcher_owner=auth.caller_name, claims=self.store.claims),
-                ingest_servicer=IngestServicer(self.manager, ack_interval_s=cfg.manager.ack_interval_ms / 1000.0),
+                ingest_servicer=IngestServicer(self.manager, ack_interval_s=cfg.manager.ack_interval_ms / 1000.0,
+                                               replay_ok=lambda: replay or auth.caller_name() == "operator"),
                 interceptors=[interceptor],
                 options=server_options(cfg.server.max_connections),
             )
@@ -827,6 +874,7 @@ class Daemon:
             backend=cfg.server.backend,
             devices=[d.uuid for d in self.backend.devices()],
             dry_run=cfg.server.dry_run,
+            accept_replay=vconfig.accepts_replay(cfg),
             operator_token=str(token_files["operator"]),
             pid=os.getpid(),
         )
@@ -980,6 +1028,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--metrics-address", help="address of the metrics endpoint (default 127.0.0.1)")
     p.add_argument("--model", help="forecaster checkpoint; must load (default: the shipped model when it loads, "
                    "else the baseline forecaster)")
+    p.add_argument("--accept-replay", choices=("auto", "yes", "no"),
+                   help="take signatures of processes this node does not run (a replay) from the profiler token: "
+                   "yes, no (then only the operator token may replay), auto (default: yes on the simulator, no on NVML)")
     p.add_argument("--dry-run", action=argparse.BooleanOptionalAction, default=None,
                    help="decide and log, write nothing to devices (default: on for the nvml backend, off for sim:<sku>)")
     p.add_argument("--log-format", choices=("json", "console"), help="log format (default json)")
@@ -999,6 +1050,7 @@ def config_from_args(ns: argparse.Namespace, env: dict[str, str] | None = None) 
         "server.backend": ns.backend,
         "server.tcp": ns.tcp,
         "server.dry_run": ns.dry_run,
+        "manager.accept_replay": ns.accept_replay,
         "tls.cert": ns.tls_cert,
         "tls.key": ns.tls_key,
         "tls.ca": ns.tls_ca,
