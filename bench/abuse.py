@@ -12,7 +12,8 @@ What runs. `vgpu serve --backend sim:h100-80gb` as a child process on a temporar
 3. N idle connections are opened to the socket (connected, never a byte sent; the daemon closes
    such a connection 10 s after it opened, so they are all open only while the pairs start, and
    closes at once any beyond `server.max_connections`: `idle_connections_held` counts those still
-   open after the pairs, and `new_client_served` says whether a client connecting then was served);
+   open after the pairs, and `new_client_served` says whether a client connecting right after the
+   pile-up, before the pairs, was served);
 each pile-up goes on until N or until the daemon refuses (its quotas: `server.max_grants_per_*`,
 `server.max_watchers*`); how many were accepted is reported. When the node's grant quota is reached,
 two piled grants are released so the well-behaved client has room (a full node refuses everyone). `--raise-quotas` lifts the quotas to
@@ -155,7 +156,15 @@ def measure(n: int, pairs: int, raise_quotas: bool, pile: set[str]) -> dict[str,
                 s.close()
                 break
             idle.append(s)
-        # the well-behaved application
+        # a client that connects now, with everything piled up
+        fresh = grpc.insecure_channel(f"unix:{sock}")
+        try:
+            pb_grpc.AllocatorStub(fresh).GetAvailableResources(pb.GetAvailableResourcesRequest(), timeout=5)
+            new_client_served = True
+        except grpc.RpcError:
+            new_client_served = False
+        fresh.close()
+        # the well-behaved application (its channel connected before the pile-up)
         app_md: tuple[tuple[str, str], ...] = ()
         lat_ms = []
         for k in range(pairs + 10):
@@ -171,13 +180,6 @@ def measure(n: int, pairs: int, raise_quotas: bool, pile: set[str]) -> dict[str,
                 lat_ms.append((time.perf_counter() - t0) * 1000)
         rss_mib = psutil.Process(proc.pid).memory_info().rss / 2**20
         held = sum(_still_open(s) for s in idle)
-        fresh = grpc.insecure_channel(f"unix:{sock}")
-        try:
-            pb_grpc.AllocatorStub(fresh).GetAvailableResources(pb.GetAvailableResourcesRequest(), timeout=5)
-            new_client_served = True
-        except grpc.RpcError:
-            new_client_served = False
-        fresh.close()
         for c in watches:
             c.cancel()
         for s in idle:
