@@ -968,22 +968,17 @@ class Allocator:
 
     def _cgroup_memory(self, device_id: str) -> dict[str, float]:
         """cgroup -> MiB granted on the device to the applications whose process runs in it."""
-        grants = self.ledger.grants(device_id=device_id)
+        # Only applications with a grant naming a pid here count: found through the ledger's index
+        # of such grants, so the cost follows them, not every grant on the device.
         pids: dict[str, int] = {}
-        for g in grants:
-            if g.pid > 0:
-                pids.setdefault(g.app_id, g.pid)
-        cgroups: dict[str, str | None] = {}
+        for g in self.ledger.grants_with_pid(device_id):
+            pids.setdefault(g.app_id, g.pid)
         wanted: dict[str, float] = {}
-        for g in grants:
-            pid = pids.get(g.app_id)
-            if pid is None:
-                continue
-            if g.app_id not in cgroups:
-                cgroups[g.app_id] = self._cgroup_of(pid)
-            cg = cgroups[g.app_id]
+        for app_id, pid in pids.items():
+            cg = self._cgroup_of(pid)
             if cg is not None:
-                wanted[cg] = wanted.get(cg, 0.0) + g.memory_mib
+                mib = sum(g.memory_mib for g in self.ledger.grants(app_id=app_id, device_id=device_id))
+                wanted[cg] = wanted.get(cg, 0.0) + mib
         return wanted
 
     def reconcile_cgroup_limits(self) -> list[tuple[str, str, str]]:

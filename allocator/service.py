@@ -8,6 +8,9 @@ What the allocator does not know itself (the processes an application's signatur
 manager last heard from it, the profiler streams per device) comes from an optional `NodeObserver`
 the daemon plugs in; the user and command of a process from `process_info` (psutil by default).
 
+Claims: `claims()` (the daemon: its store's) gives the application ids whose token has been issued,
+with when; ListApplications marks those applications and lists the ones that hold nothing yet.
+
 Caller identity: `identify(context)` returns the application identity of the caller, or None for a
 trusted caller (operator, same-user socket). The default trusts everyone; the daemon's auth
 (vgpu/auth.py) plugs in here.
@@ -302,8 +305,10 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
 
     def __init__(self, allocator: Allocator, *, identify: Identify | None = None, observer: NodeObserver | None = None,
                  process_info: Callable[[int], tuple[str, str]] = process_info,
-                 watcher_owner: Callable[[], str] | None = None) -> None:
+                 watcher_owner: Callable[[], str] | None = None,
+                 claims: Callable[[], Mapping[str, float]] | None = None) -> None:
         self.allocator = allocator
+        self._claims = claims or (lambda: {})
         self._identify: Identify = identify or (lambda _ctx: None)
         self.observer = observer
         self._process_info = process_info
@@ -372,12 +377,21 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     async def ListApplications(  # noqa: N802
         self, request: pb.ListApplicationsRequest, context: Context
     ) -> pb.ListApplicationsResponse:
-        apps = await self._call(context, "ListApplications", lambda _c: self.allocator.list_apps())
+        apps, claims = await self._call(context, "ListApplications",
+                                        lambda _c: (self.allocator.list_apps(), self._claims()))
         obs = self.observer
-        return pb.ListApplicationsResponse(apps=[
-            app_to_pb(a, pids=obs.app_pids(a.app_id) if obs else (), process_info=self._process_info)
-            for a in apps
-        ])
+        out = [app_to_pb(a, pids=obs.app_pids(a.app_id) if obs else (), process_info=self._process_info)
+               for a in apps]
+        listed = {a.app_id for a in apps}
+        # Claimed ids that hold nothing the allocator knows of: the application has its token and no grant.
+        out += [pb.ApplicationInfo(app_id=app_id) for app_id in claims if app_id not in listed]
+        for msg in out:
+            at_s = claims.get(msg.app_id)
+            if at_s is not None:
+                msg.claimed = True
+                msg.claimed_at_s = at_s
+        out.sort(key=lambda m: m.app_id)
+        return pb.ListApplicationsResponse(apps=out)
 
     async def GetAppHistory(  # noqa: N802
         self, request: pb.GetAppHistoryRequest, context: Context

@@ -30,6 +30,13 @@ grants released.
 
 A forecaster that raises is logged and the fallback (the plain baseline) serves that batch.
 
+Observed processes. With `pid_observed` (the daemon plugs in its devices' process lists), a stream
+that may not replay (`StreamState.replay_ok` False: the profiler token on a node that does not
+accept replays) has a signature taken only when the pid it names is a GPU process the node's own
+driver lists on the device it names, and no other application's signatures name that pid; anything
+else is rejected with the reason. So the profiler token can describe processes that run here, not
+invent them; a replay (trace pids, no such process) needs a stream that may replay.
+
 Concurrency: like the allocator, the manager lives on the daemon's one asyncio loop; `ingest` and
 `ingest_async` are called there. The windows are copied on the loop (a slice copy per application);
 the forecast runs in a worker thread (at most one at a time), so a slow model never stalls other RPCs.
@@ -143,6 +150,9 @@ class ManagerStats:
     dropped_by_profilers: int = 0
     forecast_s_total: float = 0.0
     unknown_device: int = 0  # rejected (and in `rejected`): the signature names a device the daemon lacks
+    # rejected (and in `rejected`): from a stream that may not replay, naming no GPU process of this
+    # node, or a pid another application's signatures name
+    unobserved_pid: int = 0
     # wall time of each forecaster call, and of each tick (windows copied, forecast, allocator acted)
     forecast_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
     tick_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
@@ -157,6 +167,9 @@ class StreamState:
     delivered: int = 0
     duplicates: int = 0
     closed: bool = False  # the stream has ended (set by the servicer)
+    # Signatures naming processes the node does not run (a replay) are taken from this stream; when
+    # False, only those whose pid the manager's `pid_observed` confirms.
+    replay_ok: bool = True
 
 
 @dataclass(frozen=True)
@@ -225,6 +238,7 @@ class Manager:
         max_future_s: float | None = None,
         logger: structlog.typing.FilteringBoundLogger | None = None,
         device_known: Callable[[str], bool] | None = None,
+        pid_observed: Callable[[str, int], bool] | None = None,
     ) -> None:
         if forecast_interval_s < 0 or batch_window_s < 0 or not 0 < forecast_duty_max <= 1:
             raise ValueError("forecast_interval_s and batch_window_s must be >= 0, forecast_duty_max in (0, 1]")
@@ -255,6 +269,9 @@ class Manager:
         self._delivered_plain = 0  # decisions handed out to callers without stream state
         self._pids: dict[str, int] = {}  # app -> the pid its latest signature named
         self._first_use_s: dict[str, float] = {}  # app -> time of its first signature with GPU use
+        self._pid_app: dict[int, str] = {}  # pid -> the app whose signatures named it last
+        # Whether `pid` is a GPU process the node's driver lists on `device_id` (None: no check).
+        self.pid_observed = pid_observed
         self._device_newest_s: dict[str, float] = {}  # device -> when its newest kept signature arrived
         self._log = logger or get_logger("vgpu.manager")
         # Whether a signature's device is one the daemon has (None: every device is taken). A
@@ -293,6 +310,8 @@ class Manager:
             reason, values = parse_signature(sig)
             if reason is None and not self._device_ok(sig.device_id):
                 reason = self._unknown_device(sig.device_id)
+            if reason is None:
+                reason = self._unobserved(sig.app_id, sig.device_id, sig.pid, stream)
             if reason is not None:
                 stats.rejected += 1
                 reply.rejected.add(index=i, app_id=sig.app_id[:_MAX_APP_ID], reason=reason)
@@ -310,7 +329,7 @@ class Manager:
                 dirty.add(app_id)
                 kept_apps.add(app_id)
                 if sig.pid:
-                    self._pids[app_id] = sig.pid
+                    self._name_pid(app_id, sig.pid)
                 if apps is not None:
                     apps.add(app_id)
             elif self.windows.holds(app_id, sig.seq, sig.timestamp_s):
@@ -366,6 +385,21 @@ class Manager:
                     a = int(rows.app_index[row])
                     reply.rejected.add(index=base + row, reason=reason,
                                        app_id=rows.app_ids[a][:_MAX_APP_ID] if a < len(rows.app_ids) else "")
+        pids = np.frombuffer(msg.pid_u32, dtype="<u4") if len(msg.pid_u32) == 4 * len(rows.seq) else None
+        if self._checks_pids(stream):
+            said: dict[tuple[int, int, int], str | None] = {}
+            for row in np.flatnonzero(rows.good).tolist():
+                a, d = int(rows.app_index[row]), int(rows.device_index[row])
+                pid = int(pids[row]) if pids is not None else 0
+                key = (a, d, pid)
+                if key not in said:
+                    said[key] = self._unobserved(rows.app_ids[a], rows.device_ids[d], pid, stream, count=0)
+                refusal = said[key]
+                if refusal is not None:
+                    stats.rejected += 1
+                    stats.unobserved_pid += 1
+                    rows.good[row] = False
+                    reply.rejected.add(index=base + row, app_id=rows.app_ids[a][:_MAX_APP_ID], reason=refusal)
         good = np.flatnonzero(rows.good)
         if self.max_future_s is not None and len(good):
             ahead = rows.t_s[good] > now + self.max_future_s
@@ -377,7 +411,6 @@ class Manager:
         if not len(good):
             return 0
         order = good[np.argsort(rows.app_index[good], kind="stable")]  # by app, batch order within
-        pids = np.frombuffer(msg.pid_u32, dtype="<u4") if len(msg.pid_u32) == 4 * len(rows.seq) else None
         by_app = rows.app_index[order]
         accepted = 0
         for grp in np.split(order, np.flatnonzero(np.diff(by_app)) + 1):
@@ -391,7 +424,7 @@ class Manager:
                 accepted += n_kept
                 self._dirty.add(app_id)
                 if pids is not None and pids[grp[-1]]:
-                    self._pids[app_id] = int(pids[grp[-1]])
+                    self._name_pid(app_id, int(pids[grp[-1]]))
                 kept_apps.add(app_id)
                 if apps is not None:
                     apps.add(app_id)
@@ -612,6 +645,35 @@ class Manager:
             if report.skipped:
                 self._log.debug("recommendations_skipped", skipped=list(report.skipped))
 
+    def _checks_pids(self, stream: StreamState | None) -> bool:
+        """Whether this stream's signatures must name processes the node runs."""
+        return self.pid_observed is not None and stream is not None and not stream.replay_ok
+
+    def _unobserved(self, app_id: str, device_id: str, pid: int, stream: StreamState | None, *,
+                    count: int = 1) -> str | None:
+        """Why a signature from `stream` may not be taken for the process it names (None: it may);
+        `count` rejections are added to `stats.unobserved_pid` when it may not."""
+        if self.pid_observed is None or not self._checks_pids(stream):
+            return None
+        if pid <= 0:
+            why = "it names no pid"
+        elif not self.pid_observed(device_id, pid):
+            why = f"pid {pid} is not a GPU process on device {device_id[:128]!r} (this node's driver does not list it)"
+        elif (owner := self._pid_app.get(pid)) is not None and owner != app_id and owner in self.windows:
+            why = f"pid {pid} is named by application {owner[:_MAX_APP_ID]!r}'s signatures"
+        else:
+            return None
+        self.stats.unobserved_pid += count
+        return (f"{why}: the profiler token may describe only processes this node runs; a replay needs the "
+                "operator token or a daemon that accepts replays (manager.accept_replay)")
+
+    def _name_pid(self, app_id: str, pid: int) -> None:
+        old = self._pids.get(app_id)
+        if old is not None and self._pid_app.get(old) == app_id:
+            del self._pid_app[old]
+        self._pids[app_id] = pid
+        self._pid_app[pid] = app_id
+
     def _device_ok(self, device_id: str) -> bool:
         return self.device_known is None or self.device_known(device_id)
 
@@ -632,8 +694,10 @@ class Manager:
             self.latest.pop(app_id, None)
             self._serial.pop(app_id, None)
             self._last_forecast_s.pop(app_id, None)
-            self._pids.pop(app_id, None)
             self._first_use_s.pop(app_id, None)
+            pid = self._pids.pop(app_id, None)
+            if pid is not None and self._pid_app.get(pid) == app_id:
+                del self._pid_app[pid]
             self._dirty.discard(app_id)
             for stream in self._streams:
                 stream.apps.discard(app_id)

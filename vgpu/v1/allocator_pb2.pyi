@@ -224,7 +224,7 @@ class ListApplicationsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ApplicationInfo(_message.Message):
-    __slots__ = ("app_id", "grants", "limits", "mem_used_mib", "sm_util_pct", "forecast_mem_p90_mib", "forecast_sm_p90_pct", "last_seen_s", "device_id", "forecast_mem_p50_mib", "forecast_sm_p50_pct", "processes", "mem_limit", "mem_limit_reason")
+    __slots__ = ("app_id", "grants", "limits", "mem_used_mib", "sm_util_pct", "forecast_mem_p90_mib", "forecast_sm_p90_pct", "last_seen_s", "device_id", "forecast_mem_p50_mib", "forecast_sm_p50_pct", "processes", "mem_limit", "mem_limit_reason", "claimed", "claimed_at_s")
     APP_ID_FIELD_NUMBER: _ClassVar[int]
     GRANTS_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +239,8 @@ class ApplicationInfo(_message.Message):
     PROCESSES_FIELD_NUMBER: _ClassVar[int]
     MEM_LIMIT_FIELD_NUMBER: _ClassVar[int]
     MEM_LIMIT_REASON_FIELD_NUMBER: _ClassVar[int]
+    CLAIMED_FIELD_NUMBER: _ClassVar[int]
+    CLAIMED_AT_S_FIELD_NUMBER: _ClassVar[int]
     app_id: str
     grants: _containers.RepeatedCompositeFieldContainer[Grant]
     limits: AppLimits
@@ -253,7 +255,9 @@ class ApplicationInfo(_message.Message):
     processes: _containers.RepeatedCompositeFieldContainer[AppProcess]
     mem_limit: str
     mem_limit_reason: str
-    def __init__(self, app_id: _Optional[str] = ..., grants: _Optional[_Iterable[_Union[Grant, _Mapping]]] = ..., limits: _Optional[_Union[AppLimits, _Mapping]] = ..., mem_used_mib: _Optional[float] = ..., sm_util_pct: _Optional[float] = ..., forecast_mem_p90_mib: _Optional[float] = ..., forecast_sm_p90_pct: _Optional[float] = ..., last_seen_s: _Optional[float] = ..., device_id: _Optional[str] = ..., forecast_mem_p50_mib: _Optional[float] = ..., forecast_sm_p50_pct: _Optional[float] = ..., processes: _Optional[_Iterable[_Union[AppProcess, _Mapping]]] = ..., mem_limit: _Optional[str] = ..., mem_limit_reason: _Optional[str] = ...) -> None: ...
+    claimed: bool
+    claimed_at_s: float
+    def __init__(self, app_id: _Optional[str] = ..., grants: _Optional[_Iterable[_Union[Grant, _Mapping]]] = ..., limits: _Optional[_Union[AppLimits, _Mapping]] = ..., mem_used_mib: _Optional[float] = ..., sm_util_pct: _Optional[float] = ..., forecast_mem_p90_mib: _Optional[float] = ..., forecast_sm_p90_pct: _Optional[float] = ..., last_seen_s: _Optional[float] = ..., device_id: _Optional[str] = ..., forecast_mem_p50_mib: _Optional[float] = ..., forecast_sm_p50_pct: _Optional[float] = ..., processes: _Optional[_Iterable[_Union[AppProcess, _Mapping]]] = ..., mem_limit: _Optional[str] = ..., mem_limit_reason: _Optional[str] = ..., claimed: _Optional[bool] = ..., claimed_at_s: _Optional[float] = ...) -> None: ...
 
 class AppProcess(_message.Message):
     __slots__ = ("pid", "user", "command")
