@@ -343,6 +343,18 @@ class WindowStore:
             return False
         return len(t_s) == 1 or bool((np.diff(t_s) > 0).all() and (seq[1:] > seq[:-1]).all())
 
+    def inapp_reporting(self) -> dict[str, int]:
+        """In-app column -> how many applications' newest sample carries it (for the daemon's
+        metrics: which leading signals the forecaster gets, from how many applications)."""
+        out: dict[str, int] = {}
+        for win in self._apps.values():
+            if not win.has_inapp:
+                continue
+            for c in INAPP_NUMERIC:
+                if math.isfinite(win.latest_value(c)):
+                    out[c] = out.get(c, 0) + 1
+        return out
+
     def last_seen_s(self, app_id: str) -> float | None:
         """When the last sample of `app_id` arrived (the caller's clock); None when it has no window."""
         win = self._apps.get(app_id)
