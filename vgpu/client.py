@@ -27,7 +27,12 @@ Three things run behind that API:
   *cooperatively*: for PyTorch, `torch.cuda.set_per_process_memory_fraction(limit / total)`. Nothing is
   enforced from outside; the allocator sees what was applied in the in-app counters below.
 * **A reporter** (daemon thread, every `report_period_s`) writes the app's in-app counters to a small
-  JSON file, `<inapp_dir>/<pid>.json`, that the profiler reads when it samples that pid.
+  JSON file, `<inapp_dir>/<pid>.json`, that the profiler reads when it samples that pid: PyTorch's
+  allocator counters, and a serving engine's (`report_serving`; `serving_counters_from_metrics` reads
+  them from a vLLM or SGLang Prometheus text):
+
+      scrape = scrape_serving_metrics("http://127.0.0.1:8000/metrics", kv_total_mib=40_960)
+      client.report_serving(scrape.counters)      # every second or so; stale after serving_max_age_s
 
 Why a file and not another RPC: the profiler already visits every GPU process each tick and only needs
 the latest value; a per-pid file on tmpfs costs one `open` per sample, needs no connection or server in
