@@ -14,6 +14,7 @@ import sys
 import textwrap
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
@@ -29,10 +30,12 @@ from vgpu.client import (
     ServingCounters,
     VgpuClient,
     read_inapp,
+    scrape_serving_metrics,
     serving_counters_from_metrics,
 )
 from vgpu.manager.core import Manager
 from vgpu.manager.features import FEATURES_V4, encode_latest
+from vgpu.manager.forecast import Forecast
 from vgpu.manager.window import WindowStore
 from vgpu.traces import AppTrace, read_trace
 from vgpu.v1 import ingest_pb2, ingest_pb2_grpc
@@ -128,6 +131,37 @@ def test_unusable_metrics_are_skipped_with_a_reason_and_bad_text_refused() -> No
         serving_counters_from_metrics(VLLM_METRICS, kv_total_mib=math.nan)
 
 
+def test_scraping_an_endpoint_reads_its_metrics_and_refuses_a_non_http_url() -> None:
+    import http.server
+    import threading
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the handler's name in http.server
+            body = SGLANG_METRICS.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Metrics)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        got = scrape_serving_metrics(f"http://127.0.0.1:{server.server_port}/metrics", kv_total_mib=1000.0)
+        assert got.engine == "sglang" and got.counters.requests_waiting == 7
+        assert got.counters.kv_used_mib == pytest.approx(280.0)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+    with pytest.raises(ValueError, match="http"):
+        scrape_serving_metrics("file:///etc/passwd")
+
+
 # --- the client stub --------------------------------------------------------------------------------
 class Clock:
     def __init__(self) -> None:
@@ -185,9 +219,22 @@ def _stream(serving_app: str, plain_app: str, n: int = 40) -> list[spb.Behaviora
     return sigs
 
 
+class Spy(EwmaMarginForecaster):
+    """Keeps the histories the manager forecasts from (what a served model encodes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: dict[str, AppTrace] = {}
+
+    def forecast_batch(self, histories: Sequence[AppTrace]) -> list[Forecast]:
+        self.seen.update({h.app: h for h in histories})
+        return super().forecast_batch(histories)
+
+
 @pytest.mark.parametrize("form", ["rows", "columns"])
 def test_serving_counters_reach_the_window_and_v4_features_as_present(form: str) -> None:
-    m = Manager(None, EwmaMarginForecaster(), clock=lambda: 1010.0, min_samples=1)  # type: ignore[arg-type]
+    spy = Spy()
+    m = Manager(None, spy, clock=lambda: 1010.0, min_samples=1)  # type: ignore[arg-type]
     sigs = _stream("llm", "train")
     if form == "rows":
         batch = ingest_pb2.SignatureBatch(tick=1, signatures=sigs)
@@ -195,9 +242,9 @@ def test_serving_counters_reach_the_window_and_v4_features_as_present(form: str)
         cols, rows = columns_from_signatures(sigs)
         assert not rows and "inapp_kv_used_mib" in cols.column_names
         batch = ingest_pb2.SignatureBatch(tick=1, columns=cols)
-    reply = m.accept(batch)
+    reply = m.ingest(batch)  # windowed, then forecast at once on this thread
     assert reply.accepted == len(sigs) and not reply.rejected and not m.stats.inapp_dropped
-    llm, train = m.windows.trace("llm"), m.windows.trace("train")
+    llm, train = spy.seen["llm"], spy.seen["train"]  # what the forecaster was given
     assert np.all(llm.column("inapp_requests_running") == 8) and np.all(llm.column("inapp_kv_total_mib") == 8192.0)
     assert np.all(llm.column("inapp_tokens_in_flight") == 5000)
     assert not any(c.startswith("inapp_") for c in train.columns)  # nothing reported: nothing kept
