@@ -30,10 +30,11 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from numpy.typing import ArrayLike
+import numpy.typing as npt
 
 from vgpu.traces import INAPP_NUMERIC, NUMERIC, AppTrace
 from vgpu.v1 import signature_pb2
@@ -42,6 +43,7 @@ from vgpu.wire import COLUMNS, parse_signature
 _COL = {name: i for i, name in enumerate(COLUMNS)}
 _NB = len(NUMERIC)  # the format's columns come first; the in-app ones after them
 _NI = len(INAPP_NUMERIC)
+Values = Sequence[float] | npt.NDArray[np.float64]  # one sample's values, indexed like COLUMNS (or NUMERIC)
 
 
 @dataclass(frozen=True)
@@ -149,14 +151,18 @@ class AppWindow:
         self.device_id = device_id
         self.last_seq, self.last_t_s = int(seq[-1]), float(t_s[-1])
 
-    def append(self, device_id: str, seq: int, t_s: float, values: ArrayLike) -> None:
+    def append(self, device_id: str, seq: int, t_s: float, values: Values) -> None:
         cap = self._grow(1)
         i = self._end
-        v = np.asarray(values, dtype=np.float64)
-        self._values[:, i] = v[:_NB]
-        block = self._inapp_rows(v[_NB:] if len(v) > _NB else None)
+        # one sample at a time is the rows path's hot loop: plain slices, and numpy only where the
+        # application has in-app counters
+        has_inapp = len(values) > _NB
+        self._values[:, i] = values[:_NB] if has_inapp else values
+        block = self._inapp
+        if block is None and has_inapp and any(x == x for x in values[_NB:]):  # a first value (x == x: not NaN)
+            block = self._inapp = np.full((_NI, len(self._t)), np.nan)
         if block is not None:
-            block[:, i] = v[_NB:] if len(v) > _NB else np.nan
+            block[:, i] = values[_NB:] if has_inapp else np.nan
         self._t[i] = t_s
         self._seq[i] = seq
         self._end = (i + 1) % cap
@@ -292,7 +298,7 @@ class WindowStore:
         (seq not above the app's last, or time before its last sample) is not kept."""
         return self.add_row(sample.app_id, sample.device_id, sample.seq, sample.t_s, sample.values, now_s)
 
-    def add_row(self, app_id: str, device_id: str, seq: int, t_s: float, values: ArrayLike,
+    def add_row(self, app_id: str, device_id: str, seq: int, t_s: float, values: Values,
                 now_s: float) -> tuple[bool, list[str]]:
         """`add` without building a `Sample` (values indexed like vgpu.wire.COLUMNS)."""
         evicted: list[str] = []

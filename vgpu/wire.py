@@ -53,7 +53,8 @@ class ColumnRows:
     device_index: npt.NDArray[np.int64]
     seq: npt.NDArray[np.uint64]
     t_s: npt.NDArray[np.float64]
-    values: npt.NDArray[np.float64]  # (len(COLUMNS), rows), NaN where unknown
+    # (len(COLUMNS), rows), NaN where unknown; (len(NUMERIC), rows) when the message has no in-app column
+    values: npt.NDArray[np.float64]
     good: npt.NDArray[np.bool_]
     rejected: tuple[tuple[int, str], ...]  # (row, reason), rows in order
     # (reason, how many values) for in-app values dropped from good rows (the rows are kept)
@@ -107,6 +108,7 @@ def _table(ids: Sequence[str]) -> tuple[list[str], list[int]]:
 _PCT_FIELDS = {"sm_util_pct", "mem_bw_util_pct"}
 _COL = {name: k for k, name in enumerate(COLUMNS)}
 _MEM = _COL["mem_used_mib"]
+_N_ALL = len(COLUMNS)
 
 
 def _field_specs() -> dict[object, tuple[str, int, float, bool, float]]:
@@ -141,6 +143,8 @@ def _field_specs() -> dict[object, tuple[str, int, float, bool, float]]:
 _SPECS = _field_specs()
 _INAPP_RESERVED = signature_pb2.InAppCounters.DESCRIPTOR.fields_by_name["torch_reserved_mib"]
 _NAN_ROW = [math.nan] * len(COLUMNS)
+_NAN_BASE = [math.nan] * len(NUMERIC)
+_NAN_INAPP = [math.nan] * len(INAPP_NUMERIC)
 
 
 def inapp_reason(where: str, why: str) -> str:
@@ -152,7 +156,9 @@ def parse_signature(
     sig: signature_pb2.BehavioralSignature, dropped: list[str] | None = None
 ) -> tuple[str | None, list[float]]:
     """(why the signature is unusable or None, its window values indexed like `COLUMNS`, NaN where
-    unset). One pass over the set fields: validation and extraction together.
+    unset; only the format's columns, `NUMERIC`, when it sets no in-app counter: the common case
+    costs no more than before the in-app columns). One pass over the set fields: validation and
+    extraction together.
 
     What a signature contributes: mem_used_mib = process.gpu_mem_used_mib, else
     in_app.torch_reserved_mib; sm_util_pct = process.sm_util_pct; the device columns from the device
@@ -171,7 +177,7 @@ def parse_signature(
     t = sig.timestamp_s
     if not (0 < t < math.inf):
         return f"timestamp_s must be Unix seconds > 0, got {t}", _NAN_ROW
-    values = _NAN_ROW.copy()
+    values = _NAN_BASE.copy()
     reserved = math.nan
     specs = _SPECS
     for part_fd, part in sig.ListFields():
@@ -188,6 +194,8 @@ def parse_signature(
                     continue
                 if fd is _INAPP_RESERVED:
                     reserved = value
+                if col >= 0 and len(values) < _N_ALL:
+                    values += _NAN_INAPP
             elif value.__class__ is float:
                 if not (0.0 <= value <= MAX_COUNTER):
                     if value != value or value in (math.inf, -math.inf):
@@ -218,7 +226,7 @@ def columns_from_signatures(
         reason, values = parse_signature(sig)
         if reason is None:
             keep.append(sig)
-            vals.append(values)
+            vals.append(values if len(values) == _N_ALL else values + _NAN_INAPP)
         else:
             rows.append(sig)
     block = np.asarray(vals, dtype=np.float64).reshape(len(vals), len(COLUMNS)).T
@@ -272,7 +280,8 @@ def read_columns(msg: ingest_pb2.SignatureColumns) -> ColumnRows:
         raise ColumnsFormatError(f"columns: column_names must be distinct canonical names ({', '.join(COLUMNS)}); "
                                  f"got {names[:len(COLUMNS) + 1]}")
     block = _array(msg.values_f64, "<f8", "values_f64", n * len(names)).reshape(len(names), n)
-    values = np.full((len(COLUMNS), n), np.nan)
+    # the in-app rows only when the message has an in-app column (the windows take either)
+    values = np.full((len(COLUMNS) if any(c in INAPP_COLUMN_MAX for c in names) else len(NUMERIC), n), np.nan)
     values[[_COL[c] for c in names]] = block
 
     apps, devs = tuple(msg.app_ids), tuple(msg.device_ids)
