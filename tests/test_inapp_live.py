@@ -429,3 +429,32 @@ def _send(env: Env, token: str, sig: spb.BehavioralSignature) -> ingest_pb2.Inge
             iter([ingest_pb2.SignatureBatch(profiler_id="hand", tick=1, sent_at_s=time.time(), signatures=[sig])]),
             metadata=auth.bearer(token), timeout=10)
         return next(iter(replies))
+
+
+# --- replay: a trace's in-app columns (the synthetic serving corpus) drive the pipeline too ---------
+def test_replaying_a_trace_with_inapp_columns_sends_them_and_one_without_sends_none(tmp_path: Path) -> None:
+    from vgpu.profiler.replay import ReplaySource
+    from vgpu.traces import write_trace
+
+    n = 5
+    t = 1000.0 + 0.1 * np.arange(n)
+    llm = AppTrace("llm", t, {"mem_used_mib": np.full(n, 30_000.0),
+                              "inapp_requests_running": np.array([1.0, 2.0, np.nan, 4.0, 5.0]),
+                              "inapp_kv_used_mib": np.full(n, 512.0), "inapp_kv_total_mib": np.full(n, 4096.0),
+                              "inapp_tokens_in_flight": np.array([10.0, 20.0, 30.0, 1e12, 50.0])})  # 1e12: too many
+    plain = AppTrace("plain", t, {"mem_used_mib": np.full(n, 100.0)})
+    write_trace(tmp_path / "t.csv", [llm, plain])
+    clock = Clock()
+    source = ReplaySource(tmp_path / "t.csv", clock=clock, wall_clock=clock)
+    sigs = source.sample()  # starts the replay clock: the rows at its origin
+    clock.t += 10.0
+    sigs += source.sample()
+    by_app: dict[str, list[spb.BehavioralSignature]] = {}
+    for s in sigs:
+        by_app.setdefault(s.app_id, []).append(s)
+    assert [s.in_app.requests_running if s.in_app.HasField("requests_running") else None
+            for s in by_app["llm"]] == [1, 2, None, 4, 5]
+    assert [s.in_app.tokens_in_flight if s.in_app.HasField("tokens_in_flight") else None
+            for s in by_app["llm"]] == [10, 20, 30, None, 50]
+    assert all(s.in_app.kv_used_mib == 512.0 and s.in_app.kv_total_mib == 4096.0 for s in by_app["llm"])
+    assert len(by_app["plain"]) == n and not any(s.HasField("in_app") for s in by_app["plain"])

@@ -213,7 +213,7 @@ class InAppCounters:
     tokens_in_flight: int | None = None
 
 
-_INT_COUNTERS = {"alloc_retries", "oom_count", "step", "requests_running", "requests_waiting", "tokens_in_flight"}
+INT_COUNTERS = {"alloc_retries", "oom_count", "step", "requests_running", "requests_waiting", "tokens_in_flight"}
 # The largest sane value of each in-app counter. Above it a value is corrupt, not large: no GPU holds
 # 16 TiB, no engine keeps ten million requests in flight, and a cumulative count past 2**53 is no
 # longer exact as a double. Every reader of the counters (this stub, the profiler reading the file,
@@ -333,7 +333,7 @@ def parse_inapp(text: str) -> InAppReport:
         if problem is not None:
             dropped.append((f.name, problem))
             continue
-        values[f.name] = int(v) if f.name in _INT_COUNTERS else float(v)
+        values[f.name] = int(v) if f.name in INT_COUNTERS else float(v)
     return InAppReport(
         app_id=app_id,
         pid=pid,
