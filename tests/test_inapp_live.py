@@ -458,3 +458,42 @@ def test_replaying_a_trace_with_inapp_columns_sends_them_and_one_without_sends_n
             for s in by_app["llm"]] == [10, 20, 30, None, 50]
     assert all(s.in_app.kv_used_mib == 512.0 and s.in_app.kv_total_mib == 4096.0 for s in by_app["llm"])
     assert len(by_app["plain"]) == n and not any(s.HasField("in_app") for s in by_app["plain"])
+
+
+def test_vgpu_profiler_replaying_a_serving_series_feeds_its_counters_to_vgpu_serve(
+        env: Env, serves: list[Serve], tmp_path: Path) -> None:
+    """Both sides as an operator runs them: `vgpu serve`, and `vgpu profiler --replay` of a trace with
+    in-app columns (what `vgpu trace synth --kind serving` writes)."""
+    from vgpu.traces import write_trace
+
+    port = _free_port()
+    serves.append(Serve(env, "--metrics-port", str(port)))
+    t = np.arange(0.0, 60.0, 0.1)
+    n = len(t)
+    write_trace(tmp_path / "serving.csv", [
+        AppTrace("llm", t, {"mem_used_mib": np.full(n, 30_000.0), "sm_util_pct": np.full(n, 40.0),
+                            "inapp_requests_running": np.full(n, 6.0), "inapp_requests_waiting": np.full(n, 2.0),
+                            "inapp_kv_used_mib": np.full(n, 1000.0), "inapp_kv_total_mib": np.full(n, 8000.0)}),
+        AppTrace("batch", t, {"mem_used_mib": np.full(n, 2_000.0), "sm_util_pct": np.full(n, 90.0)}),
+    ])
+    device = env.json("available")["devices"][0]["device_id"]
+    profiler = subprocess.Popen(
+        [sys.executable, "-m", "vgpu.cli", "profiler", "--manager", f"unix://{env.sock}", "--replay",
+         str(tmp_path / "serving.csv"), "--seconds", "30", "--device-id", device,
+         "--token-file", str(env.state / "tokens" / "profiler.token")],
+        cwd=ROOT, env=env.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    want = {("vgpu_inapp_apps", (("counter", c),)): 1.0 for c in (
+        "inapp_requests_running", "inapp_requests_waiting", "inapp_kv_used_mib", "inapp_kv_total_mib")}
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            got = _metrics(port)
+            if all(got.get(k) == v for k, v in want.items()) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    finally:
+        profiler.terminate()
+        _, err = profiler.communicate(timeout=30)
+    assert all(got.get(k) == v for k, v in want.items()), (got, err)
+    assert got[("vgpu_signatures_total", (("result", "rejected"),))] == 0.0
+    assert not any(k[0] == "vgpu_inapp_values_dropped_total" for k in got)  # nothing bad in this series
