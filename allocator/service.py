@@ -202,6 +202,8 @@ def app_to_pb(a: AppInfo, *, pids: Sequence[int] = (),
         device_id=a.device_id,
         forecast_mem_p50_mib=_finite_or_zero(a.forecast_mem_p50_mib),
         forecast_sm_p50_pct=_finite_or_zero(a.forecast_sm_p50_pct),
+        mem_limit=a.mem_limit,
+        mem_limit_reason=a.mem_limit_reason,
     )
     for pid in sorted({*a.pids, *(p for p in pids if p > 0)}):
         user, command = process_info(pid)
@@ -232,7 +234,7 @@ def history_to_pb(s: AppSeries) -> pb.AppHistory:
 
 
 def event_to_pb(e: AllocationEvent) -> pb.AllocationEvent:
-    msg = pb.AllocationEvent(kind=_EVENT_KIND[e.kind], at_s=e.at_s, detail=e.detail)
+    msg = pb.AllocationEvent(kind=_EVENT_KIND[e.kind], at_s=e.at_s, detail=e.detail, mem_limit=e.mem_limit)
     if e.grant is not None:
         msg.grant.CopyFrom(grant_to_pb(e.grant))
     elif e.app_id or e.device_id:

@@ -79,6 +79,7 @@ class Decision:
     decided_at_s: float
     mem_used_mib: float = math.nan
     sm_util_pct: float = math.nan
+    first_use_s: float = math.nan
 
     def to_pb(self) -> ingest_pb2.Decision:
         f = self.forecast
@@ -117,6 +118,7 @@ class Decision:
             decided_at_s=self.decided_at_s,
             mem_p50_peak_mib=_peak(self.forecast.mem_p50_mib),
             sm_p50_peak_pct=_peak(self.forecast.sm_p50_pct),
+            first_use_s=self.first_use_s,
         )
 
 
@@ -170,6 +172,8 @@ class Item:
     window: AppTrace
     mem_used_mib: float
     sm_util_pct: float
+    # when the application first used the GPU (`first_use_s`); inf: not yet
+    first_use_s: float = math.inf
 
 
 class DutyBudget:
@@ -253,6 +257,7 @@ class Manager:
         self._last_kept: set[str] = set()  # the apps the last accepted batch added samples to
         self._delivered_plain = 0  # decisions handed out to callers without stream state
         self._pids: dict[str, int] = {}  # app -> the pid its latest signature named
+        self._first_use_s: dict[str, float] = {}  # app -> time of its first signature with GPU use
         self._device_newest_s: dict[str, float] = {}  # device -> when its newest kept signature arrived
         self._log = logger or get_logger("vgpu.manager")
         self._inapp_dropped_batches: dict[str, int] = {}
@@ -554,8 +559,13 @@ class Manager:
             if len(win) < self.min_samples:
                 continue
             self._last_forecast_s[app_id] = now
-            out.append(Item(app_id, win.device_id, win.last_seq, win.trace(), win.latest_value("mem_used_mib"),
-                            win.latest_value("sm_util_pct")))
+            trace = win.trace()
+            if app_id not in self._first_use_s:
+                used = first_use_s(trace)
+                if math.isfinite(used):
+                    self._first_use_s[app_id] = used
+            out.append(Item(app_id, win.device_id, win.last_seq, trace, win.latest_value("mem_used_mib"),
+                            win.latest_value("sm_util_pct"), self._first_use_s.get(app_id, math.inf)))
         return out
 
     def _run_forecaster(self, traces: list[AppTrace]) -> list[Forecast]:
@@ -591,7 +601,7 @@ class Manager:
             source = fc.source if fc.source in _NAMED_SOURCES else "baseline"
             decisions.append(
                 Decision(it.app_id, it.device_id, fc, 0.0 if math.isnan(mem) else mem, 0.0 if math.isnan(sm) else sm,
-                         source, it.seq, now, it.mem_used_mib, it.sm_util_pct)
+                         source, it.seq, now, it.mem_used_mib, it.sm_util_pct, it.first_use_s)
             )
         return decisions
 
@@ -643,6 +653,7 @@ class Manager:
             self._serial.pop(app_id, None)
             self._last_forecast_s.pop(app_id, None)
             self._pids.pop(app_id, None)
+            self._first_use_s.pop(app_id, None)
             self._dirty.discard(app_id)
             for stream in self._streams:
                 stream.apps.discard(app_id)
@@ -652,6 +663,21 @@ class Manager:
             if forget is not None:
                 forget(app_id)
             self._log.info("app_evicted", app=app_id)
+
+
+def first_use_s(trace: AppTrace) -> float:
+    """When the application first used the GPU: the time of the window's first sample with memory or
+    SM in use (a signature of a process that has not touched the GPU yet reads 0 or nothing); inf
+    when none has. The policy's start-up window counts from here, not from registration: a job that
+    registers, then loads its data for a minute, starts its memory ramp only then. The manager asks
+    at every forecast until the answer is finite, so the first use is still in the window."""
+    busy = np.zeros(len(trace.t_s), dtype=bool)
+    for column in ("mem_used_mib", "sm_util_pct"):
+        values = trace.columns.get(column)
+        if values is not None:
+            busy |= np.nan_to_num(np.asarray(values, dtype=float), nan=0.0) > 0
+    hits = np.flatnonzero(busy)
+    return float(trace.t_s[hits[0]]) if len(hits) else math.inf
 
 
 def _peak(values: Sequence[float]) -> float:

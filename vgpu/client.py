@@ -24,8 +24,12 @@ Three things run behind that API:
 * **Requests** go to the `Allocator` gRPC service (`RequestResourceAllocation`, `ReleaseResources`).
 * **A watch of its own grants** (`WatchAllocations` filtered by `app_id`, in a daemon thread, reconnecting
   with capped backoff) keeps the sum of the app's granted memory. When it changes, the stub applies it
-  *cooperatively*: for PyTorch, `torch.cuda.set_per_process_memory_fraction(limit / total)`. Nothing is
-  enforced from outside; the allocator sees what was applied in the in-app counters below.
+  *cooperatively*: for PyTorch, `torch.cuda.set_per_process_memory_fraction(limit / total)`, so an
+  allocation beyond the grant fails (torch's OutOfMemoryError) and the application lives. On a device
+  whose memory is contended the daemon also caps the process's cgroup at the grant (a hard limit,
+  beyond which the process runs out of memory); every event says which (`mem_limit`: "hard" or
+  "cooperative"), kept in `memory_limit_kind`. The allocator sees what was applied in the in-app
+  counters below.
 * **A reporter** (daemon thread, every `report_period_s`) writes the app's in-app counters to a small
   JSON file, `<inapp_dir>/<pid>.json`, that the profiler reads when it samples that pid: PyTorch's
   allocator counters, and a serving engine's (`report_serving`; `serving_counters_from_metrics` reads
@@ -594,6 +598,7 @@ class VgpuClient:
         self._grants: dict[str, allocator_pb2.Grant] = {}
         self._step = 0
         self._applied_limit_mib: float | None = None
+        self._mem_limit_kind = ""
         self._serving: ServingCounters | None = None
         self._serving_at_s = -math.inf
         self._serving_max_age_s = serving_max_age_s
@@ -748,6 +753,14 @@ class VgpuClient:
             return sum(g.memory_mib for g in self._grants.values())
 
     @property
+    def memory_limit_kind(self) -> str:
+        """How the daemon enforces this application's memory grant, from its latest event: "hard"
+        (its cgroup is capped too: the device is contended), "cooperative" (only this stub's own
+        limit), "" before any event."""
+        with self._lock:
+            return self._mem_limit_kind
+
+    @property
     def applied_mem_limit_mib(self) -> float | None:
         with self._lock:
             return self._applied_limit_mib
@@ -801,6 +814,9 @@ class VgpuClient:
         if event.grant.app_id and event.grant.app_id != self.app_id:
             return
         kind = event.kind
+        if event.mem_limit in ("hard", "cooperative"):
+            with self._lock:
+                self._mem_limit_kind = event.mem_limit
         if kind in (allocator_pb2.AllocationEvent.GRANTED, allocator_pb2.AllocationEvent.RESIZED):
             self._on_grant(event.grant, released=False)
         elif kind == allocator_pb2.AllocationEvent.RELEASED:

@@ -52,6 +52,10 @@ class ServerConfig:
     # (nvmlDeviceSetMemoryLimits_v1, driver R615+), for applications whose pid is known; a driver
     # without them turns this off with one log line.
     cgroup_memory_limits: bool = True
+    # When those caps apply: "contended" (only on a GPU whose grants reach 90 % of its memory or whose
+    # forecast needs exceed it; elsewhere the application keeps to its grant itself, and an overrun
+    # fails an allocation instead of ending the process) or "always" (wherever a pid is known).
+    hard_memory_limits: str = "contended"
     # On a GPU in MIG mode, let vgpu choose its MIG layout from the forecast needs of the
     # applications on it (created ahead of need; an instance with processes is never destroyed).
     # Off: the operator's layout is left as it is.
@@ -240,6 +244,8 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"server.backend: expected 'nvml' or 'sim:<sku>', got {s.backend!r} ({exc})") from None
     if s.grace_s < 0:
         raise ConfigError(f"server.grace_s: must be >= 0, got {s.grace_s}")
+    if s.hard_memory_limits not in ("contended", "always"):
+        raise ConfigError(f"server.hard_memory_limits: expected 'contended' or 'always', got {s.hard_memory_limits!r}")
     if not s.idle_release_s >= 0:
         raise ConfigError(f"server.idle_release_s: must be >= 0 (0: never), got {s.idle_release_s}")
     for name in ("max_grants_per_app", "max_grants_per_node", "max_watchers_per_caller", "max_watchers"):

@@ -19,7 +19,9 @@ is absent, not 0. All prefixed `vgpu_`:
 - per device {device}: `device_info{device,index,name,pci_bus_id}` (1), `device_memory_total_bytes`,
   `device_memory_granted_bytes`, `device_memory_used_bytes`, `device_power_limit_watts`,
   `device_power_draw_watts`, `device_temperature_celsius`, `device_sm_clock_hertz`,
-  `device_sm_utilization_ratio`, `device_dry_run` (1: decisions are logged, nothing is written);
+  `device_sm_utilization_ratio`, `device_dry_run` (1: decisions are logged, nothing is written),
+  `device_memory_limits_hard` (1: the device is contended and grants are hard cgroup caps; 0: they
+  are cooperative, kept by the applications themselves);
   `profiler_connected` (1 while a profiler stream that sent for the device is open),
   `profiler_streams`, `newest_signature_age_seconds`;
 - enforcement: `enforcement_actions_total{mechanism}`, `enforcement_failures_total{device,mechanism}`,
@@ -93,6 +95,8 @@ class DeviceSnapshot:
     dry_run: bool = False
     profiler_streams: int | None = None  # None: unknown
     newest_signature_age_s: float | None = None
+    # the device's memory grants are hard limits (it is contended) rather than cooperative; None: unknown
+    memory_limits_hard: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -213,6 +217,8 @@ class _StateCollector(Collector):
         util = GaugeMetricFamily("vgpu_device_sm_utilization_ratio", "Share of the last sample period the SMs were "
                                  "busy (0-1)", labels=dev)
         dry = GaugeMetricFamily("vgpu_device_dry_run", "1 when the allocator writes nothing to the device", labels=dev)
+        hard = GaugeMetricFamily("vgpu_device_memory_limits_hard", "1 when the device is contended and memory "
+                                 "grants are hard cgroup caps, 0 when they are cooperative", labels=dev)
         disabled = GaugeMetricFamily("vgpu_enforcement_disabled", "1 when a mechanism is off on a device",
                                      labels=["device", "mechanism"])
         connected = GaugeMetricFamily("vgpu_profiler_connected", "1 while a profiler stream that sent signatures "
@@ -227,6 +233,8 @@ class _StateCollector(Collector):
             total.add_metric(k, d.mem_total_mib * MIB)
             granted.add_metric(k, d.mem_granted_mib * MIB)
             dry.add_metric(k, int(d.dry_run))
+            if d.memory_limits_hard is not None:
+                hard.add_metric(k, int(d.memory_limits_hard))
             for family, value, scale in ((used, d.mem_used_mib, MIB), (limit, d.power_limit_mw, 1e-3),
                                          (draw, d.power_draw_mw, 1e-3), (temp, d.temperature_c, 1.0),
                                          (clock, d.sm_clock_mhz, 1e6), (util, d.sm_util_pct, 0.01),
@@ -238,7 +246,8 @@ class _StateCollector(Collector):
             if d.profiler_streams is not None:
                 streams.add_metric(k, d.profiler_streams)
                 connected.add_metric(k, 1 if d.profiler_streams > 0 else 0)
-        yield from (info, total, granted, used, limit, draw, temp, clock, util, dry, disabled, connected, streams, age)
+        yield from (info, total, granted, used, limit, draw, temp, clock, util, dry, hard, disabled, connected, streams,
+                    age)
 
     def _counters(self) -> Iterator[Metric]:
         c = self._source.counter_snapshot()

@@ -241,6 +241,7 @@ class StateSource:
                     dry_run=d.dry_run,
                     profiler_streams=streams,
                     newest_signature_age_s=max(0.0, now - newest) if newest is not None else None,
+                    memory_limits_hard=self.allocator.memory_enforcement(d.device_id).hard_mem,
                 )
             )
         return out
@@ -690,9 +691,12 @@ class Daemon:
         mig = MigLayoutMechanism(state_dir=self.state_dir / "mig", dry_run=dry_run)
         self.sizer = BackgroundSizer(self._load_sizer, self.log)
         cgroup_limits = CgroupMemoryLimits(dry_run=dry_run, store=self.store, clock=self.clock)
+        policy = ForecastPolicy(manage_mig=cfg.server.manage_mig_layout)
+        # hard cgroup caps only on a contended device, by the policy's own threshold ("always": 0, everywhere)
+        hard_at = policy.config.hard_limit_at_frac if cfg.server.hard_memory_limits == "contended" else 0.0
         self.allocator = Allocator(self.backend, clock=self.clock, dry_run=dry_run, ledger=ledger,
                                    mig=mig, cgroup_limits=cgroup_limits if cfg.server.cgroup_memory_limits else None,
-                                   sizer=self.sizer, policy=ForecastPolicy(manage_mig=cfg.server.manage_mig_layout),
+                                   sizer=self.sizer, policy=policy, hard_limit_at_frac=hard_at,
                                    on_change=self._save,
                                    max_watchers=cfg.server.max_watchers,
                                    max_watchers_per_caller=cfg.server.max_watchers_per_caller,
