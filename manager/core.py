@@ -153,6 +153,9 @@ class ManagerStats:
     # rejected (and in `rejected`): from a stream that may not replay, naming no GPU process of this
     # node, or a pid another application's signatures name
     unobserved_pid: int = 0
+    # in-app values left out of kept signatures (not finite, negative, above their bound), by reason
+    # (vgpu.wire.inapp_reason: a counter and a kind, never a value: a small, fixed set of keys)
+    inapp_dropped: dict[str, int] = field(default_factory=dict)
     # wall time of each forecaster call, and of each tick (windows copied, forecast, allocator acted)
     forecast_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
     tick_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
@@ -274,6 +277,7 @@ class Manager:
         self.pid_observed = pid_observed
         self._device_newest_s: dict[str, float] = {}  # device -> when its newest kept signature arrived
         self._log = logger or get_logger("vgpu.manager")
+        self._inapp_dropped_batches: dict[str, int] = {}
         # Whether a signature's device is one the daemon has (None: every device is taken). A
         # signature for another device could never become a grant: it is rejected, with the reason.
         self.device_known = device_known
@@ -306,8 +310,9 @@ class Manager:
         kept_apps: set[str] = set()
         sigs = batch.signatures
         stats.signatures += len(sigs)
+        dropped: list[str] = []
         for i, sig in enumerate(sigs):
-            reason, values = parse_signature(sig)
+            reason, values = parse_signature(sig, dropped)
             if reason is None and not self._device_ok(sig.device_id):
                 reason = self._unknown_device(sig.device_id)
             if reason is None:
@@ -340,6 +345,8 @@ class Manager:
                 reply.rejected.add(index=i, app_id=app_id, reason=(
                     f"out of order: seq {sig.seq} at {sig.timestamp_s:.6f} s after seq {win.last_seq} "
                     f"at {win.last_t_s:.6f} s"))
+        for why in dropped:  # counted whether or not the signature was kept: the value was refused
+            self._inapp_dropped(why, 1)
         if batch.HasField("columns"):
             accepted += self._accept_columns(batch.columns, len(sigs), reply, now, stream, kept_apps)
         reply.accepted = accepted
@@ -368,6 +375,8 @@ class Manager:
             reply.rejected.add(index=base, app_id="", reason=str(exc))
             return 0
         stats.signatures += len(rows)
+        for why, n in rows.dropped:
+            self._inapp_dropped(why, n)
         for i, why in rows.rejected:
             stats.rejected += 1
             k = int(rows.app_index[i])
@@ -439,6 +448,17 @@ class Manager:
                         f"out of order: seq {int(rows.seq[i])} at {float(rows.t_s[i]):.6f} s; the window has seq "
                         f"{win.last_seq} at {win.last_t_s:.6f} s"))
         return accepted
+
+    def _inapp_dropped(self, why: str, n: int) -> None:
+        """`n` in-app values left out for `why`: counted, and logged at the 1st, 10th, 100th...
+        batch that has them (the sample itself is kept; the counter reads as not reported)."""
+        counts = self.stats.inapp_dropped
+        if why not in counts and len(counts) >= 256:  # reasons are a fixed set; a bound all the same
+            why = "other"
+        counts[why] = counts.get(why, 0) + n
+        if worth_logging(self._inapp_dropped_batches.setdefault(why, 0) + 1):
+            self._log.warning("inapp_values_dropped", reason=why, values_total=counts[why])
+        self._inapp_dropped_batches[why] += 1
 
     def _duplicates(self, n: int, stream: StreamState | None) -> None:
         """`n` signatures the windows already held: a profiler resends, after a reconnect, what no

@@ -32,7 +32,9 @@ is absent, not 0. All prefixed `vgpu_`:
   batch of the applications due together), `tick_seconds` (histogram: windows copied, forecast,
   allocator acted), `forecast_failures_total` (batches whose forecaster raised and the fallback
   served), `signatures_total{result}`, `forecaster_serving{forecaster}` (1 for "mixture", "model"
-  or "baseline", whichever serves), `forecaster_reloads_total{result}`;
+  or "baseline", whichever serves), `forecaster_reloads_total{result}`, `inapp_apps{counter}`
+  (applications whose newest sample carries that in-app counter, e.g. `inapp_kv_used_mib`),
+  `inapp_values_dropped_total{reason}` (in-app values left out: not finite, negative, too large);
 - access: `access_denied_total{method,code}`; persistence: `store_writes_total`;
 - `build_info{version,python,backend}` (1).
 """
@@ -123,6 +125,10 @@ class CounterSnapshot:
     # (kind, reason, count) of grant changes
     grant_changes: tuple[tuple[str, str, int], ...] = field(default=())
     backend: str = ""
+    # (in-app counter, applications whose newest sample carries it)
+    inapp_apps: tuple[tuple[str, int], ...] = ()
+    # (reason, count) of in-app values the manager left out of kept signatures
+    inapp_dropped: tuple[tuple[str, int], ...] = ()
 
 
 class MetricsSource(Protocol):
@@ -275,6 +281,16 @@ class _StateCollector(Collector):
         sigs.add_metric(["unknown_device"], c.signatures_unknown_device)
         sigs.add_metric(["duplicate"], c.signatures_duplicate)
         yield sigs
+        inapp = GaugeMetricFamily("vgpu_inapp_apps", "Applications whose newest sample carries this in-app "
+                                  "counter (a leading signal the forecaster gets)", labels=["counter"])
+        for counter, n in c.inapp_apps:
+            inapp.add_metric([counter], n)
+        yield inapp
+        dropped = CounterMetricFamily("vgpu_inapp_values_dropped", "In-app values left out of kept signatures "
+                                      "(not finite, negative, above their bound)", labels=["reason"])
+        for reason, n in c.inapp_dropped:
+            dropped.add_metric([reason], n)
+        yield dropped
         serving = GaugeMetricFamily("vgpu_forecaster_serving", "1 for the forecaster that serves", labels=["forecaster"])
         if c.forecaster:
             serving.add_metric([c.forecaster], 1)

@@ -277,6 +277,8 @@ class StateSource:
             forecaster_reload_failures=getattr(forecaster, "reload_failures", 0),
             grant_changes=tuple((kind, reason, n) for (kind, reason), n in sorted(c.grant_changes.items())),
             backend=self.backend_name,
+            inapp_apps=tuple(sorted(self.manager.windows.inapp_reporting().items())),
+            inapp_dropped=tuple(sorted(s.inapp_dropped.items())),
         )
 
 
