@@ -283,7 +283,11 @@ def _grid(
     app_first_bin = offsets[:-1][bin_app]
     arange = np.arange(total)
 
-    observed = np.bincount(bins, minlength=total) > 0
+    all_counts = np.bincount(bins, minlength=total)
+    observed = all_counts > 0
+    # every second has a sample (the profiler's usual stream): a column with no missing value needs
+    # neither carrying forward nor a cut after its last sample, its grid is the per-second mean
+    every_second = bool(observed.all())
     values: dict[str, F64] = {}
     mem_max = np.full(total, np.nan)
     for name in GRID_COLUMNS:
@@ -295,6 +299,11 @@ def _grid(
         ok = np.isfinite(col) if col is not None else None
         if col is None or ok is None or not ok.any():
             values[name] = np.full(total, np.nan)
+            continue
+        if every_second and ok.all():
+            values[name] = np.bincount(bins, weights=col, minlength=total) / all_counts
+            if name == "mem_used_mib":
+                mem_max = _running_max(col, bins, bin_app, offsets, nonempty, mem_seed_mib)
             continue
         b = bins[ok]
         sums = np.bincount(b, weights=col[ok], minlength=total)
@@ -315,16 +324,7 @@ def _grid(
         out[arange > last_have[bin_app]] = np.nan
         values[name] = out
         if name == "mem_used_mib":
-            raw_max = np.full(total, -np.inf)
-            firsts = np.flatnonzero(np.r_[True, b[1:] != b[:-1]])
-            raw_max[b[firsts]] = np.maximum.reduceat(col[ok], firsts)
-            if mem_seed_mib is not None:
-                heads = offsets[:-1][nonempty]
-                raw_max[heads] = np.maximum(raw_max[heads], mem_seed_mib[nonempty])
-            # running max within each application: lift each application above the ones before it
-            lift = bin_app.astype(np.float64) * 1e12
-            cum = np.maximum.accumulate(raw_max + lift) - lift
-            mem_max = np.where(np.isfinite(cum) & (cum >= 0), cum, np.nan)
+            mem_max = _running_max(col[ok], b, bin_app, offsets, nonempty, mem_seed_mib)
     return Grid(
         offsets=offsets,
         start_s=start,
@@ -333,6 +333,28 @@ def _grid(
         mem_max_mib=mem_max,
         first_s=start if first_s is None else np.asarray(first_s, dtype=np.int64),
     )
+
+
+def _running_max(
+    mem: F64,
+    b: npt.NDArray[np.int64],
+    bin_app: npt.NDArray[np.int64],
+    offsets: npt.NDArray[np.int64],
+    nonempty: npt.NDArray[np.bool_],
+    mem_seed_mib: F64 | None,
+) -> F64:
+    """The running maximum of memory samples `mem` (in bins `b`, sorted) within each application,
+    from `mem_seed_mib` at its first bin on; NaN before its first sample."""
+    raw_max = np.full(len(bin_app), -np.inf)
+    firsts = np.flatnonzero(np.r_[True, b[1:] != b[:-1]])
+    raw_max[b[firsts]] = np.maximum.reduceat(mem, firsts)
+    if mem_seed_mib is not None:
+        heads = offsets[:-1][nonempty]
+        raw_max[heads] = np.maximum(raw_max[heads], mem_seed_mib[nonempty])
+    # running max within each application: lift each application above the ones before it
+    lift = bin_app.astype(np.float64) * 1e12
+    cum = np.maximum.accumulate(raw_max + lift) - lift
+    return np.where(np.isfinite(cum) & (cum >= 0), cum, np.nan)
 
 
 @dataclass(frozen=True)
@@ -358,7 +380,10 @@ class Windows:
 def _carry(values: F64, app_first_bin: npt.NDArray[np.int64]) -> F64:
     """Carry the last value forward, within each application, over every NaN (inputs may use a
     stale value; targets may not)."""
-    idx = np.where(np.isfinite(values), np.arange(len(values)), -1)
+    finite = np.isfinite(values)
+    if finite.all() or not finite.any():
+        return values  # nothing to carry (or nothing to carry from)
+    idx = np.where(finite, np.arange(len(values)), -1)
     np.maximum.accumulate(idx, out=idx)
     idx = np.where(idx >= app_first_bin, idx, -1)
     return np.where(idx >= 0, values[np.maximum(idx, 0)], np.nan)
