@@ -457,6 +457,14 @@ class MixtureForecaster:
         """(apps, [p50 targets, p90 targets], horizons) from an external expert; None when it fails
         (logged once; the expert abstains at this origin)."""
         try:
+            arrays = getattr(fc, "forecast_arrays", None)  # the model's numbers without Forecast objects
+            if arrays is not None and getattr(fc, "horizons_s", None) == HORIZONS_S:
+                got = arrays(histories)
+                if got is not None:
+                    out_a = np.asarray(got, dtype=np.float64)
+                    if out_a.shape != (len(histories), len(_FIELDS), len(HORIZONS_S)):
+                        raise ValueError(f"forecasts of shape {out_a.shape} for {len(histories)} histories")
+                    return out_a
             fcs = fc.forecast_batch(histories)
             if len(fcs) != len(histories):
                 raise ValueError(f"{len(fcs)} forecasts for {len(histories)} histories")

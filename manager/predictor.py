@@ -160,20 +160,8 @@ class ModelForecaster:
 
     def forecast_batch(self, histories: Sequence[AppTrace]) -> list[Forecast]:
         n_h = len(self.horizons_s)
-        windows, present = encode_latest(histories, self.window_s, self.feature_version)
-        out = apply_deadband(self.predict_normalised(windows.x), self._deadband)
-        scales = windows.scales[:, :, None]  # (N, 2, 1)
-        last = windows.last[:, :, None]
-        p50 = last + out[..., 0] * scales
-        p90 = last + (out[..., 1] + self._shift[None]) * scales
-        p90 = np.maximum(p90, p50)
-        known_total = windows.x[:, -1, self._mem_total_known] > 0.5  # capacity known at the origin
-        cap_mem = np.where(known_total, windows.mem_scale_mib, np.inf)
-        caps = np.stack([cap_mem, np.full_like(cap_mem, 100.0)], axis=1)[:, :, None]
-        p50 = np.clip(p50, 0.0, caps)
-        p90 = np.clip(p90, 0.0, caps)
+        rows, present = self._forecast_rows(histories)
         nan = (math.nan,) * n_h
-        rows = np.concatenate([p50, p90], axis=1).tolist()  # (N, [mem p50, sm p50, mem p90, sm p90], H)
         result: list[Forecast] = []
         row = 0
         for ok in present.tolist():
@@ -193,6 +181,31 @@ class ModelForecaster:
             )
             row += 1
         return result
+
+    def forecast_arrays(self, histories: Sequence[AppTrace]) -> np.ndarray:
+        """`forecast_batch`'s numbers without building `Forecast`s (what the expert mixture reads):
+        (N, [mem P50, compute P50, mem P90, compute P90], horizons), NaN for an empty history."""
+        rows, present = self._forecast_rows(histories)
+        out = np.full((len(histories), 4, len(self.horizons_s)), math.nan)
+        out[present] = rows
+        return out
+
+    def _forecast_rows(self, histories: Sequence[AppTrace]) -> tuple[np.ndarray, np.ndarray]:
+        """(forecasts (present histories, [mem P50, compute P50, mem P90, compute P90], horizons),
+        which histories are present)."""
+        windows, present = encode_latest(histories, self.window_s, self.feature_version)
+        out = apply_deadband(self.predict_normalised(windows.x), self._deadband)
+        scales = windows.scales[:, :, None]  # (N, 2, 1)
+        last = windows.last[:, :, None]
+        p50 = last + out[..., 0] * scales
+        p90 = last + (out[..., 1] + self._shift[None]) * scales
+        p90 = np.maximum(p90, p50)
+        known_total = windows.x[:, -1, self._mem_total_known] > 0.5  # capacity known at the origin
+        cap_mem = np.where(known_total, windows.mem_scale_mib, np.inf)
+        caps = np.stack([cap_mem, np.full_like(cap_mem, 100.0)], axis=1)[:, :, None]
+        p50 = np.clip(p50, 0.0, caps)
+        p90 = np.clip(p90, 0.0, caps)
+        return np.concatenate([p50, p90], axis=1), present
 
 
 def apply_deadband(out: np.ndarray, deadband: np.ndarray) -> np.ndarray:
@@ -284,6 +297,19 @@ class ReloadingForecaster:
     def forecast_batch(self, histories: Sequence[AppTrace]) -> list[Forecast]:
         self.maybe_reload()
         return self._current.forecast_batch(histories)
+
+    @property
+    def horizons_s(self) -> tuple[int, ...] | None:
+        """The serving forecaster's horizons where it can give arrays (see `forecast_arrays`)."""
+        current = self._current
+        return current.horizons_s if isinstance(current, ModelForecaster) else None
+
+    def forecast_arrays(self, histories: Sequence[AppTrace]) -> np.ndarray | None:
+        """`ModelForecaster.forecast_arrays` of the serving forecaster, or None where it has no such
+        method (the fallback serves): call `forecast_batch` then."""
+        self.maybe_reload()
+        current = self._current
+        return current.forecast_arrays(histories) if isinstance(current, ModelForecaster) else None
 
     def maybe_reload(self) -> None:
         """Check the file if the interval has passed; start a load if it changed."""

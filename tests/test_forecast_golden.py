@@ -7,6 +7,7 @@ again only for a change meant to alter the forecasts."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ from vgpu.manager.experts import make_served  # noqa: E402
 from vgpu.manager.features import N_FEATURES, FeatureSpec  # noqa: E402
 from vgpu.manager.forecast import Forecast  # noqa: E402
 from vgpu.manager.model import ModelConfig, TransformerBiGRU  # noqa: E402
-from vgpu.manager.predictor import ModelForecaster  # noqa: E402
+from vgpu.manager.predictor import ModelForecaster, ReloadingForecaster  # noqa: E402
 from vgpu.traces import AppTrace  # noqa: E402
 
 GOLDEN = Path(__file__).resolve().parent / "fixtures" / "forecast_golden.npz"
@@ -115,6 +116,39 @@ def test_forecasts_equal_the_recorded_ones(mode: str) -> None:
         ref = want[key]
         assert np.isfinite(ref).sum() > 0.9 * ref.size  # forecasts with something to compare
         np.testing.assert_allclose(got[key], ref, rtol=TOL, atol=TOL, equal_nan=True, err_msg=key)
+
+
+def test_the_mixture_reads_a_reloading_model_the_same(tmp_path: Path) -> None:
+    """The daemon's model slot holds a `ReloadingForecaster`: its arrays are the model's."""
+    model = ModelForecaster(_checkpoint(), "cpu", mode="fused", threads=1)
+    slot = ReloadingForecaster(tmp_path / "model.pt", loader=lambda _path: model, background=False)
+    mixture = make_served(slot)
+    hist = _histories()
+    got = np.stack([_array(mixture.forecast_batch(_upto(hist, 1000.0 + HISTORY_S + k + 0.55))) for k in range(STEPS)])
+    np.testing.assert_allclose(got, np.load(GOLDEN)["mixture_fused"], rtol=TOL, atol=TOL, equal_nan=True)
+
+
+class _BadArrays:
+    """A model expert whose arrays have the wrong shape."""
+
+    name = "model"
+    horizons_s = (1, 2, 3, 4, 5)
+
+    def forecast_batch(self, histories: Sequence[AppTrace]) -> list[Forecast]:
+        raise AssertionError("not called: the arrays are")
+
+    def forecast_arrays(self, histories: Sequence[AppTrace]) -> np.ndarray:
+        return np.zeros((len(histories) + 1, 4, 5))
+
+
+def test_an_expert_with_arrays_of_the_wrong_shape_abstains() -> None:
+    mixture = make_served(_BadArrays())
+    hist = _upto(_histories(), 1000.0 + HISTORY_S + 0.55)
+    fcs = mixture.forecast_batch(hist)
+    assert mixture.expert_failures == 1
+    # the last value alone serves: P50 is each history's value in its last second
+    last = float(np.mean(hist[0].columns["mem_used_mib"][hist[0].t_s >= np.floor(hist[0].t_s[-1])]))
+    assert fcs[0].mem_p50_mib[0] == pytest.approx(last)
 
 
 def test_the_recorded_forecasts_move() -> None:
