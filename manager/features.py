@@ -233,7 +233,10 @@ def build_grid(traces: Sequence[AppTrace]) -> Grid:
 def _columns(traces: Sequence[AppTrace], lengths: npt.NDArray[np.int64]) -> dict[str, F64]:
     """Each numeric column of all traces end to end (NaN where a trace lacks it)."""
     cols: dict[str, F64] = {}
+    have: set[str] = set().union(*(t.columns for t in traces))
     for name in GRID_COLUMNS:
+        if name not in have:
+            continue
         parts = [t.columns.get(name) for t in traces]
         if all(part is None for part in parts):
             continue

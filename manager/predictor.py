@@ -47,6 +47,11 @@ _log = get_logger("vgpu.manager.predictor")
 DEFAULT_MODEL_PATH = Path(__file__).resolve().parent / "models" / "default.pt"
 MODES = ("eager", "fused", "onnx")
 DEFAULT_MODE = "onnx"
+# Intra-op threads of a model the daemon serves: one forecast round for 64 applications is a few
+# milliseconds of small matrix products, which a second thread does not shorten on a loaded node
+# (measured on 2 busy cores: p50 wall 20.5-28.2 ms with one thread, 22.9-29.6 ms with two; see
+# docs/performance.md), and the node's own jobs keep the other cores.
+SERVING_THREADS = 1
 
 
 class OnnxSession(Protocol):
@@ -100,8 +105,9 @@ class ModelForecaster:
         if mode in ("fused", "onnx"):
             self._net = FusedTransformerBiGRU(self.model, self.window_s).to(self.device)
         self.mode_serving = "eager" if mode == "eager" else "fused"
+        self.threads = threads or torch.get_num_threads()
         if mode == "onnx":
-            self._session = self._onnx_session(onnx_import, threads or torch.get_num_threads())
+            self._session = self._onnx_session(onnx_import, self.threads)
             if self._session is not None:
                 self.mode_serving = "onnx"
 
@@ -219,11 +225,13 @@ def apply_deadband(out: np.ndarray, deadband: np.ndarray) -> np.ndarray:
 
 
 def load_forecaster(
-    path: str | Path, device: torch.device | str | None = None, *, mode: str = DEFAULT_MODE
+    path: str | Path, device: torch.device | str | None = None, *, mode: str = DEFAULT_MODE,
+    threads: int | None = None,
 ) -> ModelForecaster:
-    """A `ModelForecaster` from a checkpoint file; raises `CheckpointError` when it cannot be used."""
+    """A `ModelForecaster` from a checkpoint file (`threads` as `ModelForecaster`'s); raises
+    `CheckpointError` when it cannot be used."""
     dev = torch.device(device) if device is not None else default_device()
-    return ModelForecaster(load_checkpoint(path, map_location=dev), dev, mode=mode)
+    return ModelForecaster(load_checkpoint(path, map_location=dev), dev, mode=mode, threads=threads)
 
 
 def _signature(path: Path) -> tuple[int, int] | None:

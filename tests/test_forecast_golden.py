@@ -151,6 +151,19 @@ def test_an_expert_with_arrays_of_the_wrong_shape_abstains() -> None:
     assert fcs[0].mem_p50_mib[0] == pytest.approx(last)
 
 
+def test_the_daemon_serves_the_model_on_one_thread(tmp_path: Path) -> None:
+    from vgpu.manager.checkpoint import save_checkpoint
+    from vgpu.manager.modelpath import ModelChoice, open_forecaster
+    from vgpu.manager.predictor import SERVING_THREADS
+
+    ck = _checkpoint()
+    path = tmp_path / "model.pt"
+    save_checkpoint(path, ck.model, ck.metadata)
+    served = open_forecaster(ModelChoice(path, True), _BadArrays(), device="cpu")
+    assert served.serving_model and isinstance(served.current, ModelForecaster)
+    assert served.current.threads == SERVING_THREADS == 1
+
+
 def test_the_recorded_forecasts_move() -> None:
     """The model's forecasts differ from the last value, so the comparison above sees the network."""
     want = np.load(GOLDEN)
