@@ -240,6 +240,9 @@ def _columns(traces: Sequence[AppTrace], lengths: npt.NDArray[np.int64]) -> dict
         parts = [t.columns.get(name) for t in traces]
         if all(part is None for part in parts):
             continue
+        if all(part is not None for part in parts):  # every trace has it: one concatenation
+            cols[name] = np.concatenate(parts).astype(np.float64, copy=False)
+            continue
         cols[name] = np.concatenate(
             [np.full(n, np.nan) if part is None else np.asarray(part, dtype=np.float64)
              for part, n in zip(parts, lengths, strict=True)]
@@ -417,10 +420,10 @@ def encode(
     pos = origins[:, None] + np.arange(-w + 1, 1)[None, :]
     valid = pos >= origin_first[:, None]
 
+    at = np.maximum(pos, 0)  # row i ends at bin origins[i]; steps before the application are invalid
+
     def win(col: F64) -> F64:
-        padded = np.concatenate([np.full(w - 1, np.nan), col])
-        out = sliding_window_view(padded, w)[origins]  # row i ends at bin origins[i]
-        return np.where(valid, out, np.nan)
+        return np.where(valid, col[at], np.nan)
 
     v = {c: _carry(grid.values[c], first_bin) for c in NUMERIC}
     mem, sm, total_mib = v["mem_used_mib"], v["sm_util_pct"], v["mem_total_mib"]
@@ -625,7 +628,10 @@ def _recent_cut(
     for col in cols.values():
         if not cuts.any():
             break
-        seg = np.logical_or.reduceat(np.isfinite(col), bounds).reshape(-1, 3)
+        finite = np.isfinite(col)
+        if finite.all():
+            continue  # a value in every first kept second: nothing to carry from before the cut
+        seg = np.logical_or.reduceat(finite, bounds).reshape(-1, 3)
         # segments [start, first) and [first, first_end) are non-empty for every cut application
         back = np.zeros(n_apps, dtype=bool)
         back[cuts] = seg[:, 0] & ~seg[:, 1]
