@@ -240,8 +240,9 @@ def _columns(traces: Sequence[AppTrace], lengths: npt.NDArray[np.int64]) -> dict
         parts = [t.columns.get(name) for t in traces]
         if all(part is None for part in parts):
             continue
-        if all(part is not None for part in parts):  # every trace has it: one concatenation
-            cols[name] = np.concatenate(parts).astype(np.float64, copy=False)
+        whole = [part for part in parts if part is not None]
+        if len(whole) == len(parts):  # every trace has it: one concatenation
+            cols[name] = np.concatenate(whole).astype(np.float64, copy=False)
             continue
         cols[name] = np.concatenate(
             [np.full(n, np.nan) if part is None else np.asarray(part, dtype=np.float64)
