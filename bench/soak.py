@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vgpu.manager.experts import make_served  # noqa: E402
+from vgpu.manager.experts import MixtureConfig, make_served  # noqa: E402
 from vgpu.manager.history import NodeHistory  # noqa: E402
 from vgpu.manager.predictor import DEFAULT_MODEL_PATH, SERVING_THREADS, load_forecaster  # noqa: E402
 from vgpu.manager.window import WindowStore  # noqa: E402
@@ -117,8 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    if args.apps < 1 or args.hours <= 0 or not 0 < args.step_s <= 60 or args.churn_every_s <= 0:
-        p.error("--apps >= 1, --hours > 0, 0 < --step-s <= 60 (the mixture's largest gap), --churn-every-s > 0")
+    # a round's newest second is one past the last it scored: a step longer than the mixture's largest gap
+    # less one would read as a clock jump and nothing would be scored or written to the history
+    max_step_s = MixtureConfig().max_gap_s - 1
+    if args.apps < 1 or args.hours <= 0 or not 0 < args.step_s <= max_step_s or args.churn_every_s <= 0:
+        p.error(f"--apps >= 1, --hours > 0, 0 < --step-s <= {max_step_s:g}, --churn-every-s > 0")
     torch.set_num_threads(SERVING_THREADS)
     proc = psutil.Process()
     tmp = tempfile.TemporaryDirectory(prefix="vgpu-soak-")
