@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vgpu.manager.checkpoint import Checkpoint, Metadata  # noqa: E402
 from vgpu.manager.experts import make_served  # noqa: E402
-from vgpu.manager.features import N_FEATURES, FeatureSpec  # noqa: E402
+from vgpu.manager.features import FEATURES_V3, FeatureSpec  # noqa: E402
 from vgpu.manager.forecast import Forecast  # noqa: E402
 from vgpu.manager.model import ModelConfig, TransformerBiGRU  # noqa: E402
 from vgpu.manager.predictor import ModelForecaster, ReloadingForecaster  # noqa: E402
@@ -34,13 +34,15 @@ MODES = ("eager", "fused", "onnx")
 
 def _checkpoint() -> Checkpoint:
     torch.manual_seed(7)
-    model = TransformerBiGRU(ModelConfig(n_features=N_FEATURES, order="gru_first"))
+    # feature version 3 named, not the build's default, so a later default leaves this record valid
+    model = TransformerBiGRU(ModelConfig(n_features=len(FEATURES_V3), order="gru_first"))
     with torch.no_grad():  # the P50 head starts at zero: give it weights so the forecasts move
         model.head_p50.weight.normal_(0, 0.3)
         model.head_p50.bias.normal_(0, 0.3)
     shift = ((0.1, 0.2, 0.3, 0.4, 0.5), (0.5, 0.4, 0.3, 0.2, 0.1))
     band = ((0.05,) * 5, (0.01,) * 5)
-    meta = Metadata(config=model.config, features=FeatureSpec(16), p90_shift=shift, p50_deadband=band)
+    spec = FeatureSpec(16, features=FEATURES_V3, version=3)
+    meta = Metadata(config=model.config, features=spec, p90_shift=shift, p50_deadband=band)
     return Checkpoint(model.eval(), meta, "golden")
 
 
