@@ -93,7 +93,14 @@ if str(ROOT) not in sys.path:
 
 from vgpu.allocator.mechanisms.power import PowerLimitMechanism, PowerLimitResult  # noqa: E402
 from vgpu.allocator.policy import lead  # noqa: E402
-from vgpu.allocator.policy.forecast import PREDICTIVE_CONFIG, AppState, DeviceState, PolicyConfig, plan  # noqa: E402
+from vgpu.allocator.policy.forecast import (  # noqa: E402
+    IDLE_MEM_MIB,
+    PREDICTIVE_CONFIG,
+    AppState,
+    DeviceState,
+    PolicyConfig,
+    plan,
+)
 from vgpu.allocator.policy.power import (  # noqa: E402
     DEFAULT_CURVE,
     PowerCurve,
@@ -187,6 +194,8 @@ class ReplayApp:
     # the mean rate over them (MiB/s; NaN when not rising): the policy's leading signal
     ramp_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
     ramp_rate: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    # the first second whose memory is above IDLE_MEM_MIB (its first real use; ticks: never)
+    first_use: int = 0
 
     @property
     def ticks(self) -> int:
@@ -218,8 +227,10 @@ def prepare(apps: Sequence[AppTrace]) -> tuple[list[ReplayApp], list[str]]:
         prefix_end = np.searchsorted(a.t_s, edges, side="left")
         mem = mem.astype(np.float64)
         ramp_s, ramp_rate = ramps(mem)
+        used = np.flatnonzero(mem > IDLE_MEM_MIB)
         out.append(ReplayApp(a.app, a, mem, np.clip(sm, 0, 100).astype(np.float64), prefix_end,
-                             ramp_s=ramp_s, ramp_rate=ramp_rate))
+                             ramp_s=ramp_s, ramp_rate=ramp_rate,
+                             first_use=int(used[0]) if len(used) else len(mem)))
     return out, skipped
 
 
@@ -648,6 +659,7 @@ def replay(
                     forecast_mem_p90_mib=f_m, forecast_sm_p90_pct=f_s, history_s=float(k + 1),
                     mem_ramp_s=float(a.ramp_s[k]), mem_ramp_rate_mib_s=float(a.ramp_rate[k]),
                     recent_peak_mem_mib=float(a.mem[max(0, k - window + 1): k + 1].max()) if window > 0 else math.nan,
+                    active_s=float(k - a.first_use + 1) if k >= a.first_use else math.nan,
                 ))
             if p == "static":
                 for st in new_states:

@@ -50,6 +50,9 @@ if TYPE_CHECKING:
 
 Resource = Literal["mem", "sm"]
 RESOURCES: tuple[Resource, ...] = ("mem", "sm")
+# memory usage at or under this is an application that has not begun to use the GPU: an idle
+# device reads a few MiB, a CUDA context alone takes a few hundred
+IDLE_MEM_MIB = 64.0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -91,6 +94,9 @@ class AppState:
     mem_ramp_rate_mib_s: float = math.nan
     expected_mem_mib: float = math.nan
     recent_peak_mem_mib: float = math.nan
+    # seconds since the memory usage first rose above `IDLE_MEM_MIB` (its first real use of the
+    # GPU); NaN while it has not (or when unknown)
+    active_s: float = math.nan
 
     def __post_init__(self) -> None:
         for name in ("request_mem_mib", "request_sm_pct", "granted_mem_mib", "granted_sm_pct"):
@@ -228,6 +234,14 @@ class PolicyConfig:
     # without one its usage plus `start_headroom_mib` (plus the margin). 0: off
     start_window_s: float = 0.0
     start_headroom_mib: float = 0.0
+    # 1: the start-up window counts from the application's first real use of the GPU
+    # (`AppState.active_s`) instead of from its first sample, and holds while it has not begun:
+    # a job that waits for data or a launcher before it touches the GPU has spent its window idle
+    # by the time its memory ramps. 0: from the first sample (`history_s`)
+    start_from_use: float = 0.0
+    # while starting, also at least the usage x (1 + `start_headroom_frac`): a start-up's memory
+    # grows by multiples (a model loaded, then its first steps' activations), not by a fixed amount
+    start_headroom_frac: float = 0.0
     # shrinking slowly: one memory shrink takes at most this fraction of the grant (1: no bound),
     # and never goes under the peak usage of the last `mem_shrink_window_s` (0: not used) plus the
     # margin, so a shrink needs the forecast and the recent history to agree
@@ -249,7 +263,7 @@ class PolicyConfig:
                      "min_sm_pct", "min_change_frac", "dwell_s", "mem_bump_frac", "mem_bump_min_mib",
                      "sm_bump_pct", "mem_shrink_dwell_s", "sm_shrink_dwell_s", "sm_min_change_pct",
                      "mem_lead_frac", "ramp_min_s", "ramp_ahead_s", "mem_shrink_window_s", "hard_limit_at_frac",
-                     "start_window_s", "start_headroom_mib"):
+                     "start_window_s", "start_headroom_mib", "start_from_use", "start_headroom_frac"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"PolicyConfig.{name} must be >= 0")
         if self.confidence_unit_s <= 0:
@@ -480,14 +494,22 @@ def _ramp_end(app: AppState, config: PolicyConfig) -> float:
 
 def _start_up(app: AppState, config: PolicyConfig) -> float:
     """The grant of an application still starting: its cold-start size, else its usage plus
-    `start_headroom_mib`, plus the margin; NaN when off, past the window, or nothing is known."""
-    if config.start_window_s <= 0 or app.history_s >= config.start_window_s:
+    `start_headroom_mib`, plus the margin; NaN when off, past the window, or nothing is known.
+    The window runs from the first sample, or with `start_from_use` from the first real use (and
+    until then)."""
+    if config.start_window_s <= 0:
+        return math.nan
+    age = app.history_s
+    if config.start_from_use > 0:
+        age = 0.0 if math.isnan(app.active_s) else app.active_s
+    if age >= config.start_window_s:
         return math.nan
     if not math.isnan(app.expected_mem_mib):
         return app.expected_mem_mib * (1.0 + config.mem_margin_frac)
-    if math.isnan(app.used_mem_mib) or config.start_headroom_mib <= 0:
+    if math.isnan(app.used_mem_mib) or (config.start_headroom_mib <= 0 and config.start_headroom_frac <= 0):
         return math.nan
-    return (app.used_mem_mib + config.start_headroom_mib) * (1.0 + config.mem_margin_frac)
+    used = app.used_mem_mib
+    return max(used + config.start_headroom_mib, used * (1.0 + config.start_headroom_frac)) * (1.0 + config.mem_margin_frac)
 
 
 def _slow_shrink(app: AppState, value: float, config: PolicyConfig) -> float:
@@ -719,6 +741,7 @@ class UsageHistory:
         self.rise_frac = rise_frac
         self._samples: dict[str, list[tuple[float, float]]] = {}
         self._seq: dict[str, int] = {}
+        self._first_use: dict[str, float] = {}
 
     def observe(self, app_id: str, now_s: float, used_mib: float, seq: int = 0) -> None:
         """Record a usage sample; one with a `seq` (the recommendation's) already seen is a stale
@@ -727,6 +750,8 @@ class UsageHistory:
             return
         if seq:
             self._seq[app_id] = seq
+        if used_mib > IDLE_MEM_MIB:
+            self._first_use.setdefault(app_id, now_s)
         samples = self._samples.setdefault(app_id, [])
         if samples and now_s - samples[-1][0] < self.min_step_s:
             if used_mib > samples[-1][1]:  # keep the larger value of a step
@@ -741,6 +766,7 @@ class UsageHistory:
         for app_id in [a for a, smp in self._samples.items() if not smp or now_s - smp[-1][0] > self.keep_s]:
             del self._samples[app_id]
             self._seq.pop(app_id, None)
+            self._first_use.pop(app_id, None)
 
     def ramp(self, app_id: str) -> tuple[float, float]:
         """(seconds the usage has risen by more than `rise_frac` at every sample up to the last,
@@ -753,6 +779,11 @@ class UsageHistory:
             return 0.0, math.nan
         span = samples[-1][0] - samples[i][0]
         return span, (samples[-1][1] - samples[i][1]) / span if span > 0 else math.nan
+
+    def active_s(self, app_id: str, now_s: float) -> float:
+        """Seconds since the usage first rose above `IDLE_MEM_MIB`; NaN when it has not."""
+        first = self._first_use.get(app_id)
+        return math.nan if first is None else max(now_s - first, 0.0)
 
     def peak(self, app_id: str, now_s: float, window_s: float) -> float:
         """The largest usage seen in the last `window_s`; NaN when none."""
@@ -833,6 +864,7 @@ class ForecastPolicy:
                 last_mem_change_s=mem_changed_at, last_sm_change_s=sm_changed_at,
                 mem_ramp_s=ramp_s, mem_ramp_rate_mib_s=ramp_rate,
                 recent_peak_mem_mib=self.history.peak(rec.app_id, now_s, window) if window > 0 else math.nan,
+                active_s=self.history.active_s(rec.app_id, now_s),
             ))
         self.history.prune(now_s)
         caps = [DeviceState(v.device_id, v.mem_total_mib, v.sm_total_pct) for v in devices]
