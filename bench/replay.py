@@ -63,13 +63,15 @@ seen anything before it):
   cover it (negative: after). `lead_time_median_s` over all rises (`rises`),
   `lead_time_median_visible_s` over rises after >= 2 s of rising usage (`rises_visible`), and the
   share of those covered >= 1 s ahead.
-- `by_priority` (when the applications have several priority classes, `--pack mean`): the same
+- `by_priority` (when the applications have several priority classes, `--pack mean` or `gpu`): the same
   figures per class, to show which yields first.
 
 `--cooperative` makes every limit cooperative, so the OOM events of all policies are counted under
 the same rules (with hard limits an application has at most one). `--pack mean` packs on mean usage instead of peaks: a denser node where peaks meet, GPUs are
-contended, and every application gets a priority class 0-2 (round robin by name); the JSON prints
-the packing. `--mig` adds a MIG replay (`mig_replay`) beside a static layout. `tick_series(runs)`
+contended, and every application gets a priority class 0-2 (round robin by name). `--pack gpu`
+places applications as the trace's `gpu` column says (one GPU per value, peaks meeting or not;
+applications without one first-fit by peaks), with the same priority classes. The JSON prints the
+packing (`pack`, `packing`), and so does the table. `--mig` adds a MIG replay (`mig_replay`) beside a static layout. `tick_series(runs)`
 gives per-second series per policy, for plots.
 """
 
@@ -120,7 +122,7 @@ VPA_MARGIN = 0.15
 VPA_OOM_RATIO = 1.2
 VPA_OOM_MIN_MIB = 100.0
 FORECASTERS = ("auto", "model", "gbdt", "vpa_percentile", "ewma", "last_value")
-PACKINGS = ("peak", "mean")
+PACKINGS = ("peak", "mean", "gpu")
 # lead time of grant increases: a rise is a second whose usage is more than RISE_FRAC over the
 # second before and over the grant in force LEAD_WINDOW_S seconds earlier; one the forecast could
 # see follows at least VISIBLE_RAMP_S seconds of rising usage
@@ -282,6 +284,27 @@ def pack_mean(apps: list[ReplayApp], sku: Sku) -> list[ReplayApp]:
     0..PRIORITY_CLASSES-1 (round robin by name), so contention has someone to favour."""
     ordered = sorted(apps, key=lambda a: (-float(a.mem.mean()), -float(a.sm.mean()), a.app_id))
     placed = _first_fit(ordered, sku, lambda a: (float(a.mem.mean()), float(a.sm.mean())))
+    prio = {name: i % PRIORITY_CLASSES for i, name in enumerate(sorted(a.app_id for a in apps))}
+    return [replace(a, device=placed[a.app_id], priority=prio[a.app_id]) for a in apps]
+
+
+def pack_gpu(apps: list[ReplayApp], sku: Sku) -> list[ReplayApp]:
+    """The trace's own placement: one simulated GPU per distinct `gpu` value (in sorted order), every
+    application that names it on it, whether or not their peaks fit together; applications without
+    one are packed first-fit by peaks (as `pack`) on GPUs after those. Each application gets a
+    priority class as in `pack_mean`. A trace without any `gpu` value, or an application whose
+    peak exceeds one GPU, is a ValueError."""
+    named = sorted({a.raw.gpu for a in apps if a.raw.gpu})
+    if not named:
+        raise ValueError("--pack gpu: the trace has no gpu column (or it is empty); use --pack peak or mean")
+    index = {g: i for i, g in enumerate(named)}
+    for a in apps:
+        if float(a.mem.max()) > sku.mem_total_mib:
+            raise ValueError(f"{a.app_id} peaks at {a.mem.max():.0f} MiB, more than a {sku.key} has ({sku.mem_total_mib} MiB)")
+    rest = sorted((a for a in apps if not a.raw.gpu), key=lambda a: (-float(a.sm.max()), -float(a.mem.max()), a.app_id))
+    placed = {a.app_id: index[a.raw.gpu] for a in apps if a.raw.gpu}
+    placed.update({app: len(named) + d for app, d in
+                   _first_fit(rest, sku, lambda a: (float(a.mem.max()), float(a.sm.max()))).items()})
     prio = {name: i % PRIORITY_CLASSES for i, name in enumerate(sorted(a.app_id for a in apps))}
     return [replace(a, device=placed[a.app_id], priority=prio[a.app_id]) for a in apps]
 
@@ -897,7 +920,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="override one PREDICTIVE_CONFIG setting of the predictive policy (repeatable)")
     ap.add_argument("--pack", default="peak", choices=PACKINGS,
                     help="peak: first-fit so every GPU holds its applications' peaks (no contention); mean: "
-                         "first-fit on mean usage, a denser node where peaks meet, with priority classes")
+                         "first-fit on mean usage, a denser node where peaks meet, with priority classes; gpu: "
+                         "the trace's gpu column (one GPU per value; the rest first-fit by peaks), with priority "
+                         "classes")
     ap.add_argument("--cooperative", action="store_true",
                     help="every memory limit cooperative (no policy's overrun ends an application), to compare "
                          "OOM events under the same rules")
@@ -930,7 +955,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"replay: no usable application ({'; '.join(skipped)})", file=sys.stderr)
         return 2
     try:
-        apps = pack(apps, sku) if args.pack == "peak" else pack_mean(apps, sku)
+        apps = {"peak": pack, "mean": pack_mean, "gpu": pack_gpu}[args.pack](apps, sku)
         t0 = time.perf_counter()
         train = [] if args.split in ("train", "all") else list(select(trace.apps, "train").values())
         forecaster, described = make_forecaster(args.forecaster, train, args.checkpoint)
@@ -987,6 +1012,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "energy_j", "mean_slowdown", "p95_slowdown", "apps_killed_oom", "oom_events",
                 "lead_time_median_visible_s", "lead_time_median_s")
         print(f"{len(apps)} apps, {app_ticks} app-ticks on {out['gpus']} x {sku.key}; forecaster: {described}")
+        print(f"packing ({args.pack}): " + "; ".join(f"GPU {g}: {', '.join(names)}" for g, names in out["packing"].items()))
         print(f"{'policy':<11}" + "".join(f"{c:>20}" for c in cols))
         for r in results:
             print(f"{r['policy']:<11}" + "".join(f"{r[c]!s:>20}" for c in cols))
