@@ -158,10 +158,11 @@ class PowerController:
         self.curve = curve
         self.config = config or PowerPolicyConfig()
 
-    def step(self, devices: Sequence[Device], need_sm_pct: Mapping[str, float]) -> list[PowerLimitResult]:
-        """One decision per device (keyed by UUID); devices without a need entry are left alone.
-        A device whose constraints cannot be read is handed to the mechanism, which disables itself
-        for that device with one log line."""
+    def step(self, devices: Sequence[Device], need_sm_pct: Mapping[str, float],
+             full_power: frozenset[str] = frozenset()) -> list[PowerLimitResult]:
+        """One decision per device (keyed by UUID); devices without a need entry are left alone,
+        devices in `full_power` get their maximum limit. A device whose constraints cannot be read
+        is handed to the mechanism, which disables itself for that device with one log line."""
         results = []
         for dev in devices:
             if dev.uuid not in need_sm_pct:
@@ -173,6 +174,9 @@ class PowerController:
                 constraints = dev.power_constraints()
             except NotSupported:  # the mechanism reads again and turns itself off for the device
                 results.append(self.mechanism.apply(dev, 0))
+                continue
+            if dev.uuid in full_power:
+                results.append(self.mechanism.apply(dev, constraints.max_mw))
                 continue
             choice = choose_power_limit_mw(need_sm_pct[dev.uuid], constraints, self.curve, self.config)
             results.append(self.mechanism.apply(dev, choice.limit_mw))
@@ -705,7 +709,9 @@ def replay(
             # 6. power limits for second k + 1, from the planned SM share
             devs = backends[p].devices()
             clock_dev = {str(d.index): d for d in devs}
-            controllers[p].step(devs, {clock_dev[d].uuid: v for d, v in need_by_dev.items()})
+            full = frozenset(clock_dev[dp.device_id].uuid for dp in result.devices
+                             if cfg is not None and cfg.contended_full_power > 0 and dp.contended_sm)
+            controllers[p].step(devs, {clock_dev[d].uuid: v for d, v in need_by_dev.items()}, full)
         if progress:
             progress(k, horizon)
     app_hours = sum(max(a.ticks - 1, 0) for a in apps) / 3600.0

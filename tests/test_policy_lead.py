@@ -234,3 +234,22 @@ def test_usage_history_dates_the_first_real_use() -> None:
     assert h.active_s("a", 10.0) == pytest.approx(3.0)
     h.prune(500.0)
     assert math.isnan(h.active_s("a", 500.0))
+
+
+def test_the_daemons_policy_keeps_a_contended_gpu_at_full_power() -> None:
+    from vgpu.allocator.policy.base import DeviceView, Recommendation
+    from vgpu.allocator.policy.forecast import ForecastPolicy
+    from vgpu.device.base import PowerConstraints
+
+    c = PowerConstraints(min_mw=200_000, max_mw=700_000, default_mw=700_000)
+    view = DeviceView("gpu0", "NVIDIA H100 80GB HBM3", 81_559.0, 100.0, (), power_limit_mw=700_000,
+                      power_constraints=c)
+    recs = [Recommendation(n, "gpu0", 1_000.0, 70.0, mem_p90_peak_mib=1_000.0, sm_p90_peak_pct=70.0,
+                           mem_used_mib=1_000.0, sm_util_pct=70.0) for n in ("a", "b")]
+
+    def limit(cfg: PolicyConfig) -> float:
+        plan_ = ForecastPolicy(cfg).plan(recs, [view], 100.0)
+        return plan_.power[0].limit_mw if plan_.power else 700_000.0
+
+    assert limit(replace(PREDICTIVE_CONFIG, contended_full_power=1.0)) == 700_000
+    assert limit(replace(PREDICTIVE_CONFIG, contended_full_power=0.0)) < 700_000

@@ -425,3 +425,17 @@ def test_cli_pack_gpu_prints_the_packing_and_contends(tmp_path: Path, capsys: py
     write_trace(path, [app_trace("a", [1_000.0] * 12, [10.0] * 12)])
     assert R.main([*argv, "--json"]) == 2
     assert "no gpu column" in capsys.readouterr().err
+
+
+def test_a_contended_gpu_keeps_full_power() -> None:
+    # two applications on one GPU, each asking 80 % of its SM: it time-slices, and a lower power
+    # limit would slow both on top of that
+    traces = [_gpu_trace(n, "0", 1_000.0, 80.0, n=30) for n in ("a", "b")]
+    apps = R.pack_gpu(R.prepare(traces)[0], SKU)
+
+    def slowdown(*sets: str) -> float:
+        config, _ = R.config_overrides(PREDICTIVE_CONFIG, list(sets))
+        out = R.replay(apps, SKU, _lv(), policies=("static", "predictive"), configs={"predictive": config})
+        return float(out[1]["mean_slowdown"])
+
+    assert slowdown("contended_full_power=1") < slowdown("contended_full_power=0")
