@@ -63,13 +63,15 @@ seen anything before it):
   cover it (negative: after). `lead_time_median_s` over all rises (`rises`),
   `lead_time_median_visible_s` over rises after >= 2 s of rising usage (`rises_visible`), and the
   share of those covered >= 1 s ahead.
-- `by_priority` (when the applications have several priority classes, `--pack mean`): the same
+- `by_priority` (when the applications have several priority classes, `--pack mean` or `gpu`): the same
   figures per class, to show which yields first.
 
 `--cooperative` makes every limit cooperative, so the OOM events of all policies are counted under
 the same rules (with hard limits an application has at most one). `--pack mean` packs on mean usage instead of peaks: a denser node where peaks meet, GPUs are
-contended, and every application gets a priority class 0-2 (round robin by name); the JSON prints
-the packing. `--mig` adds a MIG replay (`mig_replay`) beside a static layout. `tick_series(runs)`
+contended, and every application gets a priority class 0-2 (round robin by name). `--pack gpu`
+places applications as the trace's `gpu` column says (one GPU per value, peaks meeting or not;
+applications without one first-fit by peaks), with the same priority classes. The JSON prints the
+packing (`pack`, `packing`), and so does the table. `--mig` adds a MIG replay (`mig_replay`) beside a static layout. `tick_series(runs)`
 gives per-second series per policy, for plots.
 """
 
@@ -93,7 +95,14 @@ if str(ROOT) not in sys.path:
 
 from vgpu.allocator.mechanisms.power import PowerLimitMechanism, PowerLimitResult  # noqa: E402
 from vgpu.allocator.policy import lead  # noqa: E402
-from vgpu.allocator.policy.forecast import PREDICTIVE_CONFIG, AppState, DeviceState, PolicyConfig, plan  # noqa: E402
+from vgpu.allocator.policy.forecast import (  # noqa: E402
+    IDLE_MEM_MIB,
+    PREDICTIVE_CONFIG,
+    AppState,
+    DeviceState,
+    PolicyConfig,
+    plan,
+)
 from vgpu.allocator.policy.power import (  # noqa: E402
     DEFAULT_CURVE,
     PowerCurve,
@@ -113,7 +122,7 @@ VPA_MARGIN = 0.15
 VPA_OOM_RATIO = 1.2
 VPA_OOM_MIN_MIB = 100.0
 FORECASTERS = ("auto", "model", "gbdt", "vpa_percentile", "ewma", "last_value")
-PACKINGS = ("peak", "mean")
+PACKINGS = ("peak", "mean", "gpu")
 # lead time of grant increases: a rise is a second whose usage is more than RISE_FRAC over the
 # second before and over the grant in force LEAD_WINDOW_S seconds earlier; one the forecast could
 # see follows at least VISIBLE_RAMP_S seconds of rising usage
@@ -149,10 +158,11 @@ class PowerController:
         self.curve = curve
         self.config = config or PowerPolicyConfig()
 
-    def step(self, devices: Sequence[Device], need_sm_pct: Mapping[str, float]) -> list[PowerLimitResult]:
-        """One decision per device (keyed by UUID); devices without a need entry are left alone.
-        A device whose constraints cannot be read is handed to the mechanism, which disables itself
-        for that device with one log line."""
+    def step(self, devices: Sequence[Device], need_sm_pct: Mapping[str, float],
+             full_power: frozenset[str] = frozenset()) -> list[PowerLimitResult]:
+        """One decision per device (keyed by UUID); devices without a need entry are left alone,
+        devices in `full_power` get their maximum limit. A device whose constraints cannot be read
+        is handed to the mechanism, which disables itself for that device with one log line."""
         results = []
         for dev in devices:
             if dev.uuid not in need_sm_pct:
@@ -164,6 +174,9 @@ class PowerController:
                 constraints = dev.power_constraints()
             except NotSupported:  # the mechanism reads again and turns itself off for the device
                 results.append(self.mechanism.apply(dev, 0))
+                continue
+            if dev.uuid in full_power:
+                results.append(self.mechanism.apply(dev, constraints.max_mw))
                 continue
             choice = choose_power_limit_mw(need_sm_pct[dev.uuid], constraints, self.curve, self.config)
             results.append(self.mechanism.apply(dev, choice.limit_mw))
@@ -187,6 +200,8 @@ class ReplayApp:
     # the mean rate over them (MiB/s; NaN when not rising): the policy's leading signal
     ramp_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
     ramp_rate: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    # the first second whose memory is above IDLE_MEM_MIB (its first real use; ticks: never)
+    first_use: int = 0
 
     @property
     def ticks(self) -> int:
@@ -218,8 +233,10 @@ def prepare(apps: Sequence[AppTrace]) -> tuple[list[ReplayApp], list[str]]:
         prefix_end = np.searchsorted(a.t_s, edges, side="left")
         mem = mem.astype(np.float64)
         ramp_s, ramp_rate = ramps(mem)
+        used = np.flatnonzero(mem > IDLE_MEM_MIB)
         out.append(ReplayApp(a.app, a, mem, np.clip(sm, 0, 100).astype(np.float64), prefix_end,
-                             ramp_s=ramp_s, ramp_rate=ramp_rate))
+                             ramp_s=ramp_s, ramp_rate=ramp_rate,
+                             first_use=int(used[0]) if len(used) else len(mem)))
     return out, skipped
 
 
@@ -271,6 +288,27 @@ def pack_mean(apps: list[ReplayApp], sku: Sku) -> list[ReplayApp]:
     0..PRIORITY_CLASSES-1 (round robin by name), so contention has someone to favour."""
     ordered = sorted(apps, key=lambda a: (-float(a.mem.mean()), -float(a.sm.mean()), a.app_id))
     placed = _first_fit(ordered, sku, lambda a: (float(a.mem.mean()), float(a.sm.mean())))
+    prio = {name: i % PRIORITY_CLASSES for i, name in enumerate(sorted(a.app_id for a in apps))}
+    return [replace(a, device=placed[a.app_id], priority=prio[a.app_id]) for a in apps]
+
+
+def pack_gpu(apps: list[ReplayApp], sku: Sku) -> list[ReplayApp]:
+    """The trace's own placement: one simulated GPU per distinct `gpu` value (in sorted order), every
+    application that names it on it, whether or not their peaks fit together; applications without
+    one are packed first-fit by peaks (as `pack`) on GPUs after those. Each application gets a
+    priority class as in `pack_mean`. A trace without any `gpu` value, or an application whose
+    peak exceeds one GPU, is a ValueError."""
+    named = sorted({a.raw.gpu for a in apps if a.raw.gpu})
+    if not named:
+        raise ValueError("--pack gpu: the trace has no gpu column (or it is empty); use --pack peak or mean")
+    index = {g: i for i, g in enumerate(named)}
+    for a in apps:
+        if float(a.mem.max()) > sku.mem_total_mib:
+            raise ValueError(f"{a.app_id} peaks at {a.mem.max():.0f} MiB, more than a {sku.key} has ({sku.mem_total_mib} MiB)")
+    rest = sorted((a for a in apps if not a.raw.gpu), key=lambda a: (-float(a.sm.max()), -float(a.mem.max()), a.app_id))
+    placed = {a.app_id: index[a.raw.gpu] for a in apps if a.raw.gpu}
+    placed.update({app: len(named) + d for app, d in
+                   _first_fit(rest, sku, lambda a: (float(a.mem.max()), float(a.sm.max()))).items()})
     prio = {name: i % PRIORITY_CLASSES for i, name in enumerate(sorted(a.app_id for a in apps))}
     return [replace(a, device=placed[a.app_id], priority=prio[a.app_id]) for a in apps]
 
@@ -648,6 +686,7 @@ def replay(
                     forecast_mem_p90_mib=f_m, forecast_sm_p90_pct=f_s, history_s=float(k + 1),
                     mem_ramp_s=float(a.ramp_s[k]), mem_ramp_rate_mib_s=float(a.ramp_rate[k]),
                     recent_peak_mem_mib=float(a.mem[max(0, k - window + 1): k + 1].max()) if window > 0 else math.nan,
+                    active_s=float(k - a.first_use + 1) if k >= a.first_use else math.nan,
                 ))
             if p == "static":
                 for st in new_states:
@@ -670,7 +709,9 @@ def replay(
             # 6. power limits for second k + 1, from the planned SM share
             devs = backends[p].devices()
             clock_dev = {str(d.index): d for d in devs}
-            controllers[p].step(devs, {clock_dev[d].uuid: v for d, v in need_by_dev.items()})
+            full = frozenset(clock_dev[dp.device_id].uuid for dp in result.devices
+                             if cfg is not None and cfg.contended_full_power > 0 and dp.contended_sm)
+            controllers[p].step(devs, {clock_dev[d].uuid: v for d, v in need_by_dev.items()}, full)
         if progress:
             progress(k, horizon)
     app_hours = sum(max(a.ticks - 1, 0) for a in apps) / 3600.0
@@ -885,7 +926,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="override one PREDICTIVE_CONFIG setting of the predictive policy (repeatable)")
     ap.add_argument("--pack", default="peak", choices=PACKINGS,
                     help="peak: first-fit so every GPU holds its applications' peaks (no contention); mean: "
-                         "first-fit on mean usage, a denser node where peaks meet, with priority classes")
+                         "first-fit on mean usage, a denser node where peaks meet, with priority classes; gpu: "
+                         "the trace's gpu column (one GPU per value; the rest first-fit by peaks), with priority "
+                         "classes")
     ap.add_argument("--cooperative", action="store_true",
                     help="every memory limit cooperative (no policy's overrun ends an application), to compare "
                          "OOM events under the same rules")
@@ -918,7 +961,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"replay: no usable application ({'; '.join(skipped)})", file=sys.stderr)
         return 2
     try:
-        apps = pack(apps, sku) if args.pack == "peak" else pack_mean(apps, sku)
+        apps = {"peak": pack, "mean": pack_mean, "gpu": pack_gpu}[args.pack](apps, sku)
         t0 = time.perf_counter()
         train = [] if args.split in ("train", "all") else list(select(trace.apps, "train").values())
         forecaster, described = make_forecaster(args.forecaster, train, args.checkpoint)
@@ -975,6 +1018,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "energy_j", "mean_slowdown", "p95_slowdown", "apps_killed_oom", "oom_events",
                 "lead_time_median_visible_s", "lead_time_median_s")
         print(f"{len(apps)} apps, {app_ticks} app-ticks on {out['gpus']} x {sku.key}; forecaster: {described}")
+        print(f"packing ({args.pack}): " + "; ".join(f"GPU {g}: {', '.join(names)}" for g, names in out["packing"].items()))
         print(f"{'policy':<11}" + "".join(f"{c:>20}" for c in cols))
         for r in results:
             print(f"{r['policy']:<11}" + "".join(f"{r[c]!s:>20}" for c in cols))

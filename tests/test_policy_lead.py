@@ -172,10 +172,12 @@ def test_the_daemons_policy_grants_a_ramp_it_saw_through_recommendations() -> No
         alloc.stop()
         return g.memory_mib
 
-    cfg = replace(PREDICTIVE_CONFIG, confidence_multiplier=0.0)
+    cfg = replace(PREDICTIVE_CONFIG, confidence_multiplier=0.0, start_ramp_frac=0.0)
     # 4,400 -> 4,900 at 450 MiB/s over the last 2 s: granted to 4,900 + 3 s of it, plus the margin
     assert run(cfg) == pytest.approx((4_900 + 3 * 450) * 1.02)
     assert run(replace(cfg, ramp_min_s=0.0)) < 4_900 + 3 * 450
+    # the same ramp 16 s after the application's start, with the start-up ramp rule: x3 of its usage
+    assert run(replace(cfg, start_ramp_frac=2.0)) == pytest.approx(4_900 * 3 * 1.02)
 
 
 def test_lead_summary_medians_over_all_and_visible_rises() -> None:
@@ -187,3 +189,67 @@ def test_lead_summary_medians_over_all_and_visible_rises() -> None:
     assert empty.rises == 0 and empty.median is None and empty.median_visible is None
     with pytest.raises(ValueError):
         lead.lead_times([1.0, 2.0], [1.0])
+
+
+def test_a_ramp_in_the_start_up_is_granted_a_multiple_of_its_usage() -> None:
+    # 25 s in, ramping for 3 s at 100 MiB/s: the rate says 2,000 + 300; a start-up jumps by multiples
+    a = app("a", granted_mem_mib=2_000, used_mem_mib=2_000, forecast_mem_p90_mib=2_000, history_s=25.0,
+            mem_ramp_s=3.0, mem_ramp_rate_mib_s=100.0, last_mem_change_s=99.0)
+    cfg = replace(BASE, ramp_min_s=1.0, ramp_ahead_s=3.0, start_window_s=10.0, start_headroom_mib=1024.0,
+                  start_ramp_frac=2.0, start_ramp_window_s=30.0)
+    t = plan([a], [DEV], 100.0, cfg).target("a")
+    assert t.mem_mib == pytest.approx(2_000 * 3 * 1.02) and t.reason_mem == "start"
+    # without the rule: the ramp's rate
+    off = plan([a], [DEV], 100.0, replace(cfg, start_ramp_frac=0.0)).target("a")
+    assert off.mem_mib == pytest.approx((2_000 + 300) * 1.02) and off.reason_mem == "ramp"
+    # not ramping (flat after its start), or past its window: nothing more than before
+    assert plan([replace(a, mem_ramp_s=0.0)], [DEV], 100.0, cfg).target("a").reason_mem != "start"
+    assert plan([replace(a, history_s=40.0)], [DEV], 100.0, cfg).target("a").mem_mib == pytest.approx(off.mem_mib)
+
+
+def test_the_start_up_window_can_count_from_the_first_real_use() -> None:
+    # idle for 40 s (a launcher, data loading), then 2 s into its first use of the GPU
+    a = app("a", granted_mem_mib=1_300, used_mem_mib=1_200, forecast_mem_p90_mib=1_250, history_s=42.0,
+            active_s=2.0, last_mem_change_s=99.0)
+    cfg = replace(BASE, start_window_s=10.0, start_headroom_mib=1024.0)
+    assert plan([a], [DEV], 100.0, cfg).target("a").reason_mem != "start"  # the window went by, idle
+    used = plan([a], [DEV], 100.0, replace(cfg, start_from_use=1.0)).target("a")
+    assert used.mem_mib == pytest.approx((1_200 + 1024) * 1.02) and used.reason_mem == "start"
+    # not begun yet: still starting; long past the first use: not
+    idle = replace(a, used_mem_mib=1.0, forecast_mem_p90_mib=1.0, granted_mem_mib=256.0, active_s=math.nan)
+    assert plan([idle], [DEV], 100.0, replace(cfg, start_from_use=1.0)).target("a").reason_mem == "start"
+    late = replace(a, active_s=12.0)
+    assert plan([late], [DEV], 100.0, replace(cfg, start_from_use=1.0)).target("a").reason_mem != "start"
+
+
+def test_usage_history_dates_the_first_real_use() -> None:
+    from vgpu.allocator.policy.forecast import IDLE_MEM_MIB, UsageHistory
+
+    h = UsageHistory()
+    h.observe("a", 0.0, 1.0)
+    h.observe("a", 5.0, IDLE_MEM_MIB)
+    assert math.isnan(h.active_s("a", 5.0))
+    h.observe("a", 7.0, 900.0)
+    h.observe("a", 9.0, 2_000.0)
+    assert h.active_s("a", 10.0) == pytest.approx(3.0)
+    h.prune(500.0)
+    assert math.isnan(h.active_s("a", 500.0))
+
+
+def test_the_daemons_policy_keeps_a_contended_gpu_at_full_power() -> None:
+    from vgpu.allocator.policy.base import DeviceView, Recommendation
+    from vgpu.allocator.policy.forecast import ForecastPolicy
+    from vgpu.device.base import PowerConstraints
+
+    c = PowerConstraints(min_mw=200_000, max_mw=700_000, default_mw=700_000)
+    view = DeviceView("gpu0", "NVIDIA H100 80GB HBM3", 81_559.0, 100.0, (), power_limit_mw=700_000,
+                      power_constraints=c)
+    recs = [Recommendation(n, "gpu0", 1_000.0, 70.0, mem_p90_peak_mib=1_000.0, sm_p90_peak_pct=70.0,
+                           mem_used_mib=1_000.0, sm_util_pct=70.0) for n in ("a", "b")]
+
+    def limit(cfg: PolicyConfig) -> float:
+        plan_ = ForecastPolicy(cfg).plan(recs, [view], 100.0)
+        return plan_.power[0].limit_mw if plan_.power else 700_000.0
+
+    assert limit(replace(PREDICTIVE_CONFIG, contended_full_power=1.0)) == 700_000
+    assert limit(replace(PREDICTIVE_CONFIG, contended_full_power=0.0)) < 700_000

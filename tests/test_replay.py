@@ -151,7 +151,7 @@ def test_predictive_bump_covers_a_memory_step_after_its_first_second() -> None:
         return int(np.sum(np.array(runs["predictive"].mem_used) > np.array(runs["predictive"].mem_alloc)))
 
     # the leading rules off: the bump alone
-    off = {"ramp_min_s": 0.0, "mem_lead_frac": 0.0}
+    off = {"ramp_min_s": 0.0, "mem_lead_frac": 0.0, "start_ramp_frac": 0.0}
     assert violations(**off) == 1
     assert violations(**off, mem_bump_frac=0.0, mem_bump_min_mib=0.0) >= 5  # most seconds of the step
 
@@ -268,8 +268,8 @@ def test_the_leading_rules_grant_a_ramp_ahead_of_its_rise() -> None:
                         configs={"predictive": config}, kill_on_oom=False)[0]
 
     led = result()
-    bump_only = result("ramp_min_s=0", "mem_lead_frac=0")  # the overrun bump alone trails the ramp
-    plain = result("ramp_min_s=0", "mem_lead_frac=0", "mem_bump_frac=0", "mem_bump_min_mib=0")
+    bump_only = result("ramp_min_s=0", "mem_lead_frac=0", "start_ramp_frac=0")  # the bump alone trails the ramp
+    plain = result("ramp_min_s=0", "mem_lead_frac=0", "start_ramp_frac=0", "mem_bump_frac=0", "mem_bump_min_mib=0")
     assert led["lead_time_median_visible_s"] >= 1 and led["oom_events"] == 0
     assert bump_only["lead_time_median_visible_s"] < 1 and bump_only["oom_events"] > 0
     assert plain["lead_time_median_visible_s"] < 0 and plain["oom_events"] > bump_only["oom_events"]
@@ -356,3 +356,86 @@ def test_an_sm_share_caps_only_where_the_plan_says_the_gpu_is_contended() -> Non
         return runs["predictive"].apps["a"].slowdown
 
     assert slowdown(0.0) > slowdown(0.9)
+
+
+def test_a_start_up_ramp_is_granted_a_multiple_and_its_jump_does_not_overrun() -> None:
+    # the context (400 MiB) for 8 s, weights loading at 150 MiB/s for 4 s, then the first steps'
+    # activations in one jump to 2,800 MiB: the ramp's rate (1,000 + 3 x 150) falls far short
+    mem = [400.0] * 8 + [550.0, 700.0, 850.0, 1000.0] + [2800.0] * 10
+    apps = R.pack(R.prepare([app_trace("a", mem, [10.0] * len(mem))])[0], SKU)
+
+    def result(*sets: str) -> R.Result:
+        config, _ = R.config_overrides(PREDICTIVE_CONFIG, list(sets))
+        return R.replay(apps, SKU, _lv(), policies=("predictive",),
+                        configs={"predictive": config}, kill_on_oom=False)[0]
+
+    assert result()["oom_events"] == 0
+    assert result("start_ramp_frac=0")["oom_events"] == 1
+
+
+def test_the_start_up_window_from_first_use_covers_a_job_that_waited_idle() -> None:
+    # 20 s of an idle GPU (1 MiB), then the job's context and, a second later, its model
+    mem = [1.0] * 20 + [900.0] + [1500.0] * 10
+    apps = R.pack(R.prepare([app_trace("a", mem, [10.0] * len(mem))])[0], SKU)
+    assert apps[0].first_use == 20
+
+    def result(*sets: str) -> R.Result:
+        config, _ = R.config_overrides(PREDICTIVE_CONFIG, list(sets))
+        return R.replay(apps, SKU, _lv(), policies=("predictive",),
+                        configs={"predictive": config}, kill_on_oom=False)[0]
+
+    assert result("start_from_use=1")["oom_events"] == 0
+    assert result("start_from_use=0")["oom_events"] >= 1
+
+
+def _gpu_trace(name: str, gpu: str | None, mem: float, sm: float, n: int = 12) -> AppTrace:
+    t = app_trace(name, [mem] * n, [sm] * n)
+    return replace(t, gpu=gpu)
+
+
+def test_pack_gpu_follows_the_trace_s_gpu_column() -> None:
+    traces = [_gpu_trace("a", "0", 50_000.0, 60.0), _gpu_trace("b", "0", 40_000.0, 60.0),
+              _gpu_trace("c", "1", 1_000.0, 10.0), _gpu_trace("d", None, 1_000.0, 10.0),
+              _gpu_trace("e", None, 1_000.0, 10.0)]
+    apps = {a.app_id: a for a in R.pack_gpu(R.prepare(traces)[0], SKU)}
+    # a and b share GPU 0 although their peaks do not fit together; c has GPU 1; the two without
+    # a gpu value are packed first-fit by peaks after those
+    assert apps["a"].device == apps["b"].device == 0 and apps["c"].device == 1
+    assert apps["d"].device == apps["e"].device == 2
+    assert sorted(a.priority for a in apps.values()) == [0, 0, 1, 1, 2]
+    with pytest.raises(ValueError, match="no gpu column"):
+        R.pack_gpu(R.prepare([_gpu_trace("x", None, 1.0, 1.0)])[0], SKU)
+    with pytest.raises(ValueError, match="more than"):
+        R.pack_gpu(R.prepare([_gpu_trace("big", "0", 90_000.0, 1.0)])[0], SKU)
+
+
+def test_cli_pack_gpu_prints_the_packing_and_contends(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "t.csv"
+    write_trace(path, [_gpu_trace("a", "gpu-x", 1_000.0, 70.0), _gpu_trace("b", "gpu-x", 1_000.0, 70.0),
+                       _gpu_trace("c", "gpu-y", 1_000.0, 30.0)])
+    argv = ["--trace", str(path), "--split", "all", "--forecaster", "last_value", "--pack", "gpu"]
+    assert R.main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["pack"] == "gpu" and out["gpus"] == 2
+    assert out["packing"]["0"] == ["a", "b (priority 1)"] and out["packing"]["1"] == ["c (priority 2)"]
+    static = next(p for p in out["policies"] if p["policy"] == "static")
+    assert static["mean_slowdown"] > 1.0  # a and b ask 140 % of one GPU's SM
+    assert R.main(argv) == 0
+    assert "packing (gpu): GPU 0: a, b (priority 1); GPU 1: c (priority 2)" in capsys.readouterr().out
+    write_trace(path, [app_trace("a", [1_000.0] * 12, [10.0] * 12)])
+    assert R.main([*argv, "--json"]) == 2
+    assert "no gpu column" in capsys.readouterr().err
+
+
+def test_a_contended_gpu_keeps_full_power() -> None:
+    # two applications on one GPU, each asking 80 % of its SM: it time-slices, and a lower power
+    # limit would slow both on top of that
+    traces = [_gpu_trace(n, "0", 1_000.0, 80.0, n=30) for n in ("a", "b")]
+    apps = R.pack_gpu(R.prepare(traces)[0], SKU)
+
+    def slowdown(*sets: str) -> float:
+        config, _ = R.config_overrides(PREDICTIVE_CONFIG, list(sets))
+        out = R.replay(apps, SKU, _lv(), policies=("static", "predictive"), configs={"predictive": config})
+        return float(out[1]["mean_slowdown"])
+
+    assert slowdown("contended_full_power=1") < slowdown("contended_full_power=0")
