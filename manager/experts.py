@@ -38,17 +38,29 @@ mean absolute error), updated after each scoring; the floor is 8 MiB for memory 
 compute. The losses are normalised by a scale known before the truth, so each stays in [0, 1] and
 the bound above holds in those units.
 
-P90: conformal on the mixture. The P90 is the mixture's median plus an offset q per stream,
-tracked online (adaptive conformal inference in its quantile-tracking form, Gibbs and Candes 2021;
-Angelopoulos, Candes and Tibshirani 2023): after each scoring,
+P90: the experts' own P90s mixed by the same weights, then conformal on the mixture. Each expert's
+P90 (its median where it has none, e.g. the last value; never under its median) is averaged with the
+weights of the median, b = sum_i w_i p90_i, so a model whose P90 knows when a change is coming keeps
+that knowledge in the served P90 in proportion to its weight. The served P90 is
 
-    q <- clip(q + gamma * S * (miss - 0.1), 0, capacity),   miss = truth > P90,
+    P90 = max(mix50, b + S * q),  clipped to [0, capacity],
 
-with step `gamma` (`MixtureConfig.conformal_step`, 0.1) times the stream's scale. With a fixed step
-lr the long-run miss rate satisfies |mean(miss) - 0.1| <= (B + lr) / (lr * T) for offsets bounded
-by B (Angelopoulos et al. 2023, Prop. 1); the clip at 0 (a P90 never under the median) can only
-raise coverage. q starts at the experts' own P90 margin over the mixture (the model's calibrated
-P90) where one has a P90, else 0.
+with q a per-stream offset in units of the stream's scale S (normalised residuals, locally weighted
+conformal: Lei et al. 2018), tracked online by adaptive conformal inference in its quantile-tracking
+form (Gibbs and Candes 2021; Angelopoulos, Candes and Tibshirani 2023): after each scoring,
+
+    q <- max(q + gamma * (miss - 0.1), -floor),   miss = truth > P90,
+
+with a fixed step `gamma` (`MixtureConfig.conformal_step`, 0.03) and `floor` (`conformal_floor`, 2).
+miss is the event that the normalised score (truth - b) / S exceeds q; that score is bounded by
+B = capacity / (scale floor) (memory under its capacity, compute under 100 %), so q stays under
+B + gamma, and summing the updates gives, over T scorings, mean(miss) - 0.1 <= (B + gamma - q_1) /
+(gamma * T) (Angelopoulos et al. 2023, Prop. 1, one-sided: the floor and the max with the median only
+lower the P90's misses). q starts at 0 (the experts' own P90s are the starting point). Because the
+step is fixed in scale units, a burst of large errors (a start-up ramp, a teardown to 0) moves q by
+at most gamma per scoring and the margin S * q shrinks again as S decays; an offset in MiB stepped by
+the current scale (the earlier rule) rose by large steps during a burst and fell by small ones once S
+had decayed, and stayed inflated for thousands of seconds.
 
 No peeking. The newest second of a history is still filling (the daemon forecasts while samples
 of the current second arrive), so a second's truth is scored only once a sample of a later second
@@ -95,7 +107,8 @@ class MixtureConfig:
 
     learning_rate: float = 1.0  # eta
     share: float = 0.002  # fixed-share alpha
-    conformal_step: float = 0.3  # gamma: the P90 offset's step, in units of the stream's scale
+    conformal_step: float = 0.03  # gamma: the P90 offset's step (in units of the stream's scale)
+    conformal_floor: float = 2.0  # the offset's lower bound, in units of the stream's scale
     coverage: float = 0.9
     scale_decay: float = 0.98
     mem_floor_mib: float = 8.0
@@ -109,6 +122,8 @@ class MixtureConfig:
             raise ValueError("learning_rate and conformal_step must be > 0, share in [0, 1)")
         if not 0 < self.coverage < 1 or not 0 <= self.scale_decay < 1 or not 0 < self.ewma_alpha <= 1:
             raise ValueError("coverage in (0, 1), scale_decay in [0, 1), ewma_alpha in (0, 1]")
+        if not self.conformal_floor >= 0:
+            raise ValueError("conformal_floor must be >= 0")
         if self.mem_floor_mib <= 0 or self.sm_floor_pct <= 0 or self.max_apps < 1 or self.max_gap_s < 1:
             raise ValueError("floors must be > 0, max_apps >= 1, max_gap_s >= 1")
 
@@ -409,7 +424,7 @@ class MixtureForecaster:
         p50[..., 0] = origin_val[:, :, None]
         if "ewma" in self._internal:
             p50[..., 1] = origin_ewma[:, :, None]
-        ext90 = np.full((m_live, nt, nh), np.nan)
+        p90 = np.full_like(p50, np.nan)  # each expert's own P90 (its median where it has none)
         sub = [histories[i] for i in live]
         for e, (name, fc) in enumerate(self._external.items(), start=len(self._internal)):
             if fc is None:
@@ -418,30 +433,31 @@ class MixtureForecaster:
             if got is None:
                 continue
             p50[..., e] = got[:, :nt]
-            ext90 = np.where(np.isfinite(ext90), ext90, got[:, nt:])
-        # 6. mix, P90 = mix + conformal offset, clipped to [0, capacity]
-        w = st.w[rows_a]
+            p90[..., e] = got[:, nt:]
         awake = np.isfinite(p50)
+        p90 = np.where(np.isfinite(p90), np.maximum(p90, p50), p50)
+        # 6. mix the medians and the experts' own P90s by the same weights; P90 = the mixed P90 plus the
+        #    conformal offset q in units of the stream's scale, never under the median, clipped to [0, capacity]
+        w = st.w[rows_a]
         wa = np.where(awake, w, 0.0)
         wsum = wa.sum(axis=-1)
-        mix50 = np.where(wsum > 0, (wa * np.where(awake, p50, 0.0)).sum(axis=-1) / np.where(wsum > 0, wsum, 1.0),
-                         np.nan)
+        div = np.where(wsum > 0, wsum, 1.0)
+        mix50 = np.where(wsum > 0, (wa * np.where(awake, p50, 0.0)).sum(axis=-1) / div, np.nan)
+        base90 = np.where(wsum > 0, (wa * np.where(awake, p90, 0.0)).sum(axis=-1) / div, np.nan)
         scale = st.scale[rows_a]
         floors = np.array([cfg.mem_floor_mib, cfg.sm_floor_pct])[None, :, None]
         if np.isnan(scale).any():
             scale = np.where(np.isnan(scale), floors, scale)
             st.scale[rows_a] = scale
         q = st.q[rows_a]
-        fresh = ~np.isfinite(q) & np.isfinite(mix50)
-        if fresh.any():
-            start_q = np.where(np.isfinite(ext90), np.maximum(ext90 - mix50, 0.0), 0.0)
-            q = np.where(fresh, start_q, q)
+        if np.isnan(q).any():
+            q = np.nan_to_num(q)
             st.q[rows_a] = q
         caps = np.full((m_live, nt, 1), np.inf)
         caps[:, 1] = 100.0
         caps[:, 0, 0] = cap_mem
         mix50 = np.clip(mix50, 0.0, caps)
-        mix90 = np.clip(mix50 + np.nan_to_num(q), 0.0, caps)
+        mix90 = np.clip(np.maximum(base90 + scale * q, mix50), 0.0, caps)
         # 7. remember this origin's forecasts for scoring
         slot = cur_a % _RING
         st.pred[rows_a, slot] = p50
@@ -494,7 +510,6 @@ class MixtureForecaster:
         miss_target = 1.0 - cfg.coverage
         floors = np.array([cfg.mem_floor_mib, cfg.sm_floor_pct])[None, :]
         hz = np.asarray(HORIZONS_S, dtype=np.int64)
-        cap = np.array([np.inf, 100.0])[None, :]
         for r in range(int(ev_round.max()) + 1):
             pick = ev_round == r
             # every (event, horizon) pair of this round at once: an application has one event per
@@ -526,7 +541,7 @@ class MixtureForecaster:
             st.w[rr, :, hi, :] = np.where(valid[..., None], w, w_old)
             miss = (yy > p90).astype(np.float64)
             q = st.q[rr, :, hi]
-            q_new = np.clip(np.nan_to_num(q) + cfg.conformal_step * scale * (miss - miss_target), 0.0, cap)
+            q_new = np.maximum(np.nan_to_num(q) + cfg.conformal_step * (miss - miss_target), -cfg.conformal_floor)
             st.q[rr, :, hi] = np.where(valid, q_new, q)
             n_have = have.sum(axis=-1)
             mean_err = np.where(have, err, 0.0).sum(axis=-1) / np.maximum(n_have, 1)

@@ -201,3 +201,55 @@ def test_the_served_mixture_is_the_last_value_and_the_model() -> None:
     alone.forecast_batch([AppTrace("a", np.arange(5.0), {"mem_used_mib": np.full(5, 300.0)})])
     f = alone.forecast_batch([AppTrace("a", np.arange(6.0), {"mem_used_mib": np.full(6, 300.0)})])[0]
     assert f.mem_p50_mib == (300.0,) * 5 and f.source == "mixture"
+
+
+def test_the_p90_margin_comes_back_down_after_a_ramp() -> None:
+    """A start-up ramp (a burst of large errors) then a flat series: the P90's margin over the median
+    returns to the flat series' scale within a couple of minutes, instead of staying inflated."""
+    grids = {f"a{i}": np.concatenate([np.full(30, 1000.0), np.linspace(1000.0, 20000.0, 20), np.full(550, 20000.0)])
+             for i in range(2)}
+    r = _run(MixtureForecaster(), grids)
+    margin = r["mix90"][:, 300:] - r["mix50"][:, 300:]
+    assert np.nanmax(margin) < 20.0, np.nanmax(margin)  # under a few multiples of the 8 MiB scale floor
+    ok = np.isfinite(r["truth"][:, 300:])
+    assert (r["truth"][:, 300:][ok] <= r["mix90"][:, 300:][ok] + 1e-6).mean() >= 0.9
+
+
+class SharpModel:
+    """A model whose median is the last value and whose P90 knows which seconds will rise."""
+
+    name = "model"
+
+    def __init__(self, series: dict[str, np.ndarray]) -> None:
+        self.series = series
+
+    def forecast_batch(self, histories: Sequence[AppTrace]) -> list[Forecast]:
+        out = []
+        for h in histories:
+            k = int(math.floor(h.t_s[-1]))
+            grid = self.series[h.app]
+            now = float(grid[k])
+            p90 = tuple(max(now, float(grid[min(k + hz, len(grid) - 1)])) for hz in HORIZONS_S)
+            out.append(Forecast(HORIZONS_S, (now,) * 5, p90, (now / 100,) * 5, tuple(v / 100 for v in p90), "model"))
+        return out
+
+
+def test_the_served_p90_keeps_a_models_sharp_p90() -> None:
+    """Rare, large rises a model's P90 sees coming: the served P90 follows the model's P90 rather than
+    a margin of constant width, so its pinball loss is far under the last value's with a fixed margin."""
+    rng = np.random.default_rng(5)
+    grids = {}
+    for i in range(3):
+        g = np.full(600, 4000.0)
+        for s in rng.choice(np.arange(20, 590), 12, replace=False):
+            g[s:s + 3] += 3000.0
+        grids[f"a{i}"] = g
+
+    def pinball(mix: MixtureForecaster) -> float:
+        r = _run(mix, grids)
+        d = r["truth"][:, 100:] - r["mix90"][:, 100:]
+        ok = np.isfinite(d)
+        return float(np.mean(np.maximum(0.9 * d[ok], -0.1 * d[ok])))
+
+    served, constant = pinball(make_served(SharpModel(grids))), pinball(MixtureForecaster())
+    assert served < 0.6 * constant, (served, constant)
