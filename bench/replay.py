@@ -95,8 +95,8 @@ if str(ROOT) not in sys.path:
 
 from vgpu.allocator.mechanisms.power import PowerLimitMechanism, PowerLimitResult  # noqa: E402
 from vgpu.allocator.policy import lead  # noqa: E402
+from vgpu.allocator.policy.base import IDLE_MEM_MIB  # noqa: E402
 from vgpu.allocator.policy.forecast import (  # noqa: E402
-    IDLE_MEM_MIB,
     PREDICTIVE_CONFIG,
     AppState,
     DeviceState,

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import structlog
 
-from vgpu.allocator.policy.base import Recommendation, RecommendationSink
+from vgpu.allocator.policy.base import IDLE_MEM_MIB, Recommendation, RecommendationSink
 from vgpu.histogram import LatencyHistogram
 from vgpu.log import get_logger, worth_logging
 from vgpu.manager.baselines import BaselineForecaster
@@ -730,16 +730,16 @@ class Manager:
 
 
 def first_use_s(trace: AppTrace) -> float:
-    """When the application first used the GPU: the time of the window's first sample with memory or
-    SM in use (a signature of a process that has not touched the GPU yet reads 0 or nothing); inf
+    """When the application first used the GPU: the time of the window's first sample with memory
+    above `IDLE_MEM_MIB` (the few MiB a process that has not touched the GPU reads) or SM in use; inf
     when none has. The policy's start-up window counts from here, not from registration: a job that
     registers, then loads its data for a minute, starts its memory ramp only then. The manager asks
     at every forecast until the answer is finite, so the first use is still in the window."""
     busy = np.zeros(len(trace.t_s), dtype=bool)
-    for column in ("mem_used_mib", "sm_util_pct"):
+    for column, idle in (("mem_used_mib", IDLE_MEM_MIB), ("sm_util_pct", 0.0)):
         values = trace.columns.get(column)
         if values is not None:
-            busy |= np.nan_to_num(np.asarray(values, dtype=float), nan=0.0) > 0
+            busy |= np.nan_to_num(np.asarray(values, dtype=float), nan=0.0) > idle
     hits = np.flatnonzero(busy)
     return float(trace.t_s[hits[0]]) if len(hits) else math.inf
 

@@ -14,8 +14,13 @@ import pytest
 
 from vgpu.allocator.core import AllocationRequest, Allocator, EventKind
 from vgpu.allocator.mechanisms.limits import CgroupMemoryLimits
-from vgpu.allocator.policy.base import DeviceView, Enforcement, Plan, Recommendation, Sizing
-from vgpu.allocator.policy.forecast import PREDICTIVE_CONFIG, ForecastPolicy, history_since_use_s
+from vgpu.allocator.policy.base import IDLE_MEM_MIB, DeviceView, Enforcement, Plan, Recommendation, Sizing
+from vgpu.allocator.policy.forecast import (
+    PREDICTIVE_CONFIG,
+    ForecastPolicy,
+    active_since_use_s,
+    history_since_use_s,
+)
 from vgpu.device.sim import ManualClock, SimBackend
 from vgpu.jobs import JobConfig
 from vgpu.manager.core import first_use_s
@@ -214,6 +219,14 @@ def test_first_use_is_the_first_sample_with_memory_or_sm_in_use() -> None:
     sm[3] = 12.0
     assert first_use_s(AppTrace("a", t, {"mem_used_mib": mem, "sm_util_pct": sm})) == 3.0
     assert first_use_s(AppTrace("a", t, {"mem_used_mib": np.zeros(10)})) == math.inf
+    # the few MiB a process reads before it touches the GPU are not use (the policy's threshold)
+    assert first_use_s(AppTrace("a", t, {"mem_used_mib": np.full(10, IDLE_MEM_MIB)})) == math.inf
+
+
+def test_the_start_up_window_takes_the_managers_first_use_over_its_own() -> None:
+    assert active_since_use_s(100.0, 90.0, 50.0) == 10.0  # the manager said when
+    assert math.isnan(active_since_use_s(100.0, math.inf, 50.0))  # the manager says: not used yet
+    assert active_since_use_s(100.0, math.nan, 50.0) == 50.0  # not said (the replay): its own history
 
 
 def test_dry_run_decides_the_same_and_writes_nothing() -> None:

@@ -223,7 +223,8 @@ def test_the_start_up_window_can_count_from_the_first_real_use() -> None:
 
 
 def test_usage_history_dates_the_first_real_use() -> None:
-    from vgpu.allocator.policy.forecast import IDLE_MEM_MIB, UsageHistory
+    from vgpu.allocator.policy.base import IDLE_MEM_MIB
+    from vgpu.allocator.policy.forecast import UsageHistory
 
     h = UsageHistory()
     h.observe("a", 0.0, 1.0)

@@ -18,6 +18,11 @@ from vgpu.allocator.ledger import Grant
 from vgpu.device.base import GpuInstance, PowerConstraints
 from vgpu.jobs import JobConfig
 
+# Memory usage at or under this is an application that has not begun to use the GPU: an idle
+# device reads a few MiB, a CUDA context alone takes a few hundred. The manager (an application's
+# first use) and the policy (its start-up window) share it.
+IDLE_MEM_MIB = 64.0
+
 
 @dataclass(frozen=True)
 class Recommendation:
@@ -42,8 +47,8 @@ class Recommendation:
     # The job's cold-start size (what the cold-start sizer granted it from its configuration; NaN:
     # none): a policy grants a start-up ramp to where this says it ends, before any history.
     cold_start_mem_mib: float = math.nan
-    # When the application first used the GPU (its first signature with memory or SM in use, Unix
-    # seconds): the start of its start-up window. NaN: not said (the window counts from the first
+    # When the application first used the GPU (its first signature with memory above
+    # `IDLE_MEM_MIB` or SM in use, Unix seconds): the start of its start-up window. NaN: not said (the window counts from the first
     # grant); inf: not used yet (still starting).
     first_use_s: float = math.nan
 

@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal, Protocol
 
+from vgpu.allocator.policy.base import IDLE_MEM_MIB
 from vgpu.allocator.policy.power import choose_power_limit_mw
 
 if TYPE_CHECKING:
@@ -50,9 +51,6 @@ if TYPE_CHECKING:
 
 Resource = Literal["mem", "sm"]
 RESOURCES: tuple[Resource, ...] = ("mem", "sm")
-# memory usage at or under this is an application that has not begun to use the GPU: an idle
-# device reads a few MiB, a CUDA context alone takes a few hundred
-IDLE_MEM_MIB = 64.0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -319,8 +317,10 @@ class PolicyConfig:
 # the derived training series (`vgpu trace synth --kind training --jobs 36`, seed 0; cooperative
 # limits) that took the OOM events from 44 to 14 for memory slack 0.055 -> 0.082 (x2 of the usage:
 # 29 events, 0.067), and changed nothing but the slack (0.0689 -> 0.0697) on MIGPerf's train split.
-# Counting the start-up window from the first real use (`start_from_use`) is off: neither
-# development set starts idle, so they could not show that it helps.
+# The start-up window counts from the first real use (`start_from_use`), as the daemon counts an
+# application's history from its first signature with GPU use: a job that registers, then loads
+# its data, still has its window when its memory ramps. Neither development set starts idle, so it
+# changes nothing there; it is on so that the replay replays what the daemon does.
 # A GPU whose SM is contended keeps its full power limit: on MIGPerf's train split packed on mean
 # usage the mean slowdown fell from 1.046 to 1.033 (static 1.013) for 15 % more energy (14.2 ->
 # 16.2 MJ; static 20.4).
@@ -330,7 +330,7 @@ PREDICTIVE_CONFIG = PolicyConfig(
     sm_shrink_dwell_s=60.0, sm_min_change_pct=5.0,
     mem_lead_frac=0.1, ramp_min_s=1.0, ramp_ahead_s=3.0, start_window_s=10.0, start_headroom_mib=1024.0,
     mem_shrink_step_frac=0.25, mem_shrink_window_s=30.0, hard_limit_at_frac=0.9, sm_cap_cut_only=1.0,
-    start_ramp_frac=2.0, start_ramp_window_s=30.0, contended_full_power=1.0,
+    start_ramp_frac=2.0, start_ramp_window_s=30.0, contended_full_power=1.0, start_from_use=1.0,
 )
 
 
@@ -826,6 +826,15 @@ def history_since_use_s(now_s: float, first_grant_s: float, first_use_s: float) 
     return max(now_s - start, 0.0)
 
 
+def active_since_use_s(now_s: float, first_use_s: float, seen_active_s: float) -> float:
+    """Seconds since an application's first real use, for the start-up window: from the manager's
+    first use where the recommendation says it (inf: not used yet, NaN), else from what the policy's
+    own usage history saw (`seen_active_s`, the replay's case)."""
+    if math.isnan(first_use_s):
+        return seen_active_s
+    return max(now_s - first_use_s, 0.0) if math.isfinite(first_use_s) else math.nan
+
+
 def memory_enforcement(dp: DevicePlan, other_granted_mib: float, mem_total_mib: float,
                        config: PolicyConfig) -> Enforcement:
     """The device's memory limits as the plan decided them (`DevicePlan.hard_mem_limits`: contended,
@@ -916,7 +925,7 @@ class ForecastPolicy:
                 last_mem_change_s=mem_changed_at, last_sm_change_s=sm_changed_at,
                 mem_ramp_s=ramp_s, mem_ramp_rate_mib_s=ramp_rate,
                 recent_peak_mem_mib=self.history.peak(rec.app_id, now_s, window) if window > 0 else math.nan,
-                active_s=self.history.active_s(rec.app_id, now_s),
+                active_s=active_since_use_s(now_s, rec.first_use_s, self.history.active_s(rec.app_id, now_s)),
             ))
         self.history.prune(now_s)
         caps = [DeviceState(v.device_id, v.mem_total_mib, v.sm_total_pct) for v in devices]
