@@ -7,6 +7,14 @@ application's cgroup at its granted memory through NVML's per-cgroup limits wher
 and `cgroup_limits` is given (allocator/mechanisms/limits.py), publishes every change to `watch()`
 subscribers and restores device settings on `stop()`.
 
+Hard or cooperative memory limits, per device (`memory_enforcement`): a grant is always published to
+its application, which keeps to it itself (the client stub's memory fraction: an allocation beyond
+fails, the application lives). The cgroup cap, beyond which the application runs out of memory and
+ends, is applied only on a device whose memory is contended: its grants reach `hard_limit_at_frac` of
+it, or the policy's latest plan for it says so (`Plan.enforcement`); it is lifted (the cgroup's
+original written back) when the device stops being contended. `hard_limit_at_frac` 0: hard wherever
+a pid is known.
+
 Concurrency: the daemon runs on one asyncio loop and every method here is synchronous and must be
 called from that loop's thread (the gRPC servicers call them directly; none of them awaits). Device
 writes (NVML power limit) block for a few milliseconds, which the loop tolerates. Nothing here is
@@ -41,6 +49,7 @@ from vgpu.allocator.mechanisms.power import PowerLimitMechanism, PowerLimitResul
 from vgpu.allocator.policy.base import (
     BaselinePolicy,
     DeviceView,
+    Enforcement,
     GrantTarget,
     MigOutcome,
     MigTarget,
@@ -119,6 +128,10 @@ class AppInfo:
     forecast_sm_p50_pct: float = math.nan
     # Processes named by the application's grants.
     pids: tuple[int, ...] = ()
+    # How its memory grant is enforced: "hard" (a cgroup cap), "cooperative" (it keeps to its grant
+    # itself), "" without a grant; and why (allocator.app_memory_limit)
+    mem_limit: str = ""
+    mem_limit_reason: str = ""
 
 
 class EventKind(StrEnum):
@@ -138,6 +151,9 @@ class AllocationEvent:
     device_id: str = ""
     grant: Grant | None = None
     detail: str = ""
+    # the device's memory limits when the event was published: "hard" or "cooperative" ("" for
+    # events without a device)
+    mem_limit: str = ""
 
 
 @dataclass(frozen=True)
@@ -260,6 +276,7 @@ class Allocator:
         drop_slow_watchers: bool = False,
         logger: structlog.typing.FilteringBoundLogger | None = None,
         history: History | None = None,
+        hard_limit_at_frac: float = 0.0,
     ) -> None:
         self.backend = backend
         self.clock = clock
@@ -273,6 +290,12 @@ class Allocator:
         # None: the mechanism is off. `cgroup_of(pid)` finds an application's cgroup (/proc/<pid>/cgroup).
         self.cgroup_limits = cgroup_limits
         self._cgroup_of = cgroup_of
+        if not hard_limit_at_frac >= 0:
+            raise ValueError(f"hard_limit_at_frac must be >= 0, got {hard_limit_at_frac}")
+        self.hard_limit_at_frac = hard_limit_at_frac
+        self._plan_enforcement: dict[str, Enforcement] = {}  # device -> the latest plan's decision
+        self._enforced: dict[str, bool] = {}  # device -> hard memory limits in force (as last synced)
+        self._cold_start_mib: dict[str, float] = {}  # app -> its cold-start size
         self.on_change = on_change
         self.counters = Counters()
         self.history = history if history is not None else History()
@@ -300,13 +323,15 @@ class Allocator:
                  detail: str = "", reason: str = "") -> None:
         if grant is not None and kind in (EventKind.GRANTED, EventKind.RESIZED, EventKind.RELEASED):
             self._note_grant_change(kind, grant, detail, reason)
+        dev = grant.device_id if grant is not None else device_id
         event = AllocationEvent(
             kind=kind,
             at_s=self.clock(),
             app_id=grant.app_id if grant is not None else app_id,
-            device_id=grant.device_id if grant is not None else device_id,
+            device_id=dev,
             grant=grant,
             detail=detail,
+            mem_limit=_kind(self.memory_enforcement(dev).hard_mem) if dev in self._device_ids() else "",
         )
         for sub in list(self._subscriptions):
             if sub.wants(event):
@@ -379,6 +404,7 @@ class Allocator:
             except InvalidJobConfig as exc:
                 raise InvalidRequest(f"request.job cannot be sized: {exc}; fix the job or give memory_mib") from exc
             memory_mib, sm_pct, source = sizing.memory_mib, max(sm_pct, sizing.sm_pct), "cold_start"
+            self._cold_start_mib[request.app_id] = memory_mib
             self._log.info("cold_start_sized", app=request.app_id, memory_mib=memory_mib, sm_pct=sm_pct,
                            reason=sizing.reason)
         grant = self.ledger.grant(
@@ -425,6 +451,9 @@ class Allocator:
         """An application went silent: release its forecast and cold-start grants (grants it
         requested itself stay until it releases them) and drop its latest recommendation."""
         self._latest.pop(app_id, None)
+        self._cold_start_mib.pop(app_id, None)
+        for device_id in [d for d in self._plan_enforcement if not any(r.device_id == d for r in self._latest.values())]:
+            del self._plan_enforcement[device_id]  # no planned application is left to plan it
         gone = []
         for g in [g for g in self.ledger.grants(app_id=app_id) if g.source != "request"]:
             try:
@@ -576,6 +605,7 @@ class Allocator:
         for app_id in ids:
             rec = self._latest.get(app_id)
             grants = tuple(self.ledger.grants(app_id=app_id))
+            limit = self.app_memory_limit(app_id)
             out.append(
                 AppInfo(
                     app_id=app_id,
@@ -591,6 +621,8 @@ class Allocator:
                     forecast_mem_p50_mib=rec.mem_p50_peak_mib if rec else math.nan,
                     forecast_sm_p50_pct=rec.sm_p50_peak_pct if rec else math.nan,
                     pids=tuple(sorted({g.pid for g in grants if g.pid > 0})),
+                    mem_limit=limit[0],
+                    mem_limit_reason=limit[1],
                 )
             )
         return out
@@ -651,6 +683,9 @@ class Allocator:
         )
         return view, readable
 
+    def _device_ids(self) -> set[str]:
+        return {c.device_id for c in self.ledger.devices()}
+
     def knows_device(self, device_id: str) -> bool:
         """Whether `device_id` is one of this allocator's GPUs or a MIG instance on one of them."""
         known = {c.device_id for c in self.ledger.devices()}
@@ -694,6 +729,9 @@ class Allocator:
                     skipped.append(f"{rec.app_id}: unknown device {rec.device_id!r}")
                     continue
                 rec = dataclasses.replace(rec, device_id=parent)  # noqa: PLW2901 - a MIG app, on its GPU
+            cold_mib = self._cold_start_mib.get(rec.app_id)
+            if cold_mib is not None and math.isnan(rec.cold_start_mem_mib):
+                rec = dataclasses.replace(rec, cold_start_mem_mib=cold_mib)  # noqa: PLW2901 - what the sizer said
             self._latest[rec.app_id] = rec
             usable.append(rec)
         # Recommendations arrive per application as each becomes due, but a device's plan (SM shares
@@ -751,8 +789,13 @@ class Allocator:
         self.counters.resized += len(resized)
         for kind, grant, detail, reason in events:
             self._publish(kind, grant=grant, detail=detail, reason=reason)
-        for device_id in sorted({g.device_id for g in (*created, *resized)}):
-            self._sync_cgroup_limits(device_id)
+        for e in plan.enforcement:
+            if e.device_id in devices_touched:
+                self._plan_enforcement[e.device_id] = e
+        changed = {g.device_id for g in (*created, *resized)}
+        for device_id in sorted(changed | devices_touched):
+            if device_id in changed or self._enforced.get(device_id) != self.memory_enforcement(device_id).hard_mem:
+                self._sync_cgroup_limits(device_id)
         for rec in usable:
             if rec.app_id in granted_before:
                 self._record_tick(rec, granted_before[rec.app_id])
@@ -839,15 +882,67 @@ class Allocator:
             self._publish(EventKind.MIG_CHANGED, device_id=target.device_id, detail=",".join(target.profiles))
         return int(outcome.changed)
 
+    def memory_enforcement(self, device_id: str) -> Enforcement:
+        """Whether the device's memory limits are hard now: its grants reach `hard_limit_at_frac` of
+        its memory, or else the policy's latest plan for it said so (a plan counts forecast needs
+        that may be above the grants clamped to what fits). Pure bookkeeping: the caps follow at
+        `_sync_cgroup_limits`."""
+        total = self.ledger.capacity(device_id).mem_total_mib
+        if self.hard_limit_at_frac <= 0:
+            return Enforcement(device_id, True, "hard wherever a pid is known (hard_limit_at_frac 0)")
+        granted = sum(g.memory_mib for g in self.ledger.grants(device_id=device_id))
+        if granted >= self.hard_limit_at_frac * total:
+            return Enforcement(device_id, True, f"contended: {granted:.0f} of {total:.0f} MiB granted")
+        planned = self._plan_enforcement.get(device_id)
+        if planned is not None:
+            return planned
+        return Enforcement(device_id, False, f"uncontended: {granted:.0f} of {total:.0f} MiB granted")
+
+    def app_memory_limit(self, app_id: str) -> tuple[str, str]:
+        """(kind, why) of how the application's memory grant is enforced: "hard" when its cgroup is
+        capped (or, in dry run, would be), else "cooperative"; ("", "") without a grant."""
+        grants = self.ledger.grants(app_id=app_id)
+        if not grants:
+            return "", ""
+        enf = self.memory_enforcement(grants[0].device_id)
+        if not enf.hard_mem:
+            return "cooperative", enf.reason
+        lim = self.cgroup_limits
+        if lim is None:
+            return "cooperative", f"{enf.reason}; cgroup memory limits are off (server.cgroup_memory_limits)"
+        off = lim.disabled_reason(enf.device_id)
+        if off is not None:
+            return "cooperative", f"{enf.reason}; cgroup memory limits unavailable: {off}"
+        pid = next((g.pid for g in grants if g.pid > 0), 0)
+        if pid == 0 or self._cgroup_of(pid) is None:
+            return "cooperative", f"{enf.reason}; no process (pid) with a readable cgroup to cap"
+        return "hard", enf.reason + ("; dry run: the cap is logged, not written" if lim.dry_run else "")
+
+    def _note_enforcement(self, device_id: str) -> bool:
+        """The device's hard/cooperative decision now; a change is logged and published to every
+        application with a grant there (LIMITS_CHANGED, `mem_limit` saying the new kind)."""
+        enf = self.memory_enforcement(device_id)
+        before = self._enforced.get(device_id)
+        self._enforced[device_id] = enf.hard_mem
+        if before is not None and before != enf.hard_mem:
+            self._log.info("memory_limits_hard" if enf.hard_mem else "memory_limits_cooperative",
+                           device=device_id, reason=enf.reason)
+            for app_id in sorted({g.app_id for g in self.ledger.grants(device_id=device_id)}):
+                self._publish(EventKind.LIMITS_CHANGED, app_id=app_id, device_id=device_id,
+                              detail=f"memory limit {_kind(enf.hard_mem)}: {enf.reason}")
+        return enf.hard_mem
+
     def _sync_cgroup_limits(self, device_id: str) -> None:
-        """Cap each cgroup on the device at the memory granted to the applications whose process
-        runs in it (an application's pid: from any of its grants there); put back the original
-        limits of cgroups that no longer hold a grant. Failures are counted ("cgroup_memory") and
-        logged; they never undo the grant."""
+        """On a device whose memory limits are hard (`memory_enforcement`), cap each cgroup at the
+        memory granted to the applications whose process runs in it (an application's pid: from any
+        of its grants there); put back the original limits of cgroups that no longer hold a grant,
+        and of every cgroup of a device whose limits are cooperative. Failures are counted
+        ("cgroup_memory") and logged; they never undo the grant."""
+        hard = self._note_enforcement(device_id)
         lim = self.cgroup_limits
         if lim is None or self._stopped or lim.disabled_reason(device_id) is not None:
             return
-        wanted = self._cgroup_memory(device_id)
+        wanted = self._cgroup_memory(device_id) if hard else {}
         stale = lim.limited(device_id) - {cg for cg, mib in wanted.items() if mib > 0}
         if not wanted and not stale:
             return
@@ -873,22 +968,17 @@ class Allocator:
 
     def _cgroup_memory(self, device_id: str) -> dict[str, float]:
         """cgroup -> MiB granted on the device to the applications whose process runs in it."""
-        grants = self.ledger.grants(device_id=device_id)
+        # Only applications with a grant naming a pid here count: found through the ledger's index
+        # of such grants, so the cost follows them, not every grant on the device.
         pids: dict[str, int] = {}
-        for g in grants:
-            if g.pid > 0:
-                pids.setdefault(g.app_id, g.pid)
-        cgroups: dict[str, str | None] = {}
+        for g in self.ledger.grants_with_pid(device_id):
+            pids.setdefault(g.app_id, g.pid)
         wanted: dict[str, float] = {}
-        for g in grants:
-            pid = pids.get(g.app_id)
-            if pid is None:
-                continue
-            if g.app_id not in cgroups:
-                cgroups[g.app_id] = self._cgroup_of(pid)
-            cg = cgroups[g.app_id]
+        for app_id, pid in pids.items():
+            cg = self._cgroup_of(pid)
             if cg is not None:
-                wanted[cg] = wanted.get(cg, 0.0) + g.memory_mib
+                mib = sum(g.memory_mib for g in self.ledger.grants(app_id=app_id, device_id=device_id))
+                wanted[cg] = wanted.get(cg, 0.0) + mib
         return wanted
 
     def reconcile_cgroup_limits(self) -> list[tuple[str, str, str]]:
@@ -932,6 +1022,10 @@ class Allocator:
         for sub in list(self._subscriptions):
             sub.close()
         return results
+
+
+def _kind(hard: bool) -> str:
+    return "hard" if hard else "cooperative"
 
 
 def _try(fn: Callable[[], T]) -> T | None:

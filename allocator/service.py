@@ -8,6 +8,9 @@ What the allocator does not know itself (the processes an application's signatur
 manager last heard from it, the profiler streams per device) comes from an optional `NodeObserver`
 the daemon plugs in; the user and command of a process from `process_info` (psutil by default).
 
+Claims: `claims()` (the daemon: its store's) gives the application ids whose token has been issued,
+with when; ListApplications marks those applications and lists the ones that hold nothing yet.
+
 Caller identity: `identify(context)` returns the application identity of the caller, or None for a
 trusted caller (operator, same-user socket). The default trusts everyone; the daemon's auth
 (vgpu/auth.py) plugs in here.
@@ -202,6 +205,8 @@ def app_to_pb(a: AppInfo, *, pids: Sequence[int] = (),
         device_id=a.device_id,
         forecast_mem_p50_mib=_finite_or_zero(a.forecast_mem_p50_mib),
         forecast_sm_p50_pct=_finite_or_zero(a.forecast_sm_p50_pct),
+        mem_limit=a.mem_limit,
+        mem_limit_reason=a.mem_limit_reason,
     )
     for pid in sorted({*a.pids, *(p for p in pids if p > 0)}):
         user, command = process_info(pid)
@@ -232,7 +237,7 @@ def history_to_pb(s: AppSeries) -> pb.AppHistory:
 
 
 def event_to_pb(e: AllocationEvent) -> pb.AllocationEvent:
-    msg = pb.AllocationEvent(kind=_EVENT_KIND[e.kind], at_s=e.at_s, detail=e.detail)
+    msg = pb.AllocationEvent(kind=_EVENT_KIND[e.kind], at_s=e.at_s, detail=e.detail, mem_limit=e.mem_limit)
     if e.grant is not None:
         msg.grant.CopyFrom(grant_to_pb(e.grant))
     elif e.app_id or e.device_id:
@@ -300,8 +305,10 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
 
     def __init__(self, allocator: Allocator, *, identify: Identify | None = None, observer: NodeObserver | None = None,
                  process_info: Callable[[int], tuple[str, str]] = process_info,
-                 watcher_owner: Callable[[], str] | None = None) -> None:
+                 watcher_owner: Callable[[], str] | None = None,
+                 claims: Callable[[], Mapping[str, float]] | None = None) -> None:
         self.allocator = allocator
+        self._claims = claims or (lambda: {})
         self._identify: Identify = identify or (lambda _ctx: None)
         self.observer = observer
         self._process_info = process_info
@@ -370,12 +377,21 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     async def ListApplications(  # noqa: N802
         self, request: pb.ListApplicationsRequest, context: Context
     ) -> pb.ListApplicationsResponse:
-        apps = await self._call(context, "ListApplications", lambda _c: self.allocator.list_apps())
+        apps, claims = await self._call(context, "ListApplications",
+                                        lambda _c: (self.allocator.list_apps(), self._claims()))
         obs = self.observer
-        return pb.ListApplicationsResponse(apps=[
-            app_to_pb(a, pids=obs.app_pids(a.app_id) if obs else (), process_info=self._process_info)
-            for a in apps
-        ])
+        out = [app_to_pb(a, pids=obs.app_pids(a.app_id) if obs else (), process_info=self._process_info)
+               for a in apps]
+        listed = {a.app_id for a in apps}
+        # Claimed ids that hold nothing the allocator knows of: the application has its token and no grant.
+        out += [pb.ApplicationInfo(app_id=app_id) for app_id in claims if app_id not in listed]
+        for msg in out:
+            at_s = claims.get(msg.app_id)
+            if at_s is not None:
+                msg.claimed = True
+                msg.claimed_at_s = at_s
+        out.sort(key=lambda m: m.app_id)
+        return pb.ListApplicationsResponse(apps=out)
 
     async def GetAppHistory(  # noqa: N802
         self, request: pb.GetAppHistoryRequest, context: Context

@@ -424,6 +424,11 @@ class Store:
     def claimed_apps(self) -> list[str]:
         return [r[0] for r in self._db.execute("SELECT app_id FROM apps ORDER BY app_id").fetchall()]
 
+    def claims(self) -> dict[str, float]:
+        """Every claimed application id and when it was claimed (Unix s), by id."""
+        rows = self._db.execute("SELECT app_id, claimed_at_s FROM apps ORDER BY app_id").fetchall()
+        return {str(app_id): float(at_s) for app_id, at_s in rows}
+
 
 def _json(record: Mapping[str, Any]) -> str:
     return json.dumps(record, sort_keys=True, allow_nan=False)

@@ -10,7 +10,10 @@ What runs. `vgpu serve --backend sim:h100-80gb` as a child process on a temporar
 1. N grants are requested with the operator token, spread over N/32 applications (1 MiB each);
 2. N `WatchAllocations` streams are opened (as anonymous callers, over N/50 channels) and never read;
 3. N idle connections are opened to the socket (connected, never a byte sent; the daemon closes
-   such a connection 10 s after it opened, so they are all open only while the pairs start);
+   such a connection 10 s after it opened, so they are all open only while the pairs start, and
+   closes at once any beyond `server.max_connections`: `idle_connections_held` counts those still
+   open after the pairs, and `new_client_served` says whether a client connecting right after the
+   pile-up, before the pairs, was served);
 each pile-up goes on until N or until the daemon refuses (its quotas: `server.max_grants_per_*`,
 `server.max_watchers*`); how many were accepted is reported. When the node's grant quota is reached,
 two piled grants are released so the well-behaved client has room (a full node refuses everyone). `--raise-quotas` lifts the quotas to
@@ -20,8 +23,8 @@ N + 1000, so what piled-up state itself costs can be measured; `--pile grants` (
 Then one well-behaved application does `--pairs` request + release pairs in sequence (1 MiB,
 anonymous, its own token after the first) and the latency of each pair is measured. Printed, per N:
 
-    {"n", "grants_accepted", "watchers_accepted", "idle_connections", "pair_p50_ms", "pair_p99_ms",
-     "daemon_rss_mib", "refusals": {...}}
+    {"n", "grants_accepted", "watchers_accepted", "idle_connections", "idle_connections_held",
+     "new_client_served", "pair_p50_ms", "pair_p99_ms", "daemon_rss_mib", "refusals": {...}}
 
 and, at the end, the target check: p99 at each N within 2x of N = 0 and RSS within +100 MiB.
 No figure is tuned here; on a slow or shared machine, say so with the figures.
@@ -89,6 +92,18 @@ def _refusal(counts: dict[str, int], err: grpc.RpcError) -> None:
     counts[key] = counts.get(key, 0) + 1
 
 
+def _still_open(s: socket.socket) -> bool:
+    """Whether the daemon still holds a connection that sent nothing (it may have sent its settings
+    frame: anything but end-of-file means open)."""
+    s.setblocking(False)
+    try:
+        return bool(s.recv(65536, socket.MSG_PEEK))  # b"": end of file, closed by the daemon
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
 def measure(n: int, pairs: int, raise_quotas: bool, pile: set[str]) -> dict[str, Any]:
     extra = {}
     if raise_quotas:
@@ -141,7 +156,15 @@ def measure(n: int, pairs: int, raise_quotas: bool, pile: set[str]) -> dict[str,
                 s.close()
                 break
             idle.append(s)
-        # the well-behaved application
+        # a client that connects now, with everything piled up
+        fresh = grpc.insecure_channel(f"unix:{sock}")
+        try:
+            pb_grpc.AllocatorStub(fresh).GetAvailableResources(pb.GetAvailableResourcesRequest(), timeout=5)
+            new_client_served = True
+        except grpc.RpcError:
+            new_client_served = False
+        fresh.close()
+        # the well-behaved application (its channel connected before the pile-up)
         app_md: tuple[tuple[str, str], ...] = ()
         lat_ms = []
         for k in range(pairs + 10):
@@ -156,6 +179,7 @@ def measure(n: int, pairs: int, raise_quotas: bool, pile: set[str]) -> dict[str,
             if k >= 10:  # the first pairs warm the connection and claim the id
                 lat_ms.append((time.perf_counter() - t0) * 1000)
         rss_mib = psutil.Process(proc.pid).memory_info().rss / 2**20
+        held = sum(_still_open(s) for s in idle)
         for c in watches:
             c.cancel()
         for s in idle:
@@ -168,6 +192,8 @@ def measure(n: int, pairs: int, raise_quotas: bool, pile: set[str]) -> dict[str,
         "grants_accepted": grants,
         "watchers_accepted": watchers,
         "idle_connections": len(idle),
+        "idle_connections_held": held,
+        "new_client_served": new_client_served,
         "pair_p50_ms": round(float(np.percentile(lat_ms, 50)), 2),
         "pair_p99_ms": round(float(np.percentile(lat_ms, 99)), 2),
         "daemon_rss_mib": round(rss_mib, 1),

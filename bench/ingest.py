@@ -27,6 +27,19 @@ After `--warmup-s` the measurement window of `--seconds` opens. Printed:
 * manager_cpu_frac: the manager process's CPU time (user + system, all threads) over the window's
   wall time; 1.0 is one core.
 
+`--forecaster served`: the manager forecasts with what `vgpu serve` serves by default, the expert
+mixture over the last value and the shipped model (manager/experts.py `make_served`, the model on
+`SERVING_THREADS`); `default`/`model` are the model alone, `baseline` the fallback.
+
+`--learn-trace PATH`: node-local learning in the background while the window runs, as the daemon's
+`BackgroundLearner` runs it (`python -m vgpu.manager.nodelearn learn ...`, nice 19, one thread):
+PATH (a canonical trace) is written, as 1 s means per application, its applications starting one
+after another over two hours (the learner needs an hour), into a node history in a temporary
+directory, and rounds run back to back from the window's start to its end (the daemon runs
+one every `manager.learn_interval_s`, an hour by default: back to back is the worst case). Adds
+`learn_rounds` (finished), `learn_cpu_s` and `learn_cpu_frac` (the rounds' CPU, a round cut at the
+window's end included, over the window's wall time; 1.0 is one core) and `learn_round_wall_s`.
+
 `--null-manager`: the same streams into a servicer that only reads them (no manager behind it): its
 manager_cpu_frac is what gRPC alone costs for that many streams, the floor under the real figure.
 
@@ -48,8 +61,10 @@ import math
 import multiprocessing as mp
 import os
 import struct
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -74,6 +89,7 @@ from vgpu.v1 import ingest_pb2, ingest_pb2_grpc, signature_pb2  # noqa: E402
 SKU = "h100-80gb"
 ACK_INTERVAL_S = ManagerConfig().ack_interval_ms / 1000.0  # as `vgpu serve` answers quiet batches
 INGEST_METHOD = "/vgpu.v1.Ingest/StreamSignatures"
+HISTORY_SPAN_S = 7200.0  # --learn-trace: the node history's timeline
 
 
 def sim_device_ids(gpus: int) -> list[str]:
@@ -178,9 +194,15 @@ class NullIngest(ingest_pb2_grpc.IngestServicer):
 def open_forecaster(which: str) -> Any:
     """"baseline": the manager's fallback; "model": the shipped checkpoint (vgpu.manager.predictor's
     DEFAULT_MODEL_PATH), which must load; "default": what `vgpu serve` uses with no model
-    configured, the shipped checkpoint when it loads, else the baseline."""
+    configured, the shipped checkpoint when it loads, else the baseline; "served": the expert mixture
+    over the last value and the shipped model, as `vgpu serve` forecasts by default."""
     if which == "baseline":
         return None
+    if which == "served":
+        from vgpu.manager.experts import make_served
+        from vgpu.manager.predictor import DEFAULT_MODEL_PATH, SERVING_THREADS, load_forecaster
+
+        return make_served(load_forecaster(DEFAULT_MODEL_PATH, "cpu", threads=SERVING_THREADS), local=True)
     try:
         from vgpu.manager.predictor import DEFAULT_MODEL_PATH, load_forecaster
 
@@ -310,6 +332,72 @@ class TimedStreamer(SignatureStreamer):
                     del sent[key]
 
 
+class LearningRounds:
+    """Node-learning rounds back to back in child processes, the daemon's command and environment
+    (manager/nodelearn.py `BackgroundLearner._round`), on a node history written from a trace."""
+
+    def __init__(self, trace_path: str) -> None:
+        from vgpu.manager.history import NodeHistory
+        from vgpu.manager.predictor import DEFAULT_MODEL_PATH
+
+        self._tmp = tempfile.TemporaryDirectory(prefix="vgpu-bench-learn-")
+        self.state_dir = Path(self._tmp.name) / "state"
+        self.history_dir = Path(self._tmp.name) / "history"
+        self.state_dir.mkdir()
+        history = NodeHistory(self.history_dir, max_bytes=2**40)
+        apps = list(read_trace(trace_path).apps.values())
+        # the node's timeline: the applications start one after another over two hours (the learner
+        # needs an hour of history and holds out the last 30 minutes), whatever their origins
+        stagger_s = HISTORY_SPAN_S / max(len(apps), 1)
+        for i, app in enumerate(apps):
+            secs = np.floor(app.t_s - app.t_s[0] + i * stagger_s).astype(np.int64) if len(app) else np.zeros(0, np.int64)
+            uniq, where = np.unique(secs, return_inverse=True)
+            means = []
+            for col in ("mem_used_mib", "sm_util_pct"):
+                v = app.columns.get(col, np.full(len(secs), np.nan))
+                ok = np.isfinite(v)
+                n = np.bincount(where[ok], minlength=len(uniq))
+                means.append(np.where(n > 0, np.bincount(where[ok], weights=v[ok], minlength=len(uniq)) / np.maximum(n, 1),
+                                      np.nan))
+            total = app.columns.get("mem_total_mib")
+            cap = float(total[-1]) if total is not None and len(total) else math.nan
+            history.add([app.app] * len(uniq), [app.gpu or ""] * len(uniq), uniq.astype(np.float64),
+                        np.stack(means, axis=1), [cap] * len(uniq))
+        history.close()
+        self.global_model = DEFAULT_MODEL_PATH
+        self.rounds = 0
+        self.cpu_s = 0.0
+        self.round_wall_s: list[float] = []
+        self._stop = threading.Event()
+        self._child: subprocess.Popen[bytes] | None = None
+        self._thread = threading.Thread(target=self._run, name="bench-learner", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        child = self._child
+        if child is not None and child.poll() is None:
+            child.terminate()
+        self._thread.join(60)
+        self._tmp.cleanup()
+
+    def _run(self) -> None:
+        cmd = [sys.executable, "-m", "vgpu.manager.nodelearn", "learn", "--state-dir", str(self.state_dir),
+               "--history-dir", str(self.history_dir), "--global-model", str(self.global_model)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        while not self._stop.is_set():
+            t0 = time.perf_counter()
+            self._child = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            _, status, usage = os.wait4(self._child.pid, 0)
+            self._child.returncode = os.waitstatus_to_exitcode(status)
+            self.cpu_s += usage.ru_utime + usage.ru_stime
+            if self._child.returncode == 0:
+                self.rounds += 1
+                self.round_wall_s.append(time.perf_counter() - t0)
+
+
 def demo_apps() -> list[AppTrace]:
     from vgpu.data import demo_trace_path
 
@@ -324,7 +412,8 @@ def demo_apps() -> list[AppTrace]:
 
 
 async def _run_profilers(address: str, apps: int, hz: float, device_ids: list[str], mgr: ManagerProcess,
-                         warmup_s: float, seconds: float, apps_per_stream: int = 1) -> tuple[Latencies, float, float, list[SignatureStreamer]]:
+                         warmup_s: float, seconds: float, apps_per_stream: int = 1,
+                         learner: LearningRounds | None = None) -> tuple[Latencies, float, float, list[SignatureStreamer]]:
     base = demo_apps()
     lat = Latencies()
     period_s = 0.1
@@ -355,8 +444,12 @@ async def _run_profilers(address: str, apps: int, hz: float, device_ids: list[st
     accepted0 = mgr.mark()["accepted"]
     cpu0, wall0 = mgr.cpu_s(), time.time()
     lat.window_start_s, lat.window_end_s = wall0, wall0 + seconds
+    if learner is not None:
+        learner.start()
     await asyncio.sleep(seconds)
     cpu1, wall1 = mgr.cpu_s(), time.time()
+    if learner is not None:
+        learner.stop()
     lat.accepted = mgr.stats()["accepted"] - accepted0
     for s in streamers:
         s.stop()
@@ -367,22 +460,33 @@ async def _run_profilers(address: str, apps: int, hz: float, device_ids: list[st
 def run_ingest(*, apps: int = 64, seconds: float = 20.0, hz: float = 10.0, gpus: int = 8, warmup_s: float = 3.0,
                forecast_interval_s: float = 1.0, profile_path: str = "", apps_per_stream: int = 1,
                batch_window_s: float = 0.001, forecaster: str = "default", duty: float = 0.25,
-               ack_interval_s: float = ACK_INTERVAL_S, null: bool = False) -> dict[str, Any]:
+               ack_interval_s: float = ACK_INTERVAL_S, null: bool = False, learn_trace: str = "") -> dict[str, Any]:
     """Normal mode; see the module docstring."""
     from vgpu import log
 
     log.configure("console", "error")
+    learner = LearningRounds(learn_trace) if learn_trace else None
     mgr = ManagerProcess(gpus, forecast_interval_s, profile_path, batch_window_s, forecaster, duty, ack_interval_s,
                          null)
     mgr.start()
     try:
         lat, cpu_s, wall_s, streamers = asyncio.run(
-            _run_profilers(mgr.address, apps, hz, sim_device_ids(gpus), mgr, warmup_s, seconds, apps_per_stream)
+            _run_profilers(mgr.address, apps, hz, sim_device_ids(gpus), mgr, warmup_s, seconds, apps_per_stream,
+                           learner)
         )
     finally:
         stats = mgr.stop()
+        if learner is not None:
+            learner.stop()
     tick_ms = stats.get("tick_ms", [])
+    learning = {} if learner is None else {
+        "learn_rounds": learner.rounds,
+        "learn_cpu_s": round(learner.cpu_s, 2),
+        "learn_cpu_frac": round(learner.cpu_s / wall_s, 4),
+        "learn_round_wall_s": [round(w, 1) for w in learner.round_wall_s],
+    }
     return {
+        **learning,
         "apps": apps,
         "streams": len(streamers),
         "signatures_per_s": round(lat.accepted / wall_s, 1),
@@ -636,9 +740,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--batch-window-ms", type=float, default=1.0,
                    help="manager: how long due applications wait for others to join one forecast (default 1)")
     p.add_argument("--max", action="store_true", help="find the highest sustained rate with batched ticks")
-    p.add_argument("--forecaster", choices=("default", "model", "baseline"), default="default",
-                   help="manager's forecaster: the daemon's default (the shipped model when it loads, else the "
-                        "baseline), the shipped model, or the baseline (default: default)")
+    p.add_argument("--forecaster", choices=("default", "model", "baseline", "served"), default="default",
+                   help="manager's forecaster: the shipped model when it loads, else the baseline; the shipped "
+                        "model; the baseline; or the daemon's served mixture over the model (default: default)")
+    p.add_argument("--learn-trace", metavar="PATH", default="",
+                   help="run node-learning rounds in the background during the window, on a node history made "
+                        "from this canonical trace")
     p.add_argument("--forecast-duty-max", type=float, default=0.25,
                    help="manager: most of the time its forecasting thread may be busy (default 0.25, as the daemon)")
     p.add_argument("--encoding", choices=("auto", "rows", "columns"), default="auto",
@@ -669,7 +776,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                             forecast_interval_s=args.forecast_interval_s, profile_path=args.profile_manager,
                             batch_window_s=args.batch_window_ms / 1000.0, forecaster=args.forecaster,
                             duty=args.forecast_duty_max, ack_interval_s=args.ack_interval_ms / 1000.0,
-                            null=args.null_manager, apps_per_stream=args.apps_per_stream)
+                            null=args.null_manager, apps_per_stream=args.apps_per_stream,
+                            learn_trace=args.learn_trace)
     if args.json:
         print(json.dumps(result))
     else:

@@ -30,6 +30,13 @@ grants released.
 
 A forecaster that raises is logged and the fallback (the plain baseline) serves that batch.
 
+Observed processes. With `pid_observed` (the daemon plugs in its devices' process lists), a stream
+that may not replay (`StreamState.replay_ok` False: the profiler token on a node that does not
+accept replays) has a signature taken only when the pid it names is a GPU process the node's own
+driver lists on the device it names, and no other application's signatures name that pid; anything
+else is rejected with the reason. So the profiler token can describe processes that run here, not
+invent them; a replay (trace pids, no such process) needs a stream that may replay.
+
 Concurrency: like the allocator, the manager lives on the daemon's one asyncio loop; `ingest` and
 `ingest_async` are called there. The windows are copied on the loop (a slice copy per application);
 the forecast runs in a worker thread (at most one at a time), so a slow model never stalls other RPCs.
@@ -79,6 +86,7 @@ class Decision:
     decided_at_s: float
     mem_used_mib: float = math.nan
     sm_util_pct: float = math.nan
+    first_use_s: float = math.nan
 
     def to_pb(self) -> ingest_pb2.Decision:
         f = self.forecast
@@ -117,6 +125,7 @@ class Decision:
             decided_at_s=self.decided_at_s,
             mem_p50_peak_mib=_peak(self.forecast.mem_p50_mib),
             sm_p50_peak_pct=_peak(self.forecast.sm_p50_pct),
+            first_use_s=self.first_use_s,
         )
 
 
@@ -141,6 +150,12 @@ class ManagerStats:
     dropped_by_profilers: int = 0
     forecast_s_total: float = 0.0
     unknown_device: int = 0  # rejected (and in `rejected`): the signature names a device the daemon lacks
+    # rejected (and in `rejected`): from a stream that may not replay, naming no GPU process of this
+    # node, or a pid another application's signatures name
+    unobserved_pid: int = 0
+    # in-app values left out of kept signatures (not finite, negative, above their bound), by reason
+    # (vgpu.wire.inapp_reason: a counter and a kind, never a value: a small, fixed set of keys)
+    inapp_dropped: dict[str, int] = field(default_factory=dict)
     # wall time of each forecaster call, and of each tick (windows copied, forecast, allocator acted)
     forecast_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
     tick_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
@@ -155,6 +170,9 @@ class StreamState:
     delivered: int = 0
     duplicates: int = 0
     closed: bool = False  # the stream has ended (set by the servicer)
+    # Signatures naming processes the node does not run (a replay) are taken from this stream; when
+    # False, only those whose pid the manager's `pid_observed` confirms.
+    replay_ok: bool = True
 
 
 @dataclass(frozen=True)
@@ -167,6 +185,8 @@ class Item:
     window: AppTrace
     mem_used_mib: float
     sm_util_pct: float
+    # when the application first used the GPU (`first_use_s`); inf: not yet
+    first_use_s: float = math.inf
 
 
 class DutyBudget:
@@ -221,6 +241,7 @@ class Manager:
         max_future_s: float | None = None,
         logger: structlog.typing.FilteringBoundLogger | None = None,
         device_known: Callable[[str], bool] | None = None,
+        pid_observed: Callable[[str, int], bool] | None = None,
     ) -> None:
         if forecast_interval_s < 0 or batch_window_s < 0 or not 0 < forecast_duty_max <= 1:
             raise ValueError("forecast_interval_s and batch_window_s must be >= 0, forecast_duty_max in (0, 1]")
@@ -250,8 +271,13 @@ class Manager:
         self._last_kept: set[str] = set()  # the apps the last accepted batch added samples to
         self._delivered_plain = 0  # decisions handed out to callers without stream state
         self._pids: dict[str, int] = {}  # app -> the pid its latest signature named
+        self._first_use_s: dict[str, float] = {}  # app -> time of its first signature with GPU use
+        self._pid_app: dict[int, str] = {}  # pid -> the app whose signatures named it last
+        # Whether `pid` is a GPU process the node's driver lists on `device_id` (None: no check).
+        self.pid_observed = pid_observed
         self._device_newest_s: dict[str, float] = {}  # device -> when its newest kept signature arrived
         self._log = logger or get_logger("vgpu.manager")
+        self._inapp_dropped_batches: dict[str, int] = {}
         # Whether a signature's device is one the daemon has (None: every device is taken). A
         # signature for another device could never become a grant: it is rejected, with the reason.
         self.device_known = device_known
@@ -284,10 +310,13 @@ class Manager:
         kept_apps: set[str] = set()
         sigs = batch.signatures
         stats.signatures += len(sigs)
+        dropped: list[str] = []
         for i, sig in enumerate(sigs):
-            reason, values = parse_signature(sig)
+            reason, values = parse_signature(sig, dropped)
             if reason is None and not self._device_ok(sig.device_id):
                 reason = self._unknown_device(sig.device_id)
+            if reason is None:
+                reason = self._unobserved(sig.app_id, sig.device_id, sig.pid, stream)
             if reason is not None:
                 stats.rejected += 1
                 reply.rejected.add(index=i, app_id=sig.app_id[:_MAX_APP_ID], reason=reason)
@@ -305,7 +334,7 @@ class Manager:
                 dirty.add(app_id)
                 kept_apps.add(app_id)
                 if sig.pid:
-                    self._pids[app_id] = sig.pid
+                    self._name_pid(app_id, sig.pid)
                 if apps is not None:
                     apps.add(app_id)
             elif self.windows.holds(app_id, sig.seq, sig.timestamp_s):
@@ -316,6 +345,8 @@ class Manager:
                 reply.rejected.add(index=i, app_id=app_id, reason=(
                     f"out of order: seq {sig.seq} at {sig.timestamp_s:.6f} s after seq {win.last_seq} "
                     f"at {win.last_t_s:.6f} s"))
+        for why in dropped:  # counted whether or not the signature was kept: the value was refused
+            self._inapp_dropped(why, 1)
         if batch.HasField("columns"):
             accepted += self._accept_columns(batch.columns, len(sigs), reply, now, stream, kept_apps)
         reply.accepted = accepted
@@ -344,6 +375,8 @@ class Manager:
             reply.rejected.add(index=base, app_id="", reason=str(exc))
             return 0
         stats.signatures += len(rows)
+        for why, n in rows.dropped:
+            self._inapp_dropped(why, n)
         for i, why in rows.rejected:
             stats.rejected += 1
             k = int(rows.app_index[i])
@@ -361,6 +394,21 @@ class Manager:
                     a = int(rows.app_index[row])
                     reply.rejected.add(index=base + row, reason=reason,
                                        app_id=rows.app_ids[a][:_MAX_APP_ID] if a < len(rows.app_ids) else "")
+        pids = np.frombuffer(msg.pid_u32, dtype="<u4") if len(msg.pid_u32) == 4 * len(rows.seq) else None
+        if self._checks_pids(stream):
+            said: dict[tuple[int, int, int], str | None] = {}
+            for row in np.flatnonzero(rows.good).tolist():
+                a, d = int(rows.app_index[row]), int(rows.device_index[row])
+                pid = int(pids[row]) if pids is not None else 0
+                key = (a, d, pid)
+                if key not in said:
+                    said[key] = self._unobserved(rows.app_ids[a], rows.device_ids[d], pid, stream, count=0)
+                refusal = said[key]
+                if refusal is not None:
+                    stats.rejected += 1
+                    stats.unobserved_pid += 1
+                    rows.good[row] = False
+                    reply.rejected.add(index=base + row, app_id=rows.app_ids[a][:_MAX_APP_ID], reason=refusal)
         good = np.flatnonzero(rows.good)
         if self.max_future_s is not None and len(good):
             ahead = rows.t_s[good] > now + self.max_future_s
@@ -372,7 +420,6 @@ class Manager:
         if not len(good):
             return 0
         order = good[np.argsort(rows.app_index[good], kind="stable")]  # by app, batch order within
-        pids = np.frombuffer(msg.pid_u32, dtype="<u4") if len(msg.pid_u32) == 4 * len(rows.seq) else None
         by_app = rows.app_index[order]
         accepted = 0
         for grp in np.split(order, np.flatnonzero(np.diff(by_app)) + 1):
@@ -386,7 +433,7 @@ class Manager:
                 accepted += n_kept
                 self._dirty.add(app_id)
                 if pids is not None and pids[grp[-1]]:
-                    self._pids[app_id] = int(pids[grp[-1]])
+                    self._name_pid(app_id, int(pids[grp[-1]]))
                 kept_apps.add(app_id)
                 if apps is not None:
                     apps.add(app_id)
@@ -401,6 +448,17 @@ class Manager:
                         f"out of order: seq {int(rows.seq[i])} at {float(rows.t_s[i]):.6f} s; the window has seq "
                         f"{win.last_seq} at {win.last_t_s:.6f} s"))
         return accepted
+
+    def _inapp_dropped(self, why: str, n: int) -> None:
+        """`n` in-app values left out for `why`: counted, and logged at the 1st, 10th, 100th...
+        batch that has them (the sample itself is kept; the counter reads as not reported)."""
+        counts = self.stats.inapp_dropped
+        if why not in counts and len(counts) >= 256:  # reasons are a fixed set; a bound all the same
+            why = "other"
+        counts[why] = counts.get(why, 0) + n
+        if worth_logging(self._inapp_dropped_batches.setdefault(why, 0) + 1):
+            self._log.warning("inapp_values_dropped", reason=why, values_total=counts[why])
+        self._inapp_dropped_batches[why] += 1
 
     def _duplicates(self, n: int, stream: StreamState | None) -> None:
         """`n` signatures the windows already held: a profiler resends, after a reconnect, what no
@@ -534,8 +592,13 @@ class Manager:
             if len(win) < self.min_samples:
                 continue
             self._last_forecast_s[app_id] = now
-            out.append(Item(app_id, win.device_id, win.last_seq, win.trace(), win.latest_value("mem_used_mib"),
-                            win.latest_value("sm_util_pct")))
+            trace = win.trace()
+            if app_id not in self._first_use_s:
+                used = first_use_s(trace)
+                if math.isfinite(used):
+                    self._first_use_s[app_id] = used
+            out.append(Item(app_id, win.device_id, win.last_seq, trace, win.latest_value("mem_used_mib"),
+                            win.latest_value("sm_util_pct"), self._first_use_s.get(app_id, math.inf)))
         return out
 
     def _run_forecaster(self, traces: list[AppTrace]) -> list[Forecast]:
@@ -571,7 +634,7 @@ class Manager:
             source = fc.source if fc.source in _NAMED_SOURCES else "baseline"
             decisions.append(
                 Decision(it.app_id, it.device_id, fc, 0.0 if math.isnan(mem) else mem, 0.0 if math.isnan(sm) else sm,
-                         source, it.seq, now, it.mem_used_mib, it.sm_util_pct)
+                         source, it.seq, now, it.mem_used_mib, it.sm_util_pct, it.first_use_s)
             )
         return decisions
 
@@ -602,6 +665,35 @@ class Manager:
             if report.skipped:
                 self._log.debug("recommendations_skipped", skipped=list(report.skipped))
 
+    def _checks_pids(self, stream: StreamState | None) -> bool:
+        """Whether this stream's signatures must name processes the node runs."""
+        return self.pid_observed is not None and stream is not None and not stream.replay_ok
+
+    def _unobserved(self, app_id: str, device_id: str, pid: int, stream: StreamState | None, *,
+                    count: int = 1) -> str | None:
+        """Why a signature from `stream` may not be taken for the process it names (None: it may);
+        `count` rejections are added to `stats.unobserved_pid` when it may not."""
+        if self.pid_observed is None or not self._checks_pids(stream):
+            return None
+        if pid <= 0:
+            why = "it names no pid"
+        elif not self.pid_observed(device_id, pid):
+            why = f"pid {pid} is not a GPU process on device {device_id[:128]!r} (this node's driver does not list it)"
+        elif (owner := self._pid_app.get(pid)) is not None and owner != app_id and owner in self.windows:
+            why = f"pid {pid} is named by application {owner[:_MAX_APP_ID]!r}'s signatures"
+        else:
+            return None
+        self.stats.unobserved_pid += count
+        return (f"{why}: the profiler token may describe only processes this node runs; a replay needs the "
+                "operator token or a daemon that accepts replays (manager.accept_replay)")
+
+    def _name_pid(self, app_id: str, pid: int) -> None:
+        old = self._pids.get(app_id)
+        if old is not None and self._pid_app.get(old) == app_id:
+            del self._pid_app[old]
+        self._pids[app_id] = pid
+        self._pid_app[pid] = app_id
+
     def _device_ok(self, device_id: str) -> bool:
         return self.device_known is None or self.device_known(device_id)
 
@@ -622,7 +714,10 @@ class Manager:
             self.latest.pop(app_id, None)
             self._serial.pop(app_id, None)
             self._last_forecast_s.pop(app_id, None)
-            self._pids.pop(app_id, None)
+            self._first_use_s.pop(app_id, None)
+            pid = self._pids.pop(app_id, None)
+            if pid is not None and self._pid_app.get(pid) == app_id:
+                del self._pid_app[pid]
             self._dirty.discard(app_id)
             for stream in self._streams:
                 stream.apps.discard(app_id)
@@ -632,6 +727,21 @@ class Manager:
             if forget is not None:
                 forget(app_id)
             self._log.info("app_evicted", app=app_id)
+
+
+def first_use_s(trace: AppTrace) -> float:
+    """When the application first used the GPU: the time of the window's first sample with memory or
+    SM in use (a signature of a process that has not touched the GPU yet reads 0 or nothing); inf
+    when none has. The policy's start-up window counts from here, not from registration: a job that
+    registers, then loads its data for a minute, starts its memory ramp only then. The manager asks
+    at every forecast until the answer is finite, so the first use is still in the window."""
+    busy = np.zeros(len(trace.t_s), dtype=bool)
+    for column in ("mem_used_mib", "sm_util_pct"):
+        values = trace.columns.get(column)
+        if values is not None:
+            busy |= np.nan_to_num(np.asarray(values, dtype=float), nan=0.0) > 0
+    hits = np.flatnonzero(busy)
+    return float(trace.t_s[hits[0]]) if len(hits) else math.inf
 
 
 def _peak(values: Sequence[float]) -> float:

@@ -395,13 +395,15 @@ class MixtureForecaster:
         origin_ewma = np.where(np.isnan(ew), origin_val, alpha * origin_val + (1 - alpha) * ew)
         pos = np.arange(total) - first_bin[app_of_bin]
         scored = (pos < n_done[app_of_bin]) & ~first[app_of_bin]
+        cap_mem = [_capacity(histories[i]) for i in live]  # each live application's memory capacity
         if scored.any():
             on_app = app_of_bin[scored]
             self._score(rows_a[on_app], start[on_app] + pos[scored], carried[scored], pos[scored])
             if self.history is not None:
-                hist = [histories[live[k]] for k in on_app.tolist()]
+                events = on_app.tolist()
+                hist = [histories[live[k]] for k in events]
                 self.history.add([h.app for h in hist], [h.gpu or "" for h in hist], start[on_app] + pos[scored],
-                                 carried[scored], [_capacity(h) for h in hist])
+                                 carried[scored], [cap_mem[k] for k in events])
         # 5. the experts' forecasts at the origin: (apps, targets, horizons, experts)
         p50 = np.full((m_live, nt, nh, len(self.expert_names)), np.nan)
         p50[..., 0] = origin_val[:, :, None]
@@ -437,8 +439,7 @@ class MixtureForecaster:
             st.q[rows_a] = q
         caps = np.full((m_live, nt, 1), np.inf)
         caps[:, 1] = 100.0
-        for k, i in enumerate(live):
-            caps[k, 0] = _capacity(histories[i])
+        caps[:, 0, 0] = cap_mem
         mix50 = np.clip(mix50, 0.0, caps)
         mix90 = np.clip(mix50 + np.nan_to_num(q), 0.0, caps)
         # 7. remember this origin's forecasts for scoring
@@ -457,6 +458,14 @@ class MixtureForecaster:
         """(apps, [p50 targets, p90 targets], horizons) from an external expert; None when it fails
         (logged once; the expert abstains at this origin)."""
         try:
+            arrays = getattr(fc, "forecast_arrays", None)  # the model's numbers without Forecast objects
+            if arrays is not None and getattr(fc, "horizons_s", None) == HORIZONS_S:
+                got = arrays(histories)
+                if got is not None:
+                    out_a = np.asarray(got, dtype=np.float64)
+                    if out_a.shape != (len(histories), len(_FIELDS), len(HORIZONS_S)):
+                        raise ValueError(f"forecasts of shape {out_a.shape} for {len(histories)} histories")
+                    return out_a
             fcs = fc.forecast_batch(histories)
             if len(fcs) != len(histories):
                 raise ValueError(f"{len(fcs)} forecasts for {len(histories)} histories")

@@ -268,9 +268,16 @@ def build_grid(traces: Sequence[AppTrace]) -> Grid:
 def _columns(traces: Sequence[AppTrace], lengths: npt.NDArray[np.int64]) -> dict[str, F64]:
     """Each numeric column of all traces end to end (NaN where a trace lacks it)."""
     cols: dict[str, F64] = {}
+    have: set[str] = set().union(*(t.columns for t in traces))
     for name in GRID_COLUMNS:
+        if name not in have:
+            continue
         parts = [t.columns.get(name) for t in traces]
         if all(part is None for part in parts):
+            continue
+        whole = [part for part in parts if part is not None]
+        if len(whole) == len(parts):  # every trace has it: one concatenation
+            cols[name] = np.concatenate(whole).astype(np.float64, copy=False)
             continue
         cols[name] = np.concatenate(
             [np.full(n, np.nan) if part is None else np.asarray(part, dtype=np.float64)
@@ -318,7 +325,11 @@ def _grid(
     app_first_bin = offsets[:-1][bin_app]
     arange = np.arange(total)
 
-    observed = np.bincount(bins, minlength=total) > 0
+    all_counts = np.bincount(bins, minlength=total)
+    observed = all_counts > 0
+    # every second has a sample (the profiler's usual stream): a column with no missing value needs
+    # neither carrying forward nor a cut after its last sample, its grid is the per-second mean
+    every_second = bool(observed.all())
     values: dict[str, F64] = {}
     mem_max = np.full(total, np.nan)
     for name in GRID_COLUMNS:
@@ -330,6 +341,11 @@ def _grid(
         ok = np.isfinite(col) if col is not None else None
         if col is None or ok is None or not ok.any():
             values[name] = np.full(total, np.nan)
+            continue
+        if every_second and ok.all():
+            values[name] = np.bincount(bins, weights=col, minlength=total) / all_counts
+            if name == "mem_used_mib":
+                mem_max = _running_max(col, bins, bin_app, offsets, nonempty, mem_seed_mib)
             continue
         b = bins[ok]
         sums = np.bincount(b, weights=col[ok], minlength=total)
@@ -350,16 +366,7 @@ def _grid(
         out[arange > last_have[bin_app]] = np.nan
         values[name] = out
         if name == "mem_used_mib":
-            raw_max = np.full(total, -np.inf)
-            firsts = np.flatnonzero(np.r_[True, b[1:] != b[:-1]])
-            raw_max[b[firsts]] = np.maximum.reduceat(col[ok], firsts)
-            if mem_seed_mib is not None:
-                heads = offsets[:-1][nonempty]
-                raw_max[heads] = np.maximum(raw_max[heads], mem_seed_mib[nonempty])
-            # running max within each application: lift each application above the ones before it
-            lift = bin_app.astype(np.float64) * 1e12
-            cum = np.maximum.accumulate(raw_max + lift) - lift
-            mem_max = np.where(np.isfinite(cum) & (cum >= 0), cum, np.nan)
+            mem_max = _running_max(col[ok], b, bin_app, offsets, nonempty, mem_seed_mib)
     return Grid(
         offsets=offsets,
         start_s=start,
@@ -368,6 +375,28 @@ def _grid(
         mem_max_mib=mem_max,
         first_s=start if first_s is None else np.asarray(first_s, dtype=np.int64),
     )
+
+
+def _running_max(
+    mem: F64,
+    b: npt.NDArray[np.int64],
+    bin_app: npt.NDArray[np.int64],
+    offsets: npt.NDArray[np.int64],
+    nonempty: npt.NDArray[np.bool_],
+    mem_seed_mib: F64 | None,
+) -> F64:
+    """The running maximum of memory samples `mem` (in bins `b`, sorted) within each application,
+    from `mem_seed_mib` at its first bin on; NaN before its first sample."""
+    raw_max = np.full(len(bin_app), -np.inf)
+    firsts = np.flatnonzero(np.r_[True, b[1:] != b[:-1]])
+    raw_max[b[firsts]] = np.maximum.reduceat(mem, firsts)
+    if mem_seed_mib is not None:
+        heads = offsets[:-1][nonempty]
+        raw_max[heads] = np.maximum(raw_max[heads], mem_seed_mib[nonempty])
+    # running max within each application: lift each application above the ones before it
+    lift = bin_app.astype(np.float64) * 1e12
+    cum = np.maximum.accumulate(raw_max + lift) - lift
+    return np.where(np.isfinite(cum) & (cum >= 0), cum, np.nan)
 
 
 @dataclass(frozen=True)
@@ -393,7 +422,10 @@ class Windows:
 def _carry(values: F64, app_first_bin: npt.NDArray[np.int64]) -> F64:
     """Carry the last value forward, within each application, over every NaN (inputs may use a
     stale value; targets may not)."""
-    idx = np.where(np.isfinite(values), np.arange(len(values)), -1)
+    finite = np.isfinite(values)
+    if finite.all() or not finite.any():
+        return values  # nothing to carry (or nothing to carry from)
+    idx = np.where(finite, np.arange(len(values)), -1)
     np.maximum.accumulate(idx, out=idx)
     idx = np.where(idx >= app_first_bin, idx, -1)
     return np.where(idx >= 0, values[np.maximum(idx, 0)], np.nan)
@@ -424,10 +456,10 @@ def encode(
     pos = origins[:, None] + np.arange(-w + 1, 1)[None, :]
     valid = pos >= origin_first[:, None]
 
+    at = np.maximum(pos, 0)  # row i ends at bin origins[i]; steps before the application are invalid
+
     def win(col: F64) -> F64:
-        padded = np.concatenate([np.full(w - 1, np.nan), col])
-        out = sliding_window_view(padded, w)[origins]  # row i ends at bin origins[i]
-        return np.where(valid, out, np.nan)
+        return np.where(valid, col[at], np.nan)
 
     v = {c: _carry(grid.values[c], first_bin) for c in NUMERIC}
     mem, sm, total_mib = v["mem_used_mib"], v["sm_util_pct"], v["mem_total_mib"]
@@ -698,7 +730,10 @@ def _recent_cut(
     for col in cols.values():
         if not cuts.any():
             break
-        seg = np.logical_or.reduceat(np.isfinite(col), bounds).reshape(-1, 3)
+        finite = np.isfinite(col)
+        if finite.all():
+            continue  # a value in every first kept second: nothing to carry from before the cut
+        seg = np.logical_or.reduceat(finite, bounds).reshape(-1, 3)
         # segments [start, first) and [first, first_end) are non-empty for every cut application
         back = np.zeros(n_apps, dtype=bool)
         back[cuts] = seg[:, 0] & ~seg[:, 1]

@@ -70,14 +70,15 @@ def open_forecaster(
     """The forecaster that serves `choice`: its checkpoint when it loads (loaded here, in the
     caller's thread), else `fallback`; a new file at the path is hot-loaded in the background at most
     every `check_interval_s` (inf: never). `serving_model` and `last_error` say how the load went;
-    whether a failed load is fatal is the caller's rule (a configured model must load). Imports torch."""
-    from vgpu.manager.predictor import ReloadingForecaster, load_forecaster  # noqa: PLC0415 - torch
+    whether a failed load is fatal is the caller's rule (a configured model must load). The model runs
+    on `predictor.SERVING_THREADS` intra-op threads. Imports torch."""
+    from vgpu.manager.predictor import SERVING_THREADS, ReloadingForecaster, load_forecaster  # noqa: PLC0415 - torch
 
     return ReloadingForecaster(
         choice.path,
         fallback,
         check_interval_s=check_interval_s,
-        loader=lambda path: load_forecaster(path, device),
+        loader=lambda path: load_forecaster(path, device, threads=SERVING_THREADS),
     )
 
 

@@ -334,9 +334,9 @@ class LocalModelWatcher:
             return
         try:
             if self._loader is None:
-                from vgpu.manager.predictor import load_forecaster  # noqa: PLC0415 - torch
+                from vgpu.manager.predictor import SERVING_THREADS, load_forecaster  # noqa: PLC0415 - torch
 
-                model: Forecaster = load_forecaster(self.path, "cpu")
+                model: Forecaster = load_forecaster(self.path, "cpu", threads=SERVING_THREADS)
             else:
                 model = self._loader(self.path)
         except Exception as exc:  # noqa: BLE001 - any unusable file: no local expert, the others serve

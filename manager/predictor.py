@@ -47,6 +47,11 @@ _log = get_logger("vgpu.manager.predictor")
 DEFAULT_MODEL_PATH = Path(__file__).resolve().parent / "models" / "default.pt"
 MODES = ("eager", "fused", "onnx")
 DEFAULT_MODE = "onnx"
+# Intra-op threads of a model the daemon serves: one forecast round for 64 applications is a few
+# milliseconds of small matrix products, which a second thread does not shorten on a loaded node
+# (measured on 2 busy cores: p50 wall 20.5-28.2 ms with one thread, 22.9-29.6 ms with two; see
+# docs/performance.md), and the node's own jobs keep the other cores.
+SERVING_THREADS = 1
 
 
 class OnnxSession(Protocol):
@@ -100,8 +105,9 @@ class ModelForecaster:
         if mode in ("fused", "onnx"):
             self._net = FusedTransformerBiGRU(self.model, self.window_s).to(self.device)
         self.mode_serving = "eager" if mode == "eager" else "fused"
+        self.threads = threads or torch.get_num_threads()
         if mode == "onnx":
-            self._session = self._onnx_session(onnx_import, threads or torch.get_num_threads())
+            self._session = self._onnx_session(onnx_import, self.threads)
             if self._session is not None:
                 self.mode_serving = "onnx"
 
@@ -160,20 +166,8 @@ class ModelForecaster:
 
     def forecast_batch(self, histories: Sequence[AppTrace]) -> list[Forecast]:
         n_h = len(self.horizons_s)
-        windows, present = encode_latest(histories, self.window_s, self.feature_version)
-        out = apply_deadband(self.predict_normalised(windows.x), self._deadband)
-        scales = windows.scales[:, :, None]  # (N, 2, 1)
-        last = windows.last[:, :, None]
-        p50 = last + out[..., 0] * scales
-        p90 = last + (out[..., 1] + self._shift[None]) * scales
-        p90 = np.maximum(p90, p50)
-        known_total = windows.x[:, -1, self._mem_total_known] > 0.5  # capacity known at the origin
-        cap_mem = np.where(known_total, windows.mem_scale_mib, np.inf)
-        caps = np.stack([cap_mem, np.full_like(cap_mem, 100.0)], axis=1)[:, :, None]
-        p50 = np.clip(p50, 0.0, caps)
-        p90 = np.clip(p90, 0.0, caps)
+        rows, present = self._forecast_rows(histories)
         nan = (math.nan,) * n_h
-        rows = np.concatenate([p50, p90], axis=1).tolist()  # (N, [mem p50, sm p50, mem p90, sm p90], H)
         result: list[Forecast] = []
         row = 0
         for ok in present.tolist():
@@ -194,6 +188,31 @@ class ModelForecaster:
             row += 1
         return result
 
+    def forecast_arrays(self, histories: Sequence[AppTrace]) -> np.ndarray:
+        """`forecast_batch`'s numbers without building `Forecast`s (what the expert mixture reads):
+        (N, [mem P50, compute P50, mem P90, compute P90], horizons), NaN for an empty history."""
+        rows, present = self._forecast_rows(histories)
+        out = np.full((len(histories), 4, len(self.horizons_s)), math.nan)
+        out[present] = rows
+        return out
+
+    def _forecast_rows(self, histories: Sequence[AppTrace]) -> tuple[np.ndarray, np.ndarray]:
+        """(forecasts (present histories, [mem P50, compute P50, mem P90, compute P90], horizons),
+        which histories are present)."""
+        windows, present = encode_latest(histories, self.window_s, self.feature_version)
+        out = apply_deadband(self.predict_normalised(windows.x), self._deadband)
+        scales = windows.scales[:, :, None]  # (N, 2, 1)
+        last = windows.last[:, :, None]
+        p50 = last + out[..., 0] * scales
+        p90 = last + (out[..., 1] + self._shift[None]) * scales
+        p90 = np.maximum(p90, p50)
+        known_total = windows.x[:, -1, self._mem_total_known] > 0.5  # capacity known at the origin
+        cap_mem = np.where(known_total, windows.mem_scale_mib, np.inf)
+        caps = np.stack([cap_mem, np.full_like(cap_mem, 100.0)], axis=1)[:, :, None]
+        p50 = np.clip(p50, 0.0, caps)
+        p90 = np.clip(p90, 0.0, caps)
+        return np.concatenate([p50, p90], axis=1), present
+
 
 def apply_deadband(out: np.ndarray, deadband: np.ndarray) -> np.ndarray:
     """Zero the P50 changes (and move the P90 with them) whose size is under the dead band of
@@ -206,11 +225,13 @@ def apply_deadband(out: np.ndarray, deadband: np.ndarray) -> np.ndarray:
 
 
 def load_forecaster(
-    path: str | Path, device: torch.device | str | None = None, *, mode: str = DEFAULT_MODE
+    path: str | Path, device: torch.device | str | None = None, *, mode: str = DEFAULT_MODE,
+    threads: int | None = None,
 ) -> ModelForecaster:
-    """A `ModelForecaster` from a checkpoint file; raises `CheckpointError` when it cannot be used."""
+    """A `ModelForecaster` from a checkpoint file (`threads` as `ModelForecaster`'s); raises
+    `CheckpointError` when it cannot be used."""
     dev = torch.device(device) if device is not None else default_device()
-    return ModelForecaster(load_checkpoint(path, map_location=dev), dev, mode=mode)
+    return ModelForecaster(load_checkpoint(path, map_location=dev), dev, mode=mode, threads=threads)
 
 
 def _signature(path: Path) -> tuple[int, int] | None:
@@ -284,6 +305,19 @@ class ReloadingForecaster:
     def forecast_batch(self, histories: Sequence[AppTrace]) -> list[Forecast]:
         self.maybe_reload()
         return self._current.forecast_batch(histories)
+
+    @property
+    def horizons_s(self) -> tuple[int, ...] | None:
+        """The serving forecaster's horizons where it can give arrays (see `forecast_arrays`)."""
+        current = self._current
+        return current.horizons_s if isinstance(current, ModelForecaster) else None
+
+    def forecast_arrays(self, histories: Sequence[AppTrace]) -> np.ndarray | None:
+        """`ModelForecaster.forecast_arrays` of the serving forecaster, or None where it has no such
+        method (the fallback serves): call `forecast_batch` then."""
+        self.maybe_reload()
+        current = self._current
+        return current.forecast_arrays(histories) if isinstance(current, ModelForecaster) else None
 
     def maybe_reload(self) -> None:
         """Check the file if the interval has passed; start a load if it changed."""

@@ -20,6 +20,10 @@ read are already in its windows: the manager drops such a signature (`WindowStor
 application, seq and time as a sample the window has) quietly: no Rejection, no log line of its own,
 counted in the manager's stats and per stream (the `profiler_disconnected`
 line). A restarted manager holds nothing, so it takes the resent batches like any other.
+
+`replay_ok()` is asked once per stream, as it opens (the daemon: the caller is the operator, or it
+accepts replays): a stream for which it is False has its signatures taken only for processes the
+node runs (`StreamState.replay_ok`, manager/core.py).
 """
 
 from __future__ import annotations
@@ -40,12 +44,13 @@ _log = get_logger("vgpu.manager.service")
 
 class IngestServicer(ingest_pb2_grpc.IngestServicer):
     def __init__(self, manager: Manager, *, ack_interval_s: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, replay_ok: Callable[[], bool] | None = None) -> None:
         if not ack_interval_s >= 0:
             raise ValueError(f"ack_interval_s must be >= 0, got {ack_interval_s}")
         self.manager = manager
         self.ack_interval_s = ack_interval_s
         self.clock = clock
+        self.replay_ok = replay_ok or (lambda: True)
         self.streams_open = 0
 
     # The read/write form (context.read / context.write) rather than iterating and yielding: grpc.aio
@@ -54,9 +59,9 @@ class IngestServicer(ingest_pb2_grpc.IngestServicer):
     async def StreamSignatures(  # type: ignore[override]  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[ingest_pb2.SignatureBatch], context: grpc.aio.ServicerContext[Any, Any]
     ) -> None:
-        stream = StreamState(peer=context.peer())
+        stream = StreamState(peer=context.peer(), replay_ok=self.replay_ok())
         self.streams_open += 1
-        _log.info("profiler_connected", peer=stream.peer)
+        _log.info("profiler_connected", peer=stream.peer, replay_ok=stream.replay_ok)
         unacked = 0  # signatures accepted since the last reply, not yet reported
         unanswered = False  # a batch no reply has covered yet
         last_tick = 0

@@ -10,28 +10,40 @@ resends what the manager did not acknowledge, and the manager drops such a resen
 rejecting it as out of order.
 `trace(app_id)` gives the window as a `vgpu.traces.AppTrace` for forecasters.
 
+Values are indexed like `vgpu.wire.COLUMNS`: the format's columns, then the in-app counters
+(`inapp_*`). The in-app rows are held only by the windows of applications that have reported one: a
+window starts without them and gets them (NaN before) with its first in-app value, so an application
+that reports none costs what it did before they existed, and one that does costs at most
+`max_samples` x len(INAPP_NUMERIC) doubles more.
+
 What a signature contributes (the canonical trace columns; unset fields are NaN):
     mem_used_mib   process.gpu_mem_used_mib, else in_app.torch_reserved_mib
     sm_util_pct    process.sm_util_pct
     mem_total_mib  device.mem_total_mib         mem_util_pct  device.mem_bw_util_pct
     power_w        device.power_mw / 1000       power_limit_w device.power_limit_mw / 1000
     sm_clock_mhz, pcie_tx_kbps, pcie_rx_kbps    the device fields of the same names
+    inapp_<name>   in_app.<name> (torch_*_mib, alloc_retries, oom_count, step, requests_running,
+                   requests_waiting, kv_used_mib, kv_total_mib, tokens_in_flight)
 """
 
 from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from numpy.typing import ArrayLike
+import numpy.typing as npt
 
-from vgpu.traces import NUMERIC, AppTrace
+from vgpu.traces import INAPP_NUMERIC, NUMERIC, AppTrace
 from vgpu.v1 import signature_pb2
-from vgpu.wire import parse_signature
+from vgpu.wire import COLUMNS, parse_signature
 
-_COL = {name: i for i, name in enumerate(NUMERIC)}
+_COL = {name: i for i, name in enumerate(COLUMNS)}
+_NB = len(NUMERIC)  # the format's columns come first; the in-app ones after them
+_NI = len(INAPP_NUMERIC)
+Values = Sequence[float] | npt.NDArray[np.float64]  # one sample's values, indexed like COLUMNS (or NUMERIC)
 
 
 @dataclass(frozen=True)
@@ -40,10 +52,11 @@ class Sample:
     device_id: str
     seq: int
     t_s: float
-    values: tuple[float, ...]  # indexed like vgpu.traces.NUMERIC; NaN where unknown
+    values: tuple[float, ...]  # indexed like vgpu.wire.COLUMNS (or only vgpu.traces.NUMERIC); NaN where unknown
 
     def get(self, column: str) -> float:
-        return self.values[_COL[column]]
+        k = _COL[column]
+        return self.values[k] if k < len(self.values) else math.nan
 
 
 def sample_from_signature(sig: signature_pb2.BehavioralSignature) -> Sample:
@@ -55,9 +68,12 @@ def sample_from_signature(sig: signature_pb2.BehavioralSignature) -> Sample:
 
 class AppWindow:
     """One application's recent samples, kept as columns in a numpy ring buffer: `values` is
-    (len(NUMERIC), capacity), with the sample times and seqs beside it. The buffer starts small and
+    (len(NUMERIC), capacity), with the sample times and seqs beside it, and the in-app counters
+    (len(INAPP_NUMERIC), capacity) from the first sample that has one. The buffer starts small and
     doubles up to `max_samples`; once full, the oldest sample is overwritten. `trace()` is a slice
-    copy (two when the ring has wrapped), not a rebuild."""
+    copy (two when the ring has wrapped), not a rebuild. Values given to `append` / `extend` are
+    indexed like vgpu.wire.COLUMNS; rows of the format's columns only (vgpu.traces.NUMERIC) are
+    taken as having no in-app counter."""
 
     _FIRST_CAPACITY = 64
 
@@ -68,7 +84,8 @@ class AppWindow:
         # builds from it (a 1 s grid) is then bounded whatever the samples' time stamps.
         self.max_span_s = max_span_s
         cap = min(max_samples, self._FIRST_CAPACITY)
-        self._values = np.empty((len(NUMERIC), cap), dtype=np.float64)
+        self._values = np.empty((_NB, cap), dtype=np.float64)
+        self._inapp: np.ndarray | None = None  # (len(INAPP_NUMERIC), capacity) once one is reported
         self._t = np.empty(cap, dtype=np.float64)
         self._seq = np.zeros(cap, dtype=np.uint64)
         self._n = 0  # samples held
@@ -87,28 +104,46 @@ class AppWindow:
         cap = len(self._t)
         if self._n + need > cap and cap < self.max_samples:
             new = min(self.max_samples, max(2 * cap, self._n + need))
-            self._values = np.concatenate([self._values[:, : self._n], np.empty((len(NUMERIC), new - self._n))], axis=1)
+            self._values = np.concatenate([self._values[:, : self._n], np.empty((_NB, new - self._n))], axis=1)
+            if self._inapp is not None:
+                self._inapp = np.concatenate([self._inapp[:, : self._n], np.empty((_NI, new - self._n))], axis=1)
             self._t = np.concatenate([self._t[: self._n], np.empty(new - self._n)])
             self._seq = np.concatenate([self._seq[: self._n], np.zeros(new - self._n, dtype=np.uint64)])
             self._end = self._n % new
             cap = new
         return cap
 
+    def _inapp_rows(self, inapp: np.ndarray | None) -> np.ndarray | None:
+        """The in-app block to write `inapp` into (made, NaN, at the first in-app value), or None
+        when there is nothing to keep."""
+        if self._inapp is None:
+            if inapp is None or not np.isfinite(inapp).any():
+                return None
+            self._inapp = np.full((_NI, len(self._t)), np.nan)
+        return self._inapp
+
     def extend(self, device_id: str, seq: np.ndarray, t_s: np.ndarray, values: np.ndarray) -> None:
-        """Append many samples at once (`values`: (len(NUMERIC), m)); already checked in order."""
+        """Append many samples at once (`values`: (len(COLUMNS) or len(NUMERIC), m)); already checked
+        in order."""
         m = len(t_s)
         if not m:
             return
         cap = self._grow(m)
         if m > cap:
             seq, t_s, values, m = seq[-cap:], t_s[-cap:], values[:, -cap:], cap
+        inapp = values[_NB:] if len(values) > _NB else None
+        block = self._inapp_rows(inapp)
         i = self._end
         first = min(m, cap - i)
-        self._values[:, i:i + first] = values[:, :first]
+        self._values[:, i:i + first] = values[:_NB, :first]
+        if block is not None:
+            block[:, i:i + first] = inapp[:, :first] if inapp is not None else np.nan
         self._t[i:i + first] = t_s[:first]
         self._seq[i:i + first] = seq[:first]
         if first < m:
-            self._values[:, : m - first] = values[:, first:]
+            self._values[:, : m - first] = values[:_NB, first:]
+            if block is not None:
+                block[:, : m - first] = inapp[:, first:] if inapp is not None else np.nan
             self._t[: m - first] = t_s[first:]
             self._seq[: m - first] = seq[first:]
         self._end = (i + m) % cap
@@ -116,10 +151,18 @@ class AppWindow:
         self.device_id = device_id
         self.last_seq, self.last_t_s = int(seq[-1]), float(t_s[-1])
 
-    def append(self, device_id: str, seq: int, t_s: float, values: ArrayLike) -> None:
+    def append(self, device_id: str, seq: int, t_s: float, values: Values) -> None:
         cap = self._grow(1)
         i = self._end
-        self._values[:, i] = values
+        # one sample at a time is the rows path's hot loop: plain slices, and numpy only where the
+        # application has in-app counters
+        has_inapp = len(values) > _NB
+        self._values[:, i] = values[:_NB] if has_inapp else values
+        block = self._inapp
+        if block is None and has_inapp and any(x == x for x in values[_NB:]):  # a first value (x == x: not NaN)
+            block = self._inapp = np.full((_NI, len(self._t)), np.nan)
+        if block is not None:
+            block[:, i] = values[_NB:] if has_inapp else np.nan
         self._t[i] = t_s
         self._seq[i] = seq
         self._end = (i + 1) % cap
@@ -151,31 +194,58 @@ class AppWindow:
             out[i] = bool((t_by_seq[lo[i]:hi[i]] == t_s[i]).any())
         return out
 
+    @property
+    def has_inapp(self) -> bool:
+        """Whether the application has reported an in-app counter while this window existed."""
+        return self._inapp is not None
+
+    def _column_at(self, i: int) -> list[float]:
+        out: list[float] = self._values[:, i].tolist()
+        inapp: list[float] = self._inapp[:, i].tolist() if self._inapp is not None else [math.nan] * _NI
+        return out + inapp
+
     def latest(self) -> Sample | None:
         if not self._n:
             return None
         i = (self._end - 1) % len(self._t)
-        return Sample(self.app_id, self.device_id, int(self._seq[i]), float(self._t[i]),
-                      tuple(float(v) for v in self._values[:, i]))
+        return Sample(self.app_id, self.device_id, int(self._seq[i]), float(self._t[i]), tuple(self._column_at(i)))
 
     def latest_value(self, column: str) -> float:
         """The newest sample's value of `column` (NaN when none)."""
-        return float(self._values[_COL[column], (self._end - 1) % len(self._t)]) if self._n else math.nan
+        if not self._n:
+            return math.nan
+        k, i = _COL[column], (self._end - 1) % len(self._t)
+        if k < _NB:
+            return float(self._values[k, i])
+        return float(self._inapp[k - _NB, i]) if self._inapp is not None else math.nan
+
+    def _data(self) -> np.ndarray:
+        """All columns, oldest sample first (in-app rows NaN when the window has none)."""
+        data = self._take(self._values)
+        inapp = self._take(self._inapp) if self._inapp is not None else np.full((_NI, self._n), np.nan)
+        return np.concatenate([data, inapp])
 
     @property
     def samples(self) -> list[Sample]:
         """The window as `Sample`s, oldest first (a copy; for inspection, not the hot path)."""
-        data, t, seq = self._take(self._values), self._take(self._t), self._take(self._seq)
+        data, t, seq = self._data(), self._take(self._t), self._take(self._seq)
         return [Sample(self.app_id, self.device_id, int(seq[k]), float(t[k]), tuple(float(v) for v in data[:, k]))
                 for k in range(self._n)]
 
     def trace(self) -> AppTrace:
+        """The window as an AppTrace: each column with a value in it (the in-app counters among
+        them: what feature encoding v4 reads, with a presence flag where they are present)."""
         data, t = self._take(self._values), self._take(self._t)
+        inapp = self._take(self._inapp) if self._inapp is not None else None
         if self.max_span_s is not None and self._n and t[-1] - t[0] > self.max_span_s:
             first = int(np.searchsorted(t, t[-1] - self.max_span_s, side="left"))  # samples are in time order
             data, t = data[:, first:], t[first:]
-        finite = ~np.isnan(data).all(axis=1) if self._n else np.zeros(len(NUMERIC), dtype=bool)
+            inapp = inapp[:, first:] if inapp is not None else None
+        finite = ~np.isnan(data).all(axis=1) if self._n else np.zeros(_NB, dtype=bool)
         columns = {c: data[k] for k, c in enumerate(NUMERIC) if finite[k]}
+        if inapp is not None and self._n:
+            some = ~np.isnan(inapp).all(axis=1)
+            columns.update({c: inapp[k] for k, c in enumerate(INAPP_NUMERIC) if some[k]})
         return AppTrace(self.app_id, t, columns, gpu=self.device_id or None)
 
 
@@ -228,9 +298,9 @@ class WindowStore:
         (seq not above the app's last, or time before its last sample) is not kept."""
         return self.add_row(sample.app_id, sample.device_id, sample.seq, sample.t_s, sample.values, now_s)
 
-    def add_row(self, app_id: str, device_id: str, seq: int, t_s: float, values: ArrayLike,
+    def add_row(self, app_id: str, device_id: str, seq: int, t_s: float, values: Values,
                 now_s: float) -> tuple[bool, list[str]]:
-        """`add` without building a `Sample` (values indexed like vgpu.traces.NUMERIC)."""
+        """`add` without building a `Sample` (values indexed like vgpu.wire.COLUMNS)."""
         evicted: list[str] = []
         win = self._apps.get(app_id)
         if win is None:
@@ -253,7 +323,7 @@ class WindowStore:
     def add_rows(self, app_id: str, device_id: str, seq: np.ndarray, t_s: np.ndarray, values: np.ndarray,
                  now_s: float) -> tuple[np.ndarray, list[str]]:
         """`add_row` for many samples of one application (in batch order; `values`:
-        (len(NUMERIC), m)). Returns (which were kept, apps evicted to make room). Samples in strictly
+        (len(COLUMNS), m)). Returns (which were kept, apps evicted to make room). Samples in strictly
         increasing seq and time after the window's last are appended in bulk; anything else goes
         sample by sample with `add_row`'s rules."""
         m = len(t_s)
@@ -278,6 +348,18 @@ class WindowStore:
         if t0 < win.last_t_s or (s0 <= win.last_seq and t0 <= win.last_t_s):
             return False
         return len(t_s) == 1 or bool((np.diff(t_s) > 0).all() and (seq[1:] > seq[:-1]).all())
+
+    def inapp_reporting(self) -> dict[str, int]:
+        """In-app column -> how many applications' newest sample carries it (for the daemon's
+        metrics: which leading signals the forecaster gets, from how many applications)."""
+        out: dict[str, int] = {}
+        for win in self._apps.values():
+            if not win.has_inapp:
+                continue
+            for c in INAPP_NUMERIC:
+                if math.isfinite(win.latest_value(c)):
+                    out[c] = out.get(c, 0) + 1
+        return out
 
     def last_seen_s(self, app_id: str) -> float | None:
         """When the last sample of `app_id` arrived (the caller's clock); None when it has no window."""

@@ -14,7 +14,11 @@ device's beside them), so an operator can record a node's workloads and train or
     dev_mem_used_mib, dev_sm_util_pct            the device's memory used and SM busy, all processes
     host_cpu_pct, host_rss_mib                   the process on the host
     inapp_torch_allocated_mib, inapp_torch_reserved_mib, inapp_torch_active_mib, inapp_alloc_retries,
-    inapp_oom_count, inapp_step                  the application's own report (vgpu.client)
+    inapp_oom_count, inapp_step                  the application's own report (vgpu.client): PyTorch's
+                                                 allocator and its steps
+    inapp_requests_running, inapp_requests_waiting, inapp_kv_used_mib, inapp_kv_total_mib,
+    inapp_tokens_in_flight                       a serving engine's, where it reports them
+                                                 (VgpuClient.report_serving)
 A field the signature does not carry is an empty cell. A signature with neither target (no
 per-process memory nor SM reading) is not written (the format needs one) and is counted.
 
@@ -66,6 +70,11 @@ _FIELDS: tuple[tuple[str, str, str, float], ...] = (
     ("inapp_alloc_retries", "in_app", "alloc_retries", 1.0),
     ("inapp_oom_count", "in_app", "oom_count", 1.0),
     ("inapp_step", "in_app", "step", 1.0),
+    ("inapp_requests_running", "in_app", "requests_running", 1.0),
+    ("inapp_requests_waiting", "in_app", "requests_waiting", 1.0),
+    ("inapp_kv_used_mib", "in_app", "kv_used_mib", 1.0),
+    ("inapp_kv_total_mib", "in_app", "kv_total_mib", 1.0),
+    ("inapp_tokens_in_flight", "in_app", "tokens_in_flight", 1.0),
 )
 # the format's header (its columns the signature has no field for stay empty), then the further ones
 RECORD_HEADER = HEADER + tuple(c for c in EXTRA_NUMERIC if c in {f[0] for f in _FIELDS})

@@ -13,6 +13,8 @@ What a row fills (NaN cells stay unset):
     mem_total_mib -> device.mem_total_mib         mem_util_pct -> device.mem_bw_util_pct
     power_w       -> device.power_mw (x1000)      power_limit_w -> device.power_limit_mw (x1000)
     sm_clock_mhz, pcie_tx_kbps, pcie_rx_kbps -> the device fields of the same names
+    inapp_<name>  -> in_app.<name> (the in-app counters, e.g. of `vgpu trace synth --kind serving`), where
+                     the trace has the column; a value the counter cannot hold is left unset
 A trace row describes the application on its device or slice, so device counters repeat the app's own
 values. `timestamp_s` is the row's due time on the wall clock (start + trace offset / speed).
 """
@@ -28,8 +30,9 @@ from typing import Literal
 
 import numpy as np
 
+from vgpu.client import INT_COUNTERS, inapp_value_problem
 from vgpu.profiler.source import SeqCounter
-from vgpu.traces import AppTrace, Trace, read_trace
+from vgpu.traces import INAPP_NUMERIC, AppTrace, Trace, read_trace
 from vgpu.v1 import signature_pb2
 
 DEFAULT_DEVICE_ID = "GPU-replay-0"
@@ -47,6 +50,8 @@ class _Cursor:
     laps: int = 0
     # the trace's columns as plain lists (fast per-row access)
     rows: dict[str, list[float]] | None = None
+    # (in-app field, its column as a list, whether the field is an integer) for the trace's in-app columns
+    inapp: tuple[tuple[str, list[float], bool], ...] = ()
 
 
 class ReplaySource:
@@ -89,6 +94,8 @@ class ReplaySource:
             lap = float(app.t_s[-1] - origin) + (float(np.median(steps)) if len(steps) else 1.0)
             rows = {c: app.column(c).tolist() for c in _COLUMNS}
             rows["t_s"] = app.t_s.tolist()
+            inapp = tuple((c[len("inapp_"):], app.columns[c].tolist(), c[len("inapp_"):] in INT_COUNTERS)
+                          for c in INAPP_NUMERIC if c in app.columns)
             for c in range(copies):
                 self._cursors.append(
                     _Cursor(
@@ -99,6 +106,7 @@ class ReplaySource:
                         origin_s=origin,
                         lap_s=max(lap, 1e-3),
                         rows=rows,
+                        inapp=inapp,
                     )
                 )
                 pid += 1
@@ -174,6 +182,10 @@ class ReplaySource:
         _set(d, "sm_clock_mhz", r["sm_clock_mhz"][i], as_int=True)
         _set(d, "pcie_tx_kbps", r["pcie_tx_kbps"][i])
         _set(d, "pcie_rx_kbps", r["pcie_rx_kbps"][i])
+        for name, col, is_int in cur.inapp:
+            v = col[i]
+            if v == v and inapp_value_problem(name, v) is None:  # v == v: not NaN
+                setattr(sig.in_app, name, int(round(v)) if is_int else v)
         return sig
 
 

@@ -12,7 +12,9 @@ Where each part of a signature comes from, and how often it is refreshed:
 * host counters (CPU %, RSS, I/O rates) of the process: psutil, every tick; rates need two observations, so
   the first sample of a process leaves CPU and I/O unset;
 * in-app counters: the client stub's per-pid file (`vgpu.client.read_inapp`), every tick; its app id names
-  the application.
+  the application. A counter that is not finite, negative or above its bound is left out of the
+  signature (the rest of the report kept), counted in `stats.inapp_dropped` and logged once per process
+  and counter.
 
 Reads degrade field by field: NotSupported leaves the field unset and is logged once per (device, field);
 any other error is counted per (device, field) and logged at its 1st, 10th, 100th... occurrence; GpuLost
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -52,6 +54,9 @@ class SamplerStats:
     # (device uuid or "pid:N", field) -> count of errors other than NotSupported
     errors: dict[tuple[str, str], int] = field(default_factory=dict)
     inapp_bad: int = 0
+    # in-app counters left out of otherwise good reports (vgpu.client.inapp_value_problem), by
+    # "counter: why" (a fixed set of keys)
+    inapp_dropped: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -390,6 +395,11 @@ class Sampler:
             if owner not in (0, pstate.uid):
                 self._once(f"pid:{pid}", "inapp_owner", f"ignoring in-app file owned by uid {owner}, not {pstate.uid}")
                 return None
+        if report is not None:
+            for name, why in report.dropped:
+                key = f"{name}: {why}"
+                self.stats.inapp_dropped[key] = self.stats.inapp_dropped.get(key, 0) + 1
+                self._once(f"pid:{pid}", f"inapp.{name}", f"in-app counter {name} left out: {why}")
         return report
 
     def _app_id(self, pid: int, pstate: _ProcState, inapp: InAppReport | None) -> str:
@@ -423,19 +433,12 @@ class Sampler:
 
 
 def _fill_inapp(msg: signature_pb2.InAppCounters, report: InAppReport) -> None:
+    """Every counter of the report (already checked by `parse_inapp`) into the signature's in_app."""
     c = report.counters
-    for name in (
-        "torch_allocated_mib",
-        "torch_reserved_mib",
-        "torch_active_mib",
-        "alloc_retries",
-        "oom_count",
-        "step",
-        "applied_mem_limit_mib",
-    ):
-        value = getattr(c, name)
+    for f in fields(c):
+        value = getattr(c, f.name)
         if value is not None:
-            setattr(msg, name, value)
+            setattr(msg, f.name, value)
 
 
 def _call(proc: Any, method: str, ps: Any) -> Any:

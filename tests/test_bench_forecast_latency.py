@@ -40,3 +40,32 @@ def test_node_learn_bench_fields(capsys: pytest.CaptureFixture[str], tmp_path: P
     assert node_learn.main(["--trace", str(fixture), "--json", "--state-dir", str(tmp_path)]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["apps"] == 8 and out["event"] in ("skipped", "promoted", "rejected") and out["max_rss_mib"] > 0
+
+
+def test_soak_bench_fields(capsys: pytest.CaptureFixture[str]) -> None:
+    import soak
+
+    argv = ["--apps", "4", "--hours", "2", "--step-s", "30", "--churn-every-s", "1800", "--json"]
+    assert soak.main(argv) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["rounds"] == 240 and len(out["rss_by_hour_mib"]) == 2 and out["rss_end_mib"] > 0
+    assert out["apps_seen"] == 4 + 3 * 1  # a quarter (one) replaced at each half hour after the first
+    assert out["history_rows"] > 0.9 * 4 * 2 * 3600 and out["mixture_scored"] > 0
+    assert isinstance(out["plateau"], bool) and out["rss_growth_second_half_mib"] is not None
+
+
+def test_soak_bench_refuses_a_step_the_mixture_reads_as_a_clock_jump() -> None:
+    import soak
+
+    with pytest.raises(SystemExit):
+        soak.main(["--hours", "1", "--step-s", "60"])
+
+
+def test_ingest_bench_with_the_served_mixture_and_learning_in_the_background() -> None:
+    import ingest
+
+    fixture = Path(__file__).resolve().parent / "fixtures" / "migperf_runs.csv.gz"
+    r = ingest.run_ingest(apps=2, seconds=4.0, warmup_s=1.0, gpus=1, forecaster="served", learn_trace=str(fixture))
+    assert r["forecaster"] == "mixture" and r["decisions"] > 0
+    # a round started in the window (it may be cut at the window's end): its CPU is counted
+    assert r["learn_cpu_s"] > 0 and 0 < r["learn_cpu_frac"] and r["learn_rounds"] == len(r["learn_round_wall_s"])

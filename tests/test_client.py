@@ -327,13 +327,33 @@ def test_inapp_file_round_trip_is_atomic(tmp_path: Path) -> None:
         ('{"v": 1, "pid": 1, "written_at_s": 1}', "app_id"),
         ('{"v": 1, "app_id": "a", "pid": -1, "written_at_s": 1}', "pid"),
         ('{"v": 1, "app_id": "a", "pid": 1}', "written_at_s"),
-        ('{"v": 1, "app_id": "a", "pid": 1, "written_at_s": 1, "counters": {"step": "x"}}', "step"),
-        ('{"v": 1, "app_id": "a", "pid": 1, "written_at_s": 1, "counters": {"oom_count": -2}}', "oom_count"),
+        ('{"v": 1, "app_id": "a", "pid": 1, "written_at_s": 1, "counters": []}', "counters"),
     ],
 )
 def test_malformed_inapp_files_are_refused_with_a_reason(text: str, reason: str) -> None:
     with pytest.raises(InAppFormatError, match=reason):
         parse_inapp(text)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "why"),
+    [
+        ("step", '"x"', "not a number"),
+        ("step", "true", "not a number"),
+        ("oom_count", "-2", "negative"),
+        ("kv_used_mib", "-0.5", "negative"),
+        ("requests_running", "1e300", "above 1e+07"),
+        ("kv_total_mib", "1e9", "above 1.67772e+07"),
+        ("tokens_in_flight", "1e400", "not finite"),  # json reads 1e400 as inf
+    ],
+)
+def test_a_bad_counter_is_left_out_with_its_reason_and_the_rest_kept(name: str, value: str, why: str) -> None:
+    text = ('{"v": 1, "app_id": "a", "pid": 1, "written_at_s": 1, '
+            f'"counters": {{"{name}": {value}, "requests_waiting": 4, "torch_reserved_mib": 512.0}}}}')
+    report = parse_inapp(text)
+    assert report.dropped == ((name, why),)
+    assert getattr(report.counters, name) is None
+    assert report.counters.requests_waiting == 4 and report.counters.torch_reserved_mib == 512.0
 
 
 def test_file_naming_another_pid_is_refused(tmp_path: Path) -> None:

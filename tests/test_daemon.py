@@ -51,9 +51,10 @@ def test_grant_survives_kill_9_and_restart(env: Env, serves: list[Serve]) -> Non
 
 
 def test_a_cgroup_limit_left_by_kill_9_gets_its_original_back(env: Env, serves: list[Serve]) -> None:
-    """The grant of a process caps its cgroup's GPU memory (the simulated device keeps the limit in the
-    state dir, as a driver keeps it across a daemon crash). The daemon dies with kill -9, then the
-    process ends; the next run finds no grant holding the cgroup and writes the recorded original back."""
+    """The grant of a process on a contended GPU caps its cgroup's GPU memory (the simulated device
+    keeps the limit in the state dir, as a driver keeps it across a daemon crash). The daemon dies with
+    kill -9, then the process ends; the next run finds no grant holding the cgroup and writes the
+    recorded original back."""
     from vgpu.allocator.mechanisms.limits import read_cgroup
 
     sim_file = env.state / "sim-devices.json"
@@ -69,11 +70,13 @@ def test_a_cgroup_limit_left_by_kill_9_gets_its_original_back(env: Env, serves: 
             pytest.skip("no readable /proc/<pid>/cgroup here")
         serves.append(Serve(env))
         assert limits() == {}
-        env.json("request", "--app", "job1", "--memory-mib", "2048", "--pid", str(app.pid),
+        # 95 % of the GPU: contended, so the limit is hard (docs/allocation.md)
+        mib = int(0.95 * env.json("available")["devices"][0]["mem_total_mib"])
+        env.json("request", "--app", "job1", "--memory-mib", str(mib), "--pid", str(app.pid),
                  "--state-dir", str(env.state))  # naming a pid needs the operator token
-        assert limits()[cgroup][1] == 2048.0  # the hard limit is the grant
+        assert limits()[cgroup][1] == mib  # the hard limit is the grant
         serves[-1].kill9()
-        assert limits()[cgroup][1] == 2048.0  # a crash leaves it in force
+        assert limits()[cgroup][1] == mib  # a crash leaves it in force
     finally:
         app.kill()
         app.wait(10)
@@ -122,7 +125,7 @@ def test_readiness_and_watchdog_over_notify_socket(env: Env, serves: list[Serve]
     listener.bind(str(path))
     listener.settimeout(5)
     serves.append(Serve(env, notify=path))
-    got = []
+    got: list[str] = []
     while not any("WATCHDOG=1" in m for m in got):
         got.append(listener.recv(4096).decode())
     assert got[0].startswith("READY=1")

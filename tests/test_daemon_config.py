@@ -54,6 +54,7 @@ def test_env_booleans_and_numbers() -> None:
         ('[server]\nsocket_mode = "0666"\n', {}, "lets every local user connect"),
         ('[server]\nsocket_mode = "rw"\n', {}, "expected octal"),
         ('[server]\nbackend = "cuda"\n', {}, "expected 'nvml' or 'sim:<sku>'"),
+        ("", {"VGPU_SERVER_HARD_MEMORY_LIMITS": "never"}, "server.hard_memory_limits: expected 'contended' or 'always'"),
         ('[log]\nformat = "xml"\n', {}, "log.format"),
         ('[tls]\ncert = "/c.pem"\n', {}, "set both or neither"),
         ("[server\n", {}, "not valid TOML"),
@@ -118,7 +119,7 @@ def test_one_default_socket_everywhere() -> None:
 async def test_the_daemon_hands_the_manager_knobs_to_the_manager(tmp_path: Path) -> None:
     from daemon_fixtures import sim_daemon
 
-    d = sim_daemon(tmp_path, **{"manager.batch_window_ms": 7.5, "manager.forecast_duty_max": 0.5})
+    d = sim_daemon(tmp_path, **{"manager.batch_window_ms": 7.5, "manager.forecast_duty_max": 0.5})  # type: ignore[arg-type]
     await d.start()
     try:
         assert d.manager.batch_window_s == pytest.approx(0.0075)

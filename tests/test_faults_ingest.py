@@ -82,7 +82,6 @@ MALFORMED: list[tuple[Callable[[spb.BehavioralSignature], None], str]] = [
     (lambda s: setattr(s.process, "sm_util_pct", 250.0), "outside 0-100"),
     (lambda s: setattr(s.device, "mem_bw_util_pct", 101.0), "outside 0-100"),
     (lambda s: setattr(s.host, "cpu_pct", -math.inf), "host.cpu_pct"),
-    (lambda s: setattr(s.in_app, "torch_reserved_mib", math.nan), "in_app.torch_reserved_mib"),
 ]
 
 
@@ -101,6 +100,21 @@ async def test_a_malformed_signature_is_rejected_with_its_reason_and_the_stream_
     assert len(r1.rejected[0].app_id) <= 256
     assert r2.accepted == 1 and not r2.rejected  # same stream, still serving
     assert [s.seq for s in manager.windows.window("a").samples] == [1, 2, 3]
+
+
+async def test_a_bad_inapp_value_is_dropped_alone_and_counted_and_the_signature_kept(
+        ingest: tuple[str, Manager]) -> None:
+    """An in-app counter is the application's word about itself: a bad one (here NaN, which a
+    profiler never sends as a value) costs only itself, not the sample's NVML counters."""
+    address, manager = ingest
+    bad = sig("bad", 1)
+    bad.in_app.torch_reserved_mib = math.nan
+    bad.in_app.requests_running = 4
+    (reply,) = await _exchange(address, [ingest_pb2.SignatureBatch(tick=1, signatures=[sig("a", 1), bad])])
+    assert reply.accepted == 2 and not reply.rejected
+    assert manager.stats.inapp_dropped == {"in_app.torch_reserved_mib dropped: not finite": 1}
+    (kept,) = manager.windows.window("bad").samples
+    assert math.isnan(kept.get("inapp_torch_reserved_mib")) and kept.get("inapp_requests_running") == 4.0
 
 
 async def test_out_of_order_signatures_are_not_windowed_and_the_stream_survives(ingest: tuple[str, Manager]) -> None:
@@ -276,7 +290,9 @@ def test_the_largest_batch_a_profiler_builds_fits_the_servers_limit() -> None:
             setattr(getattr(s, part), fd.name, value)
     batch = ingest_pb2.SignatureBatch(profiler_id="host" * 64, tick=2**62, sent_at_s=1.7e9,
                                       signatures=[s] * streamer.max_batch, dropped_since_last=2**40)
-    assert batch.ByteSize() < GRPC_DEFAULT_MAX_RECEIVE // 4  # a wide margin under the server's limit
+    assert batch.ByteSize() < GRPC_DEFAULT_MAX_RECEIVE // 2  # a wide margin under the server's limit,
+    # and the streamer cuts a batch at its byte cap (max_batch_bytes) before max_batch in any case
+    assert streamer.max_batch_bytes <= GRPC_DEFAULT_MAX_RECEIVE // 4
 
 
 class _NoSource:

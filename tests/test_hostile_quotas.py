@@ -169,3 +169,38 @@ def test_a_connection_that_never_speaks_is_closed(env: Env, serves: list[Serve],
         idle.close()
     assert client.granted_mib() == 0  # and the daemon serves on
     assert serves[-1].term() == 0
+
+
+def test_connections_beyond_the_bound_are_closed_at_once(env: Env, serves: list[Serve], client: Raw) -> None:
+    env.env["VGPU_SERVER_MAX_CONNECTIONS"] = "8"
+    serves.append(Serve(env))
+    assert client.granted_mib() == 0  # the client's own connection is one of the 8
+    idle = []
+    try:
+        for _ in range(20):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(str(env.sock))  # the kernel accepts; the daemon decides
+            idle.append(s)
+        time.sleep(2)  # well inside the 10 s handshake timeout: only the bound closes connections now
+        closed = 0
+        for s in idle:
+            s.setblocking(False)
+            try:
+                closed += s.recv(65536, socket.MSG_PEEK) == b""
+            except BlockingIOError:
+                pass
+            except ConnectionResetError:
+                closed += 1
+        assert closed >= 13  # 20 + the client's > 8: at least 13 refused at once
+        assert closed < 20  # and those within the bound are held
+        assert client.granted_mib() == 0  # a connection the daemon already holds is served
+    finally:
+        for s in idle:
+            s.close()
+    time.sleep(1)
+    fresh = Raw(env.sock)  # once they are gone, a new client gets in
+    try:
+        assert fresh.granted_mib() == 0
+    finally:
+        fresh.close()
+    assert serves[-1].term() == 0

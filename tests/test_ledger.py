@@ -176,3 +176,74 @@ def test_granted_never_exceeds_capacity(ops: list[tuple[str, float, float, bool]
         u = led.usage("GPU-0")
         assert u.mem_granted_mib <= GPU0.mem_total_mib + 1e-6
         assert u.sm_granted_pct <= 100 + 1e-6
+
+
+# --- the indices and running totals give what a scan over every grant gives ------------------------
+def _scan_totals(led: Ledger, *, device_id: str | None = None, app_id: str | None = None) -> tuple[float, float]:
+    grants = [g for g in led.grants() if (device_id is None or g.device_id == device_id)
+              and (app_id is None or g.app_id == app_id)]
+    return math.fsum(g.memory_mib for g in grants), math.fsum(g.sm_pct for g in grants)
+
+
+def _check_indices(led: Ledger) -> None:
+    everything = led.grants()
+    for app in {g.app_id for g in everything} | {"nobody"}:
+        assert led.grants(app_id=app) == [g for g in everything if g.app_id == app]
+        assert led.grant_count(app) == len(led.grants(app_id=app))
+        for dev in ("GPU-0", "GPU-1"):
+            assert led.grants(app_id=app, device_id=dev) == [g for g in everything if (g.app_id, g.device_id) == (app, dev)]
+        assert led._app_total(app) == _scan_totals(led, app_id=app)
+    for dev in ("GPU-0", "GPU-1"):
+        assert led.grants(device_id=dev) == [g for g in everything if g.device_id == dev]
+        assert led.grants_with_pid(dev) == [g for g in everything if g.device_id == dev and g.pid > 0]
+        u = led.usage(dev)
+        assert (u.mem_granted_mib, u.sm_granted_pct) == _scan_totals(led, device_id=dev)
+    assert led.grant_count() == len(everything)
+    assert led.apps() == sorted({g.app_id for g in everything} | {a for a in ("a", "b", "c") if led.limits(a)})
+
+
+_op = st.one_of(
+    st.tuples(st.just("grant"), st.sampled_from("abc"), st.floats(0, 30_000), st.floats(0, 40), st.sampled_from([0, 7])),
+    st.tuples(st.just("release"), st.integers(0, 20), st.just(0.0), st.just(0.0), st.just(0)),
+    st.tuples(st.just("resize"), st.integers(0, 20), st.floats(0, 30_000), st.floats(0, 40), st.just(0)),
+    st.tuples(st.just("commit"), st.just(0), st.just(0.0), st.just(0.0), st.just(0)),
+    st.tuples(st.just("rollback"), st.just(0), st.just(0.0), st.just(0.0), st.just(0)),
+    st.tuples(st.just("limits"), st.sampled_from("abc"), st.floats(0, 60_000), st.just(0.0), st.just(0)),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(_op, max_size=40))
+def test_indices_and_totals_match_a_scan_after_any_changes(ops: list[tuple[str, object, float, float, int]]) -> None:
+    led = make(GPU0, GPU1)
+    for kind, who, mem, sm, pid in ops:
+        ids = [g.grant_id for g in led.grants()]
+        try:
+            if kind == "grant":
+                led.grant(str(who), mem, sm, pid=pid)
+            elif kind == "release" and ids:
+                led.release(ids[int(str(who)) % len(ids)])
+            elif kind == "resize" and ids:
+                led.resize(ids[int(str(who)) % len(ids)], mem, sm, clamp=mem > 20_000)
+            elif kind == "commit":
+                led.commit_changes()
+            elif kind == "rollback":
+                led.rollback_changes()
+            elif kind == "limits":
+                led.set_limits(AppLimits(str(who), max_memory_mib=mem))
+        except InsufficientResources:
+            pass
+        _check_indices(led)
+    restored = Ledger.from_records(json.loads(json.dumps(led.to_records())))
+    _check_indices(restored)
+    assert restored.grants() == led.grants()
+
+
+def test_a_released_grant_leaves_the_totals_exactly_as_before() -> None:
+    led = make()
+    led.grant("a", 0.1, 0.3)
+    before = led.usage("GPU-0")
+    for _ in range(1000):
+        led.release(led.grant("b", 0.2, 0.7).grant_id)
+    assert led.usage("GPU-0") == before
+    assert led.usage("GPU-0").mem_granted_mib == 0.1

@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from tests.daemon_fixtures import ROOT, Env, Serve
-from vgpu import ctl
+from vgpu import auth, ctl
 from vgpu.allocator.core import Allocator, AppInfo
 from vgpu.allocator.history import History, HistoryPoint
 from vgpu.allocator.service import ProfilerState, app_to_pb, device_to_pb, process_info
@@ -111,6 +111,32 @@ def test_available_and_apps_show_what_nvidia_smi_shows(env: Env, serves: list[Se
     assert re.fullmatch(r"\d+s ago", mine["LAST SEEN"])
 
 
+def test_a_claimed_id_with_no_grant_is_listed_as_claimed(env: Env, serves: list[Serve]) -> None:
+    serves.append(Serve(env))
+    channel = grpc.insecure_channel(f"unix:{env.sock}")
+    stub = allocator_pb2_grpc.AllocatorStub(channel)
+    try:
+        reply, call = stub.RequestResourceAllocation.with_call(pb.RequestResourceAllocationRequest(
+            request=pb.ResourceRequest(app_id="owner-1", memory_mib=64)), timeout=10)
+        token = str(dict(call.trailing_metadata() or ())[auth.APP_TOKEN_TRAILER])  # the first request claims the id
+        stub.ReleaseResources(pb.ReleaseResourcesRequest(grant_id=reply.grant.grant_id), metadata=auth.bearer(token),
+                              timeout=10)
+        stub.RequestResourceAllocation(pb.RequestResourceAllocationRequest(
+            request=pb.ResourceRequest(app_id="holder", memory_mib=32)), timeout=10)
+    finally:
+        channel.close()
+    listed = {a["app_id"]: a for a in json.loads(cli(env, "apps", "--json").stdout)["apps"]}
+    assert listed["owner-1"]["claimed"] is True and listed["owner-1"]["grants"] == []
+    assert time.time() - 60 < listed["owner-1"]["claimed_at_s"] <= time.time()
+    assert listed["holder"]["claimed"] is True and len(listed["holder"]["grants"]) == 1
+    table = cli(env, "apps").stdout
+    assert _row(table, "owner-1")["CLAIMED"] == "yes" and _row(table, "owner-1")["GRANTED MiB"] == "0"
+    assert _row(table, "holder")["CLAIMED"] == "yes" and _row(table, "holder")["GRANTED MiB"] == "32"
+    assert serves[-1].term() == 0
+    serves.append(Serve(env))  # the claim is stored: listed after a restart too
+    assert _row(cli(env, "apps").stdout, "owner-1")["CLAIMED"] == "yes"
+
+
 def test_dry_run_is_shown(env: Env, serves: list[Serve]) -> None:
     serves.append(Serve(env, "--dry-run"))
     assert _row(cli(env, "available").stdout, "0")["MODE"] == "dry run"
@@ -135,6 +161,7 @@ def test_streamed_apps_show_usage_forecast_history_and_profiler(env: Env, serves
         assert row["PID"].isdigit()  # the pid the signatures name (a trace's: no such process here)
         assert row["USER"] == "N/A" and row["COMMAND"] == "N/A"
         assert row["GPU"] == "0" and re.fullmatch(r"\d+s ago", row["LAST SEEN"])
+        assert row["CLAIMED"] == "no"  # an id seen only in signatures has no owner
         dev = _row(cli(env, "available").stdout, "0")
         assert re.fullmatch(r"1 \(\d+s ago\)", dev["PROFILERS"]), dev["PROFILERS"]
 

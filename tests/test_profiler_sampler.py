@@ -291,6 +291,29 @@ def _report(pid: int, written_at_s: float, pid_start_s: float | None, app_id: st
     return InAppReport(app_id, pid, pid_start_s, written_at_s, InAppCounters(step=3, torch_reserved_mib=10.0))
 
 
+def test_a_bad_inapp_counter_is_left_out_counted_and_logged_once_and_the_rest_kept(tmp_path: Path) -> None:
+    import json
+    import time
+
+    import psutil
+
+    counters = {"requests_running": 12, "requests_waiting": -3, "kv_used_mib": 1e30, "kv_total_mib": 8192.0,
+                "step": 5}
+    (tmp_path / f"{os.getpid()}.json").write_text(json.dumps(
+        {"v": 1, "app_id": "llm", "pid": os.getpid(), "pid_start_s": psutil.Process().create_time(),
+         "written_at_s": time.time(), "counters": counters}))
+    sampler, _ = _real_sampler(tmp_path)
+    for _ in range(3):
+        (sig,) = sampler.sample()
+    assert sig.app_id == "llm" and sig.in_app.requests_running == 12 and sig.in_app.kv_total_mib == 8192.0
+    assert sig.in_app.step == 5
+    assert not sig.in_app.HasField("requests_waiting") and not sig.in_app.HasField("kv_used_mib")
+    assert sampler.stats.inapp_dropped == {"requests_waiting: negative": 3, "kv_used_mib: above 1.67772e+07": 3}
+    assert sampler.stats.inapp_bad == 0  # the file itself is fine
+    logged = [r for r in sampler._log.records if "left out" in r[1]]  # type: ignore[attr-defined]
+    assert len(logged) == 2  # once per process and counter, not per tick
+
+
 def test_stale_inapp_file_is_ignored(tmp_path: Path) -> None:
     import time
 

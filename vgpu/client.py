@@ -24,10 +24,19 @@ Three things run behind that API:
 * **Requests** go to the `Allocator` gRPC service (`RequestResourceAllocation`, `ReleaseResources`).
 * **A watch of its own grants** (`WatchAllocations` filtered by `app_id`, in a daemon thread, reconnecting
   with capped backoff) keeps the sum of the app's granted memory. When it changes, the stub applies it
-  *cooperatively*: for PyTorch, `torch.cuda.set_per_process_memory_fraction(limit / total)`. Nothing is
-  enforced from outside; the allocator sees what was applied in the in-app counters below.
+  *cooperatively*: for PyTorch, `torch.cuda.set_per_process_memory_fraction(limit / total)`, so an
+  allocation beyond the grant fails (torch's OutOfMemoryError) and the application lives. On a device
+  whose memory is contended the daemon also caps the process's cgroup at the grant (a hard limit,
+  beyond which the process runs out of memory); every event says which (`mem_limit`: "hard" or
+  "cooperative"), kept in `memory_limit_kind`. The allocator sees what was applied in the in-app
+  counters below.
 * **A reporter** (daemon thread, every `report_period_s`) writes the app's in-app counters to a small
-  JSON file, `<inapp_dir>/<pid>.json`, that the profiler reads when it samples that pid.
+  JSON file, `<inapp_dir>/<pid>.json`, that the profiler reads when it samples that pid: PyTorch's
+  allocator counters, and a serving engine's (`report_serving`; `serving_counters_from_metrics` reads
+  them from a vLLM or SGLang Prometheus text):
+
+      scrape = scrape_serving_metrics("http://127.0.0.1:8000/metrics", kv_total_mib=40_960)
+      client.report_serving(scrape.counters)      # every second or so; stale after serving_max_age_s
 
 Why a file and not another RPC: the profiler already visits every GPU process each tick and only needs
 the latest value; a per-pid file on tmpfs costs one `open` per sample, needs no connection or server in
@@ -190,7 +199,9 @@ class InAppFormatError(ValueError):
 
 @dataclass(frozen=True)
 class InAppCounters:
-    """What an application reports from inside; None where it has nothing to say."""
+    """What an application reports from inside; None where it has nothing to say. The PyTorch
+    allocator's counters come from `torch.cuda.memory_stats`; a serving engine's (requests running and
+    waiting, KV cache in use and its pool, tokens in flight) from `VgpuClient.report_serving`."""
 
     torch_allocated_mib: float | None = None
     torch_reserved_mib: float | None = None
@@ -199,9 +210,51 @@ class InAppCounters:
     oom_count: int | None = None
     step: int | None = None
     applied_mem_limit_mib: float | None = None
+    requests_running: int | None = None
+    requests_waiting: int | None = None
+    kv_used_mib: float | None = None
+    kv_total_mib: float | None = None
+    tokens_in_flight: int | None = None
 
 
-_INT_COUNTERS = {"alloc_retries", "oom_count", "step"}
+INT_COUNTERS = {"alloc_retries", "oom_count", "step", "requests_running", "requests_waiting", "tokens_in_flight"}
+# The largest sane value of each in-app counter. Above it a value is corrupt, not large: no GPU holds
+# 16 TiB, no engine keeps ten million requests in flight, and a cumulative count past 2**53 is no
+# longer exact as a double. Every reader of the counters (this stub, the profiler reading the file,
+# the manager reading the wire) drops a value that is not finite, negative or above its bound.
+MAX_INAPP_MIB = float(2**24)
+MAX_INAPP_REQUESTS = 10_000_000.0
+MAX_INAPP_TOKENS = 1e10
+MAX_INAPP_COUNT = float(2**53)
+INAPP_MAX: dict[str, float] = {
+    "torch_allocated_mib": MAX_INAPP_MIB,
+    "torch_reserved_mib": MAX_INAPP_MIB,
+    "torch_active_mib": MAX_INAPP_MIB,
+    "alloc_retries": MAX_INAPP_COUNT,
+    "oom_count": MAX_INAPP_COUNT,
+    "step": MAX_INAPP_COUNT,
+    "applied_mem_limit_mib": MAX_INAPP_MIB,
+    "requests_running": MAX_INAPP_REQUESTS,
+    "requests_waiting": MAX_INAPP_REQUESTS,
+    "kv_used_mib": MAX_INAPP_MIB,
+    "kv_total_mib": MAX_INAPP_MIB,
+    "tokens_in_flight": MAX_INAPP_TOKENS,
+}
+SERVING_COUNTERS = ("requests_running", "requests_waiting", "kv_used_mib", "kv_total_mib", "tokens_in_flight")
+
+
+def inapp_value_problem(name: str, value: object) -> str | None:
+    """Why `value` is no usable value of the in-app counter `name` (None when it is one). The reason
+    never quotes the value, so reasons counted by name stay a small, fixed set."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return "not a number"
+    if not math.isfinite(value):
+        return "not finite"
+    if value < 0:
+        return "negative"
+    if value > INAPP_MAX[name]:
+        return f"above {INAPP_MAX[name]:g}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -212,6 +265,8 @@ class InAppReport:
     pid_start_s: float | None
     written_at_s: float
     counters: InAppCounters
+    # (counter, why) for each counter of the file that was left out (`inapp_value_problem`)
+    dropped: tuple[tuple[str, str], ...] = ()
 
 
 def inapp_path(directory: str | Path, pid: int) -> Path:
@@ -270,20 +325,26 @@ def parse_inapp(text: str) -> InAppReport:
     raw = data.get("counters", {})
     if not isinstance(raw, dict):
         raise InAppFormatError("counters not an object")
+    # A counter that is no usable value is left out, with its reason, and the rest of the report
+    # kept: one bad counter (an engine's metric gone wrong) costs only itself.
     values: dict[str, Any] = {}
+    dropped: list[tuple[str, str]] = []
     for f in fields(InAppCounters):
         v = raw.get(f.name)
         if v is None:
             continue
-        if not _is_number(v) or v < 0:
-            raise InAppFormatError(f"counter {f.name} is not a non-negative number: {v!r}")
-        values[f.name] = int(v) if f.name in _INT_COUNTERS else float(v)
+        problem = inapp_value_problem(f.name, v)
+        if problem is not None:
+            dropped.append((f.name, problem))
+            continue
+        values[f.name] = int(v) if f.name in INT_COUNTERS else float(v)
     return InAppReport(
         app_id=app_id,
         pid=pid,
         pid_start_s=None if start is None else float(start),
         written_at_s=written_at_s,
         counters=InAppCounters(**values),
+        dropped=tuple(dropped),
     )
 
 
@@ -319,6 +380,149 @@ def _is_number(v: object) -> TypeGuard[int | float]:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
+# --- a serving engine's counters -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServingCounters:
+    """What a serving engine knows about its own load, the leading signals of its memory and compute:
+    requests running (being prefilled or decoded) and waiting for admission, the KV cache in use and
+    its pool (MiB), and the tokens the running requests hold. None where the engine does not say."""
+
+    requests_running: int | None = None
+    requests_waiting: int | None = None
+    kv_used_mib: float | None = None
+    kv_total_mib: float | None = None
+    tokens_in_flight: int | None = None
+
+    def problems(self) -> list[str]:
+        """`counter: why` for each value that is no usable counter value (`inapp_value_problem`)."""
+        out = []
+        for name in SERVING_COUNTERS:
+            v = getattr(self, name)
+            why = None if v is None else inapp_value_problem(name, v)
+            if why is not None:
+                out.append(f"{name}: {why} ({v!r})")
+        if not out and self.kv_used_mib is not None and self.kv_total_mib is not None \
+                and self.kv_used_mib > self.kv_total_mib * (1 + 1e-9):
+            out.append(f"kv_used_mib: {self.kv_used_mib:g} is more than the pool, kv_total_mib {self.kv_total_mib:g}")
+        return out
+
+
+@dataclass(frozen=True)
+class ServingScrape:
+    """What `serving_counters_from_metrics` read: the counters, which engine's metrics they were
+    ("vllm", "sglang", or None when the text has neither), the KV cache in use as a fraction of its pool
+    as the engine reports it, and the metrics that were present but unusable, with the reason."""
+
+    counters: ServingCounters
+    engine: str | None
+    kv_used_frac: float | None
+    skipped: tuple[str, ...] = ()
+
+
+# Prometheus metric names of the engines (their /metrics text): requests running, requests waiting,
+# the KV cache in use as a fraction of the pool (0-1; both vLLM names, the older first), tokens held.
+_ENGINE_METRICS: dict[str, dict[str, tuple[str, ...]]] = {
+    "vllm": {
+        "running": ("vllm:num_requests_running",),
+        "waiting": ("vllm:num_requests_waiting",),
+        "kv_frac": ("vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc"),
+        "tokens": (),
+    },
+    "sglang": {
+        "running": ("sglang:num_running_reqs",),
+        "waiting": ("sglang:num_queue_reqs",),
+        "kv_frac": ("sglang:token_usage",),
+        "tokens": ("sglang:num_used_tokens",),
+    },
+}
+
+
+def serving_counters_from_metrics(
+    text: str, *, kv_total_mib: float | None = None, labels: Mapping[str, str] | None = None
+) -> ServingScrape:
+    """A vLLM or SGLang server's Prometheus `/metrics` text as serving counters, parsed with
+    prometheus_client's text parser.
+
+    vLLM: `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:gpu_cache_usage_perc` (or
+    `vllm:kv_cache_usage_perc`). SGLang: `sglang:num_running_reqs`, `sglang:num_queue_reqs`,
+    `sglang:token_usage`, `sglang:num_used_tokens` (tokens in flight). The engines report the KV cache
+    as a fraction of its pool, not in MiB: give the pool's size as `kv_total_mib` (what the engine
+    logs at start, e.g. vLLM's "KV cache size" / "# GPU blocks" times the block's bytes) to get
+    `kv_used_mib` and `kv_total_mib`; without it only `kv_used_frac` is filled. `labels` keeps only
+    the samples with those label values (one engine of several, e.g. {"model_name": "m"}); the
+    samples left are summed (requests, tokens) or averaged (fractions). ValueError when the text is
+    not Prometheus text or `kv_total_mib` is no usable pool size."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    if kv_total_mib is not None and (inapp_value_problem("kv_total_mib", kv_total_mib) or not kv_total_mib > 0):
+        raise ValueError(f"kv_total_mib must be a positive number of MiB, got {kv_total_mib!r}")
+    want = dict(labels or {})
+    found: dict[str, list[float]] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if all(sample.labels.get(k) == v for k, v in want.items()):
+                    found.setdefault(sample.name, []).append(float(sample.value))
+    except (ValueError, TypeError, IndexError) as exc:  # the parser's errors on malformed text
+        raise ValueError(f"not Prometheus text format: {exc}") from exc
+    engine = next((e for e, names in _ENGINE_METRICS.items()
+                   if any(n in found for group in names.values() for n in group)), None)
+    if engine is None:
+        return ServingScrape(ServingCounters(), None, None)
+    names = _ENGINE_METRICS[engine]
+    skipped: list[str] = []
+
+    def first(group: str) -> tuple[str, list[float]] | None:
+        for name in names[group]:
+            if name in found:
+                return name, found[name]
+        return None
+
+    def count(group: str, counter: str) -> int | None:
+        hit = first(group)
+        if hit is None:
+            return None
+        total = sum(hit[1])
+        why = inapp_value_problem(counter, total)
+        if why is not None:
+            skipped.append(f"{hit[0]}: {why}")
+            return None
+        return int(round(total))
+
+    frac: float | None = None
+    hit = first("kv_frac")
+    if hit is not None:
+        mean = sum(hit[1]) / len(hit[1])
+        if math.isfinite(mean) and 0.0 <= mean <= 1.0:
+            frac = mean
+        else:
+            skipped.append(f"{hit[0]}: not a fraction in 0-1 ({mean!r})")
+    counters = ServingCounters(
+        requests_running=count("running", "requests_running"),
+        requests_waiting=count("waiting", "requests_waiting"),
+        kv_used_mib=None if frac is None or kv_total_mib is None else frac * kv_total_mib,
+        kv_total_mib=None if kv_total_mib is None else float(kv_total_mib),
+        tokens_in_flight=count("tokens", "tokens_in_flight"),
+    )
+    return ServingScrape(counters, engine, frac, tuple(skipped))
+
+
+def scrape_serving_metrics(
+    url: str, *, kv_total_mib: float | None = None, labels: Mapping[str, str] | None = None, timeout_s: float = 2.0,
+) -> ServingScrape:
+    """`serving_counters_from_metrics` of the text at `url` (an engine's `http://host:port/metrics`).
+    OSError when it cannot be fetched, ValueError when it is not Prometheus text."""
+    import urllib.request
+
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"expected an http(s) URL of a /metrics endpoint, got {url!r}")
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310 - scheme checked above
+        text = resp.read(16 * 2**20).decode("utf-8", errors="replace")
+    return serving_counters_from_metrics(text, kv_total_mib=kv_total_mib, labels=labels)
+
+
 # --- the client --------------------------------------------------------------------------------------
 
 _FROM_SYS_MODULES: Any = object()
@@ -334,7 +538,8 @@ class VgpuClient:
     be the same directory: the daemon reads this process's report there as the proof of its pid,
     and refuses a request naming a pid it cannot verify), `token` / `token_file` the application's identity (module docstring,
     "Identity"; `env` stands in for os.environ when finding the default token file). `channel`,
-    `torch_module`, `clock`, `pid` and `sleep` exist for tests. `watch=False` / `report=False` turn the
+    `torch_module`, `clock`, `pid` and `sleep` exist for tests. `serving_max_age_s` is how long a
+    `report_serving` stays in the reports. `watch=False` / `report=False` turn the
     background threads off. A token file that holds no token raises TokenFileError naming it.
     """
 
@@ -360,6 +565,7 @@ class VgpuClient:
         token: str | None = None,
         token_file: str | Path | None = None,
         env: Mapping[str, str] | None = None,
+        serving_max_age_s: float = INAPP_MAX_AGE_S,
     ) -> None:
         if not app_id or not app_id.strip():
             raise ValueError("app_id must be a non-empty string")
@@ -392,6 +598,10 @@ class VgpuClient:
         self._grants: dict[str, allocator_pb2.Grant] = {}
         self._step = 0
         self._applied_limit_mib: float | None = None
+        self._mem_limit_kind = ""
+        self._serving: ServingCounters | None = None
+        self._serving_at_s = -math.inf
+        self._serving_max_age_s = serving_max_age_s
         self._warned: set[str] = set()
         self._closed = threading.Event()
         self._watch_call: Any = None
@@ -514,6 +724,21 @@ class VgpuClient:
             released.append(resp.released)
         return released
 
+    def report_serving(self, counters: ServingCounters) -> None:
+        """Report a serving engine's counters (requests running and waiting, KV cache in use and its
+        pool, tokens in flight; `serving_counters_from_metrics` reads them from a vLLM or SGLang
+        `/metrics` text). They go out with every report for `serving_max_age_s` after this call and
+        are dropped after that, so an engine whose scraper stopped is reported as silent, not as
+        frozen: call it at least that often (every second suits the profiler's 100 ms ticks). A
+        counter left None is not reported. ValueError naming the counter for a value that is not
+        finite, negative or implausibly large, and for KV in use beyond the pool."""
+        problems = counters.problems()
+        if problems:
+            raise ValueError("unusable serving counters: " + "; ".join(problems))
+        with self._lock:
+            self._serving = counters
+            self._serving_at_s = self._clock()
+
     def step(self, n: int = 1) -> int:
         """Mark `n` finished steps (training iterations or inference batches); the new step count."""
         if n < 0:
@@ -528,6 +753,14 @@ class VgpuClient:
             return sum(g.memory_mib for g in self._grants.values())
 
     @property
+    def memory_limit_kind(self) -> str:
+        """How the daemon enforces this application's memory grant, from its latest event: "hard"
+        (its cgroup is capped too: the device is contended), "cooperative" (only this stub's own
+        limit), "" before any event."""
+        with self._lock:
+            return self._mem_limit_kind
+
+    @property
     def applied_mem_limit_mib(self) -> float | None:
         with self._lock:
             return self._applied_limit_mib
@@ -537,10 +770,14 @@ class VgpuClient:
             return list(self._grants.values())
 
     def counters(self) -> InAppCounters:
-        """The in-app counters now: torch's allocator statistics where torch has CUDA initialised."""
+        """The in-app counters now: torch's allocator statistics where torch has CUDA initialised,
+        and the serving counters of the last `report_serving` while they are fresh."""
         with self._lock:
             step, limit = self._step, self._applied_limit_mib
+            serving, at_s = self._serving, self._serving_at_s
         stats = self._torch_stats()
+        if serving is not None and self._clock() - at_s <= self._serving_max_age_s:
+            stats.update({k: v for k, v in asdict(serving).items() if v is not None})
         return InAppCounters(step=step, applied_mem_limit_mib=limit, **stats)
 
     def _provable_pid(self) -> int:
@@ -577,6 +814,9 @@ class VgpuClient:
         if event.grant.app_id and event.grant.app_id != self.app_id:
             return
         kind = event.kind
+        if event.mem_limit in ("hard", "cooperative"):
+            with self._lock:
+                self._mem_limit_kind = event.mem_limit
         if kind in (allocator_pb2.AllocationEvent.GRANTED, allocator_pb2.AllocationEvent.RESIZED):
             self._on_grant(event.grant, released=False)
         elif kind == allocator_pb2.AllocationEvent.RELEASED:

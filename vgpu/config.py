@@ -52,6 +52,10 @@ class ServerConfig:
     # (nvmlDeviceSetMemoryLimits_v1, driver R615+), for applications whose pid is known; a driver
     # without them turns this off with one log line.
     cgroup_memory_limits: bool = True
+    # When those caps apply: "contended" (only on a GPU whose grants reach 90 % of its memory or whose
+    # forecast needs exceed it; elsewhere the application keeps to its grant itself, and an overrun
+    # fails an allocation instead of ending the process) or "always" (wherever a pid is known).
+    hard_memory_limits: str = "contended"
     # On a GPU in MIG mode, let vgpu choose its MIG layout from the forecast needs of the
     # applications on it (created ahead of need; an instance with processes is never destroyed).
     # Off: the operator's layout is left as it is.
@@ -70,6 +74,11 @@ class ServerConfig:
     # and in all; a watcher that does not keep up with its events is dropped.
     max_watchers_per_caller: int = 16
     max_watchers: int = 256
+    # Connections open at once on the socket (gRPC's grpc.max_allowed_incoming_connections): one
+    # beyond it is closed as soon as it is accepted. Each costs the daemon about 13 KiB (17 KiB once
+    # it has spoken HTTP/2), so the bound caps that memory; the price is that a caller holding this
+    # many connections keeps new clients out (as LimitNOFILE would, at 65536).
+    max_connections: int = 4096
     # Where client stubs write their in-app reports (vgpu/client.py); a request naming a pid without
     # the operator token is taken only when that pid's report there, owned by its user, names the app.
     inapp_dir: str = "/run/vgpu/inapp"
@@ -140,6 +149,11 @@ class ManagerConfig:
     # model on the history and promotes it only when it beats the serving one on the most recent
     # held-back hour's worth); 0 = never. `vgpu model status|rollback` shows and undoes promotions.
     learn_interval_s: float = 3600.0
+    # Signatures naming processes this node does not run (a replayed trace's pids) from the profiler
+    # token: "yes" takes them, "no" takes only signatures whose pid the node's driver lists as a GPU
+    # process on the device named (a replay then needs the operator token), "auto" is "no" on NVML
+    # and "yes" on the simulator (whose processes no separate profiler can see).
+    accept_replay: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -240,11 +254,16 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"server.backend: expected 'nvml' or 'sim:<sku>', got {s.backend!r} ({exc})") from None
     if s.grace_s < 0:
         raise ConfigError(f"server.grace_s: must be >= 0, got {s.grace_s}")
+    if s.hard_memory_limits not in ("contended", "always"):
+        raise ConfigError(f"server.hard_memory_limits: expected 'contended' or 'always', got {s.hard_memory_limits!r}")
     if not s.idle_release_s >= 0:
         raise ConfigError(f"server.idle_release_s: must be >= 0 (0: never), got {s.idle_release_s}")
-    for name in ("max_grants_per_app", "max_grants_per_node", "max_watchers_per_caller", "max_watchers"):
+    for name in ("max_grants_per_app", "max_grants_per_node", "max_watchers_per_caller", "max_watchers",
+                 "max_connections"):
         if getattr(s, name) < 1:
             raise ConfigError(f"server.{name}: must be >= 1, got {getattr(s, name)}")
+    if cfg.manager.accept_replay not in ("auto", "yes", "no"):
+        raise ConfigError(f"manager.accept_replay: expected auto, yes or no, got {cfg.manager.accept_replay!r}")
     if cfg.auth.max_self_registered_apps < 1:
         raise ConfigError(f"auth.max_self_registered_apps: must be >= 1, got {cfg.auth.max_self_registered_apps}")
     if s.tcp:
@@ -372,6 +391,14 @@ def dry_run_of(server: ServerConfig) -> bool:
     """Whether the daemon writes nothing to the devices: `server.dry_run` when set, else True on the
     nvml backend (a real GPU) and False on a simulator."""
     return server.backend == "nvml" if server.dry_run is None else server.dry_run
+
+
+def accepts_replay(cfg: Config) -> bool:
+    """Whether the profiler token may stream signatures of processes the node does not run
+    (`manager.accept_replay`; "auto": only on the simulator)."""
+    if cfg.manager.accept_replay == "auto":
+        return cfg.server.backend.strip().lower() != "nvml"
+    return cfg.manager.accept_replay == "yes"
 
 
 def resolve_dry_run(cfg: Config) -> Config:

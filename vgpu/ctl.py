@@ -359,8 +359,8 @@ def available_main(argv: Sequence[str] | None = None, prog: str = "vgpu availabl
 
 
 # --- apps ------------------------------------------------------------------------------------------------
-APP_COLUMNS = ("APP", "PID", "USER", "COMMAND", "GPU", "USED MiB", "P50 MiB", "P90 MiB", "GRANTED MiB", "LIMIT MiB",
-               "SM %", "P90 SM %", "GRANT SM %", "LAST SEEN")
+APP_COLUMNS = ("APP", "CLAIMED", "PID", "USER", "COMMAND", "GPU", "USED MiB", "P50 MiB", "P90 MiB", "GRANTED MiB",
+               "ENFORCED", "LIMIT MiB", "SM %", "P90 SM %", "GRANT SM %", "LAST SEEN")
 _APP_RIGHT = {"USED MiB", "P50 MiB", "P90 MiB", "GRANTED MiB", "LIMIT MiB", "SM %", "P90 SM %", "GRANT SM %"}
 
 
@@ -382,6 +382,7 @@ def app_rows(resp: pb.ListApplicationsResponse, devices: pb.GetAvailableResource
         lim = a.limits
         rows.append({
             "APP": a.app_id,
+            "CLAIMED": "yes" if a.claimed else "no",
             "PID": ",".join(str(p.pid) for p in procs) or NA,
             "USER": ",".join(sorted({p.user for p in procs if p.user})) or NA,
             "COMMAND": (procs[0].command if procs and procs[0].command else NA),
@@ -390,6 +391,7 @@ def app_rows(resp: pb.ListApplicationsResponse, devices: pb.GetAvailableResource
             "P50 MiB": _known(a.forecast_mem_p50_mib, known and a.forecast_mem_p50_mib > 0),
             "P90 MiB": _known(a.forecast_mem_p90_mib, known and a.forecast_mem_p90_mib > 0),
             "GRANTED MiB": f"{sum(g.memory_mib for g in a.grants):,.0f}",
+            "ENFORCED": a.mem_limit or NA,
             "LIMIT MiB": f"{lim.max_memory_mib:,.0f}" if a.HasField("limits") and lim.HasField("max_memory_mib") else "-",
             "SM %": _known(a.sm_util_pct, known),
             "P90 SM %": _known(a.forecast_sm_p90_pct, known and a.forecast_sm_p90_pct > 0),

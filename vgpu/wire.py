@@ -8,6 +8,13 @@ plus one bulk window append per application. The checks are those of the row for
 
     msg = encode_columns(app_ids, device_ids, seq, t_s, {"mem_used_mib": mem, "sm_util_pct": sm})
     rows = read_columns(msg)            # ColumnRows: arrays, plus (row, reason) for rejected rows
+
+The values are the window's columns, `COLUMNS`: the trace format's own (`vgpu.traces.NUMERIC`), then
+the application's in-app counters (`vgpu.traces.INAPP_NUMERIC`, from `InAppCounters` in
+signature.proto). An in-app value is the application's word about itself, so one that is not finite,
+is negative or is above its bound (`vgpu.client.INAPP_MAX`) is dropped alone (NaN: not reported), with
+its reason counted (`dropped`), and the signature is kept; a bad value of any other column rejects
+the signature.
 """
 
 from __future__ import annotations
@@ -19,8 +26,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from vgpu.client import INAPP_MAX
 from vgpu.ids import app_id_problem
-from vgpu.traces import NUMERIC
+from vgpu.traces import INAPP_NUMERIC, NUMERIC
 from vgpu.v1 import ingest_pb2, signature_pb2
 
 MAX_ID_CHARS = 256
@@ -28,6 +36,11 @@ MAX_ID_CHARS = 256
 # carried through a forecast plus margin they overflow to inf.
 MAX_COUNTER = 1e12
 _PCT = ("sm_util_pct", "mem_util_pct")
+INAPP_PREFIX = "inapp_"
+# the window's and the wire's value columns: the format's own, then the in-app counters
+COLUMNS: tuple[str, ...] = NUMERIC + INAPP_NUMERIC
+# each in-app column's largest sane value (the counter's bound, vgpu.client.INAPP_MAX)
+INAPP_COLUMN_MAX: dict[str, float] = {c: INAPP_MAX[c[len(INAPP_PREFIX):]] for c in INAPP_NUMERIC}
 
 
 @dataclass(frozen=True)
@@ -40,9 +53,12 @@ class ColumnRows:
     device_index: npt.NDArray[np.int64]
     seq: npt.NDArray[np.uint64]
     t_s: npt.NDArray[np.float64]
-    values: npt.NDArray[np.float64]  # (len(NUMERIC), rows), NaN where unknown
+    # (len(COLUMNS), rows), NaN where unknown; (len(NUMERIC), rows) when the message has no in-app column
+    values: npt.NDArray[np.float64]
     good: npt.NDArray[np.bool_]
     rejected: tuple[tuple[int, str], ...]  # (row, reason), rows in order
+    # (reason, how many values) for in-app values dropped from good rows (the rows are kept)
+    dropped: tuple[tuple[str, int], ...] = ()
 
     def __len__(self) -> int:
         return len(self.t_s)
@@ -61,12 +77,12 @@ def encode_columns(
     n = len(app_ids)
     if not (len(device_ids) == len(seq) == len(t_s) == n) or any(len(v) != n for v in values.values()):
         raise ValueError("every per-row argument must have one entry per row")
-    unknown = sorted(set(values) - set(NUMERIC))
+    unknown = sorted(set(values) - set(COLUMNS))
     if unknown:
-        raise ValueError(f"unknown value columns {unknown}; known: {', '.join(NUMERIC)}")
+        raise ValueError(f"unknown value columns {unknown}; known: {', '.join(COLUMNS)}")
     apps, app_index = _table(app_ids)
     devs, dev_index = _table(device_ids)
-    names = [c for c in NUMERIC if c in values]
+    names = [c for c in COLUMNS if c in values]
     block = np.asarray([values[c] for c in names], dtype="<f8").reshape(len(names), n)
     return ingest_pb2.SignatureColumns(
         app_ids=apps,
@@ -90,12 +106,14 @@ def _table(ids: Sequence[str]) -> tuple[list[str], list[int]]:
 
 # --- one signature: checked and turned into window values in one pass ------------------------------
 _PCT_FIELDS = {"sm_util_pct", "mem_bw_util_pct"}
-_COL = {name: k for k, name in enumerate(NUMERIC)}
+_COL = {name: k for k, name in enumerate(COLUMNS)}
 _MEM = _COL["mem_used_mib"]
+_N_ALL = len(COLUMNS)
 
 
-def _field_specs() -> dict[object, tuple[str, int, float, bool]]:
-    """Each counter field: (where, window column or -1, scale, is a percentage). Keyed by descriptor."""
+def _field_specs() -> dict[object, tuple[str, int, float, bool, float]]:
+    """Each counter field: (where, window column or -1, scale, is a percentage, bound of an in-app
+    counter or 0 for the others). Keyed by descriptor."""
     sig = signature_pb2.BehavioralSignature.DESCRIPTOR
     to_col = {
         ("device", "mem_total_mib"): ("mem_total_mib", 1.0),
@@ -108,28 +126,44 @@ def _field_specs() -> dict[object, tuple[str, int, float, bool]]:
         ("process", "gpu_mem_used_mib"): ("mem_used_mib", 1.0),
         ("process", "sm_util_pct"): ("sm_util_pct", 1.0),
     }
-    out: dict[object, tuple[str, int, float, bool]] = {}
+    out: dict[object, tuple[str, int, float, bool, float]] = {}
     for part in ("device", "process", "host", "in_app"):
         message = sig.fields_by_name[part].message_type
         assert message is not None, f"BehavioralSignature.{part} is a message field"
         for fd in message.fields:
+            if part == "in_app":
+                col = INAPP_PREFIX + fd.name
+                out[fd] = (f"in_app.{fd.name}", _COL.get(col, -1), 1.0, False, INAPP_MAX[fd.name])
+                continue
             col, scale = to_col.get((part, fd.name), ("", 1.0))
-            out[fd] = (f"{part}.{fd.name}", _COL[col] if col else -1, scale, fd.name in _PCT_FIELDS)
+            out[fd] = (f"{part}.{fd.name}", _COL[col] if col else -1, scale, fd.name in _PCT_FIELDS, 0.0)
     return out
 
 
 _SPECS = _field_specs()
 _INAPP_RESERVED = signature_pb2.InAppCounters.DESCRIPTOR.fields_by_name["torch_reserved_mib"]
-_NAN_ROW = [math.nan] * len(NUMERIC)
+_NAN_ROW = [math.nan] * len(COLUMNS)
+_NAN_BASE = [math.nan] * len(NUMERIC)
+_NAN_INAPP = [math.nan] * len(INAPP_NUMERIC)
 
 
-def parse_signature(sig: signature_pb2.BehavioralSignature) -> tuple[str | None, list[float]]:
-    """(why the signature is unusable or None, its window values indexed like vgpu.traces.NUMERIC,
-    NaN where unset). One pass over the set fields: validation and extraction together.
+def inapp_reason(where: str, why: str) -> str:
+    """The counted reason of a dropped in-app value (no value in it: a small, fixed set of reasons)."""
+    return f"{where} dropped: {why}"
+
+
+def parse_signature(
+    sig: signature_pb2.BehavioralSignature, dropped: list[str] | None = None
+) -> tuple[str | None, list[float]]:
+    """(why the signature is unusable or None, its window values indexed like `COLUMNS`, NaN where
+    unset; only the format's columns, `NUMERIC`, when it sets no in-app counter: the common case
+    costs no more than before the in-app columns). One pass over the set fields: validation and
+    extraction together.
 
     What a signature contributes: mem_used_mib = process.gpu_mem_used_mib, else
     in_app.torch_reserved_mib; sm_util_pct = process.sm_util_pct; the device columns from the device
-    fields (power in W from mW)."""
+    fields (power in W from mW); `inapp_<name>` from in_app.<name>. An in-app value that is not finite,
+    is negative or is above its bound is left out (NaN) and its reason appended to `dropped`."""
     problem = "app_id is empty" if not sig.app_id.strip() else app_id_problem(sig.app_id)
     if problem is not None:
         return problem, _NAN_ROW
@@ -143,15 +177,26 @@ def parse_signature(sig: signature_pb2.BehavioralSignature) -> tuple[str | None,
     t = sig.timestamp_s
     if not (0 < t < math.inf):
         return f"timestamp_s must be Unix seconds > 0, got {t}", _NAN_ROW
-    values = _NAN_ROW.copy()
+    values = _NAN_BASE.copy()
     reserved = math.nan
     specs = _SPECS
     for part_fd, part in sig.ListFields():
         if part_fd.message_type is None:
             continue
         for fd, value in part.ListFields():
-            where, col, scale, pct = specs[fd]
-            if value.__class__ is float:
+            where, col, scale, pct, bound = specs[fd]
+            if bound:
+                if not (0.0 <= value <= bound):  # NaN fails too
+                    if dropped is not None:
+                        why = ("not finite" if value != value or value in (math.inf, -math.inf)
+                               else "negative" if value < 0 else f"above {bound:g}")
+                        dropped.append(inapp_reason(where, why))
+                    continue
+                if fd is _INAPP_RESERVED:
+                    reserved = value
+                if col >= 0 and len(values) < _N_ALL:
+                    values += _NAN_INAPP
+            elif value.__class__ is float:
                 if not (0.0 <= value <= MAX_COUNTER):
                     if value != value or value in (math.inf, -math.inf):
                         return f"{where} is not a finite number ({value})", _NAN_ROW
@@ -160,8 +205,6 @@ def parse_signature(sig: signature_pb2.BehavioralSignature) -> tuple[str | None,
                     return f"{where} is negative ({value:g})", _NAN_ROW
                 if pct and value > 100.0:
                     return f"{where} is outside 0-100 ({value:g})", _NAN_ROW
-                if fd is _INAPP_RESERVED:
-                    reserved = value
             if col >= 0:
                 values[col] = value * scale
     if values[_MEM] != values[_MEM]:
@@ -173,8 +216,9 @@ def columns_from_signatures(
     sigs: Sequence[signature_pb2.BehavioralSignature],
 ) -> tuple[ingest_pb2.SignatureColumns, list[signature_pb2.BehavioralSignature]]:
     """(the usable signatures as columns, the unusable ones as they are: sent as rows, the manager
-    answers each with its reason). Columns carry the window values only (no host or in-app counters;
-    in_app.torch_reserved_mib stands in for a missing process memory, as the manager reads rows)."""
+    answers each with its reason). Columns carry the window values only, in-app counters included
+    (no host counters; in_app.torch_reserved_mib stands in for a missing process memory, as the
+    manager reads rows; an unusable in-app value is left out)."""
     rows: list[signature_pb2.BehavioralSignature] = []
     keep: list[signature_pb2.BehavioralSignature] = []
     vals: list[list[float]] = []
@@ -182,13 +226,13 @@ def columns_from_signatures(
         reason, values = parse_signature(sig)
         if reason is None:
             keep.append(sig)
-            vals.append(values)
+            vals.append(values if len(values) == _N_ALL else values + _NAN_INAPP)
         else:
             rows.append(sig)
-    block = np.asarray(vals, dtype=np.float64).reshape(len(vals), len(NUMERIC)).T
-    known = [k for k in range(len(NUMERIC)) if not np.isnan(block[k]).all()]
+    block = np.asarray(vals, dtype=np.float64).reshape(len(vals), len(COLUMNS)).T
+    known = [k for k in range(len(COLUMNS)) if not np.isnan(block[k]).all()]
     cols = encode_columns([s.app_id for s in keep], [s.device_id for s in keep], [s.seq for s in keep],
-                          [s.timestamp_s for s in keep], {NUMERIC[k]: block[k] for k in known},
+                          [s.timestamp_s for s in keep], {COLUMNS[k]: block[k] for k in known},
                           [s.pid for s in keep])
     return cols, rows
 
@@ -233,10 +277,11 @@ def read_columns(msg: ingest_pb2.SignatureColumns) -> ColumnRows:
     names = list(msg.column_names)
     unknown = [c for c in names if c not in _COL]
     if unknown or len(set(names)) != len(names):
-        raise ColumnsFormatError(f"columns: column_names must be distinct canonical names ({', '.join(NUMERIC)}); "
-                                 f"got {names}")
+        raise ColumnsFormatError(f"columns: column_names must be distinct canonical names ({', '.join(COLUMNS)}); "
+                                 f"got {names[:len(COLUMNS) + 1]}")
     block = _array(msg.values_f64, "<f8", "values_f64", n * len(names)).reshape(len(names), n)
-    values = np.full((len(NUMERIC), n), np.nan)
+    # the in-app rows only when the message has an in-app column (the windows take either)
+    values = np.full((len(COLUMNS) if any(c in INAPP_COLUMN_MAX for c in names) else len(NUMERIC), n), np.nan)
     values[[_COL[c] for c in names]] = block
 
     apps, devs = tuple(msg.app_ids), tuple(msg.device_ids)
@@ -260,12 +305,30 @@ def read_columns(msg: ingest_pb2.SignatureColumns) -> ColumnRows:
     with np.errstate(invalid="ignore"):
         for c in names:
             v = values[_COL[c]]
+            if c in INAPP_COLUMN_MAX:
+                continue
             mark(np.isinf(v), f"{c} is not a finite number")
             mark(v < 0, f"{c} is negative")
             mark(np.isfinite(v) & (v > MAX_COUNTER), f"{c} is implausibly large (> {MAX_COUNTER:g})")
             if c in _PCT:
                 mark(v > 100.0, f"{c} is outside 0-100")
+    good = reason == 0
+    dropped: list[tuple[str, int]] = []
+    with np.errstate(invalid="ignore"):
+        for c in names:
+            bound = INAPP_COLUMN_MAX.get(c)
+            if bound is None:
+                continue
+            v = values[_COL[c]]
+            where = "in_app." + c[len(INAPP_PREFIX):]
+            for mask, why in ((np.isinf(v), "not finite"), (v < 0, "negative"),
+                              (np.isfinite(v) & (v > bound), f"above {bound:g}")):
+                hit = mask & good
+                k = int(hit.sum())
+                if k:
+                    dropped.append((inapp_reason(where, why), k))
+                    v[mask] = np.nan
     bad = np.flatnonzero(reason)
-    return ColumnRows(apps, devs, app_index, device_index, seq, t_s, values, reason == 0,
-                      tuple((int(i), reasons[reason[i]]) for i in bad))
+    return ColumnRows(apps, devs, app_index, device_index, seq, t_s, values, good,
+                      tuple((int(i), reasons[reason[i]]) for i in bad), tuple(dropped))
 

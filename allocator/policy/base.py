@@ -39,6 +39,13 @@ class Recommendation:
     # Peak P50 forecast over the horizons (NaN where unknown), for what operators see.
     mem_p50_peak_mib: float = math.nan
     sm_p50_peak_pct: float = math.nan
+    # The job's cold-start size (what the cold-start sizer granted it from its configuration; NaN:
+    # none): a policy grants a start-up ramp to where this says it ends, before any history.
+    cold_start_mem_mib: float = math.nan
+    # When the application first used the GPU (its first signature with memory or SM in use, Unix
+    # seconds): the start of its start-up window. NaN: not said (the window counts from the first
+    # grant); inf: not used yet (still starting).
+    first_use_s: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -101,10 +108,24 @@ class MigOutcome:
 
 
 @dataclass(frozen=True)
+class Enforcement:
+    """How the memory grants of a device are to be enforced: `hard_mem` True, by a hard limit (a
+    cgroup cap; beyond it the application runs out of memory and ends), False, cooperatively (the
+    application is told its limit and keeps to it itself; an allocation beyond fails and the
+    application lives). `reason` says why, for logs and `vgpu apps`."""
+
+    device_id: str
+    hard_mem: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True)
 class Plan:
     grants: tuple[GrantTarget, ...] = ()
     power: tuple[PowerTarget, ...] = ()
     mig: tuple[MigTarget, ...] = ()
+    # per device; a device the plan does not name keeps the allocator's own rule (allocator/core.py)
+    enforcement: tuple[Enforcement, ...] = ()
 
 
 @runtime_checkable

@@ -45,7 +45,7 @@ from vgpu.allocator.policy.power import choose_power_limit_mw
 
 if TYPE_CHECKING:
     from vgpu.allocator.ledger import Grant
-    from vgpu.allocator.policy.base import DeviceView, MigTarget, Recommendation
+    from vgpu.allocator.policy.base import DeviceView, Enforcement, MigTarget, Recommendation
     from vgpu.allocator.policy.base import Plan as AllocatorPlan
 
 Resource = Literal["mem", "sm"]
@@ -761,6 +761,34 @@ class UsageHistory:
 
 
 # ------------------------------------------------------------------------------------------------
+# What the daemon enforces: the start of an application's history, and hard or cooperative limits
+# ------------------------------------------------------------------------------------------------
+def history_since_use_s(now_s: float, first_grant_s: float, first_use_s: float) -> float:
+    """Seconds of history behind an application's plan (the start-up window and the confidence
+    estimator count them): since its first use of the GPU where the manager says when that was
+    (inf: not used yet, so 0 s: an application that registered and idles is still starting), else
+    since its first grant."""
+    start = first_grant_s if math.isnan(first_use_s) else first_use_s
+    return max(now_s - start, 0.0)
+
+
+def memory_enforcement(dp: DevicePlan, other_granted_mib: float, mem_total_mib: float,
+                       config: PolicyConfig) -> Enforcement:
+    """The device's memory limits as the plan decided them (`DevicePlan.hard_mem_limits`: contended,
+    or planned at `hard_limit_at_frac` of the device or more), counting also `other_granted_mib`,
+    the grants of applications the plan did not size (requests without signatures yet)."""
+    from vgpu.allocator.policy.base import Enforcement
+
+    planned = dp.mem_planned_mib + other_granted_mib
+    at = config.hard_limit_at_frac * mem_total_mib
+    if dp.contended_mem:
+        return Enforcement(dp.device_id, True, f"contended: needs over {mem_total_mib:.0f} MiB")
+    if dp.hard_mem_limits or planned >= at:
+        return Enforcement(dp.device_id, True, f"contended: {planned:.0f} of {mem_total_mib:.0f} MiB planned")
+    return Enforcement(dp.device_id, False, f"uncontended: {planned:.0f} of {mem_total_mib:.0f} MiB planned")
+
+
+# ------------------------------------------------------------------------------------------------
 # The allocator's Policy protocol (allocator/policy/base.py): recommendations + device views -> plan
 # ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -817,6 +845,7 @@ class ForecastPolicy:
             mem_changed_at = own.mem_changed_at_s if own is not None else -math.inf
             sm_changed_at = own.updated_at_s if own is not None else -math.inf
             first = min((g.created_at_s for g in mine), default=now_s)
+            cold_mib = rec.cold_start_mem_mib if math.isfinite(rec.cold_start_mem_mib) else math.nan
             self.history.observe(rec.app_id, now_s, rec.mem_used_mib, rec.for_seq)
             ramp_s, ramp_rate = self.history.ramp(rec.app_id)
             window = self.config.mem_shrink_window_s
@@ -828,7 +857,7 @@ class ForecastPolicy:
                 used_mem_mib=rec.mem_used_mib, used_sm_pct=rec.sm_util_pct,
                 forecast_mem_p90_mib=f_mem if math.isfinite(f_mem) else math.nan,
                 forecast_sm_p90_pct=f_sm if math.isfinite(f_sm) else math.nan,
-                history_s=max(now_s - first, 0.0),
+                history_s=history_since_use_s(now_s, first, rec.first_use_s), expected_mem_mib=cold_mib,
                 priority=max((g.priority for g in mine), default=0),
                 last_mem_change_s=mem_changed_at, last_sm_change_s=sm_changed_at,
                 mem_ramp_s=ramp_s, mem_ramp_rate_mib_s=ramp_rate,
@@ -860,7 +889,11 @@ class ForecastPolicy:
         mig: list[MigTarget] = []
         if self.manage_mig:
             mig = [m for v in devices if v.mig_enabled and (m := self._mig_target(v, states, result)) is not None]
-        return AllocatorPlan(grants=tuple(grants), power=tuple(power), mig=tuple(mig))
+        enforcement = tuple(
+            memory_enforcement(dp, sum(g.memory_mib for g in views[dp.device_id].grants if g.app_id not in seen),
+                               views[dp.device_id].mem_total_mib, self.config)
+            for dp in result.devices)
+        return AllocatorPlan(grants=tuple(grants), power=tuple(power), mig=tuple(mig), enforcement=enforcement)
 
     def _mig_target(self, view: DeviceView, states: Sequence[AppState], result: Plan) -> MigTarget | None:
         """The layout for the applications planned on a device in MIG mode, when its current one

@@ -19,7 +19,9 @@ is absent, not 0. All prefixed `vgpu_`:
 - per device {device}: `device_info{device,index,name,pci_bus_id}` (1), `device_memory_total_bytes`,
   `device_memory_granted_bytes`, `device_memory_used_bytes`, `device_power_limit_watts`,
   `device_power_draw_watts`, `device_temperature_celsius`, `device_sm_clock_hertz`,
-  `device_sm_utilization_ratio`, `device_dry_run` (1: decisions are logged, nothing is written);
+  `device_sm_utilization_ratio`, `device_dry_run` (1: decisions are logged, nothing is written),
+  `device_memory_limits_hard` (1: the device is contended and grants are hard cgroup caps; 0: they
+  are cooperative, kept by the applications themselves);
   `profiler_connected` (1 while a profiler stream that sent for the device is open),
   `profiler_streams`, `newest_signature_age_seconds`;
 - enforcement: `enforcement_actions_total{mechanism}`, `enforcement_failures_total{device,mechanism}`,
@@ -30,7 +32,9 @@ is absent, not 0. All prefixed `vgpu_`:
   batch of the applications due together), `tick_seconds` (histogram: windows copied, forecast,
   allocator acted), `forecast_failures_total` (batches whose forecaster raised and the fallback
   served), `signatures_total{result}`, `forecaster_serving{forecaster}` (1 for "mixture", "model"
-  or "baseline", whichever serves), `forecaster_reloads_total{result}`;
+  or "baseline", whichever serves), `forecaster_reloads_total{result}`, `inapp_apps{counter}`
+  (applications whose newest sample carries that in-app counter, e.g. `inapp_kv_used_mib`),
+  `inapp_values_dropped_total{reason}` (in-app values left out: not finite, negative, too large);
 - access: `access_denied_total{method,code}`; persistence: `store_writes_total`;
 - `build_info{version,python,backend}` (1).
 """
@@ -91,6 +95,8 @@ class DeviceSnapshot:
     dry_run: bool = False
     profiler_streams: int | None = None  # None: unknown
     newest_signature_age_s: float | None = None
+    # the device's memory grants are hard limits (it is contended) rather than cooperative; None: unknown
+    memory_limits_hard: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -119,6 +125,10 @@ class CounterSnapshot:
     # (kind, reason, count) of grant changes
     grant_changes: tuple[tuple[str, str, int], ...] = field(default=())
     backend: str = ""
+    # (in-app counter, applications whose newest sample carries it)
+    inapp_apps: tuple[tuple[str, int], ...] = ()
+    # (reason, count) of in-app values the manager left out of kept signatures
+    inapp_dropped: tuple[tuple[str, int], ...] = ()
 
 
 class MetricsSource(Protocol):
@@ -207,6 +217,8 @@ class _StateCollector(Collector):
         util = GaugeMetricFamily("vgpu_device_sm_utilization_ratio", "Share of the last sample period the SMs were "
                                  "busy (0-1)", labels=dev)
         dry = GaugeMetricFamily("vgpu_device_dry_run", "1 when the allocator writes nothing to the device", labels=dev)
+        hard = GaugeMetricFamily("vgpu_device_memory_limits_hard", "1 when the device is contended and memory "
+                                 "grants are hard cgroup caps, 0 when they are cooperative", labels=dev)
         disabled = GaugeMetricFamily("vgpu_enforcement_disabled", "1 when a mechanism is off on a device",
                                      labels=["device", "mechanism"])
         connected = GaugeMetricFamily("vgpu_profiler_connected", "1 while a profiler stream that sent signatures "
@@ -221,6 +233,8 @@ class _StateCollector(Collector):
             total.add_metric(k, d.mem_total_mib * MIB)
             granted.add_metric(k, d.mem_granted_mib * MIB)
             dry.add_metric(k, int(d.dry_run))
+            if d.memory_limits_hard is not None:
+                hard.add_metric(k, int(d.memory_limits_hard))
             for family, value, scale in ((used, d.mem_used_mib, MIB), (limit, d.power_limit_mw, 1e-3),
                                          (draw, d.power_draw_mw, 1e-3), (temp, d.temperature_c, 1.0),
                                          (clock, d.sm_clock_mhz, 1e6), (util, d.sm_util_pct, 0.01),
@@ -232,7 +246,8 @@ class _StateCollector(Collector):
             if d.profiler_streams is not None:
                 streams.add_metric(k, d.profiler_streams)
                 connected.add_metric(k, 1 if d.profiler_streams > 0 else 0)
-        yield from (info, total, granted, used, limit, draw, temp, clock, util, dry, disabled, connected, streams, age)
+        yield from (info, total, granted, used, limit, draw, temp, clock, util, dry, hard, disabled, connected, streams,
+                    age)
 
     def _counters(self) -> Iterator[Metric]:
         c = self._source.counter_snapshot()
@@ -266,6 +281,16 @@ class _StateCollector(Collector):
         sigs.add_metric(["unknown_device"], c.signatures_unknown_device)
         sigs.add_metric(["duplicate"], c.signatures_duplicate)
         yield sigs
+        inapp = GaugeMetricFamily("vgpu_inapp_apps", "Applications whose newest sample carries this in-app "
+                                  "counter (a leading signal the forecaster gets)", labels=["counter"])
+        for counter, n in c.inapp_apps:
+            inapp.add_metric([counter], n)
+        yield inapp
+        dropped = CounterMetricFamily("vgpu_inapp_values_dropped", "In-app values left out of kept signatures "
+                                      "(not finite, negative, above their bound)", labels=["reason"])
+        for reason, n in c.inapp_dropped:
+            dropped.add_metric([reason], n)
+        yield dropped
         serving = GaugeMetricFamily("vgpu_forecaster_serving", "1 for the forecaster that serves", labels=["forecaster"])
         if c.forecaster:
             serving.add_metric([c.forecaster], 1)

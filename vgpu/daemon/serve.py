@@ -99,10 +99,18 @@ LOCK_FILE = "daemon.lock"
 MAX_WINDOW_SPAN_S = 3600.0
 # Connections that hold a descriptor and do nothing are closed: one that has not finished its
 # HTTP/2 handshake after 10 s (a local client needs milliseconds), and one with no call for 10 min.
+# How many may be open at once is `server.max_connections` (server_options).
 SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.server_handshake_timeout_ms", 10_000),
     ("grpc.max_connection_idle_ms", 600_000),
 )
+
+
+def server_options(max_connections: int) -> tuple[tuple[str, int], ...]:
+    """The gRPC server's options: SERVER_OPTIONS and the bound on connections open at once (gRPC
+    core closes one beyond it as soon as it is accepted; an idle connection costs about 13 KiB, and
+    gRPC's read-buffer, BDP and HPACK options do not change that, so the count is what bounds it)."""
+    return (*SERVER_OPTIONS, ("grpc.max_allowed_incoming_connections", max_connections))
 MAX_FUTURE_S = 300.0
 # How long a stop waits for background model loads to end (they take seconds; systemd's stop timeout is 90 s).
 LOADER_JOIN_S = 60.0
@@ -241,6 +249,7 @@ class StateSource:
                     dry_run=d.dry_run,
                     profiler_streams=streams,
                     newest_signature_age_s=max(0.0, now - newest) if newest is not None else None,
+                    memory_limits_hard=self.allocator.memory_enforcement(d.device_id).hard_mem,
                 )
             )
         return out
@@ -268,6 +277,8 @@ class StateSource:
             forecaster_reload_failures=getattr(forecaster, "reload_failures", 0),
             grant_changes=tuple((kind, reason, n) for (kind, reason), n in sorted(c.grant_changes.items())),
             backend=self.backend_name,
+            inapp_apps=tuple(sorted(self.manager.windows.inapp_reporting().items())),
+            inapp_dropped=tuple(sorted(s.inapp_dropped.items())),
         )
 
 
@@ -309,6 +320,50 @@ class InAppPidProof:
             and report.pid_start_s is not None
             and abs(report.pid_start_s - start_s) <= PID_START_TOLERANCE_S
         )
+
+
+class ObservedPids:
+    """Whether a pid is a GPU process the node's driver lists on a device (NVML's running compute
+    processes; the simulator's process list), for the manager's check of profiler signatures
+    (`Manager.pid_observed`). The lists are read at most every `max_age_s` when the answer is yes,
+    and again on a no once `min_refresh_s` has passed (a process that just started is found at its
+    next signature; a stream of made-up pids costs at most one read per `min_refresh_s`). A MIG
+    instance's id stands for its GPU's processes; a device that cannot be read lists none."""
+
+    def __init__(self, backend: Backend, *, clock: Callable[[], float] = time.monotonic,
+                 max_age_s: float = 1.0, min_refresh_s: float = 0.2) -> None:
+        self._backend = backend
+        self._clock = clock
+        self._max_age_s = max_age_s
+        self._min_refresh_s = min_refresh_s
+        self._pids: dict[str, frozenset[int]] = {}
+        self._read_at_s = -math.inf
+        self.reads = 0
+
+    def __call__(self, device_id: str, pid: int) -> bool:
+        now = self._clock()
+        if now - self._read_at_s > self._max_age_s:
+            self._read(now)
+        if pid in self._pids.get(device_id, ()):
+            return True
+        if now - self._read_at_s > self._min_refresh_s:
+            self._read(now)
+            return pid in self._pids.get(device_id, ())
+        return False
+
+    def _read(self, now: float) -> None:
+        self._read_at_s = now
+        self.reads += 1
+        out: dict[str, frozenset[int]] = {}
+        for dev in self._backend.devices():
+            try:
+                pids = frozenset(p.pid for p in dev.processes())
+                instances = [gi.uuid for gi in dev.gpu_instances() if gi.uuid] if dev.mig_enabled() else []
+            except DeviceError:
+                continue
+            out[dev.uuid] = pids
+            out.update((uuid, pids) for uuid in instances)
+        self._pids = out
 
 
 # --- backend, originals, reconciliation ----------------------------------------------------------------
@@ -688,9 +743,12 @@ class Daemon:
         mig = MigLayoutMechanism(state_dir=self.state_dir / "mig", dry_run=dry_run)
         self.sizer = BackgroundSizer(self._load_sizer, self.log)
         cgroup_limits = CgroupMemoryLimits(dry_run=dry_run, store=self.store, clock=self.clock)
+        policy = ForecastPolicy(manage_mig=cfg.server.manage_mig_layout)
+        # hard cgroup caps only on a contended device, by the policy's own threshold ("always": 0, everywhere)
+        hard_at = policy.config.hard_limit_at_frac if cfg.server.hard_memory_limits == "contended" else 0.0
         self.allocator = Allocator(self.backend, clock=self.clock, dry_run=dry_run, ledger=ledger,
                                    mig=mig, cgroup_limits=cgroup_limits if cfg.server.cgroup_memory_limits else None,
-                                   sizer=self.sizer, policy=ForecastPolicy(manage_mig=cfg.server.manage_mig_layout),
+                                   sizer=self.sizer, policy=policy, hard_limit_at_frac=hard_at,
                                    on_change=self._save,
                                    max_watchers=cfg.server.max_watchers,
                                    max_watchers_per_caller=cfg.server.max_watchers_per_caller,
@@ -722,6 +780,7 @@ class Daemon:
                                batch_window_s=cfg.manager.batch_window_ms / 1000.0,
                                forecast_duty_max=cfg.manager.forecast_duty_max,
                                device_known=self.allocator.knows_device,
+                               pid_observed=ObservedPids(self.backend),
                                windows=WindowStore(max_span_s=MAX_WINDOW_SPAN_S), max_future_s=MAX_FUTURE_S)
         self.allocator.signature_seen = self.manager.windows.last_seen_s
         model = resolve_model(cfg.manager.model)
@@ -769,6 +828,7 @@ class Daemon:
             open_ingest=cfg.auth.open_ingest,
         )
         interceptor = auth.AuthInterceptor(access, on_denied=self.metrics.on_denied)
+        replay = vconfig.accepts_replay(cfg)
 
         prepare_socket_path(self.socket_path)
         old_umask = os.umask(0o177)  # the socket is born owner-only ...
@@ -777,10 +837,11 @@ class Daemon:
                 f"unix:{self.socket_path}",
                 allocator_servicer=AllocatorServicer(self.allocator, identify=auth.identify_caller,
                                                      observer=NodeView(self.manager),
-                                                     watcher_owner=auth.caller_name),
-                ingest_servicer=IngestServicer(self.manager, ack_interval_s=cfg.manager.ack_interval_ms / 1000.0),
+                                                     watcher_owner=auth.caller_name, claims=self.store.claims),
+                ingest_servicer=IngestServicer(self.manager, ack_interval_s=cfg.manager.ack_interval_ms / 1000.0,
+                                               replay_ok=lambda: replay or auth.caller_name() == "operator"),
                 interceptors=[interceptor],
-                options=SERVER_OPTIONS,
+                options=server_options(cfg.server.max_connections),
             )
         except RuntimeError as exc:
             raise StartupError(f"cannot listen on {self.socket_path}: {exc}") from exc
@@ -819,6 +880,7 @@ class Daemon:
             backend=cfg.server.backend,
             devices=[d.uuid for d in self.backend.devices()],
             dry_run=cfg.server.dry_run,
+            accept_replay=vconfig.accepts_replay(cfg),
             operator_token=str(token_files["operator"]),
             pid=os.getpid(),
         )
@@ -972,6 +1034,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--metrics-address", help="address of the metrics endpoint (default 127.0.0.1)")
     p.add_argument("--model", help="forecaster checkpoint; must load (default: the shipped model when it loads, "
                    "else the baseline forecaster)")
+    p.add_argument("--accept-replay", choices=("auto", "yes", "no"),
+                   help="take signatures of processes this node does not run (a replay) from the profiler token: "
+                   "yes, no (then only the operator token may replay), auto (default: yes on the simulator, no on NVML)")
     p.add_argument("--dry-run", action=argparse.BooleanOptionalAction, default=None,
                    help="decide and log, write nothing to devices (default: on for the nvml backend, off for sim:<sku>)")
     p.add_argument("--log-format", choices=("json", "console"), help="log format (default json)")
@@ -991,6 +1056,7 @@ def config_from_args(ns: argparse.Namespace, env: dict[str, str] | None = None) 
         "server.backend": ns.backend,
         "server.tcp": ns.tcp,
         "server.dry_run": ns.dry_run,
+        "manager.accept_replay": ns.accept_replay,
         "tls.cert": ns.tls_cert,
         "tls.key": ns.tls_key,
         "tls.ca": ns.tls_ca,

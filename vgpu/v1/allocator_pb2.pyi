@@ -224,7 +224,7 @@ class ListApplicationsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ApplicationInfo(_message.Message):
-    __slots__ = ("app_id", "grants", "limits", "mem_used_mib", "sm_util_pct", "forecast_mem_p90_mib", "forecast_sm_p90_pct", "last_seen_s", "device_id", "forecast_mem_p50_mib", "forecast_sm_p50_pct", "processes")
+    __slots__ = ("app_id", "grants", "limits", "mem_used_mib", "sm_util_pct", "forecast_mem_p90_mib", "forecast_sm_p90_pct", "last_seen_s", "device_id", "forecast_mem_p50_mib", "forecast_sm_p50_pct", "processes", "mem_limit", "mem_limit_reason", "claimed", "claimed_at_s")
     APP_ID_FIELD_NUMBER: _ClassVar[int]
     GRANTS_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +237,10 @@ class ApplicationInfo(_message.Message):
     FORECAST_MEM_P50_MIB_FIELD_NUMBER: _ClassVar[int]
     FORECAST_SM_P50_PCT_FIELD_NUMBER: _ClassVar[int]
     PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    MEM_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    MEM_LIMIT_REASON_FIELD_NUMBER: _ClassVar[int]
+    CLAIMED_FIELD_NUMBER: _ClassVar[int]
+    CLAIMED_AT_S_FIELD_NUMBER: _ClassVar[int]
     app_id: str
     grants: _containers.RepeatedCompositeFieldContainer[Grant]
     limits: AppLimits
@@ -249,7 +253,11 @@ class ApplicationInfo(_message.Message):
     forecast_mem_p50_mib: float
     forecast_sm_p50_pct: float
     processes: _containers.RepeatedCompositeFieldContainer[AppProcess]
-    def __init__(self, app_id: _Optional[str] = ..., grants: _Optional[_Iterable[_Union[Grant, _Mapping]]] = ..., limits: _Optional[_Union[AppLimits, _Mapping]] = ..., mem_used_mib: _Optional[float] = ..., sm_util_pct: _Optional[float] = ..., forecast_mem_p90_mib: _Optional[float] = ..., forecast_sm_p90_pct: _Optional[float] = ..., last_seen_s: _Optional[float] = ..., device_id: _Optional[str] = ..., forecast_mem_p50_mib: _Optional[float] = ..., forecast_sm_p50_pct: _Optional[float] = ..., processes: _Optional[_Iterable[_Union[AppProcess, _Mapping]]] = ...) -> None: ...
+    mem_limit: str
+    mem_limit_reason: str
+    claimed: bool
+    claimed_at_s: float
+    def __init__(self, app_id: _Optional[str] = ..., grants: _Optional[_Iterable[_Union[Grant, _Mapping]]] = ..., limits: _Optional[_Union[AppLimits, _Mapping]] = ..., mem_used_mib: _Optional[float] = ..., sm_util_pct: _Optional[float] = ..., forecast_mem_p90_mib: _Optional[float] = ..., forecast_sm_p90_pct: _Optional[float] = ..., last_seen_s: _Optional[float] = ..., device_id: _Optional[str] = ..., forecast_mem_p50_mib: _Optional[float] = ..., forecast_sm_p50_pct: _Optional[float] = ..., processes: _Optional[_Iterable[_Union[AppProcess, _Mapping]]] = ..., mem_limit: _Optional[str] = ..., mem_limit_reason: _Optional[str] = ..., claimed: _Optional[bool] = ..., claimed_at_s: _Optional[float] = ...) -> None: ...
 
 class AppProcess(_message.Message):
     __slots__ = ("pid", "user", "command")
@@ -274,7 +282,7 @@ class WatchAllocationsRequest(_message.Message):
     def __init__(self, app_id: _Optional[str] = ...) -> None: ...
 
 class AllocationEvent(_message.Message):
-    __slots__ = ("kind", "grant", "at_s", "detail")
+    __slots__ = ("kind", "grant", "at_s", "detail", "mem_limit")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[AllocationEvent.Kind]
@@ -295,11 +303,13 @@ class AllocationEvent(_message.Message):
     GRANT_FIELD_NUMBER: _ClassVar[int]
     AT_S_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    MEM_LIMIT_FIELD_NUMBER: _ClassVar[int]
     kind: AllocationEvent.Kind
     grant: Grant
     at_s: float
     detail: str
-    def __init__(self, kind: _Optional[_Union[AllocationEvent.Kind, str]] = ..., grant: _Optional[_Union[Grant, _Mapping]] = ..., at_s: _Optional[float] = ..., detail: _Optional[str] = ...) -> None: ...
+    mem_limit: str
+    def __init__(self, kind: _Optional[_Union[AllocationEvent.Kind, str]] = ..., grant: _Optional[_Union[Grant, _Mapping]] = ..., at_s: _Optional[float] = ..., detail: _Optional[str] = ..., mem_limit: _Optional[str] = ...) -> None: ...
 
 class GetAppHistoryRequest(_message.Message):
     __slots__ = ("app_id", "device_id", "since_s")

@@ -48,7 +48,7 @@ class HostCounters(_message.Message):
     def __init__(self, cpu_pct: _Optional[float] = ..., rss_mib: _Optional[float] = ..., io_read_kbps: _Optional[float] = ..., io_write_kbps: _Optional[float] = ...) -> None: ...
 
 class InAppCounters(_message.Message):
-    __slots__ = ("torch_allocated_mib", "torch_reserved_mib", "torch_active_mib", "alloc_retries", "oom_count", "step", "applied_mem_limit_mib")
+    __slots__ = ("torch_allocated_mib", "torch_reserved_mib", "torch_active_mib", "alloc_retries", "oom_count", "step", "applied_mem_limit_mib", "requests_running", "requests_waiting", "kv_used_mib", "kv_total_mib", "tokens_in_flight")
     TORCH_ALLOCATED_MIB_FIELD_NUMBER: _ClassVar[int]
     TORCH_RESERVED_MIB_FIELD_NUMBER: _ClassVar[int]
     TORCH_ACTIVE_MIB_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,11 @@ class InAppCounters(_message.Message):
     OOM_COUNT_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     APPLIED_MEM_LIMIT_MIB_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_USED_MIB_FIELD_NUMBER: _ClassVar[int]
+    KV_TOTAL_MIB_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     torch_allocated_mib: float
     torch_reserved_mib: float
     torch_active_mib: float
@@ -63,7 +68,12 @@ class InAppCounters(_message.Message):
     oom_count: int
     step: int
     applied_mem_limit_mib: float
-    def __init__(self, torch_allocated_mib: _Optional[float] = ..., torch_reserved_mib: _Optional[float] = ..., torch_active_mib: _Optional[float] = ..., alloc_retries: _Optional[int] = ..., oom_count: _Optional[int] = ..., step: _Optional[int] = ..., applied_mem_limit_mib: _Optional[float] = ...) -> None: ...
+    requests_running: int
+    requests_waiting: int
+    kv_used_mib: float
+    kv_total_mib: float
+    tokens_in_flight: int
+    def __init__(self, torch_allocated_mib: _Optional[float] = ..., torch_reserved_mib: _Optional[float] = ..., torch_active_mib: _Optional[float] = ..., alloc_retries: _Optional[int] = ..., oom_count: _Optional[int] = ..., step: _Optional[int] = ..., applied_mem_limit_mib: _Optional[float] = ..., requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., kv_used_mib: _Optional[float] = ..., kv_total_mib: _Optional[float] = ..., tokens_in_flight: _Optional[int] = ...) -> None: ...
 
 class BehavioralSignature(_message.Message):
     __slots__ = ("app_id", "pid", "device_id", "timestamp_s", "seq", "device", "process", "host", "in_app")

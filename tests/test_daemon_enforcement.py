@@ -1,0 +1,188 @@
+"""Hard or cooperative memory limits, and the cold-start size at start-up, as users meet them: a real
+`vgpu serve` on the simulated GPU, driven by the operator CLI, the client stub and `vgpu profiler
+--replay`. The simulated device keeps its per-cgroup memory limits in the state directory, which is
+how these tests see what the daemon wrote."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+import numpy as np
+import pytest
+from daemon_fixtures import ROOT, Env, Serve, sim_daemon
+
+from vgpu.allocator.core import AllocationRequest
+from vgpu.allocator.mechanisms.limits import read_cgroup
+from vgpu.allocator.policy.forecast import PREDICTIVE_CONFIG
+from vgpu.traces import AppTrace, write_trace
+
+
+def _limits(env: Env) -> dict[str, list[float]]:
+    (dev,) = json.loads((env.state / "sim-devices.json").read_text())["devices"].values()
+    return dict(dev.get("memory_limits_mib", {}))
+
+
+def _apps(env: Env) -> dict[str, dict]:  # type: ignore[type-arg]
+    return {a["app_id"]: a for a in env.json("apps").get("apps", [])}
+
+
+@pytest.fixture
+def sleeper() -> Iterator[tuple[int, str]]:
+    """A process standing in for an application, with the cgroup the daemon would cap."""
+    app = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        cgroup = read_cgroup(app.pid)
+        if cgroup is None:
+            pytest.skip("no readable /proc/<pid>/cgroup here")
+        yield app.pid, cgroup
+    finally:
+        app.kill()
+        app.wait(10)
+
+
+def test_limits_are_cooperative_on_a_free_gpu_and_hard_while_it_is_contended(
+        env: Env, serves: list[Serve], sleeper: tuple[int, str]) -> None:
+    pid, cgroup = sleeper
+    serves.append(Serve(env))
+    env.json("request", "--app", "job1", "--memory-mib", "2048", "--pid", str(pid),
+             "--state-dir", str(env.state))  # naming a pid needs the operator token
+    assert _limits(env) == {}  # a free GPU: no cap; the application keeps to its grant itself
+    job1 = _apps(env)["job1"]
+    assert job1["mem_limit"] == "cooperative" and job1["mem_limit_reason"].startswith("uncontended")
+    assert "cooperative" in env.vgpu("apps", "--socket", str(env.sock)).stdout
+
+    # a second application takes the GPU to 95 % of its memory: contended, the cap goes on
+    total = env.json("available")["devices"][0]["mem_total_mib"]
+    big = env.json("request", "--app", "big", "--memory-mib", str(int(0.95 * total) - 2048))
+    assert _limits(env)[cgroup] == [2048.0, 2048.0]
+    job1 = _apps(env)["job1"]
+    assert job1["mem_limit"] == "hard" and job1["mem_limit_reason"].startswith("contended")
+    assert serves[-1].event("memory_limits_hard")["device"] == big["device_id"]
+
+    # it leaves: the cap is lifted (the cgroup's original, no limit, written back)
+    env.vgpu("release", "--socket", str(env.sock), "--grant", big["grant_id"])
+    assert _limits(env) == {}
+    assert _apps(env)["job1"]["mem_limit"] == "cooperative"
+    assert serves[-1].event("memory_limits_cooperative")["device"] == big["device_id"]
+    assert serves[-1].term() == 0
+
+
+def test_hard_memory_limits_always_caps_a_free_gpu_too(env: Env, serves: list[Serve], sleeper: tuple[int, str]) -> None:
+    """The operator's setting that turns the rule off: every known pid is capped at its grant."""
+    pid, cgroup = sleeper
+    env.env["VGPU_SERVER_HARD_MEMORY_LIMITS"] = "always"
+    serves.append(Serve(env))
+    env.json("request", "--app", "job1", "--memory-mib", "2048", "--pid", str(pid), "--state-dir", str(env.state))
+    assert _limits(env)[cgroup] == [2048.0, 2048.0]
+    assert _apps(env)["job1"]["mem_limit"] == "hard"
+    assert serves[-1].term() == 0
+
+
+# The program an application writes with the client stub: it asks for 2 GiB and prints how its limit
+# is enforced each time that changes, for at most a minute (the test kills it sooner).
+APP = """
+import sys, time
+from vgpu.client import VgpuClient
+
+sock, inapp = sys.argv[1], sys.argv[2]
+with VgpuClient("stub-app", socket=sock, inapp_dir=inapp) as client:
+    client.request(memory_mib=2048)
+    seen = ""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if client.memory_limit_kind != seen:
+            seen = client.memory_limit_kind
+            print("limit", seen, flush=True)
+        time.sleep(0.05)
+"""
+
+
+def _next_limit(out: IO[str]) -> str:
+    """The next kind the program prints (its stub logs to the same stream); "" when it exits."""
+    for line in out:
+        if line.startswith("limit "):
+            return line.split()[1]
+    return ""
+
+
+def test_the_client_stub_is_told_when_its_limit_turns_hard(env: Env, serves: list[Serve], tmp_path: Path) -> None:
+    inapp = tmp_path / "inapp"
+    env.env["VGPU_SERVER_INAPP_DIR"] = str(inapp)  # where the daemon reads the stub's proof of its pid
+    serves.append(Serve(env))
+    app = subprocess.Popen([sys.executable, "-u", "-c", APP, str(env.sock), str(inapp)], cwd=ROOT, env=env.env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert app.stdout is not None
+        assert _next_limit(app.stdout) == "cooperative"
+        total = env.json("available")["devices"][0]["mem_total_mib"]
+        big = env.json("request", "--app", "big", "--memory-mib", str(int(0.95 * total) - 2048))
+        assert _next_limit(app.stdout) == "hard"
+        env.vgpu("release", "--socket", str(env.sock), "--grant", big["grant_id"])
+        assert _next_limit(app.stdout) == "cooperative"
+    finally:
+        app.kill()
+        app.wait(10)
+    assert serves[-1].term() == 0
+
+
+def _request_sized(env: Env, app_id: str) -> dict:  # type: ignore[type-arg]
+    """`vgpu request` with the job's configuration and no memory: the cold-start model sizes it (it
+    loads in the background for a few seconds after start: UNAVAILABLE until then)."""
+    deadline = time.monotonic() + 120
+    while True:
+        r = env.vgpu("request", "--socket", str(env.sock), "--json", "--app", app_id, "--model-type", "resnet50",
+                     "--batch-size", "64", "--input-size", "224", check=False)
+        if r.returncode == 0:
+            return json.loads(r.stdout)  # type: ignore[no-any-return]
+        assert "UNAVAILABLE" in r.stderr and time.monotonic() < deadline, r.stderr
+        time.sleep(0.5)
+
+
+def test_a_job_that_sends_its_configuration_keeps_its_cold_start_size_until_it_starts(
+        env: Env, serves: list[Serve]) -> None:
+    """The job registers with its configuration, then idles (loading data: a profiler sees its
+    process, with nothing on the GPU yet) for longer than the start-up window. The policy knows the
+    cold-start size and counts the window from the first real use, so the grant stays at the size
+    the job's ramp will need instead of shrinking away before the ramp."""
+    serves.append(Serve(env))
+    grant = _request_sized(env, "job")
+    assert grant["source"] == "cold_start"
+    cold_mib = grant["memory_mib"]
+    idle_s = PREDICTIVE_CONFIG.start_window_s + 4
+    t = np.arange(0.0, idle_s, 0.5)
+    trace = env.tmp / "idle.csv"
+    write_trace(trace, [AppTrace("job", t, {"mem_used_mib": np.zeros(len(t)), "sm_util_pct": np.zeros(len(t))})])
+    done = subprocess.run(
+        [sys.executable, "-m", "vgpu.cli", "profiler", "--manager", f"unix://{env.sock}", "--replay", str(trace),
+         "--device-id", grant["device_id"], "--token-file", str(env.state / "tokens" / "profiler.token"),
+         "--seconds", str(idle_s)],
+        cwd=ROOT, env=env.env, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    job = _apps(env)["job"]
+    assert job["forecast_mem_p90_mib"] == 0 or job["forecast_mem_p90_mib"] < 0.1 * cold_mib  # the forecast sees nothing
+    (held,) = job["grants"]
+    assert held["grant_id"] == grant["grant_id"]
+    assert cold_mib <= held["memory_mib"] <= cold_mib * (1 + PREDICTIVE_CONFIG.mem_margin_frac) + 1
+    assert serves[-1].term() == 0
+
+
+async def test_the_metrics_say_when_a_gpu_s_limits_are_hard(tmp_path: Path) -> None:
+    d = sim_daemon(tmp_path)
+    await d.start()
+    try:
+        dev = d.allocator.ledger.devices()[0]
+
+        def hard() -> float | None:
+            return d.registry.get_sample_value("vgpu_device_memory_limits_hard", {"device": dev.device_id})
+
+        assert hard() == 0
+        d.allocator.request_allocation(AllocationRequest("big", memory_mib=0.95 * dev.mem_total_mib))
+        assert hard() == 1
+    finally:
+        await d.stop("test")

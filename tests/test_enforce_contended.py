@@ -1,0 +1,251 @@
+"""Hard memory limits only where a device is contended, cooperative ones elsewhere; and the job's
+cold-start size carried into the predictive policy, with the start-up window counted from first use.
+
+The allocator on the simulated GPU, with a manual clock: each rule is checked by what the device
+holds (its per-cgroup memory limits) or by the grant, against the setting that turns the rule off."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from vgpu.allocator.core import AllocationRequest, Allocator, EventKind
+from vgpu.allocator.mechanisms.limits import CgroupMemoryLimits
+from vgpu.allocator.policy.base import DeviceView, Enforcement, Plan, Recommendation, Sizing
+from vgpu.allocator.policy.forecast import PREDICTIVE_CONFIG, ForecastPolicy, history_since_use_s
+from vgpu.device.sim import ManualClock, SimBackend
+from vgpu.jobs import JobConfig
+from vgpu.manager.core import first_use_s
+from vgpu.traces import AppTrace
+
+CGROUPS = {11: "/test/a", 12: "/test/b"}
+
+
+def _rig(hard_at: float = PREDICTIVE_CONFIG.hard_limit_at_frac, policy: object | None = None,
+         ) -> tuple[Allocator, SimBackend, ManualClock]:
+    clock = ManualClock(1000.0)
+    backend = SimBackend(["h100-80gb"], clock=clock)
+    allocator = Allocator(backend, clock=clock, dry_run=False, policy=policy or ForecastPolicy(),  # type: ignore[arg-type]
+                          cgroup_limits=CgroupMemoryLimits(), cgroup_of=CGROUPS.get,
+                          hard_limit_at_frac=hard_at)
+    return allocator, backend, clock
+
+
+def _limits(backend: SimBackend) -> dict[str, tuple[float, float]]:
+    return dict(backend.devices()[0].memory_limits())
+
+
+def _total(allocator: Allocator) -> float:
+    return allocator.ledger.devices()[0].mem_total_mib
+
+
+# --- hard only where contended ------------------------------------------------------------------------------
+def test_limits_are_cooperative_until_the_device_is_contended_and_lifted_after() -> None:
+    allocator, backend, _ = _rig()
+    watch = allocator.watch("a")
+    allocator.request_allocation(AllocationRequest("a", memory_mib=2048, pid=11))
+    assert _limits(backend) == {}  # uncontended: no cgroup cap, the application keeps to its grant itself
+    assert allocator.app_memory_limit("a")[0] == "cooperative"
+    first = _drain(watch)[0]
+    assert first.kind == EventKind.GRANTED and first.mem_limit == "cooperative"
+
+    # b takes the device to 95 % of its memory: contended, the caps go on
+    b = allocator.request_allocation(AllocationRequest("b", memory_mib=0.95 * _total(allocator) - 2048, pid=12))
+    assert _limits(backend) == {"/test/a": (2048.0, 2048.0), "/test/b": (b.memory_mib, b.memory_mib)}
+    kind, why = allocator.app_memory_limit("a")
+    assert kind == "hard" and why.startswith("contended")
+    told = [e for e in _drain(watch) if e.kind == EventKind.LIMITS_CHANGED]
+    assert [e.mem_limit for e in told] == ["hard"] and "contended" in told[0].detail
+
+    # b leaves: the caps are lifted (the originals, no limit, written back)
+    allocator.release(b.grant_id)
+    assert _limits(backend) == {}
+    assert allocator.app_memory_limit("a")[0] == "cooperative"
+    assert [e.mem_limit for e in _drain(watch) if e.kind == EventKind.LIMITS_CHANGED] == ["cooperative"]
+    allocator.stop()
+
+
+def _drain(sub: object) -> list:  # type: ignore[type-arg]
+    out = []
+    q = sub._queue  # type: ignore[attr-defined]
+    while not q.empty():
+        out.append(q.get_nowait())
+    return out
+
+
+def test_hard_everywhere_when_the_threshold_is_zero() -> None:
+    """The setting that turns the rule off: every known pid's cgroup is capped at once."""
+    allocator, backend, _ = _rig(hard_at=0.0)
+    allocator.request_allocation(AllocationRequest("a", memory_mib=2048, pid=11))
+    assert _limits(backend) == {"/test/a": (2048.0, 2048.0)}
+    assert allocator.app_memory_limit("a")[0] == "hard"
+
+
+def test_an_app_without_a_pid_is_cooperative_on_a_contended_device() -> None:
+    allocator, _, _ = _rig()
+    allocator.request_allocation(AllocationRequest("b", memory_mib=0.95 * _total(allocator)))
+    kind, why = allocator.app_memory_limit("b")
+    assert kind == "cooperative" and "no process" in why and allocator.memory_enforcement(
+        allocator.ledger.devices()[0].device_id).hard_mem
+
+
+class _Says:
+    """A policy that plans nothing but the enforcement of every device."""
+
+    def __init__(self, hard: bool) -> None:
+        self.hard = hard
+
+    def plan(self, recommendations: Sequence[Recommendation], devices: Sequence[DeviceView], now_s: float) -> Plan:
+        return Plan(enforcement=tuple(Enforcement(d.device_id, self.hard, "forecast needs over capacity")
+                                      for d in devices))
+
+
+def test_the_plans_contention_makes_limits_hard_until_its_apps_are_gone() -> None:
+    """Forecast needs above the device (a plan's decision) make the limits hard though the grants,
+    clamped to what fits, are below the threshold; once no planned application is left, the grants
+    alone decide again."""
+    allocator, backend, _ = _rig(policy=_Says(True))
+    dev = allocator.ledger.devices()[0].device_id
+    allocator.request_allocation(AllocationRequest("a", memory_mib=2048, pid=11))
+    assert _limits(backend) == {}
+    allocator.apply_recommendations([Recommendation("a", dev, 2048.0, 10.0, mem_used_mib=1000.0)])
+    assert _limits(backend) == {"/test/a": (2048.0, 2048.0)}
+    assert allocator.memory_enforcement(dev).reason == "forecast needs over capacity"
+    allocator.policy = _Says(False)
+    allocator.apply_recommendations([Recommendation("a", dev, 2048.0, 10.0, mem_used_mib=1000.0)])
+    assert _limits(backend) == {}
+    allocator.policy = _Says(True)
+    allocator.apply_recommendations([Recommendation("a", dev, 2048.0, 10.0, mem_used_mib=1000.0)])
+    allocator.forget_app("a")  # its request grant stays; no plan speaks for the device any more
+    assert not allocator.memory_enforcement(dev).hard_mem
+
+
+def test_the_forecast_policy_marks_contention_by_forecast_needs() -> None:
+    allocator, _, _ = _rig()
+    dev = allocator.ledger.devices()[0]
+    view = DeviceView(dev.device_id, "H100", dev.mem_total_mib, 100.0, ())
+    small = [Recommendation(a, dev.device_id, 5_000.0, 10.0, mem_p90_peak_mib=5_000.0, mem_used_mib=4_000.0)
+             for a in ("a", "b")]
+    (e,) = ForecastPolicy().plan(small, [view], 0.0).enforcement
+    assert not e.hard_mem and e.reason.startswith("uncontended")
+    big = [Recommendation(a, dev.device_id, 50_000.0, 10.0, mem_p90_peak_mib=50_000.0, mem_used_mib=45_000.0)
+           for a in ("a", "b")]
+    (e,) = ForecastPolicy().plan(big, [view], 0.0).enforcement
+    assert e.hard_mem and e.reason.startswith("contended")
+
+
+# --- the cold-start size in the policy, the start-up window from first use --------------------------------
+class _Sizer:
+    def size(self, job: JobConfig, *, mem_total_mib: float) -> Sizing:
+        return Sizing(10_000.0, 20.0, "test")
+
+
+JOB = JobConfig(model_type="resnet50", batch_size=64, input_size=224)
+
+
+def _cold_rig() -> tuple[Allocator, ManualClock, str]:
+    clock = ManualClock(1000.0)
+    allocator = Allocator(SimBackend(["h100-80gb"], clock=clock), clock=clock, dry_run=False, sizer=_Sizer(),
+                          policy=ForecastPolicy())
+    grant = allocator.request_allocation(AllocationRequest("job", job=JOB))
+    assert grant.source == "cold_start" and grant.memory_mib == 10_000
+    return allocator, clock, grant.device_id
+
+
+def _idle(dev: str, clock: ManualClock, seq: int, first_use: float, used: float = 300.0) -> Recommendation:
+    return Recommendation("job", dev, used, 0.0, "model", mem_p90_peak_mib=used, sm_p90_peak_pct=0.0,
+                          mem_used_mib=used, sm_util_pct=0.0, for_seq=seq, decided_at_s=clock(),
+                          first_use_s=first_use)
+
+
+def _granted(allocator: Allocator) -> float:
+    return sum(g.memory_mib for g in allocator.ledger.grants(app_id="job"))
+
+
+def test_a_job_idle_after_registering_keeps_its_cold_start_size() -> None:
+    """Registered, then loading data for 20 s (a context, no use yet): the cold-start size is where its
+    ramp will end, so the grant stays there; the start-up window has not begun."""
+    allocator, clock, dev = _cold_rig()
+    for seq in range(1, 21):
+        clock.advance(1.0)
+        allocator.apply_recommendations([_idle(dev, clock, seq, math.inf)])
+    assert _granted(allocator) == pytest.approx(10_000 * (1 + PREDICTIVE_CONFIG.mem_margin_frac))
+
+
+def test_without_the_cold_start_size_or_first_use_the_idle_grant_shrinks() -> None:
+    """The same job with the window counted from registration and no cold-start size in the policy
+    (what a caller that says neither gets): the grant shrinks while the job idles."""
+    allocator, clock, dev = _cold_rig()
+    allocator._cold_start_mib.clear()  # the policy is not told the cold-start size
+    for seq in range(1, 21):
+        clock.advance(1.0)
+        allocator.apply_recommendations([_idle(dev, clock, seq, math.nan)])
+    assert _granted(allocator) < 0.8 * 10_000
+
+
+def test_the_window_counts_from_first_use_then_ends() -> None:
+    allocator, clock, dev = _cold_rig()
+    clock.advance(30.0)
+    used_at = clock()  # first use 30 s after registering
+    for seq in range(1, 6):
+        clock.advance(1.0)
+        allocator.apply_recommendations([_idle(dev, clock, seq, used_at, used=500.0)])
+    assert _granted(allocator) >= 10_000  # 5 s into the window
+    for seq in range(6, 40):
+        clock.advance(1.0)
+        allocator.apply_recommendations([_idle(dev, clock, seq, used_at, used=500.0)])
+    assert _granted(allocator) < 0.8 * 10_000  # past it, a job that stays small gives memory back
+
+
+def test_history_since_use() -> None:
+    assert history_since_use_s(100.0, 10.0, math.nan) == 90.0  # not said: since the first grant
+    assert history_since_use_s(100.0, 10.0, math.inf) == 0.0  # not used yet
+    assert history_since_use_s(100.0, 10.0, 95.0) == 5.0
+
+
+def test_first_use_is_the_first_sample_with_memory_or_sm_in_use() -> None:
+    t = np.arange(10.0)
+    mem = np.array([0, 0, np.nan, 0, 0, 300, 300, 400, 500, 600], dtype=float)
+    sm = np.zeros(10)
+    assert first_use_s(AppTrace("a", t, {"mem_used_mib": mem, "sm_util_pct": sm})) == 5.0
+    sm[3] = 12.0
+    assert first_use_s(AppTrace("a", t, {"mem_used_mib": mem, "sm_util_pct": sm})) == 3.0
+    assert first_use_s(AppTrace("a", t, {"mem_used_mib": np.zeros(10)})) == math.inf
+
+
+def test_dry_run_decides_the_same_and_writes_nothing() -> None:
+    clock = ManualClock(1000.0)
+    backend = SimBackend(["h100-80gb"], clock=clock)
+    allocator = Allocator(backend, clock=clock, dry_run=True, cgroup_limits=CgroupMemoryLimits(dry_run=True),
+                          cgroup_of=CGROUPS.get, hard_limit_at_frac=0.9)
+    allocator.request_allocation(AllocationRequest("a", memory_mib=0.95 * _total(allocator), pid=11))
+    kind, why = allocator.app_memory_limit("a")
+    assert kind == "hard" and "dry run" in why
+    assert _limits(backend) == {}
+
+
+@pytest.mark.parametrize("told", [True, False])
+def test_a_ramp_after_the_window_is_granted_to_the_cold_start_size(told: bool) -> None:
+    """Past its start-up window, the job's memory starts to climb: the ramp is granted at once to
+    where its cold-start size says it ends, not a few seconds of its rate at a time."""
+    allocator, clock, dev = _cold_rig()
+    if not told:
+        allocator._cold_start_mib.clear()
+    used_at = clock()
+    seq = 0
+    for _ in range(40):  # small and flat for 40 s: the grant shrinks towards it
+        seq += 1
+        clock.advance(1.0)
+        allocator.apply_recommendations([_idle(dev, clock, seq, used_at, used=1000.0)])
+    assert _granted(allocator) < 0.6 * 10_000
+    for used in (1500.0, 2000.0, 2500.0):  # the ramp begins
+        seq += 1
+        clock.advance(1.0)
+        allocator.apply_recommendations([_idle(dev, clock, seq, used_at, used=used)])
+    if told:
+        assert _granted(allocator) == pytest.approx(10_000 * (1 + PREDICTIVE_CONFIG.mem_margin_frac))
+    else:
+        assert _granted(allocator) < 0.6 * 10_000
