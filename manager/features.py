@@ -292,13 +292,11 @@ def _grid(
     cols: dict[str, F64],
     mem_seed_mib: F64 | None = None,
     first_s: npt.NDArray[np.int64] | None = None,
-    names: Sequence[str] = GRID_COLUMNS,
 ) -> Grid:
     """`build_grid` on columns laid end to end (application i owns `lengths[i]` samples).
     `mem_seed_mib` (per application, -inf for none) joins the running memory maximum at each
     application's first second: the largest memory of samples left out before it; `first_s` (per
-    application) is the second of its first sample, where samples before were left out. Only the
-    columns `names` are gridded (the others are absent from the grid)."""
+    application) is the second of its first sample, where samples before were left out."""
     n_apps = len(lengths)
     app_of_sample = np.repeat(np.arange(n_apps), lengths)
     sample_offsets = np.concatenate([[0], np.cumsum(lengths)])
@@ -334,7 +332,7 @@ def _grid(
     every_second = bool(observed.all())
     values: dict[str, F64] = {}
     mem_max = np.full(total, np.nan)
-    for name in names:
+    for name in GRID_COLUMNS:
         col = cols.get(name)
         if col is None and name not in NUMERIC:
             continue  # an in-app column no application has: absent from the grid, read as all missing
@@ -434,16 +432,10 @@ def _carry(values: F64, app_first_bin: npt.NDArray[np.int64]) -> F64:
 
 
 def encode(
-    grid: Grid,
-    window_s: int,
-    origins: npt.NDArray[np.int64],
-    version: int = FEATURE_VERSION,
-    long_grid: tuple[Grid, npt.NDArray[np.int64]] | None = None,
+    grid: Grid, window_s: int, origins: npt.NDArray[np.int64], version: int = FEATURE_VERSION
 ) -> Windows:
     """Feature windows of `window_s` seconds ending at each origin (bins of the grid), in the
-    feature encoding `version` (ValueError for an unknown one). `long_grid` (a grid holding at least
-    memory and compute, and the same origins as its bins) is where v5's long summaries are read
-    instead of `grid`, so `grid` itself need only cover the window and v3's context."""
+    feature encoding `version` (ValueError for an unknown one)."""
     names = features_of(version)
     origins = np.asarray(origins, dtype=np.int64)
     total = len(grid)
@@ -527,20 +519,7 @@ def encode(
     if version >= 4:
         _encode_inapp(grid, win, first_bin, mem_scale, put, x, fi)
     if version >= 5:
-        if long_grid is None:
-            long = _long_context(grid, mem, sm, origins, origin_first, mem_scale, first_bin)
-        else:
-            lg, lg_origins = long_grid
-            lg_first = lg.offsets[:-1][np.repeat(np.arange(lg.n_apps), np.diff(lg.offsets))]
-            long = _long_context(
-                lg,
-                _carry(lg.values["mem_used_mib"], lg_first),
-                _carry(lg.values["sm_util_pct"], lg_first),
-                lg_origins,
-                lg.offsets[:-1][lg.app_of(lg_origins)],
-                mem_scale,
-                lg_first,
-            )
+        long = _long_context(grid, mem, sm, origins, origin_first, mem_scale, first_bin)
         first_long = fi(LONG_FEATURES[0])
         x[..., first_long : first_long + len(LONG_FEATURES)] = long[:, None, :] * valid[..., None]
     np.clip(x, -10.0, 10.0, out=x)
@@ -694,38 +673,21 @@ def encode_latest(
     encoding `version`. Returns the windows of the non-empty histories and a boolean per history
     saying which those are.
 
-    Only each history's recent seconds are put on the grid (see `_recent_cut`): every column over
-    what the window and v3's context read, and for v5 memory and compute alone over
-    `LONG_CONTEXT_S` for the long summaries; the windows are the same as from the whole histories."""
+    Only each history's recent seconds (`history_needed_s`) are put on the grid (see `_recent_cut`);
+    the windows are the same as from the whole histories."""
     features_of(version)  # an unknown version fails before any work
     lengths = np.array([len(t) for t in histories], dtype=np.int64)
     t_all = np.concatenate([t.t_s for t in histories]) if histories else np.zeros(0)
     cols = _columns(histories, lengths)
-    grid = _recent_grid(lengths, t_all, cols, history_needed_s(window_s, min(version, 4)))
+    cut = _recent_cut(lengths, t_all, cols, history_needed_s(window_s, version))
+    if cut is None:
+        grid = _grid(lengths, t_all, cols)
+    else:
+        keep, kept_lengths, mem_seed, first_s = cut
+        grid = _grid(kept_lengths, t_all[keep], {c: v[keep] for c, v in cols.items()}, mem_seed, first_s)
     last = grid.last_bins()
     present = last >= 0
-    long_grid = None
-    if version >= 5:
-        long_cols = {c: cols[c] for c in TARGET_NAMES if c in cols}
-        lg = _recent_grid(lengths, t_all, long_cols, history_needed_s(window_s, version), TARGET_NAMES)
-        long_grid = (lg, lg.last_bins()[present])
-    return encode(grid, window_s, last[present], version, long_grid), present
-
-
-def _recent_grid(
-    lengths: npt.NDArray[np.int64],
-    t_all: F64,
-    cols: dict[str, F64],
-    needed_s: int,
-    names: Sequence[str] = GRID_COLUMNS,
-) -> Grid:
-    """The grid of the columns `names` over each application's last `needed_s` seconds (more where
-    `_recent_cut` keeps more)."""
-    cut = _recent_cut(lengths, t_all, cols, needed_s)
-    if cut is None:
-        return _grid(lengths, t_all, cols, names=names)
-    keep, kept_lengths, mem_seed, first_s = cut
-    return _grid(kept_lengths, t_all[keep], {c: v[keep] for c, v in cols.items()}, mem_seed, first_s, names)
+    return encode(grid, window_s, last[present], version), present
 
 
 def _recent_cut(
