@@ -26,6 +26,16 @@ fractions of the memory scale; `torch_present`), allocation retries in each seco
 KV cache in use (a fraction of the pool where `inapp_kv_total_mib` is reported, else of the memory
 scale; `kv_present`). v3 and v2 checkpoints read none of them and are encoded as before.
 
+Encoding v5 adds a long context without lengthening the sequence the network reads (the cost of a
+forecast grows with the sequence; these are a handful of numpy calls per batch): over the last
+`LONG_CONTEXT_S` = 120 s up to the origin (the manager's window), for memory and compute each, the
+mean, max and min relative to the origin's value (units of `*_frac_vs_last`), the least-squares slope
+(capacity fractions per minute), and the seconds since the last step change (a change between two
+consecutive seconds of at least `STEP_MEM_FRAC` = 2 % of the memory scale, or `STEP_SM_FRAC` = 10 %
+compute), scaled by 120 s and 1 where there was none in the span. They let a 16 s window tell a job
+that has just ramped from one that has been flat for minutes, and a serving engine's slow drift
+from noise. v4 and earlier are encoded as before.
+
 Targets are the change from the origin's value in percent of the capacity:
 `100 * (value[origin + h] - value[origin]) / capacity` for h in 1..5 s (percentage points for
 compute); `mask` marks targets that exist
@@ -102,7 +112,26 @@ INAPP_COLUMNS: tuple[str, ...] = (
     "inapp_kv_used_mib",
     "inapp_kv_total_mib",
 )
-FEATURES_BY_VERSION: dict[int, tuple[str, ...]] = {2: FEATURES_V2, 3: FEATURES_V3, 4: FEATURES_V4}
+# v5: summaries of the last LONG_CONTEXT_S seconds, broadcast over the window's valid steps like v3's
+LONG_FEATURES: tuple[str, ...] = (
+    "mem_long_mean",
+    "mem_long_max",
+    "mem_long_min",
+    "mem_long_slope",
+    "mem_since_step",
+    "sm_long_mean",
+    "sm_long_max",
+    "sm_long_min",
+    "sm_long_slope",
+    "sm_since_step",
+)
+FEATURES_V5 = FEATURES_V4 + LONG_FEATURES
+FEATURES_BY_VERSION: dict[int, tuple[str, ...]] = {
+    2: FEATURES_V2,
+    3: FEATURES_V3,
+    4: FEATURES_V4,
+    5: FEATURES_V5,
+}
 # what `vgpu train` writes by default (the shipped model's); every version of FEATURES_BY_VERSION can be
 # encoded and served (`vgpu train --feature-version 4` trains on the in-app signals)
 FEATURE_VERSION = 3
@@ -111,6 +140,10 @@ N_FEATURES = len(FEATURES)
 TARGET_NAMES: tuple[str, ...] = ("mem_used_mib", "sm_util_pct")
 AGE_CAP_S = 120  # the manager keeps 1200 samples (120 s at 10 Hz) per application
 CONTEXT_S = 30  # the summaries' span, origin included
+LONG_CONTEXT_S = 120  # v5's span, origin included: what the manager's window holds at 10 Hz
+STEP_MEM_FRAC = 0.02  # a step change of memory: >= 2 % of the memory scale from one second to the next
+STEP_SM_FRAC = 0.10  # of compute: >= 10 percentage points
+SLOPE_PER_S = 60.0  # slopes in capacity fractions per minute
 
 # Fixed scales for signals with no capacity in the trace.
 SM_CLOCK_SCALE_MHZ = 2000.0
@@ -142,6 +175,8 @@ def features_of(version: int) -> tuple[str, ...]:
 def history_needed_s(window_s: int, version: int = FEATURE_VERSION) -> int:
     """How many recent seconds of a history an encoding reads (the age aside, which needs only the
     history's first sample second)."""
+    if version >= 5:
+        return max(window_s, LONG_CONTEXT_S)
     return max(window_s, CONTEXT_S) if version >= 3 else window_s
 
 
@@ -483,6 +518,10 @@ def encode(
         x[..., first_ctx : first_ctx + len(CONTEXT_FEATURES)] = context[:, None, :] * valid[..., None]
     if version >= 4:
         _encode_inapp(grid, win, first_bin, mem_scale, put, x, fi)
+    if version >= 5:
+        long = _long_context(grid, mem, sm, origins, origin_first, mem_scale, first_bin)
+        first_long = fi(LONG_FEATURES[0])
+        x[..., first_long : first_long + len(LONG_FEATURES)] = long[:, None, :] * valid[..., None]
     np.clip(x, -10.0, 10.0, out=x)
     return Windows(
         x=x, mem_scale_mib=mem_scale, last=np.stack([last_mem, last_sm], axis=1), origin_bin=origins
@@ -525,6 +564,68 @@ def _encode_inapp(
     kv_used = win(col("inapp_kv_used_mib"))
     kv_den = win(kv_scale)
     put("kv_used_frac", "kv_present", kv_used / np.where(np.isfinite(kv_den), kv_den, scale))
+
+
+def _long_context(
+    grid: Grid,
+    mem: F64,
+    sm: F64,
+    origins: npt.NDArray[np.int64],
+    origin_first: npt.NDArray[np.int64],
+    mem_scale: F64,
+    first_bin: npt.NDArray[np.int64],
+) -> F64:
+    """The v5 channels (N, len(LONG_FEATURES)) in LONG_FEATURES' order: per target, the mean, max and
+    min of the last LONG_CONTEXT_S seconds relative to the origin's value, the least-squares slope,
+    and the seconds since the last step change (see the module docstring). Origins are taken in
+    chunks so that the (origins x span) temporaries stay bounded in training."""
+    chunk = 8192
+    if len(origins) > chunk:
+        return np.concatenate(
+            [
+                _long_context(grid, mem, sm, origins[i : i + chunk], origin_first[i : i + chunk],
+                              mem_scale[i : i + chunk], first_bin)
+                for i in range(0, len(origins), chunk)
+            ]
+        )
+    n, span_s, total = len(origins), LONG_CONTEXT_S, len(grid)
+    pos = origins[:, None] + np.arange(-span_s + 1, 1)[None, :]
+    inside = pos >= origin_first[:, None]
+    padded = np.full((2, total + span_s - 1), np.nan)
+    padded[0, span_s - 1 :] = mem
+    padded[1, span_s - 1 :] = sm
+    span = sliding_window_view(padded, span_s, axis=1)[:, origins]  # (2, N, span_s)
+    scale = np.stack([mem_scale, np.full(n, 100.0)])[..., None]
+    frac = span / scale
+    base = frac[:, :, -1:]
+    rel = (frac - base).reshape(2 * n, span_s)
+    ok = np.tile(inside, (2, 1)) & np.isfinite(rel)
+    mean, hi, lo, _ = _summaries(rel, np.tile(inside, (2, 1)))
+    # least-squares slope over the valid seconds, in fractions per minute
+    t = np.broadcast_to(np.arange(span_s, dtype=np.float64), rel.shape)
+    cnt = ok.sum(axis=1)
+    denom = np.maximum(cnt, 1)
+    t_mean = np.where(ok, t, 0.0).sum(axis=1) / denom
+    dt = np.where(ok, t - t_mean[:, None], 0.0)
+    var = (dt * dt).sum(axis=1)
+    cov = (dt * np.where(ok, rel, 0.0)).sum(axis=1)
+    slope = np.where((cnt >= 2) & (var > 0), cov / np.maximum(var, 1e-12), 0.0) * SLOPE_PER_S
+    # seconds since the last step change: the latest second of the span whose change from the second
+    # before is at least the threshold times the origin's scale
+    since = []
+    no_before = first_bin == np.arange(total)  # an application's first second has no change into it
+    for values, threshold, sc in ((mem, STEP_MEM_FRAC, mem_scale), (sm, STEP_SM_FRAC, np.full(n, 100.0))):
+        jump = np.abs(np.diff(values, prepend=np.nan))
+        jump[no_before] = np.nan
+        jspan = np.concatenate([np.full(span_s - 1, np.nan), jump])
+        change = sliding_window_view(jspan, span_s)[origins]
+        hit = inside & np.isfinite(change) & (change >= threshold * sc[:, None])
+        latest = np.where(hit.any(axis=1), span_s - 1 - np.argmax(hit[:, ::-1], axis=1), -1)
+        since.append(np.where(latest >= 0, (span_s - 1 - latest) / span_s, 1.0))
+    return np.stack(
+        [mean[:n], hi[:n], lo[:n], slope[:n], since[0], mean[n:], hi[n:], lo[n:], slope[n:], since[1]],
+        axis=1,
+    )
 
 
 def _summaries(values: F64, inside: npt.NDArray[np.bool_]) -> list[F64]:

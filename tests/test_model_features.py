@@ -159,7 +159,7 @@ def test_v2_channels_are_the_first_v3_channels_and_unknown_versions_fail() -> No
     assert F.FEATURES_V3[: len(F.FEATURES_V2)] == F.FEATURES_V2
     np.testing.assert_array_equal(v3.x[..., : len(F.FEATURES_V2)], v2.x)
     np.testing.assert_array_equal(v3.last, v2.last)
-    for bad in (1, 5):
+    for bad in (1, 6):
         with pytest.raises(ValueError, match=f"unknown feature encoding v{bad}"):
             F.encode(grid, 16, origins, version=bad)
         with pytest.raises(ValueError, match="unknown feature encoding"):

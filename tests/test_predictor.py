@@ -188,18 +188,122 @@ def test_failed_file_is_not_retried_until_it_changes(tmp_path: Path) -> None:
     assert len(calls) == 2  # one per construction, none for the unchanged file
 
 
+# what a shipped model may be trained on (../shared/data/README.md): these licences, directly or as
+# every input of a derived series; TITAN X ("none") and Lucid ("non-commercial") serve evaluation only
+PERMITTED_LICENCES = ("MIT", "Apache-2.0", "CC-BY-4.0", "research/study use", "research use")
+FORBIDDEN_SOURCES = ("titanx", "titan x", "lucid")
+
+
+def permitted_data_problems(training: dict[str, object]) -> list[str]:
+    """Why a checkpoint's training metadata does not show permitted data only (empty: it does)."""
+    problems: list[str] = []
+    files = training.get("trace_files")
+    licences = training.get("licences")
+    if not isinstance(files, list) or not files:
+        return ["no trace_files"]
+    if not isinstance(licences, list) or not licences:
+        return ["no licences"]
+    for lic in licences:
+        kind = str(lic).split(":", 1)[0].strip()
+        if kind != "derived" and kind not in PERMITTED_LICENCES:
+            problems.append(f"licence {lic!r} is not permitted")
+    real_licences = [str(lic).lower() for lic in licences if not str(lic).startswith("derived:")]
+    texts = [str(lic).lower() for lic in licences]
+    derived_files: list[str] = []
+    for entry in files:
+        path = str(entry["path"])
+        texts.append(path.lower())
+        if entry.get("derived"):
+            derived_files.append(path)
+            inputs = entry.get("inputs")
+            if not entry.get("generator") or not isinstance(inputs, list) or not inputs:
+                problems.append(f"derived {path} names no generator or inputs")
+                continue
+            for inp in inputs:
+                texts.append(str(inp.get("path", "")).lower())
+                if inp.get("license") not in PERMITTED_LICENCES:
+                    problems.append(f"derived {path}: input {inp.get('path')} is {inp.get('license')!r}")
+        else:
+            # a real trace is named, by its source, in one of the real (non-derived) licence lines
+            source = Path(path).name.split(".")[0].split("_")[0].lower()
+            if not any(source in lic for lic in real_licences):
+                problems.append(f"real {path}: no licence line names {source!r}")
+    problems += [f"{word!r} in {text!r}" for text in texts for word in FORBIDDEN_SOURCES if word in text]
+    share = training.get("derived_share")
+    if derived_files:
+        if not isinstance(share, dict):
+            problems.append("derived files but no derived_share")
+        else:
+            by_file = share.get("train_origins_by_file", {})
+            derived = sum(int(by_file.get(p, 0)) for p in derived_files)
+            if derived != share.get("derived_origins") or not derived:
+                problems.append(f"derived_origins {share.get('derived_origins')} is not the derived files' {derived}")
+    return problems
+
+
 def test_the_shipped_model_loads_and_names_only_permitted_data() -> None:
     from vgpu.manager.predictor import DEFAULT_MODEL_PATH
 
     f = load_forecaster(DEFAULT_MODEL_PATH, device="cpu")
     training = f.checkpoint.metadata.training
-    paths = [e["path"] for e in training["trace_files"]]
-    assert paths and all("migperf" in p for p in paths)
-    assert not any(word in p.lower() for p in paths for word in ("titanx", "lucid", "alibaba"))
-    assert any("MIT" in lic for lic in training["licences"])
+    assert permitted_data_problems(training) == []
     assert training["apps"]["test"] > 0  # the test split was left out, not absent
+    assert "vgpu train" in training["command"]
     out = f.forecast_batch([ramp_app("a", seconds=30)])[0]
     assert 0 <= out.sm_p50_pct[4] <= out.sm_p90_pct[4] <= 100
+
+
+def _metadata(**change: object) -> dict[str, object]:
+    base: dict[str, object] = {
+        "licences": ["MIT: MIGPerf (migperf-a100-mig), real", "derived: serving from Azure (CC-BY-4.0)"],
+        "trace_files": [
+            {"path": "runs/migperf.csv.gz", "derived": False},
+            {"path": "runs/serving.csv.gz", "derived": True, "generator": "vgpu.offline.synth_serving v1",
+             "inputs": [{"path": "llm-serving-requests/azure", "license": "CC-BY-4.0"}]},
+        ],
+        "derived_share": {"derived_origins": 5, "train_origins_by_file": {"runs/migperf.csv.gz": 9,
+                                                                          "runs/serving.csv.gz": 5}},
+    }
+    return base | change
+
+
+def _titanx_real() -> dict[str, object]:
+    m = _metadata()
+    m["licences"] = [*m["licences"], "none: TITAN X traces"]  # type: ignore[misc]
+    m["trace_files"] = [*m["trace_files"], {"path": "runs/titanx.csv.gz", "derived": False}]  # type: ignore[misc]
+    return m
+
+
+def _derived_input(path: str, licence: str) -> dict[str, object]:
+    m = _metadata()
+    entry = dict(m["trace_files"][1])  # type: ignore[index]
+    entry["inputs"] = [*entry["inputs"], {"path": path, "license": licence}]
+    m["trace_files"] = [m["trace_files"][0], entry]  # type: ignore[index]
+    return m
+
+
+@pytest.mark.parametrize(
+    ("metadata", "problem"),
+    [
+        (_titanx_real(), "none: TITAN X"),
+        (_derived_input("titanx-100ms-training-traces", "MIT"), "titanx"),
+        (_derived_input("lucid-dl-job-profiles", "non-commercial"), "lucid"),
+        (_derived_input("somewhere/else", "GPL-3.0"), "GPL-3.0"),
+        (_derived_input("somewhere/else", ""), "somewhere/else"),
+        (_metadata(licences=["MIT: MIGPerf", "derived: x", "proprietary: y"]), "proprietary"),
+        (_metadata(trace_files=[{"path": "runs/other.csv.gz", "derived": False}]), "other"),
+        (_metadata(trace_files=[{"path": "runs/s.csv.gz", "derived": True, "inputs": []}]), "generator"),
+        (_metadata(derived_share=None), "derived_share"),
+        (_metadata(derived_share={"derived_origins": 0, "train_origins_by_file": {}}), "derived_origins"),
+        (_metadata(trace_files=[]), "trace_files"),
+    ],
+    ids=["titanx-real", "titanx-input", "lucid-input", "gpl-input", "no-licence-input", "unknown-licence",
+         "unlicensed-real", "no-generator", "no-share", "share-wrong", "no-files"],
+)
+def test_the_permitted_data_check_fails_for_anything_else(metadata: dict[str, object], problem: str) -> None:
+    assert permitted_data_problems(_metadata()) == []  # the base is fine
+    problems = permitted_data_problems(metadata)
+    assert problems and any(problem in p for p in problems), problems
 
 
 def test_a_loader_that_raises_anything_is_logged_counted_and_the_old_model_serves(tmp_path: Path) -> None:

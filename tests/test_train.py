@@ -84,7 +84,7 @@ def test_cli_trains_the_previous_feature_encoding_on_request(
     assert "--feature-version 2" in ck.metadata.training["command"]
     capsys.readouterr()
     with pytest.raises(SystemExit):
-        T.main([*args, "--feature-version", "5"], "vgpu train")
+        T.main([*args, "--feature-version", "6"], "vgpu train")
     assert "invalid choice" in capsys.readouterr().err
 
 

@@ -279,7 +279,8 @@ def train_model(
 
 
 def load_apps(paths: Sequence[str | Path]) -> tuple[dict[str, AppTrace], list[dict[str, Any]]]:
-    """Every application of every trace file (ids must be unique across files)."""
+    """Every application of every trace file (ids must be unique across files). Each file's entry
+    says whether it is derived (its `#meta` line names a generator) and from what."""
     apps: dict[str, AppTrace] = {}
     files: list[dict[str, Any]] = []
     for path in paths:
@@ -288,15 +289,47 @@ def load_apps(paths: Sequence[str | Path]) -> tuple[dict[str, AppTrace], list[di
             if app_id in apps:
                 raise TraceFormatError(f"{path}: application {app_id!r} also appears in an earlier trace")
             apps[app_id] = app
-        files.append(
-            {
-                "path": str(path),
-                "apps": len(trace.apps),
-                "samples": trace.samples,
-                "skipped_rows": len(trace.issues),
-            }
-        )
+        entry: dict[str, Any] = {
+            "path": str(path),
+            "apps": len(trace.apps),
+            "samples": trace.samples,
+            "skipped_rows": len(trace.issues),
+            "derived": "generator" in trace.metadata,
+            "app_ids": sorted(trace.apps),
+        }
+        if entry["derived"]:
+            entry["generator"] = trace.metadata["generator"]
+            if "inputs" in trace.metadata:
+                entry["inputs"] = trace.metadata["inputs"]
+        files.append(entry)
     return apps, files
+
+
+def origins_of(app: AppTrace, stride: int, min_history_s: int = MIN_HISTORY_S) -> int:
+    """How many training origins `build_dataset` takes from an application (before dropping those
+    without any target)."""
+    if len(app) == 0:
+        return 0
+    seconds = int(np.floor(app.t_s.max())) - int(np.floor(app.t_s.min())) + 1
+    return len(range(min_history_s, seconds, stride))
+
+
+def derived_share(
+    files: Sequence[dict[str, Any]], apps: dict[str, AppTrace], train_ids: Sequence[str], stride: int
+) -> dict[str, Any]:
+    """Which share of the training origins comes from derived series, per file and in all."""
+    train = set(train_ids)
+    per_file = {}
+    for f in files:
+        per_file[f["path"]] = sum(origins_of(apps[a], stride) for a in f["app_ids"] if a in train)
+    total = sum(per_file.values())
+    derived = sum(n for f in files for p, n in per_file.items() if p == f["path"] and f["derived"])
+    return {
+        "train_origins": total,
+        "derived_origins": derived,
+        "derived_fraction": round(derived / total, 4) if total else 0.0,
+        "train_origins_by_file": per_file,
+    }
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
@@ -369,6 +402,9 @@ def main(argv: Sequence[str], prog: str = "vgpu train") -> int:
             file=sys.stderr,
         )
         return 2
+    share = derived_share(files, apps, splits.split_ids(apps)["train"], args.stride)
+    for f in files:
+        f.pop("app_ids")
     train = build_dataset(by_split["train"], spec, stride=args.stride)
     val = build_dataset(by_split["val"], spec)
     config = ModelConfig(
@@ -416,6 +452,7 @@ def main(argv: Sequence[str], prog: str = "vgpu train") -> int:
         training={
             "command": " ".join(["vgpu", "train", *argv]),
             "trace_files": files,
+            "derived_share": share,
             "licences": list(args.licence),
             "split_rule": "vgpu.offline.splits (sha256 of run family; 0.70 train / 0.15 val / 0.15 test)",
             "apps": {s: len(v) for s, v in by_split.items()},
