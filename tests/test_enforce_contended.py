@@ -180,7 +180,7 @@ def test_a_plan_still_contended_without_the_app_that_left_keeps_the_caps_until_i
     allocator, backend, _ = _rig()
     dev = allocator.ledger.devices()[0].device_id
     total = _total(allocator)
-    allocator.policy = _Counts({"a": 2048.0, "b": 4096.0, "c": 0.9 * total})  # type: ignore[assignment]
+    allocator.policy = _Counts({"a": 2048.0, "b": 4096.0, "c": 0.9 * total})
     allocator.request_allocation(AllocationRequest("a", memory_mib=2048, pid=11))
     b = allocator.request_allocation(AllocationRequest("b", memory_mib=4096))
     allocator.request_allocation(AllocationRequest("c", memory_mib=4096))
