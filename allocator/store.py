@@ -16,7 +16,8 @@ state aside and starts empty). A write that fails (a full disk, an I/O error) ra
 
 What is stored:
 - `grants` and `app_limits`: one row per grant and per application's limits (the ledger's records,
-  as JSON), and `meta.grant_rows` / `meta.ledger_generation` kept with them;
+  as JSON; a grant's record keeps its job's cold-start size, `cold_start_mib`, since schema 4), and
+  `meta.grant_rows` / `meta.ledger_generation` kept with them;
 - `device_originals`: each device's power limit and MIG layout as found *before* vgpu wrote to it,
   recorded once and kept across crashes until a graceful stop has restored them;
 - `cgroup_originals`: the NVML memory limits of each (device, cgroup) as found before vgpu first
