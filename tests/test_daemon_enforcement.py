@@ -6,6 +6,7 @@ how these tests see what the daemon wrote."""
 from __future__ import annotations
 
 import json
+import sqlite3
 import subprocess
 import sys
 import time
@@ -203,6 +204,30 @@ def test_a_job_still_loading_keeps_its_cold_start_size_across_a_daemon_restart(
     (held,) = job["grants"]
     assert held["grant_id"] == grant["grant_id"]
     assert cold_mib <= held["memory_mib"] <= cold_mib * (1 + PREDICTIVE_CONFIG.mem_margin_frac) + 1
+    assert serves[-1].term() == 0
+
+
+@pytest.mark.parametrize("bad", ['"lots"', "-5.0", "NaN", "[4096]"])
+def test_a_bad_stored_cold_start_size_is_dropped_counted_and_its_grant_kept(
+        env: Env, serves: list[Serve], bad: str) -> None:
+    """A damaged cold-start size in the state database never stops a start: the grant is restored
+    without it and the start counts it with the other bad records."""
+    serves.append(Serve(env))
+    grant = env.json("request", "--app", "job", "--memory-mib", "4096")
+    assert serves[-1].term() == 0
+    db = sqlite3.connect(env.state / "vgpu.sqlite3")
+    (body,) = db.execute("SELECT record_json FROM grants WHERE grant_id=?", (grant["grant_id"],)).fetchone()
+    assert '"cold_start_mib": null' in body  # a request, not sized
+    db.execute("UPDATE grants SET record_json=? WHERE grant_id=?",
+               (body.replace('"cold_start_mib": null', f'"cold_start_mib": {bad}'), grant["grant_id"]))
+    db.commit()
+    db.close()
+    serves.append(Serve(env))
+    rec = serves[-1].event("reconciled")
+    assert rec["grants_restored"] == 1 and rec["bad_records"] == 1
+    assert any("cold_start_mib" in r and "kept without it" in r for r in rec["bad_record_reasons"])
+    (held,) = _apps(env)["job"]["grants"]
+    assert held["grant_id"] == grant["grant_id"] and held["memory_mib"] == 4096
     assert serves[-1].term() == 0
 
 
