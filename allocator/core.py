@@ -295,7 +295,9 @@ class Allocator:
         self.hard_limit_at_frac = hard_limit_at_frac
         self._plan_enforcement: dict[str, Enforcement] = {}  # device -> the latest plan's decision
         self._enforced: dict[str, bool] = {}  # device -> hard memory limits in force (as last synced)
-        self._cold_start_mib: dict[str, float] = {}  # app -> its cold-start size
+        # app -> its cold-start size: the latest one of its grants keeps (so it survives a restart)
+        self._cold_start_mib: dict[str, float] = {
+            g.app_id: g.cold_start_mib for g in self.ledger.grants() if g.cold_start_mib is not None}
         self.on_change = on_change
         self.counters = Counters()
         self.history = history if history is not None else History()
@@ -404,7 +406,6 @@ class Allocator:
             except InvalidJobConfig as exc:
                 raise InvalidRequest(f"request.job cannot be sized: {exc}; fix the job or give memory_mib") from exc
             memory_mib, sm_pct, source = sizing.memory_mib, max(sm_pct, sizing.sm_pct), "cold_start"
-            self._cold_start_mib[request.app_id] = memory_mib
             self._log.info("cold_start_sized", app=request.app_id, memory_mib=memory_mib, sm_pct=sm_pct,
                            reason=sizing.reason)
         grant = self.ledger.grant(
@@ -416,8 +417,11 @@ class Allocator:
             source=source,
             pid=request.pid,
             caller=caller,
+            cold_start_mib=memory_mib if source == "cold_start" else None,
         )
         self._changed()  # stored before anyone hears of it
+        if grant.cold_start_mib is not None:
+            self._cold_start_mib[grant.app_id] = grant.cold_start_mib
         self._requests[grant.grant_id] = request
         self._seen[grant.app_id] = self.clock()
         self.counters.granted += 1
@@ -440,6 +444,7 @@ class Allocator:
     def release(self, grant_id: str, *, caller: str | None = None, reason: str = "") -> Grant:
         grant = self.ledger.release(grant_id, caller=caller)
         self._changed()
+        self._recount(grant.device_id, grant.app_id)
         self._requests.pop(grant_id, None)
         self.counters.released += 1
         self._log.info("released", app=grant.app_id, grant=grant_id, **({"reason": reason} if reason else {}))
@@ -454,6 +459,8 @@ class Allocator:
         self._cold_start_mib.pop(app_id, None)
         for device_id in [d for d in self._plan_enforcement if not any(r.device_id == d for r in self._latest.values())]:
             del self._plan_enforcement[device_id]  # no planned application is left to plan it
+        for device_id in list(self._plan_enforcement):
+            self._recount(device_id, app_id)  # no longer planned: its grants count, not its need
         gone = []
         for g in [g for g in self.ledger.grants(app_id=app_id) if g.source != "request"]:
             try:
@@ -464,7 +471,27 @@ class Allocator:
             gone.append(g)
         if not self.ledger.grants(app_id=app_id):
             self.history.depart(app_id)
+        for device_id in sorted(self._device_ids()):  # a plan's word that ended with it: the caps follow now
+            if device_id in self._enforced and self._enforced[device_id] != self.memory_enforcement(device_id).hard_mem:
+                self._sync_cgroup_limits(device_id)
         return gone
+
+    def _recount(self, device_id: str, app_id: str) -> None:
+        """After `app_id` released a grant on the device or departed: judge the latest plan's
+        decision for the device again (`Enforcement.recounted`) with what the application counts
+        now: its planned need while it still holds a grant there and is still planned there, else
+        its grants there (none: left out). The plan stays in force for the applications left; when
+        it no longer marks the device contended with them, the caps are lifted at once (the
+        caller syncs them) instead of at the next plan, which may never come if nobody there
+        sends signatures."""
+        planned = self._plan_enforcement.get(device_id)
+        if planned is None or app_id not in {a for a, _ in planned.counted_mib}:
+            return  # no plan here, or one that did not count it: the grants alone speak for it
+        grants = self.ledger.grants(app_id=app_id, device_id=device_id)
+        rec = self._latest.get(app_id)
+        if grants and rec is not None and rec.device_id == device_id:
+            return  # still planned here: its need stands until the next plan
+        self._plan_enforcement[device_id] = planned.recounted(app_id, sum(g.memory_mib for g in grants))
 
     # --- applications that vanished --------------------------------------------------------------
     def last_seen_s(self, app_id: str) -> float | None:

@@ -60,6 +60,9 @@ class Grant:
     pid: int = 0
     # when memory_mib last changed (None: never since created); updated_at_s covers any change
     mem_updated_at_s: float | None = None
+    # the cold-start sizer's size for the job this grant was made for (None: not sized), kept with the
+    # grant so that the policy still knows it after a restart
+    cold_start_mib: float | None = None
 
     @property
     def mem_changed_at_s(self) -> float:
@@ -376,13 +379,17 @@ class Ledger:
         source: str = "request",
         pid: int = 0,
         caller: str | None = None,
+        cold_start_mib: float | None = None,
     ) -> Grant:
-        """A new grant, or InsufficientResources (and nothing changes)."""
+        """A new grant, or InsufficientResources (and nothing changes). `cold_start_mib`: the
+        sizer's size for the job, kept with the grant."""
         _check_app_id(app_id)
         _check_amount("memory_mib", memory_mib)
         _check_amount("sm_pct", sm_pct, upper=100.0)
         if source not in SOURCES:
             raise InvalidRequest(f"source must be one of {SOURCES}, got {source!r}")
+        if cold_start_mib is not None:
+            _check_cold_start(cold_start_mib)
         self._check_caller(caller, app_id, "request resources on behalf")
         self._check_quota(app_id)
         if device_id is None or device_id == "":
@@ -403,6 +410,7 @@ class Ledger:
             updated_at_s=now,
             source=source,
             pid=int(pid),
+            cold_start_mib=None if cold_start_mib is None else float(cold_start_mib),
         )
         self._touch_grant(grant.grant_id)
         self._put(grant)
@@ -531,11 +539,21 @@ class Ledger:
         grants: list[Grant] = []
         for g in raw_grants:
             try:
-                grants.append(_grant_from_record(g))
+                grant = _grant_from_record(g)
             except (KeyError, TypeError, ValueError, InvalidRequest) as exc:
                 if not skip_bad:
                     raise ValueError(f"malformed ledger records: {exc}") from exc
                 bad.append(f"grant {_record_id(g, 'grant_id')}: {exc}")
+                continue
+            try:
+                if grant.cold_start_mib is not None:
+                    _check_cold_start(grant.cold_start_mib)
+            except InvalidRequest as exc:  # the grant stands; only the size it was sized at is lost
+                if not skip_bad:
+                    raise ValueError(f"malformed ledger records: {exc}") from exc
+                bad.append(f"grant {_record_id(g, 'grant_id')}: {exc}; kept without it")
+                grant = replace(grant, cold_start_mib=None)
+            grants.append(grant)
         limits: list[AppLimits] = []
         for lim in raw_limits:
             try:
@@ -561,6 +579,12 @@ class Ledger:
         ledger.dropped_on_restore = tuple(dropped)
         ledger.bad_on_restore = tuple(bad)
         return ledger
+
+
+def _check_cold_start(mib: object) -> None:
+    """A cold-start size: a finite number of MiB above 0."""
+    if not isinstance(mib, int | float) or isinstance(mib, bool) or not math.isfinite(mib) or mib <= 0:
+        raise InvalidRequest(f"cold_start_mib must be a finite number of MiB > 0, got {mib!r}")
 
 
 def _record_id(record: object, key: str) -> str:

@@ -16,7 +16,8 @@ state aside and starts empty). A write that fails (a full disk, an I/O error) ra
 
 What is stored:
 - `grants` and `app_limits`: one row per grant and per application's limits (the ledger's records,
-  as JSON), and `meta.grant_rows` / `meta.ledger_generation` kept with them;
+  as JSON; a grant's record keeps its job's cold-start size, `cold_start_mib`, since schema 4), and
+  `meta.grant_rows` / `meta.ledger_generation` kept with them;
 - `device_originals`: each device's power limit and MIG layout as found *before* vgpu wrote to it,
   recorded once and kept across crashes until a graceful stop has restored them;
 - `cgroup_originals`: the NVML memory limits of each (device, cgroup) as found before vgpu first
@@ -45,7 +46,7 @@ from typing import Any
 
 from vgpu.allocator.ledger import LedgerChanges
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 DB_NAME = "vgpu.sqlite3"
 
 # Version 1, the tables every database starts from; `_MIGRATIONS` takes it to SCHEMA_VERSION.
@@ -93,6 +94,19 @@ INSERT OR IGNORE INTO app_limits(app_id, record_json)
 INSERT OR REPLACE INTO meta(key, value) SELECT 'ledger_generation', CAST(generation AS TEXT) FROM ledger;
 INSERT OR REPLACE INTO meta(key, value) VALUES ('grant_rows', (SELECT CAST(count(*) AS TEXT) FROM grants));
 DELETE FROM ledger;
+""",
+    # A grant's record may hold `cold_start_mib`, the sizer's size for its job (a vgpu before this
+    # cannot read such a record: hence a version). A cold-start grant whose memory never changed
+    # still has the size the sizer gave it, which becomes its `cold_start_mib`; one resized since
+    # keeps none (its sized value is not known any more). Every row stays.
+    4: """
+UPDATE grants SET record_json = json_set(record_json, '$.cold_start_mib', json_extract(record_json, '$.memory_mib'))
+    WHERE json_valid(record_json) AND json_type(record_json) = 'object'
+    AND json_extract(record_json, '$.source') = 'cold_start'
+    AND json_type(record_json, '$.mem_updated_at_s') IS 'null'
+    AND json_type(record_json, '$.memory_mib') IN ('real', 'integer')
+    AND json_extract(record_json, '$.memory_mib') > 0
+    AND json_type(record_json, '$.cold_start_mib') IS NULL;
 """,
 }
 

@@ -6,6 +6,7 @@ how these tests see what the daemon wrote."""
 from __future__ import annotations
 
 import json
+import sqlite3
 import subprocess
 import sys
 import time
@@ -169,6 +170,88 @@ def test_a_job_that_sends_its_configuration_keeps_its_cold_start_size_until_it_s
     (held,) = job["grants"]
     assert held["grant_id"] == grant["grant_id"]
     assert cold_mib <= held["memory_mib"] <= cold_mib * (1 + PREDICTIVE_CONFIG.mem_margin_frac) + 1
+    assert serves[-1].term() == 0
+
+
+def _replay(env: Env, app_id: str, device_id: str, mem_mib: float, seconds: float) -> None:
+    """`vgpu profiler --replay`: `seconds` of signatures of `app_id` using `mem_mib` (and no SM)."""
+    t = np.arange(0.0, seconds, 0.5)
+    trace = env.tmp / f"{app_id}.csv"
+    write_trace(trace, [AppTrace(app_id, t, {"mem_used_mib": np.full(len(t), mem_mib),
+                                             "sm_util_pct": np.zeros(len(t))})])
+    done = subprocess.run(
+        [sys.executable, "-m", "vgpu.cli", "profiler", "--manager", f"unix://{env.sock}", "--replay", str(trace),
+         "--device-id", device_id, "--token-file", str(env.state / "tokens" / "profiler.token"),
+         "--seconds", str(seconds)],
+        cwd=ROOT, env=env.env, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_job_still_loading_keeps_its_cold_start_size_across_a_daemon_restart(
+        env: Env, serves: list[Serve]) -> None:
+    """The sizer's size is stored with the grant: after a restart the policy still knows it, and a
+    job that was loading (idle) when the daemon restarted keeps its cold-start grant past the
+    start-up window instead of falling back to the fixed headroom and shrinking."""
+    serves.append(Serve(env))
+    grant = _request_sized(env, "job")
+    cold_mib = grant["memory_mib"]
+    assert serves[-1].term() == 0
+    serves.append(Serve(env))
+    assert serves[-1].event("reconciled")["grants_restored"] == 1
+    _replay(env, "job", grant["device_id"], 0.0, PREDICTIVE_CONFIG.start_window_s + 4)
+    job = _apps(env)["job"]
+    assert job["forecast_mem_p90_mib"] == 0 or job["forecast_mem_p90_mib"] < 0.1 * cold_mib  # it saw the idle job
+    (held,) = job["grants"]
+    assert held["grant_id"] == grant["grant_id"]
+    assert cold_mib <= held["memory_mib"] <= cold_mib * (1 + PREDICTIVE_CONFIG.mem_margin_frac) + 1
+    assert serves[-1].term() == 0
+
+
+@pytest.mark.parametrize("bad", ['"lots"', "-5.0", "NaN", "[4096]"])
+def test_a_bad_stored_cold_start_size_is_dropped_counted_and_its_grant_kept(
+        env: Env, serves: list[Serve], bad: str) -> None:
+    """A damaged cold-start size in the state database never stops a start: the grant is restored
+    without it and the start counts it with the other bad records."""
+    serves.append(Serve(env))
+    grant = env.json("request", "--app", "job", "--memory-mib", "4096")
+    assert serves[-1].term() == 0
+    db = sqlite3.connect(env.state / "vgpu.sqlite3")
+    (body,) = db.execute("SELECT record_json FROM grants WHERE grant_id=?", (grant["grant_id"],)).fetchone()
+    assert '"cold_start_mib": null' in body  # a request, not sized
+    db.execute("UPDATE grants SET record_json=? WHERE grant_id=?",
+               (body.replace('"cold_start_mib": null', f'"cold_start_mib": {bad}'), grant["grant_id"]))
+    db.commit()
+    db.close()
+    serves.append(Serve(env))
+    rec = serves[-1].event("reconciled")
+    assert rec["grants_restored"] == 1 and rec["bad_records"] == 1
+    assert any("cold_start_mib" in r and "kept without it" in r for r in rec["bad_record_reasons"])
+    (held,) = _apps(env)["job"]["grants"]
+    assert held["grant_id"] == grant["grant_id"] and held["memory_mib"] == 4096
+    assert serves[-1].term() == 0
+
+
+def test_a_release_lifts_the_caps_of_a_plan_s_contention_at_once(
+        env: Env, serves: list[Serve], sleeper: tuple[int, str]) -> None:
+    """An application whose signatures the policy planned takes the GPU to more than 90 %: the plan
+    makes the limits hard. It stops sending and its grant is released: the caps come off at once,
+    with no further signature (no further plan) on the device."""
+    pid, cgroup = sleeper
+    serves.append(Serve(env))
+    job1 = env.json("request", "--app", "job1", "--memory-mib", "2048", "--pid", str(pid),
+                    "--state-dir", str(env.state))
+    assert _limits(env) == {}
+    total = env.json("available")["devices"][0]["mem_total_mib"]
+    _replay(env, "big", job1["device_id"], 0.9 * total, 4.0)
+    assert _limits(env)[cgroup] == [2048.0, 2048.0]
+    assert serves[-1].event("memory_limits_hard")["device"] == job1["device_id"]
+    (big,) = _apps(env)["big"]["grants"]
+    env.vgpu("release", "--socket", str(env.sock), "--grant", big["grant_id"],
+             "--state-dir", str(env.state))  # an operator releases it (big's token is the profiler's)
+    assert _limits(env) == {}
+    job1_now = _apps(env)["job1"]
+    assert job1_now["mem_limit"] == "cooperative" and "once big left" in job1_now["mem_limit_reason"]
+    assert serves[-1].event("memory_limits_cooperative")["device"] == job1["device_id"]
     assert serves[-1].term() == 0
 
 

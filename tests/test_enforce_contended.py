@@ -142,6 +142,71 @@ def test_the_forecast_policy_marks_contention_by_forecast_needs() -> None:
     assert e.hard_mem and e.reason.startswith("contended")
 
 
+def test_a_release_ends_the_plans_contention_at_once() -> None:
+    """The policy planned b's forecast to more than 90 % of the device beside a's request: hard. b's
+    grant is released (and b sends nothing more): the plan, judged again without b, no longer marks
+    the device contended, so a's cap is lifted at once, not at a next plan that may never come."""
+    allocator, backend, _ = _rig()
+    dev = allocator.ledger.devices()[0].device_id
+    allocator.request_allocation(AllocationRequest("a", memory_mib=2048, pid=11))
+    need = 0.9 * _total(allocator)
+    allocator.apply_recommendations([Recommendation("b", dev, need, 10.0, mem_p90_peak_mib=need, mem_used_mib=need)])
+    assert _limits(backend) == {"/test/a": (2048.0, 2048.0)}
+    (b,) = allocator.ledger.grants(app_id="b")
+    watch = allocator.watch("a")
+    allocator.release(b.grant_id)
+    assert _limits(backend) == {}
+    kind, why = allocator.app_memory_limit("a")
+    assert kind == "cooperative" and why.startswith("uncontended once b left")
+    assert [e.mem_limit for e in _drain(watch) if e.kind == EventKind.LIMITS_CHANGED] == ["cooperative"]
+
+
+class _Counts:
+    """A policy that plans no grants, only a decision that says what it counted per application."""
+
+    def __init__(self, counted: dict[str, float]) -> None:
+        self.counted = counted
+
+    def plan(self, recommendations: Sequence[Recommendation], devices: Sequence[DeviceView], now_s: float) -> Plan:
+        return Plan(enforcement=tuple(
+            Enforcement(d.device_id, True, "needs over capacity", tuple(self.counted.items()), d.mem_total_mib,
+                        0.9 * d.mem_total_mib) for d in devices))
+
+
+def test_a_plan_still_contended_without_the_app_that_left_keeps_the_caps_until_its_last_one_leaves() -> None:
+    """c's need (the plan's word) keeps the device contended after b leaves, though the grants are far
+    below the threshold: the caps stay. Then c departs (it holds only a small request): judged on
+    its grant, the device is not contended any more and the caps come off at once."""
+    allocator, backend, _ = _rig()
+    dev = allocator.ledger.devices()[0].device_id
+    total = _total(allocator)
+    allocator.policy = _Counts({"a": 2048.0, "b": 4096.0, "c": 0.9 * total})
+    allocator.request_allocation(AllocationRequest("a", memory_mib=2048, pid=11))
+    b = allocator.request_allocation(AllocationRequest("b", memory_mib=4096))
+    allocator.request_allocation(AllocationRequest("c", memory_mib=4096))
+    allocator.apply_recommendations([Recommendation(x, dev, 4096.0, 10.0, mem_used_mib=4000.0) for x in ("b", "c")])
+    assert _limits(backend) == {"/test/a": (2048.0, 2048.0)}
+    allocator.release(b.grant_id)
+    assert _limits(backend) == {"/test/a": (2048.0, 2048.0)}
+    assert allocator.memory_enforcement(dev).reason.startswith("contended once b left")
+    allocator.forget_app("c")  # its request grant stays; it counts at that, no longer at its need
+    assert _limits(backend) == {}
+    assert not allocator.memory_enforcement(dev).hard_mem
+
+
+def test_a_forecast_plans_decision_judged_again_with_everyone_is_the_same() -> None:
+    """What the decision counted reproduces it: nothing left out, the same kind."""
+    policy = ForecastPolicy()
+    for mib in (5_000.0, 38_000.0, 50_000.0):
+        view = DeviceView("GPU-0", "H100", 81_559.0, 100.0, ())
+        recs = [Recommendation(a, "GPU-0", mib, 10.0, mem_p90_peak_mib=mib, mem_used_mib=mib) for a in ("a", "b")]
+        (e,) = policy.plan(recs, [view], 0.0).enforcement
+        counted = dict(e.counted_mib)
+        assert set(counted) == {"a", "b"}
+        assert e.recounted("a", counted["a"]).hard_mem == e.hard_mem
+        assert not e.recounted("a", 0.0).hard_mem or mib >= 0.9 * 81_559.0
+
+
 # --- the cold-start size in the policy, the start-up window from first use --------------------------------
 class _Sizer:
     def size(self, job: JobConfig, *, mem_total_mib: float) -> Sizing:

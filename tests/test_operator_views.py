@@ -4,6 +4,7 @@ degrade field by field, the MIG table, the history behind the sparklines)."""
 
 from __future__ import annotations
 
+import dataclasses
 import getpass
 import json
 import math
@@ -22,6 +23,7 @@ from tests.daemon_fixtures import ROOT, Env, Serve
 from vgpu import auth, ctl
 from vgpu.allocator.core import Allocator, AppInfo
 from vgpu.allocator.history import History, HistoryPoint
+from vgpu.allocator.ledger import Grant
 from vgpu.allocator.service import ProfilerState, app_to_pb, device_to_pb, process_info
 from vgpu.device.errors import GpuLost, NotSupported
 from vgpu.device.sim import SimBackend
@@ -334,6 +336,16 @@ def test_apps_table_marks_unknowns() -> None:
     row = _row(ctl.apps_table(pb.ListApplicationsResponse(apps=[msg])), "a")
     assert row["PID"] == "4242" and row["USER"] == "N/A" and row["COMMAND"] == "N/A"
     assert row["USED MiB"] == row["P90 MiB"] == row["LAST SEEN"] == "N/A"
+
+
+def test_apps_table_says_sm_shares_are_not_enforced_where_one_is_granted() -> None:
+    """The daemon sets no MPS limit: `vgpu apps` says so under the table wherever it shows an SM share."""
+    grant = Grant("g1", "a", "GPU-0", 2048.0, 30.0, 0, 1.0, 1.0)
+    with_sm = ctl.apps_table(pb.ListApplicationsResponse(apps=[app_to_pb(AppInfo("a", (grant,), None))]))
+    assert with_sm.splitlines()[-1] == ctl.SM_NOT_ENFORCED and "not enforced" in ctl.SM_NOT_ENFORCED
+    assert _row(with_sm, "a")["GRANT SM %"] == "30"
+    no_sm = dataclasses.replace(grant, sm_pct=0.0)
+    assert ctl.SM_NOT_ENFORCED not in ctl.apps_table(pb.ListApplicationsResponse(apps=[app_to_pb(AppInfo("a", (no_sm,), None))]))
 
 
 # --- the history behind sparklines and reports ----------------------------------------------------------

@@ -169,7 +169,7 @@ def test_a_version_1_database_is_upgraded_in_place(tmp_path: Path) -> None:
         assert store.cgroup_originals() == []
         assert store.save_cgroup_original(CgroupOriginal("GPU-0", "/jobs/a", math.inf, math.inf, 2.0))
     db = sqlite3.connect(tmp_path / "vgpu.sqlite3")
-    assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == str(SCHEMA_VERSION) == "3"
+    assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == str(SCHEMA_VERSION) == "4"
 
 
 def test_a_failed_upgrade_changes_nothing(tmp_path: Path) -> None:
@@ -182,3 +182,80 @@ def test_a_failed_upgrade_changes_nothing(tmp_path: Path) -> None:
         Store(tmp_path)
     assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "1"
     db.close()
+
+
+# What a vgpu of schema 3 wrote (its tables as created by its migrations; rows per grant): frozen
+# here, not derived from the code under test.
+_SCHEMA_3 = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE ledger (id INTEGER PRIMARY KEY CHECK (id = 1), records_json TEXT NOT NULL, saved_at_s REAL NOT NULL,
+                     generation INTEGER NOT NULL);
+CREATE TABLE device_originals (device_id TEXT PRIMARY KEY, power_limit_mw INTEGER, mig_enabled INTEGER,
+                               mig_layout_json TEXT NOT NULL, saved_at_s REAL NOT NULL);
+CREATE TABLE apps (app_id TEXT PRIMARY KEY, claimed_at_s REAL NOT NULL);
+CREATE TABLE cgroup_originals (device_id TEXT NOT NULL, cgroup TEXT NOT NULL, soft_mib REAL, hard_mib REAL,
+                               saved_at_s REAL NOT NULL, PRIMARY KEY (device_id, cgroup));
+CREATE TABLE grants (grant_id TEXT PRIMARY KEY, record_json TEXT NOT NULL);
+CREATE TABLE app_limits (app_id TEXT PRIMARY KEY, record_json TEXT NOT NULL);
+INSERT INTO meta VALUES ('schema_version', '3'), ('ledger_generation', '7'), ('grant_rows', '4');
+INSERT INTO apps VALUES ('loading', 1.0);
+INSERT INTO app_limits VALUES ('loading', '{"app_id": "loading", "max_memory_mib": 20000.0, "max_sm_pct": null, "priority": null}');
+"""
+
+
+def _grant_v3(grant_id: str, source: str, memory_mib: float, mem_updated_at_s: float | None) -> str:
+    return json.dumps({"grant_id": grant_id, "app_id": grant_id.split("-")[0], "device_id": "GPU-0",
+                       "memory_mib": memory_mib, "sm_pct": 10.0, "priority": 0, "created_at_s": 1.0,
+                       "updated_at_s": 2.0, "source": source, "pid": 0, "mem_updated_at_s": mem_updated_at_s},
+                      sort_keys=True)
+
+
+def test_a_version_3_database_gets_the_cold_start_size_of_grants_not_resized_and_keeps_every_row(
+        tmp_path: Path) -> None:
+    """Schema 4 keeps the sizer's size with the grant. A cold-start grant whose memory never changed
+    still is that size; one resized since gets none (the size is not known any more); every row
+    of every table stays, an unreadable one included (it is reported at load, as before)."""
+    from vgpu.allocator.ledger import Ledger
+
+    db = sqlite3.connect(tmp_path / "vgpu.sqlite3")
+    db.executescript(_SCHEMA_3)
+    rows = [("loading-1", _grant_v3("loading-1", "cold_start", 9188.0, None)),
+            ("resized-1", _grant_v3("resized-1", "cold_start", 6000.0, 5.0)),
+            ("asked-1", _grant_v3("asked-1", "request", 2048.0, None)),
+            ("broken-1", "{not json")]
+    db.executemany("INSERT INTO grants VALUES (?, ?)", rows)
+    db.commit()
+    db.close()
+    with Store(tmp_path) as store:
+        records = store.load_ledger()
+        assert records is not None and [r[:20] for r in store.bad_rows] == ["grants row 'broken-1"]
+    ledger = Ledger.from_records(records, devices=[], skip_bad=True)
+    assert ledger.dropped_on_restore  # no device given: every grant listed as dropped, with its fields read
+    got = {g.grant_id: g.cold_start_mib for g in ledger.dropped_on_restore}
+    assert got == {"loading-1": 9188.0, "resized-1": None, "asked-1": None}
+    db = sqlite3.connect(tmp_path / "vgpu.sqlite3")
+    assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "4"
+    assert db.execute("SELECT count(*) FROM grants").fetchone()[0] == 4
+    assert db.execute("SELECT record_json FROM grants WHERE grant_id='broken-1'").fetchone()[0] == "{not json"
+    for grant_id, body in rows[1:3]:  # untouched, byte for byte
+        assert db.execute("SELECT record_json FROM grants WHERE grant_id=?", (grant_id,)).fetchone()[0] == body
+    assert db.execute("SELECT value FROM meta WHERE key='ledger_generation'").fetchone()[0] == "7"
+    assert db.execute("SELECT count(*) FROM app_limits").fetchone()[0] == 1
+    assert db.execute("SELECT count(*) FROM apps").fetchone()[0] == 1
+    db.close()
+
+
+@pytest.mark.parametrize("bad", ["lots", -1.0, 0.0, 1e400, True, [9188]])
+def test_a_bad_stored_cold_start_size_is_dropped_and_counted_and_its_grant_kept(tmp_path: Path, bad: object) -> None:
+    from vgpu.allocator.ledger import DeviceCapacity, Ledger
+
+    grant = json.loads(_grant_v3("loading-1", "cold_start", 9188.0, None))
+    grant["cold_start_mib"] = bad
+    records = {"version": 1, "devices": [], "grants": [grant], "limits": []}
+    ledger = Ledger.from_records(records, devices=[DeviceCapacity("GPU-0", 81_559.0)], skip_bad=True)
+    (kept,) = ledger.grants()
+    assert kept.grant_id == "loading-1" and kept.memory_mib == 9188.0 and kept.cold_start_mib is None
+    (why,) = ledger.bad_on_restore
+    assert why.startswith("grant 'loading-1': cold_start_mib") and "kept without it" in why
+    with pytest.raises(ValueError, match="cold_start_mib"):
+        Ledger.from_records(records, devices=[DeviceCapacity("GPU-0", 81_559.0)])

@@ -406,7 +406,15 @@ def apps_table(resp: pb.ListApplicationsResponse, devices: pb.GetAvailableResour
     rows = app_rows(resp, devices, now_s)
     for r in rows:
         r["COMMAND"] = r["COMMAND"][:command_width]
-    return _text_table(rows, APP_COLUMNS, _APP_RIGHT, "(no applications)")
+    table = _text_table(rows, APP_COLUMNS, _APP_RIGHT, "(no applications)")
+    if any(g.sm_pct > 0 for a in resp.apps for g in a.grants):
+        table += "\n" + SM_NOT_ENFORCED
+    return table
+
+
+# Said under `vgpu apps` wherever an SM share is granted: the daemon does not wire MPS in.
+SM_NOT_ENFORCED = ("GRANT SM %: not enforced. The daemon records SM shares and plans with them, but sets no MPS "
+                   "limit; applications share the GPU's SMs by time slicing.")
 
 
 def apps_main(argv: Sequence[str] | None = None, prog: str = "vgpu apps", *, out: TextIO | None = None, env: dict[str, str] | None = None) -> int:
@@ -438,7 +446,8 @@ def request_main(argv: Sequence[str] | None = None, prog: str = "vgpu request", 
         p.add_argument("--app", required=True, help="application id")
         p.add_argument("--memory-mib", type=_nonneg, default=None,
                        help="memory to grant (MiB); leave out with --model-type to have the cold-start model size the job")
-        p.add_argument("--sm-pct", type=_nonneg, default=0.0, help="SM share to grant (%%)")
+        p.add_argument("--sm-pct", type=_nonneg, default=0.0,
+                       help="SM share to grant (%%); recorded and planned with, not enforced (no MPS limit is set)")
         p.add_argument("--device", default="", help="device UUID (default: the allocator chooses)")
         p.add_argument("--priority", type=int, default=0)
         p.add_argument("--pid", type=int, default=0, help="process holding the grant (released when it exits)")

@@ -122,6 +122,27 @@ class Enforcement:
     device_id: str
     hard_mem: bool
     reason: str = ""
+    # What the decision weighed, so that it can be judged again when an application leaves before
+    # the next plan (`recounted`): the memory counted per application (a planned one's need before
+    # any contention cut, another one's grants), the device's memory, and the amount from which
+    # the limits are hard. Empty `counted_mib`: not said; the decision then stands as made.
+    counted_mib: tuple[tuple[str, float], ...] = ()
+    mem_total_mib: float = math.nan
+    hard_at_mib: float = math.nan
+
+    def recounted(self, app_id: str, mib: float) -> Enforcement:
+        """The decision judged again with `app_id` counted at `mib` (0: left out) instead of what
+        it counted: hard while what is counted exceeds the device (contended) or reaches
+        `hard_at_mib`. Itself when it does not say what it counted."""
+        if not self.counted_mib or math.isnan(self.mem_total_mib) or math.isnan(self.hard_at_mib):
+            return self
+        counted = tuple((a, m) for a, m in self.counted_mib if a != app_id) + (((app_id, mib),) if mib > 0 else ())
+        total = sum(m for _, m in counted)
+        hard = total > self.mem_total_mib or total >= self.hard_at_mib
+        left = "" if mib > 0 else f" once {app_id} left"
+        reason = (f"{'contended' if hard else 'uncontended'}{left}: {total:.0f} of {self.mem_total_mib:.0f} MiB "
+                  "planned")
+        return Enforcement(self.device_id, hard, reason, counted, self.mem_total_mib, self.hard_at_mib)
 
 
 @dataclass(frozen=True)

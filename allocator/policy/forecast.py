@@ -171,6 +171,9 @@ class DevicePlan:
     # memory limits / SM caps on this device are hard (PolicyConfig.hard_limit_at_frac)
     hard_mem_limits: bool = True
     hard_sm_limits: bool = True
+    # each application's memory need as the contention rule weighed it (its target before any
+    # contention cut), (app_id, MiB): their sum exceeds the device exactly when `contended_mem`
+    mem_needs_mib: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -702,6 +705,7 @@ def plan(
     device_plans: list[DevicePlan] = []
     for dev_id, works in by_device.items():
         dev = devs[dev_id]
+        needs = tuple((w.app.app_id, w.target["mem"]) for w in works)
         contended = {res: _shrink(works, res, dev.capacity(res), config) for res in RESOURCES}
         for res in RESOURCES:
             if contended[res]:
@@ -728,7 +732,7 @@ def plan(
             mem_planned_mib=sum(w.target["mem"] for w in works),
             sm_planned_pct=sum(w.target["sm"] for w in works),
             overcommitted=over, contended_mem=contended["mem"], contended_sm=contended["sm"],
-            hard_mem_limits=hard, hard_sm_limits=hard_sm,
+            hard_mem_limits=hard, hard_sm_limits=hard_sm, mem_needs_mib=needs,
         ))
     return Plan(at_s=now_s, targets=tuple(targets), devices=tuple(device_plans))
 
@@ -836,19 +840,27 @@ def active_since_use_s(now_s: float, first_use_s: float, seen_active_s: float) -
 
 
 def memory_enforcement(dp: DevicePlan, other_granted_mib: float, mem_total_mib: float,
-                       config: PolicyConfig) -> Enforcement:
+                       config: PolicyConfig, *, others_mib: Mapping[str, float] | None = None) -> Enforcement:
     """The device's memory limits as the plan decided them (`DevicePlan.hard_mem_limits`: contended,
     or planned at `hard_limit_at_frac` of the device or more), counting also `other_granted_mib`,
-    the grants of applications the plan did not size (requests without signatures yet)."""
+    the grants of applications the plan did not size (requests without signatures yet). With
+    `others_mib` (those grants per application) the decision says what it counted per application
+    (`Enforcement.counted_mib`: the plan's needs, `DevicePlan.mem_needs_mib`, and those grants), so
+    that the allocator can judge it again when one of them leaves before the next plan."""
     from vgpu.allocator.policy.base import Enforcement
 
     planned = dp.mem_planned_mib + other_granted_mib
     at = config.hard_limit_at_frac * mem_total_mib
+    counted: tuple[tuple[str, float], ...] = ()
+    if others_mib is not None and dp.mem_needs_mib:
+        counted = tuple(dp.mem_needs_mib) + tuple(sorted((a, m) for a, m in others_mib.items() if m > 0))
     if dp.contended_mem:
-        return Enforcement(dp.device_id, True, f"contended: needs over {mem_total_mib:.0f} MiB")
-    if dp.hard_mem_limits or planned >= at:
-        return Enforcement(dp.device_id, True, f"contended: {planned:.0f} of {mem_total_mib:.0f} MiB planned")
-    return Enforcement(dp.device_id, False, f"uncontended: {planned:.0f} of {mem_total_mib:.0f} MiB planned")
+        reason, hard = f"contended: needs over {mem_total_mib:.0f} MiB", True
+    elif dp.hard_mem_limits or planned >= at:
+        reason, hard = f"contended: {planned:.0f} of {mem_total_mib:.0f} MiB planned", True
+    else:
+        reason, hard = f"uncontended: {planned:.0f} of {mem_total_mib:.0f} MiB planned", False
+    return Enforcement(dp.device_id, hard, reason, counted, mem_total_mib, at)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -955,11 +967,16 @@ class ForecastPolicy:
         mig: list[MigTarget] = []
         if self.manage_mig:
             mig = [m for v in devices if v.mig_enabled and (m := self._mig_target(v, states, result)) is not None]
-        enforcement = tuple(
-            memory_enforcement(dp, sum(g.memory_mib for g in views[dp.device_id].grants if g.app_id not in seen),
-                               views[dp.device_id].mem_total_mib, self.config)
-            for dp in result.devices)
-        return AllocatorPlan(grants=tuple(grants), power=tuple(power), mig=tuple(mig), enforcement=enforcement)
+        enforcement = []
+        for dp in result.devices:
+            unplanned: dict[str, float] = {}  # grants of applications this plan did not size
+            for g in views[dp.device_id].grants:
+                if g.app_id not in seen:
+                    unplanned[g.app_id] = unplanned.get(g.app_id, 0.0) + g.memory_mib
+            enforcement.append(memory_enforcement(dp, sum(unplanned.values()), views[dp.device_id].mem_total_mib,
+                                                  self.config, others_mib=unplanned))
+        return AllocatorPlan(grants=tuple(grants), power=tuple(power), mig=tuple(mig),
+                              enforcement=tuple(enforcement))
 
     def _mig_target(self, view: DeviceView, states: Sequence[AppState], result: Plan) -> MigTarget | None:
         """The layout for the applications planned on a device in MIG mode, when its current one
