@@ -70,7 +70,9 @@ Bad input. A history with no sample or whose memory and compute are all missing 
 forecast and no state changes. Time going back (a restarted profiler's clock) or jumping forward by
 more than `max_gap_s` drops the application's unscored forecasts (logged once per forecaster) and
 keeps its weights. State is bounded: at most `max_apps` applications (the longest unseen is
-forgotten).
+forgotten), and an application the manager forgets (gone silent, or evicted from the windows) is
+dropped at once (`forget`, the optional `ForgetsApps` protocol of manager/forecast.py), so an id that
+comes back starts from the prior weights and a zero offset.
 
 Cost: state lives in numpy arrays, one row per application, and each call is a few vectorised
 steps over all applications plus the external experts' own forecasts (bench/forecast_latency.py
@@ -80,6 +82,7 @@ steps over all applications plus the external experts' own forecasts (bench/fore
 from __future__ import annotations
 
 import math
+import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -90,7 +93,7 @@ import numpy.typing as npt
 import structlog
 
 from vgpu.log import get_logger
-from vgpu.manager.forecast import HORIZONS_S, Forecast, Forecaster
+from vgpu.manager.forecast import HORIZONS_S, Forecast, Forecaster, forget_app
 from vgpu.traces import TARGETS, AppTrace
 
 F64 = npt.NDArray[np.float64]
@@ -279,6 +282,8 @@ class MixtureForecaster:
         self.scored = 0  # (stream, origin) pairs scored
         self.expert_failures = 0
         self.time_resets = 0
+        self._lock = threading.Lock()  # one forecast at a time; `forget` does not wait for it
+        self._forgotten: list[str] = []  # applications forgotten while a forecast ran
 
     # --- what the daemon and reports read ---------------------------------------------------------
     def set_expert(self, name: str, forecaster: Forecaster | None) -> None:
@@ -298,9 +303,30 @@ class MixtureForecaster:
         return {t: self._state.w[row, k].copy() for k, t in enumerate(TARGETS)}
 
     def forget(self, app: str) -> None:
+        """Drop an application's weights, P90 offset, scale and unscored forecasts (and tell the
+        external experts that keep state per application): the manager calls it when the application
+        is gone, so an id that comes back starts from the prior. The manager forgets on its event loop
+        while a forecast may be running in a worker thread: then the application is dropped at the
+        start of the next call, never in the middle of one (whose rows are in use)."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drop(app)
+                self._drop_forgotten()
+            finally:
+                self._lock.release()
+        else:
+            self._forgotten.append(app)  # list.append is atomic; taken at the next call
+
+    def _drop(self, app: str) -> None:
         row = self._state.rows.pop(app, None)
         if row is not None:
             self._state.free.append(row)
+        for fc in self._external.values():
+            forget_app(fc, app)
+
+    def _drop_forgotten(self) -> None:
+        while self._forgotten:
+            self._drop(self._forgotten.pop())
 
     def _once(self, key: str, event: str, **kw: object) -> None:
         if key not in self._logged:
@@ -311,6 +337,11 @@ class MixtureForecaster:
     def forecast_batch(self, histories: Sequence[AppTrace]) -> list[Forecast]:
         """One forecast per history. An application that appears more than once (the evaluator's
         successive origins) is forecast in order, one origin per step."""
+        with self._lock:
+            self._drop_forgotten()
+            return self._forecast_batch(histories)
+
+    def _forecast_batch(self, histories: Sequence[AppTrace]) -> list[Forecast]:
         seen: dict[str, int] = {}
         step = [0] * len(histories)
         for i, h in enumerate(histories):
