@@ -94,7 +94,7 @@ import structlog
 
 from vgpu.log import get_logger
 from vgpu.manager.forecast import HORIZONS_S, Forecast, Forecaster, forget_app
-from vgpu.traces import TARGETS, AppTrace
+from vgpu.traces import INAPP_NUMERIC, TARGETS, AppTrace
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -237,7 +237,7 @@ class HistorySink(Protocol):
     """Where the mixture sends each application's complete seconds (manager/history.py)."""
 
     def add(self, apps: Sequence[str], gpus: Sequence[str], t_s: np.ndarray, values: np.ndarray,
-            mem_total_mib: Sequence[float]) -> None: ...
+            mem_total_mib: Sequence[float], inapp: Mapping[str, np.ndarray] | None = None) -> None: ...
 
 
 class MixtureForecaster:
@@ -394,6 +394,12 @@ class MixtureForecaster:
         ts_parts: list[F64] = []
         val_parts: list[list[F64]] = [[] for _ in TARGETS]
         counts: list[int] = []
+        # the in-app counters the histories carry, binned the same way for the node history only
+        inapp_cols: tuple[str, ...] = ()
+        if self.history is not None:
+            present = {c for i in live for c in histories[i].columns if c.startswith("inapp_")}
+            inapp_cols = tuple(c for c in INAPP_NUMERIC if c in present)
+        inapp_parts: list[list[F64]] = [[] for _ in inapp_cols]
         for k, lo_s in enumerate(start.tolist()):
             h = histories[live[k]]
             lo = int(h.t_s.searchsorted(lo_s))
@@ -402,6 +408,9 @@ class MixtureForecaster:
             for j, c in enumerate(TARGETS):
                 col = h.columns.get(c)
                 val_parts[j].append(col[lo:] if col is not None else np.full(len(h.t_s) - lo, np.nan))
+            for j, c in enumerate(inapp_cols):
+                col = h.columns.get(c)
+                inapp_parts[j].append(col[lo:] if col is not None else np.full(len(h.t_s) - lo, np.nan))
         t_all = np.concatenate(ts_parts)
         v_all = np.stack([np.concatenate(p) for p in val_parts])  # (targets, samples)
         a_all = np.repeat(np.arange(len(live)), counts)
@@ -409,7 +418,8 @@ class MixtureForecaster:
         offs = np.concatenate([[0], np.cumsum(span)])
         sec = np.floor(t_all).astype(np.int64) - start[a_all]
         b = offs[a_all] + sec
-        ok = np.isfinite(v_all) & ((sec >= 0) & (sec < span[a_all]))[None, :]  # a stray older sample: not counted
+        in_span = (sec >= 0) & (sec < span[a_all])  # a stray older sample: not counted
+        ok = np.isfinite(v_all) & in_span[None, :]
         total = int(offs[-1])
         sums = np.stack([np.bincount(b[ok[j]], weights=v_all[j, ok[j]], minlength=total) for j in range(nt)])
         cnts = np.stack([np.bincount(b[ok[j]], minlength=total) for j in range(nt)])
@@ -448,8 +458,15 @@ class MixtureForecaster:
             if self.history is not None:
                 events = on_app.tolist()
                 hist = [histories[live[k]] for k in events]
+                inapp: dict[str, F64] = {}
+                for j, c in enumerate(inapp_cols):  # each complete second's mean report; empty: NaN
+                    x = np.concatenate(inapp_parts[j])
+                    okx = np.isfinite(x) & in_span
+                    n_x = np.bincount(b[okx], minlength=total)
+                    inapp[c] = np.where(n_x > 0, np.bincount(b[okx], weights=x[okx], minlength=total)
+                                        / np.maximum(n_x, 1), np.nan)[scored]
                 self.history.add([h.app for h in hist], [h.gpu or "" for h in hist], start[on_app] + pos[scored],
-                                 carried[scored], [cap_mem[k] for k in events])
+                                 carried[scored], [cap_mem[k] for k in events], inapp=inapp or None)
         # 5. the experts' forecasts at the origin: (apps, targets, horizons, experts)
         p50 = np.full((m_live, nt, nh, len(self.expert_names)), np.nan)
         p50[..., 0] = origin_val[:, :, None]
