@@ -166,12 +166,13 @@ class NodeHistory:
             for seg in sorted(rows):
                 fh = self._open(seg)
                 cols = [extra.get(c) for c in self._inapp]  # the open segment's own in-app columns
-                if cols:
+                if not any(col is not None for col in cols):  # no counters this call: empty cells
+                    empty = "," * len(cols) + "\n"
+                    text = "".join(base + empty for _, base in rows[seg])
+                else:
                     text = "".join(
                         base + "," + ",".join("" if col is None else _count_cell(col[i]) for col in cols) + "\n"
                         for i, base in rows[seg])
-                else:
-                    text = "".join(base + "\n" for _, base in rows[seg])
                 fh.write(text)
                 fh.flush()
                 self.rows_written += len(rows[seg])
