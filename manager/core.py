@@ -59,7 +59,7 @@ from vgpu.allocator.policy.base import IDLE_MEM_MIB, Recommendation, Recommendat
 from vgpu.histogram import LatencyHistogram
 from vgpu.log import get_logger, worth_logging
 from vgpu.manager.baselines import BaselineForecaster
-from vgpu.manager.forecast import HORIZONS_S, Forecast, Forecaster
+from vgpu.manager.forecast import HORIZONS_S, Forecast, Forecaster, forget_app
 from vgpu.manager.window import WindowStore
 from vgpu.traces import AppTrace
 from vgpu.v1 import ingest_pb2
@@ -723,9 +723,11 @@ class Manager:
                 stream.apps.discard(app_id)
             if self.allocator is not None:
                 self.allocator.forget_app(app_id)
-            forget = getattr(self.forecaster, "forget", None)  # a stateful forecaster drops the app too
-            if forget is not None:
-                forget(app_id)
+            # a forecaster with per-application state (the served mixture) drops the app too, so
+            # an id that comes back starts afresh; stateless ones (a model, the baselines) are left alone
+            forget_app(self.forecaster, app_id)
+            if self.fallback is not self.forecaster:
+                forget_app(self.fallback, app_id)
             self._log.info("app_evicted", app=app_id)
 
 

@@ -70,7 +70,9 @@ Bad input. A history with no sample or whose memory and compute are all missing 
 forecast and no state changes. Time going back (a restarted profiler's clock) or jumping forward by
 more than `max_gap_s` drops the application's unscored forecasts (logged once per forecaster) and
 keeps its weights. State is bounded: at most `max_apps` applications (the longest unseen is
-forgotten).
+forgotten), and an application the manager forgets (gone silent, or evicted from the windows) is
+dropped at once (`forget`, the optional `ForgetsApps` protocol of manager/forecast.py), so an id that
+comes back starts from the prior weights and a zero offset.
 
 Cost: state lives in numpy arrays, one row per application, and each call is a few vectorised
 steps over all applications plus the external experts' own forecasts (bench/forecast_latency.py
@@ -80,6 +82,7 @@ steps over all applications plus the external experts' own forecasts (bench/fore
 from __future__ import annotations
 
 import math
+import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -90,8 +93,8 @@ import numpy.typing as npt
 import structlog
 
 from vgpu.log import get_logger
-from vgpu.manager.forecast import HORIZONS_S, Forecast, Forecaster
-from vgpu.traces import TARGETS, AppTrace
+from vgpu.manager.forecast import HORIZONS_S, Forecast, Forecaster, forget_app
+from vgpu.traces import INAPP_NUMERIC, TARGETS, AppTrace
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -234,7 +237,7 @@ class HistorySink(Protocol):
     """Where the mixture sends each application's complete seconds (manager/history.py)."""
 
     def add(self, apps: Sequence[str], gpus: Sequence[str], t_s: np.ndarray, values: np.ndarray,
-            mem_total_mib: Sequence[float]) -> None: ...
+            mem_total_mib: Sequence[float], inapp: Mapping[str, np.ndarray] | None = None) -> None: ...
 
 
 class MixtureForecaster:
@@ -279,6 +282,8 @@ class MixtureForecaster:
         self.scored = 0  # (stream, origin) pairs scored
         self.expert_failures = 0
         self.time_resets = 0
+        self._lock = threading.Lock()  # one forecast at a time; `forget` does not wait for it
+        self._forgotten: list[str] = []  # applications forgotten while a forecast ran
 
     # --- what the daemon and reports read ---------------------------------------------------------
     def set_expert(self, name: str, forecaster: Forecaster | None) -> None:
@@ -298,9 +303,30 @@ class MixtureForecaster:
         return {t: self._state.w[row, k].copy() for k, t in enumerate(TARGETS)}
 
     def forget(self, app: str) -> None:
+        """Drop an application's weights, P90 offset, scale and unscored forecasts (and tell the
+        external experts that keep state per application): the manager calls it when the application
+        is gone, so an id that comes back starts from the prior. The manager forgets on its event loop
+        while a forecast may be running in a worker thread: then the application is dropped at the
+        start of the next call, never in the middle of one (whose rows are in use)."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drop(app)
+                self._drop_forgotten()
+            finally:
+                self._lock.release()
+        else:
+            self._forgotten.append(app)  # list.append is atomic; taken at the next call
+
+    def _drop(self, app: str) -> None:
         row = self._state.rows.pop(app, None)
         if row is not None:
             self._state.free.append(row)
+        for fc in self._external.values():
+            forget_app(fc, app)
+
+    def _drop_forgotten(self) -> None:
+        while self._forgotten:
+            self._drop(self._forgotten.pop())
 
     def _once(self, key: str, event: str, **kw: object) -> None:
         if key not in self._logged:
@@ -311,6 +337,11 @@ class MixtureForecaster:
     def forecast_batch(self, histories: Sequence[AppTrace]) -> list[Forecast]:
         """One forecast per history. An application that appears more than once (the evaluator's
         successive origins) is forecast in order, one origin per step."""
+        with self._lock:
+            self._drop_forgotten()
+            return self._forecast_batch(histories)
+
+    def _forecast_batch(self, histories: Sequence[AppTrace]) -> list[Forecast]:
         seen: dict[str, int] = {}
         step = [0] * len(histories)
         for i, h in enumerate(histories):
@@ -363,6 +394,12 @@ class MixtureForecaster:
         ts_parts: list[F64] = []
         val_parts: list[list[F64]] = [[] for _ in TARGETS]
         counts: list[int] = []
+        # the in-app counters the histories carry, binned the same way for the node history only
+        inapp_cols: tuple[str, ...] = ()
+        if self.history is not None:
+            present = {c for i in live for c in histories[i].columns if c.startswith("inapp_")}
+            inapp_cols = tuple(c for c in INAPP_NUMERIC if c in present)
+        inapp_parts: list[list[F64]] = [[] for _ in inapp_cols]
         for k, lo_s in enumerate(start.tolist()):
             h = histories[live[k]]
             lo = int(h.t_s.searchsorted(lo_s))
@@ -371,6 +408,9 @@ class MixtureForecaster:
             for j, c in enumerate(TARGETS):
                 col = h.columns.get(c)
                 val_parts[j].append(col[lo:] if col is not None else np.full(len(h.t_s) - lo, np.nan))
+            for j, c in enumerate(inapp_cols):
+                col = h.columns.get(c)
+                inapp_parts[j].append(col[lo:] if col is not None else np.full(len(h.t_s) - lo, np.nan))
         t_all = np.concatenate(ts_parts)
         v_all = np.stack([np.concatenate(p) for p in val_parts])  # (targets, samples)
         a_all = np.repeat(np.arange(len(live)), counts)
@@ -378,7 +418,8 @@ class MixtureForecaster:
         offs = np.concatenate([[0], np.cumsum(span)])
         sec = np.floor(t_all).astype(np.int64) - start[a_all]
         b = offs[a_all] + sec
-        ok = np.isfinite(v_all) & ((sec >= 0) & (sec < span[a_all]))[None, :]  # a stray older sample: not counted
+        in_span = (sec >= 0) & (sec < span[a_all])  # a stray older sample: not counted
+        ok = np.isfinite(v_all) & in_span[None, :]
         total = int(offs[-1])
         sums = np.stack([np.bincount(b[ok[j]], weights=v_all[j, ok[j]], minlength=total) for j in range(nt)])
         cnts = np.stack([np.bincount(b[ok[j]], minlength=total) for j in range(nt)])
@@ -417,8 +458,15 @@ class MixtureForecaster:
             if self.history is not None:
                 events = on_app.tolist()
                 hist = [histories[live[k]] for k in events]
+                inapp: dict[str, F64] = {}
+                for j, c in enumerate(inapp_cols):  # each complete second's mean report; empty: NaN
+                    x = np.concatenate(inapp_parts[j])
+                    okx = np.isfinite(x) & in_span
+                    n_x = np.bincount(b[okx], minlength=total)
+                    inapp[c] = np.where(n_x > 0, np.bincount(b[okx], weights=x[okx], minlength=total)
+                                        / np.maximum(n_x, 1), np.nan)[scored]
                 self.history.add([h.app for h in hist], [h.gpu or "" for h in hist], start[on_app] + pos[scored],
-                                 carried[scored], [cap_mem[k] for k in events])
+                                 carried[scored], [cap_mem[k] for k in events], inapp=inapp or None)
         # 5. the experts' forecasts at the origin: (apps, targets, horizons, experts)
         p50 = np.full((m_live, nt, nh, len(self.expert_names)), np.nan)
         p50[..., 0] = origin_val[:, :, None]

@@ -59,3 +59,23 @@ class Forecaster(Protocol):
         """One Forecast per history, in order. A history may be short; a forecaster that cannot
         say anything for a target returns NaN for it rather than raising."""
         ...
+
+
+@runtime_checkable
+class ForgetsApps(Protocol):
+    """A forecaster that keeps state per application (the served mixture's weights and P90 offsets,
+    or a wrapper around such a forecaster). Optional: the manager calls `forget` when it forgets an
+    application (silent past its window's idle time, or evicted to make room), so an id that comes
+    back later starts afresh instead of inheriting a departed application's state. Forecasters
+    without per-application state do not implement it and are left alone."""
+
+    def forget(self, app: str) -> None:
+        """Drop everything kept about `app` (a no-op for an unknown one). May be called from another
+        thread than the one forecasting."""
+        ...
+
+
+def forget_app(forecaster: object, app: str) -> None:
+    """Tell `forecaster` that `app` is gone, where it keeps state per application (`ForgetsApps`)."""
+    if isinstance(forecaster, ForgetsApps):
+        forecaster.forget(app)

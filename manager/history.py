@@ -2,8 +2,14 @@
 
 What the node-local learner (manager/nodelearn.py) trains and judges a local model on. Rows are the
 canonical trace format (../shared/TRACE_FORMAT.md: `t_s, app, gpu, mem_used_mib, sm_util_pct,
-mem_total_mib`), one per application and complete second, as the served mixture sees them
-(manager/experts.py: the mean of the second's samples, an empty second carrying the previous value).
+mem_total_mib`, then the in-app counters `inapp_*` of `vgpu.traces.INAPP_NUMERIC`), one per
+application and complete second, as the served mixture sees them (manager/experts.py: the mean of
+the second's samples, an empty second carrying the previous value; an in-app counter is the mean of
+the second's reports and empty where the application reported none that second, so an application
+without in-app counters costs an empty cell per counter, which gzip all but removes).
+
+Segments written before the in-app columns existed have the six-column header; they are read as
+they are (the in-app columns absent), and one still being written is continued in its own columns.
 
 Files. `<dir>/seg-<k>.csv`, segment k holding the seconds [k * segment_s, (k + 1) * segment_s) of
 the node's clock, appended to and never rewritten (once closed, gzipped to `seg-<k>.csv.gz` by
@@ -22,7 +28,7 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -30,14 +36,29 @@ import numpy as np
 import structlog
 
 from vgpu.log import get_logger
-from vgpu.traces import AppTrace, Trace, TraceFormatError, read_trace
+from vgpu.traces import INAPP_NUMERIC, AppTrace, Trace, TraceFormatError, read_trace
 
-HEADER = "t_s,app,gpu,mem_used_mib,sm_util_pct,mem_total_mib\n"
+BASE_COLUMNS = ("t_s", "app", "gpu", "mem_used_mib", "sm_util_pct", "mem_total_mib")
+HEADER = ",".join((*BASE_COLUMNS, *INAPP_NUMERIC)) + "\n"
 _SEGMENT = re.compile(r"^seg-(\d+)\.csv(\.gz)?$")
 
 
 def _cell(v: float) -> str:
     return "" if not math.isfinite(v) else f"{v:.6g}"
+
+
+def _count_cell(v: float) -> str:
+    """An in-app cell: counts (steps, tokens, requests) exact up to 10^9."""
+    return "" if not math.isfinite(v) else f"{v:.9g}"
+
+
+def _inapp_of_header(line: str) -> tuple[str, ...] | None:
+    """The in-app columns a segment's header names, in its order; None where the header is not one
+    this module writes (the base columns first)."""
+    names = line.rstrip("\r\n").split(",")
+    if tuple(names[: len(BASE_COLUMNS)]) != BASE_COLUMNS:
+        return None
+    return tuple(n for n in names[len(BASE_COLUMNS):] if n in INAPP_NUMERIC)
 
 
 class NodeHistory:
@@ -64,6 +85,7 @@ class NodeHistory:
         self._log = logger or get_logger("vgpu.manager.history")
         self._file: TextIO | None = None
         self._segment = -1
+        self._inapp: tuple[str, ...] = INAPP_NUMERIC  # the in-app columns of the segment being written
         self._last_prune = -math.inf
         self._skipped: set[str] = set()
         self.rows_written = 0
@@ -95,7 +117,13 @@ class NodeHistory:
                 data = data[: data.rfind(b"\n") + 1]  # a crash's partial last line is not kept
                 if out.exists():
                     # rows written to a segment after it was compressed (the clock stepped back):
-                    # one more gzip member on the end, without the header (gzip reads members as one)
+                    # one more gzip member on the end, without the header (gzip reads members as one);
+                    # where the two headers differ (an older segment), the plain file stays beside it
+                    if _first_line(out) != data[: data.find(b"\n") + 1].decode("utf-8", "replace"):
+                        if p.name not in self._skipped:
+                            self._skipped.add(p.name)
+                            self._log.info("history_segment_left_plain", path=str(p), reason="header differs")
+                        continue
                     with gzip.open(out, "ab", compresslevel=6) as fh:
                         fh.write(data[len(HEADER):] if data.startswith(HEADER.encode()) else data)
                 else:
@@ -115,26 +143,39 @@ class NodeHistory:
 
     # --- writing --------------------------------------------------------------------------------
     def add(self, apps: Sequence[str], gpus: Sequence[str], t_s: np.ndarray, values: np.ndarray,
-            mem_total_mib: Sequence[float]) -> None:
+            mem_total_mib: Sequence[float], inapp: Mapping[str, np.ndarray] | None = None) -> None:
         """Rows of complete seconds: application, device, second, (mem_used_mib, sm_util_pct), the
-        capacity. A write that fails (disk full, directory gone) is counted and logged once; the
-        caller's tick goes on."""
+        capacity, and `inapp`: in-app counters by column name (`inapp_*`), one value per row (NaN
+        where none was reported; columns not named are empty). A write that fails (disk full,
+        directory gone) is counted and logged once; the caller's tick goes on."""
         if not len(apps):
             return
         try:
             vals = values.tolist()
             secs = t_s.tolist()
-            lines: dict[int, list[str]] = {}
-            for app, gpu, sec, (mem, sm), total in zip(apps, gpus, secs, vals, mem_total_mib, strict=True):
+            extra = {c: np.asarray(v, dtype=np.float64).tolist() for c, v in (inapp or {}).items() if c in INAPP_NUMERIC}
+            if any(len(v) != len(secs) for v in extra.values()):
+                raise ValueError("in-app columns must have one value per row")
+            rows: dict[int, list[tuple[int, str]]] = {}
+            for i, (app, gpu, sec, (mem, sm), total) in enumerate(zip(apps, gpus, secs, vals, mem_total_mib,
+                                                                      strict=True)):
                 if "," in app or "\n" in app or '"' in app or "," in gpu or "\n" in gpu or '"' in gpu:
                     app, gpu = _quote(app), _quote(gpu)
                 seg = int(sec // self.segment_s)
-                lines.setdefault(seg, []).append(f"{sec:.0f},{app},{gpu},{_cell(mem)},{_cell(sm)},{_cell(total)}\n")
-            for seg in sorted(lines):
+                rows.setdefault(seg, []).append((i, f"{sec:.0f},{app},{gpu},{_cell(mem)},{_cell(sm)},{_cell(total)}"))
+            for seg in sorted(rows):
                 fh = self._open(seg)
-                fh.write("".join(lines[seg]))
+                cols = [extra.get(c) for c in self._inapp]  # the open segment's own in-app columns
+                if not any(col is not None for col in cols):  # no counters this call: empty cells
+                    empty = "," * len(cols) + "\n"
+                    text = "".join(base + empty for _, base in rows[seg])
+                else:
+                    text = "".join(
+                        base + "," + ",".join("" if col is None else _count_cell(col[i]) for col in cols) + "\n"
+                        for i, base in rows[seg])
+                fh.write(text)
                 fh.flush()
-                self.rows_written += len(lines[seg])
+                self.rows_written += len(rows[seg])
         except (OSError, ValueError) as exc:  # ValueError: written after close (a stop mid-tick)
             self.write_failures += 1
             if self.write_failures == 1:
@@ -152,13 +193,17 @@ class NodeHistory:
         path = self.dir / f"seg-{seg}.csv"
         fresh = not path.exists() or path.stat().st_size == 0
         fh = open(path, "a", encoding="utf-8")  # noqa: SIM115 - the segment stays open while it is written
+        inapp: tuple[str, ...] = INAPP_NUMERIC
         if fresh:
             fh.write(HEADER)
-        elif not _ends_with_newline(path):
-            fh.close()
-            _drop_partial_tail(path)  # a crash's partial last line: never read, never continued
-            fh = open(path, "a", encoding="utf-8")  # noqa: SIM115
-        self._file, self._segment = fh, seg
+        else:
+            if not _ends_with_newline(path):
+                fh.close()
+                _drop_partial_tail(path)  # a crash's partial last line: never read, never continued
+                fh = open(path, "a", encoding="utf-8")  # noqa: SIM115
+            # continued in the columns its header names (an older segment: without the in-app ones)
+            inapp = _inapp_of_header(_first_line(path)) or ()
+        self._file, self._segment, self._inapp = fh, seg, inapp
         return fh
 
     def close(self) -> None:
@@ -219,7 +264,10 @@ class NodeHistory:
             names = {c for a in trs for c in a.columns}
             cols = {c: np.concatenate([a.column(c) for a in trs])[first] for c in names}
             keep = t[first] >= since_s
-            out.append(AppTrace(app, t[first][keep], {c: v[keep] for c, v in cols.items()}, gpu=gpus[app]))
+            # an in-app counter the application never reported is no column at all (older segments,
+            # applications without counters): the learner's traces carry only what was reported
+            kept = {c: v[keep] for c, v in cols.items() if c not in INAPP_NUMERIC or np.isfinite(v[keep]).any()}
+            out.append(AppTrace(app, t[first][keep], kept, gpu=gpus[app]))
         return sorted(out, key=lambda a: a.app)
 
 
@@ -246,6 +294,18 @@ def _drop_partial_tail(path: Path) -> None:
         fh.truncate(data.rfind(b"\n") + 1)
 
 
+def _first_line(path: Path) -> str:
+    """A segment's header line ("" where it cannot be read)."""
+    try:
+        if path.suffix == ".gz":
+            with gzip.open(path, "rt", encoding="utf-8", errors="replace", newline="") as gz:
+                return gz.readline()
+        with open(path, encoding="utf-8", errors="replace", newline="") as fh:
+            return fh.readline()
+    except (OSError, EOFError):
+        return ""
+
+
 def _ends_with_newline(path: Path) -> bool:
     with open(path, "rb") as fh:
         fh.seek(0, os.SEEK_END)
@@ -255,4 +315,4 @@ def _ends_with_newline(path: Path) -> bool:
         return fh.read(1) == b"\n"
 
 
-__all__ = ["HEADER", "NodeHistory"]
+__all__ = ["BASE_COLUMNS", "HEADER", "NodeHistory"]

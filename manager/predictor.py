@@ -38,7 +38,7 @@ import torch
 from vgpu.log import get_logger
 from vgpu.manager.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from vgpu.manager.features import encode_latest
-from vgpu.manager.forecast import Forecast, Forecaster
+from vgpu.manager.forecast import Forecast, Forecaster, forget_app
 from vgpu.manager.model import FusedTransformerBiGRU
 from vgpu.traces import AppTrace
 
@@ -305,6 +305,13 @@ class ReloadingForecaster:
     def forecast_batch(self, histories: Sequence[AppTrace]) -> list[Forecast]:
         self.maybe_reload()
         return self._current.forecast_batch(histories)
+
+    def forget(self, app: str) -> None:
+        """Pass the manager's `forget` on to the forecasters behind (`ForgetsApps`): the serving one
+        and the fallback, where they keep state per application (a model does not)."""
+        forget_app(self._current, app)
+        if self._fallback is not None and self._fallback is not self._current:
+            forget_app(self._fallback, app)
 
     @property
     def horizons_s(self) -> tuple[int, ...] | None:

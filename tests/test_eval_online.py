@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from vgpu.manager.baselines import EwmaForecaster, GbdtForecaster, LastValueForecaster
+from vgpu.manager.experts import make_served
 from vgpu.manager.forecast import HORIZONS_S, Forecast
 from vgpu.offline import evaluate as ev
 from vgpu.offline import online
@@ -166,3 +167,64 @@ def test_cli_online_reports_offline_and_online_with_halves(tmp_path: Path) -> No
     assert {x["method"] for x in out["online"]["results"]} == {"last_value", "ewma", "vpa_percentile", "gbdt"}
     assert out["online"]["first_half"] and out["online"]["second_half"]
     assert "online clock: per-app" in r.stderr
+
+
+class Ahead:
+    """A model that knows each job's memory step (at every 20th second) 3 s ahead: a model the served
+    mixture should come to trust, so that the served forecast is not the last value's."""
+
+    name = "model"
+
+    def forecast_batch(self, histories: Sequence[AppTrace]) -> list[Forecast]:
+        out = []
+        for h in histories:
+            k = math.floor(float(h.t_s[-1]) - float(h.t_s[0]))
+            level = float(h.column("mem_used_mib")[-1]) / (1 + k // 20)
+            mem = tuple(level * (1 + (k + hz) // 20) for hz in HORIZONS_S)
+            sm = float(h.column("sm_util_pct")[-1])
+            out.append(Forecast(HORIZONS_S, mem, mem, (sm,) * len(HORIZONS_S), (sm,) * len(HORIZONS_S), self.name))
+        return out
+
+
+def test_online_scores_the_served_mixture_as_the_daemon_builds_it() -> None:
+    apps = [job("a", n_s=120), job("b", n_s=120, start_s=60.0, level=40.0)]
+    methods = online.default_methods(["model", "served", "last_value"], Ahead())
+    assert [m.name for m in methods] == ["model", "served", "last_value"]
+    served = next(m for m in methods if m.name == "served")
+    assert isinstance(served, online.HistoryOnline)
+    # the daemon's mixture (vgpu/daemon/serve.py): last value, model and an empty node-local slot
+    assert served.fc.expert_names == ("last_value", "model", "local")  # type: ignore[attr-defined]
+    assert served.fc.expert("local") is None  # type: ignore[attr-defined]
+    rep = online.evaluate_online(online.node_layout(apps, "shared"), methods)
+    for target in ("mem_used_mib", "sm_util_pct"):
+        s, lv = _rows(rep, "served", target=target), _rows(rep, "last_value", target=target)
+        for h in HORIZONS_S:
+            assert s[h]["n"] == lv[h]["n"] > 0 and s[h]["coverage_p90"] is not None and s[h]["pinball_p90"] is not None
+            assert _rows(rep, "served", "first_half", target)[h]["n"] + _rows(rep, "served", "second_half", target)[h]["n"] \
+                == s[h]["n"]
+    # the mixture learns to follow the model that sees the steps coming: better than the last value
+    mem = _rows(rep, "served")
+    assert mem[3]["mae"] < 0.8 * _rows(rep, "last_value")[3]["mae"]
+    # the same mixture offline: each application's state learns from its own origins only, in time
+    # order, so online and offline agree (the model is not refitted)
+    off = ev.evaluate(apps, [make_served(Ahead(), name="served", local=True)])
+    for target in ("mem_used_mib", "sm_util_pct"):
+        a, b = _rows(off, "served", target=target), _rows(rep, "served", target=target)
+        for h in HORIZONS_S:
+            assert a[h]["n"] == b[h]["n"]
+            assert a[h]["mae"] == pytest.approx(b[h]["mae"]) and a[h]["pinball_p90"] == pytest.approx(b[h]["pinball_p90"])
+
+
+def test_cli_online_reports_served(tmp_path: Path) -> None:
+    path = tmp_path / "node.csv"
+    write_trace(path, [job("j1", n_s=50), job("j2", n_s=50, level=300.0)])
+    r = subprocess.run([sys.executable, "-m", "vgpu.cli", "eval", "--trace", str(path), "--online", "--json",
+                        "--model", str(tmp_path / "absent.pt"), "--methods", "served,last_value"],
+                       capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)["online"]
+    assert {x["method"] for x in out["results"]} == {"served", "last_value"}
+    # without a model the served mixture is the last value alone: its median is the last value's
+    s, lv = _rows(out, "served"), _rows(out, "last_value")
+    assert all(s[h]["mae"] == pytest.approx(lv[h]["mae"]) and s[h]["coverage_p90"] is not None for h in HORIZONS_S)
+    assert {x["method"] for x in out["second_half"]} == {"served", "last_value"}

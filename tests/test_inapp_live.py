@@ -36,6 +36,7 @@ from vgpu.client import (
 from vgpu.manager.core import Manager
 from vgpu.manager.features import FEATURES_V4, encode_latest
 from vgpu.manager.forecast import Forecast
+from vgpu.manager.history import NodeHistory
 from vgpu.manager.window import WindowStore
 from vgpu.traces import AppTrace, read_trace
 from vgpu.v1 import ingest_pb2, ingest_pb2_grpc
@@ -484,16 +485,27 @@ def test_vgpu_profiler_replaying_a_serving_series_feeds_its_counters_to_vgpu_ser
         cwd=ROOT, env=env.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     want = {("vgpu_inapp_apps", (("counter", c),)): 1.0 for c in (
         "inapp_requests_running", "inapp_requests_waiting", "inapp_kv_used_mib", "inapp_kv_total_mib")}
+    history = NodeHistory(env.state / "history")  # the daemon's node history, read as the learner reads it
+
+    def recorded() -> dict[str, AppTrace]:
+        return {a.app: a for a in history.read()}
+
     try:
         deadline = time.monotonic() + 20
         while True:
             got = _metrics(port)
-            if all(got.get(k) == v for k, v in want.items()) or time.monotonic() > deadline:
+            rows = recorded()
+            if (all(got.get(k) == v for k, v in want.items()) and "llm" in rows and "batch" in rows) \
+                    or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
     finally:
         profiler.terminate()
         _, err = profiler.communicate(timeout=30)
     assert all(got.get(k) == v for k, v in want.items()), (got, err)
+    # the node history keeps the in-app counters for node learning; an app without them has none
+    llm = rows["llm"]
+    assert (llm.columns["inapp_requests_running"] == 6.0).all() and (llm.columns["inapp_kv_total_mib"] == 8000.0).all()
+    assert not any(c.startswith("inapp_") for c in rows["batch"].columns)
     assert got[("vgpu_signatures_total", (("result", "rejected"),))] == 0.0
     assert not any(k[0] == "vgpu_inapp_values_dropped_total" for k in got)  # nothing bad in this series

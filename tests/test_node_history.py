@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from vgpu.manager.experts import make_served
-from vgpu.manager.history import NodeHistory
-from vgpu.traces import AppTrace
+from vgpu.manager.history import HEADER, NodeHistory
+from vgpu.traces import INAPP_NUMERIC, AppTrace
 
 
 class Rec:
@@ -118,3 +118,85 @@ def test_closed_segments_are_compressed_and_read_the_same(tmp_path: Path) -> Non
     assert [p.name for p in h2.compress_closed()] == ["seg-0.csv.gz", "seg-2.csv.gz"]
     by_app = {a.app: a for a in h2.read()}
     assert by_app["b"].t_s.tolist() == [10, 11] and len(by_app["a"]) == 250
+
+
+def _serving(t: np.ndarray, gap: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
+    """A serving application's columns at the sample times `t`: memory, compute and in-app counters
+    (none reported in the seconds [gap[0], gap[1]))."""
+    k = np.floor(t)
+    running = 4.0 + (k % 7) + (t - k) * 2  # two reports a second: 0.0 and 0.5 past the second
+    kv = 1000.0 + 100.0 * (k % 5)
+    if gap is not None:
+        off = (k >= gap[0]) & (k < gap[1])
+        running, kv = np.where(off, np.nan, running), np.where(off, np.nan, kv)
+    return {"mem_used_mib": 30000.0 + kv, "sm_util_pct": np.full(len(t), 60.0), "mem_total_mib": np.full(len(t), 81559.0),
+            "inapp_requests_running": running, "inapp_kv_used_mib": kv}
+
+
+def test_the_mixture_writes_the_in_app_counters_and_the_history_reads_them_back(tmp_path: Path) -> None:
+    hist = NodeHistory(tmp_path / "h")
+    served = make_served(None, history=hist)
+    t = np.arange(1000.0, 1040.0, 0.5)
+    cols = _serving(t, gap=(1020, 1023))
+    plain_t = np.arange(1000.0, 1040.0, 1.0)
+    for k in range(1005, 1040):
+        keep = t < k + 1
+        served.forecast_batch([AppTrace("svc", t[keep], {c: v[keep] for c, v in cols.items()}, gpu="GPU-x"),
+                               AppTrace("plain", plain_t[plain_t < k + 1],
+                                        {"mem_used_mib": np.full(int((plain_t < k + 1).sum()), 500.0)}, gpu="GPU-x")])
+    hist.close()
+    back = {a.app: a for a in hist.read()}
+    svc = back["svc"]
+    assert svc.t_s.tolist() == list(range(1005, 1039))
+    sec = svc.t_s
+    want_running = np.where((sec >= 1020) & (sec < 1023), np.nan, 4.0 + (sec % 7) + 0.5)  # the mean of the second's two
+    np.testing.assert_allclose(svc.columns["inapp_requests_running"], want_running)
+    np.testing.assert_allclose(svc.columns["inapp_kv_used_mib"],
+                               np.where((sec >= 1020) & (sec < 1023), np.nan, 1000.0 + 100.0 * (sec % 5)))
+    # counters the application never reported are no column; an application without any has none
+    assert not {"inapp_torch_reserved_mib", "inapp_step"} & set(svc.columns)
+    assert not any(c.startswith("inapp_") for c in back["plain"].columns)
+
+
+def test_an_older_segment_without_in_app_columns_reads_and_is_continued_in_its_own_columns(tmp_path: Path) -> None:
+    old_header = "t_s,app,gpu,mem_used_mib,sm_util_pct,mem_total_mib\n"
+    (tmp_path / "seg-0.csv").write_text(old_header + "".join(f"{s},a,GPU-0,100,50,40960\n" for s in range(0, 50)))
+    h = NodeHistory(tmp_path, segment_s=100)
+    running = np.arange(50, 150, dtype=np.float64)
+    h.add(["a"] * 100, ["GPU-0"] * 100, np.arange(50.0, 150.0), np.tile([200.0, 50.0], (100, 1)), [40960.0] * 100,
+          inapp={"inapp_requests_running": running})
+    h.close()
+    # the old segment keeps its header and its rows stay six cells wide; the new one has the in-app columns
+    lines = (tmp_path / "seg-0.csv").read_text().splitlines()
+    assert lines[0] + "\n" == old_header and all(line.count(",") == 5 for line in lines)
+    assert (tmp_path / "seg-1.csv").read_text().splitlines()[0] + "\n" == HEADER
+    (a,) = h.read()
+    assert a.t_s.tolist() == list(range(0, 150)) and (a.column("mem_used_mib")[50:] == 200.0).all()
+    got = a.columns["inapp_requests_running"]
+    assert np.isnan(got[:100]).all()  # the old segment's seconds have none
+    np.testing.assert_allclose(got[100:], running[50:])
+    # compressing the old segment and the clock stepping back into it: the plain rows stay beside the gzip
+    assert h.compress_closed() == [tmp_path / "seg-0.csv.gz"]  # seg-1 is still the one being written
+    h2 = NodeHistory(tmp_path, segment_s=100)
+    h2.add(["a"], ["GPU-0"], np.array([60.0]), np.array([[300.0, 50.0]]), [40960.0],
+           inapp={"inapp_requests_running": np.array([9.0])})
+    h2.close()
+    assert (tmp_path / "seg-0.csv").read_text().splitlines()[0] + "\n" == HEADER
+    assert h2.compress_closed() == [tmp_path / "seg-1.csv.gz"]
+    h3 = NodeHistory(tmp_path, segment_s=100)
+    assert h3.compress_closed() == [] and (tmp_path / "seg-0.csv").exists()  # headers differ: left plain
+    (a,) = h3.read()
+    assert len(a) == 150 and a.column("mem_used_mib")[60] == 200.0  # the first copy of a second is kept
+
+
+def test_in_app_rows_stay_within_the_byte_cap(tmp_path: Path) -> None:
+    h = NodeHistory(tmp_path, segment_s=100, max_bytes=30_000, prune_every_s=0.0)
+    full = {c: np.full(100, 12345.0) for c in INAPP_NUMERIC}
+    for seg in range(10):
+        secs = np.arange(seg * 100.0, seg * 100.0 + 100.0)
+        h.add(["a"] * 100, ["GPU-0"] * 100, secs, np.tile([200.0, 50.0], (100, 1)), [40960.0] * 100, inapp=full)
+    h.close()
+    closed = [p for k, p in h.segments() if k != 9]
+    assert sum(p.stat().st_size for p in closed) <= 30_000 and len(h.segments()) < 10
+    (a,) = h.read()
+    assert set(INAPP_NUMERIC) <= set(a.columns)

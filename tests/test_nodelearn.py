@@ -181,3 +181,45 @@ def test_the_background_learner_runs_a_round_in_a_child_process(tmp_path: Path) 
     assert learner.rounds >= 1
     if entry["event"] == "promoted":
         assert served and served[-1] is not None  # the watcher picked local.pt up
+
+
+def test_the_learners_training_traces_carry_the_in_app_counters_from_the_history(tmp_path: Path) -> None:
+    from vgpu.manager.experts import make_served
+    from vgpu.manager.features import INAPP_FEATURES
+    from vgpu.manager.history import NodeHistory
+
+    hist = NodeHistory(tmp_path / "history", segment_s=100)
+    served = make_served(None, history=hist)
+    t = np.arange(0.0, 400.0, 0.5)
+    k = np.floor(t)
+    cols = {"mem_used_mib": 30000.0 + 50.0 * (k % 9), "sm_util_pct": np.full(len(t), 60.0),
+            "mem_total_mib": np.full(len(t), 81559.0), "inapp_requests_running": 2.0 + k % 5,
+            "inapp_requests_waiting": k % 3, "inapp_kv_used_mib": 1000.0 + 50.0 * (k % 9),
+            "inapp_kv_total_mib": np.full(len(t), 20000.0)}
+    for s in range(10, 400, 7):  # the daemon forecasts as samples come; every few seconds is enough here
+        keep = t < s + 1
+        served.forecast_batch([AppTrace("svc", t[keep], {c: v[keep] for c, v in cols.items()}, gpu="GPU-0")])
+    hist.close()
+    history = NodeHistory(tmp_path / "history", segment_s=100).read()  # what `nodelearn learn` reads
+    seen: list[Sequence[AppTrace]] = []
+    features: list[np.ndarray] = []
+
+    def spy(ck: Any, traces: Sequence[AppTrace], cfg: NL.LearnConfig) -> Any:
+        seen.append(traces)
+        x, _, _ = NL._dataset(traces, ck.metadata.features, cfg.max_windows, cfg.seed)
+        features.append(x)
+        return _shifted(0.0)(ck, traces, cfg)
+
+    base = write_tiny_checkpoint(tmp_path / "global.pt", seed=1, version=4)
+    NL.learn_once(tmp_path / "state", history, base, CFG, tune=spy)
+    (traces,) = seen
+    (svc,) = traces
+    for c in ("inapp_requests_running", "inapp_requests_waiting", "inapp_kv_used_mib", "inapp_kv_total_mib"):
+        assert np.isfinite(svc.columns[c]).all(), c
+    np.testing.assert_allclose(svc.columns["inapp_requests_running"], 2.0 + svc.t_s % 5)
+    # the model's in-app inputs see them: the presence flags are set in the windows it trains on
+    spec = load_checkpoint(base).metadata.features
+    x = features[0]
+    for flag in ("requests_present", "kv_present"):
+        assert flag in INAPP_FEATURES
+        assert (x[:, -1, spec.features.index(flag)] == 1.0).all(), flag

@@ -484,7 +484,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu eval") -> int:
     if "served" in methods:
         from vgpu.manager.experts import make_served  # noqa: PLC0415 - only for this method
 
-        forecasters.append(make_served(model, name="served"))
+        forecasters.append(make_served(model, name="served", local=True))  # the local slot empty: a fresh node
     train_apps: list[AppTrace] = []
     described = ""
     if "gbdt" in methods or "last_value" in methods:

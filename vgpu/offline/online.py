@@ -24,7 +24,13 @@ Methods (`OnlineMethod`: `learn(view, now_s)` when due, then `forecast(view, now
 - `gbdt`: evaluate's GbdtForecaster re-fitted every `refit_every_s` on everything visible so far;
 - any `Forecaster` (the model): `forecast_batch` on the visible histories; if it has a method
   `learn(histories, now_s)` (the update hook), it is called every `learn_every_s` with every
-  application's visible samples.
+  application's visible samples;
+- `served`: what the daemon serves (manager/experts.py `make_served`, as vgpu/daemon/serve.py builds
+  it): the per-application expert mixture over the last value, the model and the node-local slot,
+  the slot empty as on a fresh node (no local model promoted yet). It is a `Forecaster` run as above,
+  one call per second in time order, so each application's weights and P90 offset learn from its own
+  earlier origins only, from the truths of seconds that have passed (the mixture scores a second once a
+  later second's sample is seen).
 """
 
 from __future__ import annotations
@@ -395,12 +401,18 @@ def evaluate_online(
 def default_methods(
     names: Sequence[str], model: Forecaster | None, *, refit_every_s: int = 1800, learn_every_s: int = 60
 ) -> list[OnlineMethod]:
-    """The online methods in the protocol's order: model, last_value, ewma, vpa_percentile, gbdt."""
+    """The online methods in the protocol's order: model, served, last_value, ewma, vpa_percentile,
+    gbdt. `served` is the daemon's mixture (module docstring) over `model` (the mixture's model slot
+    abstains where `model` is None, as in a daemon whose model did not load)."""
     from vgpu.manager.baselines import EwmaForecaster, VpaPercentileForecaster  # noqa: PLC0415
 
     out: list[OnlineMethod] = []
     if model is not None and "model" in names:
         out.append(HistoryOnline(model, every_s=learn_every_s))
+    if "served" in names:
+        from vgpu.manager.experts import make_served  # noqa: PLC0415 - only for this method
+
+        out.append(HistoryOnline(make_served(model, name="served", local=True), every_s=learn_every_s))
     if "last_value" in names:
         out.append(MarginOnline(every_s=learn_every_s))
     if "ewma" in names:
