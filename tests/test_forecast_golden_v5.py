@@ -161,6 +161,42 @@ def test_the_latest_windows_equal_the_recorded_ones() -> None:
         np.testing.assert_allclose(got[key], want[key], rtol=0, atol=FEATURE_TOL, equal_nan=True, err_msg=key)
 
 
+def test_a_batch_without_in_app_counters_gives_the_recorded_windows() -> None:
+    """A batch in which no application reports an in-app counter skips that work: its windows are
+    the recorded ones of the same applications (encoded among others that report them)."""
+    want = np.load(GOLDEN)
+    k = 3
+    batch = _upto(_histories(), _origin(k))
+    plain = [i for i, h in enumerate(batch) if len(h) and not any(c.startswith("inapp_") for c in h.columns)]
+    assert len(plain) >= 10
+    windows, present = encode_latest([batch[i] for i in plain], 16, 5)
+    assert present.all()
+    rows = np.cumsum(want["present"][k]) - 1  # each history's row among the present ones
+    np.testing.assert_allclose(windows.x, want["features"][k][rows[plain]], rtol=0, atol=FEATURE_TOL)
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_a_batch_with_every_second_sampled_gives_the_recorded_windows(shuffled: bool) -> None:
+    """Without the histories that have empty seconds (a hole, sparse samples), every second of the
+    batch has a sample, which the grid sums in one pass; samples handed over out of time order are
+    put in order first. Either way the windows are the recorded ones of the same applications."""
+    want = np.load(GOLDEN)
+    rng = np.random.default_rng(3)
+    k = 5
+    batch = _upto(_histories(), _origin(k))
+    keep = [i for i in range(N_APPS) if i not in (3, 8) and len(batch[i])]
+    hist = []
+    for i in keep:
+        h = batch[i]
+        perm = rng.permutation(len(h)) if shuffled else np.arange(len(h))
+        hist.append(AppTrace(h.app, h.t_s[perm], {c: v[perm] for c, v in h.columns.items()}, gpu=h.gpu))
+    windows, present = encode_latest(hist, 16, 5)
+    assert present.all()
+    rows = np.cumsum(want["present"][k]) - 1
+    np.testing.assert_allclose(windows.x, want["features"][k][rows[keep]], rtol=0, atol=FEATURE_TOL)
+    np.testing.assert_allclose(windows.last, want["last"][k][rows[keep]], rtol=0, atol=FEATURE_TOL)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_forecasts_equal_the_recorded_ones(mode: str) -> None:
     if mode == "onnx":
