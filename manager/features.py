@@ -302,8 +302,10 @@ def _grid(
     sample_offsets = np.concatenate([[0], np.cumsum(lengths)])
     secs = np.floor(t_all).astype(np.int64)
     order: npt.NDArray[np.int64] | None = None
-    same_app = app_of_sample[1:] == app_of_sample[:-1]
-    if np.any(np.diff(secs)[same_app] < 0):  # samples out of time order: sort within each app
+    step = np.diff(secs)
+    # a step from one application's last sample to the next one's first is not out of order
+    step[sample_offsets[1:-1][(sample_offsets[1:-1] > 0) & (sample_offsets[1:-1] < len(secs))] - 1] = 0
+    if np.any(step < 0):  # samples out of time order: sort within each app
         order = np.lexsort((t_all, app_of_sample))
         secs = secs[order]
     nonempty = lengths > 0
@@ -320,7 +322,7 @@ def _grid(
     n_bins = np.where(lengths > 0, end - start + 1, 0)
     offsets = np.concatenate([[0], np.cumsum(n_bins)]).astype(np.int64)
     total = int(offsets[-1])
-    bins = offsets[app_of_sample] + secs - start[app_of_sample]
+    bins = (offsets[:-1] - start)[app_of_sample] + secs
     bin_app = np.repeat(np.arange(n_apps), n_bins)
     app_first_bin = offsets[:-1][bin_app]
     arange = np.arange(total)
@@ -330,6 +332,10 @@ def _grid(
     # every second has a sample (the profiler's usual stream): a column with no missing value needs
     # neither carrying forward nor a cut after its last sample, its grid is the per-second mean
     every_second = bool(observed.all())
+    # then samples are in bin order (sorted within each application, applications in turn) and bin
+    # k's first sample is the count of the bins before it: a column's per-second sums are one
+    # reduceat over contiguous runs, and where they are all finite so is every sample
+    firsts = np.concatenate([[0], np.cumsum(all_counts[:-1])]) if every_second and total else None
     values: dict[str, F64] = {}
     mem_max = np.full(total, np.nan)
     for name in GRID_COLUMNS:
@@ -338,6 +344,13 @@ def _grid(
             continue  # an in-app column no application has: absent from the grid, read as all missing
         if col is not None and order is not None:
             col = col[order]
+        if col is not None and firsts is not None:
+            sums = np.add.reduceat(col, firsts)
+            if np.isfinite(sums).all():
+                values[name] = sums / all_counts
+                if name == "mem_used_mib":
+                    mem_max = _running_max(col, bins, bin_app, offsets, nonempty, mem_seed_mib, firsts)
+                continue
         ok = np.isfinite(col) if col is not None else None
         if col is None or ok is None or not ok.any():
             values[name] = np.full(total, np.nan)
@@ -345,7 +358,7 @@ def _grid(
         if every_second and ok.all():
             values[name] = np.bincount(bins, weights=col, minlength=total) / all_counts
             if name == "mem_used_mib":
-                mem_max = _running_max(col, bins, bin_app, offsets, nonempty, mem_seed_mib)
+                mem_max = _running_max(col, bins, bin_app, offsets, nonempty, mem_seed_mib, firsts)
             continue
         b = bins[ok]
         sums = np.bincount(b, weights=col[ok], minlength=total)
@@ -384,11 +397,14 @@ def _running_max(
     offsets: npt.NDArray[np.int64],
     nonempty: npt.NDArray[np.bool_],
     mem_seed_mib: F64 | None,
+    firsts: npt.NDArray[np.int64] | None = None,
 ) -> F64:
     """The running maximum of memory samples `mem` (in bins `b`, sorted) within each application,
-    from `mem_seed_mib` at its first bin on; NaN before its first sample."""
+    from `mem_seed_mib` at its first bin on; NaN before its first sample. `firsts`, where given, is
+    the position of each bin's first sample (every bin having one)."""
     raw_max = np.full(len(bin_app), -np.inf)
-    firsts = np.flatnonzero(np.r_[True, b[1:] != b[:-1]])
+    if firsts is None:
+        firsts = np.flatnonzero(np.r_[True, b[1:] != b[:-1]])
     raw_max[b[firsts]] = np.maximum.reduceat(mem, firsts)
     if mem_seed_mib is not None:
         heads = offsets[:-1][nonempty]
@@ -541,6 +557,9 @@ def _encode_inapp(
     memory scale), allocation retries per second (log), a serving engine's requests running and
     waiting (log) and KV cache in use (fraction of its pool where reported, else of the memory
     scale). Each group has a presence flag, set at the steps where its signal has a value."""
+    have = grid.values.keys()
+    if not any(name in have for name in INAPP_COLUMNS):
+        return  # every channel zero and every presence flag 0, as `x` already holds
     nan = np.full(len(grid), np.nan)
 
     def col(name: str) -> F64:
@@ -705,6 +724,13 @@ def _recent_cut(
         return None
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     ends = starts + lengths
+    nonempty = lengths > 0
+    # the usual case, histories no longer than the span: nothing before any window, no per-sample
+    # work (out of time order or not finite, the full test below keeps everything too)
+    first_t = t_all[starts[nonempty]]
+    last_t = t_all[ends[nonempty] - 1]
+    if np.all(np.floor(first_t) >= np.floor(last_t) - window_s + 1):
+        return None
     secs = np.floor(t_all)
     if not np.isfinite(secs).all():
         return None
@@ -714,7 +740,6 @@ def _recent_cut(
     key = app_of_sample * span + (secs - secs.min())
     if np.any(np.diff(key) < 0):
         return None
-    nonempty = lengths > 0
     base = np.arange(n_apps) * span - secs.min()
     last_sec = np.where(nonempty, secs[np.maximum(ends - 1, 0)], 0.0)
     before = np.searchsorted(key, base + last_sec - window_s + 1, side="left")  # first in the window
