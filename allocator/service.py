@@ -325,13 +325,14 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     async def RequestResourceAllocation(  # noqa: N802 - gRPC method names
         self, request: pb.RequestResourceAllocationRequest, context: Context
     ) -> pb.RequestResourceAllocationResponse:
-        def run(caller: str | None) -> Grant:
+        def run(caller: str | None) -> tuple[Grant, str]:
             if not request.HasField("request"):
                 raise InvalidRequest("request is missing: set RequestResourceAllocationRequest.request")
-            return self.allocator.request_allocation(request_from_pb(request.request), caller=caller)
+            grant = self.allocator.request_allocation(request_from_pb(request.request), caller=caller)
+            return grant, self.allocator.app_memory_limit(grant.app_id)[0]
 
-        grant = await self._call(context, "RequestResourceAllocation", run)
-        return pb.RequestResourceAllocationResponse(grant=grant_to_pb(grant))
+        grant, mem_limit = await self._call(context, "RequestResourceAllocation", run)
+        return pb.RequestResourceAllocationResponse(grant=grant_to_pb(grant), mem_limit=mem_limit)
 
     async def ReleaseResources(  # noqa: N802
         self, request: pb.ReleaseResourcesRequest, context: Context
