@@ -4,11 +4,12 @@ subprocess): each is said, with what to do, and the exit status says it failed w
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
-from daemon_fixtures import ROOT, Env, Serve
+from daemon_fixtures import ROOT, SKU, Env, Serve
 
 from vgpu import auth
 
@@ -51,3 +52,16 @@ def test_set_limit_without_the_operator_token_says_where_it_is_and_how_to_pass_i
     ok = vgpu("set-limit", *sock, "--token-file", str(auth.role_token_file("operator", env.state)),
               "--app", "a", "--max-memory-mib", "5", env=env.env)
     assert ok.returncode == 0, ok.stderr
+
+
+def test_a_taken_metrics_port_fails_the_start_naming_port_and_setting(env: Env) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = vgpu("serve", "--socket", str(env.sock), "--state-dir", str(env.state), "--backend", f"sim:{SKU}",
+                 "--metrics-port", str(port), env=env.env)
+    assert r.returncode == 1, r.stderr
+    said = [line for line in r.stderr.splitlines() if line.startswith("vgpu serve:")]
+    assert len(said) == 1 and f"127.0.0.1:{port}" in said[0] and "--metrics-port" in said[0], r.stderr
+    assert not env.sock.exists()  # nothing left serving
