@@ -4,6 +4,7 @@ subprocess): each is said, with what to do, and the exit status says it failed w
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -65,3 +66,18 @@ def test_a_taken_metrics_port_fails_the_start_naming_port_and_setting(env: Env) 
     said = [line for line in r.stderr.splitlines() if line.startswith("vgpu serve:")]
     assert len(said) == 1 and f"127.0.0.1:{port}" in said[0] and "--metrics-port" in said[0], r.stderr
     assert not env.sock.exists()  # nothing left serving
+
+
+def test_report_labels_an_sm_change_with_its_resource_and_unit(env: Env, serves: list[Serve], tmp_path: Path) -> None:
+    serves.append(Serve(env))
+    sock = ["--socket", str(env.sock)]
+    assert vgpu("request", *sock, "--app", "a", "--memory-mib", "1000", "--sm-pct", "50",
+                env=env.env).returncode == 0
+    cut = vgpu("set-limit", *sock, "--state-dir", str(env.state), "--app", "a", "--max-sm-pct", "20", env=env.env)
+    assert cut.returncode == 0, cut.stderr
+    page = tmp_path / "a.html"
+    r = vgpu("report", *sock, "--app", "a", "--out", str(page), env=env.env)
+    assert r.returncode == 0, r.stderr
+    rows = re.findall(r"<tr><td>a on [^<]*</td><td>[^<]*</td><td>([^<]*)</td><td>([^<]*)</td></tr>", page.read_text())
+    sm_rows = [detail for kind, detail in rows if kind == "sm"]
+    assert sm_rows == ["capped by limits: SM 50 -&gt; 20 %"], rows  # the SM change, not "1000 -> 1000 MiB"
