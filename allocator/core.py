@@ -508,7 +508,9 @@ class Allocator:
             for g in grants:
                 self.release(g.grant_id, reason=reason)
             self._latest.pop(app_id, None)
-            self._seen.pop(app_id, None)
+            if seen is not None:
+                # its last sign of life stays listed (LAST SEEN), as for an application released itself
+                self._seen[app_id] = seen
             self.history.depart(app_id)
             gone.append(app_id)
         return gone
