@@ -13,7 +13,9 @@ to the allocator, which grants memory/SM shares and sets the GPU's power limit (
 Every second a plain-text table shows each application's usage, forecast and allocation and the
 GPU's power limit; at the end a summary. `--json` prints only the summary as one JSON object:
 {"apps", "ticks", "signatures", "decisions", "power_limit_changes", "mig_changes", "oom_events",
-"overrun_samples", "rises", "lead_time_median_s", "lead_time_median_visible_s"}. An overrun sample is
+"overrun_samples", "rises", "lead_time_median_s", "lead_time_median_visible_s"}. `power_limit_changes`
+counts the limits the allocator applied during the run (the restore at the end not included); the text
+summary lists them in watts, while the table shows the limit only at each second. An overrun sample is
 one (every 100 ms) at which an application asked the simulator for more memory than its grant; an OOM
 event is the first of a run of them (the demo enforces no limit: each is where a hard limit would
 have ended the job), as the daemon's history and metrics count them; lead times are in seconds of the
