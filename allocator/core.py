@@ -535,7 +535,9 @@ class Allocator:
             for g in grants:
                 self.release(g.grant_id, reason=reason)
             self._latest.pop(app_id, None)
-            self._seen.pop(app_id, None)
+            if seen is not None:
+                # its last sign of life stays listed (LAST SEEN), as for an application released itself
+                self._seen[app_id] = seen
             self.history.depart(app_id)
             gone.append(app_id)
         return gone
@@ -559,8 +561,7 @@ class Allocator:
         for new, old in capped:
             self.counters.resized += 1
             self._publish(EventKind.RESIZED, grant=new,
-                          detail=f"capped by limits: {old.memory_mib:.0f} -> {new.memory_mib:.0f} MiB, "
-                                 f"{old.sm_pct:g} -> {new.sm_pct:g} % SM", reason="limits")
+                          detail=f"capped by limits: {_resize_text(old, new)}", reason="limits")
         self._publish(EventKind.LIMITS_CHANGED, app_id=result.app_id, detail=_limits_text(result))
         for device_id in sorted({g.device_id for g, _ in capped}):
             self._sync_cgroup_limits(device_id)
@@ -800,7 +801,7 @@ class Allocator:
                     if (grant.memory_mib, grant.sm_pct) == (old.memory_mib, old.sm_pct):
                         continue
                     resized.append(grant)
-                    events.append((EventKind.RESIZED, grant, f"{old.memory_mib:.0f} -> {grant.memory_mib:.0f} MiB",
+                    events.append((EventKind.RESIZED, grant, _resize_text(old, grant),
                                    "grow" if grant.memory_mib > old.memory_mib or grant.sm_pct > old.sm_pct
                                    else "shrink"))
             except (DeviceError, InvalidRequest) as exc:
@@ -1049,6 +1050,17 @@ class Allocator:
         for sub in list(self._subscriptions):
             sub.close()
         return results
+
+
+def _resize_text(old: Grant, new: Grant) -> str:
+    """What a resize changed, each resource with its unit: "memory 4096 -> 2048 MiB", "SM 40 -> 23 %",
+    or both; a resize that changed neither reads as the memory it keeps."""
+    parts = []
+    if new.memory_mib != old.memory_mib or new.sm_pct == old.sm_pct:
+        parts.append(f"memory {old.memory_mib:.0f} -> {new.memory_mib:.0f} MiB")
+    if new.sm_pct != old.sm_pct:
+        parts.append(f"SM {old.sm_pct:g} -> {new.sm_pct:g} %")
+    return ", ".join(parts)
 
 
 def _kind(hard: bool) -> str:

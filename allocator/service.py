@@ -325,13 +325,14 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     async def RequestResourceAllocation(  # noqa: N802 - gRPC method names
         self, request: pb.RequestResourceAllocationRequest, context: Context
     ) -> pb.RequestResourceAllocationResponse:
-        def run(caller: str | None) -> Grant:
+        def run(caller: str | None) -> tuple[Grant, str]:
             if not request.HasField("request"):
                 raise InvalidRequest("request is missing: set RequestResourceAllocationRequest.request")
-            return self.allocator.request_allocation(request_from_pb(request.request), caller=caller)
+            grant = self.allocator.request_allocation(request_from_pb(request.request), caller=caller)
+            return grant, self.allocator.app_memory_limit(grant.app_id)[0]
 
-        grant = await self._call(context, "RequestResourceAllocation", run)
-        return pb.RequestResourceAllocationResponse(grant=grant_to_pb(grant))
+        grant, mem_limit = await self._call(context, "RequestResourceAllocation", run)
+        return pb.RequestResourceAllocationResponse(grant=grant_to_pb(grant), mem_limit=mem_limit)
 
     async def ReleaseResources(  # noqa: N802
         self, request: pb.ReleaseResourcesRequest, context: Context
@@ -383,8 +384,15 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         out = [app_to_pb(a, pids=obs.app_pids(a.app_id) if obs else (), process_info=self._process_info)
                for a in apps]
         listed = {a.app_id for a in apps}
-        # Claimed ids that hold nothing the allocator knows of: the application has its token and no grant.
-        out += [pb.ApplicationInfo(app_id=app_id) for app_id in claims if app_id not in listed]
+        # Claimed ids that hold nothing the allocator knows of: the application has its token and no
+        # grant; still with its last sign of life (one released for idleness keeps when it was seen).
+        for app_id in claims:
+            if app_id not in listed:
+                msg = pb.ApplicationInfo(app_id=app_id)
+                seen = self.allocator.last_seen_s(app_id)
+                if seen is not None:
+                    msg.last_seen_s = seen
+                out.append(msg)
         for msg in out:
             at_s = claims.get(msg.app_id)
             if at_s is not None:

@@ -38,7 +38,7 @@ import structlog
 
 from vgpu.allocator.errors import NotSupported, Unavailable
 from vgpu.allocator.policy.base import Sizer, Sizing
-from vgpu.jobs import known_model, physics_estimate
+from vgpu.jobs import known_model, nearest_known_models, physics_estimate
 from vgpu.manager.jobprofiles import (
     ENCODING_VERSION,
     FAMILIES,
@@ -292,6 +292,8 @@ class ColdStartSizer:
         if not seen:
             extrapolated = ("family", *extrapolated)
             notes.append(f"model family {family!r} is not in the training data: widest margin used")
+        if known is None:
+            notes.append(unknown_model_note(job.model_type))
         if phys.param_source.startswith("known model"):
             notes.append(f"param_count {phys.param_count:,} from the {phys.param_source} table")
         notes.extend(f"assumed {a}" for a in phys.assumed)
@@ -492,6 +494,14 @@ def train_sizer(data_root: Path, seed: int = 0, gpumemnet_rows: int | None = Non
     )
 
 
+def unknown_model_note(model_type: str) -> str:
+    """What is said of a model type the table does not know, with the nearest names it does."""
+    near = nearest_known_models(model_type)
+    hint = f"did you mean {', '.join(near)}?" if near else "no known type is close."
+    return (f"unknown model type {model_type!r} (not in vgpu.jobs.KNOWN_MODELS): {hint} "
+            "Sized from its family's defaults; give --param-count for a model of your own")
+
+
 def _add_size_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--model-type", required=True, help="e.g. resnet50, bert-base, vit_b_16")
     s.add_argument("--batch-size", type=int, required=True)
@@ -515,6 +525,9 @@ def _size(args: argparse.Namespace, prog: str, *, as_json: bool) -> int:
     except (InvalidJobConfig, FileNotFoundError, ValueError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
+    if known_model(job.model_type) is None:
+        # a custom model is sized all the same (from --param-count); a typo should not go unnoticed
+        print(f"{prog}: warning: {unknown_model_note(job.model_type)}", file=sys.stderr)
     verdict = "fits" if est.fits else (
         f"does not fit: needs {est.grant_mib:,.0f} MiB ({est.mem_mib:,.0f} MiB without the margin), "
         f"the device has {est.capacity_mib:,.0f} MiB"

@@ -423,6 +423,11 @@ def model_main(argv: Sequence[str] | None = None, prog: str = "vgpu model") -> i
     p.add_argument("--state-dir", default=None, help="the daemon's state directory (default: the configured one)")
     args = p.parse_args(argv)
     state_dir = args.state_dir or _default_state_dir()
+    if not Path(state_dir).is_dir():
+        # a mistyped directory would otherwise read as a node with no history and no models
+        print(f"{prog}: no state directory at {state_dir}: give the daemon's server.state_dir with --state-dir",
+              file=sys.stderr)
+        return 2
     if args.action == "status":
         print(json.dumps(status(state_dir), indent=2, sort_keys=True))
         return 0

@@ -158,28 +158,6 @@ async def test_metrics_endpoint_serves_the_registry(tmp_path: Path) -> None:
     assert "vgpu_forecast_batch_seconds_count" in body and "vgpu_enforcement_actions_total" in body
 
 
-async def test_busy_metrics_port_is_logged_and_serving_goes_on(tmp_path: Path) -> None:
-    import socket
-
-    import structlog
-    from structlog.testing import capture_logs
-
-    structlog.reset_defaults()  # another test's `main()` may have configured warning level for the process
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        d = sim_daemon(tmp_path, **{"metrics.port": busy.getsockname()[1]})
-        with capture_logs() as logs:
-            await d.start()
-        try:
-            rc, text = await run(cli.available_main, tmp_path, "--socket", str(d.socket_path), "--json")
-        finally:
-            await d.stop("test")
-    assert rc == 0 and json.loads(text)["devices"]
-    assert any(e["event"] == "metrics_unavailable" for e in logs)
-    assert next(e for e in logs if e["event"] == "serving")["metrics"] is None
-
-
 async def test_unwritable_token_cache_keeps_the_grant(daemon: Daemon, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     blocker = tmp_path / "cfg"
     blocker.write_text("a file where the cache directory should be")

@@ -6,6 +6,7 @@ is refused for an id it does not own; the token file and the in-app directory ar
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -118,3 +119,37 @@ def test_a_report_the_daemon_does_not_read_is_named_as_the_cause(env: Env, serve
     out = r.stdout + r.stderr
     assert "the daemon could not verify this process's pid" in out and str(tmp_path / "stubs-inapp") in out
     assert "application id taken" not in out
+
+
+# A program that prints data on stdout, as JSON, and reads the enforcement kind at once. No watch:
+# the kind must come from the grant reply itself, not from an event that may come later.
+KIND_APP = """
+import json, sys
+from vgpu.client import VgpuClient
+
+sock, app_id, inapp = sys.argv[1], sys.argv[2], sys.argv[3]
+with VgpuClient(app_id, socket=sock, inapp_dir=inapp, watch=False) as client:
+    client.request(memory_mib=1024)
+    print(json.dumps({"kind": client.memory_limit_kind}), flush=True)
+"""
+
+
+def test_the_limit_kind_is_known_when_request_returns(env: Env, serves: list[Serve], tmp_path: Path) -> None:
+    inapp = tmp_path / "inapp"
+    env.env["VGPU_SERVER_INAPP_DIR"] = str(inapp)
+    serves.append(Serve(env))
+    r = run_app(env, "kind", inapp, program=KIND_APP)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads(r.stdout)["kind"] == "cooperative"  # 1 GiB of 80: uncontended
+
+
+def test_the_stub_logs_to_stderr_never_stdout(env: Env, serves: list[Serve], tmp_path: Path) -> None:
+    """The application's stdout is its own output: only the line it prints is there; the stub's log
+    lines (the token saved, no torch to apply the limit) go to stderr."""
+    inapp = tmp_path / "inapp"
+    env.env["VGPU_SERVER_INAPP_DIR"] = str(inapp)
+    serves.append(Serve(env))
+    r = run_app(env, "quiet", inapp, program=KIND_APP)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.splitlines() == [json.dumps({"kind": "cooperative"})], r.stdout
+    assert "application token saved" in r.stderr

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from manager_fakes import EwmaMarginForecaster
@@ -10,6 +14,8 @@ from manager_fakes import EwmaMarginForecaster
 from vgpu.daemon.demo import launch_offsets_s, launch_order, main, run_demo
 from vgpu.data import demo_trace_path
 from vgpu.traces import read_trace
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 async def test_demo_summary_numbers() -> None:
@@ -24,6 +30,9 @@ async def test_demo_summary_numbers() -> None:
     assert s.decisions > 0 and result.rejected == 0
     assert s.mig_changes == 0
     assert result.power_limit_start_mw == 700_000
+    # every change counted is one listed, and the lowest is the lowest of them
+    assert len(result.power_limits_applied_mw) == s.power_limit_changes
+    assert result.power_limit_min_seen_mw == min(result.power_limit_start_mw, *result.power_limits_applied_mw)
     # OOM events and lead times of the run (a median only where there were rises)
     assert s.oom_events >= 0 and (s.lead_time_median_s is None) == (s.rises == 0)
 
@@ -56,3 +65,23 @@ def test_bad_arguments_exit_with_usage(args: list[str], capsys: pytest.CaptureFi
         main(args, "vgpu demo")
     assert exc.value.code == 2
     assert "must be" in capsys.readouterr().err
+
+
+def test_the_power_line_counts_the_changes_it_lists() -> None:
+    """`vgpu demo` as a user runs it: the power line's count is the number of changes it lists, and
+    its lowest is the lowest of them, even for a limit lowered and raised between two table lines."""
+    r = subprocess.run([sys.executable, "-m", "vgpu.cli", "demo", "--seconds", "3", "--baseline"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    (line,) = [ln for ln in r.stdout.splitlines() if ln.strip().startswith("power limit ")]
+    m = re.search(r"(\d+) W at start, lowest (\d+) W, (\d+) W at the end; (.*)", line)
+    assert m is not None, line
+    start, lowest, end = int(m[1]), int(m[2]), int(m[3])
+    changes = re.match(r"(\d+) power-limit changes? applied during the run: ([\d >-]+) W", m[4])
+    if changes is None:
+        assert m[4].startswith("no power-limit change applied"), line
+        assert lowest == start == end
+        return
+    path = [int(w) for w in changes[2].split(" -> ")]
+    assert int(changes[1]) == len(path) - 1, line
+    assert path[0] == start and path[-1] == end and min(path) == lowest, line

@@ -77,6 +77,11 @@ def test_a_vanished_application_is_released_and_a_live_one_kept(env: Env, serves
         wait_until(lambda: any(e.kind == pb.AllocationEvent.RELEASED and e.grant.app_id == "ghost" for e in events))
         (event,) = [e for e in events if e.kind == pb.AllocationEvent.RELEASED and e.grant.app_id == "ghost"]
         assert event.detail.startswith("idle: ")
+        # Released, it is still listed with when it was last heard from, not N/A.
+        assert apps(env)["ghost"]["last_seen_s"] == pytest.approx(before, abs=5)
+        table = env.vgpu("apps", *sock).stdout
+        (row,) = [line for line in table.splitlines() if line.startswith("ghost ")]
+        assert row.rstrip().endswith("ago"), table
         # The application with a live process keeps its grant, and is seen now.
         time.sleep(IDLE_S)
         alive = apps(env)["alive"]
@@ -119,4 +124,4 @@ def test_signatures_and_watches_are_signs_of_life() -> None:
 
     assert asyncio.run(run()) == ["silent"]
     assert alloc.last_seen_s("streaming") == 1099.0
-    assert alloc.last_seen_s("silent") is None
+    assert alloc.last_seen_s("silent") == 1000.0  # released, it keeps when it was last seen

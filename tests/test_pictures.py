@@ -70,10 +70,14 @@ def test_from_history_reads_the_rpc_columns() -> None:
     h = pb.AppHistory(app_id="a", device_id="g", t_unix_s=[100.0, 101.0], mem_used_mib=[1.0, 2.0],
                       mem_p50_mib=[1.0, 2.0], mem_p90_mib=[1.5, 2.5], mem_granted_mib=[3.0, 3.0],
                       events=[pb.HistoryEvent(t_unix_s=100.5, kind="resized", detail="4 -> 3 MiB", mem_granted_mib=3),
-                              pb.HistoryEvent(t_unix_s=100.6, kind="resized", detail="3 -> 3 MiB", mem_granted_mib=3)])
+                              pb.HistoryEvent(t_unix_s=100.6, kind="resized", detail="3 -> 3 MiB", mem_granted_mib=3),
+                              pb.HistoryEvent(t_unix_s=100.7, kind="resized", detail="SM 40 -> 23 %", mem_granted_mib=3),
+                              pb.HistoryEvent(t_unix_s=100.8, kind="resized",
+                                              detail="memory 3 -> 5 MiB, SM 23 -> 40 %", mem_granted_mib=5)])
     tl = plots.from_history(h, 100.0)
     assert list(tl.t_s) == [0.0, 1.0] and list(tl.p90_mib) == [1.5, 2.5]
-    assert [(m.kind, m.t_s) for m in tl.marks] == [("shrink", 0.5), ("sm", pytest.approx(0.6))]
+    assert [(m.kind, m.t_s) for m in tl.marks] == [("shrink", 0.5), ("sm", pytest.approx(0.6)),
+                                                   ("sm", pytest.approx(0.7)), ("grow", pytest.approx(0.8))]
     with pytest.raises(ValueError, match="used_mib"):
         plots.Timeline("a", np.zeros(2), np.zeros(3), np.zeros(2), np.zeros(2), np.zeros(2))
 

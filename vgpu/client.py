@@ -74,7 +74,7 @@ import grpc
 from vgpu import config
 from vgpu.ids import app_id_digest
 from vgpu.jobs import JobConfig
-from vgpu.log import get_logger
+from vgpu.log import get_library_logger
 from vgpu.v1 import allocator_pb2, allocator_pb2_grpc
 
 DEFAULT_SOCKET = config.DEFAULT_SOCKET  # the daemon's socket (vgpu/config.py), as a gRPC target
@@ -86,7 +86,7 @@ INAPP_MAX_AGE_S = 5.0
 PID_START_TOLERANCE_S = 1.0
 MIB = 1024 * 1024
 
-_log = get_logger("vgpu.client")
+_log = get_library_logger("vgpu.client")
 
 AUTH_METADATA_KEY = "authorization"  # as vgpu/auth.py: `authorization: Bearer <token>`
 APP_TOKEN_TRAILER = "vgpu-app-token"  # the trailer that carries a newly claimed app's token
@@ -678,6 +678,10 @@ class VgpuClient:
                                     fix="run with the token file of the first run, pass token=, or use another app_id")
                 raise
         self._keep_token(call)
+        if resp.mem_limit in ("hard", "cooperative"):
+            # Known from the reply itself: an event may come later, or not at all.
+            with self._lock:
+                self._mem_limit_kind = resp.mem_limit
         self._on_grant(resp.grant, released=False)
         return resp.grant
 
@@ -756,7 +760,7 @@ class VgpuClient:
     def memory_limit_kind(self) -> str:
         """How the daemon enforces this application's memory grant, from its latest event: "hard"
         (its cgroup is capped too: the device is contended), "cooperative" (only this stub's own
-        limit), "" before any event."""
+        limit), "" before any grant or event."""
         with self._lock:
             return self._mem_limit_kind
 

@@ -575,7 +575,12 @@ def set_limit_main(argv: Sequence[str] | None = None, prog: str = "vgpu set-limi
             lim.ClearField("max_sm_pct")
         for key, value in changes.items():
             setattr(lim, key, value)
-        resp, _ = c.call("SetResourceLimits", pb.SetResourceLimitsRequest(limits=lim))
+        try:
+            resp, _ = c.call("SetResourceLimits", pb.SetResourceLimitsRequest(limits=lim))
+        except CliError as exc:
+            if not str(exc).startswith("UNAUTHENTICATED"):
+                raise
+            raise CliError(f"{exc}; {_operator_token_hint(c.tokens)}") from None
         after, _ = c.call("ListApplications", pb.ListApplicationsRequest(), token=False)
         app = next((a for a in after.apps if a.app_id == ns.app), None)
         if ns.json:
@@ -593,6 +598,19 @@ def set_limit_main(argv: Sequence[str] | None = None, prog: str = "vgpu set-limi
         return 0
 
     return _run(prog, argv, build, body, out, env)
+
+
+def _operator_token_hint(tokens: Tokens) -> str:
+    """Where the operator token was looked for and how to pass it, for a refused operator call."""
+    path = auth.role_token_file("operator", tokens.state_dir)
+    if tokens.explicit is not None:
+        found = "the token given (--token-file, $VGPU_TOKEN_FILE or $VGPU_TOKEN) is not the operator's"
+    elif path.exists():
+        found = f"the operator token {path} is not readable by this user"
+    else:
+        found = f"no operator token at {path}"
+    return (f"{found}: pass the daemon's state directory with --state-dir (it holds tokens/operator.token), "
+            "or the token file with --token-file or $VGPU_TOKEN_FILE, as a user who may read it")
 
 
 # --- top -------------------------------------------------------------------------------------------------

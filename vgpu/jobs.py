@@ -11,6 +11,7 @@ INVALID_ARGUMENT with its message, allocator/errors.py).
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from dataclasses import dataclass
@@ -279,6 +280,13 @@ def known_model(model_type: str) -> tuple[str, KnownModel] | None:
     key = _ALIASES.get(key, key)
     entry = KNOWN_MODELS.get(key)
     return None if entry is None else (key, entry)
+
+
+def nearest_known_models(model_type: str, n: int = 3) -> list[str]:
+    """The table's model names closest to an unknown `model_type` (difflib; a typo such as
+    "resnet5O" gives resnet50 first), at most `n`, possibly none."""
+    key = re.sub(r"[^a-z0-9]", "", model_type.lower())
+    return difflib.get_close_matches(key, [*KNOWN_MODELS, *_ALIASES], n=n, cutoff=0.6)
 
 
 # For a model not in the table: the input size its family usually runs at.

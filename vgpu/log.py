@@ -97,6 +97,37 @@ def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:
     return logger
 
 
+class _LibraryLogger:
+    """A library's logger (the client stub runs inside applications): through the application's
+    structlog set-up when it made one, else to stderr, never to stdout, which is the application's
+    own output (structlog's unconfigured default prints to stdout)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def _target(self) -> Any:
+        if structlog.is_configured():
+            return structlog.get_logger(self._name)
+        return structlog.wrap_logger(structlog.PrintLogger(sys.stderr))
+
+    def debug(self, event: str, *args: Any, **kw: Any) -> Any:
+        return self._target().debug(event, *args, **kw)
+
+    def info(self, event: str, *args: Any, **kw: Any) -> Any:
+        return self._target().info(event, *args, **kw)
+
+    def warning(self, event: str, *args: Any, **kw: Any) -> Any:
+        return self._target().warning(event, *args, **kw)
+
+    def error(self, event: str, *args: Any, **kw: Any) -> Any:
+        return self._target().error(event, *args, **kw)
+
+
+def get_library_logger(name: str) -> Logger:
+    """The logger for code that runs inside someone else's program: see `_LibraryLogger`."""
+    return _LibraryLogger(name)
+
+
 def worth_logging(count: int) -> bool:
     """Whether the `count`-th repeat of one failure gets its own log line: the 1st, 10th and 100th,
     then every 1000th, so a failure that repeats every tick neither floods the log nor goes quiet."""

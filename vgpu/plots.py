@@ -17,6 +17,7 @@ from __future__ import annotations
 import html
 import io
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,14 +68,20 @@ class Timeline:
                 raise ValueError(f"{name} has {len(getattr(self, name))} values for {n} times")
 
 
+_MEM_CHANGE = re.compile(r"(-?[\d.]+) -> (-?[\d.]+) MiB")
+
+
 def _kind(e: pb.HistoryEvent) -> str:
-    """A resize's direction in memory from its detail ("4096 -> 2048 MiB"); "sm" when only the SM
-    share changed (not drawn on a memory picture)."""
+    """A resize's direction in memory from its detail ("memory 4096 -> 2048 MiB", "SM 40 -> 23 %",
+    or both); "sm" when only the SM share changed (not drawn on a memory picture)."""
     if e.kind != "resized":
         return e.kind
+    m = _MEM_CHANGE.search(e.detail)
+    if m is None:
+        return "sm" if " %" in e.detail else "grow"
     try:
-        before, after = (float(x.split()[0]) for x in e.detail.split("->"))
-    except (ValueError, IndexError):
+        before, after = float(m[1]), float(m[2])
+    except ValueError:
         return "grow"
     return "grow" if after > before else "shrink" if after < before else "sm"
 

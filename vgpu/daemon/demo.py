@@ -13,7 +13,9 @@ to the allocator, which grants memory/SM shares and sets the GPU's power limit (
 Every second a plain-text table shows each application's usage, forecast and allocation and the
 GPU's power limit; at the end a summary. `--json` prints only the summary as one JSON object:
 {"apps", "ticks", "signatures", "decisions", "power_limit_changes", "mig_changes", "oom_events",
-"overrun_samples", "rises", "lead_time_median_s", "lead_time_median_visible_s"}. An overrun sample is
+"overrun_samples", "rises", "lead_time_median_s", "lead_time_median_visible_s"}. `power_limit_changes`
+counts the limits the allocator applied during the run (the restore at the end not included); the text
+summary lists them in watts, while the table shows the limit only at each second. An overrun sample is
 one (every 100 ms) at which an application asked the simulator for more memory than its grant; an OOM
 event is the first of a run of them (the demo enforces no limit: each is where a hard limit would
 have ended the job), as the daemon's history and metrics count them; lead times are in seconds of the
@@ -29,6 +31,7 @@ import argparse
 import asyncio
 import json
 import math
+import re
 import sys
 import tempfile
 import time
@@ -40,7 +43,7 @@ from typing import TextIO
 import numpy as np
 
 from vgpu import log
-from vgpu.allocator.core import Allocator
+from vgpu.allocator.core import Allocator, EventKind, Subscription
 from vgpu.allocator.history import AppSeries
 from vgpu.allocator.policy import lead
 from vgpu.allocator.policy.forecast import ForecastPolicy
@@ -103,6 +106,9 @@ class DemoResult:
     power_limit_end_mw: int
     power_limit_min_seen_mw: int
     seconds: float
+    # Each power limit the allocator applied to the GPU during the run, in order (the restore at the
+    # end not included): as many as summary.power_limit_changes.
+    power_limits_applied_mw: tuple[int, ...] = ()
     # Each application's history on the GPU (use, forecast, grant, events), for `--plot`.
     history: tuple[AppSeries, ...] = ()
 
@@ -260,6 +266,17 @@ async def run_demo(
     min_limit = start_limit
 
     allocator = Allocator(backend, dry_run=False, policy=ForecastPolicy())
+    applied_mw: list[int] = []
+
+    async def follow_power(events: Subscription) -> None:
+        # every change, from the allocator's own events: a limit lowered and raised again between
+        # two of the once-a-second lines still counts, and still sets the lowest
+        async for e in events:
+            m = _POWER_CHANGE.match(e.detail) if e.kind == EventKind.POWER_LIMIT_CHANGED else None
+            if m is not None and e.device_id == device.uuid:
+                applied_mw.append(int(m[2]))
+
+    power_events = asyncio.create_task(follow_power(allocator.watch()))
     manager = Manager(allocator, forecaster)
     with tempfile.TemporaryDirectory(prefix="vgpu-demo-") as tmp:
         address = f"unix:{tmp}/vgpu.sock"
@@ -295,7 +312,9 @@ async def run_demo(
                 await asyncio.gather(run, return_exceptions=True)
             await server.stop(0.5)
             end_limit_before_restore = device.power_limit_mw()
-            allocator.stop()
+            await asyncio.sleep(0)  # the power follower takes the events published so far
+            allocator.stop()  # ends the follower's subscription (after what it queued)
+            await power_events
             backend.close()
     stats = streamer.stats
     leads = watch.leads(period_s)
@@ -320,10 +339,26 @@ async def run_demo(
         rejected=manager.stats.rejected,
         power_limit_start_mw=start_limit,
         power_limit_end_mw=end_limit_before_restore,
-        power_limit_min_seen_mw=min(min_limit, end_limit_before_restore),
+        power_limit_min_seen_mw=min(min_limit, end_limit_before_restore, *applied_mw),
         seconds=time.monotonic() - started,
+        power_limits_applied_mw=tuple(applied_mw),
         history=tuple(allocator.history.series()),
     )
+
+
+_POWER_CHANGE = re.compile(r"(\d+) -> (\d+) mW")  # POWER_LIMIT_CHANGED's detail; a restore's starts "restored"
+
+
+def _power_changes(count: int, result: DemoResult, most: int = 8) -> str:
+    """The power-limit changes the allocator applied during the run, counted and listed in watts."""
+    if count == 0:
+        return "no power-limit change applied during the run"
+    path = [result.power_limit_start_mw, *result.power_limits_applied_mw]
+    watts = [f"{mw / 1000:.0f}" for mw in path]
+    if len(watts) > most + 1:
+        watts = [*watts[:most // 2], "...", *watts[-most // 2:]]
+    return (f"{count} power-limit change{'s' if count != 1 else ''} applied during the run: "
+            + " -> ".join(watts) + " W")
 
 
 def describe(result: DemoResult) -> str:
@@ -336,8 +371,9 @@ def describe(result: DemoResult) -> str:
             f"  signatures          {s.signatures} received, {result.rejected} rejected",
             f"  decisions           {s.decisions}",
             f"  power limit         {result.power_limit_start_mw / 1000:.0f} W at start, lowest "
-            f"{result.power_limit_min_seen_mw / 1000:.0f} W, {result.power_limit_end_mw / 1000:.0f} W at the end "
-            f"({s.power_limit_changes} changes; restored to {result.power_limit_start_mw / 1000:.0f} W)",
+            f"{result.power_limit_min_seen_mw / 1000:.0f} W, {result.power_limit_end_mw / 1000:.0f} W at the end; "
+            f"{_power_changes(s.power_limit_changes, result)}; "
+            f"restored to {result.power_limit_start_mw / 1000:.0f} W after",
             f"  MIG changes         {s.mig_changes}",
             f"  OOM events          {s.oom_events} (runs of samples asking more memory than granted; "
             f"{s.overrun_samples} samples over)",

@@ -863,12 +863,19 @@ class Daemon:
                 raise StartupError(f"cannot listen on {cfg.server.tcp}: {exc}") from exc
         metrics_at = None
         if cfg.metrics.port:
-            # Metrics only observe: a busy port is logged loudly and the daemon serves without them.
+            # Operators alert on the scrape: a daemon without its metrics would look down while it
+            # serves, so a port that cannot be bound fails the start (metrics.port 0 turns them off).
             try:
                 self.metrics_server, _ = start_http_server(cfg.metrics.port, cfg.metrics.address, registry=self.registry)
                 metrics_at = f"{cfg.metrics.address}:{cfg.metrics.port}"
             except OSError as exc:
-                self.log.error("metrics_unavailable", address=cfg.metrics.address, port=cfg.metrics.port, error=str(exc))
+                # the socket is ours (prepare_socket_path checked) and nothing listens on it yet
+                self.socket_path.unlink(missing_ok=True)
+                raise StartupError(
+                    f"cannot serve metrics on {cfg.metrics.address}:{cfg.metrics.port} ({exc.strerror or exc}): "
+                    "free the port, or set another with --metrics-port (metrics.port, VGPU_METRICS_PORT); "
+                    "0 turns metrics off"
+                ) from exc
         await self.server.start()
         self.log.info(
             "serving",

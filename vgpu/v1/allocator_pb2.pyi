@@ -78,10 +78,12 @@ class RequestResourceAllocationRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[ResourceRequest, _Mapping]] = ...) -> None: ...
 
 class RequestResourceAllocationResponse(_message.Message):
-    __slots__ = ("grant",)
+    __slots__ = ("grant", "mem_limit")
     GRANT_FIELD_NUMBER: _ClassVar[int]
+    MEM_LIMIT_FIELD_NUMBER: _ClassVar[int]
     grant: Grant
-    def __init__(self, grant: _Optional[_Union[Grant, _Mapping]] = ...) -> None: ...
+    mem_limit: str
+    def __init__(self, grant: _Optional[_Union[Grant, _Mapping]] = ..., mem_limit: _Optional[str] = ...) -> None: ...
 
 class ReleaseResourcesRequest(_message.Message):
     __slots__ = ("grant_id",)

@@ -1,0 +1,83 @@
+"""Mistakes a new user makes at the command line, run as the user runs them (`vgpu ...` as a
+subprocess): each is said, with what to do, and the exit status says it failed where it did."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from daemon_fixtures import ROOT, SKU, Env, Serve
+
+from vgpu import auth
+
+
+def vgpu(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "vgpu.cli", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_model_status_of_a_missing_state_directory_is_an_error(tmp_path: Path) -> None:
+    missing = tmp_path / "does-not-exist"
+    for action in ("status", "rollback"):
+        r = vgpu("model", action, "--state-dir", str(missing))
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert r.stdout == ""
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and str(missing) in lines[0] and "--state-dir" in lines[0], r.stderr
+    assert not missing.exists()  # nothing was created there
+
+
+def test_size_of_an_unknown_model_type_says_so_and_names_the_nearest(tmp_path: Path) -> None:
+    r = vgpu("size", "--model-type", "resnet5O", "--batch-size", "64", "--json")
+    assert r.returncode == 0, r.stderr  # a model of one's own is sized all the same
+    assert "unknown model type 'resnet5O'" in r.stderr and "did you mean resnet50" in r.stderr
+    assert any("unknown model type 'resnet5O'" in n for n in json.loads(r.stdout)["notes"])
+    known = vgpu("size", "--model-type", "resnet50", "--batch-size", "64", "--json")
+    assert known.returncode == 0 and "unknown model type" not in known.stderr + known.stdout
+
+
+def test_set_limit_without_the_operator_token_says_where_it_is_and_how_to_pass_it(
+        env: Env, serves: list[Serve]) -> None:
+    serves.append(Serve(env))
+    sock = ["--socket", str(env.sock)]
+    assert vgpu("request", *sock, "--app", "a", "--memory-mib", "10", env=env.env).returncode == 0
+    r = vgpu("set-limit", *sock, "--app", "a", "--max-memory-mib", "5", env=env.env)
+    assert r.returncode == 1
+    # the CLI looked in the default state directory, not the daemon's: it names where it looked
+    assert "UNAUTHENTICATED" in r.stderr and "operator.token" in r.stderr, r.stderr
+    assert "--state-dir" in r.stderr and "--token-file" in r.stderr and "VGPU_TOKEN_FILE" in r.stderr
+    ok = vgpu("set-limit", *sock, "--token-file", str(auth.role_token_file("operator", env.state)),
+              "--app", "a", "--max-memory-mib", "5", env=env.env)
+    assert ok.returncode == 0, ok.stderr
+
+
+def test_a_taken_metrics_port_fails_the_start_naming_port_and_setting(env: Env) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = vgpu("serve", "--socket", str(env.sock), "--state-dir", str(env.state), "--backend", f"sim:{SKU}",
+                 "--metrics-port", str(port), env=env.env)
+    assert r.returncode == 1, r.stderr
+    said = [line for line in r.stderr.splitlines() if line.startswith("vgpu serve:")]
+    assert len(said) == 1 and f"127.0.0.1:{port}" in said[0] and "--metrics-port" in said[0], r.stderr
+    assert not env.sock.exists()  # nothing left serving
+
+
+def test_report_labels_an_sm_change_with_its_resource_and_unit(env: Env, serves: list[Serve], tmp_path: Path) -> None:
+    serves.append(Serve(env))
+    sock = ["--socket", str(env.sock)]
+    assert vgpu("request", *sock, "--app", "a", "--memory-mib", "1000", "--sm-pct", "50",
+                env=env.env).returncode == 0
+    cut = vgpu("set-limit", *sock, "--state-dir", str(env.state), "--app", "a", "--max-sm-pct", "20", env=env.env)
+    assert cut.returncode == 0, cut.stderr
+    page = tmp_path / "a.html"
+    r = vgpu("report", *sock, "--app", "a", "--out", str(page), env=env.env)
+    assert r.returncode == 0, r.stderr
+    rows = re.findall(r"<tr><td>a on [^<]*</td><td>[^<]*</td><td>([^<]*)</td><td>([^<]*)</td></tr>", page.read_text())
+    sm_rows = [detail for kind, detail in rows if kind == "sm"]
+    assert sm_rows == ["capped by limits: SM 50 -&gt; 20 %"], rows  # the SM change, not "1000 -> 1000 MiB"
