@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import structlog
 from daemon_fixtures import Env, Serve, make_env, serves_killed_after
+from hostile import Raw, raw
 from hypothesis import settings
 
 # CI explores a fixed set of examples (a red run can be re-run and bisected); elsewhere hypothesis
@@ -53,3 +54,9 @@ def env(tmp_path: Path) -> Env:
 @pytest.fixture
 def serves() -> Iterator[list[Serve]]:
     yield from serves_killed_after()
+
+
+@pytest.fixture
+def client(env: Env) -> Iterator[Raw]:
+    """A raw gRPC caller on `env`'s socket, as a hostile caller holds one (tests/hostile.py)."""
+    yield from raw(env.sock)

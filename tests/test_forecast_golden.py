@@ -16,11 +16,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vgpu.manager.checkpoint import Checkpoint, Metadata  # noqa: E402
+from tests.golden_model import golden_checkpoint  # noqa: E402
+from vgpu.manager.checkpoint import Checkpoint  # noqa: E402
 from vgpu.manager.experts import make_served  # noqa: E402
-from vgpu.manager.features import FEATURES_V3, FeatureSpec  # noqa: E402
+from vgpu.manager.features import FEATURES_V3  # noqa: E402
 from vgpu.manager.forecast import Forecast  # noqa: E402
-from vgpu.manager.model import ModelConfig, TransformerBiGRU  # noqa: E402
 from vgpu.manager.predictor import ModelForecaster, ReloadingForecaster  # noqa: E402
 from vgpu.traces import AppTrace  # noqa: E402
 
@@ -33,17 +33,8 @@ MODES = ("eager", "fused", "onnx")
 
 
 def _checkpoint() -> Checkpoint:
-    torch.manual_seed(7)
     # feature version 3 named, not the build's default, so a later default leaves this record valid
-    model = TransformerBiGRU(ModelConfig(n_features=len(FEATURES_V3), order="gru_first"))
-    with torch.no_grad():  # the P50 head starts at zero: give it weights so the forecasts move
-        model.head_p50.weight.normal_(0, 0.3)
-        model.head_p50.bias.normal_(0, 0.3)
-    shift = ((0.1, 0.2, 0.3, 0.4, 0.5), (0.5, 0.4, 0.3, 0.2, 0.1))
-    band = ((0.05,) * 5, (0.01,) * 5)
-    spec = FeatureSpec(16, features=FEATURES_V3, version=3)
-    meta = Metadata(config=model.config, features=spec, p90_shift=shift, p50_deadband=band)
-    return Checkpoint(model.eval(), meta, "golden")
+    return golden_checkpoint(7, FEATURES_V3, 3, "golden")
 
 
 def _histories() -> list[AppTrace]:

@@ -18,11 +18,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vgpu.manager.checkpoint import Checkpoint, Metadata, load_checkpoint  # noqa: E402
+from tests.golden_model import golden_checkpoint  # noqa: E402
+from vgpu.manager.checkpoint import Checkpoint, load_checkpoint  # noqa: E402
 from vgpu.manager.experts import make_served  # noqa: E402
-from vgpu.manager.features import FEATURES_V5, FeatureSpec, encode_latest  # noqa: E402
+from vgpu.manager.features import FEATURES_V5, encode_latest  # noqa: E402
 from vgpu.manager.forecast import Forecast  # noqa: E402
-from vgpu.manager.model import ModelConfig, TransformerBiGRU  # noqa: E402
 from vgpu.manager.predictor import DEFAULT_MODEL_PATH, ModelForecaster  # noqa: E402
 from vgpu.traces import AppTrace  # noqa: E402
 
@@ -36,16 +36,7 @@ MODES = ("eager", "fused", "onnx")
 
 
 def _checkpoint() -> Checkpoint:
-    torch.manual_seed(11)
-    model = TransformerBiGRU(ModelConfig(n_features=len(FEATURES_V5), order="gru_first"))
-    with torch.no_grad():  # the P50 head starts at zero: give it weights so the forecasts move
-        model.head_p50.weight.normal_(0, 0.3)
-        model.head_p50.bias.normal_(0, 0.3)
-    shift = ((0.1, 0.2, 0.3, 0.4, 0.5), (0.5, 0.4, 0.3, 0.2, 0.1))
-    band = ((0.05,) * 5, (0.01,) * 5)
-    spec = FeatureSpec(16, features=FEATURES_V5, version=5)
-    meta = Metadata(config=model.config, features=spec, p90_shift=shift, p50_deadband=band)
-    return Checkpoint(model.eval(), meta, "golden-v5")
+    return golden_checkpoint(11, FEATURES_V5, 5, "golden-v5")
 
 
 def _histories() -> list[AppTrace]:

@@ -3,20 +3,13 @@ written for them, and the daemon starts again on the same state directory."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import grpc
 import pytest
 from daemon_fixtures import Env, Serve
-from hostile import Raw, operator_token, raw
+from hostile import Raw, operator_token
 
 from vgpu import auth
 from vgpu.ids import app_id_problem, sanitize_app_id_part
-
-
-@pytest.fixture
-def client(env: Env) -> Iterator[Raw]:
-    yield from raw(env.sock)
 
 
 def test_the_rule_in_short() -> None:

@@ -10,14 +10,13 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import psutil
 import pytest
-from daemon_fixtures import Env, Serve, make_env, serves_killed_after
-from hostile import Raw, operator_token, raw
+from daemon_fixtures import Env, Serve, make_env
+from hostile import Raw, operator_token
 
 from vgpu import auth
 from vgpu.client import InAppCounters, InAppReport, write_inapp
@@ -28,16 +27,6 @@ def env(tmp_path: Path) -> Env:
     e = make_env(tmp_path)
     e.env["VGPU_SERVER_INAPP_DIR"] = str(tmp_path / "inapp")
     return e
-
-
-@pytest.fixture
-def serves() -> Iterator[list[Serve]]:
-    yield from serves_killed_after()
-
-
-@pytest.fixture
-def client(env: Env) -> Iterator[Raw]:
-    yield from raw(env.sock)
 
 
 @pytest.mark.parametrize("pid", [2**31, 2**32 - 1])

@@ -7,14 +7,13 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
-from daemon_fixtures import Env, Serve, make_env, serves_killed_after
-from hostile import Raw, operator_token, raw
+from daemon_fixtures import Env, Serve, make_env
+from hostile import Raw, operator_token
 
 from vgpu import auth
 from vgpu.manager.window import AppWindow
@@ -31,16 +30,6 @@ def env(tmp_path: Path) -> Env:
                   "VGPU_SERVER_MAX_WATCHERS_PER_CALLER": "2", "VGPU_SERVER_MAX_WATCHERS": "3",
                   "VGPU_AUTH_MAX_SELF_REGISTERED_APPS": "2"})
     return e
-
-
-@pytest.fixture
-def serves() -> Iterator[list[Serve]]:
-    yield from serves_killed_after()
-
-
-@pytest.fixture
-def client(env: Env) -> Iterator[Raw]:
-    yield from raw(env.sock)
 
 
 def test_grant_quotas_per_app_and_per_node(env: Env, serves: list[Serve], client: Raw) -> None:

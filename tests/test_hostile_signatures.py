@@ -12,8 +12,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from daemon_fixtures import Env, Serve, make_env, serves_killed_after
-from hostile import Raw, operator_token, raw
+from daemon_fixtures import Env, Serve
+from hostile import Raw, operator_token
 
 from vgpu import auth, config
 from vgpu.daemon.serve import ObservedPids
@@ -26,21 +26,6 @@ from vgpu.v1 import signature_pb2 as spb
 from vgpu.wire import columns_from_signatures
 
 TRACE = Path(__file__).resolve().parent.parent / "vgpu" / "data" / "demo_trace.csv.gz"
-
-
-@pytest.fixture
-def env(tmp_path: Path) -> Env:
-    return make_env(tmp_path)
-
-
-@pytest.fixture
-def serves() -> Iterator[list[Serve]]:
-    yield from serves_killed_after()
-
-
-@pytest.fixture
-def client(env: Env) -> Iterator[Raw]:
-    yield from raw(env.sock)
 
 
 def _signatures(app_id: str, pid: int, device_id: str, n: int = 4) -> list[spb.BehavioralSignature]:

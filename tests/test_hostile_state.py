@@ -16,14 +16,14 @@ import io
 import sqlite3
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 from daemon_fixtures import ROOT, SKU, Env, Serve, sim_daemon
-from hostile import Raw, operator_token, raw
+from hostile import Raw, operator_token
 
 from vgpu import auth, ctl
 from vgpu.daemon.serve import Daemon
@@ -113,11 +113,6 @@ async def test_a_full_disk_changes_nothing_and_reads_keep_working(daemon: Daemon
 
 
 # --- damaged state, against `vgpu serve` -------------------------------------------------------------------
-@pytest.fixture
-def client(env: Env) -> Iterator[Raw]:
-    yield from raw(env.sock)
-
-
 def _serve_fails(env: Env, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "vgpu.cli", "serve", "--socket", str(env.sock), "--state-dir", str(env.state),
