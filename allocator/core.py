@@ -918,7 +918,7 @@ class Allocator:
         total = self.ledger.capacity(device_id).mem_total_mib
         if self.hard_limit_at_frac <= 0:
             return Enforcement(device_id, True, "hard wherever a pid is known (hard_limit_at_frac 0)")
-        granted = sum(g.memory_mib for g in self.ledger.grants(device_id=device_id))
+        granted = self.ledger.usage(device_id).mem_granted_mib  # the ledger's running total, not a scan
         if granted >= self.hard_limit_at_frac * total:
             return Enforcement(device_id, True, f"contended: {granted:.0f} of {total:.0f} MiB granted")
         planned = self._plan_enforcement.get(device_id)
