@@ -7,14 +7,17 @@ import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 from vgpu import config
 from vgpu.allocator.core import Sizer
@@ -153,3 +156,17 @@ def serves_killed_after() -> Iterator[list[Serve]]:
     yield started
     for s in started:
         s.stop_now()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a daemon's metrics or TCP listener)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def metric_samples(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """A running daemon's /metrics as (name, sorted labels) -> value."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}

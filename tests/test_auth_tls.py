@@ -4,14 +4,13 @@ and they get the profiler role (not the operator's)."""
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
-from daemon_fixtures import sim_daemon
+from daemon_fixtures import free_port, sim_daemon
 
 from vgpu import auth
 from vgpu.daemon.serve import Daemon
@@ -38,18 +37,12 @@ def make_pki(d: Path) -> None:
              "-days", "1", "-out", f"{name}.pem", "-extfile", f"{name}.ext", cwd=d)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 async def tls_daemon(tmp_path: Path) -> AsyncIterator[tuple[Daemon, Path, int]]:
     pki = tmp_path / "pki"
     pki.mkdir()
     make_pki(pki)
-    port = _free_port()
+    port = free_port()
     d = sim_daemon(tmp_path, **{
         "server.tcp": f"127.0.0.1:{port}", "tls.cert": str(pki / "server.pem"), "tls.key": str(pki / "server.key"),
         "tls.ca": str(pki / "ca.pem"),

@@ -5,18 +5,15 @@ put there afterwards is logged and the loaded model keeps serving."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-from daemon_fixtures import ROOT, Env, Serve, make_env, serves_killed_after
-from prometheus_client.parser import text_string_to_metric_families
+from daemon_fixtures import ROOT, Env, Serve, free_port, make_env, metric_samples, serves_killed_after
 
 from tests.checkpoint_synth import write_tiny_checkpoint
 from vgpu.traces import AppTrace, write_trace
@@ -27,19 +24,6 @@ def serves() -> Iterator[list[Serve]]:
     yield from serves_killed_after()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _metrics(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
 
 
 def _until(what: str, check: Callable[[], bool], timeout_s: float = 10.0) -> None:
@@ -67,7 +51,7 @@ def test_a_new_checkpoint_is_swapped_in_without_dropping_the_stream(tmp_path: Pa
     env.env["VGPU_MANAGER_MIXTURE"] = "true" if mixture else "false"
     serving = "mixture" if mixture else "model"
     model = write_tiny_checkpoint(tmp_path / "model.pt", seed=1)
-    port = _free_port()
+    port = free_port()
     serves.append(Serve(env, "--model", str(model), "--metrics-port", str(port)))
     daemon = serves[-1]
     assert daemon.event("forecaster")["serving"] == "model"
@@ -89,7 +73,7 @@ def test_a_new_checkpoint_is_swapped_in_without_dropping_the_stream(tmp_path: Pa
         )
         try:
             def ticks() -> float:
-                return _metrics(port).get(("vgpu_forecast_batch_seconds_count", ()), 0.0)
+                return metric_samples(port).get(("vgpu_forecast_batch_seconds_count", ()), 0.0)
 
             _until("the first forecasts", lambda: ticks() > 0, 15.0)
 
@@ -100,7 +84,7 @@ def test_a_new_checkpoint_is_swapped_in_without_dropping_the_stream(tmp_path: Pa
             assert reloaded["path"] == str(model) and reloaded["serving"] == "model" and reloaded["reloads"] == 1
             after_swap = ticks()
             _until("forecasts after the swap", lambda: ticks() > after_swap)
-            m = _metrics(port)
+            m = metric_samples(port)
             assert m[("vgpu_forecaster_reloads_total", (("result", "ok"),))] == 1
             assert m[("vgpu_forecaster_serving", (("forecaster", serving),))] == 1
 
@@ -111,7 +95,7 @@ def test_a_new_checkpoint_is_swapped_in_without_dropping_the_stream(tmp_path: Pa
             assert failed["path"] == str(model) and failed["serving"] == "model" and failed["error"]
             after_corrupt = ticks()
             _until("forecasts after the corrupt file", lambda: ticks() > after_corrupt)
-            m = _metrics(port)
+            m = metric_samples(port)
             assert m[("vgpu_forecaster_reloads_total", (("result", "failed"),))] == 1
             assert m[("vgpu_forecaster_reloads_total", (("result", "ok"),))] == 1
             assert m[("vgpu_forecaster_serving", (("forecaster", serving),))] == 1

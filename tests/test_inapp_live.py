@@ -8,21 +8,18 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import socket
 import subprocess
 import sys
 import textwrap
 import time
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
 import numpy as np
 import pytest
-from daemon_fixtures import ROOT, SKU, Env, Serve
+from daemon_fixtures import ROOT, SKU, Env, Serve, free_port, metric_samples
 from manager_fakes import EwmaMarginForecaster
-from prometheus_client.parser import text_string_to_metric_families
 
 from vgpu import auth
 from vgpu.client import (
@@ -344,16 +341,6 @@ def _lines_until(stream: IO[str], last: str, limit: int = 100) -> list[str]:
     raise AssertionError(f"no {last!r} in {lines}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _metrics(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
 def test_a_stubs_serving_counters_reach_the_daemons_windows_and_the_recording(
@@ -363,7 +350,7 @@ def test_a_stubs_serving_counters_reach_the_daemons_windows_and_the_recording(
     from vgpu.profiler.sampler import Sampler
     from vgpu.profiler.stream import SignatureStreamer
 
-    port = _free_port()
+    port = free_port()
     serves.append(Serve(env, "--metrics-port", str(port)))
     inapp = tmp_path / "inapp"
     metrics_file = tmp_path / "vllm-metrics.txt"
@@ -390,7 +377,7 @@ def test_a_stubs_serving_counters_reach_the_daemons_windows_and_the_recording(
         stats = asyncio.run(streamer.run(max_ticks=15))
         recorder.close()
         assert stats.signatures_sent >= 10 and stats.rejected == 0
-        reporting = _metrics(port)
+        reporting = metric_samples(port)
         # a profiler that does not check (hand-made rows): the daemon drops the bad value, keeps the row
         bad = _sig("llm-serve", 10_000, time.time(), kv_used_mib=-7.0)
         bad.device_id = backend.devices()[0].uuid
@@ -398,7 +385,7 @@ def test_a_stubs_serving_counters_reach_the_daemons_windows_and_the_recording(
         assert reply.accepted == 1 and not reply.rejected
         deadline = time.monotonic() + 10
         while True:
-            got = _metrics(port)
+            got = metric_samples(port)
             if got.get(("vgpu_inapp_values_dropped_total", (("reason", "in_app.kv_used_mib dropped: negative"),)))\
                     or time.monotonic() > deadline:
                 break
@@ -467,7 +454,7 @@ def test_vgpu_profiler_replaying_a_serving_series_feeds_its_counters_to_vgpu_ser
     in-app columns (what `vgpu trace synth --kind serving` writes)."""
     from vgpu.traces import write_trace
 
-    port = _free_port()
+    port = free_port()
     serves.append(Serve(env, "--metrics-port", str(port)))
     t = np.arange(0.0, 60.0, 0.1)
     n = len(t)
@@ -493,7 +480,7 @@ def test_vgpu_profiler_replaying_a_serving_series_feeds_its_counters_to_vgpu_ser
     try:
         deadline = time.monotonic() + 20
         while True:
-            got = _metrics(port)
+            got = metric_samples(port)
             rows = recorded()
             if (all(got.get(k) == v for k, v in want.items()) and "llm" in rows and "batch" in rows) \
                     or time.monotonic() > deadline:

@@ -8,7 +8,6 @@ import json
 import math
 import platform
 import re
-import socket
 import time
 import urllib.request
 
@@ -16,7 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.daemon_fixtures import ROOT, Env, Serve
+from tests.daemon_fixtures import ROOT, Env, Serve, free_port
 from tests.test_operator_views import cli, start_profiler
 from vgpu import __version__
 from vgpu.daemon.metrics import AppSnapshot, CounterSnapshot, DaemonMetrics, DeviceSnapshot
@@ -60,12 +59,6 @@ def exported_names(families: dict[str, list[tuple[str, dict[str, str], float]]])
     return set(families) | {s for samples in families.values() for s, _, _ in samples}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_dashboard_is_well_formed() -> None:
     dash = json.loads(DASHBOARD.read_text())
     ids = [p["id"] for p in dash["panels"]]
@@ -86,7 +79,7 @@ def test_rules_file_has_an_expr_per_alert() -> None:
 
 
 def test_dashboard_and_rules_load_only_what_a_running_daemon_exports(env: Env, serves: list[Serve]) -> None:
-    port = _free_port()
+    port = free_port()
     serves.append(Serve(env, "--metrics-port", str(port)))
     device = json.loads(cli(env, "available", "--json").stdout)["devices"][0]["device_id"]
     assert cli(env, "request", "--app", "asked", "--memory-mib", "512").returncode == 0
