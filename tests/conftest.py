@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 import structlog
-from daemon_fixtures import Env, Serve, make_env, serves_killed_after
+from daemon_fixtures import Env, Serve, make_env, serves_killed_after, sim_daemon
 from hostile import Raw, raw
 from hypothesis import settings
+
+from vgpu.daemon.serve import Daemon
 
 # CI explores a fixed set of examples (a red run can be re-run and bisected); elsewhere hypothesis
 # draws fresh ones every run, which is how the fuzz tests find new bugs.
@@ -60,3 +62,14 @@ def serves() -> Iterator[list[Serve]]:
 def client(env: Env) -> Iterator[Raw]:
     """A raw gRPC caller on `env`'s socket, as a hostile caller holds one (tests/hostile.py)."""
     yield from raw(env.sock)
+
+
+@pytest.fixture
+async def daemon(tmp_path: Path) -> AsyncIterator[Daemon]:
+    """A daemon on the simulated GPU in the test's own event loop (no subprocess)."""
+    d = sim_daemon(tmp_path)
+    await d.start()
+    try:
+        yield d
+    finally:
+        await d.stop("test")

@@ -170,3 +170,12 @@ def metric_samples(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], f
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout_s: float, poll_s: float = 0.1) -> None:
+    """Poll `check` until it holds; AssertionError naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(poll_s)

@@ -6,7 +6,7 @@ import asyncio
 import io
 import json
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,16 +15,6 @@ from daemon_fixtures import sim_daemon
 from vgpu import auth
 from vgpu import ctl as cli
 from vgpu.daemon.serve import Daemon
-
-
-@pytest.fixture
-async def daemon(tmp_path: Path) -> AsyncIterator[Daemon]:
-    d = sim_daemon(tmp_path)
-    await d.start()
-    try:
-        yield d
-    finally:
-        await d.stop("test")
 
 
 def _env(tmp_path: Path) -> dict[str, str]:

@@ -7,30 +7,19 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import pytest
-from daemon_fixtures import ROOT, Env, Serve, make_env, serves_killed_after
+from daemon_fixtures import ROOT, Env, Serve, make_env, wait_for
 
 from tests.checkpoint_synth import write_tiny_checkpoint
 from vgpu.manager.history import NodeHistory
 from vgpu.traces import AppTrace, write_trace
 
 
-@pytest.fixture
-def serves() -> Iterator[list[Serve]]:
-    yield from serves_killed_after()
-
-
 def _until(what: str, check: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
+    wait_for(what, check, timeout_s, poll_s=0.1)
 
 
 def test_history_is_written_and_a_local_model_is_served_or_skipped(tmp_path: Path, serves: list[Serve]) -> None:

@@ -7,31 +7,19 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
-from daemon_fixtures import ROOT, Env, Serve, free_port, make_env, metric_samples, serves_killed_after
+from daemon_fixtures import ROOT, Env, Serve, free_port, make_env, metric_samples, wait_for
 
 from tests.checkpoint_synth import write_tiny_checkpoint
 from vgpu.traces import AppTrace, write_trace
 
 
-@pytest.fixture
-def serves() -> Iterator[list[Serve]]:
-    yield from serves_killed_after()
-
-
-
-
 def _until(what: str, check: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
+    wait_for(what, check, timeout_s, poll_s=0.05)
 
 
 def _replace(path: Path, write: Callable[[Path], object]) -> None:

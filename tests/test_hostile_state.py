@@ -16,13 +16,13 @@ import io
 import sqlite3
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-from daemon_fixtures import ROOT, SKU, Env, Serve, sim_daemon
+from daemon_fixtures import ROOT, SKU, Env, Serve
 from hostile import Raw, operator_token
 
 from vgpu import auth, ctl
@@ -47,14 +47,6 @@ class _FullDisk:
         return getattr(self.db, name)
 
 
-@pytest.fixture
-async def daemon(tmp_path: Path) -> AsyncIterator[Daemon]:
-    d = sim_daemon(tmp_path)
-    await d.start()
-    try:
-        yield d
-    finally:
-        await d.stop("test")
 
 
 async def test_a_full_disk_changes_nothing_and_reads_keep_working(daemon: Daemon, tmp_path: Path) -> None:

@@ -8,12 +8,11 @@ import dataclasses
 import os
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
-from daemon_fixtures import Env, Serve, make_env, serves_killed_after
+from daemon_fixtures import Env, Serve, make_env
 
 from vgpu.allocator.core import AllocationRequest, Allocator
 from vgpu.device.sim import SimBackend
@@ -28,11 +27,6 @@ def env(tmp_path: Path) -> Env:
     e = make_env(tmp_path)
     e.env["VGPU_SERVER_IDLE_RELEASE_S"] = str(IDLE_S)
     return e
-
-
-@pytest.fixture
-def serves() -> Iterator[list[Serve]]:
-    yield from serves_killed_after()
 
 
 def apps(env: Env) -> dict[str, dict]:  # type: ignore[type-arg]
