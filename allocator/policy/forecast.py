@@ -729,8 +729,8 @@ def plan(
             ))
         device_plans.append(DevicePlan(
             device_id=dev_id,
-            mem_planned_mib=sum(w.target["mem"] for w in works),
-            sm_planned_pct=sum(w.target["sm"] for w in works),
+            mem_planned_mib=mem_planned,
+            sm_planned_pct=sm_planned,
             overcommitted=over, contended_mem=contended["mem"], contended_sm=contended["sm"],
             hard_mem_limits=hard, hard_sm_limits=hard_sm, mem_needs_mib=needs,
         ))
