@@ -18,7 +18,7 @@ from manager_fakes import EwmaMarginForecaster
 
 from vgpu.manager.core import Manager
 from vgpu.manager.window import WindowStore
-from vgpu.traces import NUMERIC
+from vgpu.traces import INAPP_NUMERIC, NUMERIC
 from vgpu.v1 import ingest_pb2
 from vgpu.v1 import signature_pb2 as spb
 from vgpu.wire import parse_signature
@@ -63,7 +63,9 @@ def _window_values_are_clean(m: Manager) -> None:
     for app in m.windows.apps():
         for s in m.windows.window(app).samples:
             assert math.isfinite(s.t_s) and s.t_s > 0 and s.seq > 0
-            for col, v in zip(NUMERIC, s.values, strict=True):
+            # a window stores the format's columns, and the in-app ones after them once an app reports any
+            columns = NUMERIC + INAPP_NUMERIC if len(s.values) > len(NUMERIC) else NUMERIC
+            for col, v in zip(columns, s.values, strict=True):
                 assert math.isnan(v) or (math.isfinite(v) and v >= 0), (col, v)
 
 
