@@ -58,6 +58,7 @@ from vgpu.allocator.policy.base import (
     Recommendation,
     Sizer,
     Sizing,
+    limits_are_hard,
 )
 from vgpu.device.base import Backend, Device, GpuInstance, PowerConstraints, ProcessInfo
 from vgpu.jobs import InvalidJobConfig, JobConfig
@@ -294,6 +295,9 @@ class Allocator:
             raise ValueError(f"hard_limit_at_frac must be >= 0, got {hard_limit_at_frac}")
         self.hard_limit_at_frac = hard_limit_at_frac
         self._plan_enforcement: dict[str, Enforcement] = {}  # device -> the latest plan's decision
+        # device -> the decision `memory_enforcement` made and what it was made from (the ledger,
+        # its revision, the plan's decision, hard_limit_at_frac): judged again only when one changed
+        self._enforcement_made: dict[str, tuple[tuple[Ledger, int, Enforcement | None, float], Enforcement]] = {}
         self._enforced: dict[str, bool] = {}  # device -> hard memory limits in force (as last synced)
         # app -> its cold-start size: the latest one of its grants keeps (so it survives a restart)
         self._cold_start_mib: dict[str, float] = {
@@ -911,17 +915,29 @@ class Allocator:
         return int(outcome.changed)
 
     def memory_enforcement(self, device_id: str) -> Enforcement:
-        """Whether the device's memory limits are hard now: its grants reach `hard_limit_at_frac` of
-        its memory, or else the policy's latest plan for it said so (a plan counts forecast needs
-        that may be above the grants clamped to what fits). Pure bookkeeping: the caps follow at
-        `_sync_cgroup_limits`."""
+        """Whether the device's memory limits are hard now: by the hard-limit rule
+        (`limits_are_hard`) over its grants, or else because the policy's latest plan for it said
+        so (a plan counts forecast needs that may be above the grants clamped to what fits). Pure
+        bookkeeping: the caps follow at `_sync_cgroup_limits`. Made once per change of the ledger
+        or of the plan's decision, however many events and syncs ask in between."""
+        planned = self._plan_enforcement.get(device_id)
+        made = self._enforcement_made.get(device_id)
+        if made is not None:
+            (ledger, revision, plan_said, at_frac), enf = made
+            if (ledger is self.ledger and revision == self.ledger.revision and plan_said is planned
+                    and at_frac == self.hard_limit_at_frac):
+                return enf
+        enf = self._judge_memory(device_id, planned)
+        self._enforcement_made[device_id] = ((self.ledger, self.ledger.revision, planned, self.hard_limit_at_frac), enf)
+        return enf
+
+    def _judge_memory(self, device_id: str, planned: Enforcement | None) -> Enforcement:
         total = self.ledger.capacity(device_id).mem_total_mib
         if self.hard_limit_at_frac <= 0:
             return Enforcement(device_id, True, "hard wherever a pid is known (hard_limit_at_frac 0)")
         granted = self.ledger.usage(device_id).mem_granted_mib  # the ledger's running total, not a scan
-        if granted >= self.hard_limit_at_frac * total:
+        if limits_are_hard(granted, total, self.hard_limit_at_frac * total):
             return Enforcement(device_id, True, f"contended: {granted:.0f} of {total:.0f} MiB granted")
-        planned = self._plan_enforcement.get(device_id)
         if planned is not None:
             return planned
         return Enforcement(device_id, False, f"uncontended: {granted:.0f} of {total:.0f} MiB granted")

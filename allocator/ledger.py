@@ -148,6 +148,10 @@ class Ledger:
         self._device_total: dict[str, tuple[Fraction, Fraction]] = {}
         self._app_total_exact: dict[str, tuple[Fraction, Fraction]] = {}
         self._limits: dict[str, AppLimits] = {}
+        # Bumped by every change to the grants (`_put`, `_drop`: undone ones too), so that what a
+        # reader derives from them (the allocator's hard/cooperative decision) is known to hold
+        # while it stays the same.
+        self.revision = 0
         # The change journal: each grant / limits touched since the last commit_changes(), with
         # what it was before (None: it did not exist). O(changes), so persisting costs O(1) rows.
         self._grants_before: dict[str, Grant | None] = {}
@@ -163,6 +167,7 @@ class Ledger:
     # --- the indices ----------------------------------------------------------------------------
     def _put(self, grant: Grant) -> None:
         """Add a grant, or replace the one with its id (keeping its place in every index)."""
+        self.revision += 1
         self._drop_totals(self._grants.get(grant.grant_id))
         self._grants[grant.grant_id] = grant
         self._by_app.setdefault(grant.app_id, {})[grant.grant_id] = grant
@@ -178,6 +183,7 @@ class Ledger:
         grant = self._grants.pop(grant_id, None)
         if grant is None:
             return None
+        self.revision += 1
         self._drop_totals(grant)
         mine = self._by_app[grant.app_id]
         del mine[grant_id]

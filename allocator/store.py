@@ -232,6 +232,10 @@ class Store:
             raise self._damaged(str(exc)) from exc
         if row is not None and str(n) != row[0]:
             raise self._damaged(f"{n} grant rows where {row[0]} were committed")
+        # From here on both counts are kept here, by each write's own row changes, instead of a
+        # count(*) (a scan of the table) per write or per claim.
+        self._grant_rows = int(n)
+        self._claimed = int(self._db.execute("SELECT count(*) FROM apps").fetchone()[0])
 
     def _checkpoint(self) -> None:
         """Copy the WAL into the database file (then a lost WAL loses nothing)."""
@@ -267,20 +271,18 @@ class Store:
         self.writes += 1
 
     # --- ledger ----------------------------------------------------------------------------------
-    def _transaction(self, statements: list[tuple[str, tuple[Any, ...]]]) -> int:
-        """Run `statements` and bump the ledger generation in one transaction, then checkpoint; the
-        new generation. StoreWriteError (and nothing committed) when it fails."""
+    def _transaction(self, write: Callable[[sqlite3.Connection], int]) -> int:
+        """Run `write` (its statements; it returns the number of grant rows after them) and bump the
+        ledger generation in one transaction, with the grant rows kept beside them, then checkpoint;
+        the new generation. StoreWriteError (and nothing committed) when it fails."""
         try:
             self._db.execute("BEGIN IMMEDIATE")
             try:
-                for sql, params in statements:
-                    self._db.execute(sql, params)
+                grant_rows = write(self._db)
                 row = self._db.execute("SELECT value FROM meta WHERE key='ledger_generation'").fetchone()
                 generation = (int(row[0]) if row else 0) + 1
                 self._db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('ledger_generation', ?)", (str(generation),))
-                self._db.execute(
-                    "INSERT OR REPLACE INTO meta(key, value) VALUES ('grant_rows', (SELECT CAST(count(*) AS TEXT) FROM grants))"
-                )
+                self._db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('grant_rows', ?)", (str(grant_rows),))
                 self._db.execute("COMMIT")
             except BaseException:
                 if self._db.in_transaction:
@@ -288,6 +290,7 @@ class Store:
                 raise
         except sqlite3.Error as exc:
             raise StoreWriteError(f"cannot write the state database {self.path}: {exc}") from exc
+        self._grant_rows = grant_rows
         self.writes += 1
         try:
             self._checkpoint()
@@ -299,28 +302,39 @@ class Store:
         """Store what changed in the ledger (`Ledger.changes()`): its rows only, in one transaction
         (committed on return). The new generation; ValueError for a value JSON cannot hold (NaN)
         and StoreWriteError when the disk refuses, with nothing stored in either case."""
-        statements: list[tuple[str, tuple[Any, ...]]] = []
-        for g in changes.grants:
-            statements.append(("INSERT OR REPLACE INTO grants(grant_id, record_json) VALUES (?, ?)",
-                               (g.grant_id, _json(asdict(g)))))
-        statements += [("DELETE FROM grants WHERE grant_id=?", (gid,)) for gid in changes.grants_removed]
-        for lim in changes.limits:
-            statements.append(("INSERT OR REPLACE INTO app_limits(app_id, record_json) VALUES (?, ?)",
-                               (lim.app_id, _json(asdict(lim)))))
-        statements += [("DELETE FROM app_limits WHERE app_id=?", (a,)) for a in changes.limits_removed]
-        return self._transaction(statements)
+        grants = [(g.grant_id, _json(asdict(g))) for g in changes.grants]  # ValueError before any write
+        limits = [(lim.app_id, _json(asdict(lim))) for lim in changes.limits]
+
+        def write(db: sqlite3.Connection) -> int:
+            rows = self._grant_rows
+            for grant_id, record in grants:
+                # what INSERT OR REPLACE does (the row moves to the end of the rowid order), with the
+                # row it replaced counted
+                rows -= db.execute("DELETE FROM grants WHERE grant_id=?", (grant_id,)).rowcount
+                db.execute("INSERT INTO grants(grant_id, record_json) VALUES (?, ?)", (grant_id, record))
+                rows += 1
+            for grant_id in changes.grants_removed:
+                rows -= db.execute("DELETE FROM grants WHERE grant_id=?", (grant_id,)).rowcount
+            db.executemany("INSERT OR REPLACE INTO app_limits(app_id, record_json) VALUES (?, ?)", limits)
+            db.executemany("DELETE FROM app_limits WHERE app_id=?", [(a,) for a in changes.limits_removed])
+            return rows
+
+        return self._transaction(write)
 
     def save_ledger(self, records: Mapping[str, Any]) -> int:
         """Replace every stored grant and limit with `records` (`Ledger.to_records()`), committed
         on return: for the reconciled ledger at start. The new generation."""
-        statements: list[tuple[str, tuple[Any, ...]]] = [("DELETE FROM grants", ()), ("DELETE FROM app_limits", ())]
-        for g in records.get("grants", []):
-            statements.append(("INSERT OR REPLACE INTO grants(grant_id, record_json) VALUES (?, ?)",
-                               (str(g.get("grant_id", "")), _json(g))))
-        for lim in records.get("limits", []):
-            statements.append(("INSERT OR REPLACE INTO app_limits(app_id, record_json) VALUES (?, ?)",
-                               (str(lim.get("app_id", "")), _json(lim))))
-        return self._transaction(statements)
+        grants = [(str(g.get("grant_id", "")), _json(g)) for g in records.get("grants", [])]
+        limits = [(str(lim.get("app_id", "")), _json(lim)) for lim in records.get("limits", [])]
+
+        def write(db: sqlite3.Connection) -> int:
+            db.execute("DELETE FROM grants")
+            db.execute("DELETE FROM app_limits")
+            db.executemany("INSERT OR REPLACE INTO grants(grant_id, record_json) VALUES (?, ?)", grants)
+            db.executemany("INSERT OR REPLACE INTO app_limits(app_id, record_json) VALUES (?, ?)", limits)
+            return len({grant_id for grant_id, _ in grants})  # a repeated id is one row
+
+        return self._transaction(write)
 
     def load_ledger(self) -> dict[str, Any] | None:
         """The stored grants and limits as `Ledger.from_records()` reads them (devices come from the
@@ -423,14 +437,18 @@ class Store:
             "INSERT OR IGNORE INTO apps(app_id, claimed_at_s) VALUES (?, ?)", (app_id, self._clock())
         )
         self.writes += 1
+        self._claimed += cur.rowcount
         return cur.rowcount == 1
 
     def unclaim_app(self, app_id: str) -> None:
         """Forget a claim (the call that made it failed)."""
-        self._write("DELETE FROM apps WHERE app_id=?", (app_id,))
+        cur = self._db.execute("DELETE FROM apps WHERE app_id=?", (app_id,))
+        self.writes += 1
+        self._claimed -= cur.rowcount
 
     def claimed_count(self) -> int:
-        return int(self._db.execute("SELECT count(*) FROM apps").fetchone()[0])
+        """Claimed application ids (counted at open and by each claim and unclaim since)."""
+        return self._claimed
 
     def app_claimed(self, app_id: str) -> bool:
         return self._db.execute("SELECT 1 FROM apps WHERE app_id=?", (app_id,)).fetchone() is not None

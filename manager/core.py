@@ -363,7 +363,11 @@ class Manager:
     def _accept_columns(self, msg: ingest_pb2.SignatureColumns, base: int, reply: ingest_pb2.IngestReply,
                         now: float, stream: StreamState | None, kept_apps: set[str]) -> int:
         """The columnar part of a batch (vgpu/wire.py): checked as arrays, then one bulk
-        window append per application. Row i answers as index `base + i`. Returns how many were kept."""
+        window append per application. Row i answers as index `base + i`. Returns how many were kept.
+
+        A good row (`rows.good`) has passed `read_columns`: its app_index is within `rows.app_ids`
+        and its id keeps to the id rule (vgpu/ids.py: at most MAX_APP_ID_BYTES, the wire's
+        MAX_ID_CHARS), so it is used as it is; only a rejected row's id needs the bound and the cut."""
         apps = stream.apps if stream is not None else None
         stats = self.stats
         try:
@@ -391,9 +395,7 @@ class Manager:
                     stats.rejected += 1
                     stats.unknown_device += 1
                     rows.good[row] = False
-                    a = int(rows.app_index[row])
-                    reply.rejected.add(index=base + row, reason=reason,
-                                       app_id=rows.app_ids[a][:_MAX_APP_ID] if a < len(rows.app_ids) else "")
+                    reply.rejected.add(index=base + row, reason=reason, app_id=rows.app_ids[int(rows.app_index[row])])
         pids = np.frombuffer(msg.pid_u32, dtype="<u4") if len(msg.pid_u32) == 4 * len(rows.seq) else None
         if self._checks_pids(stream):
             said: dict[tuple[int, int, int], str | None] = {}
@@ -408,13 +410,13 @@ class Manager:
                     stats.rejected += 1
                     stats.unobserved_pid += 1
                     rows.good[row] = False
-                    reply.rejected.add(index=base + row, app_id=rows.app_ids[a][:_MAX_APP_ID], reason=refusal)
+                    reply.rejected.add(index=base + row, app_id=rows.app_ids[a], reason=refusal)
         good = np.flatnonzero(rows.good)
         if self.max_future_s is not None and len(good):
             ahead = rows.t_s[good] > now + self.max_future_s
             for i in good[ahead]:
                 stats.rejected += 1
-                reply.rejected.add(index=base + int(i), app_id=rows.app_ids[int(rows.app_index[i])][:_MAX_APP_ID],
+                reply.rejected.add(index=base + int(i), app_id=rows.app_ids[int(rows.app_index[i])],
                                    reason=_future_reason(float(rows.t_s[i]), now, self.max_future_s))
             good = good[~ahead]
         if not len(good):

@@ -32,7 +32,7 @@ from pathlib import Path
 import structlog
 
 from vgpu import auth, log
-from vgpu.client import DEFAULT_INAPP_DIR, DEFAULT_SOCKET, check_token, grpc_target
+from vgpu.client import DEFAULT_INAPP_DIR, DEFAULT_SOCKET, grpc_target
 from vgpu.profiler.source import SignatureSource
 from vgpu.profiler.stream import SignatureStreamer, StreamStats
 
@@ -166,11 +166,11 @@ class TokenReader:
     def __init__(self, path: Path, logger: structlog.typing.FilteringBoundLogger) -> None:
         self.path = path
         self._log = logger
-        self.token = check_token(auth.read_token_file(path), f"the token file {path}")
+        self.token = auth.read_token_file(path)  # checked there: a token, or an error naming the file
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         try:
-            self.token = check_token(auth.read_token_file(self.path), f"the token file {self.path}")
+            self.token = auth.read_token_file(self.path)
         except (OSError, ValueError) as exc:
             self._log.warning("cannot re-read the profiler token; using the last one", error=str(exc))
         return auth.bearer(self.token)

@@ -171,3 +171,19 @@ def test_rows_and_columns_for_a_device_the_daemon_lacks_are_rejected_and_counted
     assert got[0][0] == "r" and got[2][0] == "b" and all("unknown device 'GPU-elsewhere'" in why for _, why in got.values())
     assert reply.accepted == 2 and m.stats.unknown_device == 2 and m.stats.rejected == 2
     assert m.windows.last_seen_s("b") is None and m.windows.last_seen_s("a") == 2000.0
+
+
+def test_a_good_rows_id_is_answered_whole_since_the_edge_bounds_it() -> None:
+    """A row read_columns passes has an app_index within the ids and an id of at most
+    MAX_APP_ID_BYTES, within the reply's MAX_ID_CHARS: the manager answers it with the id as it is."""
+    from vgpu.ids import MAX_APP_ID_BYTES
+    from vgpu.wire import MAX_ID_CHARS
+
+    assert MAX_APP_ID_BYTES <= MAX_ID_CHARS
+    longest = "a" * MAX_APP_ID_BYTES
+    m = _manager(device_known=lambda d: d == GPU, max_future_s=5.0)
+    cols = encode_columns([longest, longest], ["GPU-elsewhere", GPU], [1, 2], [1000.0, 3000.0], {"mem_used_mib": [1, 1]})
+    reply = m.accept(ingest_pb2.SignatureBatch(tick=1, columns=cols))
+    got = {r.index: (r.app_id, r.reason) for r in reply.rejected}
+    assert got[0][0] == got[1][0] == longest
+    assert "unknown device" in got[0][1] and "ahead of the manager's clock" in got[1][1]

@@ -259,3 +259,48 @@ def test_a_bad_stored_cold_start_size_is_dropped_and_counted_and_its_grant_kept(
     assert why.startswith("grant 'loading-1': cold_start_mib") and "kept without it" in why
     with pytest.raises(ValueError, match="cold_start_mib"):
         Ledger.from_records(records, devices=[DeviceCapacity("GPU-0", 81_559.0)])
+
+
+def test_the_counts_kept_beside_the_rows_follow_every_write(tmp_path: Path) -> None:
+    """The grant rows and the claimed ids are counted from each write's own row changes, not by a
+    count(*) per write: after grants made, resized (the same row again) and released, a snapshot
+    with a repeated id, and claims made twice and undone, the counts are the tables' own, at once
+    and at the next open (which checks the grant rows against the committed count)."""
+    from vgpu.allocator.ledger import DeviceCapacity, Ledger
+
+    def counted(store: Store) -> tuple[int, int]:
+        db = sqlite3.connect(tmp_path / "vgpu.sqlite3")
+        rows = int(db.execute("SELECT count(*) FROM grants").fetchone()[0])
+        kept = int(db.execute("SELECT value FROM meta WHERE key='grant_rows'").fetchone()[0])
+        claimed = int(db.execute("SELECT count(*) FROM apps").fetchone()[0])
+        db.close()
+        assert kept == rows and store.claimed_count() == claimed
+        return rows, claimed
+
+    ledger = Ledger([DeviceCapacity("GPU-0", 80_000.0)])
+    with Store(tmp_path) as store:
+        a = ledger.grant("a", 1000.0)
+        b = ledger.grant("b", 2000.0)
+        store.apply_changes(ledger.changes())
+        ledger.commit_changes()
+        assert counted(store) == (2, 0)
+        ledger.resize(a.grant_id, 1500.0, 0.0)
+        ledger.grant("c", 100.0)
+        store.apply_changes(ledger.changes())
+        ledger.commit_changes()
+        assert counted(store) == (3, 0)
+        ledger.release(b.grant_id)
+        store.apply_changes(ledger.changes())
+        ledger.commit_changes()
+        assert counted(store) == (2, 0)
+        assert store.claim_app("x") and not store.claim_app("x") and store.claim_app("y")
+        store.unclaim_app("y")
+        store.unclaim_app("never-claimed")
+        assert counted(store) == (2, 1)
+    with Store(tmp_path) as store:
+        assert counted(store) == (2, 1)
+        grant = {"grant_id": "g1", "app_id": "a", "device_id": "GPU-0", "memory_mib": 1024.0}
+        store.save_ledger({**RECORDS, "grants": [grant, grant]})  # one id twice: one row
+        assert counted(store) == (1, 1)
+    with Store(tmp_path) as store:
+        assert counted(store) == (1, 1)

@@ -28,6 +28,7 @@ import base64
 import binascii
 import contextlib
 import contextvars
+import errno
 import grp
 import hashlib
 import hmac
@@ -45,6 +46,8 @@ import structlog
 from vgpu.config import DEFAULT_STATE_DIR
 from vgpu.ids import MAX_PID, app_id_digest, app_id_problem
 from vgpu.log import get_logger
+from vgpu.tokenfile import TokenFileError, read_token
+from vgpu.tokenfile import write_atomically as _write_private
 
 TOKEN_PREFIX = "vgpu1"
 AUTH_METADATA_KEY = "authorization"
@@ -128,16 +131,17 @@ def app_token_file(app_id: str, state_dir: str | Path) -> Path:
 
 
 def read_token_file(path: str | Path) -> str:
-    """The token in a file; OSError or ValueError with a message that names the file otherwise."""
+    """The token in a file (vgpu/tokenfile.py reads it); OSError (missing, unreadable) or
+    ValueError (no token in it) with a message that names the file otherwise."""
     try:
-        text = Path(path).read_text(encoding="utf-8").strip()
-    except OSError as exc:
-        raise OSError(f"cannot read the token file {path}: {exc.strerror or exc}") from exc
-    except UnicodeDecodeError:
-        raise ValueError(f"the token file {path} is not text") from None
-    if not text:
-        raise ValueError(f"the token file {path} is empty")
-    return text
+        token = read_token(path)
+    except TokenFileError as exc:
+        if isinstance(exc.__cause__, OSError):
+            raise OSError(str(exc)) from exc.__cause__
+        raise
+    if token is None:
+        raise OSError(f"cannot read the token file {path}: {os.strerror(errno.ENOENT)}")
+    return token
 
 
 def _b64(data: bytes) -> str:
@@ -248,23 +252,6 @@ def _gid(group: str) -> int:
         return grp.getgrnam(group).gr_gid
     except KeyError:
         raise AuthSetupError(f"group {group!r} does not exist (create it, or clear the setting)") from None
-
-
-def _write_private(path: Path, data: bytes, mode: int, *, durable: bool = False) -> None:
-    """Write atomically with `mode` from the start (never briefly world-readable). `durable`: fsync
-    before the rename. Only the secret needs it: every token file is derived from the secret and
-    rewritten by the daemon at each start, so a token file lost in a crash costs nothing, while an
-    fsync can stall for seconds on a busy disk."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, data)
-        if durable:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
 
 
 def bearer(token: str) -> tuple[tuple[str, str], ...]:

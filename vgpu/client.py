@@ -58,9 +58,7 @@ import json
 import math
 import os
 import random
-import re
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -75,6 +73,11 @@ from vgpu import config
 from vgpu.ids import app_id_digest
 from vgpu.jobs import JobConfig
 from vgpu.log import get_library_logger
+from vgpu.tokenfile import TokenFileError as TokenFileError
+from vgpu.tokenfile import check_token as check_token
+from vgpu.tokenfile import read_token as read_token
+from vgpu.tokenfile import save_token as save_token
+from vgpu.tokenfile import write_atomically
 from vgpu.v1 import allocator_pb2, allocator_pb2_grpc
 
 DEFAULT_SOCKET = config.DEFAULT_SOCKET  # the daemon's socket (vgpu/config.py), as a gRPC target
@@ -90,9 +93,6 @@ _log = get_library_logger("vgpu.client")
 
 AUTH_METADATA_KEY = "authorization"  # as vgpu/auth.py: `authorization: Bearer <token>`
 APP_TOKEN_TRAILER = "vgpu-app-token"  # the trailer that carries a newly claimed app's token
-# A token's shape (vgpu/auth.py): `vgpu1.<base64url scope>.<hex HMAC>`. Checked here so a wrong file
-# is named at once rather than sent (gRPC refuses most bytes in metadata with a bare "Invalid metadata").
-_TOKEN_RE = re.compile(r"vgpu1\.[A-Za-z0-9_=-]{1,2048}\.[0-9a-fA-F]{1,128}")
 
 
 def grpc_target(address: str) -> str:
@@ -110,11 +110,7 @@ def grpc_target(address: str) -> str:
     return address
 
 
-# --- the application's token ---------------------------------------------------------------------------
-
-
-class TokenFileError(ValueError):
-    """A token file that cannot be read or does not hold a token; the message names the file."""
+# --- the application's token (the file itself: vgpu/tokenfile.py) -------------------------------------
 
 
 def _socket_key(address: str) -> str:
@@ -140,54 +136,6 @@ def app_token_path(app_id: str, socket: str = DEFAULT_SOCKET, env: Mapping[str, 
     """The file that keeps `app_id`'s token for the daemon at `socket` (named by a hash of the id, so
     any id, however long or odd, gives a short, safe file name)."""
     return token_cache_dir(socket, env) / (app_id_digest(app_id) + ".token")
-
-
-def check_token(text: str, source: str) -> str:
-    """`text` stripped, if it looks like a token; TokenFileError naming `source` otherwise."""
-    token = text.strip()
-    if not token:
-        raise TokenFileError(f"{source} is empty; it should hold one vgpu token (vgpu1.<scope>.<mac>)")
-    if not _TOKEN_RE.fullmatch(token):
-        raise TokenFileError(
-            f"{source} does not hold a vgpu token (vgpu1.<scope>.<mac>, one line of letters, digits and dots); "
-            "replace it with the token file the daemon wrote, or delete it"
-        )
-    return token
-
-
-def read_token(path: str | Path) -> str | None:
-    """The token in `path`; None when there is no such file; TokenFileError naming the file when it
-    cannot be read or holds something else."""
-    path = Path(path)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise TokenFileError(f"cannot read the token file {path}: {exc.strerror or exc}") from exc
-    try:
-        text = data.decode("ascii")
-    except UnicodeDecodeError:
-        raise TokenFileError(f"the token file {path} is not text; it should hold one vgpu token") from None
-    return check_token(text, f"the token file {path}")
-
-
-def save_token(path: str | Path, token: str) -> Path:
-    """Write `token` to `path` (mode 0600, directory 0700), atomically."""
-    path = Path(path)
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)  # mkstemp: mode 0600
-    try:
-        with os.fdopen(fd, "w", encoding="ascii") as fh:
-            fh.write(token.strip() + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    return path
 
 
 # --- in-app counters: the file protocol -------------------------------------------------------------
@@ -274,7 +222,7 @@ def inapp_path(directory: str | Path, pid: int) -> Path:
 
 
 def write_inapp(directory: str | Path, report: InAppReport) -> Path:
-    """Write `report` atomically (temporary file in the same directory, then rename)."""
+    """Write `report` atomically (`write_atomically`: a temporary file in the same directory, then a rename)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     payload = {
@@ -286,18 +234,7 @@ def write_inapp(directory: str | Path, report: InAppReport) -> Path:
         "counters": {k: v for k, v in asdict(report.counters).items() if v is not None},
     }
     target = inapp_path(directory, report.pid)
-    fd, tmp = tempfile.mkstemp(prefix=f".{report.pid}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(payload, fh, separators=(",", ":"))
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    write_atomically(target, json.dumps(payload, separators=(",", ":")).encode("utf-8"), 0o644)
     return target
 
 

@@ -164,7 +164,7 @@ def parse_signature(
     in_app.torch_reserved_mib; sm_util_pct = process.sm_util_pct; the device columns from the device
     fields (power in W from mW); `inapp_<name>` from in_app.<name>. An in-app value that is not finite,
     is negative or is above its bound is left out (NaN) and its reason appended to `dropped`."""
-    problem = "app_id is empty" if not sig.app_id.strip() else app_id_problem(sig.app_id)
+    problem = _app_id_problem(sig.app_id)
     if problem is not None:
         return problem, _NAN_ROW
     device_id = sig.device_id
@@ -248,13 +248,19 @@ def _array(data: bytes, dtype: str, what: str, n: int) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype)
 
 
+def _app_id_problem(app_id: str) -> str | None:
+    """Why a signature's application id is unusable (`app_id_problem`, vgpu/ids.py; empty or blank:
+    "app_id is empty"), or None: the one check of it for rows and columns alike."""
+    return "app_id is empty" if not app_id.strip() else app_id_problem(app_id)
+
+
 def _bad_ids(ids: Sequence[str], what: str) -> list[str | None]:
     out: list[str | None] = []
     for x in ids:
-        if not x.strip():
+        if what == "app_id":
+            out.append(_app_id_problem(x))
+        elif not x.strip():
             out.append(f"{what} is empty")
-        elif what == "app_id":
-            out.append(app_id_problem(x))
         elif len(x) > MAX_ID_CHARS:
             out.append(f"{what} is {len(x)} characters long; at most {MAX_ID_CHARS} are allowed")
         else:

@@ -112,6 +112,31 @@ class MigOutcome:
     reason: str = ""
 
 
+def limits_are_hard(counted: float, capacity: float, hard_at: float, *, contended: bool | None = None) -> bool:
+    """The hard-limit rule, the one place it is written: a device's limits are hard (a cgroup cap
+    on memory: beyond it the application runs out of memory and ends; an MPS cap on SM) where the
+    device is contended, or where what is counted on it (`counted`, in the unit of `capacity`)
+    reaches `hard_at`; cooperative elsewhere. Contended: what is counted exceeds the capacity,
+    unless the caller's own contention rule already said (`contended`: the policy's weighs each
+    application's need before any contention cut, while what it counts is after the cut).
+    `hard_at` is `hard_limit_at_frac` of the capacity: 0 (`server.hard_memory_limits = "always"`,
+    `hard_limit_at_frac_for`), hard everywhere; above the capacity, hard only when contended."""
+    if contended is None:
+        contended = counted > capacity
+    return contended or counted >= hard_at
+
+
+def hard_limit_at_frac_for(hard_memory_limits: str, contended_at_frac: float) -> float:
+    """The fraction of a device's memory from which its memory limits are hard, for the setting
+    `server.hard_memory_limits`: "contended", `contended_at_frac` (the policy's own threshold);
+    "always", 0 (hard wherever a pid is known)."""
+    if hard_memory_limits == "always":
+        return 0.0
+    if hard_memory_limits == "contended":
+        return contended_at_frac
+    raise ValueError(f"hard_memory_limits: expected 'contended' or 'always', got {hard_memory_limits!r}")
+
+
 @dataclass(frozen=True)
 class Enforcement:
     """How the memory grants of a device are to be enforced: `hard_mem` True, by a hard limit (a
@@ -138,7 +163,7 @@ class Enforcement:
             return self
         counted = tuple((a, m) for a, m in self.counted_mib if a != app_id) + (((app_id, mib),) if mib > 0 else ())
         total = sum(m for _, m in counted)
-        hard = total > self.mem_total_mib or total >= self.hard_at_mib
+        hard = limits_are_hard(total, self.mem_total_mib, self.hard_at_mib)
         left = "" if mib > 0 else f" once {app_id} left"
         reason = (f"{'contended' if hard else 'uncontended'}{left}: {total:.0f} of {self.mem_total_mib:.0f} MiB "
                   "planned")

@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from vgpu.allocator.policy.base import IDLE_MEM_MIB
+from vgpu.allocator.policy.base import IDLE_MEM_MIB, limits_are_hard
 from vgpu.allocator.policy.power import choose_power_limit_mw
 
 if TYPE_CHECKING:
@@ -714,9 +714,11 @@ def plan(
             sum(_floor(w.app, res, config) for w in works) > dev.capacity(res) + 1e-9 for res in RESOURCES
         )
         mem_planned = sum(w.target["mem"] for w in works)
-        hard = contended["mem"] or mem_planned >= config.hard_limit_at_frac * dev.mem_total_mib
+        hard = limits_are_hard(mem_planned, dev.mem_total_mib, config.hard_limit_at_frac * dev.mem_total_mib,
+                               contended=contended["mem"])
         sm_planned = sum(w.target["sm"] for w in works)
-        hard_sm = contended["sm"] or sm_planned >= config.hard_limit_at_frac * dev.sm_total_pct
+        hard_sm = limits_are_hard(sm_planned, dev.sm_total_pct, config.hard_limit_at_frac * dev.sm_total_pct,
+                                  contended=contended["sm"])
         for w in works:
             tmem, tsm = w.target["mem"], w.target["sm"]
             targets.append(Target(
@@ -841,8 +843,8 @@ def active_since_use_s(now_s: float, first_use_s: float, seen_active_s: float) -
 
 def memory_enforcement(dp: DevicePlan, other_granted_mib: float, mem_total_mib: float,
                        config: PolicyConfig, *, others_mib: Mapping[str, float] | None = None) -> Enforcement:
-    """The device's memory limits as the plan decided them (`DevicePlan.hard_mem_limits`: contended,
-    or planned at `hard_limit_at_frac` of the device or more), counting also `other_granted_mib`,
+    """The device's memory limits by the hard-limit rule (`limits_are_hard`: contended as the plan
+    found it, or planned at `hard_limit_at_frac` of the device or more), counting also `other_granted_mib`,
     the grants of applications the plan did not size (requests without signatures yet). With
     `others_mib` (those grants per application) the decision says what it counted per application
     (`Enforcement.counted_mib`: the plan's needs, `DevicePlan.mem_needs_mib`, and those grants), so
@@ -854,12 +856,11 @@ def memory_enforcement(dp: DevicePlan, other_granted_mib: float, mem_total_mib: 
     counted: tuple[tuple[str, float], ...] = ()
     if others_mib is not None and dp.mem_needs_mib:
         counted = tuple(dp.mem_needs_mib) + tuple(sorted((a, m) for a, m in others_mib.items() if m > 0))
+    hard = limits_are_hard(planned, mem_total_mib, at, contended=dp.contended_mem)
     if dp.contended_mem:
-        reason, hard = f"contended: needs over {mem_total_mib:.0f} MiB", True
-    elif dp.hard_mem_limits or planned >= at:
-        reason, hard = f"contended: {planned:.0f} of {mem_total_mib:.0f} MiB planned", True
+        reason = f"contended: needs over {mem_total_mib:.0f} MiB"
     else:
-        reason, hard = f"uncontended: {planned:.0f} of {mem_total_mib:.0f} MiB planned", False
+        reason = f"{'contended' if hard else 'uncontended'}: {planned:.0f} of {mem_total_mib:.0f} MiB planned"
     return Enforcement(dp.device_id, hard, reason, counted, mem_total_mib, at)
 
 

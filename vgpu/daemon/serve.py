@@ -65,6 +65,7 @@ from vgpu.allocator.errors import NotFound, StateNotSaved
 from vgpu.allocator.ledger import Ledger
 from vgpu.allocator.mechanisms.limits import CgroupMemoryLimits
 from vgpu.allocator.mechanisms.mig import MigLayoutMechanism
+from vgpu.allocator.policy.base import hard_limit_at_frac_for
 from vgpu.allocator.policy.forecast import ForecastPolicy
 from vgpu.allocator.service import AllocatorServicer, ProfilerState, Server, build_server
 from vgpu.allocator.store import DeviceOriginal, MigSlot, Store, StoreError, reset_state
@@ -745,7 +746,7 @@ class Daemon:
         cgroup_limits = CgroupMemoryLimits(dry_run=dry_run, store=self.store, clock=self.clock)
         policy = ForecastPolicy(manage_mig=cfg.server.manage_mig_layout)
         # hard cgroup caps only on a contended device, by the policy's own threshold ("always": 0, everywhere)
-        hard_at = policy.config.hard_limit_at_frac if cfg.server.hard_memory_limits == "contended" else 0.0
+        hard_at = hard_limit_at_frac_for(cfg.server.hard_memory_limits, policy.config.hard_limit_at_frac)
         self.allocator = Allocator(self.backend, clock=self.clock, dry_run=dry_run, ledger=ledger,
                                    mig=mig, cgroup_limits=cgroup_limits if cfg.server.cgroup_memory_limits else None,
                                    sizer=self.sizer, policy=policy, hard_limit_at_frac=hard_at,
