@@ -468,8 +468,10 @@ async def test_a_clean_end_waits_for_the_last_reply_so_everything_is_acknowledge
     streamer = SignatureStreamer(ValidSource(per_tick=2), address, period_s=0.01, profiler_id="p")
     task = asyncio.create_task(streamer.run())
     try:
-        await wait_for(lambda: manager.stats.accepted >= 10)
-        assert streamer.stats.acked == 0 and streamer.unacked >= 10  # no reply yet: all held
+        # the streamer counts a batch as sent after its write returns, which may be after the
+        # manager has taken it: wait for both sides
+        await wait_for(lambda: manager.stats.accepted >= 10 and streamer.unacked >= 10)
+        assert streamer.stats.acked == 0  # no reply yet: all held
         streamer.stop()
         stats = await asyncio.wait_for(task, 5.0)
     finally:
