@@ -59,6 +59,20 @@ def test_an_accelerating_ramp_is_granted_where_its_last_slope_says_it_ends() -> 
         pytest.approx(off.mem_mib)
 
 
+def test_a_ramp_s_extrapolated_end_can_be_capped_at_a_multiple_of_its_usage() -> None:
+    # one step of 3,000 MiB after a slow start: 5 s at that slope says 19,000 MiB for a 4,000 MiB job
+    a = app("a", granted_mem_mib=4_000, used_mem_mib=4_000, forecast_mem_p90_mib=4_000,
+            mem_ramp_s=2.0, mem_ramp_rate_mib_s=1_500.0, mem_ramp_last_mib_s=3_000.0, last_mem_change_s=99.0)
+    cfg = replace(BASE, ramp_min_s=1.0, ramp_ahead_s=5.0, ramp_last_rate=1.0, ramp_cap_frac=2.0)
+    t = plan([a], [DEV], 100.0, cfg).target("a")
+    assert t.mem_mib == pytest.approx(4_000 * 3 * 1.02) and t.reason_mem == "ramp"
+    uncapped = plan([a], [DEV], 100.0, replace(cfg, ramp_cap_frac=0.0)).target("a")
+    assert uncapped.mem_mib == pytest.approx((4_000 + 3_000 * 5) * 1.02)
+    # the forecast's P90 is not capped: where it says more, it is granted
+    high = replace(a, forecast_mem_p90_mib=15_000.0)
+    assert plan([high], [DEV], 100.0, cfg).target("a").mem_mib >= 15_000 * 1.02
+
+
 def test_a_ramp_at_any_age_can_be_granted_a_multiple_of_its_usage() -> None:
     # 10 minutes in, ramping for 2 s at 100 MiB/s: the rate says 2,000 + 500
     a = app("a", granted_mem_mib=2_000, used_mem_mib=2_000, forecast_mem_p90_mib=2_000, history_s=600.0,

@@ -242,6 +242,10 @@ class PolicyConfig:
     # the start-up window, where a ramp's next step is not foreseen by its rate either. 0: off
     ramp_frac: float = 0.0
     ramp_frac_min_s: float = 2.0
+    # the end the ramp's rate extrapolates to is at most the usage x (1 + `ramp_cap_frac`): one
+    # large step extrapolated at its own slope for `ramp_ahead_s` would otherwise grant several
+    # times what the application holds. 0: no cap (the device's capacity still bounds it)
+    ramp_cap_frac: float = 0.0
     # an application starting (under `start_window_s` of history) is on the ramp of its start-up,
     # which the forecast has not seen yet: its memory grant is at least its cold-start size, or
     # without one its usage plus `start_headroom_mib` (plus the margin). 0: off
@@ -286,6 +290,7 @@ class PolicyConfig:
                      "min_sm_pct", "min_change_frac", "dwell_s", "mem_bump_frac", "mem_bump_min_mib",
                      "sm_bump_pct", "mem_shrink_dwell_s", "sm_shrink_dwell_s", "sm_min_change_pct",
                      "mem_lead_frac", "ramp_min_s", "ramp_ahead_s", "ramp_last_rate", "ramp_frac", "ramp_frac_min_s",
+                     "ramp_cap_frac",
                      "mem_shrink_window_s", "hard_limit_at_frac",
                      "start_window_s", "start_headroom_mib", "start_from_use", "start_ramp_frac",
                      "start_ramp_window_s", "start_ramp_min_s", "contended_full_power"):
@@ -347,7 +352,9 @@ class PolicyConfig:
 # cost 0.0016 of slack on MIGPerf's train split (0.0754 -> 0.0770; no event changed). Neither set
 # has a visible ramp after its start-up, so the lead of such ramps was not measurable there. The
 # multiple for later ramps (`ramp_frac`) is off: on the training train split it bought at most one
-# event for 0.005-0.013 more slack (x1.5 to x3) and changed nothing on MIGPerf's.
+# event for 0.005-0.013 more slack (x1.5 to x3) and changed nothing on MIGPerf's. The extrapolated
+# end is not capped (`ramp_cap_frac` 0): capping it at x1.5-x4 of the usage gave back 2-3 of the 3
+# events for 0.002-0.006 less slack there.
 PREDICTIVE_CONFIG = PolicyConfig(
     mem_margin_frac=0.02, sm_margin_frac=0.05, confidence_multiplier=0.3,
     mem_bump_frac=0.2, mem_bump_min_mib=1024.0, sm_bump_pct=10.0,
@@ -535,7 +542,10 @@ def _ramp_end(app: AppState, config: PolicyConfig) -> float:
     if config.ramp_last_rate > 0 and not math.isnan(app.mem_ramp_last_mib_s):
         rate = app.mem_ramp_last_mib_s if math.isnan(rate) else max(rate, app.mem_ramp_last_mib_s)
     if not math.isnan(rate) and rate > 0:
-        ends.append(app.used_mem_mib + rate * config.ramp_ahead_s)
+        end = app.used_mem_mib + rate * config.ramp_ahead_s
+        if config.ramp_cap_frac > 0:
+            end = min(end, app.used_mem_mib * (1.0 + config.ramp_cap_frac))
+        ends.append(end)
     if config.ramp_frac > 0 and app.mem_ramp_s >= max(config.ramp_frac_min_s, 1.0):
         ends.append(app.used_mem_mib * (1.0 + config.ramp_frac))
     if not math.isnan(app.expected_mem_mib) and app.expected_mem_mib > app.used_mem_mib:
