@@ -100,6 +100,22 @@ def test_a_shrink_takes_a_bounded_step() -> None:
     assert plan([a], [DEV], 100.0, BASE).target("a").mem_mib == pytest.approx(2_040)
 
 
+def test_a_grant_far_over_the_recent_peak_shrinks_to_a_multiple_of_it_at_once() -> None:
+    # a ramp extrapolated to 20 GB ended at 8 GB: the forecast and the last 30 s agree it is far under
+    a = app("a", granted_mem_mib=20_000, used_mem_mib=8_000, forecast_mem_p90_mib=8_000,
+            recent_peak_mem_mib=8_000, last_mem_change_s=0.0)
+    cfg = replace(BASE, mem_shrink_step_frac=0.25, mem_shrink_window_s=30.0, mem_shrink_peak_mult=1.5)
+    assert plan([a], [DEV], 100.0, cfg).target("a").mem_mib == pytest.approx(12_000)
+    # without it: a quarter of the grant per change
+    assert plan([a], [DEV], 100.0, replace(cfg, mem_shrink_peak_mult=0.0)).target("a").mem_mib == \
+        pytest.approx(15_000)
+    # a grant within the multiple keeps the bounded step; the recent-peak floor still holds
+    near = replace(a, granted_mem_mib=11_000, forecast_mem_p90_mib=2_000)
+    assert plan([near], [DEV], 100.0, cfg).target("a").mem_mib == pytest.approx(8_250)
+    # the dwell still holds it
+    assert plan([replace(a, last_mem_change_s=95.0)], [DEV], 100.0, cfg).target("a").mem_mib == 20_000
+
+
 def test_a_shrink_waits_for_the_recent_history_to_agree() -> None:
     # the forecast says 2 GB, but the usage peaked at 8 GB within the window: keep room for it
     a = app("a", granted_mem_mib=10_000, used_mem_mib=2_000, forecast_mem_p90_mib=2_000,
@@ -227,6 +243,33 @@ def test_the_daemons_policy_grants_a_ramp_it_saw_through_recommendations() -> No
     assert run(replace(cfg, ramp_min_s=0.0)) < 4_900 + 3 * 450
     # the same ramp 16 s after the application's start, with the start-up ramp rule: x3 of its usage
     assert run(replace(cfg, start_ramp_frac=2.0)) == pytest.approx(4_900 * 3 * 1.02)
+
+
+def test_the_daemons_policy_takes_back_a_grant_far_over_the_recent_peak() -> None:
+    from vgpu.allocator.core import Allocator
+    from vgpu.allocator.policy.base import Recommendation
+    from vgpu.allocator.policy.forecast import ForecastPolicy
+    from vgpu.device.sim import ManualClock, SimBackend
+
+    def run(config: PolicyConfig) -> float:
+        clock = ManualClock(1000.0)
+        backend = SimBackend(["h100-80gb"], clock=clock)
+        uuid = backend.devices()[0].uuid
+        alloc = Allocator(backend, clock=clock, dry_run=False, policy=ForecastPolicy(config))
+        # 4,000 MiB in use throughout; the forecast says 20,000 for 3 s, then 4,000
+        for seq, p90 in enumerate([20_000.0] * 3 + [4_000.0] * 12, start=1):
+            alloc.apply_recommendations([Recommendation("a", uuid, p90, 20, mem_p90_peak_mib=p90,
+                                                        sm_p90_peak_pct=20, mem_used_mib=4_000.0,
+                                                        sm_util_pct=20, for_seq=seq)])
+            clock.advance(1.0)
+        (g,) = alloc.ledger.grants()
+        alloc.stop()
+        return g.memory_mib
+
+    cfg = replace(PREDICTIVE_CONFIG, confidence_multiplier=0.0, start_window_s=0.0, start_ramp_frac=0.0)
+    assert cfg.mem_shrink_peak_mult == 1.5
+    assert run(cfg) == pytest.approx(4_000 * 1.5)
+    assert run(replace(cfg, mem_shrink_peak_mult=0.0)) == pytest.approx(20_000 * 1.02 * 0.75)
 
 
 def test_lead_summary_medians_over_all_and_visible_rises() -> None:
