@@ -200,6 +200,8 @@ class ReplayApp:
     # the mean rate over them (MiB/s; NaN when not rising): the policy's leading signal
     ramp_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
     ramp_rate: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    # the rise over the ramp's last second (MiB/s; NaN when not rising)
+    ramp_last: np.ndarray = field(default_factory=lambda: np.zeros(0))
     # the first second whose memory is above IDLE_MEM_MIB (its first real use; ticks: never)
     first_use: int = 0
 
@@ -232,26 +234,28 @@ def prepare(apps: Sequence[AppTrace]) -> tuple[list[ReplayApp], list[str]]:
         edges = start + np.arange(1, len(mem) + 1, dtype=np.float64)
         prefix_end = np.searchsorted(a.t_s, edges, side="left")
         mem = mem.astype(np.float64)
-        ramp_s, ramp_rate = ramps(mem)
+        ramp_s, ramp_rate, ramp_last = ramps(mem)
         used = np.flatnonzero(mem > IDLE_MEM_MIB)
         out.append(ReplayApp(a.app, a, mem, np.clip(sm, 0, 100).astype(np.float64), prefix_end,
-                             ramp_s=ramp_s, ramp_rate=ramp_rate,
+                             ramp_s=ramp_s, ramp_rate=ramp_rate, ramp_last=ramp_last,
                              first_use=int(used[0]) if len(used) else len(mem)))
     return out, skipped
 
 
-def ramps(mem: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def ramps(mem: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per second k: how many seconds in a row the usage has risen by more than RISE_FRAC up to k,
-    and its mean rate over them (NaN where it is not rising)."""
+    its mean rate over them, and its rise over the last second (both NaN where it is not rising)."""
     n = len(mem)
     ramp_s = np.zeros(n)
     rate = np.full(n, math.nan)
+    last = np.full(n, math.nan)
     for k in range(1, n):
         if mem[k] > mem[k - 1] * (1 + RISE_FRAC) and mem[k] > mem[k - 1]:
             ramp_s[k] = ramp_s[k - 1] + 1
             start = k - int(ramp_s[k])
             rate[k] = (mem[k] - mem[start]) / ramp_s[k]
-    return ramp_s, rate
+            last[k] = mem[k] - mem[k - 1]
+    return ramp_s, rate, last
 
 
 def _first_fit(ordered: list[ReplayApp], sku: Sku, size: Callable[[ReplayApp], tuple[float, float]]) -> dict[str, int]:
@@ -685,6 +689,7 @@ def replay(
                     old, used_mem_mib=used_m, used_sm_pct=used_s,
                     forecast_mem_p90_mib=f_m, forecast_sm_p90_pct=f_s, history_s=float(k + 1),
                     mem_ramp_s=float(a.ramp_s[k]), mem_ramp_rate_mib_s=float(a.ramp_rate[k]),
+                    mem_ramp_last_mib_s=float(a.ramp_last[k]),
                     recent_peak_mem_mib=float(a.mem[max(0, k - window + 1): k + 1].max()) if window > 0 else math.nan,
                     active_s=float(k - a.first_use + 1) if k >= a.first_use else math.nan,
                 ))

@@ -42,6 +42,50 @@ def test_a_ramp_is_granted_to_where_its_rate_says_it_ends() -> None:
     assert plan([short], [DEV], 100.0, cfg).target("a").reason_mem != "ramp"
 
 
+def test_an_accelerating_ramp_is_granted_where_its_last_slope_says_it_ends() -> None:
+    # 4 -> 294 -> 956 -> 1,947 MiB: 648 MiB/s over the ramp, 991 MiB/s over its last second
+    a = app("a", granted_mem_mib=2_000, used_mem_mib=1_947, forecast_mem_p90_mib=2_000,
+            mem_ramp_s=3.0, mem_ramp_rate_mib_s=648.0, mem_ramp_last_mib_s=991.0, last_mem_change_s=99.0)
+    cfg = replace(BASE, ramp_min_s=1.0, ramp_ahead_s=5.0, ramp_last_rate=1.0)
+    t = plan([a], [DEV], 100.0, cfg).target("a")
+    assert t.mem_mib == pytest.approx((1_947 + 991 * 5) * 1.02) and t.reason_mem == "ramp"
+    # without the rule: the mean rate
+    off = plan([a], [DEV], 100.0, replace(cfg, ramp_last_rate=0.0)).target("a")
+    assert off.mem_mib == pytest.approx((1_947 + 648 * 5) * 1.02)
+    # a ramp slowing down keeps its mean rate; a ramp whose last second is unknown too
+    slowing = replace(a, mem_ramp_last_mib_s=100.0)
+    assert plan([slowing], [DEV], 100.0, cfg).target("a").mem_mib == pytest.approx(off.mem_mib)
+    assert plan([replace(a, mem_ramp_last_mib_s=math.nan)], [DEV], 100.0, cfg).target("a").mem_mib == \
+        pytest.approx(off.mem_mib)
+
+
+def test_a_ramp_s_extrapolated_end_can_be_capped_at_a_multiple_of_its_usage() -> None:
+    # one step of 3,000 MiB after a slow start: 5 s at that slope says 19,000 MiB for a 4,000 MiB job
+    a = app("a", granted_mem_mib=4_000, used_mem_mib=4_000, forecast_mem_p90_mib=4_000,
+            mem_ramp_s=2.0, mem_ramp_rate_mib_s=1_500.0, mem_ramp_last_mib_s=3_000.0, last_mem_change_s=99.0)
+    cfg = replace(BASE, ramp_min_s=1.0, ramp_ahead_s=5.0, ramp_last_rate=1.0, ramp_cap_frac=2.0)
+    t = plan([a], [DEV], 100.0, cfg).target("a")
+    assert t.mem_mib == pytest.approx(4_000 * 3 * 1.02) and t.reason_mem == "ramp"
+    uncapped = plan([a], [DEV], 100.0, replace(cfg, ramp_cap_frac=0.0)).target("a")
+    assert uncapped.mem_mib == pytest.approx((4_000 + 3_000 * 5) * 1.02)
+    # the forecast's P90 is not capped: where it says more, it is granted
+    high = replace(a, forecast_mem_p90_mib=15_000.0)
+    assert plan([high], [DEV], 100.0, cfg).target("a").mem_mib >= 15_000 * 1.02
+
+
+def test_a_ramp_at_any_age_can_be_granted_a_multiple_of_its_usage() -> None:
+    # 10 minutes in, ramping for 2 s at 100 MiB/s: the rate says 2,000 + 500
+    a = app("a", granted_mem_mib=2_000, used_mem_mib=2_000, forecast_mem_p90_mib=2_000, history_s=600.0,
+            mem_ramp_s=2.0, mem_ramp_rate_mib_s=100.0, last_mem_change_s=99.0)
+    cfg = replace(BASE, ramp_min_s=1.0, ramp_ahead_s=5.0, ramp_frac=1.0)
+    t = plan([a], [DEV], 100.0, cfg).target("a")
+    assert t.mem_mib == pytest.approx(2_000 * 2 * 1.02) and t.reason_mem == "ramp"
+    off = plan([a], [DEV], 100.0, replace(cfg, ramp_frac=0.0)).target("a")
+    assert off.mem_mib == pytest.approx((2_000 + 500) * 1.02)
+    # a ramp shorter than `ramp_frac_min_s` gets its rate only
+    assert plan([replace(a, mem_ramp_s=1.0)], [DEV], 100.0, cfg).target("a").mem_mib == pytest.approx(off.mem_mib)
+
+
 def test_a_ramp_is_granted_to_the_cold_start_size() -> None:
     a = app("a", granted_mem_mib=1_000, used_mem_mib=956, forecast_mem_p90_mib=1_100,
             mem_ramp_s=2.0, mem_ramp_rate_mib_s=10.0, expected_mem_mib=9_000, last_mem_change_s=99.0)
@@ -54,6 +98,22 @@ def test_a_shrink_takes_a_bounded_step() -> None:
     slow = plan([a], [DEV], 100.0, replace(BASE, mem_shrink_step_frac=0.25)).target("a")
     assert slow.mem_mib == pytest.approx(7_500)
     assert plan([a], [DEV], 100.0, BASE).target("a").mem_mib == pytest.approx(2_040)
+
+
+def test_a_grant_far_over_the_recent_peak_shrinks_to_a_multiple_of_it_at_once() -> None:
+    # a ramp extrapolated to 20 GB ended at 8 GB: the forecast and the last 30 s agree it is far under
+    a = app("a", granted_mem_mib=20_000, used_mem_mib=8_000, forecast_mem_p90_mib=8_000,
+            recent_peak_mem_mib=8_000, last_mem_change_s=0.0)
+    cfg = replace(BASE, mem_shrink_step_frac=0.25, mem_shrink_window_s=30.0, mem_shrink_peak_mult=1.5)
+    assert plan([a], [DEV], 100.0, cfg).target("a").mem_mib == pytest.approx(12_000)
+    # without it: a quarter of the grant per change
+    assert plan([a], [DEV], 100.0, replace(cfg, mem_shrink_peak_mult=0.0)).target("a").mem_mib == \
+        pytest.approx(15_000)
+    # a grant within the multiple keeps the bounded step; the recent-peak floor still holds
+    near = replace(a, granted_mem_mib=11_000, forecast_mem_p90_mib=2_000)
+    assert plan([near], [DEV], 100.0, cfg).target("a").mem_mib == pytest.approx(8_250)
+    # the dwell still holds it
+    assert plan([replace(a, last_mem_change_s=95.0)], [DEV], 100.0, cfg).target("a").mem_mib == 20_000
 
 
 def test_a_shrink_waits_for_the_recent_history_to_agree() -> None:
@@ -142,9 +202,11 @@ def test_usage_history_sees_a_ramp_and_the_recent_peak() -> None:
     ramp_s, rate = h.ramp("a")
     assert ramp_s == pytest.approx(2.0) and rate == pytest.approx(350.0)  # 1,000 -> 1,700 over 2 s
     assert h.peak("a", 3.0, 1.5) == 1_700.0 and h.peak("a", 3.0, 30.0) == 1_700.0
+    assert h.last_rise("a") == pytest.approx(350.0)  # 1,350 -> 1,700 in the last second kept
     h.observe("a", 4.0, 1_700.0, seq=7)
     flat_s, flat_rate = h.ramp("a")
     assert flat_s == 0.0 and math.isnan(flat_rate)  # flat: no ramp
+    assert math.isnan(h.last_rise("a")) and math.isnan(h.last_rise("unknown"))
     h.observe("a", 5.0, 9_000.0, seq=7)  # a stale stand-in (seen seq): no new sample
     assert h.peak("a", 5.0, 30.0) == 1_700.0
     h.prune(500.0)
@@ -173,11 +235,41 @@ def test_the_daemons_policy_grants_a_ramp_it_saw_through_recommendations() -> No
         return g.memory_mib
 
     cfg = replace(PREDICTIVE_CONFIG, confidence_multiplier=0.0, start_ramp_frac=0.0)
-    # 4,400 -> 4,900 at 450 MiB/s over the last 2 s: granted to 4,900 + 3 s of it, plus the margin
-    assert run(cfg) == pytest.approx((4_900 + 3 * 450) * 1.02)
+    # 4,000 -> 4,400 -> 4,900: 450 MiB/s over the last 2 s, 500 over the last one; granted to 4,900
+    # + 5 s of its latest slope, plus the margin
+    assert cfg.ramp_ahead_s == 5.0 and cfg.ramp_last_rate == 1.0
+    assert run(cfg) == pytest.approx((4_900 + 5 * 500) * 1.02)
+    assert run(replace(cfg, ramp_last_rate=0.0)) == pytest.approx((4_900 + 5 * 450) * 1.02)
     assert run(replace(cfg, ramp_min_s=0.0)) < 4_900 + 3 * 450
     # the same ramp 16 s after the application's start, with the start-up ramp rule: x3 of its usage
     assert run(replace(cfg, start_ramp_frac=2.0)) == pytest.approx(4_900 * 3 * 1.02)
+
+
+def test_the_daemons_policy_takes_back_a_grant_far_over_the_recent_peak() -> None:
+    from vgpu.allocator.core import Allocator
+    from vgpu.allocator.policy.base import Recommendation
+    from vgpu.allocator.policy.forecast import ForecastPolicy
+    from vgpu.device.sim import ManualClock, SimBackend
+
+    def run(config: PolicyConfig) -> float:
+        clock = ManualClock(1000.0)
+        backend = SimBackend(["h100-80gb"], clock=clock)
+        uuid = backend.devices()[0].uuid
+        alloc = Allocator(backend, clock=clock, dry_run=False, policy=ForecastPolicy(config))
+        # 4,000 MiB in use throughout; the forecast says 20,000 for 3 s, then 4,000
+        for seq, p90 in enumerate([20_000.0] * 3 + [4_000.0] * 12, start=1):
+            alloc.apply_recommendations([Recommendation("a", uuid, p90, 20, mem_p90_peak_mib=p90,
+                                                        sm_p90_peak_pct=20, mem_used_mib=4_000.0,
+                                                        sm_util_pct=20, for_seq=seq)])
+            clock.advance(1.0)
+        (g,) = alloc.ledger.grants()
+        alloc.stop()
+        return g.memory_mib
+
+    cfg = replace(PREDICTIVE_CONFIG, confidence_multiplier=0.0, start_window_s=0.0, start_ramp_frac=0.0)
+    assert cfg.mem_shrink_peak_mult == 1.5
+    assert run(cfg) == pytest.approx(4_000 * 1.5)
+    assert run(replace(cfg, mem_shrink_peak_mult=0.0)) == pytest.approx(20_000 * 1.02 * 0.75)
 
 
 def test_lead_summary_medians_over_all_and_visible_rises() -> None:

@@ -373,6 +373,49 @@ def test_a_start_up_ramp_is_granted_a_multiple_and_its_jump_does_not_overrun() -
     assert result("start_ramp_frac=0")["oom_events"] == 1
 
 
+def test_a_ramp_in_mid_life_is_granted_ahead_at_its_latest_slope() -> None:
+    # a minute flat (past every start-up window), then a ramp whose steps grow by half each second
+    # (200, 300, 450, ... MiB): its mean rate trails its latest slope, and a grant extrapolated at
+    # the mean covers each second only when it comes
+    mem = [2000.0] * 60 + [2200.0, 2500.0, 2950.0, 3625.0, 4637.0, 6156.0, 8434.0] + [8434.0] * 20
+    apps = R.pack(R.prepare([app_trace("a", mem, [10.0] * len(mem))])[0], SKU)
+
+    def result(*sets: str) -> R.Result:
+        config, _ = R.config_overrides(PREDICTIVE_CONFIG, list(sets))
+        return R.replay(apps, SKU, _lv(), policies=("predictive",),
+                        configs={"predictive": config}, kill_on_oom=False)[0]
+
+    led, trailed = result(), result("ramp_last_rate=0")
+    assert led["rises_visible"] == trailed["rises_visible"] == 5
+    assert led["lead_time_median_visible_s"] == 1.0 and led["lead_time_ahead_frac_visible"] == 1.0
+    assert trailed["lead_time_median_visible_s"] == 0.0
+    # the first step of the ramp is a surprise either way; nothing after it overruns
+    assert led["oom_events"] == trailed["oom_events"] == 1
+
+
+def test_a_grant_left_far_over_an_ended_ramp_is_taken_back_in_one_change() -> None:
+    # the accelerating ramp above, then 40 s flat: its extrapolation left a grant of over twice the use
+    mem = [2000.0] * 60 + [2200.0, 2500.0, 2950.0, 3625.0, 4637.0, 6156.0, 8434.0] + [8434.0] * 40
+    apps = R.pack(R.prepare([app_trace("a", mem, [10.0] * len(mem))])[0], SKU)
+
+    def grants(*sets: str) -> tuple[R.Result, list[float]]:
+        config, _ = R.config_overrides(PREDICTIVE_CONFIG, list(sets))
+        runs: dict[str, R.PolicyRun] = {}
+        out = R.replay(apps, SKU, _lv(), policies=("predictive",), configs={"predictive": config},
+                       kill_on_oom=False, runs_out=runs)[0]
+        return out, runs["predictive"].apps["a"].grant_mem
+
+    fast, fast_g = grants()
+    slow, slow_g = grants("mem_shrink_peak_mult=0")
+    assert max(fast_g[1:]) > 2 * 8434  # the ramp's end, extrapolated
+    # once the dwell after the ramp's last change is over: down to 1.5 x the peak in one change,
+    # where the bounded step takes a quarter of the grant
+    assert fast_g[80] == pytest.approx(8434 * 1.5)
+    assert slow_g[80] == pytest.approx(slow_g[70] * 0.75) and slow_g[80] > 1.5 * 8434
+    assert fast["mem_slack_frac"] < slow["mem_slack_frac"]
+    assert fast["oom_events"] == slow["oom_events"] == 1
+
+
 def test_the_start_up_window_from_first_use_covers_a_job_that_waited_idle() -> None:
     # 20 s of an idle GPU (1 MiB), then the job's context and, a second later, its model
     mem = [1.0] * 20 + [900.0] + [1500.0] * 10
