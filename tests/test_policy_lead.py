@@ -266,8 +266,8 @@ def test_the_daemons_policy_takes_back_a_grant_far_over_the_recent_peak() -> Non
         alloc.stop()
         return g.memory_mib
 
-    cfg = replace(PREDICTIVE_CONFIG, confidence_multiplier=0.0, start_window_s=0.0, start_ramp_frac=0.0)
-    assert cfg.mem_shrink_peak_mult == 1.5
+    cfg = replace(PREDICTIVE_CONFIG, confidence_multiplier=0.0, start_window_s=0.0, start_ramp_frac=0.0,
+                  mem_shrink_peak_mult=1.5)
     assert run(cfg) == pytest.approx(4_000 * 1.5)
     assert run(replace(cfg, mem_shrink_peak_mult=0.0)) == pytest.approx(20_000 * 1.02 * 0.75)
 

@@ -405,8 +405,8 @@ def test_a_grant_left_far_over_an_ended_ramp_is_taken_back_in_one_change() -> No
                        kill_on_oom=False, runs_out=runs)[0]
         return out, runs["predictive"].apps["a"].grant_mem
 
-    fast, fast_g = grants()
-    slow, slow_g = grants("mem_shrink_peak_mult=0")
+    fast, fast_g = grants("mem_shrink_peak_mult=1.5")
+    slow, slow_g = grants()
     assert max(fast_g[1:]) > 2 * 8434  # the ramp's end, extrapolated
     # once the dwell after the ramp's last change is over: down to 1.5 x the peak in one change,
     # where the bounded step takes a quarter of the grant
