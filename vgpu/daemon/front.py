@@ -170,7 +170,7 @@ class PeerFront:
         return self._thread is not None and self._thread.is_alive()
 
     def _wake(self) -> None:
-        with contextlib.suppress(BlockingIOError):
+        with contextlib.suppress(OSError):  # full (a wake-up is pending), or closed (the thread ended)
             os.write(self._wake_w, b"x")
 
     # --- the relay thread ---------------------------------------------------------------------------
@@ -192,19 +192,25 @@ class PeerFront:
                             self._serve(link, end, events)
                         except Exception as exc:  # noqa: BLE001 - one link's fault never ends the relay
                             self._close(link)
-                            if not isinstance(exc, OSError) and self._log is not None:
-                                self._log.error("front_link_failed", error=repr(exc), uid=link.cred.uid)
+                            if not isinstance(exc, OSError):
+                                self._report("front_link_failed", exc, uid=link.cred.uid)
                 # Accepting after the batch: a descriptor a link closed in this batch may be reused by
                 # a new connection, and the batch's stale events for it must not reach the new one.
                 if accept and self._listener is not None and not self._stop_accepting.is_set():
-                    self._accept()
+                    try:
+                        self._accept()
+                    except Exception as exc:  # noqa: BLE001 - the next wake-up accepts again
+                        self._report("front_accept_failed", exc)
                 self._timers()
         except Exception as exc:  # noqa: BLE001 - said once; the daemon's stop still cleans up
-            if self._log is not None:
-                self._log.error("front_failed", error=repr(exc))
+            self._report("front_failed", exc)
         finally:
             self._close_listener()
             self._teardown()
+
+    def _report(self, event: str, exc: BaseException, **kw: object) -> None:
+        if self._log is not None:
+            self._log.error(event, error=repr(exc), exc_info=exc, **kw)
 
     def _teardown(self) -> None:
         for link in list(self._links):
@@ -265,13 +271,14 @@ class PeerFront:
             conn.close()
             return
         exempt = cred.uid in self.exempt_uids
+        # counted before the close, so a caller that sees the close finds it counted
         if len(self._links) >= self.max_connections:
-            conn.close()
             self._refuse(cred, "max_connections")
+            conn.close()
             return
         if not exempt and self._per_uid.get(cred.uid, 0) >= self.max_per_uid:
-            conn.close()
             self._refuse(cred, "max_connections_per_uid")
+            conn.close()
             return
         self._serial += 1
         path = self.names.path(cred, self._serial)
@@ -286,9 +293,9 @@ class PeerFront:
                     os.unlink(path)
         except OSError as exc:
             up.close()
-            conn.close()
             # EAGAIN: gRPC's backlog is full; anything else: gRPC's socket is gone (stopping)
             self._refuse(cred, "upstream", detail=exc.strerror or str(exc))
+            conn.close()
             return
         conn.setblocking(False)
         link = _Link(_End(conn), _End(up), cred, None if exempt else cred.uid)
