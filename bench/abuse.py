@@ -164,13 +164,15 @@ def _refusal(counts: dict[str, int], err: grpc.RpcError) -> None:
 
 
 def _still_open(s: socket.socket) -> bool:
-    """Whether the daemon still holds a connection that sent nothing (it may have sent its settings
-    frame: anything but end-of-file means open)."""
+    """Whether the daemon still holds a connection that sent nothing. What the daemon sent (its
+    settings frame) is read and dropped: a peek would see those bytes even after the close."""
     if s.fileno() < 0:
         return False
     s.setblocking(False)
     try:
-        return bool(s.recv(65536, socket.MSG_PEEK))  # b"": end of file, closed by the daemon
+        while s.recv(65536):
+            pass
+        return False  # end of file: closed by the daemon
     except BlockingIOError:
         return True
     except OSError:
