@@ -23,11 +23,16 @@ Start-up, in order (each step fails loudly with a message that names what to fix
    before it is loaded are answered UNAVAILABLE; if it cannot load, one warning, and they are
    answered FAILED_PRECONDITION);
    tokens (vgpu/auth.py), the Allocator and Ingest servicers behind the access-control
-   interceptor, the Unix socket created owner-only and then given its configured owner, group and
-   mode before the server listens; the optional TLS listener; the metrics endpoint;
+   interceptor; gRPC listens in the front's private directory (`<state_dir>/front`, 0700), and the
+   front (vgpu/daemon/front.py) on the public Unix socket, created owner-only and then given its
+   configured owner, group and mode before it listens: the front reads each caller's credentials
+   (SO_PEERCRED), bounds connections per uid, and relays to gRPC (with `server.peer_credentials =
+   false`, gRPC listens on the public socket itself); the optional TLS listener; the metrics endpoint;
 6. READY=1 to systemd and a WATCHDOG=1 every third of WatchdogSec while the loop is alive.
 
-SIGTERM or SIGINT: STOPPING=1, the server stops taking calls (in-flight ones get `grace_s`), the
+SIGTERM or SIGINT: STOPPING=1, the front stops accepting and the public socket is removed, the
+server stops taking calls (in-flight ones get `grace_s`, relayed still), the front closes what is
+left and the front's directory is removed, the
 allocator restores what it changed, then every device whose power limit or MIG layout still
 differs from the recorded original is put back and read back (logged `device_restored` with
 before/after), the ledger is saved, exit status 0.
