@@ -9,8 +9,8 @@ What runs. `vgpu serve --backend sim:h100-80gb` as a child process on a temporar
 1. Latency: on one daemon (front on), `--calls` unary calls of two kinds, in alternating batches of 100
    over two channels, one through the public socket (the front) and one straight to gRPC's socket in
    `<state_dir>/front` (the daemon's own user may connect there; no credentials reach the call then):
-   `GetAvailableResources` (a reply of about 300 bytes) and `ListApplications` with 200 applications
-   of 250-character ids (a reply of about 80 KiB, more than one relay chunk of 64 KiB). Alternating
+   `GetAvailableResources` (a reply of about 200 bytes) and `ListApplications` with 200 applications
+   of 250-character ids (a reply of about 150 KB, more than two relay chunks of 64 KiB). Alternating
    batches put both paths under the same machine load. Printed: p50 / p99 per path and kind, and the
    difference of the p50s (what the relay adds per call).
 2. Memory: on a daemon with the front on and one with it off, `--idle` connections that never send a

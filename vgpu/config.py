@@ -70,8 +70,9 @@ class ServerConfig:
     # naming the quota beyond); they bound the ledger whatever callers pile up.
     max_grants_per_app: int = 64
     max_grants_per_node: int = 4096
-    # WatchAllocations streams at most per caller (one token, or all anonymous callers together)
-    # and in all; a watcher that does not keep up with its events is dropped.
+    # WatchAllocations streams at most per caller (one token; callers without a token count as one per
+    # uid, or as one in all where the uid is unknown: TCP, peer_credentials off) and in all; a watcher
+    # that does not keep up with its events is dropped.
     max_watchers_per_caller: int = 16
     max_watchers: int = 256
     # Connections open at once on the socket (gRPC's grpc.max_allowed_incoming_connections): one
