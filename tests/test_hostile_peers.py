@@ -258,3 +258,15 @@ def test_the_front_can_be_turned_off(env: Env, serves: list[Serve]) -> None:
         client.close()
     assert serves[-1].event("serving")["peer_credentials"] is False
     assert serves[-1].term() == 0
+
+
+def test_callers_without_a_token_are_one_caller_per_uid() -> None:
+    """Per-caller bounds (watchers) key callers without a token by uid where the front knows it."""
+    from vgpu.auth import ANONYMOUS, Principal, caller_label
+    from vgpu.peers import PeerCred
+
+    assert caller_label(ANONYMOUS, PeerCred(pid=10, uid=1000, gid=100)) == "anonymous (uid 1000)"
+    assert caller_label(ANONYMOUS, PeerCred(pid=11, uid=1001, gid=100)) == "anonymous (uid 1001)"
+    assert caller_label(ANONYMOUS, None) == "anonymous"  # TCP, or the front off: one caller
+    assert caller_label(Principal("app", app_id="a", via="token"), PeerCred(1, 1000, 100)) == "app:a"
+    assert caller_label(Principal("operator", via="token"), PeerCred(1, 0, 0)) == "operator"
