@@ -270,3 +270,36 @@ def test_callers_without_a_token_are_one_caller_per_uid() -> None:
     assert caller_label(ANONYMOUS, None) == "anonymous"  # TCP, or the front off: one caller
     assert caller_label(Principal("app", app_id="a", via="token"), PeerCred(1, 1000, 100)) == "app:a"
     assert caller_label(Principal("operator", via="token"), PeerCred(1, 0, 0)) == "operator"
+
+
+async def test_a_front_that_ended_stops_the_watchdog(tmp_path: Path) -> None:
+    """The relay thread ending on its own (a fault) leaves the daemon alive but unreachable: the
+    watchdog pings stop, so systemd restarts it."""
+    import asyncio
+
+    from daemon_fixtures import sim_daemon
+
+    class Pings:
+        def __init__(self) -> None:
+            self.sent: list[str] = []
+
+        def notify(self, message: str) -> bool:
+            self.sent.append(message)
+            return True
+
+    d = sim_daemon(tmp_path)
+    await d.start()
+    pings = Pings()
+    d.notifier = pings  # type: ignore[assignment]
+    try:
+        task = asyncio.create_task(d._ping_watchdog(0.01))
+        await asyncio.sleep(0.1)
+        assert "WATCHDOG=1" in pings.sent and not task.done()
+        assert d.front is not None
+        await asyncio.to_thread(d.front.stop)  # as if the thread had died
+        await asyncio.wait_for(task, 5)  # the pinger ends ...
+        n = len(pings.sent)
+        await asyncio.sleep(0.1)
+        assert len(pings.sent) == n  # ... and pings no more
+    finally:
+        await d.stop("test")

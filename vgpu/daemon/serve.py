@@ -1026,9 +1026,15 @@ class Daemon:
         self.log.warning("forecaster_unavailable", path=str(path), error=error, serving="baseline")
 
     async def _ping_watchdog(self, period_s: float) -> None:
-        # Fixed rate on monotonic deadlines; runs on the loop, so a stalled loop stops the pings.
+        # Fixed rate on monotonic deadlines; runs on the loop, so a stalled loop stops the pings. A
+        # front whose thread has ended accepts nobody on the socket: the pings stop too (said once),
+        # so systemd restarts the daemon rather than leave it alive and unreachable.
         deadline = time.monotonic()
         while True:
+            if self.front is not None and not self.front.running:
+                self.log.error("front_stopped", socket=str(self.socket_path),
+                               meaning="nobody can connect; the watchdog pings stop so that systemd restarts the daemon")
+                return
             self.notifier.notify("WATCHDOG=1")
             deadline += period_s
             await asyncio.sleep(max(0.0, deadline - time.monotonic()))
