@@ -110,9 +110,12 @@ def test_missing_inapp_directory_is_said_once(env: Env, serves: list[Serve], tmp
 
 def test_a_report_the_daemon_does_not_read_is_named_as_the_cause(env: Env, serves: list[Serve],
                                                                   tmp_path: Path) -> None:
-    """The stub writes its in-app report where the daemon does not look (another inapp_dir): the
-    request naming its pid is refused, and the stub says why, not that the id is taken."""
+    """The stub writes its in-app report where the daemon does not look (another inapp_dir) and the
+    daemon cannot tell the caller's uid (its socket front is off, as over TCP): the request naming
+    its pid is refused, and the stub says why, not that the id is taken. (With the front on, the
+    stub's own uid runs the process, and the pid is taken: tests/test_hostile_peers.py.)"""
     env.env["VGPU_SERVER_INAPP_DIR"] = str(tmp_path / "daemons-inapp")
+    env.env["VGPU_SERVER_PEER_CREDENTIALS"] = "false"
     serves.append(Serve(env))
     r = run_app(env, "elsewhere", tmp_path / "stubs-inapp")
     assert r.returncode != 0 and "PERMISSION_DENIED" in r.stderr

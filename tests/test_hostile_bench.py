@@ -19,6 +19,9 @@ def test_abuse_bench_short_run_reports_every_field() -> None:
     last = out["rows"][-1]
     assert last["grants_accepted"] == 20 and last["idle_connections"] == 20
     assert 0 <= last["idle_connections_held"] <= 20 and last["new_client_served"] is True  # 20 < max_connections
+    # the pile comes from one uid, 20 below its bound: none refused
+    assert out["peer_credentials"] is True and out["max_connections_per_uid"] == 256
+    assert last["idle_connections_refused"] == 0 and last["idle_connections_reopened"] >= 0
     assert last["watchers_accepted"] == 16  # server.max_watchers_per_caller: anonymous callers count as one
     assert any("max_watchers_per_caller" in k for k in last["refusals"])
     for r in out["rows"]:

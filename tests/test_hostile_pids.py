@@ -1,6 +1,7 @@
 """Hostile pids against a real `vgpu serve`: out of range is refused at the edge, a pid from a caller
-that is not the operator is refused (the daemon cannot tell whose process it is), and one bad record
-in the store never stops a start."""
+whose user the daemon cannot tell (the socket's front off, as over TCP) is refused unless the operator
+or the process's own in-app report vouches for it, and one bad record in the store never stops a
+start. A pid checked against the caller's uid (the front on): tests/test_hostile_peers.py."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ def test_a_pid_out_of_range_is_refused_and_the_next_start_works(env: Env, serves
 
 
 def test_a_pid_needs_the_operator(env: Env, serves: list[Serve], client: Raw) -> None:
+    env.env["VGPU_SERVER_PEER_CREDENTIALS"] = "false"  # the caller's uid unknown: only proofs count
     serves.append(Serve(env))
     # pid 1 (the cgroup "/") from an anonymous caller, and from an application with its own token.
     with pytest.raises(grpc.RpcError) as err:
@@ -62,6 +64,7 @@ def test_a_pid_needs_the_operator(env: Env, serves: list[Serve], client: Raw) ->
 
 def test_a_process_that_reports_itself_may_be_named_by_its_application(env: Env, serves: list[Serve],
                                                                       client: Raw) -> None:
+    env.env["VGPU_SERVER_PEER_CREDENTIALS"] = "false"  # (with the front, this caller's uid would decide)
     serves.append(Serve(env))
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

@@ -1,9 +1,12 @@
-"""Who is calling, and may they? Scoped tokens, mutual TLS, and one access rule per RPC.
+"""Who is calling, and may they? Scoped tokens, mutual TLS, the Unix peer's uid, and one access rule per RPC.
 
 Identity. gRPC's Python server does not expose the Unix socket peer's credentials (SO_PEERCRED):
-`context.peer()` is just `"unix:"` and the auth context says only `transport_security_type:
-insecure|local`. So the socket's owner/group/mode decides who may *connect*, and scoped tokens say
-who is *calling*:
+`context.peer()` is the client socket's own address, normally `"unix:"`. The daemon's front
+(vgpu/daemon/front.py) therefore accepts on the socket, reads them, and relays each connection to
+gRPC from a socket whose address spells them (vgpu/peers.py); `AccessControl(peer_of=...)` reads
+them back from `context.peer()`. So the socket's owner/group/mode decides who may *connect*, the
+kernel says which uid and pid connected, and scoped tokens say which role or application is
+*calling*:
 
 - a token is `vgpu1.<base64url(scope)>.<hex HMAC-SHA256(secret, scope)>`, sent as metadata
   `authorization: Bearer <token>`; the secret (32 random bytes) lives in `<state_dir>/tokens/secret`
@@ -15,6 +18,12 @@ who is *calling*:
   ledger (`auth.app_self_registration`); its first grant comes back with the application's token in
   the trailing metadata `vgpu-app-token`;
 - over TCP (TLS only) a client certificate verified against `tls.ca` makes the caller a profiler.
+
+A request that names a pid (its grant then caps that process's cgroup) is taken from the operator,
+from a caller whose uid the process runs as (real, effective and saved uid: `vgpu.peers.runs_as`),
+or when the process itself reports that it runs the application (`pid_proof`); any other pid is
+PERMISSION_DENIED. Callers without a token are told apart by uid where it is known (`caller_name()`:
+`anonymous (uid N)`), so per-caller bounds do not put every user's anonymous calls together.
 
 Every denied call is answered PERMISSION_DENIED (known caller, not allowed) or UNAUTHENTICATED (no
 or a bad token), never reaches the servicer (so it changes nothing), and is logged as
@@ -46,6 +55,7 @@ import structlog
 from vgpu.config import DEFAULT_STATE_DIR
 from vgpu.ids import MAX_PID, app_id_digest, app_id_problem
 from vgpu.log import get_logger
+from vgpu.peers import PeerCred, runs_as
 from vgpu.tokenfile import TokenFileError, read_token
 from vgpu.tokenfile import write_atomically as _write_private
 
@@ -78,8 +88,9 @@ _PRINCIPAL: contextvars.ContextVar[str] = contextvars.ContextVar("vgpu_principal
 
 
 def caller_name() -> str:
-    """Who the current call is ("operator", "profiler", "app:<id>" or "anonymous"), for per-caller
-    bounds; set by `AuthInterceptor` for the call's task."""
+    """Who the current call is ("operator", "profiler", "app:<id>", "anonymous (uid N)" when the
+    Unix peer's uid is known, else "anonymous"), for per-caller bounds; set by `AuthInterceptor` for
+    the call's task."""
     return _PRINCIPAL.get()
 
 
@@ -303,6 +314,8 @@ class AccessControl:
         pid_proof: Callable[[int, str], bool] | None = None,
         open_ingest: bool = False,
         mtls_role: Role = "profiler",
+        peer_of: Callable[[str], PeerCred | None] | None = None,
+        pid_runs_as: Callable[[int, int], bool] = runs_as,
     ) -> None:
         self.authority = authority
         self.registry = registry
@@ -315,6 +328,14 @@ class AccessControl:
         self.pid_proof = pid_proof
         self.open_ingest = open_ingest
         self.mtls_role = mtls_role
+        # peer_of(context.peer()): the Unix peer's credentials when the daemon's front relayed the
+        # call, else None (TCP, or the front is off). pid_runs_as(pid, uid): the process runs as uid.
+        self.peer_of = peer_of
+        self.pid_runs_as = pid_runs_as
+
+    def peer(self, peer: str) -> PeerCred | None:
+        """The credentials a call's `context.peer()` carries, or None."""
+        return self.peer_of(peer) if self.peer_of is not None else None
 
     def identify(self, metadata: Sequence[tuple[str, str | bytes]], *, verified_client_cert: bool) -> Principal:
         """The caller: from a token if one is sent (a bad one raises Denied UNAUTHENTICATED),
@@ -337,9 +358,9 @@ class AccessControl:
             return Principal(self.mtls_role, via="mtls")
         return ANONYMOUS
 
-    def authorize(self, need: Need, principal: Principal, request: object) -> str | None:
+    def authorize(self, need: Need, principal: Principal, request: object, peer: PeerCred | None = None) -> str | None:
         """None if allowed outright; an app_id to claim for an anonymous caller after success;
-        raises Denied otherwise."""
+        raises Denied otherwise. `peer`: the Unix peer's credentials, when known."""
         role = principal.role
         if need == "open" or role == "operator":
             return None
@@ -365,16 +386,8 @@ class AccessControl:
             pid = _request_pid(request)
             if pid > MAX_PID:
                 raise Denied(grpc.StatusCode.INVALID_ARGUMENT, f"request.pid {pid} is out of range: a pid is 1 to {MAX_PID} (0: none)")
-            if pid and (self.pid_proof is None or not self.pid_proof(pid, app_id)):  # (the operator was let through above)
-                # The Unix socket does not tell the daemon which user calls (grpc hides SO_PEERCRED),
-                # so a pid is taken only with the operator token or the process's own proof that it
-                # runs this application (its in-app report, owned by the process's user): a grant tied
-                # to a pid caps that process's cgroup.
-                raise Denied(
-                    grpc.StatusCode.PERMISSION_DENIED,
-                    f"{principal.describe()} may not name process {pid}: it does not report itself as "
-                    f"{app_id!r} (a fresh in-app report of its own user); naming it needs the operator token",
-                )
+            if pid and not self._may_name(pid, app_id, peer):  # (the operator was let through above)
+                raise Denied(grpc.StatusCode.PERMISSION_DENIED, self._pid_refusal(principal, pid, app_id, peer))
             if role == "app":
                 if principal.app_id == app_id:
                     return None
@@ -419,6 +432,25 @@ class AccessControl:
             )
         raise Denied(grpc.StatusCode.PERMISSION_DENIED, f"unknown access rule {need!r}")
 
+    def _may_name(self, pid: int, app_id: str, peer: PeerCred | None) -> bool:
+        """A grant tied to a pid caps that process's cgroup: the caller must be the process's own
+        user (the kernel's word, from the socket), or the process must report that it runs the
+        application (its in-app report, owned by its own user)."""
+        if peer is not None and self.pid_runs_as(pid, peer.uid):
+            return True
+        return self.pid_proof is not None and self.pid_proof(pid, app_id)
+
+    @staticmethod
+    def _pid_refusal(principal: Principal, pid: int, app_id: str, peer: PeerCred | None) -> str:
+        who = principal.describe()
+        if peer is None:  # TCP, or the front is off: the caller's uid is unknown
+            return (f"{who} may not name process {pid}: the caller's user is unknown on this connection and the "
+                    f"process does not report itself as {app_id!r} (a fresh in-app report of its own user); "
+                    "naming it needs the operator token")
+        return (f"{who} (uid {peer.uid}) may not name process {pid}: it does not run as uid {peer.uid} (or does "
+                f"not exist) and does not report itself as {app_id!r} (a fresh in-app report of its own user); "
+                "naming another user's process needs the operator token")
+
     async def claim(self, app_id: str) -> str:
         """Mark the application owned, write its token file, and return the token; on any failure
         nothing stays claimed and ClaimFailed says why. The registry is called on the caller's thread
@@ -460,6 +492,22 @@ def _request_pid(request: object) -> int:
 def _request_app_id(request: object) -> str:
     inner = getattr(request, "request", None)
     return str(getattr(inner, "app_id", "") if inner is not None else getattr(request, "app_id", ""))
+
+
+def caller_label(principal: Principal, peer: PeerCred | None) -> str:
+    """The caller's name for per-caller bounds: callers without a token are one caller per uid where
+    the uid is known (one user's anonymous watchers cannot use up another's share), else one."""
+    if principal.role == "anonymous" and peer is not None:
+        return f"anonymous (uid {peer.uid})"
+    return principal.describe()
+
+
+def _peer_text(context: Any) -> str:
+    try:
+        peer = context.peer()
+    except Exception:  # noqa: BLE001 - a context without a peer (a test's stand-in): unknown
+        return ""
+    return peer.decode("utf-8", "replace") if isinstance(peer, bytes) else str(peer or "")
 
 
 def _verified_client_cert(context: Any) -> bool:
@@ -558,8 +606,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self._claim_lock = asyncio.Lock()
         self._pending_token: dict[str, str] = {}
 
-    async def _deny(self, context: Any, method: str, caller: str, denied: Denied) -> None:
-        self._log.warning("access_denied", method=method, caller=caller, code=denied.code.name, reason=denied.reason)
+    async def _deny(self, context: Any, method: str, caller: str, denied: Denied, peer: PeerCred | None = None) -> None:
+        where = {"uid": peer.uid, "pid": peer.pid} if peer is not None else {}
+        self._log.warning("access_denied", method=method, caller=caller, code=denied.code.name, reason=denied.reason,
+                          **where)
         if self._on_denied is not None:
             self._on_denied(method, denied.code)
         await context.abort(denied.code, denied.reason)
@@ -579,15 +629,16 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
         async def before(request: object, context: Any) -> tuple[str | None, bool]:
             caller = "bad-token"
+            peer = access.peer(_peer_text(context))
             try:
                 principal = access.identify(metadata, verified_client_cert=_verified_client_cert(context))
                 caller = principal.describe()
-                claim = access.authorize(need, principal, request)
+                claim = access.authorize(need, principal, request, peer)
             except Denied as denied:
-                await self._deny(context, method, caller, denied)
+                await self._deny(context, method, caller, denied, peer)
                 raise  # abort raises; never reached
             _CALLER.set(principal.app_id if principal.role == "app" else claim)
-            _PRINCIPAL.set(principal.describe())
+            _PRINCIPAL.set(caller_label(principal, peer))
             if claim is None and principal.role == "operator" and need == "app_request":
                 app_id = _request_app_id(request)
                 if app_id and app_id_problem(app_id) is None and not access.registry.app_claimed(app_id):
@@ -596,10 +647,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 return None, False
             await self._claim_lock.acquire()
             try:  # re-check under the lock: another caller may have claimed it meanwhile
-                access.authorize(need, principal, request)
+                access.authorize(need, principal, request, peer)
             except Denied as denied:
                 self._claim_lock.release()
-                await self._deny(context, method, caller, denied)
+                await self._deny(context, method, caller, denied, peer)
                 raise
             # Validate, then write: the claim (its row and token file) is made before the call
             # changes anything, so a claim that cannot be written fails the call with nothing done,

@@ -603,8 +603,9 @@ class VgpuClient:
                 )
             else:
                 if exc.code() == grpc.StatusCode.PERMISSION_DENIED and req.pid and "name process" in (exc.details() or ""):
-                    # The daemon takes this process's pid only on its in-app report, read from the
-                    # daemon's own server.inapp_dir: a stub writing elsewhere is refused for that.
+                    # A daemon that cannot tell the caller's uid (its socket front off, or TCP) takes
+                    # this process's pid only on its in-app report, read from the daemon's own
+                    # server.inapp_dir: a stub writing elsewhere is refused for that.
                     self._warn_once("pid_proof", "the daemon could not verify this process's pid",
                                     inapp_dir=str(self.inapp_dir),
                                     fix="give the stub the daemon's server.inapp_dir (default /run/vgpu/inapp) "
@@ -723,9 +724,10 @@ class VgpuClient:
 
     def _provable_pid(self) -> int:
         """The pid to name in a request, or 0 for none. The daemon takes a pid from a caller without the
-        operator token only when that process's fresh in-app report names the application, so the
-        report is written first; where it cannot be, the request names no pid (the grant still
-        holds, but the daemon cannot enforce it on this process's cgroup), and that is said once."""
+        operator token when the caller's uid runs the process (its socket front reads the uid), or
+        else when that process's fresh in-app report names the application (over TCP, or with the
+        front off), so the report is written first; where it cannot be, the request names no pid (the
+        grant still holds, but the daemon cannot enforce it on this process's cgroup), and that is said once."""
         try:
             self.report_now()
         except OSError as exc:

@@ -70,8 +70,9 @@ class ServerConfig:
     # naming the quota beyond); they bound the ledger whatever callers pile up.
     max_grants_per_app: int = 64
     max_grants_per_node: int = 4096
-    # WatchAllocations streams at most per caller (one token, or all anonymous callers together)
-    # and in all; a watcher that does not keep up with its events is dropped.
+    # WatchAllocations streams at most per caller (one token; callers without a token count as one per
+    # uid, or as one in all where the uid is unknown: TCP, peer_credentials off) and in all; a watcher
+    # that does not keep up with its events is dropped.
     max_watchers_per_caller: int = 16
     max_watchers: int = 256
     # Connections open at once on the socket (gRPC's grpc.max_allowed_incoming_connections): one
@@ -79,8 +80,23 @@ class ServerConfig:
     # it has spoken HTTP/2), so the bound caps that memory; the price is that a caller holding this
     # many connections keeps new clients out (as LimitNOFILE would, at 65536).
     max_connections: int = 4096
+    # Connections one uid may hold open on the Unix socket at once (with peer_credentials on): one
+    # beyond it is closed as soon as it is accepted, so one user cannot hold the node's
+    # max_connections and lock the others out. A process needs one connection per channel (the
+    # client stub, the CLI and the profiler each open one), so 256 is a node's worth of one user's
+    # ranks and workers (8 GPUs x 32 processes) while 16 such users still fit the total. uid 0 is
+    # bounded only by max_connections: root can stop the daemon anyway, and every container that
+    # runs as root without a user namespace is uid 0, so a per-uid bound would make them one user.
+    max_connections_per_uid: int = 256
+    # Read each Unix-socket caller's uid and pid (SO_PEERCRED) through the daemon's front, which
+    # accepts on the socket and relays to gRPC's own socket in <state_dir>/front (vgpu/daemon/front.py):
+    # connections are bounded per uid, and a request may name a pid of the caller's own uid. false:
+    # gRPC listens on the socket itself, connections are bounded only per node, and a pid needs the
+    # operator token or the process's in-app report (for a node where the relay cannot run).
+    peer_credentials: bool = True
     # Where client stubs write their in-app reports (vgpu/client.py); a request naming a pid without
-    # the operator token is taken only when that pid's report there, owned by its user, names the app.
+    # the operator token, of a process that is not the caller's own, is taken only when that pid's
+    # report there, owned by its user, names the app.
     inapp_dir: str = "/run/vgpu/inapp"
 
 
@@ -259,7 +275,7 @@ def _validate(cfg: Config) -> None:
     if not s.idle_release_s >= 0:
         raise ConfigError(f"server.idle_release_s: must be >= 0 (0: never), got {s.idle_release_s}")
     for name in ("max_grants_per_app", "max_grants_per_node", "max_watchers_per_caller", "max_watchers",
-                 "max_connections"):
+                 "max_connections", "max_connections_per_uid"):
         if getattr(s, name) < 1:
             raise ConfigError(f"server.{name}: must be >= 1, got {getattr(s, name)}")
     if cfg.manager.accept_replay not in ("auto", "yes", "no"):

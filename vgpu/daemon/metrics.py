@@ -36,6 +36,9 @@ is absent, not 0. All prefixed `vgpu_`:
   (applications whose newest sample carries that in-app counter, e.g. `inapp_kv_used_mib`),
   `inapp_values_dropped_total{reason}` (in-app values left out: not finite, negative, too large);
 - access: `access_denied_total{method,code}`; persistence: `store_writes_total`;
+- the Unix socket's front (vgpu/daemon/front.py): `connections_refused_total{reason}` (closed at
+  accept: `max_connections`, `max_connections_per_uid`, `upstream` when gRPC's own socket refused,
+  `no_descriptors`), `connections_open` (relayed connections open now; absent with the front off);
 - `build_info{version,python,backend}` (1).
 """
 
@@ -43,11 +46,11 @@ from __future__ import annotations
 
 import math
 import platform
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -317,8 +320,21 @@ class DaemonMetrics:
         self.restores = Counter(
             "vgpu_restore_actions", "Device settings restored at stop or start", ["mechanism", "result"], registry=registry
         )
+        self.connections_refused = Counter(
+            "vgpu_connections_refused", "Unix-socket connections closed at accept, by the bound that refused them",
+            ["reason"], registry=registry,
+        )
+        self._registry = registry
         if source is not None:
             registry.register(_StateCollector(source))
+
+    def on_connection_refused(self, reason: str) -> None:
+        self.connections_refused.labels(reason=reason).inc()
+
+    def watch_connections(self, open_connections: Callable[[], int]) -> None:
+        """Report `open_connections()` as `vgpu_connections_open` at each scrape."""
+        gauge = Gauge("vgpu_connections_open", "Unix-socket connections the front relays now", registry=self._registry)
+        gauge.set_function(lambda: float(open_connections()))
 
     def on_denied(self, method: str, code: object) -> None:
         self.denied.labels(method=method, code=getattr(code, "name", str(code))).inc()

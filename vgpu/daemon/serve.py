@@ -23,11 +23,16 @@ Start-up, in order (each step fails loudly with a message that names what to fix
    before it is loaded are answered UNAVAILABLE; if it cannot load, one warning, and they are
    answered FAILED_PRECONDITION);
    tokens (vgpu/auth.py), the Allocator and Ingest servicers behind the access-control
-   interceptor, the Unix socket created owner-only and then given its configured owner, group and
-   mode before the server listens; the optional TLS listener; the metrics endpoint;
+   interceptor; gRPC listens in the front's private directory (`<state_dir>/front`, 0700), and the
+   front (vgpu/daemon/front.py) on the public Unix socket, created owner-only and then given its
+   configured owner, group and mode before it listens: the front reads each caller's credentials
+   (SO_PEERCRED), bounds connections per uid, and relays to gRPC (with `server.peer_credentials =
+   false`, gRPC listens on the public socket itself); the optional TLS listener; the metrics endpoint;
 6. READY=1 to systemd and a WATCHDOG=1 every third of WatchdogSec while the loop is alive.
 
-SIGTERM or SIGINT: STOPPING=1, the server stops taking calls (in-flight ones get `grace_s`), the
+SIGTERM or SIGINT: STOPPING=1, the front stops accepting and the public socket is removed, the
+server stops taking calls (in-flight ones get `grace_s`, relayed still), the front closes what is
+left and the front's directory is removed, the
 allocator restores what it changed, then every device whose power limit or MIG layout still
 differs from the recorded original is put back and read back (logged `device_restored` with
 before/after), the ledger is saved, exit status 0.
@@ -42,6 +47,7 @@ import grp
 import math
 import os
 import pwd
+import shutil
 import signal
 import socket
 import stat
@@ -58,7 +64,7 @@ import psutil
 import structlog
 from prometheus_client import CollectorRegistry, start_http_server
 
-from vgpu import auth, log
+from vgpu import auth, log, peers
 from vgpu import config as vconfig
 from vgpu.allocator.core import Allocator, Sizer, device_capacities
 from vgpu.allocator.errors import NotFound, StateNotSaved
@@ -78,6 +84,7 @@ from vgpu.client import (
     parse_inapp,
 )
 from vgpu.config import Config, ConfigError
+from vgpu.daemon.front import PeerFront
 from vgpu.daemon.metrics import AppSnapshot, CounterSnapshot, DaemonMetrics, DeviceSnapshot
 from vgpu.device.base import Backend, Device
 from vgpu.device.errors import DeviceError
@@ -94,6 +101,9 @@ from vgpu.manager.window import WindowStore
 
 SIM_STATE_FILE = "sim-devices.json"
 LOCK_FILE = "daemon.lock"
+# The front's private directory in the state directory (mode 0700), and gRPC's own socket in it.
+FRONT_DIR = "front"
+UPSTREAM_SOCKET = "grpc.sock"
 # A window's trace covers at most this long before its latest sample (a forecast's 1 s grid is
 # bounded by it, whatever time stamps a profiler sends); samples stamped further ahead of the
 # daemon's clock than MAX_FUTURE_S are rejected with the reason.
@@ -611,6 +621,63 @@ def secure_socket(path: Path, *, mode: int, owner: str, group: str) -> None:
     os.chmod(path, mode)
 
 
+def bind_unix(path: Path) -> socket.socket:
+    """A Unix stream socket bound at `path` (not listening yet: `PeerFront.start` listens once the
+    socket has its owner, group and mode). The file's mode comes from the caller's umask."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.bind(str(path))
+    except OSError as exc:
+        sock.close()
+        raise StartupError(f"cannot listen on {path}: {exc.strerror or exc}") from exc
+    return sock
+
+
+@dataclass(frozen=True)
+class FrontDir:
+    """The front's private directory, held open (`fd`) for the daemon's life, and how socket
+    addresses in it are spelled (`names`)."""
+
+    path: Path
+    fd: int
+    names: peers.RelayNames
+
+    @property
+    def upstream(self) -> str:
+        return f"{self.names.directory}/{UPSTREAM_SOCKET}"
+
+
+def prepare_front_dir(path: Path) -> FrontDir:
+    """Create the front's private directory afresh: mode 0700 and owned by the daemon's user, so only
+    the daemon can connect to gRPC's socket in it or bind a name there (the names the front binds
+    carry each caller's credentials: nobody else may make one). It lives in the state directory,
+    which the daemon holds locked, so what a previous run left there is removed without a race with
+    another daemon. The checks are made on the opened directory itself (no symlink followed)."""
+    try:
+        if path.is_symlink() or (path.exists() and not path.is_dir()):
+            path.unlink()
+        elif path.exists():
+            shutil.rmtree(path)
+        path.mkdir(mode=0o700)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        os.fchmod(fd, 0o700)  # whatever the umask
+    except OSError as exc:
+        raise StartupError(f"cannot create the front's directory {path}: {exc}; set server.peer_credentials = false "
+                           "to let gRPC listen on the socket itself") from exc
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o700:
+        os.close(fd)
+        raise StartupError(f"{path} is not private to the daemon (owner uid {st.st_uid}, mode "
+                           f"{oct(stat.S_IMODE(st.st_mode))}); remove it and start again")
+    return FrontDir(path, fd, peers.relay_names(path, fd))
+
+
+def remove_front_dir(front_dir: FrontDir) -> None:
+    """Remove the front's directory (gRPC's socket in it) and close the descriptor held on it."""
+    shutil.rmtree(front_dir.path, ignore_errors=True)
+    os.close(front_dir.fd)
+
+
 class StateLock:
     """An exclusive flock(2) on the state directory itself, held for the daemon's life, plus
     `daemon.lock` naming the holder's pid for people. The lock is on the directory, not on the file:
@@ -685,6 +752,10 @@ class Daemon:
         self.state_dir = Path(cfg.server.state_dir)
         self.socket_path = Path(cfg.server.socket)
         self.server: Server | None = None
+        self.front: PeerFront | None = None
+        self._front_dir: FrontDir | None = None
+        self._listener: socket.socket | None = None
+        self._public_inode: tuple[int, int] | None = None
         self.metrics_server: Any = None
         self._lock: StateLock | None = None
         self._watchdog: asyncio.Task[None] | None = None
@@ -818,6 +889,12 @@ class Daemon:
                 authority.write_app_token(app_id)
             except auth.AuthSetupError as exc:
                 self.log.error("app_token_unwritable", app=app_id, error=str(exc))
+        if cfg.server.peer_credentials:
+            # the front accepts on the public socket; gRPC listens in the front's private directory
+            self._front_dir = prepare_front_dir(self.state_dir / FRONT_DIR)
+            grpc_address = f"unix:{self._front_dir.upstream}"
+        else:
+            grpc_address = f"unix:{self.socket_path}"
         access = auth.AccessControl(
             authority,
             self.store,
@@ -827,6 +904,7 @@ class Daemon:
             max_self_registered_apps=cfg.auth.max_self_registered_apps,
             pid_proof=InAppPidProof(Path(cfg.server.inapp_dir), clock=self.clock),
             open_ingest=cfg.auth.open_ingest,
+            peer_of=self._front_dir.names.peer if self._front_dir is not None else None,
         )
         interceptor = auth.AuthInterceptor(access, on_denied=self.metrics.on_denied)
         replay = vconfig.accepts_replay(cfg)
@@ -835,7 +913,7 @@ class Daemon:
         old_umask = os.umask(0o177)  # the socket is born owner-only ...
         try:
             self.server = build_server(
-                f"unix:{self.socket_path}",
+                grpc_address,
                 allocator_servicer=AllocatorServicer(self.allocator, identify=auth.identify_caller,
                                                      observer=NodeView(self.manager),
                                                      watcher_owner=auth.caller_name, claims=self.store.claims),
@@ -844,6 +922,10 @@ class Daemon:
                 interceptors=[interceptor],
                 options=server_options(cfg.server.max_connections),
             )
+            if self._front_dir is not None:
+                self._listener = bind_unix(self.socket_path)
+                st = os.stat(self.socket_path)
+                self._public_inode = (st.st_dev, st.st_ino)
         except RuntimeError as exc:
             raise StartupError(f"cannot listen on {self.socket_path}: {exc}") from exc
         finally:
@@ -878,6 +960,14 @@ class Daemon:
                     "0 turns metrics off"
                 ) from exc
         await self.server.start()
+        if self._front_dir is not None and self._listener is not None:
+            self.front = PeerFront(self._listener, self._front_dir.upstream, self._front_dir.names,
+                                   max_connections=cfg.server.max_connections,
+                                   max_per_uid=cfg.server.max_connections_per_uid,
+                                   on_refused=self.metrics.on_connection_refused, logger=self.log)
+            self._listener = None  # the front's now
+            self.front.start()
+            self.metrics.watch_connections(lambda: self.front.open_connections if self.front is not None else 0)
         self.log.info(
             "serving",
             socket=str(self.socket_path),
@@ -889,6 +979,9 @@ class Daemon:
             devices=[d.uuid for d in self.backend.devices()],
             dry_run=cfg.server.dry_run,
             accept_replay=vconfig.accepts_replay(cfg),
+            peer_credentials=self._front_dir is not None,
+            max_connections=cfg.server.max_connections,
+            max_connections_per_uid=cfg.server.max_connections_per_uid if self._front_dir is not None else None,
             operator_token=str(token_files["operator"]),
             pid=os.getpid(),
         )
@@ -934,9 +1027,15 @@ class Daemon:
         self.log.warning("forecaster_unavailable", path=str(path), error=error, serving="baseline")
 
     async def _ping_watchdog(self, period_s: float) -> None:
-        # Fixed rate on monotonic deadlines; runs on the loop, so a stalled loop stops the pings.
+        # Fixed rate on monotonic deadlines; runs on the loop, so a stalled loop stops the pings. A
+        # front whose thread has ended accepts nobody on the socket: the pings stop too (said once),
+        # so systemd restarts the daemon rather than leave it alive and unreachable.
         deadline = time.monotonic()
         while True:
+            if self.front is not None and not self.front.running:
+                self.log.error("front_stopped", socket=str(self.socket_path),
+                               meaning="nobody can connect; the watchdog pings stop so that systemd restarts the daemon")
+                return
             self.notifier.notify("WATCHDOG=1")
             deadline += period_s
             await asyncio.sleep(max(0.0, deadline - time.monotonic()))
@@ -950,8 +1049,19 @@ class Daemon:
             self._watchdog.cancel()
         if self._idle_release is not None:
             self._idle_release.cancel()
+        if self.front is not None:  # no new connections; relayed ones stay for the grace period
+            await asyncio.to_thread(self.front.stop_accepting)
+        self._remove_public_socket()
         if self.server is not None:
             await self.server.stop(self.cfg.server.grace_s)
+        if self.front is not None:
+            await asyncio.to_thread(self.front.stop)
+        if self._listener is not None:  # a start that failed before the front took it
+            self._listener.close()
+            self._listener = None
+        if self._front_dir is not None:
+            remove_front_dir(self._front_dir)
+            self._front_dir = None
         actions: list[dict[str, Any]] = []
         allocator: Allocator | None = getattr(self, "allocator", None)
         store: Store | None = getattr(self, "store", None)
@@ -982,6 +1092,19 @@ class Daemon:
             self._lock.close()
         self.stopped.set()
         return actions
+
+    def _remove_public_socket(self) -> None:
+        """Unlink the public socket the front listened on, if the file is still that socket (another
+        daemon may have replaced it since the listener closed)."""
+        if self._public_inode is None:
+            return
+        try:
+            st = os.lstat(self.socket_path)
+            if (st.st_dev, st.st_ino) == self._public_inode:
+                self.socket_path.unlink()
+        except OSError:
+            pass
+        self._public_inode = None
 
     def _wait_for_loaders(self, timeout_s: float) -> None:
         """Let background loads (forecaster, cold-start sizer, a hot reload) finish before the process

@@ -1,0 +1,110 @@
+"""Who is on the other end of the daemon's Unix socket.
+
+gRPC's Python server does not show a Unix-socket caller's credentials: `context.peer()` is the
+address the *client* socket is bound to, which a client normally leaves unbound (`"unix:"`). The
+daemon therefore accepts on its public socket itself (vgpu/daemon/front.py), reads the kernel's
+`SO_PEERCRED` (the pid, uid and gid of the process that connected), and relays the connection to
+gRPC's own socket from a client socket it binds to a name that spells those credentials:
+
+    <relay directory>/<uid>-<gid>-<pid>-<serial in hex>
+
+gRPC then reports that name as the call's peer (`"unix:<relay directory>/<name>"`), and
+`RelayNames.peer` reads the credentials back. The relay directory is private to the daemon
+(mode 0700, its own): no other user can connect to gRPC's socket in it, nor bind a name there, so
+a peer name under it can only have been made by the relay. A connection over TCP, or one the relay
+did not make, has no credentials here (`peer` returns None).
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+# sockaddr_un.sun_path holds 108 bytes, the terminating NUL included.
+SUN_PATH_MAX = 108
+_NAME = re.compile(r"(\d{1,10})-(\d{1,10})-(\d{1,10})-([0-9a-f]{1,16})")
+# The longest name `RelayNames.path` makes: three 10-digit ids, a 16-digit serial, three dashes.
+MAX_NAME_CHARS = 3 * 10 + 16 + 3
+
+
+@dataclass(frozen=True)
+class PeerCred:
+    """A Unix-socket peer's credentials as the kernel recorded them when it connected."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+def peer_cred(sock: socket.socket) -> PeerCred:
+    """The credentials of the process at the other end of a connected Unix socket (SO_PEERCRED).
+    OSError when the socket has none (not AF_UNIX, already closed)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return PeerCred(pid=pid, uid=uid & 0xFFFFFFFF, gid=gid & 0xFFFFFFFF)
+
+
+@dataclass(frozen=True)
+class RelayNames:
+    """The relay directory, spelled as the relay binds in it (and so as gRPC reports the names)."""
+
+    directory: str
+
+    def path(self, cred: PeerCred, serial: int) -> str:
+        return f"{self.directory}/{cred.uid}-{cred.gid}-{cred.pid}-{serial:x}"
+
+    def peer(self, peer: str) -> PeerCred | None:
+        """The credentials in a call's `context.peer()`, or None when the relay did not make the
+        connection (TCP, a direct connection to gRPC's socket, anything not under the directory)."""
+        prefix = f"unix:{self.directory}/"
+        if not peer.startswith(prefix):
+            return None
+        m = _NAME.fullmatch(peer[len(prefix):])
+        if m is None:
+            return None
+        uid, gid, pid = (int(m.group(i)) for i in (1, 2, 3))
+        if max(uid, gid, pid) > 0xFFFFFFFF:
+            return None
+        return PeerCred(pid=pid, uid=uid, gid=gid)
+
+
+def fits_sun_path(path: str) -> bool:
+    """Whether a socket can be bound at `path` (its bytes and a NUL fit sockaddr_un.sun_path)."""
+    return len(path.encode()) + 1 <= SUN_PATH_MAX
+
+
+def relay_names(directory: Path, dir_fd: int) -> RelayNames:
+    """How to spell `directory` in socket addresses: its own path when the longest relay name under
+    it fits `sun_path`, else `/proc/self/fd/<dir_fd>`, which names the same directory in this process
+    (through the descriptor the daemon holds open on it) in 20-odd bytes whatever its real path."""
+    real = str(directory)
+    if fits_sun_path(f"{real}/{'x' * MAX_NAME_CHARS}"):
+        return RelayNames(real)
+    return RelayNames(f"/proc/self/fd/{dir_fd}")
+
+
+def process_uids(pid: int, proc_root: Path = Path("/proc")) -> tuple[int, int, int] | None:
+    """A process's real, effective and saved uid (`/proc/<pid>/status`), or None when there is no
+    such process (or its status cannot be read)."""
+    try:
+        text = (proc_root / str(pid) / "status").read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("Uid:"):
+            parts = line.split()[1:4]
+            if len(parts) == 3 and all(p.isdigit() for p in parts):
+                return int(parts[0]), int(parts[1]), int(parts[2])
+            return None
+    return None
+
+
+def runs_as(pid: int, uid: int, proc_root: Path = Path("/proc")) -> bool:
+    """Whether process `pid` runs as `uid` and as nobody else: its real, effective and saved uid are
+    all `uid` (a set-uid program a user started keeps another effective or saved uid, and is not
+    the user's to name)."""
+    uids = process_uids(pid, proc_root)
+    return uids is not None and uids == (uid, uid, uid)
