@@ -1055,7 +1055,14 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     return p
 
 
+def _absolute(path: str | None) -> str | None:
+    """A path flag as an absolute path: typed at a shell, it is relative to the shell's directory."""
+    return os.path.abspath(path) if path else path
+
+
 def config_from_args(ns: argparse.Namespace, env: dict[str, str] | None = None) -> Config:
+    for name in ("socket", "state_dir", "tls_cert", "tls_key", "tls_ca"):
+        setattr(ns, name, _absolute(getattr(ns, name)))
     overrides = {
         "server.socket": ns.socket,
         "server.socket_mode": ns.socket_mode,
