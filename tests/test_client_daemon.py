@@ -153,3 +153,54 @@ def test_the_stub_logs_to_stderr_never_stdout(env: Env, serves: list[Serve], tmp
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.splitlines() == [json.dumps({"kind": "cooperative"})], r.stdout
     assert "application token saved" in r.stderr
+
+
+# One process of an application: it holds a grant until told to go on (a line on stdin), then says
+# which grants it holds and leaves its `with` block.
+TWIN = """
+import json, sys, time
+from vgpu.client import VgpuClient
+
+sock, app_id, inapp, memory = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+with VgpuClient(app_id, socket=sock, inapp_dir=inapp) as client:
+    grant = client.request(memory_mib=memory)
+    print("granted", grant.grant_id, flush=True)
+    sys.stdin.readline()
+    time.sleep(0.5)  # the watch has had time to hear of the other process's grant
+    print("holds", json.dumps(sorted(g.grant_id for g in client.grants())), client.granted_memory_mib, flush=True)
+print("closed", flush=True)
+"""
+
+
+def test_two_processes_of_one_app_id_keep_to_their_own_grants(env: Env, serves: list[Serve], tmp_path: Path) -> None:
+    inapp = tmp_path / "inapp"
+    env.env["VGPU_SERVER_INAPP_DIR"] = str(inapp)
+    serves.append(Serve(env))
+
+    def start(memory_mib: int) -> tuple[subprocess.Popen[str], str]:
+        p = subprocess.Popen([sys.executable, "-c", TWIN, str(env.sock), "twin", str(inapp), str(memory_mib)],
+                             cwd=ROOT, env=env.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        assert line.startswith("granted"), line + (p.stderr.read() if p.stderr else "")
+        return p, line.split()[1]
+
+    first, first_grant = start(1000)
+    second, second_grant = start(2000)  # the same id and token (one user): a second process of the app
+    try:
+        out, err = first.communicate("go\n", timeout=60)
+        assert first.returncode == 0, out + err
+        holds = next(line for line in out.splitlines() if line.startswith("holds")).split(maxsplit=2)
+        assert json.loads(holds[1]) == [first_grant] and float(holds[2]) == 1000.0, out
+        # the first process's close released its own grant, and not the second's
+        assert [g["grant_id"] for g in grants_of(env, "twin")] == [second_grant]
+        out, err = second.communicate("go\n", timeout=60)
+        assert second.returncode == 0, out + err
+        assert f'["{second_grant}"] 2000.0' in out
+        assert grants_of(env, "twin") == []
+    finally:
+        for p in (first, second):
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)

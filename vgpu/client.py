@@ -23,7 +23,8 @@ Three things run behind that API:
 
 * **Requests** go to the `Allocator` gRPC service (`RequestResourceAllocation`, `ReleaseResources`).
 * **A watch of its own grants** (`WatchAllocations` filtered by `app_id`, in a daemon thread, reconnecting
-  with capped backoff) keeps the sum of the app's granted memory. When it changes, the stub applies it
+  with capped backoff) keeps the sum of the app's granted memory: grants naming this process's pid or no
+  pid (a grant naming another process of the same id is that process's). When it changes, the stub applies it
   *cooperatively*: for PyTorch, `torch.cuda.set_per_process_memory_fraction(limit / total)`, so an
   allocation beyond the grant fails (torch's OutOfMemoryError) and the application lives. On a device
   whose memory is contended the daemon also caps the process's cgroup at the grant (a hard limit,
@@ -753,6 +754,10 @@ class VgpuClient:
     def handle_event(self, event: allocator_pb2.AllocationEvent) -> None:
         """Apply one WatchAllocations event (the watch thread calls this; public for tests)."""
         if event.grant.app_id and event.grant.app_id != self.app_id:
+            return
+        if event.grant.pid and event.grant.pid != self.pid:
+            # Another process of the same application id: its grant is neither this process's limit
+            # nor this client's to release on close.
             return
         kind = event.kind
         if event.mem_limit in ("hard", "cooperative"):
