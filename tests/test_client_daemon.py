@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -204,3 +205,45 @@ def test_two_processes_of_one_app_id_keep_to_their_own_grants(env: Env, serves: 
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
+
+
+# An application that holds a grant across a restart of the daemon, then leaves its `with` block.
+HOLD = """
+import sys
+from vgpu.client import VgpuClient
+
+sock, app_id, inapp = sys.argv[1], sys.argv[2], sys.argv[3]
+with VgpuClient(app_id, socket=sock, inapp_dir=inapp) as client:
+    grant = client.request(memory_mib=1000)
+    print("granted", grant.grant_id, client.token, flush=True)
+    sys.stdin.readline()
+    print("holds", [g.grant_id for g in client.grants()], client.token, flush=True)
+print("closed", flush=True)
+"""
+
+
+def test_an_application_outlives_a_daemon_restart_and_releases_at_once(
+        env: Env, serves: list[Serve], tmp_path: Path) -> None:
+    inapp = tmp_path / "inapp"
+    env.env["VGPU_SERVER_INAPP_DIR"] = str(inapp)
+    serves.append(Serve(env))
+    app = subprocess.Popen([sys.executable, "-c", HOLD, str(env.sock), "survivor", str(inapp)], cwd=ROOT,
+                           env=env.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    try:
+        assert app.stdout is not None
+        _, grant_id, token = app.stdout.readline().split()
+        assert serves[-1].term() == 0
+        time.sleep(8.0)  # down long enough for gRPC's default reconnect backoff to grow past seconds
+        serves.append(Serve(env))  # the same socket and state directory: the grant is restored
+        assert [g["grant_id"] for g in grants_of(env, "survivor")] == [grant_id]
+        out, err = app.communicate("go\n", timeout=60)
+        assert app.returncode == 0, out + err
+        assert f"holds ['{grant_id}'] {token}" in out  # the same grant and token, no new claim
+        # leaving the block released the grant on the restarted daemon at once, not after idle_release_s
+        assert "release on close failed" not in err, err
+        assert grants_of(env, "survivor") == []
+    finally:
+        if app.poll() is None:
+            app.kill()
+            app.wait(10)

@@ -92,6 +92,17 @@ MIB = 1024 * 1024
 
 _log = get_library_logger("vgpu.client")
 
+# gRPC's default reconnect backoff grows to 120 s: after the daemon restarts, every call (a release on
+# close included) would fail with UNAVAILABLE until the channel's next try. The daemon is local (or one
+# TCP peer), so trying again every second at most costs nothing and finds a restarted daemon at once.
+# How long close() waits for an unreachable daemon to release the grants (a restart takes seconds).
+CLOSE_RELEASE_WAIT_S = 5.0
+RECONNECT_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+
 AUTH_METADATA_KEY = "authorization"  # as vgpu/auth.py: `authorization: Bearer <token>`
 APP_TOKEN_TRAILER = "vgpu-app-token"  # the trailer that carries a newly claimed app's token
 
@@ -527,7 +538,8 @@ class VgpuClient:
         )
         self._token_from_file = token is None and self._token is not None
         self._own_channel = channel is None
-        self._channel = channel if channel is not None else grpc.insecure_channel(grpc_target(socket))
+        self._channel = (channel if channel is not None
+                         else grpc.insecure_channel(grpc_target(socket), options=RECONNECT_OPTIONS))
         self._stub = allocator_pb2_grpc.AllocatorStub(self._channel)
 
         self._lock = threading.Lock()
@@ -651,16 +663,18 @@ class VgpuClient:
             return
         _log.info("application token saved", app_id=self.app_id, token_file=str(self.token_file))
 
-    def release(self, grant_id: str | None = None) -> list[allocator_pb2.Grant]:
-        """Release one grant, or every grant this client holds; the released grants."""
+    def release(self, grant_id: str | None = None, *, wait_s: float = 0.0) -> list[allocator_pb2.Grant]:
+        """Release one grant, or every grant this client holds; the released grants. `wait_s` > 0 waits
+        that long for an unreachable daemon (one restarting) instead of failing with UNAVAILABLE."""
         with self._lock:
             ids = [grant_id] if grant_id is not None else list(self._grants)
         released = []
         for gid in ids:
             resp = self._stub.ReleaseResources(
                 allocator_pb2.ReleaseResourcesRequest(grant_id=gid),
-                timeout=self._timeout_s,
+                timeout=wait_s if wait_s > 0 else self._timeout_s,
                 metadata=self._call_metadata(),
+                wait_for_ready=wait_s > 0,
             )
             self._on_grant(resp.released, released=True, grant_id=gid)
             released.append(resp.released)
@@ -778,7 +792,9 @@ class VgpuClient:
             call.cancel()
         if release:
             try:
-                self.release()
+                # A daemon in the middle of a restart is waited for briefly: otherwise the grants
+                # would stay until its idle release.
+                self.release(wait_s=CLOSE_RELEASE_WAIT_S)
             except grpc.RpcError as exc:
                 _log.warning("release on close failed", app_id=self.app_id, code=str(exc.code()))
         for t in self._threads:
