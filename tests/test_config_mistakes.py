@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from daemon_fixtures import ROOT, SKU, Env
+from daemon_fixtures import ROOT, SKU, Env, Serve
 
 
 def serve(env: Env, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
@@ -17,7 +17,8 @@ def serve(env: Env, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess
 
 
 def one_line(r: subprocess.CompletedProcess[str]) -> str:
-    lines = r.stderr.strip().splitlines()
+    """The one line for the operator (the JSON log records beside it are for the journal)."""
+    lines = [line for line in r.stderr.splitlines() if line.startswith("vgpu serve:")]
     assert len(lines) == 1, r.stderr
     return lines[0]
 
@@ -47,3 +48,24 @@ def test_a_socket_path_longer_than_sun_path_names_its_length_and_the_limit(env: 
     assert "server.socket" in line and f"{len(str(long_sock).encode())} bytes" in line, line
     assert "at most 107" in line and "shorter path" in line, line
     assert not env.state.exists()  # refused before anything was created
+
+
+def test_a_second_daemon_on_one_state_directory_names_the_holder_and_what_to_do(
+        env: Env, serves: list[Serve]) -> None:
+    first = Serve(env)
+    serves.append(first)
+    r = serve(env, "--socket", str(env.tmp / "second.sock"), "--state-dir", str(env.state))
+    assert r.returncode == 1
+    line = one_line(r)
+    assert f"state directory {env.state} (pid {first.proc.pid})" in line, line
+    assert "stop it first" in line and "--state-dir" in line, line
+
+
+def test_a_state_directory_that_cannot_be_created_names_the_path_and_the_setting(env: Env) -> None:
+    blocker = env.tmp / "not-a-dir"
+    blocker.write_text("")
+    r = serve(env, "--socket", str(env.sock), "--state-dir", str(blocker / "state"))
+    assert r.returncode == 1
+    line = one_line(r)
+    assert f"state directory {blocker / 'state'} is not usable (Not a directory)" in line, line
+    assert "--state-dir (server.state_dir)" in line, line

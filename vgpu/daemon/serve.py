@@ -634,20 +634,39 @@ def lock_state_dir(state_dir: Path) -> StateLock:
         state_dir.mkdir(parents=True, exist_ok=True)
         dir_fd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
-        raise StartupError(f"state directory {state_dir} is not usable: {exc}") from exc
+        raise StartupError(_unusable_state_dir(state_dir, exc)) from exc
     try:
         fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(dir_fd)
-        raise StartupError(f"another vgpu daemon is using the state directory {state_dir}") from None
+        holder = _lock_holder(state_dir)
+        raise StartupError(
+            f"another vgpu daemon is using the state directory {state_dir}{holder}: stop it first (one "
+            "stopping waits up to server.grace_s for its calls), or give this one another --state-dir "
+            "(server.state_dir)"
+        ) from None
     try:
         fh = open(state_dir / LOCK_FILE, "w")  # noqa: SIM115 - held until exit
         fh.write(f"{os.getpid()}\n")
         fh.flush()
     except OSError as exc:
         os.close(dir_fd)
-        raise StartupError(f"state directory {state_dir} is not usable: {exc}") from exc
+        raise StartupError(_unusable_state_dir(state_dir, exc)) from exc
     return StateLock(dir_fd, fh)
+
+
+def _unusable_state_dir(state_dir: Path, exc: OSError) -> str:
+    return (f"state directory {state_dir} is not usable ({exc.strerror or exc}): the daemon's user must be "
+            "able to create and write it; fix its permissions or give another --state-dir (server.state_dir)")
+
+
+def _lock_holder(state_dir: Path) -> str:
+    """' (pid N)' from the lock file the holder wrote, or '' when it cannot be read."""
+    try:
+        text = (state_dir / LOCK_FILE).read_text(encoding="ascii", errors="replace").strip()
+    except OSError:
+        return ""
+    return f" (pid {int(text)})" if text.isdigit() and len(text) <= 10 else ""
 
 
 def _read(path: str, what: str) -> bytes:
