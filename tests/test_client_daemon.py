@@ -247,3 +247,27 @@ def test_an_application_outlives_a_daemon_restart_and_releases_at_once(
         if app.poll() is None:
             app.kill()
             app.wait(10)
+
+
+def test_a_watching_application_does_not_hold_up_the_daemons_stop(
+        env: Env, serves: list[Serve], tmp_path: Path) -> None:
+    # grace_s is for calls in flight; a stub's watch stream never ends by itself, so a stop that
+    # waited for it would always take the whole grace (here 30 s) whenever an application runs.
+    inapp = tmp_path / "inapp"
+    env.env["VGPU_SERVER_INAPP_DIR"] = str(inapp)
+    env.env["VGPU_SERVER_GRACE_S"] = "30"
+    serves.append(Serve(env))
+    app = subprocess.Popen([sys.executable, "-c", HOLD, str(env.sock), "watcher", str(inapp)], cwd=ROOT,
+                           env=env.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    try:
+        assert app.stdout is not None
+        assert app.stdout.readline().startswith("granted")
+        time.sleep(1.0)  # the stub's watch thread has opened its stream
+        started = time.monotonic()
+        assert serves[-1].term() == 0
+        assert time.monotonic() - started < 15.0
+        assert serves[-1].event("stopped")
+    finally:
+        app.kill()
+        app.wait(10)

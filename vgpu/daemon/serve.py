@@ -27,7 +27,8 @@ Start-up, in order (each step fails loudly with a message that names what to fix
    mode before the server listens; the optional TLS listener; the metrics endpoint;
 6. READY=1 to systemd and a WATCHDOG=1 every third of WatchdogSec while the loop is alive.
 
-SIGTERM or SIGINT: STOPPING=1, the server stops taking calls (in-flight ones get `grace_s`), the
+SIGTERM or SIGINT: STOPPING=1, the watch streams end (they never end by themselves, so the grace would
+always run out on them), the server stops taking calls (in-flight ones get `grace_s`), the
 allocator restores what it changed, then every device whose power limit or MIG layout still
 differs from the recorded original is put back and read back (logged `device_restored` with
 before/after), the ledger is saved, exit status 0.
@@ -969,10 +970,12 @@ class Daemon:
             self._watchdog.cancel()
         if self._idle_release is not None:
             self._idle_release.cancel()
+        allocator: Allocator | None = getattr(self, "allocator", None)
         if self.server is not None:
+            if allocator is not None:
+                allocator.end_watches()  # watch streams never end by themselves: grace_s is for calls
             await self.server.stop(self.cfg.server.grace_s)
         actions: list[dict[str, Any]] = []
-        allocator: Allocator | None = getattr(self, "allocator", None)
         store: Store | None = getattr(self, "store", None)
         backend: Backend | None = getattr(self, "backend", None)
         if allocator is not None and store is not None and backend is not None:
