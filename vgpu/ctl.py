@@ -547,7 +547,9 @@ def set_limit_main(argv: Sequence[str] | None = None, prog: str = "vgpu set-limi
         p.add_argument("--max-memory-mib", type=_nonneg,
                        help="most GPU memory (MiB) all the application's grants may hold together")
         p.add_argument("--max-sm-pct", type=_nonneg, help="most SM share (%%) all its grants may hold together")
-        p.add_argument("--priority", type=int, help="the application's priority (larger is more important; default 0)")
+        p.add_argument("--priority", type=int,
+                       help="the application's priority: under contention lower priorities yield first (negative "
+                            "allowed); it overrides what its requests ask for and applies to the grants it holds")
         p.add_argument("--clear", action="store_true", help="remove the memory and SM caps")
         p.add_argument("--create", action="store_true",
                        help="set limits for an application the daemon does not list yet (one that has not started)")
