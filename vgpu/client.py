@@ -625,7 +625,9 @@ class VgpuClient:
                 elif exc.code() == grpc.StatusCode.PERMISSION_DENIED and self._token is None:
                     self._warn_once("no_token", "application id taken and no token for it here",
                                     token_file=str(self.token_file),
-                                    fix="run with the token file of the first run, pass token=, or use another app_id")
+                                    fix="run with the token file of the first run, pass token= (the daemon keeps a "
+                                        f"copy: <state-dir>/tokens/apps/{app_id_digest(self.app_id)}.token, "
+                                        "readable by its operator), or use another app_id")
                 raise
         self._keep_token(call)
         if resp.mem_limit in ("hard", "cooperative"):
