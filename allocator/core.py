@@ -40,6 +40,7 @@ from vgpu.allocator.errors import (
     InvalidRequest,
     NotSupported,
     StateNotSaved,
+    Unavailable,
     VerifyFailed,
 )
 from vgpu.allocator.history import History, HistoryEvent, HistoryPoint
@@ -313,6 +314,7 @@ class Allocator:
         self._latest: dict[str, Recommendation] = {}
         self._requests: dict[str, AllocationRequest] = {}
         self._stopped = False
+        self._watches_ended = False
         self._warned: set[str] = set()
         self._mig_parent: dict[str, str] = {}  # MIG instance UUID -> its GPU's UUID
         self._mig_parent_at_s = -math.inf
@@ -376,7 +378,9 @@ class Allocator:
         """Subscribe to allocation events (every application's, or one's plus device-level events).
         Iterate with `async for`; `close()` it when done. Must be called on the allocator's loop.
         `owner` names the caller for the per-caller bound; InsufficientResources names the bound
-        that is reached."""
+        that is reached; Unavailable once `end_watches()` was called (the daemon is stopping)."""
+        if self._watches_ended:
+            raise Unavailable("the daemon is stopping; watch again once it is back")
         if self._max_watchers is not None and len(self._subscriptions) >= self._max_watchers:
             raise InsufficientResources(
                 f"quota: {len(self._subscriptions)} watchers are open, the limit (max_watchers = "
@@ -1043,6 +1047,13 @@ class Allocator:
         return outcomes
 
     # --- shutdown --------------------------------------------------------------------------------
+    def end_watches(self) -> None:
+        """End every watch subscription and refuse new ones: a stopping daemon calls this first, so
+        that its graceful stop does not wait `grace_s` for streams that never end by themselves."""
+        self._watches_ended = True
+        for sub in list(self._subscriptions):
+            sub.close()
+
     def stop(self) -> list[PowerLimitResult]:
         """Restore device settings (power limits, MIG layouts) and end every watch subscription.
         Safe to call twice; the second call does nothing."""

@@ -388,7 +388,8 @@ class Ledger:
         cold_start_mib: float | None = None,
     ) -> Grant:
         """A new grant, or InsufficientResources (and nothing changes). `cold_start_mib`: the
-        sizer's size for the job, kept with the grant."""
+        sizer's size for the job, kept with the grant. `priority` is the application's own; an
+        operator's priority for the application (`set_limits`) overrides it."""
         _check_app_id(app_id)
         _check_amount("memory_mib", memory_mib)
         _check_amount("sm_pct", sm_pct, upper=100.0)
@@ -401,9 +402,13 @@ class Ledger:
         if device_id is None or device_id == "":
             device_id = self.place(memory_mib, sm_pct, app_id)
         self._check_fits(app_id, device_id, memory_mib, sm_pct)
-        if priority is None:
-            lim = self._limits.get(app_id)
-            priority = lim.priority if lim is not None and lim.priority is not None else 0
+        lim = self._limits.get(app_id)
+        if lim is not None and lim.priority is not None:
+            # The operator's priority (set-limit) says which application yields first: it overrides
+            # whatever the application asks for itself.
+            priority = lim.priority
+        elif priority is None:
+            priority = 0
         now = self._clock()
         grant = Grant(
             grant_id=self._new_id(),
@@ -494,7 +499,8 @@ class Ledger:
         """Set an application's caps (operators only: an application identity is refused).
 
         Limits below what the application already holds are accepted; they stop further growth and
-        the policy shrinks the grants over time."""
+        the policy shrinks the grants over time. A priority is given to the grants the application
+        holds as well as to those to come (over the priority the application asks for)."""
         _check_app_id(limits.app_id)
         if caller is not None:
             raise PermissionDenied(f"{caller!r} may not set limits; only an operator may")
@@ -507,6 +513,12 @@ class Ledger:
             limits = replace(limits, priority=old.priority)
         self._touch_limits(limits.app_id)
         self._limits[limits.app_id] = limits
+        if limits.priority is not None:
+            # the grants held already take the operator's priority too: the policy reads it there
+            for g in list(self._by_app.get(limits.app_id, {}).values()):
+                if g.priority != limits.priority:
+                    self._touch_grant(g.grant_id)
+                    self._put(replace(g, priority=limits.priority))
         return limits
 
     # --- persistence -----------------------------------------------------------------------------

@@ -112,6 +112,7 @@ def grant_to_pb(g: Grant) -> pb.Grant:
         created_at_s=g.created_at_s,
         updated_at_s=g.updated_at_s,
         source=g.source,
+        pid=g.pid,
     )
 
 

@@ -81,3 +81,19 @@ def test_report_labels_an_sm_change_with_its_resource_and_unit(env: Env, serves:
     rows = re.findall(r"<tr><td>a on [^<]*</td><td>[^<]*</td><td>([^<]*)</td><td>([^<]*)</td></tr>", page.read_text())
     sm_rows = [detail for kind, detail in rows if kind == "sm"]
     assert sm_rows == ["capped by limits: SM 50 -&gt; 20 %"], rows  # the SM change, not "1000 -> 1000 MiB"
+
+
+def test_requesting_an_id_another_client_owns_says_where_the_token_was_looked_for(
+        env: Env, serves: list[Serve], tmp_path: Path) -> None:
+    serves.append(Serve(env))
+    sock = ["--socket", str(env.sock)]
+    assert vgpu("request", *sock, "--app", "taken", "--memory-mib", "10", env=env.env).returncode == 0
+    other = dict(env.env, XDG_CONFIG_HOME=str(tmp_path / "another-user"))  # its token cache is empty
+    r = vgpu("request", *sock, "--app", "taken", "--memory-mib", "10", env=other)
+    assert r.returncode == 1
+    assert "PERMISSION_DENIED" in r.stderr and "owned by another client" in r.stderr, r.stderr
+    assert str(tmp_path / "another-user" / "vgpu" / "tokens") in r.stderr, r.stderr  # the cache it read
+    assert "--token-file" in r.stderr and "--state-dir" in r.stderr, r.stderr
+    # the daemon's copy, read with --state-dir, lets the operator act for the application
+    ok = vgpu("request", *sock, "--state-dir", str(env.state), "--app", "taken", "--memory-mib", "10", env=other)
+    assert ok.returncode == 0, ok.stderr

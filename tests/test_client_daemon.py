@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from daemon_fixtures import ROOT, Env, Serve
@@ -156,3 +157,120 @@ def test_the_stub_logs_to_stderr_never_stdout(env: Env, serves: list[Serve], tmp
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.splitlines() == [json.dumps({"kind": "cooperative"})], r.stdout
     assert "application token saved" in r.stderr
+
+
+# One process of an application: it holds a grant until told to go on (a line on stdin), then says
+# which grants it holds and leaves its `with` block.
+TWIN = """
+import json, sys, time
+from vgpu.client import VgpuClient
+
+sock, app_id, inapp, memory = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+with VgpuClient(app_id, socket=sock, inapp_dir=inapp) as client:
+    grant = client.request(memory_mib=memory)
+    print("granted", grant.grant_id, flush=True)
+    sys.stdin.readline()
+    time.sleep(0.5)  # the watch has had time to hear of the other process's grant
+    print("holds", json.dumps(sorted(g.grant_id for g in client.grants())), client.granted_memory_mib, flush=True)
+print("closed", flush=True)
+"""
+
+
+def test_two_processes_of_one_app_id_keep_to_their_own_grants(env: Env, serves: list[Serve], tmp_path: Path) -> None:
+    inapp = tmp_path / "inapp"
+    env.env["VGPU_SERVER_INAPP_DIR"] = str(inapp)
+    serves.append(Serve(env))
+
+    def start(memory_mib: int) -> tuple[subprocess.Popen[str], str]:
+        p = subprocess.Popen([sys.executable, "-c", TWIN, str(env.sock), "twin", str(inapp), str(memory_mib)],
+                             cwd=ROOT, env=env.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        assert line.startswith("granted"), line + (p.stderr.read() if p.stderr else "")
+        return p, line.split()[1]
+
+    first, first_grant = start(1000)
+    second, second_grant = start(2000)  # the same id and token (one user): a second process of the app
+    try:
+        out, err = first.communicate("go\n", timeout=60)
+        assert first.returncode == 0, out + err
+        holds = next(line for line in out.splitlines() if line.startswith("holds")).split(maxsplit=2)
+        assert json.loads(holds[1]) == [first_grant] and float(holds[2]) == 1000.0, out
+        # the first process's close released its own grant, and not the second's
+        assert [g["grant_id"] for g in grants_of(env, "twin")] == [second_grant]
+        out, err = second.communicate("go\n", timeout=60)
+        assert second.returncode == 0, out + err
+        assert f'["{second_grant}"] 2000.0' in out
+        assert grants_of(env, "twin") == []
+    finally:
+        for p in (first, second):
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+
+# An application that holds a grant across a restart of the daemon, then leaves its `with` block.
+HOLD = """
+import sys
+from vgpu.client import VgpuClient
+
+sock, app_id, inapp = sys.argv[1], sys.argv[2], sys.argv[3]
+with VgpuClient(app_id, socket=sock, inapp_dir=inapp) as client:
+    grant = client.request(memory_mib=1000)
+    print("granted", grant.grant_id, client.token, flush=True)
+    sys.stdin.readline()
+    print("holds", [g.grant_id for g in client.grants()], client.token, flush=True)
+print("closed", flush=True)
+"""
+
+
+def test_an_application_outlives_a_daemon_restart_and_releases_at_once(
+        env: Env, serves: list[Serve], tmp_path: Path) -> None:
+    inapp = tmp_path / "inapp"
+    env.env["VGPU_SERVER_INAPP_DIR"] = str(inapp)
+    serves.append(Serve(env))
+    app = subprocess.Popen([sys.executable, "-c", HOLD, str(env.sock), "survivor", str(inapp)], cwd=ROOT,
+                           env=env.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    try:
+        assert app.stdout is not None
+        _, grant_id, token = app.stdout.readline().split()
+        assert serves[-1].term() == 0
+        time.sleep(8.0)  # down long enough for gRPC's default reconnect backoff to grow past seconds
+        serves.append(Serve(env))  # the same socket and state directory: the grant is restored
+        assert [g["grant_id"] for g in grants_of(env, "survivor")] == [grant_id]
+        out, err = app.communicate("go\n", timeout=60)
+        assert app.returncode == 0, out + err
+        assert f"holds ['{grant_id}'] {token}" in out  # the same grant and token, no new claim
+        # leaving the block released the grant on the restarted daemon at once, not after idle_release_s
+        assert "release on close failed" not in err, err
+        assert grants_of(env, "survivor") == []
+    finally:
+        if app.poll() is None:
+            app.kill()
+            app.wait(10)
+
+
+def test_a_watching_application_does_not_hold_up_the_daemons_stop(
+        env: Env, serves: list[Serve], tmp_path: Path) -> None:
+    # grace_s is for calls in flight; a stub's watch stream never ends by itself, so a stop that
+    # waited for it would always take the whole grace (here 30 s) whenever an application runs.
+    inapp = tmp_path / "inapp"
+    env.env["VGPU_SERVER_INAPP_DIR"] = str(inapp)
+    env.env["VGPU_SERVER_GRACE_S"] = "30"
+    serves.append(Serve(env))
+    app = subprocess.Popen([sys.executable, "-c", HOLD, str(env.sock), "watcher", str(inapp)], cwd=ROOT,
+                           env=env.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    try:
+        assert app.stdout is not None
+        assert app.stdout.readline().startswith("granted")
+        time.sleep(1.0)  # the stub's watch thread has opened its stream
+        started = time.monotonic()
+        assert serves[-1].term() == 0
+        assert time.monotonic() - started < 15.0
+        assert serves[-1].event("stopped")
+    finally:
+        app.kill()
+        app.wait(10)

@@ -97,3 +97,18 @@ def test_every_flag_has_help() -> None:
     for flag in ("--app", "--max-memory-mib", "--max-sm-pct", "--priority", "--clear", "--create", "--json"):
         assert len(blocks.get(flag, "").split()) >= 3, (flag, blocks.get(flag))
     assert "grants it holds now included" in r.stdout
+
+
+def test_the_operators_priority_reaches_the_grants_held_and_to_come(env: Env, serves: list[Serve]) -> None:
+    # The policy decides who yields first from the grants' priorities: the operator's priority must
+    # be there, over whatever the application asked for, and survive a restart.
+    serves.append(Serve(env))
+    sock = ["--socket", str(env.sock)]
+    env.vgpu("request", *sock, "--app", "batch", "--memory-mib", "1024", "--priority", "3")
+    op(env, "--app", "batch", "--priority", "-2")
+    assert [g["priority"] for g in app(env, "batch")["grants"]] == [-2]
+    env.vgpu("request", *sock, "--app", "batch", "--memory-mib", "512", "--priority", "9")
+    assert [g["priority"] for g in app(env, "batch")["grants"]] == [-2, -2]
+    assert serves[-1].term() == 0
+    serves.append(Serve(env))
+    assert [g["priority"] for g in app(env, "batch")["grants"]] == [-2, -2]

@@ -23,7 +23,8 @@ Three things run behind that API:
 
 * **Requests** go to the `Allocator` gRPC service (`RequestResourceAllocation`, `ReleaseResources`).
 * **A watch of its own grants** (`WatchAllocations` filtered by `app_id`, in a daemon thread, reconnecting
-  with capped backoff) keeps the sum of the app's granted memory. When it changes, the stub applies it
+  with capped backoff) keeps the sum of the app's granted memory: grants naming this process's pid or no
+  pid (a grant naming another process of the same id is that process's). When it changes, the stub applies it
   *cooperatively*: for PyTorch, `torch.cuda.set_per_process_memory_fraction(limit / total)`, so an
   allocation beyond the grant fails (torch's OutOfMemoryError) and the application lives. On a device
   whose memory is contended the daemon also caps the process's cgroup at the grant (a hard limit,
@@ -90,6 +91,17 @@ PID_START_TOLERANCE_S = 1.0
 MIB = 1024 * 1024
 
 _log = get_library_logger("vgpu.client")
+
+# gRPC's default reconnect backoff grows to 120 s: after the daemon restarts, every call (a release on
+# close included) would fail with UNAVAILABLE until the channel's next try. The daemon is local (or one
+# TCP peer), so trying again every second at most costs nothing and finds a restarted daemon at once.
+# How long close() waits for an unreachable daemon to release the grants (a restart takes seconds).
+CLOSE_RELEASE_WAIT_S = 5.0
+RECONNECT_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
 
 AUTH_METADATA_KEY = "authorization"  # as vgpu/auth.py: `authorization: Bearer <token>`
 APP_TOKEN_TRAILER = "vgpu-app-token"  # the trailer that carries a newly claimed app's token
@@ -526,7 +538,8 @@ class VgpuClient:
         )
         self._token_from_file = token is None and self._token is not None
         self._own_channel = channel is None
-        self._channel = channel if channel is not None else grpc.insecure_channel(grpc_target(socket))
+        self._channel = (channel if channel is not None
+                         else grpc.insecure_channel(grpc_target(socket), options=RECONNECT_OPTIONS))
         self._stub = allocator_pb2_grpc.AllocatorStub(self._channel)
 
         self._lock = threading.Lock()
@@ -613,7 +626,9 @@ class VgpuClient:
                 elif exc.code() == grpc.StatusCode.PERMISSION_DENIED and self._token is None:
                     self._warn_once("no_token", "application id taken and no token for it here",
                                     token_file=str(self.token_file),
-                                    fix="run with the token file of the first run, pass token=, or use another app_id")
+                                    fix="run with the token file of the first run, pass token= (the daemon keeps a "
+                                        f"copy: <state-dir>/tokens/apps/{app_id_digest(self.app_id)}.token, "
+                                        "readable by its operator), or use another app_id")
                 raise
         self._keep_token(call)
         if resp.mem_limit in ("hard", "cooperative"):
@@ -651,16 +666,18 @@ class VgpuClient:
             return
         _log.info("application token saved", app_id=self.app_id, token_file=str(self.token_file))
 
-    def release(self, grant_id: str | None = None) -> list[allocator_pb2.Grant]:
-        """Release one grant, or every grant this client holds; the released grants."""
+    def release(self, grant_id: str | None = None, *, wait_s: float = 0.0) -> list[allocator_pb2.Grant]:
+        """Release one grant, or every grant this client holds; the released grants. `wait_s` > 0 waits
+        that long for an unreachable daemon (one restarting) instead of failing with UNAVAILABLE."""
         with self._lock:
             ids = [grant_id] if grant_id is not None else list(self._grants)
         released = []
         for gid in ids:
             resp = self._stub.ReleaseResources(
                 allocator_pb2.ReleaseResourcesRequest(grant_id=gid),
-                timeout=self._timeout_s,
+                timeout=wait_s if wait_s > 0 else self._timeout_s,
                 metadata=self._call_metadata(),
+                wait_for_ready=wait_s > 0,
             )
             self._on_grant(resp.released, released=True, grant_id=gid)
             released.append(resp.released)
@@ -756,6 +773,10 @@ class VgpuClient:
         """Apply one WatchAllocations event (the watch thread calls this; public for tests)."""
         if event.grant.app_id and event.grant.app_id != self.app_id:
             return
+        if event.grant.pid and event.grant.pid != self.pid:
+            # Another process of the same application id: its grant is neither this process's limit
+            # nor this client's to release on close.
+            return
         kind = event.kind
         if event.mem_limit in ("hard", "cooperative"):
             with self._lock:
@@ -775,7 +796,9 @@ class VgpuClient:
             call.cancel()
         if release:
             try:
-                self.release()
+                # A daemon in the middle of a restart is waited for briefly: otherwise the grants
+                # would stay until its idle release.
+                self.release(wait_s=CLOSE_RELEASE_WAIT_S)
             except grpc.RpcError as exc:
                 _log.warning("release on close failed", app_id=self.app_id, code=str(exc.code()))
         for t in self._threads:

@@ -24,6 +24,11 @@ DEFAULT_CONFIG_PATH = Path("/etc/vgpu/vgpu.toml")
 DEFAULT_SOCKET_PATH = "/run/vgpu/vgpu.sock"
 DEFAULT_SOCKET = "unix://" + DEFAULT_SOCKET_PATH  # as a gRPC target
 DEFAULT_STATE_DIR = "/var/lib/vgpu"
+# sockaddr_un.sun_path on Linux: 108 bytes with the terminating NUL, so a socket path has at most 107.
+MAX_SOCKET_PATH_BYTES = 107
+# Settings that name files: a relative path would depend on the daemon's working directory (/ under
+# systemd), so the file and the environment must give them absolute (flags are made absolute first).
+PATH_KEYS = ("server.socket", "server.state_dir", "server.inapp_dir", "tls.cert", "tls.key", "tls.ca")
 
 
 class ConfigError(ValueError):
@@ -261,6 +266,20 @@ def _validate(cfg: Config) -> None:
         )
     if not s.state_dir:
         raise ConfigError("server.state_dir: must not be empty")
+    for dotted in PATH_KEYS:
+        section, _, key = dotted.partition(".")
+        value = getattr(getattr(cfg, section), key)
+        if value and not os.path.isabs(value):
+            raise ConfigError(
+                f"{dotted}: {value!r} is a relative path; give an absolute one (the daemon's working "
+                f"directory is / under systemd), e.g. {os.path.abspath(value)!r}"
+            )
+    socket_bytes = len(os.fsencode(s.socket))
+    if socket_bytes > MAX_SOCKET_PATH_BYTES:
+        raise ConfigError(
+            f"server.socket: {s.socket!r} is {socket_bytes} bytes; a Unix socket path may have at most "
+            f"{MAX_SOCKET_PATH_BYTES} (sun_path): choose a shorter path"
+        )
     if s.backend.strip().lower() != "nvml":
         from vgpu.device import parse_sim_spec
 

@@ -156,9 +156,20 @@ class Client:
                 if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED) and tok is not None:
                     last = exc
                     continue
-                raise CliError(f"{code.name}: {exc.details()}") from None
+                raise CliError(f"{code.name}: {exc.details()}{self._owner_hint(exc, app_id)}") from None
         assert last is not None
-        raise CliError(f"{last.code().name}: {last.details()}")
+        raise CliError(f"{last.code().name}: {last.details()}{self._owner_hint(last, app_id)}")
+
+    def _owner_hint(self, exc: grpc.RpcError, app_id: str | None) -> str:
+        """For an application id another client owns: where this CLI looked for its token, and how to
+        give it."""
+        if app_id is None or exc.code() != grpc.StatusCode.PERMISSION_DENIED or self.tokens.explicit is not None:
+            return ""
+        if "owned by another client" not in (exc.details() or ""):
+            return ""
+        return (f"; no token of {app_id!r} here: looked in {self.tokens.app_cache_path(app_id)} and "
+                f"{auth.app_token_file(app_id, self.tokens.state_dir)}; pass the file of the run that claimed it "
+                "with --token-file, or --state-dir (the daemon's) as a user who may read its tokens, or use another --app")
 
 
 def _unreachable(exc: grpc.RpcError) -> bool:
@@ -547,7 +558,9 @@ def set_limit_main(argv: Sequence[str] | None = None, prog: str = "vgpu set-limi
         p.add_argument("--max-memory-mib", type=_nonneg,
                        help="most GPU memory (MiB) all the application's grants may hold together")
         p.add_argument("--max-sm-pct", type=_nonneg, help="most SM share (%%) all its grants may hold together")
-        p.add_argument("--priority", type=int, help="the application's priority (larger is more important; default 0)")
+        p.add_argument("--priority", type=int,
+                       help="the application's priority: under contention lower priorities yield first (negative "
+                            "allowed); it overrides what its requests ask for and applies to the grants it holds")
         p.add_argument("--clear", action="store_true", help="remove the memory and SM caps")
         p.add_argument("--create", action="store_true",
                        help="set limits for an application the daemon does not list yet (one that has not started)")

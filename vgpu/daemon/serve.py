@@ -31,6 +31,7 @@ Start-up, in order (each step fails loudly with a message that names what to fix
 6. READY=1 to systemd and a WATCHDOG=1 every third of WatchdogSec while the loop is alive.
 
 SIGTERM or SIGINT: STOPPING=1, the front stops accepting and the public socket is removed, the
+watch streams end (they never end by themselves, so the grace would always run out on them), the
 server stops taking calls (in-flight ones get `grace_s`, relayed still), the front closes what is
 left and the front's directory is removed, the
 allocator restores what it changed, then every device whose power limit or MIG layout still
@@ -701,20 +702,39 @@ def lock_state_dir(state_dir: Path) -> StateLock:
         state_dir.mkdir(parents=True, exist_ok=True)
         dir_fd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
-        raise StartupError(f"state directory {state_dir} is not usable: {exc}") from exc
+        raise StartupError(_unusable_state_dir(state_dir, exc)) from exc
     try:
         fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(dir_fd)
-        raise StartupError(f"another vgpu daemon is using the state directory {state_dir}") from None
+        holder = _lock_holder(state_dir)
+        raise StartupError(
+            f"another vgpu daemon is using the state directory {state_dir}{holder}: stop it first (one "
+            "stopping waits up to server.grace_s for its calls), or give this one another --state-dir "
+            "(server.state_dir)"
+        ) from None
     try:
         fh = open(state_dir / LOCK_FILE, "w")  # noqa: SIM115 - held until exit
         fh.write(f"{os.getpid()}\n")
         fh.flush()
     except OSError as exc:
         os.close(dir_fd)
-        raise StartupError(f"state directory {state_dir} is not usable: {exc}") from exc
+        raise StartupError(_unusable_state_dir(state_dir, exc)) from exc
     return StateLock(dir_fd, fh)
+
+
+def _unusable_state_dir(state_dir: Path, exc: OSError) -> str:
+    return (f"state directory {state_dir} is not usable ({exc.strerror or exc}): the daemon's user must be "
+            "able to create and write it; fix its permissions or give another --state-dir (server.state_dir)")
+
+
+def _lock_holder(state_dir: Path) -> str:
+    """' (pid N)' from the lock file the holder wrote, or '' when it cannot be read."""
+    try:
+        text = (state_dir / LOCK_FILE).read_text(encoding="ascii", errors="replace").strip()
+    except OSError:
+        return ""
+    return f" (pid {int(text)})" if text.isdigit() and len(text) <= 10 else ""
 
 
 def _read(path: str, what: str) -> bytes:
@@ -1052,7 +1072,10 @@ class Daemon:
         if self.front is not None:  # no new connections; relayed ones stay for the grace period
             await asyncio.to_thread(self.front.stop_accepting)
         self._remove_public_socket()
+        allocator: Allocator | None = getattr(self, "allocator", None)
         if self.server is not None:
+            if allocator is not None:
+                allocator.end_watches()  # watch streams never end by themselves: grace_s is for calls
             await self.server.stop(self.cfg.server.grace_s)
         if self.front is not None:
             await asyncio.to_thread(self.front.stop)
@@ -1063,7 +1086,6 @@ class Daemon:
             remove_front_dir(self._front_dir)
             self._front_dir = None
         actions: list[dict[str, Any]] = []
-        allocator: Allocator | None = getattr(self, "allocator", None)
         store: Store | None = getattr(self, "store", None)
         backend: Backend | None = getattr(self, "backend", None)
         if allocator is not None and store is not None and backend is not None:
@@ -1178,7 +1200,14 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     return p
 
 
+def _absolute(path: str | None) -> str | None:
+    """A path flag as an absolute path: typed at a shell, it is relative to the shell's directory."""
+    return os.path.abspath(path) if path else path
+
+
 def config_from_args(ns: argparse.Namespace, env: dict[str, str] | None = None) -> Config:
+    for name in ("socket", "state_dir", "tls_cert", "tls_key", "tls_ca"):
+        setattr(ns, name, _absolute(getattr(ns, name)))
     overrides = {
         "server.socket": ns.socket,
         "server.socket_mode": ns.socket_mode,

@@ -1,0 +1,71 @@
+"""Configuration mistakes an operator makes, run as `vgpu serve` runs them (a subprocess): each is one
+line naming the setting or path and what to do, and the daemon does not start."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from daemon_fixtures import ROOT, SKU, Env, Serve
+
+
+def serve(env: Env, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "vgpu.cli", "serve", "--backend", f"sim:{SKU}",
+                           "--metrics-port", "0", *args],
+                          cwd=cwd, env=env.env, capture_output=True, text=True, timeout=120)
+
+
+def one_line(r: subprocess.CompletedProcess[str]) -> str:
+    """The one line for the operator (the JSON log records beside it are for the journal)."""
+    lines = [line for line in r.stderr.splitlines() if line.startswith("vgpu serve:")]
+    assert len(lines) == 1, r.stderr
+    return lines[0]
+
+
+def test_a_relative_path_in_the_config_file_names_the_key_and_an_absolute_form(env: Env) -> None:
+    f = env.tmp / "vgpu.toml"
+    f.write_text('[server]\nstate_dir = "rel/state"\n')
+    r = serve(env, "--config", str(f), "--socket", str(env.sock), "--check-config", cwd=env.tmp)
+    assert r.returncode == 2
+    line = one_line(r)
+    assert "server.state_dir" in line and "relative" in line and str(env.tmp / "rel" / "state") in line, line
+    assert not (env.tmp / "rel").exists()  # nothing was created relative to the working directory
+
+
+def test_a_relative_path_flag_is_taken_from_the_shells_directory(env: Env) -> None:
+    r = serve(env, "--socket", "v.sock", "--state-dir", "st", "--check-config", cwd=env.tmp)
+    assert r.returncode == 0, r.stderr
+    assert f'socket = "{env.tmp / "v.sock"}"' in r.stdout
+    assert f'state_dir = "{env.tmp / "st"}"' in r.stdout
+
+
+def test_a_socket_path_longer_than_sun_path_names_its_length_and_the_limit(env: Env) -> None:
+    long_sock = env.tmp / ("s" * 120 + ".sock")
+    r = serve(env, "--socket", str(long_sock), "--state-dir", str(env.state))
+    assert r.returncode == 2
+    line = one_line(r)
+    assert "server.socket" in line and f"{len(str(long_sock).encode())} bytes" in line, line
+    assert "at most 107" in line and "shorter path" in line, line
+    assert not env.state.exists()  # refused before anything was created
+
+
+def test_a_second_daemon_on_one_state_directory_names_the_holder_and_what_to_do(
+        env: Env, serves: list[Serve]) -> None:
+    first = Serve(env)
+    serves.append(first)
+    r = serve(env, "--socket", str(env.tmp / "second.sock"), "--state-dir", str(env.state))
+    assert r.returncode == 1
+    line = one_line(r)
+    assert f"state directory {env.state} (pid {first.proc.pid})" in line, line
+    assert "stop it first" in line and "--state-dir" in line, line
+
+
+def test_a_state_directory_that_cannot_be_created_names_the_path_and_the_setting(env: Env) -> None:
+    blocker = env.tmp / "not-a-dir"
+    blocker.write_text("")
+    r = serve(env, "--socket", str(env.sock), "--state-dir", str(blocker / "state"))
+    assert r.returncode == 1
+    line = one_line(r)
+    assert f"state directory {blocker / 'state'} is not usable (Not a directory)" in line, line
+    assert "--state-dir (server.state_dir)" in line, line
