@@ -8,8 +8,17 @@ reconnect) is dropped quietly as a duplicate, the rest of the batch and the stre
 the per-application windows (manager/window.py, numpy ring buffers).
 
 Deciding. An application whose window got new samples is *due* for a forecast when it has at least
-`min_samples` samples and its last forecast is `forecast_interval_s` old or more (the per-app rate
-bound; the daemon's default is 1 s). The due applications of every batch that arrives within
+`min_samples` samples and either has not been forecast yet, or its last forecast is
+`forecast_interval_s` old or more (the per-app rate bound; the daemon's default is 1 s), or the
+next boundary of its own *phase* (boundaries `forecast_interval_s` apart, offset by the phase) has
+passed since its last forecast and that forecast is at least half an interval old. Phases follow
+the golden-ratio sequence over the order in which applications were first forecast, so
+applications that arrive together (one profiler stream carries every application of its node in
+each batch) are forecast one slice of them per batch instead of all in the same batch once a
+second: the forecasting work, and so a decision's wait for the forecast round it is in, is spread
+evenly over the interval. Boundaries are fixed in time, so the phases do not drift together; each
+application is still forecast once per interval on average (at most twice, the second time after
+half an interval, while it takes its phase after its first forecast). The due applications of every batch that arrives within
 `batch_window_s` (a few ms) are forecast together: one `forecast_batch` call over their windows, run
 in a worker thread, and the reply to each of those batches waits for it and carries its decisions.
 So a decision follows its signature by the batching window plus one forecast, not by up to a whole
@@ -24,9 +33,17 @@ debt is earned back and everything that became due meanwhile joins it. So bursts
 within a few ms, and under sustained overload the forecasting CPU stays near `forecast_duty_max`
 of a core (torch's own intra-op threads come on top), with decisions later and batches larger.
 Each forecast becomes a `Decision` (recommended memory = the peak P90 over the horizons plus
-`mem_margin`, recommended SM = the peak P90), and the decisions go to the allocator in-process
-(`Allocator.apply_recommendations`). Applications silent for long are evicted and their forecast
-grants released.
+`mem_margin`, recommended SM = the peak P90), published at once (the replies carry it), and the
+decisions go to the allocator in-process (`Allocator.apply_recommendations`). An apply plans every
+application on the devices it touches (the others stand in with their latest recommendation), so
+its cost grows with the applications on a device, not with the decisions it carries: on the loop,
+applies are held to `act_duty_max` of a core (2 % by default) by a second `DutyBudget`. While it
+lasts, each round's decisions are applied right after the round; once it is spent, decisions wait
+(the newest per application) for the first round that ends after it is earned back and are applied
+together (or, when no round comes, one forecast interval later). So a node whose applies are cheap
+acts on every round, and one with hundreds of applications on a device acts less often on larger
+sets instead of spending a core on re-planning. Applications silent for long are evicted and their
+forecast grants released.
 
 A forecaster that raises is logged and the fallback (the plain baseline) serves that batch.
 
@@ -66,7 +83,10 @@ from vgpu.v1 import ingest_pb2
 from vgpu.wire import MAX_ID_CHARS, ColumnsFormatError, parse_signature, read_columns
 
 _MAX_APP_ID = MAX_ID_CHARS
-_NAMED_SOURCES = ("model", "mixture")  # forecast sources a decision names; any other is "baseline"
+_NAMED_SOURCES = ("model", "mixture")
+# The share of a core the allocator's acting may take on average (see `Manager._act`).
+ACT_DUTY_MAX = 0.02
+_GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0  # the phase sequence's step (a fraction of the interval)  # forecast sources a decision names; any other is "baseline"
 
 
 def default_baseline() -> Forecaster:
@@ -149,6 +169,9 @@ class ManagerStats:
     evicted: int = 0
     dropped_by_profilers: int = 0
     forecast_s_total: float = 0.0
+    # allocator calls with decisions, and how many of them waited for the acting budget (`act_duty_max`)
+    applies: int = 0
+    applies_deferred: int = 0
     unknown_device: int = 0  # rejected (and in `rejected`): the signature names a device the daemon lacks
     # rejected (and in `rejected`): from a stream that may not replay, naming no GPU process of this
     # node, or a pid another application's signatures name
@@ -236,6 +259,7 @@ class Manager:
         batch_window_s: float = 0.001,
         forecast_duty_max: float = 0.25,
         duty_window_s: float = 1.0,
+        act_duty_max: float = ACT_DUTY_MAX,
         min_samples: int = 3,
         mem_margin: float = 0.10,
         max_future_s: float | None = None,
@@ -243,8 +267,9 @@ class Manager:
         device_known: Callable[[str], bool] | None = None,
         pid_observed: Callable[[str, int], bool] | None = None,
     ) -> None:
-        if forecast_interval_s < 0 or batch_window_s < 0 or not 0 < forecast_duty_max <= 1:
-            raise ValueError("forecast_interval_s and batch_window_s must be >= 0, forecast_duty_max in (0, 1]")
+        if forecast_interval_s < 0 or batch_window_s < 0 or not 0 < forecast_duty_max <= 1 or not 0 < act_duty_max <= 1:
+            raise ValueError("forecast_interval_s and batch_window_s must be >= 0, forecast_duty_max and act_duty_max "
+                             "in (0, 1]")
         self.allocator = allocator
         self.fallback = fallback if fallback is not None else default_baseline()
         self.forecaster = forecaster if forecaster is not None else self.fallback
@@ -254,6 +279,10 @@ class Manager:
         self.batch_window_s = batch_window_s
         self.forecast_duty_max = forecast_duty_max
         self._duty = DutyBudget(forecast_duty_max, duty_window_s)
+        self.act_duty_max = act_duty_max
+        self._act_duty = DutyBudget(act_duty_max, duty_window_s)
+        self._unapplied: dict[str, Decision] = {}  # app -> its newest decision not yet given to the allocator
+        self._apply_later: asyncio.TimerHandle | None = None
         self.min_samples = min_samples
         self.mem_margin = mem_margin
         # Samples stamped more than this ahead of the clock are rejected (None: no bound).
@@ -263,6 +292,8 @@ class Manager:
         self._serial: dict[str, int] = {}  # app -> serial of its latest decision
         self._next_serial = 0
         self._last_forecast_s: dict[str, float] = {}  # app -> when its window was last taken to forecast
+        self._phase_s: dict[str, float] = {}  # app -> its forecast phase in [0, forecast_interval_s)
+        self._admitted = 0  # applications given a phase so far (the phase sequence's index)
         self._dirty: set[str] = set()  # apps with samples not yet forecast
         self._pending: set[str] = set()  # due apps waiting for the next batched forecast
         self._pending_done: asyncio.Future[None] | None = None
@@ -481,9 +512,31 @@ class Manager:
                 continue
             if len(self.windows.window(app_id)) < self.min_samples:
                 continue
-            if now - self._last_forecast_s.get(app_id, -math.inf) >= self.forecast_interval_s - 1e-6:
+            if self._is_due(app_id, now):
                 out.append(app_id)
         return out
+
+    def _is_due(self, app_id: str, now: float) -> bool:
+        """Whether `app_id` (with new samples) may be forecast at `now`: never forecast yet, or
+        `forecast_interval_s` since its last forecast, or its phase's next slot boundary passed since
+        the last one with at least half an interval between the two forecasts."""
+        last = self._last_forecast_s.get(app_id)
+        interval = self.forecast_interval_s
+        if last is None or now - last >= interval - 1e-6:
+            return True
+        if now - last < interval / 2:
+            return False
+        phase = self._phase_s.get(app_id, 0.0)
+        return math.floor((now - phase) / interval) > math.floor((last - phase) / interval)
+
+    def _phase_of(self, app_id: str) -> float:
+        """The application's forecast phase: the golden-ratio sequence over admission order, so
+        that any run of consecutively admitted applications is spread evenly over the interval."""
+        phase = self._phase_s.get(app_id)
+        if phase is None:
+            phase = self._phase_s[app_id] = (self._admitted * _GOLDEN) % 1.0 * self.forecast_interval_s
+            self._admitted += 1
+        return phase
 
     def ingest(self, batch: ingest_pb2.SignatureBatch, stream: StreamState | None = None) -> ingest_pb2.IngestReply:
         """Accept a batch and forecast and act for the applications that are due, all on this thread."""
@@ -592,6 +645,7 @@ class Manager:
             if len(win) < self.min_samples:
                 continue
             self._last_forecast_s[app_id] = now
+            self._phase_of(app_id)
             trace = win.trace()
             if app_id not in self._first_use_s:
                 used = first_use_s(trace)
@@ -650,20 +704,63 @@ class Manager:
         return mem, sm
 
     def _act(self, decisions: list[Decision]) -> None:
+        """Publish the decisions (the replies carry them from now on) and hand them to the allocator.
+        Without a running loop, at once. On the loop, at once while the acting budget
+        (`act_duty_max`) lasts; once it is spent, they wait, with any later ones, for the first
+        round that ends after the budget is earned back (acting right after a round keeps it out of
+        the way of the next batch), or for a timer one forecast interval later when no round comes."""
         decisions = [d for d in decisions if d.app_id in self.windows]  # not one evicted meanwhile
         for d in decisions:
             self._next_serial += 1
             self._serial[d.app_id] = self._next_serial
             self.latest[d.app_id] = d
         self.stats.decisions += len(decisions)
-        if self.allocator is not None and decisions:
-            try:
-                report = self.allocator.apply_recommendations([d.to_recommendation() for d in decisions])
-            except Exception as exc:  # noqa: BLE001 - acting failed; the stream and the next tick go on
-                self._log.error("apply_recommendations_failed", error=repr(exc))
-                return
-            if report.skipped:
-                self._log.debug("recommendations_skipped", skipped=list(report.skipped))
+        if self.allocator is None or not decisions:
+            return
+        for d in decisions:
+            self._unapplied[d.app_id] = d
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._apply()
+            return
+        wait_s = self._act_duty.wait_s(loop.time())
+        if wait_s <= 0:
+            self._apply()
+            return
+        self.stats.applies_deferred += 1
+        if self._apply_later is None:
+            self._apply_later = loop.call_later(wait_s + self.forecast_interval_s, self._apply)
+
+    def _apply(self) -> None:
+        """Give the allocator the newest undelivered decision of each application still held, as one
+        set of recommendations, and charge the acting budget with the CPU it took."""
+        if self._apply_later is not None:
+            self._apply_later.cancel()
+            self._apply_later = None
+        pending = [d for d in self._unapplied.values() if d.app_id in self.windows]
+        self._unapplied = {}
+        if self.allocator is None or not pending:
+            return
+        started = time.thread_time()
+        try:
+            report = self.allocator.apply_recommendations([d.to_recommendation() for d in pending])
+        except Exception as exc:  # noqa: BLE001 - acting failed; the stream and the next tick go on
+            self._log.error("apply_recommendations_failed", error=repr(exc))
+            return
+        finally:
+            self.stats.applies += 1
+            self._act_duty.spend(self._loop_time(), time.thread_time() - started)
+        if report.skipped:
+            self._log.debug("recommendations_skipped", skipped=list(report.skipped))
+
+    @staticmethod
+    def _loop_time() -> float:
+        """The running loop's clock (the acting budget's), else the monotonic clock it reads."""
+        try:
+            return asyncio.get_running_loop().time()
+        except RuntimeError:
+            return time.monotonic()
 
     def _checks_pids(self, stream: StreamState | None) -> bool:
         """Whether this stream's signatures must name processes the node runs."""
@@ -714,6 +811,8 @@ class Manager:
             self.latest.pop(app_id, None)
             self._serial.pop(app_id, None)
             self._last_forecast_s.pop(app_id, None)
+            self._phase_s.pop(app_id, None)
+            self._unapplied.pop(app_id, None)
             self._first_use_s.pop(app_id, None)
             pid = self._pids.pop(app_id, None)
             if pid is not None and self._pid_app.get(pid) == app_id:
