@@ -78,11 +78,12 @@ from vgpu.log import get_logger, worth_logging
 from vgpu.manager.baselines import BaselineForecaster
 from vgpu.manager.forecast import HORIZONS_S, Forecast, Forecaster, forget_app
 from vgpu.manager.window import WindowStore
-from vgpu.traces import AppTrace
+from vgpu.traces import NUMERIC, AppTrace
 from vgpu.v1 import ingest_pb2
-from vgpu.wire import MAX_ID_CHARS, ColumnsFormatError, parse_signature, read_columns
+from vgpu.wire import MAX_ID_CHARS, ColumnRows, ColumnsFormatError, parse_signature, read_columns
 
 _MAX_APP_ID = MAX_ID_CHARS
+_NB = len(NUMERIC)  # a row's values: the format's columns first, then the in-app counters (vgpu.wire.COLUMNS)
 _NAMED_SOURCES = ("model", "mixture")
 # The share of a core the allocator's acting may take on average (see `Manager._act`).
 ACT_DUTY_MAX = 0.02
@@ -453,6 +454,32 @@ class Manager:
         order = good[np.argsort(rows.app_index[good], kind="stable")]  # by app, batch order within
         by_app = rows.app_index[order]
         accepted = 0
+        if len(order) == 1 or bool((by_app[1:] != by_app[:-1]).all()):
+            # One row per application, a profiler's usual tick: through the windows' one-sample path
+            # (the same rules as a group of one), on Python lists instead of numpy slices per application.
+            values = rows.values[:, order]
+            if len(values) > _NB and np.isnan(values[_NB:]).all():
+                values = values[:_NB]  # no in-app value in the batch: the format's columns only
+            cols, seqs, ts = values.T.tolist(), rows.seq[order].tolist(), rows.t_s[order].tolist()
+            app_at, dev_at = by_app.tolist(), rows.device_index[order].tolist()
+            pid_at = pids[order].tolist() if pids is not None else None
+            add_row, dirty = self.windows.add_row, self._dirty
+            for j in range(len(app_at)):
+                app_id = rows.app_ids[app_at[j]]
+                kept_one, evicted = add_row(app_id, rows.device_ids[dev_at[j]], seqs[j], ts[j], cols[j], now)
+                if evicted:
+                    self._forget(evicted)
+                if kept_one:
+                    accepted += 1
+                    dirty.add(app_id)
+                    if pid_at is not None and pid_at[j]:
+                        self._name_pid(app_id, pid_at[j])
+                    kept_apps.add(app_id)
+                    if apps is not None:
+                        apps.add(app_id)
+                else:
+                    self._not_kept(app_id, order[j:j + 1], rows, base, reply, stream)
+            return accepted
         for grp in np.split(order, np.flatnonzero(np.diff(by_app)) + 1):
             app_id = rows.app_ids[int(rows.app_index[grp[0]])]
             kept, evicted = self.windows.add_rows(app_id, rows.device_ids[int(rows.device_index[grp[-1]])],
@@ -469,16 +496,21 @@ class Manager:
                 if apps is not None:
                     apps.add(app_id)
             if n_kept < len(grp):
-                win = self.windows.window(app_id)
-                behind = grp[~kept]
-                held = win.has(rows.seq[behind], rows.t_s[behind])
-                self._duplicates(int(held.sum()), stream)
-                for i in behind[~held]:
-                    stats.out_of_order += 1
-                    reply.rejected.add(index=base + int(i), app_id=app_id, reason=(
-                        f"out of order: seq {int(rows.seq[i])} at {float(rows.t_s[i]):.6f} s; the window has seq "
-                        f"{win.last_seq} at {win.last_t_s:.6f} s"))
+                self._not_kept(app_id, grp[~kept], rows, base, reply, stream)
         return accepted
+
+    def _not_kept(self, app_id: str, behind: np.ndarray, rows: ColumnRows, base: int, reply: ingest_pb2.IngestReply,
+                  stream: StreamState | None) -> None:
+        """Rows `behind` of `app_id` that its window did not take: those it holds are duplicates
+        (dropped quietly), the others are rejected as out of order."""
+        win = self.windows.window(app_id)
+        held = win.has(rows.seq[behind], rows.t_s[behind])
+        self._duplicates(int(held.sum()), stream)
+        for i in behind[~held]:
+            self.stats.out_of_order += 1
+            reply.rejected.add(index=base + int(i), app_id=app_id, reason=(
+                f"out of order: seq {int(rows.seq[i])} at {float(rows.t_s[i]):.6f} s; the window has seq "
+                f"{win.last_seq} at {win.last_t_s:.6f} s"))
 
     def _inapp_dropped(self, why: str, n: int) -> None:
         """`n` in-app values left out for `why`: counted, and logged at the 1st, 10th, 100th...
