@@ -10,15 +10,19 @@ the per-application windows (manager/window.py, numpy ring buffers).
 Deciding. An application whose window got new samples is *due* for a forecast when it has at least
 `min_samples` samples and either has not been forecast yet, or its last forecast is
 `forecast_interval_s` old or more (the per-app rate bound; the daemon's default is 1 s), or the
-next boundary of its own *phase* (boundaries `forecast_interval_s` apart, offset by the phase) has
-passed since its last forecast and that forecast is at least half an interval old. Phases follow
-the golden-ratio sequence over the order in which applications were first forecast, so
-applications that arrive together (one profiler stream carries every application of its node in
-each batch) are forecast one slice of them per batch instead of all in the same batch once a
-second: the forecasting work, and so a decision's wait for the forecast round it is in, is spread
-evenly over the interval. Boundaries are fixed in time, so the phases do not drift together; each
-application is still forecast once per interval on average (at most twice, the second time after
-half an interval, while it takes its phase after its first forecast). The due applications of every batch that arrives within
+next of its own *boundaries* (fixed times `forecast_interval_s` apart) has passed since its last
+forecast and that forecast is at least half an interval old. An application's boundaries are set
+when a batch first makes it due: the k-th application a batch makes due for the first time gets
+boundaries k steps of the golden-ratio sequence (fractions of the interval) after the batch's
+time, less a twentieth of an interval so that they fall between its profiler's batches. So applications that arrive
+together (one profiler stream carries every application of its node in each batch) are forecast
+one slice of them per batch instead of all in the same batch once a second: the forecasting work,
+and so a decision's wait for the round it is in, is spread evenly over the interval, while an
+application arriving alone keeps its own cadence. Boundaries are fixed in time, so applications do
+not drift into step (an interval counted from the last forecast moved with batch timing, and slid
+to 1.1 s whenever a batch came a hair early); each application is still forecast once per interval
+on average (the second forecast of a spread application may come after half an interval, while it
+takes its place). The due applications of every batch that arrives within
 `batch_window_s` (a few ms) are forecast together: one `forecast_batch` call over their windows, run
 in a worker thread, and the reply to each of those batches waits for it and carries its decisions.
 So a decision follows its signature by the batching window plus one forecast, not by up to a whole
@@ -84,10 +88,13 @@ from vgpu.wire import MAX_ID_CHARS, ColumnRows, ColumnsFormatError, parse_signat
 
 _MAX_APP_ID = MAX_ID_CHARS
 _NB = len(NUMERIC)  # a row's values: the format's columns first, then the in-app counters (vgpu.wire.COLUMNS)
-_NAMED_SOURCES = ("model", "mixture")
+_NAMED_SOURCES = ("model", "mixture")  # forecast sources a decision names; any other is "baseline"
 # The share of a core the allocator's acting may take on average (see `Manager._act`).
 ACT_DUTY_MAX = 0.02
-_GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0  # the phase sequence's step (a fraction of the interval)  # forecast sources a decision names; any other is "baseline"
+_GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0  # the phase sequence's step (a fraction of the interval)
+# An application's boundaries sit this fraction of the interval before its first forecast's phase,
+# between its profiler's batches rather than on them (a batch a hair early would wait a whole tick).
+_LEAD = 0.05
 
 
 def default_baseline() -> Forecaster:
@@ -293,8 +300,7 @@ class Manager:
         self._serial: dict[str, int] = {}  # app -> serial of its latest decision
         self._next_serial = 0
         self._last_forecast_s: dict[str, float] = {}  # app -> when its window was last taken to forecast
-        self._phase_s: dict[str, float] = {}  # app -> its forecast phase in [0, forecast_interval_s)
-        self._admitted = 0  # applications given a phase so far (the phase sequence's index)
+        self._anchor_s: dict[str, float] = {}  # app -> one of its forecast boundaries (they are an interval apart)
         self._dirty: set[str] = set()  # apps with samples not yet forecast
         self._pending: set[str] = set()  # due apps waiting for the next batched forecast
         self._pending_done: asyncio.Future[None] | None = None
@@ -558,23 +564,29 @@ class Manager:
             return True
         if now - last < interval / 2:
             return False
-        phase = self._phase_s.get(app_id, 0.0)
-        return math.floor((now - phase) / interval) > math.floor((last - phase) / interval)
+        anchor = self._anchor_s.get(app_id, last)
+        return math.floor((now - anchor) / interval) > math.floor((last - anchor) / interval)
 
-    def _phase_of(self, app_id: str) -> float:
-        """The application's forecast phase: the golden-ratio sequence over admission order, so
-        that any run of consecutively admitted applications is spread evenly over the interval."""
-        phase = self._phase_s.get(app_id)
-        if phase is None:
-            phase = self._phase_s[app_id] = (self._admitted * _GOLDEN) % 1.0 * self.forecast_interval_s
-            self._admitted += 1
-        return phase
+    def _anchor(self, app_id: str, now: float, k: int) -> None:
+        """Set the boundaries of an application forecast for the first time, the k-th such one of its
+        batch: k golden-ratio steps on from now (k = 0: its own time), a little earlier."""
+        if app_id not in self._anchor_s:
+            self._anchor_s[app_id] = now + ((k * _GOLDEN) % 1.0 - _LEAD) * self.forecast_interval_s
+
+    def _anchor_batch(self, due: Sequence[str]) -> None:
+        """Spread the applications one batch makes due for the first time over the interval."""
+        now, k = self.clock(), 0
+        for app_id in due:
+            if app_id not in self._anchor_s:
+                self._anchor(app_id, now, k)
+                k += 1
 
     def ingest(self, batch: ingest_pb2.SignatureBatch, stream: StreamState | None = None) -> ingest_pb2.IngestReply:
         """Accept a batch and forecast and act for the applications that are due, all on this thread."""
         reply = self.accept(batch, stream)
         due = self.due_apps(self._last_kept)
         if due:
+            self._anchor_batch(due)
             started = time.perf_counter()
             self._act(self._decide(self._begin_tick(due)))
             self.stats.tick_latency.observe(time.perf_counter() - started)
@@ -589,6 +601,7 @@ class Manager:
         reply = self.accept(batch, stream)
         due = self.due_apps(self._last_kept)
         if due:
+            self._anchor_batch(due)
             self._pending.update(due)
             if self._pending_done is None:
                 self._pending_done = asyncio.get_running_loop().create_future()
@@ -677,7 +690,7 @@ class Manager:
             if len(win) < self.min_samples:
                 continue
             self._last_forecast_s[app_id] = now
-            self._phase_of(app_id)
+            self._anchor(app_id, now, 0)  # (set already when a batch made it due)
             trace = win.trace()
             if app_id not in self._first_use_s:
                 used = first_use_s(trace)
@@ -843,7 +856,7 @@ class Manager:
             self.latest.pop(app_id, None)
             self._serial.pop(app_id, None)
             self._last_forecast_s.pop(app_id, None)
-            self._phase_s.pop(app_id, None)
+            self._anchor_s.pop(app_id, None)
             self._unapplied.pop(app_id, None)
             self._first_use_s.pop(app_id, None)
             pid = self._pids.pop(app_id, None)
