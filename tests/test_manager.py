@@ -308,6 +308,19 @@ def test_applications_arriving_together_are_forecast_a_slice_per_batch_once_per_
     assert {g.app_id for g in alloc.ledger.grants()} == set(counts)
 
 
+def test_an_application_on_a_stream_of_its_own_keeps_its_cadence_once_a_second() -> None:
+    mgr, _, _, clock = make_manager(min_samples=1)
+    ticks: dict[str, list[int]] = {"a": [], "b": []}
+    for k in range(1, 46):  # each application in batches of its own, arriving together
+        t = 1000.0 + k * 0.1
+        for app in ticks:
+            reply = mgr.ingest(batch(k, [sig(app, k, t)]))
+            ticks[app] += [k for d in reply.decisions if d.app_id == app]
+        clock.advance(0.1)
+    # not spread (each was the only new application of its batch), no early second forecast
+    assert ticks["a"] == ticks["b"] == [1, 11, 21, 31, 41]
+
+
 class _SlowSink:
     """A recommendation sink whose every apply burns `cpu_s` of this thread's CPU, as the allocator
     re-planning a device with hundreds of applications does."""
