@@ -25,7 +25,9 @@ After `--warmup-s` the measurement window of `--seconds` opens. Printed:
   the window snapshot to the decisions handed to the allocator), `reply_p99_ms` (signature send ->
   decision received by the profiler), `decisions`, `rejected`;
 * manager_cpu_frac: the manager process's CPU time (user + system, all threads) over the window's
-  wall time; 1.0 is one core.
+  wall time; 1.0 is one core;
+* applies / applies_deferred: the manager's calls to the allocator over the whole run, and how many
+  decisions' applies waited for its acting budget (`Manager(act_duty_max=...)`, manager/core.py).
 
 `--forecaster served`: the manager forecasts with what `vgpu serve` serves by default, the expert
 mixture over the last value and the shipped model (manager/experts.py `make_served`, the model on
@@ -503,6 +505,9 @@ def run_ingest(*, apps: int = 64, seconds: float = 20.0, hz: float = 10.0, gpus:
         "ack_interval_ms": ack_interval_s * 1000.0,
         "null_manager": null,
         "decisions": lat.decisions,
+        # allocator calls over the whole run (warm-up included), and how many waited for the acting budget
+        "applies": stats.get("applies", 0),
+        "applies_deferred": stats.get("applies_deferred", 0),
         "rejected": lat.rejected,
         "late_ticks": sum(s.loop.stats.late_ticks for s in streamers),
         "disconnects": sum(s.stats.disconnects for s in streamers),

@@ -8,8 +8,21 @@ reconnect) is dropped quietly as a duplicate, the rest of the batch and the stre
 the per-application windows (manager/window.py, numpy ring buffers).
 
 Deciding. An application whose window got new samples is *due* for a forecast when it has at least
-`min_samples` samples and its last forecast is `forecast_interval_s` old or more (the per-app rate
-bound; the daemon's default is 1 s). The due applications of every batch that arrives within
+`min_samples` samples and either has not been forecast yet, or its last forecast is
+`forecast_interval_s` old or more (the per-app rate bound; the daemon's default is 1 s), or the
+next of its own *boundaries* (fixed times `forecast_interval_s` apart) has passed since its last
+forecast and that forecast is at least half an interval old. An application's boundaries are set
+when a batch first makes it due: the k-th application a batch makes due for the first time gets
+boundaries k steps of the golden-ratio sequence (fractions of the interval) after the batch's
+time, less a twentieth of an interval so that they fall between its profiler's batches. So applications that arrive
+together (one profiler stream carries every application of its node in each batch) are forecast
+one slice of them per batch instead of all in the same batch once a second: the forecasting work,
+and so a decision's wait for the round it is in, is spread evenly over the interval, while an
+application arriving alone keeps its own cadence. Boundaries are fixed in time, so applications do
+not drift into step (an interval counted from the last forecast moved with batch timing, and slid
+to 1.1 s whenever a batch came a hair early); each application is still forecast once per interval
+on average (the second forecast of a spread application may come after half an interval, while it
+takes its place). The due applications of every batch that arrives within
 `batch_window_s` (a few ms) are forecast together: one `forecast_batch` call over their windows, run
 in a worker thread, and the reply to each of those batches waits for it and carries its decisions.
 So a decision follows its signature by the batching window plus one forecast, not by up to a whole
@@ -24,9 +37,17 @@ debt is earned back and everything that became due meanwhile joins it. So bursts
 within a few ms, and under sustained overload the forecasting CPU stays near `forecast_duty_max`
 of a core (torch's own intra-op threads come on top), with decisions later and batches larger.
 Each forecast becomes a `Decision` (recommended memory = the peak P90 over the horizons plus
-`mem_margin`, recommended SM = the peak P90), and the decisions go to the allocator in-process
-(`Allocator.apply_recommendations`). Applications silent for long are evicted and their forecast
-grants released.
+`mem_margin`, recommended SM = the peak P90), published at once (the replies carry it), and the
+decisions go to the allocator in-process (`Allocator.apply_recommendations`). An apply plans every
+application on the devices it touches (the others stand in with their latest recommendation), so
+its cost grows with the applications on a device, not with the decisions it carries: on the loop,
+applies are held to `act_duty_max` of a core (2 % by default) by a second `DutyBudget`. While it
+lasts, each round's decisions are applied right after the round; once it is spent, decisions wait
+(the newest per application) for the first round that ends after it is earned back and are applied
+together (or, when no round comes, one forecast interval later). So a node whose applies are cheap
+acts on every round, and one with hundreds of applications on a device acts less often on larger
+sets instead of spending a core on re-planning. Applications silent for long are evicted and their
+forecast grants released.
 
 A forecaster that raises is logged and the fallback (the plain baseline) serves that batch.
 
@@ -61,12 +82,19 @@ from vgpu.log import get_logger, worth_logging
 from vgpu.manager.baselines import BaselineForecaster
 from vgpu.manager.forecast import HORIZONS_S, Forecast, Forecaster, forget_app
 from vgpu.manager.window import WindowStore
-from vgpu.traces import AppTrace
+from vgpu.traces import NUMERIC, AppTrace
 from vgpu.v1 import ingest_pb2
-from vgpu.wire import MAX_ID_CHARS, ColumnsFormatError, parse_signature, read_columns
+from vgpu.wire import MAX_ID_CHARS, ColumnRows, ColumnsFormatError, parse_signature, read_columns
 
 _MAX_APP_ID = MAX_ID_CHARS
+_NB = len(NUMERIC)  # a row's values: the format's columns first, then the in-app counters (vgpu.wire.COLUMNS)
 _NAMED_SOURCES = ("model", "mixture")  # forecast sources a decision names; any other is "baseline"
+# The share of a core the allocator's acting may take on average (see `Manager._act`).
+ACT_DUTY_MAX = 0.02
+_GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0  # the phase sequence's step (a fraction of the interval)
+# An application's boundaries sit this fraction of the interval before its first forecast's phase,
+# between its profiler's batches rather than on them (a batch a hair early would wait a whole tick).
+_LEAD = 0.05
 
 
 def default_baseline() -> Forecaster:
@@ -149,6 +177,9 @@ class ManagerStats:
     evicted: int = 0
     dropped_by_profilers: int = 0
     forecast_s_total: float = 0.0
+    # allocator calls with decisions, and how many of them waited for the acting budget (`act_duty_max`)
+    applies: int = 0
+    applies_deferred: int = 0
     unknown_device: int = 0  # rejected (and in `rejected`): the signature names a device the daemon lacks
     # rejected (and in `rejected`): from a stream that may not replay, naming no GPU process of this
     # node, or a pid another application's signatures name
@@ -236,6 +267,7 @@ class Manager:
         batch_window_s: float = 0.001,
         forecast_duty_max: float = 0.25,
         duty_window_s: float = 1.0,
+        act_duty_max: float = ACT_DUTY_MAX,
         min_samples: int = 3,
         mem_margin: float = 0.10,
         max_future_s: float | None = None,
@@ -243,8 +275,9 @@ class Manager:
         device_known: Callable[[str], bool] | None = None,
         pid_observed: Callable[[str, int], bool] | None = None,
     ) -> None:
-        if forecast_interval_s < 0 or batch_window_s < 0 or not 0 < forecast_duty_max <= 1:
-            raise ValueError("forecast_interval_s and batch_window_s must be >= 0, forecast_duty_max in (0, 1]")
+        if forecast_interval_s < 0 or batch_window_s < 0 or not 0 < forecast_duty_max <= 1 or not 0 < act_duty_max <= 1:
+            raise ValueError("forecast_interval_s and batch_window_s must be >= 0, forecast_duty_max and act_duty_max "
+                             "in (0, 1]")
         self.allocator = allocator
         self.fallback = fallback if fallback is not None else default_baseline()
         self.forecaster = forecaster if forecaster is not None else self.fallback
@@ -254,6 +287,10 @@ class Manager:
         self.batch_window_s = batch_window_s
         self.forecast_duty_max = forecast_duty_max
         self._duty = DutyBudget(forecast_duty_max, duty_window_s)
+        self.act_duty_max = act_duty_max
+        self._act_duty = DutyBudget(act_duty_max, duty_window_s)
+        self._unapplied: dict[str, Decision] = {}  # app -> its newest decision not yet given to the allocator
+        self._apply_later: asyncio.TimerHandle | None = None
         self.min_samples = min_samples
         self.mem_margin = mem_margin
         # Samples stamped more than this ahead of the clock are rejected (None: no bound).
@@ -263,6 +300,7 @@ class Manager:
         self._serial: dict[str, int] = {}  # app -> serial of its latest decision
         self._next_serial = 0
         self._last_forecast_s: dict[str, float] = {}  # app -> when its window was last taken to forecast
+        self._anchor_s: dict[str, float] = {}  # app -> one of its forecast boundaries (they are an interval apart)
         self._dirty: set[str] = set()  # apps with samples not yet forecast
         self._pending: set[str] = set()  # due apps waiting for the next batched forecast
         self._pending_done: asyncio.Future[None] | None = None
@@ -424,6 +462,32 @@ class Manager:
         order = good[np.argsort(rows.app_index[good], kind="stable")]  # by app, batch order within
         by_app = rows.app_index[order]
         accepted = 0
+        if len(order) == 1 or bool((by_app[1:] != by_app[:-1]).all()):
+            # One row per application, a profiler's usual tick: through the windows' one-sample path
+            # (the same rules as a group of one), on Python lists instead of numpy slices per application.
+            values = rows.values[:, order]
+            if len(values) > _NB and np.isnan(values[_NB:]).all():
+                values = values[:_NB]  # no in-app value in the batch: the format's columns only
+            cols, seqs, ts = values.T.tolist(), rows.seq[order].tolist(), rows.t_s[order].tolist()
+            app_at, dev_at = by_app.tolist(), rows.device_index[order].tolist()
+            pid_at = pids[order].tolist() if pids is not None else None
+            add_row, dirty = self.windows.add_row, self._dirty
+            for j in range(len(app_at)):
+                app_id = rows.app_ids[app_at[j]]
+                kept_one, evicted = add_row(app_id, rows.device_ids[dev_at[j]], seqs[j], ts[j], cols[j], now)
+                if evicted:
+                    self._forget(evicted)
+                if kept_one:
+                    accepted += 1
+                    dirty.add(app_id)
+                    if pid_at is not None and pid_at[j]:
+                        self._name_pid(app_id, pid_at[j])
+                    kept_apps.add(app_id)
+                    if apps is not None:
+                        apps.add(app_id)
+                else:
+                    self._not_kept(app_id, order[j:j + 1], rows, base, reply, stream)
+            return accepted
         for grp in np.split(order, np.flatnonzero(np.diff(by_app)) + 1):
             app_id = rows.app_ids[int(rows.app_index[grp[0]])]
             kept, evicted = self.windows.add_rows(app_id, rows.device_ids[int(rows.device_index[grp[-1]])],
@@ -440,16 +504,21 @@ class Manager:
                 if apps is not None:
                     apps.add(app_id)
             if n_kept < len(grp):
-                win = self.windows.window(app_id)
-                behind = grp[~kept]
-                held = win.has(rows.seq[behind], rows.t_s[behind])
-                self._duplicates(int(held.sum()), stream)
-                for i in behind[~held]:
-                    stats.out_of_order += 1
-                    reply.rejected.add(index=base + int(i), app_id=app_id, reason=(
-                        f"out of order: seq {int(rows.seq[i])} at {float(rows.t_s[i]):.6f} s; the window has seq "
-                        f"{win.last_seq} at {win.last_t_s:.6f} s"))
+                self._not_kept(app_id, grp[~kept], rows, base, reply, stream)
         return accepted
+
+    def _not_kept(self, app_id: str, behind: np.ndarray, rows: ColumnRows, base: int, reply: ingest_pb2.IngestReply,
+                  stream: StreamState | None) -> None:
+        """Rows `behind` of `app_id` that its window did not take: those it holds are duplicates
+        (dropped quietly), the others are rejected as out of order."""
+        win = self.windows.window(app_id)
+        held = win.has(rows.seq[behind], rows.t_s[behind])
+        self._duplicates(int(held.sum()), stream)
+        for i in behind[~held]:
+            self.stats.out_of_order += 1
+            reply.rejected.add(index=base + int(i), app_id=app_id, reason=(
+                f"out of order: seq {int(rows.seq[i])} at {float(rows.t_s[i]):.6f} s; the window has seq "
+                f"{win.last_seq} at {win.last_t_s:.6f} s"))
 
     def _inapp_dropped(self, why: str, n: int) -> None:
         """`n` in-app values left out for `why`: counted, and logged at the 1st, 10th, 100th...
@@ -483,15 +552,43 @@ class Manager:
                 continue
             if len(self.windows.window(app_id)) < self.min_samples:
                 continue
-            if now - self._last_forecast_s.get(app_id, -math.inf) >= self.forecast_interval_s - 1e-6:
+            if self._is_due(app_id, now):
                 out.append(app_id)
         return out
+
+    def _is_due(self, app_id: str, now: float) -> bool:
+        """Whether `app_id` (with new samples) may be forecast at `now`: never forecast yet, or
+        `forecast_interval_s` since its last forecast, or its phase's next slot boundary passed since
+        the last one with at least half an interval between the two forecasts."""
+        last = self._last_forecast_s.get(app_id)
+        interval = self.forecast_interval_s
+        if last is None or now - last >= interval - 1e-6:
+            return True
+        if now - last < interval / 2:
+            return False
+        anchor = self._anchor_s.get(app_id, last)
+        return math.floor((now - anchor) / interval) > math.floor((last - anchor) / interval)
+
+    def _anchor(self, app_id: str, now: float, k: int) -> None:
+        """Set the boundaries of an application forecast for the first time, the k-th such one of its
+        batch: k golden-ratio steps on from now (k = 0: its own time), a little earlier."""
+        if app_id not in self._anchor_s:
+            self._anchor_s[app_id] = now + ((k * _GOLDEN) % 1.0 - _LEAD) * self.forecast_interval_s
+
+    def _anchor_batch(self, due: Sequence[str]) -> None:
+        """Spread the applications one batch makes due for the first time over the interval."""
+        now, k = self.clock(), 0
+        for app_id in due:
+            if app_id not in self._anchor_s:
+                self._anchor(app_id, now, k)
+                k += 1
 
     def ingest(self, batch: ingest_pb2.SignatureBatch, stream: StreamState | None = None) -> ingest_pb2.IngestReply:
         """Accept a batch and forecast and act for the applications that are due, all on this thread."""
         reply = self.accept(batch, stream)
         due = self.due_apps(self._last_kept)
         if due:
+            self._anchor_batch(due)
             started = time.perf_counter()
             self._act(self._decide(self._begin_tick(due)))
             self.stats.tick_latency.observe(time.perf_counter() - started)
@@ -506,6 +603,7 @@ class Manager:
         reply = self.accept(batch, stream)
         due = self.due_apps(self._last_kept)
         if due:
+            self._anchor_batch(due)
             self._pending.update(due)
             if self._pending_done is None:
                 self._pending_done = asyncio.get_running_loop().create_future()
@@ -594,6 +692,7 @@ class Manager:
             if len(win) < self.min_samples:
                 continue
             self._last_forecast_s[app_id] = now
+            self._anchor(app_id, now, 0)  # (set already when a batch made it due)
             trace = win.trace()
             if app_id not in self._first_use_s:
                 used = first_use_s(trace)
@@ -652,20 +751,63 @@ class Manager:
         return mem, sm
 
     def _act(self, decisions: list[Decision]) -> None:
+        """Publish the decisions (the replies carry them from now on) and hand them to the allocator.
+        Without a running loop, at once. On the loop, at once while the acting budget
+        (`act_duty_max`) lasts; once it is spent, they wait, with any later ones, for the first
+        round that ends after the budget is earned back (acting right after a round keeps it out of
+        the way of the next batch), or for a timer one forecast interval later when no round comes."""
         decisions = [d for d in decisions if d.app_id in self.windows]  # not one evicted meanwhile
         for d in decisions:
             self._next_serial += 1
             self._serial[d.app_id] = self._next_serial
             self.latest[d.app_id] = d
         self.stats.decisions += len(decisions)
-        if self.allocator is not None and decisions:
-            try:
-                report = self.allocator.apply_recommendations([d.to_recommendation() for d in decisions])
-            except Exception as exc:  # noqa: BLE001 - acting failed; the stream and the next tick go on
-                self._log.error("apply_recommendations_failed", error=repr(exc))
-                return
-            if report.skipped:
-                self._log.debug("recommendations_skipped", skipped=list(report.skipped))
+        if self.allocator is None or not decisions:
+            return
+        for d in decisions:
+            self._unapplied[d.app_id] = d
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._apply()
+            return
+        wait_s = self._act_duty.wait_s(loop.time())
+        if wait_s <= 0:
+            self._apply()
+            return
+        self.stats.applies_deferred += 1
+        if self._apply_later is None:
+            self._apply_later = loop.call_later(wait_s + self.forecast_interval_s, self._apply)
+
+    def _apply(self) -> None:
+        """Give the allocator the newest undelivered decision of each application still held, as one
+        set of recommendations, and charge the acting budget with the CPU it took."""
+        if self._apply_later is not None:
+            self._apply_later.cancel()
+            self._apply_later = None
+        pending = [d for d in self._unapplied.values() if d.app_id in self.windows]
+        self._unapplied = {}
+        if self.allocator is None or not pending:
+            return
+        started = time.thread_time()
+        try:
+            report = self.allocator.apply_recommendations([d.to_recommendation() for d in pending])
+        except Exception as exc:  # noqa: BLE001 - acting failed; the stream and the next tick go on
+            self._log.error("apply_recommendations_failed", error=repr(exc))
+            return
+        finally:
+            self.stats.applies += 1
+            self._act_duty.spend(self._loop_time(), time.thread_time() - started)
+        if report.skipped:
+            self._log.debug("recommendations_skipped", skipped=list(report.skipped))
+
+    @staticmethod
+    def _loop_time() -> float:
+        """The running loop's clock (the acting budget's), else the monotonic clock it reads."""
+        try:
+            return asyncio.get_running_loop().time()
+        except RuntimeError:
+            return time.monotonic()
 
     def _checks_pids(self, stream: StreamState | None) -> bool:
         """Whether this stream's signatures must name processes the node runs."""
@@ -716,6 +858,8 @@ class Manager:
             self.latest.pop(app_id, None)
             self._serial.pop(app_id, None)
             self._last_forecast_s.pop(app_id, None)
+            self._anchor_s.pop(app_id, None)
+            self._unapplied.pop(app_id, None)
             self._first_use_s.pop(app_id, None)
             pid = self._pids.pop(app_id, None)
             if pid is not None and self._pid_app.get(pid) == app_id:

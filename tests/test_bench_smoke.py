@@ -79,6 +79,7 @@ def test_ingest_bench_short_run_reports_every_field() -> None:
     assert 20 <= r["signatures_per_s"] <= 60  # 4 apps at 10 Hz
     assert r["rejected"] == 0 and r["disconnects"] == 0
     assert r["decisions"] >= 4  # at least one forecast tick in the window, one decision per app
+    assert r["applies"] >= 1 and r["applies_deferred"] >= 0  # the allocator acted
     assert 0 <= r["decision_p50_ms"] <= r["decision_p99_ms"] < 2000
     assert 0 < r["manager_cpu_frac"] < 2
     json.dumps(r)

@@ -126,13 +126,19 @@ def test_batches_become_decisions_and_grants_at_most_once_per_forecast_interval(
         clock.advance(0.1)
     assert all(r.accepted == 2 and len(r.rejected) == 1 for r in replies)
     assert replies[0].rejected[0].index == 2 and replies[0].rejected[0].reason == "app_id is empty"
-    # each app is forecast as soon as it has 3 samples (batch 3), then at most once a second
-    # (batches 13 and 23): 3 forecasts of both apps, each in the reply to the batch that made it due
-    assert mgr.stats.forecast_batches == 3 and mgr.stats.decisions == 6
+    # each app is forecast as soon as it has 3 samples (batch 3, both in one forecast call), then
+    # once per forecast interval on its own phase: the two were admitted together but are not
+    # forecast together again, and no app's forecasts are under half an interval (5 batches) or
+    # over an interval (10 batches, plus the batch a boundary falls just before) apart
     with_decisions = [r for r in replies if r.decisions]
-    assert [r.tick for r in with_decisions] == [3, 13, 23]
+    assert with_decisions[0].tick == 3 and {d.app_id for d in with_decisions[0].decisions} == {"a", "b"}
     assert all(d.for_seq == r.tick for r in with_decisions for d in r.decisions)
-    d = {x.app_id: x for x in with_decisions[-1].decisions}
+    ticks = {app: [r.tick for r in replies for d in r.decisions if d.app_id == app] for app in ("a", "b")}
+    for app_ticks in ticks.values():
+        assert len(app_ticks) >= 3 and all(5 <= b - a <= 11 for a, b in zip(app_ticks, app_ticks[1:], strict=False))
+    assert not set(ticks["a"][1:]) & set(ticks["b"][1:])
+    assert mgr.stats.decisions == len(ticks["a"]) + len(ticks["b"]) == sum(len(r.decisions) for r in replies)
+    d = {x.app_id: x for r in replies for x in r.decisions}  # the latest of each
     assert d["a"].recommended_mem_mib == pytest.approx(4000 * 1.15 * 1.10)
     assert d["b"].recommended_sm_pct == pytest.approx(50 * 1.15)
     assert [h.horizon_s for h in d["a"].forecasts] == list(HORIZONS_S) and d["a"].source == "baseline"
@@ -281,6 +287,92 @@ async def test_forecast_batches_are_spaced_to_keep_the_forecasting_duty_cycle() 
     assert fc.calls == [1, 2] and [[d.app_id for d in r.decisions] for r in replies] == [["b"], ["c"]]
     with pytest.raises(ValueError, match="forecast_duty_max"):
         Manager(None, fc, forecast_duty_max=0.0)
+
+
+def test_applications_arriving_together_are_forecast_a_slice_per_batch_once_per_interval() -> None:
+    mgr, alloc, _, clock = make_manager(min_samples=1)
+    n, per_batch = 40, []
+    for k in range(1, 51):  # 5 s of one profiler stream at 10 Hz with every application in every batch
+        t = 1000.0 + k * 0.1
+        reply = mgr.ingest(batch(k, [sig(f"app{i}", k, t) for i in range(n)]))
+        per_batch.append([d.app_id for d in reply.decisions])
+        clock.advance(0.1)
+    assert sorted(per_batch[0]) == sorted(f"app{i}" for i in range(n))  # each app's first forecast: at once
+    later = per_batch[20:]  # from the third second on, every app forecasts on its own phase
+    assert max(len(x) for x in later) <= 8  # about n / 10 per batch, not all n in one batch a second
+    counts = {f"app{i}": 0 for i in range(n)}
+    for x in later:
+        for app in x:
+            counts[app] += 1
+    assert set(counts.values()) == {3}  # 30 batches, 3 s: once per forecast interval each
+    assert {g.app_id for g in alloc.ledger.grants()} == set(counts)
+
+
+def test_an_application_on_a_stream_of_its_own_keeps_its_cadence_once_a_second() -> None:
+    mgr, _, _, clock = make_manager(min_samples=1)
+    ticks: dict[str, list[int]] = {"a": [], "b": []}
+    for k in range(1, 46):  # each application in batches of its own, arriving together
+        t = 1000.0 + k * 0.1
+        for app in ticks:
+            reply = mgr.ingest(batch(k, [sig(app, k, t)]))
+            ticks[app] += [k for d in reply.decisions if d.app_id == app]
+        clock.advance(0.1)
+    # not spread (each was the only new application of its batch), no early second forecast
+    assert ticks["a"] == ticks["b"] == [1, 11, 21, 31, 41]
+
+
+class _SlowSink:
+    """A recommendation sink whose every apply burns `cpu_s` of this thread's CPU, as the allocator
+    re-planning a device with hundreds of applications does."""
+
+    def __init__(self, cpu_s: float) -> None:
+        self.cpu_s = cpu_s
+        self.calls: list[list[str]] = []
+        self.skipped: tuple[str, ...] = ()
+
+    def apply_recommendations(self, recommendations: Sequence[object]) -> _SlowSink:
+        import time
+
+        end = time.thread_time() + self.cpu_s
+        while time.thread_time() < end:
+            pass
+        self.calls.append([r.app_id for r in recommendations])  # type: ignore[attr-defined]
+        return self
+
+    def forget_app(self, app_id: str) -> list[object]:
+        return []
+
+
+async def test_decisions_go_out_at_once_and_to_the_allocator_within_the_acting_budget() -> None:
+    sink = _SlowSink(0.03)
+    mgr = Manager(sink, EwmaMarginForecaster(), min_samples=1, batch_window_s=0.0, act_duty_max=0.5,  # type: ignore[arg-type]
+                  duty_window_s=0.0, forecast_interval_s=10.0)
+    await mgr.ingest_async(batch(1, [sig("a", 1, 10.0)]), StreamState("p1"))
+    assert sink.calls == [["a"]]  # the budget is in credit: applied with its round
+    reply = await mgr.ingest_async(batch(2, [sig("b", 1, 10.0)]), StreamState("p2"))
+    # a's 30 ms are earned back at 0.5 s a second (60 ms): b's decision is in its reply, not applied yet
+    assert [d.app_id for d in reply.decisions] == ["b"] and mgr.latest["b"].app_id == "b"
+    assert sink.calls == [["a"]] and mgr.stats.applies_deferred == 1
+    await asyncio.sleep(0.08)
+    await mgr.ingest_async(batch(3, [sig("c", 1, 10.0)]), StreamState("p3"))
+    assert sink.calls == [["a"], ["b", "c"]]  # the first round after the budget is back applies both
+    assert mgr.stats.applies == 2
+    with pytest.raises(ValueError, match="act_duty_max"):
+        Manager(sink, EwmaMarginForecaster(), act_duty_max=0.0)  # type: ignore[arg-type]
+
+
+async def test_a_deferred_apply_happens_without_another_round_and_skips_evicted_apps() -> None:
+    sink = _SlowSink(0.03)
+    clock = FakeClock()
+    mgr = Manager(sink, EwmaMarginForecaster(), min_samples=1, batch_window_s=0.0, act_duty_max=0.5,  # type: ignore[arg-type]
+                  duty_window_s=0.0, forecast_interval_s=0.5, clock=clock, windows=WindowStore(idle_evict_s=5))
+    await mgr.ingest_async(batch(1, [sig("a", 1, 10.0)]), StreamState("p1"))
+    await mgr.ingest_async(batch(2, [sig("b", 1, 10.0), sig("c", 1, 10.0)]), StreamState("p2"))
+    assert sink.calls == [["a"]]
+    clock.advance(6)  # b and c fall silent; "d" arrives and evicts them before the deferred apply
+    await mgr.ingest_async(batch(3, [sig("d", 1, 20.0)]), StreamState("p3"))
+    await asyncio.sleep(0.8)  # no round after the budget is back: the timer applies what is still held
+    assert sink.calls[-1] == ["d"] and all("b" not in c and "c" not in c for c in sink.calls)
 
 
 def test_the_duty_budget_lets_a_burst_through_and_then_spaces_batches() -> None:

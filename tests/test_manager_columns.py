@@ -187,3 +187,41 @@ def test_a_good_rows_id_is_answered_whole_since_the_edge_bounds_it() -> None:
     got = {r.index: (r.app_id, r.reason) for r in reply.rejected}
     assert got[0][0] == got[1][0] == longest
     assert "unknown device" in got[0][1] and "ahead of the manager's clock" in got[1][1]
+
+
+def test_one_row_per_application_ticks_give_the_windows_rows_give() -> None:
+    """A profiler's usual columnar tick (each application once) takes the one-sample path: the same
+    windows, in-app counters, pids, duplicates and out-of-order rejections as rows."""
+    by_rows, by_cols = _manager(), _manager()
+    n = 6
+    for k in range(1, 80):  # past the window's first capacity (64)
+        sigs = []
+        for a in range(n):
+            sig = spb.BehavioralSignature(app_id=f"app{a}", device_id=GPU, seq=k, timestamp_s=1000.0 + 0.1 * k,
+                                          pid=100 + a)
+            sig.process.gpu_mem_used_mib = 100.0 * a + k
+            if a % 2 and k > 40:  # in-app counters from some applications, from some tick on
+                sig.in_app.torch_reserved_mib = 50.0 * a + k
+            sigs.append(sig)
+        if k == 50:
+            sigs[1] = spb.BehavioralSignature(app_id="app1", device_id=GPU, seq=k - 1, timestamp_s=1000.0 + 0.1 * (k - 1))
+            sigs[1].process.gpu_mem_used_mib = 1.0  # app1's previous sample again: a duplicate
+            sigs[2].timestamp_s = 1000.0  # app2 goes back in time: out of order
+        r1 = by_rows.accept(ingest_pb2.SignatureBatch(tick=k, signatures=sigs))
+        cols, rest = columns_from_signatures(sigs)
+        assert not rest
+        r2 = by_cols.accept(ingest_pb2.SignatureBatch(tick=k, columns=cols))
+        assert r1.accepted == r2.accepted
+        assert [(x.index, x.app_id) for x in r1.rejected] == [(x.index, x.app_id) for x in r2.rejected]
+        assert all(x.reason.startswith("out of order") for x in r2.rejected)
+    assert by_cols.stats.duplicates == by_rows.stats.duplicates == 1
+    assert by_cols.stats.out_of_order == by_rows.stats.out_of_order == 1
+    for a in range(n):
+        x, y = by_rows.windows.trace(f"app{a}"), by_cols.windows.trace(f"app{a}")
+        np.testing.assert_array_equal(x.t_s, y.t_s)
+        assert sorted(x.columns) == sorted(y.columns)
+        for c in x.columns:
+            np.testing.assert_array_equal(x.column(c), y.column(c))
+        assert by_cols.app_pids(f"app{a}") == [100 + a]
+    assert "inapp_torch_reserved_mib" in by_cols.windows.trace("app1").columns
+    assert "inapp_torch_reserved_mib" not in by_cols.windows.trace("app2").columns

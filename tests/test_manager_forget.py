@@ -102,7 +102,8 @@ def test_a_departed_app_that_comes_back_starts_from_the_prior(wrapped: bool, tmp
     first = mgr.windows.trace("a")
     first = AppTrace("a", first.t_s[:1], {c: v[:1] for c, v in first.columns.items()}, gpu=first.gpu)
     fresh = make_served(Off(), local=True).forecast_batch([first])[0]
-    assert [d.app_id for d in decisions] == ["a"]
+    # the first decision (a second may follow within the second as the app takes its forecast phase)
+    assert decisions and {d.app_id for d in decisions} == {"a"}
     got = decisions[0]
     want_p90 = dict(zip(fresh.horizons_s, fresh.mem_p90_mib, strict=True))
     for h in got.forecasts:

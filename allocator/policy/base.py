@@ -218,12 +218,20 @@ class BaselinePolicy:
         wanted: list[GrantTarget] = []
         current: dict[str, Grant] = {}
         demand_pct: dict[str, float] = {}
+        # each device's grants by application, in the view's order: one pass per device instead of
+        # one per recommendation (a device with hundreds of applications is planned in linear time)
+        by_app: dict[str, dict[str, list[Grant]]] = {}
         for rec in recommendations:
             view = views.get(rec.device_id)
             if view is None or not (math.isfinite(rec.memory_mib) and math.isfinite(rec.sm_pct)):
                 continue
             demand_pct[rec.device_id] = demand_pct.get(rec.device_id, 0.0) + max(0.0, rec.sm_pct)
-            mine = [g for g in view.grants if g.app_id == rec.app_id]
+            index = by_app.get(rec.device_id)
+            if index is None:
+                index = by_app[rec.device_id] = {}
+                for g in view.grants:
+                    index.setdefault(g.app_id, []).append(g)
+            mine = index.get(rec.app_id, [])
             if not mine:
                 wanted.append(GrantTarget(rec.app_id, rec.device_id, rec.memory_mib, min(100.0, rec.sm_pct), None, "new"))
                 continue
