@@ -6,8 +6,8 @@
 What runs. A child process is the manager: a grpc.aio server on a Unix socket in a temporary
 directory with the `Ingest` and `Allocator` servicers (allocator/service.py `build_server`), the
 `Manager` (forecast tick every `--forecast-interval-s`, the daemon's default 1 s, with the daemon's
-fallback forecaster) and an `Allocator` on `--gpus` simulated H100s, exactly as `vgpu serve` wires
-them. This process runs the load, so the manager's CPU is measured alone (psutil on the child pid).
+fallback forecaster) and an `Allocator` on `--gpus` simulated H100s with the daemon's predictive
+policy, as `vgpu serve` wires them. This process runs the load, so the manager's CPU is measured alone (psutil on the child pid).
 
 Normal mode: `--apps` N `SignatureStreamer`s, each its own gRPC stream with its own `ReplaySource`
 of one application of the bundled demo trace (looping; 1 s rows replayed at `--hz` x, so one
@@ -129,6 +129,8 @@ def manager_main(conn: Connection, address: str, gpus: int, forecast_interval_s:
     `profile_path`, the event loop's thread runs under cProfile and its stats are dumped there."""
     from vgpu import log
     from vgpu.allocator.core import Allocator
+    from vgpu.allocator.policy.base import hard_limit_at_frac_for
+    from vgpu.allocator.policy.forecast import ForecastPolicy
     from vgpu.allocator.service import AllocatorServicer, build_server
     from vgpu.manager.service import IngestServicer
 
@@ -137,7 +139,10 @@ def manager_main(conn: Connection, address: str, gpus: int, forecast_interval_s:
 
     async def serve() -> None:
         backend = SimBackend([SKU] * gpus)
-        allocator = Allocator(backend, dry_run=False)
+        # the daemon's policy and hard-limit rule (vgpu/daemon/serve.py), so an apply costs what it costs there
+        policy = ForecastPolicy()
+        allocator = Allocator(backend, dry_run=False, policy=policy,
+                              hard_limit_at_frac=hard_limit_at_frac_for("contended", policy.config.hard_limit_at_frac))
         manager = TimedManager(allocator, open_forecaster(forecaster), forecast_interval_s=forecast_interval_s,
                                batch_window_s=batch_window_s, forecast_duty_max=duty)
         conn_info["forecaster"] = getattr(manager.forecaster, "name", "?")

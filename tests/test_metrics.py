@@ -50,8 +50,9 @@ def test_forecast_batch_summary_counts_forecaster_calls_not_applications_or_tick
         mgr.ingest(ingest_pb2.SignatureBatch(profiler_id="p", tick=k, sent_at_s=t,
                                              signatures=[_sig(a, k, t) for a in ("a", "b", "c")]))
         clock.advance(0.1)
-    # the three apps are due together: one call per second for all three, not one per app
-    assert fc.calls == 3 and fc.histories == 9
+    # each app forecast once a second (its forecast times spread over the second, so some calls take
+    # more than one app): the metric counts the calls, neither the apps nor the 25 batches
+    assert 9 <= fc.histories <= 12 and fc.calls < fc.histories and fc.calls < 25
     assert registry.get_sample_value("vgpu_forecast_batch_seconds_count") == fc.calls
     total = registry.get_sample_value("vgpu_forecast_batch_seconds_sum")
     assert total is not None and total >= 0.0 and total == mgr.stats.forecast_s_total
