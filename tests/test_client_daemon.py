@@ -225,14 +225,19 @@ print("closed", flush=True)
 """
 
 
+def _hold(env: Env, app_id: str, inapp: Path) -> subprocess.Popen[str]:
+    """An application process running HOLD against the test's daemon (it answers on stdout, waits on stdin)."""
+    return subprocess.Popen([sys.executable, "-c", HOLD, str(env.sock), app_id, str(inapp)], cwd=ROOT,
+                            env=env.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
 def test_an_application_outlives_a_daemon_restart_and_releases_at_once(
         env: Env, serves: list[Serve], tmp_path: Path) -> None:
     inapp = tmp_path / "inapp"
     env.env["VGPU_SERVER_INAPP_DIR"] = str(inapp)
     serves.append(Serve(env))
-    app = subprocess.Popen([sys.executable, "-c", HOLD, str(env.sock), "survivor", str(inapp)], cwd=ROOT,
-                           env=env.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True)
+    app = _hold(env, "survivor", inapp)
     try:
         assert app.stdout is not None
         _, grant_id, token = app.stdout.readline().split()
@@ -260,9 +265,7 @@ def test_a_watching_application_does_not_hold_up_the_daemons_stop(
     env.env["VGPU_SERVER_INAPP_DIR"] = str(inapp)
     env.env["VGPU_SERVER_GRACE_S"] = "30"
     serves.append(Serve(env))
-    app = subprocess.Popen([sys.executable, "-c", HOLD, str(env.sock), "watcher", str(inapp)], cwd=ROOT,
-                           env=env.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True)
+    app = _hold(env, "watcher", inapp)
     try:
         assert app.stdout is not None
         assert app.stdout.readline().startswith("granted")

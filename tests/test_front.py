@@ -144,17 +144,13 @@ def test_bytes_pass_both_ways_intact(rig: Rig) -> None:
         while len(got) < n:
             got.extend(s.recv(1 << 20))
 
-    reader = threading.Thread(target=read_all, args=(u, len(payload)))
-    reader.start()
-    c.sendall(payload)
-    reader.join(30)
-    assert bytes(got) == payload
-    got.clear()
-    reader = threading.Thread(target=read_all, args=(c, len(payload)))
-    reader.start()
-    u.sendall(payload)
-    reader.join(30)
-    assert bytes(got) == payload
+    for sender, receiver in ((c, u), (u, c)):  # caller to gRPC, then back
+        got.clear()
+        reader = threading.Thread(target=read_all, args=(receiver, len(payload)))
+        reader.start()
+        sender.sendall(payload)
+        reader.join(30)
+        assert bytes(got) == payload
     c.close()
 
 
