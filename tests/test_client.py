@@ -67,6 +67,22 @@ class FakeCuda:
         return dict(self.stats)
 
 
+class FakeCudaWithUuids(FakeCuda):
+    """Two GPUs that tell their UUIDs, as torch's device properties do (without NVML's "GPU-")."""
+
+    UUIDS = ("5d3a0c1e-0000-4000-8000-00000000000a", "5d3a0c1e-0000-4000-8000-00000000000b")
+
+    def __init__(self, current: int) -> None:
+        super().__init__()
+        self.current = current
+
+    def current_device(self) -> int:
+        return self.current
+
+    def get_device_properties(self, device: int) -> Any:
+        return types.SimpleNamespace(total_memory=self.total_bytes, uuid=self.UUIDS[device])
+
+
 def fake_torch() -> types.ModuleType:
     mod = types.ModuleType("torch")
     mod.cuda = FakeCuda()  # type: ignore[attr-defined]
@@ -97,7 +113,7 @@ class FakeAllocator(allocator_pb2_grpc.AllocatorServicer):
         if used + r.memory_mib > self.capacity_mib:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{r.memory_mib} MiB does not fit")
         self.n += 1
-        grant = allocator_pb2.Grant(grant_id=f"g{self.n}", app_id=r.app_id, device_id="GPU-0",
+        grant = allocator_pb2.Grant(grant_id=f"g{self.n}", app_id=r.app_id, device_id=r.device_id or "GPU-0",
                                     memory_mib=r.memory_mib, sm_pct=r.sm_pct, source="request")
         self.grants[grant.grant_id] = grant
         self._publish(Event.GRANTED, grant)
@@ -186,6 +202,26 @@ def test_grant_is_applied_as_a_memory_fraction_and_follows_resizes(allocator, tm
         assert torch.cuda.fractions[-1] == (1.0, 0)  # no grant: no limit
         assert client.applied_mem_limit_mib is None and servicer.grants == {}
     assert not inapp_path(tmp_path / "inapp", client.pid).exists()
+
+
+def test_a_process_on_one_gpu_is_limited_by_its_grants_on_that_gpu_only(  # type: ignore[no-untyped-def]
+        allocator, tmp_path: Path) -> None:
+    """An application with grants on two GPUs: the process on the second GPU applies what is granted
+    there, not the sum over both; with grants only on GPUs it does not see, the sum (one limit)."""
+    servicer, sock = allocator
+    on_a, on_b = (f"GPU-{u}" for u in FakeCudaWithUuids.UUIDS)
+    torch = types.ModuleType("torch")
+    torch.cuda = FakeCudaWithUuids(current=1)  # type: ignore[attr-defined]
+    with VgpuClient("sharded", socket=str(sock), inapp_dir=tmp_path, torch_module=torch, report=False) as client:
+        wait_until(lambda: servicer.watchers)
+        client.request(memory_mib=8_192, device_id=on_a)
+        # nothing granted on this process's GPU yet: the one grant counts, and it is said once
+        assert client.applied_mem_limit_mib == pytest.approx(8_192)
+        client.request(memory_mib=20_480, device_id=on_b)
+        assert torch.cuda.fractions[-1] == (pytest.approx(0.25), 1)  # 20 GiB of 80 on device 1, not 28 GiB
+        assert client.applied_mem_limit_mib == pytest.approx(20_480)
+        client.request(memory_mib=4_096, device_id=on_a)  # more on the other GPU changes nothing here
+        assert client.applied_mem_limit_mib == pytest.approx(20_480)
 
 
 def test_refused_request_changes_nothing(allocator, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

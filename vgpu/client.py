@@ -23,8 +23,9 @@ Three things run behind that API:
 
 * **Requests** go to the `Allocator` gRPC service (`RequestResourceAllocation`, `ReleaseResources`).
 * **A watch of its own grants** (`WatchAllocations` filtered by `app_id`, in a daemon thread, reconnecting
-  with capped backoff) keeps the sum of the app's granted memory: grants naming this process's pid or no
-  pid (a grant naming another process of the same id is that process's). When it changes, the stub applies it
+  with capped backoff) keeps the sum of the app's granted memory on its GPU: grants naming this process's pid
+  or no pid (a grant naming another process of the same id is that process's), on the GPU whose UUID torch
+  gives for its device (`_grants_here`). When it changes, the stub applies it
   *cooperatively*: for PyTorch, `torch.cuda.set_per_process_memory_fraction(limit / total)`, so an
   allocation beyond the grant fails (torch's OutOfMemoryError) and the application lives. On a device
   whose memory is contended the daemon also caps the process's cgroup at the grant (a hard limit,
@@ -829,15 +830,46 @@ class VgpuClient:
         self._sync_limit()
 
     def _sync_limit(self) -> None:
-        """Bring the applied limit to the current sum of grants; serialised so the caller of `request()`
-        and the watch thread never apply out of order, and a caller returns only once it is applied."""
+        """Bring the applied limit to the sum of the grants on this process's device; serialised so the
+        caller of `request()` and the watch thread never apply out of order, and a caller returns only
+        once it is applied."""
         with self._apply_lock:
             with self._lock:
-                target = sum(g.memory_mib for g in self._grants.values()) if self._grants else None
+                grants = list(self._grants.values())
+            target = self._grants_here(grants)
             if target == self._target_mib:
                 return
             if self._apply_limit(target):
                 self._target_mib = target
+
+    def _grants_here(self, grants: list[allocator_pb2.Grant]) -> float | None:
+        """The memory granted on the device the limit applies to (None: no grant). A grant names its
+        GPU by UUID; torch gives its devices' UUIDs, so a grant on another GPU of a multi-GPU process
+        is not counted against this one. Where the UUID cannot be read (an old torch, no CUDA), or no
+        grant names this device (grants on GPUs this process does not see, as from a simulated
+        daemon), every grant counts, as one limit."""
+        if not grants:
+            return None
+        uuid = self._device_uuid()
+        here = [g for g in grants if uuid is not None and g.device_id == uuid]
+        if uuid is not None and not here:
+            self._warn_once("grant_device", "no grant names this process's GPU: the limit is the sum of every grant",
+                            device=uuid, granted_on=sorted({g.device_id for g in grants}))
+        return sum(g.memory_mib for g in (here or grants))
+
+    def _device_uuid(self) -> str | None:
+        """The UUID of the device the limit applies to, spelled as NVML spells it ("GPU-..."), or None."""
+        torch = self._torch()
+        if torch is None or not _cuda_available(torch):
+            return None
+        try:
+            uuid = getattr(torch.cuda.get_device_properties(self._device_index(torch)), "uuid", None)
+        except Exception:  # noqa: BLE001 - torch raises RuntimeError/AssertionError without a device
+            return None
+        if uuid is None:
+            return None
+        text = str(uuid)
+        return text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}"
 
     def _apply_limit(self, limit_mib: float | None) -> bool:
         """Apply `limit_mib` (None: no limit) through torch where torch has CUDA; record what applied.
