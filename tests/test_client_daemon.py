@@ -226,7 +226,8 @@ print("closed", flush=True)
 
 
 def _hold(env: Env, app_id: str, inapp: Path) -> subprocess.Popen[str]:
-    """An application process running HOLD against the test's daemon (it answers on stdout, waits on stdin)."""
+    """A client-stub application against the test's daemon: it requests a grant for `app_id`,
+    prints it, and holds it until a line on stdin tells it to leave its `with` block."""
     return subprocess.Popen([sys.executable, "-c", HOLD, str(env.sock), app_id, str(inapp)], cwd=ROOT,
                             env=env.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)

@@ -213,26 +213,31 @@ def test_usage_history_sees_a_ramp_and_the_recent_peak() -> None:
     assert math.isnan(h.peak("a", 500.0, 1e9))
 
 
-def test_the_daemons_policy_grants_a_ramp_it_saw_through_recommendations() -> None:
+def _daemon_grant_mib(config: PolicyConfig, seconds: list[tuple[float, float]]) -> float:
+    """The memory granted to one application after the daemon's Allocator and ForecastPolicy (on a
+    simulated H100) were given one recommendation a second: (forecast P90, usage) in MiB."""
     from vgpu.allocator.core import Allocator
     from vgpu.allocator.policy.base import Recommendation
     from vgpu.allocator.policy.forecast import ForecastPolicy
     from vgpu.device.sim import ManualClock, SimBackend
 
+    clock = ManualClock(1000.0)
+    backend = SimBackend(["h100-80gb"], clock=clock)
+    uuid = backend.devices()[0].uuid
+    alloc = Allocator(backend, clock=clock, dry_run=False, policy=ForecastPolicy(config))
+    for seq, (p90, used) in enumerate(seconds, start=1):
+        alloc.apply_recommendations([Recommendation("a", uuid, p90, 20, mem_p90_peak_mib=p90, sm_p90_peak_pct=20,
+                                                    mem_used_mib=used, sm_util_pct=20, for_seq=seq)])
+        clock.advance(1.0)
+    (g,) = alloc.ledger.grants()
+    alloc.stop()
+    return g.memory_mib
+
+
+def test_the_daemons_policy_grants_a_ramp_it_saw_through_recommendations() -> None:
     def run(config: PolicyConfig) -> float:
-        clock = ManualClock(1000.0)
-        backend = SimBackend(["h100-80gb"], clock=clock)
-        uuid = backend.devices()[0].uuid
-        alloc = Allocator(backend, clock=clock, dry_run=False, policy=ForecastPolicy(config))
-        for seq, used in enumerate([4_000.0] * 15 + [4_400.0, 4_900.0], start=1):
-            # the forecast trails the ramp (it says the last value)
-            alloc.apply_recommendations([Recommendation("a", uuid, used, 20, mem_p90_peak_mib=used,
-                                                        sm_p90_peak_pct=20, mem_used_mib=used, sm_util_pct=20,
-                                                        for_seq=seq)])
-            clock.advance(1.0)
-        (g,) = alloc.ledger.grants()
-        alloc.stop()
-        return g.memory_mib
+        # the forecast trails the ramp (it says the last value)
+        return _daemon_grant_mib(config, [(used, used) for used in [4_000.0] * 15 + [4_400.0, 4_900.0]])
 
     cfg = replace(PREDICTIVE_CONFIG, confidence_multiplier=0.0, start_ramp_frac=0.0)
     # 4,000 -> 4,400 -> 4,900: 450 MiB/s over the last 2 s, 500 over the last one; granted to 4,900
@@ -246,25 +251,9 @@ def test_the_daemons_policy_grants_a_ramp_it_saw_through_recommendations() -> No
 
 
 def test_the_daemons_policy_takes_back_a_grant_far_over_the_recent_peak() -> None:
-    from vgpu.allocator.core import Allocator
-    from vgpu.allocator.policy.base import Recommendation
-    from vgpu.allocator.policy.forecast import ForecastPolicy
-    from vgpu.device.sim import ManualClock, SimBackend
-
     def run(config: PolicyConfig) -> float:
-        clock = ManualClock(1000.0)
-        backend = SimBackend(["h100-80gb"], clock=clock)
-        uuid = backend.devices()[0].uuid
-        alloc = Allocator(backend, clock=clock, dry_run=False, policy=ForecastPolicy(config))
         # 4,000 MiB in use throughout; the forecast says 20,000 for 3 s, then 4,000
-        for seq, p90 in enumerate([20_000.0] * 3 + [4_000.0] * 12, start=1):
-            alloc.apply_recommendations([Recommendation("a", uuid, p90, 20, mem_p90_peak_mib=p90,
-                                                        sm_p90_peak_pct=20, mem_used_mib=4_000.0,
-                                                        sm_util_pct=20, for_seq=seq)])
-            clock.advance(1.0)
-        (g,) = alloc.ledger.grants()
-        alloc.stop()
-        return g.memory_mib
+        return _daemon_grant_mib(config, [(p90, 4_000.0) for p90 in [20_000.0] * 3 + [4_000.0] * 12])
 
     cfg = replace(PREDICTIVE_CONFIG, confidence_multiplier=0.0, start_window_s=0.0, start_ramp_frac=0.0,
                   mem_shrink_peak_mult=1.5)
