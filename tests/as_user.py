@@ -69,6 +69,9 @@ def main() -> int:
     p.add_argument("action")
     p.add_argument("args", nargs="*")
     ns = p.parse_args()
+    # grpc imports its channel modules only when a channel is first made: make one (it connects at its
+    # first call, after the switch) so that they are loaded while the files are still readable
+    grpc.insecure_channel(f"unix:{ns.socket}").close()
     os.setgroups([])
     os.setgid(ns.gid)
     os.setuid(ns.uid)
