@@ -335,3 +335,70 @@ def test_the_daemons_policy_keeps_a_contended_gpu_at_full_power() -> None:
 
     assert limit(replace(PREDICTIVE_CONFIG, contended_full_power=1.0)) == 700_000
     assert limit(replace(PREDICTIVE_CONFIG, contended_full_power=0.0)) < 700_000
+
+
+def test_a_forecast_that_has_covered_the_usage_is_trusted_without_the_margin() -> None:
+    # a serving engine: 69 GB in use, most of it weights; its P90 has covered the usage for 60 s
+    cfg = replace(BASE, mem_trust_s=30.0, mem_trust_margin_frac=0.01, mem_lead_frac=0.1)
+    a = app("a", granted_mem_mib=76_000, used_mem_mib=69_000, forecast_mem_p90_mib=70_000,
+            last_mem_change_s=50.0, mem_p90_covered_s=60.0)
+    trusted = plan([a], [DEV], 100.0, cfg).target("a")
+    assert trusted.mem_mib == pytest.approx(70_000 * 1.01)
+    # without the rule, or not covered long enough: the margin on all of it
+    for off in (replace(cfg, mem_trust_s=0.0), cfg):
+        b = a if off is not cfg else replace(a, mem_p90_covered_s=10.0)
+        assert plan([b], [DEV], 100.0, off).target("a").mem_mib == pytest.approx(70_000 * 1.02)
+
+
+def test_a_trusted_forecast_that_rises_past_the_grant_gets_no_lead_headroom() -> None:
+    cfg = replace(BASE, mem_trust_s=30.0, mem_trust_margin_frac=0.01, mem_lead_frac=0.1)
+    a = app("a", granted_mem_mib=70_500, used_mem_mib=70_000, forecast_mem_p90_mib=71_000,
+            last_mem_change_s=99.0, mem_p90_covered_s=60.0)
+    grown = plan([a], [DEV], 100.0, cfg).target("a")
+    assert grown.mem_mib == pytest.approx(71_000 * 1.01) and grown.reason_mem == "overrun"
+    # the first miss ends the trust: the headroom of a foreseen rise is back, on the whole P90
+    led = plan([replace(a, mem_p90_covered_s=0.0)], [DEV], 100.0, cfg).target("a")
+    assert led.mem_mib == pytest.approx(71_000 * 1.12) and led.reason_mem == "lead"
+
+
+def test_a_trusted_forecast_shrinks_to_the_recent_peak_with_its_own_margin() -> None:
+    cfg = replace(BASE, mem_trust_s=30.0, mem_trust_margin_frac=0.0, mem_shrink_window_s=30.0)
+    a = app("a", granted_mem_mib=80_000, used_mem_mib=65_000, forecast_mem_p90_mib=66_000,
+            recent_peak_mem_mib=70_000, last_mem_change_s=50.0, mem_p90_covered_s=60.0)
+    assert plan([a], [DEV], 100.0, cfg).target("a").mem_mib == pytest.approx(70_000)
+    off = plan([a], [DEV], 100.0, replace(cfg, mem_trust_s=0.0)).target("a")
+    assert off.mem_mib == pytest.approx(70_000 * 1.02)
+
+
+def test_usage_history_counts_how_long_the_forecast_has_covered_the_usage() -> None:
+    from vgpu.allocator.policy.forecast import UsageHistory
+
+    h = UsageHistory()
+    h.observe("a", 0.0, 1_000.0, forecast_mib=1_100.0)
+    assert h.covered_s("a", 0.0) == 0.0  # nothing to judge the first sample by
+    for t in (1.0, 2.0, 3.0):
+        h.observe("a", t, 1_050.0, forecast_mib=1_100.0)
+    assert h.covered_s("a", 3.0) == pytest.approx(3.0)
+    h.observe("a", 3.5, 1_080.0, forecast_mib=1_200.0)  # within the second: still under 1,100
+    assert h.covered_s("a", 3.5) == pytest.approx(3.5)
+    h.observe("a", 3.7, 1_150.0, forecast_mib=1_200.0)  # the second's larger value passed 1,100
+    assert h.covered_s("a", 3.7) == 0.0
+    h.observe("a", 4.0, 1_190.0, forecast_mib=1_200.0)
+    assert h.covered_s("a", 4.0) == pytest.approx(1.0)
+    h.observe("a", 5.0, 1_250.0)  # over the P90 given with the sample before: a miss
+    assert h.covered_s("a", 5.0) == 0.0
+    h.observe("a", 6.0, 1_000.0)  # no forecast came with the sample before: nothing to judge by
+    assert h.covered_s("a", 6.0) == 0.0 and h.covered_s("unknown", 6.0) == 0.0
+
+
+def test_the_daemons_policy_trusts_a_forecast_it_saw_cover_the_usage() -> None:
+    def run(config: PolicyConfig, last: tuple[float, float]) -> float:
+        # 40 s with a P90 of 70,000 over 69,000 in use, then the P90 rises to 72,000
+        return _daemon_grant_mib(config, [(70_000.0, 69_000.0)] * 40 + [last])
+
+    cfg = replace(PREDICTIVE_CONFIG, confidence_multiplier=0.0, mem_trust_s=30.0, mem_trust_margin_frac=0.01)
+    assert cfg.mem_lead_frac == pytest.approx(0.1)
+    assert run(cfg, (72_000.0, 69_500.0)) == pytest.approx(72_000 * 1.01)
+    # without the rule, or when that second's usage passed the P90 before it: the lead headroom
+    assert run(replace(cfg, mem_trust_s=0.0), (72_000.0, 69_500.0)) == pytest.approx(72_000 * 1.12)
+    assert run(cfg, (72_000.0, 70_500.0)) == pytest.approx(72_000 * 1.12)

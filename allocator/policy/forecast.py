@@ -98,6 +98,10 @@ class AppState:
     # seconds since the memory usage first rose above `IDLE_MEM_MIB` (its first real use of the
     # GPU); NaN while it has not (or when unknown)
     active_s: float = math.nan
+    # seconds in a row, up to now, that the memory usage stayed at or under the forecast's P90 (its
+    # largest over the horizons) made a second before: how long the forecast has covered this
+    # application on its own, without the margin. 0: it missed the last second, or unknown
+    mem_p90_covered_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("request_mem_mib", "request_sm_pct", "granted_mem_mib", "granted_sm_pct"):
@@ -274,6 +278,15 @@ class PolicyConfig:
     # history agree that the application is far under it (an extrapolated ramp that ended sooner).
     # 0: off
     mem_shrink_peak_mult: float = 0.0
+    # a forecast that has covered the memory usage on its own (`AppState.mem_p90_covered_s`) for at
+    # least `mem_trust_s` earns trust: the application's memory margin is `mem_trust_margin_frac`
+    # instead of `mem_margin_frac` (in the estimate, the reclaim and the slow shrink's floor) and no
+    # lead headroom is added over its P90. The first second the usage passes the P90 ends the trust.
+    # An application whose memory is mostly fixed (a serving engine's weights) otherwise holds the
+    # margin on all of it, and a P90 that rises past a tight grant adds the lead headroom on all of
+    # it. 0: off
+    mem_trust_s: float = 0.0
+    mem_trust_margin_frac: float = 0.0
     # memory limits are hard (beyond them: out of memory, the application ends) only on a device
     # whose planned memory reaches this fraction of its capacity; elsewhere cooperative (the
     # allocation fails, the application survives). Likewise SM shares are enforced (MPS caps) only
@@ -298,7 +311,8 @@ class PolicyConfig:
                      "ramp_cap_frac",
                      "mem_shrink_window_s", "mem_shrink_peak_mult", "hard_limit_at_frac",
                      "start_window_s", "start_headroom_mib", "start_from_use", "start_ramp_frac",
-                     "start_ramp_window_s", "start_ramp_min_s", "contended_full_power"):
+                     "start_ramp_window_s", "start_ramp_min_s", "contended_full_power", "mem_trust_s",
+                     "mem_trust_margin_frac"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"PolicyConfig.{name} must be >= 0")
         if self.confidence_unit_s <= 0:
@@ -308,6 +322,16 @@ class PolicyConfig:
 
     def margin(self, res: Resource) -> float:
         return self.mem_margin_frac if res == "mem" else self.sm_margin_frac
+
+    def trusted(self, app: AppState) -> bool:
+        """Whether the application's memory forecast has covered its usage long enough to drop the margin."""
+        return self.mem_trust_s > 0 and app.mem_p90_covered_s >= self.mem_trust_s
+
+    def margin_for(self, app: AppState, res: Resource) -> float:
+        """The margin of one application: `mem_trust_margin_frac` for the memory of a trusted forecast."""
+        if res == "mem" and self.trusted(app):
+            return self.mem_trust_margin_frac
+        return self.margin(res)
 
     def minimum(self, res: Resource) -> float:
         return self.min_mem_mib if res == "mem" else self.min_sm_pct
@@ -401,9 +425,12 @@ def usage_only(app: AppState, res: Resource) -> float:
 class WithMargin:
     margin: Callable[[Resource], float]
     base: Estimator
+    # the margin per application (`PolicyConfig.margin_for`), in place of `margin` when given
+    margin_for: Callable[[AppState, Resource], float] | None = None
 
     def __call__(self, app: AppState, res: Resource) -> float:
-        return self.base(app, res) * (1.0 + self.margin(res))
+        m = self.margin_for(app, res) if self.margin_for is not None else self.margin(res)
+        return self.base(app, res) * (1.0 + m)
 
 
 @dataclass(frozen=True)
@@ -444,7 +471,7 @@ class WithCapping:
 def default_estimator(config: PolicyConfig, devices: Mapping[str, DeviceState]) -> Estimator:
     """forecast P90 (or usage) -> margin -> confidence -> capping."""
     chain: Estimator = forecast_or_usage
-    chain = WithMargin(config.margin, chain)
+    chain = WithMargin(config.margin, chain, config.margin_for)
     chain = WithConfidence(config.confidence_multiplier, config.confidence_exponent,
                            config.confidence_unit_s, chain)
     return WithCapping(config.minimum, devices, chain)
@@ -504,8 +531,9 @@ def _desired(app: AppState, res: Resource, est: Estimator, config: PolicyConfig,
         value, reason = app.granted(res), "hold"
     used = app.used(res)
     upper = min(app.maximum(res), dev.capacity(res) if dev else math.inf)
-    if not math.isnan(used) and used * (1.0 + config.margin(res)) > value:
-        value, reason = min(used * (1.0 + config.margin(res)), upper), "reclaim-grow"
+    margin = config.margin_for(app, res)
+    if not math.isnan(used) and used * (1.0 + margin) > value:
+        value, reason = min(used * (1.0 + margin), upper), "reclaim-grow"
     floor = _floor(app, res, config)
     if value < floor:
         value, reason = floor, "guarantee" if app.request(res) > 0 else "minimum"
@@ -533,6 +561,8 @@ def _lead(app: AppState, config: PolicyConfig) -> float:
     headroom over the P90; NaN when off or nothing is foreseen. The P90 over 1-5 s trails a rise
     that keeps going: the headroom covers the part of it the forecast does not yet see."""
     f = app.forecast_mem_p90_mib
+    if config.trusted(app):
+        return math.nan  # the P90 has covered on its own: no headroom over it
     if config.mem_lead_frac <= 0 or math.isnan(f) or app.granted_mem_mib <= 0 or f <= app.granted_mem_mib:
         return math.nan  # a new application's first grant is the start-up rule's
     return f * (1.0 + config.mem_margin_frac + config.mem_lead_frac)
@@ -594,7 +624,7 @@ def _slow_shrink(app: AppState, value: float, config: PolicyConfig) -> float:
     if config.mem_shrink_window_s > 0 and not math.isnan(app.recent_peak_mem_mib):
         if config.mem_shrink_peak_mult > 0:
             floor = min(floor, app.recent_peak_mem_mib * config.mem_shrink_peak_mult)
-        floor = max(floor, app.recent_peak_mem_mib * (1.0 + config.mem_margin_frac))
+        floor = max(floor, app.recent_peak_mem_mib * (1.0 + config.margin_for(app, "mem")))
     return max(value, min(floor, current))
 
 
@@ -819,10 +849,17 @@ class UsageHistory:
         self._samples: dict[str, list[tuple[float, float]]] = {}
         self._seq: dict[str, int] = {}
         self._first_use: dict[str, float] = {}
+        # the forecast P90 given with the latest sample, the one the latest sample is judged against
+        # (given with the sample before it), and since when the usage has stayed at or under it
+        self._p90: dict[str, float] = {}
+        self._p90_judged: dict[str, float] = {}
+        self._covered_since: dict[str, float] = {}
 
-    def observe(self, app_id: str, now_s: float, used_mib: float, seq: int = 0) -> None:
-        """Record a usage sample; one with a `seq` (the recommendation's) already seen is a stale
-        stand-in for a neighbour's plan, not a new sample, and is ignored."""
+    def observe(self, app_id: str, now_s: float, used_mib: float, seq: int = 0,
+                forecast_mib: float = math.nan) -> None:
+        """Record a usage sample, and the forecast P90 of the memory made with it (NaN: none); one
+        with a `seq` (the recommendation's) already seen is a stale stand-in for a neighbour's plan,
+        not a new sample, and is ignored."""
         if math.isnan(used_mib) or (seq and self._seq.get(app_id) == seq):
             return
         if seq:
@@ -833,7 +870,18 @@ class UsageHistory:
         if samples and now_s - samples[-1][0] < self.min_step_s:
             if used_mib > samples[-1][1]:  # keep the larger value of a step
                 samples[-1] = (samples[-1][0], used_mib)
+                if not used_mib <= self._p90_judged.get(app_id, math.nan):
+                    self._covered_since.pop(app_id, None)
+            if not math.isnan(forecast_mib):
+                self._p90[app_id] = forecast_mib
             return
+        judged = self._p90.get(app_id, math.nan)
+        self._p90_judged[app_id] = judged
+        if used_mib <= judged:  # covered: the streak runs from the sample before this one
+            self._covered_since.setdefault(app_id, samples[-1][0] if samples else now_s)
+        else:
+            self._covered_since.pop(app_id, None)
+        self._p90[app_id] = forecast_mib
         samples.append((now_s, used_mib))
         while samples and now_s - samples[0][0] > self.keep_s:
             samples.pop(0)
@@ -843,7 +891,8 @@ class UsageHistory:
         for app_id in [a for a, smp in self._samples.items() if not smp or now_s - smp[-1][0] > self.keep_s]:
             del self._samples[app_id]
             self._seq.pop(app_id, None)
-            self._first_use.pop(app_id, None)
+            for d in (self._first_use, self._p90, self._p90_judged, self._covered_since):
+                d.pop(app_id, None)
 
     def ramp(self, app_id: str) -> tuple[float, float]:
         """(seconds the usage has risen by more than `rise_frac` at every sample up to the last,
@@ -871,6 +920,13 @@ class UsageHistory:
         """Seconds since the usage first rose above `IDLE_MEM_MIB`; NaN when it has not."""
         first = self._first_use.get(app_id)
         return math.nan if first is None else max(now_s - first, 0.0)
+
+    def covered_s(self, app_id: str, now_s: float) -> float:
+        """Seconds in a row, up to the latest sample, that each sample's usage stayed at or under the
+        forecast P90 given with the sample before it (`AppState.mem_p90_covered_s`); 0 when the
+        latest missed it or nothing is known."""
+        since = self._covered_since.get(app_id)
+        return 0.0 if since is None else max(now_s - since, 0.0)
 
     def peak(self, app_id: str, now_s: float, window_s: float) -> float:
         """The largest usage seen in the last `window_s`; NaN when none."""
@@ -980,7 +1036,8 @@ class ForecastPolicy:
             sm_changed_at = own.updated_at_s if own is not None else -math.inf
             first = min((g.created_at_s for g in mine), default=now_s)
             cold_mib = rec.cold_start_mem_mib if math.isfinite(rec.cold_start_mem_mib) else math.nan
-            self.history.observe(rec.app_id, now_s, rec.mem_used_mib, rec.for_seq)
+            self.history.observe(rec.app_id, now_s, rec.mem_used_mib, rec.for_seq,
+                                 f_mem if math.isfinite(f_mem) else math.nan)
             ramp_s, ramp_rate = self.history.ramp(rec.app_id)
             window = self.config.mem_shrink_window_s
             states.append(AppState(
@@ -997,6 +1054,7 @@ class ForecastPolicy:
                 mem_ramp_s=ramp_s, mem_ramp_rate_mib_s=ramp_rate, mem_ramp_last_mib_s=self.history.last_rise(rec.app_id),
                 recent_peak_mem_mib=self.history.peak(rec.app_id, now_s, window) if window > 0 else math.nan,
                 active_s=active_since_use_s(now_s, rec.first_use_s, self.history.active_s(rec.app_id, now_s)),
+                mem_p90_covered_s=self.history.covered_s(rec.app_id, now_s),
             ))
         self.history.prune(now_s)
         caps = [DeviceState(v.device_id, v.mem_total_mib, v.sm_total_pct) for v in devices]
