@@ -489,7 +489,7 @@ def test_a_forecast_that_keeps_covering_the_usage_is_trusted_without_the_margin(
     # forecaster that foresees it covers every second, so after 30 s its P90 is granted with 1 %
     mem = [60_000.0 + (2_000.0 if (i // 20) % 2 else 0.0) + (i % 7) * 50.0 for i in range(200)]
     apps = R.pack(R.prepare([app_trace("a", mem, [10.0] * len(mem))])[0], SKU)
-    fc = _Foresight({"a": mem})
+    fc: Forecaster = _Foresight({"a": mem})  # type: ignore[assignment]
 
     def run(*sets: str) -> R.Result:
         config, _ = R.config_overrides(PREDICTIVE_CONFIG, list(sets))
