@@ -564,8 +564,8 @@ def replay(
     hard: dict[str, dict[str, bool]] = {p: {} for p in policies}
     hard_sm: dict[str, dict[str, bool]] = {p: {} for p in policies}
     oom_floor: dict[str, float] = {}
-    # per policy and application: the memory P90 it planned with a second before, and the seconds in a
-    # row the usage has stayed at or under that (AppState.mem_p90_covered_s)
+    # per policy and application: the memory P90 it planned with a second before, and the seconds since
+    # the usage last went over it in which the usage moved and stayed under it (AppState.mem_p90_covered_s)
     last_p90: dict[str, dict[str, float]] = {p: {} for p in policies}
     covered: dict[str, dict[str, float]] = {p: {} for p in policies}
     mem_cap = float(sku.mem_total_mib)
@@ -690,8 +690,10 @@ def replay(
                     f_s = float(a.sm[k + 1: k + 1 + HORIZON_S].max())
                 window = int(cfg.mem_shrink_window_s) if cfg is not None else 0
                 before = last_p90[p].get(a.app_id, math.nan)
-                covered[p][a.app_id] = (covered[p].get(a.app_id, 0.0) + 1.0
-                                        if not math.isnan(before) and used_m <= before + 1e-9 else 0.0)
+                if not used_m <= before + 1e-9:  # over the P90 (or none to judge by): start again
+                    covered[p][a.app_id] = 0.0
+                elif k > 0 and used_m != float(a.mem[k - 1]):  # moved, and covered
+                    covered[p][a.app_id] = covered[p].get(a.app_id, 0.0) + 1.0
                 last_p90[p][a.app_id] = f_m
                 new_states.append(replace(
                     old, used_mem_mib=used_m, used_sm_pct=used_s,
@@ -700,7 +702,7 @@ def replay(
                     mem_ramp_last_mib_s=float(a.ramp_last[k]),
                     recent_peak_mem_mib=float(a.mem[max(0, k - window + 1): k + 1].max()) if window > 0 else math.nan,
                     active_s=float(k - a.first_use + 1) if k >= a.first_use else math.nan,
-                    mem_p90_covered_s=covered[p][a.app_id],
+                    mem_p90_covered_s=covered[p].get(a.app_id, 0.0),
                 ))
             if p == "static":
                 for st in new_states:

@@ -361,44 +361,51 @@ def test_a_trusted_forecast_that_rises_past_the_grant_gets_no_lead_headroom() ->
     assert led.mem_mib == pytest.approx(71_000 * 1.12) and led.reason_mem == "lead"
 
 
-def test_a_trusted_forecast_shrinks_to_the_recent_peak_with_its_own_margin() -> None:
+def test_a_trusted_forecast_keeps_the_full_margin_over_the_usage_and_the_recent_peak() -> None:
+    # trust drops the margin stacked on the P90, not the margin over what is in use: a P90 at the
+    # usage (memory that barely moves) is granted the usage plus the whole margin, as before
     cfg = replace(BASE, mem_trust_s=30.0, mem_trust_margin_frac=0.0, mem_shrink_window_s=30.0)
-    a = app("a", granted_mem_mib=80_000, used_mem_mib=65_000, forecast_mem_p90_mib=66_000,
-            recent_peak_mem_mib=70_000, last_mem_change_s=50.0, mem_p90_covered_s=60.0)
-    assert plan([a], [DEV], 100.0, cfg).target("a").mem_mib == pytest.approx(70_000)
-    off = plan([a], [DEV], 100.0, replace(cfg, mem_trust_s=0.0)).target("a")
-    assert off.mem_mib == pytest.approx(70_000 * 1.02)
+    a = app("a", granted_mem_mib=80_000, used_mem_mib=69_800, forecast_mem_p90_mib=70_000,
+            last_mem_change_s=50.0, mem_p90_covered_s=60.0)
+    assert plan([a], [DEV], 100.0, cfg).target("a").mem_mib == pytest.approx(69_800 * 1.02)
+    peaked = replace(a, recent_peak_mem_mib=70_500.0)
+    assert plan([peaked], [DEV], 100.0, cfg).target("a").mem_mib == pytest.approx(70_500 * 1.02)
 
 
-def test_usage_history_counts_how_long_the_forecast_has_covered_the_usage() -> None:
+def test_usage_history_counts_the_seconds_the_forecast_covered_a_moving_usage() -> None:
     from vgpu.allocator.policy.forecast import UsageHistory
 
     h = UsageHistory()
     h.observe("a", 0.0, 1_000.0, forecast_mib=1_100.0)
-    assert h.covered_s("a", 0.0) == 0.0  # nothing to judge the first sample by
-    for t in (1.0, 2.0, 3.0):
-        h.observe("a", t, 1_050.0, forecast_mib=1_100.0)
-    assert h.covered_s("a", 3.0) == pytest.approx(3.0)
-    h.observe("a", 3.5, 1_080.0, forecast_mib=1_200.0)  # within the second: still under 1,100
-    assert h.covered_s("a", 3.5) == pytest.approx(3.5)
-    h.observe("a", 3.7, 1_150.0, forecast_mib=1_200.0)  # the second's larger value passed 1,100
-    assert h.covered_s("a", 3.7) == 0.0
-    h.observe("a", 4.0, 1_190.0, forecast_mib=1_200.0)
-    assert h.covered_s("a", 4.0) == pytest.approx(1.0)
-    h.observe("a", 5.0, 1_250.0)  # over the P90 given with the sample before: a miss
-    assert h.covered_s("a", 5.0) == 0.0
-    h.observe("a", 6.0, 1_000.0)  # no forecast came with the sample before: nothing to judge by
-    assert h.covered_s("a", 6.0) == 0.0 and h.covered_s("unknown", 6.0) == 0.0
+    assert h.covered_s("a") == 0.0  # nothing to judge the first sample by
+    for t, used in [(1.0, 1_050.0), (2.0, 1_040.0), (3.0, 1_060.0)]:
+        h.observe("a", t, used, forecast_mib=1_100.0)
+    assert h.covered_s("a") == 3.0
+    h.observe("a", 4.0, 1_060.0, forecast_mib=1_100.0)  # unchanged: a flat second tests nothing
+    assert h.covered_s("a") == 3.0
+    h.observe("a", 4.5, 1_080.0, forecast_mib=1_200.0)  # within the second: still under 1,100
+    assert h.covered_s("a") == 3.0
+    h.observe("a", 4.7, 1_150.0, forecast_mib=1_200.0)  # the second's larger value passed 1,100
+    assert h.covered_s("a") == 0.0
+    h.observe("a", 5.0, 1_190.0, forecast_mib=1_200.0)
+    assert h.covered_s("a") == 1.0
+    h.observe("a", 6.0, 1_250.0)  # over the P90 given with the sample before: a miss
+    assert h.covered_s("a") == 0.0
+    h.observe("a", 7.0, 1_000.0)  # no forecast came with the sample before: nothing to judge by
+    assert h.covered_s("a") == 0.0 and h.covered_s("unknown") == 0.0
 
 
 def test_the_daemons_policy_trusts_a_forecast_it_saw_cover_the_usage() -> None:
-    def run(config: PolicyConfig, last: tuple[float, float]) -> float:
-        # 40 s with a P90 of 70,000 over 69,000 in use, then the P90 rises to 72,000
-        return _daemon_grant_mib(config, [(70_000.0, 69_000.0)] * 40 + [last])
+    def run(config: PolicyConfig, last: tuple[float, float], moving: bool = True) -> float:
+        # 40 s with a P90 of 70,000 over 68,800-69,000 in use, then the P90 rises to 72,000
+        used = [69_000.0 - (200.0 if moving and i % 2 else 0.0) for i in range(40)]
+        return _daemon_grant_mib(config, [(70_000.0, u) for u in used] + [last])
 
     cfg = replace(PREDICTIVE_CONFIG, confidence_multiplier=0.0, mem_trust_s=30.0, mem_trust_margin_frac=0.01)
     assert cfg.mem_lead_frac == pytest.approx(0.1)
-    assert run(cfg, (72_000.0, 69_500.0)) == pytest.approx(72_000 * 1.01)
+    assert run(cfg, (72_000.0, 69_200.0)) == pytest.approx(72_000 * 1.01)
     # without the rule, or when that second's usage passed the P90 before it: the lead headroom
-    assert run(replace(cfg, mem_trust_s=0.0), (72_000.0, 69_500.0)) == pytest.approx(72_000 * 1.12)
-    assert run(cfg, (72_000.0, 70_500.0)) == pytest.approx(72_000 * 1.12)
+    assert run(replace(cfg, mem_trust_s=0.0), (72_000.0, 69_200.0)) == pytest.approx(72_000 * 1.12)
+    assert run(cfg, (72_000.0, 70_100.0)) == pytest.approx(72_000 * 1.12)
+    # a usage that never moved tested nothing: no trust
+    assert run(cfg, (72_000.0, 69_200.0), moving=False) == pytest.approx(72_000 * 1.12)

@@ -486,7 +486,8 @@ def test_a_contended_gpu_keeps_full_power() -> None:
 
 def test_a_forecast_that_keeps_covering_the_usage_is_trusted_without_the_margin() -> None:
     # a serving engine's shape: 60 GB of weights and a cache that moves by 2 GB every 20 s; a
-    # forecaster that foresees it covers every second, so after 30 s its P90 is granted with 1 %
+    # forecaster that foresees it covers every second, so after 30 s of it its P90 is granted with 1 %
+    # and no lead headroom
     mem = [60_000.0 + (2_000.0 if (i // 20) % 2 else 0.0) + (i % 7) * 50.0 for i in range(200)]
     apps = R.pack(R.prepare([app_trace("a", mem, [10.0] * len(mem))])[0], SKU)
     fc: Forecaster = _Foresight({"a": mem})  # type: ignore[assignment]
@@ -499,4 +500,4 @@ def test_a_forecast_that_keeps_covering_the_usage_is_trusted_without_the_margin(
     trusted = run("mem_trust_s=30", "mem_trust_margin_frac=0.01")
     plain = run()
     assert trusted["oom_events"] == plain["oom_events"] == 0
-    assert trusted["mem_slack_frac"] < plain["mem_slack_frac"] - 0.005
+    assert trusted["mem_slack_frac"] < plain["mem_slack_frac"] - 0.002

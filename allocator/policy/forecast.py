@@ -98,9 +98,11 @@ class AppState:
     # seconds since the memory usage first rose above `IDLE_MEM_MIB` (its first real use of the
     # GPU); NaN while it has not (or when unknown)
     active_s: float = math.nan
-    # seconds in a row, up to now, that the memory usage stayed at or under the forecast's P90 (its
-    # largest over the horizons) made a second before: how long the forecast has covered this
-    # application on its own, without the margin. 0: it missed the last second, or unknown
+    # seconds, since the memory usage last went over the forecast's P90 (its largest over the
+    # horizons) made a second before, in which the usage moved and stayed at or under that P90: how
+    # long the forecast has covered this application's movements on its own, without the margin.
+    # A second whose usage did not change neither counts nor ends it (a flat series tests no
+    # forecast). 0: it missed the last second, or unknown
     mem_p90_covered_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -531,9 +533,8 @@ def _desired(app: AppState, res: Resource, est: Estimator, config: PolicyConfig,
         value, reason = app.granted(res), "hold"
     used = app.used(res)
     upper = min(app.maximum(res), dev.capacity(res) if dev else math.inf)
-    margin = config.margin_for(app, res)
-    if not math.isnan(used) and used * (1.0 + margin) > value:
-        value, reason = min(used * (1.0 + margin), upper), "reclaim-grow"
+    if not math.isnan(used) and used * (1.0 + config.margin(res)) > value:
+        value, reason = min(used * (1.0 + config.margin(res)), upper), "reclaim-grow"
     floor = _floor(app, res, config)
     if value < floor:
         value, reason = floor, "guarantee" if app.request(res) > 0 else "minimum"
@@ -624,7 +625,7 @@ def _slow_shrink(app: AppState, value: float, config: PolicyConfig) -> float:
     if config.mem_shrink_window_s > 0 and not math.isnan(app.recent_peak_mem_mib):
         if config.mem_shrink_peak_mult > 0:
             floor = min(floor, app.recent_peak_mem_mib * config.mem_shrink_peak_mult)
-        floor = max(floor, app.recent_peak_mem_mib * (1.0 + config.margin_for(app, "mem")))
+        floor = max(floor, app.recent_peak_mem_mib * (1.0 + config.mem_margin_frac))
     return max(value, min(floor, current))
 
 
@@ -850,10 +851,11 @@ class UsageHistory:
         self._seq: dict[str, int] = {}
         self._first_use: dict[str, float] = {}
         # the forecast P90 given with the latest sample, the one the latest sample is judged against
-        # (given with the sample before it), and since when the usage has stayed at or under it
+        # (given with the sample before it), and how many samples that moved have stayed at or under
+        # theirs since the last that went over (`covered_s`)
         self._p90: dict[str, float] = {}
         self._p90_judged: dict[str, float] = {}
-        self._covered_since: dict[str, float] = {}
+        self._covered_n: dict[str, int] = {}
 
     def observe(self, app_id: str, now_s: float, used_mib: float, seq: int = 0,
                 forecast_mib: float = math.nan) -> None:
@@ -871,16 +873,16 @@ class UsageHistory:
             if used_mib > samples[-1][1]:  # keep the larger value of a step
                 samples[-1] = (samples[-1][0], used_mib)
                 if not used_mib <= self._p90_judged.get(app_id, math.nan):
-                    self._covered_since.pop(app_id, None)
+                    self._covered_n.pop(app_id, None)
             if not math.isnan(forecast_mib):
                 self._p90[app_id] = forecast_mib
             return
         judged = self._p90.get(app_id, math.nan)
         self._p90_judged[app_id] = judged
-        if used_mib <= judged:  # covered: the streak runs from the sample before this one
-            self._covered_since.setdefault(app_id, samples[-1][0] if samples else now_s)
-        else:
-            self._covered_since.pop(app_id, None)
+        if not used_mib <= judged:  # over the P90 (or none to judge by): the count starts again
+            self._covered_n.pop(app_id, None)
+        elif samples and used_mib != samples[-1][1]:  # moved, and covered
+            self._covered_n[app_id] = self._covered_n.get(app_id, 0) + 1
         self._p90[app_id] = forecast_mib
         samples.append((now_s, used_mib))
         while samples and now_s - samples[0][0] > self.keep_s:
@@ -891,7 +893,8 @@ class UsageHistory:
         for app_id in [a for a, smp in self._samples.items() if not smp or now_s - smp[-1][0] > self.keep_s]:
             del self._samples[app_id]
             self._seq.pop(app_id, None)
-            for d in (self._first_use, self._p90, self._p90_judged, self._covered_since):
+            self._covered_n.pop(app_id, None)
+            for d in (self._first_use, self._p90, self._p90_judged):
                 d.pop(app_id, None)
 
     def ramp(self, app_id: str) -> tuple[float, float]:
@@ -921,12 +924,11 @@ class UsageHistory:
         first = self._first_use.get(app_id)
         return math.nan if first is None else max(now_s - first, 0.0)
 
-    def covered_s(self, app_id: str, now_s: float) -> float:
-        """Seconds in a row, up to the latest sample, that each sample's usage stayed at or under the
-        forecast P90 given with the sample before it (`AppState.mem_p90_covered_s`); 0 when the
-        latest missed it or nothing is known."""
-        since = self._covered_since.get(app_id)
-        return 0.0 if since is None else max(now_s - since, 0.0)
+    def covered_s(self, app_id: str) -> float:
+        """Seconds (samples, one a second at most) since a sample's usage last went over the forecast
+        P90 given with the sample before it, in which the usage moved and stayed at or under it
+        (`AppState.mem_p90_covered_s`); 0 when the latest went over or nothing is known."""
+        return float(self._covered_n.get(app_id, 0))
 
     def peak(self, app_id: str, now_s: float, window_s: float) -> float:
         """The largest usage seen in the last `window_s`; NaN when none."""
@@ -1054,7 +1056,7 @@ class ForecastPolicy:
                 mem_ramp_s=ramp_s, mem_ramp_rate_mib_s=ramp_rate, mem_ramp_last_mib_s=self.history.last_rise(rec.app_id),
                 recent_peak_mem_mib=self.history.peak(rec.app_id, now_s, window) if window > 0 else math.nan,
                 active_s=active_since_use_s(now_s, rec.first_use_s, self.history.active_s(rec.app_id, now_s)),
-                mem_p90_covered_s=self.history.covered_s(rec.app_id, now_s),
+                mem_p90_covered_s=self.history.covered_s(rec.app_id),
             ))
         self.history.prune(now_s)
         caps = [DeviceState(v.device_id, v.mem_total_mib, v.sm_total_pct) for v in devices]
