@@ -497,7 +497,8 @@ def test_a_forecast_that_keeps_covering_the_usage_is_trusted_without_the_margin(
         return R.replay(apps, SKU, fc, policies=("predictive",), configs={"predictive": config},
                         kill_on_oom=False)[0]
 
-    trusted = run("mem_trust_s=30", "mem_trust_margin_frac=0.01")
-    plain = run()
+    assert (PREDICTIVE_CONFIG.mem_trust_s, PREDICTIVE_CONFIG.mem_trust_margin_frac) == (30.0, 0.01)
+    trusted = run()
+    plain = run("mem_trust_s=0")
     assert trusted["oom_events"] == plain["oom_events"] == 0
     assert trusted["mem_slack_frac"] < plain["mem_slack_frac"] - 0.002
