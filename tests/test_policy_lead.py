@@ -372,6 +372,18 @@ def test_a_trusted_forecast_keeps_the_full_margin_over_the_usage_and_the_recent_
     assert plan([peaked], [DEV], 100.0, cfg).target("a").mem_mib == pytest.approx(70_500 * 1.02)
 
 
+def test_a_trusted_forecast_can_be_followed_down_in_smaller_steps() -> None:
+    # 3 % under the grant: under the 5 % threshold, unless the forecast is trusted and the rule is on
+    cfg = replace(BASE, mem_trust_s=30.0, mem_trust_margin_frac=0.0, mem_trust_change_frac=0.02)
+    a = app("a", granted_mem_mib=72_100, used_mem_mib=69_000, forecast_mem_p90_mib=70_000,
+            last_mem_change_s=50.0, mem_p90_covered_s=60.0)
+    followed = plan([a], [DEV], 100.0, cfg).target("a")
+    assert followed.mem_mib == pytest.approx(70_380) and followed.changed_mem  # the usage + 2 %, over the P90
+    assert plan([a], [DEV], 100.0, replace(cfg, mem_trust_change_frac=0.0)).target("a").mem_mib == 72_100
+    untrusted = replace(a, mem_p90_covered_s=5.0)
+    assert plan([untrusted], [DEV], 100.0, cfg).target("a").reason_mem == "below-threshold"
+
+
 def test_usage_history_counts_the_seconds_the_forecast_covered_a_moving_usage() -> None:
     from vgpu.allocator.policy.forecast import UsageHistory
 

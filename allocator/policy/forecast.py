@@ -289,6 +289,10 @@ class PolicyConfig:
     # it. 0: off
     mem_trust_s: float = 0.0
     mem_trust_margin_frac: float = 0.0
+    # a trusted forecast's memory grant also follows it down in smaller steps: a shrink of at least
+    # this fraction of the grant is made (after the dwell), where others wait for `min_change_frac`.
+    # 0: `min_change_frac` for all
+    mem_trust_change_frac: float = 0.0
     # memory limits are hard (beyond them: out of memory, the application ends) only on a device
     # whose planned memory reaches this fraction of its capacity; elsewhere cooperative (the
     # allocation fails, the application survives). Likewise SM shares are enforced (MPS caps) only
@@ -314,7 +318,7 @@ class PolicyConfig:
                      "mem_shrink_window_s", "mem_shrink_peak_mult", "hard_limit_at_frac",
                      "start_window_s", "start_headroom_mib", "start_from_use", "start_ramp_frac",
                      "start_ramp_window_s", "start_ramp_min_s", "contended_full_power", "mem_trust_s",
-                     "mem_trust_margin_frac"):
+                     "mem_trust_margin_frac", "mem_trust_change_frac"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"PolicyConfig.{name} must be >= 0")
         if self.confidence_unit_s <= 0:
@@ -673,7 +677,10 @@ def _hysteresis(app: AppState, res: Resource, desired: float, reason: str, now_s
         return desired, reason
     if config.grow_on_overrun and desired > current and not math.isnan(need) and need > current + tolerance:
         return desired, "overrun"
-    if abs(desired - current) < max(config.min_change_frac * current, tolerance):
+    frac = config.min_change_frac
+    if res == "mem" and desired < current and config.mem_trust_change_frac > 0 and config.trusted(app):
+        frac = min(frac, config.mem_trust_change_frac)  # a trusted forecast is followed down closer
+    if abs(desired - current) < max(frac * current, tolerance):
         return current, "below-threshold"
     dwell = config.shrink_dwell_s(res) if desired < current else config.dwell_s
     if now_s - app.last_change_s(res) < dwell:
