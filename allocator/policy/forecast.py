@@ -281,9 +281,10 @@ class PolicyConfig:
     # 0: off
     mem_shrink_peak_mult: float = 0.0
     # a forecast that has covered the memory usage on its own (`AppState.mem_p90_covered_s`) for at
-    # least `mem_trust_s` earns trust: the application's memory margin is `mem_trust_margin_frac`
-    # instead of `mem_margin_frac` (in the estimate, the reclaim and the slow shrink's floor) and no
-    # lead headroom is added over its P90. The first second the usage passes the P90 ends the trust.
+    # least `mem_trust_s` earns trust: the margin on its memory P90 is `mem_trust_margin_frac` instead
+    # of `mem_margin_frac`, and no lead headroom is added over the P90. The margin over what is in use
+    # stays whole (the reclaim, usage + margin, and the slow shrink's floor, recent peak + margin). The
+    # first second the usage passes the P90 ends the trust.
     # An application whose memory is mostly fixed (a serving engine's weights) otherwise holds the
     # margin on all of it, and a P90 that rises past a tight grant adds the lead headroom on all of
     # it. 0: off
@@ -334,7 +335,8 @@ class PolicyConfig:
         return self.mem_trust_s > 0 and app.mem_p90_covered_s >= self.mem_trust_s
 
     def margin_for(self, app: AppState, res: Resource) -> float:
-        """The margin of one application: `mem_trust_margin_frac` for the memory of a trusted forecast."""
+        """The margin on one application's forecast: `mem_trust_margin_frac` on the memory P90 of a
+        trusted forecast (the estimator's; the margin over the usage is `margin`)."""
         if res == "mem" and self.trusted(app):
             return self.mem_trust_margin_frac
         return self.margin(res)
