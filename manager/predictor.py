@@ -175,11 +175,12 @@ class ModelForecaster:
         nan = (math.nan,) * n_h
         result: list[Forecast] = []
         row = 0
+        values = rows.tolist()  # Python floats in one call, not a numpy scalar per value
         for ok in present.tolist():
             if not ok:
                 result.append(Forecast(self.horizons_s, nan, nan, nan, nan, source=self.name))
                 continue
-            mem50, sm50, mem90, sm90 = rows[row]
+            mem50, sm50, mem90, sm90 = values[row]
             result.append(
                 Forecast(
                     horizons_s=self.horizons_s,
