@@ -39,6 +39,7 @@ from vgpu.log import get_logger
 from vgpu.manager.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from vgpu.manager.features import encode_latest
 from vgpu.manager.forecast import Forecast, Forecaster, forget_app
+from vgpu.manager.heap import hold_heap
 from vgpu.manager.model import FusedTransformerBiGRU
 from vgpu.traces import AppTrace
 
@@ -72,7 +73,9 @@ def default_device() -> torch.device:
 class ModelForecaster:
     """Forecasts with a trained checkpoint; `name` is "model". `mode` picks how the network runs (see
     the module's docstring); `mode_serving` says which one does. `threads` (default: torch's
-    current number) is what ONNX Runtime may use; `onnx_import` finds ONNX Runtime."""
+    current number) is what ONNX Runtime may use; `onnx_import` finds ONNX Runtime. `heap` is called once
+    at construction: by default `vgpu.manager.heap.hold_heap`, which keeps the C heap's freed memory
+    between rounds so that the feature encoding's temporaries do not page-fault afresh every round."""
 
     name = "model"
 
@@ -84,6 +87,7 @@ class ModelForecaster:
         mode: str = DEFAULT_MODE,
         threads: int | None = None,
         onnx_import: Callable[[], ModuleType] = import_onnxruntime,
+        heap: Callable[[], object] = hold_heap,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown forecaster mode {mode!r}; one of {', '.join(MODES)}")
@@ -110,6 +114,7 @@ class ModelForecaster:
             self._session = self._onnx_session(onnx_import, self.threads)
             if self._session is not None:
                 self.mode_serving = "onnx"
+        heap()
 
     def _onnx_session(self, onnx_import: Callable[[], ModuleType], threads: int) -> OnnxSession | None:
         """An ONNX Runtime session of the fused network, or None (logged once) to run it in torch."""
@@ -170,11 +175,12 @@ class ModelForecaster:
         nan = (math.nan,) * n_h
         result: list[Forecast] = []
         row = 0
+        values = rows.tolist()  # Python floats in one call, not a numpy scalar per value
         for ok in present.tolist():
             if not ok:
                 result.append(Forecast(self.horizons_s, nan, nan, nan, nan, source=self.name))
                 continue
-            mem50, sm50, mem90, sm90 = rows[row]
+            mem50, sm50, mem90, sm90 = values[row]
             result.append(
                 Forecast(
                     horizons_s=self.horizons_s,
