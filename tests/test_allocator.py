@@ -199,6 +199,26 @@ async def test_slow_watcher_drops_oldest() -> None:
     assert sub.dropped == 3 and alloc.counters.events_dropped == 3
 
 
+async def test_a_waiting_watcher_gets_a_burst_in_order_and_ends_when_closed() -> None:
+    alloc, _, _ = make_allocator()
+    sub = alloc.watch()
+    got: list[str] = []
+
+    async def consume() -> None:
+        async for e in sub:
+            got.append(e.app_id)
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0)  # the consumer waits on an empty queue
+    for i in range(5):  # published before the consumer runs again
+        alloc.request_allocation(AllocationRequest(f"a{i}", 1))
+    await asyncio.sleep(0)
+    assert got == [f"a{i}" for i in range(5)]
+    sub.close()  # wakes the waiting consumer, which ends
+    await asyncio.wait_for(task, 1.0)
+    assert alloc.watchers == 0
+
+
 # --- over gRPC -------------------------------------------------------------------------------------
 # Every call carries a deadline, so a lost reply fails the test in seconds instead of stalling the run.
 T_S = 10.0
