@@ -12,6 +12,7 @@ import grpc
 import pytest
 from allocator_fakes import FakeBackend, FakeClock, FakeDevice
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from vgpu.allocator.core import AllocationRequest, Allocator, EventKind, Sizing
 from vgpu.allocator.errors import (
@@ -340,6 +341,12 @@ async def test_grpc_watch_and_health(served: tuple[pb_grpc.AllocatorStub, Alloca
     for name in ("", "vgpu.v1.Allocator"):
         resp = await health.Check(health_pb2.HealthCheckRequest(service=name), timeout=T_S)
         assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    # reflection still describes the service (WatchAllocations is registered by add_allocator_servicer)
+    reflect = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(timeout=T_S)
+    await reflect.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+    listed = await reflect.read()
+    await reflect.done_writing()
+    assert "vgpu.v1.Allocator" in [s.name for s in listed.list_services_response.service]
 
 
 async def test_every_watch_stream_gets_each_event_in_order_serialized_once(tmp_path: Path) -> None:
