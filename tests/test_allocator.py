@@ -342,7 +342,7 @@ async def test_grpc_watch_and_health(served: tuple[pb_grpc.AllocatorStub, Alloca
         resp = await health.Check(health_pb2.HealthCheckRequest(service=name), timeout=T_S)
         assert resp.status == health_pb2.HealthCheckResponse.SERVING
     # reflection still describes the service (WatchAllocations is registered by add_allocator_servicer)
-    reflect = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(timeout=T_S)
+    reflect = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(timeout=T_S)  # type: ignore[arg-type,operator]  # the stubs type sync channels only
     await reflect.write(reflection_pb2.ServerReflectionRequest(list_services=""))
     listed = await reflect.read()
     await reflect.done_writing()
