@@ -17,6 +17,11 @@ the pauses cost none, so the figure suffers less from other load on a shared mac
      "us_per_event_per_stream", "events_serialized", "received", "in_order"}
 
 `us_per_event_per_stream` = (CPU per pair with the streams - without) / (2 x watchers).
+
+`--no-grpc` measures the Python part alone: each stream is the daemon's handler chain (the auth
+interceptor's wrapper around `AllocatorServicer.WatchAllocations`, then the response serializer) run
+as a task whose write is an already finished future; best of 5 rounds of `--pairs` pairs, with the
+streams and again without them: {"no_grpc": true, "python_us_per_event_per_stream", ...}.
 `events_serialized`: how many times an event was turned into bytes while the streams were open
 (2 x pairs when each event is serialized once for every stream). With `--read`, `received` is
 what each stream got (every one must get all 2 x pairs events) and `in_order` whether each got them
@@ -31,6 +36,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -46,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 from vgpu import auth  # noqa: E402
 from vgpu import log as vlog  # noqa: E402
+from vgpu.allocator import service  # noqa: E402
 from vgpu.allocator.core import AllocationRequest, Allocator, device_capacities  # noqa: E402
 from vgpu.allocator.ledger import Ledger  # noqa: E402
 from vgpu.allocator.service import AllocatorServicer, build_server  # noqa: E402
@@ -170,12 +177,85 @@ async def measure(watchers: int, n_pairs: int, read: bool) -> dict[str, Any]:
     }
 
 
+class _Take:
+    """Takes the method handlers an add-servicer function registers, instead of a server."""
+
+    def __init__(self) -> None:
+        self.by_service: dict[str, dict[str, Any]] = {}
+
+    def add_generic_rpc_handlers(self, _handlers: object) -> None:
+        pass
+
+    def add_registered_method_handlers(self, name: str, handlers: dict[str, Any]) -> None:
+        self.by_service[name] = dict(handlers)
+
+
+class _NoContext:
+    """The servicer context a stream needs without gRPC: initial metadata goes nowhere."""
+
+    async def send_initial_metadata(self, _metadata: object) -> None:
+        pass
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise RuntimeError(f"{code.name}: {details}")
+
+
+async def measure_python(watchers: int, n_pairs: int) -> dict[str, Any]:
+    alloc = Allocator(SimBackend(["h100-80gb"]), dry_run=False)
+    servicer = AllocatorServicer(alloc)
+    # the handler as the daemon registers it (a build without add_allocator_servicer: the generated one)
+    add: Any = getattr(service, "add_allocator_servicer", pb_grpc.add_AllocatorServicer_to_server)
+    taken = _Take()
+    add(servicer, taken)
+    handler = taken.by_service["vgpu.v1.Allocator"]["WatchAllocations"]
+
+    async def before(_request: object, _context: object) -> tuple[str | None, bool]:
+        return None, False
+
+    async def after(_state: object, _context: object, _ok: bool) -> None:
+        pass
+
+    wrapped: Any = auth.wrap_handler(handler, before, after)
+    serialize = wrapped.response_serializer
+    loop = asyncio.get_running_loop()
+
+    async def stream() -> None:
+        async for message in wrapped.unary_stream(pb.WatchAllocationsRequest(), _NoContext()):
+            serialize(message)
+            sent: asyncio.Future[None] = loop.create_future()
+            sent.set_result(None)
+            await sent
+
+    async def rounds() -> float:
+        best = math.inf
+        for _ in range(5):
+            c0 = cpu_s()
+            for _ in range(n_pairs):
+                g = alloc.request_allocation(AllocationRequest(app_id="good", memory_mib=1.0))
+                await asyncio.sleep(0)
+                alloc.release(g.grant_id)
+                await asyncio.sleep(0)
+            best = min(best, cpu_s() - c0)
+        return best
+
+    tasks = [asyncio.create_task(stream()) for _ in range(watchers)]
+    while alloc.watchers < watchers:
+        await asyncio.sleep(0)
+    with_w = await rounds()
+    alloc.end_watches()
+    await asyncio.gather(*tasks)
+    without = await rounds()
+    return {"no_grpc": True, "watchers": watchers, "pairs": n_pairs,
+            "python_us_per_event_per_stream": round((with_w - without) * 1e6 / (2 * n_pairs * max(1, watchers)), 2)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--watchers", type=int, default=16)
     p.add_argument("--pairs", type=int, default=2000)
     p.add_argument("--read", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--no-grpc", action="store_true", help="the Python part alone (see the module docstring)")
     p.add_argument("--reader-child", nargs=4, help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true")
     ns = p.parse_args(argv)
@@ -185,7 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     vlog.configure("json", "warning")  # each grant's info record is not what is measured
     for _ in range(ns.repeat):
         load = os.getloadavg()[0]
-        out = asyncio.run(measure(ns.watchers, ns.pairs, ns.read))
+        if ns.no_grpc:
+            out = asyncio.run(measure_python(ns.watchers, ns.pairs))
+        else:
+            out = asyncio.run(measure(ns.watchers, ns.pairs, ns.read))
         out["load_avg_1m"] = round(load, 2)
         print(json.dumps(out, indent=None if ns.json else 2), flush=True)
     return 0
