@@ -38,3 +38,10 @@ def test_watch_fanout_bench_short_run_every_stream_gets_every_event_once_seriali
     assert out["received"] == [100] and out["in_order"] is True  # 2 events a pair, to each of the 3 streams
     assert out["events_serialized"] == 100  # once per event, not once per stream
     assert out["cpu_per_pair_us_without"] >= 0 and isinstance(out["us_per_event_per_stream"], float)
+
+
+def test_watch_fanout_bench_measures_the_python_part_alone() -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "watch_fanout.py"), "--no-grpc", "--watchers", "2",
+                           "--pairs", "20", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
+    out = json.loads(proc.stdout)
+    assert out["no_grpc"] is True and out["watchers"] == 2 and isinstance(out["python_us_per_event_per_stream"], float)
