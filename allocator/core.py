@@ -24,6 +24,7 @@ safe to call from another thread; `watch()` subscriptions are asyncio objects of
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import math
 import time
@@ -192,14 +193,15 @@ class Counters:
         self.failures[key] = self.failures.get(key, 0) + 1
 
 
-_CLOSED = object()
-
-
 class Subscription:
-    """An async iterator of `AllocationEvent`s. Registered when created, so no event published after
-    `watch()` returns is missed. Bounded: when the consumer lags, the oldest events are dropped and
-    counted in `dropped`; with `drop_slow`, a consumer that has lost a whole queue of events is
-    dropped itself (closed, `overflowed` set): the publisher never waits for anyone."""
+    """An async iterator of `AllocationEvent`s, for one consumer. Registered when created, so no event
+    published after `watch()` returns is missed. Bounded: when the consumer lags, the oldest events
+    are dropped and counted in `dropped`; with `drop_slow`, a consumer that has lost a whole queue of
+    events is dropped itself (closed, `overflowed` set): the publisher never waits for anyone.
+
+    The queue is a deque and a waiting consumer is woken by one future: events published while the
+    consumer runs (a burst, or while its stream sends) are taken without waking it again, and a push
+    costs an append (this runs once per event for every watcher)."""
 
     def __init__(self, app_id: str | None, maxsize: int, on_close: Callable[[Subscription], None], *,
                  owner: str = "", drop_slow: bool = False) -> None:
@@ -209,44 +211,58 @@ class Subscription:
         self.overflowed = False
         self._maxsize = max(1, maxsize)
         self._drop_slow = drop_slow
-        self._queue: asyncio.Queue[object] = asyncio.Queue(maxsize=max(1, maxsize))
+        self._queue: collections.deque[AllocationEvent] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
         self._on_close = on_close
         self._closed = False
 
     def wants(self, event: AllocationEvent) -> bool:
         return self.app_id is None or event.app_id in ("", self.app_id)
 
-    def push(self, item: object) -> None:
+    def push(self, event: AllocationEvent) -> None:
         if self._closed:
             return
-        if self._queue.full():
-            self._queue.get_nowait()
+        if len(self._queue) >= self._maxsize:
+            self._queue.popleft()
             self.dropped += 1
             if self._drop_slow and self.dropped >= self._maxsize:
                 self.overflowed = True
                 self.close()
                 return
-        self._queue.put_nowait(item)
+        self._queue.append(event)
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def close(self) -> None:
         """End the subscription: iteration yields what is queued, then stops."""
         if not self._closed:
             self._closed = True
-            if not self._queue.full():  # wakes a waiting consumer; never displaces an event
-                self._queue.put_nowait(_CLOSED)
+            self._wake()
             self._on_close(self)
+
+    def drain_nowait(self) -> list[AllocationEvent]:
+        """Take every queued event without waiting (for a consumer outside an event loop)."""
+        out = list(self._queue)
+        self._queue.clear()
+        return out
 
     def __aiter__(self) -> AsyncIterator[AllocationEvent]:
         return self
 
     async def __anext__(self) -> AllocationEvent:
-        if self._closed and self._queue.empty():
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if item is _CLOSED:
-            raise StopAsyncIteration
-        assert isinstance(item, AllocationEvent)
-        return item
+        while not self._queue:
+            if self._closed:
+                raise StopAsyncIteration
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._queue.popleft()
 
 
 def device_capacities(backend: Backend) -> list[DeviceCapacity]:

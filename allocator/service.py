@@ -248,6 +248,67 @@ def event_to_pb(e: AllocationEvent) -> pb.AllocationEvent:
     return msg
 
 
+class EncodedEvents:
+    """Each event's wire bytes, built and serialized once and shared by every watch stream that sends
+    it: the allocator pushes the same `AllocationEvent` object to every subscription, so the bytes are
+    found by the object's identity. The most recent `keep` events are kept (with the objects, so an
+    identity is never reused while its bytes are kept); a stream further behind than that encodes
+    its event again, which costs time, never correctness."""
+
+    def __init__(self, keep: int = 1024) -> None:
+        self._keep = max(1, keep)
+        self._by_id: dict[int, tuple[AllocationEvent, bytes]] = {}
+        self.encoded = 0  # events serialized (a stream that found its event's bytes adds nothing)
+
+    def __call__(self, event: AllocationEvent) -> bytes:
+        hit = self._by_id.get(id(event))
+        if hit is not None and hit[0] is event:
+            return hit[1]
+        data = event_to_pb(event).SerializeToString()
+        self.encoded += 1
+        self._by_id[id(event)] = (event, data)
+        if len(self._by_id) > self._keep:  # dicts keep insertion order: the oldest goes
+            del self._by_id[next(iter(self._by_id))]
+        return data
+
+
+def _event_wire(message: bytes | pb.AllocationEvent) -> bytes:
+    """WatchAllocations' response serializer: `AllocatorServicer` yields each event's bytes, already
+    serialized (once per event, for every stream); a message is serialized here (a servicer that
+    yields `pb.AllocationEvent`s, as the generated base class declares)."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+class _Handlers:
+    """Takes the method handlers a generated `add_*Servicer_to_server` registers, instead of a server."""
+
+    def __init__(self) -> None:
+        self.by_service: dict[str, dict[str, grpc.RpcMethodHandler[Any, Any]]] = {}
+
+    def add_generic_rpc_handlers(self, _handlers: object) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler[Any, Any]]) -> None:
+        self.by_service[service] = dict(handlers)
+
+
+def add_allocator_servicer(servicer: pb_grpc.AllocatorServicer, server: grpc.aio.Server) -> None:
+    """`pb_grpc.add_AllocatorServicer_to_server`, with WatchAllocations' responses passed through as
+    bytes (`_event_wire`): the generated handlers are kept for every other method, and clients see the
+    same messages on the wire."""
+    taken = _Handlers()
+    pb_grpc.add_AllocatorServicer_to_server(servicer, taken)  # type: ignore[arg-type]  # only registers
+    name = pb.DESCRIPTOR.services_by_name["Allocator"].full_name
+    handlers = taken.by_service[name]
+    handlers["WatchAllocations"] = grpc.unary_stream_rpc_method_handler(
+        servicer.WatchAllocations,
+        request_deserializer=pb.WatchAllocationsRequest.FromString,
+        response_serializer=_event_wire,
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)
+
+
 # --- validation ------------------------------------------------------------------------------------
 def _app_id(value: str, name: str = "app_id") -> str:
     problem = app_id_problem(value, name)
@@ -315,6 +376,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         self._process_info = process_info
         # Who a watcher counts against for the per-caller bound (the daemon: the caller's token).
         self._watcher_owner = watcher_owner or (lambda: "")
+        self.encoded_events = EncodedEvents()
 
     async def _call(self, context: Context, method: str, fn: Callable[[str | None], T]) -> T:
         try:
@@ -415,17 +477,20 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         series = await self._call(context, "GetAppHistory", run)
         return pb.GetAppHistoryResponse(apps=[history_to_pb(s) for s in series], now_unix_s=self.allocator.clock())
 
-    async def WatchAllocations(  # noqa: N802
+    async def WatchAllocations(  # type: ignore[override]  # noqa: N802 - yields bytes: see add_allocator_servicer
         self, request: pb.WatchAllocationsRequest, context: Context
-    ) -> AsyncIterator[pb.AllocationEvent]:
+    ) -> AsyncIterator[bytes]:
+        """Each event as its serialized `AllocationEvent`, encoded once per event for every stream
+        (`EncodedEvents`); registered by `add_allocator_servicer`, whose serializer passes bytes through."""
         sub = await self._call(context, "WatchAllocations",
                                lambda _c: self.allocator.watch(request.app_id or None, owner=self._watcher_owner()))
+        encode = self.encoded_events
         try:
             # Initial metadata now tells the client the watch is live: every event from here on
             # reaches it (`await call.initial_metadata()` before acting, to miss nothing).
             await context.send_initial_metadata(())
             async for event in sub:
-                yield event_to_pb(event)
+                yield encode(event)
         finally:
             sub.close()
         if sub.overflowed:
@@ -478,7 +543,7 @@ def build_server(
     server = grpc.aio.server(interceptors=list(interceptors), options=list(options))
     names: list[str] = []
     if allocator_servicer is not None:
-        pb_grpc.add_AllocatorServicer_to_server(allocator_servicer, server)
+        add_allocator_servicer(allocator_servicer, server)
         names.append(SERVICE_NAMES[0])
     if ingest_servicer is not None:
         ingest_pb2_grpc.add_IngestServicer_to_server(ingest_servicer, server)
@@ -495,4 +560,5 @@ def build_server(
     return Server(server, health_servicer, tuple(names), address)
 
 
-__all__ = ["AllocatorServicer", "NodeObserver", "ProfilerState", "SERVICE_NAMES", "Server", "build_server", "process_info"]
+__all__ = ["AllocatorServicer", "EncodedEvents", "NodeObserver", "ProfilerState", "SERVICE_NAMES", "Server", "add_allocator_servicer",
+           "build_server", "process_info"]

@@ -12,6 +12,7 @@ import grpc
 import pytest
 from allocator_fakes import FakeBackend, FakeClock, FakeDevice
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from vgpu.allocator.core import AllocationRequest, Allocator, EventKind, Sizing
 from vgpu.allocator.errors import (
@@ -28,7 +29,7 @@ from vgpu.allocator.errors import (
 )
 from vgpu.allocator.ledger import AppLimits
 from vgpu.allocator.policy.base import Recommendation
-from vgpu.allocator.service import AllocatorServicer, build_server
+from vgpu.allocator.service import AllocatorServicer, build_server, event_to_pb
 from vgpu.jobs import InvalidJobConfig, JobConfig
 from vgpu.v1 import allocator_pb2 as pb
 from vgpu.v1 import allocator_pb2_grpc as pb_grpc
@@ -199,6 +200,26 @@ async def test_slow_watcher_drops_oldest() -> None:
     assert sub.dropped == 3 and alloc.counters.events_dropped == 3
 
 
+async def test_a_waiting_watcher_gets_a_burst_in_order_and_ends_when_closed() -> None:
+    alloc, _, _ = make_allocator()
+    sub = alloc.watch()
+    got: list[str] = []
+
+    async def consume() -> None:
+        async for e in sub:
+            got.append(e.app_id)
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0)  # the consumer waits on an empty queue
+    for i in range(5):  # published before the consumer runs again
+        alloc.request_allocation(AllocationRequest(f"a{i}", 1))
+    await asyncio.sleep(0)
+    assert got == [f"a{i}" for i in range(5)]
+    sub.close()  # wakes the waiting consumer, which ends
+    await asyncio.wait_for(task, 1.0)
+    assert alloc.watchers == 0
+
+
 # --- over gRPC -------------------------------------------------------------------------------------
 # Every call carries a deadline, so a lost reply fails the test in seconds instead of stalling the run.
 T_S = 10.0
@@ -320,6 +341,65 @@ async def test_grpc_watch_and_health(served: tuple[pb_grpc.AllocatorStub, Alloca
     for name in ("", "vgpu.v1.Allocator"):
         resp = await health.Check(health_pb2.HealthCheckRequest(service=name), timeout=T_S)
         assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    # reflection still describes the service (WatchAllocations is registered by add_allocator_servicer)
+    reflect = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(timeout=T_S)  # type: ignore[arg-type,operator]  # the stubs type sync channels only
+    await reflect.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+    listed = await reflect.read()
+    await reflect.done_writing()
+    assert "vgpu.v1.Allocator" in [s.name for s in listed.list_services_response.service]
+
+
+async def test_every_watch_stream_gets_each_event_in_order_serialized_once(tmp_path: Path) -> None:
+    alloc, _, _ = make_allocator()
+    servicer = AllocatorServicer(alloc)
+    address = f"unix:{tmp_path}/fan.sock"
+    server = build_server(address, allocator_servicer=servicer)
+    await server.start()
+    reference = alloc.watch()  # what the allocator published, in order
+    async with grpc.aio.insecure_channel(address) as channel:
+        # the wire bytes as they arrive (no deserializer), to compare streams byte for byte
+        watch: grpc.aio.UnaryStreamMultiCallable[pb.WatchAllocationsRequest, bytes] = channel.unary_stream(
+            "/vgpu.v1.Allocator/WatchAllocations", request_serializer=pb.WatchAllocationsRequest.SerializeToString)
+        calls = [watch(pb.WatchAllocationsRequest(app_id=app), timeout=T_S) for app in ("", "", "a")]
+        for call in calls:
+            await asyncio.wait_for(call.initial_metadata(), T_S)
+        grants = []
+        for i in range(20):  # a burst: every event is queued before any stream runs
+            grants.append(alloc.request_allocation(AllocationRequest("a" if i % 2 else "b", 10)))
+        for g in grants:
+            alloc.release(g.grant_id)
+        alloc.end_watches()
+        published = [e async for e in reference]
+        got = [[bytes(m) async for m in call] for call in calls]
+    await server.stop(0)
+    expected = [event_to_pb(e).SerializeToString() for e in published]
+    assert len(expected) == 40 and got[0] == got[1] == expected
+    assert got[2] == [b for e, b in zip(published, expected, strict=True) if e.app_id == "a"]
+    assert [pb.AllocationEvent.FromString(b).grant.grant_id for b in got[0][:20]] == [g.grant_id for g in grants]
+    # three streams, 40 events: each serialized once, not once per stream
+    assert servicer.encoded_events.encoded == 40
+
+
+async def test_a_watcher_that_falls_a_queue_behind_is_dropped_over_grpc(tmp_path: Path) -> None:
+    alloc, _, _ = make_allocator(watch_queue_size=4, drop_slow_watchers=True)
+    address = f"unix:{tmp_path}/slow.sock"
+    server = build_server(address, allocator_servicer=AllocatorServicer(alloc))
+    await server.start()
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = pb_grpc.AllocatorStub(channel).WatchAllocations(pb.WatchAllocationsRequest(), timeout=T_S)
+        await asyncio.wait_for(call.initial_metadata(), T_S)
+        for i in range(10):  # in one step of the loop: the stream cannot send any of them yet
+            alloc.request_allocation(AllocationRequest(f"a{i}", 1))
+        assert alloc.watchers == 0  # dropped at once, not waited on
+        got = []
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for event in call:
+                got.append(event.grant.app_id)
+    await server.stop(0)
+    # what was still queued when it was dropped (the oldest 4 were lost), then the status
+    assert got == ["a4", "a5", "a6"]
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "fell 4 events behind" in (err.value.details() or "")
 
 
 def test_oversubscribed_sm_is_shared_in_proportion_and_shrinks_go_first() -> None:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from vgpu.allocator.core import AllocationRequest, Allocator, EventKind
+from vgpu.allocator.core import AllocationEvent, AllocationRequest, Allocator, EventKind, Subscription
 from vgpu.allocator.mechanisms.limits import CgroupMemoryLimits
 from vgpu.allocator.policy.base import IDLE_MEM_MIB, DeviceView, Enforcement, Plan, Recommendation, Sizing
 from vgpu.allocator.policy.forecast import (
@@ -73,12 +73,8 @@ def test_limits_are_cooperative_until_the_device_is_contended_and_lifted_after()
     allocator.stop()
 
 
-def _drain(sub: object) -> list:  # type: ignore[type-arg]
-    out = []
-    q = sub._queue  # type: ignore[attr-defined]
-    while not q.empty():
-        out.append(q.get_nowait())
-    return out
+def _drain(sub: Subscription) -> list[AllocationEvent]:
+    return sub.drain_nowait()
 
 
 def test_hard_everywhere_when_the_threshold_is_zero() -> None:

@@ -1,5 +1,6 @@
 """bench/abuse.py runs end to end on a real `vgpu serve` in a short run and reports every field; the
-daemon's watcher bound shows in what it accepted. No speed target is asserted (docs/performance.md)."""
+daemon's watcher bound shows in what it accepted. bench/watch_fanout.py runs in process the same way.
+No speed target is asserted (docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,20 @@ def test_abuse_bench_short_run_reports_every_field() -> None:
     for r in out["rows"]:
         assert 0 < r["pair_p50_ms"] <= r["pair_p99_ms"] and r["daemon_rss_mib"] > 0
     assert isinstance(out["p99_within_2x"], bool) and isinstance(out["rss_within_100_mib"], bool)
+
+
+def test_watch_fanout_bench_short_run_every_stream_gets_every_event_once_serialized() -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "watch_fanout.py"), "--watchers", "3", "--pairs", "50",
+                           "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
+    out = json.loads(proc.stdout)
+    assert out["watchers"] == 3 and out["pairs"] == 50 and out["read"] is True
+    assert out["received"] == [100] and out["in_order"] is True  # 2 events a pair, to each of the 3 streams
+    assert out["events_serialized"] == 100  # once per event, not once per stream
+    assert out["cpu_per_pair_us_without"] >= 0 and isinstance(out["us_per_event_per_stream"], float)
+
+
+def test_watch_fanout_bench_measures_the_python_part_alone() -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "watch_fanout.py"), "--no-grpc", "--watchers", "2",
+                           "--pairs", "20", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
+    out = json.loads(proc.stdout)
+    assert out["no_grpc"] is True and out["watchers"] == 2 and isinstance(out["python_us_per_event_per_stream"], float)
