@@ -714,8 +714,7 @@ def replay(
             # 6. power limits for second k + 1, from the planned SM share
             devs = backends[p].devices()
             clock_dev = {str(d.index): d for d in devs}
-            full = frozenset(clock_dev[dp.device_id].uuid for dp in result.devices
-                             if cfg is not None and cfg.contended_full_power > 0 and dp.contended_sm)
+            full = frozenset(clock_dev[dp.device_id].uuid for dp in result.devices if dp.full_power)
             controllers[p].step(devs, {clock_dev[d].uuid: v for d, v in need_by_dev.items()}, full)
         if progress:
             progress(k, horizon)

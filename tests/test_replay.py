@@ -482,3 +482,34 @@ def test_a_contended_gpu_keeps_full_power() -> None:
         return float(out[1]["mean_slowdown"])
 
     assert slowdown("contended_full_power=1") < slowdown("contended_full_power=0")
+
+
+def test_a_cut_share_caps_only_where_the_gpu_s_use_exceeds_it() -> None:
+    # a and b take turns at 60 % and 40 % of one GPU: together they never use more than it has, but
+    # the forecasts (the last second plus the margin) do not fit, so the lower priority is cut, and
+    # a cap leaves it below what it asks the next second
+    a_sm = [60.0, 40.0] * 15
+    traces = [replace(app_trace("a", [1_000.0] * 30, a_sm), gpu="0"),
+              replace(app_trace("b", [1_000.0] * 30, [100.0 - s for s in a_sm]), gpu="0")]
+    apps = R.pack_gpu(R.prepare(traces)[0], SKU)
+
+    def slowdown(*sets: str) -> float:
+        config, _ = R.config_overrides(PREDICTIVE_CONFIG, ["full_power_at_frac=1", *sets])
+        out = R.replay(apps, SKU, _lv(), policies=("predictive",), configs={"predictive": config})
+        return float(out[0]["mean_slowdown"])
+
+    assert slowdown("sm_cap_at_use_frac=0") > 1.0
+    assert slowdown("sm_cap_at_use_frac=1") == pytest.approx(1.0)
+
+
+def test_a_gpu_its_plan_fills_keeps_full_power() -> None:
+    # one application at 98 % of its GPU: the plan fills the GPU and cuts nothing; the power policy
+    # would slow it by up to its bound, full_power_at_frac keeps the maximum limit
+    apps = R.pack(R.prepare([app_trace("a", [1_000.0] * 30, [98.0] * 30)])[0], SKU)
+
+    def slowdown(*sets: str) -> float:
+        config, _ = R.config_overrides(PREDICTIVE_CONFIG, list(sets))
+        return float(R.replay(apps, SKU, _lv(), policies=("predictive",), configs={"predictive": config})[0]["mean_slowdown"])
+
+    assert slowdown("full_power_at_frac=0") > 1.0
+    assert slowdown("full_power_at_frac=1") == pytest.approx(1.0)

@@ -177,6 +177,8 @@ class DevicePlan:
     # each application's memory need as the contention rule weighed it (its target before any
     # contention cut), (app_id, MiB): their sum exceeds the device exactly when `contended_mem`
     mem_needs_mib: tuple[tuple[str, float], ...] = ()
+    # the device keeps its maximum power limit (`contended_full_power`, `full_power_at_frac`)
+    full_power: bool = False
 
 
 @dataclass(frozen=True)
@@ -289,6 +291,16 @@ class PolicyConfig:
     # it (by up to the power policy's slowdown bound), on top of the time slicing. 0: the power
     # policy's choice from the planned SM everywhere
     contended_full_power: float = 0.0
+    # with `contended_full_power`, a device whose planned SM reaches this fraction of its capacity
+    # also keeps the maximum limit, cut or not: a plan that fills the GPU (one application forecast
+    # at the whole GPU, or a split held from an earlier cut) leaves no idle time either. 0: only
+    # where the contention rule cut this time
+    full_power_at_frac: float = 0.0
+    # a share the contention rule cut is capped (an MPS cap) only where the SM the device's
+    # applications use now exceeds this fraction of its capacity: the forecasts' headroom (P90,
+    # margin) finds a GPU contended that its applications do not fill, and a cap there leaves SM
+    # idle that the capped application asked for. 0: wherever the plan cut
+    sm_cap_at_use_frac: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("mem_margin_frac", "sm_margin_frac", "confidence_multiplier", "min_mem_mib",
@@ -298,7 +310,8 @@ class PolicyConfig:
                      "ramp_cap_frac",
                      "mem_shrink_window_s", "mem_shrink_peak_mult", "hard_limit_at_frac",
                      "start_window_s", "start_headroom_mib", "start_from_use", "start_ramp_frac",
-                     "start_ramp_window_s", "start_ramp_min_s", "contended_full_power"):
+                     "start_ramp_window_s", "start_ramp_min_s", "contended_full_power",
+                     "full_power_at_frac", "sm_cap_at_use_frac"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"PolicyConfig.{name} must be >= 0")
         if self.confidence_unit_s <= 0:
@@ -767,6 +780,12 @@ def plan(
         sm_planned = sum(w.target["sm"] for w in works)
         hard_sm = limits_are_hard(sm_planned, dev.sm_total_pct, config.hard_limit_at_frac * dev.sm_total_pct,
                                   contended=contended["sm"])
+        if config.sm_cap_at_use_frac > 0:
+            used_sm = sum(w.app.used_sm_pct for w in works if not math.isnan(w.app.used_sm_pct))
+            hard_sm = hard_sm and used_sm > config.sm_cap_at_use_frac * dev.sm_total_pct
+        full_power = config.contended_full_power > 0 and (
+            contended["sm"]
+            or (config.full_power_at_frac > 0 and sm_planned >= config.full_power_at_frac * dev.sm_total_pct - 1e-9))
         for w in works:
             tmem, tsm = w.target["mem"], w.target["sm"]
             targets.append(Target(
@@ -782,7 +801,7 @@ def plan(
             mem_planned_mib=mem_planned,
             sm_planned_pct=sm_planned,
             overcommitted=over, contended_mem=contended["mem"], contended_sm=contended["sm"],
-            hard_mem_limits=hard, hard_sm_limits=hard_sm, mem_needs_mib=needs,
+            hard_mem_limits=hard, hard_sm_limits=hard_sm, mem_needs_mib=needs, full_power=full_power,
         ))
     return Plan(at_s=now_s, targets=tuple(targets), devices=tuple(device_plans))
 
@@ -1019,8 +1038,8 @@ class ForecastPolicy:
                     continue
                 choice = choose_power_limit_mw(min(dp.sm_planned_pct, 100.0), c)
                 limit_mw, why = choice.limit_mw, choice.reason
-                if self.config.contended_full_power > 0 and dp.contended_sm:
-                    limit_mw, why = c.max_mw, "contended"
+                if dp.full_power:
+                    limit_mw, why = c.max_mw, "contended" if dp.contended_sm else "full"
                 if abs(limit_mw - view.power_limit_mw) >= self.power_hysteresis_frac * (c.max_mw - c.min_mw):
                     power.append(PowerTarget(dp.device_id, limit_mw, f"{why}: planned SM {dp.sm_planned_pct:.0f} %"))
         mig: list[MigTarget] = []
