@@ -350,7 +350,8 @@ def test_an_sm_share_caps_only_where_the_plan_says_the_gpu_is_contended() -> Non
     apps = R.pack(R.prepare([app_trace("a", [1000.0] * 40, sm)])[0], SKU)
 
     def slowdown(frac: float) -> float:
-        config, _ = R.config_overrides(PREDICTIVE_CONFIG, [f"hard_limit_at_frac={frac}", "sm_cap_cut_only=0"])
+        config, _ = R.config_overrides(PREDICTIVE_CONFIG, [f"hard_limit_at_frac={frac}", "sm_cap_cut_only=0",
+                                                           "sm_cap_at_use_frac=0"])
         runs: dict[str, R.PolicyRun] = {}
         R.replay(apps, SKU, _lv(), policies=("predictive",), configs={"predictive": config}, runs_out=runs)
         return runs["predictive"].apps["a"].slowdown
