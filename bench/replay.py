@@ -38,7 +38,7 @@ What the applications live through (the physics, per policy, per second):
   allocation of whoever asks last, likewise. The policies see the demand (the trace), as the
   forecasters do. `kill_on_oom=False` (tests) makes every limit cooperative.
 - SM: a grant is an MPS share that caps what the application gets (for predictive only where its
-  plan says the device's SM is contended, `Target.hard_sm_limit`); applications of one GPU that
+  plan says the device's SM is contended and its use exceeds it, `Target.hard_sm_limit`); applications of one GPU that
   together ask for more than it serves are time-sliced in proportion
   (`vgpu.device.sim.contention_speeds`, checked against Gavel and MISO in tests/test_contention.py).
   Their progress that second is what they got over what they asked.
