@@ -38,7 +38,7 @@ What the applications live through (the physics, per policy, per second):
   allocation of whoever asks last, likewise. The policies see the demand (the trace), as the
   forecasters do. `kill_on_oom=False` (tests) makes every limit cooperative.
 - SM: a grant is an MPS share that caps what the application gets (for predictive only where its
-  plan says the device's SM is contended, `Target.hard_sm_limit`); applications of one GPU that
+  plan says the device's SM is contended and its use exceeds it, `Target.hard_sm_limit`); applications of one GPU that
   together ask for more than it serves are time-sliced in proportion
   (`vgpu.device.sim.contention_speeds`, checked against Gavel and MISO in tests/test_contention.py).
   Their progress that second is what they got over what they asked.
@@ -725,8 +725,7 @@ def replay(
             # 6. power limits for second k + 1, from the planned SM share
             devs = backends[p].devices()
             clock_dev = {str(d.index): d for d in devs}
-            full = frozenset(clock_dev[dp.device_id].uuid for dp in result.devices
-                             if cfg is not None and cfg.contended_full_power > 0 and dp.contended_sm)
+            full = frozenset(clock_dev[dp.device_id].uuid for dp in result.devices if dp.full_power)
             controllers[p].step(devs, {clock_dev[d].uuid: v for d, v in need_by_dev.items()}, full)
         if progress:
             progress(k, horizon)

@@ -336,6 +336,12 @@ def test_the_daemons_policy_keeps_a_contended_gpu_at_full_power() -> None:
     assert limit(replace(PREDICTIVE_CONFIG, contended_full_power=1.0)) == 700_000
     assert limit(replace(PREDICTIVE_CONFIG, contended_full_power=0.0)) < 700_000
 
+    # one application forecast at the whole GPU, nothing cut: full power only with full_power_at_frac
+    recs = [Recommendation("a", "gpu0", 1_000.0, 98.0, mem_p90_peak_mib=1_000.0, sm_p90_peak_pct=98.0,
+                           mem_used_mib=1_000.0, sm_util_pct=98.0)]
+    assert limit(replace(PREDICTIVE_CONFIG, full_power_at_frac=1.0)) == 700_000
+    assert limit(replace(PREDICTIVE_CONFIG, full_power_at_frac=0.0)) < 700_000
+
 
 def test_a_forecast_that_has_covered_the_usage_is_trusted_without_the_margin() -> None:
     # a serving engine: 69 GB in use, most of it weights; its P90 has covered the usage for 60 s
@@ -421,3 +427,32 @@ def test_the_daemons_policy_trusts_a_forecast_it_saw_cover_the_usage() -> None:
     assert run(cfg, (72_000.0, 70_100.0)) == pytest.approx(72_000 * 1.12)
     # a usage that never moved tested nothing: no trust
     assert run(cfg, (72_000.0, 69_200.0), moving=False) == pytest.approx(72_000 * 1.12)
+
+
+def test_a_cut_share_is_capped_only_where_the_gpu_s_use_exceeds_it() -> None:
+    # the forecasts (60 % each) do not fit, so b (priority 0) is cut; the two use 90 % of the GPU
+    # together, so a cap on b would leave idle SM that b asked for
+    cfg = replace(BASE, hard_limit_at_frac=0.9, sm_cap_cut_only=1.0)
+    apps = [app("a", forecast_sm_p90_pct=60, used_sm_pct=45, priority=1),
+            app("b", forecast_sm_p90_pct=60, used_sm_pct=45)]
+    assert plan(apps, [DEV], 0.0, cfg).target("b").hard_sm_limit  # without the rule: capped
+    at_use = replace(cfg, sm_cap_at_use_frac=1.0)
+    roomy = plan(apps, [DEV], 0.0, at_use)
+    assert roomy.devices[0].contended_sm and roomy.target("b").reason_sm == "contention"
+    assert not roomy.target("b").hard_sm_limit and not roomy.devices[0].hard_sm_limits
+    full = [replace(a, used_sm_pct=55) for a in apps]  # 110 % of the GPU in use: b yields
+    assert plan(full, [DEV], 0.0, at_use).target("b").hard_sm_limit
+
+
+def test_a_gpu_its_plan_fills_keeps_full_power_with_full_power_at_frac() -> None:
+    # one application forecast past the whole GPU: planned at 100 %, nothing cut
+    one = [app("a", forecast_sm_p90_pct=99, used_sm_pct=97)]
+    cfg = replace(BASE, contended_full_power=1.0)
+    filled = plan(one, [DEV], 0.0, cfg).devices[0]
+    assert filled.sm_planned_pct == pytest.approx(100) and not filled.contended_sm
+    assert not filled.full_power  # without the rule: the power policy's choice
+    assert plan(one, [DEV], 0.0, replace(cfg, full_power_at_frac=1.0)).devices[0].full_power
+    # only with contended_full_power, and only where the plan reaches the fraction
+    assert not plan(one, [DEV], 0.0, replace(BASE, full_power_at_frac=1.0)).devices[0].full_power
+    half = [app("a", forecast_sm_p90_pct=40, used_sm_pct=40)]
+    assert not plan(half, [DEV], 0.0, replace(cfg, full_power_at_frac=1.0)).devices[0].full_power

@@ -350,7 +350,8 @@ def test_an_sm_share_caps_only_where_the_plan_says_the_gpu_is_contended() -> Non
     apps = R.pack(R.prepare([app_trace("a", [1000.0] * 40, sm)])[0], SKU)
 
     def slowdown(frac: float) -> float:
-        config, _ = R.config_overrides(PREDICTIVE_CONFIG, [f"hard_limit_at_frac={frac}", "sm_cap_cut_only=0"])
+        config, _ = R.config_overrides(PREDICTIVE_CONFIG, [f"hard_limit_at_frac={frac}", "sm_cap_cut_only=0",
+                                                           "sm_cap_at_use_frac=0"])
         runs: dict[str, R.PolicyRun] = {}
         R.replay(apps, SKU, _lv(), policies=("predictive",), configs={"predictive": config}, runs_out=runs)
         return runs["predictive"].apps["a"].slowdown
@@ -502,3 +503,34 @@ def test_a_forecast_that_keeps_covering_the_usage_is_trusted_without_the_margin(
     plain = run("mem_trust_s=0")
     assert trusted["oom_events"] == plain["oom_events"] == 0
     assert trusted["mem_slack_frac"] < plain["mem_slack_frac"] - 0.002
+
+
+def test_a_cut_share_caps_only_where_the_gpu_s_use_exceeds_it() -> None:
+    # a and b take turns at 60 % and 40 % of one GPU: together they never use more than it has, but
+    # the forecasts (the last second plus the margin) do not fit, so the lower priority is cut, and
+    # a cap leaves it below what it asks the next second
+    a_sm = [60.0, 40.0] * 15
+    traces = [replace(app_trace("a", [1_000.0] * 30, a_sm), gpu="0"),
+              replace(app_trace("b", [1_000.0] * 30, [100.0 - s for s in a_sm]), gpu="0")]
+    apps = R.pack_gpu(R.prepare(traces)[0], SKU)
+
+    def slowdown(*sets: str) -> float:
+        config, _ = R.config_overrides(PREDICTIVE_CONFIG, ["full_power_at_frac=1", *sets])
+        out = R.replay(apps, SKU, _lv(), policies=("predictive",), configs={"predictive": config})
+        return float(out[0]["mean_slowdown"])
+
+    assert slowdown("sm_cap_at_use_frac=0") > 1.0
+    assert slowdown("sm_cap_at_use_frac=1") == pytest.approx(1.0)
+
+
+def test_a_gpu_its_plan_fills_keeps_full_power() -> None:
+    # one application at 98 % of its GPU: the plan fills the GPU and cuts nothing; the power policy
+    # would slow it by up to its bound, full_power_at_frac keeps the maximum limit
+    apps = R.pack(R.prepare([app_trace("a", [1_000.0] * 30, [98.0] * 30)])[0], SKU)
+
+    def slowdown(*sets: str) -> float:
+        config, _ = R.config_overrides(PREDICTIVE_CONFIG, list(sets))
+        return float(R.replay(apps, SKU, _lv(), policies=("predictive",), configs={"predictive": config})[0]["mean_slowdown"])
+
+    assert slowdown("full_power_at_frac=0") > 1.0
+    assert slowdown("full_power_at_frac=1") == pytest.approx(1.0)
