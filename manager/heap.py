@@ -13,12 +13,12 @@ half its CPU time (docs/performance.md).
 `hold_heap` fixes both thresholds (`mallopt`), at 16 MiB for mmap and 8 MiB for trimming: values
 inside the range glibc's own dynamic rule may reach (up to 32 MiB and twice that), so the process
 holds at most 8 MiB of freed heap top, enough for a 64-application round's temporaries (about 7 MiB;
-a round faults no more pages than with 32 MiB held), and allocations of 16 MiB or more are still
-mapped and unmapped on their own. A larger trim threshold faults no less and keeps whatever else the
-process frees at its heap top resident: with 32 MiB a simulated day (bench/soak.py) held 20 MiB more
-than with glibc's own rule, with 8 MiB none that shows (328.0 against 328.2 MiB). Where an operator set malloc's own
-environment (`MALLOC_*_` variables or glibc tunables) that setting is left as it is; on a C library
-other than glibc nothing is done.
+a round faults a few dozen pages more than with 32 MiB held, against thousands with the heap given
+back), and allocations of 16 MiB or more are still mapped and unmapped on their own. A larger trim
+threshold saves those few faults and keeps whatever else the process frees at its heap top resident:
+with 32 MiB a simulated day (bench/soak.py) held 20 MiB more than with glibc's own rule, with 8 MiB none that shows (328.0 against 328.2 MiB). Where an operator
+set malloc's own environment (`MALLOC_*_` variables or glibc tunables) that setting is left as it is;
+on a C library other than glibc nothing is done.
 """
 
 from __future__ import annotations
