@@ -16,9 +16,10 @@ holds at most 8 MiB of freed heap top, enough for a 64-application round's tempo
 a round faults a few dozen pages more than with 32 MiB held, against thousands with the heap given
 back), and allocations of 16 MiB or more are still mapped and unmapped on their own. A larger trim
 threshold saves those few faults and keeps whatever else the process frees at its heap top resident:
-with 32 MiB a simulated day (bench/soak.py) held 20 MiB more than with glibc's own rule, with 8 MiB none that shows (328.0 against 328.2 MiB). Where an operator
-set malloc's own environment (`MALLOC_*_` variables or glibc tunables) that setting is left as it is;
-on a C library other than glibc nothing is done.
+with 32 MiB a simulated day (bench/soak.py) held 20 MiB more than with glibc's own rule, with 8 MiB
+none that shows (328.0 against 328.2 MiB). Where an operator set malloc's own environment
+(`MALLOC_*_` variables or glibc tunables) that setting is left as it is; on a C library other than
+glibc nothing is done.
 """
 
 from __future__ import annotations
