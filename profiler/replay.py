@@ -30,7 +30,7 @@ from typing import Literal
 
 import numpy as np
 
-from vgpu.client import INT_COUNTERS, inapp_value_problem
+from vgpu.inapp import INT_COUNTERS, inapp_value_problem
 from vgpu.profiler.source import SeqCounter
 from vgpu.traces import INAPP_NUMERIC, AppTrace, Trace, read_trace
 from vgpu.v1 import signature_pb2

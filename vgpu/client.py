@@ -73,6 +73,13 @@ import grpc
 
 from vgpu import config
 from vgpu.ids import app_id_digest
+from vgpu.inapp import INAPP_MAX as INAPP_MAX
+from vgpu.inapp import INT_COUNTERS as INT_COUNTERS
+from vgpu.inapp import MAX_INAPP_COUNT as MAX_INAPP_COUNT
+from vgpu.inapp import MAX_INAPP_MIB as MAX_INAPP_MIB
+from vgpu.inapp import MAX_INAPP_REQUESTS as MAX_INAPP_REQUESTS
+from vgpu.inapp import MAX_INAPP_TOKENS as MAX_INAPP_TOKENS
+from vgpu.inapp import inapp_value_problem as inapp_value_problem
 from vgpu.jobs import JobConfig
 from vgpu.log import get_library_logger
 from vgpu.tokenfile import TokenFileError as TokenFileError
@@ -178,44 +185,7 @@ class InAppCounters:
     tokens_in_flight: int | None = None
 
 
-INT_COUNTERS = {"alloc_retries", "oom_count", "step", "requests_running", "requests_waiting", "tokens_in_flight"}
-# The largest sane value of each in-app counter. Above it a value is corrupt, not large: no GPU holds
-# 16 TiB, no engine keeps ten million requests in flight, and a cumulative count past 2**53 is no
-# longer exact as a double. Every reader of the counters (this stub, the profiler reading the file,
-# the manager reading the wire) drops a value that is not finite, negative or above its bound.
-MAX_INAPP_MIB = float(2**24)
-MAX_INAPP_REQUESTS = 10_000_000.0
-MAX_INAPP_TOKENS = 1e10
-MAX_INAPP_COUNT = float(2**53)
-INAPP_MAX: dict[str, float] = {
-    "torch_allocated_mib": MAX_INAPP_MIB,
-    "torch_reserved_mib": MAX_INAPP_MIB,
-    "torch_active_mib": MAX_INAPP_MIB,
-    "alloc_retries": MAX_INAPP_COUNT,
-    "oom_count": MAX_INAPP_COUNT,
-    "step": MAX_INAPP_COUNT,
-    "applied_mem_limit_mib": MAX_INAPP_MIB,
-    "requests_running": MAX_INAPP_REQUESTS,
-    "requests_waiting": MAX_INAPP_REQUESTS,
-    "kv_used_mib": MAX_INAPP_MIB,
-    "kv_total_mib": MAX_INAPP_MIB,
-    "tokens_in_flight": MAX_INAPP_TOKENS,
-}
 SERVING_COUNTERS = ("requests_running", "requests_waiting", "kv_used_mib", "kv_total_mib", "tokens_in_flight")
-
-
-def inapp_value_problem(name: str, value: object) -> str | None:
-    """Why `value` is no usable value of the in-app counter `name` (None when it is one). The reason
-    never quotes the value, so reasons counted by name stay a small, fixed set."""
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        return "not a number"
-    if not math.isfinite(value):
-        return "not finite"
-    if value < 0:
-        return "negative"
-    if value > INAPP_MAX[name]:
-        return f"above {INAPP_MAX[name]:g}"
-    return None
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ plus one bulk window append per application. The checks are those of the row for
 The values are the window's columns, `COLUMNS`: the trace format's own (`vgpu.traces.NUMERIC`), then
 the application's in-app counters (`vgpu.traces.INAPP_NUMERIC`, from `InAppCounters` in
 signature.proto). An in-app value is the application's word about itself, so one that is not finite,
-is negative or is above its bound (`vgpu.client.INAPP_MAX`) is dropped alone (NaN: not reported), with
+is negative or is above its bound (`vgpu.inapp.INAPP_MAX`) is dropped alone (NaN: not reported), with
 its reason counted (`dropped`), and the signature is kept; a bad value of any other column rejects
 the signature.
 """
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from vgpu.client import INAPP_MAX
 from vgpu.ids import app_id_problem
+from vgpu.inapp import INAPP_MAX
 from vgpu.traces import INAPP_NUMERIC, NUMERIC
 from vgpu.v1 import ingest_pb2, signature_pb2
 
@@ -39,7 +39,7 @@ _PCT = ("sm_util_pct", "mem_util_pct")
 INAPP_PREFIX = "inapp_"
 # the window's and the wire's value columns: the format's own, then the in-app counters
 COLUMNS: tuple[str, ...] = NUMERIC + INAPP_NUMERIC
-# each in-app column's largest sane value (the counter's bound, vgpu.client.INAPP_MAX)
+# each in-app column's largest sane value (the counter's bound, vgpu.inapp.INAPP_MAX)
 INAPP_COLUMN_MAX: dict[str, float] = {c: INAPP_MAX[c[len(INAPP_PREFIX):]] for c in INAPP_NUMERIC}
 
 
