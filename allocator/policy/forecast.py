@@ -1034,12 +1034,18 @@ class ForecastPolicy:
         managed: dict[str, Grant | None] = {}
         requested: dict[str, tuple[float, float]] = {}
         seen: set[str] = set()
+        # each device's grants by application (in the view's order), built once, not scanned per application
+        by_app: dict[str, dict[str, list[Grant]]] = {}
+        for v in devices:
+            index = by_app.setdefault(v.device_id, {})
+            for g in v.grants:
+                index.setdefault(g.app_id, []).append(g)
         for rec in recommendations:
             view = views.get(rec.device_id)
             if view is None or rec.app_id in seen:
                 continue
             seen.add(rec.app_id)
-            mine = [g for g in view.grants if g.app_id == rec.app_id]
+            mine = by_app[rec.device_id].get(rec.app_id, [])
             req = [g for g in mine if g.source == "request"]
             others = [g for g in mine if g.source != "request"]
             own = max(others, key=lambda g: g.created_at_s) if others else None
