@@ -500,13 +500,22 @@ class Ledger:
         else:
             self._check_fits(grant.app_id, grant.device_id, memory_mib, sm_pct, excluding=grant_id)
         now = self._clock()
-        new = replace(
-            grant,
-            memory_mib=float(memory_mib),
-            sm_pct=float(sm_pct),
+        memory_mib, sm_pct = float(memory_mib), float(sm_pct)
+        # every field named (not `dataclasses.replace`, which finds them by introspection on each
+        # call): an apply resizes most of a device's grants
+        new = Grant(
+            grant_id=grant.grant_id,
+            app_id=grant.app_id,
+            device_id=grant.device_id,
+            memory_mib=memory_mib,
+            sm_pct=sm_pct,
+            priority=grant.priority,
+            created_at_s=grant.created_at_s,
             updated_at_s=now,
             source=source if source is not None else grant.source,
-            mem_updated_at_s=now if float(memory_mib) != grant.memory_mib else grant.mem_updated_at_s,
+            pid=grant.pid,
+            mem_updated_at_s=now if memory_mib != grant.memory_mib else grant.mem_updated_at_s,
+            cold_start_mib=grant.cold_start_mib,
         )
         self._touch_grant(grant_id)
         self._put(new)
