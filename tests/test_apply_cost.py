@@ -27,6 +27,8 @@ GOLDEN = {
     # (applications, applies, a watcher subscribed): digest
     (64, 20, True): "f3d0c37d324e4ac5be5f9f9fca650b0e7d591df4648b4dbae6acf7cce7895020",
     (64, 20, False): "cf68f64455c93dcf7f57dceaf1d371346fc411c56f91fdd43415848217951d9c",
+    # past the policy's 30 s window of recent peak usage
+    (64, 50, False): "95d1842dcd6b295f71630da45c011f914bbb25ca5673fac0e2e0159a85170f39",
     (256, 15, True): "33a3040555395e70795fae19265dbad009a865f38ffb1161bc5527ed6532a5cd",
     (256, 15, False): "cd0e07efe2018c54556653d9975610ebc0e4166dfec80aa6529a95b34db23474",
 }

@@ -861,6 +861,8 @@ class UsageHistory:
     several times a second while recommendations arrive); `keep_s` bounds the memory."""
 
     def __init__(self, min_step_s: float = 1.0, keep_s: float = 120.0, rise_frac: float = 0.01) -> None:
+        if not min_step_s >= 0:
+            raise ValueError(f"min_step_s must be >= 0, got {min_step_s}")
         self.min_step_s = min_step_s
         self.keep_s = keep_s
         self.rise_frac = rise_frac
@@ -949,8 +951,13 @@ class UsageHistory:
 
     def peak(self, app_id: str, now_s: float, window_s: float) -> float:
         """The largest usage seen in the last `window_s`; NaN when none."""
-        vals = [v for t, v in self._samples.get(app_id, []) if now_s - t <= window_s]
-        return max(vals) if vals else math.nan
+        samples = self._samples.get(app_id, [])
+        # the samples are in time order (each is kept at least `min_step_s` after the one before),
+        # so those in the window are a tail: found from the end, not by reading all `keep_s` of them
+        i = len(samples)
+        while i > 0 and now_s - samples[i - 1][0] <= window_s:
+            i -= 1
+        return max(v for _, v in samples[i:]) if i < len(samples) else math.nan
 
 
 # ------------------------------------------------------------------------------------------------
