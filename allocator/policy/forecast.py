@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from operator import itemgetter
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from vgpu.allocator.policy.base import IDLE_MEM_MIB, limits_are_hard
@@ -854,6 +855,9 @@ def advance(apps: Sequence[AppState], result: Plan) -> list[AppState]:
 # ------------------------------------------------------------------------------------------------
 # Leading signals from the usage the policy has seen
 # ------------------------------------------------------------------------------------------------
+_usage = itemgetter(1)  # a (t_s, used_mib) sample's usage
+
+
 class UsageHistory:
     """Each application's recent memory usage, as the policy saw it at each plan: the leading
     signals `AppState` carries (how long the usage has risen in a row and how fast, the recent
@@ -957,7 +961,7 @@ class UsageHistory:
         i = len(samples)
         while i > 0 and now_s - samples[i - 1][0] <= window_s:
             i -= 1
-        return max(v for _, v in samples[i:]) if i < len(samples) else math.nan
+        return max(samples[i:], key=_usage)[1] if i < len(samples) else math.nan
 
 
 # ------------------------------------------------------------------------------------------------
