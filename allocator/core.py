@@ -347,6 +347,8 @@ class Allocator:
                  detail: str = "", reason: str = "") -> None:
         if grant is not None and kind in (EventKind.GRANTED, EventKind.RESIZED, EventKind.RELEASED):
             self._note_grant_change(kind, grant, detail, reason)
+        if not self._subscriptions:
+            return  # no watcher: the event itself is for nobody (an apply makes one per resize)
         dev = grant.device_id if grant is not None else device_id
         event = AllocationEvent(
             kind=kind,

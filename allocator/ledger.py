@@ -11,7 +11,10 @@ may only act on its own grants (`PermissionDenied` otherwise).
 
 Cost: the grants are indexed by application and by device, and each device's and application's
 granted totals are kept as they change (exact sums, so a grant given back leaves a total exactly as
-it was), so a request, a resize or a release costs the same with 10 grants held or 4,000.
+it was), so a request, a resize or a release costs the same with 10 grants held or 4,000. The exact
+sums are integers counting units of 2**-1074 (the smallest step between two floats, so every float
+is a whole number of them): the same values `Fraction` sums would hold, read back as the same
+correctly rounded floats, at a fraction of the cost.
 
 Not thread-safe: one owner (the daemon's asyncio loop) calls it.
 """
@@ -23,7 +26,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
-from fractions import Fraction
 from typing import Any, Literal
 
 from vgpu.allocator.errors import InsufficientResources, InvalidRequest, NotFound, PermissionDenied
@@ -34,6 +36,20 @@ SOURCES: tuple[str, ...] = ("request", "forecast", "cold_start")
 RECORDS_VERSION = 1
 # Tolerance for float sums: 1e-6 MiB and 1e-6 percentage points.
 _EPS = 1e-6
+# Exact totals count units of 2**-1074, the smallest positive float: every finite float is a whole
+# number of them, so sums of grants are kept exactly as integers.
+_ULP_DENOMINATOR = 2**1074
+
+
+def _exact(value: float) -> int:
+    """`value` (finite) as a whole number of 2**-1074 units, exactly."""
+    num, den = value.as_integer_ratio()  # den is a power of two, at most 2**1074
+    return num * (_ULP_DENOMINATOR // den)
+
+
+def _float(units: int) -> float:
+    """The float nearest to `units` x 2**-1074 (int / int rounds correctly, as `float(Fraction)` does)."""
+    return units / _ULP_DENOMINATOR
 
 
 @dataclass(frozen=True)
@@ -144,9 +160,10 @@ class Ledger:
         self._by_app: dict[str, dict[str, Grant]] = {}
         self._by_device: dict[str, dict[str, Grant]] = {d: {} for d in self._devices}
         self._with_pid: dict[str, dict[str, Grant]] = {d: {} for d in self._devices}
-        # (memory MiB, SM %) granted per device and per application, as exact sums of the grants' floats.
-        self._device_total: dict[str, tuple[Fraction, Fraction]] = {}
-        self._app_total_exact: dict[str, tuple[Fraction, Fraction]] = {}
+        # (memory MiB, SM %) granted per device and per application, as exact sums of the grants'
+        # floats (`_exact` units).
+        self._device_total: dict[str, tuple[int, int]] = {}
+        self._app_total_exact: dict[str, tuple[int, int]] = {}
         self._limits: dict[str, AppLimits] = {}
         # Bumped by every change to the grants (`_put`, `_drop`: undone ones too), so that what a
         # reader derives from them (the allocator's hard/cooperative decision) is known to hold
@@ -199,9 +216,9 @@ class Ledger:
             self._add_totals(grant, -1)
 
     def _add_totals(self, grant: Grant, sign: int) -> None:
-        mem, sm = Fraction(grant.memory_mib) * sign, Fraction(grant.sm_pct) * sign
+        mem, sm = _exact(grant.memory_mib) * sign, _exact(grant.sm_pct) * sign
         for totals, key in ((self._device_total, grant.device_id), (self._app_total_exact, grant.app_id)):
-            old_mem, old_sm = totals.get(key, (Fraction(0), Fraction(0)))
+            old_mem, old_sm = totals.get(key, (0, 0))
             totals[key] = (old_mem + mem, old_sm + sm)
 
     # --- the change journal ----------------------------------------------------------------------
@@ -311,20 +328,20 @@ class Ledger:
         return max(0.0, mem), max(0.0, sm)
 
     def _granted(self, device_id: str, *, excluding: str | None = None) -> tuple[float, float]:
-        mem, sm = self._device_total.get(device_id, (Fraction(0), Fraction(0)))
+        mem, sm = self._device_total.get(device_id, (0, 0))
         return self._less(mem, sm, excluding, lambda g: g.device_id == device_id)
 
     def _app_total(self, app_id: str, *, excluding: str | None = None) -> tuple[float, float]:
-        mem, sm = self._app_total_exact.get(app_id, (Fraction(0), Fraction(0)))
+        mem, sm = self._app_total_exact.get(app_id, (0, 0))
         return self._less(mem, sm, excluding, lambda g: g.app_id == app_id)
 
-    def _less(self, mem: Fraction, sm: Fraction, excluding: str | None,
+    def _less(self, mem: int, sm: int, excluding: str | None,
               counted: Callable[[Grant], bool]) -> tuple[float, float]:
-        """A total as floats, less the grant `excluding` when that grant is part of it."""
+        """An exact total as floats, less the grant `excluding` when that grant is part of it."""
         ex = self._grants.get(excluding) if excluding is not None else None
         if ex is not None and counted(ex):
-            mem, sm = mem - Fraction(ex.memory_mib), sm - Fraction(ex.sm_pct)
-        return float(mem), float(sm)
+            mem, sm = mem - _exact(ex.memory_mib), sm - _exact(ex.sm_pct)
+        return _float(mem), _float(sm)
 
     def _check_fits(
         self, app_id: str, device_id: str, memory_mib: float, sm_pct: float, *, excluding: str | None = None
@@ -483,13 +500,22 @@ class Ledger:
         else:
             self._check_fits(grant.app_id, grant.device_id, memory_mib, sm_pct, excluding=grant_id)
         now = self._clock()
-        new = replace(
-            grant,
-            memory_mib=float(memory_mib),
-            sm_pct=float(sm_pct),
+        memory_mib, sm_pct = float(memory_mib), float(sm_pct)
+        # every field named (not `dataclasses.replace`, which finds them by introspection on each
+        # call): an apply resizes most of a device's grants
+        new = Grant(
+            grant_id=grant.grant_id,
+            app_id=grant.app_id,
+            device_id=grant.device_id,
+            memory_mib=memory_mib,
+            sm_pct=sm_pct,
+            priority=grant.priority,
+            created_at_s=grant.created_at_s,
             updated_at_s=now,
             source=source if source is not None else grant.source,
-            mem_updated_at_s=now if float(memory_mib) != grant.memory_mib else grant.mem_updated_at_s,
+            pid=grant.pid,
+            mem_updated_at_s=now if memory_mib != grant.memory_mib else grant.mem_updated_at_s,
+            cold_start_mib=grant.cold_start_mib,
         )
         self._touch_grant(grant_id)
         self._put(new)

@@ -40,11 +40,11 @@ import os
 import sqlite3
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from vgpu.allocator.ledger import LedgerChanges
+from vgpu.allocator.ledger import Grant, LedgerChanges
 
 SCHEMA_VERSION = 4
 DB_NAME = "vgpu.sqlite3"
@@ -302,7 +302,7 @@ class Store:
         """Store what changed in the ledger (`Ledger.changes()`): its rows only, in one transaction
         (committed on return). The new generation; ValueError for a value JSON cannot hold (NaN)
         and StoreWriteError when the disk refuses, with nothing stored in either case."""
-        grants = [(g.grant_id, _json(asdict(g))) for g in changes.grants]  # ValueError before any write
+        grants = [(g.grant_id, _grant_json(g)) for g in changes.grants]  # ValueError before any write
         limits = [(lim.app_id, _json(asdict(lim))) for lim in changes.limits]
 
         def write(db: sqlite3.Connection) -> int:
@@ -464,6 +464,15 @@ class Store:
 
 def _json(record: Mapping[str, Any]) -> str:
     return json.dumps(record, sort_keys=True, allow_nan=False)
+
+
+_GRANT_FIELDS = tuple(f.name for f in fields(Grant))
+
+
+def _grant_json(grant: Grant) -> str:
+    """`_json(asdict(grant))`, without `asdict`'s deep copy of each field: a grant's fields are
+    immutable scalars, so the record is the same (an apply stores most of a device's grants)."""
+    return _json({name: getattr(grant, name) for name in _GRANT_FIELDS})
 
 
 def _original_from_row(row: tuple[Any, ...]) -> DeviceOriginal:

@@ -247,3 +247,36 @@ def test_a_released_grant_leaves_the_totals_exactly_as_before() -> None:
         led.release(led.grant("b", 0.2, 0.7).grant_id)
     assert led.usage("GPU-0") == before
     assert led.usage("GPU-0").mem_granted_mib == 0.1
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 80_000) | st.sampled_from([5e-324, 2.2250738585072014e-308, 1e-300, 0.1]),
+                          st.floats(0, 100) | st.just(5e-324), st.booleans()), max_size=30))
+def test_totals_are_exact_for_any_floats_down_to_the_smallest(ops: list[tuple[float, float, bool]]) -> None:
+    """The running totals count whole units of the smallest float, so subnormal and tiny grants
+    beside large ones still sum exactly: the total is the correctly rounded sum of what is held."""
+    led = Ledger([DeviceCapacity("GPU-0", 1e9, 1e9), GPU1], clock=lambda: 100.0)
+    for mem, sm, release in ops:
+        g = led.grant("a", mem, sm, device_id="GPU-0")
+        if release:
+            led.release(g.grant_id)
+        assert led.headroom("a", "GPU-0") == (1e9 - math.fsum(x.memory_mib for x in led.grants()),
+                                              1e9 - math.fsum(x.sm_pct for x in led.grants()))
+    _check_indices(led)
+
+
+def test_a_resize_keeps_every_other_field_of_the_grant() -> None:
+    """A resize changes the size and its times only: every other field of the grant (all of
+    them, as the dataclass lists them) is kept."""
+    import dataclasses
+
+    times = iter([100.0, 200.0, 300.0])
+    led = Ledger([GPU0], clock=lambda: next(times))
+    g = led.grant("app-a", 1_000, 10, device_id="GPU-0", priority=3, source="cold_start", pid=42, cold_start_mib=2_000)
+    resized = led.resize(g.grant_id, 1_500, 10)
+    assert resized == dataclasses.replace(g, memory_mib=1_500.0, updated_at_s=200.0, mem_updated_at_s=200.0)
+    sm_only = led.resize(g.grant_id, 1_500, 20, source="forecast")
+    assert sm_only == dataclasses.replace(resized, sm_pct=20.0, updated_at_s=300.0, source="forecast")
+    assert {f.name for f in dataclasses.fields(g)} == {
+        "grant_id", "app_id", "device_id", "memory_mib", "sm_pct", "priority", "created_at_s", "updated_at_s",
+        "source", "pid", "mem_updated_at_s", "cold_start_mib"}, "a new Grant field: name it in Ledger.resize"

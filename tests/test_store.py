@@ -304,3 +304,21 @@ def test_the_counts_kept_beside_the_rows_follow_every_write(tmp_path: Path) -> N
         assert counted(store) == (1, 1)
     with Store(tmp_path) as store:
         assert counted(store) == (1, 1)
+
+
+def test_a_stored_change_is_the_grant_record_as_asdict_writes_it(tmp_path: Path) -> None:
+    """`apply_changes` writes each changed grant as `asdict` would give it (every field, sorted
+    keys), byte for byte, whichever fields are set."""
+    from dataclasses import asdict
+
+    from vgpu.allocator.ledger import DeviceCapacity, Ledger
+
+    ticks = iter([100.0, 150.0, 200.5])
+    led = Ledger([DeviceCapacity("GPU-0", 80_000.0)], clock=lambda: next(ticks))
+    a = led.grant("app-a", 1_000.25, 12.5, device_id="GPU-0", priority=2, source="cold_start", pid=7,
+                  cold_start_mib=3_000.0)
+    b = led.resize(led.grant("app-b", 10.0, device_id="GPU-0").grant_id, 20.0, 1.0)
+    with Store(tmp_path) as store:
+        store.apply_changes(led.changes())
+        rows = dict(store._db.execute("SELECT grant_id, record_json FROM grants").fetchall())
+    assert rows == {g.grant_id: json.dumps(asdict(g), sort_keys=True, allow_nan=False) for g in (a, b)}

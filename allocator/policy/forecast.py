@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from operator import itemgetter
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from vgpu.allocator.policy.base import IDLE_MEM_MIB, limits_are_hard
@@ -883,6 +884,9 @@ def advance(apps: Sequence[AppState], result: Plan) -> list[AppState]:
 # ------------------------------------------------------------------------------------------------
 # Leading signals from the usage the policy has seen
 # ------------------------------------------------------------------------------------------------
+_usage = itemgetter(1)  # a (t_s, used_mib) sample's usage
+
+
 class UsageHistory:
     """Each application's recent memory usage, as the policy saw it at each plan: the leading
     signals `AppState` carries (how long the usage has risen in a row and how fast, the recent
@@ -890,6 +894,8 @@ class UsageHistory:
     several times a second while recommendations arrive); `keep_s` bounds the memory."""
 
     def __init__(self, min_step_s: float = 1.0, keep_s: float = 120.0, rise_frac: float = 0.01) -> None:
+        if not min_step_s >= 0:
+            raise ValueError(f"min_step_s must be >= 0, got {min_step_s}")
         self.min_step_s = min_step_s
         self.keep_s = keep_s
         self.rise_frac = rise_frac
@@ -978,8 +984,13 @@ class UsageHistory:
 
     def peak(self, app_id: str, now_s: float, window_s: float) -> float:
         """The largest usage seen in the last `window_s`; NaN when none."""
-        vals = [v for t, v in self._samples.get(app_id, []) if now_s - t <= window_s]
-        return max(vals) if vals else math.nan
+        samples = self._samples.get(app_id, [])
+        # the samples are in time order (each is kept at least `min_step_s` after the one before),
+        # so those in the window are a tail: found from the end, not by reading all `keep_s` of them
+        i = len(samples)
+        while i > 0 and now_s - samples[i - 1][0] <= window_s:
+            i -= 1
+        return max(samples[i:], key=_usage)[1] if i < len(samples) else math.nan
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1063,12 +1074,18 @@ class ForecastPolicy:
         managed: dict[str, Grant | None] = {}
         requested: dict[str, tuple[float, float]] = {}
         seen: set[str] = set()
+        # each device's grants by application (in the view's order), built once, not scanned per application
+        by_app: dict[str, dict[str, list[Grant]]] = {}
+        for v in devices:
+            index = by_app.setdefault(v.device_id, {})
+            for g in v.grants:
+                index.setdefault(g.app_id, []).append(g)
         for rec in recommendations:
             view = views.get(rec.device_id)
             if view is None or rec.app_id in seen:
                 continue
             seen.add(rec.app_id)
-            mine = [g for g in view.grants if g.app_id == rec.app_id]
+            mine = by_app[rec.device_id].get(rec.app_id, [])
             req = [g for g in mine if g.source == "request"]
             others = [g for g in mine if g.source != "request"]
             own = max(others, key=lambda g: g.created_at_s) if others else None

@@ -1,0 +1,65 @@
+"""bench/apply_cost.py: what the allocator's applies decide on a busy node is pinned.
+
+The digests below were recorded with the allocator as it was before its apply was made cheaper
+(main at 5c28aa0: exact totals as `Fraction`s, per-application scans of a device's grants, an
+event object per resize whether or not anyone watched) and are what the cheaper apply gives too:
+the same grants made and resized in the same order, the same events, the same changes stored,
+the same hard/cooperative decisions and history, floats to the last bit. A digest that changes
+means a decision changed: if that is intended (a policy change), record the new ones with
+`python bench/apply_cost.py --apps N --applies K --warmup 0 --digest --json` and say why in the
+commit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+import apply_cost  # noqa: E402
+
+GOLDEN = {
+    # (applications, applies, a watcher subscribed): digest
+    (64, 20, True): "f3d0c37d324e4ac5be5f9f9fca650b0e7d591df4648b4dbae6acf7cce7895020",
+    (64, 20, False): "cf68f64455c93dcf7f57dceaf1d371346fc411c56f91fdd43415848217951d9c",
+    # past the policy's 30 s window of recent peak usage
+    (64, 50, False): "95d1842dcd6b295f71630da45c011f914bbb25ca5673fac0e2e0159a85170f39",
+    (256, 15, True): "33a3040555395e70795fae19265dbad009a865f38ffb1161bc5527ed6532a5cd",
+    (256, 15, False): "cd0e07efe2018c54556653d9975610ebc0e4166dfec80aa6529a95b34db23474",
+}
+
+
+@pytest.mark.parametrize(("apps", "applies", "watch"), sorted(GOLDEN))
+def test_applies_decide_what_they_decided_before(apps: int, applies: int, watch: bool) -> None:
+    result = apply_cost.run(apps=apps, applies=applies, warmup=0, digest=True, watch=watch)
+    assert result["grants"] == apps
+    if apps == 256:
+        assert result["resized_per_apply"] > 100  # the over-committed device: most grants move every apply
+    assert result["digest"] == GOLDEN[(apps, applies, watch)]
+
+
+def test_the_digest_sees_a_change_of_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Carrying out the same plan in another order (growth before shrinks) gives another digest."""
+    base = apply_cost.run(apps=64, applies=5, warmup=0, digest=True)["digest"]
+    node = apply_cost.build_node(64, store=True)
+    alloc = node.allocator
+    original = alloc._shrinks_first
+    monkeypatch.setattr(alloc, "_shrinks_first", lambda targets: list(reversed(original(targets))))
+    sub = alloc.watch()
+    h = hashlib.sha256()
+    for _ in range(5):
+        report = alloc.apply_recommendations(apply_cost.next_recommendations(node))
+        h.update(apply_cost.outcome_text(node, report, sub.drain_nowait()).encode())
+    h.update(apply_cost.history_text(node).encode())
+    assert h.hexdigest() != base
+
+
+def test_the_bench_prints_its_fields(capsys: pytest.CaptureFixture[str]) -> None:
+    assert apply_cost.main(["--apps", "16", "--applies", "3", "--warmup", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["apps"] == 16 and out["applies"] == 3 and out["apply_cpu_ms_p50"] > 0 and "digest" not in out
