@@ -16,7 +16,7 @@ from typing import IO
 
 import numpy as np
 import pytest
-from daemon_fixtures import ROOT, Env, Serve, sim_daemon
+from daemon_fixtures import ROOT, SKU, Env, Serve, sim_daemon
 
 from vgpu.allocator.core import AllocationRequest
 from vgpu.allocator.mechanisms.limits import read_cgroup
@@ -145,89 +145,91 @@ def _request_sized(env: Env, app_id: str) -> dict:  # type: ignore[type-arg]
         time.sleep(0.5)
 
 
-def test_a_job_that_sends_its_configuration_keeps_its_cold_start_size_until_it_starts(
-        env: Env, serves: list[Serve]) -> None:
-    """The job registers with its configuration, then idles (loading data: a profiler sees its
-    process, with nothing on the GPU yet) for longer than the start-up window. The policy knows the
-    cold-start size and counts the window from the first real use, so the grant stays at the size
-    the job's ramp will need instead of shrinking away before the ramp."""
-    serves.append(Serve(env))
-    grant = _request_sized(env, "job")
-    assert grant["source"] == "cold_start"
-    cold_mib = grant["memory_mib"]
-    idle_s = PREDICTIVE_CONFIG.start_window_s + 4
-    t = np.arange(0.0, idle_s, 0.5)
-    trace = env.tmp / "idle.csv"
-    write_trace(trace, [AppTrace("job", t, {"mem_used_mib": np.zeros(len(t)), "sm_util_pct": np.zeros(len(t))})])
-    done = subprocess.run(
-        [sys.executable, "-m", "vgpu.cli", "profiler", "--manager", f"unix://{env.sock}", "--replay", str(trace),
-         "--device-id", grant["device_id"], "--token-file", str(env.state / "tokens" / "profiler.token"),
-         "--seconds", str(idle_s)],
-        cwd=ROOT, env=env.env, capture_output=True, text=True, timeout=60, check=False)
-    assert done.returncode == 0, done.stderr
-    job = _apps(env)["job"]
-    assert job["forecast_mem_p90_mib"] == 0 or job["forecast_mem_p90_mib"] < 0.1 * cold_mib  # the forecast sees nothing
-    (held,) = job["grants"]
-    assert held["grant_id"] == grant["grant_id"]
-    assert cold_mib <= held["memory_mib"] <= cold_mib * (1 + PREDICTIVE_CONFIG.mem_margin_frac) + 1
-    assert serves[-1].term() == 0
-
-
-def _replay(env: Env, app_id: str, device_id: str, mem_mib: float, seconds: float) -> None:
-    """`vgpu profiler --replay`: `seconds` of signatures of `app_id` using `mem_mib` (and no SM)."""
+def _replay(env: Env, apps_by_device: dict[str, dict[str, float]], seconds: float) -> None:
+    """`vgpu profiler --replay`, one per device at once: `seconds` of signatures of each application
+    listed for that device, using the memory given (and no SM)."""
     t = np.arange(0.0, seconds, 0.5)
-    trace = env.tmp / f"{app_id}.csv"
-    write_trace(trace, [AppTrace(app_id, t, {"mem_used_mib": np.full(len(t), mem_mib),
-                                             "sm_util_pct": np.zeros(len(t))})])
-    done = subprocess.run(
-        [sys.executable, "-m", "vgpu.cli", "profiler", "--manager", f"unix://{env.sock}", "--replay", str(trace),
-         "--device-id", device_id, "--token-file", str(env.state / "tokens" / "profiler.token"),
-         "--seconds", str(seconds)],
-        cwd=ROOT, env=env.env, capture_output=True, text=True, timeout=60, check=False)
-    assert done.returncode == 0, done.stderr
+    runs = []
+    for i, (device_id, mem_mib) in enumerate(apps_by_device.items()):
+        trace = env.tmp / f"replay{i}.csv"
+        write_trace(trace, [AppTrace(app_id, t, {"mem_used_mib": np.full(len(t), mib), "sm_util_pct": np.zeros(len(t))})
+                            for app_id, mib in mem_mib.items()])
+        runs.append(subprocess.Popen(
+            [sys.executable, "-m", "vgpu.cli", "profiler", "--manager", f"unix://{env.sock}", "--replay", str(trace),
+             "--device-id", device_id, "--token-file", str(env.state / "tokens" / "profiler.token"),
+             "--seconds", str(seconds)],
+            cwd=ROOT, env=env.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    try:
+        for run in runs:
+            _, err = run.communicate(timeout=60)
+            assert run.returncode == 0, err
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                run.kill()
+                run.wait(10)
 
 
-def test_a_job_still_loading_keeps_its_cold_start_size_across_a_daemon_restart(
+def test_a_job_still_loading_keeps_its_cold_start_size_until_it_starts_across_a_daemon_restart_too(
         env: Env, serves: list[Serve]) -> None:
-    """The sizer's size is stored with the grant: after a restart the policy still knows it, and a
-    job that was loading (idle) when the daemon restarted keeps its cold-start grant past the
-    start-up window instead of falling back to the fixed headroom and shrinking."""
-    serves.append(Serve(env))
-    grant = _request_sized(env, "job")
-    cold_mib = grant["memory_mib"]
+    """A job registers with its configuration, then idles (loading data: a profiler sees its process,
+    with nothing on the GPU yet) for longer than the start-up window. The policy knows the cold-start
+    size and counts the window from the first real use, so the grant stays at the size the job's ramp
+    will need instead of shrinking away before the ramp.
+
+    Two such jobs idle at once (the window is wall-clock time, so an idle costs its full length), on
+    two GPUs (each job's SM share is over half of one): "before" was sized by a daemon that has since
+    restarted, so the policy knows its size only from the grant's stored record (without it the job
+    would fall back to the fixed headroom and shrink); "after" was sized by the running daemon."""
+    two_gpus = ("--backend", f"sim:{SKU}*2")
+    serves.append(Serve(env, *two_gpus))
+    sized = {"before": _request_sized(env, "before")}
     assert serves[-1].term() == 0
-    serves.append(Serve(env))
+    serves.append(Serve(env, *two_gpus))
     assert serves[-1].event("reconciled")["grants_restored"] == 1
-    _replay(env, "job", grant["device_id"], 0.0, PREDICTIVE_CONFIG.start_window_s + 4)
-    job = _apps(env)["job"]
-    assert job["forecast_mem_p90_mib"] == 0 or job["forecast_mem_p90_mib"] < 0.1 * cold_mib  # it saw the idle job
-    (held,) = job["grants"]
-    assert held["grant_id"] == grant["grant_id"]
-    assert cold_mib <= held["memory_mib"] <= cold_mib * (1 + PREDICTIVE_CONFIG.mem_margin_frac) + 1
+    sized["after"] = _request_sized(env, "after")
+    assert {g["source"] for g in sized.values()} == {"cold_start"}
+    _replay(env, {g["device_id"]: {app_id: 0.0} for app_id, g in sized.items()}, PREDICTIVE_CONFIG.start_window_s + 4)
+    apps = _apps(env)
+    for app_id, grant in sized.items():
+        cold_mib = grant["memory_mib"]
+        job = apps[app_id]
+        # the forecast saw the idle job
+        assert job["forecast_mem_p90_mib"] == 0 or job["forecast_mem_p90_mib"] < 0.1 * cold_mib, app_id
+        (held,) = job["grants"]
+        assert held["grant_id"] == grant["grant_id"]
+        assert cold_mib <= held["memory_mib"] <= cold_mib * (1 + PREDICTIVE_CONFIG.mem_margin_frac) + 1, (app_id, held)
     assert serves[-1].term() == 0
 
 
-@pytest.mark.parametrize("bad", ['"lots"', "-5.0", "NaN", "[4096]"])
-def test_a_bad_stored_cold_start_size_is_dropped_counted_and_its_grant_kept(
-        env: Env, serves: list[Serve], bad: str) -> None:
+# Damaged cold-start sizes as the state database might hold them: not a number, not > 0, not finite, a list.
+BAD_COLD_START = ('"lots"', "-5.0", "NaN", "[4096]")
+
+
+def test_a_bad_stored_cold_start_size_is_dropped_counted_and_its_grant_kept(env: Env, serves: list[Serve]) -> None:
     """A damaged cold-start size in the state database never stops a start: the grant is restored
-    without it and the start counts it with the other bad records."""
+    without it and the start counts it with the other bad records. Each kind of damage is in its own
+    grant, all restored by one start; each grant's own reason is checked."""
     serves.append(Serve(env))
-    grant = env.json("request", "--app", "job", "--memory-mib", "4096")
+    grants = {bad: env.json("request", "--app", f"job{i}", "--memory-mib", "4096") for i, bad in enumerate(BAD_COLD_START)}
     assert serves[-1].term() == 0
     db = sqlite3.connect(env.state / "vgpu.sqlite3")
-    (body,) = db.execute("SELECT record_json FROM grants WHERE grant_id=?", (grant["grant_id"],)).fetchone()
-    assert '"cold_start_mib": null' in body  # a request, not sized
-    db.execute("UPDATE grants SET record_json=? WHERE grant_id=?",
-               (body.replace('"cold_start_mib": null', f'"cold_start_mib": {bad}'), grant["grant_id"]))
+    for bad, grant in grants.items():
+        (body,) = db.execute("SELECT record_json FROM grants WHERE grant_id=?", (grant["grant_id"],)).fetchone()
+        assert '"cold_start_mib": null' in body  # a request, not sized
+        db.execute("UPDATE grants SET record_json=? WHERE grant_id=?",
+                   (body.replace('"cold_start_mib": null', f'"cold_start_mib": {bad}'), grant["grant_id"]))
     db.commit()
     db.close()
     serves.append(Serve(env))
     rec = serves[-1].event("reconciled")
-    assert rec["grants_restored"] == 1 and rec["bad_records"] == 1
-    assert any("cold_start_mib" in r and "kept without it" in r for r in rec["bad_record_reasons"])
-    (held,) = _apps(env)["job"]["grants"]
-    assert held["grant_id"] == grant["grant_id"] and held["memory_mib"] == 4096
+    assert rec["grants_restored"] == len(BAD_COLD_START) and rec["bad_records"] == len(BAD_COLD_START)
+    apps = _apps(env)
+    for i, (bad, grant) in enumerate(grants.items()):
+        (reason,) = [r for r in rec["bad_record_reasons"] if r.startswith(f"grant {grant['grant_id']!r}:")]
+        assert "cold_start_mib" in reason and "kept without it" in reason, (bad, reason)
+        (held,) = apps[f"job{i}"]["grants"]
+        assert held["grant_id"] == grant["grant_id"] and held["memory_mib"] == 4096, (bad, held)
     assert serves[-1].term() == 0
 
 
@@ -242,7 +244,7 @@ def test_a_release_lifts_the_caps_of_a_plan_s_contention_at_once(
                     "--state-dir", str(env.state))
     assert _limits(env) == {}
     total = env.json("available")["devices"][0]["mem_total_mib"]
-    _replay(env, "big", job1["device_id"], 0.9 * total, 4.0)
+    _replay(env, {job1["device_id"]: {"big": 0.9 * total}}, 4.0)
     assert _limits(env)[cgroup] == [2048.0, 2048.0]
     assert serves[-1].event("memory_limits_hard")["device"] == job1["device_id"]
     (big,) = _apps(env)["big"]["grants"]

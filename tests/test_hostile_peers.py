@@ -201,6 +201,9 @@ def test_a_stream_and_a_large_reply_pass_the_front(env: Env, serves: list[Serve]
 
 
 def test_the_daemon_stops_cleanly_and_starts_again(env: Env, serves: list[Serve]) -> None:
+    # A connection that never speaks holds the stop for the whole grace period (server.grace_s, 5 s by
+    # default): a short one here, the stop is the same.
+    env.env["VGPU_SERVER_GRACE_S"] = "0.5"
     serves.append(_serve(env))
     idle = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     idle.connect(str(env.sock))  # held open through the stop

@@ -13,7 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import os
+import shutil
 import sqlite3
+import stat
 import subprocess
 import sys
 from collections.abc import Awaitable
@@ -22,7 +25,7 @@ from typing import Any
 
 import grpc
 import pytest
-from daemon_fixtures import ROOT, SKU, Env, Serve
+from daemon_fixtures import ROOT, SKU, Env, Serve, make_env
 from hostile import Raw, operator_token
 
 from vgpu import auth, ctl
@@ -113,12 +116,33 @@ def _serve_fails(env: Env, *extra: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _twenty_grants(env: Env, serves: list[Serve], client: Raw) -> None:
-    serves.append(Serve(env))
-    token = operator_token(env.state)
-    for i in range(20):
-        client.request(f"app{i % 4}", 100, token=token)
-    serves[-1].kill9()  # a crash: nothing is tidied on the way out
+@pytest.fixture(scope="module")
+def crashed_state(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The state directory `vgpu serve` leaves when it is killed (-9) holding twenty grants: a crash,
+    nothing tidied on the way out. Made once by a real daemon; each test damages its own copy
+    (`_crashed_copy`)."""
+    env = make_env(tmp_path_factory.mktemp("crashed"))
+    serve = Serve(env)
+    client = Raw(env.sock)
+    try:
+        token = operator_token(env.state)
+        for i in range(20):
+            client.request(f"app{i % 4}", 100, token=token)
+        serve.kill9()
+    finally:
+        client.close()
+        serve.stop_now()
+    return env.state
+
+
+def _crashed_copy(crashed_state: Path, env: Env) -> None:
+    """The crashed state directory as `env`'s own. The sockets the dead daemon left in its front
+    directory cannot be copied (a socket is no file to read): the copy's front directory is left
+    without them, which the next start handles as it handles stale ones."""
+    def sockets(folder: str, names: list[str]) -> list[str]:
+        return [n for n in names if stat.S_ISSOCK(os.lstat(os.path.join(folder, n)).st_mode)]
+
+    shutil.copytree(crashed_state, env.state, ignore=sockets)
 
 
 def _truncate(db: Path) -> None:
@@ -134,8 +158,9 @@ def _delete_a_row(db: Path) -> None:
 
 
 @pytest.mark.parametrize("damage", [_truncate, _delete_a_row], ids=["truncated", "row-deleted"])
-def test_damaged_state_is_refused_until_reset(env: Env, serves: list[Serve], client: Raw, damage: Any) -> None:
-    _twenty_grants(env, serves, client)
+def test_damaged_state_is_refused_until_reset(env: Env, serves: list[Serve], client: Raw, damage: Any,
+                                              crashed_state: Path) -> None:
+    _crashed_copy(crashed_state, env)
     damage(env.state / "vgpu.sqlite3")
     failed = _serve_fails(env)
     assert failed.returncode == 1
@@ -149,8 +174,9 @@ def test_damaged_state_is_refused_until_reset(env: Env, serves: list[Serve], cli
 
 
 @pytest.mark.parametrize("wal", ["deleted", "garbage"])
-def test_a_lost_or_garbage_wal_loses_nothing(env: Env, serves: list[Serve], client: Raw, wal: str) -> None:
-    _twenty_grants(env, serves, client)
+def test_a_lost_or_garbage_wal_loses_nothing(env: Env, serves: list[Serve], client: Raw, wal: str,
+                                             crashed_state: Path) -> None:
+    _crashed_copy(crashed_state, env)
     path = env.state / "vgpu.sqlite3-wal"
     if wal == "deleted":
         path.unlink(missing_ok=True)

@@ -84,7 +84,11 @@ def test_wheel_builds_installs_and_serves(tmp_path: Path) -> None:
                                      "--manager", f"unix://{sock}", "--token-file", state / "tokens" / "profiler.token",
                                      "--inapp-dir", tmp_path / "inapp"],
                                     cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(3)
+        deadline = time.monotonic() + 60
+        while '"profiler_connected"' not in (tmp_path / "serve.log").read_text():  # the daemon took its stream
+            assert profiler.poll() is None and serve.poll() is None and time.monotonic() < deadline, \
+                (tmp_path / "serve.log").read_text()
+            time.sleep(0.2)
         doctor = subprocess.run([venv / "bin" / "vgpu", "doctor", "--backend", "sim:h100-80gb", "--socket", sock,
                                  "--state-dir", state], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
         assert doctor.returncode == 0, doctor.stdout + doctor.stderr
