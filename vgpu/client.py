@@ -103,11 +103,14 @@ _log = get_library_logger("vgpu.client")
 # gRPC's default reconnect backoff grows to 120 s: after the daemon restarts, every call (a release on
 # close included) would fail with UNAVAILABLE until the channel's next try. The daemon is local (or one
 # TCP peer), so trying again every second at most costs nothing and finds a restarted daemon at once.
+# gRPC core's min_reconnect_backoff_ms is not set: it is also the least time a connection attempt
+# is given to finish its handshake, and at 100 ms a daemon busy for a moment (loading its model, a
+# loaded machine) made attempts time out before the server's SETTINGS frame arrived. A daemon that is
+# down refuses at once on its socket, so the backoff alone sets how soon the stub tries again.
 # How long close() waits for an unreachable daemon to release the grants (a restart takes seconds).
 CLOSE_RELEASE_WAIT_S = 5.0
 RECONNECT_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
 
