@@ -10,9 +10,10 @@ Both serve it the same way, through `open_forecaster`: a `vgpu.manager.predictor
 the resolved path with the baseline forecaster as its fallback (the daemon checks the file for a new
 checkpoint every `manager.model_check_interval_s`; the demo does not reload).
 
-Reading `DEFAULT_MODEL_PATH` imports vgpu.manager.predictor and with it torch, which costs seconds; this
-module does so only when a forecaster checkpoint is present in manager/models/ (loading it needs torch
-anyway) and otherwise answers with `FALLBACK_DEFAULT`, the same path, without importing anything.
+Resolving a choice imports nothing: the default is `FALLBACK_DEFAULT`, the same path as
+`vgpu.manager.predictor.DEFAULT_MODEL_PATH` (a test keeps them equal), so `vgpu serve` resolves it on
+its start-up path without importing torch (seconds): the model, and torch with it, load in a background
+thread while the socket already serves.
 """
 
 from __future__ import annotations
@@ -39,25 +40,16 @@ class ModelChoice:
         return f"{self.path} ({'configured' if self.configured else 'default'})"
 
 
-def _checkpoints(models_dir: Path) -> list[Path]:
-    return sorted(p for p in models_dir.glob("*.pt") if not p.name.startswith("coldstart"))
+def default_model_path() -> Path:
+    """The shipped forecaster's path, without importing torch (see the module docstring)."""
+    return FALLBACK_DEFAULT
 
 
-def default_model_path(models_dir: Path = MODELS_DIR) -> Path:
-    """The shipped forecaster's path (see the module docstring for when this imports torch)."""
-    if not _checkpoints(models_dir):
-        return FALLBACK_DEFAULT
-    from vgpu.manager import predictor  # noqa: PLC0415 - torch; only when there is a checkpoint to load
-
-    named = getattr(predictor, "DEFAULT_MODEL_PATH", None)
-    return Path(named) if named else FALLBACK_DEFAULT
-
-
-def resolve_model(configured: str | Path | None, *, models_dir: Path = MODELS_DIR) -> ModelChoice:
+def resolve_model(configured: str | Path | None) -> ModelChoice:
     """The checkpoint to serve: the configured one when given (non-empty), else the default."""
     if configured is not None and str(configured).strip():
         return ModelChoice(Path(configured), True)
-    return ModelChoice(default_model_path(models_dir), False)
+    return ModelChoice(default_model_path(), False)
 
 
 def open_forecaster(

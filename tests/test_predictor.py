@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -338,6 +340,26 @@ def test_a_loader_that_raises_anything_is_logged_counted_and_the_old_model_serve
     assert holder.current is not old and holder.reloads == 1
     (event,) = [e for e in logs if e["event"] == "forecaster_reloaded"]
     assert event["serving"] == "model" and event["reloads"] == 1
+
+
+def test_the_daemons_start_up_resolves_the_default_model_without_importing_torch() -> None:
+    """`vgpu serve` resolves the forecaster on its start-up path and loads the shipped one in a
+    background thread: resolving it must not import torch (seconds), or the socket waits for it. The
+    path it resolves is the one the predictor names."""
+    from vgpu.manager.predictor import DEFAULT_MODEL_PATH
+
+    code = ("import sys\n"
+            "from vgpu.daemon.serve import load_model\n"
+            "from vgpu.manager.modelpath import resolve_model\n"
+            "assert load_model('') is None\n"
+            "choice = resolve_model('')\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n"
+            "print(choice.configured, choice.path)\n")
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", str(DEFAULT_MODEL_PATH)]
 
 
 def test_daemon_and_demo_serve_through_the_same_construction(tmp_path: Path) -> None:
