@@ -268,12 +268,19 @@ def test_a_long_directory_is_spelled_through_the_descriptor(tmp_path: Path) -> N
 def test_stop_closes_everything_and_ends_the_thread(tmp_path: Path) -> None:
     with _rig(tmp_path) as rig:
         c = rig.connect()
-        rig.upstream()
+        u = rig.upstream()
+        c.sendall(b"spoke")
+        assert u.recv(100) == b"spoke"
+        silent = rig.connect()
+        rig.upstream(2)
         rig.front.stop_accepting()
         with pytest.raises(OSError):
             rig.connect()  # nobody listens
+        # one that never sent a byte carries no call: closed at once, so gRPC's stop need not wait for it
+        silent.settimeout(5)
+        assert silent.recv(10) == b""
         c.sendall(b"still relayed")
-        assert rig.upstream().recv(100) == b"still relayed"
+        assert u.recv(100) == b"still relayed"
         rig.front.stop()
         assert not rig.front.running
         assert c.recv(10) == b""

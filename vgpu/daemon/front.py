@@ -69,6 +69,7 @@ class _Link:
     cred: PeerCred
     counted_uid: int | None  # the uid whose per-uid count it holds (None: exempt)
     linger_until: float | None = None
+    spoke: bool = False  # the client has sent a byte (before that, it can carry no call)
 
     def other(self, end: _End) -> _End:
         return self.upstream if end is self.client else self.client
@@ -76,8 +77,9 @@ class _Link:
 
 class PeerFront:
     """The front (see the module docstring). `start()` runs the relay thread on a listening socket;
-    `stop_accepting()` closes the listener (relayed connections go on, so gRPC can finish in-flight
-    calls); `stop()` closes everything and ends the thread. Counts are read from other threads."""
+    `stop_accepting()` closes the listener and the connections that never sent a byte (the others go
+    on, so gRPC can finish in-flight calls); `stop()` closes everything and ends the thread. Counts
+    are read from other threads."""
 
     def __init__(
         self,
@@ -143,7 +145,8 @@ class PeerFront:
         self._thread.start()
 
     def stop_accepting(self, timeout_s: float = 5.0) -> None:
-        """Close the listener (no new connections); relayed ones go on."""
+        """Close the listener (no new connections) and every connection that has not sent a byte;
+        relayed ones that have go on."""
         if self._thread is None or not self._thread.is_alive():
             self._close_listener()
             return
@@ -179,6 +182,10 @@ class PeerFront:
             while not self._stopping.is_set():
                 if self._stop_accepting.is_set() and self._listener is not None:
                     self._close_listener()
+                    # A connection that never sent a byte carries no call to finish, but gRPC's
+                    # shutdown waits for its handshake until the grace period runs out: close it.
+                    for link in [lk for lk in self._links if not lk.spoke]:
+                        self._close(link)
                 accept = False
                 for fd, events in self._ep.poll(self._poll_timeout()):
                     if fd == self._wake_r:
@@ -358,6 +365,8 @@ class PeerFront:
             return
         if other.gone:
             return  # nowhere to go
+        if end is link.client:
+            link.spoke = True
         other.out += data
         self._flush(link, other)
 
