@@ -278,3 +278,52 @@ def test_a_watching_application_does_not_hold_up_the_daemons_stop(
     finally:
         app.kill()
         app.wait(10)
+
+
+CATCH_UP = """
+import sys, time
+from vgpu.client import VgpuClient
+
+sock, app_id, inapp = sys.argv[1], sys.argv[2], sys.argv[3]
+with VgpuClient(app_id, socket=sock, inapp_dir=inapp) as client:
+    grant = client.request(memory_mib=1000)
+    print("granted", grant.grant_id, client.token, flush=True)
+    sys.stdin.readline()
+    deadline = time.monotonic() + 15
+    while client.grants() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print("holds", [g.grant_id for g in client.grants()], flush=True)
+"""
+
+
+def test_a_release_made_while_the_daemon_restarted_reaches_the_application(
+        env: Env, serves: list[Serve], tmp_path: Path) -> None:
+    # The operator releases the application's grant the moment the restarted daemon serves, before
+    # the stub's watch is back: no event of it will come, so the stub lists its grants once its
+    # watch is live again, and drops the one it no longer holds.
+    from hostile import Raw, operator_token
+
+    inapp = tmp_path / "inapp"
+    env.env["VGPU_SERVER_INAPP_DIR"] = str(inapp)
+    serves.append(Serve(env))
+    app = subprocess.Popen([sys.executable, "-c", CATCH_UP, str(env.sock), "gap", str(inapp)], cwd=ROOT,
+                           env=env.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    try:
+        assert app.stdout is not None
+        _, grant_id, _token = app.stdout.readline().split()
+        assert serves[-1].term() == 0
+        time.sleep(2.0)  # the stub's watch is failing and backing off
+        serves.append(Serve(env))
+        op = Raw(env.sock)
+        try:
+            assert op.release(grant_id, token=operator_token(env.state)).grant_id == grant_id
+        finally:
+            op.close()
+        out, err = app.communicate("go\n", timeout=60)
+        assert app.returncode == 0, out + err
+        assert "holds []" in out, out + err
+    finally:
+        if app.poll() is None:
+            app.kill()
+            app.wait(10)

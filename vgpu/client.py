@@ -23,7 +23,8 @@ Three things run behind that API:
 
 * **Requests** go to the `Allocator` gRPC service (`RequestResourceAllocation`, `ReleaseResources`).
 * **A watch of its own grants** (`WatchAllocations` filtered by `app_id`, in a daemon thread, reconnecting
-  with capped backoff) keeps the sum of the app's granted memory on its GPU: grants naming this process's pid
+  within about a second; each time it is live again the stub lists its grants once, since changes made
+  while it was away, as during a daemon restart, send no event) keeps the sum of the app's granted memory on its GPU: grants naming this process's pid
   or no pid (a grant naming another process of the same id is that process's), on the GPU whose UUID torch
   gives for its device (`_grants_here`). When it changes, the stub applies it
   *cooperatively*: for PyTorch, `torch.cuda.set_per_process_memory_fraction(limit / total)`, so an
@@ -520,6 +521,7 @@ class VgpuClient:
         self._apply_lock = threading.Lock()
         self._target_mib: float | None = None
         self._grants: dict[str, allocator_pb2.Grant] = {}
+        self._grants_changes = 0  # counts changes to `_grants`, so a catch-up knows it read a stale list
         self._step = 0
         self._applied_limit_mib: float | None = None
         self._mem_limit_kind = ""
@@ -800,7 +802,39 @@ class VgpuClient:
                 self._grants.pop(gid, None)
             elif gid:
                 self._grants[gid] = grant
+            self._grants_changes += 1
         self._sync_limit()
+
+    def _catch_up(self) -> None:
+        """Take this application's grants as the daemon lists them now (the watch thread calls this
+        once its watch is live): events from before the watch, as while the daemon restarted, are
+        not sent again, and a resize or release missed then would leave a stale limit. Events from
+        the live watch are applied after this, so a change that raced the listing lands last."""
+        for _ in range(3):
+            with self._lock:
+                seen = self._grants_changes
+            try:
+                reply = self._stub.ListApplications(allocator_pb2.ListApplicationsRequest(),
+                                                    metadata=self._call_metadata(), timeout=10)
+            except grpc.RpcError as exc:
+                if exc.code() not in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED):
+                    raise  # the daemon is away again: the watch loop retries
+                self._warn_once("catch_up", "cannot list this application's grants: changes made while "
+                                "the watch was away are not seen", code=str(exc.code()))
+                return
+            now = {g.grant_id: g for a in reply.apps if a.app_id == self.app_id for g in a.grants
+                   if g.grant_id and (not g.pid or g.pid == self.pid)}
+            with self._lock:
+                if self._grants_changes != seen:
+                    continue  # a request or release of this process ran meanwhile: list again
+                if now.keys() == self._grants.keys() and all(
+                        self._grants[k].SerializeToString() == g.SerializeToString() for k, g in now.items()):
+                    return
+                self._grants = now
+                self._grants_changes += 1
+            _log.info("grants caught up with the daemon", app_id=self.app_id, grants=len(now))
+            self._sync_limit()
+            return
 
     def _sync_limit(self) -> None:
         """Bring the applied limit to the sum of the grants on this process's device; serialised so the
@@ -949,8 +983,10 @@ class VgpuClient:
                 self._watch_call = call
                 if self._closed.is_set():
                     call.cancel()
+                call.initial_metadata()  # the watch is live: every change from here on is an event
+                delay_s = 0.1
+                self._catch_up()
                 for event in call:
-                    delay_s = 0.1
                     self.handle_event(event)
             except grpc.RpcError as exc:
                 if self._closed.is_set():
@@ -961,7 +997,9 @@ class VgpuClient:
                                  errors=self.watch_errors)
             self._watch_call = None
             self._closed.wait(delay_s * self._rng.uniform(0.8, 1.2))
-            delay_s = min(delay_s * 2, 5.0)
+            # at most about a second, as the channel's own reconnect backoff: a restarted daemon is
+            # watched again as soon as it serves
+            delay_s = min(delay_s * 2, 1.0)
 
     def _report_loop(self) -> None:
         while not self._closed.is_set():
