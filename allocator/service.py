@@ -36,7 +36,7 @@ from vgpu.allocator.core import (
     DeviceResources,
     EventKind,
 )
-from vgpu.allocator.errors import InvalidRequest, status_for
+from vgpu.allocator.errors import InvalidRequest, Unavailable, status_for
 from vgpu.allocator.history import AppSeries
 from vgpu.allocator.ledger import AppLimits, Grant
 from vgpu.ids import MAX_PID, app_id_problem
@@ -354,11 +354,18 @@ def request_from_pb(msg: pb.ResourceRequest) -> AllocationRequest:
     )
 
 
+# Trailing metadata of an UNAVAILABLE the daemon gave itself (Unavailable: a model still loading, a
+# state directory full): the call changed nothing, so the same call may simply be sent again. An
+# UNAVAILABLE without it may come from a connection that broke after the daemon acted on the call.
+NOTHING_CHANGED_KEY = "vgpu-nothing-changed"
+
+
 async def _abort(context: Context, exc: BaseException, method: str) -> NoReturn:
     code, message = status_for(exc)
     if code == grpc.StatusCode.INTERNAL:
         _log.error("rpc_failed", method=method, error=repr(exc), exc_info=exc)
-    await context.abort(code, message)
+    trailer = ((NOTHING_CHANGED_KEY, "1"),) if isinstance(exc, Unavailable) else ()
+    await context.abort(code, message, trailing_metadata=trailer)
     raise AssertionError("unreachable")  # context.abort raises
 
 

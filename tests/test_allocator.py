@@ -24,6 +24,7 @@ from vgpu.allocator.errors import (
     NotFound,
     NotSupported,
     PermissionDenied,
+    Unavailable,
     VerifyFailed,
     status_for,
 )
@@ -409,3 +410,27 @@ def test_oversubscribed_sm_is_shared_in_proportion_and_shrinks_go_first() -> Non
     alloc.apply_recommendations([rec("a", 1000, 60), rec("b", 1000, 60)])
     shares = {g.app_id: g.sm_pct for g in alloc.ledger.grants()}
     assert shares == pytest.approx({"a": 50, "b": 50})  # a shrank first, so b could take its share
+
+
+async def test_a_not_ready_answer_says_nothing_changed_and_other_errors_do_not(
+        served: tuple[pb_grpc.AllocatorStub, Allocator, grpc.aio.Channel]) -> None:
+    from vgpu.allocator.service import NOTHING_CHANGED_KEY
+
+    stub, alloc, _ = served
+
+    class Loading:
+        def size(self, job: JobConfig, *, mem_total_mib: float) -> Sizing:
+            raise Unavailable("the cold-start model is still loading")
+
+    alloc.sizer = Loading()
+    job = pb.RequestResourceAllocationRequest(request=pb.ResourceRequest(
+        app_id="a", job=pb.JobConfig(model_type="resnet50", batch_size=64)))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.RequestResourceAllocation(job, timeout=T_S)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert (NOTHING_CHANGED_KEY, "1") in tuple(err.value.trailing_metadata() or ())
+    assert alloc.ledger.grants() == []
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.RequestResourceAllocation(req("a", 1e9, 10), timeout=T_S)  # does not fit
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert NOTHING_CHANGED_KEY not in dict(err.value.trailing_metadata() or ())

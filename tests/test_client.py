@@ -19,6 +19,7 @@ import grpc
 import pytest
 
 from vgpu.client import (
+    NOTHING_CHANGED_KEY,
     InAppCounters,
     InAppFormatError,
     InAppReport,
@@ -421,3 +422,43 @@ def test_the_job_goes_with_the_request_as_the_one_job_type(allocator, tmp_path: 
     first, second = servicer.requests
     assert JobConfig.from_proto(first.job) == job and first.memory_mib == 0
     assert (second.job.model_type, second.job.mode) == ("bert", "infer")
+
+
+class NotReadyAllocator(FakeAllocator):
+    """Answers the first `not_ready` requests UNAVAILABLE, with the daemon's nothing-changed trailer
+    when `marked` (as a daemon whose cold-start model still loads), then grants."""
+
+    def __init__(self, not_ready: int, *, marked: bool) -> None:
+        super().__init__()
+        self.not_ready = not_ready
+        self.marked = marked
+        self.calls = 0
+
+    def RequestResourceAllocation(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
+        self.calls += 1
+        if self.calls <= self.not_ready:
+            if self.marked:
+                context.set_trailing_metadata(((NOTHING_CHANGED_KEY, "1"),))
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the cold-start model is still loading")
+        return super().RequestResourceAllocation(request, context)
+
+
+@pytest.mark.parametrize("marked", [True, False])
+def test_a_request_the_daemon_was_not_ready_for_is_sent_again_only_when_nothing_changed(
+        tmp_path: Path, marked: bool) -> None:
+    sock = tmp_path / "vgpu.sock"
+    servicer = NotReadyAllocator(2, marked=marked)
+    server = serve(sock, servicer)
+    try:
+        with VgpuClient("job", socket=str(sock), inapp_dir=tmp_path / "inapp", torch_module=fake_torch(),
+                        watch=False, report=False) as client:
+            if marked:
+                assert client.request(memory_mib=100).memory_mib == 100
+                assert servicer.calls == 3  # two "not ready" answers, then the grant
+            else:
+                # an UNAVAILABLE that may have come after the daemon acted: never sent again
+                with pytest.raises(grpc.RpcError) as err:
+                    client.request(memory_mib=100)
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE and servicer.calls == 1
+    finally:
+        server.stop(grace=None)

@@ -110,6 +110,10 @@ _log = get_library_logger("vgpu.client")
 # down refuses at once on its socket, so the backoff alone sets how soon the stub tries again.
 # How long close() waits for an unreachable daemon to release the grants (a restart takes seconds).
 CLOSE_RELEASE_WAIT_S = 5.0
+# How long request() sends a call again that the daemon answered "not ready" for (UNAVAILABLE with
+# NOTHING_CHANGED_KEY: e.g. its cold-start model still loading in the seconds after it starts).
+NOT_READY_WAIT_S = 10.0
+NOTHING_CHANGED_KEY = "vgpu-nothing-changed"  # as allocator/service.py sends it
 RECONNECT_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
@@ -576,9 +580,7 @@ class VgpuClient:
             req.job.CopyFrom(job.to_proto() if isinstance(job, JobConfig) else job)
         message = allocator_pb2.RequestResourceAllocationRequest(request=req)
         try:
-            resp, call = self._stub.RequestResourceAllocation.with_call(
-                message, timeout=self._timeout_s, metadata=self._call_metadata()
-            )
+            resp, call = self._request_when_ready(message)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.UNAUTHENTICATED and self._token_from_file:
                 # A token from another key (the daemon's secret was replaced): drop it, claim anew.
@@ -613,6 +615,30 @@ class VgpuClient:
                 self._mem_limit_kind = resp.mem_limit
         self._on_grant(resp.grant, released=False)
         return resp.grant
+
+    def _request_when_ready(
+        self, message: allocator_pb2.RequestResourceAllocationRequest
+    ) -> tuple[allocator_pb2.RequestResourceAllocationResponse, Any]:
+        """RequestResourceAllocation, sent again for up to NOT_READY_WAIT_S while the daemon answers
+        that it is not ready and changed nothing (a daemon just started: its cold-start model loads
+        in the seconds after it serves). Any other error, or one that may have changed something, is
+        raised at once."""
+        deadline = time.monotonic() + NOT_READY_WAIT_S
+        delay_s = 0.2
+        while True:
+            try:
+                answer: tuple[allocator_pb2.RequestResourceAllocationResponse, Any] = (
+                    self._stub.RequestResourceAllocation.with_call(
+                        message, timeout=self._timeout_s, metadata=self._call_metadata()))
+                return answer
+            except grpc.RpcError as exc:
+                trailer: dict[str, Any] = dict(exc.trailing_metadata() or ()) if isinstance(exc, grpc.Call) else {}
+                if (exc.code() != grpc.StatusCode.UNAVAILABLE or trailer.get(NOTHING_CHANGED_KEY) != "1"
+                        or time.monotonic() + delay_s > deadline or self._closed.is_set()):
+                    raise
+                self._warn_once("not_ready", "the daemon is not ready yet; asking again", reason=exc.details())
+                self._closed.wait(delay_s)
+                delay_s = min(delay_s * 2, 1.0)
 
     @property
     def token(self) -> str | None:
