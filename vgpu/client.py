@@ -21,7 +21,10 @@ id claimed anew; an id owned by someone else, with no token here, is refused wit
 
 Three things run behind that API:
 
-* **Requests** go to the `Allocator` gRPC service (`RequestResourceAllocation`, `ReleaseResources`).
+* **Requests** go to the `Allocator` gRPC service (`RequestResourceAllocation`, `ReleaseResources`). A
+  request the daemon answers "not ready" (UNAVAILABLE marked as having changed nothing: its cold-start
+  model still loading just after it starts, its state directory full) is sent again for up to
+  `NOT_READY_WAIT_S`; any other UNAVAILABLE is raised at once, since it may follow a change.
 * **A watch of its own grants** (`WatchAllocations` filtered by `app_id`, in a daemon thread, reconnecting
   within about a second; each time it is live again the stub lists its grants once, since changes made
   while it was away, as during a daemon restart, send no event) keeps the sum of the app's granted memory on its GPU: grants naming this process's pid
