@@ -62,6 +62,19 @@ at most gamma per scoring and the margin S * q shrinks again as S decays; an off
 the current scale (the earlier rule) rose by large steps during a burst and fell by small ones once S
 had decayed, and stayed inflated for thousands of seconds.
 
+Node prior. A new application's streams do not start from nothing: the mixture keeps, per (target,
+horizon), running means over the node's streams of q and S (each scoring round's mean over the
+streams it scored, exponentially weighted over rounds with decay `node_prior_decay`, 0.9: about the
+last ten rounds, i.e. seconds). A stream created once the node has such a mean starts with q at the
+node's mean, and with its scale's running mean seeded by the node's S as if it had already taken in
+`node_prior_scorings` (100) scorings; its weights start from the prior as before. So a node of short
+applications one after another (a MIGPerf or TITAN X node; jobs of a few minutes) does not pay each
+application's own warm-up of the offset, about 670 scorings from 0 to its floor at gamma 0.03 on a
+flat series; the offset learnt on the node carries over. The node's mean of q is a mean of values in
+[-floor, B + gamma], so a new stream's q_1 lies there too and the bound above holds for each stream
+from its own start. The streams of applications created in the same round as the node's first (a
+daemon's start) start from 0 and the floor as before. `node_prior_decay` = 0 turns it off.
+
 No peeking. The newest second of a history is still filling (the daemon forecasts while samples
 of the current second arrive), so a second's truth is scored only once a sample of a later second
 has been seen; the evaluation protocol's prefixes see the same thing one second later.
@@ -72,7 +85,8 @@ more than `max_gap_s` drops the application's unscored forecasts (logged once pe
 keeps its weights. State is bounded: at most `max_apps` applications (the longest unseen is
 forgotten), and an application the manager forgets (gone silent, or evicted from the windows) is
 dropped at once (`forget`, the optional `ForgetsApps` protocol of manager/forecast.py), so an id that
-comes back starts from the prior weights and a zero offset.
+comes back starts from the prior weights and the node prior's offset and scale; the node's running
+means are three small arrays and survive forgetting.
 
 Cost: state lives in numpy arrays, one row per application, and each call is a few vectorised
 steps over all applications plus the external experts' own forecasts (bench/forecast_latency.py
@@ -119,6 +133,8 @@ class MixtureConfig:
     ewma_alpha: float = 0.3
     max_apps: int = 1024
     max_gap_s: float = 60.0
+    node_prior_decay: float = 0.9  # a new stream's q and S from the node's running means (0: off)
+    node_prior_scorings: float = 100.0  # how many scorings the node's scale counts for in a new stream
 
     def __post_init__(self) -> None:
         if not self.learning_rate > 0 or not 0 <= self.share < 1 or not self.conformal_step > 0:
@@ -129,6 +145,8 @@ class MixtureConfig:
             raise ValueError("conformal_floor must be >= 0")
         if self.mem_floor_mib <= 0 or self.sm_floor_pct <= 0 or self.max_apps < 1 or self.max_gap_s < 1:
             raise ValueError("floors must be > 0, max_apps >= 1, max_gap_s >= 1")
+        if not 0 <= self.node_prior_decay < 1 or not self.node_prior_scorings >= 0:
+            raise ValueError("node_prior_decay in [0, 1), node_prior_scorings >= 0")
 
     def regret_bound(self, n_experts: int, scored: int, switches: int = 0) -> float:
         """The bound of the module docstring on L_mix minus the loss of the best sequence of
@@ -188,6 +206,10 @@ class _State:
                 new[:old] = getattr(self, name)
             setattr(self, name, new)
         self.w[old:] = self.prior
+        if not old:  # the node's running means (module docstring, "Node prior"), before bias correction
+            self.node_q = np.zeros((t, h))
+            self.node_s = np.zeros((t, h))
+            self.node_n = np.zeros((t, h))  # scoring rounds taken into them
         self.free.extend(range(cap - 1, old - 1, -1))
         self.cap = cap
 
@@ -199,6 +221,17 @@ class _State:
         self.scale_n[row] = 0.0
         self.origin[row] = _NONE
         self.done[row] = _NONE
+        d = self.cfg.node_prior_decay
+        seen = self.node_n > 0
+        if d > 0 and seen.any():  # start from the node's streams of the same target and horizon
+            corr = np.where(seen, 1 - d ** self.node_n, 1.0)
+            self.q[row] = np.where(seen, self.node_q / corr, np.nan)
+            n0 = self.cfg.node_prior_scorings
+            if n0 > 0:  # the node's scale as n0 scorings already taken into the stream's running mean
+                s_node = self.node_s / corr
+                self.scale_m[row] = np.where(seen, (1 - self.cfg.scale_decay ** n0) * s_node, 0.0)
+                self.scale_n[row] = np.where(seen, n0, 0.0)
+                self.scale[row] = np.where(seen, s_node, np.nan)
 
     def forget_time(self, row: int) -> None:
         """Drop the unscored forecasts and the grid state; keep what was learnt."""
@@ -305,9 +338,9 @@ class MixtureForecaster:
     def forget(self, app: str) -> None:
         """Drop an application's weights, P90 offset, scale and unscored forecasts (and tell the
         external experts that keep state per application): the manager calls it when the application
-        is gone, so an id that comes back starts from the prior. The manager forgets on its event loop
-        while a forecast may be running in a worker thread: then the application is dropped at the
-        start of the next call, never in the middle of one (whose rows are in use)."""
+        is gone, so an id that comes back starts afresh (from the node prior). The manager forgets on
+        its event loop while a forecast may be running in a worker thread: then the application is
+        dropped at the start of the next call, never in the middle of one (whose rows are in use)."""
         if self._lock.acquire(blocking=False):
             try:
                 self._drop(app)
@@ -603,7 +636,28 @@ class MixtureForecaster:
             st.scale_m[rr, :, hi], st.scale_n[rr, :, hi] = m_new, n_new
             st.scale[rr, :, hi] = np.where(n_new > 0, np.maximum(floors, m_new / (1 - d ** np.maximum(n_new, 1))),
                                            scale)
+            if cfg.node_prior_decay > 0:
+                self._node_update(hi, valid, st.q[rr, :, hi], st.scale[rr, :, hi])
             self.scored += int(valid.sum())
+
+    def _node_update(self, hi: I64, valid: npt.NDArray[np.bool_], q: F64, scale: F64) -> None:
+        """Fold one scoring round into the node's running means of q and S: per (target, horizon),
+        the mean over the streams scored in the round, exponentially weighted over rounds."""
+        st, d = self._state, self.config.node_prior_decay
+        nh = len(HORIZONS_S)
+        for j in range(len(TARGETS)):
+            ok = valid[:, j]
+            if not ok.any():
+                continue
+            h = hi[ok]
+            cnt = np.bincount(h, minlength=nh).astype(np.float64)
+            on = cnt > 0
+            div = np.maximum(cnt, 1.0)
+            mean_q = np.bincount(h, weights=q[ok, j], minlength=nh) / div
+            mean_s = np.bincount(h, weights=scale[ok, j], minlength=nh) / div
+            st.node_q[j] = np.where(on, d * st.node_q[j] + (1 - d) * mean_q, st.node_q[j])
+            st.node_s[j] = np.where(on, d * st.node_s[j] + (1 - d) * mean_s, st.node_s[j])
+            st.node_n[j] += on
 
 
 # The served mixture: the last value and the model (the EWMA, the worst of the three at every horizon on

@@ -16,7 +16,7 @@ from manager_fakes import EwmaMarginForecaster
 
 from vgpu.allocator.core import Allocator
 from vgpu.manager.core import Manager
-from vgpu.manager.experts import MixtureForecaster, make_served
+from vgpu.manager.experts import MixtureConfig, MixtureForecaster, make_served
 from vgpu.manager.forecast import HORIZONS_S, Forecast, Forecaster, ForgetsApps
 from vgpu.manager.predictor import ReloadingForecaster
 from vgpu.manager.window import WindowStore
@@ -79,7 +79,10 @@ def prior_weights(mix: MixtureForecaster) -> np.ndarray:
 
 @pytest.mark.parametrize("wrapped", [False, True], ids=["mixture", "behind-a-reloading-forecaster"])
 def test_a_departed_app_that_comes_back_starts_from_the_prior(wrapped: bool, tmp_path: Path) -> None:
-    mix = make_served(Off(), local=True)
+    # without the node prior (a new application's P90 offset and scale from the node's other streams,
+    # tested in tests/test_experts.py), so an application that comes back is exactly a fresh mixture's
+    no_node_prior = MixtureConfig(node_prior_decay=0.0)
+    mix = make_served(Off(), no_node_prior, local=True)
     served: Forecaster = mix
     if wrapped:  # the mixture behind the daemon's reloading wrapper: the manager's forget must reach it
         served = ReloadingForecaster(tmp_path / "none.pt", check_interval_s=math.inf, loader=lambda _: mix,
@@ -101,7 +104,7 @@ def test_a_departed_app_that_comes_back_starts_from_the_prior(wrapped: bool, tmp
     np.testing.assert_allclose(back["mem_used_mib"], prior_weights(mix))
     first = mgr.windows.trace("a")
     first = AppTrace("a", first.t_s[:1], {c: v[:1] for c, v in first.columns.items()}, gpu=first.gpu)
-    fresh = make_served(Off(), local=True).forecast_batch([first])[0]
+    fresh = make_served(Off(), no_node_prior, local=True).forecast_batch([first])[0]
     # the first decision (a second may follow within the second as the app takes its forecast phase)
     assert decisions and {d.app_id for d in decisions} == {"a"}
     got = decisions[0]

@@ -57,8 +57,9 @@ from vgpu.traces import TARGETS, AppTrace, Trace, TraceFormatError, one_second_g
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 # "served": what the daemon serves, the per-application expert mixture (manager/experts.py) over the
-# last value, the EWMA and the model (without the model where it does not load), learning online
-# from each application's own earlier origins as the daemon does
+# last value and the model (without the model where it does not load), learning online from each
+# application's own earlier origins as the daemon does, a new application's P90 offset and scale
+# starting from those of the applications scored before it (the node prior)
 METHOD_ORDER = ("model", "served", "last_value", "ewma", "vpa_percentile", "gbdt")
 DEFAULT_CHUNK = 4096
 _FORECAST_FIELDS = {"mem_used_mib": ("mem_p50_mib", "mem_p90_mib"), "sm_util_pct": ("sm_p50_pct", "sm_p90_pct")}

@@ -29,8 +29,9 @@ Methods (`OnlineMethod`: `learn(view, now_s)` when due, then `forecast(view, now
   it): the per-application expert mixture over the last value, the model and the node-local slot,
   the slot empty as on a fresh node (no local model promoted yet). It is a `Forecaster` run as above,
   one call per second in time order, so each application's weights and P90 offset learn from its own
-  earlier origins only, from the truths of seconds that have passed (the mixture scores a second once a
-  later second's sample is seen).
+  earlier origins, from the truths of seconds that have passed (the mixture scores a second once a
+  later second's sample is seen); a new application's P90 offset and scale start from the node prior,
+  the running means of the streams the node scored before it (manager/experts.py).
 """
 
 from __future__ import annotations
