@@ -101,6 +101,7 @@ from vgpu.allocator.policy.forecast import (  # noqa: E402
     AppState,
     DeviceState,
     PolicyConfig,
+    Target,
     burst_returned,
     plan,
 )
@@ -534,12 +535,15 @@ def replay(
     kill_on_oom: bool = True,
     curve: PowerCurve = DEFAULT_CURVE,
     timeline_out: dict[tuple[str, str], list[tuple[float, float, float, float, float]]] | None = None,
+    decisions_out: dict[tuple[str, str], list[tuple[int, AppState, Target]]] | None = None,
 ) -> list[Result]:
     """Run every policy over the packed applications; one result dict per policy. `runs_out`, when
     given, receives each policy's per-app-tick record (for tests and plots: `tick_series`).
     `kill_on_oom=False` makes every memory limit cooperative (an overrun is never fatal).
     `timeline_out`, per (policy, app), receives (t, used MiB, P50 MiB, P90 MiB, grant MiB in force
-    at t) at each tick a policy decides (bench/replay_plot.py draws it)."""
+    at t) at each tick a policy decides (bench/replay_plot.py draws it). `decisions_out`, per (policy, app),
+    receives (t, the state the policy planned with at t, its target) for each dynamic policy's plan
+    (bench/replay_events.py reads it)."""
     from vgpu.manager.baselines import VpaPercentileForecaster
 
     vpa_fc = vpa_forecaster or VpaPercentileForecaster()
@@ -727,6 +731,8 @@ def replay(
             need_by_dev: dict[str, float] = {}
             for st in new_states:
                 t = result.target(st.app_id)
+                if decisions_out is not None:
+                    decisions_out.setdefault((p, st.app_id), []).append((k, st, t))
                 if st.app_id in states[p] and t.changed:
                     run.changes += 1
                 hard[p][st.app_id] = t.hard_mem_limit
