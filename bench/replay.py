@@ -101,6 +101,8 @@ from vgpu.allocator.policy.forecast import (  # noqa: E402
     AppState,
     DeviceState,
     PolicyConfig,
+    Target,
+    burst_returned,
     plan,
 )
 from vgpu.allocator.policy.power import (  # noqa: E402
@@ -533,12 +535,15 @@ def replay(
     kill_on_oom: bool = True,
     curve: PowerCurve = DEFAULT_CURVE,
     timeline_out: dict[tuple[str, str], list[tuple[float, float, float, float, float]]] | None = None,
+    decisions_out: dict[tuple[str, str], list[tuple[int, AppState, Target]]] | None = None,
 ) -> list[Result]:
     """Run every policy over the packed applications; one result dict per policy. `runs_out`, when
     given, receives each policy's per-app-tick record (for tests and plots: `tick_series`).
     `kill_on_oom=False` makes every memory limit cooperative (an overrun is never fatal).
     `timeline_out`, per (policy, app), receives (t, used MiB, P50 MiB, P90 MiB, grant MiB in force
-    at t) at each tick a policy decides (bench/replay_plot.py draws it)."""
+    at t) at each tick a policy decides (bench/replay_plot.py draws it). `decisions_out`, per (policy, app),
+    receives (t, the state the policy planned with at t, its target) for each dynamic policy's plan
+    (bench/replay_events.py reads it)."""
     from vgpu.manager.baselines import VpaPercentileForecaster
 
     vpa_fc = vpa_forecaster or VpaPercentileForecaster()
@@ -568,6 +573,9 @@ def replay(
     # the usage last went over it in which the usage moved and stayed under it (AppState.mem_p90_covered_s)
     last_p90: dict[str, dict[str, float]] = {p: {} for p in policies}
     covered: dict[str, dict[str, float]] = {p: {} for p in policies}
+    # per policy and application: its memory bursts (second, usage before, rise MiB, come back down
+    # since), for AppState.mem_burst_mib
+    bursts: dict[str, dict[str, list[tuple[int, float, float, bool]]]] = {p: {} for p in policies}
     mem_cap = float(sku.mem_total_mib)
 
     for k in range(horizon):
@@ -695,14 +703,25 @@ def replay(
                 elif k > 0 and used_m != float(a.mem[k - 1]):  # moved, and covered
                     covered[p][a.app_id] = covered[p].get(a.app_id, 0.0) + 1.0
                 last_p90[p][a.app_id] = f_m
+                active_s = float(k - a.first_use + 1) if k >= a.first_use else math.nan
+                burst_mib = 0.0
+                if cfg is not None and cfg.mem_burst_window_s > 0:
+                    # bursts (second, usage before, rise, come back down since), as UsageHistory keeps them
+                    seen = bursts[p].setdefault(a.app_id, [])
+                    seen[:] = [(t, b, r, back or burst_returned(used_m, b, r)) for t, b, r, back in seen
+                               if k - t < cfg.mem_burst_window_s]
+                    prev = float(a.mem[k - 1]) if k > 0 else math.nan
+                    if cfg.is_burst(used_m - prev, prev, before, active_s):
+                        seen.append((k, prev, used_m - prev, False))
+                    burst_mib = max((r for _, _, r, back in seen if back), default=0.0)
                 new_states.append(replace(
                     old, used_mem_mib=used_m, used_sm_pct=used_s,
                     forecast_mem_p90_mib=f_m, forecast_sm_p90_pct=f_s, history_s=float(k + 1),
                     mem_ramp_s=float(a.ramp_s[k]), mem_ramp_rate_mib_s=float(a.ramp_rate[k]),
                     mem_ramp_last_mib_s=float(a.ramp_last[k]),
                     recent_peak_mem_mib=float(a.mem[max(0, k - window + 1): k + 1].max()) if window > 0 else math.nan,
-                    active_s=float(k - a.first_use + 1) if k >= a.first_use else math.nan,
-                    mem_p90_covered_s=covered[p].get(a.app_id, 0.0),
+                    active_s=active_s,
+                    mem_p90_covered_s=covered[p].get(a.app_id, 0.0), mem_burst_mib=burst_mib,
                 ))
             if p == "static":
                 for st in new_states:
@@ -712,6 +731,8 @@ def replay(
             need_by_dev: dict[str, float] = {}
             for st in new_states:
                 t = result.target(st.app_id)
+                if decisions_out is not None:
+                    decisions_out.setdefault((p, st.app_id), []).append((k, st, t))
                 if st.app_id in states[p] and t.changed:
                     run.changes += 1
                 hard[p][st.app_id] = t.hard_mem_limit

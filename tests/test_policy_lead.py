@@ -456,3 +456,76 @@ def test_a_gpu_its_plan_fills_keeps_full_power_with_full_power_at_frac() -> None
     assert not plan(one, [DEV], 0.0, replace(BASE, full_power_at_frac=1.0)).devices[0].full_power
     half = [app("a", forecast_sm_p90_pct=40, used_sm_pct=40)]
     assert not plan(half, [DEV], 0.0, replace(cfg, full_power_at_frac=1.0)).devices[0].full_power
+
+
+def test_an_application_whose_memory_burst_keeps_room_for_another_burst() -> None:
+    # a cache pool at 20 GB that jumped by 10 GB a while ago and came back down; the forecast sees 23 GB
+    cfg = replace(BASE, mem_burst_window_s=1200.0, mem_burst_frac=0.1)
+    a = app("a", granted_mem_mib=36_000, used_mem_mib=20_000, forecast_mem_p90_mib=23_000,
+            last_mem_change_s=50.0, mem_burst_mib=10_000.0)
+    held = plan([a], [DEV], 100.0, cfg).target("a")
+    assert held.mem_mib == pytest.approx(30_000 * 1.02) and held.reason_mem == "burst"
+    # without the rule, or without a burst: down to the forecast plus the margin
+    for off, b in ((replace(cfg, mem_burst_window_s=0.0), a), (cfg, replace(a, mem_burst_mib=0.0))):
+        assert plan([b], [DEV], 100.0, off).target("a").mem_mib == pytest.approx(23_000 * 1.02)
+    # a grant under the room grows at once, inside the dwell
+    grown = plan([replace(a, granted_mem_mib=24_000, last_mem_change_s=99.0)], [DEV], 100.0, cfg).target("a")
+    assert grown.mem_mib == pytest.approx(30_000 * 1.02) and grown.changed_mem
+
+
+def test_a_rise_is_a_burst_only_past_the_p90_past_the_start_up_and_over_the_threshold() -> None:
+    cfg = replace(PREDICTIVE_CONFIG, mem_burst_window_s=1200.0, mem_burst_frac=0.1)
+    assert cfg.is_burst(10_000.0, 20_000.0, 23_000.0, 300.0)
+    assert not cfg.is_burst(2_000.0, 20_000.0, 23_000.0, 300.0)  # foreseen: under the P90
+    assert not cfg.is_burst(1_500.0, 20_000.0, 21_000.0, 300.0)  # past the P90, but under 10 % of the usage
+    assert not cfg.is_burst(10_000.0, 20_000.0, 23_000.0, 20.0)  # inside the start-up windows (30 s)
+    assert not cfg.is_burst(10_000.0, 20_000.0, 23_000.0, math.nan)  # not started
+    assert not cfg.is_burst(10_000.0, 20_000.0, math.nan, 300.0)  # no forecast to judge by
+    assert not replace(cfg, mem_burst_window_s=0.0).is_burst(10_000.0, 20_000.0, 23_000.0, 300.0)
+
+
+def test_a_bursty_application_s_ramp_is_extrapolated_at_most_one_burst_ahead() -> None:
+    # a second burst of 10 GB: its own slope for 5 s asks for 50 GB more; it is one burst, not a ramp
+    cfg = replace(BASE, ramp_min_s=1.0, ramp_ahead_s=5.0, ramp_last_rate=1.0, mem_burst_window_s=1200.0,
+                  mem_burst_ramp_cap=1.0)
+    a = app("a", granted_mem_mib=31_000, used_mem_mib=30_000, forecast_mem_p90_mib=30_500, mem_ramp_s=1.0,
+            mem_ramp_rate_mib_s=10_000.0, mem_ramp_last_mib_s=10_000.0, last_mem_change_s=99.0,
+            mem_burst_mib=12_000.0)
+    capped = plan([a], [DEV], 100.0, cfg).target("a")
+    assert capped.mem_mib == pytest.approx(42_000 * 1.02)
+    assert plan([a], [DEV], 100.0, replace(cfg, mem_burst_ramp_cap=0.0)).target("a").mem_mib == DEV.mem_total_mib
+    # no burst seen yet: the ramp rule as for any other application
+    assert plan([replace(a, mem_burst_mib=0.0)], [DEV], 100.0, cfg).target("a").mem_mib == DEV.mem_total_mib
+
+
+def test_usage_history_keeps_the_bursts_that_came_back_down() -> None:
+    from vgpu.allocator.policy.forecast import UsageHistory
+
+    cfg = replace(PREDICTIVE_CONFIG, mem_burst_window_s=100.0)
+    h = UsageHistory()
+    for t in range(40):
+        h.observe("a", float(t), 20_000.0, forecast_mib=21_000.0)
+    h.observe("a", 40.0, 30_000.0, forecast_mib=31_000.0)  # over the 21,000 it was judged against
+    h.observe("a", 41.0, 30_000.0, forecast_mib=31_000.0)
+    assert h.burst_mib("a", 41.0, cfg) == 0.0  # still up: a step that stays is no burst
+    h.observe("a", 42.0, 24_000.0, forecast_mib=25_000.0)  # under 20,000 + half the rise: back down
+    assert h.burst_mib("a", 42.0, cfg) == 10_000.0
+    assert h.burst_mib("a", 140.0, cfg) == 0.0  # out of the window
+    assert h.burst_mib("a", 42.0, replace(cfg, mem_burst_window_s=0.0)) == 0.0
+    # the same jump in the start-up windows counts for nothing
+    h.observe("b", 0.0, 20_000.0, forecast_mib=21_000.0)
+    h.observe("b", 1.0, 30_000.0, forecast_mib=31_000.0)
+    h.observe("b", 2.0, 20_000.0, forecast_mib=21_000.0)
+    assert h.burst_mib("b", 2.0, cfg) == 0.0
+
+
+def test_the_daemons_policy_keeps_room_for_a_burst_it_saw() -> None:
+    def run(config: PolicyConfig) -> float:
+        # 40 s at 20 GB (the forecast says the last value), a 10 GB burst for 20 s, 60 s back at 20 GB
+        used = [20_000.0] * 40 + [30_000.0] * 20 + [20_000.0] * 60
+        return _daemon_grant_mib(config, [(u, u) for u in used])
+
+    cfg = replace(PREDICTIVE_CONFIG, confidence_multiplier=0.0)
+    assert (cfg.mem_burst_window_s, cfg.mem_burst_ramp_cap) == (1200.0, 1.0)
+    assert run(cfg) == pytest.approx(30_000 * 1.02)
+    assert run(replace(cfg, mem_burst_window_s=0.0)) == pytest.approx(20_000 * 1.02)

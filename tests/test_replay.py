@@ -312,6 +312,19 @@ class _Foresight:
         return out
 
 
+class _LastValueP90:
+    """A forecaster whose P90 is the last usage at every horizon: it never sees a jump coming."""
+
+    name = "last-value-p90"
+
+    def forecast_batch(self, histories: list[AppTrace]) -> list[Forecast]:
+        out = []
+        for h in histories:
+            last = (float(h.columns["mem_used_mib"][-1]),) * 5
+            out.append(Forecast((1, 2, 3, 4, 5), last, last, (10.0,) * 5, (10.0,) * 5, "last-value-p90"))
+        return out
+
+
 def test_mig_replay_reconfigures_ahead_of_a_growth_and_static_holds_the_peak() -> None:
     sku = get_sku("a100-80gb")
     grow = [5_000.0] * 30 + [5_000.0 + 1_500 * i for i in range(1, 9)] + [17_000.0] * 30
@@ -534,3 +547,25 @@ def test_a_gpu_its_plan_fills_keeps_full_power() -> None:
 
     assert slowdown("full_power_at_frac=0") > 1.0
     assert slowdown("full_power_at_frac=1") == pytest.approx(1.0)
+
+
+def test_a_cache_that_bursts_again_is_granted_room_for_the_next_burst() -> None:
+    # a serving engine's cache pool at 20 GB that jumps by 10 GB for 20 s every 100 s, which a forecast
+    # of the last value never sees coming; without the rule the grant shrinks back before each burst
+    cycle = [30_000.0] * 20 + [20_000.0] * 80
+    mem = [20_000.0] * 60 + cycle * 4
+    bursty = R.pack(R.prepare([app_trace("a", mem, [10.0] * len(mem))])[0], SKU)
+    # a training job's steps that stay: no burst, the rule changes nothing
+    steps = [20_000.0] * 60 + [30_000.0] * 100 + [40_000.0] * 300
+    stepped = R.pack(R.prepare([app_trace("b", steps, [10.0] * len(steps))])[0], SKU)
+
+    def run(apps: list[R.ReplayApp], *sets: str) -> R.Result:
+        config, _ = R.config_overrides(PREDICTIVE_CONFIG, list(sets))
+        return R.replay(apps, SKU, _LastValueP90(), policies=("predictive",),  # type: ignore[arg-type]
+                        configs={"predictive": config}, kill_on_oom=False)[0]
+
+    assert PREDICTIVE_CONFIG.mem_burst_window_s == 1200.0
+    assert run(bursty)["oom_events"] == 1  # the first burst only
+    assert run(bursty, "mem_burst_window_s=0")["oom_events"] == 4
+    on, off = run(stepped), run(stepped, "mem_burst_window_s=0")
+    assert (on["oom_events"], on["mem_slack_frac"]) == (off["oom_events"], off["mem_slack_frac"])
