@@ -23,6 +23,7 @@ or configuration error.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -118,10 +119,19 @@ class Tokens:
 
 # --- calls -----------------------------------------------------------------------------------------------
 class Client:
-    def __init__(self, socket_path: str, tokens: Tokens, timeout_s: float) -> None:
+    """Calls to the daemon at `socket_path`. A call the daemon answers "not ready, nothing changed"
+    (vgpu.client.changed_nothing: its cold-start model still loading, its state directory full) is
+    sent again for up to `wait_s`, `notice(text)` saying once that it waits; 0 fails at once, and None
+    (a command without --wait-s) too."""
+
+    def __init__(self, socket_path: str, tokens: Tokens, timeout_s: float, *, wait_s: float | None = None,
+                 notice: Callable[[str], None] = lambda _text: None) -> None:
         self.socket_path = socket_path
         self.tokens = tokens
         self.timeout_s = timeout_s
+        self.wait_s = wait_s
+        self._notice = notice
+        self._noticed = False
         target = socket_path if socket_path.startswith("unix:") else f"unix:{os.path.abspath(socket_path)}"
         self.channel = grpc.insecure_channel(target)
         self.stub = pb_grpc.AllocatorStub(self.channel)
@@ -139,13 +149,22 @@ class Client:
             md = auth.bearer(tok) if tok else ()
             try:
                 # with_call gives (response, call); the response's type depends on `method`.
-                answer: tuple[Any, Any] = fn(request, metadata=md, timeout=self.timeout_s)
+                answer: tuple[Any, Any] = vclient.send_when_ready(
+                    functools.partial(fn, request, metadata=md, timeout=self.timeout_s),
+                    wait_s=self.wait_s or 0.0, on_wait=self._waiting)
                 return answer
             except grpc.RpcError as exc:
                 code = exc.code()
                 if code == grpc.StatusCode.UNAVAILABLE and not _unreachable(exc):
                     # the daemon answered: a full state directory, a model still loading
-                    raise CliError(f"{code.name}: {exc.details()}") from None
+                    hint = ""
+                    if vclient.changed_nothing(exc) and self.wait_s is not None:
+                        hint = (f" (nothing was changed; still not ready after {self.wait_s:g} s: run it again, "
+                                "or give a longer --wait-s)" if self.wait_s > 0 else
+                                " (nothing was changed; --wait-s N asks again for up to N s)")
+                    elif vclient.changed_nothing(exc):
+                        hint = " (nothing was changed: run it again)"
+                    raise CliError(f"{code.name}: {exc.details()}{hint}") from None
                 if code == grpc.StatusCode.UNAVAILABLE:
                     raise CliError(
                         f"cannot reach the vgpu daemon at {self.socket_path} ({exc.details()}); "
@@ -159,6 +178,12 @@ class Client:
                 raise CliError(f"{code.name}: {exc.details()}{self._owner_hint(exc, app_id)}") from None
         assert last is not None
         raise CliError(f"{last.code().name}: {last.details()}{self._owner_hint(last, app_id)}")
+
+    def _waiting(self, exc: grpc.RpcError) -> None:
+        if not self._noticed:
+            self._noticed = True
+            self._notice(f"the daemon is not ready: {exc.details()}; asking again for up to {self.wait_s or 0:g} s "
+                         "(--wait-s)")
 
     def _owner_hint(self, exc: grpc.RpcError, app_id: str | None) -> str:
         """For an application id another client owns: where this CLI looked for its token, and how to
@@ -217,7 +242,8 @@ def _run(
     state_dir = Path(ns.state_dir or cfg.server.state_dir)
     client = None
     try:
-        client = Client(socket_path, Tokens(socket_path, state_dir, ns.token_file, env), ns.timeout_s)
+        client = Client(socket_path, Tokens(socket_path, state_dir, ns.token_file, env), ns.timeout_s,
+                        wait_s=getattr(ns, "wait_s", None), notice=lambda text: print(f"{prog}: {text}", file=sys.stderr))
         return body(ns, client, out)
     except UsageError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
@@ -452,6 +478,18 @@ def _nonneg(text: str) -> float:
     return value
 
 
+# How long a command that changes something asks again while the daemon answers "not ready, nothing
+# changed" (the client stub waits as long: vgpu.client.NOT_READY_WAIT_S).
+DEFAULT_WAIT_S = vclient.NOT_READY_WAIT_S
+
+
+def _wait_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--wait-s", type=_nonneg, default=DEFAULT_WAIT_S,
+                   help="while the daemon answers that it is not ready and changed nothing (its cold-start model "
+                        "still loading just after it starts, its state directory full), ask again for up to this "
+                        f"long; 0 fails at once (default {DEFAULT_WAIT_S:g} s)")
+
+
 def request_main(argv: Sequence[str] | None = None, prog: str = "vgpu request", *, out: TextIO | None = None, env: dict[str, str] | None = None) -> int:
     def build(p: argparse.ArgumentParser) -> None:
         p.add_argument("--app", required=True, help="application id")
@@ -463,6 +501,7 @@ def request_main(argv: Sequence[str] | None = None, prog: str = "vgpu request", 
         p.add_argument("--priority", type=int, default=0)
         p.add_argument("--pid", type=int, default=0, help="process holding the grant (released when it exits)")
         p.add_argument("--json", action="store_true", help="print the grant as JSON")
+        _wait_option(p)
         job = p.add_argument_group("job (vgpu.v1.JobConfig), for sizing it before it has a history")
         job.add_argument("--model-type", default="", help="e.g. resnet50, bert-base")
         job.add_argument("--batch-size", type=int, default=0)
@@ -527,6 +566,7 @@ def release_main(argv: Sequence[str] | None = None, prog: str = "vgpu release", 
         p.add_argument("--grant", required=True, help="grant id (from vgpu request / vgpu apps)")
         p.add_argument("--app", help="the grant's application, to pick its token (default: looked up)")
         p.add_argument("--json", action="store_true", help="print the released grant as JSON")
+        _wait_option(p)
 
     def body(ns: argparse.Namespace, c: Client, o: TextIO) -> int:
         app = ns.app or _owner_of(c, ns.grant)
@@ -565,6 +605,7 @@ def set_limit_main(argv: Sequence[str] | None = None, prog: str = "vgpu set-limi
         p.add_argument("--create", action="store_true",
                        help="set limits for an application the daemon does not list yet (one that has not started)")
         p.add_argument("--json", action="store_true", help="print the application's limits as JSON")
+        _wait_option(p)
 
     def body(ns: argparse.Namespace, c: Client, o: TextIO) -> int:
         changes = {k: v for k, v in (("max_memory_mib", ns.max_memory_mib), ("max_sm_pct", ns.max_sm_pct),

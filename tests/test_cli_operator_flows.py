@@ -1,0 +1,116 @@
+"""What an operator meets at the command line, run as the operator runs it (`vgpu ...` as a
+subprocess, against a real `vgpu serve` on the simulated GPU where the daemon can be made to do it):
+a daemon just started, the command line's own mistakes, and `vgpu doctor` on a simulated node."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+from daemon_fixtures import ROOT, Env, Serve
+from test_client import NotReadyAllocator, serve
+
+from vgpu.client import NOTHING_CHANGED_KEY
+from vgpu.v1 import allocator_pb2
+
+
+def vgpu(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "vgpu.cli", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def start(*args: str, env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "vgpu.cli", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def connected(proc: subprocess.Popen[str]) -> bool:
+    """The command has opened its connection to the daemon's socket (its only Unix socket)."""
+    try:
+        return bool(psutil.Process(proc.pid).net_connections(kind="unix"))
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_request_right_after_the_daemon_starts_waits_for_the_cold_start_model(env: Env, serves: list[Serve]) -> None:
+    daemon = Serve(env)
+    serves.append(daemon)
+    # Hold the daemon (SIGSTOP) while the commands connect, so the requests reach it before the
+    # cold-start model, which loads in the second or so after it serves, has loaded.
+    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    try:
+        if any(e.get("event") == "coldstart_sizer_loaded" for e in daemon.events()):
+            pytest.skip("the cold-start model loaded before the test could hold the daemon")
+        job = ["--socket", str(env.sock), "--model-type", "resnet50", "--batch-size", "32", "--json"]
+        waits = start("request", *job, "--app", "waits", env=env.env)
+        at_once = start("request", *job, "--app", "at-once", "--wait-s", "0", env=env.env)
+        deadline = time.monotonic() + 60
+        while not (connected(waits) and connected(at_once)):
+            assert time.monotonic() < deadline, "the commands never connected"
+            time.sleep(0.05)
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+    out, err = waits.communicate(timeout=60)
+    assert waits.returncode == 0, err
+    said = [line for line in err.splitlines() if "not ready" in line]
+    assert len(said) == 1 and said[0].startswith("vgpu request: ") and "cold-start model" in said[0], err
+    assert "--wait-s" in said[0]
+    grant = json.loads(out)
+    assert grant["app_id"] == "waits" and grant["memory_mib"] > 0
+    out, err = at_once.communicate(timeout=60)
+    assert at_once.returncode == 1 and out == ""
+    assert "UNAVAILABLE" in err and "cold-start model" in err and "nothing was changed" in err, err
+    assert "--wait-s" in err
+    daemon.wait_for("coldstart_sizer_loaded")
+    apps = json.loads(vgpu("apps", "--socket", str(env.sock), "--json", env=env.env).stdout)
+    assert [a["app_id"] for a in apps["apps"]] == ["waits"]  # the refused one left nothing behind
+
+
+class NotReadyRelease(NotReadyAllocator):
+    """As NotReadyAllocator, for ReleaseResources."""
+
+    def ReleaseResources(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
+        self.calls += 1
+        if self.calls <= self.not_ready:
+            if self.marked:
+                context.set_trailing_metadata(((NOTHING_CHANGED_KEY, "1"),))
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the state directory is full")
+        return super().ReleaseResources(request, context)
+
+
+@pytest.mark.parametrize("marked", [True, False])
+@pytest.mark.parametrize("command", ["request", "release"])
+def test_a_change_is_sent_again_only_when_the_daemon_says_it_changed_nothing(
+        tmp_path: Path, env: Env, command: str, marked: bool) -> None:
+    """A daemon that answers UNAVAILABLE twice (a daemon of this build cannot be made to drop a
+    connection after acting on a call at will, so a gRPC server in the test plays it)."""
+    sock = tmp_path / "fake.sock"
+    servicer = NotReadyRelease(2, marked=marked) if command == "release" else NotReadyAllocator(2, marked=marked)
+    if command == "release":
+        servicer.grants["g1"] = _grant("g1")
+    server = serve(sock, servicer)
+    try:
+        args = ["--app", "a", "--memory-mib", "10"] if command == "request" else ["--grant", "g1", "--app", "a"]
+        r = vgpu(command, "--socket", str(sock), *args, env=env.env)
+    finally:
+        server.stop(grace=None)
+    if marked:
+        assert r.returncode == 0, r.stderr
+        assert servicer.calls == 3  # two "not ready" answers, then done
+        assert sum("not ready" in line for line in r.stderr.splitlines()) == 1, r.stderr
+    else:
+        # an UNAVAILABLE the daemon did not mark may follow a change: never sent again
+        assert r.returncode == 1 and servicer.calls == 1, r.stderr
+        assert "UNAVAILABLE" in r.stderr and "not ready" not in r.stderr
+
+
+def _grant(grant_id: str) -> allocator_pb2.Grant:
+    return allocator_pb2.Grant(grant_id=grant_id, app_id="a", device_id="GPU-0", memory_mib=10)
