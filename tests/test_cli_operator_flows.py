@@ -114,3 +114,34 @@ def test_a_change_is_sent_again_only_when_the_daemon_says_it_changed_nothing(
 
 def _grant(grant_id: str) -> allocator_pb2.Grant:
     return allocator_pb2.Grant(grant_id=grant_id, app_id="a", device_id="GPU-0", memory_mib=10)
+
+
+def doctor_lines(env: Env, *args: str) -> dict[str, list[dict[str, str]]]:
+    r = vgpu("doctor", "--state-dir", str(env.state), "--json", *args, env=env.env)
+    by_name: dict[str, list[dict[str, str]]] = {}
+    for check in json.loads(r.stdout):
+        by_name.setdefault(check["name"], []).append(check)
+    return by_name
+
+
+def test_doctor_checks_the_backend_the_daemon_runs_on_and_says_so(env: Env, serves: list[Serve], tmp_path: Path) -> None:
+    serves.append(Serve(env))
+    checks = doctor_lines(env, "--socket", str(env.sock))  # no --backend: the configuration says nvml
+    (backend,) = checks["backend"]
+    assert backend["status"] == "OK" and backend["detail"].startswith("sim:h100-80gb, the daemon's at "), backend
+    assert str(env.sock) in backend["detail"]
+    for name in ("driver", "nvml"):
+        (check,) = checks[name]
+        assert check["status"] == "OK", check
+    assert "1 device(s): NVIDIA H100" in checks["nvml"][0]["detail"]
+    # --backend still wins, and a daemon on another backend is said
+    checks = doctor_lines(env, "--socket", str(env.sock), "--backend", "nvml")
+    (backend,) = checks["backend"]
+    assert backend["status"] == "WARN" and "runs on sim:h100-80gb" in backend["detail"], backend
+    # no daemon: the configured backend, as before, and the line says why
+    none = tmp_path / "none.sock"
+    checks = doctor_lines(env, "--socket", str(none))
+    (backend,) = checks["backend"]
+    assert backend["detail"].startswith("nvml (checked as configured: no daemon answers at "), backend
+    assert checks["nvml"][0]["status"] in ("OK", "FAIL")  # the NVML of this machine, as before
+    assert "nvmlInit" in checks["nvml"][0]["detail"]
