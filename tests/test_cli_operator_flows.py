@@ -145,3 +145,56 @@ def test_doctor_checks_the_backend_the_daemon_runs_on_and_says_so(env: Env, serv
     assert backend["detail"].startswith("nvml (checked as configured: no daemon answers at "), backend
     assert checks["nvml"][0]["status"] in ("OK", "FAIL")  # the NVML of this machine, as before
     assert "nvmlInit" in checks["nvml"][0]["detail"]
+
+
+def test_numbers_out_of_range_and_other_usage_mistakes_exit_2_naming_the_flag(env: Env, serves: list[Serve]) -> None:
+    serves.append(Serve(env))
+    sock = ["--socket", str(env.sock)]
+    job = ["--model-type", "resnet50", "--batch-size", "8"]
+    cases = [  # (command line, the flag the message names)
+        (["request", *sock, "--app", "a", "--model-type", "resnet50", "--batch-size", "-3"], "--batch-size"),
+        (["request", *sock, "--app", "a", *job, "--param-count", "-1"], "--param-count"),
+        (["request", *sock, "--app", "a", *job, "--num-layers", "5000000000"], "--num-layers"),
+        (["request", *sock, "--app", "a", "--memory-mib", "10", "--pid", "-1"], "--pid"),
+        (["request", *sock, "--app", "a", "--memory-mib", "10", "--priority", "99999999999"], "--priority"),
+        (["request", *sock, "--app", "a"], "--memory-mib"),
+        (["request", *sock, "--app", "a", "--memory-mib", "10", "--wait-s", "-1"], "--wait-s"),
+        (["set-limit", *sock, "--state-dir", str(env.state), "--app", "a", "--priority", "99999999999"], "--priority"),
+        (["available", *sock, "--timeout-s", "0"], "--timeout-s"),
+        (["apps", *sock, "--timeout-s", "nan"], "--timeout-s"),
+        (["top", *sock, "--interval-s", "0", "--iterations", "1"], "--interval-s"),
+        (["top", *sock, "--iterations", "-1"], "--iterations"),
+        (["apps", *sock, "--token-file", str(env.tmp / "no-such.token")], "no-such.token"),
+    ]
+    for args, flag in cases:
+        r = vgpu(*args, env=env.env)
+        assert r.returncode == 2, (args, r.returncode, r.stderr)
+        assert "Traceback" not in r.stderr and flag in r.stderr.splitlines()[-1], (args, r.stderr)
+        assert r.stdout == "", (args, r.stdout)
+    apps = json.loads(vgpu("apps", *sock, "--json", env=env.env).stdout)
+    assert apps["apps"] == []  # none of them reached the daemon as a change
+
+
+def test_vgpu_without_a_command_is_a_usage_error() -> None:
+    r = vgpu()
+    assert r.returncode == 2 and r.stdout == "" and "usage: vgpu COMMAND" in r.stderr
+    assert vgpu("--help").returncode == 0
+
+
+def test_doctor_with_a_bad_backend_still_checks_the_socket_and_state_dir_given(
+        env: Env, serves: list[Serve]) -> None:
+    serves.append(Serve(env))
+    checks = doctor_lines(env, "--socket", str(env.sock), "--backend", "sim:nope")
+    assert checks["config"][0]["status"] == "FAIL" and "sim:nope" in checks["config"][0]["detail"]
+    assert checks["socket"][0]["status"] == "OK" and str(env.sock) in checks["socket"][0]["detail"]
+    assert str(env.state) in checks["state dir"][0]["detail"]
+    # the bad --backend is not taken: the daemon's is checked
+    assert checks["backend"][0]["detail"].startswith("sim:h100-80gb, the daemon's at ")
+
+
+def test_a_socket_that_cannot_be_bound_is_said_once(env: Env) -> None:
+    r = vgpu("serve", "--socket", "/proc/vgpu.sock", "--state-dir", str(env.state), "--backend", "sim:h100-80gb",
+             "--metrics-port", "0", env=env.env)
+    assert r.returncode == 1
+    (said,) = [line for line in r.stderr.splitlines() if line.startswith("vgpu serve:")]
+    assert said.count("cannot listen on") == 1, said

@@ -56,7 +56,10 @@ def resolve(name: str) -> Callable[[Sequence[str], str], int]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help", "help"):
+    if not args:  # no command: a usage error, as for an unknown one (a script's typo does not pass)
+        print(_usage(), file=sys.stderr)
+        return 2
+    if args[0] in ("-h", "--help", "help"):
         print(_usage())
         return 0
     if args[0] == "--version":

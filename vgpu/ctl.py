@@ -86,11 +86,11 @@ class Tokens:
             if explicit is not None:
                 self.explicit = vclient.read_token(explicit)
                 if self.explicit is None:
-                    raise CliError(f"cannot read a token from {explicit}: no such file")
+                    raise UsageError(f"cannot read a token from {explicit}: no such file")
             elif self.env.get("VGPU_TOKEN"):
                 self.explicit = vclient.check_token(self.env["VGPU_TOKEN"], "$VGPU_TOKEN")
         except vclient.TokenFileError as exc:
-            raise CliError(str(exc)) from None
+            raise UsageError(str(exc)) from None  # the token the command line or environment names
 
     def app_cache_path(self, app_id: str) -> Path:
         return vclient.app_token_path(app_id, self.socket_path, self.env)
@@ -212,12 +212,43 @@ def _print_json(obj: object, out: TextIO) -> None:
     out.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
+def _positive(text: str) -> float:
+    """A finite number > 0 (a timeout, a period)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _whole(lo: int, hi: int) -> Callable[[str], int]:
+    """A whole number within lo..hi, the range of the proto field it goes into (a value outside it
+    would stop the command with protobuf's ValueError)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be within {lo}..{hi}, got {value}")
+        return value
+
+    return parse
+
+
+INT32 = _whole(-(2**31), 2**31 - 1)
+UINT32 = _whole(0, 2**32 - 1)
+UINT64 = _whole(0, 2**64 - 1)
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--socket", help=f"daemon socket (default: server.socket of the configuration, {vconfig.DEFAULT_SOCKET_PATH})")
     p.add_argument("--state-dir", help=f"daemon state directory, to find readable tokens (default {vconfig.DEFAULT_STATE_DIR})")
     p.add_argument("--token-file", type=Path, help="send the token in this file")
     p.add_argument("--config", type=Path, help="configuration file (default /etc/vgpu/vgpu.toml if present)")
-    p.add_argument("--timeout-s", type=float, default=10.0, help="per-call timeout (default 10 s)")
+    p.add_argument("--timeout-s", type=_positive, default=10.0, help="per-call timeout (default 10 s)")
 
 
 def _run(
@@ -498,23 +529,24 @@ def request_main(argv: Sequence[str] | None = None, prog: str = "vgpu request", 
         p.add_argument("--sm-pct", type=_nonneg, default=0.0,
                        help="SM share to grant (%%); recorded and planned with, not enforced (no MPS limit is set)")
         p.add_argument("--device", default="", help="device UUID (default: the allocator chooses)")
-        p.add_argument("--priority", type=int, default=0)
-        p.add_argument("--pid", type=int, default=0, help="process holding the grant (released when it exits)")
+        p.add_argument("--priority", type=INT32, default=0,
+                       help="under contention lower priorities yield first (negative allowed; default 0)")
+        p.add_argument("--pid", type=UINT32, default=0, help="process holding the grant (released when it exits)")
         p.add_argument("--json", action="store_true", help="print the grant as JSON")
         _wait_option(p)
         job = p.add_argument_group("job (vgpu.v1.JobConfig), for sizing it before it has a history")
         job.add_argument("--model-type", default="", help="e.g. resnet50, bert-base")
-        job.add_argument("--batch-size", type=int, default=0)
-        job.add_argument("--param-count", type=int, default=0)
-        job.add_argument("--input-size", type=int, default=0)
-        job.add_argument("--num-layers", type=int, default=0)
+        job.add_argument("--batch-size", type=UINT32, default=0)
+        job.add_argument("--param-count", type=UINT64, default=0)
+        job.add_argument("--input-size", type=UINT32, default=0)
+        job.add_argument("--num-layers", type=UINT32, default=0)
         job.add_argument("--precision", default="", help="fp32 (default), fp16, bf16 or amp")
         job.add_argument("--optimizer", default="")
         job.add_argument("--mode", default="", help="train (default) or infer")
 
     def body(ns: argparse.Namespace, c: Client, o: TextIO) -> int:
         if ns.memory_mib is None and not ns.model_type:
-            raise CliError("give --memory-mib, or describe the job (--model-type, --batch-size, ...) to have it sized")
+            raise UsageError("give --memory-mib, or describe the job (--model-type, --batch-size, ...) to have it sized")
         req = pb.RequestResourceAllocationRequest(
             request=pb.ResourceRequest(
                 app_id=ns.app, memory_mib=ns.memory_mib or 0.0, sm_pct=ns.sm_pct, device_id=ns.device,
@@ -598,7 +630,7 @@ def set_limit_main(argv: Sequence[str] | None = None, prog: str = "vgpu set-limi
         p.add_argument("--max-memory-mib", type=_nonneg,
                        help="most GPU memory (MiB) all the application's grants may hold together")
         p.add_argument("--max-sm-pct", type=_nonneg, help="most SM share (%%) all its grants may hold together")
-        p.add_argument("--priority", type=int,
+        p.add_argument("--priority", type=INT32,
                        help="the application's priority: under contention lower priorities yield first (negative "
                             "allowed); it overrides what its requests ask for and applies to the grants it holds")
         p.add_argument("--clear", action="store_true", help="remove the memory and SM caps")
@@ -680,13 +712,12 @@ def top_main(
     """On a terminal, the full-screen view of vgpu/top.py (`q` quits); otherwise plain tables every
     interval (`--iterations` of them, or until interrupted)."""
     def build(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--interval-s", type=float, default=1.0, help="refresh period (default 1 s)")
-        p.add_argument("--iterations", type=int, default=0, help="stop after N refreshes (default: until q or Ctrl-C)")
+        p.add_argument("--interval-s", type=_positive, default=1.0, help="refresh period (default 1 s)")
+        p.add_argument("--iterations", type=_whole(0, 2**31 - 1), default=0,
+                       help="stop after N refreshes (default 0: until q or Ctrl-C)")
         p.add_argument("--plain", action="store_true", help="plain tables even on a terminal")
 
     def body(ns: argparse.Namespace, c: Client, o: TextIO) -> int:
-        if ns.interval_s <= 0:
-            raise CliError("--interval-s must be > 0")
         if not ns.plain and o is sys.stdout and o.isatty() and sys.stdin.isatty():
             return _top_screen(ns, c)
         n = 0
