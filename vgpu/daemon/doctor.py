@@ -344,6 +344,18 @@ def run_checks(
     return checks
 
 
+def _fallback_config(path: Path | None, where: dict[str, str | None]) -> vconfig.Config:
+    """For the other checks when the configuration does not load: the socket and state directory
+    given on the command line (`where`) still hold, over the file when it loads without the other
+    flags (a bad --backend), else over the defaults."""
+    for source in (path, None):
+        try:
+            return vconfig.load(source, overrides=where)
+        except vconfig.ConfigError:
+            continue
+    return vconfig.Config()
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "vgpu doctor", *, out: TextIO | None = None) -> int:
     p = argparse.ArgumentParser(prog=prog, description="Check what vgpu needs on this machine.")
     p.add_argument("--config", type=Path, help="configuration file (default /etc/vgpu/vgpu.toml if present)")
@@ -362,16 +374,18 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu doctor", *, out: T
             ns.config,
             overrides={"server.socket": ns.socket, "server.state_dir": ns.state_dir, "server.backend": ns.backend},
         )
+        backend_given = ns.backend is not None  # a --backend that does not load is not taken
         checks = [Check("config", "OK", f"{ns.config or vconfig.DEFAULT_CONFIG_PATH} "
                         + ("loads" if (ns.config or vconfig.DEFAULT_CONFIG_PATH.exists()) else "absent: defaults in use"))]
     except vconfig.ConfigError as exc:
-        cfg = vconfig.Config()
+        cfg = _fallback_config(ns.config, {"server.socket": ns.socket, "server.state_dir": ns.state_dir})
+        backend_given = False
         checks = [Check("config", "FAIL", str(exc))]
     from vgpu.manager.modelpath import resolve_model
 
     choice = resolve_model(ns.model or cfg.manager.model)
     checks += run_checks(cfg, model=choice.path, model_required=choice.configured,
-                         max_signature_age_s=ns.max_signature_age_s, backend_given=ns.backend is not None)
+                         max_signature_age_s=ns.max_signature_age_s, backend_given=backend_given)
     if ns.json:
         out.write(json.dumps([asdict(c) for c in checks], indent=2) + "\n")
     else:

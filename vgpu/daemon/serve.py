@@ -947,6 +947,8 @@ class Daemon:
                 self._listener = bind_unix(self.socket_path)
                 st = os.stat(self.socket_path)
                 self._public_inode = (st.st_dev, st.st_ino)
+        except StartupError:
+            raise  # bind_unix's, which says it already
         except RuntimeError as exc:
             raise StartupError(f"cannot listen on {self.socket_path}: {exc}") from exc
         finally:
