@@ -2,10 +2,10 @@
 
     vgpu available --socket PATH [--device ID] [--json]
     vgpu apps      --socket PATH [--json]
-    vgpu request   --socket PATH --app ID --memory-mib N [--sm-pct P] [--device ID] [--priority N] [--pid N] [--json]
+    vgpu request   --socket PATH --app ID --memory-mib N [--sm-pct P] [--device ID] [--priority N] [--pid N] [--wait-s S] [--json]
     vgpu request   --socket PATH --app ID --model-type NAME --batch-size N [job flags...]   (cold-start sized)
-    vgpu release   --socket PATH --grant ID [--json]
-    vgpu set-limit --socket PATH --app ID [--max-memory-mib N] [--max-sm-pct P] [--priority N] [--clear] [--create] [--json]
+    vgpu release   --socket PATH --grant ID [--wait-s S] [--json]
+    vgpu set-limit --socket PATH --app ID [--max-memory-mib N] [--max-sm-pct P] [--priority N] [--clear] [--create] [--wait-s S] [--json]
     vgpu top       --socket PATH [--interval-s 1] [--iterations N]
 
 Tokens (vgpu/auth.py). A command sends, in order until one is accepted: the token of `--token-file`
@@ -16,8 +16,15 @@ or found readable in `<state-dir>/tokens/apps/`; the operator token `<state-dir>
 when readable; finally nothing (a new application may claim its id without a token). A token the
 daemon rejects as not its own (a new state directory) is dropped from the cache.
 
+Not ready. The commands that change something (request, release, set-limit) send a call again for
+up to `--wait-s` (default 10 s; 0: never) while the daemon answers UNAVAILABLE marked as having
+changed nothing (vgpu.client.changed_nothing: its cold-start model still loading just after it
+starts, its state directory full), saying once on stderr that they wait; the loop is the client
+stub's (vgpu.client.send_when_ready). An UNAVAILABLE without the mark may follow a change and is
+never sent again.
+
 Exit status: 0 done, 1 the daemon refused or could not be reached (the message says why), 2 usage
-or configuration error.
+or configuration error (a number outside its field's range, a token file that holds no token).
 """
 
 from __future__ import annotations
