@@ -198,3 +198,18 @@ def test_a_socket_that_cannot_be_bound_is_said_once(env: Env) -> None:
     assert r.returncode == 1
     (said,) = [line for line in r.stderr.splitlines() if line.startswith("vgpu serve:")]
     assert said.count("cannot listen on") == 1, said
+
+
+def test_releasing_a_grant_without_its_token_says_where_the_token_was_looked_for(
+        env: Env, serves: list[Serve], tmp_path: Path) -> None:
+    serves.append(Serve(env))
+    sock = ["--socket", str(env.sock)]
+    r = vgpu("request", *sock, "--app", "owner", "--memory-mib", "10", "--json", env=env.env)
+    grant_id = json.loads(r.stdout)["grant_id"]
+    other = dict(env.env, XDG_CONFIG_HOME=str(tmp_path / "another-user"))  # its token cache is empty
+    r = vgpu("release", *sock, "--grant", grant_id, env=other)
+    assert r.returncode == 1 and "belongs to 'owner'" in r.stderr, r.stderr
+    assert str(tmp_path / "another-user" / "vgpu" / "tokens") in r.stderr, r.stderr  # the cache it read
+    assert "--token-file" in r.stderr and "--state-dir" in r.stderr and "another --app" not in r.stderr
+    ok = vgpu("release", *sock, "--state-dir", str(env.state), "--grant", grant_id, env=other)
+    assert ok.returncode == 0, ok.stderr

@@ -195,13 +195,16 @@ class Client:
     def _owner_hint(self, exc: grpc.RpcError, app_id: str | None) -> str:
         """For an application id another client owns: where this CLI looked for its token, and how to
         give it."""
-        if app_id is None or exc.code() != grpc.StatusCode.PERMISSION_DENIED or self.tokens.explicit is not None:
-            return ""
-        if "owned by another client" not in (exc.details() or ""):
+        details = exc.details() or ""
+        claimed = exc.code() == grpc.StatusCode.PERMISSION_DENIED and "owned by another client" in details
+        # a release of a grant whose application's token this command does not have
+        owned = exc.code() == grpc.StatusCode.UNAUTHENTICATED and " belongs to " in details
+        if app_id is None or self.tokens.explicit is not None or not (claimed or owned):
             return ""
         return (f"; no token of {app_id!r} here: looked in {self.tokens.app_cache_path(app_id)} and "
                 f"{auth.app_token_file(app_id, self.tokens.state_dir)}; pass the file of the run that claimed it "
-                "with --token-file, or --state-dir (the daemon's) as a user who may read its tokens, or use another --app")
+                "with --token-file, or --state-dir (the daemon's) as a user who may read its tokens"
+                + (", or use another --app" if claimed else ""))
 
 
 def _unreachable(exc: grpc.RpcError) -> bool:
