@@ -213,3 +213,13 @@ def test_releasing_a_grant_without_its_token_says_where_the_token_was_looked_for
     assert "--token-file" in r.stderr and "--state-dir" in r.stderr and "another --app" not in r.stderr
     ok = vgpu("release", *sock, "--state-dir", str(env.state), "--grant", grant_id, env=other)
     assert ok.returncode == 0, ok.stderr
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(env: Env, serves: list[Serve]) -> None:
+    serves.append(Serve(env))
+    top = start("top", "--socket", str(env.sock), "--plain", "--interval-s", "0.1", "--iterations", "200", env=env.env)
+    assert top.stdout is not None and top.stdout.readline().startswith("vgpu top")
+    top.stdout.close()  # as `vgpu top --plain | head -1` does once it has its line
+    _, err = top.communicate(timeout=60)
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    assert top.returncode == 128 + signal.SIGPIPE

@@ -8,6 +8,8 @@ does not pay for importing torch.
 from __future__ import annotations
 
 import importlib
+import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
@@ -71,7 +73,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"vgpu: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    return resolve(name)(args[1:], f"vgpu {name}")
+    try:
+        return resolve(name)(args[1:], f"vgpu {name}")
+    except BrokenPipeError:
+        # Whoever read stdout went away (`vgpu top --plain | head`): stop quietly, with the status of a
+        # tool that SIGPIPE ended; stdout goes to /dev/null so the exit's flush does not fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":
