@@ -375,8 +375,9 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     def __init__(self, allocator: Allocator, *, identify: Identify | None = None, observer: NodeObserver | None = None,
                  process_info: Callable[[int], tuple[str, str]] = process_info,
                  watcher_owner: Callable[[], str] | None = None,
-                 claims: Callable[[], Mapping[str, float]] | None = None) -> None:
+                 claims: Callable[[], Mapping[str, float]] | None = None, backend: str = "") -> None:
         self.allocator = allocator
+        self.backend = backend  # as GetAvailableResources reports it (server.backend)
         self._claims = claims or (lambda: {})
         self._identify: Identify = identify or (lambda _ctx: None)
         self.observer = observer
@@ -425,13 +426,14 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         dry_run = self.allocator.dry_run
         if self.observer is None:
             return pb.GetAvailableResourcesResponse(devices=[device_to_pb(d, process_info=info) for d in devices],
-                                                    dry_run=dry_run)
+                                                    dry_run=dry_run, backend=self.backend)
         states = self.observer.profiler_states()
         now = self.allocator.clock()
         return pb.GetAvailableResourcesResponse(
             devices=[device_to_pb(d, states.get(d.device_id, ProfilerState(0, None)), now, info) for d in devices],
             dry_run=dry_run,
             profiler_streams_open=self.observer.open_profiler_streams(),
+            backend=self.backend,
         )
 
     async def SetResourceLimits(  # noqa: N802

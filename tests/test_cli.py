@@ -125,7 +125,7 @@ def test_bad_arguments(tmp_path: Path) -> None:
 def test_missing_token_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc = cli.apps_main(["--socket", str(tmp_path / "s"), "--token-file", str(tmp_path / "nope")], "vgpu apps",
                        out=io.StringIO(), env=_env(tmp_path))
-    assert rc == 1 and "cannot read a token" in capsys.readouterr().err
+    assert rc == 2 and "cannot read a token" in capsys.readouterr().err  # a usage error
 
 
 async def test_metrics_endpoint_serves_the_registry(tmp_path: Path) -> None:
@@ -177,7 +177,7 @@ async def test_request_sizes_a_described_job_with_the_cold_start_model(tmp_path:
         rc, _ = await run(cli.request_main, tmp_path, *sock, "--app", "k", "--model-type", "resnet50")
         assert rc == 1  # batch size 0: INVALID_ARGUMENT from the daemon, nothing granted
         rc, _ = await run(cli.request_main, tmp_path, *sock, "--app", "k")
-        assert rc == 1
+        assert rc == 2  # neither --memory-mib nor a job: a usage error
         assert [g.app_id for g in d.allocator.ledger.grants()] == ["j"]
     finally:
         await d.stop("test")

@@ -80,9 +80,10 @@ def test_main_exits_1_on_failure_and_prints_a_line_per_check(tmp_path: Path) -> 
     lines = out.getvalue().splitlines()
     assert rc == 1
     names = [line.split()[1] for line in lines]
-    assert names == ["config", "driver", "nvml", "privileges", "socket", "state", "model", "profiler"]
+    assert names == ["config", "backend", "driver", "nvml", "privileges", "socket", "state", "model", "profiler"]
     assert all(line.split()[0] in ("OK", "WARN", "FAIL") for line in lines)
-    assert lines[4].startswith("FAIL") and "does not exist" in lines[4]
+    assert lines[5].startswith("FAIL") and "does not exist" in lines[5]
+    assert "sim:h100-80gb (checked as configured: no daemon answers" in lines[1]
 
 
 def test_main_json_and_config_error(tmp_path: Path) -> None:
@@ -159,3 +160,26 @@ async def test_the_daemon_degrades_to_the_baseline_when_the_default_model_does_n
         assert "no checkpoint at" in events["forecaster"]["reason"]
     finally:
         await d.stop("test")
+
+
+def test_the_backend_checked_is_the_daemons_unless_given_and_said_when_the_daemon_does_not_say(tmp_path: Path) -> None:
+    from vgpu.v1 import allocator_pb2 as pb
+
+    sock = tmp_path / "v.sock"
+    sim = pb.GetAvailableResourcesResponse(backend="sim:h100-80gb")
+    assert doctor.choose_backend("nvml", given=False, socket_path=sock, answer=(sim, "")).spec == "sim:h100-80gb"
+    given = doctor.choose_backend("sim", given=True, socket_path=sock, answer=(sim, ""))
+    assert given.spec == "sim:h100-80gb" and given.check.status == "OK"  # the same devices
+    other = doctor.choose_backend("nvml", given=True, socket_path=sock, answer=(sim, ""))
+    assert other.spec == "nvml" and other.check.status == "WARN" and "runs on sim:h100-80gb" in other.check.detail
+    old = doctor.choose_backend("nvml", given=False, socket_path=sock, answer=(pb.GetAvailableResourcesResponse(), ""))
+    assert old.spec == "nvml" and old.check.status == "WARN" and "does not say" in old.check.detail
+    gone = doctor.choose_backend("nvml", given=False, socket_path=sock, answer=(None, "UNAVAILABLE: down"))
+    assert gone.spec == "nvml" and "no daemon answers" in gone.check.detail
+
+
+def test_a_simulator_spec_is_checked_without_a_daemon() -> None:
+    driver, nvml = doctor.check_sim("sim:a100-40gb*2", None)
+    assert driver.status == "OK" and nvml.status == "OK" and "2 device(s)" in nvml.detail
+    _, bad = doctor.check_sim("sim:nope", None)
+    assert bad.status == "FAIL" and "nope" in bad.detail

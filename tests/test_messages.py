@@ -34,7 +34,7 @@ def test_a_garbage_token_file_is_named(env: Env, serves: list[Serve]) -> None:
     garbage.write_bytes(b"\x00\xffnot a token\n")
     for cmd in (["apps"], ["request", "--app", "x", "--memory-mib", "1"]):
         r = vgpu(*cmd, "--socket", str(env.sock), "--token-file", str(garbage), env=env.env)
-        assert r.returncode == 1, r.stderr
+        assert r.returncode == 2, r.stderr  # the token the command line names: a usage error, as for the profiler
         assert str(garbage) in r.stderr and "Invalid metadata" not in r.stderr and "INTERNAL" not in r.stderr
     r = vgpu("profiler", "--manager", str(env.sock), "--replay", str(ROOT / "vgpu" / "data" / "demo_trace.csv.gz"),
              "--token-file", str(garbage), "--seconds", "1", env=env.env)
@@ -42,7 +42,7 @@ def test_a_garbage_token_file_is_named(env: Env, serves: list[Serve]) -> None:
     text = env.tmp / "words.token"
     text.write_text("hello world\n")
     r = vgpu("apps", "--socket", str(env.sock), "--token-file", str(text), env=env.env)
-    assert r.returncode == 1 and f"{text} does not hold a vgpu token" in r.stderr
+    assert r.returncode == 2 and f"{text} does not hold a vgpu token" in r.stderr
 
 
 def test_trace_info_gives_the_reasons_rows_were_skipped(tmp_path: Path) -> None:

@@ -8,6 +8,8 @@ does not pay for importing torch.
 from __future__ import annotations
 
 import importlib
+import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
@@ -56,7 +58,10 @@ def resolve(name: str) -> Callable[[Sequence[str], str], int]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help", "help"):
+    if not args:  # no command: a usage error, as for an unknown one (a script's typo does not pass)
+        print(_usage(), file=sys.stderr)
+        return 2
+    if args[0] in ("-h", "--help", "help"):
         print(_usage())
         return 0
     if args[0] == "--version":
@@ -68,7 +73,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"vgpu: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    return resolve(name)(args[1:], f"vgpu {name}")
+    try:
+        return resolve(name)(args[1:], f"vgpu {name}")
+    except BrokenPipeError:
+        # Whoever read stdout went away (`vgpu top --plain | head`): stop quietly, with the status of a
+        # tool that SIGPIPE ended; stdout goes to /dev/null so the exit's flush does not fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

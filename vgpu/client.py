@@ -71,7 +71,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from types import ModuleType
-from typing import Any, TypeGuard
+from typing import Any, TypeGuard, TypeVar
 
 import grpc
 
@@ -124,6 +124,50 @@ RECONNECT_OPTIONS = (
 
 AUTH_METADATA_KEY = "authorization"  # as vgpu/auth.py: `authorization: Bearer <token>`
 APP_TOKEN_TRAILER = "vgpu-app-token"  # the trailer that carries a newly claimed app's token
+
+
+T = TypeVar("T")
+
+
+def changed_nothing(exc: grpc.RpcError) -> bool:
+    """UNAVAILABLE that the daemon marked as having changed nothing (trailer NOTHING_CHANGED_KEY): the
+    same call may be sent again. An UNAVAILABLE without the mark (a connection that broke, a proxy)
+    may follow a change the daemon made, so it is not."""
+    if exc.code() != grpc.StatusCode.UNAVAILABLE or not isinstance(exc, grpc.Call):
+        return False
+    return dict(exc.trailing_metadata() or ()).get(NOTHING_CHANGED_KEY) == "1"
+
+
+def _sleep(seconds: float) -> bool:
+    time.sleep(seconds)
+    return False
+
+
+def send_when_ready(
+    send: Callable[[], T],
+    *,
+    wait_s: float = NOT_READY_WAIT_S,
+    on_wait: Callable[[grpc.RpcError], None] = lambda _exc: None,
+    pause: Callable[[float], bool] = _sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> T:
+    """`send()`, sent again for up to `wait_s` while the daemon answers that it is not ready and changed
+    nothing (`changed_nothing`: a daemon just started, its cold-start model still loading). Any other
+    error, or the not-ready answer once `wait_s` is spent, is raised. `on_wait(error)` is called
+    before each wait; `pause(seconds)` waits and returns True to stop waiting (the caller is closing),
+    which raises the last answer."""
+    deadline = clock() + wait_s
+    delay_s = 0.2
+    while True:
+        try:
+            return send()
+        except grpc.RpcError as exc:
+            if not changed_nothing(exc) or clock() + delay_s > deadline:
+                raise
+            on_wait(exc)
+            if pause(delay_s):
+                raise
+            delay_s = min(delay_s * 2, 1.0)
 
 
 def grpc_target(address: str) -> str:
@@ -626,22 +670,16 @@ class VgpuClient:
         that it is not ready and changed nothing (a daemon just started: its cold-start model loads
         in the seconds after it serves). Any other error, or one that may have changed something, is
         raised at once."""
-        deadline = time.monotonic() + NOT_READY_WAIT_S
-        delay_s = 0.2
-        while True:
-            try:
-                answer: tuple[allocator_pb2.RequestResourceAllocationResponse, Any] = (
-                    self._stub.RequestResourceAllocation.with_call(
-                        message, timeout=self._timeout_s, metadata=self._call_metadata()))
-                return answer
-            except grpc.RpcError as exc:
-                trailer: dict[str, Any] = dict(exc.trailing_metadata() or ()) if isinstance(exc, grpc.Call) else {}
-                if (exc.code() != grpc.StatusCode.UNAVAILABLE or trailer.get(NOTHING_CHANGED_KEY) != "1"
-                        or time.monotonic() + delay_s > deadline or self._closed.is_set()):
-                    raise
-                self._warn_once("not_ready", "the daemon is not ready yet; asking again", reason=exc.details())
-                self._closed.wait(delay_s)
-                delay_s = min(delay_s * 2, 1.0)
+        def send() -> tuple[allocator_pb2.RequestResourceAllocationResponse, Any]:
+            answer: tuple[allocator_pb2.RequestResourceAllocationResponse, Any] = (
+                self._stub.RequestResourceAllocation.with_call(
+                    message, timeout=self._timeout_s, metadata=self._call_metadata()))
+            return answer
+
+        def waiting(exc: grpc.RpcError) -> None:
+            self._warn_once("not_ready", "the daemon is not ready yet; asking again", reason=exc.details())
+
+        return send_when_ready(send, wait_s=NOT_READY_WAIT_S, on_wait=waiting, pause=self._closed.wait)
 
     @property
     def token(self) -> str | None:

@@ -2,10 +2,10 @@
 
     vgpu available --socket PATH [--device ID] [--json]
     vgpu apps      --socket PATH [--json]
-    vgpu request   --socket PATH --app ID --memory-mib N [--sm-pct P] [--device ID] [--priority N] [--pid N] [--json]
+    vgpu request   --socket PATH --app ID --memory-mib N [--sm-pct P] [--device ID] [--priority N] [--pid N] [--wait-s S] [--json]
     vgpu request   --socket PATH --app ID --model-type NAME --batch-size N [job flags...]   (cold-start sized)
-    vgpu release   --socket PATH --grant ID [--json]
-    vgpu set-limit --socket PATH --app ID [--max-memory-mib N] [--max-sm-pct P] [--priority N] [--clear] [--create] [--json]
+    vgpu release   --socket PATH --grant ID [--wait-s S] [--json]
+    vgpu set-limit --socket PATH --app ID [--max-memory-mib N] [--max-sm-pct P] [--priority N] [--clear] [--create] [--wait-s S] [--json]
     vgpu top       --socket PATH [--interval-s 1] [--iterations N]
 
 Tokens (vgpu/auth.py). A command sends, in order until one is accepted: the token of `--token-file`
@@ -16,13 +16,21 @@ or found readable in `<state-dir>/tokens/apps/`; the operator token `<state-dir>
 when readable; finally nothing (a new application may claim its id without a token). A token the
 daemon rejects as not its own (a new state directory) is dropped from the cache.
 
+Not ready. The commands that change something (request, release, set-limit) send a call again for
+up to `--wait-s` (default 10 s; 0: never) while the daemon answers UNAVAILABLE marked as having
+changed nothing (vgpu.client.changed_nothing: its cold-start model still loading just after it
+starts, its state directory full), saying once on stderr that they wait; the loop is the client
+stub's (vgpu.client.send_when_ready). An UNAVAILABLE without the mark may follow a change and is
+never sent again.
+
 Exit status: 0 done, 1 the daemon refused or could not be reached (the message says why), 2 usage
-or configuration error.
+or configuration error (a number outside its field's range, a token file that holds no token).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -85,11 +93,11 @@ class Tokens:
             if explicit is not None:
                 self.explicit = vclient.read_token(explicit)
                 if self.explicit is None:
-                    raise CliError(f"cannot read a token from {explicit}: no such file")
+                    raise UsageError(f"cannot read a token from {explicit}: no such file")
             elif self.env.get("VGPU_TOKEN"):
                 self.explicit = vclient.check_token(self.env["VGPU_TOKEN"], "$VGPU_TOKEN")
         except vclient.TokenFileError as exc:
-            raise CliError(str(exc)) from None
+            raise UsageError(str(exc)) from None  # the token the command line or environment names
 
     def app_cache_path(self, app_id: str) -> Path:
         return vclient.app_token_path(app_id, self.socket_path, self.env)
@@ -118,10 +126,19 @@ class Tokens:
 
 # --- calls -----------------------------------------------------------------------------------------------
 class Client:
-    def __init__(self, socket_path: str, tokens: Tokens, timeout_s: float) -> None:
+    """Calls to the daemon at `socket_path`. A call the daemon answers "not ready, nothing changed"
+    (vgpu.client.changed_nothing: its cold-start model still loading, its state directory full) is
+    sent again for up to `wait_s`, `notice(text)` saying once that it waits; 0 fails at once, and None
+    (a command without --wait-s) too."""
+
+    def __init__(self, socket_path: str, tokens: Tokens, timeout_s: float, *, wait_s: float | None = None,
+                 notice: Callable[[str], None] = lambda _text: None) -> None:
         self.socket_path = socket_path
         self.tokens = tokens
         self.timeout_s = timeout_s
+        self.wait_s = wait_s
+        self._notice = notice
+        self._noticed = False
         target = socket_path if socket_path.startswith("unix:") else f"unix:{os.path.abspath(socket_path)}"
         self.channel = grpc.insecure_channel(target)
         self.stub = pb_grpc.AllocatorStub(self.channel)
@@ -139,13 +156,22 @@ class Client:
             md = auth.bearer(tok) if tok else ()
             try:
                 # with_call gives (response, call); the response's type depends on `method`.
-                answer: tuple[Any, Any] = fn(request, metadata=md, timeout=self.timeout_s)
+                answer: tuple[Any, Any] = vclient.send_when_ready(
+                    functools.partial(fn, request, metadata=md, timeout=self.timeout_s),
+                    wait_s=self.wait_s or 0.0, on_wait=self._waiting)
                 return answer
             except grpc.RpcError as exc:
                 code = exc.code()
                 if code == grpc.StatusCode.UNAVAILABLE and not _unreachable(exc):
                     # the daemon answered: a full state directory, a model still loading
-                    raise CliError(f"{code.name}: {exc.details()}") from None
+                    hint = ""
+                    if vclient.changed_nothing(exc) and self.wait_s is not None:
+                        hint = (f" (nothing was changed; still not ready after {self.wait_s:g} s: run it again, "
+                                "or give a longer --wait-s)" if self.wait_s > 0 else
+                                " (nothing was changed; --wait-s N asks again for up to N s)")
+                    elif vclient.changed_nothing(exc):
+                        hint = " (nothing was changed: run it again)"
+                    raise CliError(f"{code.name}: {exc.details()}{hint}") from None
                 if code == grpc.StatusCode.UNAVAILABLE:
                     raise CliError(
                         f"cannot reach the vgpu daemon at {self.socket_path} ({exc.details()}); "
@@ -160,16 +186,25 @@ class Client:
         assert last is not None
         raise CliError(f"{last.code().name}: {last.details()}{self._owner_hint(last, app_id)}")
 
+    def _waiting(self, exc: grpc.RpcError) -> None:
+        if not self._noticed:
+            self._noticed = True
+            self._notice(f"the daemon is not ready: {exc.details()}; asking again for up to {self.wait_s or 0:g} s "
+                         "(--wait-s)")
+
     def _owner_hint(self, exc: grpc.RpcError, app_id: str | None) -> str:
         """For an application id another client owns: where this CLI looked for its token, and how to
         give it."""
-        if app_id is None or exc.code() != grpc.StatusCode.PERMISSION_DENIED or self.tokens.explicit is not None:
-            return ""
-        if "owned by another client" not in (exc.details() or ""):
+        details = exc.details() or ""
+        claimed = exc.code() == grpc.StatusCode.PERMISSION_DENIED and "owned by another client" in details
+        # a release of a grant whose application's token this command does not have
+        owned = exc.code() == grpc.StatusCode.UNAUTHENTICATED and " belongs to " in details
+        if app_id is None or self.tokens.explicit is not None or not (claimed or owned):
             return ""
         return (f"; no token of {app_id!r} here: looked in {self.tokens.app_cache_path(app_id)} and "
                 f"{auth.app_token_file(app_id, self.tokens.state_dir)}; pass the file of the run that claimed it "
-                "with --token-file, or --state-dir (the daemon's) as a user who may read its tokens, or use another --app")
+                "with --token-file, or --state-dir (the daemon's) as a user who may read its tokens"
+                + (", or use another --app" if claimed else ""))
 
 
 def _unreachable(exc: grpc.RpcError) -> bool:
@@ -187,12 +222,43 @@ def _print_json(obj: object, out: TextIO) -> None:
     out.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
+def _positive(text: str) -> float:
+    """A finite number > 0 (a timeout, a period)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _whole(lo: int, hi: int) -> Callable[[str], int]:
+    """A whole number within lo..hi, the range of the proto field it goes into (a value outside it
+    would stop the command with protobuf's ValueError)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be within {lo}..{hi}, got {value}")
+        return value
+
+    return parse
+
+
+INT32 = _whole(-(2**31), 2**31 - 1)
+UINT32 = _whole(0, 2**32 - 1)
+UINT64 = _whole(0, 2**64 - 1)
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--socket", help=f"daemon socket (default: server.socket of the configuration, {vconfig.DEFAULT_SOCKET_PATH})")
     p.add_argument("--state-dir", help=f"daemon state directory, to find readable tokens (default {vconfig.DEFAULT_STATE_DIR})")
     p.add_argument("--token-file", type=Path, help="send the token in this file")
     p.add_argument("--config", type=Path, help="configuration file (default /etc/vgpu/vgpu.toml if present)")
-    p.add_argument("--timeout-s", type=float, default=10.0, help="per-call timeout (default 10 s)")
+    p.add_argument("--timeout-s", type=_positive, default=10.0, help="per-call timeout (default 10 s)")
 
 
 def _run(
@@ -217,7 +283,8 @@ def _run(
     state_dir = Path(ns.state_dir or cfg.server.state_dir)
     client = None
     try:
-        client = Client(socket_path, Tokens(socket_path, state_dir, ns.token_file, env), ns.timeout_s)
+        client = Client(socket_path, Tokens(socket_path, state_dir, ns.token_file, env), ns.timeout_s,
+                        wait_s=getattr(ns, "wait_s", None), notice=lambda text: print(f"{prog}: {text}", file=sys.stderr))
         return body(ns, client, out)
     except UsageError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
@@ -452,6 +519,18 @@ def _nonneg(text: str) -> float:
     return value
 
 
+# How long a command that changes something asks again while the daemon answers "not ready, nothing
+# changed" (the client stub waits as long: vgpu.client.NOT_READY_WAIT_S).
+DEFAULT_WAIT_S = vclient.NOT_READY_WAIT_S
+
+
+def _wait_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--wait-s", type=_nonneg, default=DEFAULT_WAIT_S,
+                   help="while the daemon answers that it is not ready and changed nothing (its cold-start model "
+                        "still loading just after it starts, its state directory full), ask again for up to this "
+                        f"long; 0 fails at once (default {DEFAULT_WAIT_S:g} s)")
+
+
 def request_main(argv: Sequence[str] | None = None, prog: str = "vgpu request", *, out: TextIO | None = None, env: dict[str, str] | None = None) -> int:
     def build(p: argparse.ArgumentParser) -> None:
         p.add_argument("--app", required=True, help="application id")
@@ -460,22 +539,24 @@ def request_main(argv: Sequence[str] | None = None, prog: str = "vgpu request", 
         p.add_argument("--sm-pct", type=_nonneg, default=0.0,
                        help="SM share to grant (%%); recorded and planned with, not enforced (no MPS limit is set)")
         p.add_argument("--device", default="", help="device UUID (default: the allocator chooses)")
-        p.add_argument("--priority", type=int, default=0)
-        p.add_argument("--pid", type=int, default=0, help="process holding the grant (released when it exits)")
+        p.add_argument("--priority", type=INT32, default=0,
+                       help="under contention lower priorities yield first (negative allowed; default 0)")
+        p.add_argument("--pid", type=UINT32, default=0, help="process holding the grant (released when it exits)")
         p.add_argument("--json", action="store_true", help="print the grant as JSON")
+        _wait_option(p)
         job = p.add_argument_group("job (vgpu.v1.JobConfig), for sizing it before it has a history")
         job.add_argument("--model-type", default="", help="e.g. resnet50, bert-base")
-        job.add_argument("--batch-size", type=int, default=0)
-        job.add_argument("--param-count", type=int, default=0)
-        job.add_argument("--input-size", type=int, default=0)
-        job.add_argument("--num-layers", type=int, default=0)
+        job.add_argument("--batch-size", type=UINT32, default=0)
+        job.add_argument("--param-count", type=UINT64, default=0)
+        job.add_argument("--input-size", type=UINT32, default=0)
+        job.add_argument("--num-layers", type=UINT32, default=0)
         job.add_argument("--precision", default="", help="fp32 (default), fp16, bf16 or amp")
         job.add_argument("--optimizer", default="")
         job.add_argument("--mode", default="", help="train (default) or infer")
 
     def body(ns: argparse.Namespace, c: Client, o: TextIO) -> int:
         if ns.memory_mib is None and not ns.model_type:
-            raise CliError("give --memory-mib, or describe the job (--model-type, --batch-size, ...) to have it sized")
+            raise UsageError("give --memory-mib, or describe the job (--model-type, --batch-size, ...) to have it sized")
         req = pb.RequestResourceAllocationRequest(
             request=pb.ResourceRequest(
                 app_id=ns.app, memory_mib=ns.memory_mib or 0.0, sm_pct=ns.sm_pct, device_id=ns.device,
@@ -527,6 +608,7 @@ def release_main(argv: Sequence[str] | None = None, prog: str = "vgpu release", 
         p.add_argument("--grant", required=True, help="grant id (from vgpu request / vgpu apps)")
         p.add_argument("--app", help="the grant's application, to pick its token (default: looked up)")
         p.add_argument("--json", action="store_true", help="print the released grant as JSON")
+        _wait_option(p)
 
     def body(ns: argparse.Namespace, c: Client, o: TextIO) -> int:
         app = ns.app or _owner_of(c, ns.grant)
@@ -558,13 +640,14 @@ def set_limit_main(argv: Sequence[str] | None = None, prog: str = "vgpu set-limi
         p.add_argument("--max-memory-mib", type=_nonneg,
                        help="most GPU memory (MiB) all the application's grants may hold together")
         p.add_argument("--max-sm-pct", type=_nonneg, help="most SM share (%%) all its grants may hold together")
-        p.add_argument("--priority", type=int,
+        p.add_argument("--priority", type=INT32,
                        help="the application's priority: under contention lower priorities yield first (negative "
                             "allowed); it overrides what its requests ask for and applies to the grants it holds")
         p.add_argument("--clear", action="store_true", help="remove the memory and SM caps")
         p.add_argument("--create", action="store_true",
                        help="set limits for an application the daemon does not list yet (one that has not started)")
         p.add_argument("--json", action="store_true", help="print the application's limits as JSON")
+        _wait_option(p)
 
     def body(ns: argparse.Namespace, c: Client, o: TextIO) -> int:
         changes = {k: v for k, v in (("max_memory_mib", ns.max_memory_mib), ("max_sm_pct", ns.max_sm_pct),
@@ -639,13 +722,12 @@ def top_main(
     """On a terminal, the full-screen view of vgpu/top.py (`q` quits); otherwise plain tables every
     interval (`--iterations` of them, or until interrupted)."""
     def build(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--interval-s", type=float, default=1.0, help="refresh period (default 1 s)")
-        p.add_argument("--iterations", type=int, default=0, help="stop after N refreshes (default: until q or Ctrl-C)")
+        p.add_argument("--interval-s", type=_positive, default=1.0, help="refresh period (default 1 s)")
+        p.add_argument("--iterations", type=_whole(0, 2**31 - 1), default=0,
+                       help="stop after N refreshes (default 0: until q or Ctrl-C)")
         p.add_argument("--plain", action="store_true", help="plain tables even on a terminal")
 
     def body(ns: argparse.Namespace, c: Client, o: TextIO) -> int:
-        if ns.interval_s <= 0:
-            raise CliError("--interval-s must be > 0")
         if not ns.plain and o is sys.stdout and o.isatty() and sys.stdin.isatty():
             return _top_screen(ns, c)
         n = 0

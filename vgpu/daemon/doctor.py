@@ -1,16 +1,20 @@
 """`vgpu doctor`: what a GPU server is missing for vgpu, one line per check.
 
-    vgpu doctor [--config FILE] [--socket PATH] [--state-dir DIR] [--model FILE] [--max-signature-age-s S] [--json]
+    vgpu doctor [--config FILE] [--socket PATH] [--state-dir DIR] [--backend SPEC] [--model FILE] [--max-signature-age-s S] [--json]
 
-Checks, each OK / WARN / FAIL with what to do: the configuration loads; the NVIDIA driver is loaded
-(/proc/driver/nvidia/version); NVML initialises and lists devices; the process may write device
+Checks, each OK / WARN / FAIL with what to do: the configuration loads; which backend the driver and
+NVML checks are for (`backend`: the one the daemon answering on the socket reports it runs on,
+GetAvailableResources' `backend`; the configured one, server.backend, when no daemon answers or it
+does not say; `--backend` wins, a daemon on another one is a warning); for `nvml` the NVIDIA driver
+is loaded (/proc/driver/nvidia/version) and NVML initialises and lists devices, for a `sim:` backend
+no driver is needed and the simulated devices are listed (the daemon's, else the spec's: a spec
+`vgpu serve` would refuse fails); the process may write device
 settings (root or CAP_SYS_ADMIN); the daemon's socket exists, has no bits for "other", and answers a
 health check; the state directory is writable; the forecaster checkpoint loads; a profiler is
 streaming to the daemon, and for every GPU how old the newest signature is (`profiler`, one line
 per GPU: FAIL when no profiler stream is open, or when applications hold grants on a GPU whose
-newest signature is older than `--max-signature-age-s`; an idle GPU has no signature to send). With
-a `sim:` backend configured, driver and NVML problems are warnings only. Exit status 1 when any
-check fails.
+newest signature is older than `--max-signature-age-s`; an idle GPU has no signature to send). Exit
+status 1 when any check fails.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from vgpu import config as vconfig
 
 if TYPE_CHECKING:
     from vgpu.device.base import Backend
+    from vgpu.v1 import allocator_pb2 as pb
 
 Status = Literal["OK", "WARN", "FAIL"]
 CAP_SYS_ADMIN = 21
@@ -135,9 +140,10 @@ def check_socket(path: Path, *, timeout_s: float = 2.0) -> Check:
 DEFAULT_MAX_SIGNATURE_AGE_S = 10.0
 
 
-def check_profilers(socket_path: Path, state_dir: Path, *, max_age_s: float = DEFAULT_MAX_SIGNATURE_AGE_S,
-                    timeout_s: float = 2.0) -> list[Check]:
-    """Whether a profiler streams to the daemon, and per GPU how old its newest signature is."""
+def ask_daemon(socket_path: Path, state_dir: Path, *, timeout_s: float = 2.0
+               ) -> tuple[pb.GetAvailableResourcesResponse | None, str]:
+    """The daemon's GetAvailableResources answer (sent without a token, then with the operator's when
+    it is readable), or (None, why not)."""
     import grpc
 
     from vgpu import auth
@@ -148,17 +154,25 @@ def check_profilers(socket_path: Path, state_dir: Path, *, max_age_s: float = DE
         operator = (auth.role_token_file("operator", state_dir)).read_text().strip()
     except OSError:
         operator = ""
-    resp: pb.GetAvailableResourcesResponse | None = None
     error = ""
     with grpc.insecure_channel(f"unix:{socket_path}") as ch:
         stub = pb_grpc.AllocatorStub(ch)
         for token in ("", operator) if operator else ("",):
             try:
-                resp = stub.GetAvailableResources(pb.GetAvailableResourcesRequest(), timeout=timeout_s,
-                                                  metadata=auth.bearer(token) if token else ())
-                break
+                resp: pb.GetAvailableResourcesResponse = stub.GetAvailableResources(
+                    pb.GetAvailableResourcesRequest(), timeout=timeout_s, metadata=auth.bearer(token) if token else ())
+                return resp, ""
             except grpc.RpcError as exc:
                 error = f"{exc.code().name}: {exc.details()}"
+    return None, error
+
+
+def check_profilers(socket_path: Path, state_dir: Path, *, max_age_s: float = DEFAULT_MAX_SIGNATURE_AGE_S,
+                    timeout_s: float = 2.0,
+                    answer: tuple[pb.GetAvailableResourcesResponse | None, str] | None = None) -> list[Check]:
+    """Whether a profiler streams to the daemon, and per GPU how old its newest signature is (from
+    `answer`, ask_daemon's, when given)."""
+    resp, error = answer if answer is not None else ask_daemon(socket_path, state_dir, timeout_s=timeout_s)
     if resp is None:
         return [Check("profiler", "WARN", f"not checked: the daemon did not answer ({error})")]
     if not resp.HasField("profiler_streams_open"):
@@ -189,6 +203,67 @@ def check_profilers(socket_path: Path, state_dir: Path, *, max_age_s: float = DE
         else:
             checks.append(Check("profiler", "WARN", f"{text} (over {max_age_s:g} s; no grants on it)"))
     return checks or [Check("profiler", "WARN", "the daemon reports no GPU")]
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """The backend whose driver and NVML `vgpu doctor` checks, and the line that says why it."""
+
+    spec: str
+    check: Check
+
+
+def _same_backend(a: str, b: str) -> bool:
+    """Whether two backend specs name the same devices ("sim" and "sim:h100-80gb" do)."""
+    from vgpu.device import parse_sim_spec
+
+    if a.strip().lower() == b.strip().lower():
+        return True
+    try:
+        return parse_sim_spec(a) == parse_sim_spec(b)
+    except ValueError:
+        return False
+
+
+def choose_backend(configured: str, *, given: bool, socket_path: Path,
+                   answer: tuple[pb.GetAvailableResourcesResponse | None, str] | None) -> BackendChoice:
+    """The backend to check: the one the daemon on `socket_path` reports it runs on; `configured`
+    (--backend, else server.backend) when no daemon answers or it does not say, or when --backend was
+    `given` (then a daemon on another backend is a warning)."""
+    resp = answer[0] if answer is not None else None
+    running = resp.backend if resp is not None else ""
+    if resp is None:
+        return BackendChoice(configured, Check("backend", "OK", f"{configured} (checked as configured: no daemon "
+                                               f"answers at {socket_path} to say which it runs on)"))
+    if not running:
+        return BackendChoice(configured, Check("backend", "WARN", f"{configured} (checked as configured: the daemon "
+                                               f"at {socket_path} does not say which backend it runs on)"))
+    if given and not _same_backend(configured, running):
+        return BackendChoice(configured, Check("backend", "WARN", f"{configured} (checked as --backend asks), but "
+                                               f"the daemon at {socket_path} runs on {running}"))
+    return BackendChoice(running, Check("backend", "OK", f"{running}, the daemon's at {socket_path} (checked for it)"))
+
+
+def check_sim(spec: str, answer: pb.GetAvailableResourcesResponse | None) -> list[Check]:
+    """Driver and NVML lines for a simulated backend: no driver is needed; the devices are the
+    daemon's (when it answered) or those the spec describes (a spec the daemon would refuse fails)."""
+    driver = Check("driver", "OK", f"not needed: {spec} simulates its GPUs")
+    if answer is not None:
+        names = ", ".join(sorted({d.name for d in answer.devices})) or "none"
+        return [driver, Check("nvml", "OK", f"not used: the daemon simulates {len(answer.devices)} device(s): {names}")]
+    from vgpu.device import parse_sim_spec
+    from vgpu.device.sim import SimBackend
+
+    try:
+        backend = SimBackend(parse_sim_spec(spec))
+    except (KeyError, ValueError) as exc:
+        return [driver, Check("nvml", "FAIL", f"backend {spec!r}: {exc} (vgpu serve refuses it)")]
+    try:
+        devices = list(backend.devices())
+        names = ", ".join(sorted({d.name for d in devices}))
+        return [driver, Check("nvml", "OK", f"not used: {spec} simulates {len(devices)} device(s): {names}")]
+    finally:
+        backend.close()
 
 
 def check_state_dir(path: Path) -> Check:
@@ -239,22 +314,46 @@ def run_checks(
     proc_status: str | None = None,
     load_model: Callable[[Path], object] | None = None,
     max_signature_age_s: float = DEFAULT_MAX_SIGNATURE_AGE_S,
+    backend_given: bool = False,
 ) -> list[Check]:
-    gpu_required = cfg.server.backend == "nvml"
-    sock = check_socket(Path(cfg.server.socket))
+    """The checks after `config`. The driver and NVML are checked for the backend the daemon at
+    server.socket reports it runs on, else for server.backend (`backend_given`: --backend was given,
+    and wins); the `backend` line says which and why."""
+    socket_path, state_dir = Path(cfg.server.socket), Path(cfg.server.state_dir)
+    sock = check_socket(socket_path)
+    answer = ask_daemon(socket_path, state_dir) if sock.status != "FAIL" else None
+    choice = choose_backend(cfg.server.backend, given=backend_given, socket_path=socket_path, answer=answer)
+    if choice.spec.strip().lower() == "nvml":
+        device_checks = [check_driver(proc_root), check_nvml(open_nvml)]
+    else:
+        resp = answer[0] if answer is not None else None
+        runs_it = resp is not None and bool(resp.backend) and _same_backend(choice.spec, resp.backend)
+        device_checks = check_sim(choice.spec, resp if runs_it else None)
     checks = [
-        check_driver(proc_root, required=gpu_required),
-        check_nvml(open_nvml, required=gpu_required),
+        choice.check,
+        *device_checks,
         check_privileges(euid, proc_status),
         sock,
-        check_state_dir(Path(cfg.server.state_dir)),
+        check_state_dir(state_dir),
         check_model(model if model is not None else default_model(), load_model, required=model_required),
     ]
-    if sock.status == "FAIL":
+    if answer is None:
         checks.append(Check("profiler", "WARN", "not checked: the daemon does not answer (see socket)"))
     else:
-        checks += check_profilers(Path(cfg.server.socket), Path(cfg.server.state_dir), max_age_s=max_signature_age_s)
+        checks += check_profilers(socket_path, state_dir, max_age_s=max_signature_age_s, answer=answer)
     return checks
+
+
+def _fallback_config(path: Path | None, where: dict[str, str | None]) -> vconfig.Config:
+    """For the other checks when the configuration does not load: the socket and state directory
+    given on the command line (`where`) still hold, over the file when it loads without the other
+    flags (a bad --backend), else over the defaults."""
+    for source in (path, None):
+        try:
+            return vconfig.load(source, overrides=where)
+        except vconfig.ConfigError:
+            continue
+    return vconfig.Config()
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "vgpu doctor", *, out: TextIO | None = None) -> int:
@@ -262,7 +361,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu doctor", *, out: T
     p.add_argument("--config", type=Path, help="configuration file (default /etc/vgpu/vgpu.toml if present)")
     p.add_argument("--socket", help="daemon socket to check (default: from the configuration)")
     p.add_argument("--state-dir", help="state directory to check (default: from the configuration)")
-    p.add_argument("--backend", help="nvml, sim, or sim:SKU[*N][,...] (sim: driver and NVML problems are warnings)")
+    p.add_argument("--backend", help="check driver and NVML for this backend: nvml, sim, or sim:SKU[*N][,...] (default: the "
+                   "one the daemon on the socket runs on, else server.backend of the configuration)")
     p.add_argument("--model", type=Path, help="forecaster checkpoint (default: manager.model, else the shipped model)")
     p.add_argument("--max-signature-age-s", type=float, default=DEFAULT_MAX_SIGNATURE_AGE_S,
                    help=f"oldest newest-signature age that passes on a GPU with grants (default {DEFAULT_MAX_SIGNATURE_AGE_S:g})")
@@ -274,16 +374,18 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu doctor", *, out: T
             ns.config,
             overrides={"server.socket": ns.socket, "server.state_dir": ns.state_dir, "server.backend": ns.backend},
         )
+        backend_given = ns.backend is not None  # a --backend that does not load is not taken
         checks = [Check("config", "OK", f"{ns.config or vconfig.DEFAULT_CONFIG_PATH} "
                         + ("loads" if (ns.config or vconfig.DEFAULT_CONFIG_PATH.exists()) else "absent: defaults in use"))]
     except vconfig.ConfigError as exc:
-        cfg = vconfig.Config()
+        cfg = _fallback_config(ns.config, {"server.socket": ns.socket, "server.state_dir": ns.state_dir})
+        backend_given = False
         checks = [Check("config", "FAIL", str(exc))]
     from vgpu.manager.modelpath import resolve_model
 
     choice = resolve_model(ns.model or cfg.manager.model)
     checks += run_checks(cfg, model=choice.path, model_required=choice.configured,
-                         max_signature_age_s=ns.max_signature_age_s)
+                         max_signature_age_s=ns.max_signature_age_s, backend_given=backend_given)
     if ns.json:
         out.write(json.dumps([asdict(c) for c in checks], indent=2) + "\n")
     else:

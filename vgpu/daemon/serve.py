@@ -936,7 +936,8 @@ class Daemon:
                 grpc_address,
                 allocator_servicer=AllocatorServicer(self.allocator, identify=auth.identify_caller,
                                                      observer=NodeView(self.manager),
-                                                     watcher_owner=auth.caller_name, claims=self.store.claims),
+                                                     watcher_owner=auth.caller_name, claims=self.store.claims,
+                                                     backend=cfg.server.backend),
                 ingest_servicer=IngestServicer(self.manager, ack_interval_s=cfg.manager.ack_interval_ms / 1000.0,
                                                replay_ok=lambda: replay or auth.caller_name() == "operator"),
                 interceptors=[interceptor],
@@ -946,6 +947,8 @@ class Daemon:
                 self._listener = bind_unix(self.socket_path)
                 st = os.stat(self.socket_path)
                 self._public_inode = (st.st_dev, st.st_ino)
+        except StartupError:
+            raise  # bind_unix's, which says it already
         except RuntimeError as exc:
             raise StartupError(f"cannot listen on {self.socket_path}: {exc}") from exc
         finally:

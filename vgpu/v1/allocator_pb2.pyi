@@ -190,14 +190,16 @@ class GetAvailableResourcesRequest(_message.Message):
     def __init__(self, device_id: _Optional[str] = ...) -> None: ...
 
 class GetAvailableResourcesResponse(_message.Message):
-    __slots__ = ("devices", "dry_run", "profiler_streams_open")
+    __slots__ = ("devices", "dry_run", "profiler_streams_open", "backend")
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
     PROFILER_STREAMS_OPEN_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
     devices: _containers.RepeatedCompositeFieldContainer[DeviceResources]
     dry_run: bool
     profiler_streams_open: int
-    def __init__(self, devices: _Optional[_Iterable[_Union[DeviceResources, _Mapping]]] = ..., dry_run: _Optional[bool] = ..., profiler_streams_open: _Optional[int] = ...) -> None: ...
+    backend: str
+    def __init__(self, devices: _Optional[_Iterable[_Union[DeviceResources, _Mapping]]] = ..., dry_run: _Optional[bool] = ..., profiler_streams_open: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class AppLimits(_message.Message):
     __slots__ = ("app_id", "max_memory_mib", "max_sm_pct", "priority")

@@ -1,0 +1,225 @@
+"""What an operator meets at the command line, run as the operator runs it (`vgpu ...` as a
+subprocess, against a real `vgpu serve` on the simulated GPU where the daemon can be made to do it):
+a daemon just started, the command line's own mistakes, and `vgpu doctor` on a simulated node."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+from daemon_fixtures import ROOT, Env, Serve
+from test_client import NotReadyAllocator, serve
+
+from vgpu.client import NOTHING_CHANGED_KEY
+from vgpu.v1 import allocator_pb2
+
+
+def vgpu(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "vgpu.cli", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def start(*args: str, env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "vgpu.cli", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def connected(proc: subprocess.Popen[str]) -> bool:
+    """The command has opened its connection to the daemon's socket (its only Unix socket)."""
+    try:
+        return bool(psutil.Process(proc.pid).net_connections(kind="unix"))
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_request_right_after_the_daemon_starts_waits_for_the_cold_start_model(env: Env, serves: list[Serve]) -> None:
+    daemon = Serve(env)
+    serves.append(daemon)
+    # Hold the daemon (SIGSTOP) while the commands connect, so the requests reach it before the
+    # cold-start model, which loads in the second or so after it serves, has loaded.
+    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    try:
+        if any(e.get("event") == "coldstart_sizer_loaded" for e in daemon.events()):
+            pytest.skip("the cold-start model loaded before the test could hold the daemon")
+        job = ["--socket", str(env.sock), "--model-type", "resnet50", "--batch-size", "32", "--json"]
+        waits = start("request", *job, "--app", "waits", env=env.env)
+        at_once = start("request", *job, "--app", "at-once", "--wait-s", "0", env=env.env)
+        deadline = time.monotonic() + 60
+        while not (connected(waits) and connected(at_once)):
+            assert time.monotonic() < deadline, "the commands never connected"
+            time.sleep(0.05)
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+    out, err = waits.communicate(timeout=60)
+    assert waits.returncode == 0, err
+    said = [line for line in err.splitlines() if "not ready" in line]
+    assert len(said) == 1 and said[0].startswith("vgpu request: ") and "cold-start model" in said[0], err
+    assert "--wait-s" in said[0]
+    grant = json.loads(out)
+    assert grant["app_id"] == "waits" and grant["memory_mib"] > 0
+    out, err = at_once.communicate(timeout=60)
+    assert at_once.returncode == 1 and out == ""
+    assert "UNAVAILABLE" in err and "cold-start model" in err and "nothing was changed" in err, err
+    assert "--wait-s" in err
+    daemon.wait_for("coldstart_sizer_loaded")
+    apps = json.loads(vgpu("apps", "--socket", str(env.sock), "--json", env=env.env).stdout)
+    assert [a["app_id"] for a in apps["apps"]] == ["waits"]  # the refused one left nothing behind
+
+
+class NotReadyRelease(NotReadyAllocator):
+    """As NotReadyAllocator, for ReleaseResources."""
+
+    def ReleaseResources(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
+        self.calls += 1
+        if self.calls <= self.not_ready:
+            if self.marked:
+                context.set_trailing_metadata(((NOTHING_CHANGED_KEY, "1"),))
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the state directory is full")
+        return super().ReleaseResources(request, context)
+
+
+@pytest.mark.parametrize("marked", [True, False])
+@pytest.mark.parametrize("command", ["request", "release"])
+def test_a_change_is_sent_again_only_when_the_daemon_says_it_changed_nothing(
+        tmp_path: Path, env: Env, command: str, marked: bool) -> None:
+    """A daemon that answers UNAVAILABLE twice (a daemon of this build cannot be made to drop a
+    connection after acting on a call at will, so a gRPC server in the test plays it)."""
+    sock = tmp_path / "fake.sock"
+    servicer = NotReadyRelease(2, marked=marked) if command == "release" else NotReadyAllocator(2, marked=marked)
+    if command == "release":
+        servicer.grants["g1"] = _grant("g1")
+    server = serve(sock, servicer)
+    try:
+        args = ["--app", "a", "--memory-mib", "10"] if command == "request" else ["--grant", "g1", "--app", "a"]
+        r = vgpu(command, "--socket", str(sock), *args, env=env.env)
+    finally:
+        server.stop(grace=None)
+    if marked:
+        assert r.returncode == 0, r.stderr
+        assert servicer.calls == 3  # two "not ready" answers, then done
+        assert sum("not ready" in line for line in r.stderr.splitlines()) == 1, r.stderr
+    else:
+        # an UNAVAILABLE the daemon did not mark may follow a change: never sent again
+        assert r.returncode == 1 and servicer.calls == 1, r.stderr
+        assert "UNAVAILABLE" in r.stderr and "not ready" not in r.stderr
+
+
+def _grant(grant_id: str) -> allocator_pb2.Grant:
+    return allocator_pb2.Grant(grant_id=grant_id, app_id="a", device_id="GPU-0", memory_mib=10)
+
+
+def doctor_lines(env: Env, *args: str) -> dict[str, list[dict[str, str]]]:
+    r = vgpu("doctor", "--state-dir", str(env.state), "--json", *args, env=env.env)
+    by_name: dict[str, list[dict[str, str]]] = {}
+    for check in json.loads(r.stdout):
+        by_name.setdefault(check["name"], []).append(check)
+    return by_name
+
+
+def test_doctor_checks_the_backend_the_daemon_runs_on_and_says_so(env: Env, serves: list[Serve], tmp_path: Path) -> None:
+    serves.append(Serve(env))
+    checks = doctor_lines(env, "--socket", str(env.sock))  # no --backend: the configuration says nvml
+    (backend,) = checks["backend"]
+    assert backend["status"] == "OK" and backend["detail"].startswith("sim:h100-80gb, the daemon's at "), backend
+    assert str(env.sock) in backend["detail"]
+    for name in ("driver", "nvml"):
+        (check,) = checks[name]
+        assert check["status"] == "OK", check
+    assert "1 device(s): NVIDIA H100" in checks["nvml"][0]["detail"]
+    # --backend still wins, and a daemon on another backend is said
+    checks = doctor_lines(env, "--socket", str(env.sock), "--backend", "nvml")
+    (backend,) = checks["backend"]
+    assert backend["status"] == "WARN" and "runs on sim:h100-80gb" in backend["detail"], backend
+    # no daemon: the configured backend, as before, and the line says why
+    none = tmp_path / "none.sock"
+    checks = doctor_lines(env, "--socket", str(none))
+    (backend,) = checks["backend"]
+    assert backend["detail"].startswith("nvml (checked as configured: no daemon answers at "), backend
+    assert checks["nvml"][0]["status"] in ("OK", "FAIL")  # the NVML of this machine, as before
+    assert "nvmlInit" in checks["nvml"][0]["detail"]
+
+
+def test_numbers_out_of_range_and_other_usage_mistakes_exit_2_naming_the_flag(env: Env, serves: list[Serve]) -> None:
+    serves.append(Serve(env))
+    sock = ["--socket", str(env.sock)]
+    job = ["--model-type", "resnet50", "--batch-size", "8"]
+    cases = [  # (command line, the flag the message names)
+        (["request", *sock, "--app", "a", "--model-type", "resnet50", "--batch-size", "-3"], "--batch-size"),
+        (["request", *sock, "--app", "a", *job, "--param-count", "-1"], "--param-count"),
+        (["request", *sock, "--app", "a", *job, "--num-layers", "5000000000"], "--num-layers"),
+        (["request", *sock, "--app", "a", "--memory-mib", "10", "--pid", "-1"], "--pid"),
+        (["request", *sock, "--app", "a", "--memory-mib", "10", "--priority", "99999999999"], "--priority"),
+        (["request", *sock, "--app", "a"], "--memory-mib"),
+        (["request", *sock, "--app", "a", "--memory-mib", "10", "--wait-s", "-1"], "--wait-s"),
+        (["set-limit", *sock, "--state-dir", str(env.state), "--app", "a", "--priority", "99999999999"], "--priority"),
+        (["available", *sock, "--timeout-s", "0"], "--timeout-s"),
+        (["apps", *sock, "--timeout-s", "nan"], "--timeout-s"),
+        (["top", *sock, "--interval-s", "0", "--iterations", "1"], "--interval-s"),
+        (["top", *sock, "--iterations", "-1"], "--iterations"),
+        (["apps", *sock, "--token-file", str(env.tmp / "no-such.token")], "no-such.token"),
+    ]
+    for args, flag in cases:
+        r = vgpu(*args, env=env.env)
+        assert r.returncode == 2, (args, r.returncode, r.stderr)
+        assert "Traceback" not in r.stderr and flag in r.stderr.splitlines()[-1], (args, r.stderr)
+        assert r.stdout == "", (args, r.stdout)
+    apps = json.loads(vgpu("apps", *sock, "--json", env=env.env).stdout)
+    assert apps["apps"] == []  # none of them reached the daemon as a change
+
+
+def test_vgpu_without_a_command_is_a_usage_error() -> None:
+    r = vgpu()
+    assert r.returncode == 2 and r.stdout == "" and "usage: vgpu COMMAND" in r.stderr
+    assert vgpu("--help").returncode == 0
+
+
+def test_doctor_with_a_bad_backend_still_checks_the_socket_and_state_dir_given(
+        env: Env, serves: list[Serve]) -> None:
+    serves.append(Serve(env))
+    checks = doctor_lines(env, "--socket", str(env.sock), "--backend", "sim:nope")
+    assert checks["config"][0]["status"] == "FAIL" and "sim:nope" in checks["config"][0]["detail"]
+    assert checks["socket"][0]["status"] == "OK" and str(env.sock) in checks["socket"][0]["detail"]
+    assert str(env.state) in checks["state dir"][0]["detail"]
+    # the bad --backend is not taken: the daemon's is checked
+    assert checks["backend"][0]["detail"].startswith("sim:h100-80gb, the daemon's at ")
+
+
+def test_a_socket_that_cannot_be_bound_is_said_once(env: Env) -> None:
+    r = vgpu("serve", "--socket", "/proc/vgpu.sock", "--state-dir", str(env.state), "--backend", "sim:h100-80gb",
+             "--metrics-port", "0", env=env.env)
+    assert r.returncode == 1
+    (said,) = [line for line in r.stderr.splitlines() if line.startswith("vgpu serve:")]
+    assert said.count("cannot listen on") == 1, said
+
+
+def test_releasing_a_grant_without_its_token_says_where_the_token_was_looked_for(
+        env: Env, serves: list[Serve], tmp_path: Path) -> None:
+    serves.append(Serve(env))
+    sock = ["--socket", str(env.sock)]
+    r = vgpu("request", *sock, "--app", "owner", "--memory-mib", "10", "--json", env=env.env)
+    grant_id = json.loads(r.stdout)["grant_id"]
+    other = dict(env.env, XDG_CONFIG_HOME=str(tmp_path / "another-user"))  # its token cache is empty
+    r = vgpu("release", *sock, "--grant", grant_id, env=other)
+    assert r.returncode == 1 and "belongs to 'owner'" in r.stderr, r.stderr
+    assert str(tmp_path / "another-user" / "vgpu" / "tokens") in r.stderr, r.stderr  # the cache it read
+    assert "--token-file" in r.stderr and "--state-dir" in r.stderr and "another --app" not in r.stderr
+    ok = vgpu("release", *sock, "--state-dir", str(env.state), "--grant", grant_id, env=other)
+    assert ok.returncode == 0, ok.stderr
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(env: Env, serves: list[Serve]) -> None:
+    serves.append(Serve(env))
+    top = start("top", "--socket", str(env.sock), "--plain", "--interval-s", "0.1", "--iterations", "200", env=env.env)
+    assert top.stdout is not None and top.stdout.readline().startswith("vgpu top")
+    top.stdout.close()  # as `vgpu top --plain | head -1` does once it has its line
+    _, err = top.communicate(timeout=60)
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    assert top.returncode == 128 + signal.SIGPIPE
