@@ -280,7 +280,7 @@ async def run_demo(
     manager = Manager(allocator, forecaster)
     with tempfile.TemporaryDirectory(prefix="vgpu-demo-") as tmp:
         address = f"unix:{tmp}/vgpu.sock"
-        server = build_server(address, allocator_servicer=AllocatorServicer(allocator), ingest_servicer=IngestServicer(manager, ack_interval_s=ManagerConfig().ack_interval_ms / 1000.0))
+        server = build_server(address, allocator_servicer=AllocatorServicer(allocator, backend=f"sim:{gpu}"), ingest_servicer=IngestServicer(manager, ack_interval_s=ManagerConfig().ack_interval_ms / 1000.0))
         await server.start()
         # Enumerate processes every tick: the simulator is cheap to ask, and a new application then
         # shows from its first tick (the summary's signature count is exact).
