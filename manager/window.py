@@ -282,9 +282,10 @@ class _Slab:
     values (slots, len(NUMERIC), capacity), times and seqs (slots, capacity). The capacity is
     shared: it starts at `AppWindow._FIRST_CAPACITY` and doubles up to `max_samples` when a window
     needs more (no ring has wrapped before it reaches `max_samples`, so the samples keep their
-    places); the slots double up to `max_apps` as applications arrive, and an evicted
+    places); the slots grow by a quarter, up to `max_apps`, as applications arrive, and an evicted
     application's slot is taken by the next one. Full, it holds what as many separate full windows
-    would."""
+    would; slots are not given back, so the store keeps room for the most applications it has held
+    at once."""
 
     _FIRST_SLOTS = 8
 
@@ -301,8 +302,10 @@ class _Slab:
     def take(self, win: AppWindow) -> int:
         """A slot for `win` (its ring pointed at it)."""
         if not self._free:
+            # a quarter more (slots are never given back: a node whose applications come and go keeps
+            # what its busiest moment held, so the step is kept small), at most max_apps
             old = len(self.owner)
-            new = max(self._FIRST_SLOTS, 2 * old)
+            new = old + max(self._FIRST_SLOTS, old // 4)
             if old >= self.max_apps:  # a store holds at most max_apps; one more is a window left over
                 new = old + 1
             elif new > self.max_apps:
