@@ -117,26 +117,25 @@ class Decision:
     first_use_s: float = math.nan
 
     def to_pb(self) -> ingest_pb2.Decision:
+        msg = ingest_pb2.Decision()
+        self.fill_pb(msg)
+        return msg
+
+    def fill_pb(self, msg: ingest_pb2.Decision) -> None:
+        """Write the decision into an empty `msg` (a reply's `decisions.add()`: filled in place, not
+        built and then copied into the reply)."""
         f = self.forecast
-        return ingest_pb2.Decision(
-            app_id=self.app_id,
-            device_id=self.device_id,
-            forecasts=[
-                ingest_pb2.HorizonForecast(
-                    horizon_s=h,
-                    mem_p50_mib=_z(f.mem_p50_mib[i]),
-                    mem_p90_mib=_z(f.mem_p90_mib[i]),
-                    sm_p50_pct=_z(f.sm_p50_pct[i]),
-                    sm_p90_pct=_z(f.sm_p90_pct[i]),
-                )
-                for i, h in enumerate(f.horizons_s)
-            ],
-            recommended_mem_mib=self.recommended_mem_mib,
-            recommended_sm_pct=self.recommended_sm_pct,
-            source=self.source,
-            for_seq=self.for_seq,
-            decided_at_s=self.decided_at_s,
-        )
+        msg.app_id = self.app_id
+        msg.device_id = self.device_id
+        add = msg.forecasts.add
+        for i, h in enumerate(f.horizons_s):
+            add(horizon_s=h, mem_p50_mib=_z(f.mem_p50_mib[i]), mem_p90_mib=_z(f.mem_p90_mib[i]),
+                sm_p50_pct=_z(f.sm_p50_pct[i]), sm_p90_pct=_z(f.sm_p90_pct[i]))
+        msg.recommended_mem_mib = self.recommended_mem_mib
+        msg.recommended_sm_pct = self.recommended_sm_pct
+        msg.source = self.source
+        msg.for_seq = self.for_seq
+        msg.decided_at_s = self.decided_at_s
 
     def to_recommendation(self) -> Recommendation:
         return Recommendation(
@@ -670,13 +669,13 @@ class Manager:
         if stream is None:
             for app_id, serial in self._serial.items():
                 if serial > self._delivered_plain:
-                    reply.decisions.append(self.latest[app_id].to_pb())
+                    self.latest[app_id].fill_pb(reply.decisions.add())
             self._delivered_plain = self._next_serial
             return
         if self._next_serial > stream.delivered:
             for app_id in stream.apps:
                 if self._serial.get(app_id, 0) > stream.delivered:
-                    reply.decisions.append(self.latest[app_id].to_pb())
+                    self.latest[app_id].fill_pb(reply.decisions.add())
         stream.delivered = self._next_serial
 
     # --- what operators see ---------------------------------------------------------------------
