@@ -29,6 +29,7 @@ What a signature contributes (the canonical trace columns; unset fields are NaN)
 from __future__ import annotations
 
 import math
+import mmap
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -277,15 +278,26 @@ class AppWindow:
         return AppTrace(self.app_id, t, columns, gpu=self.device_id or None)
 
 
+def _mapped(shape: tuple[int, ...], dtype: type[np.generic]) -> np.ndarray:
+    """A zeroed array in an anonymous memory map of its own: its pages take memory only once written
+    (a slot or a ring's tail not yet used costs nothing), and they go back to the system when the
+    array is dropped, instead of leaving a hole in the C heap (glibc keeps arrays under its 16 MiB
+    mmap threshold, manager/heap.py, in the heap)."""
+    count = int(np.prod(shape))
+    size = count * np.dtype(dtype).itemsize
+    return np.frombuffer(mmap.mmap(-1, max(size, 1)), dtype=dtype, count=count).reshape(shape)
+
+
 class _Slab:
     """The rings of every window of a store in three arrays, one slot (row) per application:
     values (slots, len(NUMERIC), capacity), times and seqs (slots, capacity). The capacity is
     shared: it starts at `AppWindow._FIRST_CAPACITY` and doubles up to `max_samples` when a window
     needs more (no ring has wrapped before it reaches `max_samples`, so the samples keep their
     places); the slots grow by a quarter, up to `max_apps`, as applications arrive, and an evicted
-    application's slot is taken by the next one. Full, it holds what as many separate full windows
-    would; slots are not given back, so the store keeps room for the most applications it has held
-    at once."""
+    application's slot is taken by the next one. The arrays are memory maps (`_mapped`): only the
+    pages written hold memory, so the store holds what its windows' samples need, as separate
+    windows would, except that the slots are not given back: it keeps the pages of the most
+    applications it has held at once."""
 
     _FIRST_SLOTS = 8
 
@@ -293,9 +305,9 @@ class _Slab:
         self.max_samples = max_samples
         self.max_apps = max_apps
         self.cap = min(max_samples, AppWindow._FIRST_CAPACITY)
-        self.values = np.empty((0, _NB, self.cap), dtype=np.float64)
-        self.t = np.empty((0, self.cap), dtype=np.float64)
-        self.seq = np.zeros((0, self.cap), dtype=np.uint64)
+        self.values = _mapped((0, _NB, self.cap), np.float64)
+        self.t = _mapped((0, self.cap), np.float64)
+        self.seq = _mapped((0, self.cap), np.uint64)
         self.owner: list[AppWindow | None] = []
         self._free: list[int] = []
 
@@ -327,14 +339,17 @@ class _Slab:
         self._resize(len(self.owner), cap)
 
     def _resize(self, slots: int, cap: int) -> None:
-        old_slots, old_cap = len(self.owner), self.cap
-        values = np.empty((slots, _NB, cap), dtype=np.float64)
-        t = np.empty((slots, cap), dtype=np.float64)
-        seq = np.zeros((slots, cap), dtype=np.uint64)
-        keep = min(old_cap, cap)
-        values[:old_slots, :, :keep] = self.values[:, :, :keep]
-        t[:old_slots, :keep] = self.t[:, :keep]
-        seq[:old_slots, :keep] = self.seq[:, :keep]
+        old_slots = len(self.owner)
+        values = _mapped((slots, _NB, cap), np.float64)
+        t = _mapped((slots, cap), np.float64)
+        seq = _mapped((slots, cap), np.uint64)
+        # each window's samples: at [0, n) (a ring wraps only at max_samples, where it is full)
+        for slot, win in enumerate(self.owner):
+            if win is not None and win._n:
+                n = win._n
+                values[slot, :, :n] = self.values[slot, :, :n]
+                t[slot, :n] = self.t[slot, :n]
+                seq[slot, :n] = self.seq[slot, :n]
         self.values, self.t, self.seq, self.cap = values, t, seq, cap
         # free slots are taken lowest first
         self._free = sorted([*self._free, *range(old_slots, slots)], reverse=True)
