@@ -291,7 +291,8 @@ def _mapped(shape: tuple[int, ...], dtype: type[np.generic]) -> np.ndarray:
 class _Slab:
     """The rings of every window of a store in three arrays, one slot (row) per application:
     values (slots, len(NUMERIC), capacity), times and seqs (slots, capacity). The capacity is
-    shared: it starts at `AppWindow._FIRST_CAPACITY` and doubles up to `max_samples` when a window
+    shared: it starts at `first_cap` (`max_samples` where the store maps the slab whole) and
+    doubles up to `max_samples` when a window
     needs more (no ring has wrapped before it reaches `max_samples`, so the samples keep their
     places); the slots grow by a quarter, up to `max_apps`, as applications arrive, and an evicted
     application's slot is taken by the next one. The arrays are memory maps (`_mapped`): only the
@@ -301,15 +302,17 @@ class _Slab:
 
     _FIRST_SLOTS = 8
 
-    def __init__(self, max_samples: int, max_apps: int) -> None:
+    def __init__(self, max_samples: int, max_apps: int, first_cap: int, first_slots: int) -> None:
         self.max_samples = max_samples
         self.max_apps = max_apps
-        self.cap = min(max_samples, AppWindow._FIRST_CAPACITY)
+        self.cap = min(max_samples, first_cap)
         self.values = _mapped((0, _NB, self.cap), np.float64)
         self.t = _mapped((0, self.cap), np.float64)
         self.seq = _mapped((0, self.cap), np.uint64)
         self.owner: list[AppWindow | None] = []
         self._free: list[int] = []
+        if first_slots:
+            self._resize(first_slots, self.cap)
 
     def take(self, win: AppWindow) -> int:
         """A slot for `win` (its ring pointed at it)."""
@@ -363,7 +366,7 @@ class WindowStore:
     """Windows of every application, bounded in samples per app and in apps."""
 
     def __init__(self, *, max_samples: int = 1200, max_apps: int = 256, idle_evict_s: float = 30.0,
-                 max_span_s: float | None = None) -> None:
+                 max_span_s: float | None = None, reserve_samples: int = 2**22) -> None:
         if max_samples < 1 or max_apps < 1 or idle_evict_s <= 0:
             raise ValueError("max_samples and max_apps must be >= 1 and idle_evict_s > 0")
         if max_span_s is not None and not max_span_s > 0:
@@ -374,7 +377,13 @@ class WindowStore:
         self.idle_evict_s = idle_evict_s
         # Least recently seen first: move_to_end on every sample.
         self._apps: OrderedDict[str, AppWindow] = OrderedDict()
-        self._slab = _Slab(max_samples, max_apps)
+        # Where max_apps x max_samples is at most `reserve_samples`, the slab is mapped whole from the
+        # start (only the pages written take memory) and never resized: a resize copies every window
+        # at once, a stall of the loop (20 ms for 256 windows growing to 1024 samples, 57 ms for the
+        # slots of 256 new applications). Beyond it, rings start small and double, slots grow.
+        whole = max_apps * max_samples <= reserve_samples
+        self._slab = _Slab(max_samples, max_apps, max_samples if whole else AppWindow._FIRST_CAPACITY,
+                           max_apps if whole else 0)
         self.out_of_order = 0
         self.seq_restarts = 0
         self.evicted_total = 0

@@ -38,15 +38,16 @@ def _batch(rng: np.random.Generator, apps: list[str], k: int) -> tuple[np.ndarra
     return seq, t, values
 
 
-@pytest.mark.parametrize(("max_samples", "max_apps"), [(1200, 40), (50, 8), (64, 3)])
-def test_bulk_batches_give_the_windows_one_by_one_gives(max_samples: int, max_apps: int) -> None:
+@pytest.mark.parametrize(("max_samples", "max_apps", "reserve_samples"),
+                         [(1200, 40, 2**22), (1200, 40, 0), (50, 8, 0), (64, 3, 2**22)])
+def test_bulk_batches_give_the_windows_one_by_one_gives(max_samples: int, max_apps: int, reserve_samples: int) -> None:
     """Batches of one sample per application through `add_latest` and through `add_row`: the same
-    windows, counters and LRU order, across the slab's capacity doublings (past 64 samples) and slot
-    doublings, new applications, evictions (an evicted slot taken by another application), a
+    windows, counters and LRU order, across the slab's capacity doublings (past 64 samples, where the
+    slab is not mapped whole: `reserve_samples` 0) and slot growth, new applications, evictions (an evicted slot taken by another application), a
     restarted profiler (seq back to 1, time on), and samples the bulk path must refuse
     (out of order, resent)."""
     rng = np.random.default_rng(7)
-    bulk = WindowStore(max_samples=max_samples, max_apps=max_apps)
+    bulk = WindowStore(max_samples=max_samples, max_apps=max_apps, reserve_samples=reserve_samples)
     rows = WindowStore(max_samples=max_samples, max_apps=max_apps)
     names = [f"app{i}" for i in range(max_apps + 3)]
     refused = 0
