@@ -31,7 +31,8 @@ After `--warmup-s` the measurement window of `--seconds` opens. Printed:
 
 `--forecaster served`: the manager forecasts with what `vgpu serve` serves by default, the expert
 mixture over the last value and the shipped model (manager/experts.py `make_served`, the model on
-`SERVING_THREADS`); `default`/`model` are the model alone, `baseline` the fallback.
+`SERVING_THREADS`); `default`/`model` are the model alone (on `SERVING_THREADS` too, as the daemon
+loads it), `baseline` the fallback.
 
 `--learn-trace PATH`: node-local learning in the background while the window runs, as the daemon's
 `BackgroundLearner` runs it (`python -m vgpu.manager.nodelearn learn ...`, nice 19, one thread):
@@ -211,9 +212,11 @@ def open_forecaster(which: str) -> Any:
 
         return make_served(load_forecaster(DEFAULT_MODEL_PATH, "cpu", threads=SERVING_THREADS), local=True)
     try:
-        from vgpu.manager.predictor import DEFAULT_MODEL_PATH, load_forecaster
+        from vgpu.manager.predictor import DEFAULT_MODEL_PATH, SERVING_THREADS, load_forecaster
 
-        return load_forecaster(DEFAULT_MODEL_PATH)
+        # on the intra-op threads `vgpu serve` gives it (manager/modelpath.py), not torch's count (the
+        # machine's cores): a second ONNX Runtime thread costs a wake-up per round and shortens nothing
+        return load_forecaster(DEFAULT_MODEL_PATH, threads=SERVING_THREADS)
     except Exception:
         if which == "model":
             raise

@@ -117,26 +117,25 @@ class Decision:
     first_use_s: float = math.nan
 
     def to_pb(self) -> ingest_pb2.Decision:
+        msg = ingest_pb2.Decision()
+        self.fill_pb(msg)
+        return msg
+
+    def fill_pb(self, msg: ingest_pb2.Decision) -> None:
+        """Write the decision into an empty `msg` (a reply's `decisions.add()`: filled in place, not
+        built and then copied into the reply)."""
         f = self.forecast
-        return ingest_pb2.Decision(
-            app_id=self.app_id,
-            device_id=self.device_id,
-            forecasts=[
-                ingest_pb2.HorizonForecast(
-                    horizon_s=h,
-                    mem_p50_mib=_z(f.mem_p50_mib[i]),
-                    mem_p90_mib=_z(f.mem_p90_mib[i]),
-                    sm_p50_pct=_z(f.sm_p50_pct[i]),
-                    sm_p90_pct=_z(f.sm_p90_pct[i]),
-                )
-                for i, h in enumerate(f.horizons_s)
-            ],
-            recommended_mem_mib=self.recommended_mem_mib,
-            recommended_sm_pct=self.recommended_sm_pct,
-            source=self.source,
-            for_seq=self.for_seq,
-            decided_at_s=self.decided_at_s,
-        )
+        msg.app_id = self.app_id
+        msg.device_id = self.device_id
+        add = msg.forecasts.add
+        for i, h in enumerate(f.horizons_s):
+            add(horizon_s=h, mem_p50_mib=_z(f.mem_p50_mib[i]), mem_p90_mib=_z(f.mem_p90_mib[i]),
+                sm_p50_pct=_z(f.sm_p50_pct[i]), sm_p90_pct=_z(f.sm_p90_pct[i]))
+        msg.recommended_mem_mib = self.recommended_mem_mib
+        msg.recommended_sm_pct = self.recommended_sm_pct
+        msg.source = self.source
+        msg.for_seq = self.for_seq
+        msg.decided_at_s = self.decided_at_s
 
     def to_recommendation(self) -> Recommendation:
         return Recommendation(
@@ -385,13 +384,17 @@ class Manager:
                     f"at {win.last_t_s:.6f} s"))
         for why in dropped:  # counted whether or not the signature was kept: the value was refused
             self._inapp_dropped(why, 1)
+        bulk: list[str] = []  # the devices of the applications `_accept_columns` added in bulk
         if batch.HasField("columns"):
-            accepted += self._accept_columns(batch.columns, len(sigs), reply, now, stream, kept_apps)
+            accepted += self._accept_columns(batch.columns, len(sigs), reply, now, stream, kept_apps, bulk)
         reply.accepted = accepted
         stats.accepted += accepted
         self._last_kept = kept_apps
         newest = self._device_newest_s
-        for app_id in kept_apps:  # a few per batch; kept past the apps' eviction
+        # each kept application's device (its window's, after the batch), remembered past the apps' eviction
+        for device_id in (set(bulk) if bulk else ()):
+            newest[device_id] = now
+        for app_id in (kept_apps if not bulk else ()):
             if app_id in self.windows:
                 newest[self.windows.window(app_id).device_id] = now
         while len(newest) > self.windows.max_apps:  # device ids come from the wire: bounded
@@ -399,13 +402,16 @@ class Manager:
         return reply
 
     def _accept_columns(self, msg: ingest_pb2.SignatureColumns, base: int, reply: ingest_pb2.IngestReply,
-                        now: float, stream: StreamState | None, kept_apps: set[str]) -> int:
+                        now: float, stream: StreamState | None, kept_apps: set[str], bulk: list[str]) -> int:
         """The columnar part of a batch (vgpu/wire.py): checked as arrays, then one bulk
         window append per application. Row i answers as index `base + i`. Returns how many were kept.
 
         A good row (`rows.good`) has passed `read_columns`: its app_index is within `rows.app_ids`
         and its id keeps to the id rule (vgpu/ids.py: at most MAX_APP_ID_BYTES, the wire's
-        MAX_ID_CHARS), so it is used as it is; only a rejected row's id needs the bound and the cut."""
+        MAX_ID_CHARS), so it is used as it is; only a rejected row's id needs the bound and the cut.
+        A batch with one sample per application, every one taken, is added in bulk
+        (`WindowStore.add_latest`) and its rows' devices listed in `bulk`, which is then the device of
+        every application kept in the batch (left empty otherwise)."""
         apps = stream.apps if stream is not None else None
         stats = self.stats
         try:
@@ -468,9 +474,25 @@ class Manager:
             values = rows.values[:, order]
             if len(values) > _NB and np.isnan(values[_NB:]).all():
                 values = values[:_NB]  # no in-app value in the batch: the format's columns only
-            cols, seqs, ts = values.T.tolist(), rows.seq[order].tolist(), rows.t_s[order].tolist()
             app_at, dev_at = by_app.tolist(), rows.device_index[order].tolist()
             pid_at = pids[order].tolist() if pids is not None else None
+            names = [rows.app_ids[k] for k in app_at]
+            devices = [rows.device_ids[d] for d in dev_at]
+            if not kept_apps and self.windows.add_latest(names, devices, rows.seq[order], rows.t_s[order], values,
+                                                         now):
+                # every row kept, as one by one below, without a Python pass per sample
+                self._dirty.update(names)
+                kept_apps.update(names)
+                if apps is not None:
+                    apps.update(names)
+                if pid_at is not None:
+                    pid_of, app_of = self._pids.get, self._pid_app.get
+                    for app_id, pid in zip(names, pid_at, strict=True):
+                        if pid and (pid_of(app_id) != pid or app_of(pid) != app_id):
+                            self._name_pid(app_id, pid)
+                bulk += devices
+                return len(names)
+            cols, seqs, ts = values.T.tolist(), rows.seq[order].tolist(), rows.t_s[order].tolist()
             add_row, dirty = self.windows.add_row, self._dirty
             for j in range(len(app_at)):
                 app_id = rows.app_ids[app_at[j]]
@@ -647,13 +669,13 @@ class Manager:
         if stream is None:
             for app_id, serial in self._serial.items():
                 if serial > self._delivered_plain:
-                    reply.decisions.append(self.latest[app_id].to_pb())
+                    self.latest[app_id].fill_pb(reply.decisions.add())
             self._delivered_plain = self._next_serial
             return
         if self._next_serial > stream.delivered:
             for app_id in stream.apps:
                 if self._serial.get(app_id, 0) > stream.delivered:
-                    reply.decisions.append(self.latest[app_id].to_pb())
+                    self.latest[app_id].fill_pb(reply.decisions.add())
         stream.delivered = self._next_serial
 
     # --- what operators see ---------------------------------------------------------------------

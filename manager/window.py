@@ -29,6 +29,7 @@ What a signature contributes (the canonical trace columns; unset fields are NaN)
 from __future__ import annotations
 
 import math
+import mmap
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -77,19 +78,27 @@ class AppWindow:
 
     _FIRST_CAPACITY = 64
 
-    def __init__(self, app_id: str, max_samples: int, max_span_s: float | None = None) -> None:
+    def __init__(self, app_id: str, max_samples: int, max_span_s: float | None = None,
+                 slab: _Slab | None = None) -> None:
         self.app_id = app_id
         self.max_samples = max_samples
         # `trace()` covers at most this many seconds before the latest sample: what a forecast
         # builds from it (a 1 s grid) is then bounded whatever the samples' time stamps.
         self.max_span_s = max_span_s
-        cap = min(max_samples, self._FIRST_CAPACITY)
-        self._values = np.empty((_NB, cap), dtype=np.float64)
         self._inapp: np.ndarray | None = None  # (len(INAPP_NUMERIC), capacity) once one is reported
-        self._t = np.empty(cap, dtype=np.float64)
-        self._seq = np.zeros(cap, dtype=np.uint64)
+        # In a `WindowStore`, the ring is one slot of the store's `_Slab` (views into its arrays), so
+        # that a batch with one sample per application is written with one numpy assignment.
         self._n = 0  # samples held
         self._end = 0  # where the next sample goes
+        self._slab = slab
+        self._slot = -1
+        if slab is not None:
+            self._slot = slab.take(self)
+        else:
+            cap = min(max_samples, self._FIRST_CAPACITY)
+            self._values = np.empty((_NB, cap), dtype=np.float64)
+            self._t = np.empty(cap, dtype=np.float64)
+            self._seq = np.zeros(cap, dtype=np.uint64)
         self.device_id = ""
         self.last_seq = 0
         self.last_t_s = -math.inf
@@ -98,12 +107,32 @@ class AppWindow:
     def __len__(self) -> int:
         return self._n
 
+    def _view(self, values: np.ndarray, t_s: np.ndarray, seq: np.ndarray) -> None:
+        """Point the ring at its slot of the store's arrays (new ones after the slab grew)."""
+        self._values, self._t, self._seq = values, t_s, seq
+        cap = len(t_s)
+        if self._n < cap:  # not wrapped (the slab grows only below max_samples): samples at [0, n)
+            self._end = self._n
+            if self._inapp is not None and self._inapp.shape[1] < cap:
+                self._inapp = np.concatenate([self._inapp[:, : self._n], np.empty((_NI, cap - self._n))], axis=1)
+
+    def _detach(self) -> None:
+        """Leave the store's slab (the window was evicted): the ring becomes a copy of its own, so
+        the slot can serve another application while this object still reads as it did."""
+        if self._slab is not None:
+            self._values, self._t, self._seq = self._values.copy(), self._t.copy(), self._seq.copy()
+            self._slab = None
+            self._slot = -1
+
     def _grow(self, need: int) -> int:
         """Room for `need` more samples, up to `max_samples`; returns the capacity. Before the
         capacity reaches `max_samples` the ring has not wrapped: samples sit at [0, n)."""
         cap = len(self._t)
         if self._n + need > cap and cap < self.max_samples:
             new = min(self.max_samples, max(2 * cap, self._n + need))
+            if self._slab is not None:  # every window of the store grows with it (none has wrapped)
+                self._slab.grow_capacity(new)
+                return new
             self._values = np.concatenate([self._values[:, : self._n], np.empty((_NB, new - self._n))], axis=1)
             if self._inapp is not None:
                 self._inapp = np.concatenate([self._inapp[:, : self._n], np.empty((_NI, new - self._n))], axis=1)
@@ -249,11 +278,95 @@ class AppWindow:
         return AppTrace(self.app_id, t, columns, gpu=self.device_id or None)
 
 
+def _mapped(shape: tuple[int, ...], dtype: type[np.generic]) -> np.ndarray:
+    """A zeroed array in an anonymous memory map of its own: its pages take memory only once written
+    (a slot or a ring's tail not yet used costs nothing), and they go back to the system when the
+    array is dropped, instead of leaving a hole in the C heap (glibc keeps arrays under its 16 MiB
+    mmap threshold, manager/heap.py, in the heap)."""
+    count = int(np.prod(shape))
+    size = count * np.dtype(dtype).itemsize
+    return np.frombuffer(mmap.mmap(-1, max(size, 1)), dtype=dtype, count=count).reshape(shape)
+
+
+class _Slab:
+    """The rings of every window of a store in three arrays, one slot (row) per application:
+    values (slots, len(NUMERIC), capacity), times and seqs (slots, capacity). The capacity is
+    shared: it starts at `first_cap` (`max_samples` where the store maps the slab whole) and
+    doubles up to `max_samples` when a window
+    needs more (no ring has wrapped before it reaches `max_samples`, so the samples keep their
+    places); the slots grow by a quarter, up to `max_apps`, as applications arrive, and an evicted
+    application's slot is taken by the next one. The arrays are memory maps (`_mapped`): only the
+    pages written hold memory, so the store holds what its windows' samples need, as separate
+    windows would, except that the slots are not given back: it keeps the pages of the most
+    applications it has held at once."""
+
+    _FIRST_SLOTS = 8
+
+    def __init__(self, max_samples: int, max_apps: int, first_cap: int, first_slots: int) -> None:
+        self.max_samples = max_samples
+        self.max_apps = max_apps
+        self.cap = min(max_samples, first_cap)
+        self.values = _mapped((0, _NB, self.cap), np.float64)
+        self.t = _mapped((0, self.cap), np.float64)
+        self.seq = _mapped((0, self.cap), np.uint64)
+        self.owner: list[AppWindow | None] = []
+        self._free: list[int] = []
+        if first_slots:
+            self._resize(first_slots, self.cap)
+
+    def take(self, win: AppWindow) -> int:
+        """A slot for `win` (its ring pointed at it)."""
+        if not self._free:
+            # a quarter more (slots are never given back: a node whose applications come and go keeps
+            # what its busiest moment held, so the step is kept small), at most max_apps
+            old = len(self.owner)
+            new = old + max(self._FIRST_SLOTS, old // 4)
+            if old >= self.max_apps:  # a store holds at most max_apps; one more is a window left over
+                new = old + 1
+            elif new > self.max_apps:
+                new = self.max_apps
+            self._resize(new, self.cap)
+        slot = self._free.pop()
+        self.owner[slot] = win
+        win._view(self.values[slot], self.t[slot], self.seq[slot])
+        return slot
+
+    def give_back(self, win: AppWindow) -> None:
+        """`win` leaves (evicted): it keeps a copy of its samples, its slot is free."""
+        slot = win._slot
+        win._detach()
+        self.owner[slot] = None
+        self._free.append(slot)
+
+    def grow_capacity(self, cap: int) -> None:
+        self._resize(len(self.owner), cap)
+
+    def _resize(self, slots: int, cap: int) -> None:
+        old_slots = len(self.owner)
+        values = _mapped((slots, _NB, cap), np.float64)
+        t = _mapped((slots, cap), np.float64)
+        seq = _mapped((slots, cap), np.uint64)
+        # each window's samples: at [0, n) (a ring wraps only at max_samples, where it is full)
+        for slot, win in enumerate(self.owner):
+            if win is not None and win._n:
+                n = win._n
+                values[slot, :, :n] = self.values[slot, :, :n]
+                t[slot, :n] = self.t[slot, :n]
+                seq[slot, :n] = self.seq[slot, :n]
+        self.values, self.t, self.seq, self.cap = values, t, seq, cap
+        # free slots are taken lowest first
+        self._free = sorted([*self._free, *range(old_slots, slots)], reverse=True)
+        self.owner += [None] * (slots - old_slots)
+        for slot, win in enumerate(self.owner):
+            if win is not None:
+                win._view(values[slot], t[slot], seq[slot])
+
+
 class WindowStore:
     """Windows of every application, bounded in samples per app and in apps."""
 
     def __init__(self, *, max_samples: int = 1200, max_apps: int = 256, idle_evict_s: float = 30.0,
-                 max_span_s: float | None = None) -> None:
+                 max_span_s: float | None = None, reserve_samples: int = 2**22) -> None:
         if max_samples < 1 or max_apps < 1 or idle_evict_s <= 0:
             raise ValueError("max_samples and max_apps must be >= 1 and idle_evict_s > 0")
         if max_span_s is not None and not max_span_s > 0:
@@ -264,6 +377,13 @@ class WindowStore:
         self.idle_evict_s = idle_evict_s
         # Least recently seen first: move_to_end on every sample.
         self._apps: OrderedDict[str, AppWindow] = OrderedDict()
+        # Where max_apps x max_samples is at most `reserve_samples`, the slab is mapped whole from the
+        # start (only the pages written take memory) and never resized: a resize copies every window
+        # at once, a stall of the loop (20 ms for 256 windows growing to 1024 samples, 57 ms for the
+        # slots of 256 new applications). Beyond it, rings start small and double, slots grow.
+        whole = max_apps * max_samples <= reserve_samples
+        self._slab = _Slab(max_samples, max_apps, max_samples if whole else AppWindow._FIRST_CAPACITY,
+                           max_apps if whole else 0)
         self.out_of_order = 0
         self.seq_restarts = 0
         self.evicted_total = 0
@@ -305,10 +425,11 @@ class WindowStore:
         win = self._apps.get(app_id)
         if win is None:
             while len(self._apps) >= self.max_apps:
-                old, _ = self._apps.popitem(last=False)
+                old, old_win = self._apps.popitem(last=False)
+                self._slab.give_back(old_win)
                 evicted.append(old)
             self.evicted_total += len(evicted)
-            win = self._apps[app_id] = AppWindow(app_id, self.max_samples, self.max_span_s)
+            win = self._apps[app_id] = AppWindow(app_id, self.max_samples, self.max_span_s, self._slab)
         if t_s < win.last_t_s or (seq <= win.last_seq and t_s <= win.last_t_s):
             self.out_of_order += 1
             return False, evicted
@@ -319,6 +440,48 @@ class WindowStore:
         win.last_seen_s = now_s
         self._apps.move_to_end(app_id)
         return True, evicted
+
+    def add_latest(self, app_ids: Sequence[str], device_ids: Sequence[str], seq: npt.NDArray[np.uint64],
+                   t_s: npt.NDArray[np.float64], values: npt.NDArray[np.float64], now_s: float) -> bool:
+        """One sample for each of `app_ids` (distinct; `values`: (len(NUMERIC), m), no in-app
+        counter), taken as `add_row` would take them one after another in this order, but written
+        with one numpy assignment per array: a profiler's usual batch. Returns False, having changed
+        nothing, where that cannot be done in bulk: an application without a window, one whose
+        window holds in-app counters, or a sample `add_row` would not keep (out of order, a resend);
+        the caller then adds them one by one."""
+        get = self._apps.get
+        wins = [get(a) for a in app_ids]
+        if None in wins or len(values) != _NB:
+            return False
+        windows: list[AppWindow] = wins  # type: ignore[assignment]  # no None among them (checked)
+        if any(w._inapp is not None for w in windows):
+            return False
+        last_t = np.array([w.last_t_s for w in windows], dtype=np.float64)
+        last_seq = np.array([w.last_seq for w in windows], dtype=np.uint64)
+        lower = seq <= last_seq
+        if bool(((t_s < last_t) | (lower & (t_s <= last_t))).any()):
+            return False
+        slab = self._slab
+        if slab.cap < self.max_samples and max(w._n for w in windows) >= slab.cap:
+            slab.grow_capacity(min(self.max_samples, 2 * slab.cap))  # as `append` grows a full ring
+        cap = slab.cap
+        slots = np.fromiter((w._slot for w in windows), dtype=np.intp, count=len(windows))
+        ends = np.fromiter((w._end for w in windows), dtype=np.intp, count=len(windows))
+        slab.values[slots, :, ends] = values.T
+        slab.t[slots, ends] = t_s
+        slab.seq[slots, ends] = seq
+        self.seq_restarts += int(lower.sum())  # a lower seq with a newer time: a restarted profiler
+        move = self._apps.move_to_end
+        for w, app_id, device_id, s, t in zip(windows, app_ids, device_ids, seq.tolist(), t_s.tolist(), strict=True):
+            end = w._end + 1
+            w._end = end if end < cap else 0
+            if w._n < cap:
+                w._n += 1
+            w.device_id = device_id
+            w.last_seq, w.last_t_s = s, t
+            w.last_seen_s = now_s
+            move(app_id)
+        return True
 
     def add_rows(self, app_id: str, device_id: str, seq: np.ndarray, t_s: np.ndarray, values: np.ndarray,
                  now_s: float) -> tuple[np.ndarray, list[str]]:
@@ -374,6 +537,7 @@ class WindowStore:
             if now_s - win.last_seen_s <= self.idle_evict_s:
                 break
             del self._apps[app_id]
+            self._slab.give_back(win)
             gone.append(app_id)
         self.evicted_total += len(gone)
         return gone

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from vgpu.ids import app_id_problem
+from vgpu.ids import all_app_ids_valid, app_id_problem
 from vgpu.inapp import INAPP_MAX
 from vgpu.traces import INAPP_NUMERIC, NUMERIC
 from vgpu.v1 import ingest_pb2, signature_pb2
@@ -255,6 +255,8 @@ def _app_id_problem(app_id: str) -> str | None:
 
 
 def _bad_ids(ids: Sequence[str], what: str) -> list[str | None]:
+    if what == "app_id" and all_app_ids_valid(ids):  # the usual batch: every id good, one pass
+        return [None] * len(ids)
     out: list[str | None] = []
     for x in ids:
         if what == "app_id":
