@@ -154,7 +154,7 @@ def test_cli_json_shape_on_the_fixture(capsys: pytest.CaptureFixture[str], tmp_p
     assert len(report["results"]) == 2 * 5 * 5
     for r in report["results"]:
         assert set(r) == {"target", "horizon_s", "method", "mae", "rmse", "r2", "mape", "coverage_p90",
-                          "pinball_p90", "n"}
+                          "coverage_p90_tol", "pinball_p90", "n"}
         assert r["n"] > 300
         if r["method"] == "ewma":
             assert r["coverage_p90"] is None and r["pinball_p90"] is None
@@ -207,6 +207,21 @@ def test_pinball_p90_is_the_protocol_formula() -> None:
     assert ev.pinball_p90(p90, truth) == pytest.approx((1.8 + 0.2) / 3)
     m = ev.pooled_metrics(truth, p90, truth)
     assert m["pinball_p90"] == pytest.approx((1.8 + 0.2) / 3) and m["coverage_p90"] == pytest.approx(2 / 3)
+
+
+def test_a_p90_a_rounding_step_under_its_truth_is_a_miss_in_coverage_p90_but_not_in_coverage_p90_tol() -> None:
+    # a flat value as a weighted mean of experts that all say it: one rounding step under it
+    flat = np.full(4, 8192.0)
+    mixed = 0.3 * flat + 0.7 * flat * (1 + 1e-16) - 1e-12
+    truth = np.array([8192.0, 8192.0, 8192.0, 8300.0])
+    m = ev.pooled_metrics(truth, mixed, truth)
+    assert (mixed < truth).all()
+    assert m["coverage_p90"] == 0.0  # the protocol's exact test: every truth is over its P90
+    assert m["coverage_p90_tol"] == pytest.approx(3 / 4)  # the real miss (8300) stays a miss
+    assert m["pinball_p90"] == pytest.approx(0.9 * (8300.0 - mixed[3]) / 4, rel=1e-9)
+    # a truth of 0 is judged to 1e-9, not to the last bit of 0
+    zero = ev.pooled_metrics(np.zeros(2), np.array([-1e-12, -1e-3]), np.zeros(2))
+    assert zero["coverage_p90"] == 0.0 and zero["coverage_p90_tol"] == pytest.approx(1 / 2)
 
 
 def test_last_value_margin_is_the_90th_percentile_of_the_change_in_capacity_units() -> None:
