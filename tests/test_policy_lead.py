@@ -234,6 +234,56 @@ def _daemon_grant_mib(config: PolicyConfig, seconds: list[tuple[float, float]]) 
     return g.memory_mib
 
 
+def _daemon_grant_steps_mib(config: PolicyConfig, steps: list[tuple[float, float, float]],
+                            first_use_ago_s: float = math.nan) -> float:
+    """Like `_daemon_grant_mib`, with a recommendation per (seconds until the next one, forecast
+    P90, usage in MiB), and the manager's first use of the GPU `first_use_ago_s` before the first
+    recommendation (NaN: not said)."""
+    from vgpu.allocator.core import Allocator
+    from vgpu.allocator.policy.base import Recommendation
+    from vgpu.allocator.policy.forecast import ForecastPolicy
+    from vgpu.device.sim import ManualClock, SimBackend
+
+    clock = ManualClock(1000.0)
+    first_use_s = clock() - first_use_ago_s
+    backend = SimBackend(["h100-80gb"], clock=clock)
+    uuid = backend.devices()[0].uuid
+    alloc = Allocator(backend, clock=clock, dry_run=False, policy=ForecastPolicy(config))
+    for seq, (step_s, p90, used) in enumerate(steps, start=1):
+        alloc.apply_recommendations([Recommendation("a", uuid, p90, 20, mem_p90_peak_mib=p90, sm_p90_peak_pct=20,
+                                                    mem_used_mib=used, sm_util_pct=20, for_seq=seq,
+                                                    first_use_s=first_use_s)])
+        clock.advance(step_s)
+    (g,) = alloc.ledger.grants()
+    alloc.stop()
+    return g.memory_mib
+
+
+def test_the_daemons_policy_keeps_room_for_a_burst_inside_one_second() -> None:
+    # 40 s at 20 GB; then, half a second into a second, a 10 GB burst: the daemon plans twice in that
+    # second and keeps the larger usage for it, so the next second (still 30 GB) is no rise over it.
+    # The replay judges the second's rise all the same; so must the daemon
+    steps = ([(1.0, 20_000.0, 20_000.0)] * 40 + [(0.5, 20_000.0, 20_000.0), (0.5, 30_000.0, 30_000.0)]
+             + [(1.0, 30_000.0, 30_000.0)] * 20 + [(1.0, 20_000.0, 20_000.0)] * 60)
+    cfg = replace(PREDICTIVE_CONFIG, confidence_multiplier=0.0)
+    assert _daemon_grant_steps_mib(cfg, steps) == pytest.approx(30_000 * 1.02)
+    assert _daemon_grant_steps_mib(replace(cfg, mem_burst_window_s=0.0), steps) == pytest.approx(20_000 * 1.02)
+
+
+def test_the_daemons_policy_counts_a_burst_s_age_from_the_managers_first_use() -> None:
+    # the policy first sees the application 100 s after the manager saw its first use (a daemon that
+    # restarted, or a recommendation that came late); its cache bursts 10 s later: 110 s into its
+    # run, past the 30 s start-up windows, as the replay (and the start-up window) count it
+    used = [20_000.0] * 10 + [30_000.0] * 20 + [20_000.0] * 60
+    steps = [(1.0, u, u) for u in used]
+    cfg = replace(PREDICTIVE_CONFIG, confidence_multiplier=0.0)
+    assert _daemon_grant_steps_mib(cfg, steps, first_use_ago_s=100.0) == pytest.approx(30_000 * 1.02)
+    # not said: from the first use the policy saw itself, 10 s before: the start-up's business
+    assert _daemon_grant_steps_mib(cfg, steps) == pytest.approx(20_000 * 1.02)
+    # said, but not used yet (inf): no burst either (the start-up's headroom over the usage instead)
+    assert _daemon_grant_steps_mib(cfg, steps, first_use_ago_s=-math.inf) == pytest.approx((20_000 + 1024) * 1.02)
+
+
 def test_the_daemons_policy_grants_a_ramp_it_saw_through_recommendations() -> None:
     def run(config: PolicyConfig) -> float:
         # the forecast trails the ramp (it says the last value)

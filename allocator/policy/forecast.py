@@ -994,8 +994,11 @@ class UsageHistory:
         if samples and now_s - samples[-1][0] < self.min_step_s:
             if used_mib > samples[-1][1]:  # keep the larger value of a step
                 samples[-1] = (samples[-1][0], used_mib)
-                if not used_mib <= self._p90_judged.get(app_id, math.nan):
+                judged_step = self._p90_judged.get(app_id, math.nan)
+                if not used_mib <= judged_step:
                     self._covered_n.pop(app_id, None)
+                if len(samples) > 1:  # a rise inside the step is judged as one at its start would be
+                    self._note_rise(app_id, samples[-1][0], samples[-2][1], used_mib, judged_step)
             if not math.isnan(forecast_mib):
                 self._p90[app_id] = forecast_mib
             return
@@ -1005,10 +1008,8 @@ class UsageHistory:
         for i, (t, before, rise, p90, back) in enumerate(rises):
             if not back and burst_returned(used_mib, before, rise):
                 rises[i] = (t, before, rise, p90, True)
-        if samples and used_mib > samples[-1][1] and used_mib > judged:  # a rise the forecast did not see
-            rises.append((now_s, samples[-1][1], used_mib - samples[-1][1], judged, False))
-            while rises and (now_s - rises[0][0] > self.rises_keep_s or len(rises) > self.rises_max):
-                rises.pop(0)
+        if samples:
+            self._note_rise(app_id, now_s, samples[-1][1], used_mib, judged)
         if not used_mib <= judged:  # over the P90 (or none to judge by): the count starts again
             self._covered_n.pop(app_id, None)
         elif samples and used_mib != samples[-1][1]:  # moved, and covered
@@ -1017,6 +1018,20 @@ class UsageHistory:
         samples.append((now_s, used_mib))
         while samples and now_s - samples[0][0] > self.keep_s:
             samples.pop(0)
+
+    def _note_rise(self, app_id: str, step_s: float, before_mib: float, used_mib: float, judged_mib: float) -> None:
+        """Keep the step at `step_s` as a rise past the P90 it is judged against (`judged_mib`) when
+        its usage went over both that and the step before's (`before_mib`): a rise the forecast did
+        not see. A later, larger sample inside the same step replaces the step's rise, so that a
+        burst inside one step counts as it would had it come at the step's start."""
+        rises = self._rises.setdefault(app_id, [])
+        if rises and rises[-1][0] == step_s:
+            rises.pop()
+        if not (used_mib > before_mib and used_mib > judged_mib):
+            return
+        rises.append((step_s, before_mib, used_mib - before_mib, judged_mib, False))
+        while rises and (step_s - rises[0][0] > self.rises_keep_s or len(rises) > self.rises_max):
+            rises.pop(0)
 
     def prune(self, now_s: float) -> None:
         """Forget applications not seen for `keep_s`."""
@@ -1061,16 +1076,20 @@ class UsageHistory:
         (`AppState.mem_p90_covered_s`); 0 when the latest went over or nothing is known."""
         return float(self._covered_n.get(app_id, 0))
 
-    def burst_mib(self, app_id: str, now_s: float, config: PolicyConfig) -> float:
+    def burst_mib(self, app_id: str, now_s: float, config: PolicyConfig, first_use_s: float = math.nan) -> float:
         """The largest burst in the last `config.mem_burst_window_s` (`AppState.mem_burst_mib`): a
-        sample's rise over the one before that passed the P90 given with that one, that
-        `config.is_burst` counts (its age from the first use this history saw), and that has come back
-        down since (`burst_returned`); 0 when none, or the rule is off. At most `rises_keep_s` back."""
+        step's rise over the one before that passed the P90 given with that one, that
+        `config.is_burst` counts, and that has come back down since (`burst_returned`); 0 when none, or
+        the rule is off. At most `rises_keep_s` back. A rise's age counts from the manager's first use
+        (`first_use_s`, as `active_since_use_s` reads it: inf, not used yet) where given, else from
+        the first use this history saw: the start-up window's clock, so that a start-up's last step
+        is not taken for a burst because the history began late."""
         if config.mem_burst_window_s <= 0:
             return 0.0
         first = self._first_use.get(app_id, math.nan)
         return max((rise for t, before, rise, p90, back in self._rises.get(app_id, [])
-                    if back and now_s - t < config.mem_burst_window_s and config.is_burst(rise, before, p90, t - first)),
+                    if back and now_s - t < config.mem_burst_window_s
+                    and config.is_burst(rise, before, p90, active_since_use_s(t, first_use_s, t - first))),
                    default=0.0)
 
     def peak(self, app_id: str, now_s: float, window_s: float) -> float:
@@ -1211,7 +1230,7 @@ class ForecastPolicy:
                 recent_peak_mem_mib=self.history.peak(rec.app_id, now_s, window) if window > 0 else math.nan,
                 active_s=active_since_use_s(now_s, rec.first_use_s, self.history.active_s(rec.app_id, now_s)),
                 mem_p90_covered_s=self.history.covered_s(rec.app_id),
-                mem_burst_mib=self.history.burst_mib(rec.app_id, now_s, self.config),
+                mem_burst_mib=self.history.burst_mib(rec.app_id, now_s, self.config, rec.first_use_s),
             ))
         self.history.prune(now_s)
         caps = [DeviceState(v.device_id, v.mem_total_mib, v.sm_total_pct) for v in devices]
