@@ -548,6 +548,26 @@ def test_a_bursty_application_s_ramp_is_extrapolated_at_most_one_burst_ahead() -
     assert plan([replace(a, mem_burst_mib=0.0)], [DEV], 100.0, cfg).target("a").mem_mib == DEV.mem_total_mib
 
 
+def test_a_one_second_jump_past_the_start_up_is_extrapolated_less_than_a_ramp() -> None:
+    # a serving engine's cache jumps 3 GB in one second, 60 s into its run: five seconds of that
+    # slope ask for 15 GB more; as a jump it is extrapolated `ramp_jump_ahead_s` (here 1 s)
+    cfg = replace(BASE, ramp_min_s=1.0, ramp_ahead_s=5.0, ramp_last_rate=1.0, start_window_s=10.0,
+                  start_ramp_window_s=30.0, ramp_jump_s=2.0, ramp_jump_ahead_s=1.0)
+    a = app("a", granted_mem_mib=71_400, used_mem_mib=73_000, forecast_mem_p90_mib=71_000, mem_ramp_s=1.0,
+            mem_ramp_rate_mib_s=3_000.0, mem_ramp_last_mib_s=3_000.0, last_mem_change_s=50.0, active_s=60.0)
+    assert plan([a], [DEV], 100.0, cfg).target("a").mem_mib == pytest.approx((73_000 + 3_000) * 1.02)
+    assert plan([a], [DEV], 100.0, replace(cfg, ramp_jump_ahead_s=0.0)).target("a").mem_mib == pytest.approx(
+        73_000 * 1.02)
+    # off: the ramp rule as before, the whole 80 GB device
+    assert plan([a], [DEV], 100.0, replace(cfg, ramp_jump_s=0.0)).target("a").mem_mib == DEV.mem_total_mib
+    # a rise that goes on into a second second is a ramp: extrapolated in full
+    ramp = replace(a, mem_ramp_s=2.0)
+    assert plan([ramp], [DEV], 100.0, cfg).target("a").mem_mib == DEV.mem_total_mib
+    # in the start-up windows a first step is a ramp's beginning: extrapolated in full
+    starting = replace(a, used_mem_mib=8_000, forecast_mem_p90_mib=7_000, granted_mem_mib=7_200, active_s=20.0)
+    assert plan([starting], [DEV], 100.0, cfg).target("a").mem_mib == pytest.approx((8_000 + 5 * 3_000) * 1.02)
+
+
 def test_usage_history_keeps_the_bursts_that_came_back_down() -> None:
     from vgpu.allocator.policy.forecast import UsageHistory
 

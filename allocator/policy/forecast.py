@@ -259,6 +259,15 @@ class PolicyConfig:
     # large step extrapolated at its own slope for `ramp_ahead_s` would otherwise grant several
     # times what the application holds. 0: no cap (the device's capacity still bounds it)
     ramp_cap_frac: float = 0.0
+    # a memory ramp that has risen for under `ramp_jump_s` seconds is a jump, not yet a ramp: its rate
+    # is extrapolated only `ramp_jump_ahead_s` (0: not at all, the end is the forecast P90 or the usage)
+    # instead of `ramp_ahead_s`. A serving engine's cache jumps in one second, then stays flat: five
+    # seconds of that slope ask for the whole GPU, held for the dwell and the slow shrink after it,
+    # while a ramp that goes on into the next second is extrapolated in full from then. Only past the
+    # start-up windows (`start_window_s`, `start_ramp_window_s`, from the first real use): a
+    # start-up's first step is the beginning of its ramp. 0: off
+    ramp_jump_s: float = 0.0
+    ramp_jump_ahead_s: float = 0.0
     # an application starting (under `start_window_s` of history) is on the ramp of its start-up,
     # which the forecast has not seen yet: its memory grant is at least its cold-start size, or
     # without one its usage plus `start_headroom_mib` (plus the margin). 0: off
@@ -344,7 +353,7 @@ class PolicyConfig:
                      "min_sm_pct", "min_change_frac", "dwell_s", "mem_bump_frac", "mem_bump_min_mib",
                      "sm_bump_pct", "mem_shrink_dwell_s", "sm_shrink_dwell_s", "sm_min_change_pct",
                      "mem_lead_frac", "ramp_min_s", "ramp_ahead_s", "ramp_last_rate", "ramp_frac", "ramp_frac_min_s",
-                     "ramp_cap_frac",
+                     "ramp_cap_frac", "ramp_jump_s", "ramp_jump_ahead_s",
                      "mem_shrink_window_s", "mem_shrink_peak_mult", "hard_limit_at_frac",
                      "start_window_s", "start_headroom_mib", "start_from_use", "start_ramp_frac",
                      "start_ramp_window_s", "start_ramp_min_s", "contended_full_power", "mem_trust_s",
@@ -664,7 +673,11 @@ def _ramp_end(app: AppState, config: PolicyConfig) -> float:
     if config.ramp_last_rate > 0 and not math.isnan(app.mem_ramp_last_mib_s):
         rate = app.mem_ramp_last_mib_s if math.isnan(rate) else max(rate, app.mem_ramp_last_mib_s)
     if not math.isnan(rate) and rate > 0:
-        end = app.used_mem_mib + rate * config.ramp_ahead_s
+        ahead_s = config.ramp_ahead_s
+        if app.mem_ramp_s < config.ramp_jump_s and app.active_s >= max(config.start_ramp_window_s, config.start_window_s):
+            # a jump past the start-up windows (in a start-up, a first step is a ramp's beginning)
+            ahead_s = min(ahead_s, config.ramp_jump_ahead_s)
+        end = app.used_mem_mib + rate * ahead_s
         if config.ramp_cap_frac > 0:
             end = min(end, app.used_mem_mib * (1.0 + config.ramp_cap_frac))
         if config.mem_burst_ramp_cap > 0 and config.mem_burst_window_s > 0 and app.mem_burst_mib > 0:
