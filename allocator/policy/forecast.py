@@ -674,8 +674,7 @@ def _ramp_end(app: AppState, config: PolicyConfig) -> float:
         rate = app.mem_ramp_last_mib_s if math.isnan(rate) else max(rate, app.mem_ramp_last_mib_s)
     if not math.isnan(rate) and rate > 0:
         ahead_s = config.ramp_ahead_s
-        if app.mem_ramp_s < config.ramp_jump_s and app.active_s >= max(config.start_ramp_window_s, config.start_window_s):
-            # a jump past the start-up windows (in a start-up, a first step is a ramp's beginning)
+        if _is_jump(app, config):
             ahead_s = min(ahead_s, config.ramp_jump_ahead_s)
         end = app.used_mem_mib + rate * ahead_s
         if config.ramp_cap_frac > 0:
@@ -688,6 +687,13 @@ def _ramp_end(app: AppState, config: PolicyConfig) -> float:
     if not math.isnan(app.expected_mem_mib) and app.expected_mem_mib > app.used_mem_mib:
         ends.append(app.expected_mem_mib)
     return max(ends) * (1.0 + config.mem_margin_frac)
+
+
+def _is_jump(app: AppState, config: PolicyConfig) -> bool:
+    """Whether a memory rise is a jump, not yet a ramp (`ramp_jump_s`): it has gone on for under
+    `ramp_jump_s`, past the start-up windows (in a start-up a first step is a ramp's beginning)."""
+    return (app.mem_ramp_s < config.ramp_jump_s
+            and app.active_s >= max(config.start_ramp_window_s, config.start_window_s))
 
 
 def _start_up(app: AppState, config: PolicyConfig) -> float:
