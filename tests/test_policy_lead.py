@@ -568,6 +568,41 @@ def test_a_one_second_jump_past_the_start_up_is_extrapolated_less_than_a_ramp() 
     assert plan([starting], [DEV], 100.0, cfg).target("a").mem_mib == pytest.approx((8_000 + 5 * 3_000) * 1.02)
 
 
+def test_a_jump_that_stays_flat_gives_back_its_grant_at_once() -> None:
+    # a second ago the cache jumped 70 -> 73 GB and was granted the whole device (5 s of its slope);
+    # now it is flat: the grant goes back to the forecast at once, not after the dwell and slow shrink
+    cfg = replace(BASE, ramp_min_s=1.0, ramp_ahead_s=5.0, start_window_s=10.0, start_ramp_window_s=30.0,
+                  mem_shrink_dwell_s=10.0, mem_shrink_step_frac=0.25, ramp_jump_s=2.0, ramp_jump_ahead_s=5.0,
+                  ramp_jump_release=1.0)
+    a = app("a", granted_mem_mib=80_000, used_mem_mib=73_000, forecast_mem_p90_mib=73_500, mem_ramp_s=0.0,
+            mem_ramp_prev_s=1.0, last_mem_change_s=99.0, active_s=60.0)
+    released = plan([a], [DEV], 100.0, cfg).target("a")
+    assert released.mem_mib == pytest.approx(73_500 * 1.02) and released.reason_mem == "jump-ended"
+    # off: held by the dwell
+    assert plan([a], [DEV], 100.0, replace(cfg, ramp_jump_release=0.0)).target("a").mem_mib == 80_000
+    # not a jump that ended: still rising, a ramp of 2 s that stopped, a grant that changed 5 s ago,
+    # or a start-up's first step
+    for held in (replace(a, mem_ramp_s=1.0), replace(a, mem_ramp_prev_s=2.0), replace(a, last_mem_change_s=95.0),
+                 replace(a, active_s=20.0)):
+        assert plan([held], [DEV], 100.0, cfg).target("a").mem_mib >= 80_000 * 0.75
+
+
+def test_the_daemons_policy_gives_back_a_jumps_grant_once_the_usage_is_flat() -> None:
+    def run(config: PolicyConfig, tail: list[float]) -> float:
+        # 60 s at 70 GB; the cache jumps to 73 GB in one second (the forecast says the last value)
+        used = [70_000.0] * 60 + [73_000.0] + tail
+        return _daemon_grant_mib(config, [(u, u) for u in used])
+
+    cfg = replace(PREDICTIVE_CONFIG, confidence_multiplier=0.0)
+    assert (cfg.ramp_jump_s, cfg.ramp_jump_release) == (2.0, 1.0)
+    # one flat second after the jump: back to the usage plus the margin
+    assert run(cfg, [73_000.0]) == pytest.approx(73_000 * 1.02)
+    # off: the jump's 5 s of slope (the whole simulated H100) held by the dwell
+    assert run(replace(cfg, ramp_jump_release=0.0), [73_000.0]) > 80_000
+    # a rise that goes on is a ramp: its extrapolation stays
+    assert run(cfg, [76_000.0]) > 80_000
+
+
 def test_usage_history_keeps_the_bursts_that_came_back_down() -> None:
     from vgpu.allocator.policy.forecast import UsageHistory
 
