@@ -718,7 +718,7 @@ def replay(
                     old, used_mem_mib=used_m, used_sm_pct=used_s,
                     forecast_mem_p90_mib=f_m, forecast_sm_p90_pct=f_s, history_s=float(k + 1),
                     mem_ramp_s=float(a.ramp_s[k]), mem_ramp_rate_mib_s=float(a.ramp_rate[k]),
-                    mem_ramp_last_mib_s=float(a.ramp_last[k]),
+                    mem_ramp_last_mib_s=float(a.ramp_last[k]), mem_ramp_prev_s=float(a.ramp_s[k - 1]) if k > 0 else 0.0,
                     recent_peak_mem_mib=float(a.mem[max(0, k - window + 1): k + 1].max()) if window > 0 else math.nan,
                     active_s=active_s,
                     mem_p90_covered_s=covered[p].get(a.app_id, 0.0), mem_burst_mib=burst_mib,

@@ -234,6 +234,56 @@ def _daemon_grant_mib(config: PolicyConfig, seconds: list[tuple[float, float]]) 
     return g.memory_mib
 
 
+def _daemon_grant_steps_mib(config: PolicyConfig, steps: list[tuple[float, float, float]],
+                            first_use_ago_s: float = math.nan) -> float:
+    """Like `_daemon_grant_mib`, with a recommendation per (seconds until the next one, forecast
+    P90, usage in MiB), and the manager's first use of the GPU `first_use_ago_s` before the first
+    recommendation (NaN: not said)."""
+    from vgpu.allocator.core import Allocator
+    from vgpu.allocator.policy.base import Recommendation
+    from vgpu.allocator.policy.forecast import ForecastPolicy
+    from vgpu.device.sim import ManualClock, SimBackend
+
+    clock = ManualClock(1000.0)
+    first_use_s = clock() - first_use_ago_s
+    backend = SimBackend(["h100-80gb"], clock=clock)
+    uuid = backend.devices()[0].uuid
+    alloc = Allocator(backend, clock=clock, dry_run=False, policy=ForecastPolicy(config))
+    for seq, (step_s, p90, used) in enumerate(steps, start=1):
+        alloc.apply_recommendations([Recommendation("a", uuid, p90, 20, mem_p90_peak_mib=p90, sm_p90_peak_pct=20,
+                                                    mem_used_mib=used, sm_util_pct=20, for_seq=seq,
+                                                    first_use_s=first_use_s)])
+        clock.advance(step_s)
+    (g,) = alloc.ledger.grants()
+    alloc.stop()
+    return g.memory_mib
+
+
+def test_the_daemons_policy_keeps_room_for_a_burst_inside_one_second() -> None:
+    # 40 s at 20 GB; then, half a second into a second, a 10 GB burst: the daemon plans twice in that
+    # second and keeps the larger usage for it, so the next second (still 30 GB) is no rise over it.
+    # The replay judges the second's rise all the same; so must the daemon
+    steps = ([(1.0, 20_000.0, 20_000.0)] * 40 + [(0.5, 20_000.0, 20_000.0), (0.5, 30_000.0, 30_000.0)]
+             + [(1.0, 30_000.0, 30_000.0)] * 20 + [(1.0, 20_000.0, 20_000.0)] * 60)
+    cfg = replace(PREDICTIVE_CONFIG, confidence_multiplier=0.0)
+    assert _daemon_grant_steps_mib(cfg, steps) == pytest.approx(30_000 * 1.02)
+    assert _daemon_grant_steps_mib(replace(cfg, mem_burst_window_s=0.0), steps) == pytest.approx(20_000 * 1.02)
+
+
+def test_the_daemons_policy_counts_a_burst_s_age_from_the_managers_first_use() -> None:
+    # the policy first sees the application 100 s after the manager saw its first use (a daemon that
+    # restarted, or a recommendation that came late); its cache bursts 10 s later: 110 s into its
+    # run, past the 30 s start-up windows, as the replay (and the start-up window) count it
+    used = [20_000.0] * 10 + [30_000.0] * 20 + [20_000.0] * 60
+    steps = [(1.0, u, u) for u in used]
+    cfg = replace(PREDICTIVE_CONFIG, confidence_multiplier=0.0)
+    assert _daemon_grant_steps_mib(cfg, steps, first_use_ago_s=100.0) == pytest.approx(30_000 * 1.02)
+    # not said: from the first use the policy saw itself, 10 s before: the start-up's business
+    assert _daemon_grant_steps_mib(cfg, steps) == pytest.approx(20_000 * 1.02)
+    # said, but not used yet (inf): no burst either (the start-up's headroom over the usage instead)
+    assert _daemon_grant_steps_mib(cfg, steps, first_use_ago_s=-math.inf) == pytest.approx((20_000 + 1024) * 1.02)
+
+
 def test_the_daemons_policy_grants_a_ramp_it_saw_through_recommendations() -> None:
     def run(config: PolicyConfig) -> float:
         # the forecast trails the ramp (it says the last value)
@@ -496,6 +546,61 @@ def test_a_bursty_application_s_ramp_is_extrapolated_at_most_one_burst_ahead() -
     assert plan([a], [DEV], 100.0, replace(cfg, mem_burst_ramp_cap=0.0)).target("a").mem_mib == DEV.mem_total_mib
     # no burst seen yet: the ramp rule as for any other application
     assert plan([replace(a, mem_burst_mib=0.0)], [DEV], 100.0, cfg).target("a").mem_mib == DEV.mem_total_mib
+
+
+def test_a_one_second_jump_past_the_start_up_is_extrapolated_less_than_a_ramp() -> None:
+    # a serving engine's cache jumps 3 GB in one second, 60 s into its run: five seconds of that
+    # slope ask for 15 GB more; as a jump it is extrapolated `ramp_jump_ahead_s` (here 1 s)
+    cfg = replace(BASE, ramp_min_s=1.0, ramp_ahead_s=5.0, ramp_last_rate=1.0, start_window_s=10.0,
+                  start_ramp_window_s=30.0, ramp_jump_s=2.0, ramp_jump_ahead_s=1.0)
+    a = app("a", granted_mem_mib=71_400, used_mem_mib=73_000, forecast_mem_p90_mib=71_000, mem_ramp_s=1.0,
+            mem_ramp_rate_mib_s=3_000.0, mem_ramp_last_mib_s=3_000.0, last_mem_change_s=50.0, active_s=60.0)
+    assert plan([a], [DEV], 100.0, cfg).target("a").mem_mib == pytest.approx((73_000 + 3_000) * 1.02)
+    assert plan([a], [DEV], 100.0, replace(cfg, ramp_jump_ahead_s=0.0)).target("a").mem_mib == pytest.approx(
+        73_000 * 1.02)
+    # off: the ramp rule as before, the whole 80 GB device
+    assert plan([a], [DEV], 100.0, replace(cfg, ramp_jump_s=0.0)).target("a").mem_mib == DEV.mem_total_mib
+    # a rise that goes on into a second second is a ramp: extrapolated in full
+    ramp = replace(a, mem_ramp_s=2.0)
+    assert plan([ramp], [DEV], 100.0, cfg).target("a").mem_mib == DEV.mem_total_mib
+    # in the start-up windows a first step is a ramp's beginning: extrapolated in full
+    starting = replace(a, used_mem_mib=8_000, forecast_mem_p90_mib=7_000, granted_mem_mib=7_200, active_s=20.0)
+    assert plan([starting], [DEV], 100.0, cfg).target("a").mem_mib == pytest.approx((8_000 + 5 * 3_000) * 1.02)
+
+
+def test_a_jump_that_stays_flat_gives_back_its_grant_at_once() -> None:
+    # a second ago the cache jumped 70 -> 73 GB and was granted the whole device (5 s of its slope);
+    # now it is flat: the grant goes back to the forecast at once, not after the dwell and slow shrink
+    cfg = replace(BASE, ramp_min_s=1.0, ramp_ahead_s=5.0, start_window_s=10.0, start_ramp_window_s=30.0,
+                  mem_shrink_dwell_s=10.0, mem_shrink_step_frac=0.25, ramp_jump_s=2.0, ramp_jump_ahead_s=5.0,
+                  ramp_jump_release=1.0)
+    a = app("a", granted_mem_mib=80_000, used_mem_mib=73_000, forecast_mem_p90_mib=73_500, mem_ramp_s=0.0,
+            mem_ramp_prev_s=1.0, last_mem_change_s=99.0, active_s=60.0)
+    released = plan([a], [DEV], 100.0, cfg).target("a")
+    assert released.mem_mib == pytest.approx(73_500 * 1.02) and released.reason_mem == "jump-ended"
+    # off: held by the dwell
+    assert plan([a], [DEV], 100.0, replace(cfg, ramp_jump_release=0.0)).target("a").mem_mib == 80_000
+    # not a jump that ended: still rising, a ramp of 2 s that stopped, a grant that changed 5 s ago,
+    # or a start-up's first step
+    for held in (replace(a, mem_ramp_s=1.0), replace(a, mem_ramp_prev_s=2.0), replace(a, last_mem_change_s=95.0),
+                 replace(a, active_s=20.0)):
+        assert plan([held], [DEV], 100.0, cfg).target("a").mem_mib >= 80_000 * 0.75
+
+
+def test_the_daemons_policy_gives_back_a_jumps_grant_once_the_usage_is_flat() -> None:
+    def run(config: PolicyConfig, tail: list[float]) -> float:
+        # 60 s at 70 GB; the cache jumps to 73 GB in one second (the forecast says the last value)
+        used = [70_000.0] * 60 + [73_000.0] + tail
+        return _daemon_grant_mib(config, [(u, u) for u in used])
+
+    cfg = replace(PREDICTIVE_CONFIG, confidence_multiplier=0.0)
+    assert (cfg.ramp_jump_s, cfg.ramp_jump_release) == (2.0, 1.0)
+    # one flat second after the jump: back to the usage plus the margin
+    assert run(cfg, [73_000.0]) == pytest.approx(73_000 * 1.02)
+    # off: the jump's 5 s of slope (the whole simulated H100) held by the dwell
+    assert run(replace(cfg, ramp_jump_release=0.0), [73_000.0]) > 80_000
+    # a rise that goes on is a ramp: its extrapolation stays
+    assert run(cfg, [76_000.0]) > 80_000
 
 
 def test_usage_history_keeps_the_bursts_that_came_back_down() -> None:

@@ -569,3 +569,28 @@ def test_a_cache_that_bursts_again_is_granted_room_for_the_next_burst() -> None:
     assert run(bursty, "mem_burst_window_s=0")["oom_events"] == 4
     on, off = run(stepped), run(stepped, "mem_burst_window_s=0")
     assert (on["oom_events"], on["mem_slack_frac"]) == (off["oom_events"], off["mem_slack_frac"])
+
+
+def test_a_cache_that_jumps_and_stays_flat_gets_its_jumps_grant_back_at_once() -> None:
+    # a serving engine's cache grows 1.5 GB in one second every 30 s and stays: each jump extrapolated
+    # at its slope for 5 s asks 7.5 GB more, held for the dwell and the slow shrink without the rule
+    mem = [60_000.0] * 60
+    for _ in range(8):
+        mem += [mem[-1] + 1_500.0] * 30
+    jumpy = R.pack(R.prepare([app_trace("a", mem, [10.0] * len(mem))])[0], SKU)
+    # a ramp that goes on (1 GB a second for 20 s): its extrapolation stays
+    ramp = [20_000.0] * 60 + [20_000.0 + 1_000.0 * i for i in range(1, 21)] + [40_000.0] * 100
+    ramping = R.pack(R.prepare([app_trace("b", ramp, [10.0] * len(ramp))])[0], SKU)
+
+    def run(apps: list[R.ReplayApp], *sets: str) -> R.Result:
+        config, _ = R.config_overrides(PREDICTIVE_CONFIG, list(sets))
+        return R.replay(apps, SKU, _LastValueP90(), policies=("predictive",),  # type: ignore[arg-type]
+                        configs={"predictive": config}, kill_on_oom=False)[0]
+
+    assert PREDICTIVE_CONFIG.ramp_jump_release == 1.0
+    on, off = run(jumpy), run(jumpy, "ramp_jump_release=0")
+    # each jump is unforeseen by a last-value forecast: overruns either way, none added by the rule
+    assert on["oom_events"] <= off["oom_events"]
+    assert on["mem_slack_frac"] < off["mem_slack_frac"] - 0.02
+    on, off = run(ramping), run(ramping, "ramp_jump_release=0")
+    assert (on["oom_events"], on["mem_slack_frac"]) == (off["oom_events"], off["mem_slack_frac"])
