@@ -25,8 +25,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+# the replay beside it as a top-level module, as the other bench scripts import their siblings (bench/ is
+# not a package: mypy, which checks bench/, names bench/replay.py "replay")
+sys.path.insert(0, str(ROOT / "bench"))
 
-from bench import replay as R  # noqa: E402
+import replay as R  # noqa: E402
+
 from vgpu.allocator.policy.forecast import PREDICTIVE_CONFIG, AppState, PolicyConfig, Target  # noqa: E402
 from vgpu.device.skus import Sku, get_sku  # noqa: E402
 from vgpu.manager.forecast import Forecaster  # noqa: E402

@@ -14,11 +14,12 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import replay as R  # noqa: E402
 from bench import replay_events as E  # noqa: E402
 from vgpu.device.skus import get_sku  # noqa: E402
 from vgpu.manager.baselines import LastValueForecaster  # noqa: E402
 from vgpu.traces import AppTrace, write_trace  # noqa: E402
+
+R = E.R  # the replay module the tool itself uses
 
 SKU = get_sku("h100-80gb")
 # 60 s flat at 20 GB, then a 10 GB jump the last value cannot foresee, held for 20 s
