@@ -97,3 +97,23 @@ def test_requesting_an_id_another_client_owns_says_where_the_token_was_looked_fo
     # the daemon's copy, read with --state-dir, lets the operator act for the application
     ok = vgpu("request", *sock, "--state-dir", str(env.state), "--app", "taken", "--memory-mib", "10", env=other)
     assert ok.returncode == 0, ok.stderr
+
+
+def test_a_word_where_an_amount_is_expected_is_named_as_such(tmp_path: Path) -> None:
+    sock = ["--socket", str(tmp_path / "none.sock")]  # never reached: the command line is refused first
+    for args, option in ((("request", "--app", "a", "--memory-mib", "abc"), "--memory-mib"),
+                         (("request", "--app", "a", "--memory-mib", "1", "--wait-s", "soon"), "--wait-s"),
+                         (("set-limit", "--app", "a", "--max-memory-mib", "x"), "--max-memory-mib")):
+        r = vgpu(*args, *sock)
+        assert r.returncode == 2, r.stderr
+        last = r.stderr.strip().splitlines()[-1]
+        assert f"argument {option}: must be a number, got" in last, r.stderr
+        assert "_nonneg" not in r.stderr  # no parser's internal name
+
+
+def test_report_to_a_file_it_cannot_draw_is_a_usage_error_before_the_daemon_is_asked(tmp_path: Path) -> None:
+    out = tmp_path / "picture.txt"
+    r = vgpu("report", "--socket", str(tmp_path / "none.sock"), "--app", "a", "--out", str(out))
+    assert r.returncode == 2, r.stderr  # a command line that cannot be carried out, not a refusal (1)
+    assert r.stderr.strip() == f"vgpu report: --out {out}: the picture must end in .png, .svg or .html", r.stderr
+    assert not out.exists()

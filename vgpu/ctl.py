@@ -513,7 +513,11 @@ def apps_main(argv: Sequence[str] | None = None, prog: str = "vgpu apps", *, out
 
 # --- request / release -----------------------------------------------------------------------------------
 def _nonneg(text: str) -> float:
-    value = float(text)
+    """A finite number >= 0 (an amount of memory, a share, a wait)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
