@@ -4,6 +4,7 @@ subprocess): each is said, with what to do, and the exit status says it failed w
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import subprocess
@@ -117,3 +118,15 @@ def test_report_to_a_file_it_cannot_draw_is_a_usage_error_before_the_daemon_is_a
     assert r.returncode == 2, r.stderr  # a command line that cannot be carried out, not a refusal (1)
     assert r.stderr.strip() == f"vgpu report: --out {out}: the picture must end in .png, .svg or .html", r.stderr
     assert not out.exists()
+
+
+def test_doctor_with_no_daemon_says_the_backend_it_checked_came_from_the_flag(tmp_path: Path) -> None:
+    common = ["doctor", "--socket", str(tmp_path / "none.sock"), "--state-dir", str(tmp_path), "--json"]
+    given = vgpu(*common, "--backend", "sim:h100-80gb")
+    assert given.returncode == 1, given.stderr  # the socket check fails: no daemon
+    (line,) = [c for c in json.loads(given.stdout) if c["name"] == "backend"]
+    assert line["detail"].startswith("sim:h100-80gb (checked as --backend asks: no daemon answers at "), line
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VGPU_")}
+    configured = vgpu(*common, env=dict(env, VGPU_SERVER_BACKEND="sim:a100-40gb"))
+    (line,) = [c for c in json.loads(configured.stdout) if c["name"] == "backend"]
+    assert line["detail"].startswith("sim:a100-40gb (checked as configured: no daemon answers at "), line

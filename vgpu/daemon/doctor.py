@@ -232,11 +232,12 @@ def choose_backend(configured: str, *, given: bool, socket_path: Path,
     `given` (then a daemon on another backend is a warning)."""
     resp = answer[0] if answer is not None else None
     running = resp.backend if resp is not None else ""
+    source = "as --backend asks" if given else "as configured"
     if resp is None:
-        return BackendChoice(configured, Check("backend", "OK", f"{configured} (checked as configured: no daemon "
+        return BackendChoice(configured, Check("backend", "OK", f"{configured} (checked {source}: no daemon "
                                                f"answers at {socket_path} to say which it runs on)"))
     if not running:
-        return BackendChoice(configured, Check("backend", "WARN", f"{configured} (checked as configured: the daemon "
+        return BackendChoice(configured, Check("backend", "WARN", f"{configured} (checked {source}: the daemon "
                                                f"at {socket_path} does not say which backend it runs on)"))
     if given and not _same_backend(configured, running):
         return BackendChoice(configured, Check("backend", "WARN", f"{configured} (checked as --backend asks), but "
