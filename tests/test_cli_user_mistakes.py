@@ -130,3 +130,15 @@ def test_doctor_with_no_daemon_says_the_backend_it_checked_came_from_the_flag(tm
     configured = vgpu(*common, env=dict(env, VGPU_SERVER_BACKEND="sim:a100-40gb"))
     (line,) = [c for c in json.loads(configured.stdout) if c["name"] == "backend"]
     assert line["detail"].startswith("sim:a100-40gb (checked as configured: no daemon answers at "), line
+
+
+def test_a_job_detail_without_its_model_type_is_refused_not_dropped(tmp_path: Path) -> None:
+    sock = ["--socket", str(tmp_path / "none.sock")]  # never reached: the command line is refused first
+    alone = vgpu("request", *sock, "--app", "a", "--batch-size", "64")
+    assert alone.returncode == 2, alone.stderr
+    assert alone.stderr.strip() == ("vgpu request: --batch-size describes a job only with --model-type "
+                                    "(e.g. resnet50): give it too, or leave it out"), alone.stderr
+    # with a memory amount the job was sent without these fields before: now it is said, not dropped
+    beside = vgpu("request", *sock, "--app", "a", "--memory-mib", "10", "--batch-size", "64", "--precision", "fp16")
+    assert beside.returncode == 2, beside.stderr
+    assert "--batch-size, --precision describe a job only with --model-type" in beside.stderr, beside.stderr

@@ -559,6 +559,12 @@ def request_main(argv: Sequence[str] | None = None, prog: str = "vgpu request", 
         job.add_argument("--mode", default="", help="train (default) or infer")
 
     def body(ns: argparse.Namespace, c: Client, o: TextIO) -> int:
+        # The job goes to the daemon only with its model type; its other fields alone would be dropped.
+        stray = [f"--{name.replace('_', '-')}" for name in _JOB_DETAILS if getattr(ns, name)]
+        if stray and not ns.model_type:
+            raise UsageError(f"{', '.join(stray)} describe{'s' if len(stray) == 1 else ''} a job only with "
+                             "--model-type (e.g. resnet50): give it too, or leave "
+                             f"{'it' if len(stray) == 1 else 'them'} out")
         if ns.memory_mib is None and not ns.model_type:
             raise UsageError("give --memory-mib, or describe the job (--model-type, --batch-size, ...) to have it sized")
         req = pb.RequestResourceAllocationRequest(
@@ -594,6 +600,10 @@ def request_main(argv: Sequence[str] | None = None, prog: str = "vgpu request", 
         return 0
 
     return _run(prog, argv, build, body, out, env)
+
+
+# The job's fields besides its model type (`vgpu request`'s options of the same names).
+_JOB_DETAILS = ("batch_size", "param_count", "input_size", "num_layers", "precision", "optimizer", "mode")
 
 
 def _owner_of(c: Client, grant_id: str) -> str | None:
