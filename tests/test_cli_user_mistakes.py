@@ -104,7 +104,8 @@ def test_a_word_where_an_amount_is_expected_is_named_as_such(tmp_path: Path) -> 
     sock = ["--socket", str(tmp_path / "none.sock")]  # never reached: the command line is refused first
     for args, option in ((("request", "--app", "a", "--memory-mib", "abc"), "--memory-mib"),
                          (("request", "--app", "a", "--memory-mib", "1", "--wait-s", "soon"), "--wait-s"),
-                         (("set-limit", "--app", "a", "--max-memory-mib", "x"), "--max-memory-mib")):
+                         (("set-limit", "--app", "a", "--max-memory-mib", "x"), "--max-memory-mib"),
+                         (("request", "--app", "a", "--memory-mib", "1", "--sm-pct", "half"), "--sm-pct")):
         r = vgpu(*args, *sock)
         assert r.returncode == 2, r.stderr
         last = r.stderr.strip().splitlines()[-1]
@@ -142,3 +143,13 @@ def test_a_job_detail_without_its_model_type_is_refused_not_dropped(tmp_path: Pa
     beside = vgpu("request", *sock, "--app", "a", "--memory-mib", "10", "--batch-size", "64", "--precision", "fp16")
     assert beside.returncode == 2, beside.stderr
     assert "--batch-size, --precision describe a job only with --model-type" in beside.stderr, beside.stderr
+
+
+def test_an_sm_share_above_100_is_a_usage_error_before_the_daemon_is_asked(tmp_path: Path) -> None:
+    sock = ["--socket", str(tmp_path / "none.sock")]  # never reached: the command line is refused first
+    for args, option in ((("request", "--app", "a", "--memory-mib", "1", "--sm-pct", "150"), "--sm-pct"),
+                         (("set-limit", "--app", "a", "--max-sm-pct", "101"), "--max-sm-pct")):
+        r = vgpu(*args, *sock)
+        assert r.returncode == 2, r.stderr  # the daemon would refuse it INVALID_ARGUMENT, exit 1
+        assert r.stderr.strip().splitlines()[-1].endswith(f"argument {option}: must be a share within 0..100 %, "
+                                                          f"got {args[-1]}"), r.stderr

@@ -523,6 +523,14 @@ def _nonneg(text: str) -> float:
     return value
 
 
+def _share_pct(text: str) -> float:
+    """An SM share, 0-100 % (the daemon refuses more; said here, as a usage error)."""
+    value = _nonneg(text)
+    if value > 100:
+        raise argparse.ArgumentTypeError(f"must be a share within 0..100 %, got {text}")
+    return value
+
+
 # How long a command that changes something asks again while the daemon answers "not ready, nothing
 # changed" (the client stub waits as long: vgpu.client.NOT_READY_WAIT_S).
 DEFAULT_WAIT_S = vclient.NOT_READY_WAIT_S
@@ -540,7 +548,7 @@ def request_main(argv: Sequence[str] | None = None, prog: str = "vgpu request", 
         p.add_argument("--app", required=True, help="application id")
         p.add_argument("--memory-mib", type=_nonneg, default=None,
                        help="memory to grant (MiB); leave out with --model-type to have the cold-start model size the job")
-        p.add_argument("--sm-pct", type=_nonneg, default=0.0,
+        p.add_argument("--sm-pct", type=_share_pct, default=0.0,
                        help="SM share to grant (%%); recorded and planned with, not enforced (no MPS limit is set)")
         p.add_argument("--device", default="", help="device UUID (default: the allocator chooses)")
         p.add_argument("--priority", type=INT32, default=0,
@@ -653,7 +661,7 @@ def set_limit_main(argv: Sequence[str] | None = None, prog: str = "vgpu set-limi
         p.add_argument("--app", required=True, help="application id (as vgpu apps lists it)")
         p.add_argument("--max-memory-mib", type=_nonneg,
                        help="most GPU memory (MiB) all the application's grants may hold together")
-        p.add_argument("--max-sm-pct", type=_nonneg, help="most SM share (%%) all its grants may hold together")
+        p.add_argument("--max-sm-pct", type=_share_pct, help="most SM share (%%) all its grants may hold together")
         p.add_argument("--priority", type=INT32,
                        help="the application's priority: under contention lower priorities yield first (negative "
                             "allowed); it overrides what its requests ask for and applies to the grants it holds")
