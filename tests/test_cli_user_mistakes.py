@@ -153,3 +153,11 @@ def test_an_sm_share_above_100_is_a_usage_error_before_the_daemon_is_asked(tmp_p
         assert r.returncode == 2, r.stderr  # the daemon would refuse it INVALID_ARGUMENT, exit 1
         assert r.stderr.strip().splitlines()[-1].endswith(f"argument {option}: must be a share within 0..100 %, "
                                                           f"got {args[-1]}"), r.stderr
+
+
+def test_doctor_refuses_a_signature_age_no_signature_can_be_under(tmp_path: Path) -> None:
+    for age in ("-1", "0", "nan", "soon"):
+        r = vgpu("doctor", "--socket", str(tmp_path / "none.sock"), "--state-dir", str(tmp_path),
+                 "--max-signature-age-s", age)
+        assert r.returncode == 2, r.stdout + r.stderr  # a usage error, not a FAIL line (1)
+        assert r.stdout == "" and "argument --max-signature-age-s: must be a" in r.stderr, r.stderr
