@@ -161,3 +161,18 @@ def test_doctor_refuses_a_signature_age_no_signature_can_be_under(tmp_path: Path
                  "--max-signature-age-s", age)
         assert r.returncode == 2, r.stdout + r.stderr  # a usage error, not a FAIL line (1)
         assert r.stdout == "" and "argument --max-signature-age-s: must be a" in r.stderr, r.stderr
+
+
+def test_a_change_with_no_answer_in_time_says_it_may_have_been_made(env: Env, serves: list[Serve]) -> None:
+    serves.append(Serve(env))
+    sock = ["--socket", str(env.sock), "--timeout-s", "0.000001"]  # no answer can come that fast
+    r = vgpu("request", *sock, "--app", "slow", "--memory-mib", "10", env=env.env)
+    assert r.returncode == 1, r.stderr
+    said = r.stderr.strip()
+    assert said.startswith("vgpu request: DEADLINE_EXCEEDED: no answer within 1e-06 s (--timeout-s); the daemon "
+                           "may have made the change all the same: see `vgpu apps`"), said
+    assert "/var/lib/vgpu/tokens/apps/" in said and "--state-dir" in said, said  # where its token would be
+    # a read changes nothing: it only says there was no answer in time
+    read = vgpu("available", *sock, env=env.env)
+    assert read.returncode == 1
+    assert read.stderr.strip() == "vgpu available: DEADLINE_EXCEEDED: no answer within 1e-06 s (--timeout-s)"

@@ -177,6 +177,8 @@ class Client:
                         f"cannot reach the vgpu daemon at {self.socket_path} ({exc.details()}); "
                         "is vgpu-manager running, and may you open its socket?"
                     ) from None
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise CliError(self._no_answer(method)) from None
                 if code == grpc.StatusCode.UNAUTHENTICATED and cached is not None:
                     cached.unlink(missing_ok=True)  # issued by another daemon instance
                 if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED) and tok is not None:
@@ -185,6 +187,18 @@ class Client:
                 raise CliError(f"{code.name}: {exc.details()}{self._owner_hint(exc, app_id)}") from None
         assert last is not None
         raise CliError(f"{last.code().name}: {last.details()}{self._owner_hint(last, app_id)}")
+
+    def _no_answer(self, method: str) -> str:
+        """No answer within the timeout: a change may have been made all the same (the call reached
+        the daemon), and a grant made so leaves its token with the daemon only."""
+        text = f"DEADLINE_EXCEEDED: no answer within {self.timeout_s:g} s (--timeout-s)"
+        if method not in _CHANGES:
+            return text
+        text += "; the daemon may have made the change all the same: see `vgpu apps` before running it again"
+        if method == "RequestResourceAllocation":
+            text += (f" (a grant made so keeps the application's token in "
+                     f"{auth.token_dir(self.tokens.state_dir) / 'apps'}/ only: give --state-dir to use it)")
+        return text
 
     def _waiting(self, exc: grpc.RpcError) -> None:
         if not self._noticed:
@@ -205,6 +219,10 @@ class Client:
                 f"{auth.app_token_file(app_id, self.tokens.state_dir)}; pass the file of the run that claimed it "
                 "with --token-file, or --state-dir (the daemon's) as a user who may read its tokens"
                 + (", or use another --app" if claimed else ""))
+
+
+# The calls that change something (the others only read).
+_CHANGES = frozenset({"RequestResourceAllocation", "ReleaseResources", "SetResourceLimits"})
 
 
 def _unreachable(exc: grpc.RpcError) -> bool:
