@@ -115,3 +115,14 @@ def test_ctrl_c_ends_the_run_early_with_its_summary_and_picture(tmp_path: Path) 
     assert 2.0 <= float(m[1]) < 10.0, out  # ended where it was interrupted, not after 120 s
     assert re.search(r"^  profiler ticks\s+\d+", out, re.MULTILINE), out
     assert f"picture: {picture}" in out and picture.stat().st_size > 0
+
+
+def test_json_with_a_picture_keeps_stdout_one_json_document(tmp_path: Path) -> None:
+    """`vgpu demo --json --plot FILE | jq .` as a user pipes it: the picture's path goes to stderr."""
+    picture = tmp_path / "demo.svg"
+    r = subprocess.run([sys.executable, "-m", "vgpu.cli", "demo", "--seconds", "2", "--json", "--baseline",
+                        "--plot", str(picture)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)  # the whole of stdout, nothing after the summary
+    assert summary["apps"] == 5
+    assert f"picture: {picture}" in r.stderr and picture.stat().st_size > 0

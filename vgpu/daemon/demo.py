@@ -469,7 +469,8 @@ def main(argv: Sequence[str], prog: str = "vgpu demo") -> int:
         print(describe(result))
     if args.plot:
         try:
-            print(f"picture: {plot_demo(result, args.plot, args.gpu)}")
+            # with --json, stdout holds the summary alone (one JSON document); the path goes to stderr
+            print(f"picture: {plot_demo(result, args.plot, args.gpu)}", file=sys.stderr if args.json else sys.stdout)
         except (OSError, ValueError) as exc:
             print(f"{prog}: cannot write the picture: {exc}", file=sys.stderr)
             return 1
