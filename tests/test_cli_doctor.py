@@ -83,7 +83,7 @@ def test_main_exits_1_on_failure_and_prints_a_line_per_check(tmp_path: Path) -> 
     assert names == ["config", "backend", "driver", "nvml", "privileges", "socket", "state", "model", "profiler"]
     assert all(line.split()[0] in ("OK", "WARN", "FAIL") for line in lines)
     assert lines[5].startswith("FAIL") and "does not exist" in lines[5]
-    assert "sim:h100-80gb (checked as configured: no daemon answers" in lines[1]
+    assert "sim:h100-80gb (checked as --backend asks: no daemon answers" in lines[1]
 
 
 def test_main_json_and_config_error(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ subprocess): each is said, with what to do, and the exit status says it failed w
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import subprocess
@@ -97,3 +98,81 @@ def test_requesting_an_id_another_client_owns_says_where_the_token_was_looked_fo
     # the daemon's copy, read with --state-dir, lets the operator act for the application
     ok = vgpu("request", *sock, "--state-dir", str(env.state), "--app", "taken", "--memory-mib", "10", env=other)
     assert ok.returncode == 0, ok.stderr
+
+
+def test_a_word_where_an_amount_is_expected_is_named_as_such(tmp_path: Path) -> None:
+    sock = ["--socket", str(tmp_path / "none.sock")]  # never reached: the command line is refused first
+    for args, option in ((("request", "--app", "a", "--memory-mib", "abc"), "--memory-mib"),
+                         (("request", "--app", "a", "--memory-mib", "1", "--wait-s", "soon"), "--wait-s"),
+                         (("set-limit", "--app", "a", "--max-memory-mib", "x"), "--max-memory-mib"),
+                         (("request", "--app", "a", "--memory-mib", "1", "--sm-pct", "half"), "--sm-pct")):
+        r = vgpu(*args, *sock)
+        assert r.returncode == 2, r.stderr
+        last = r.stderr.strip().splitlines()[-1]
+        assert f"argument {option}: must be a number, got" in last, r.stderr
+        assert "_nonneg" not in r.stderr  # no parser's internal name
+
+
+def test_report_to_a_file_it_cannot_draw_is_a_usage_error_before_the_daemon_is_asked(tmp_path: Path) -> None:
+    out = tmp_path / "picture.txt"
+    r = vgpu("report", "--socket", str(tmp_path / "none.sock"), "--app", "a", "--out", str(out))
+    assert r.returncode == 2, r.stderr  # a command line that cannot be carried out, not a refusal (1)
+    assert r.stderr.strip() == f"vgpu report: --out {out}: the picture must end in .png, .svg or .html", r.stderr
+    assert not out.exists()
+
+
+def test_doctor_with_no_daemon_says_the_backend_it_checked_came_from_the_flag(tmp_path: Path) -> None:
+    common = ["doctor", "--socket", str(tmp_path / "none.sock"), "--state-dir", str(tmp_path), "--json"]
+    given = vgpu(*common, "--backend", "sim:h100-80gb")
+    assert given.returncode == 1, given.stderr  # the socket check fails: no daemon
+    (line,) = [c for c in json.loads(given.stdout) if c["name"] == "backend"]
+    assert line["detail"].startswith("sim:h100-80gb (checked as --backend asks: no daemon answers at "), line
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VGPU_")}
+    configured = vgpu(*common, env=dict(env, VGPU_SERVER_BACKEND="sim:a100-40gb"))
+    (line,) = [c for c in json.loads(configured.stdout) if c["name"] == "backend"]
+    assert line["detail"].startswith("sim:a100-40gb (checked as configured: no daemon answers at "), line
+
+
+def test_a_job_detail_without_its_model_type_is_refused_not_dropped(tmp_path: Path) -> None:
+    sock = ["--socket", str(tmp_path / "none.sock")]  # never reached: the command line is refused first
+    alone = vgpu("request", *sock, "--app", "a", "--batch-size", "64")
+    assert alone.returncode == 2, alone.stderr
+    assert alone.stderr.strip() == ("vgpu request: --batch-size describes a job only with --model-type "
+                                    "(e.g. resnet50): give it too, or leave it out"), alone.stderr
+    # with a memory amount the job was sent without these fields before: now it is said, not dropped
+    beside = vgpu("request", *sock, "--app", "a", "--memory-mib", "10", "--batch-size", "64", "--precision", "fp16")
+    assert beside.returncode == 2, beside.stderr
+    assert "--batch-size, --precision describe a job only with --model-type" in beside.stderr, beside.stderr
+
+
+def test_an_sm_share_above_100_is_a_usage_error_before_the_daemon_is_asked(tmp_path: Path) -> None:
+    sock = ["--socket", str(tmp_path / "none.sock")]  # never reached: the command line is refused first
+    for args, option in ((("request", "--app", "a", "--memory-mib", "1", "--sm-pct", "150"), "--sm-pct"),
+                         (("set-limit", "--app", "a", "--max-sm-pct", "101"), "--max-sm-pct")):
+        r = vgpu(*args, *sock)
+        assert r.returncode == 2, r.stderr  # the daemon would refuse it INVALID_ARGUMENT, exit 1
+        assert r.stderr.strip().splitlines()[-1].endswith(f"argument {option}: must be a share within 0..100 %, "
+                                                          f"got {args[-1]}"), r.stderr
+
+
+def test_doctor_refuses_a_signature_age_no_signature_can_be_under(tmp_path: Path) -> None:
+    for age in ("-1", "0", "nan", "soon"):
+        r = vgpu("doctor", "--socket", str(tmp_path / "none.sock"), "--state-dir", str(tmp_path),
+                 "--max-signature-age-s", age)
+        assert r.returncode == 2, r.stdout + r.stderr  # a usage error, not a FAIL line (1)
+        assert r.stdout == "" and "argument --max-signature-age-s: must be a" in r.stderr, r.stderr
+
+
+def test_a_change_with_no_answer_in_time_says_it_may_have_been_made(env: Env, serves: list[Serve]) -> None:
+    serves.append(Serve(env))
+    sock = ["--socket", str(env.sock), "--timeout-s", "0.000001"]  # no answer can come that fast
+    r = vgpu("request", *sock, "--app", "slow", "--memory-mib", "10", env=env.env)
+    assert r.returncode == 1, r.stderr
+    said = r.stderr.strip()
+    assert said.startswith("vgpu request: DEADLINE_EXCEEDED: no answer within 1e-06 s (--timeout-s); the daemon "
+                           "may have made the change all the same: see `vgpu apps`"), said
+    assert "/var/lib/vgpu/tokens/apps/" in said and "--state-dir" in said, said  # where its token would be
+    # a read changes nothing: it only says there was no answer in time
+    read = vgpu("available", *sock, env=env.env)
+    assert read.returncode == 1
+    assert read.stderr.strip() == "vgpu available: DEADLINE_EXCEEDED: no answer within 1e-06 s (--timeout-s)"

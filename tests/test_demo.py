@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -85,3 +86,43 @@ def test_the_power_line_counts_the_changes_it_lists() -> None:
     path = [int(w) for w in changes[2].split(" -> ")]
     assert int(changes[1]) == len(path) - 1, line
     assert path[0] == start and path[-1] == end and min(path) == lowest, line
+
+
+def test_ctrl_c_ends_the_run_early_with_its_summary_and_picture(tmp_path: Path) -> None:
+    """`vgpu demo` interrupted as a user does it (SIGINT once the tables run): it stops at once and
+    still prints the summary of what ran, and draws the picture it was asked for."""
+    picture = tmp_path / "demo.svg"
+    proc = subprocess.Popen([sys.executable, "-m", "vgpu.cli", "demo", "--seconds", "120", "--baseline",
+                             "--plot", str(picture)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout is not None
+        seen = []
+        for line in proc.stdout:  # the first table line: the run is under way
+            seen.append(line)
+            if line.startswith("t=  2.0 s"):
+                break
+        assert seen and seen[-1].startswith("t=  2.0 s"), "".join(seen)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    m = re.search(r"^summary after (\d+\.\d) s", out, re.MULTILINE)
+    assert m is not None, out
+    assert 2.0 <= float(m[1]) < 10.0, out  # ended where it was interrupted, not after 120 s
+    assert re.search(r"^  profiler ticks\s+\d+", out, re.MULTILINE), out
+    assert f"picture: {picture}" in out and picture.stat().st_size > 0
+
+
+def test_json_with_a_picture_keeps_stdout_one_json_document(tmp_path: Path) -> None:
+    """`vgpu demo --json --plot FILE | jq .` as a user pipes it: the picture's path goes to stderr."""
+    picture = tmp_path / "demo.svg"
+    r = subprocess.run([sys.executable, "-m", "vgpu.cli", "demo", "--seconds", "2", "--json", "--baseline",
+                        "--plot", str(picture)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)  # the whole of stdout, nothing after the summary
+    assert summary["apps"] == 5
+    assert f"picture: {picture}" in r.stderr and picture.stat().st_size > 0

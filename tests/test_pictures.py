@@ -129,7 +129,7 @@ def test_report_draws_an_app_and_a_gpu_from_the_daemon(env: Env, serves: list[Se
     bad = cli(env, "report", "--app", "bert-train", "--since", "soon", "--out", str(tmp_path / "x.png"))
     assert bad.returncode == 2 and "a duration like" in bad.stderr
     wrong = cli(env, "report", "--app", "bert-train", "--out", str(tmp_path / "x.jpg"))
-    assert wrong.returncode == 1 and ".png" in wrong.stderr
+    assert wrong.returncode == 2 and ".png" in wrong.stderr
 
     browser = _chromium()
     if browser is None:

@@ -177,6 +177,8 @@ class Client:
                         f"cannot reach the vgpu daemon at {self.socket_path} ({exc.details()}); "
                         "is vgpu-manager running, and may you open its socket?"
                     ) from None
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise CliError(self._no_answer(method)) from None
                 if code == grpc.StatusCode.UNAUTHENTICATED and cached is not None:
                     cached.unlink(missing_ok=True)  # issued by another daemon instance
                 if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED) and tok is not None:
@@ -185,6 +187,18 @@ class Client:
                 raise CliError(f"{code.name}: {exc.details()}{self._owner_hint(exc, app_id)}") from None
         assert last is not None
         raise CliError(f"{last.code().name}: {last.details()}{self._owner_hint(last, app_id)}")
+
+    def _no_answer(self, method: str) -> str:
+        """No answer within the timeout: a change may have been made all the same (the call reached
+        the daemon), and a grant made so leaves its token with the daemon only."""
+        text = f"DEADLINE_EXCEEDED: no answer within {self.timeout_s:g} s (--timeout-s)"
+        if method not in _CHANGES:
+            return text
+        text += "; the daemon may have made the change all the same: see `vgpu apps` before running it again"
+        if method == "RequestResourceAllocation":
+            text += (f" (a grant made so keeps the application's token in "
+                     f"{auth.token_dir(self.tokens.state_dir) / 'apps'}/ only: give --state-dir to use it)")
+        return text
 
     def _waiting(self, exc: grpc.RpcError) -> None:
         if not self._noticed:
@@ -205,6 +219,10 @@ class Client:
                 f"{auth.app_token_file(app_id, self.tokens.state_dir)}; pass the file of the run that claimed it "
                 "with --token-file, or --state-dir (the daemon's) as a user who may read its tokens"
                 + (", or use another --app" if claimed else ""))
+
+
+# The calls that change something (the others only read).
+_CHANGES = frozenset({"RequestResourceAllocation", "ReleaseResources", "SetResourceLimits"})
 
 
 def _unreachable(exc: grpc.RpcError) -> bool:
@@ -513,9 +531,21 @@ def apps_main(argv: Sequence[str] | None = None, prog: str = "vgpu apps", *, out
 
 # --- request / release -----------------------------------------------------------------------------------
 def _nonneg(text: str) -> float:
-    value = float(text)
+    """A finite number >= 0 (an amount of memory, a share, a wait)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _share_pct(text: str) -> float:
+    """An SM share, 0-100 % (the daemon refuses more; said here, as a usage error)."""
+    value = _nonneg(text)
+    if value > 100:
+        raise argparse.ArgumentTypeError(f"must be a share within 0..100 %, got {text}")
     return value
 
 
@@ -536,7 +566,7 @@ def request_main(argv: Sequence[str] | None = None, prog: str = "vgpu request", 
         p.add_argument("--app", required=True, help="application id")
         p.add_argument("--memory-mib", type=_nonneg, default=None,
                        help="memory to grant (MiB); leave out with --model-type to have the cold-start model size the job")
-        p.add_argument("--sm-pct", type=_nonneg, default=0.0,
+        p.add_argument("--sm-pct", type=_share_pct, default=0.0,
                        help="SM share to grant (%%); recorded and planned with, not enforced (no MPS limit is set)")
         p.add_argument("--device", default="", help="device UUID (default: the allocator chooses)")
         p.add_argument("--priority", type=INT32, default=0,
@@ -555,6 +585,12 @@ def request_main(argv: Sequence[str] | None = None, prog: str = "vgpu request", 
         job.add_argument("--mode", default="", help="train (default) or infer")
 
     def body(ns: argparse.Namespace, c: Client, o: TextIO) -> int:
+        # The job goes to the daemon only with its model type; its other fields alone would be dropped.
+        stray = [f"--{name.replace('_', '-')}" for name in _JOB_DETAILS if getattr(ns, name)]
+        if stray and not ns.model_type:
+            raise UsageError(f"{', '.join(stray)} describe{'s' if len(stray) == 1 else ''} a job only with "
+                             "--model-type (e.g. resnet50): give it too, or leave "
+                             f"{'it' if len(stray) == 1 else 'them'} out")
         if ns.memory_mib is None and not ns.model_type:
             raise UsageError("give --memory-mib, or describe the job (--model-type, --batch-size, ...) to have it sized")
         req = pb.RequestResourceAllocationRequest(
@@ -590,6 +626,10 @@ def request_main(argv: Sequence[str] | None = None, prog: str = "vgpu request", 
         return 0
 
     return _run(prog, argv, build, body, out, env)
+
+
+# The job's fields besides its model type (`vgpu request`'s options of the same names).
+_JOB_DETAILS = ("batch_size", "param_count", "input_size", "num_layers", "precision", "optimizer", "mode")
 
 
 def _owner_of(c: Client, grant_id: str) -> str | None:
@@ -639,7 +679,7 @@ def set_limit_main(argv: Sequence[str] | None = None, prog: str = "vgpu set-limi
         p.add_argument("--app", required=True, help="application id (as vgpu apps lists it)")
         p.add_argument("--max-memory-mib", type=_nonneg,
                        help="most GPU memory (MiB) all the application's grants may hold together")
-        p.add_argument("--max-sm-pct", type=_nonneg, help="most SM share (%%) all its grants may hold together")
+        p.add_argument("--max-sm-pct", type=_share_pct, help="most SM share (%%) all its grants may hold together")
         p.add_argument("--priority", type=INT32,
                        help="the application's priority: under contention lower priorities yield first (negative "
                             "allowed); it overrides what its requests ask for and applies to the grants it holds")

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
-from vgpu.ctl import Client, CliError, _run
+from vgpu.ctl import Client, CliError, UsageError, _run
 from vgpu.v1 import allocator_pb2 as pb
 
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -45,7 +45,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu report", *, out: T
         from vgpu import plots
 
         if ns.out.suffix.lower() not in plots.FORMATS:
-            raise CliError(f"--out {ns.out}: write a {', '.join(plots.FORMATS)} file")
+            raise UsageError(f"--out {ns.out}: the picture must end in {', '.join(plots.FORMATS[:-1])} "
+                             f"or {plots.FORMATS[-1]}")
         devices, _ = c.call("GetAvailableResources", pb.GetAvailableResourcesRequest(), token=False)
         names = {d.device_id: f"GPU {d.index}" for d in devices.devices}
         device_id = ""

@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import re
+import signal
 import sys
 import tempfile
 import time
@@ -239,8 +241,10 @@ async def run_demo(
     live: TextIO | None = None,
     refresh_s: float = 1.0,
     period_s: float = 0.1,
+    end_on_sigint: bool = False,
 ) -> DemoResult:
-    """Run the pipeline for `seconds` of wall time; `live` receives the table every `refresh_s`."""
+    """Run the pipeline for `seconds` of wall time; `live` receives the table every `refresh_s`.
+    With `end_on_sigint`, SIGINT (Ctrl-C) ends the run there and the result covers what ran."""
     if trace is None:
         from vgpu.data import demo_trace_path  # noqa: PLC0415
 
@@ -290,14 +294,21 @@ async def run_demo(
         streamer = SignatureStreamer(source, address, period_s=period_s, profiler_id="demo")
         if live is not None:
             print(f"forecaster: {label}\n", file=live, flush=True)
+        ended = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        if end_on_sigint:
+            loop.add_signal_handler(signal.SIGINT, ended.set)
         started = time.monotonic()
         launcher = asyncio.create_task(launch_all())
         await asyncio.sleep(0)  # the first application runs before the first tick
         run = asyncio.create_task(streamer.run())
         try:
             deadline = started + seconds
-            while not run.done() and time.monotonic() < deadline:
-                await asyncio.sleep(min(refresh_s, max(0.0, deadline - time.monotonic())))
+            while not run.done() and time.monotonic() < deadline and not ended.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(ended.wait(), min(refresh_s, max(0.0, deadline - time.monotonic())))
+                if ended.is_set():
+                    break
                 min_limit = min(min_limit, device.power_limit_mw())
                 if live is not None and time.monotonic() < deadline + 0.05:
                     print(render_table(allocator, manager, backend, time.monotonic() - started) + "\n", file=live,
@@ -305,6 +316,8 @@ async def run_demo(
             streamer.stop()
             await run
         finally:
+            if end_on_sigint:
+                loop.remove_signal_handler(signal.SIGINT)
             launcher.cancel()
             await asyncio.gather(launcher, return_exceptions=True)
             if not run.done():
@@ -434,7 +447,7 @@ def main(argv: Sequence[str], prog: str = "vgpu demo") -> int:
         label = f"baseline ({getattr(forecaster, 'name', 'baseline')}), as asked"
     if not args.json:
         print(f"vgpu demo: {args.seconds:g} s on a simulated {args.gpu}, the bundled trace at {args.speed:g}x, "
-              "applications starting one by one; Ctrl-C ends early.")
+              "applications starting one by one; Ctrl-C ends early (with the summary).")
     try:
         result = asyncio.run(
             run_demo(
@@ -444,6 +457,7 @@ def main(argv: Sequence[str], prog: str = "vgpu demo") -> int:
                 forecaster=forecaster,
                 forecaster_label=label,
                 live=None if args.json else sys.stdout,
+                end_on_sigint=True,
             )
         )
     except KeyboardInterrupt:
@@ -455,7 +469,8 @@ def main(argv: Sequence[str], prog: str = "vgpu demo") -> int:
         print(describe(result))
     if args.plot:
         try:
-            print(f"picture: {plot_demo(result, args.plot, args.gpu)}")
+            # with --json, stdout holds the summary alone (one JSON document); the path goes to stderr
+            print(f"picture: {plot_demo(result, args.plot, args.gpu)}", file=sys.stderr if args.json else sys.stdout)
         except (OSError, ValueError) as exc:
             print(f"{prog}: cannot write the picture: {exc}", file=sys.stderr)
             return 1

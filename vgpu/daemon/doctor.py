@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import stat
 import sys
@@ -232,11 +233,12 @@ def choose_backend(configured: str, *, given: bool, socket_path: Path,
     `given` (then a daemon on another backend is a warning)."""
     resp = answer[0] if answer is not None else None
     running = resp.backend if resp is not None else ""
+    source = "as --backend asks" if given else "as configured"
     if resp is None:
-        return BackendChoice(configured, Check("backend", "OK", f"{configured} (checked as configured: no daemon "
+        return BackendChoice(configured, Check("backend", "OK", f"{configured} (checked {source}: no daemon "
                                                f"answers at {socket_path} to say which it runs on)"))
     if not running:
-        return BackendChoice(configured, Check("backend", "WARN", f"{configured} (checked as configured: the daemon "
+        return BackendChoice(configured, Check("backend", "WARN", f"{configured} (checked {source}: the daemon "
                                                f"at {socket_path} does not say which backend it runs on)"))
     if given and not _same_backend(configured, running):
         return BackendChoice(configured, Check("backend", "WARN", f"{configured} (checked as --backend asks), but "
@@ -356,6 +358,17 @@ def _fallback_config(path: Path | None, where: dict[str, str | None]) -> vconfig
     return vconfig.Config()
 
 
+def _age_s(text: str) -> float:
+    """A finite number of seconds > 0 (an age no signature could be under otherwise)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
+    return value
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "vgpu doctor", *, out: TextIO | None = None) -> int:
     p = argparse.ArgumentParser(prog=prog, description="Check what vgpu needs on this machine.")
     p.add_argument("--config", type=Path, help="configuration file (default /etc/vgpu/vgpu.toml if present)")
@@ -364,7 +377,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu doctor", *, out: T
     p.add_argument("--backend", help="check driver and NVML for this backend: nvml, sim, or sim:SKU[*N][,...] (default: the "
                    "one the daemon on the socket runs on, else server.backend of the configuration)")
     p.add_argument("--model", type=Path, help="forecaster checkpoint (default: manager.model, else the shipped model)")
-    p.add_argument("--max-signature-age-s", type=float, default=DEFAULT_MAX_SIGNATURE_AGE_S,
+    p.add_argument("--max-signature-age-s", type=_age_s, default=DEFAULT_MAX_SIGNATURE_AGE_S,
                    help=f"oldest newest-signature age that passes on a GPU with grants (default {DEFAULT_MAX_SIGNATURE_AGE_S:g})")
     p.add_argument("--json", action="store_true", help="print the checks as JSON")
     ns = p.parse_args(list(sys.argv[1:] if argv is None else argv))
