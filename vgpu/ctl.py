@@ -240,15 +240,20 @@ def _print_json(obj: object, out: TextIO) -> None:
     out.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
-def _positive(text: str) -> float:
-    """A finite number > 0 (a timeout, a period)."""
+def _number(text: str, *, zero_ok: bool) -> float:
+    """A finite number, > 0 or, with `zero_ok`, >= 0: the argument types below."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        raise argparse.ArgumentTypeError(f"must be a finite number {'>=' if zero_ok else '>'} 0, got {text}")
     return value
+
+
+def _positive(text: str) -> float:
+    """A finite number > 0 (a timeout, a period)."""
+    return _number(text, zero_ok=False)
 
 
 def _whole(lo: int, hi: int) -> Callable[[str], int]:
@@ -532,13 +537,7 @@ def apps_main(argv: Sequence[str] | None = None, prog: str = "vgpu apps", *, out
 # --- request / release -----------------------------------------------------------------------------------
 def _nonneg(text: str) -> float:
     """A finite number >= 0 (an amount of memory, a share, a wait)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
+    return _number(text, zero_ok=True)
 
 
 def _share_pct(text: str) -> float:
