@@ -1098,15 +1098,14 @@ class UsageHistory:
         its mean rate in MiB/s; NaN when not rising). `back`: as it was that many samples before the
         last (`AppState.mem_ramp_prev_s` with 1)."""
         samples = self._samples.get(app_id, [])
-        if back > 0:
-            samples = samples[:-back]
-        i = len(samples) - 1
+        last = len(samples) - 1 - max(back, 0)  # read in place: no copy of the history per plan
+        i = last
         while i > 0 and samples[i][1] > samples[i - 1][1] * (1 + self.rise_frac) and samples[i][1] > samples[i - 1][1]:
             i -= 1
-        if i == len(samples) - 1:
+        if i == last:
             return 0.0, math.nan
-        span = samples[-1][0] - samples[i][0]
-        return span, (samples[-1][1] - samples[i][1]) / span if span > 0 else math.nan
+        span = samples[last][0] - samples[i][0]
+        return span, (samples[last][1] - samples[i][1]) / span if span > 0 else math.nan
 
     def last_rise(self, app_id: str) -> float:
         """The rise of the ramp's last step per second (MiB/s); NaN when the usage is not rising."""
