@@ -587,20 +587,45 @@ def test_a_jump_that_stays_flat_gives_back_its_grant_at_once() -> None:
         assert plan([held], [DEV], 100.0, cfg).target("a").mem_mib >= 80_000 * 0.75
 
 
+def test_a_jump_in_a_start_up_that_grows_in_stages_keeps_its_grant() -> None:
+    # 60 s into its use (past the 30 s start-up windows) a job steps from 10 to 12 GB in one second and
+    # was granted 5 s of that slope; a start-up that grows in stages steps again a few seconds later, so
+    # within `ramp_jump_release_after_s` of use the flat second after a step does not give its grant back
+    cfg = replace(BASE, ramp_min_s=1.0, ramp_ahead_s=5.0, start_window_s=10.0, start_ramp_window_s=30.0,
+                  mem_shrink_dwell_s=10.0, mem_shrink_step_frac=0.25, ramp_jump_s=2.0, ramp_jump_ahead_s=5.0,
+                  ramp_jump_release=1.0, ramp_jump_release_after_s=90.0)
+    a = app("a", granted_mem_mib=22_440, used_mem_mib=12_000, forecast_mem_p90_mib=12_000, mem_ramp_s=0.0,
+            mem_ramp_prev_s=1.0, last_mem_change_s=99.0, active_s=60.0)
+    held = plan([a], [DEV], 100.0, cfg).target("a")
+    assert held.mem_mib == 22_440 and held.reason_mem != "jump-ended"
+    # without the window (0: the start-up windows only) the grant goes back to the forecast at once
+    released = plan([a], [DEV], 100.0, replace(cfg, ramp_jump_release_after_s=0.0)).target("a")
+    assert released.mem_mib == pytest.approx(12_000 * 1.02) and released.reason_mem == "jump-ended"
+    # past the window (the jump made at 90 s of use, judged at 91 s) a jump that stopped is released
+    late = plan([replace(a, active_s=91.0)], [DEV], 100.0, cfg).target("a")
+    assert late.mem_mib == pytest.approx(12_000 * 1.02) and late.reason_mem == "jump-ended"
+    assert plan([replace(a, active_s=90.5)], [DEV], 100.0, cfg).target("a").mem_mib == 22_440
+    with pytest.raises(ValueError, match="ramp_jump_release_after_s"):
+        PolicyConfig(ramp_jump_release_after_s=-1.0)
+
+
 def test_the_daemons_policy_gives_back_a_jumps_grant_once_the_usage_is_flat() -> None:
-    def run(config: PolicyConfig, tail: list[float]) -> float:
-        # 60 s at 70 GB; the cache jumps to 73 GB in one second (the forecast says the last value)
-        used = [70_000.0] * 60 + [73_000.0] + tail
+    def run(config: PolicyConfig, tail: list[float], flat_s: int = 120) -> float:
+        # `flat_s` at 70 GB; the cache jumps to 73 GB in one second (the forecast says the last value)
+        used = [70_000.0] * flat_s + [73_000.0] + tail
         return _daemon_grant_mib(config, [(u, u) for u in used])
 
     cfg = replace(PREDICTIVE_CONFIG, confidence_multiplier=0.0)
-    assert (cfg.ramp_jump_s, cfg.ramp_jump_release) == (2.0, 1.0)
+    assert (cfg.ramp_jump_s, cfg.ramp_jump_release, cfg.ramp_jump_release_after_s) == (2.0, 1.0, 90.0)
     # one flat second after the jump: back to the usage plus the margin
     assert run(cfg, [73_000.0]) == pytest.approx(73_000 * 1.02)
     # off: the jump's 5 s of slope (the whole simulated H100) held by the dwell
     assert run(replace(cfg, ramp_jump_release=0.0), [73_000.0]) > 80_000
     # a rise that goes on is a ramp: its extrapolation stays
     assert run(cfg, [76_000.0]) > 80_000
+    # the same jump 60 s into the use, a start-up's possible next stage: kept, unless the window is 0
+    assert run(cfg, [73_000.0], flat_s=60) > 80_000
+    assert run(replace(cfg, ramp_jump_release_after_s=0.0), [73_000.0], flat_s=60) == pytest.approx(73_000 * 1.02)
 
 
 def test_usage_history_keeps_the_bursts_that_came_back_down() -> None:

@@ -594,3 +594,31 @@ def test_a_cache_that_jumps_and_stays_flat_gets_its_jumps_grant_back_at_once() -
     assert on["mem_slack_frac"] < off["mem_slack_frac"] - 0.02
     on, off = run(ramping), run(ramping, "ramp_jump_release=0")
     assert (on["oom_events"], on["mem_slack_frac"]) == (off["oom_events"], off["mem_slack_frac"])
+
+
+def test_a_start_up_that_grows_in_stages_keeps_each_stages_grant_for_the_next() -> None:
+    # a job at 10 GB from its first use steps up 2 GB in one second every 3 s from 40 s in, four stages,
+    # then stays: each step extrapolated 5 s at its slope covers the next; released at the flat second
+    # after each step, every next stage overruns a grant at the forecast of the last value
+    mem = [10_000.0] * 40
+    for _ in range(4):
+        mem += [mem[-1] + 2_000.0] * 3
+    mem += [mem[-1]] * 100
+    staged = R.pack(R.prepare([app_trace("a", mem, [10.0] * len(mem))])[0], SKU)
+    # a serving engine's cache that jumps once, 200 s into its use, and stays: released either way
+    late = [60_000.0] * 200 + [61_500.0] * 60
+    jumpy = R.pack(R.prepare([app_trace("b", late, [10.0] * len(late))])[0], SKU)
+
+    def run(apps: list[R.ReplayApp], *sets: str) -> R.Result:
+        config, _ = R.config_overrides(PREDICTIVE_CONFIG, list(sets))
+        return R.replay(apps, SKU, _LastValueP90(), policies=("predictive",),  # type: ignore[arg-type]
+                        configs={"predictive": config}, kill_on_oom=False)[0]
+
+    assert PREDICTIVE_CONFIG.ramp_jump_release_after_s == 90.0
+    on, off = run(staged), run(staged, "ramp_jump_release_after_s=0")
+    assert on["oom_events"] == 1  # the first step only: no forecast of the last value sees it
+    assert off["oom_events"] == 4  # and every later stage, after its grant went back
+    assert on["lead_time_median_s"] > off["lead_time_median_s"]
+    on, off = run(jumpy), run(jumpy, "ramp_jump_release_after_s=0")
+    assert (on["oom_events"], on["mem_slack_frac"]) == (off["oom_events"], off["mem_slack_frac"])
+    assert on["mem_slack_frac"] < run(jumpy, "ramp_jump_release=0")["mem_slack_frac"]
