@@ -7,6 +7,7 @@ is refused for an id it does not own; the token file and the in-app directory ar
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -373,3 +374,27 @@ def test_the_stub_makes_only_a_shared_in_app_directory_never_its_parents(
     assert f"its parent {inapp.parent} does not exist" in r.stderr
     # shared by every application (sticky), whatever the umask, when made at start or again later
     assert "in-app directory: 0o1777" in lines and "made again: 0o1777" in lines, r.stdout
+
+
+def test_the_daemon_makes_its_in_app_directory_at_each_start(env: Env, serves: list[Serve], tmp_path: Path) -> None:
+    """Under systemd the in-app directory lies in the runtime directory, which is removed whenever the
+    daemon stops, and an application that is not root cannot make it there again: the daemon does."""
+    runtime = tmp_path / "rt"
+    runtime.mkdir()
+    inapp = runtime / "inapp"
+    env.env["VGPU_SERVER_INAPP_DIR"] = str(inapp)
+    for start in range(2):
+        serves.append(Serve(env))
+        serving = serves[-1].event("serving")
+        assert serving["inapp_dir"] == str(inapp) and serving["inapp_dir_state"] == "created", serving
+        assert inapp.stat().st_mode & 0o7777 == 0o1777
+        if start == 0:
+            assert serves[-1].term() == 0
+            shutil.rmtree(inapp)  # what systemd does to /run/vgpu on stop
+    assert serves[-1].term() == 0
+    # the parent is not the daemon's to make: said in the record, nothing created
+    env.env["VGPU_SERVER_INAPP_DIR"] = str(tmp_path / "gone" / "inapp")
+    serves.append(Serve(env))
+    serving = serves[-1].event("serving")
+    assert serving["inapp_dir_state"] == f"missing: its parent {tmp_path / 'gone'} does not exist", serving
+    assert not (tmp_path / "gone").exists()

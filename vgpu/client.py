@@ -269,7 +269,11 @@ def make_inapp_dir(directory: str | Path) -> bool:
         os.mkdir(directory, 0o700)
     except FileExistsError:
         return False
-    os.chmod(directory, INAPP_DIR_MODE)
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:  # the directory just made, not whatever the name may point to by now
+        os.fchmod(fd, INAPP_DIR_MODE)
+    finally:
+        os.close(fd)
     return True
 
 

@@ -82,6 +82,7 @@ from vgpu.client import (
     PID_START_TOLERANCE_S,
     InAppFormatError,
     inapp_path,
+    make_inapp_dir,
     parse_inapp,
 )
 from vgpu.config import Config, ConfigError
@@ -608,6 +609,22 @@ def prepare_socket_path(path: Path) -> None:
         path.unlink()
 
 
+def prepare_inapp_dir(path: Path) -> str:
+    """Create the in-app directory the client stubs write to (mode 1777, vgpu.client.make_inapp_dir)
+    when it is missing: under systemd it lies in the runtime directory, which is removed each time the
+    daemon stops, and an application that is not root cannot make it there. Its parent is not
+    created. What was found, for the "serving" record: present, created, or why it is missing (the
+    stubs then send no in-app counters; nothing else depends on it)."""
+    try:
+        if path.is_dir():
+            return "present"
+        return "created" if make_inapp_dir(path) else "present"
+    except FileNotFoundError:
+        return f"missing: its parent {path.parent} does not exist"
+    except OSError as exc:
+        return f"missing: {exc.strerror or exc}"
+
+
 def secure_socket(path: Path, *, mode: int, owner: str, group: str) -> None:
     uid = gid = -1
     try:
@@ -930,6 +947,7 @@ class Daemon:
         replay = vconfig.accepts_replay(cfg)
 
         prepare_socket_path(self.socket_path)
+        inapp_state = prepare_inapp_dir(Path(cfg.server.inapp_dir))
         old_umask = os.umask(0o177)  # the socket is born owner-only ...
         try:
             self.server = build_server(
@@ -1006,6 +1024,8 @@ class Daemon:
             max_connections=cfg.server.max_connections,
             max_connections_per_uid=cfg.server.max_connections_per_uid if self._front_dir is not None else None,
             operator_token=str(token_files["operator"]),
+            inapp_dir=cfg.server.inapp_dir,
+            inapp_dir_state=inapp_state,
             pid=os.getpid(),
         )
         self.notifier.notify(f"READY=1\nSTATUS=serving on {self.socket_path}\nMAINPID={os.getpid()}")
