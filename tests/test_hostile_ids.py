@@ -82,3 +82,29 @@ def test_a_job_s_long_text_is_refused_before_it_is_read_or_logged(env: Env, serv
     ok = client.stub.RequestResourceAllocation(pb.RequestResourceAllocationRequest(request=pb.ResourceRequest(
         app_id="fits", job=pb.JobConfig(model_type="r" * 256, batch_size=8, mode="infer"))), timeout=10)
     assert ok.grant.memory_mib > 0
+
+
+def test_a_long_device_or_grant_id_is_refused_with_the_reason(env: Env, serves: list[Serve], client: Raw) -> None:
+    """An unknown id is answered with the id in the message; past 16 KiB gRPC dropped that answer and
+    the caller got RESOURCE_EXHAUSTED about metadata sizes instead of the reason."""
+    serves.append(Serve(env))
+    long = "d" * 20_000
+    calls = (
+        lambda: client.stub.ReleaseResources(pb.ReleaseResourcesRequest(grant_id=long), timeout=10),
+        lambda: client.stub.RequestResourceAllocation(pb.RequestResourceAllocationRequest(
+            request=pb.ResourceRequest(app_id="dev", memory_mib=1, device_id=long)), timeout=10),
+        lambda: client.stub.GetAvailableResources(pb.GetAvailableResourcesRequest(device_id=long), timeout=10),
+        lambda: client.stub.GetAppHistory(pb.GetAppHistoryRequest(device_id=long), timeout=10),
+        lambda: client.stub.GetAppHistory(pb.GetAppHistoryRequest(app_id=long), timeout=10),
+        lambda: next(iter(client.stub.WatchAllocations(pb.WatchAllocationsRequest(app_id=long), timeout=10))),
+    )
+    for call in calls:
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert "is 20000 characters long; at most 256 are allowed" in str(err.value.details())
+    assert [a.app_id for a in client.apps()] == []  # nothing claimed
+    # an id within the bound that is not known is still NOT_FOUND, naming it
+    with pytest.raises(grpc.RpcError) as err:
+        client.stub.ReleaseResources(pb.ReleaseResourcesRequest(grant_id="g" * 256), timeout=10)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "g" * 256 in str(err.value.details())
