@@ -597,10 +597,22 @@ def _socket_alive(path: Path) -> bool:
     return True
 
 
+# The mode of a directory the daemon creates for its socket, as the unit's RuntimeDirectoryMode: every
+# user may pass through to the socket, whose own mode and group decide who may connect.
+SOCKET_DIR_MODE = 0o755
+
+
 def prepare_socket_path(path: Path) -> None:
-    """Create the socket's directory; refuse a path where another daemon is listening; remove a
-    stale socket file left by a crash."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Create the socket's missing directories (SOCKET_DIR_MODE whatever the umask: under a umask of
+    077 they would shut out the socket's group); refuse a path where another daemon is listening;
+    remove a stale socket file left by a crash."""
+    missing = [d for d in (path.parent, *path.parent.parents) if not d.exists()]
+    for directory in reversed(missing):
+        try:
+            directory.mkdir()
+        except FileExistsError:
+            continue
+        os.chmod(directory, SOCKET_DIR_MODE)
     if path.exists() or path.is_symlink():
         if not path.is_socket():
             raise StartupError(f"{path} exists and is not a socket; remove it or choose another --socket")
