@@ -391,10 +391,12 @@ def open_backend(spec: str, state_dir: Path) -> Backend:
         except (ImportError, DeviceError) as exc:
             raise StartupError(f"cannot open NVML ({type(exc).__name__}: {exc}); run `vgpu doctor`") from exc
     from vgpu.device import parse_sim_spec
-    from vgpu.device.simstate import PersistentSimBackend
+    from vgpu.device.simstate import PersistentSimBackend, SimStateError
 
     try:
         return PersistentSimBackend(parse_sim_spec(spec), state_dir / SIM_STATE_FILE)
+    except SimStateError as exc:  # the state directory's file, not the --backend given
+        raise StartupError(str(exc)) from exc
     except (KeyError, ValueError) as exc:
         raise StartupError(f"--backend: {exc}") from exc
 
