@@ -238,6 +238,15 @@ def test_a_socket_that_cannot_be_bound_is_said_once(env: Env) -> None:
     assert said.count("cannot listen on") == 1, said
 
 
+def test_a_socket_whose_directory_cannot_be_made_is_said_with_the_directory(env: Env) -> None:
+    r = vgpu("serve", "--socket", "/proc/no-such/vgpu.sock", "--state-dir", str(env.state), "--backend",
+             "sim:h100-80gb", "--metrics-port", "0", env=env.env)
+    assert r.returncode == 1
+    (said,) = [line for line in r.stderr.splitlines() if line.startswith("vgpu serve:")]
+    assert said == ("vgpu serve: cannot listen on /proc/no-such/vgpu.sock: cannot create its directory /proc/no-such "
+                    "(No such file or directory); choose another --socket (server.socket)"), said
+
+
 def test_releasing_a_grant_without_its_token_says_where_the_token_was_looked_for(
         env: Env, serves: list[Serve], tmp_path: Path) -> None:
     serves.append(Serve(env))

@@ -614,6 +614,9 @@ def prepare_socket_path(path: Path) -> None:
             directory.mkdir()
         except FileExistsError:
             continue
+        except OSError as exc:
+            raise StartupError(f"cannot listen on {path}: cannot create its directory {directory} "
+                               f"({exc.strerror or exc}); choose another --socket (server.socket)") from exc
         os.chmod(directory, SOCKET_DIR_MODE)
     if path.exists() or path.is_symlink():
         if not path.is_socket():
