@@ -270,3 +270,14 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(env: Env, serves: list
     _, err = top.communicate(timeout=60)
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
     assert top.returncode == 128 + signal.SIGPIPE
+
+
+def test_a_state_dir_that_is_a_file_is_said_so(env: Env, tmp_path: Path) -> None:
+    afile = tmp_path / "state-file"
+    afile.write_text("")
+    r = vgpu("serve", "--socket", str(env.sock), "--state-dir", str(afile), "--backend", "sim:h100-80gb",
+             "--metrics-port", "0", env=env.env)
+    assert r.returncode == 1
+    (said,) = [line for line in r.stderr.splitlines() if line.startswith("vgpu serve:")]
+    assert said == (f"vgpu serve: state directory {afile} is not usable: it is a file, not a directory; give a "
+                    "directory as --state-dir (server.state_dir)"), said  # not "(File exists)"

@@ -758,6 +758,9 @@ def lock_state_dir(state_dir: Path) -> StateLock:
 
 
 def _unusable_state_dir(state_dir: Path, exc: OSError) -> str:
+    if isinstance(exc, FileExistsError):  # mkdir's "File exists" for a file at the path
+        return (f"state directory {state_dir} is not usable: it is a file, not a directory; give a directory "
+                "as --state-dir (server.state_dir)")
     return (f"state directory {state_dir} is not usable ({exc.strerror or exc}): the daemon's user must be "
             "able to create and write it; fix its permissions or give another --state-dir (server.state_dir)")
 
