@@ -26,6 +26,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 demo: $(STAMP)
+	mkdir -p runs
 	$(VENV)/bin/vgpu demo --plot runs/demo.png
 
 test: $(STAMP)

@@ -317,6 +317,19 @@ def _app_id(value: str, name: str = "app_id") -> str:
     return value
 
 
+# The longest device or grant id a call may name: a GPU's UUID or a MIG instance's is under 50
+# characters and a grant id 32. A longer one is refused before it is looked up, since the answer
+# that it is unknown repeats it, and gRPC drops an answer whose message passes 16 KiB, leaving the
+# caller a RESOURCE_EXHAUSTED about metadata instead of the reason.
+MAX_ID_CHARS = 256
+
+
+def _bounded_id(value: str, name: str) -> str:
+    if len(value) > MAX_ID_CHARS:
+        raise InvalidRequest(f"{name} is {len(value)} characters long; at most {MAX_ID_CHARS} are allowed")
+    return value
+
+
 def _amount(value: float, name: str, *, upper: float | None = None) -> float:
     if math.isnan(value) or math.isinf(value):
         raise InvalidRequest(f"{name} must be a finite number, got {value}")
@@ -331,6 +344,7 @@ def request_from_pb(msg: pb.ResourceRequest) -> AllocationRequest:
     app_id = _app_id(msg.app_id, "request.app_id")
     memory = _amount(msg.memory_mib, "request.memory_mib")
     sm = _amount(msg.sm_pct, "request.sm_pct", upper=100.0)
+    _bounded_id(msg.device_id, "request.device_id")
     if math.isnan(msg.deadline_s) or msg.deadline_s < 0:
         raise InvalidRequest(f"request.deadline_s must be Unix seconds >= 0 (0: none), got {msg.deadline_s}")
     if msg.pid > MAX_PID:
@@ -411,7 +425,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         def run(caller: str | None) -> Grant:
             if not request.grant_id:
                 raise InvalidRequest("grant_id is empty: give the id RequestResourceAllocation returned")
-            return self.allocator.release(request.grant_id, caller=caller)
+            return self.allocator.release(_bounded_id(request.grant_id, "grant_id"), caller=caller)
 
         grant = await self._call(context, "ReleaseResources", run)
         return pb.ReleaseResourcesResponse(released=grant_to_pb(grant))
@@ -420,7 +434,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         self, request: pb.GetAvailableResourcesRequest, context: Context
     ) -> pb.GetAvailableResourcesResponse:
         devices = await self._call(
-            context, "GetAvailableResources", lambda _c: self.allocator.available(request.device_id or None)
+            context, "GetAvailableResources",
+            lambda _c: self.allocator.available(_bounded_id(request.device_id, "device_id") or None)
         )
         info = self._process_info
         dry_run = self.allocator.dry_run
@@ -481,7 +496,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             if math.isnan(since) or since < 0:
                 raise InvalidRequest(f"since_s must be seconds >= 0 (0: everything kept), got {since}")
             cutoff = self.allocator.clock() - since if since > 0 else -math.inf
-            return self.allocator.history.series(request.app_id or None, request.device_id or None, cutoff)
+            return self.allocator.history.series(_bounded_id(request.app_id, "app_id") or None,
+                                                 _bounded_id(request.device_id, "device_id") or None, cutoff)
 
         series = await self._call(context, "GetAppHistory", run)
         return pb.GetAppHistoryResponse(apps=[history_to_pb(s) for s in series], now_unix_s=self.allocator.clock())
@@ -492,7 +508,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         """Each event as its serialized `AllocationEvent`, encoded once per event for every stream
         (`EncodedEvents`); registered by `add_allocator_servicer`, whose serializer passes bytes through."""
         sub = await self._call(context, "WatchAllocations",
-                               lambda _c: self.allocator.watch(request.app_id or None, owner=self._watcher_owner()))
+                               lambda _c: self.allocator.watch(_bounded_id(request.app_id, "app_id") or None,
+                                                               owner=self._watcher_owner()))
         encode = self.encoded_events
         try:
             # Initial metadata now tells the client the watch is live: every event from here on

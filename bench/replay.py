@@ -1016,6 +1016,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.path.insert(0, str(Path(__file__).resolve().parent))
         from replay_plot import plot_replay
 
+        args.plot.mkdir(parents=True, exist_ok=True)  # DIR is this bench's output directory
         drawn = plot_replay(timeline, args.plot, max_apps=args.plot_apps,
                             title=f"{Path(args.trace).name} on {sku.key}, forecaster: {described}")
         print("\n".join(str(p) for p in drawn), file=sys.stderr)

@@ -27,6 +27,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -250,12 +251,18 @@ def promote(state_dir: str | Path, candidate: Path, entry: dict[str, Any]) -> Pa
     return kept
 
 
+# The names `promote` gives archived models; a log entry naming anything else (another directory, a
+# path) is not one of them and is left out.
+_ARCHIVED = re.compile(r"local-[0-9]+\.pt")
+
+
 def serving_archive(state_dir: str | Path) -> list[str]:
     """The archived models that served in turn, oldest first, rollbacks applied: what the log says
     `local.pt` held after each promotion or rollback."""
     stack: list[str] = []
     for e in read_log(state_dir):
-        if e.get("event") == "promoted" and isinstance(e.get("archived"), str):
+        archived = e.get("archived")
+        if e.get("event") == "promoted" and isinstance(archived, str) and _ARCHIVED.fullmatch(archived):
             stack.append(e["archived"])
         elif e.get("event") == "rollback" and stack:
             stack.pop()
@@ -272,8 +279,13 @@ def rollback(state_dir: str | Path) -> dict[str, Any]:
     entry: dict[str, Any] = {"at": time.time(), "event": "rollback", "undone": undone,
                              "serving": stack[-1] if stack else None}
     if stack:
+        previous = d / "archive" / stack[-1]
+        if not previous.is_file():
+            # nothing changed: local.pt keeps serving, and no rollback is logged
+            raise LookupError(f"cannot roll back {undone}: the model before it, {previous}, is missing "
+                              "from the archive")
         tmp = d / f".{LOCAL}.tmp"
-        shutil.copyfile(d / "archive" / stack[-1], tmp)
+        shutil.copyfile(previous, tmp)
         os.replace(tmp, d / LOCAL)
     else:
         (d / LOCAL).unlink(missing_ok=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -72,6 +73,43 @@ def test_request_right_after_the_daemon_starts_waits_for_the_cold_start_model(en
     daemon.wait_for("coldstart_sizer_loaded")
     apps = json.loads(vgpu("apps", "--socket", str(env.sock), "--json", env=env.env).stdout)
     assert [a["app_id"] for a in apps["apps"]] == ["waits"]  # the refused one left nothing behind
+
+
+@pytest.mark.parametrize("socket_file", ["missing", "stale"])
+def test_a_change_sent_before_the_daemon_listens_waits_for_it(env: Env, serves: list[Serve], socket_file: str) -> None:
+    """`vgpu serve & vgpu request` typed together: the request finds no socket yet (or the one a
+    killed daemon left, which refuses), waits within --wait-s, and is granted once the daemon serves."""
+    env.sock.parent.mkdir(parents=True, exist_ok=True)
+    if socket_file == "stale":
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(str(env.sock))  # bound, never listening: what a kill -9 leaves behind
+    waits = start("request", "--socket", str(env.sock), "--app", "early", "--memory-mib", "100", "--json",
+                  "--wait-s", "60", env=env.env)
+    assert waits.stderr is not None
+    first = waits.stderr.readline()  # said once it has found nothing listening, before the daemon starts
+    assert first.startswith("vgpu request: nothing listens on ") and str(env.sock) in first, first
+    assert "--wait-s" in first and waits.poll() is None
+    serves.append(Serve(env))
+    out, err = waits.communicate(timeout=90)
+    assert waits.returncode == 0, first + err
+    assert "nothing listens" not in err  # said once
+    assert json.loads(out)["app_id"] == "early"
+    apps = json.loads(vgpu("apps", "--socket", str(env.sock), "--json", env=env.env).stdout)
+    assert [a["app_id"] for a in apps["apps"]] == ["early"]
+
+
+def test_a_change_with_no_daemon_says_how_long_it_waited_and_0_does_not_wait(env: Env) -> None:
+    args = ["request", "--socket", str(env.sock), "--app", "a", "--memory-mib", "1"]
+    began = time.monotonic()
+    r = vgpu(*args, "--wait-s", "1", env=env.env)
+    assert r.returncode == 1 and time.monotonic() - began >= 0.8, r.stderr
+    assert "cannot reach the vgpu daemon" in r.stderr and "nothing listened there within 1 s (--wait-s)" in r.stderr
+    r = vgpu(*args, "--wait-s", "0", env=env.env)
+    assert r.returncode == 1 and "cannot reach the vgpu daemon" in r.stderr
+    assert "nothing listens" not in r.stderr and "within" not in r.stderr
+    # the read-only commands have no --wait-s: they fail at once
+    r = vgpu("apps", "--socket", str(env.sock), env=env.env)
+    assert r.returncode == 1 and "nothing listens" not in r.stderr
 
 
 class NotReadyRelease(NotReadyAllocator):
@@ -200,6 +238,15 @@ def test_a_socket_that_cannot_be_bound_is_said_once(env: Env) -> None:
     assert said.count("cannot listen on") == 1, said
 
 
+def test_a_socket_whose_directory_cannot_be_made_is_said_with_the_directory(env: Env) -> None:
+    r = vgpu("serve", "--socket", "/proc/no-such/vgpu.sock", "--state-dir", str(env.state), "--backend",
+             "sim:h100-80gb", "--metrics-port", "0", env=env.env)
+    assert r.returncode == 1
+    (said,) = [line for line in r.stderr.splitlines() if line.startswith("vgpu serve:")]
+    assert said == ("vgpu serve: cannot listen on /proc/no-such/vgpu.sock: cannot create its directory /proc/no-such "
+                    "(No such file or directory); choose another --socket (server.socket)"), said
+
+
 def test_releasing_a_grant_without_its_token_says_where_the_token_was_looked_for(
         env: Env, serves: list[Serve], tmp_path: Path) -> None:
     serves.append(Serve(env))
@@ -223,3 +270,14 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(env: Env, serves: list
     _, err = top.communicate(timeout=60)
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
     assert top.returncode == 128 + signal.SIGPIPE
+
+
+def test_a_state_dir_that_is_a_file_is_said_so(env: Env, tmp_path: Path) -> None:
+    afile = tmp_path / "state-file"
+    afile.write_text("")
+    r = vgpu("serve", "--socket", str(env.sock), "--state-dir", str(afile), "--backend", "sim:h100-80gb",
+             "--metrics-port", "0", env=env.env)
+    assert r.returncode == 1
+    (said,) = [line for line in r.stderr.splitlines() if line.startswith("vgpu serve:")]
+    assert said == (f"vgpu serve: state directory {afile} is not usable: it is a file, not a directory; give a "
+                    "directory as --state-dir (server.state_dir)"), said  # not "(File exists)"

@@ -9,6 +9,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from daemon_fixtures import ROOT, SKU, Env, Serve
@@ -119,6 +120,29 @@ def test_report_to_a_file_it_cannot_draw_is_a_usage_error_before_the_daemon_is_a
     assert r.returncode == 2, r.stderr  # a command line that cannot be carried out, not a refusal (1)
     assert r.stderr.strip() == f"vgpu report: --out {out}: the picture must end in .png, .svg or .html", r.stderr
     assert not out.exists()
+
+
+def test_a_picture_goes_only_into_a_directory_that_exists_said_before_the_work(tmp_path: Path) -> None:
+    """A mistyped directory is not created (with this user's owner and umask, as root anywhere): the
+    command says so with exit status 2, before the daemon is asked and before the demo runs."""
+    missing = tmp_path / "no-such-dir" / "deeper"
+    afile = tmp_path / "a-file"
+    afile.write_text("")
+    adir = tmp_path / "pic.png"
+    adir.mkdir()
+    sock = ["--socket", str(tmp_path / "none.sock")]  # never reached
+    for out, said in ((missing / "x.png", f"the directory {missing} does not exist (create it first)"),
+                      (afile / "x.svg", f"the directory {afile} is not a directory"),
+                      (Path("/proc/self/x.html"), "no permission to write in /proc/self"),
+                      (adir, f"{adir} is a directory")):
+        r = vgpu("report", *sock, "--app", "a", "--out", str(out))
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.strip() == f"vgpu report: --out {out}: {said}", r.stderr
+        began = time.monotonic()
+        r = vgpu("demo", "--seconds", "30", "--plot", str(out))
+        assert r.returncode == 2 and time.monotonic() - began < 20, r.stderr  # not after a 30 s run
+        assert f"--plot {out}: {said}" in r.stderr and r.stdout == "", r.stdout + r.stderr
+    assert not (tmp_path / "no-such-dir").exists()
 
 
 def test_doctor_with_no_daemon_says_the_backend_it_checked_came_from_the_flag(tmp_path: Path) -> None:

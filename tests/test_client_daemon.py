@@ -7,6 +7,7 @@ is refused for an id it does not own; the token file and the in-app directory ar
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -327,3 +328,73 @@ def test_a_release_made_while_the_daemon_restarted_reaches_the_application(
         if app.poll() is None:
             app.kill()
             app.wait(10)
+
+
+# An application run by root under a strict umask, as a service with UMask=0077 is: the in-app
+# directory's parent (the daemon's runtime directory) is missing at first, then appears, and later
+# its in-app directory is removed (a daemon restart under RuntimeDirectory= removes it).
+INAPP_DIR_APP = """
+import os, shutil, stat, sys, time
+from pathlib import Path
+from vgpu.client import VgpuClient
+
+sock, app_id, inapp = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+os.umask(0o077)
+
+def mode_when_there():
+    deadline = time.monotonic() + 20
+    while not inapp.is_dir():
+        assert time.monotonic() < deadline, "the in-app directory never appeared"
+        time.sleep(0.05)
+    return oct(stat.S_IMODE(inapp.stat().st_mode))
+
+with VgpuClient(app_id, socket=sock, inapp_dir=inapp, report_period_s=0.05) as client:
+    client.request(memory_mib=10)
+    time.sleep(0.3)
+    print("parent made by the stub:", inapp.parent.exists(), flush=True)
+    inapp.parent.mkdir(mode=0o755)
+    os.chmod(inapp.parent, 0o755)
+    print("in-app directory:", mode_when_there(), flush=True)
+    shutil.rmtree(inapp)
+    print("made again:", mode_when_there(), flush=True)
+"""
+
+
+def test_the_stub_makes_only_a_shared_in_app_directory_never_its_parents(
+        env: Env, serves: list[Serve], tmp_path: Path) -> None:
+    inapp = tmp_path / "rt" / "vgpu" / "inapp"
+    (tmp_path / "rt").mkdir()
+    serves.append(Serve(env))
+    r = run_app(env, "dirs", inapp, program=INAPP_DIR_APP)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    # a root-owned runtime directory under the application's umask (0700) would shut every other
+    # user's application out; the stub says the parent is missing instead
+    assert "parent made by the stub: False" in lines, r.stdout
+    assert f"its parent {inapp.parent} does not exist" in r.stderr
+    # shared by every application (sticky), whatever the umask, when made at start or again later
+    assert "in-app directory: 0o1777" in lines and "made again: 0o1777" in lines, r.stdout
+
+
+def test_the_daemon_makes_its_in_app_directory_at_each_start(env: Env, serves: list[Serve], tmp_path: Path) -> None:
+    """Under systemd the in-app directory lies in the runtime directory, which is removed whenever the
+    daemon stops, and an application that is not root cannot make it there again: the daemon does."""
+    runtime = tmp_path / "rt"
+    runtime.mkdir()
+    inapp = runtime / "inapp"
+    env.env["VGPU_SERVER_INAPP_DIR"] = str(inapp)
+    for start in range(2):
+        serves.append(Serve(env))
+        serving = serves[-1].event("serving")
+        assert serving["inapp_dir"] == str(inapp) and serving["inapp_dir_state"] == "created", serving
+        assert inapp.stat().st_mode & 0o7777 == 0o1777
+        if start == 0:
+            assert serves[-1].term() == 0
+            shutil.rmtree(inapp)  # what systemd does to /run/vgpu on stop
+    assert serves[-1].term() == 0
+    # the parent is not the daemon's to make: said in the record, nothing created
+    env.env["VGPU_SERVER_INAPP_DIR"] = str(tmp_path / "gone" / "inapp")
+    serves.append(Serve(env))
+    serving = serves[-1].event("serving")
+    assert serving["inapp_dir_state"] == f"missing: its parent {tmp_path / 'gone'} does not exist", serving
+    assert not (tmp_path / "gone").exists()

@@ -242,3 +242,23 @@ def test_last_value_margin_is_the_90th_percentile_of_the_change_in_capacity_unit
     bare = AppTrace("bare", t, {"mem_used_mib": np.full(40, 500.0)})
     np.testing.assert_allclose(ev.score_origins([bare], [fc])["last_value"]["mem_used_mib"].p90[0],
                                [500 + 10 * h for h in HORIZONS_S])
+
+
+def test_a_sample_far_from_the_others_is_a_bad_row_not_a_crash_or_a_huge_grid(tmp_path: Path) -> None:
+    """`vgpu eval --trace` as a user runs it, on a trace with one sample of an application 1e300 s
+    (past int64 seconds: OverflowError, a traceback) or 1e9 s (a grid of 1e9 seconds: gigabytes)
+    after the others: the sample is a bad row, said with its line, and the rest is scored."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    head = "t_s,app,gpu,mem_used_mib,sm_util_pct,mem_total_mib\n"
+    rows = "".join(f"{t},a,0,{100 + t},10,80000\n" for t in range(20))
+    for far in ("1e300", "1e9"):
+        trace = tmp_path / f"far-{far}.csv"
+        trace.write_text(head + rows + f"{far},a,0,100,10,80000\n")
+        r = subprocess.run([sys.executable, "-m", "vgpu.cli", "eval", "--trace", str(trace), "--methods", "last_value",
+                            "--split", "all", "--json"], cwd=root, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert f"{trace.name}:22: t_s {float(far)} is" in r.stderr and "may span at most 10000000 s" in r.stderr
+        assert json.loads(r.stdout)["results"]

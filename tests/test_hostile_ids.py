@@ -10,6 +10,7 @@ from hostile import Raw, operator_token
 
 from vgpu import auth
 from vgpu.ids import app_id_problem, sanitize_app_id_part
+from vgpu.v1 import allocator_pb2 as pb
 
 
 def test_the_rule_in_short() -> None:
@@ -55,3 +56,55 @@ def test_the_operator_s_bad_id_is_refused_before_anything_is_claimed(env: Env, s
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert not [e for e in serves[-1].events() if e.get("event") in ("app_claimed", "app_claim_failed")]
     assert serves[-1].term() == 0
+
+
+def test_a_job_s_long_text_is_refused_before_it_is_read_or_logged(env: Env, serves: list[Serve], client: Raw) -> None:
+    """A model type of megabytes, from any user of the socket, cost the daemon 1-2 s of its event
+    loop in name matching and wrote itself into two log records per request."""
+    serves.append(Serve(env))
+    serves[-1].wait_for("coldstart_sizer_loaded")  # so a job is sized, not answered "not ready"
+    size_before = serves[-1].log_path.stat().st_size
+    for field, text in (("model_type", "resnet " * 500_000), ("model_type", "x" * 257), ("optimizer", "a" * 33),
+                        ("mode", "m" * 100_000), ("precision", "p" * 100_000)):
+        job = pb.JobConfig(model_type="resnet50", batch_size=8, mode="infer")
+        setattr(job, field, text)
+        with pytest.raises(grpc.RpcError) as err:
+            client.stub.RequestResourceAllocation(
+                pb.RequestResourceAllocationRequest(request=pb.ResourceRequest(app_id=f"big-{field}", job=job)),
+                timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        details = str(err.value.details())
+        assert f"{field} is {len(text)} characters long; at most" in details and len(details) < 300, details[:300]
+    # nothing granted or claimed, and the log holds none of it
+    assert client.granted_mib() == 0 and [a.app_id for a in client.apps()] == []
+    assert serves[-1].log_path.stat().st_size - size_before < 20_000
+    # a job within the bounds is sized as before
+    ok = client.stub.RequestResourceAllocation(pb.RequestResourceAllocationRequest(request=pb.ResourceRequest(
+        app_id="fits", job=pb.JobConfig(model_type="r" * 256, batch_size=8, mode="infer"))), timeout=10)
+    assert ok.grant.memory_mib > 0
+
+
+def test_a_long_device_or_grant_id_is_refused_with_the_reason(env: Env, serves: list[Serve], client: Raw) -> None:
+    """An unknown id is answered with the id in the message; past 16 KiB gRPC dropped that answer and
+    the caller got RESOURCE_EXHAUSTED about metadata sizes instead of the reason."""
+    serves.append(Serve(env))
+    long = "d" * 20_000
+    calls = (
+        lambda: client.stub.ReleaseResources(pb.ReleaseResourcesRequest(grant_id=long), timeout=10),
+        lambda: client.stub.RequestResourceAllocation(pb.RequestResourceAllocationRequest(
+            request=pb.ResourceRequest(app_id="dev", memory_mib=1, device_id=long)), timeout=10),
+        lambda: client.stub.GetAvailableResources(pb.GetAvailableResourcesRequest(device_id=long), timeout=10),
+        lambda: client.stub.GetAppHistory(pb.GetAppHistoryRequest(device_id=long), timeout=10),
+        lambda: client.stub.GetAppHistory(pb.GetAppHistoryRequest(app_id=long), timeout=10),
+        lambda: next(iter(client.stub.WatchAllocations(pb.WatchAllocationsRequest(app_id=long), timeout=10))),
+    )
+    for call in calls:
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert "is 20000 characters long; at most 256 are allowed" in str(err.value.details())
+    assert [a.app_id for a in client.apps()] == []  # nothing claimed
+    # an id within the bound that is not known is still NOT_FOUND, naming it
+    with pytest.raises(grpc.RpcError) as err:
+        client.stub.ReleaseResources(pb.ReleaseResourcesRequest(grant_id="g" * 256), timeout=10)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "g" * 256 in str(err.value.details())

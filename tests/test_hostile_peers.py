@@ -311,3 +311,18 @@ async def test_a_front_that_ended_stops_the_watchdog(tmp_path: Path) -> None:
         assert len(pings.sent) == n  # ... and pings no more
     finally:
         await d.stop("test")
+
+
+@ROOT_ONLY
+def test_the_socket_s_new_directories_let_its_group_through_under_a_strict_umask(env: Env, serves: list[Serve]) -> None:
+    """`vgpu serve --socket /new/dir/vgpu.sock` by hand as root under umask 077: the directories it
+    made were 0700, so the socket's mode and group let no one else in, while doctor said OK."""
+    env = dataclasses.replace(env, sock=env.sock.parent / "new" / "deeper" / "vgpu.sock")
+    old = os.umask(0o077)
+    try:
+        serves.append(_serve(env))
+    finally:
+        os.umask(old)
+    for directory in (env.sock.parent, env.sock.parent.parent):
+        assert directory.stat().st_mode & 0o777 == 0o755, directory
+    assert run_as(env, NOBODY, "touch", str(env.sock))["connect"] == "ok"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import json
 import os
 import shutil
 import sqlite3
@@ -195,3 +196,23 @@ def test_removing_daemon_lock_does_not_let_a_second_daemon_in(env: Env, serves: 
     failed = _serve_fails(second)
     assert failed.returncode == 1 and "another vgpu daemon is using the state directory" in failed.stderr
     assert serves[-1].term() == 0
+
+
+@pytest.mark.parametrize("body", ["[]", '{"version": 1}', '{"version": 1, "devices": {"%s": {"power_limit_mw": "abc"}}}',
+                                  '{"version": 1, "devices": {"%s": {}}}'],
+                         ids=["list", "no-devices", "bad-power", "no-power"])
+def test_damaged_simulated_device_settings_are_named_with_what_to_do(env: Env, serves: list[Serve], body: str) -> None:
+    """The simulated GPUs' saved settings (`sim-devices.json`) damaged by hand: the start said
+    "AttributeError: 'list' object has no attribute 'get'" or "--backend: 'devices'"."""
+    serves.append(Serve(env))
+    uuid = json.loads((env.state / "sim-devices.json").read_text())["devices"].popitem()[0]
+    assert serves[-1].term() == 0
+    saved = env.state / "sim-devices.json"
+    saved.write_text(body.replace("%s", uuid))
+    failed = _serve_fails(env)
+    assert failed.returncode == 1
+    (line,) = [line for line in failed.stderr.splitlines() if line.startswith("vgpu serve:")]
+    assert line.startswith(f"vgpu serve: {saved}: the simulated GPUs' saved settings cannot be used (")
+    assert line.endswith("remove the file to start them with their defaults") and "--backend" not in line
+    saved.unlink()
+    serves.append(Serve(env))  # as the message says

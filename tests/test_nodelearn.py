@@ -223,3 +223,30 @@ def test_the_learners_training_traces_carry_the_in_app_counters_from_the_history
     for flag in ("requests_present", "kv_present"):
         assert flag in INAPP_FEATURES
         assert (x[:, -1, spec.features.index(flag)] == 1.0).all(), flag
+
+
+def test_cli_rollback_to_a_model_missing_from_the_archive_changes_nothing(tmp_path: Path) -> None:
+    """`vgpu model rollback` where the model to go back to was deleted (an archive cleaned by hand) or
+    a log line names a file outside the archive (a damaged log): a message and exit 1, or the line
+    left out, never a traceback or a file copied from elsewhere."""
+    models = tmp_path / "state" / "models"
+    (models / "archive").mkdir(parents=True)
+    (models / "archive" / "local-2.pt").write_bytes(b"two")
+    (models / "local.pt").write_bytes(b"two")
+    (tmp_path / "outside.pt").write_bytes(b"outside")
+    lines = [{"event": "promoted", "archived": "local-1.pt", "at": 1.0},
+             {"event": "promoted", "archived": "../../outside.pt", "at": 1.5},
+             {"event": "promoted", "archived": "local-2.pt", "at": 2.0}]
+    (models / "promotions.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+
+    def vgpu(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "vgpu.cli", "model", *args, "--state-dir", str(tmp_path / "state")],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+    out = vgpu("rollback")
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip() == (f"vgpu model: cannot roll back local-2.pt: the model before it, "
+                                  f"{models / 'archive' / 'local-1.pt'}, is missing from the archive")
+    assert (models / "local.pt").read_bytes() == b"two"
+    status = json.loads(vgpu("status").stdout)
+    assert status["rollbacks"] == 0 and status["serving_archive"] == "local-2.pt"

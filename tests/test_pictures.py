@@ -201,7 +201,7 @@ def test_demo_cli_prints_the_picture_path(tmp_path: Path) -> None:
     assert f"picture: {tmp_path / 'd.png'}" in out.stdout and (tmp_path / "d.png").is_file()
     bad = subprocess.run([sys.executable, "-m", "vgpu.cli", "demo", "--plot", "x.gif"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60, check=False)
-    assert bad.returncode == 2 and "--plot must name" in bad.stderr
+    assert bad.returncode == 2 and "--plot x.gif: the picture must end in .png, .svg or .html" in bad.stderr
 
 
 def test_the_grant_line_steps_where_a_change_happened_between_points() -> None:

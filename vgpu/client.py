@@ -95,6 +95,8 @@ from vgpu.v1 import allocator_pb2, allocator_pb2_grpc
 
 DEFAULT_SOCKET = config.DEFAULT_SOCKET  # the daemon's socket (vgpu/config.py), as a gRPC target
 DEFAULT_INAPP_DIR = Path("/run/vgpu/inapp")
+# Every application writes its own file in it; sticky, so none may remove or replace another's.
+INAPP_DIR_MODE = 0o1777
 INAPP_VERSION = 1
 # A file not rewritten for this long is stale (the reporter writes every second by default).
 INAPP_MAX_AGE_S = 5.0
@@ -259,10 +261,28 @@ def inapp_path(directory: str | Path, pid: int) -> Path:
     return Path(directory) / f"{pid}.json"
 
 
+def make_inapp_dir(directory: str | Path) -> bool:
+    """Create the in-app directory itself, mode INAPP_DIR_MODE whatever this process's umask; True when
+    this call created it. Never its parents (FileNotFoundError): a missing parent is the daemon's
+    runtime directory, which one application must not create with its own owner and umask."""
+    try:
+        os.mkdir(directory, 0o700)
+    except FileExistsError:
+        return False
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:  # the directory just made, not whatever the name may point to by now
+        os.fchmod(fd, INAPP_DIR_MODE)
+    finally:
+        os.close(fd)
+    return True
+
+
 def write_inapp(directory: str | Path, report: InAppReport) -> Path:
-    """Write `report` atomically (`write_atomically`: a temporary file in the same directory, then a rename)."""
+    """Write `report` atomically (`write_atomically`: a temporary file in the same directory, then a
+    rename), creating the directory when it is missing as `make_inapp_dir` does."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    if not directory.is_dir():
+        make_inapp_dir(directory)
     payload = {
         "v": INAPP_VERSION,
         "app_id": report.app_id,
@@ -801,8 +821,9 @@ class VgpuClient:
         return self.pid
 
     def report_now(self) -> Path:
-        """Write the in-app file now (the reporter thread does this every `report_period_s`); OSError
-        when the directory is missing (it is the profiler's to create, with mode 1777)."""
+        """Write the in-app file now (the reporter thread does this every `report_period_s`); a missing
+        directory is created as `make_inapp_dir` does (mode 1777, not its parents), and OSError when
+        it cannot be (its parent missing, no permission)."""
         report = InAppReport(
             app_id=self.app_id,
             pid=self.pid,
@@ -1007,27 +1028,27 @@ class VgpuClient:
         return out
 
     def _ensure_inapp_dir(self) -> None:
-        """Create the in-app directory (mode 1777, shared by every application) when it is missing and
-        may be created; say once, under the reporter's warning key, when it cannot: the reporter keeps
-        trying, and writes once the directory appears."""
+        """Create the in-app directory (`make_inapp_dir`: mode 1777, shared by every application; never
+        its parents) when it is missing and may be created; say once, under the reporter's warning
+        key, when it cannot: the reporter keeps trying, and writes once the directory appears."""
         if self.inapp_dir.is_dir():
             return
         try:
-            self.inapp_dir.mkdir(parents=True)
-            os.chmod(self.inapp_dir, 0o1777)
-        except FileExistsError:
-            return
+            created = make_inapp_dir(self.inapp_dir)
         except OSError as exc:
+            missing_parent = isinstance(exc, FileNotFoundError)
             self._warn_once(
                 "report",
                 "in-app counter directory missing and cannot be created: the profiler gets no in-app "
                 "counters from this application",
                 dir=str(self.inapp_dir),
-                error=exc.strerror or str(exc),
+                error=(f"its parent {self.inapp_dir.parent} does not exist (the daemon's runtime directory: "
+                       "is the daemon running?)" if missing_parent else exc.strerror or str(exc)),
                 fix=f"as root: install -d -m 1777 {self.inapp_dir}; or pass inapp_dir= (and the profiler --inapp-dir)",
             )
             return
-        _log.info("in-app counter directory created", dir=str(self.inapp_dir))
+        if created:
+            _log.info("in-app counter directory created", dir=str(self.inapp_dir))
 
     def _warn_once(self, key: str, message: str, **kw: Any) -> None:
         if key not in self._warned:

@@ -17,9 +17,11 @@ when readable; finally nothing (a new application may claim its id without a tok
 daemon rejects as not its own (a new state directory) is dropped from the cache.
 
 Not ready. The commands that change something (request, release, set-limit) send a call again for
-up to `--wait-s` (default 10 s; 0: never) while the daemon answers UNAVAILABLE marked as having
-changed nothing (vgpu.client.changed_nothing: its cold-start model still loading just after it
-starts, its state directory full), saying once on stderr that they wait; the loop is the client
+up to `--wait-s` (default 10 s; 0: never) while nothing listens on the socket yet (no socket file,
+or one that refuses connections: a daemon starting, or restarting after a crash; the call was never
+sent) and while the daemon answers UNAVAILABLE marked as having changed nothing
+(vgpu.client.changed_nothing: its cold-start model still loading just after it starts, its state
+directory full), saying once on stderr for each that they wait; the second loop is the client
 stub's (vgpu.client.send_when_ready). An UNAVAILABLE without the mark may follow a change and is
 never sent again.
 
@@ -139,27 +141,54 @@ class Client:
         self.wait_s = wait_s
         self._notice = notice
         self._noticed = False
-        target = socket_path if socket_path.startswith("unix:") else f"unix:{os.path.abspath(socket_path)}"
-        self.channel = grpc.insecure_channel(target)
+        self._target = socket_path if socket_path.startswith("unix:") else f"unix:{os.path.abspath(socket_path)}"
+        self._listening_noticed = False
+        self._connect()
+
+    def _connect(self) -> None:
+        self.channel = grpc.insecure_channel(self._target)
         self.stub = pb_grpc.AllocatorStub(self.channel)
 
     def close(self) -> None:
         self.channel.close()
 
+    def _send(self, method: str, request: Message, metadata: Sequence[tuple[str, str]]) -> tuple[Any, Any]:
+        """One call, sent again within `wait_s` while nothing listens on the socket yet (no socket
+        file, or one that refuses: a daemon starting, or restarting after a crash; the call was not
+        sent) or while the daemon answers "not ready, nothing changed" (vgpu.client.send_when_ready).
+        One budget covers both waits."""
+        deadline = time.monotonic() + (self.wait_s or 0.0)
+        delay_s = 0.1
+        while True:
+            fn = getattr(self.stub, method).with_call
+            try:
+                # with_call gives (response, call); the response's type depends on `method`.
+                answer: tuple[Any, Any] = vclient.send_when_ready(
+                    functools.partial(fn, request, metadata=metadata, timeout=self.timeout_s),
+                    wait_s=max(0.0, deadline - time.monotonic()), on_wait=self._waiting)
+                return answer
+            except grpc.RpcError as exc:
+                if not _not_listening(exc) or time.monotonic() + delay_s > deadline:
+                    raise
+            if not self._listening_noticed:
+                self._listening_noticed = True
+                self._notice(f"nothing listens on {self.socket_path} yet; waiting up to {self.wait_s or 0:g} s "
+                             "for the daemon to start (--wait-s)")
+            time.sleep(delay_s)
+            delay_s = min(delay_s * 2, 0.5)
+            # a fresh channel connects at once (a failed one waits out gRPC's reconnect backoff)
+            self.channel.close()
+            self._connect()
+
     def call(self, method: str, request: Message, *, app_id: str | None = None, token: bool = True) -> tuple[Any, Any]:
         """(response, call); tries token candidates in order while the daemon answers UNAUTHENTICATED
         or PERMISSION_DENIED for a token that is not the right one."""
-        fn = getattr(self.stub, method).with_call
         last: grpc.RpcError | None = None
         candidates = self.tokens.candidates(app_id) if token else iter([(None, None)])
         for tok, cached in candidates:
             md = auth.bearer(tok) if tok else ()
             try:
-                # with_call gives (response, call); the response's type depends on `method`.
-                answer: tuple[Any, Any] = vclient.send_when_ready(
-                    functools.partial(fn, request, metadata=md, timeout=self.timeout_s),
-                    wait_s=self.wait_s or 0.0, on_wait=self._waiting)
-                return answer
+                return self._send(method, request, md)
             except grpc.RpcError as exc:
                 code = exc.code()
                 if code == grpc.StatusCode.UNAVAILABLE and not _unreachable(exc):
@@ -173,8 +202,10 @@ class Client:
                         hint = " (nothing was changed: run it again)"
                     raise CliError(f"{code.name}: {exc.details()}{hint}") from None
                 if code == grpc.StatusCode.UNAVAILABLE:
+                    waited = (f"; nothing listened there within {self.wait_s:g} s (--wait-s)"
+                              if self.wait_s and _not_listening(exc) else "")
                     raise CliError(
-                        f"cannot reach the vgpu daemon at {self.socket_path} ({exc.details()}); "
+                        f"cannot reach the vgpu daemon at {self.socket_path} ({exc.details()}){waited}; "
                         "is vgpu-manager running, and may you open its socket?"
                     ) from None
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -230,6 +261,13 @@ def _unreachable(exc: grpc.RpcError) -> bool:
     because the daemon answered UNAVAILABLE."""
     text = f"{exc.details()} {getattr(exc, 'debug_error_string', lambda: '')()}".lower()
     return any(s in text for s in ("failed to connect", "connection refused", "no such file", "permission denied"))
+
+
+def _not_listening(exc: grpc.RpcError) -> bool:
+    """Unreachable because nothing listens on the socket yet (no such file, or a socket file nobody
+    accepts on), so the call was never sent; not a socket this user may not open."""
+    text = f"{exc.details()} {getattr(exc, 'debug_error_string', lambda: '')()}".lower()
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and any(s in text for s in ("no such file", "connection refused"))
 
 
 def _dict(msg: Message) -> dict[str, Any]:
@@ -555,9 +593,10 @@ DEFAULT_WAIT_S = vclient.NOT_READY_WAIT_S
 
 def _wait_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wait-s", type=_nonneg, default=DEFAULT_WAIT_S,
-                   help="while the daemon answers that it is not ready and changed nothing (its cold-start model "
-                        "still loading just after it starts, its state directory full), ask again for up to this "
-                        f"long; 0 fails at once (default {DEFAULT_WAIT_S:g} s)")
+                   help="while nothing listens on the socket yet (the daemon starting) or the daemon answers that it "
+                        "is not ready and changed nothing (its cold-start model still loading just after it starts, "
+                        "its state directory full), ask again for up to this long; 0 fails at once "
+                        f"(default {DEFAULT_WAIT_S:g} s)")
 
 
 def request_main(argv: Sequence[str] | None = None, prog: str = "vgpu request", *, out: TextIO | None = None, env: dict[str, str] | None = None) -> int:

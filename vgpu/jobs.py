@@ -20,6 +20,10 @@ from typing import Any
 PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "bf16", "amp")
 MODES: tuple[str, ...] = ("train", "infer")
 OPTIMIZERS: tuple[str, ...] = ("unknown", "none", "sgd", "adam", "adamw", "rmsprop", "adagrad", "adadelta")
+# The longest text a job's field may hold, in characters: model names ("meta-llama/Llama-2-70b-chat-hf")
+# are far shorter. Each field ends up in log records, sizing notes and error messages, and the
+# sizer's name matching reads it whole, so a longer one is refused before anything reads it.
+MAX_JOB_TEXT_CHARS = {"model_type": 256, "precision": 32, "optimizer": 32, "mode": 32}
 FAMILIES: tuple[str, ...] = ("transformer", "vit", "cnn", "mlp", "rnn", "gan", "gnn", "embedding", "recsys", "rl", "other")
 
 # Keyword -> family, tried in order on the lower-cased model type (first match wins). Keywords of
@@ -112,6 +116,12 @@ class JobConfig:
     mode: str = "train"
 
     def __post_init__(self) -> None:
+        for name, most in MAX_JOB_TEXT_CHARS.items():
+            text = getattr(self, name)
+            if not isinstance(text, str):
+                raise InvalidJobConfig(f"{name} must be text, got {type(text).__name__}")
+            if len(text) > most:
+                raise InvalidJobConfig(f"{name} is {len(text)} characters long; at most {most} are allowed")
         for name in ("param_count", "batch_size", "input_size", "num_layers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import html
 import io
 import math
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -206,12 +207,30 @@ def figure(grid: Sequence[Sequence[Timeline | None]], *, title: str, xlabel: str
     return fig
 
 
+def destination_problem(path: Path) -> str | None:
+    """Why a picture cannot be written to `path`, said before the work that draws it (a demo run, a
+    call to the daemon); None when it can. The picture goes into a directory that exists: none is
+    created, so a mistyped path is an error rather than a new directory with this process's owner
+    and umask."""
+    if path.suffix.lower() not in FORMATS:
+        return f"the picture must end in {', '.join(FORMATS[:-1])} or {FORMATS[-1]}"
+    directory = path.parent
+    if not directory.is_dir():
+        what = "is not a directory" if directory.exists() else "does not exist (create it first)"
+        return f"the directory {directory} {what}"
+    if path.is_dir():
+        return f"{path} is a directory"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return f"no permission to write in {directory}"
+    return None
+
+
 def save(fig: Figure, path: Path, *, title: str, timelines: Sequence[Timeline] = ()) -> Path:
-    """Write `fig` to `path` (.png, .svg or .html: a page with the SVG inline and the events)."""
+    """Write `fig` to `path` (.png, .svg or .html: a page with the SVG inline and the events), into a
+    directory that exists (`destination_problem`)."""
     suffix = path.suffix.lower()
     if suffix not in FORMATS:
         raise ValueError(f"{path}: the picture must be one of {', '.join(FORMATS)}")
-    path.parent.mkdir(parents=True, exist_ok=True)
     if suffix != ".html":
         fig.savefig(path, dpi=110)
         return path
@@ -237,5 +256,5 @@ def save(fig: Figure, path: Path, *, title: str, timelines: Sequence[Timeline] =
     return path
 
 
-__all__ = ["FORMATS", "Mark", "Timeline", "draw_panel", "figure", "from_history", "grant_steps", "marks_from_series",
+__all__ = ["FORMATS", "Mark", "Timeline", "destination_problem", "draw_panel", "figure", "from_history", "grant_steps", "marks_from_series",
            "save"]

@@ -44,9 +44,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu report", *, out: T
     def body(ns: argparse.Namespace, c: Client, o: TextIO) -> int:
         from vgpu import plots
 
-        if ns.out.suffix.lower() not in plots.FORMATS:
-            raise UsageError(f"--out {ns.out}: the picture must end in {', '.join(plots.FORMATS[:-1])} "
-                             f"or {plots.FORMATS[-1]}")
+        problem = plots.destination_problem(ns.out)
+        if problem is not None:
+            raise UsageError(f"--out {ns.out}: {problem}")
         devices, _ = c.call("GetAvailableResources", pb.GetAvailableResourcesRequest(), token=False)
         names = {d.device_id: f"GPU {d.index}" for d in devices.devices}
         device_id = ""

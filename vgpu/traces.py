@@ -71,6 +71,10 @@ EXTRA_NUMERIC = (
 )
 ALL_NUMERIC = NUMERIC + EXTRA_NUMERIC
 META_PREFIX = "#meta "
+# The longest an application's samples may span, in seconds (about 116 days): the evaluation grid
+# has one cell per second of the span (`one_second_grid`), so a single sample far from the others
+# (t_s 1e9 after 0) would ask for gigabytes, and one beyond int64 seconds stopped the reader.
+MAX_APP_SPAN_S = 10_000_000.0
 _PCT_COLUMNS = ("sm_util_pct", "mem_util_pct", "dev_sm_util_pct")
 _NONNEGATIVE = (
     "mem_used_mib", "mem_total_mib", "power_w", "power_limit_w", "sm_clock_mhz", "pcie_tx_kbps", "pcie_rx_kbps",
@@ -164,7 +168,7 @@ def read_trace(path: str | Path, *, strict: bool = False) -> Trace:
     """Read a canonical trace (CSV or CSV.gz).
 
     Bad rows (unparsable numbers, out-of-range values, no target value, time going backwards within
-    an application) are skipped and listed in `Trace.issues`; with `strict=True` the first one
+    an application or further than MAX_APP_SPAN_S past its first sample) are skipped and listed in `Trace.issues`; with `strict=True` the first one
     raises TraceFormatError.
     """
     path = Path(path)
@@ -258,6 +262,10 @@ def _read(fh: Iterable[str], name: str, strict: bool) -> Trace:
             continue
         if app in last_t and t < last_t[app]:
             bad(line, f"t_s {t} goes back in time for app {app!r} (last {last_t[app]})")
+            continue
+        if app in rows and t - rows[app][0][0] > MAX_APP_SPAN_S:
+            bad(line, f"t_s {t} is {t - rows[app][0][0]:.4g} s after the first sample of app {app!r}; an application's "
+                      f"samples may span at most {MAX_APP_SPAN_S:.0f} s")
             continue
         last_t[app] = t
         rows.setdefault(app, []).append([t] + [math.nan if v is None else v for v in values])

@@ -437,8 +437,12 @@ def main(argv: Sequence[str], prog: str = "vgpu demo") -> int:
 
     if args.gpu not in SKUS:
         parser.error(f"--gpu must be one of {', '.join(sorted(SKUS))}, got {args.gpu!r}")
-    if args.plot and Path(args.plot).suffix.lower() not in (".png", ".svg", ".html"):
-        parser.error(f"--plot must name a .png, .svg or .html file, got {args.plot!r}")
+    if args.plot:
+        from vgpu.plots import destination_problem  # noqa: PLC0415
+
+        problem = destination_problem(Path(args.plot))
+        if problem is not None:  # said before the run, not after it
+            parser.error(f"--plot {args.plot}: {problem}")
     log.configure("console", "warning")
     forecaster: Forecaster | None = None
     label = None

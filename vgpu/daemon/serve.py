@@ -82,6 +82,7 @@ from vgpu.client import (
     PID_START_TOLERANCE_S,
     InAppFormatError,
     inapp_path,
+    make_inapp_dir,
     parse_inapp,
 )
 from vgpu.config import Config, ConfigError
@@ -390,10 +391,12 @@ def open_backend(spec: str, state_dir: Path) -> Backend:
         except (ImportError, DeviceError) as exc:
             raise StartupError(f"cannot open NVML ({type(exc).__name__}: {exc}); run `vgpu doctor`") from exc
     from vgpu.device import parse_sim_spec
-    from vgpu.device.simstate import PersistentSimBackend
+    from vgpu.device.simstate import PersistentSimBackend, SimStateError
 
     try:
         return PersistentSimBackend(parse_sim_spec(spec), state_dir / SIM_STATE_FILE)
+    except SimStateError as exc:  # the state directory's file, not the --backend given
+        raise StartupError(str(exc)) from exc
     except (KeyError, ValueError) as exc:
         raise StartupError(f"--backend: {exc}") from exc
 
@@ -596,16 +599,47 @@ def _socket_alive(path: Path) -> bool:
     return True
 
 
+# The mode of a directory the daemon creates for its socket, as the unit's RuntimeDirectoryMode: every
+# user may pass through to the socket, whose own mode and group decide who may connect.
+SOCKET_DIR_MODE = 0o755
+
+
 def prepare_socket_path(path: Path) -> None:
-    """Create the socket's directory; refuse a path where another daemon is listening; remove a
-    stale socket file left by a crash."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Create the socket's missing directories (SOCKET_DIR_MODE whatever the umask: under a umask of
+    077 they would shut out the socket's group); refuse a path where another daemon is listening;
+    remove a stale socket file left by a crash."""
+    missing = [d for d in (path.parent, *path.parent.parents) if not d.exists()]
+    for directory in reversed(missing):
+        try:
+            directory.mkdir()
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise StartupError(f"cannot listen on {path}: cannot create its directory {directory} "
+                               f"({exc.strerror or exc}); choose another --socket (server.socket)") from exc
+        os.chmod(directory, SOCKET_DIR_MODE)
     if path.exists() or path.is_symlink():
         if not path.is_socket():
             raise StartupError(f"{path} exists and is not a socket; remove it or choose another --socket")
         if _socket_alive(path):
             raise StartupError(f"another daemon is listening on {path}")
         path.unlink()
+
+
+def prepare_inapp_dir(path: Path) -> str:
+    """Create the in-app directory the client stubs write to (mode 1777, vgpu.client.make_inapp_dir)
+    when it is missing: under systemd it lies in the runtime directory, which is removed each time the
+    daemon stops, and an application that is not root cannot make it there. Its parent is not
+    created. What was found, for the "serving" record: present, created, or why it is missing (the
+    stubs then send no in-app counters; nothing else depends on it)."""
+    try:
+        if path.is_dir():
+            return "present"
+        return "created" if make_inapp_dir(path) else "present"
+    except FileNotFoundError:
+        return f"missing: its parent {path.parent} does not exist"
+    except OSError as exc:
+        return f"missing: {exc.strerror or exc}"
 
 
 def secure_socket(path: Path, *, mode: int, owner: str, group: str) -> None:
@@ -724,6 +758,9 @@ def lock_state_dir(state_dir: Path) -> StateLock:
 
 
 def _unusable_state_dir(state_dir: Path, exc: OSError) -> str:
+    if isinstance(exc, FileExistsError):  # mkdir's "File exists" for a file at the path
+        return (f"state directory {state_dir} is not usable: it is a file, not a directory; give a directory "
+                "as --state-dir (server.state_dir)")
     return (f"state directory {state_dir} is not usable ({exc.strerror or exc}): the daemon's user must be "
             "able to create and write it; fix its permissions or give another --state-dir (server.state_dir)")
 
@@ -930,6 +967,7 @@ class Daemon:
         replay = vconfig.accepts_replay(cfg)
 
         prepare_socket_path(self.socket_path)
+        inapp_state = prepare_inapp_dir(Path(cfg.server.inapp_dir))
         old_umask = os.umask(0o177)  # the socket is born owner-only ...
         try:
             self.server = build_server(
@@ -1006,6 +1044,8 @@ class Daemon:
             max_connections=cfg.server.max_connections,
             max_connections_per_uid=cfg.server.max_connections_per_uid if self._front_dir is not None else None,
             operator_token=str(token_files["operator"]),
+            inapp_dir=cfg.server.inapp_dir,
+            inapp_dir_state=inapp_state,
             pid=os.getpid(),
         )
         self.notifier.notify(f"READY=1\nSTATUS=serving on {self.socket_path}\nMAINPID={os.getpid()}")

@@ -29,9 +29,19 @@ from vgpu.device.base import (
     ProcessUtilization,
     Utilization,
 )
+from vgpu.device.errors import DeviceError
 from vgpu.device.sim import SimBackend, SimDevice
 
 STATE_VERSION = 1
+
+
+class SimStateError(ValueError):
+    """The saved state of the simulated devices cannot be used; the message names the file and
+    what to do."""
+
+    def __init__(self, path: Path, why: str) -> None:
+        super().__init__(f"{path}: the simulated GPUs' saved settings cannot be used ({why}); remove the file "
+                         "to start them with their defaults")
 
 
 def device_state(dev: SimDevice | PersistentSimDevice) -> dict[str, Any]:
@@ -52,15 +62,20 @@ def device_state(dev: SimDevice | PersistentSimDevice) -> dict[str, Any]:
 
 def read_state(path: Path) -> dict[str, dict[str, Any]]:
     """uuid -> device state, from a file written by `PersistentSimBackend` ({} when absent)."""
+    path = Path(path)
     try:
-        raw = json.loads(Path(path).read_text())
+        raw = json.loads(path.read_text())
     except FileNotFoundError:
         return {}
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: simulated device state is not valid JSON: {exc}") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise SimStateError(path, f"not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise SimStateError(path, "not a JSON object")
     if raw.get("version") != STATE_VERSION:
-        raise ValueError(f"{path}: simulated device state version {raw.get('version')!r}, expected {STATE_VERSION}")
-    devices: dict[str, dict[str, Any]] = raw["devices"]
+        raise SimStateError(path, f"version {raw.get('version')!r}, expected {STATE_VERSION}")
+    devices = raw.get("devices")
+    if not isinstance(devices, dict) or not all(isinstance(st, dict) for st in devices.values()):
+        raise SimStateError(path, "'devices' is not an object of device objects")
     return devices
 
 
@@ -164,13 +179,18 @@ class PersistentSimBackend(Backend):
             st = saved.get(dev.uuid)
             if st is None:
                 continue
-            if st.get("mig_enabled") and dev.sku.supports_mig:
-                dev.set_mig_mode(True)
-                for gi in st.get("gpu_instances", []):
-                    dev.create_gpu_instance(int(gi["profile_id"]), int(gi["start"]))
-            dev.set_power_limit_mw(int(st["power_limit_mw"]))
-            for ns, (soft, hard) in (st.get("memory_limits_mib", {}) if self.sim.memory_limits else {}).items():
-                dev.set_memory_limit_mib(ns, float(soft), float(hard))
+            try:
+                if st.get("mig_enabled") and dev.sku.supports_mig:
+                    dev.set_mig_mode(True)
+                    for gi in st.get("gpu_instances", []):
+                        dev.create_gpu_instance(int(gi["profile_id"]), int(gi["start"]))
+                dev.set_power_limit_mw(int(st["power_limit_mw"]))
+                for ns, (soft, hard) in (st.get("memory_limits_mib", {}) if self.sim.memory_limits else {}).items():
+                    dev.set_memory_limit_mib(ns, float(soft), float(hard))
+            except KeyError as exc:
+                raise SimStateError(self.state_path, f"device {dev.uuid} has no {exc}") from exc
+            except (TypeError, ValueError, AttributeError, DeviceError) as exc:
+                raise SimStateError(self.state_path, f"device {dev.uuid}: {type(exc).__name__}: {exc}") from exc
         self.save()
 
     def devices(self) -> Sequence[PersistentSimDevice]:
