@@ -2,36 +2,76 @@
 
 Nothing here touches a device, a clock or a file: the allocator (allocator/core.py) feeds the
 policy frozen inputs and acts on the `Plan` it returns. `plan()` is the core; `ForecastPolicy`
-puts it behind the allocator's `Policy` protocol (allocator/policy/base.py).
+puts it behind the allocator's `Policy` protocol (allocator/policy/base.py). `PolicyConfig` holds
+every setting (`PREDICTIVE_CONFIG`: the shipped values); docs/allocation.md describes the rules and
+how each value was chosen.
 
-How a target is sized, per application and resource (memory in MiB, compute in SM percent):
-1. **Estimate** by a chain of estimators composed like the Kubernetes VPA recommender's
-   (percentile -> margin -> confidence -> min/max capping): the base is the forecast's P90 over the
-   1-5 s horizons (or, without a forecast, the latest usage), a margin fraction is added, a
-   confidence multiplier widens the estimate while the history is short, and the result is capped
-   to the application's limits and the device.
-2. **Reclamation**: the estimate follows usage both ways. What an application does not use is
-   taken back (its target falls to the estimate), and an application that uses more than its
-   estimate gets at least its usage plus the margin. An application whose usage has reached its
-   grant is bumped (the VPA recommender's OOM bump): memory to at least
-   max(used x (1 + mem_bump_frac), used + mem_bump_min_mib), SM to used + sm_bump_pct.
-3. **Guarantees**: an explicit request is a floor the target never goes under.
-4. **Hysteresis** (the VPA updater's habit): a change smaller than `min_change_frac` of the
-   current grant (for SM, also smaller than `sm_min_change_pct` points), or sooner than `dwell_s`
-   after the resource's last change, is not made; a shrink waits `{mem,sm}_shrink_dwell_s` when
-   that is longer. Three changes are always made: raising a grant up to its guarantee, a bump, and,
-   with `grow_on_overrun`, growing a grant that the need itself (the usage now, or the forecast
-   before its margin) exceeds (for SM, by more than `sm_min_change_pct` points): hysteresis delays
-   shrinking and margin-sized growth, never a foreseen overrun.
-5. **Contention**: when a device's targets exceed its capacity, what lies above the applications'
-   claims (their targets before hysteresis and bumps) goes first, in proportion; then the
-   lowest-priority applications shrink from their claims, each never below its guarantee. Memory
-   goes strictly by priority score; SM shares are cut in proportion among applications of the same
-   priority class (the score without its size term), a higher class only after a lower one. A
-   device whose new split is within `min_change_frac` of the split in force keeps it.
+The rules, in the order `plan()` applies them, each with its `PolicyConfig` settings and the reason
+it writes into `Target.reason_*` (docs/allocation.md's numbered "Policy" list groups them by topic;
+its number is in brackets). Memory is in MiB, compute in SM percent.
 
-Priority (`priority_score`) combines the explicit priority, criticality, the deadline's urgency
-and size (smaller applications rank higher: shrinking them frees little).
+Per application and resource, the target before hysteresis (`_desired`):
+ 1. Estimate [1] (`default_estimator`, VPA-recommender style: percentile -> margin -> confidence ->
+    capping): the forecast's P90 over the 1-5 s horizons, else the latest usage; times
+    (1 + `mem_margin_frac` / `sm_margin_frac`; for a trusted memory forecast, below:
+    `mem_trust_margin_frac`); times the confidence widening while the history is short
+    (`confidence_multiplier`, `confidence_exponent`, `confidence_unit_s`); clamped to
+    [`min_mem_mib` / `min_sm_pct`, the operator's limit, the device]. Reason `forecast` or `usage`;
+    `hold` (the grant in force) when nothing is known.
+ 2. Reclaim [2]: usage x (1 + margin) above the estimate raises it to that (`reclaim-grow`); below,
+    the estimate stands, so unused grant is taken back. The margin here is always the full one.
+ 3. Floor [3]: the explicit request, else the minimum grant (`guarantee`, `minimum`). The target so
+    far is the application's *claim*, what the contention rule (11) weighs.
+ Memory only, the leading rules [6]; each raises the target when above it (capped by the operator's
+ limit and the device, never under the floor), so each lies above the claim:
+ 4. Lead headroom (`mem_lead_frac`; none for a trusted forecast): a P90 over the grant in force is
+    granted P90 x (1 + margin + headroom) (`lead`).
+ 5. Ramp end (`ramp_min_s`, `ramp_ahead_s`, `ramp_last_rate`, `ramp_cap_frac`, `ramp_frac`,
+    `ramp_frac_min_s`; a jump, a rise younger than `ramp_jump_s`: `ramp_jump_ahead_s`; after a
+    burst: `mem_burst_ramp_cap`): where a rising usage ends (`ramp`).
+ 6. Start-up (`start_window_s`, `start_headroom_mib`, `start_from_use`; start-up ramps:
+    `start_ramp_frac`, `start_ramp_window_s`, `start_ramp_min_s`): the cold-start size, or usage
+    plus headroom, or a multiple of a ramping usage (`start`).
+ 7. Burst room (`mem_burst_window_s`, `mem_burst_frac`): usage plus the largest recent burst (`burst`).
+ Both resources:
+ 8. Overrun bump [2] (`mem_bump_frac`, `mem_bump_min_mib`, `sm_bump_pct`): usage that reached the
+    grant (memory) or passed it (SM) is granted room for the rest of the step (`bump`).
+ Memory only:
+ 9. Slow shrink [6] (`mem_shrink_step_frac`, `mem_shrink_window_s`, `mem_shrink_peak_mult`): a
+    shrink takes at most a step of the grant and stays over the recent peak plus the margin;
+    skipped when the jump release (10d) gives a jump's grant back.
+
+ 10. Hysteresis [4] (`_hysteresis`), the first of these that applies:
+    a. no grant in force: the target is made;
+    b. the target or the grant in force under the request: the target, at least the request, at
+       once (`guarantee`);
+    c. growth by a bump or a leading rule (4-8): at once;
+    d. jump release [6] (`ramp_jump_release`, `ramp_jump_release_after_s`, `ramp_jump_s`): a memory
+       shrink right after a jump's grant, the usage flat since: at once (`jump-ended`);
+    e. overrun (`grow_on_overrun`; for SM past `sm_min_change_pct` points): growth when the need
+       itself, usage or P90 before its margin, is over the grant: at once (`overrun`);
+    f. threshold (`min_change_frac`, `sm_min_change_pct`; a trusted forecast's memory shrink:
+       `mem_trust_change_frac`): a smaller change is not made (`below-threshold`);
+    g. dwell (`dwell_s`; a shrink: `mem_shrink_dwell_s` / `sm_shrink_dwell_s` when longer): a
+       change sooner than that after the resource's last one is not made (`dwell`).
+ Trust [6] (`mem_trust_s`, `PolicyConfig.trusted`) is no step of its own: a memory forecast that
+ has covered the moving usage on its own that long (`AppState.mem_p90_covered_s`) changes rules 1,
+ 4 and 10f as said there.
+
+Per device, once every application has its target:
+ 11. Contention [5] (`_shrink`): over capacity, what lies above the claims goes first, in
+    proportion; then the claims shrink, lowest priority first, never under the floor (memory
+    strictly by `priority_score`, SM in proportion within a priority class) (`contention`).
+ 12. A close split is kept [5] (`_settle`, `min_change_frac`): when every cut share is within the
+    threshold of the grant in force and those grants fit (`contention-held`).
+ 13. Hard or cooperative limits [7] (`hard_limit_at_frac`; SM caps: `sm_cap_at_use_frac`,
+    `sm_cap_cut_only`): `Target.hard_mem_limit` / `hard_sm_limit`, `DevicePlan.hard_*_limits`.
+ 14. Full power [8] (`contended_full_power`, `full_power_at_frac`): `DevicePlan.full_power`.
+
+`ForecastPolicy.plan` then turns the targets into grant changes, each device's power limit
+(allocator/policy/power.py, unless full power), MIG layouts, and the memory enforcement
+(`memory_enforcement`). Priority (`priority_score`) combines the explicit priority, criticality,
+the deadline's urgency and size (smaller applications rank higher: shrinking them frees little).
 """
 
 from __future__ import annotations
