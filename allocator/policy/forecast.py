@@ -78,7 +78,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from operator import itemgetter
 from typing import TYPE_CHECKING, Literal, Protocol
 
@@ -250,21 +250,43 @@ class Plan:
         return tuple(t for t in self.targets if t.changed)
 
 
+# The `PolicyConfig` settings that `__post_init__` does not require to be >= 0: a flag, the two
+# checked against their own range there, the exponent (any number), and `sm_cap_cut_only` (a switch:
+# a value <= 0 is off).
+_NOT_NONNEGATIVE = frozenset({"grow_on_overrun", "confidence_unit_s", "mem_shrink_step_frac",
+                              "confidence_exponent", "sm_cap_cut_only"})
+
+
 @dataclass(frozen=True)
 class PolicyConfig:
+    """Every setting of `plan()` (the module docstring lists the rules in the order they apply).
+
+    Each number is >= 0 (checked in `__post_init__`, the one place settings are validated), except
+    `confidence_unit_s` (> 0), `mem_shrink_step_frac` (in (0, 1]), and `confidence_exponent` and
+    `sm_cap_cut_only`, which are not checked (`_NOT_NONNEGATIVE`). A switch (`ramp_last_rate`,
+    `ramp_jump_release`, `start_from_use`, `mem_burst_ramp_cap`, `sm_cap_cut_only`,
+    `contended_full_power`) is a number so that bench/replay.py's `--set NAME=VALUE` can set it: any
+    value > 0 is on. The defaults here turn every leading rule off; `PREDICTIVE_CONFIG` holds the
+    shipped values."""
+
+    # the margin over the forecast P90 and over the usage, a fraction of it (0: none)
     mem_margin_frac: float = 0.10
     sm_margin_frac: float = 0.10
     # confidence multiplier (VPA: estimate * (1 + multiplier / confidence) ** exponent), where
-    # confidence is the history length in units of `confidence_unit_s`
+    # confidence is the history length (at least 1 s) in units of `confidence_unit_s`. 0: off
     confidence_multiplier: float = 1.0
     confidence_exponent: float = 1.0
     confidence_unit_s: float = 1.0  # 1 s of history: x2; 10 s: x1.1; 100 s: x1.01
+    # the smallest grant of an application without an explicit request (its floor; the operator's
+    # limit when that is lower). 0: none
     min_mem_mib: float = 256.0
     min_sm_pct: float = 5.0
     # hysteresis (VPA updater): no change smaller than this fraction of the grant, nor sooner
-    # than dwell_s after the last change of the same resource
+    # than dwell_s after the last change of the same resource. 0: no threshold / no dwell
     min_change_frac: float = 0.05
     dwell_s: float = 10.0
+    # growth is made at once, past the threshold and the dwell, when the need itself (the usage, or
+    # the forecast P90 before its margin) is over the grant (for SM, by more than `sm_min_change_pct`)
     grow_on_overrun: bool = True
     # overrun bumps: when the usage has reached the grant in force, the next target leaves room
     # for the rest of the ramp instead of trailing it by one margin a second. Memory (the VPA
@@ -274,18 +296,21 @@ class PolicyConfig:
     mem_bump_min_mib: float = 0.0
     sm_bump_pct: float = 0.0
     # slower to shrink: a shrink waits this long after the resource's last change (a grow, a bump
-    # or a shrink), so a noisy signal does not saw the grant up and down; under dwell_s: dwell_s
+    # or a shrink), so a noisy signal does not saw the grant up and down; under dwell_s (0
+    # included): dwell_s
     mem_shrink_dwell_s: float = 0.0
     sm_shrink_dwell_s: float = 0.0
     # SM utilisation is noisy: an SM change under this many points is not made, and usage or
-    # forecast up to this many points over the grant is not an overrun that skips the dwell
+    # forecast up to this many points over the grant is not an overrun that skips the dwell.
+    # 0: the fraction `min_change_frac` alone
     sm_min_change_pct: float = 0.0
     # leading (0: off). A foreseen rise (forecast P90 over the grant) is granted with this much
     # headroom above the P90, so the rest of the rise is covered before it comes
     mem_lead_frac: float = 0.0
     # a memory ramp that has risen for at least `ramp_min_s` is granted at once to where it ends:
     # the largest of the forecast P90, the usage plus `ramp_ahead_s` of the ramp's rate, and the
-    # job's cold-start size (plus the margin), instead of one step a second
+    # job's cold-start size (plus the margin), instead of one step a second. `ramp_min_s` 0: off;
+    # `ramp_ahead_s` 0: the rate is not extrapolated (the end is the P90, usage or cold-start size)
     ramp_min_s: float = 0.0
     ramp_ahead_s: float = 5.0
     # 1: the ramp is extrapolated at the larger of its mean rate and its last second's rise, so an
@@ -294,7 +319,8 @@ class PolicyConfig:
     ramp_last_rate: float = 0.0
     # a memory ramp that has risen for at least `ramp_frac_min_s`, at any age, is granted at least its
     # usage x (1 + `ramp_frac`) (plus the margin): the start-up ramp rule's multiple, for ramps after
-    # the start-up window, where a ramp's next step is not foreseen by its rate either. 0: off
+    # the start-up window, where a ramp's next step is not foreseen by its rate either. 0: off.
+    # `ramp_frac_min_s` under 1 counts as 1
     ramp_frac: float = 0.0
     ramp_frac_min_s: float = 2.0
     # the end the ramp's rate extrapolates to is at most the usage x (1 + `ramp_cap_frac`): one
@@ -323,7 +349,8 @@ class PolicyConfig:
     ramp_jump_release_after_s: float = 0.0
     # an application starting (under `start_window_s` of history) is on the ramp of its start-up,
     # which the forecast has not seen yet: its memory grant is at least its cold-start size, or
-    # without one its usage plus `start_headroom_mib` (plus the margin). 0: off
+    # without one its usage plus `start_headroom_mib` (plus the margin). `start_window_s` 0: off;
+    # `start_headroom_mib` 0: the cold-start size alone, no grant where there is none
     start_window_s: float = 0.0
     start_headroom_mib: float = 0.0
     # 1: the start-up window counts from the application's first real use of the GPU
@@ -335,19 +362,22 @@ class PolicyConfig:
     # granted at least its usage x (1 + `start_ramp_frac`): a start-up's memory grows by multiples
     # (weights loaded, then the first steps' activations in one jump), which its rate so far does
     # not show. Its own window, and a ramp, not one step: memory that steps once and stays flat
-    # after its start gets no more than before
+    # after its start gets no more than it would without this rule. The window counts as
+    # `start_window_s` does (`start_from_use`). `start_ramp_frac` or `start_ramp_window_s` 0: off;
+    # `start_ramp_min_s` under 1 counts as 1
     start_ramp_frac: float = 0.0
     start_ramp_window_s: float = 0.0
     start_ramp_min_s: float = 2.0
     # shrinking slowly: one memory shrink takes at most this fraction of the grant (1: no bound),
     # and never goes under the peak usage of the last `mem_shrink_window_s` (0: not used) plus the
-    # margin, so a shrink needs the forecast and the recent history to agree
+    # margin, so a shrink needs the forecast and the recent history to agree. SM shrinks are not
+    # bounded
     mem_shrink_step_frac: float = 1.0
     mem_shrink_window_s: float = 0.0
     # a grant above this multiple of the recent peak usage (the last `mem_shrink_window_s`) may
     # shrink to that multiple in one change, past the bounded step: the forecast and the recent
     # history agree that the application is far under it (an extrapolated ramp that ended sooner).
-    # 0: off
+    # Never under the recent peak plus the margin; only with `mem_shrink_window_s`. 0: off
     mem_shrink_peak_mult: float = 0.0
     # a forecast that has covered the memory usage on its own (`AppState.mem_p90_covered_s`) for at
     # least `mem_trust_s` earns trust: the margin on its memory P90 is `mem_trust_margin_frac` instead
@@ -368,12 +398,14 @@ class PolicyConfig:
     # `mem_burst_window_s` keeps room for another burst of that size: its memory target is at least
     # (usage + that burst) plus the margin. A serving engine's cache pool jumps by 5-13 GB in one second
     # when a long prompt arrives, which a 1-5 s forecast cannot see, and does so again minutes later.
-    # 0: off
+    # `mem_burst_window_s` 0: off. `mem_burst_frac` is of the usage before the rise (at least
+    # `IDLE_MEM_MIB`); 0: any rise past the P90 counts
     mem_burst_window_s: float = 0.0
     mem_burst_frac: float = 0.1
     # 1: for such an application the ramp rule extrapolates a rise at most to the usage plus that
     # burst: its memory moves by bursts it has already measured, and a one-second burst extrapolated
-    # at its own slope for `ramp_ahead_s` asks for the whole GPU. 0: the ramp rule as for any other
+    # at its own slope for `ramp_ahead_s` asks for the whole GPU. 0: the ramp rule as for any other.
+    # Only with `mem_burst_window_s`
     mem_burst_ramp_cap: float = 0.0
     # memory limits are hard (beyond them: out of memory, the application ends) only on a device
     # whose planned memory reaches this fraction of its capacity; elsewhere cooperative (the
@@ -395,26 +427,17 @@ class PolicyConfig:
     # at the whole GPU, or a split held from an earlier cut) leaves no idle time either. 0: only
     # where the contention rule cut this time
     full_power_at_frac: float = 0.0
-    # a share the contention rule cut is capped (an MPS cap) only where the SM the device's
-    # applications use now exceeds this fraction of its capacity: the forecasts' headroom (P90,
+    # SM shares are enforced (MPS caps: `DevicePlan.hard_sm_limits`, then per application as
+    # `sm_cap_cut_only` says) only where the SM the device's applications use now exceeds this
+    # fraction of its capacity, on top of `hard_limit_at_frac`: the forecasts' headroom (P90,
     # margin) finds a GPU contended that its applications do not fill, and a cap there leaves SM
-    # idle that the capped application asked for. 0: wherever the plan cut
+    # idle that the capped application asked for. 0: as `hard_limit_at_frac` alone says
     sm_cap_at_use_frac: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("mem_margin_frac", "sm_margin_frac", "confidence_multiplier", "min_mem_mib",
-                     "min_sm_pct", "min_change_frac", "dwell_s", "mem_bump_frac", "mem_bump_min_mib",
-                     "sm_bump_pct", "mem_shrink_dwell_s", "sm_shrink_dwell_s", "sm_min_change_pct",
-                     "mem_lead_frac", "ramp_min_s", "ramp_ahead_s", "ramp_last_rate", "ramp_frac", "ramp_frac_min_s",
-                     "ramp_cap_frac", "ramp_jump_s", "ramp_jump_ahead_s", "ramp_jump_release", "ramp_jump_release_after_s",
-                     "mem_shrink_window_s", "mem_shrink_peak_mult", "hard_limit_at_frac",
-                     "start_window_s", "start_headroom_mib", "start_from_use", "start_ramp_frac",
-                     "start_ramp_window_s", "start_ramp_min_s", "contended_full_power", "mem_trust_s",
-                     "mem_trust_margin_frac", "mem_trust_change_frac", "mem_burst_window_s", "mem_burst_frac", "mem_burst_ramp_cap",
-                     "full_power_at_frac",
-                     "sm_cap_at_use_frac"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"PolicyConfig.{name} must be >= 0")
+        for f in fields(self):
+            if f.name not in _NOT_NONNEGATIVE and not getattr(self, f.name) >= 0:
+                raise ValueError(f"PolicyConfig.{f.name} must be >= 0")
         if self.confidence_unit_s <= 0:
             raise ValueError("PolicyConfig.confidence_unit_s must be > 0")
         if not 0 < self.mem_shrink_step_frac <= 1:
