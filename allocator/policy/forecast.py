@@ -718,18 +718,11 @@ def _desired(app: AppState, res: Resource, est: Estimator, config: PolicyConfig,
         value, reason = floor, "guarantee" if app.request(res) > 0 else "minimum"
     claim = value
     if res == "mem":
-        lead = _lead(app, config)
-        if lead > value:
-            value, reason = max(min(lead, upper), floor), "lead"
-        ramp = _ramp_end(app, config)
-        if ramp > value:
-            value, reason = max(min(ramp, upper), floor), "ramp"
-        start = _start_up(app, config)
-        if start > value:
-            value, reason = max(min(start, upper), floor), "start"
-        burst = _burst_room(app, config)
-        if burst > value:
-            value, reason = max(min(burst, upper), floor), "burst"
+        # the leading rules: each raises the target above the claim when it asks for more
+        for name, rule in _LEADING_RULES:
+            lead = rule(app, config)
+            if lead > value:  # NaN (the rule is off or has nothing to say) is never more
+                value, reason = max(min(lead, upper), floor), name
     bump = _overrun_bump(app, res, config)
     if bump > value:
         value, reason = max(min(bump, upper), floor), "bump"
@@ -830,6 +823,13 @@ def _burst_room(app: AppState, config: PolicyConfig) -> float:
     if config.mem_burst_window_s <= 0 or not app.mem_burst_mib > 0 or math.isnan(app.used_mem_mib):
         return math.nan
     return (app.used_mem_mib + app.mem_burst_mib) * (1.0 + config.mem_margin_frac)
+
+
+# The leading rules (memory), in the order `_desired` applies them, each with the reason it gives:
+# each one that asks for more than the target so far sets it (capped) and its reason
+_LEADING_RULES: tuple[tuple[str, Callable[[AppState, PolicyConfig], float]], ...] = (
+    ("lead", _lead), ("ramp", _ramp_end), ("start", _start_up), ("burst", _burst_room),
+)
 
 
 def _slow_shrink(app: AppState, value: float, config: PolicyConfig) -> float:
