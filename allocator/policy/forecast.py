@@ -466,12 +466,17 @@ class PolicyConfig:
             return False
         if not before_mib + rise_mib > p90_before_mib:  # foreseen, or no forecast to judge by
             return False
-        if not active_s >= max(self.start_ramp_window_s, self.start_window_s):
+        if not active_s >= self.start_windows_end_s():
             return False
         return rise_mib > self.mem_burst_frac * max(before_mib, IDLE_MEM_MIB)
 
     def minimum(self, res: Resource) -> float:
         return self.min_mem_mib if res == "mem" else self.min_sm_pct
+
+    def start_windows_end_s(self) -> float:
+        """Seconds from the first real use (`AppState.active_s`) at which both start-up windows
+        (`start_window_s`, `start_ramp_window_s`) are over: the burst and jump rules start there."""
+        return max(self.start_ramp_window_s, self.start_window_s)
 
     def shrink_dwell_s(self, res: Resource) -> float:
         """How long a shrink of `res` waits after that resource's last change."""
@@ -776,23 +781,26 @@ def _ramp_end(app: AppState, config: PolicyConfig) -> float:
 def _is_jump(app: AppState, config: PolicyConfig) -> bool:
     """Whether a memory rise is a jump, not yet a ramp (`ramp_jump_s`): it has gone on for under
     `ramp_jump_s`, past the start-up windows (in a start-up a first step is a ramp's beginning)."""
-    return (app.mem_ramp_s < config.ramp_jump_s
-            and app.active_s >= max(config.start_ramp_window_s, config.start_window_s))
+    return app.mem_ramp_s < config.ramp_jump_s and app.active_s >= config.start_windows_end_s()
+
+
+# How recent the grant's last change must be for the jump release to take it for the jump's grant:
+# samples are a second apart (the daemon's a little more), so the change made at the jump's sample
+_JUMP_GRANT_WITHIN_S = 2.0
 
 
 def _jump_ended(app: AppState, now_s: float, config: PolicyConfig) -> bool:
     """With `ramp_jump_release`: the usage rose by a jump at the sample before (`_is_jump` then), the
-    grant changed since (within 2 s: samples are a second apart, the daemon's a little more), and the
-    usage has not risen since: the grant the jump was given is taken back. Not for a jump made in the
+    grant changed since (within `_JUMP_GRANT_WITHIN_S`), and the usage has not risen since: the grant the jump was given is taken back. Not for a jump made in the
     first `ramp_jump_release_after_s` of use (a start-up's stages)."""
     if config.ramp_jump_release <= 0 or config.ramp_jump_s <= 0 or app.mem_ramp_s > 0:
         return False
     if not 0 < app.mem_ramp_prev_s < config.ramp_jump_s:
         return False
-    if not now_s - app.last_mem_change_s < 2.0:
+    if not now_s - app.last_mem_change_s < _JUMP_GRANT_WITHIN_S:
         return False
-    return app.active_s >= max(config.start_ramp_window_s, config.start_window_s,
-                               config.ramp_jump_release_after_s) + 1.0
+    # the jump was a sample (a second) before now: made at least the window after the first use
+    return app.active_s >= max(config.start_windows_end_s(), config.ramp_jump_release_after_s) + 1.0
 
 
 def _start_up(app: AppState, config: PolicyConfig) -> float:
