@@ -1013,45 +1013,56 @@ def plan(
     targets: list[Target] = []
     device_plans: list[DevicePlan] = []
     for dev_id, works in by_device.items():
-        dev = devs[dev_id]
-        needs = tuple((w.app.app_id, w.target["mem"]) for w in works)
-        contended = {res: _shrink(works, res, dev.capacity(res), config) for res in RESOURCES}
-        for res in RESOURCES:
-            if contended[res]:
-                _settle(works, res, dev.capacity(res), config)
-        over = any(
-            sum(_floor(w.app, res, config) for w in works) > dev.capacity(res) + 1e-9 for res in RESOURCES
-        )
-        mem_planned = sum(w.target["mem"] for w in works)
-        hard = limits_are_hard(mem_planned, dev.mem_total_mib, config.hard_limit_at_frac * dev.mem_total_mib,
-                               contended=contended["mem"])
-        sm_planned = sum(w.target["sm"] for w in works)
-        hard_sm = limits_are_hard(sm_planned, dev.sm_total_pct, config.hard_limit_at_frac * dev.sm_total_pct,
-                                  contended=contended["sm"])
-        if config.sm_cap_at_use_frac > 0:
-            used_sm = sum(w.app.used_sm_pct for w in works if not math.isnan(w.app.used_sm_pct))
-            hard_sm = hard_sm and used_sm > config.sm_cap_at_use_frac * dev.sm_total_pct
-        full_power = config.contended_full_power > 0 and (
-            contended["sm"]
-            or (config.full_power_at_frac > 0 and sm_planned >= config.full_power_at_frac * dev.sm_total_pct - 1e-9))
-        for w in works:
-            tmem, tsm = w.target["mem"], w.target["sm"]
-            targets.append(Target(
-                app_id=w.app.app_id, device_id=dev_id, mem_mib=tmem, sm_pct=tsm,
-                priority_score=w.score,
-                changed_mem=not math.isclose(tmem, w.app.granted_mem_mib, rel_tol=1e-9, abs_tol=1e-9),
-                changed_sm=not math.isclose(tsm, w.app.granted_sm_pct, rel_tol=1e-9, abs_tol=1e-9),
-                reason_mem=w.reason["mem"], reason_sm=w.reason["sm"], hard_mem_limit=hard,
-                hard_sm_limit=hard_sm and (config.sm_cap_cut_only <= 0 or w.reason["sm"] == "contention"),
-            ))
-        device_plans.append(DevicePlan(
-            device_id=dev_id,
-            mem_planned_mib=mem_planned,
-            sm_planned_pct=sm_planned,
-            overcommitted=over, contended_mem=contended["mem"], contended_sm=contended["sm"],
-            hard_mem_limits=hard, hard_sm_limits=hard_sm, mem_needs_mib=needs, full_power=full_power,
-        ))
+        dp = _plan_device(devs[dev_id], works, config)
+        targets.extend(_target(w, dp, config) for w in works)
+        device_plans.append(dp)
     return Plan(at_s=now_s, targets=tuple(targets), devices=tuple(device_plans))
+
+
+def _plan_device(dev: DeviceState, works: list[_Work], config: PolicyConfig) -> DevicePlan:
+    """The per-device rules on the targets of its applications (cut in place): contention and a
+    close split kept, then whether its limits are hard and whether it keeps full power."""
+    needs = tuple((w.app.app_id, w.target["mem"]) for w in works)
+    contended = {res: _shrink(works, res, dev.capacity(res), config) for res in RESOURCES}
+    for res in RESOURCES:
+        if contended[res]:
+            _settle(works, res, dev.capacity(res), config)
+    over = any(
+        sum(_floor(w.app, res, config) for w in works) > dev.capacity(res) + 1e-9 for res in RESOURCES
+    )
+    mem_planned = sum(w.target["mem"] for w in works)
+    hard = limits_are_hard(mem_planned, dev.mem_total_mib, config.hard_limit_at_frac * dev.mem_total_mib,
+                           contended=contended["mem"])
+    sm_planned = sum(w.target["sm"] for w in works)
+    hard_sm = limits_are_hard(sm_planned, dev.sm_total_pct, config.hard_limit_at_frac * dev.sm_total_pct,
+                              contended=contended["sm"])
+    if config.sm_cap_at_use_frac > 0:  # SM caps only where the applications use more than the GPU has
+        used_sm = sum(w.app.used_sm_pct for w in works if not math.isnan(w.app.used_sm_pct))
+        hard_sm = hard_sm and used_sm > config.sm_cap_at_use_frac * dev.sm_total_pct
+    full_power = config.contended_full_power > 0 and (
+        contended["sm"]
+        or (config.full_power_at_frac > 0 and sm_planned >= config.full_power_at_frac * dev.sm_total_pct - 1e-9))
+    return DevicePlan(
+        device_id=dev.device_id,
+        mem_planned_mib=mem_planned,
+        sm_planned_pct=sm_planned,
+        overcommitted=over, contended_mem=contended["mem"], contended_sm=contended["sm"],
+        hard_mem_limits=hard, hard_sm_limits=hard_sm, mem_needs_mib=needs, full_power=full_power,
+    )
+
+
+def _target(w: _Work, dp: DevicePlan, config: PolicyConfig) -> Target:
+    """One application's decision on its device's plan. With `sm_cap_cut_only`, only a share the
+    contention rule cut is capped on a device whose SM shares are enforced."""
+    tmem, tsm = w.target["mem"], w.target["sm"]
+    return Target(
+        app_id=w.app.app_id, device_id=dp.device_id, mem_mib=tmem, sm_pct=tsm,
+        priority_score=w.score,
+        changed_mem=not math.isclose(tmem, w.app.granted_mem_mib, rel_tol=1e-9, abs_tol=1e-9),
+        changed_sm=not math.isclose(tsm, w.app.granted_sm_pct, rel_tol=1e-9, abs_tol=1e-9),
+        reason_mem=w.reason["mem"], reason_sm=w.reason["sm"], hard_mem_limit=dp.hard_mem_limits,
+        hard_sm_limit=dp.hard_sm_limits and (config.sm_cap_cut_only <= 0 or w.reason["sm"] == "contention"),
+    )
 
 
 def advance(apps: Sequence[AppState], result: Plan) -> list[AppState]:
