@@ -82,13 +82,20 @@ from dataclasses import dataclass, field, fields, replace
 from operator import itemgetter
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from vgpu.allocator.policy.base import IDLE_MEM_MIB, limits_are_hard
+from vgpu.allocator.policy.base import (
+    IDLE_MEM_MIB,
+    Enforcement,
+    GrantTarget,
+    MigTarget,
+    PowerTarget,
+    limits_are_hard,
+)
+from vgpu.allocator.policy.base import Plan as AllocatorPlan
 from vgpu.allocator.policy.power import choose_power_limit_mw
 
 if TYPE_CHECKING:
     from vgpu.allocator.ledger import Grant
-    from vgpu.allocator.policy.base import DeviceView, Enforcement, MigTarget, Recommendation
-    from vgpu.allocator.policy.base import Plan as AllocatorPlan
+    from vgpu.allocator.policy.base import DeviceView, Recommendation
 
 Resource = Literal["mem", "sm"]
 RESOURCES: tuple[Resource, ...] = ("mem", "sm")
@@ -1280,8 +1287,6 @@ def memory_enforcement(dp: DevicePlan, other_granted_mib: float, mem_total_mib: 
     `others_mib` (those grants per application) the decision says what it counted per application
     (`Enforcement.counted_mib`: the plan's needs, `DevicePlan.mem_needs_mib`, and those grants), so
     that the allocator can judge it again when one of them leaves before the next plan."""
-    from vgpu.allocator.policy.base import Enforcement
-
     planned = dp.mem_planned_mib + other_granted_mib
     at = config.hard_limit_at_frac * mem_total_mib
     counted: tuple[tuple[str, float], ...] = ()
@@ -1293,6 +1298,23 @@ def memory_enforcement(dp: DevicePlan, other_granted_mib: float, mem_total_mib: 
     else:
         reason = f"{'contended' if hard else 'uncontended'}: {planned:.0f} of {mem_total_mib:.0f} MiB planned"
     return Enforcement(dp.device_id, hard, reason, counted, mem_total_mib, at)
+
+
+def _grant_targets(result: Plan, requested: Mapping[str, tuple[float, float]],
+                   managed: Mapping[str, Grant | None]) -> list[GrantTarget]:
+    """The grant changes the plan asks for: an application's requested grants are left as they are
+    (`requested`: their memory and SM), and its managed grant (`managed`; None: a new forecast
+    grant) carries the rest of each changed target."""
+    grants: list[GrantTarget] = []
+    for t in result.changes():
+        req_mem, req_sm = requested[t.app_id]
+        own = managed[t.app_id]
+        extra_mem, extra_sm = max(t.mem_mib - req_mem, 0.0), max(t.sm_pct - req_sm, 0.0)
+        if own is None and extra_mem <= 0 and extra_sm <= 0:
+            continue  # the requests cover the plan
+        grants.append(GrantTarget(t.app_id, t.device_id, extra_mem, extra_sm,
+                                  own.grant_id if own else None, f"{t.reason_mem}/{t.reason_sm}"))
+    return grants
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1324,9 +1346,6 @@ class ForecastPolicy:
 
     def plan(self, recommendations: Sequence[Recommendation], devices: Sequence[DeviceView],
              now_s: float) -> AllocatorPlan:
-        from vgpu.allocator.policy.base import GrantTarget, PowerTarget
-        from vgpu.allocator.policy.base import Plan as AllocatorPlan
-
         views = {d.device_id: d for d in devices}
         states: list[AppState] = []
         managed: dict[str, Grant | None] = {}
@@ -1344,87 +1363,92 @@ class ForecastPolicy:
                 continue
             seen.add(rec.app_id)
             mine = by_app[rec.device_id].get(rec.app_id, [])
-            req = [g for g in mine if g.source == "request"]
             others = [g for g in mine if g.source != "request"]
-            own = max(others, key=lambda g: g.created_at_s) if others else None
-            managed[rec.app_id] = own
-            req_mem = sum(g.memory_mib for g in req)
-            req_sm = min(100.0, sum(g.sm_pct for g in req))
-            requested[rec.app_id] = (req_mem, req_sm)
-            f_mem = rec.mem_p90_peak_mib if math.isfinite(rec.mem_p90_peak_mib) else rec.memory_mib
-            f_sm = rec.sm_p90_peak_pct if math.isfinite(rec.sm_p90_peak_pct) else rec.sm_pct
-            # memory and SM keep their own change times: SM shares move with every arrival under
-            # contention, which must not keep restarting the memory grant's dwell
-            mem_changed_at = own.mem_changed_at_s if own is not None else -math.inf
-            sm_changed_at = own.updated_at_s if own is not None else -math.inf
-            first = min((g.created_at_s for g in mine), default=now_s)
-            cold_mib = rec.cold_start_mem_mib if math.isfinite(rec.cold_start_mem_mib) else math.nan
-            self.history.observe(rec.app_id, now_s, rec.mem_used_mib, rec.for_seq,
-                                 f_mem if math.isfinite(f_mem) else math.nan)
-            ramp_s, ramp_rate = self.history.ramp(rec.app_id)
-            window = self.config.mem_shrink_window_s
-            states.append(AppState(
-                app_id=rec.app_id, device_id=rec.device_id,
-                request_mem_mib=req_mem, request_sm_pct=req_sm,
-                granted_mem_mib=sum(g.memory_mib for g in mine),
-                granted_sm_pct=min(100.0, sum(g.sm_pct for g in mine)),
-                used_mem_mib=rec.mem_used_mib, used_sm_pct=rec.sm_util_pct,
-                forecast_mem_p90_mib=f_mem if math.isfinite(f_mem) else math.nan,
-                forecast_sm_p90_pct=f_sm if math.isfinite(f_sm) else math.nan,
-                history_s=history_since_use_s(now_s, first, rec.first_use_s), expected_mem_mib=cold_mib,
-                priority=max((g.priority for g in mine), default=0),
-                last_mem_change_s=mem_changed_at, last_sm_change_s=sm_changed_at,
-                mem_ramp_s=ramp_s, mem_ramp_rate_mib_s=ramp_rate, mem_ramp_last_mib_s=self.history.last_rise(rec.app_id),
-                mem_ramp_prev_s=self.history.ramp(rec.app_id, back=1)[0],
-                recent_peak_mem_mib=self.history.peak(rec.app_id, now_s, window) if window > 0 else math.nan,
-                active_s=active_since_use_s(now_s, rec.first_use_s, self.history.active_s(rec.app_id, now_s)),
-                mem_p90_covered_s=self.history.covered_s(rec.app_id),
-                mem_burst_mib=self.history.burst_mib(rec.app_id, now_s, self.config, rec.first_use_s),
-            ))
+            managed[rec.app_id] = max(others, key=lambda g: g.created_at_s) if others else None
+            state = self._app_state(rec, mine, managed[rec.app_id], now_s)
+            requested[rec.app_id] = (state.request_mem_mib, state.request_sm_pct)
+            states.append(state)
         self.history.prune(now_s)
         caps = [DeviceState(v.device_id, v.mem_total_mib, v.sm_total_pct) for v in devices]
         result = plan(states, caps, now_s, self.config)
-        grants: list[GrantTarget] = []
-        for t in result.changes():
-            req_mem, req_sm = requested[t.app_id]
-            own = managed[t.app_id]
-            extra_mem, extra_sm = max(t.mem_mib - req_mem, 0.0), max(t.sm_pct - req_sm, 0.0)
-            if own is None and extra_mem <= 0 and extra_sm <= 0:
-                continue  # the requests cover the plan
-            grants.append(GrantTarget(t.app_id, t.device_id, extra_mem, extra_sm,
-                                      own.grant_id if own else None, f"{t.reason_mem}/{t.reason_sm}"))
-        power: list[PowerTarget] = []
-        if self.manage_power:
-            for dp in result.devices:
-                view = views[dp.device_id]
-                c = view.power_constraints
-                if c is None or not view.power_enabled or view.power_limit_mw is None or c.max_mw <= c.min_mw:
-                    continue
-                choice = choose_power_limit_mw(min(dp.sm_planned_pct, 100.0), c)
-                limit_mw, why = choice.limit_mw, choice.reason
-                if dp.full_power:
-                    limit_mw, why = c.max_mw, "contended" if dp.contended_sm else "full"
-                if abs(limit_mw - view.power_limit_mw) >= self.power_hysteresis_frac * (c.max_mw - c.min_mw):
-                    power.append(PowerTarget(dp.device_id, limit_mw, f"{why}: planned SM {dp.sm_planned_pct:.0f} %"))
+        grants = _grant_targets(result, requested, managed)
+        power = self._power_targets(result, views) if self.manage_power else []
         mig: list[MigTarget] = []
         if self.manage_mig:
             mig = [m for v in devices if v.mig_enabled and (m := self._mig_target(v, states, result)) is not None]
-        enforcement = []
-        for dp in result.devices:
-            unplanned: dict[str, float] = {}  # grants of applications this plan did not size
-            for g in views[dp.device_id].grants:
-                if g.app_id not in seen:
-                    unplanned[g.app_id] = unplanned.get(g.app_id, 0.0) + g.memory_mib
-            enforcement.append(memory_enforcement(dp, sum(unplanned.values()), views[dp.device_id].mem_total_mib,
-                                                  self.config, others_mib=unplanned))
+        enforcement = [self._enforcement(dp, views[dp.device_id], seen) for dp in result.devices]
         return AllocatorPlan(grants=tuple(grants), power=tuple(power), mig=tuple(mig),
                               enforcement=tuple(enforcement))
+
+    def _app_state(self, rec: Recommendation, mine: Sequence[Grant], own: Grant | None, now_s: float) -> AppState:
+        """What `plan()` knows of one application: its recommendation, its grants on the device
+        (`mine`; `own`, the managed one, its latest grant not from a request), and the leading
+        signals of the usage history, which this call records the recommendation's usage into."""
+        req = [g for g in mine if g.source == "request"]
+        req_mem = sum(g.memory_mib for g in req)
+        req_sm = min(100.0, sum(g.sm_pct for g in req))
+        f_mem = rec.mem_p90_peak_mib if math.isfinite(rec.mem_p90_peak_mib) else rec.memory_mib
+        f_sm = rec.sm_p90_peak_pct if math.isfinite(rec.sm_p90_peak_pct) else rec.sm_pct
+        # memory and SM keep their own change times: SM shares move with every arrival under
+        # contention, which must not keep restarting the memory grant's dwell
+        mem_changed_at = own.mem_changed_at_s if own is not None else -math.inf
+        sm_changed_at = own.updated_at_s if own is not None else -math.inf
+        first = min((g.created_at_s for g in mine), default=now_s)
+        cold_mib = rec.cold_start_mem_mib if math.isfinite(rec.cold_start_mem_mib) else math.nan
+        self.history.observe(rec.app_id, now_s, rec.mem_used_mib, rec.for_seq,
+                             f_mem if math.isfinite(f_mem) else math.nan)
+        ramp_s, ramp_rate = self.history.ramp(rec.app_id)
+        window = self.config.mem_shrink_window_s
+        return AppState(
+            app_id=rec.app_id, device_id=rec.device_id,
+            request_mem_mib=req_mem, request_sm_pct=req_sm,
+            granted_mem_mib=sum(g.memory_mib for g in mine),
+            granted_sm_pct=min(100.0, sum(g.sm_pct for g in mine)),
+            used_mem_mib=rec.mem_used_mib, used_sm_pct=rec.sm_util_pct,
+            forecast_mem_p90_mib=f_mem if math.isfinite(f_mem) else math.nan,
+            forecast_sm_p90_pct=f_sm if math.isfinite(f_sm) else math.nan,
+            history_s=history_since_use_s(now_s, first, rec.first_use_s), expected_mem_mib=cold_mib,
+            priority=max((g.priority for g in mine), default=0),
+            last_mem_change_s=mem_changed_at, last_sm_change_s=sm_changed_at,
+            mem_ramp_s=ramp_s, mem_ramp_rate_mib_s=ramp_rate, mem_ramp_last_mib_s=self.history.last_rise(rec.app_id),
+            mem_ramp_prev_s=self.history.ramp(rec.app_id, back=1)[0],
+            recent_peak_mem_mib=self.history.peak(rec.app_id, now_s, window) if window > 0 else math.nan,
+            active_s=active_since_use_s(now_s, rec.first_use_s, self.history.active_s(rec.app_id, now_s)),
+            mem_p90_covered_s=self.history.covered_s(rec.app_id),
+            mem_burst_mib=self.history.burst_mib(rec.app_id, now_s, self.config, rec.first_use_s),
+        )
+
+    def _power_targets(self, result: Plan, views: Mapping[str, DeviceView]) -> list[PowerTarget]:
+        """Each device's power limit from its planned SM share (the maximum where the plan says full
+        power), where it moves by at least `power_hysteresis_frac` of the device's range and the
+        device's limit can be read and set."""
+        power: list[PowerTarget] = []
+        for dp in result.devices:
+            view = views[dp.device_id]
+            c = view.power_constraints
+            if c is None or not view.power_enabled or view.power_limit_mw is None or c.max_mw <= c.min_mw:
+                continue
+            choice = choose_power_limit_mw(min(dp.sm_planned_pct, 100.0), c)
+            limit_mw, why = choice.limit_mw, choice.reason
+            if dp.full_power:
+                limit_mw, why = c.max_mw, "contended" if dp.contended_sm else "full"
+            if abs(limit_mw - view.power_limit_mw) >= self.power_hysteresis_frac * (c.max_mw - c.min_mw):
+                power.append(PowerTarget(dp.device_id, limit_mw, f"{why}: planned SM {dp.sm_planned_pct:.0f} %"))
+        return power
+
+    def _enforcement(self, dp: DevicePlan, view: DeviceView, seen: set[str]) -> Enforcement:
+        """The device's memory enforcement, counting also the grants of applications this plan did
+        not size (those not in `seen`: requests without recommendations yet)."""
+        unplanned: dict[str, float] = {}
+        for g in view.grants:
+            if g.app_id not in seen:
+                unplanned[g.app_id] = unplanned.get(g.app_id, 0.0) + g.memory_mib
+        return memory_enforcement(dp, sum(unplanned.values()), view.mem_total_mib, self.config, others_mib=unplanned)
 
     def _mig_target(self, view: DeviceView, states: Sequence[AppState], result: Plan) -> MigTarget | None:
         """The layout for the applications planned on a device in MIG mode, when its current one
         no longer fits their needs now or at the reconfiguration time ahead; None otherwise."""
         from vgpu.allocator.mechanisms.mig import MigNeed, plan_layout, sku_for_name
-        from vgpu.allocator.policy.base import MigTarget
 
         sku = sku_for_name(view.name)
         if sku is None or not sku.supports_mig:
