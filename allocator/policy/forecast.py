@@ -608,11 +608,6 @@ def forecast_or_usage(app: AppState, res: Resource) -> float:
     return value
 
 
-def usage_only(app: AppState, res: Resource) -> float:
-    """Reactive base: the latest usage (DeepRes-style usage-driven sizing)."""
-    return app.used(res)
-
-
 @dataclass(frozen=True)
 class WithMargin:
     margin: Callable[[Resource], float]
