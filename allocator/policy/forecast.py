@@ -495,87 +495,47 @@ class PolicyConfig:
 
 
 # The settings vgpu plans with: `ForecastPolicy` (the daemon's and the demo's policy) defaults to
-# them and bench/replay.py's `predictive` runs them. The margins and the confidence multiplier were
-# chosen on MIGPerf's val split (a small margin on the P90; x1.3 after 1 s of history, x1.03 after
-# 10 s). The bumps, the SM threshold and the SM shrink dwell were chosen on the replays of MIGPerf's
-# test split and of the TITAN X traces (docs/allocation.md has the table): memory that grows in
-# steps overran a P90 + 2 % grant on every second of each step; SM shares that followed a noisy
-# utilisation changed 500-830 times per application-hour.
-#
-# The leading rules (docs/allocation.md, "A policy that leads"): start-up headroom 1024 MiB for the
-# first 10 s and shrinks of at most a quarter of the grant were chosen on MIGPerf's train split
-# (2048 MiB or a 30 s window bought at most one fewer OOM event for 0.011-0.026 more slack; a
-# shrink step of a half had one more event). MIGPerf holds its memory flat, so the ramp rule, the
-# lead headroom and the shrink window change nothing there: their values (a ramp of 1 s granted
-# ahead of its rate, 10 % headroom, 30 s of recent peak) are set by reasoning, not measurement,
-# and reported on the TITAN X traces, which chose nothing (how far ahead: see below). Memory limits are hard only on a device
-# whose planned memory reaches 90 % of it. On a contended GPU only the applications whose SM share
-# was cut get an MPS cap: on MIGPerf's train split packed on mean usage, capping every share gave a
-# mean slowdown of 1.067 (p95 1.289), capping only the cut ones 1.046 (1.116); static 1.013.
-# A ramp of 2 s or more in the first 30 s is granted three times its usage: on the train split of
-# the derived training series (`vgpu trace synth --kind training --jobs 36`, seed 0; cooperative
-# limits) that took the OOM events from 44 to 14 for memory slack 0.055 -> 0.082 (x2 of the usage:
-# 29 events, 0.067), and changed nothing but the slack (0.0689 -> 0.0697) on MIGPerf's train split.
-# The start-up window counts from the first real use (`start_from_use`), as the daemon counts an
-# application's history from its first signature with GPU use: a job that registers, then loads
-# its data, still has its window when its memory ramps. Neither development set starts idle, so it
-# changes nothing there; it is on so that the replay replays what the daemon does.
-# A GPU whose SM is contended keeps its full power limit: on MIGPerf's train split packed on mean
-# usage the mean slowdown fell from 1.046 to 1.033 (static 1.013) for 15 % more energy (14.2 ->
-# 16.2 MJ; static 20.4).
-# A ramp is extrapolated over the forecast's 5 s horizon at its latest slope (the larger of its mean
-# rate and its last second's rise), not 3 s of its mean rate: on the derived training train split
-# (cooperative) that took the OOM events from 16 to 13 for memory slack 0.0963 -> 0.1011 (the last
-# slope over 3 s: 16; 4 s: 15; 6 s and 8 s: 15 for 0.105 and 0.116; 5 s of the mean rate: 16), and
-# cost 0.0016 of slack on MIGPerf's train split (0.0754 -> 0.0770; no event changed). Neither set
-# has a visible ramp after its start-up, so the lead of such ramps was not measurable there. The
-# multiple for later ramps (`ramp_frac`) is off: on the training train split it bought at most one
-# event for 0.005-0.013 more slack (x1.5 to x3) and changed nothing on MIGPerf's. The extrapolated
-# end is not capped (`ramp_cap_frac` 0): capping it at x1.5-x4 of the usage gave back 2-3 of the 3
-# events for 0.002-0.006 less slack there. A grant far over the recent peak usage keeps shrinking
-# by the bounded step; taking it to a multiple of that peak in one change (`mem_shrink_peak_mult`)
-# is off: every multiple tried (x1.1-x3) added an event on the training train split (13 -> 14-15)
-# for its lower slack, and on the development sets no setting is shipped that adds an OOM event.
-# A forecast that has covered 30 s of moving memory on its own is trusted (`mem_trust_s`): its P90 is
-# granted with 1 % instead of 2 % and without the lead headroom. Chosen on the serving series of the
-# services the forecaster was trained on, their val split (cooperative limits): azure-conv memory slack
-# 0.0751 -> 0.0716 (0 OOM events either way), Mooncake 0.3161 -> 0.3147 (10 -> 9 events); 60 s gave
-# 0.0726 / 0.3151 (9), a trusted margin of 0 0.0713 / 0.3143 (10). The derived training train split
-# (13 events, 0.1011) and MIGPerf's train split (5, 0.0770) are unchanged: their memory is flat where
-# the forecast covers it, and flat seconds earn no trust.
-# An application whose memory has burst (a one-second rise past the P90 of over 10 % of its usage, after
-# the start-up windows, that came back down) in the last 1200 s keeps room for another burst of that size,
-# and its ramps are extrapolated at most one such burst ahead (`mem_burst_window_s`, `mem_burst_ramp_cap`).
-# Chosen on the val split of the Mooncake serving series (cooperative limits), where every OOM event was
-# a 5-13 GB jump of the cache pool in one second (a long prompt admitted) that no forecast saw: 9 events
-# -> 4 for memory slack 0.3147 -> 0.3415 (static 0.3553 with none). Without the ramp cap the room is
-# stacked on a one-second burst extrapolated to the whole GPU: 3 events for 0.3793, over static's slack
-# (every window from 300 s to 1200 s was too); 600 s with the cap: 5 events, 0.3370; 300 s: 11, 0.3112.
-# azure-conv val, the derived training train split and MIGPerf's train split do not move (their memory
-# does not jump and come back down after the start-up).
-# A one-second jump past the start-up is extrapolated like a ramp, but if the usage stays flat the next
-# second the grant it was given is taken back at once (`ramp_jump_s=2`, `ramp_jump_release=1`): a serving
-# engine's cache grows 1-2 % in a second and stops, and the 5 s extrapolation asked for the whole GPU
-# for the dwell and the slow shrink after it. Chosen on the development sets (val of the serving series,
-# cooperative; training and MIGPerf train): azure-conv 0.0716 -> 0.0549, Mooncake 0.3415 -> 0.3381,
-# training 0.1011 -> 0.1002, MIGPerf 0.0770, no OOM event added on any. Not extrapolating a jump at all
-# (`ramp_jump_ahead_s=0`, kept at 5 here) gave azure-conv 0.0689 but training 13 -> 22 events: there a
-# first step after the start-up is often a ramp's beginning, which the release still covers.
-# The release waits for 90 s of use (`ramp_jump_release_after_s`): a start-up that grows in stages is a
-# series of jumps, and a release between stages grants the next stage late. The development sets cannot
-# measure that lead (the release moved no rise's lead on any of them), so the window is the longest tried
-# that moves no development figure: 60 s and 90 s leave every one the same to the last digit; 120 s
-# costs azure-conv val 0.0549 -> 0.0551 and Mooncake val 0.3381 -> 0.3390, 300 s 0.0585 / 0.3412.
-# A cut SM share is capped only where the device's applications use more SM than it has now
-# (`sm_cap_at_use_frac`): on the development sets packed on mean usage, most of the speed the caps
-# took was on GPUs whose capped shares left SM idle (the plan's P90 + margin finds contention the
-# use does not); the mean slowdown fell from 1.030 to 1.024 on MIGPerf's train split (static 1.013)
-# and from 1.029 to 1.025 on the derived training train split (static 1.018), and no grant changes,
-# so slack and OOM events do not move. Full power wherever the plan fills the GPU
-# (`full_power_at_frac`) is off: it took a further 0.007 / 0.004 off for most of the energy the
-# power policy saves (16.3 -> 19.8 MJ, static 20.4; 7.5 -> 8.7, static 9.1), mostly on GPUs that
-# one application forecast at the whole GPU holds alone, where the slowdown is the power policy's
-# own busy-GPU bound rather than contention (docs/allocation.md).
+# them and bench/replay.py's `predictive` runs them. The values were chosen on development data
+# (MIGPerf's train/val splits, the derived training series' train split, the serving series' val
+# splits), except the bumps, the SM threshold and the SM shrink dwell, chosen on the replays of
+# MIGPerf's test split and the TITAN X traces themselves (in-sample). docs/allocation.md has every
+# table, under the section named in brackets. A setting that added an OOM event on a development
+# set is not shipped: an event is a job's crash, slack only idle memory.
+# - margins 2 % / 5 %, confidence x0.3 (x1.3 after 1 s of history, x1.03 after 10 s): MIGPerf val.
+# - bumps (x1.2 or +1024 MiB; SM +10 points), SM threshold 5 points, SM shrink dwell 60 s: memory
+#   that grows in steps overran a P90 + 2 % grant on every second of each step, and SM shares that
+#   followed a noisy utilisation changed 500-830 times per application-hour ("Before the physical
+#   replay").
+# - start-up headroom 1024 MiB for 10 s, shrinks of at most 25 %: MIGPerf train (2048 MiB or 30 s
+#   bought at most one event for 0.011-0.026 more slack; a step of 50 % had one more event).
+#   MIGPerf's memory is flat, so the lead headroom (10 %) and the 30 s recent-peak window are set by
+#   reasoning, not measurement.
+# - start-up ramps x3 (`start_ramp_frac=2`) for a ramp of 2 s in the first 30 s: derived training
+#   train, 44 -> 14 events for slack 0.055 -> 0.082; MIGPerf train only 0.0689 -> 0.0697 slack.
+# - `start_from_use`: changes nothing on either development set; on so that the replay counts the
+#   start-up window as the daemon does (from the first signature with GPU use).
+# - ramps granted 5 s of their latest slope ahead (`ramp_min_s=1`, `ramp_ahead_s=5`,
+#   `ramp_last_rate=1`): derived training train 16 -> 13 events for 0.005 more slack. Off there: the
+#   cap on the end (`ramp_cap_frac`), the multiple for later ramps (`ramp_frac`) and the one-change
+#   shrink to a multiple of the recent peak (`mem_shrink_peak_mult`): each added events, or only
+#   slack.
+# - trusted forecast after 30 s covered, its P90 granted with 1 % and no lead headroom: azure-conv
+#   and Mooncake val ("Where the serving slack comes from, and the trusted forecast").
+# - room for a burst seen in the last 1200 s, ramps capped one burst ahead: Mooncake val 9 -> 4
+#   events for slack 0.3147 -> 0.3415 ("Mooncake's OOM events, and room for a burst").
+# - a one-second jump extrapolated in full, its grant given back if the usage is flat the next
+#   second (`ramp_jump_s=2`, `ramp_jump_ahead_s=5`, `ramp_jump_release=1`): azure-conv val slack
+#   0.0716 -> 0.0549, no event added anywhere; not extrapolating a jump took training 13 -> 22
+#   ("A one-second jump extrapolated as a ramp, and its grant given back").
+# - the release only after 90 s of use (`ramp_jump_release_after_s`): a start-up that grows in
+#   stages keeps each stage's grant; the longest window that moved no development figure ("The
+#   release's own start-up window").
+# - hard memory limits only from 90 % of the device; an SM cap only on the shares the contention rule
+#   cut (mean slowdown 1.046 against 1.067 capping every share, MIGPerf train packed on mean usage),
+#   and only where the applications use more SM than the GPU has (`sm_cap_at_use_frac=1`: 1.030 ->
+#   1.024); a contended GPU keeps full power (1.046 -> 1.033 for 15 % more energy); full power
+#   wherever the plan fills the GPU (`full_power_at_frac`) is off: 0.004-0.007 for most of the energy
+#   the power policy saves.
 PREDICTIVE_CONFIG = PolicyConfig(
     mem_margin_frac=0.02, sm_margin_frac=0.05, confidence_multiplier=0.3,
     mem_bump_frac=0.2, mem_bump_min_mib=1024.0, sm_bump_pct=10.0,
@@ -696,7 +656,8 @@ class _Work:
     score: float
     target: dict[Resource, float] = field(default_factory=dict)
     reason: dict[Resource, str] = field(default_factory=dict)
-    # the target before hysteresis and bump: what the application claims on a full device
+    # the target before the leading rules, the bump, the slow shrink and hysteresis: what the
+    # application claims on a full device (`_desired`)
     claim: dict[Resource, float] = field(default_factory=dict)
 
 
@@ -709,8 +670,9 @@ def _floor(app: AppState, res: Resource, config: PolicyConfig) -> float:
 def _desired(app: AppState, res: Resource, est: Estimator, config: PolicyConfig,
              dev: DeviceState | None, now_s: float) -> tuple[float, str, float]:
     """(target before hysteresis, the rule that set it, the claim under contention). The claim is
-    the target without the overrun bump: a bump is headroom for the application's own next
-    seconds, not a reason to take a larger share from its neighbours on a full device."""
+    the target before the leading rules, the overrun bump and the slow shrink: those are headroom
+    for the application's own next seconds (or a shrink held back), not a reason to take a larger
+    share from its neighbours on a full device."""
     value = est(app, res)
     reason = "forecast" if not math.isnan(app.forecast_p90(res)) else "usage"
     if math.isnan(value):
@@ -793,8 +755,9 @@ _JUMP_GRANT_WITHIN_S = 2.0
 
 def _jump_ended(app: AppState, now_s: float, config: PolicyConfig) -> bool:
     """With `ramp_jump_release`: the usage rose by a jump at the sample before (`_is_jump` then), the
-    grant changed since (within `_JUMP_GRANT_WITHIN_S`), and the usage has not risen since: the grant the jump was given is taken back. Not for a jump made in the
-    first `ramp_jump_release_after_s` of use (a start-up's stages)."""
+    grant changed since (within `_JUMP_GRANT_WITHIN_S`), and the usage has not risen since: the
+    grant the jump was given is taken back. Not for a jump made in the first
+    `ramp_jump_release_after_s` of use (a start-up's stages)."""
     if config.ramp_jump_release <= 0 or config.ramp_jump_s <= 0 or app.mem_ramp_s > 0:
         return False
     if not 0 < app.mem_ramp_prev_s < config.ramp_jump_s:
@@ -917,9 +880,9 @@ def _shrink(works: list[_Work], res: Resource, capacity: float, config: PolicyCo
 
     Before any of that, what lies above the applications' claims (overrun bumps, shrinks that
     hysteresis still holds back) is taken back in proportion; if that is not enough, every target
-    restarts from its claim. Cutting from hysteresis-held grants instead made two neighbours on a
-    full GPU trade a few SM points back and forth every second (MIGPerf replay): the one over its
-    grant bumps and takes share, the other is then over its grant and takes it back."""
+    restarts from its claim. Cutting from hysteresis-held grants instead makes two neighbours on a
+    full GPU trade a few SM points back and forth every second (seen in the MIGPerf replay): the one
+    over its grant bumps and takes share, the other is then over its grant and takes it back."""
     excess = sum(w.target[res] for w in works) - capacity
     if excess <= 1e-9:
         return False
@@ -965,10 +928,10 @@ def _settle(works: list[_Work], res: Resource, capacity: float, config: PolicyCo
     """Hysteresis on a contended device, all or nothing: when every share the contention rule set
     is within `min_change_frac` of the application's grant in force and those grants still fit,
     the device keeps its current split. On a full device each change of one application re-cuts
-    all its neighbours' shares by a sliver; each sliver was a grant change. All or nothing keeps
-    the split a fair one (it was cut by the same rule a moment ago); the SM points threshold is
-    not used here, since it held shares far enough below what the applications used to double
-    the SM violations in the MIGPerf replay."""
+    all its neighbours' shares by a sliver, each sliver a grant change. All or nothing keeps the
+    split a fair one (it was cut by the same rule a moment ago); the SM points threshold is not
+    used here, since it holds shares far enough below what the applications use to double the SM
+    violations (the MIGPerf replay)."""
     cut = [w for w in works if w.reason[res] == "contention"]
     if not cut:
         return
