@@ -840,8 +840,15 @@ def _overrun_bump(app: AppState, res: Resource, config: PolicyConfig) -> float:
     return max(used * (1.0 + config.mem_bump_frac), used + config.mem_bump_min_mib)
 
 
+# The reasons of the rules whose growth hysteresis never holds back: the bump and the leading rules
+_GROW_AT_ONCE = frozenset({"bump", *(name for name, _ in _LEADING_RULES)})
+
+
 def _hysteresis(app: AppState, res: Resource, desired: float, reason: str, now_s: float,
                 config: PolicyConfig) -> tuple[float, str]:
+    """(the target, its reason) after hysteresis: the first that applies of a new grant, the
+    guarantee, growth at once, the jump release, the overrun, the threshold and the dwell (the
+    module docstring's 10a-g)."""
     current = app.granted(res)
     if current <= 0:
         return desired, reason  # a new grant is always made
@@ -851,7 +858,7 @@ def _hysteresis(app: AppState, res: Resource, desired: float, reason: str, now_s
     # the resource's absolute threshold: grow now
     need = max((v for v in (app.used(res), app.forecast_p90(res)) if not math.isnan(v)), default=math.nan)
     tolerance = config.min_change_abs(res)
-    if reason in ("bump", "lead", "ramp", "start", "burst") and desired > current:
+    if reason in _GROW_AT_ONCE and desired > current:
         return desired, reason
     if res == "mem" and desired < current and _jump_ended(app, now_s, config):
         return desired, "jump-ended"
