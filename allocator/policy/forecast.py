@@ -1287,15 +1287,18 @@ def _grant_targets(result: Plan, requested: Mapping[str, tuple[float, float]],
 # ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ForecastPolicy:
-    """This module's policy behind `vgpu.allocator.policy.base.Policy`, for `Allocator(policy=ForecastPolicy())`.
+    """This module's policy behind `vgpu.allocator.policy.base.Policy`, for
+    `Allocator(policy=ForecastPolicy())`.
 
     Per application and device: grants the application requested itself (source "request") are its
     guarantee and are left as they are; its most recent other grant (or a new forecast grant)
     carries the rest of the planned size. The recommendation's P90 peaks are the forecast (its
     recommended size where they are unknown), its last usage the usage, the managed grant's
     `mem_changed_at_s` / `updated_at_s` the last memory / SM change, and the time since its first
-    grant the history. Power: each device's limit from its planned SM share (allocator/policy/power.py), written only when it moves
-    by at least `power_hysteresis_frac` of the device's range. The default settings are
+    use (`history_since_use_s`; its first grant where the recommendation does not say) the history;
+    the leading signals come from the usage this policy has seen (`history`). Power: each device's
+    limit from its planned SM share (allocator/policy/power.py), written only when it moves by at
+    least `power_hysteresis_frac` of the device's range. The default settings are
     `PREDICTIVE_CONFIG`, the ones bench/replay.py measures."""
 
     config: PolicyConfig = PREDICTIVE_CONFIG
