@@ -885,15 +885,15 @@ def _shrink(works: list[_Work], res: Resource, capacity: float, config: PolicyCo
     lower one is at its floors; otherwise the smallest application of a crowded GPU keeps all it
     asked for while every other one is cut to the minimum.
 
-    Before any of that, what lies above the applications' claims (overrun bumps, shrinks that
-    hysteresis still holds back) is taken back in proportion; if that is not enough, every target
+    Before any of that, what lies above the applications' claims (leading headroom, overrun bumps,
+    shrinks that hysteresis or the slow shrink still hold back) is taken back in proportion; if that is not enough, every target
     restarts from its claim. Cutting from hysteresis-held grants instead makes two neighbours on a
     full GPU trade a few SM points back and forth every second (seen in the MIGPerf replay): the one
     over its grant bumps and takes share, the other is then over its grant and takes it back."""
     excess = sum(w.target[res] for w in works) - capacity
     if excess <= 1e-9:
         return False
-    # first what lies above the claims (overrun bumps, grants hysteresis still holds), in proportion
+    # first what lies above the claims, in proportion
     extras = [max(w.target[res] - w.claim[res], 0.0) for w in works]
     above = sum(extras)
     if above >= excess:
@@ -908,14 +908,7 @@ def _shrink(works: list[_Work], res: Resource, capacity: float, config: PolicyCo
         if w.target[res] != w.claim[res]:
             w.target[res], w.reason[res] = w.claim[res], "contention"
     excess = sum(w.target[res] for w in works) - capacity
-    if res == "mem":
-        groups = [[w] for w in sorted(works, key=lambda w: (w.score, w.app.app_id))]
-    else:
-        by_class: dict[float, list[_Work]] = {}
-        for w in works:
-            by_class.setdefault(round(w.score + _size_term(w.app), 9), []).append(w)
-        groups = [by_class[k] for k in sorted(by_class)]
-    for group in groups:
+    for group in _yield_groups(works, res):
         rooms = [max(w.target[res] - _floor(w.app, res, config), 0.0) for w in group]
         room = sum(rooms)
         if room <= 0:
@@ -929,6 +922,18 @@ def _shrink(works: list[_Work], res: Resource, capacity: float, config: PolicyCo
         if excess <= 1e-9:
             break
     return True
+
+
+def _yield_groups(works: list[_Work], res: Resource) -> list[list[_Work]]:
+    """The order in which applications give up `res` under contention, first group first; a group
+    shrinks in proportion. Memory: one application a group, by `priority_score` (then app id). SM:
+    one group per priority class (the score without its size term), lowest first."""
+    if res == "mem":
+        return [[w] for w in sorted(works, key=lambda w: (w.score, w.app.app_id))]
+    by_class: dict[float, list[_Work]] = {}
+    for w in works:
+        by_class.setdefault(round(w.score + _size_term(w.app), 9), []).append(w)
+    return [by_class[k] for k in sorted(by_class)]
 
 
 def _settle(works: list[_Work], res: Resource, capacity: float, config: PolicyConfig) -> None:
