@@ -672,29 +672,34 @@ def _desired(app: AppState, res: Resource, est: Estimator, config: PolicyConfig,
     """(target before hysteresis, the rule that set it, the claim under contention). The claim is
     the target before the leading rules, the overrun bump and the slow shrink: those are headroom
     for the application's own next seconds (or a shrink held back), not a reason to take a larger
-    share from its neighbours on a full device."""
+    share from its neighbours on a full device. The numbers are the module docstring's steps."""
+    # 1. the estimate
     value = est(app, res)
     reason = "forecast" if not math.isnan(app.forecast_p90(res)) else "usage"
     if math.isnan(value):
         # nothing known: keep the grant in force (or the guarantee for a new application)
         value, reason = app.granted(res), "hold"
+    # 2. reclaim: at least the usage plus the (whole) margin
     used = app.used(res)
     upper = min(app.maximum(res), dev.capacity(res) if dev else math.inf)
     if not math.isnan(used) and used * (1.0 + config.margin(res)) > value:
         value, reason = min(used * (1.0 + config.margin(res)), upper), "reclaim-grow"
+    # 3. the floor
     floor = _floor(app, res, config)
     if value < floor:
         value, reason = floor, "guarantee" if app.request(res) > 0 else "minimum"
     claim = value
     if res == "mem":
-        # the leading rules: each raises the target above the claim when it asks for more
+        # 4-7. the leading rules: each raises the target above the claim when it asks for more
         for name, rule in _LEADING_RULES:
-            lead = rule(app, config)
-            if lead > value:  # NaN (the rule is off or has nothing to say) is never more
-                value, reason = max(min(lead, upper), floor), name
+            wanted = rule(app, config)
+            if wanted > value:  # NaN (the rule is off or has nothing to say) is never more
+                value, reason = max(min(wanted, upper), floor), name
+    # 8. the overrun bump
     bump = _overrun_bump(app, res, config)
     if bump > value:
         value, reason = max(min(bump, upper), floor), "bump"
+    # 9. the slow shrink, unless the jump release gives a jump's grant back
     if res == "mem":
         if not _jump_ended(app, now_s, config):
             value = _slow_shrink(app, value, config)
