@@ -283,7 +283,7 @@ class PolicyConfig:
     # confidence is the history length (at least 1 s) in units of `confidence_unit_s`. 0: off
     confidence_multiplier: float = 1.0
     confidence_exponent: float = 1.0
-    confidence_unit_s: float = 1.0  # 1 s of history: x2; 10 s: x1.1; 100 s: x1.01
+    confidence_unit_s: float = 1.0  # with these defaults, 1 s of history: x2; 10 s: x1.1; 100 s: x1.01
     # the smallest grant of an application without an explicit request (its floor; the operator's
     # limit when that is lower). 0: none
     min_mem_mib: float = 256.0
@@ -295,10 +295,10 @@ class PolicyConfig:
     # growth is made at once, past the threshold and the dwell, when the need itself (the usage, or
     # the forecast P90 before its margin) is over the grant (for SM, by more than `sm_min_change_pct`)
     grow_on_overrun: bool = True
-    # overrun bumps: when the usage has reached the grant in force, the next target leaves room
-    # for the rest of the ramp instead of trailing it by one margin a second. Memory (the VPA
-    # recommender's OOM bump): at least max(used * (1 + mem_bump_frac), used + mem_bump_min_mib);
-    # SM: at least used + sm_bump_pct. Held by the dwell like any change. 0: off
+    # overrun bumps: when the usage has reached the grant in force (SM: passed it), the next target
+    # leaves room for the rest of the ramp instead of trailing it by one margin a second. Memory (the
+    # VPA recommender's OOM bump): at least max(used * (1 + mem_bump_frac), used + mem_bump_min_mib);
+    # SM: at least used + sm_bump_pct. Made at once, then held by the dwell like any change. 0: off
     mem_bump_frac: float = 0.0
     mem_bump_min_mib: float = 0.0
     sm_bump_pct: float = 0.0
@@ -335,7 +335,7 @@ class PolicyConfig:
     # times what the application holds. 0: no cap (the device's capacity still bounds it)
     ramp_cap_frac: float = 0.0
     # a memory ramp that has risen for under `ramp_jump_s` seconds is a jump, not yet a ramp: its rate
-    # is extrapolated only `ramp_jump_ahead_s` (0: not at all, the end is the forecast P90 or the usage)
+    # is extrapolated only `ramp_jump_ahead_s` (0: not at all, the end is the P90, usage or cold-start size)
     # instead of `ramp_ahead_s`. A serving engine's cache jumps in one second, then stays flat: five
     # seconds of that slope ask for the whole GPU, held for the dwell and the slow shrink after it,
     # while a ramp that goes on into the next second is extrapolated in full from then. Only past the
@@ -397,8 +397,8 @@ class PolicyConfig:
     mem_trust_s: float = 0.0
     mem_trust_margin_frac: float = 0.0
     # a trusted forecast's memory grant also follows it down in smaller steps: a shrink of at least
-    # this fraction of the grant is made (after the dwell), where others wait for `min_change_frac`.
-    # 0: `min_change_frac` for all
+    # this fraction of the grant is made (after the dwell), where others wait for `min_change_frac`
+    # (one above `min_change_frac` changes nothing). 0: `min_change_frac` for all
     mem_trust_change_frac: float = 0.0
     # an application whose memory has burst (`AppState.mem_burst_mib`: a one-second rise past the
     # forecast's P90 of more than `mem_burst_frac` of the usage, after its start-up) in the last
