@@ -3,8 +3,8 @@
 Recommend, then act: the manager turns forecasts into `Recommendation`s; a `Policy` (pure, no
 I/O) turns recommendations plus a read-only view of the devices into a `Plan`; the `Allocator`
 alone carries the plan out (ledger resizes, power limits, MIG layouts). `BaselinePolicy` is the
-simple rule used until a better policy (allocator/policy/forecast.py) is plugged in with
-`Allocator(policy=...)`.
+simple rule an `Allocator` uses when it is given no policy; `vgpu serve` and `vgpu demo` plug in
+the predictive one (allocator/policy/forecast.py) with `Allocator(policy=...)`.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ class Recommendation:
     # none): a policy grants a start-up ramp to where this says it ends, before any history.
     cold_start_mem_mib: float = math.nan
     # When the application first used the GPU (its first signature with memory above
-    # `IDLE_MEM_MIB` or SM in use, Unix seconds): the start of its start-up window. NaN: not said (the window counts from the first
-    # grant); inf: not used yet (still starting).
+    # `IDLE_MEM_MIB` or SM in use, Unix seconds): the start of its start-up window. NaN: not said
+    # (the window counts from the first grant); inf: not used yet (still starting).
     first_use_s: float = math.nan
 
 

@@ -2,53 +2,100 @@
 
 Nothing here touches a device, a clock or a file: the allocator (allocator/core.py) feeds the
 policy frozen inputs and acts on the `Plan` it returns. `plan()` is the core; `ForecastPolicy`
-puts it behind the allocator's `Policy` protocol (allocator/policy/base.py).
+puts it behind the allocator's `Policy` protocol (allocator/policy/base.py). `PolicyConfig` holds
+every setting (`PREDICTIVE_CONFIG`: the shipped values); docs/allocation.md describes the rules and
+how each value was chosen.
 
-How a target is sized, per application and resource (memory in MiB, compute in SM percent):
-1. **Estimate** by a chain of estimators composed like the Kubernetes VPA recommender's
-   (percentile -> margin -> confidence -> min/max capping): the base is the forecast's P90 over the
-   1-5 s horizons (or, without a forecast, the latest usage), a margin fraction is added, a
-   confidence multiplier widens the estimate while the history is short, and the result is capped
-   to the application's limits and the device.
-2. **Reclamation**: the estimate follows usage both ways. What an application does not use is
-   taken back (its target falls to the estimate), and an application that uses more than its
-   estimate gets at least its usage plus the margin. An application whose usage has reached its
-   grant is bumped (the VPA recommender's OOM bump): memory to at least
-   max(used x (1 + mem_bump_frac), used + mem_bump_min_mib), SM to used + sm_bump_pct.
-3. **Guarantees**: an explicit request is a floor the target never goes under.
-4. **Hysteresis** (the VPA updater's habit): a change smaller than `min_change_frac` of the
-   current grant (for SM, also smaller than `sm_min_change_pct` points), or sooner than `dwell_s`
-   after the resource's last change, is not made; a shrink waits `{mem,sm}_shrink_dwell_s` when
-   that is longer. Three changes are always made: raising a grant up to its guarantee, a bump, and,
-   with `grow_on_overrun`, growing a grant that the need itself (the usage now, or the forecast
-   before its margin) exceeds (for SM, by more than `sm_min_change_pct` points): hysteresis delays
-   shrinking and margin-sized growth, never a foreseen overrun.
-5. **Contention**: when a device's targets exceed its capacity, what lies above the applications'
-   claims (their targets before hysteresis and bumps) goes first, in proportion; then the
-   lowest-priority applications shrink from their claims, each never below its guarantee. Memory
-   goes strictly by priority score; SM shares are cut in proportion among applications of the same
-   priority class (the score without its size term), a higher class only after a lower one. A
-   device whose new split is within `min_change_frac` of the split in force keeps it.
+The rules, in the order `plan()` applies them, each with its `PolicyConfig` settings and the reason
+it writes into `Target.reason_*` (docs/allocation.md's numbered "Policy" list groups them by topic;
+its number is in brackets). Memory is in MiB, compute in SM percent.
 
-Priority (`priority_score`) combines the explicit priority, criticality, the deadline's urgency
-and size (smaller applications rank higher: shrinking them frees little).
+Per application and resource, the target before hysteresis (`_desired`):
+ 1. Estimate [1] (`default_estimator`, VPA-recommender style: percentile -> margin -> confidence ->
+    capping): the forecast's P90 over the 1-5 s horizons, else the latest usage; times
+    (1 + `mem_margin_frac` / `sm_margin_frac`; for a trusted memory forecast, below:
+    `mem_trust_margin_frac`); times the confidence widening while the history is short
+    (`confidence_multiplier`, `confidence_exponent`, `confidence_unit_s`); clamped to
+    [`min_mem_mib` / `min_sm_pct`, the operator's limit, the device]. Reason `forecast` or `usage`;
+    `hold` (the grant in force) when nothing is known.
+ 2. Reclaim [2]: usage x (1 + margin) above the estimate raises it to that (`reclaim-grow`); below,
+    the estimate stands, so unused grant is taken back. The margin here is always the full one.
+ 3. Floor [3]: the explicit request, else the minimum grant (`guarantee`, `minimum`). The target so
+    far is the application's *claim*, what the contention rule (11) weighs.
+ Memory only, the leading rules [6]; each raises the target when above it (capped by the operator's
+ limit and the device, never under the floor), so each lies above the claim:
+ 4. Lead headroom (`mem_lead_frac`; none for a trusted forecast): a P90 over the grant in force is
+    granted P90 x (1 + margin + headroom) (`lead`).
+ 5. Ramp end (`ramp_min_s`, `ramp_ahead_s`, `ramp_last_rate`, `ramp_cap_frac`, `ramp_frac`,
+    `ramp_frac_min_s`; a jump, a rise younger than `ramp_jump_s`: `ramp_jump_ahead_s`; after a
+    burst: `mem_burst_ramp_cap`): where a rising usage ends (`ramp`).
+ 6. Start-up (`start_window_s`, `start_headroom_mib`, `start_from_use`; start-up ramps:
+    `start_ramp_frac`, `start_ramp_window_s`, `start_ramp_min_s`): the cold-start size, or usage
+    plus headroom, or a multiple of a ramping usage (`start`).
+ 7. Burst room (`mem_burst_window_s`, `mem_burst_frac`): usage plus the largest recent burst (`burst`).
+ Both resources:
+ 8. Overrun bump [2] (`mem_bump_frac`, `mem_bump_min_mib`, `sm_bump_pct`): usage that reached the
+    grant (memory) or passed it (SM) is granted room for the rest of the step (`bump`).
+ Memory only:
+ 9. Slow shrink [6] (`mem_shrink_step_frac`, `mem_shrink_window_s`, `mem_shrink_peak_mult`): a
+    shrink takes at most a step of the grant and stays over the recent peak plus the margin;
+    skipped when the jump release (10d) gives a jump's grant back.
+
+ 10. Hysteresis [4] (`_hysteresis`), the first of these that applies:
+    a. no grant in force: the target is made;
+    b. the target or the grant in force under the request: the target, at least the request, at
+       once (`guarantee`);
+    c. growth by a bump or a leading rule (4-8): at once;
+    d. jump release [6] (`ramp_jump_release`, `ramp_jump_release_after_s`, `ramp_jump_s`): a memory
+       shrink right after a jump's grant, the usage flat since: at once (`jump-ended`);
+    e. overrun (`grow_on_overrun`; for SM past `sm_min_change_pct` points): growth when the need
+       itself, usage or P90 before its margin, is over the grant: at once (`overrun`);
+    f. threshold (`min_change_frac`, `sm_min_change_pct`; a trusted forecast's memory shrink:
+       `mem_trust_change_frac`): a smaller change is not made (`below-threshold`);
+    g. dwell (`dwell_s`; a shrink: `mem_shrink_dwell_s` / `sm_shrink_dwell_s` when longer): a
+       change sooner than that after the resource's last one is not made (`dwell`).
+ Trust [6] (`mem_trust_s`, `PolicyConfig.trusted`) is no step of its own: a memory forecast that
+ has covered the moving usage on its own that long (`AppState.mem_p90_covered_s`) changes rules 1,
+ 4 and 10f as said there.
+
+Per device, once every application has its target:
+ 11. Contention [5] (`_shrink`): over capacity, what lies above the claims goes first, in
+    proportion; then the claims shrink, lowest priority first, never under the floor (memory
+    strictly by `priority_score`, SM in proportion within a priority class) (`contention`).
+ 12. A close split is kept [5] (`_settle`, `min_change_frac`): when every cut share is within the
+    threshold of the grant in force and those grants fit (`contention-held`).
+ 13. Hard or cooperative limits [7] (`hard_limit_at_frac`; SM caps: `sm_cap_at_use_frac`,
+    `sm_cap_cut_only`): `Target.hard_mem_limit` / `hard_sm_limit`, `DevicePlan.hard_*_limits`.
+ 14. Full power [8] (`contended_full_power`, `full_power_at_frac`): `DevicePlan.full_power`.
+
+`ForecastPolicy.plan` then turns the targets into grant changes, each device's power limit
+(allocator/policy/power.py, unless full power), MIG layouts, and the memory enforcement
+(`memory_enforcement`). Priority (`priority_score`) combines the explicit priority, criticality,
+the deadline's urgency and size (smaller applications rank higher: shrinking them frees little).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from operator import itemgetter
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from vgpu.allocator.policy.base import IDLE_MEM_MIB, limits_are_hard
+from vgpu.allocator.policy.base import (
+    IDLE_MEM_MIB,
+    Enforcement,
+    GrantTarget,
+    MigTarget,
+    PowerTarget,
+    limits_are_hard,
+)
+from vgpu.allocator.policy.base import Plan as AllocatorPlan
 from vgpu.allocator.policy.power import choose_power_limit_mw
 
 if TYPE_CHECKING:
     from vgpu.allocator.ledger import Grant
-    from vgpu.allocator.policy.base import DeviceView, Enforcement, MigTarget, Recommendation
-    from vgpu.allocator.policy.base import Plan as AllocatorPlan
+    from vgpu.allocator.policy.base import DeviceView, Recommendation
 
 Resource = Literal["mem", "sm"]
 RESOURCES: tuple[Resource, ...] = ("mem", "sm")
@@ -210,42 +257,67 @@ class Plan:
         return tuple(t for t in self.targets if t.changed)
 
 
+# The `PolicyConfig` settings that `__post_init__` does not require to be >= 0: a flag, the two
+# checked against their own range there, the exponent (any number), and `sm_cap_cut_only` (a switch:
+# a value <= 0 is off).
+_NOT_NONNEGATIVE = frozenset({"grow_on_overrun", "confidence_unit_s", "mem_shrink_step_frac",
+                              "confidence_exponent", "sm_cap_cut_only"})
+
+
 @dataclass(frozen=True)
 class PolicyConfig:
+    """Every setting of `plan()` (the module docstring lists the rules in the order they apply).
+
+    Each number is >= 0 (checked in `__post_init__`, the one place settings are validated), except
+    `confidence_unit_s` (> 0), `mem_shrink_step_frac` (in (0, 1]), and `confidence_exponent` and
+    `sm_cap_cut_only`, which are not checked (`_NOT_NONNEGATIVE`). A switch (`ramp_last_rate`,
+    `ramp_jump_release`, `start_from_use`, `mem_burst_ramp_cap`, `sm_cap_cut_only`,
+    `contended_full_power`) is a number so that bench/replay.py's `--set NAME=VALUE` can set it: any
+    value > 0 is on. The defaults here turn every leading rule off; `PREDICTIVE_CONFIG` holds the
+    shipped values."""
+
+    # the margin over the forecast P90 and over the usage, a fraction of it (0: none)
     mem_margin_frac: float = 0.10
     sm_margin_frac: float = 0.10
     # confidence multiplier (VPA: estimate * (1 + multiplier / confidence) ** exponent), where
-    # confidence is the history length in units of `confidence_unit_s`
+    # confidence is the history length (at least 1 s) in units of `confidence_unit_s`. 0: off
     confidence_multiplier: float = 1.0
     confidence_exponent: float = 1.0
-    confidence_unit_s: float = 1.0  # 1 s of history: x2; 10 s: x1.1; 100 s: x1.01
+    confidence_unit_s: float = 1.0  # with these defaults, 1 s of history: x2; 10 s: x1.1; 100 s: x1.01
+    # the smallest grant of an application without an explicit request (its floor; the operator's
+    # limit when that is lower). 0: none
     min_mem_mib: float = 256.0
     min_sm_pct: float = 5.0
     # hysteresis (VPA updater): no change smaller than this fraction of the grant, nor sooner
-    # than dwell_s after the last change of the same resource
+    # than dwell_s after the last change of the same resource. 0: no threshold / no dwell
     min_change_frac: float = 0.05
     dwell_s: float = 10.0
+    # growth is made at once, past the threshold and the dwell, when the need itself (the usage, or
+    # the forecast P90 before its margin) is over the grant (for SM, by more than `sm_min_change_pct`)
     grow_on_overrun: bool = True
-    # overrun bumps: when the usage has reached the grant in force, the next target leaves room
-    # for the rest of the ramp instead of trailing it by one margin a second. Memory (the VPA
-    # recommender's OOM bump): at least max(used * (1 + mem_bump_frac), used + mem_bump_min_mib);
-    # SM: at least used + sm_bump_pct. Held by the dwell like any change. 0: off
+    # overrun bumps: when the usage has reached the grant in force (SM: passed it), the next target
+    # leaves room for the rest of the ramp instead of trailing it by one margin a second. Memory (the
+    # VPA recommender's OOM bump): at least max(used * (1 + mem_bump_frac), used + mem_bump_min_mib);
+    # SM: at least used + sm_bump_pct. Made at once, then held by the dwell like any change. 0: off
     mem_bump_frac: float = 0.0
     mem_bump_min_mib: float = 0.0
     sm_bump_pct: float = 0.0
     # slower to shrink: a shrink waits this long after the resource's last change (a grow, a bump
-    # or a shrink), so a noisy signal does not saw the grant up and down; under dwell_s: dwell_s
+    # or a shrink), so a noisy signal does not saw the grant up and down; under dwell_s (0
+    # included): dwell_s
     mem_shrink_dwell_s: float = 0.0
     sm_shrink_dwell_s: float = 0.0
     # SM utilisation is noisy: an SM change under this many points is not made, and usage or
-    # forecast up to this many points over the grant is not an overrun that skips the dwell
+    # forecast up to this many points over the grant is not an overrun that skips the dwell.
+    # 0: the fraction `min_change_frac` alone
     sm_min_change_pct: float = 0.0
     # leading (0: off). A foreseen rise (forecast P90 over the grant) is granted with this much
     # headroom above the P90, so the rest of the rise is covered before it comes
     mem_lead_frac: float = 0.0
     # a memory ramp that has risen for at least `ramp_min_s` is granted at once to where it ends:
     # the largest of the forecast P90, the usage plus `ramp_ahead_s` of the ramp's rate, and the
-    # job's cold-start size (plus the margin), instead of one step a second
+    # job's cold-start size (plus the margin), instead of one step a second. `ramp_min_s` 0: off;
+    # `ramp_ahead_s` 0: the rate is not extrapolated (the end is the P90, usage or cold-start size)
     ramp_min_s: float = 0.0
     ramp_ahead_s: float = 5.0
     # 1: the ramp is extrapolated at the larger of its mean rate and its last second's rise, so an
@@ -254,7 +326,8 @@ class PolicyConfig:
     ramp_last_rate: float = 0.0
     # a memory ramp that has risen for at least `ramp_frac_min_s`, at any age, is granted at least its
     # usage x (1 + `ramp_frac`) (plus the margin): the start-up ramp rule's multiple, for ramps after
-    # the start-up window, where a ramp's next step is not foreseen by its rate either. 0: off
+    # the start-up window, where a ramp's next step is not foreseen by its rate either. 0: off.
+    # `ramp_frac_min_s` under 1 counts as 1
     ramp_frac: float = 0.0
     ramp_frac_min_s: float = 2.0
     # the end the ramp's rate extrapolates to is at most the usage x (1 + `ramp_cap_frac`): one
@@ -262,7 +335,7 @@ class PolicyConfig:
     # times what the application holds. 0: no cap (the device's capacity still bounds it)
     ramp_cap_frac: float = 0.0
     # a memory ramp that has risen for under `ramp_jump_s` seconds is a jump, not yet a ramp: its rate
-    # is extrapolated only `ramp_jump_ahead_s` (0: not at all, the end is the forecast P90 or the usage)
+    # is extrapolated only `ramp_jump_ahead_s` (0: not at all, the end is the P90, usage or cold-start size)
     # instead of `ramp_ahead_s`. A serving engine's cache jumps in one second, then stays flat: five
     # seconds of that slope ask for the whole GPU, held for the dwell and the slow shrink after it,
     # while a ramp that goes on into the next second is extrapolated in full from then. Only past the
@@ -283,7 +356,8 @@ class PolicyConfig:
     ramp_jump_release_after_s: float = 0.0
     # an application starting (under `start_window_s` of history) is on the ramp of its start-up,
     # which the forecast has not seen yet: its memory grant is at least its cold-start size, or
-    # without one its usage plus `start_headroom_mib` (plus the margin). 0: off
+    # without one its usage plus `start_headroom_mib` (plus the margin). `start_window_s` 0: off;
+    # `start_headroom_mib` 0: the cold-start size alone, no grant where there is none
     start_window_s: float = 0.0
     start_headroom_mib: float = 0.0
     # 1: the start-up window counts from the application's first real use of the GPU
@@ -295,19 +369,22 @@ class PolicyConfig:
     # granted at least its usage x (1 + `start_ramp_frac`): a start-up's memory grows by multiples
     # (weights loaded, then the first steps' activations in one jump), which its rate so far does
     # not show. Its own window, and a ramp, not one step: memory that steps once and stays flat
-    # after its start gets no more than before
+    # after its start gets no more than it would without this rule. The window counts as
+    # `start_window_s` does (`start_from_use`). `start_ramp_frac` or `start_ramp_window_s` 0: off;
+    # `start_ramp_min_s` under 1 counts as 1
     start_ramp_frac: float = 0.0
     start_ramp_window_s: float = 0.0
     start_ramp_min_s: float = 2.0
     # shrinking slowly: one memory shrink takes at most this fraction of the grant (1: no bound),
     # and never goes under the peak usage of the last `mem_shrink_window_s` (0: not used) plus the
-    # margin, so a shrink needs the forecast and the recent history to agree
+    # margin, so a shrink needs the forecast and the recent history to agree. SM shrinks are not
+    # bounded
     mem_shrink_step_frac: float = 1.0
     mem_shrink_window_s: float = 0.0
     # a grant above this multiple of the recent peak usage (the last `mem_shrink_window_s`) may
     # shrink to that multiple in one change, past the bounded step: the forecast and the recent
     # history agree that the application is far under it (an extrapolated ramp that ended sooner).
-    # 0: off
+    # Never under the recent peak plus the margin; only with `mem_shrink_window_s`. 0: off
     mem_shrink_peak_mult: float = 0.0
     # a forecast that has covered the memory usage on its own (`AppState.mem_p90_covered_s`) for at
     # least `mem_trust_s` earns trust: the margin on its memory P90 is `mem_trust_margin_frac` instead
@@ -320,20 +397,22 @@ class PolicyConfig:
     mem_trust_s: float = 0.0
     mem_trust_margin_frac: float = 0.0
     # a trusted forecast's memory grant also follows it down in smaller steps: a shrink of at least
-    # this fraction of the grant is made (after the dwell), where others wait for `min_change_frac`.
-    # 0: `min_change_frac` for all
+    # this fraction of the grant is made (after the dwell), where others wait for `min_change_frac`
+    # (one above `min_change_frac` changes nothing). 0: `min_change_frac` for all
     mem_trust_change_frac: float = 0.0
     # an application whose memory has burst (`AppState.mem_burst_mib`: a one-second rise past the
     # forecast's P90 of more than `mem_burst_frac` of the usage, after its start-up) in the last
     # `mem_burst_window_s` keeps room for another burst of that size: its memory target is at least
     # (usage + that burst) plus the margin. A serving engine's cache pool jumps by 5-13 GB in one second
     # when a long prompt arrives, which a 1-5 s forecast cannot see, and does so again minutes later.
-    # 0: off
+    # `mem_burst_window_s` 0: off. `mem_burst_frac` is of the usage before the rise (at least
+    # `IDLE_MEM_MIB`); 0: any rise past the P90 counts
     mem_burst_window_s: float = 0.0
     mem_burst_frac: float = 0.1
     # 1: for such an application the ramp rule extrapolates a rise at most to the usage plus that
     # burst: its memory moves by bursts it has already measured, and a one-second burst extrapolated
-    # at its own slope for `ramp_ahead_s` asks for the whole GPU. 0: the ramp rule as for any other
+    # at its own slope for `ramp_ahead_s` asks for the whole GPU. 0: the ramp rule as for any other.
+    # Only with `mem_burst_window_s`
     mem_burst_ramp_cap: float = 0.0
     # memory limits are hard (beyond them: out of memory, the application ends) only on a device
     # whose planned memory reaches this fraction of its capacity; elsewhere cooperative (the
@@ -355,26 +434,17 @@ class PolicyConfig:
     # at the whole GPU, or a split held from an earlier cut) leaves no idle time either. 0: only
     # where the contention rule cut this time
     full_power_at_frac: float = 0.0
-    # a share the contention rule cut is capped (an MPS cap) only where the SM the device's
-    # applications use now exceeds this fraction of its capacity: the forecasts' headroom (P90,
+    # SM shares are enforced (MPS caps: `DevicePlan.hard_sm_limits`, then per application as
+    # `sm_cap_cut_only` says) only where the SM the device's applications use now exceeds this
+    # fraction of its capacity, on top of `hard_limit_at_frac`: the forecasts' headroom (P90,
     # margin) finds a GPU contended that its applications do not fill, and a cap there leaves SM
-    # idle that the capped application asked for. 0: wherever the plan cut
+    # idle that the capped application asked for. 0: as `hard_limit_at_frac` alone says
     sm_cap_at_use_frac: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("mem_margin_frac", "sm_margin_frac", "confidence_multiplier", "min_mem_mib",
-                     "min_sm_pct", "min_change_frac", "dwell_s", "mem_bump_frac", "mem_bump_min_mib",
-                     "sm_bump_pct", "mem_shrink_dwell_s", "sm_shrink_dwell_s", "sm_min_change_pct",
-                     "mem_lead_frac", "ramp_min_s", "ramp_ahead_s", "ramp_last_rate", "ramp_frac", "ramp_frac_min_s",
-                     "ramp_cap_frac", "ramp_jump_s", "ramp_jump_ahead_s", "ramp_jump_release", "ramp_jump_release_after_s",
-                     "mem_shrink_window_s", "mem_shrink_peak_mult", "hard_limit_at_frac",
-                     "start_window_s", "start_headroom_mib", "start_from_use", "start_ramp_frac",
-                     "start_ramp_window_s", "start_ramp_min_s", "contended_full_power", "mem_trust_s",
-                     "mem_trust_margin_frac", "mem_trust_change_frac", "mem_burst_window_s", "mem_burst_frac", "mem_burst_ramp_cap",
-                     "full_power_at_frac",
-                     "sm_cap_at_use_frac"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"PolicyConfig.{name} must be >= 0")
+        for f in fields(self):
+            if f.name not in _NOT_NONNEGATIVE and not getattr(self, f.name) >= 0:
+                raise ValueError(f"PolicyConfig.{f.name} must be >= 0")
         if self.confidence_unit_s <= 0:
             raise ValueError("PolicyConfig.confidence_unit_s must be > 0")
         if not 0 < self.mem_shrink_step_frac <= 1:
@@ -403,12 +473,17 @@ class PolicyConfig:
             return False
         if not before_mib + rise_mib > p90_before_mib:  # foreseen, or no forecast to judge by
             return False
-        if not active_s >= max(self.start_ramp_window_s, self.start_window_s):
+        if not active_s >= self.start_windows_end_s():
             return False
         return rise_mib > self.mem_burst_frac * max(before_mib, IDLE_MEM_MIB)
 
     def minimum(self, res: Resource) -> float:
         return self.min_mem_mib if res == "mem" else self.min_sm_pct
+
+    def start_windows_end_s(self) -> float:
+        """Seconds from the first real use (`AppState.active_s`) at which both start-up windows
+        (`start_window_s`, `start_ramp_window_s`) are over: the burst and jump rules start there."""
+        return max(self.start_ramp_window_s, self.start_window_s)
 
     def shrink_dwell_s(self, res: Resource) -> float:
         """How long a shrink of `res` waits after that resource's last change."""
@@ -420,87 +495,47 @@ class PolicyConfig:
 
 
 # The settings vgpu plans with: `ForecastPolicy` (the daemon's and the demo's policy) defaults to
-# them and bench/replay.py's `predictive` runs them. The margins and the confidence multiplier were
-# chosen on MIGPerf's val split (a small margin on the P90; x1.3 after 1 s of history, x1.03 after
-# 10 s). The bumps, the SM threshold and the SM shrink dwell were chosen on the replays of MIGPerf's
-# test split and of the TITAN X traces (docs/allocation.md has the table): memory that grows in
-# steps overran a P90 + 2 % grant on every second of each step; SM shares that followed a noisy
-# utilisation changed 500-830 times per application-hour.
-#
-# The leading rules (docs/allocation.md, "A policy that leads"): start-up headroom 1024 MiB for the
-# first 10 s and shrinks of at most a quarter of the grant were chosen on MIGPerf's train split
-# (2048 MiB or a 30 s window bought at most one fewer OOM event for 0.011-0.026 more slack; a
-# shrink step of a half had one more event). MIGPerf holds its memory flat, so the ramp rule, the
-# lead headroom and the shrink window change nothing there: their values (a ramp of 1 s granted
-# ahead of its rate, 10 % headroom, 30 s of recent peak) are set by reasoning, not measurement,
-# and reported on the TITAN X traces, which chose nothing (how far ahead: see below). Memory limits are hard only on a device
-# whose planned memory reaches 90 % of it. On a contended GPU only the applications whose SM share
-# was cut get an MPS cap: on MIGPerf's train split packed on mean usage, capping every share gave a
-# mean slowdown of 1.067 (p95 1.289), capping only the cut ones 1.046 (1.116); static 1.013.
-# A ramp of 2 s or more in the first 30 s is granted three times its usage: on the train split of
-# the derived training series (`vgpu trace synth --kind training --jobs 36`, seed 0; cooperative
-# limits) that took the OOM events from 44 to 14 for memory slack 0.055 -> 0.082 (x2 of the usage:
-# 29 events, 0.067), and changed nothing but the slack (0.0689 -> 0.0697) on MIGPerf's train split.
-# The start-up window counts from the first real use (`start_from_use`), as the daemon counts an
-# application's history from its first signature with GPU use: a job that registers, then loads
-# its data, still has its window when its memory ramps. Neither development set starts idle, so it
-# changes nothing there; it is on so that the replay replays what the daemon does.
-# A GPU whose SM is contended keeps its full power limit: on MIGPerf's train split packed on mean
-# usage the mean slowdown fell from 1.046 to 1.033 (static 1.013) for 15 % more energy (14.2 ->
-# 16.2 MJ; static 20.4).
-# A ramp is extrapolated over the forecast's 5 s horizon at its latest slope (the larger of its mean
-# rate and its last second's rise), not 3 s of its mean rate: on the derived training train split
-# (cooperative) that took the OOM events from 16 to 13 for memory slack 0.0963 -> 0.1011 (the last
-# slope over 3 s: 16; 4 s: 15; 6 s and 8 s: 15 for 0.105 and 0.116; 5 s of the mean rate: 16), and
-# cost 0.0016 of slack on MIGPerf's train split (0.0754 -> 0.0770; no event changed). Neither set
-# has a visible ramp after its start-up, so the lead of such ramps was not measurable there. The
-# multiple for later ramps (`ramp_frac`) is off: on the training train split it bought at most one
-# event for 0.005-0.013 more slack (x1.5 to x3) and changed nothing on MIGPerf's. The extrapolated
-# end is not capped (`ramp_cap_frac` 0): capping it at x1.5-x4 of the usage gave back 2-3 of the 3
-# events for 0.002-0.006 less slack there. A grant far over the recent peak usage keeps shrinking
-# by the bounded step; taking it to a multiple of that peak in one change (`mem_shrink_peak_mult`)
-# is off: every multiple tried (x1.1-x3) added an event on the training train split (13 -> 14-15)
-# for its lower slack, and on the development sets no setting is shipped that adds an OOM event.
-# A forecast that has covered 30 s of moving memory on its own is trusted (`mem_trust_s`): its P90 is
-# granted with 1 % instead of 2 % and without the lead headroom. Chosen on the serving series of the
-# services the forecaster was trained on, their val split (cooperative limits): azure-conv memory slack
-# 0.0751 -> 0.0716 (0 OOM events either way), Mooncake 0.3161 -> 0.3147 (10 -> 9 events); 60 s gave
-# 0.0726 / 0.3151 (9), a trusted margin of 0 0.0713 / 0.3143 (10). The derived training train split
-# (13 events, 0.1011) and MIGPerf's train split (5, 0.0770) are unchanged: their memory is flat where
-# the forecast covers it, and flat seconds earn no trust.
-# An application whose memory has burst (a one-second rise past the P90 of over 10 % of its usage, after
-# the start-up windows, that came back down) in the last 1200 s keeps room for another burst of that size,
-# and its ramps are extrapolated at most one such burst ahead (`mem_burst_window_s`, `mem_burst_ramp_cap`).
-# Chosen on the val split of the Mooncake serving series (cooperative limits), where every OOM event was
-# a 5-13 GB jump of the cache pool in one second (a long prompt admitted) that no forecast saw: 9 events
-# -> 4 for memory slack 0.3147 -> 0.3415 (static 0.3553 with none). Without the ramp cap the room is
-# stacked on a one-second burst extrapolated to the whole GPU: 3 events for 0.3793, over static's slack
-# (every window from 300 s to 1200 s was too); 600 s with the cap: 5 events, 0.3370; 300 s: 11, 0.3112.
-# azure-conv val, the derived training train split and MIGPerf's train split do not move (their memory
-# does not jump and come back down after the start-up).
-# A one-second jump past the start-up is extrapolated like a ramp, but if the usage stays flat the next
-# second the grant it was given is taken back at once (`ramp_jump_s=2`, `ramp_jump_release=1`): a serving
-# engine's cache grows 1-2 % in a second and stops, and the 5 s extrapolation asked for the whole GPU
-# for the dwell and the slow shrink after it. Chosen on the development sets (val of the serving series,
-# cooperative; training and MIGPerf train): azure-conv 0.0716 -> 0.0549, Mooncake 0.3415 -> 0.3381,
-# training 0.1011 -> 0.1002, MIGPerf 0.0770, no OOM event added on any. Not extrapolating a jump at all
-# (`ramp_jump_ahead_s=0`, kept at 5 here) gave azure-conv 0.0689 but training 13 -> 22 events: there a
-# first step after the start-up is often a ramp's beginning, which the release still covers.
-# The release waits for 90 s of use (`ramp_jump_release_after_s`): a start-up that grows in stages is a
-# series of jumps, and a release between stages grants the next stage late. The development sets cannot
-# measure that lead (the release moved no rise's lead on any of them), so the window is the longest tried
-# that moves no development figure: 60 s and 90 s leave every one the same to the last digit; 120 s
-# costs azure-conv val 0.0549 -> 0.0551 and Mooncake val 0.3381 -> 0.3390, 300 s 0.0585 / 0.3412.
-# A cut SM share is capped only where the device's applications use more SM than it has now
-# (`sm_cap_at_use_frac`): on the development sets packed on mean usage, most of the speed the caps
-# took was on GPUs whose capped shares left SM idle (the plan's P90 + margin finds contention the
-# use does not); the mean slowdown fell from 1.030 to 1.024 on MIGPerf's train split (static 1.013)
-# and from 1.029 to 1.025 on the derived training train split (static 1.018), and no grant changes,
-# so slack and OOM events do not move. Full power wherever the plan fills the GPU
-# (`full_power_at_frac`) is off: it took a further 0.007 / 0.004 off for most of the energy the
-# power policy saves (16.3 -> 19.8 MJ, static 20.4; 7.5 -> 8.7, static 9.1), mostly on GPUs that
-# one application forecast at the whole GPU holds alone, where the slowdown is the power policy's
-# own busy-GPU bound rather than contention (docs/allocation.md).
+# them and bench/replay.py's `predictive` runs them. The values were chosen on development data
+# (MIGPerf's train/val splits, the derived training series' train split, the serving series' val
+# splits), except the bumps, the SM threshold and the SM shrink dwell, chosen on the replays of
+# MIGPerf's test split and the TITAN X traces themselves (in-sample). docs/allocation.md has every
+# table, under the section named in brackets. A setting that added an OOM event on a development
+# set is not shipped: an event is a job's crash, slack only idle memory.
+# - margins 2 % / 5 %, confidence x0.3 (x1.3 after 1 s of history, x1.03 after 10 s): MIGPerf val.
+# - bumps (x1.2 or +1024 MiB; SM +10 points), SM threshold 5 points, SM shrink dwell 60 s: memory
+#   that grows in steps overran a P90 + 2 % grant on every second of each step, and SM shares that
+#   followed a noisy utilisation changed 500-830 times per application-hour ("Before the physical
+#   replay").
+# - start-up headroom 1024 MiB for 10 s, shrinks of at most 25 %: MIGPerf train (2048 MiB or 30 s
+#   bought at most one event for 0.011-0.026 more slack; a step of 50 % had one more event).
+#   MIGPerf's memory is flat, so the lead headroom (10 %) and the 30 s recent-peak window are set by
+#   reasoning, not measurement.
+# - start-up ramps x3 (`start_ramp_frac=2`) for a ramp of 2 s in the first 30 s: derived training
+#   train, 44 -> 14 events for slack 0.055 -> 0.082; MIGPerf train only 0.0689 -> 0.0697 slack.
+# - `start_from_use`: changes nothing on either development set; on so that the replay counts the
+#   start-up window as the daemon does (from the first signature with GPU use).
+# - ramps granted 5 s of their latest slope ahead (`ramp_min_s=1`, `ramp_ahead_s=5`,
+#   `ramp_last_rate=1`): derived training train 16 -> 13 events for 0.005 more slack. Off there: the
+#   cap on the end (`ramp_cap_frac`), the multiple for later ramps (`ramp_frac`) and the one-change
+#   shrink to a multiple of the recent peak (`mem_shrink_peak_mult`): each added events, or only
+#   slack.
+# - trusted forecast after 30 s covered, its P90 granted with 1 % and no lead headroom: azure-conv
+#   and Mooncake val ("Where the serving slack comes from, and the trusted forecast").
+# - room for a burst seen in the last 1200 s, ramps capped one burst ahead: Mooncake val 9 -> 4
+#   events for slack 0.3147 -> 0.3415 ("Mooncake's OOM events, and room for a burst").
+# - a one-second jump extrapolated in full, its grant given back if the usage is flat the next
+#   second (`ramp_jump_s=2`, `ramp_jump_ahead_s=5`, `ramp_jump_release=1`): azure-conv val slack
+#   0.0716 -> 0.0549, no event added anywhere; not extrapolating a jump took training 13 -> 22
+#   ("A one-second jump extrapolated as a ramp, and its grant given back").
+# - the release only after 90 s of use (`ramp_jump_release_after_s`): a start-up that grows in
+#   stages keeps each stage's grant; the longest window that moved no development figure ("The
+#   release's own start-up window").
+# - hard memory limits only from 90 % of the device; an SM cap only on the shares the contention rule
+#   cut (mean slowdown 1.046 against 1.067 capping every share, MIGPerf train packed on mean usage),
+#   and only where the applications use more SM than the GPU has (`sm_cap_at_use_frac=1`: 1.030 ->
+#   1.024); a contended GPU keeps full power (1.046 -> 1.033 for 15 % more energy); full power
+#   wherever the plan fills the GPU (`full_power_at_frac`) is off: 0.004-0.007 for most of the energy
+#   the power policy saves.
 PREDICTIVE_CONFIG = PolicyConfig(
     mem_margin_frac=0.02, sm_margin_frac=0.05, confidence_multiplier=0.3,
     mem_bump_frac=0.2, mem_bump_min_mib=1024.0, sm_bump_pct=10.0,
@@ -531,11 +566,6 @@ def forecast_or_usage(app: AppState, res: Resource) -> float:
     if math.isnan(value):
         value = app.used(res)
     return value
-
-
-def usage_only(app: AppState, res: Resource) -> float:
-    """Reactive base: the latest usage (DeepRes-style usage-driven sizing)."""
-    return app.used(res)
 
 
 @dataclass(frozen=True)
@@ -626,7 +656,8 @@ class _Work:
     score: float
     target: dict[Resource, float] = field(default_factory=dict)
     reason: dict[Resource, str] = field(default_factory=dict)
-    # the target before hysteresis and bump: what the application claims on a full device
+    # the target before the leading rules, the bump, the slow shrink and hysteresis: what the
+    # application claims on a full device (`_desired`)
     claim: dict[Resource, float] = field(default_factory=dict)
 
 
@@ -639,37 +670,36 @@ def _floor(app: AppState, res: Resource, config: PolicyConfig) -> float:
 def _desired(app: AppState, res: Resource, est: Estimator, config: PolicyConfig,
              dev: DeviceState | None, now_s: float) -> tuple[float, str, float]:
     """(target before hysteresis, the rule that set it, the claim under contention). The claim is
-    the target without the overrun bump: a bump is headroom for the application's own next
-    seconds, not a reason to take a larger share from its neighbours on a full device."""
+    the target before the leading rules, the overrun bump and the slow shrink: those are headroom
+    for the application's own next seconds (or a shrink held back), not a reason to take a larger
+    share from its neighbours on a full device. The numbers are the module docstring's steps."""
+    # 1. the estimate
     value = est(app, res)
     reason = "forecast" if not math.isnan(app.forecast_p90(res)) else "usage"
     if math.isnan(value):
         # nothing known: keep the grant in force (or the guarantee for a new application)
         value, reason = app.granted(res), "hold"
+    # 2. reclaim: at least the usage plus the (whole) margin
     used = app.used(res)
     upper = min(app.maximum(res), dev.capacity(res) if dev else math.inf)
     if not math.isnan(used) and used * (1.0 + config.margin(res)) > value:
         value, reason = min(used * (1.0 + config.margin(res)), upper), "reclaim-grow"
+    # 3. the floor
     floor = _floor(app, res, config)
     if value < floor:
         value, reason = floor, "guarantee" if app.request(res) > 0 else "minimum"
     claim = value
     if res == "mem":
-        lead = _lead(app, config)
-        if lead > value:
-            value, reason = max(min(lead, upper), floor), "lead"
-        ramp = _ramp_end(app, config)
-        if ramp > value:
-            value, reason = max(min(ramp, upper), floor), "ramp"
-        start = _start_up(app, config)
-        if start > value:
-            value, reason = max(min(start, upper), floor), "start"
-        burst = _burst_room(app, config)
-        if burst > value:
-            value, reason = max(min(burst, upper), floor), "burst"
+        # 4-7. the leading rules: each raises the target above the claim when it asks for more
+        for name, rule in _LEADING_RULES:
+            wanted = rule(app, config)
+            if wanted > value:  # NaN (the rule is off or has nothing to say) is never more
+                value, reason = max(min(wanted, upper), floor), name
+    # 8. the overrun bump
     bump = _overrun_bump(app, res, config)
     if bump > value:
         value, reason = max(min(bump, upper), floor), "bump"
+    # 9. the slow shrink, unless the jump release gives a jump's grant back
     if res == "mem":
         if not _jump_ended(app, now_s, config):
             value = _slow_shrink(app, value, config)
@@ -720,23 +750,27 @@ def _ramp_end(app: AppState, config: PolicyConfig) -> float:
 def _is_jump(app: AppState, config: PolicyConfig) -> bool:
     """Whether a memory rise is a jump, not yet a ramp (`ramp_jump_s`): it has gone on for under
     `ramp_jump_s`, past the start-up windows (in a start-up a first step is a ramp's beginning)."""
-    return (app.mem_ramp_s < config.ramp_jump_s
-            and app.active_s >= max(config.start_ramp_window_s, config.start_window_s))
+    return app.mem_ramp_s < config.ramp_jump_s and app.active_s >= config.start_windows_end_s()
+
+
+# How recent the grant's last change must be for the jump release to take it for the jump's grant:
+# samples are a second apart (the daemon's a little more), so the change made at the jump's sample
+_JUMP_GRANT_WITHIN_S = 2.0
 
 
 def _jump_ended(app: AppState, now_s: float, config: PolicyConfig) -> bool:
     """With `ramp_jump_release`: the usage rose by a jump at the sample before (`_is_jump` then), the
-    grant changed since (within 2 s: samples are a second apart, the daemon's a little more), and the
-    usage has not risen since: the grant the jump was given is taken back. Not for a jump made in the
-    first `ramp_jump_release_after_s` of use (a start-up's stages)."""
+    grant changed since (within `_JUMP_GRANT_WITHIN_S`), and the usage has not risen since: the
+    grant the jump was given is taken back. Not for a jump made in the first
+    `ramp_jump_release_after_s` of use (a start-up's stages)."""
     if config.ramp_jump_release <= 0 or config.ramp_jump_s <= 0 or app.mem_ramp_s > 0:
         return False
     if not 0 < app.mem_ramp_prev_s < config.ramp_jump_s:
         return False
-    if not now_s - app.last_mem_change_s < 2.0:
+    if not now_s - app.last_mem_change_s < _JUMP_GRANT_WITHIN_S:
         return False
-    return app.active_s >= max(config.start_ramp_window_s, config.start_window_s,
-                               config.ramp_jump_release_after_s) + 1.0
+    # the jump was a sample (a second) before now: made at least the window after the first use
+    return app.active_s >= max(config.start_windows_end_s(), config.ramp_jump_release_after_s) + 1.0
 
 
 def _start_up(app: AppState, config: PolicyConfig) -> float:
@@ -767,6 +801,13 @@ def _burst_room(app: AppState, config: PolicyConfig) -> float:
     if config.mem_burst_window_s <= 0 or not app.mem_burst_mib > 0 or math.isnan(app.used_mem_mib):
         return math.nan
     return (app.used_mem_mib + app.mem_burst_mib) * (1.0 + config.mem_margin_frac)
+
+
+# The leading rules (memory), in the order `_desired` applies them, each with the reason it gives:
+# each one that asks for more than the target so far sets it (capped) and its reason
+_LEADING_RULES: tuple[tuple[str, Callable[[AppState, PolicyConfig], float]], ...] = (
+    ("lead", _lead), ("ramp", _ramp_end), ("start", _start_up), ("burst", _burst_room),
+)
 
 
 def _slow_shrink(app: AppState, value: float, config: PolicyConfig) -> float:
@@ -804,8 +845,15 @@ def _overrun_bump(app: AppState, res: Resource, config: PolicyConfig) -> float:
     return max(used * (1.0 + config.mem_bump_frac), used + config.mem_bump_min_mib)
 
 
+# The reasons of the rules whose growth hysteresis never holds back: the bump and the leading rules
+_GROW_AT_ONCE = frozenset({"bump", *(name for name, _ in _LEADING_RULES)})
+
+
 def _hysteresis(app: AppState, res: Resource, desired: float, reason: str, now_s: float,
                 config: PolicyConfig) -> tuple[float, str]:
+    """(the target, its reason) after hysteresis: the first that applies of a new grant, the
+    guarantee, growth at once, the jump release, the overrun, the threshold and the dwell (the
+    module docstring's 10a-g)."""
     current = app.granted(res)
     if current <= 0:
         return desired, reason  # a new grant is always made
@@ -815,7 +863,7 @@ def _hysteresis(app: AppState, res: Resource, desired: float, reason: str, now_s
     # the resource's absolute threshold: grow now
     need = max((v for v in (app.used(res), app.forecast_p90(res)) if not math.isnan(v)), default=math.nan)
     tolerance = config.min_change_abs(res)
-    if reason in ("bump", "lead", "ramp", "start", "burst") and desired > current:
+    if reason in _GROW_AT_ONCE and desired > current:
         return desired, reason
     if res == "mem" and desired < current and _jump_ended(app, now_s, config):
         return desired, "jump-ended"
@@ -842,15 +890,15 @@ def _shrink(works: list[_Work], res: Resource, capacity: float, config: PolicyCo
     lower one is at its floors; otherwise the smallest application of a crowded GPU keeps all it
     asked for while every other one is cut to the minimum.
 
-    Before any of that, what lies above the applications' claims (overrun bumps, shrinks that
-    hysteresis still holds back) is taken back in proportion; if that is not enough, every target
-    restarts from its claim. Cutting from hysteresis-held grants instead made two neighbours on a
-    full GPU trade a few SM points back and forth every second (MIGPerf replay): the one over its
-    grant bumps and takes share, the other is then over its grant and takes it back."""
+    Before any of that, what lies above the applications' claims (leading headroom, overrun bumps,
+    shrinks that hysteresis or the slow shrink still hold back) is taken back in proportion; if that is not enough, every target
+    restarts from its claim. Cutting from hysteresis-held grants instead makes two neighbours on a
+    full GPU trade a few SM points back and forth every second (seen in the MIGPerf replay): the one
+    over its grant bumps and takes share, the other is then over its grant and takes it back."""
     excess = sum(w.target[res] for w in works) - capacity
     if excess <= 1e-9:
         return False
-    # first what lies above the claims (overrun bumps, grants hysteresis still holds), in proportion
+    # first what lies above the claims, in proportion
     extras = [max(w.target[res] - w.claim[res], 0.0) for w in works]
     above = sum(extras)
     if above >= excess:
@@ -865,14 +913,7 @@ def _shrink(works: list[_Work], res: Resource, capacity: float, config: PolicyCo
         if w.target[res] != w.claim[res]:
             w.target[res], w.reason[res] = w.claim[res], "contention"
     excess = sum(w.target[res] for w in works) - capacity
-    if res == "mem":
-        groups = [[w] for w in sorted(works, key=lambda w: (w.score, w.app.app_id))]
-    else:
-        by_class: dict[float, list[_Work]] = {}
-        for w in works:
-            by_class.setdefault(round(w.score + _size_term(w.app), 9), []).append(w)
-        groups = [by_class[k] for k in sorted(by_class)]
-    for group in groups:
+    for group in _yield_groups(works, res):
         rooms = [max(w.target[res] - _floor(w.app, res, config), 0.0) for w in group]
         room = sum(rooms)
         if room <= 0:
@@ -888,14 +929,26 @@ def _shrink(works: list[_Work], res: Resource, capacity: float, config: PolicyCo
     return True
 
 
+def _yield_groups(works: list[_Work], res: Resource) -> list[list[_Work]]:
+    """The order in which applications give up `res` under contention, first group first; a group
+    shrinks in proportion. Memory: one application a group, by `priority_score` (then app id). SM:
+    one group per priority class (the score without its size term), lowest first."""
+    if res == "mem":
+        return [[w] for w in sorted(works, key=lambda w: (w.score, w.app.app_id))]
+    by_class: dict[float, list[_Work]] = {}
+    for w in works:
+        by_class.setdefault(round(w.score + _size_term(w.app), 9), []).append(w)
+    return [by_class[k] for k in sorted(by_class)]
+
+
 def _settle(works: list[_Work], res: Resource, capacity: float, config: PolicyConfig) -> None:
     """Hysteresis on a contended device, all or nothing: when every share the contention rule set
     is within `min_change_frac` of the application's grant in force and those grants still fit,
     the device keeps its current split. On a full device each change of one application re-cuts
-    all its neighbours' shares by a sliver; each sliver was a grant change. All or nothing keeps
-    the split a fair one (it was cut by the same rule a moment ago); the SM points threshold is
-    not used here, since it held shares far enough below what the applications used to double
-    the SM violations in the MIGPerf replay."""
+    all its neighbours' shares by a sliver, each sliver a grant change. All or nothing keeps the
+    split a fair one (it was cut by the same rule a moment ago); the SM points threshold is not
+    used here, since it holds shares far enough below what the applications use to double the SM
+    violations (the MIGPerf replay)."""
     cut = [w for w in works if w.reason[res] == "contention"]
     if not cut:
         return
@@ -942,45 +995,56 @@ def plan(
     targets: list[Target] = []
     device_plans: list[DevicePlan] = []
     for dev_id, works in by_device.items():
-        dev = devs[dev_id]
-        needs = tuple((w.app.app_id, w.target["mem"]) for w in works)
-        contended = {res: _shrink(works, res, dev.capacity(res), config) for res in RESOURCES}
-        for res in RESOURCES:
-            if contended[res]:
-                _settle(works, res, dev.capacity(res), config)
-        over = any(
-            sum(_floor(w.app, res, config) for w in works) > dev.capacity(res) + 1e-9 for res in RESOURCES
-        )
-        mem_planned = sum(w.target["mem"] for w in works)
-        hard = limits_are_hard(mem_planned, dev.mem_total_mib, config.hard_limit_at_frac * dev.mem_total_mib,
-                               contended=contended["mem"])
-        sm_planned = sum(w.target["sm"] for w in works)
-        hard_sm = limits_are_hard(sm_planned, dev.sm_total_pct, config.hard_limit_at_frac * dev.sm_total_pct,
-                                  contended=contended["sm"])
-        if config.sm_cap_at_use_frac > 0:
-            used_sm = sum(w.app.used_sm_pct for w in works if not math.isnan(w.app.used_sm_pct))
-            hard_sm = hard_sm and used_sm > config.sm_cap_at_use_frac * dev.sm_total_pct
-        full_power = config.contended_full_power > 0 and (
-            contended["sm"]
-            or (config.full_power_at_frac > 0 and sm_planned >= config.full_power_at_frac * dev.sm_total_pct - 1e-9))
-        for w in works:
-            tmem, tsm = w.target["mem"], w.target["sm"]
-            targets.append(Target(
-                app_id=w.app.app_id, device_id=dev_id, mem_mib=tmem, sm_pct=tsm,
-                priority_score=w.score,
-                changed_mem=not math.isclose(tmem, w.app.granted_mem_mib, rel_tol=1e-9, abs_tol=1e-9),
-                changed_sm=not math.isclose(tsm, w.app.granted_sm_pct, rel_tol=1e-9, abs_tol=1e-9),
-                reason_mem=w.reason["mem"], reason_sm=w.reason["sm"], hard_mem_limit=hard,
-                hard_sm_limit=hard_sm and (config.sm_cap_cut_only <= 0 or w.reason["sm"] == "contention"),
-            ))
-        device_plans.append(DevicePlan(
-            device_id=dev_id,
-            mem_planned_mib=mem_planned,
-            sm_planned_pct=sm_planned,
-            overcommitted=over, contended_mem=contended["mem"], contended_sm=contended["sm"],
-            hard_mem_limits=hard, hard_sm_limits=hard_sm, mem_needs_mib=needs, full_power=full_power,
-        ))
+        dp = _plan_device(devs[dev_id], works, config)
+        targets.extend(_target(w, dp, config) for w in works)
+        device_plans.append(dp)
     return Plan(at_s=now_s, targets=tuple(targets), devices=tuple(device_plans))
+
+
+def _plan_device(dev: DeviceState, works: list[_Work], config: PolicyConfig) -> DevicePlan:
+    """The per-device rules on the targets of its applications (cut in place): contention and a
+    close split kept, then whether its limits are hard and whether it keeps full power."""
+    needs = tuple((w.app.app_id, w.target["mem"]) for w in works)
+    contended = {res: _shrink(works, res, dev.capacity(res), config) for res in RESOURCES}
+    for res in RESOURCES:
+        if contended[res]:
+            _settle(works, res, dev.capacity(res), config)
+    over = any(
+        sum(_floor(w.app, res, config) for w in works) > dev.capacity(res) + 1e-9 for res in RESOURCES
+    )
+    mem_planned = sum(w.target["mem"] for w in works)
+    hard = limits_are_hard(mem_planned, dev.mem_total_mib, config.hard_limit_at_frac * dev.mem_total_mib,
+                           contended=contended["mem"])
+    sm_planned = sum(w.target["sm"] for w in works)
+    hard_sm = limits_are_hard(sm_planned, dev.sm_total_pct, config.hard_limit_at_frac * dev.sm_total_pct,
+                              contended=contended["sm"])
+    if config.sm_cap_at_use_frac > 0:  # SM caps only where the applications use more than the GPU has
+        used_sm = sum(w.app.used_sm_pct for w in works if not math.isnan(w.app.used_sm_pct))
+        hard_sm = hard_sm and used_sm > config.sm_cap_at_use_frac * dev.sm_total_pct
+    full_power = config.contended_full_power > 0 and (
+        contended["sm"]
+        or (config.full_power_at_frac > 0 and sm_planned >= config.full_power_at_frac * dev.sm_total_pct - 1e-9))
+    return DevicePlan(
+        device_id=dev.device_id,
+        mem_planned_mib=mem_planned,
+        sm_planned_pct=sm_planned,
+        overcommitted=over, contended_mem=contended["mem"], contended_sm=contended["sm"],
+        hard_mem_limits=hard, hard_sm_limits=hard_sm, mem_needs_mib=needs, full_power=full_power,
+    )
+
+
+def _target(w: _Work, dp: DevicePlan, config: PolicyConfig) -> Target:
+    """One application's decision on its device's plan. With `sm_cap_cut_only`, only a share the
+    contention rule cut is capped on a device whose SM shares are enforced."""
+    tmem, tsm = w.target["mem"], w.target["sm"]
+    return Target(
+        app_id=w.app.app_id, device_id=dp.device_id, mem_mib=tmem, sm_pct=tsm,
+        priority_score=w.score,
+        changed_mem=not math.isclose(tmem, w.app.granted_mem_mib, rel_tol=1e-9, abs_tol=1e-9),
+        changed_sm=not math.isclose(tsm, w.app.granted_sm_pct, rel_tol=1e-9, abs_tol=1e-9),
+        reason_mem=w.reason["mem"], reason_sm=w.reason["sm"], hard_mem_limit=dp.hard_mem_limits,
+        hard_sm_limit=dp.hard_sm_limits and (config.sm_cap_cut_only <= 0 or w.reason["sm"] == "contention"),
+    )
 
 
 def advance(apps: Sequence[AppState], result: Plan) -> list[AppState]:
@@ -1198,8 +1262,6 @@ def memory_enforcement(dp: DevicePlan, other_granted_mib: float, mem_total_mib: 
     `others_mib` (those grants per application) the decision says what it counted per application
     (`Enforcement.counted_mib`: the plan's needs, `DevicePlan.mem_needs_mib`, and those grants), so
     that the allocator can judge it again when one of them leaves before the next plan."""
-    from vgpu.allocator.policy.base import Enforcement
-
     planned = dp.mem_planned_mib + other_granted_mib
     at = config.hard_limit_at_frac * mem_total_mib
     counted: tuple[tuple[str, float], ...] = ()
@@ -1213,20 +1275,40 @@ def memory_enforcement(dp: DevicePlan, other_granted_mib: float, mem_total_mib: 
     return Enforcement(dp.device_id, hard, reason, counted, mem_total_mib, at)
 
 
+def _grant_targets(result: Plan, requested: Mapping[str, tuple[float, float]],
+                   managed: Mapping[str, Grant | None]) -> list[GrantTarget]:
+    """The grant changes the plan asks for: an application's requested grants are left as they are
+    (`requested`: their memory and SM), and its managed grant (`managed`; None: a new forecast
+    grant) carries the rest of each changed target."""
+    grants: list[GrantTarget] = []
+    for t in result.changes():
+        req_mem, req_sm = requested[t.app_id]
+        own = managed[t.app_id]
+        extra_mem, extra_sm = max(t.mem_mib - req_mem, 0.0), max(t.sm_pct - req_sm, 0.0)
+        if own is None and extra_mem <= 0 and extra_sm <= 0:
+            continue  # the requests cover the plan
+        grants.append(GrantTarget(t.app_id, t.device_id, extra_mem, extra_sm,
+                                  own.grant_id if own else None, f"{t.reason_mem}/{t.reason_sm}"))
+    return grants
+
+
 # ------------------------------------------------------------------------------------------------
 # The allocator's Policy protocol (allocator/policy/base.py): recommendations + device views -> plan
 # ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ForecastPolicy:
-    """This module's policy behind `vgpu.allocator.policy.base.Policy`, for `Allocator(policy=ForecastPolicy())`.
+    """This module's policy behind `vgpu.allocator.policy.base.Policy`, for
+    `Allocator(policy=ForecastPolicy())`.
 
     Per application and device: grants the application requested itself (source "request") are its
     guarantee and are left as they are; its most recent other grant (or a new forecast grant)
     carries the rest of the planned size. The recommendation's P90 peaks are the forecast (its
     recommended size where they are unknown), its last usage the usage, the managed grant's
     `mem_changed_at_s` / `updated_at_s` the last memory / SM change, and the time since its first
-    grant the history. Power: each device's limit from its planned SM share (allocator/policy/power.py), written only when it moves
-    by at least `power_hysteresis_frac` of the device's range. The default settings are
+    use (`history_since_use_s`; its first grant where the recommendation does not say) the history;
+    the leading signals come from the usage this policy has seen (`history`). Power: each device's
+    limit from its planned SM share (allocator/policy/power.py), written only when it moves by at
+    least `power_hysteresis_frac` of the device's range. The default settings are
     `PREDICTIVE_CONFIG`, the ones bench/replay.py measures."""
 
     config: PolicyConfig = PREDICTIVE_CONFIG
@@ -1242,9 +1324,6 @@ class ForecastPolicy:
 
     def plan(self, recommendations: Sequence[Recommendation], devices: Sequence[DeviceView],
              now_s: float) -> AllocatorPlan:
-        from vgpu.allocator.policy.base import GrantTarget, PowerTarget
-        from vgpu.allocator.policy.base import Plan as AllocatorPlan
-
         views = {d.device_id: d for d in devices}
         states: list[AppState] = []
         managed: dict[str, Grant | None] = {}
@@ -1262,87 +1341,92 @@ class ForecastPolicy:
                 continue
             seen.add(rec.app_id)
             mine = by_app[rec.device_id].get(rec.app_id, [])
-            req = [g for g in mine if g.source == "request"]
             others = [g for g in mine if g.source != "request"]
-            own = max(others, key=lambda g: g.created_at_s) if others else None
-            managed[rec.app_id] = own
-            req_mem = sum(g.memory_mib for g in req)
-            req_sm = min(100.0, sum(g.sm_pct for g in req))
-            requested[rec.app_id] = (req_mem, req_sm)
-            f_mem = rec.mem_p90_peak_mib if math.isfinite(rec.mem_p90_peak_mib) else rec.memory_mib
-            f_sm = rec.sm_p90_peak_pct if math.isfinite(rec.sm_p90_peak_pct) else rec.sm_pct
-            # memory and SM keep their own change times: SM shares move with every arrival under
-            # contention, which must not keep restarting the memory grant's dwell
-            mem_changed_at = own.mem_changed_at_s if own is not None else -math.inf
-            sm_changed_at = own.updated_at_s if own is not None else -math.inf
-            first = min((g.created_at_s for g in mine), default=now_s)
-            cold_mib = rec.cold_start_mem_mib if math.isfinite(rec.cold_start_mem_mib) else math.nan
-            self.history.observe(rec.app_id, now_s, rec.mem_used_mib, rec.for_seq,
-                                 f_mem if math.isfinite(f_mem) else math.nan)
-            ramp_s, ramp_rate = self.history.ramp(rec.app_id)
-            window = self.config.mem_shrink_window_s
-            states.append(AppState(
-                app_id=rec.app_id, device_id=rec.device_id,
-                request_mem_mib=req_mem, request_sm_pct=req_sm,
-                granted_mem_mib=sum(g.memory_mib for g in mine),
-                granted_sm_pct=min(100.0, sum(g.sm_pct for g in mine)),
-                used_mem_mib=rec.mem_used_mib, used_sm_pct=rec.sm_util_pct,
-                forecast_mem_p90_mib=f_mem if math.isfinite(f_mem) else math.nan,
-                forecast_sm_p90_pct=f_sm if math.isfinite(f_sm) else math.nan,
-                history_s=history_since_use_s(now_s, first, rec.first_use_s), expected_mem_mib=cold_mib,
-                priority=max((g.priority for g in mine), default=0),
-                last_mem_change_s=mem_changed_at, last_sm_change_s=sm_changed_at,
-                mem_ramp_s=ramp_s, mem_ramp_rate_mib_s=ramp_rate, mem_ramp_last_mib_s=self.history.last_rise(rec.app_id),
-                mem_ramp_prev_s=self.history.ramp(rec.app_id, back=1)[0],
-                recent_peak_mem_mib=self.history.peak(rec.app_id, now_s, window) if window > 0 else math.nan,
-                active_s=active_since_use_s(now_s, rec.first_use_s, self.history.active_s(rec.app_id, now_s)),
-                mem_p90_covered_s=self.history.covered_s(rec.app_id),
-                mem_burst_mib=self.history.burst_mib(rec.app_id, now_s, self.config, rec.first_use_s),
-            ))
+            managed[rec.app_id] = max(others, key=lambda g: g.created_at_s) if others else None
+            state = self._app_state(rec, mine, managed[rec.app_id], now_s)
+            requested[rec.app_id] = (state.request_mem_mib, state.request_sm_pct)
+            states.append(state)
         self.history.prune(now_s)
         caps = [DeviceState(v.device_id, v.mem_total_mib, v.sm_total_pct) for v in devices]
         result = plan(states, caps, now_s, self.config)
-        grants: list[GrantTarget] = []
-        for t in result.changes():
-            req_mem, req_sm = requested[t.app_id]
-            own = managed[t.app_id]
-            extra_mem, extra_sm = max(t.mem_mib - req_mem, 0.0), max(t.sm_pct - req_sm, 0.0)
-            if own is None and extra_mem <= 0 and extra_sm <= 0:
-                continue  # the requests cover the plan
-            grants.append(GrantTarget(t.app_id, t.device_id, extra_mem, extra_sm,
-                                      own.grant_id if own else None, f"{t.reason_mem}/{t.reason_sm}"))
-        power: list[PowerTarget] = []
-        if self.manage_power:
-            for dp in result.devices:
-                view = views[dp.device_id]
-                c = view.power_constraints
-                if c is None or not view.power_enabled or view.power_limit_mw is None or c.max_mw <= c.min_mw:
-                    continue
-                choice = choose_power_limit_mw(min(dp.sm_planned_pct, 100.0), c)
-                limit_mw, why = choice.limit_mw, choice.reason
-                if dp.full_power:
-                    limit_mw, why = c.max_mw, "contended" if dp.contended_sm else "full"
-                if abs(limit_mw - view.power_limit_mw) >= self.power_hysteresis_frac * (c.max_mw - c.min_mw):
-                    power.append(PowerTarget(dp.device_id, limit_mw, f"{why}: planned SM {dp.sm_planned_pct:.0f} %"))
+        grants = _grant_targets(result, requested, managed)
+        power = self._power_targets(result, views) if self.manage_power else []
         mig: list[MigTarget] = []
         if self.manage_mig:
             mig = [m for v in devices if v.mig_enabled and (m := self._mig_target(v, states, result)) is not None]
-        enforcement = []
-        for dp in result.devices:
-            unplanned: dict[str, float] = {}  # grants of applications this plan did not size
-            for g in views[dp.device_id].grants:
-                if g.app_id not in seen:
-                    unplanned[g.app_id] = unplanned.get(g.app_id, 0.0) + g.memory_mib
-            enforcement.append(memory_enforcement(dp, sum(unplanned.values()), views[dp.device_id].mem_total_mib,
-                                                  self.config, others_mib=unplanned))
+        enforcement = [self._enforcement(dp, views[dp.device_id], seen) for dp in result.devices]
         return AllocatorPlan(grants=tuple(grants), power=tuple(power), mig=tuple(mig),
                               enforcement=tuple(enforcement))
+
+    def _app_state(self, rec: Recommendation, mine: Sequence[Grant], own: Grant | None, now_s: float) -> AppState:
+        """What `plan()` knows of one application: its recommendation, its grants on the device
+        (`mine`; `own`, the managed one, its latest grant not from a request), and the leading
+        signals of the usage history, which this call records the recommendation's usage into."""
+        req = [g for g in mine if g.source == "request"]
+        req_mem = sum(g.memory_mib for g in req)
+        req_sm = min(100.0, sum(g.sm_pct for g in req))
+        f_mem = rec.mem_p90_peak_mib if math.isfinite(rec.mem_p90_peak_mib) else rec.memory_mib
+        f_sm = rec.sm_p90_peak_pct if math.isfinite(rec.sm_p90_peak_pct) else rec.sm_pct
+        # memory and SM keep their own change times: SM shares move with every arrival under
+        # contention, which must not keep restarting the memory grant's dwell
+        mem_changed_at = own.mem_changed_at_s if own is not None else -math.inf
+        sm_changed_at = own.updated_at_s if own is not None else -math.inf
+        first = min((g.created_at_s for g in mine), default=now_s)
+        cold_mib = rec.cold_start_mem_mib if math.isfinite(rec.cold_start_mem_mib) else math.nan
+        self.history.observe(rec.app_id, now_s, rec.mem_used_mib, rec.for_seq,
+                             f_mem if math.isfinite(f_mem) else math.nan)
+        ramp_s, ramp_rate = self.history.ramp(rec.app_id)
+        window = self.config.mem_shrink_window_s
+        return AppState(
+            app_id=rec.app_id, device_id=rec.device_id,
+            request_mem_mib=req_mem, request_sm_pct=req_sm,
+            granted_mem_mib=sum(g.memory_mib for g in mine),
+            granted_sm_pct=min(100.0, sum(g.sm_pct for g in mine)),
+            used_mem_mib=rec.mem_used_mib, used_sm_pct=rec.sm_util_pct,
+            forecast_mem_p90_mib=f_mem if math.isfinite(f_mem) else math.nan,
+            forecast_sm_p90_pct=f_sm if math.isfinite(f_sm) else math.nan,
+            history_s=history_since_use_s(now_s, first, rec.first_use_s), expected_mem_mib=cold_mib,
+            priority=max((g.priority for g in mine), default=0),
+            last_mem_change_s=mem_changed_at, last_sm_change_s=sm_changed_at,
+            mem_ramp_s=ramp_s, mem_ramp_rate_mib_s=ramp_rate, mem_ramp_last_mib_s=self.history.last_rise(rec.app_id),
+            mem_ramp_prev_s=self.history.ramp(rec.app_id, back=1)[0],
+            recent_peak_mem_mib=self.history.peak(rec.app_id, now_s, window) if window > 0 else math.nan,
+            active_s=active_since_use_s(now_s, rec.first_use_s, self.history.active_s(rec.app_id, now_s)),
+            mem_p90_covered_s=self.history.covered_s(rec.app_id),
+            mem_burst_mib=self.history.burst_mib(rec.app_id, now_s, self.config, rec.first_use_s),
+        )
+
+    def _power_targets(self, result: Plan, views: Mapping[str, DeviceView]) -> list[PowerTarget]:
+        """Each device's power limit from its planned SM share (the maximum where the plan says full
+        power), where it moves by at least `power_hysteresis_frac` of the device's range and the
+        device's limit can be read and set."""
+        power: list[PowerTarget] = []
+        for dp in result.devices:
+            view = views[dp.device_id]
+            c = view.power_constraints
+            if c is None or not view.power_enabled or view.power_limit_mw is None or c.max_mw <= c.min_mw:
+                continue
+            choice = choose_power_limit_mw(min(dp.sm_planned_pct, 100.0), c)
+            limit_mw, why = choice.limit_mw, choice.reason
+            if dp.full_power:
+                limit_mw, why = c.max_mw, "contended" if dp.contended_sm else "full"
+            if abs(limit_mw - view.power_limit_mw) >= self.power_hysteresis_frac * (c.max_mw - c.min_mw):
+                power.append(PowerTarget(dp.device_id, limit_mw, f"{why}: planned SM {dp.sm_planned_pct:.0f} %"))
+        return power
+
+    def _enforcement(self, dp: DevicePlan, view: DeviceView, seen: set[str]) -> Enforcement:
+        """The device's memory enforcement, counting also the grants of applications this plan did
+        not size (those not in `seen`: requests without recommendations yet)."""
+        unplanned: dict[str, float] = {}
+        for g in view.grants:
+            if g.app_id not in seen:
+                unplanned[g.app_id] = unplanned.get(g.app_id, 0.0) + g.memory_mib
+        return memory_enforcement(dp, sum(unplanned.values()), view.mem_total_mib, self.config, others_mib=unplanned)
 
     def _mig_target(self, view: DeviceView, states: Sequence[AppState], result: Plan) -> MigTarget | None:
         """The layout for the applications planned on a device in MIG mode, when its current one
         no longer fits their needs now or at the reconfiguration time ahead; None otherwise."""
         from vgpu.allocator.mechanisms.mig import MigNeed, plan_layout, sku_for_name
-        from vgpu.allocator.policy.base import MigTarget
 
         sku = sku_for_name(view.name)
         if sku is None or not sku.supports_mig:
