@@ -3,6 +3,7 @@ threshold, contention that cuts from claims, and a contended split kept while it
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -246,3 +247,11 @@ def test_the_daemon_s_policy_bumps_an_application_at_its_memory_grant() -> None:
 def test_new_settings_refuse_negative_values(name: str) -> None:
     with pytest.raises(ValueError, match=name):
         PolicyConfig(**{name: -1.0})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["confidence_exponent", "sm_cap_cut_only"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_settings_unchecked_by_sign_still_refuse_a_non_number(name: str, value: float) -> None:
+    with pytest.raises(ValueError, match=name):
+        PolicyConfig(**{name: value})  # type: ignore[arg-type]
+    PolicyConfig(**{name: -0.5})  # type: ignore[arg-type]  # any finite value is a setting

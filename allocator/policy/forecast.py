@@ -270,7 +270,7 @@ class PolicyConfig:
 
     Each number is >= 0 (checked in `__post_init__`, the one place settings are validated), except
     `confidence_unit_s` (> 0), `mem_shrink_step_frac` (in (0, 1]), and `confidence_exponent` and
-    `sm_cap_cut_only`, which are not checked (`_NOT_NONNEGATIVE`). A switch (`ramp_last_rate`,
+    `sm_cap_cut_only`, which need only be finite (`_NOT_NONNEGATIVE`). A switch (`ramp_last_rate`,
     `ramp_jump_release`, `start_from_use`, `mem_burst_ramp_cap`, `sm_cap_cut_only`,
     `contended_full_power`) is a number so that bench/replay.py's `--set NAME=VALUE` can set it: any
     value > 0 is on. The defaults here turn every leading rule off; `PREDICTIVE_CONFIG` holds the
@@ -449,6 +449,11 @@ class PolicyConfig:
             raise ValueError("PolicyConfig.confidence_unit_s must be > 0")
         if not 0 < self.mem_shrink_step_frac <= 1:
             raise ValueError("PolicyConfig.mem_shrink_step_frac must be in (0, 1]")
+        # the two unchecked by sign still need a number: a NaN exponent widens every young
+        # estimate to NaN, and a NaN switch reads as on (`<= 0` is false)
+        for name in ("confidence_exponent", "sm_cap_cut_only"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"PolicyConfig.{name} must be a finite number")
 
     def margin(self, res: Resource) -> float:
         return self.mem_margin_frac if res == "mem" else self.sm_margin_frac
