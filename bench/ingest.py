@@ -7,7 +7,8 @@ What runs. A child process is the manager: a grpc.aio server on a Unix socket in
 directory with the `Ingest` and `Allocator` servicers (allocator/service.py `build_server`), the
 `Manager` (forecast tick every `--forecast-interval-s`, the daemon's default 1 s, with the daemon's
 fallback forecaster) and an `Allocator` on `--gpus` simulated H100s with the daemon's predictive
-policy, as `vgpu serve` wires them. This process runs the load, so the manager's CPU is measured alone (psutil on the child pid).
+policy, as `vgpu serve` wires them; once serving, its start-up heap is frozen out of the garbage collector's
+full passes, as `vgpu serve` does (vgpu/heap.py). This process runs the load, so the manager's CPU is measured alone (psutil on the child pid).
 
 Normal mode: `--apps` N `SignatureStreamer`s, each its own gRPC stream with its own `ReplaySource`
 of one application of the bundled demo trace (looping; 1 s rows replayed at `--hz` x, so one
@@ -22,7 +23,8 @@ After `--warmup-s` the measurement window of `--seconds` opens. Printed:
   time.time()). A decision covers the newest signature of each app at the manager's forecast tick,
   so this includes the wait from the signature's send to the next tick, up to one profiler period;
 * extra fields: `tick_p50_ms`/`tick_p99_ms` (manager-side duration of a forecast tick, from taking
-  the window snapshot to the decisions handed to the allocator), `reply_p99_ms` (signature send ->
+  the window snapshot to the decisions published and handed on: the allocator's apply, queued behind
+  the round's replies, is not in it), `reply_p99_ms` (signature send ->
   decision received by the profiler), `decisions`, `rejected`;
 * manager_cpu_frac: the manager process's CPU time (user + system, all threads) over the window's
   wall time; 1.0 is one core;
@@ -118,8 +120,8 @@ class TimedManager(Manager):
         self._tick_started = time.perf_counter()
         return super()._begin_tick(apps)
 
-    def _act(self, decisions: list[Decision]) -> None:
-        super()._act(decisions)
+    def _act(self, decisions: list[Decision], *, after_replies: bool = False) -> None:
+        super()._act(decisions, after_replies=after_replies)
         self.tick_ms.append((time.perf_counter() - self._tick_started) * 1000.0)
 
 
@@ -133,6 +135,7 @@ def manager_main(conn: Connection, address: str, gpus: int, forecast_interval_s:
     from vgpu.allocator.policy.base import hard_limit_at_frac_for
     from vgpu.allocator.policy.forecast import ForecastPolicy
     from vgpu.allocator.service import AllocatorServicer, build_server
+    from vgpu.heap import freeze_startup_heap
     from vgpu.manager.service import IngestServicer
 
     log.configure("console", "error")
@@ -150,6 +153,7 @@ def manager_main(conn: Connection, address: str, gpus: int, forecast_interval_s:
         server = build_server(address, allocator_servicer=AllocatorServicer(allocator),
                               ingest_servicer=NullIngest() if null else IngestServicer(manager, ack_interval_s=ack_interval_s))
         await server.start()
+        freeze_startup_heap()  # as `vgpu serve` does once started (vgpu/heap.py)
         conn.send(("ready", os.getpid(), conn_info["forecaster"]))
         loop = asyncio.get_running_loop()
         while True:
