@@ -435,6 +435,26 @@ async def test_a_release_between_a_round_and_its_apply_is_honoured_as_if_it_came
     assert got == _grants(ref)
 
 
+async def test_an_app_evicted_between_a_round_and_its_apply_is_not_applied() -> None:
+    """Another stream's batch that the loop reads between a round's replies and its queued apply,
+    and that evicts one of the round's applications: the apply leaves that application out, and
+    it holds no grant afterwards (as when the eviction comes before the round)."""
+    mgr, alloc, dev, clock = make_manager(min_samples=1, batch_window_s=0.0, forecast_interval_s=1.0,
+                                          windows=WindowStore(idle_evict_s=5))
+    await mgr.ingest_async(batch(1, [sig("a", 1, 10.0, 4000), sig("b", 1, 10.0, 8000)]), StreamState("p"))
+    await asyncio.sleep(0)
+    assert {g.app_id for g in alloc.ledger.grants()} == {"a", "b"}
+    clock.advance(4.0)
+    reply = await mgr.ingest_async(batch(2, [sig("b", 2, 14.0, 9000)]), StreamState("p"))
+    assert [d.app_id for d in reply.decisions] == ["b"]  # b's round is done; its apply is queued
+    clock.advance(2.0)  # a has been silent 6 s, b 2 s: the next batch read evicts a, not b
+    mgr.accept(batch(3, [sig("c", 1, 16.0, 1000)]), StreamState("q"))
+    assert "a" not in mgr.windows and "b" in mgr.windows
+    await asyncio.sleep(0)  # the queued apply
+    assert {g.app_id for g in alloc.ledger.grants()} == {"b"}
+    assert mgr.stats.applies == 2
+
+
 async def test_a_deferred_apply_happens_without_another_round_and_skips_evicted_apps() -> None:
     sink = _SlowSink(0.03)
     clock = FakeClock()
