@@ -12,7 +12,8 @@ full passes, as `vgpu serve` does (vgpu/heap.py). This process runs the load, so
 
 Normal mode: `--apps` N `SignatureStreamer`s, each its own gRPC stream with its own `ReplaySource`
 of one application of the bundled demo trace (looping; 1 s rows replayed at `--hz` x, so one
-signature per app per 100 ms tick), started staggered over one period like independent profilers.
+signature per app per 100 ms tick), started staggered over one period like independent profilers; once they are made, this process's
+heap is frozen out of the garbage collector's full passes, as `vgpu profiler` does at start-up.
 After `--warmup-s` the measurement window of `--seconds` opens. Printed:
 
     {"apps", "signatures_per_s", "decision_p50_ms", "decision_p99_ms", "manager_cpu_frac", ...}
@@ -85,6 +86,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vgpu.config import ManagerConfig  # noqa: E402
 from vgpu.device.sim import SimBackend  # noqa: E402
+from vgpu.heap import freeze_startup_heap  # noqa: E402
 from vgpu.manager.core import Decision, Item, Manager  # noqa: E402
 from vgpu.profiler.replay import ReplaySource  # noqa: E402
 from vgpu.profiler.stream import DEFAULT_COLUMNS_FROM, SignatureStreamer  # noqa: E402
@@ -135,7 +137,6 @@ def manager_main(conn: Connection, address: str, gpus: int, forecast_interval_s:
     from vgpu.allocator.policy.base import hard_limit_at_frac_for
     from vgpu.allocator.policy.forecast import ForecastPolicy
     from vgpu.allocator.service import AllocatorServicer, build_server
-    from vgpu.heap import freeze_startup_heap
     from vgpu.manager.service import IngestServicer
 
     log.configure("console", "error")
@@ -444,6 +445,8 @@ async def _run_profilers(address: str, apps: int, hz: float, device_ids: list[st
                               device_id=device_ids[(first // apps_per_stream) % len(device_ids)], pid_base=10_000 + first)
         streamers.append(TimedStreamer(source, address, period_s=period_s, profiler_id=f"bench-{first}",
                                        on_reply=lat.on_reply, lat=lat))
+    freeze_startup_heap()  # as `vgpu profiler` does once its source and streamer are made (vgpu/heap.py)
+
     async def launch(i: int, s: SignatureStreamer) -> asyncio.Task[Any]:
         # Independent profilers: ticks spread over one period. The replay clock starts half a period
         # before the profiler's first tick, so each tick finds exactly one row due (a row due at the
