@@ -8,7 +8,7 @@ directory with the `Ingest` and `Allocator` servicers (allocator/service.py `bui
 `Manager` (forecast tick every `--forecast-interval-s`, the daemon's default 1 s, with the daemon's
 fallback forecaster) and an `Allocator` on `--gpus` simulated H100s with the daemon's predictive
 policy, as `vgpu serve` wires them; once serving, its start-up heap is frozen out of the garbage collector's
-full passes, as `vgpu serve` does (vgpu/heap.py). This process runs the load, so the manager's CPU is measured alone (psutil on the child pid).
+full passes, as `vgpu serve` does (vgpu/gc_freeze.py). This process runs the load, so the manager's CPU is measured alone (psutil on the child pid).
 
 Normal mode: `--apps` N `SignatureStreamer`s, each its own gRPC stream with its own `ReplaySource`
 of one application of the bundled demo trace (looping; 1 s rows replayed at `--hz` x, so one
@@ -86,7 +86,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vgpu.config import ManagerConfig  # noqa: E402
 from vgpu.device.sim import SimBackend  # noqa: E402
-from vgpu.heap import freeze_startup_heap  # noqa: E402
+from vgpu.gc_freeze import freeze_startup_heap  # noqa: E402
 from vgpu.manager.core import Decision, Item, Manager  # noqa: E402
 from vgpu.profiler.replay import ReplaySource  # noqa: E402
 from vgpu.profiler.stream import DEFAULT_COLUMNS_FROM, SignatureStreamer  # noqa: E402
@@ -154,7 +154,7 @@ def manager_main(conn: Connection, address: str, gpus: int, forecast_interval_s:
         server = build_server(address, allocator_servicer=AllocatorServicer(allocator),
                               ingest_servicer=NullIngest() if null else IngestServicer(manager, ack_interval_s=ack_interval_s))
         await server.start()
-        freeze_startup_heap()  # as `vgpu serve` does once started (vgpu/heap.py)
+        freeze_startup_heap()  # as `vgpu serve` does once started (vgpu/gc_freeze.py)
         conn.send(("ready", os.getpid(), conn_info["forecaster"]))
         loop = asyncio.get_running_loop()
         while True:
@@ -445,7 +445,7 @@ async def _run_profilers(address: str, apps: int, hz: float, device_ids: list[st
                               device_id=device_ids[(first // apps_per_stream) % len(device_ids)], pid_base=10_000 + first)
         streamers.append(TimedStreamer(source, address, period_s=period_s, profiler_id=f"bench-{first}",
                                        on_reply=lat.on_reply, lat=lat))
-    freeze_startup_heap()  # as `vgpu profiler` does once its source and streamer are made (vgpu/heap.py)
+    freeze_startup_heap()  # as `vgpu profiler` does once its source and streamer are made (vgpu/gc_freeze.py)
 
     async def launch(i: int, s: SignatureStreamer) -> asyncio.Task[Any]:
         # Independent profilers: ticks spread over one period. The replay clock starts half a period

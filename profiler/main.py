@@ -33,7 +33,7 @@ import structlog
 
 from vgpu import auth, log
 from vgpu.client import DEFAULT_INAPP_DIR, DEFAULT_SOCKET, grpc_target
-from vgpu.heap import freeze_startup_heap
+from vgpu.gc_freeze import freeze_startup_heap
 from vgpu.profiler.source import SignatureSource
 from vgpu.profiler.stream import SignatureStreamer, StreamStats
 
@@ -143,7 +143,7 @@ def main(argv: Sequence[str], prog: str = "vgpu profiler") -> int:
             metadata=metadata,
         )
         # start-up is over: what it built is kept out of the garbage collector's full passes, which
-        # would otherwise stall a batch's send (vgpu/heap.py)
+        # would otherwise stall a batch's send (vgpu/gc_freeze.py)
         frozen = freeze_startup_heap()
         logger.info("profiler starting", manager=streamer.target, source=type(source).__name__,
                     period_ms=args.period_ms, token_file=None if args.no_token else str(args.token_file),

@@ -89,7 +89,7 @@ from vgpu.daemon.front import PeerFront
 from vgpu.daemon.metrics import AppSnapshot, CounterSnapshot, DaemonMetrics, DeviceSnapshot
 from vgpu.device.base import Backend, Device
 from vgpu.device.errors import DeviceError
-from vgpu.heap import freeze_startup_heap
+from vgpu.gc_freeze import freeze_startup_heap
 from vgpu.ids import MAX_PID
 from vgpu.manager.coldstart import AllocatorSizer, BackgroundSizer, ColdStartSizer
 from vgpu.manager.core import Manager, default_baseline
@@ -992,7 +992,7 @@ class Daemon:
             self._listener = None  # the front's now
             self.front.start()
             self.metrics.watch_connections(lambda: self.front.open_connections if self.front is not None else 0)
-        # start-up is over: what it built is kept out of the garbage collector's full passes (vgpu/heap.py)
+        # start-up is over: what it built is kept out of the garbage collector's full passes (vgpu/gc_freeze.py)
         frozen = freeze_startup_heap()
         self.log.info(
             "serving",
