@@ -7,11 +7,13 @@ What runs. A child process is the manager: a grpc.aio server on a Unix socket in
 directory with the `Ingest` and `Allocator` servicers (allocator/service.py `build_server`), the
 `Manager` (forecast tick every `--forecast-interval-s`, the daemon's default 1 s, with the daemon's
 fallback forecaster) and an `Allocator` on `--gpus` simulated H100s with the daemon's predictive
-policy, as `vgpu serve` wires them. This process runs the load, so the manager's CPU is measured alone (psutil on the child pid).
+policy, as `vgpu serve` wires them; once serving, its start-up heap is frozen out of the garbage collector's
+full passes, as `vgpu serve` does (vgpu/gc_freeze.py). This process runs the load, so the manager's CPU is measured alone (psutil on the child pid).
 
 Normal mode: `--apps` N `SignatureStreamer`s, each its own gRPC stream with its own `ReplaySource`
 of one application of the bundled demo trace (looping; 1 s rows replayed at `--hz` x, so one
-signature per app per 100 ms tick), started staggered over one period like independent profilers.
+signature per app per 100 ms tick), started staggered over one period like independent profilers; once they are made, this process's
+heap is frozen out of the garbage collector's full passes, as `vgpu profiler` does at start-up.
 After `--warmup-s` the measurement window of `--seconds` opens. Printed:
 
     {"apps", "signatures_per_s", "decision_p50_ms", "decision_p99_ms", "manager_cpu_frac", ...}
@@ -22,7 +24,8 @@ After `--warmup-s` the measurement window of `--seconds` opens. Printed:
   time.time()). A decision covers the newest signature of each app at the manager's forecast tick,
   so this includes the wait from the signature's send to the next tick, up to one profiler period;
 * extra fields: `tick_p50_ms`/`tick_p99_ms` (manager-side duration of a forecast tick, from taking
-  the window snapshot to the decisions handed to the allocator), `reply_p99_ms` (signature send ->
+  the window snapshot to the decisions published and handed on: the allocator's apply, queued behind
+  the round's replies, is not in it), `reply_p99_ms` (signature send ->
   decision received by the profiler), `decisions`, `rejected`;
 * manager_cpu_frac: the manager process's CPU time (user + system, all threads) over the window's
   wall time; 1.0 is one core;
@@ -83,6 +86,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vgpu.config import ManagerConfig  # noqa: E402
 from vgpu.device.sim import SimBackend  # noqa: E402
+from vgpu.gc_freeze import freeze_startup_heap  # noqa: E402
 from vgpu.manager.core import Decision, Item, Manager  # noqa: E402
 from vgpu.profiler.replay import ReplaySource  # noqa: E402
 from vgpu.profiler.stream import DEFAULT_COLUMNS_FROM, SignatureStreamer  # noqa: E402
@@ -118,8 +122,8 @@ class TimedManager(Manager):
         self._tick_started = time.perf_counter()
         return super()._begin_tick(apps)
 
-    def _act(self, decisions: list[Decision]) -> None:
-        super()._act(decisions)
+    def _act(self, decisions: list[Decision], *, after_replies: bool = False) -> None:
+        super()._act(decisions, after_replies=after_replies)
         self.tick_ms.append((time.perf_counter() - self._tick_started) * 1000.0)
 
 
@@ -150,6 +154,7 @@ def manager_main(conn: Connection, address: str, gpus: int, forecast_interval_s:
         server = build_server(address, allocator_servicer=AllocatorServicer(allocator),
                               ingest_servicer=NullIngest() if null else IngestServicer(manager, ack_interval_s=ack_interval_s))
         await server.start()
+        freeze_startup_heap()  # as `vgpu serve` does once started (vgpu/gc_freeze.py)
         conn.send(("ready", os.getpid(), conn_info["forecaster"]))
         loop = asyncio.get_running_loop()
         while True:
@@ -440,6 +445,8 @@ async def _run_profilers(address: str, apps: int, hz: float, device_ids: list[st
                               device_id=device_ids[(first // apps_per_stream) % len(device_ids)], pid_base=10_000 + first)
         streamers.append(TimedStreamer(source, address, period_s=period_s, profiler_id=f"bench-{first}",
                                        on_reply=lat.on_reply, lat=lat))
+    freeze_startup_heap()  # as `vgpu profiler` does once its source and streamer are made (vgpu/gc_freeze.py)
+
     async def launch(i: int, s: SignatureStreamer) -> asyncio.Task[Any]:
         # Independent profilers: ticks spread over one period. The replay clock starts half a period
         # before the profiler's first tick, so each tick finds exactly one row due (a row due at the

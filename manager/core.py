@@ -42,7 +42,8 @@ decisions go to the allocator in-process (`Allocator.apply_recommendations`). An
 application on the devices it touches (the others stand in with their latest recommendation), so
 its cost grows with the applications on a device, not with the decisions it carries: on the loop,
 applies are held to `act_duty_max` of a core (2 % by default) by a second `DutyBudget`. While it
-lasts, each round's decisions are applied right after the round; once it is spent, decisions wait
+lasts, each round's decisions are applied right after the round, once the replies that waited
+for the round have been woken (so no reply waits for an apply); once it is spent, decisions wait
 (the newest per application) for the first round that ends after it is earned back and are applied
 together (or, when no round comes, one forecast interval later). So a node whose applies are cheap
 acts on every round, and one with hundreds of applications on a device acts less often on larger
@@ -290,6 +291,7 @@ class Manager:
         self._act_duty = DutyBudget(act_duty_max, duty_window_s)
         self._unapplied: dict[str, Decision] = {}  # app -> its newest decision not yet given to the allocator
         self._apply_later: asyncio.TimerHandle | None = None
+        self._apply_soon: asyncio.Handle | None = None  # an apply queued behind a round's replies
         self.min_samples = min_samples
         self.mem_margin = mem_margin
         # Samples stamped more than this ahead of the clock are rejected (None: no bound).
@@ -302,7 +304,9 @@ class Manager:
         self._anchor_s: dict[str, float] = {}  # app -> one of its forecast boundaries (they are an interval apart)
         self._dirty: set[str] = set()  # apps with samples not yet forecast
         self._pending: set[str] = set()  # due apps waiting for the next batched forecast
-        self._pending_done: asyncio.Future[None] | None = None
+        # one future per reply waiting for the next batched forecast (its own, so that a cancelled
+        # waiter cancels nothing else, and a finished round wakes each waiter directly)
+        self._pending_waiters: list[asyncio.Future[None]] = []
         self._runner: asyncio.Task[None] | None = None
         self._streams: weakref.WeakSet[StreamState] = weakref.WeakSet()
         self._last_kept: set[str] = set()  # the apps the last accepted batch added samples to
@@ -627,12 +631,11 @@ class Manager:
         if due:
             self._anchor_batch(due)
             self._pending.update(due)
-            if self._pending_done is None:
-                self._pending_done = asyncio.get_running_loop().create_future()
-            done = self._pending_done
+            done = asyncio.get_running_loop().create_future()
+            self._pending_waiters.append(done)
             if self._runner is None or self._runner.done():
                 self._runner = asyncio.create_task(self._run_pending())
-            await asyncio.shield(done)
+            await done
         self._attach(reply, stream)
         return reply
 
@@ -643,19 +646,22 @@ class Manager:
         while self._pending:
             await asyncio.sleep(max(self.batch_window_s, self._duty.wait_s(loop.time())))
             apps, self._pending = sorted(self._pending), set()
-            done, self._pending_done = self._pending_done, None
+            waiters, self._pending_waiters = self._pending_waiters, []
             try:
                 started = time.perf_counter()
                 items = self._begin_tick(apps)
                 decisions, took = await asyncio.to_thread(self._timed_decide, items)
                 self._duty.spend(loop.time(), took)
-                self._act(decisions)
+                # The replies waiting for this round are woken first (their wake-ups are queued now),
+                # then `_act` publishes the decisions they will read, in this same step, and queues
+                # the allocator's apply behind them: no reply waits for the apply.
+                _wake(waiters)
+                self._act(decisions, after_replies=True)
                 self.stats.tick_latency.observe(time.perf_counter() - started)
             except Exception as exc:  # noqa: BLE001 - the waiting replies go out without decisions
                 self._log.error("forecast_batch_failed", error=repr(exc), exc_info=exc)
             finally:
-                if done is not None and not done.done():
-                    done.set_result(None)
+                _wake(waiters)
 
     def _timed_decide(self, items: list[Item]) -> tuple[list[Decision], float]:
         """`_decide` and the CPU time this thread spent on it (not a loaded machine's wall time)."""
@@ -772,12 +778,14 @@ class Manager:
             sm = min(100.0, max(0.0, sm))
         return mem, sm
 
-    def _act(self, decisions: list[Decision]) -> None:
+    def _act(self, decisions: list[Decision], *, after_replies: bool = False) -> None:
         """Publish the decisions (the replies carry them from now on) and hand them to the allocator.
         Without a running loop, at once. On the loop, at once while the acting budget
-        (`act_duty_max`) lasts; once it is spent, they wait, with any later ones, for the first
-        round that ends after the budget is earned back (acting right after a round keeps it out of
-        the way of the next batch), or for a timer one forecast interval later when no round comes."""
+        (`act_duty_max`) lasts (`after_replies`: in a callback queued now, so that the replies
+        already woken for this round are written before it); once it is spent, they wait, with any
+        later ones, for the first round that ends after the budget is earned back (acting right
+        after a round keeps it out of the way of the next batch), or for a timer one forecast
+        interval later when no round comes."""
         decisions = [d for d in decisions if d.app_id in self.windows]  # not one evicted meanwhile
         for d in decisions:
             self._next_serial += 1
@@ -793,9 +801,14 @@ class Manager:
         except RuntimeError:
             self._apply()
             return
+        if self._apply_soon is not None:  # queued already: it takes these too
+            return
         wait_s = self._act_duty.wait_s(loop.time())
         if wait_s <= 0:
-            self._apply()
+            if after_replies:
+                self._apply_soon = loop.call_soon(self._apply)
+            else:
+                self._apply()
             return
         self.stats.applies_deferred += 1
         if self._apply_later is None:
@@ -807,6 +820,9 @@ class Manager:
         if self._apply_later is not None:
             self._apply_later.cancel()
             self._apply_later = None
+        if self._apply_soon is not None:
+            self._apply_soon.cancel()
+            self._apply_soon = None
         pending = [d for d in self._unapplied.values() if d.app_id in self.windows]
         self._unapplied = {}
         if self.allocator is None or not pending:
@@ -912,6 +928,13 @@ def first_use_s(trace: AppTrace) -> float:
             busy |= np.nan_to_num(np.asarray(values, dtype=float), nan=0.0) > idle
     hits = np.flatnonzero(busy)
     return float(trace.t_s[hits[0]]) if len(hits) else math.inf
+
+
+def _wake(waiters: Iterable[asyncio.Future[None]]) -> None:
+    """Resolve the futures that replies wait on (those whose waiter went away are cancelled already)."""
+    for w in waiters:
+        if not w.done():
+            w.set_result(None)
 
 
 def _peak(values: Sequence[float]) -> float:

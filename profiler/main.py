@@ -33,6 +33,7 @@ import structlog
 
 from vgpu import auth, log
 from vgpu.client import DEFAULT_INAPP_DIR, DEFAULT_SOCKET, grpc_target
+from vgpu.gc_freeze import freeze_startup_heap
 from vgpu.profiler.source import SignatureSource
 from vgpu.profiler.stream import SignatureStreamer, StreamStats
 
@@ -141,8 +142,12 @@ def main(argv: Sequence[str], prog: str = "vgpu profiler") -> int:
             buffer_max=args.buffer_max,
             metadata=metadata,
         )
+        # start-up is over: what it built is kept out of the garbage collector's full passes, which
+        # would otherwise stall a batch's send (vgpu/gc_freeze.py)
+        frozen = freeze_startup_heap()
         logger.info("profiler starting", manager=streamer.target, source=type(source).__name__,
-                    period_ms=args.period_ms, token_file=None if args.no_token else str(args.token_file))
+                    period_ms=args.period_ms, token_file=None if args.no_token else str(args.token_file),
+                    heap_frozen_objects=frozen)
         stats = asyncio.run(_run(streamer, args.seconds))
         if stats.connects == 0 or (stats.refused and not stats.acked):
             why = ("the manager refused every stream (see the log: the profiler token?)" if stats.refused

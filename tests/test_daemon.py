@@ -131,6 +131,8 @@ def test_readiness_and_watchdog_over_notify_socket(env: Env, serves: list[Serve]
     while not any("WATCHDOG=1" in m for m in got):
         got.append(listener.recv(4096).decode())
     assert got[0].startswith("READY=1")
+    # start-up's objects are out of the garbage collector's full passes (vgpu/gc_freeze.py)
+    assert serves[-1].event("serving")["heap_frozen_objects"] > 10_000
     assert serves[-1].term() == 0
     rest = []
     listener.settimeout(2)
@@ -223,6 +225,9 @@ def test_profiler_streams_with_its_token_and_the_apps_show_up(env: Env, serves: 
     done = _profiler(env, trace, "--device-id", device, "--token-file", str(token))
     assert done.returncode == 0, done.stderr
     assert "manager refused" not in done.stderr
+    # start-up's objects are out of the garbage collector's full passes (vgpu/gc_freeze.py)
+    starting = [json.loads(line) for line in done.stderr.splitlines() if '"profiler starting"' in line]
+    assert starting and starting[0]["heap_frozen_objects"] > 10_000
     apps = {a["app_id"]: a for a in env.json("apps")["apps"]}
     assert set(apps) == {"train-a", "infer-b"}
     for app in apps.values():

@@ -14,7 +14,8 @@ import pytest
 from allocator_fakes import FakeBackend, FakeClock, FakeDevice
 from manager_fakes import EwmaMarginForecaster
 
-from vgpu.allocator.core import Allocator
+from vgpu.allocator.core import Allocator, ApplyReport
+from vgpu.allocator.policy.base import Recommendation
 from vgpu.allocator.service import AllocatorServicer, build_server
 from vgpu.manager.core import DutyBudget, Manager, StreamState
 from vgpu.manager.forecast import HORIZONS_S, Forecast
@@ -348,17 +349,110 @@ async def test_decisions_go_out_at_once_and_to_the_allocator_within_the_acting_b
     mgr = Manager(sink, EwmaMarginForecaster(), min_samples=1, batch_window_s=0.0, act_duty_max=0.5,  # type: ignore[arg-type]
                   duty_window_s=0.0, forecast_interval_s=10.0)
     await mgr.ingest_async(batch(1, [sig("a", 1, 10.0)]), StreamState("p1"))
-    assert sink.calls == [["a"]]  # the budget is in credit: applied with its round
+    assert sink.calls == []  # the round's reply is out first ...
+    await asyncio.sleep(0)
+    assert sink.calls == [["a"]]  # ... and the budget is in credit: applied right behind it
     reply = await mgr.ingest_async(batch(2, [sig("b", 1, 10.0)]), StreamState("p2"))
     # a's 30 ms are earned back at 0.5 s a second (60 ms): b's decision is in its reply, not applied yet
     assert [d.app_id for d in reply.decisions] == ["b"] and mgr.latest["b"].app_id == "b"
     assert sink.calls == [["a"]] and mgr.stats.applies_deferred == 1
     await asyncio.sleep(0.08)
     await mgr.ingest_async(batch(3, [sig("c", 1, 10.0)]), StreamState("p3"))
+    await asyncio.sleep(0)
     assert sink.calls == [["a"], ["b", "c"]]  # the first round after the budget is back applies both
     assert mgr.stats.applies == 2
     with pytest.raises(ValueError, match="act_duty_max"):
         Manager(sink, EwmaMarginForecaster(), act_duty_max=0.0)  # type: ignore[arg-type]
+
+
+class _ReplyWatchingSink(_SlowSink):
+    """A slow sink that notes, at each apply, which of the watched ingest tasks had returned."""
+
+    def __init__(self, cpu_s: float) -> None:
+        super().__init__(cpu_s)
+        self.watched: list[asyncio.Task[ingest_pb2.IngestReply]] = []
+        self.done_at_apply: list[list[bool]] = []
+
+    def apply_recommendations(self, recommendations: Sequence[object]) -> _SlowSink:
+        self.done_at_apply.append([t.done() for t in self.watched])
+        return super().apply_recommendations(recommendations)
+
+
+async def test_a_rounds_replies_are_out_before_its_apply_runs() -> None:
+    """Two streams' batches join one round; both replies, with their decisions, have been handed
+    back before the allocator's apply of that round starts (which burns 50 ms of the loop)."""
+    sink = _ReplyWatchingSink(0.05)
+    mgr = Manager(sink, EwmaMarginForecaster(), min_samples=1, batch_window_s=0.01,  # type: ignore[arg-type]
+                  forecast_interval_s=10.0)
+    sink.watched = [asyncio.create_task(mgr.ingest_async(batch(1, [sig(app, 1, 10.0)]), StreamState(app)))
+                    for app in ("a", "b")]
+    replies = await asyncio.gather(*sink.watched)
+    assert [[d.app_id for d in r.decisions] for r in replies] == [["a"], ["b"]]
+    await asyncio.sleep(0)
+    assert sink.calls == [["a", "b"]] and sink.done_at_apply == [[True, True]]
+    assert mgr.stats.applies == 1
+
+
+def _grants(alloc: Allocator) -> list[tuple[str, str, float, float, str]]:
+    return sorted((g.app_id, g.device_id, g.memory_mib, g.sm_pct, g.source) for g in alloc.ledger.grants())
+
+
+async def test_a_release_between_a_round_and_its_apply_is_honoured_as_if_it_came_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The apply a round queues runs after the round's replies, so an allocator call can come in
+    between (here: `a` releases its grant). The apply then works on the ledger after that call:
+    the grants are those of the same recommendations applied, in one piece, after the release."""
+    mgr, alloc, dev, clock = make_manager(min_samples=1, batch_window_s=0.0, forecast_interval_s=1.0)
+    handed: list[list[Recommendation]] = []
+    apply = alloc.apply_recommendations
+
+    def recording(recs: Sequence[Recommendation]) -> ApplyReport:
+        handed.append(list(recs))
+        return apply(recs)
+
+    monkeypatch.setattr(alloc, "apply_recommendations", recording)
+    await mgr.ingest_async(batch(1, [sig("a", 1, 10.0, 4000), sig("b", 1, 10.0, 8000)]), StreamState("p"))
+    await asyncio.sleep(0)
+    (first,) = [g for g in alloc.ledger.grants() if g.app_id == "a"]
+    clock.advance(2.0)
+    reply = await mgr.ingest_async(batch(2, [sig("a", 2, 12.0, 6000), sig("b", 2, 12.0, 9000)]), StreamState("p"))
+    assert len(handed) == 1 and {d.app_id for d in reply.decisions} == {"a", "b"}  # the apply is still queued
+    alloc.release(first.grant_id, reason="test")  # e.g. a Release call the loop ran before the apply
+    await asyncio.sleep(0)
+    assert len(handed) == 2
+    got = _grants(alloc)
+    assert [g for g in got if g[0] == "a"] and all(g.grant_id != first.grant_id for g in alloc.ledger.grants())
+
+    # the same two applies on a fresh allocator, with the release strictly between them
+    ref_clock = FakeClock()
+    ref = Allocator(FakeBackend([FakeDevice(GPU)]), clock=ref_clock)
+    ref.apply_recommendations(handed[0])
+    ref_clock.advance(2.0)
+    (ref_first,) = [g for g in ref.ledger.grants() if g.app_id == "a"]
+    ref.release(ref_first.grant_id, reason="test")
+    ref.apply_recommendations(handed[1])
+    assert got == _grants(ref)
+
+
+async def test_an_app_evicted_between_a_round_and_its_apply_is_not_applied() -> None:
+    """Another stream's batch that the loop reads between a round's replies and its queued apply,
+    and that evicts one of the round's applications: the apply leaves that application out, and
+    it holds no grant afterwards (as when the eviction comes before the round)."""
+    mgr, alloc, dev, clock = make_manager(min_samples=1, batch_window_s=0.0, forecast_interval_s=1.0,
+                                          windows=WindowStore(idle_evict_s=5))
+    await mgr.ingest_async(batch(1, [sig("a", 1, 10.0, 4000), sig("b", 1, 10.0, 8000)]), StreamState("p"))
+    await asyncio.sleep(0)
+    assert {g.app_id for g in alloc.ledger.grants()} == {"a", "b"}
+    clock.advance(4.0)
+    reply = await mgr.ingest_async(batch(2, [sig("b", 2, 14.0, 9000)]), StreamState("p"))
+    assert [d.app_id for d in reply.decisions] == ["b"]  # b's round is done; its apply is queued
+    clock.advance(2.0)  # a has been silent 6 s, b 2 s: the next batch read evicts a, not b
+    mgr.accept(batch(3, [sig("c", 1, 16.0, 1000)]), StreamState("q"))
+    assert "a" not in mgr.windows and "b" in mgr.windows
+    await asyncio.sleep(0)  # the queued apply
+    assert {g.app_id for g in alloc.ledger.grants()} == {"b"}
+    assert mgr.stats.applies == 2
 
 
 async def test_a_deferred_apply_happens_without_another_round_and_skips_evicted_apps() -> None:

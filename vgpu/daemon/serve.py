@@ -90,6 +90,7 @@ from vgpu.daemon.front import PeerFront
 from vgpu.daemon.metrics import AppSnapshot, CounterSnapshot, DaemonMetrics, DeviceSnapshot
 from vgpu.device.base import Backend, Device
 from vgpu.device.errors import DeviceError
+from vgpu.gc_freeze import freeze_startup_heap
 from vgpu.ids import MAX_PID
 from vgpu.manager.coldstart import AllocatorSizer, BackgroundSizer, ColdStartSizer
 from vgpu.manager.core import Manager, default_baseline
@@ -1029,6 +1030,8 @@ class Daemon:
             self._listener = None  # the front's now
             self.front.start()
             self.metrics.watch_connections(lambda: self.front.open_connections if self.front is not None else 0)
+        # start-up is over: what it built is kept out of the garbage collector's full passes (vgpu/gc_freeze.py)
+        frozen = freeze_startup_heap()
         self.log.info(
             "serving",
             socket=str(self.socket_path),
@@ -1047,6 +1050,7 @@ class Daemon:
             inapp_dir=cfg.server.inapp_dir,
             inapp_dir_state=inapp_state,
             pid=os.getpid(),
+            heap_frozen_objects=frozen,
         )
         self.notifier.notify(f"READY=1\nSTATUS=serving on {self.socket_path}\nMAINPID={os.getpid()}")
         if self.notifier.watchdog_s:

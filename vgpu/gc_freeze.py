@@ -1,0 +1,30 @@
+"""A long-running vgpu process's start-up heap and Python's cyclic garbage collector.
+
+A full (generation 2) collection walks every object the collector tracks, and runs on whichever
+thread happens to allocate when it is due: in the daemon that is mostly the event loop, in the
+middle of an ingest or an allocator apply. What the manager's process holds once started (the
+imported modules, the forecaster's runtime, gRPC, the configuration) is about 200,000 tracked
+objects that never become garbage; a full collection over them stalled the loop 134-165 ms on the
+shared 2-core development machine (docs/performance.md, *The busy node's decision tail*), and every
+profiler batch that arrived meanwhile waited, with the decisions it brought. The profiler's own
+full collections (14-30 ms) delayed its sends the same way.
+
+`freeze_startup_heap()` collects once, then moves every object alive now into the collector's
+permanent generation (`gc.freeze`), which no collection walks. Later full collections walk only what
+the process made since, a few thousand objects in the manager at 256 applications. Objects frozen
+here are never freed by the cyclic collector, so it is called once, when start-up is over: a
+start-up object that later becomes cyclic garbage is kept (reference counting still frees the rest).
+`vgpu serve` and `vgpu profiler` call it. (The C heap is another matter: manager/heap.py.)
+"""
+
+from __future__ import annotations
+
+import gc
+
+
+def freeze_startup_heap() -> int:
+    """Collect what start-up left behind, then freeze every object alive now out of the collector's
+    reach. Returns how many objects the permanent generation holds afterwards."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
