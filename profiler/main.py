@@ -33,7 +33,7 @@ import structlog
 
 from vgpu import auth, log
 from vgpu.client import DEFAULT_INAPP_DIR, DEFAULT_SOCKET, grpc_target
-from vgpu.gc_freeze import freeze_startup_heap
+from vgpu.gc_freeze import freeze_startup_heap, thaw_heap
 from vgpu.profiler.source import SignatureSource
 from vgpu.profiler.stream import SignatureStreamer, StreamStats
 
@@ -148,7 +148,10 @@ def main(argv: Sequence[str], prog: str = "vgpu profiler") -> int:
         logger.info("profiler starting", manager=streamer.target, source=type(source).__name__,
                     period_ms=args.period_ms, token_file=None if args.no_token else str(args.token_file),
                     heap_frozen_objects=frozen)
-        stats = asyncio.run(_run(streamer, args.seconds))
+        try:
+            stats = asyncio.run(_run(streamer, args.seconds))
+        finally:
+            thaw_heap()  # the collector whole again for whatever runs on in this process
         if stats.connects == 0 or (stats.refused and not stats.acked):
             why = ("the manager refused every stream (see the log: the profiler token?)" if stats.refused
                    else f"never reached the manager ({stats.connect_failures} failed attempts; is vgpu serve "

@@ -5,8 +5,10 @@ from __future__ import annotations
 import gc
 import weakref
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+from daemon_fixtures import sim_daemon
 
 from vgpu.gc_freeze import freeze_startup_heap
 
@@ -48,3 +50,15 @@ def test_a_full_collection_after_the_freeze_walks_only_what_came_later(unfrozen:
     assert walked_after < walked_before - len(startup)
     walked = {id(o) for o in gc.get_objects()}
     assert id(startup[0]) not in walked and id(later[0]) in walked
+
+
+async def test_a_daemon_in_this_process_gives_the_heap_back_when_it_stops(tmp_path: Path, unfrozen: None) -> None:
+    """vgpu serve freezes its start-up heap; stopped, it thaws it, so a process that goes on (this
+    test run) collects its cycles again."""
+    d = sim_daemon(tmp_path)
+    await d.start()
+    try:
+        assert gc.get_freeze_count() > 10_000
+    finally:
+        await d.stop("test")
+    assert gc.get_freeze_count() == 0

@@ -14,7 +14,9 @@ permanent generation (`gc.freeze`), which no collection walks. Later full collec
 the process made since, a few thousand objects in the manager at 256 applications. Objects frozen
 here are never freed by the cyclic collector, so it is called once, when start-up is over: a
 start-up object that later becomes cyclic garbage is kept (reference counting still frees the rest).
-`vgpu serve` and `vgpu profiler` call it. (The C heap is another matter: manager/heap.py.)
+`vgpu serve` and `vgpu profiler` call it, and `thaw_heap()` when they stop, so that a process that
+goes on after them (a test run, an embedding program) gets its collector back whole. (The C heap is
+another matter: manager/heap.py.)
 """
 
 from __future__ import annotations
@@ -28,3 +30,8 @@ def freeze_startup_heap() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+def thaw_heap() -> None:
+    """Give the frozen objects back to the collector (its oldest generation), as before the freeze."""
+    gc.unfreeze()

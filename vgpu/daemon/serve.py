@@ -90,7 +90,7 @@ from vgpu.daemon.front import PeerFront
 from vgpu.daemon.metrics import AppSnapshot, CounterSnapshot, DaemonMetrics, DeviceSnapshot
 from vgpu.device.base import Backend, Device
 from vgpu.device.errors import DeviceError
-from vgpu.gc_freeze import freeze_startup_heap
+from vgpu.gc_freeze import freeze_startup_heap, thaw_heap
 from vgpu.ids import MAX_PID
 from vgpu.manager.coldstart import AllocatorSizer, BackgroundSizer, ColdStartSizer
 from vgpu.manager.core import Manager, default_baseline
@@ -1159,6 +1159,7 @@ class Daemon:
         self.log.info("stopped", devices_restored=len(actions), restore_actions=actions)
         if self._lock is not None:
             self._lock.close()
+        thaw_heap()  # what start-up froze is collectable again for whatever runs on in this process
         self.stopped.set()
         return actions
 
