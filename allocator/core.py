@@ -1,11 +1,59 @@
 """The `Allocator`: the ledger, the policy and the mechanisms behind one object.
 
-The allocator alone writes to devices. It answers applications (request / release / limits),
-carries out the manager's recommendations through a `Policy` (allocator/policy/base.py), enforces power
-limits (allocator/mechanisms/power.py) and MIG layouts (a `MigMechanism`, plugged in), caps each
-application's cgroup at its granted memory through NVML's per-cgroup limits where the pid is known
-and `cgroup_limits` is given (allocator/mechanisms/limits.py), publishes every change to `watch()`
-subscribers and restores device settings on `stop()`.
+The allocator alone writes to devices. It owns:
+- the `Ledger` of grants and limits (allocator/ledger.py) and the moment its changes are stored
+  (`on_change`, the daemon's store);
+- the latest `Recommendation` of each application and the `Policy` (allocator/policy/base.py) that
+  turns them into a `Plan`;
+- the mechanisms that write to devices: power limits (allocator/mechanisms/power.py), MIG layouts (a
+  `MigMechanism`, plugged in) and each application's cgroup memory cap through NVML's per-cgroup
+  limits, where the pid is known and `cgroup_limits` is given (allocator/mechanisms/limits.py);
+- each device's hard/cooperative memory decision (below);
+- the `watch()` subscriptions, the `Counters` and the per-application `History`;
+- applications' signs of life (`last_seen_s`, `release_vanished`);
+and it restores device settings on `stop()`.
+
+Every change to the grants (request, release, limits, a plan) goes check -> change -> store ->
+announce -> enforce:
+1. check: the ledger refuses what does not fit or is not the caller's (InsufficientResources,
+   PermissionDenied, InvalidRequest, NotFound) before it changes anything;
+2. change: the ledger changes in memory;
+3. store: `_changed()` hands the ledger to `on_change` (the daemon writes the changed rows,
+   `Ledger.changes()`) before anyone hears of the change; when that fails (StateNotSaved) the
+   ledger is rolled back in memory, so the change was never made; without `on_change` the changes
+   are only committed;
+4. announce: counters, a log line and an `AllocationEvent` per change;
+5. enforce: the device's cgroup caps follow (`_sync_cgroup_limits`); a failure there is counted
+   (`Counters.failures`) and logged, and never undoes the stored change.
+
+`apply_recommendations` runs these steps for a whole plan:
+1. admit each recommendation: one naming a MIG instance moves to its GPU, one for an unknown device
+   is skipped; the cold-start size of the application's grant fills a recommendation that has none;
+   each becomes its application's latest;
+2. the other applications on the devices touched stand in with their latest recommendation (a
+   device's plan weighs every application on it);
+3. read each device touched (`DeviceView`); an unreadable one is skipped with its recommendations;
+4. plan (`Policy.plan`);
+5. change the ledger, shrinks first so that what one application gives back is there for another;
+   new grants and growth are clamped to what fits; a target the ledger refuses is skipped;
+6. store once for the plan: when that fails none of its grant changes stand, all are reported
+   skipped ("not saved") and none is announced;
+7. announce the GRANTED / RESIZED events;
+8. keep the plan's hard/cooperative word for each device touched and sync the cgroup caps of each
+   device whose grants changed or whose decision changed;
+9. one history point per fresh recommendation (an OOM event is logged when its use was over the
+   grant it held before this plan);
+10. power limits, then MIG layouts, through their mechanisms, each check -> change -> verify
+    inside the mechanism, the original saved before the first write; a failure is counted and
+    logged and the grants stand.
+
+An `AllocationEvent` carries its kind, the time, the application and device, the grant as it is
+after the change (GRANTED, RESIZED, RELEASED), a detail (a grant's source, a resize's "memory
+4096 -> 2048 MiB", a release's reason, a power limit's "before -> target mW", MIG profiles, limits)
+and the device's memory-limit kind when it was published. Events without an application (power,
+MIG) reach every watcher; an application's watch gets its own events besides. A grant change is
+also counted by reason (`Counters.grant_changes`) and marked in the `History` whether or not anyone
+watches.
 
 Hard or cooperative memory limits, per device (`memory_enforcement`): a grant is always published to
 its application, which keeps to it itself (the client stub's memory fraction: an allocation beyond
