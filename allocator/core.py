@@ -817,9 +817,42 @@ class Allocator:
     def apply_recommendations(self, recommendations: Sequence[Recommendation]) -> ApplyReport:
         """Carry out the manager's recommendations: the policy plans grant sizes, power limits and
         MIG layouts; growth is clamped to what fits; device writes go through the mechanisms. A
-        recommendation for an unknown device is skipped (reported in `skipped`)."""
+        recommendation for an unknown device is skipped (reported in `skipped`). The steps, in
+        order, are the module docstring's list."""
         if self._stopped:
             raise InvalidRequest("the allocator is stopped")
+        usable, skipped = self._admit(recommendations)
+        fresh = {r.app_id for r in usable}
+        devices_touched = {r.device_id for r in usable}
+        usable += self._stand_ins(fresh, devices_touched)
+        views, usable = self._readable_views(devices_touched, usable, skipped)
+        granted_before = {r.app_id: self._granted(r.app_id, r.device_id) for r in usable if r.app_id in fresh}
+        plan: Plan = self.policy.plan(usable, views, self.clock())
+        created, resized, events = self._change_grants(plan.grants, skipped)
+        if created or resized:
+            created, resized, events = self._store_plan(created, resized, events, skipped)
+        self.counters.granted += len(created)
+        self.counters.resized += len(resized)
+        for kind, grant, detail, reason in events:
+            self._publish(kind, grant=grant, detail=detail, reason=reason)
+        self._enforce_plan(plan, devices_touched, {g.device_id for g in (*created, *resized)})
+        for rec in usable:
+            if rec.app_id in granted_before:
+                self._record_tick(rec, granted_before[rec.app_id])
+        power_results = [self._apply_power(t.device_id, t.limit_mw, t.reason) for t in plan.power]
+        mig_changes = sum(self._apply_mig(t) for t in plan.mig)
+        return ApplyReport(
+            created=tuple(created),
+            resized=tuple(resized),
+            power=tuple(r for r in power_results if r is not None),
+            mig_changes=mig_changes,
+            skipped=tuple(skipped),
+        )
+
+    def _admit(self, recommendations: Sequence[Recommendation]) -> tuple[list[Recommendation], list[str]]:
+        """Each recommendation counted and, when its device is known (a MIG instance's stands for
+        its GPU), completed with the application's cold-start size and kept as its latest; the
+        usable ones, and why each other one was skipped."""
         known = {c.device_id for c in self.ledger.devices()}
         usable: list[Recommendation] = []
         skipped: list[str] = []
@@ -836,12 +869,18 @@ class Allocator:
                 rec = dataclasses.replace(rec, cold_start_mem_mib=cold_mib)  # noqa: PLW2901 - what the sizer said
             self._latest[rec.app_id] = rec
             usable.append(rec)
-        # Recommendations arrive per application as each becomes due, but a device's plan (SM shares
-        # under contention, its power limit) must weigh every application on it: the others stand in
-        # with their latest recommendation.
-        fresh = {r.app_id for r in usable}
-        devices_touched = {r.device_id for r in usable}
-        usable += [r for app, r in self._latest.items() if app not in fresh and r.device_id in devices_touched]
+        return usable, skipped
+
+    def _stand_ins(self, fresh: set[str], devices_touched: set[str]) -> list[Recommendation]:
+        """The latest recommendation of every other application on the devices touched.
+        Recommendations arrive per application as each becomes due, but a device's plan (SM shares
+        under contention, its power limit) must weigh every application on it."""
+        return [r for app, r in self._latest.items() if app not in fresh and r.device_id in devices_touched]
+
+    def _readable_views(self, devices_touched: set[str], usable: list[Recommendation],
+                        skipped: list[str]) -> tuple[list[DeviceView], list[Recommendation]]:
+        """The policy's view of each device touched, and the recommendations left once those for a
+        device that cannot be read are dropped (each named in `skipped`)."""
         views = []
         for device_id in sorted(devices_touched):
             view, readable = self._read_view(device_id)
@@ -850,13 +889,18 @@ class Allocator:
                 continue
             skipped.extend(f"{r.app_id}: device {device_id!r} cannot be read" for r in usable if r.device_id == device_id)
             usable = [r for r in usable if r.device_id != device_id]
-        granted_before = {r.app_id: self._granted(r.app_id, r.device_id) for r in usable if r.app_id in fresh}
-        plan: Plan = self.policy.plan(usable, views, self.clock())
+        return views, usable
+
+    def _change_grants(self, targets: Sequence[GrantTarget], skipped: list[str]) -> tuple[
+            list[Grant], list[Grant], list[tuple[EventKind, Grant, str, str]]]:
+        """The plan's grant targets made in the ledger only, shrinks first: new grants and growth
+        clamped to what fits, a resize that changes nothing dropped, a target the ledger refuses
+        named in `skipped`. The grants created, the grants resized, and the events to publish once
+        they are stored as (kind, grant, detail, reason)."""
         created: list[Grant] = []
         resized: list[Grant] = []
-        # (kind, grant, detail, reason), published once the changes are stored
         events: list[tuple[EventKind, Grant, str, str]] = []
-        for target in self._shrinks_first(plan.grants):
+        for target in self._shrinks_first(targets):
             try:
                 if target.grant_id is None:
                     mem_room, sm_room = self.ledger.headroom(target.app_id, target.device_id)
@@ -880,36 +924,30 @@ class Allocator:
                                    else "shrink"))
             except (DeviceError, InvalidRequest) as exc:
                 skipped.append(f"{target.app_id}: {exc}")
-        if created or resized:
-            try:
-                self._changed()
-            except StateNotSaved as exc:  # undone in memory: this plan's grants were not made
-                self._log.error("plan_not_saved", grants=len(created) + len(resized), error=str(exc))
-                skipped += [f"{g.app_id}: not saved: {exc}" for g in (*created, *resized)]
-                created, resized, events = [], [], []
-        self.counters.granted += len(created)
-        self.counters.resized += len(resized)
-        for kind, grant, detail, reason in events:
-            self._publish(kind, grant=grant, detail=detail, reason=reason)
+        return created, resized, events
+
+    def _store_plan(self, created: list[Grant], resized: list[Grant],
+                    events: list[tuple[EventKind, Grant, str, str]], skipped: list[str]) -> tuple[
+            list[Grant], list[Grant], list[tuple[EventKind, Grant, str, str]]]:
+        """Store the plan's grant changes at once; when that fails they are undone in memory, each
+        is named in `skipped` as not saved, and nothing is left to count or announce."""
+        try:
+            self._changed()
+        except StateNotSaved as exc:
+            self._log.error("plan_not_saved", grants=len(created) + len(resized), error=str(exc))
+            skipped += [f"{g.app_id}: not saved: {exc}" for g in (*created, *resized)]
+            return [], [], []
+        return created, resized, events
+
+    def _enforce_plan(self, plan: Plan, devices_touched: set[str], changed: set[str]) -> None:
+        """Keep the plan's hard/cooperative word for each device touched, then sync the cgroup caps
+        of each device whose grants changed or whose decision is no longer the one in force."""
         for e in plan.enforcement:
             if e.device_id in devices_touched:
                 self._plan_enforcement[e.device_id] = e
-        changed = {g.device_id for g in (*created, *resized)}
         for device_id in sorted(changed | devices_touched):
             if device_id in changed or self._enforced.get(device_id) != self.memory_enforcement(device_id).hard_mem:
                 self._sync_cgroup_limits(device_id)
-        for rec in usable:
-            if rec.app_id in granted_before:
-                self._record_tick(rec, granted_before[rec.app_id])
-        power_results = [self._apply_power(t.device_id, t.limit_mw, t.reason) for t in plan.power]
-        mig_changes = sum(self._apply_mig(t) for t in plan.mig)
-        return ApplyReport(
-            created=tuple(created),
-            resized=tuple(resized),
-            power=tuple(r for r in power_results if r is not None),
-            mig_changes=mig_changes,
-            skipped=tuple(skipped),
-        )
 
     def _granted(self, app_id: str, device_id: str) -> tuple[float, float]:
         grants = self.ledger.grants(app_id=app_id, device_id=device_id)
