@@ -376,7 +376,6 @@ class Allocator:
         self._drop_slow_watchers = drop_slow_watchers
         self._subscriptions: list[Subscription] = []
         self._latest: dict[str, Recommendation] = {}
-        self._requests: dict[str, AllocationRequest] = {}
         self._stopped = False
         self._watches_ended = False
         self._warned: set[str] = set()
@@ -496,7 +495,6 @@ class Allocator:
         self._changed()  # stored before anyone hears of it
         if grant.cold_start_mib is not None:
             self._cold_start_mib[grant.app_id] = grant.cold_start_mib
-        self._requests[grant.grant_id] = request
         self._seen[grant.app_id] = self.clock()
         self.counters.granted += 1
         self._log.info("granted", app=grant.app_id, device=grant.device_id, memory_mib=grant.memory_mib,
@@ -511,15 +509,10 @@ class Allocator:
         caps = self.ledger.devices()
         return max((c.mem_total_mib for c in caps), default=0.0)
 
-    def request_for(self, grant_id: str) -> AllocationRequest | None:
-        """The request a grant came from (None for forecast grants and restored ones)."""
-        return self._requests.get(grant_id)
-
     def release(self, grant_id: str, *, caller: str | None = None, reason: str = "") -> Grant:
         grant = self.ledger.release(grant_id, caller=caller)
         self._changed()
         self._recount(grant.device_id, grant.app_id)
-        self._requests.pop(grant_id, None)
         self.counters.released += 1
         self._log.info("released", app=grant.app_id, grant=grant_id, **({"reason": reason} if reason else {}))
         self._publish(EventKind.RELEASED, grant=grant, detail=reason)

@@ -466,14 +466,6 @@ class Ledger:
         self._drop(grant_id)
         return grant
 
-    def release_app(self, app_id: str) -> list[Grant]:
-        """Remove every grant of an application (it exited); returns them."""
-        gone = self.grants(app_id=app_id)
-        for g in gone:
-            self._touch_grant(g.grant_id)
-            self._drop(g.grant_id)
-        return gone
-
     def resize(
         self,
         grant_id: str,
