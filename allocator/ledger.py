@@ -1,7 +1,9 @@
 """The ledger of grants: who holds how much memory and SM share on which device.
 
-Pure bookkeeping, no I/O and no device calls: the allocator consults it before acting and the
-daemon persists it through `to_records()` / `from_records()`.
+Pure bookkeeping, no I/O and no device calls: the allocator consults it before acting. The daemon
+stores each change's rows (`changes()`, then `commit_changes()`; the allocator calls
+`rollback_changes()` when that store fails), writes the whole reconciled ledger (`to_records()`)
+once at start-up, and reads a stored ledger back with `from_records()`.
 
 Admission control: a grant or a growth that does not fit (memory beyond the device's total minus
 what is already granted, SM share beyond 100 %, an application beyond its limits) raises
@@ -516,9 +518,10 @@ class Ledger:
     def set_limits(self, limits: AppLimits, *, caller: str | None = None) -> AppLimits:
         """Set an application's caps (operators only: an application identity is refused).
 
-        Limits below what the application already holds are accepted; they stop further growth and
-        the policy shrinks the grants over time. A priority is given to the grants the application
-        holds as well as to those to come (over the priority the application asks for)."""
+        Limits below what the application already holds are accepted and stop further growth; the
+        grants over them stay as they are here (`Allocator.set_limits` cuts them down at once). A
+        priority is given to the grants the application holds as well as to those to come (over the
+        priority the application asks for)."""
         _check_app_id(limits.app_id)
         if caller is not None:
             raise PermissionDenied(f"{caller!r} may not set limits; only an operator may")
