@@ -524,10 +524,7 @@ class Allocator:
         requested itself stay until it releases them) and drop its latest recommendation."""
         self._latest.pop(app_id, None)
         self._cold_start_mib.pop(app_id, None)
-        for device_id in [d for d in self._plan_enforcement if not any(r.device_id == d for r in self._latest.values())]:
-            del self._plan_enforcement[device_id]  # no planned application is left to plan it
-        for device_id in list(self._plan_enforcement):
-            self._recount(device_id, app_id)  # no longer planned: its grants count, not its need
+        self._unplan(app_id)
         gone = []
         for g in [g for g in self.ledger.grants(app_id=app_id) if g.source != "request"]:
             try:
@@ -542,6 +539,15 @@ class Allocator:
             if device_id in self._enforced and self._enforced[device_id] != self.memory_enforcement(device_id).hard_mem:
                 self._sync_cgroup_limits(device_id)
         return gone
+
+    def _unplan(self, app_id: str) -> None:
+        """`app_id` is no longer planned (its latest recommendation is gone): a plan's word for a
+        device where no planned application is left ends, and every other plan's word is judged
+        again with its grants in place of its need (`_recount`)."""
+        for device_id in [d for d in self._plan_enforcement if not any(r.device_id == d for r in self._latest.values())]:
+            del self._plan_enforcement[device_id]  # no planned application is left to plan it
+        for device_id in list(self._plan_enforcement):
+            self._recount(device_id, app_id)  # no longer planned: its grants count, not its need
 
     def _recount(self, device_id: str, app_id: str) -> None:
         """After `app_id` released a grant on the device or departed: judge the latest plan's
@@ -583,10 +589,7 @@ class Allocator:
         `idle_s` seconds, with a log line and a RELEASED event per grant saying why; the apps released."""
         now = self.clock()
         gone = []
-        for app_id in sorted(set(self._latest) - set(self.ledger.apps())):
-            seen = self.last_seen_s(app_id)  # listed for its last recommendation only: drop it when stale
-            if seen is None or now - seen > idle_s:
-                self._latest.pop(app_id, None)
+        self._drop_stale_recommendations(now, idle_s)
         for app_id in sorted(self.ledger.apps()):
             grants = self.ledger.grants(app_id=app_id)
             if not grants:
@@ -608,6 +611,14 @@ class Allocator:
             self.history.depart(app_id)
             gone.append(app_id)
         return gone
+
+    def _drop_stale_recommendations(self, now: float, idle_s: float) -> None:
+        """Forget the latest recommendation of each application without grants or limits (listed
+        for that recommendation only) whose last sign of life is more than `idle_s` old."""
+        for app_id in sorted(set(self._latest) - set(self.ledger.apps())):
+            seen = self.last_seen_s(app_id)
+            if seen is None or now - seen > idle_s:
+                self._latest.pop(app_id, None)
 
     def set_limits(self, limits: AppLimits, *, caller: str | None = None) -> AppLimits:
         """Set an application's caps. A cap covers every grant of the application, the ones it holds
