@@ -233,7 +233,8 @@ class Counters:
     # ("released", "released")
     grant_changes: dict[tuple[str, str], int] = field(default_factory=dict)
     # (device_id, mechanism) -> device changes that failed: "power_limit" (write refused, raised or
-    # did not read back; device unreadable) and "mig" (raised, refused, or steps left undone)
+    # did not read back; device unreadable), "mig" (raised, refused, or steps left undone; device
+    # unreadable) and "cgroup_memory" (a cap or a restore of a cgroup's original that failed)
     failures: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def failed(self, device_id: str, mechanism: str) -> None:
