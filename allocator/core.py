@@ -469,19 +469,7 @@ class Allocator:
         """Grant what the request asks for, or (memory 0 with a job description) what the cold-start
         sizer says; InsufficientResources when it does not fit, InvalidRequest when the job cannot be
         sized, NotSupported without a sizer (nothing changes in any of these)."""
-        memory_mib, sm_pct, source = request.memory_mib, request.sm_pct, "request"
-        if memory_mib == 0 and request.job is not None and self.sizer is None:
-            raise NotSupported("this allocator has no cold-start sizer to size request.job: give request.memory_mib")
-        if memory_mib == 0 and request.job is not None and self.sizer is not None:
-            total = self._total_for(request.device_id)
-            try:
-                request.job.check_sizable()
-                sizing = self.sizer.size(request.job, mem_total_mib=total)
-            except InvalidJobConfig as exc:
-                raise InvalidRequest(f"request.job cannot be sized: {exc}; fix the job or give memory_mib") from exc
-            memory_mib, sm_pct, source = sizing.memory_mib, max(sm_pct, sizing.sm_pct), "cold_start"
-            self._log.info("cold_start_sized", app=request.app_id, memory_mib=memory_mib, sm_pct=sm_pct,
-                           reason=sizing.reason)
+        memory_mib, sm_pct, source = self._size_request(request)
         grant = self.ledger.grant(
             request.app_id,
             memory_mib,
@@ -503,6 +491,25 @@ class Allocator:
         self._publish(EventKind.GRANTED, grant=grant, detail=source)
         self._sync_cgroup_limits(grant.device_id)
         return grant
+
+    def _size_request(self, request: AllocationRequest) -> tuple[float, float, str]:
+        """(memory MiB, SM %, source) to grant: what the request asks for ("request"), or for memory
+        0 with a job description, the cold-start sizer's size ("cold_start", SM the larger of the
+        two). Raises before anything changes, as `request_allocation` says."""
+        memory_mib, sm_pct, source = request.memory_mib, request.sm_pct, "request"
+        if memory_mib == 0 and request.job is not None and self.sizer is None:
+            raise NotSupported("this allocator has no cold-start sizer to size request.job: give request.memory_mib")
+        if memory_mib == 0 and request.job is not None and self.sizer is not None:
+            total = self._total_for(request.device_id)
+            try:
+                request.job.check_sizable()
+                sizing = self.sizer.size(request.job, mem_total_mib=total)
+            except InvalidJobConfig as exc:
+                raise InvalidRequest(f"request.job cannot be sized: {exc}; fix the job or give memory_mib") from exc
+            memory_mib, sm_pct, source = sizing.memory_mib, max(sm_pct, sizing.sm_pct), "cold_start"
+            self._log.info("cold_start_sized", app=request.app_id, memory_mib=memory_mib, sm_pct=sm_pct,
+                           reason=sizing.reason)
+        return memory_mib, sm_pct, source
 
     def _total_for(self, device_id: str | None) -> float:
         if device_id:
@@ -712,7 +719,7 @@ class Allocator:
         for app_id in ids:
             rec = self._latest.get(app_id)
             grants = tuple(self.ledger.grants(app_id=app_id))
-            limit = self.app_memory_limit(app_id)
+            mem_limit, mem_limit_reason = self.app_memory_limit(app_id)
             out.append(
                 AppInfo(
                     app_id=app_id,
@@ -728,8 +735,8 @@ class Allocator:
                     forecast_mem_p50_mib=rec.mem_p50_peak_mib if rec else math.nan,
                     forecast_sm_p50_pct=rec.sm_p50_peak_pct if rec else math.nan,
                     pids=tuple(sorted({g.pid for g in grants if g.pid > 0})),
-                    mem_limit=limit[0],
-                    mem_limit_reason=limit[1],
+                    mem_limit=mem_limit,
+                    mem_limit_reason=mem_limit_reason,
                 )
             )
         return out
