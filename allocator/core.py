@@ -1113,6 +1113,11 @@ class Allocator:
         dev = self._read_device(device_id)
         if dev is None:
             return
+        self._cap_cgroups(lim, dev, device_id, wanted)
+        self._uncap_cgroups(lim, device_id, stale)
+
+    def _cap_cgroups(self, lim: CgroupMemoryLimits, dev: Device, device_id: str, wanted: dict[str, float]) -> None:
+        """Cap each cgroup with a grant (MiB > 0) at that memory on the device."""
         for cg, mib in sorted(wanted.items()):
             if mib <= 0:
                 continue
@@ -1121,10 +1126,13 @@ class Allocator:
             except Exception as exc:  # noqa: BLE001 - the grant is stored: a device or store error here never fails it
                 self.counters.failed(device_id, "cgroup_memory")
                 self._log.error("cgroup_memory_limit_failed", device=device_id, cgroup=cg, hard_mib=mib, error=str(exc))
+
+    def _uncap_cgroups(self, lim: CgroupMemoryLimits, device_id: str, stale: set[str]) -> None:
+        """Write back the original limits of cgroups the device should no longer cap."""
         for cg in sorted(stale):
             try:
                 outcome = lim.restore_one(device_id, cg)
-            except Exception as exc:  # noqa: BLE001 - as above (the original could not be forgotten in the store)
+            except Exception as exc:  # noqa: BLE001 - as in _cap_cgroups (the original could not be forgotten in the store)
                 outcome = f"failed: {exc}"
                 self._log.error("cgroup_memory_restore_failed", device=device_id, cgroup=cg, error=str(exc))
             if outcome.startswith("failed"):
