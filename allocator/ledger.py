@@ -575,32 +575,8 @@ class Ledger:
             raw_limits = list(records.get("limits", []))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed ledger records: {exc}") from exc
-        grants: list[Grant] = []
-        for g in raw_grants:
-            try:
-                grant = _grant_from_record(g)
-            except (KeyError, TypeError, ValueError, InvalidRequest) as exc:
-                if not skip_bad:
-                    raise ValueError(f"malformed ledger records: {exc}") from exc
-                bad.append(f"grant {_record_id(g, 'grant_id')}: {exc}")
-                continue
-            try:
-                if grant.cold_start_mib is not None:
-                    _check_cold_start(grant.cold_start_mib)
-            except InvalidRequest as exc:  # the grant stands; only the size it was sized at is lost
-                if not skip_bad:
-                    raise ValueError(f"malformed ledger records: {exc}") from exc
-                bad.append(f"grant {_record_id(g, 'grant_id')}: {exc}; kept without it")
-                grant = replace(grant, cold_start_mib=None)
-            grants.append(grant)
-        limits: list[AppLimits] = []
-        for lim in raw_limits:
-            try:
-                limits.append(AppLimits(**lim))
-            except TypeError as exc:
-                if not skip_bad:
-                    raise ValueError(f"malformed ledger records: {exc}") from exc
-                bad.append(f"limits {_record_id(lim, 'app_id')}: {exc}")
+        grants = _grants_from_records(raw_grants, skip_bad, bad)
+        limits = _limits_from_records(raw_limits, skip_bad, bad)
         ledger = cls(caps, clock=clock, id_factory=id_factory)
         dropped: list[Grant] = []
         for g in grants:
@@ -618,6 +594,45 @@ class Ledger:
         ledger.dropped_on_restore = tuple(dropped)
         ledger.bad_on_restore = tuple(bad)
         return ledger
+
+
+def _grants_from_records(raw_grants: Iterable[Any], skip_bad: bool, bad: list[str]) -> list[Grant]:
+    """The stored grants, each checked (`_grant_from_record`). A malformed one raises ValueError, or
+    with `skip_bad` is left out and described in `bad`; a bad cold-start size alone is dropped and
+    its grant kept."""
+    grants: list[Grant] = []
+    for g in raw_grants:
+        try:
+            grant = _grant_from_record(g)
+        except (KeyError, TypeError, ValueError, InvalidRequest) as exc:
+            if not skip_bad:
+                raise ValueError(f"malformed ledger records: {exc}") from exc
+            bad.append(f"grant {_record_id(g, 'grant_id')}: {exc}")
+            continue
+        try:
+            if grant.cold_start_mib is not None:
+                _check_cold_start(grant.cold_start_mib)
+        except InvalidRequest as exc:  # the grant stands; only the size it was sized at is lost
+            if not skip_bad:
+                raise ValueError(f"malformed ledger records: {exc}") from exc
+            bad.append(f"grant {_record_id(g, 'grant_id')}: {exc}; kept without it")
+            grant = replace(grant, cold_start_mib=None)
+        grants.append(grant)
+    return grants
+
+
+def _limits_from_records(raw_limits: Iterable[Any], skip_bad: bool, bad: list[str]) -> list[AppLimits]:
+    """The stored limits entries; one with unknown or missing fields raises ValueError, or with
+    `skip_bad` is left out and described in `bad`. Their values are not checked."""
+    limits: list[AppLimits] = []
+    for lim in raw_limits:
+        try:
+            limits.append(AppLimits(**lim))
+        except TypeError as exc:
+            if not skip_bad:
+                raise ValueError(f"malformed ledger records: {exc}") from exc
+            bad.append(f"limits {_record_id(lim, 'app_id')}: {exc}")
+    return limits
 
 
 def _check_cold_start(mib: object) -> None:
