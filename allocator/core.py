@@ -770,15 +770,8 @@ class Allocator:
         readable = dev is not None
         if dev is not None:
             try:
-                try:
-                    limit, constraints = dev.power_limit_mw(), dev.power_constraints()
-                except NotSupported as exc:
-                    self._warn_once(f"power:{device_id}", "power_unreadable", device=device_id, error=str(exc))
-                try:
-                    mig_enabled = dev.mig_enabled()
-                    instances = tuple(dev.gpu_instances()) if mig_enabled else ()
-                except NotSupported:
-                    mig_enabled, instances = False, ()
+                limit, constraints = self._read_power(dev, device_id)
+                mig_enabled, instances = _read_mig(dev)
             except DeviceError as exc:
                 self._warn_once(f"device:{device_id}", "device_unreadable", device=device_id, error=str(exc))
                 limit = constraints = None
@@ -796,6 +789,15 @@ class Allocator:
             mig_instances=instances,
         )
         return view, readable
+
+    def _read_power(self, dev: Device, device_id: str) -> tuple[int | None, PowerConstraints | None]:
+        """(power limit mW, constraints); both None when the device does not support reading them
+        (logged once). Any other DeviceError propagates."""
+        try:
+            return dev.power_limit_mw(), dev.power_constraints()
+        except NotSupported as exc:
+            self._warn_once(f"power:{device_id}", "power_unreadable", device=device_id, error=str(exc))
+            return None, None
 
     def _device_ids(self) -> set[str]:
         return {c.device_id for c in self.ledger.devices()}
@@ -1224,6 +1226,16 @@ def _try(fn: Callable[[], T]) -> T | None:
         return fn()
     except DeviceError:
         return None
+
+
+def _read_mig(dev: Device) -> tuple[bool, tuple[GpuInstance, ...]]:
+    """(MIG mode on, its GPU instances); off and none when the device does not support MIG. Any
+    other DeviceError propagates."""
+    try:
+        mig_enabled = dev.mig_enabled()
+        return mig_enabled, tuple(dev.gpu_instances()) if mig_enabled else ()
+    except NotSupported:
+        return False, ()
 
 
 def _limits_text(limits: AppLimits) -> str:
