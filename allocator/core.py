@@ -980,7 +980,9 @@ class Allocator:
 
     def _shrinks_first(self, targets: Sequence[GrantTarget]) -> list[GrantTarget]:
         """Carry out shrinking resizes before growing ones and new grants, so that what one
-        application gives back in a plan is there for another to take."""
+        application gives back in a plan is there for another to take. Growing resizes go
+        smallest growth first (an SM point weighs as 1,000 MiB), then new grants; the sort is
+        stable, so ties keep the plan's order. Where room runs out, the later ones are clamped."""
 
         def growth(t: GrantTarget) -> float:
             if t.grant_id is None:
