@@ -592,6 +592,14 @@ class Allocator:
         known = [t for t in signs if t is not None and math.isfinite(t)]
         return max(known) if known else None
 
+    def _drop_stale_recommendations(self, now: float, idle_s: float) -> None:
+        """Forget the latest recommendation of each application without grants or limits (listed
+        for that recommendation only) whose last sign of life is more than `idle_s` old."""
+        for app_id in sorted(set(self._latest) - set(self.ledger.apps())):
+            seen = self.last_seen_s(app_id)
+            if seen is None or now - seen > idle_s:
+                self._latest.pop(app_id, None)
+
     def release_vanished(self, idle_s: float) -> list[str]:
         """Release every grant of each application with no sign of life (`last_seen_s`) for more than
         `idle_s` seconds, with a log line and a RELEASED event per grant saying why; the apps released."""
@@ -619,14 +627,6 @@ class Allocator:
             self.history.depart(app_id)
             gone.append(app_id)
         return gone
-
-    def _drop_stale_recommendations(self, now: float, idle_s: float) -> None:
-        """Forget the latest recommendation of each application without grants or limits (listed
-        for that recommendation only) whose last sign of life is more than `idle_s` old."""
-        for app_id in sorted(set(self._latest) - set(self.ledger.apps())):
-            seen = self.last_seen_s(app_id)
-            if seen is None or now - seen > idle_s:
-                self._latest.pop(app_id, None)
 
     def set_limits(self, limits: AppLimits, *, caller: str | None = None) -> AppLimits:
         """Set an application's caps. A cap covers every grant of the application, the ones it holds
