@@ -1,11 +1,59 @@
 """The `Allocator`: the ledger, the policy and the mechanisms behind one object.
 
-The allocator alone writes to devices. It answers applications (request / release / limits),
-carries out the manager's recommendations through a `Policy` (allocator/policy/base.py), enforces power
-limits (allocator/mechanisms/power.py) and MIG layouts (a `MigMechanism`, plugged in), caps each
-application's cgroup at its granted memory through NVML's per-cgroup limits where the pid is known
-and `cgroup_limits` is given (allocator/mechanisms/limits.py), publishes every change to `watch()`
-subscribers and restores device settings on `stop()`.
+The allocator alone writes to devices. It owns:
+- the `Ledger` of grants and limits (allocator/ledger.py) and the moment its changes are stored
+  (`on_change`, the daemon's store);
+- the latest `Recommendation` of each application and the `Policy` (allocator/policy/base.py) that
+  turns them into a `Plan`;
+- the mechanisms that write to devices: power limits (allocator/mechanisms/power.py), MIG layouts (a
+  `MigMechanism`, plugged in) and each application's cgroup memory cap through NVML's per-cgroup
+  limits, where the pid is known and `cgroup_limits` is given (allocator/mechanisms/limits.py);
+- each device's hard/cooperative memory decision (below);
+- the `watch()` subscriptions, the `Counters` and the per-application `History`;
+- applications' signs of life (`last_seen_s`, `release_vanished`);
+and it restores device settings on `stop()`.
+
+Every change to the grants (request, release, limits, a plan) goes check -> change -> store ->
+announce -> enforce:
+1. check: the ledger refuses what does not fit or is not the caller's (InsufficientResources,
+   PermissionDenied, InvalidRequest, NotFound) before it changes anything;
+2. change: the ledger changes in memory;
+3. store: `_changed()` hands the ledger to `on_change` (the daemon writes the changed rows,
+   `Ledger.changes()`) before anyone hears of the change; when that fails (StateNotSaved) the
+   ledger is rolled back in memory, so the change was never made; without `on_change` the changes
+   are only committed;
+4. announce: counters, a log line and an `AllocationEvent` per change;
+5. enforce: the device's cgroup caps follow (`_sync_cgroup_limits`); a failure there is counted
+   (`Counters.failures`) and logged, and never undoes the stored change.
+
+`apply_recommendations` runs these steps for a whole plan:
+1. admit each recommendation: one naming a MIG instance moves to its GPU, one for an unknown device
+   is skipped; the cold-start size of the application's grant fills a recommendation that has none;
+   each becomes its application's latest;
+2. the other applications on the devices touched stand in with their latest recommendation (a
+   device's plan weighs every application on it);
+3. read each device touched (`DeviceView`); an unreadable one is skipped with its recommendations;
+4. plan (`Policy.plan`);
+5. change the ledger, shrinks first so that what one application gives back is there for another;
+   new grants and growth are clamped to what fits; a target the ledger refuses is skipped;
+6. store once for the plan: when that fails none of its grant changes stand, all are reported
+   skipped ("not saved") and none is announced;
+7. announce the GRANTED / RESIZED events;
+8. keep the plan's hard/cooperative word for each device touched and sync the cgroup caps of each
+   device whose grants changed or whose decision changed;
+9. one history point per fresh recommendation (an OOM event is logged when its use was over the
+   grant it held before this plan);
+10. power limits, then MIG layouts, through their mechanisms, each check -> change -> verify
+    inside the mechanism, the original saved before the first write; a failure is counted and
+    logged and the grants stand.
+
+An `AllocationEvent` carries its kind, the time, the application and device, the grant as it is
+after the change (GRANTED, RESIZED, RELEASED), a detail (a grant's source, a resize's "memory
+4096 -> 2048 MiB", a release's reason, a power limit's "before -> target mW", MIG profiles, limits)
+and the device's memory-limit kind when it was published. Events without an application (power,
+MIG) reach every watcher; an application's watch gets its own events besides. A grant change is
+also counted by reason (`Counters.grant_changes`) and marked in the `History` whether or not anyone
+watches.
 
 Hard or cooperative memory limits, per device (`memory_enforcement`): a grant is always published to
 its application, which keeps to it itself (the client stub's memory fraction: an allocation beyond
@@ -185,7 +233,8 @@ class Counters:
     # ("released", "released")
     grant_changes: dict[tuple[str, str], int] = field(default_factory=dict)
     # (device_id, mechanism) -> device changes that failed: "power_limit" (write refused, raised or
-    # did not read back; device unreadable) and "mig" (raised, refused, or steps left undone)
+    # did not read back; device unreadable), "mig" (raised, refused, or steps left undone; device
+    # unreadable) and "cgroup_memory" (a cap or a restore of a cgroup's original that failed)
     failures: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def failed(self, device_id: str, mechanism: str) -> None:
@@ -328,7 +377,6 @@ class Allocator:
         self._drop_slow_watchers = drop_slow_watchers
         self._subscriptions: list[Subscription] = []
         self._latest: dict[str, Recommendation] = {}
-        self._requests: dict[str, AllocationRequest] = {}
         self._stopped = False
         self._watches_ended = False
         self._warned: set[str] = set()
@@ -421,19 +469,7 @@ class Allocator:
         """Grant what the request asks for, or (memory 0 with a job description) what the cold-start
         sizer says; InsufficientResources when it does not fit, InvalidRequest when the job cannot be
         sized, NotSupported without a sizer (nothing changes in any of these)."""
-        memory_mib, sm_pct, source = request.memory_mib, request.sm_pct, "request"
-        if memory_mib == 0 and request.job is not None and self.sizer is None:
-            raise NotSupported("this allocator has no cold-start sizer to size request.job: give request.memory_mib")
-        if memory_mib == 0 and request.job is not None and self.sizer is not None:
-            total = self._total_for(request.device_id)
-            try:
-                request.job.check_sizable()
-                sizing = self.sizer.size(request.job, mem_total_mib=total)
-            except InvalidJobConfig as exc:
-                raise InvalidRequest(f"request.job cannot be sized: {exc}; fix the job or give memory_mib") from exc
-            memory_mib, sm_pct, source = sizing.memory_mib, max(sm_pct, sizing.sm_pct), "cold_start"
-            self._log.info("cold_start_sized", app=request.app_id, memory_mib=memory_mib, sm_pct=sm_pct,
-                           reason=sizing.reason)
+        memory_mib, sm_pct, source = self._size_request(request)
         grant = self.ledger.grant(
             request.app_id,
             memory_mib,
@@ -448,7 +484,6 @@ class Allocator:
         self._changed()  # stored before anyone hears of it
         if grant.cold_start_mib is not None:
             self._cold_start_mib[grant.app_id] = grant.cold_start_mib
-        self._requests[grant.grant_id] = request
         self._seen[grant.app_id] = self.clock()
         self.counters.granted += 1
         self._log.info("granted", app=grant.app_id, device=grant.device_id, memory_mib=grant.memory_mib,
@@ -457,21 +492,35 @@ class Allocator:
         self._sync_cgroup_limits(grant.device_id)
         return grant
 
+    def _size_request(self, request: AllocationRequest) -> tuple[float, float, str]:
+        """(memory MiB, SM %, source) to grant: what the request asks for ("request"), or for memory
+        0 with a job description, the cold-start sizer's size ("cold_start", SM the larger of the
+        two). Raises before anything changes, as `request_allocation` says."""
+        memory_mib, sm_pct, source = request.memory_mib, request.sm_pct, "request"
+        if memory_mib == 0 and request.job is not None and self.sizer is None:
+            raise NotSupported("this allocator has no cold-start sizer to size request.job: give request.memory_mib")
+        if memory_mib == 0 and request.job is not None and self.sizer is not None:
+            total = self._total_for(request.device_id)
+            try:
+                request.job.check_sizable()
+                sizing = self.sizer.size(request.job, mem_total_mib=total)
+            except InvalidJobConfig as exc:
+                raise InvalidRequest(f"request.job cannot be sized: {exc}; fix the job or give memory_mib") from exc
+            memory_mib, sm_pct, source = sizing.memory_mib, max(sm_pct, sizing.sm_pct), "cold_start"
+            self._log.info("cold_start_sized", app=request.app_id, memory_mib=memory_mib, sm_pct=sm_pct,
+                           reason=sizing.reason)
+        return memory_mib, sm_pct, source
+
     def _total_for(self, device_id: str | None) -> float:
         if device_id:
             return self.ledger.capacity(device_id).mem_total_mib
         caps = self.ledger.devices()
         return max((c.mem_total_mib for c in caps), default=0.0)
 
-    def request_for(self, grant_id: str) -> AllocationRequest | None:
-        """The request a grant came from (None for forecast grants and restored ones)."""
-        return self._requests.get(grant_id)
-
     def release(self, grant_id: str, *, caller: str | None = None, reason: str = "") -> Grant:
         grant = self.ledger.release(grant_id, caller=caller)
         self._changed()
         self._recount(grant.device_id, grant.app_id)
-        self._requests.pop(grant_id, None)
         self.counters.released += 1
         self._log.info("released", app=grant.app_id, grant=grant_id, **({"reason": reason} if reason else {}))
         self._publish(EventKind.RELEASED, grant=grant, detail=reason)
@@ -483,10 +532,7 @@ class Allocator:
         requested itself stay until it releases them) and drop its latest recommendation."""
         self._latest.pop(app_id, None)
         self._cold_start_mib.pop(app_id, None)
-        for device_id in [d for d in self._plan_enforcement if not any(r.device_id == d for r in self._latest.values())]:
-            del self._plan_enforcement[device_id]  # no planned application is left to plan it
-        for device_id in list(self._plan_enforcement):
-            self._recount(device_id, app_id)  # no longer planned: its grants count, not its need
+        self._unplan(app_id)
         gone = []
         for g in [g for g in self.ledger.grants(app_id=app_id) if g.source != "request"]:
             try:
@@ -501,6 +547,15 @@ class Allocator:
             if device_id in self._enforced and self._enforced[device_id] != self.memory_enforcement(device_id).hard_mem:
                 self._sync_cgroup_limits(device_id)
         return gone
+
+    def _unplan(self, app_id: str) -> None:
+        """`app_id` is no longer planned (its latest recommendation is gone): a plan's word for a
+        device where no planned application is left ends, and every other plan's word is judged
+        again with its grants in place of its need (`_recount`)."""
+        for device_id in [d for d in self._plan_enforcement if not any(r.device_id == d for r in self._latest.values())]:
+            del self._plan_enforcement[device_id]  # no planned application is left to plan it
+        for device_id in list(self._plan_enforcement):
+            self._recount(device_id, app_id)  # no longer planned: its grants count, not its need
 
     def _recount(self, device_id: str, app_id: str) -> None:
         """After `app_id` released a grant on the device or departed: judge the latest plan's
@@ -537,15 +592,20 @@ class Allocator:
         known = [t for t in signs if t is not None and math.isfinite(t)]
         return max(known) if known else None
 
+    def _drop_stale_recommendations(self, now: float, idle_s: float) -> None:
+        """Forget the latest recommendation of each application without grants or limits (listed
+        for that recommendation only) whose last sign of life is more than `idle_s` old."""
+        for app_id in sorted(set(self._latest) - set(self.ledger.apps())):
+            seen = self.last_seen_s(app_id)
+            if seen is None or now - seen > idle_s:
+                self._latest.pop(app_id, None)
+
     def release_vanished(self, idle_s: float) -> list[str]:
         """Release every grant of each application with no sign of life (`last_seen_s`) for more than
         `idle_s` seconds, with a log line and a RELEASED event per grant saying why; the apps released."""
         now = self.clock()
         gone = []
-        for app_id in sorted(set(self._latest) - set(self.ledger.apps())):
-            seen = self.last_seen_s(app_id)  # listed for its last recommendation only: drop it when stale
-            if seen is None or now - seen > idle_s:
-                self._latest.pop(app_id, None)
+        self._drop_stale_recommendations(now, idle_s)
         for app_id in sorted(self.ledger.apps()):
             grants = self.ledger.grants(app_id=app_id)
             if not grants:
@@ -659,7 +719,7 @@ class Allocator:
         for app_id in ids:
             rec = self._latest.get(app_id)
             grants = tuple(self.ledger.grants(app_id=app_id))
-            limit = self.app_memory_limit(app_id)
+            mem_limit, mem_limit_reason = self.app_memory_limit(app_id)
             out.append(
                 AppInfo(
                     app_id=app_id,
@@ -675,8 +735,8 @@ class Allocator:
                     forecast_mem_p50_mib=rec.mem_p50_peak_mib if rec else math.nan,
                     forecast_sm_p50_pct=rec.sm_p50_peak_pct if rec else math.nan,
                     pids=tuple(sorted({g.pid for g in grants if g.pid > 0})),
-                    mem_limit=limit[0],
-                    mem_limit_reason=limit[1],
+                    mem_limit=mem_limit,
+                    mem_limit_reason=mem_limit_reason,
                 )
             )
         return out
@@ -710,15 +770,8 @@ class Allocator:
         readable = dev is not None
         if dev is not None:
             try:
-                try:
-                    limit, constraints = dev.power_limit_mw(), dev.power_constraints()
-                except NotSupported as exc:
-                    self._warn_once(f"power:{device_id}", "power_unreadable", device=device_id, error=str(exc))
-                try:
-                    mig_enabled = dev.mig_enabled()
-                    instances = tuple(dev.gpu_instances()) if mig_enabled else ()
-                except NotSupported:
-                    mig_enabled, instances = False, ()
+                limit, constraints = self._read_power(dev, device_id)
+                mig_enabled, instances = _read_mig(dev)
             except DeviceError as exc:
                 self._warn_once(f"device:{device_id}", "device_unreadable", device=device_id, error=str(exc))
                 limit = constraints = None
@@ -736,6 +789,15 @@ class Allocator:
             mig_instances=instances,
         )
         return view, readable
+
+    def _read_power(self, dev: Device, device_id: str) -> tuple[int | None, PowerConstraints | None]:
+        """(power limit mW, constraints); both None when the device does not support reading them
+        (logged once). Any other DeviceError propagates."""
+        try:
+            return dev.power_limit_mw(), dev.power_constraints()
+        except NotSupported as exc:
+            self._warn_once(f"power:{device_id}", "power_unreadable", device=device_id, error=str(exc))
+            return None, None
 
     def _device_ids(self) -> set[str]:
         return {c.device_id for c in self.ledger.devices()}
@@ -769,9 +831,42 @@ class Allocator:
     def apply_recommendations(self, recommendations: Sequence[Recommendation]) -> ApplyReport:
         """Carry out the manager's recommendations: the policy plans grant sizes, power limits and
         MIG layouts; growth is clamped to what fits; device writes go through the mechanisms. A
-        recommendation for an unknown device is skipped (reported in `skipped`)."""
+        recommendation for an unknown device is skipped (reported in `skipped`). The steps, in
+        order, are the module docstring's list."""
         if self._stopped:
             raise InvalidRequest("the allocator is stopped")
+        usable, skipped = self._admit(recommendations)
+        fresh = {r.app_id for r in usable}
+        devices_touched = {r.device_id for r in usable}
+        usable += self._stand_ins(fresh, devices_touched)
+        views, usable = self._readable_views(devices_touched, usable, skipped)
+        granted_before = {r.app_id: self._granted(r.app_id, r.device_id) for r in usable if r.app_id in fresh}
+        plan: Plan = self.policy.plan(usable, views, self.clock())
+        created, resized, events = self._change_grants(plan.grants, skipped)
+        if created or resized:
+            created, resized, events = self._store_plan(created, resized, events, skipped)
+        self.counters.granted += len(created)
+        self.counters.resized += len(resized)
+        for kind, grant, detail, reason in events:
+            self._publish(kind, grant=grant, detail=detail, reason=reason)
+        self._enforce_plan(plan, devices_touched, {g.device_id for g in (*created, *resized)})
+        for rec in usable:
+            if rec.app_id in granted_before:
+                self._record_tick(rec, granted_before[rec.app_id])
+        power_results = [self._apply_power(t.device_id, t.limit_mw, t.reason) for t in plan.power]
+        mig_changes = sum(self._apply_mig(t) for t in plan.mig)
+        return ApplyReport(
+            created=tuple(created),
+            resized=tuple(resized),
+            power=tuple(r for r in power_results if r is not None),
+            mig_changes=mig_changes,
+            skipped=tuple(skipped),
+        )
+
+    def _admit(self, recommendations: Sequence[Recommendation]) -> tuple[list[Recommendation], list[str]]:
+        """Each recommendation counted and, when its device is known (a MIG instance's stands for
+        its GPU), completed with the application's cold-start size and kept as its latest; the
+        usable ones, and why each other one was skipped."""
         known = {c.device_id for c in self.ledger.devices()}
         usable: list[Recommendation] = []
         skipped: list[str] = []
@@ -788,12 +883,18 @@ class Allocator:
                 rec = dataclasses.replace(rec, cold_start_mem_mib=cold_mib)  # noqa: PLW2901 - what the sizer said
             self._latest[rec.app_id] = rec
             usable.append(rec)
-        # Recommendations arrive per application as each becomes due, but a device's plan (SM shares
-        # under contention, its power limit) must weigh every application on it: the others stand in
-        # with their latest recommendation.
-        fresh = {r.app_id for r in usable}
-        devices_touched = {r.device_id for r in usable}
-        usable += [r for app, r in self._latest.items() if app not in fresh and r.device_id in devices_touched]
+        return usable, skipped
+
+    def _stand_ins(self, fresh: set[str], devices_touched: set[str]) -> list[Recommendation]:
+        """The latest recommendation of every other application on the devices touched.
+        Recommendations arrive per application as each becomes due, but a device's plan (SM shares
+        under contention, its power limit) must weigh every application on it."""
+        return [r for app, r in self._latest.items() if app not in fresh and r.device_id in devices_touched]
+
+    def _readable_views(self, devices_touched: set[str], usable: list[Recommendation],
+                        skipped: list[str]) -> tuple[list[DeviceView], list[Recommendation]]:
+        """The policy's view of each device touched, and the recommendations left once those for a
+        device that cannot be read are dropped (each named in `skipped`)."""
         views = []
         for device_id in sorted(devices_touched):
             view, readable = self._read_view(device_id)
@@ -802,13 +903,18 @@ class Allocator:
                 continue
             skipped.extend(f"{r.app_id}: device {device_id!r} cannot be read" for r in usable if r.device_id == device_id)
             usable = [r for r in usable if r.device_id != device_id]
-        granted_before = {r.app_id: self._granted(r.app_id, r.device_id) for r in usable if r.app_id in fresh}
-        plan: Plan = self.policy.plan(usable, views, self.clock())
+        return views, usable
+
+    def _change_grants(self, targets: Sequence[GrantTarget], skipped: list[str]) -> tuple[
+            list[Grant], list[Grant], list[tuple[EventKind, Grant, str, str]]]:
+        """The plan's grant targets made in the ledger only, shrinks first: new grants and growth
+        clamped to what fits, a resize that changes nothing dropped, a target the ledger refuses
+        named in `skipped`. The grants created, the grants resized, and the events to publish once
+        they are stored as (kind, grant, detail, reason)."""
         created: list[Grant] = []
         resized: list[Grant] = []
-        # (kind, grant, detail, reason), published once the changes are stored
         events: list[tuple[EventKind, Grant, str, str]] = []
-        for target in self._shrinks_first(plan.grants):
+        for target in self._shrinks_first(targets):
             try:
                 if target.grant_id is None:
                     mem_room, sm_room = self.ledger.headroom(target.app_id, target.device_id)
@@ -832,36 +938,30 @@ class Allocator:
                                    else "shrink"))
             except (DeviceError, InvalidRequest) as exc:
                 skipped.append(f"{target.app_id}: {exc}")
-        if created or resized:
-            try:
-                self._changed()
-            except StateNotSaved as exc:  # undone in memory: this plan's grants were not made
-                self._log.error("plan_not_saved", grants=len(created) + len(resized), error=str(exc))
-                skipped += [f"{g.app_id}: not saved: {exc}" for g in (*created, *resized)]
-                created, resized, events = [], [], []
-        self.counters.granted += len(created)
-        self.counters.resized += len(resized)
-        for kind, grant, detail, reason in events:
-            self._publish(kind, grant=grant, detail=detail, reason=reason)
+        return created, resized, events
+
+    def _store_plan(self, created: list[Grant], resized: list[Grant],
+                    events: list[tuple[EventKind, Grant, str, str]], skipped: list[str]) -> tuple[
+            list[Grant], list[Grant], list[tuple[EventKind, Grant, str, str]]]:
+        """Store the plan's grant changes at once; when that fails they are undone in memory, each
+        is named in `skipped` as not saved, and nothing is left to count or announce."""
+        try:
+            self._changed()
+        except StateNotSaved as exc:
+            self._log.error("plan_not_saved", grants=len(created) + len(resized), error=str(exc))
+            skipped += [f"{g.app_id}: not saved: {exc}" for g in (*created, *resized)]
+            return [], [], []
+        return created, resized, events
+
+    def _enforce_plan(self, plan: Plan, devices_touched: set[str], changed: set[str]) -> None:
+        """Keep the plan's hard/cooperative word for each device touched, then sync the cgroup caps
+        of each device whose grants changed or whose decision is no longer the one in force."""
         for e in plan.enforcement:
             if e.device_id in devices_touched:
                 self._plan_enforcement[e.device_id] = e
-        changed = {g.device_id for g in (*created, *resized)}
         for device_id in sorted(changed | devices_touched):
             if device_id in changed or self._enforced.get(device_id) != self.memory_enforcement(device_id).hard_mem:
                 self._sync_cgroup_limits(device_id)
-        for rec in usable:
-            if rec.app_id in granted_before:
-                self._record_tick(rec, granted_before[rec.app_id])
-        power_results = [self._apply_power(t.device_id, t.limit_mw, t.reason) for t in plan.power]
-        mig_changes = sum(self._apply_mig(t) for t in plan.mig)
-        return ApplyReport(
-            created=tuple(created),
-            resized=tuple(resized),
-            power=tuple(r for r in power_results if r is not None),
-            mig_changes=mig_changes,
-            skipped=tuple(skipped),
-        )
 
     def _granted(self, app_id: str, device_id: str) -> tuple[float, float]:
         grants = self.ledger.grants(app_id=app_id, device_id=device_id)
@@ -880,7 +980,9 @@ class Allocator:
 
     def _shrinks_first(self, targets: Sequence[GrantTarget]) -> list[GrantTarget]:
         """Carry out shrinking resizes before growing ones and new grants, so that what one
-        application gives back in a plan is there for another to take."""
+        application gives back in a plan is there for another to take. Growing resizes go
+        smallest growth first (an SM point weighs as 1,000 MiB), then new grants; the sort is
+        stable, so ties keep the plan's order. Where room runs out, the later ones are clamped."""
 
         def growth(t: GrantTarget) -> float:
             if t.grant_id is None:
@@ -1015,6 +1117,11 @@ class Allocator:
         dev = self._read_device(device_id)
         if dev is None:
             return
+        self._cap_cgroups(lim, dev, device_id, wanted)
+        self._uncap_cgroups(lim, device_id, stale)
+
+    def _cap_cgroups(self, lim: CgroupMemoryLimits, dev: Device, device_id: str, wanted: dict[str, float]) -> None:
+        """Cap each cgroup with a grant (MiB > 0) at that memory on the device."""
         for cg, mib in sorted(wanted.items()):
             if mib <= 0:
                 continue
@@ -1023,10 +1130,13 @@ class Allocator:
             except Exception as exc:  # noqa: BLE001 - the grant is stored: a device or store error here never fails it
                 self.counters.failed(device_id, "cgroup_memory")
                 self._log.error("cgroup_memory_limit_failed", device=device_id, cgroup=cg, hard_mib=mib, error=str(exc))
+
+    def _uncap_cgroups(self, lim: CgroupMemoryLimits, device_id: str, stale: set[str]) -> None:
+        """Write back the original limits of cgroups the device should no longer cap."""
         for cg in sorted(stale):
             try:
                 outcome = lim.restore_one(device_id, cg)
-            except Exception as exc:  # noqa: BLE001 - as above (the original could not be forgotten in the store)
+            except Exception as exc:  # noqa: BLE001 - as in _cap_cgroups (the original could not be forgotten in the store)
                 outcome = f"failed: {exc}"
                 self._log.error("cgroup_memory_restore_failed", device=device_id, cgroup=cg, error=str(exc))
             if outcome.startswith("failed"):
@@ -1118,6 +1228,16 @@ def _try(fn: Callable[[], T]) -> T | None:
         return fn()
     except DeviceError:
         return None
+
+
+def _read_mig(dev: Device) -> tuple[bool, tuple[GpuInstance, ...]]:
+    """(MIG mode on, its GPU instances); off and none when the device does not support MIG. Any
+    other DeviceError propagates."""
+    try:
+        mig_enabled = dev.mig_enabled()
+        return mig_enabled, tuple(dev.gpu_instances()) if mig_enabled else ()
+    except NotSupported:
+        return False, ()
 
 
 def _limits_text(limits: AppLimits) -> str:

@@ -1,7 +1,9 @@
 """The ledger of grants: who holds how much memory and SM share on which device.
 
-Pure bookkeeping, no I/O and no device calls: the allocator consults it before acting and the
-daemon persists it through `to_records()` / `from_records()`.
+Pure bookkeeping, no I/O and no device calls: the allocator consults it before acting. The daemon
+stores each change's rows (`changes()`, then `commit_changes()`; the allocator calls
+`rollback_changes()` when that store fails), writes the whole reconciled ledger (`to_records()`)
+once at start-up, and reads a stored ledger back with `from_records()`.
 
 Admission control: a grant or a growth that does not fit (memory beyond the device's total minus
 what is already granted, SM share beyond 100 %, an application beyond its limits) raises
@@ -466,14 +468,6 @@ class Ledger:
         self._drop(grant_id)
         return grant
 
-    def release_app(self, app_id: str) -> list[Grant]:
-        """Remove every grant of an application (it exited); returns them."""
-        gone = self.grants(app_id=app_id)
-        for g in gone:
-            self._touch_grant(g.grant_id)
-            self._drop(g.grant_id)
-        return gone
-
     def resize(
         self,
         grant_id: str,
@@ -524,9 +518,10 @@ class Ledger:
     def set_limits(self, limits: AppLimits, *, caller: str | None = None) -> AppLimits:
         """Set an application's caps (operators only: an application identity is refused).
 
-        Limits below what the application already holds are accepted; they stop further growth and
-        the policy shrinks the grants over time. A priority is given to the grants the application
-        holds as well as to those to come (over the priority the application asks for)."""
+        Limits below what the application already holds are accepted and stop further growth; the
+        grants over them stay as they are here (`Allocator.set_limits` cuts them down at once). A
+        priority is given to the grants the application holds as well as to those to come (over the
+        priority the application asks for)."""
         _check_app_id(limits.app_id)
         if caller is not None:
             raise PermissionDenied(f"{caller!r} may not set limits; only an operator may")
@@ -580,32 +575,8 @@ class Ledger:
             raw_limits = list(records.get("limits", []))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed ledger records: {exc}") from exc
-        grants: list[Grant] = []
-        for g in raw_grants:
-            try:
-                grant = _grant_from_record(g)
-            except (KeyError, TypeError, ValueError, InvalidRequest) as exc:
-                if not skip_bad:
-                    raise ValueError(f"malformed ledger records: {exc}") from exc
-                bad.append(f"grant {_record_id(g, 'grant_id')}: {exc}")
-                continue
-            try:
-                if grant.cold_start_mib is not None:
-                    _check_cold_start(grant.cold_start_mib)
-            except InvalidRequest as exc:  # the grant stands; only the size it was sized at is lost
-                if not skip_bad:
-                    raise ValueError(f"malformed ledger records: {exc}") from exc
-                bad.append(f"grant {_record_id(g, 'grant_id')}: {exc}; kept without it")
-                grant = replace(grant, cold_start_mib=None)
-            grants.append(grant)
-        limits: list[AppLimits] = []
-        for lim in raw_limits:
-            try:
-                limits.append(AppLimits(**lim))
-            except TypeError as exc:
-                if not skip_bad:
-                    raise ValueError(f"malformed ledger records: {exc}") from exc
-                bad.append(f"limits {_record_id(lim, 'app_id')}: {exc}")
+        grants = _grants_from_records(raw_grants, skip_bad, bad)
+        limits = _limits_from_records(raw_limits, skip_bad, bad)
         ledger = cls(caps, clock=clock, id_factory=id_factory)
         dropped: list[Grant] = []
         for g in grants:
@@ -623,6 +594,45 @@ class Ledger:
         ledger.dropped_on_restore = tuple(dropped)
         ledger.bad_on_restore = tuple(bad)
         return ledger
+
+
+def _grants_from_records(raw_grants: Iterable[Any], skip_bad: bool, bad: list[str]) -> list[Grant]:
+    """The stored grants, each checked (`_grant_from_record`). A malformed one raises ValueError, or
+    with `skip_bad` is left out and described in `bad`; a bad cold-start size alone is dropped and
+    its grant kept."""
+    grants: list[Grant] = []
+    for g in raw_grants:
+        try:
+            grant = _grant_from_record(g)
+        except (KeyError, TypeError, ValueError, InvalidRequest) as exc:
+            if not skip_bad:
+                raise ValueError(f"malformed ledger records: {exc}") from exc
+            bad.append(f"grant {_record_id(g, 'grant_id')}: {exc}")
+            continue
+        try:
+            if grant.cold_start_mib is not None:
+                _check_cold_start(grant.cold_start_mib)
+        except InvalidRequest as exc:  # the grant stands; only the size it was sized at is lost
+            if not skip_bad:
+                raise ValueError(f"malformed ledger records: {exc}") from exc
+            bad.append(f"grant {_record_id(g, 'grant_id')}: {exc}; kept without it")
+            grant = replace(grant, cold_start_mib=None)
+        grants.append(grant)
+    return grants
+
+
+def _limits_from_records(raw_limits: Iterable[Any], skip_bad: bool, bad: list[str]) -> list[AppLimits]:
+    """The stored limits entries; one with unknown or missing fields raises ValueError, or with
+    `skip_bad` is left out and described in `bad`. Their values are not checked."""
+    limits: list[AppLimits] = []
+    for lim in raw_limits:
+        try:
+            limits.append(AppLimits(**lim))
+        except TypeError as exc:
+            if not skip_bad:
+                raise ValueError(f"malformed ledger records: {exc}") from exc
+            bad.append(f"limits {_record_id(lim, 'app_id')}: {exc}")
+    return limits
 
 
 def _check_cold_start(mib: object) -> None:
