@@ -622,16 +622,33 @@ def _grants_from_records(raw_grants: Iterable[Any], skip_bad: bool, bad: list[st
 
 
 def _limits_from_records(raw_limits: Iterable[Any], skip_bad: bool, bad: list[str]) -> list[AppLimits]:
-    """The stored limits entries; one with unknown or missing fields raises ValueError, or with
-    `skip_bad` is left out and described in `bad`. Their values are not checked."""
+    """The stored limits entries, each checked as `set_limits` checks a new one (`_limits_from_record`).
+    A malformed one raises ValueError, or with `skip_bad` is left out and described in `bad`: the
+    application is then uncapped, as before its operator set the limits, and the operator is told."""
     limits: list[AppLimits] = []
     for lim in raw_limits:
         try:
-            limits.append(AppLimits(**lim))
-        except TypeError as exc:
+            limits.append(_limits_from_record(lim))
+        except (TypeError, ValueError, InvalidRequest) as exc:
             if not skip_bad:
                 raise ValueError(f"malformed ledger records: {exc}") from exc
             bad.append(f"limits {_record_id(lim, 'app_id')}: {exc}")
+    return limits
+
+
+def _limits_from_record(lim: Mapping[str, Any]) -> AppLimits:
+    """A stored limits entry, its fields checked: a non-empty app id, caps that are finite numbers
+    >= 0 (SM at most 100 %) or none, a priority that is an integer or none. A cap that is not a
+    number would stop every later request of the application with a TypeError."""
+    limits = AppLimits(**lim)
+    if not isinstance(limits.app_id, str) or not limits.app_id.strip():
+        raise ValueError(f"app_id is {limits.app_id!r}, not a non-empty string")
+    if limits.max_memory_mib is not None:
+        _check_amount("max_memory_mib", limits.max_memory_mib)
+    if limits.max_sm_pct is not None:
+        _check_amount("max_sm_pct", limits.max_sm_pct, upper=100.0)
+    if limits.priority is not None and (not isinstance(limits.priority, int) or isinstance(limits.priority, bool)):
+        raise ValueError(f"priority is {limits.priority!r}, not an integer")
     return limits
 
 

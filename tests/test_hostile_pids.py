@@ -106,3 +106,27 @@ def test_bad_records_in_the_store_are_skipped_counted_and_logged(env: Env, serve
     assert any("out of range" in r for r in rec["bad_record_reasons"])
     assert client.granted_mib() == 100
     assert serves[-1].term() == 0
+
+
+@pytest.mark.parametrize("damage", [{"max_memory_mib": "x"}, {"max_memory_mib": float("nan")}, {"max_sm_pct": 250},
+                                    {"priority": "high"}, {"app_id": ""}])
+def test_a_damaged_stored_limit_is_skipped_and_logged_and_its_application_served(
+        env: Env, serves: list[Serve], client: Raw, damage: dict[str, object]) -> None:
+    """A limits row whose cap is not a number once stopped every later request of its application
+    with a TypeError; now it is left out at start (the application uncapped, as before its
+    operator capped it), counted and named in the start's log."""
+    serves.append(Serve(env))
+    env.vgpu("set-limit", "--socket", str(env.sock), "--state-dir", str(env.state), "--app", "capped",
+             "--max-memory-mib", "4096", "--create")
+    assert serves[-1].term() == 0
+    db = sqlite3.connect(env.state / "vgpu.sqlite3")
+    (body,) = db.execute("SELECT record_json FROM app_limits WHERE app_id='capped'").fetchone()
+    db.execute("UPDATE app_limits SET record_json=? WHERE app_id='capped'", (json.dumps({**json.loads(body), **damage}),))
+    db.commit()
+    db.close()
+    serves.append(Serve(env))
+    rec = serves[-1].event("reconciled")
+    assert rec["bad_records"] == 1
+    assert rec["bad_record_reasons"][0].startswith("limits ")
+    assert client.request("capped", 8192).memory_mib == 8192  # served, and no longer capped
+    assert serves[-1].term() == 0
