@@ -107,9 +107,31 @@ def test_a_change_with_no_daemon_says_how_long_it_waited_and_0_does_not_wait(env
     r = vgpu(*args, "--wait-s", "0", env=env.env)
     assert r.returncode == 1 and "cannot reach the vgpu daemon" in r.stderr
     assert "nothing listens" not in r.stderr and "within" not in r.stderr
-    # the read-only commands have no --wait-s: they fail at once
-    r = vgpu("apps", "--socket", str(env.sock), env=env.env)
+    # the read-only commands wait the same way, and not at all with 0
+    r = vgpu("apps", "--socket", str(env.sock), "--wait-s", "0", env=env.env)
     assert r.returncode == 1 and "nothing listens" not in r.stderr
+
+
+@pytest.mark.parametrize("command", [["available", "--json"], ["apps", "--json"], ["top", "--plain", "--iterations", "1"]],
+                         ids=lambda c: c[0])
+def test_a_look_sent_before_the_daemon_listens_waits_for_it(env: Env, serves: list[Serve], command: list[str]) -> None:
+    """`vgpu serve & vgpu available` typed together (docs/install.md, "Trying it"): the read-only
+    commands wait within --wait-s too, and answer once the daemon serves."""
+    waits = start(*command, "--socket", str(env.sock), "--wait-s", "60", env=env.env)
+    assert waits.stderr is not None
+    first = waits.stderr.readline()
+    assert first.startswith(f"vgpu {command[0]}: nothing listens on ") and "--wait-s" in first, first
+    assert waits.poll() is None
+    serves.append(Serve(env))
+    out, err = waits.communicate(timeout=90)
+    assert waits.returncode == 0, first + err
+    assert "nothing listens" not in err
+    if command[0] == "available":
+        assert json.loads(out)["devices"][0]["name"]
+    elif command[0] == "apps":
+        assert json.loads(out).get("apps", []) == []
+    else:
+        assert out.startswith("vgpu top") and "GRANTED MiB" in out
 
 
 class NotReadyRelease(NotReadyAllocator):
