@@ -474,3 +474,36 @@ def test_a_request_with_no_daemon_fails_after_its_wait_with_the_reason(env: Env,
     assert waited[0] == "1.0" and 1.0 <= float(waited[1]) < 3.0 and waited[2] == "UNAVAILABLE", r.stdout
     assert "No such file" in waited[3]  # the reason, not a bare deadline
     assert r.stderr.count("does not listen yet") == 1  # only the stub that waits says so
+
+
+DEADLINES = """
+import sys
+import grpc
+from vgpu.client import VgpuClient
+
+sock, inapp = sys.argv[1], sys.argv[2]
+with VgpuClient("due", socket=sock, inapp_dir=inapp, watch=False) as client:
+    for deadline_s in (float("inf"), float("-inf"), float("nan"), -1.0, 1_900_000_000.0):
+        try:
+            grant = client.request(memory_mib=10, deadline_s=deadline_s)
+        except grpc.RpcError as exc:
+            print(deadline_s, exc.code().name, exc.details(), flush=True)
+        else:
+            print(deadline_s, "granted", grant.memory_mib, flush=True)
+"""
+
+
+def test_a_deadline_that_is_not_a_finite_unix_time_is_refused(env: Env, serves: list[Serve], tmp_path: Path) -> None:
+    """`deadline_s` is Unix seconds: infinity, NaN or a negative time is INVALID_ARGUMENT naming the
+    field, and nothing is granted for it."""
+    inapp = tmp_path / "inapp"
+    env.env["VGPU_SERVER_INAPP_DIR"] = str(inapp)
+    serves.append(Serve(env))
+    r = subprocess.run([sys.executable, "-c", DEADLINES, str(env.sock), str(inapp)],
+                       cwd=ROOT, env=env.env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = [line.split(maxsplit=2) for line in r.stdout.splitlines()]
+    assert [line[0] for line in lines] == ["inf", "-inf", "nan", "-1.0", "1900000000.0"], r.stdout
+    for value, code, details in lines[:4]:
+        assert code == "INVALID_ARGUMENT" and "request.deadline_s" in details, (value, code, details)
+    assert lines[4][1:] == ["granted", "10.0"], r.stdout
