@@ -314,7 +314,8 @@ async def test_a_replayed_application_whose_process_runs_on_the_gpu_keeps_its_gr
     from vgpu.daemon.serve import STREAM_END_GRACE_S
 
     trace = _small_trace(tmp_path / "trace.csv")
-    d = sim_daemon(tmp_path, **{"server.idle_release_s": idle_release_s})
+    overrides: dict[str, object] = {"server.idle_release_s": idle_release_s}
+    d = sim_daemon(tmp_path, **overrides)
     await d.start()
     try:
         device = d.backend.devices()[0]
