@@ -618,15 +618,24 @@ class Allocator:
             self._log.warning("app_released_idle", app=app_id, last_seen_s=seen, idle_s=round(idle, 1),
                               limit_s=idle_s, grants=[g.grant_id for g in grants],
                               memory_mib=sum(g.memory_mib for g in grants))
-            for g in grants:
-                self.release(g.grant_id, reason=reason)
-            self._latest.pop(app_id, None)
-            if seen is not None:
-                # its last sign of life stays listed (LAST SEEN), as for an application released itself
-                self._seen[app_id] = seen
-            self.history.depart(app_id)
+            self.release_departed(app_id, reason=reason, seen=seen)
             gone.append(app_id)
         return gone
+
+    def release_departed(self, app_id: str, *, reason: str, seen: float | None) -> list[Grant]:
+        """Release every grant of `app_id`, an application that has gone, with `reason` on each RELEASED
+        event, and forget its latest recommendation and node-history series; its last sign of life
+        (`seen`) stays listed (LAST SEEN), as for an application released itself. The grants released."""
+        released = [self.release(g.grant_id, reason=reason) for g in self.ledger.grants(app_id=app_id)]
+        self._latest.pop(app_id, None)
+        if seen is not None:
+            self._seen[app_id] = seen
+        self.history.depart(app_id)
+        return released
+
+    def watched(self, app_id: str) -> bool:
+        """Whether a watch of `app_id`'s own grants is open (a client stub's)."""
+        return any(sub.app_id == app_id for sub in self._subscriptions)
 
     def set_limits(self, limits: AppLimits, *, caller: str | None = None) -> AppLimits:
         """Set an application's caps. A cap covers every grant of the application, the ones it holds

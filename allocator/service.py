@@ -345,8 +345,9 @@ def request_from_pb(msg: pb.ResourceRequest) -> AllocationRequest:
     memory = _amount(msg.memory_mib, "request.memory_mib")
     sm = _amount(msg.sm_pct, "request.sm_pct", upper=100.0)
     _bounded_id(msg.device_id, "request.device_id")
-    if math.isnan(msg.deadline_s) or msg.deadline_s < 0:
-        raise InvalidRequest(f"request.deadline_s must be Unix seconds >= 0 (0: none), got {msg.deadline_s}")
+    if not math.isfinite(msg.deadline_s) or msg.deadline_s < 0:
+        raise InvalidRequest(f"request.deadline_s must be a finite Unix time in seconds >= 0 (0: none), "
+                             f"got {msg.deadline_s}")
     if msg.pid > MAX_PID:
         raise InvalidRequest(f"request.pid {msg.pid} is out of range: a pid is 1 to {MAX_PID} (0: none)")
     job = None

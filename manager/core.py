@@ -694,6 +694,10 @@ class Manager:
         """Profiler streams open now that have sent a batch (a profiler sends one every tick)."""
         return sum(1 for stream in list(self._streams) if not stream.closed)
 
+    def apps_of_open_streams(self) -> set[str]:
+        """The applications that the profiler streams open now have sent signatures for."""
+        return {app for stream in list(self._streams) if not stream.closed for app in stream.apps}
+
     def profiler_states(self) -> dict[str, tuple[int, float | None]]:
         """device -> (open profiler streams that sent for applications on it that are still held,
         when its newest signature arrived, remembered after its applications are evicted)."""

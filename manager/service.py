@@ -44,13 +44,16 @@ _log = get_logger("vgpu.manager.service")
 
 class IngestServicer(ingest_pb2_grpc.IngestServicer):
     def __init__(self, manager: Manager, *, ack_interval_s: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic, replay_ok: Callable[[], bool] | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, replay_ok: Callable[[], bool] | None = None,
+                 on_stream_end: Callable[[StreamState], object] | None = None) -> None:
         if not ack_interval_s >= 0:
             raise ValueError(f"ack_interval_s must be >= 0, got {ack_interval_s}")
         self.manager = manager
         self.ack_interval_s = ack_interval_s
         self.clock = clock
         self.replay_ok = replay_ok or (lambda: True)
+        # called with each stream once it has ended (closed), e.g. to release what only it kept alive
+        self.on_stream_end = on_stream_end
         self.streams_open = 0
 
     # The read/write form (context.read / context.write) rather than iterating and yielding: grpc.aio
@@ -100,4 +103,9 @@ class IngestServicer(ingest_pb2_grpc.IngestServicer):
             self.streams_open -= 1
             stream.closed = True
             _log.info("profiler_disconnected", peer=stream.peer, duplicates=stream.duplicates)
+            if self.on_stream_end is not None and stream.apps:
+                try:
+                    self.on_stream_end(stream)
+                except Exception as exc:  # noqa: BLE001 - what follows a stream's end must not fail its call
+                    _log.error("stream_end_failed", peer=stream.peer, error=repr(exc), exc_info=exc)
 

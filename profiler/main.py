@@ -112,6 +112,9 @@ def main(argv: Sequence[str], prog: str = "vgpu profiler") -> int:
             except (TraceFormatError, OSError) as exc:
                 print(f"{prog}: {exc}", file=sys.stderr)
                 return 1
+            note = source.trace.skipped_rows_note()
+            if note:
+                print(f"{prog}: {note}", file=sys.stderr)
         else:
             from vgpu.device import open_backend
             from vgpu.device.errors import DeviceError

@@ -222,6 +222,9 @@ def main(argv: Sequence[str], prog: str = "vgpu record") -> int:
             except TraceFormatError as exc:
                 print(f"{prog}: {exc}", file=sys.stderr)
                 return 1
+            note = trace.skipped_rows_note()
+            if note:
+                print(f"{prog}: {note}", file=sys.stderr)
             for i, app in enumerate(trace.apps.values()):
                 pid = 200_000 + i
                 backend.launch(app.app, pid, app, loop=args.loop)  # type: ignore[attr-defined]

@@ -109,7 +109,7 @@ async def test_top_refreshes_until_iterations(daemon: Daemon, tmp_path: Path) ->
 
 
 def test_unreachable_daemon(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = cli.available_main(["--socket", str(tmp_path / "none.sock")], "vgpu available", out=io.StringIO(),
+    rc = cli.available_main(["--socket", str(tmp_path / "none.sock"), "--wait-s", "0"], "vgpu available", out=io.StringIO(),
                             env=_env(tmp_path))
     assert rc == 1 and "cannot reach the vgpu daemon" in capsys.readouterr().err
 

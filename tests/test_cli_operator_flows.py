@@ -4,12 +4,15 @@ a daemon just started, the command line's own mistakes, and `vgpu doctor` on a s
 
 from __future__ import annotations
 
+import grp
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -107,9 +110,31 @@ def test_a_change_with_no_daemon_says_how_long_it_waited_and_0_does_not_wait(env
     r = vgpu(*args, "--wait-s", "0", env=env.env)
     assert r.returncode == 1 and "cannot reach the vgpu daemon" in r.stderr
     assert "nothing listens" not in r.stderr and "within" not in r.stderr
-    # the read-only commands have no --wait-s: they fail at once
-    r = vgpu("apps", "--socket", str(env.sock), env=env.env)
+    # the read-only commands wait the same way, and not at all with 0
+    r = vgpu("apps", "--socket", str(env.sock), "--wait-s", "0", env=env.env)
     assert r.returncode == 1 and "nothing listens" not in r.stderr
+
+
+@pytest.mark.parametrize("command", [["available", "--json"], ["apps", "--json"], ["top", "--plain", "--iterations", "1"]],
+                         ids=lambda c: c[0])
+def test_a_look_sent_before_the_daemon_listens_waits_for_it(env: Env, serves: list[Serve], command: list[str]) -> None:
+    """`vgpu serve & vgpu available` typed together (docs/install.md, "Trying it"): the read-only
+    commands wait within --wait-s too, and answer once the daemon serves."""
+    waits = start(*command, "--socket", str(env.sock), "--wait-s", "60", env=env.env)
+    assert waits.stderr is not None
+    first = waits.stderr.readline()
+    assert first.startswith(f"vgpu {command[0]}: nothing listens on ") and "--wait-s" in first, first
+    assert waits.poll() is None
+    serves.append(Serve(env))
+    out, err = waits.communicate(timeout=90)
+    assert waits.returncode == 0, first + err
+    assert "nothing listens" not in err
+    if command[0] == "available":
+        assert json.loads(out)["devices"][0]["name"]
+    elif command[0] == "apps":
+        assert json.loads(out).get("apps", []) == []
+    else:
+        assert out.startswith("vgpu top") and "GRANTED MiB" in out
 
 
 class NotReadyRelease(NotReadyAllocator):
@@ -281,3 +306,29 @@ def test_a_state_dir_that_is_a_file_is_said_so(env: Env, tmp_path: Path) -> None
     (said,) = [line for line in r.stderr.splitlines() if line.startswith("vgpu serve:")]
     assert said == (f"vgpu serve: state directory {afile} is not usable: it is a file, not a directory; give a "
                     "directory as --state-dir (server.state_dir)"), said  # not "(File exists)"
+
+
+def test_doctor_says_when_the_socket_s_directories_shut_its_group_out(env: Env, serves: list[Serve]) -> None:
+    """A socket 0660 with its own group below a 0700 directory: the group's users get EACCES on
+    connect, so doctor warns and names the directory and the fix; a directory the group may pass
+    (o+x, or g+x with the socket's group) is OK."""
+    group = grp.getgrgid(1).gr_name  # any group but root's own
+    base = Path(tempfile.mkdtemp(prefix="vgpu-doctor-"))  # not under pytest's 0700 base directory
+    try:
+        base.chmod(0o755)
+        here = Env(env.tmp, base / "run" / "vgpu.sock", env.state, {**env.env, "VGPU_SERVER_SOCKET_GROUP": group})
+        serves.append(Serve(here))
+        assert here.sock.stat().st_gid == 1 and here.sock.stat().st_mode & 0o777 == 0o660
+        ok = doctor_lines(here, "--socket", str(here.sock))["socket"][0]
+        assert ok["status"] == "OK" and f"group {group}" in ok["detail"], ok
+        (base / "run").chmod(0o700)  # made by hand, or a strict umask on a parent an operator created
+        (shut,) = doctor_lines(here, "--socket", str(here.sock))["socket"]
+        assert shut["status"] == "WARN", shut
+        assert f"{base / 'run'} (mode 0700, group root)" in shut["detail"] and "chmod o+x" in shut["detail"], shut
+        os.chown(base / "run", -1, 1)
+        (base / "run").chmod(0o750)  # the socket's group may pass; others may not, and need not
+        assert doctor_lines(here, "--socket", str(here.sock))["socket"][0]["status"] == "OK"
+    finally:
+        for s in serves:
+            s.stop_now()
+        shutil.rmtree(base, ignore_errors=True)

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
 from daemon_fixtures import ROOT, Env, Serve
 
 from vgpu.client import app_token_path
@@ -398,3 +400,110 @@ def test_the_daemon_makes_its_in_app_directory_at_each_start(env: Env, serves: l
     serving = serves[-1].event("serving")
     assert serving["inapp_dir_state"] == f"missing: its parent {tmp_path / 'gone'} does not exist", serving
     assert not (tmp_path / "gone").exists()
+
+
+# An application started before the daemon listens (at boot, before vgpu-manager): it says when it is
+# about to request, then requests with the wait it is given.
+EARLY = """
+import sys
+from vgpu.client import VgpuClient
+
+sock, app_id, inapp, wait_s = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+with VgpuClient(app_id, socket=sock, inapp_dir=inapp, ready_wait_s=wait_s) as client:
+    print("requesting", flush=True)
+    grant = client.request(memory_mib=1000)
+    print("granted", grant.app_id, grant.memory_mib, flush=True)
+"""
+
+
+@pytest.mark.parametrize("socket_file", ["missing", "stale"])
+def test_a_request_made_before_the_daemon_listens_waits_for_it(env: Env, serves: list[Serve], tmp_path: Path,
+                                                                socket_file: str) -> None:
+    """The stub's first request finds no socket (or the one a killed daemon left, which refuses), says
+    once that it waits, and is granted once the daemon serves."""
+    inapp = tmp_path / "inapp"
+    env.env["VGPU_SERVER_INAPP_DIR"] = str(inapp)
+    env.sock.parent.mkdir(parents=True, exist_ok=True)
+    if socket_file == "stale":
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(str(env.sock))  # bound, never listening: what a kill -9 leaves behind
+    app = subprocess.Popen([sys.executable, "-c", EARLY, str(env.sock), "early", str(inapp), "60"],
+                           cwd=ROOT, env=env.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert app.stdout is not None and app.stderr is not None
+        assert app.stdout.readline() == "requesting\n"
+        said = ""
+        while "does not listen yet" not in said:  # said once it has found nothing listening
+            line = app.stderr.readline()
+            assert line, "the stub ended before saying it waits: " + said + app.stdout.read()
+            said += line
+        assert app.poll() is None
+        serves.append(Serve(env))
+        out, err = app.communicate(timeout=90)
+    finally:
+        if app.poll() is None:
+            app.kill()
+            app.wait(10)
+    assert app.returncode == 0, said + out + err
+    assert "granted early 1000.0" in out
+    assert "does not listen yet" not in err  # said once
+
+
+NO_DAEMON = """
+import sys, time
+import grpc
+from vgpu.client import VgpuClient
+
+sock, inapp = sys.argv[1], sys.argv[2]
+for wait_s in (0.0, 1.0):
+    with VgpuClient("alone", socket=sock, inapp_dir=inapp, ready_wait_s=wait_s, watch=False) as client:
+        t = time.monotonic()
+        try:
+            client.request(memory_mib=10)
+        except grpc.RpcError as exc:
+            print(wait_s, round(time.monotonic() - t, 2), exc.code().name, exc.details(), flush=True)
+"""
+
+
+def test_a_request_with_no_daemon_fails_after_its_wait_with_the_reason(env: Env, tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-c", NO_DAEMON, str(env.sock), str(tmp_path / "inapp")],
+                       cwd=ROOT, env=env.env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    at_once, waited = (line.split(maxsplit=3) for line in r.stdout.splitlines())
+    assert at_once[0] == "0.0" and float(at_once[1]) < 0.5 and at_once[2] == "UNAVAILABLE", r.stdout
+    assert waited[0] == "1.0" and 1.0 <= float(waited[1]) < 3.0 and waited[2] == "UNAVAILABLE", r.stdout
+    assert "No such file" in waited[3]  # the reason, not a bare deadline
+    assert r.stderr.count("does not listen yet") == 1  # only the stub that waits says so
+
+
+DEADLINES = """
+import sys
+import grpc
+from vgpu.client import VgpuClient
+
+sock, inapp = sys.argv[1], sys.argv[2]
+with VgpuClient("due", socket=sock, inapp_dir=inapp, watch=False) as client:
+    for deadline_s in (float("inf"), float("-inf"), float("nan"), -1.0, 1_900_000_000.0):
+        try:
+            grant = client.request(memory_mib=10, deadline_s=deadline_s)
+        except grpc.RpcError as exc:
+            print(deadline_s, exc.code().name, exc.details(), flush=True)
+        else:
+            print(deadline_s, "granted", grant.memory_mib, flush=True)
+"""
+
+
+def test_a_deadline_that_is_not_a_finite_unix_time_is_refused(env: Env, serves: list[Serve], tmp_path: Path) -> None:
+    """`deadline_s` is Unix seconds: infinity, NaN or a negative time is INVALID_ARGUMENT naming the
+    field, and nothing is granted for it."""
+    inapp = tmp_path / "inapp"
+    env.env["VGPU_SERVER_INAPP_DIR"] = str(inapp)
+    serves.append(Serve(env))
+    r = subprocess.run([sys.executable, "-c", DEADLINES, str(env.sock), str(inapp)],
+                       cwd=ROOT, env=env.env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = [line.split(maxsplit=2) for line in r.stdout.splitlines()]
+    assert [line[0] for line in lines] == ["inf", "-inf", "nan", "-1.0", "1900000000.0"], r.stdout
+    for value, code, details in lines[:4]:
+        assert code == "INVALID_ARGUMENT" and "request.deadline_s" in details, (value, code, details)
+    assert lines[4][1:] == ["granted", "10.0"], r.stdout

@@ -4,14 +4,16 @@ whole path under default auth (auth.open_ingest false) fed by a real `vgpu profi
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from daemon_fixtures import ROOT, SKU, Env, Serve
+from daemon_fixtures import ROOT, SKU, Env, Serve, wait_for
 
 from vgpu import auth
 from vgpu.traces import AppTrace, write_trace
@@ -270,3 +272,81 @@ def test_a_bad_backend_spec_is_refused_by_serve_and_profiler_alike(env: Env) -> 
         outs.append(r.stderr)
     for err in outs:
         assert "GPU count 0 is outside 1..64" in err, outs
+
+
+def test_a_replay_s_applications_are_released_soon_after_it_ends(env: Env, serves: list[Serve]) -> None:
+    """docs/install.md's "Trying it": after a short replay, the replayed applications' grants stay to
+    be looked at, then go about STREAM_END_GRACE_S after the replay ends (their made-up processes run
+    on no GPU), not after server.idle_release_s, so a request finds the GPU free. An application of
+    the replay that requested a grant itself keeps it."""
+    from vgpu.daemon.serve import STREAM_END_GRACE_S
+
+    serves.append(Serve(env))
+    device = env.json("available")["devices"][0]["device_id"]
+    trace = _small_trace(env.tmp / "trace.csv")
+    env.vgpu("request", "--socket", str(env.sock), "--app", "train-a", "--memory-mib", "1000")
+    done = _profiler(env, trace, "--device-id", device, "--token-file", str(env.state / "tokens" / "profiler.token"))
+    assert done.returncode == 0, done.stderr
+    ended = time.monotonic()
+    apps = {a["app_id"]: a for a in env.json("apps")["apps"]}
+    assert [g["source"] for g in apps["infer-b"]["grants"]] == ["forecast"]  # still there to be looked at
+    train_a = [g["source"] for g in apps["train-a"]["grants"]]
+    assert "request" in train_a, train_a  # and a forecast grant may have joined it
+
+    def granted() -> dict[str, list[str]]:
+        return {a["app_id"]: [g["source"] for g in a.get("grants", [])] for a in env.json("apps")["apps"]}
+
+    wait_for("the replayed application's release", lambda: not granted().get("infer-b"), timeout_s=STREAM_END_GRACE_S + 20)
+    assert time.monotonic() - ended < 60  # far sooner than the 120 s idle release
+    assert granted()["train-a"] == train_a  # it requested: its grants are its own to release
+    (released,) = [e for e in serves[-1].events() if e.get("event") == "app_released_stream_ended"]
+    assert released["app"] == "infer-b" and released["devices"] == [device]
+    env.vgpu("request", "--socket", str(env.sock), "--app", "after", "--memory-mib", "2048")
+    assert serves[-1].term() == 0
+
+
+@pytest.mark.parametrize("idle_release_s", [120.0, 0.0])
+async def test_a_replayed_application_whose_process_runs_on_the_gpu_keeps_its_grants(
+        tmp_path: Path, idle_release_s: float) -> None:
+    """The release after a stream ends never frees a grant whose process still runs: the replay's
+    first application (pid 100000, as the replay numbers them) is made to run on the simulated GPU,
+    and keeps its forecast grant; the other one's process runs nowhere, and its grant goes. With
+    server.idle_release_s 0 (keep grants until released) both stay."""
+    import asyncio
+
+    from daemon_fixtures import sim_daemon
+
+    from vgpu.daemon.serve import STREAM_END_GRACE_S
+
+    trace = _small_trace(tmp_path / "trace.csv")
+    overrides: dict[str, object] = {"server.idle_release_s": idle_release_s}
+    d = sim_daemon(tmp_path, **overrides)
+    await d.start()
+    try:
+        device = d.backend.devices()[0]
+        t = np.arange(0.0, 600.0, 1.0)
+        sim = d.backend.sim  # type: ignore[attr-defined]  # the simulator under its saved settings
+        sim.launch("infer-b", 100_000, AppTrace("infer-b", t, {"mem_used_mib": np.full(len(t), 1500.0)}))
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "vgpu.cli", "profiler", "--manager", f"unix://{d.socket_path}", "--replay", str(trace),
+            "--speed", "10", "--seconds", "3", "--device-id", device.uuid,
+            "--token-file", str(tmp_path / "state" / "tokens" / "profiler.token"),
+            cwd=ROOT, env=env, stderr=asyncio.subprocess.PIPE)
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 0, err.decode()
+
+        def sources() -> dict[str, list[str]]:
+            return {app: [g.source for g in d.allocator.ledger.grants(app_id=app)] for app in ("infer-b", "train-a")}
+
+        assert sources() == {"infer-b": ["forecast"], "train-a": ["forecast"]}
+        if not idle_release_s:
+            await asyncio.sleep(STREAM_END_GRACE_S + 3)
+            assert sources() == {"infer-b": ["forecast"], "train-a": ["forecast"]}
+            return
+        deadline = time.monotonic() + STREAM_END_GRACE_S + 20
+        while sources()["train-a"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        assert sources() == {"infer-b": ["forecast"], "train-a": []}
+    finally:
+        await d.stop("test")

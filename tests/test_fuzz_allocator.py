@@ -171,4 +171,4 @@ def test_request_validation_admits_only_finite_in_range_values(
     assert app.strip() and len(app) <= 256
     assert math.isfinite(req.memory_mib) and req.memory_mib >= 0
     assert math.isfinite(req.sm_pct) and 0 <= req.sm_pct <= 100
-    assert not math.isnan(req.deadline_s) and req.deadline_s >= 0
+    assert math.isfinite(req.deadline_s) and req.deadline_s >= 0

@@ -252,7 +252,8 @@ def test_top_on_a_terminal_when_the_daemon_is_down_says_so(env: Env) -> None:
     pid, fd = pty.fork()
     if pid == 0:  # the child: vgpu top on a terminal, against a socket nobody listens on
         os.chdir(ROOT)
-        os.execve(sys.executable, [sys.executable, "-m", "vgpu.cli", "top", "--socket", str(env.sock)], env.env)
+        os.execve(sys.executable, [sys.executable, "-m", "vgpu.cli", "top", "--socket", str(env.sock), "--wait-s", "1"],
+                  env.env)
     out = b""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

@@ -117,3 +117,43 @@ def test_profiler_record_option_writes_the_trace_while_streaming(tmp_path: Path)
     lines = out.read_text().splitlines()
     assert lines[0].startswith("#meta ") and '"recorded":true' in lines[0]
     assert lines[1] == ",".join(RECORD_HEADER) and len(lines) == 2
+
+
+def _trace_with_bad_rows(tmp_path: Path) -> Path:
+    """A trace of one good application and five bad rows: lines 12 to 16 of the file."""
+    src = tmp_path / "src.csv"
+    write_trace(src, [_ramp("job-a", 10)])
+    with src.open("a") as fh:
+        for i in range(5):
+            fh.write(f"{100 + i}.0,job-b,,not-a-number,10.0,,,,,,,\n")
+    return src
+
+
+@pytest.mark.parametrize("command", ["record", "profiler"])
+def test_bad_rows_of_a_trace_are_said_once_with_the_count_and_the_first_few(tmp_path: Path, command: str) -> None:
+    """`vgpu record --sim-trace` and `vgpu profiler --replay` skip a trace's bad rows as `vgpu eval`
+    does, and say so once on stderr: how many, and the first three by file:line."""
+    src = _trace_with_bad_rows(tmp_path)
+    if command == "record":
+        args = ["record", "--backend", "sim:h100-80gb", "--sim-trace", str(src), "--seconds", "0.3",
+                "--inapp-dir", str(tmp_path / "none"), "--out", str(tmp_path / "out.csv")]
+    else:  # no manager listens there: the profiler replays, then says it never reached it
+        args = ["profiler", "--replay", str(src), "--no-token", "--manager", "127.0.0.1:9", "--seconds", "0.3"]
+    r = subprocess.run([sys.executable, "-m", "vgpu.cli", *args], capture_output=True, text=True, timeout=120,
+                       check=False)
+    said = [line for line in r.stderr.splitlines() if "bad rows skipped" in line]
+    assert len(said) == 1, r.stderr
+    assert said[0].startswith(f"vgpu {command}: 5 bad rows skipped in {src} (first: {src}:12: "), said
+    assert f"{src}:14: " in said[0] and f"{src}:15: " not in said[0] and said[0].endswith("; 2 more)"), said
+    if command == "record":
+        assert r.returncode == 0, r.stderr
+        assert list(read_trace(tmp_path / "out.csv", strict=True).apps) == ["job-a"]
+
+
+def test_a_clean_trace_says_nothing_of_bad_rows(tmp_path: Path) -> None:
+    src = tmp_path / "src.csv"
+    write_trace(src, [_ramp("job-a", 10)])
+    r = subprocess.run([sys.executable, "-m", "vgpu.cli", "record", "--backend", "sim:h100-80gb", "--sim-trace", str(src),
+                        "--seconds", "0.3", "--inapp-dir", str(tmp_path / "none"), "--out", str(tmp_path / "out.csv")],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0 and "bad row" not in r.stderr, r.stderr

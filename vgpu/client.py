@@ -22,9 +22,13 @@ id claimed anew; an id owned by someone else, with no token here, is refused wit
 Three things run behind that API:
 
 * **Requests** go to the `Allocator` gRPC service (`RequestResourceAllocation`, `ReleaseResources`). A
-  request the daemon answers "not ready" (UNAVAILABLE marked as having changed nothing: its cold-start
-  model still loading just after it starts, its state directory full) is sent again for up to
-  `NOT_READY_WAIT_S`; any other UNAVAILABLE is raised at once, since it may follow a change.
+  call waits up to `ready_wait_s` (default `NOT_READY_WAIT_S`) for the daemon to listen (an application
+  started at boot before vgpu-manager; a daemon restarting): a health check with gRPC's `wait_for_ready`
+  goes out first, so the call itself is sent only once the connection is up, and a daemon still not
+  listening then fails the call with UNAVAILABLE and the reason. A request the daemon answers "not ready" (UNAVAILABLE marked as having changed nothing:
+  its cold-start model still loading just after it starts, its state directory full) is sent again within
+  the same budget; any other UNAVAILABLE is raised at once, since it may follow a change. This is the
+  CLI's `--wait-s` (vgpu/ctl.py).
 * **A watch of its own grants** (`WatchAllocations` filtered by `app_id`, in a daemon thread, reconnecting
   within about a second; each time it is live again the stub lists its grants once, since changes made
   while it was away, as during a daemon restart, send no event) keeps the sum of the app's granted memory on its GPU: grants naming this process's pid
@@ -74,6 +78,7 @@ from types import ModuleType
 from typing import Any, TypeGuard, TypeVar
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from vgpu import config
 from vgpu.ids import app_id_digest
@@ -115,9 +120,12 @@ _log = get_library_logger("vgpu.client")
 # down refuses at once on its socket, so the backoff alone sets how soon the stub tries again.
 # How long close() waits for an unreachable daemon to release the grants (a restart takes seconds).
 CLOSE_RELEASE_WAIT_S = 5.0
-# How long request() sends a call again that the daemon answered "not ready" for (UNAVAILABLE with
-# NOTHING_CHANGED_KEY: e.g. its cold-start model still loading in the seconds after it starts).
+# How long request() waits for the daemon to listen and sends a call again that the daemon answered
+# "not ready" for (UNAVAILABLE with NOTHING_CHANGED_KEY: e.g. its cold-start model still loading in the
+# seconds after it starts): the stub's default `ready_wait_s`, and the CLI's default --wait-s.
 NOT_READY_WAIT_S = 10.0
+# Before saying that it waits for the daemon to listen: a daemon that listens connects well within it.
+LISTEN_NOTICE_AFTER_S = 0.5
 NOTHING_CHANGED_KEY = "vgpu-nothing-changed"  # as allocator/service.py sends it
 RECONNECT_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -533,7 +541,9 @@ class VgpuClient:
     be the same directory: the daemon reads this process's report there as the proof of its pid,
     and refuses a request naming a pid it cannot verify), `token` / `token_file` the application's identity (module docstring,
     "Identity"; `env` stands in for os.environ when finding the default token file). `channel`,
-    `torch_module`, `clock`, `pid` and `sleep` exist for tests. `serving_max_age_s` is how long a
+    `torch_module`, `clock`, `pid` and `sleep` exist for tests. `ready_wait_s` is how long `request()`
+    and `release()` wait for a daemon that does not listen yet, or answers that it is not ready, before
+    failing with UNAVAILABLE (0: at once; as the CLI's `--wait-s`). `serving_max_age_s` is how long a
     `report_serving` stays in the reports. `watch=False` / `report=False` turn the
     background threads off. A token file that holds no token raises TokenFileError naming it.
     """
@@ -561,9 +571,12 @@ class VgpuClient:
         token_file: str | Path | None = None,
         env: Mapping[str, str] | None = None,
         serving_max_age_s: float = INAPP_MAX_AGE_S,
+        ready_wait_s: float = NOT_READY_WAIT_S,
     ) -> None:
         if not app_id or not app_id.strip():
             raise ValueError("app_id must be a non-empty string")
+        if not (math.isfinite(ready_wait_s) and ready_wait_s >= 0):
+            raise ValueError(f"ready_wait_s must be a finite number >= 0, got {ready_wait_s}")
         if report_period_s <= 0:
             raise ValueError(f"report_period_s must be positive, got {report_period_s}")
         self.app_id = app_id
@@ -573,6 +586,8 @@ class VgpuClient:
         self._torch_device = torch_device
         self._metadata = tuple(metadata)
         self._timeout_s = rpc_timeout_s
+        self._ready_wait_s = ready_wait_s
+        self._socket = socket
         self._torch_arg = torch_module
         self._clock = clock
         self.pid = os.getpid() if pid is None else pid
@@ -683,13 +698,39 @@ class VgpuClient:
         self._on_grant(resp.grant, released=False)
         return resp.grant
 
+    def _wait_until_listening(self, wait_s: float) -> None:
+        """Wait up to `wait_s` for the daemon to listen on its socket: a health check sent with gRPC's
+        `wait_for_ready`, which goes out only once the connection is up (it reads nothing and changes
+        nothing, so the call that follows is sent once, as without the wait). Any answer means the
+        daemon listens. When it does not listen in time this returns all the same, and the call that
+        follows fails with UNAVAILABLE and the reason (no socket, refused, no permission)."""
+        if wait_s <= 0:
+            return
+        check = health_pb2_grpc.HealthStub(self._channel).Check  # type: ignore[attr-defined]
+
+        def listens(timeout_s: float) -> bool:
+            try:
+                check(health_pb2.HealthCheckRequest(), timeout=timeout_s, wait_for_ready=True)
+            except grpc.RpcError as exc:
+                return bool(exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED)
+            return True
+
+        if listens(min(wait_s, LISTEN_NOTICE_AFTER_S)) or wait_s <= LISTEN_NOTICE_AFTER_S:
+            return
+        self._warn_once("not_listening", f"the daemon does not listen yet; waiting up to {wait_s:g} s (ready_wait_s)",
+                        socket=self._socket)
+        if listens(wait_s - LISTEN_NOTICE_AFTER_S):
+            _log.info("the daemon listens; sending", app_id=self.app_id, socket=self._socket)
+
     def _request_when_ready(
         self, message: allocator_pb2.RequestResourceAllocationRequest
     ) -> tuple[allocator_pb2.RequestResourceAllocationResponse, Any]:
-        """RequestResourceAllocation, sent again for up to NOT_READY_WAIT_S while the daemon answers
-        that it is not ready and changed nothing (a daemon just started: its cold-start model loads
-        in the seconds after it serves). Any other error, or one that may have changed something, is
-        raised at once."""
+        """RequestResourceAllocation once the daemon listens (`_wait_until_listening`), sent again while
+        the daemon answers that it is not ready and changed nothing (a daemon just started: its
+        cold-start model loads in the seconds after it serves), both within `ready_wait_s`. Any other
+        error, or one that may have changed something, is raised at once."""
+        deadline = time.monotonic() + self._ready_wait_s
+        self._wait_until_listening(self._ready_wait_s)
         def send() -> tuple[allocator_pb2.RequestResourceAllocationResponse, Any]:
             answer: tuple[allocator_pb2.RequestResourceAllocationResponse, Any] = (
                 self._stub.RequestResourceAllocation.with_call(
@@ -699,7 +740,8 @@ class VgpuClient:
         def waiting(exc: grpc.RpcError) -> None:
             self._warn_once("not_ready", "the daemon is not ready yet; asking again", reason=exc.details())
 
-        return send_when_ready(send, wait_s=NOT_READY_WAIT_S, on_wait=waiting, pause=self._closed.wait)
+        return send_when_ready(send, wait_s=max(0.0, deadline - time.monotonic()), on_wait=waiting,
+                               pause=self._closed.wait)
 
     @property
     def token(self) -> str | None:
@@ -729,18 +771,19 @@ class VgpuClient:
             return
         _log.info("application token saved", app_id=self.app_id, token_file=str(self.token_file))
 
-    def release(self, grant_id: str | None = None, *, wait_s: float = 0.0) -> list[allocator_pb2.Grant]:
-        """Release one grant, or every grant this client holds; the released grants. `wait_s` > 0 waits
-        that long for an unreachable daemon (one restarting) instead of failing with UNAVAILABLE."""
+    def release(self, grant_id: str | None = None, *, wait_s: float | None = None) -> list[allocator_pb2.Grant]:
+        """Release one grant, or every grant this client holds; the released grants. Each call waits up
+        to `wait_s` (default `ready_wait_s`) for a daemon that does not listen (one starting or
+        restarting) before failing with UNAVAILABLE."""
         with self._lock:
             ids = [grant_id] if grant_id is not None else list(self._grants)
         released = []
         for gid in ids:
+            self._wait_until_listening(self._ready_wait_s if wait_s is None else wait_s)
             resp = self._stub.ReleaseResources(
                 allocator_pb2.ReleaseResourcesRequest(grant_id=gid),
-                timeout=wait_s if wait_s > 0 else self._timeout_s,
+                timeout=self._timeout_s,
                 metadata=self._call_metadata(),
-                wait_for_ready=wait_s > 0,
             )
             self._on_grant(resp.released, released=True, grant_id=gid)
             released.append(resp.released)

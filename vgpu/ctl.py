@@ -1,12 +1,12 @@
 """Operator and application commands over the daemon's socket.
 
-    vgpu available --socket PATH [--device ID] [--json]
-    vgpu apps      --socket PATH [--json]
+    vgpu available --socket PATH [--device ID] [--wait-s S] [--json]
+    vgpu apps      --socket PATH [--wait-s S] [--json]
     vgpu request   --socket PATH --app ID --memory-mib N [--sm-pct P] [--device ID] [--priority N] [--pid N] [--wait-s S] [--json]
     vgpu request   --socket PATH --app ID --model-type NAME --batch-size N [job flags...]   (cold-start sized)
     vgpu release   --socket PATH --grant ID [--wait-s S] [--json]
     vgpu set-limit --socket PATH --app ID [--max-memory-mib N] [--max-sm-pct P] [--priority N] [--clear] [--create] [--wait-s S] [--json]
-    vgpu top       --socket PATH [--interval-s 1] [--iterations N]
+    vgpu top       --socket PATH [--interval-s 1] [--iterations N] [--wait-s S]
 
 Tokens (vgpu/auth.py). A command sends, in order until one is accepted: the token of `--token-file`
 or `$VGPU_TOKEN_FILE` or `$VGPU_TOKEN`; for an application's grants, the application token this
@@ -16,8 +16,8 @@ or found readable in `<state-dir>/tokens/apps/`; the operator token `<state-dir>
 when readable; finally nothing (a new application may claim its id without a token). A token the
 daemon rejects as not its own (a new state directory) is dropped from the cache.
 
-Not ready. The commands that change something (request, release, set-limit) send a call again for
-up to `--wait-s` (default 10 s; 0: never) while nothing listens on the socket yet (no socket file,
+Not ready. These commands send a call again for up to `--wait-s` (default 10 s; 0: never; `top`
+for its first refresh only) while nothing listens on the socket yet (no socket file,
 or one that refuses connections: a daemon starting, or restarting after a crash; the call was never
 sent) and while the daemon answers UNAVAILABLE marked as having changed nothing
 (vgpu.client.changed_nothing: its cold-start model still loading just after it starts, its state
@@ -479,6 +479,7 @@ def available_main(argv: Sequence[str] | None = None, prog: str = "vgpu availabl
     def build(p: argparse.ArgumentParser) -> None:
         p.add_argument("--device", default="", help="one device (UUID)")
         p.add_argument("--json", action="store_true", help="print JSON")
+        _wait_option(p)
 
     def body(ns: argparse.Namespace, c: Client, o: TextIO) -> int:
         resp, _ = c.call("GetAvailableResources", pb.GetAvailableResourcesRequest(device_id=ns.device), token=False)
@@ -559,6 +560,7 @@ SM_NOT_ENFORCED = ("GRANT SM %: not enforced. The daemon records SM shares and p
 def apps_main(argv: Sequence[str] | None = None, prog: str = "vgpu apps", *, out: TextIO | None = None, env: dict[str, str] | None = None) -> int:
     def build(p: argparse.ArgumentParser) -> None:
         p.add_argument("--json", action="store_true", help="print JSON")
+        _wait_option(p)
 
     def body(ns: argparse.Namespace, c: Client, o: TextIO) -> int:
         resp, _ = c.call("ListApplications", pb.ListApplicationsRequest(), token=False)
@@ -586,17 +588,17 @@ def _share_pct(text: str) -> float:
     return value
 
 
-# How long a command that changes something asks again while the daemon answers "not ready, nothing
+# How long a command waits for the daemon to listen and asks again while it answers "not ready, nothing
 # changed" (the client stub waits as long: vgpu.client.NOT_READY_WAIT_S).
 DEFAULT_WAIT_S = vclient.NOT_READY_WAIT_S
 
 
-def _wait_option(p: argparse.ArgumentParser) -> None:
+def _wait_option(p: argparse.ArgumentParser, *, first_only: bool = False) -> None:
     p.add_argument("--wait-s", type=_nonneg, default=DEFAULT_WAIT_S,
                    help="while nothing listens on the socket yet (the daemon starting) or the daemon answers that it "
                         "is not ready and changed nothing (its cold-start model still loading just after it starts, "
                         "its state directory full), ask again for up to this long; 0 fails at once "
-                        f"(default {DEFAULT_WAIT_S:g} s)")
+                        f"(default {DEFAULT_WAIT_S:g} s)" + ("; for the first refresh only" if first_only else ""))
 
 
 def request_main(argv: Sequence[str] | None = None, prog: str = "vgpu request", *, out: TextIO | None = None, env: dict[str, str] | None = None) -> int:
@@ -804,6 +806,7 @@ def top_main(
         p.add_argument("--iterations", type=_whole(0, 2**31 - 1), default=0,
                        help="stop after N refreshes (default 0: until q or Ctrl-C)")
         p.add_argument("--plain", action="store_true", help="plain tables even on a terminal")
+        _wait_option(p, first_only=True)
 
     def body(ns: argparse.Namespace, c: Client, o: TextIO) -> int:
         if not ns.plain and o is sys.stdout and o.isatty() and sys.stdin.isatty():
@@ -817,6 +820,7 @@ def top_main(
             o.write(f"vgpu top  {stamp}  {c.socket_path}\n\n{devices_table(devices, apps)}\n\n"
                     f"{apps_table(apps, devices)}\n\n")
             o.flush()
+            c.wait_s = 0.0  # --wait-s covers the first refresh: a daemon that goes away later is said at once
             n += 1
             if ns.iterations > 0 and n >= ns.iterations:
                 break
@@ -843,6 +847,7 @@ def _top_screen(ns: argparse.Namespace, c: Client) -> int:
             snap = top.Snapshot(last[-1].devices, last[-1].apps, last[-1].history, time.time(), str(exc))
         else:
             snap = top.Snapshot(devices, apps, history, history.now_unix_s or time.time())
+            c.wait_s = 0.0  # --wait-s covers the first refresh: later ones show a daemon gone at once
         last[:] = [snap]
         return snap
 

@@ -136,6 +136,10 @@ class AppTrace:
         return float(self.t_s[-1] - self.t_s[0]) if len(self.t_s) else 0.0
 
 
+# How many skipped rows a command names when it says that it skipped some (`Trace.skipped_rows_note`).
+SKIPPED_ROWS_SHOWN = 3
+
+
 @dataclass(frozen=True)
 class Trace:
     apps: dict[str, AppTrace]
@@ -146,6 +150,16 @@ class Trace:
     @property
     def samples(self) -> int:
         return sum(len(a) for a in self.apps.values())
+
+    def skipped_rows_note(self, shown: int = SKIPPED_ROWS_SHOWN) -> str | None:
+        """One line for a command to print once: how many bad rows reading skipped, and the first
+        `shown` of them as `file:line: reason`; None when none was skipped."""
+        if not self.issues:
+            return None
+        first = "; ".join(str(issue) for issue in self.issues[:shown])
+        more = f"; {len(self.issues) - shown} more" if len(self.issues) > shown else ""
+        rows = "bad row" if len(self.issues) == 1 else "bad rows"
+        return f"{len(self.issues)} {rows} skipped in {self.source} (first: {first}{more})"
 
 
 def _open_text(path: Path) -> io.TextIOBase:

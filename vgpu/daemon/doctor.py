@@ -9,8 +9,9 @@ does not say; `--backend` wins, a daemon on another one is a warning); for `nvml
 is loaded (/proc/driver/nvidia/version) and NVML initialises and lists devices, for a `sim:` backend
 no driver is needed and the simulated devices are listed (the daemon's, else the spec's: a spec
 `vgpu serve` would refuse fails); the process may write device
-settings (root or CAP_SYS_ADMIN); the daemon's socket exists, has no bits for "other", and answers a
-health check; the state directory is writable; the forecaster checkpoint loads; a profiler is
+settings (root or CAP_SYS_ADMIN); the daemon's socket exists, has no bits for "other", answers a
+health check, and, where it is given a group of its own, every directory above it lets that group
+through (`socket_dirs_shutting_out`); the state directory is writable; the forecaster checkpoint loads; a profiler is
 streaming to the daemon, and for every GPU how old the newest signature is (`profiler`, one line
 per GPU: FAIL when no profiler stream is open, or when applications hold grants on a GPU whose
 newest signature is older than `--max-signature-age-s`; an idle GPU has no signature to send). Exit
@@ -133,9 +134,49 @@ def check_socket(path: Path, *, timeout_s: float = 2.0) -> Check:
         return Check("socket", "FAIL", f"{desc}: no answer ({exc.code().name}: {exc.details()})")
     if resp.status != health_pb2.HealthCheckResponse.SERVING:
         return Check("socket", "WARN", f"{desc}: daemon answers but is not serving")
+    if mode & 0o060 and st.st_gid != _primary_gid(st.st_uid):
+        blocked = socket_dirs_shutting_out(path, st.st_gid)
+        if blocked:
+            return Check("socket", "WARN",
+                         f"{desc}, daemon serving, but its group cannot reach it: {'; '.join(blocked)} "
+                         f"lets neither the group {group} nor others through; chmod o+x each (or chgrp {group} "
+                         "and chmod g+x), as systemd's RuntimeDirectoryMode=0755 leaves /run/vgpu")
     if mode & 0o007:
         return Check("socket", "WARN", f"{desc}: every local user may connect; use 0660 and a group")
     return Check("socket", "OK", f"{desc}, daemon serving")
+
+
+def _primary_gid(uid: int) -> int | None:
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_gid
+    except KeyError:
+        return None
+
+
+def socket_dirs_shutting_out(path: Path, gid: int) -> list[str]:
+    """The directories above `path`, from the root down, that a member of group `gid` who neither owns
+    them nor belongs to their own group may not pass through (no search bit: the group's where the
+    directory's group is `gid`, else the others'), each as "DIR (mode 0700, group root)". Such a
+    directory makes the socket's group bits moot: the group's users get EACCES on connect. Checked
+    only for a socket given a group other than its owner's own (server.socket_group), whose group is
+    meant to connect; ACLs are not read. A directory that cannot be read here is left out."""
+    import grp
+
+    out = []
+    for d in reversed(Path(os.path.abspath(path)).parents):
+        try:
+            st = d.stat()
+        except OSError:
+            continue
+        if not st.st_mode & (stat.S_IXGRP if st.st_gid == gid else stat.S_IXOTH):
+            try:
+                name = grp.getgrgid(st.st_gid).gr_name
+            except KeyError:
+                name = str(st.st_gid)
+            out.append(f"{d} (mode {stat.S_IMODE(st.st_mode):04o}, group {name})")
+    return out
 
 
 DEFAULT_MAX_SIGNATURE_AGE_S = 10.0

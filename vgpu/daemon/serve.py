@@ -93,7 +93,7 @@ from vgpu.device.errors import DeviceError
 from vgpu.gc_freeze import freeze_startup_heap, thaw_heap
 from vgpu.ids import MAX_PID
 from vgpu.manager.coldstart import AllocatorSizer, BackgroundSizer, ColdStartSizer
-from vgpu.manager.core import Manager, default_baseline
+from vgpu.manager.core import Manager, StreamState, default_baseline
 from vgpu.manager.experts import MixtureForecaster, make_served
 from vgpu.manager.forecast import Forecaster
 from vgpu.manager.history import NodeHistory
@@ -336,6 +336,12 @@ class InAppPidProof:
         )
 
 
+# How long after a profiler stream ends the applications only it sent, and whose processes are gone,
+# are released (`Daemon._release_after_stream`): long enough to look at them (`vgpu apps`) after a
+# replay, and for a restarted profiler to send for them again; far below server.idle_release_s.
+STREAM_END_GRACE_S = 10.0
+
+
 class ObservedPids:
     """Whether a pid is a GPU process the node's driver lists on a device (NVML's running compute
     processes; the simulator's process list), for the manager's check of profiler signatures
@@ -353,6 +359,16 @@ class ObservedPids:
         self._pids: dict[str, frozenset[int]] = {}
         self._read_at_s = -math.inf
         self.reads = 0
+
+    def runs(self, device_id: str, pid: int) -> bool | None:
+        """Whether `pid` runs on the device now, from a fresh read of the lists; None when the device
+        cannot be read (a pid that may run there)."""
+        try:
+            self._read(self._clock())
+        except DeviceError:
+            return None
+        pids = self._pids.get(device_id)
+        return None if pids is None else pid in pids
 
     def __call__(self, device_id: str, pid: int) -> bool:
         now = self._clock()
@@ -818,6 +834,8 @@ class Daemon:
         self._lock: StateLock | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self._idle_release: asyncio.Task[None] | None = None
+        self._stream_end_timers: set[asyncio.TimerHandle] = set()  # _stream_ended's, cancelled on stop
+        self._stopping = False
         self.model_loader: threading.Thread | None = None
         self.mixture: MixtureForecaster | None = None
         self.history: NodeHistory | None = None
@@ -905,12 +923,13 @@ class Daemon:
                                              interval_s=cfg.manager.learn_interval_s if self.history else 0.0,
                                              housekeeping=self.history.compress_closed if self.history else None)
             self.learner.start()
+        self.observed_pids = ObservedPids(self.backend)
         self.manager = Manager(self.allocator, self.mixture or model_forecaster,
                                clock=self.clock, fallback=baseline,
                                batch_window_s=cfg.manager.batch_window_ms / 1000.0,
                                forecast_duty_max=cfg.manager.forecast_duty_max,
                                device_known=self.allocator.knows_device,
-                               pid_observed=ObservedPids(self.backend),
+                               pid_observed=self.observed_pids,
                                windows=WindowStore(max_span_s=MAX_WINDOW_SPAN_S), max_future_s=MAX_FUTURE_S)
         self.allocator.signature_seen = self.manager.windows.last_seen_s
         model = resolve_model(cfg.manager.model)
@@ -978,7 +997,8 @@ class Daemon:
                                                      watcher_owner=auth.caller_name, claims=self.store.claims,
                                                      backend=cfg.server.backend),
                 ingest_servicer=IngestServicer(self.manager, ack_interval_s=cfg.manager.ack_interval_ms / 1000.0,
-                                               replay_ok=lambda: replay or auth.caller_name() == "operator"),
+                                               replay_ok=lambda: replay or auth.caller_name() == "operator",
+                                               on_stream_end=self._stream_ended),
                 interceptors=[interceptor],
                 options=server_options(cfg.server.max_connections),
             )
@@ -1058,6 +1078,55 @@ class Daemon:
         if cfg.server.idle_release_s > 0:
             self._idle_release = asyncio.create_task(self._release_vanished(cfg.server.idle_release_s))
 
+    def _stream_ended(self, stream: StreamState) -> None:
+        """A profiler stream ended: `_release_after_stream` once STREAM_END_GRACE_S have passed; never
+        where server.idle_release_s is 0 (grants are kept until released)."""
+        if self._stopping or self.cfg.server.idle_release_s <= 0:
+            return
+        ended_s = self.clock()
+
+        def release() -> None:
+            self._stream_end_timers.discard(timer)
+            try:
+                self._release_after_stream(stream, ended_s)
+            except Exception as exc:  # noqa: BLE001 - the idle release still applies
+                self.log.error("stream_end_release_failed", peer=stream.peer, error=repr(exc))
+
+        timer = asyncio.get_running_loop().call_later(STREAM_END_GRACE_S, release)
+        self._stream_end_timers.add(timer)
+
+    def _release_after_stream(self, stream: StreamState, ended_s: float) -> list[str]:
+        """A profiler stream ended at `ended_s` (a replay that stopped, a profiler stopped): release,
+        sooner than server.idle_release_s, the grants of each application it sent whose process is
+        known to be gone. An application is released only when all of these hold: no stream open now
+        sends for it, and none has sent a signature for it since `ended_s`; every grant it holds is one
+        the daemon made from its signatures (source "forecast": it never requested, so nothing of it
+        talks to the daemon), none names a pid, and no watch of its own is open; its signatures named
+        a pid, and that pid runs on none of its grants' GPUs (the driver's process lists, read afresh:
+        a replay's made-up pids, a process that exited). A GPU whose process list cannot be read keeps
+        the grants. The applications released."""
+        still_sent = self.manager.apps_of_open_streams()
+        gone = []
+        for app_id in sorted(stream.apps - still_sent):
+            seen_s = self.manager.windows.last_seen_s(app_id)
+            if seen_s is not None and seen_s > ended_s:
+                continue  # another stream sent for it since
+            grants = self.allocator.ledger.grants(app_id=app_id)
+            pids = self.manager.app_pids(app_id)
+            if (not grants or not pids or self.allocator.watched(app_id)
+                    or any(g.source != "forecast" or g.pid for g in grants)):
+                continue
+            devices = sorted({g.device_id for g in grants})
+            if any(self.observed_pids.runs(d, pid) is not False for d in devices for pid in pids):
+                continue  # it runs there, or that GPU cannot say
+            reason = (f"its profiler stream ended and its process {', '.join(map(str, pids))} runs on none of "
+                      f"its GPUs (a replay that stopped, or a process that exited)")
+            self.log.info("app_released_stream_ended", app=app_id, pids=pids, devices=devices, peer=stream.peer,
+                          grants=[g.grant_id for g in grants], memory_mib=sum(g.memory_mib for g in grants))
+            self.allocator.release_departed(app_id, reason=reason, seen=self.allocator.last_seen_s(app_id))
+            gone.append(app_id)
+        return gone
+
     async def _release_vanished(self, idle_s: float) -> None:
         """Release the grants of applications silent for `idle_s` (Allocator.release_vanished),
         checked a few times per `idle_s` (at most every 5 s)."""
@@ -1116,6 +1185,9 @@ class Daemon:
             self._watchdog.cancel()
         if self._idle_release is not None:
             self._idle_release.cancel()
+        self._stopping = True  # streams that end from here on are the daemon's doing
+        for timer in self._stream_end_timers:
+            timer.cancel()
         if self.front is not None:  # no new connections; relayed ones stay for the grace period
             await asyncio.to_thread(self.front.stop_accepting)
         self._remove_public_socket()

@@ -489,8 +489,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu eval") -> int:
     except TraceFormatError as exc:
         _warn(prog, str(exc))
         return 1
-    if trace.issues:
-        _warn(prog, f"{len(trace.issues)} bad rows skipped in {args.trace} (first: {trace.issues[0]})")
+    note = trace.skipped_rows_note()
+    if note:
+        _warn(prog, note)
     apps = select(trace.apps, split)
     if not apps:
         _warn(prog, f"no application of {args.trace} falls in the {split!r} split")
