@@ -42,10 +42,10 @@ is absent, not 0. All prefixed `vgpu_`:
 - `build_info{version,python,backend}` (1).
 
 Per-application series are bounded: any caller of the socket may create applications (up to the
-node's grant quota), and each would add a dozen series to every scrape. `select_apps` keeps at most
+node's grant quota), and each would add up to eleven series per device to every scrape. `select_apps` keeps at most
 `max_apps` applications (`metrics.max_apps`): every application an operator has set limits on, then
 those that have had an OOM event, then the largest memory footprint (the larger of use, P90 forecast
-and grant, over its devices), ties by id. The others are left out of the `app_*` families and summed
+and grant, summed over its devices), ties by id. The others are left out of the `app_*` families and summed
 per device: `device_apps{device}` (applications on the device), `device_apps_unlisted{device}` (of
 those, left out), `device_unlisted_memory_used_bytes`, `device_unlisted_memory_granted_bytes`,
 `device_unlisted_granted_sm_ratio`, `device_unlisted_grants`; `metrics_max_apps` is the bound in force.
