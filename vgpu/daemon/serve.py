@@ -233,6 +233,7 @@ class StateSource:
                     last_seen_s=a.last_seen_s if a.last_seen_s is not None else math.nan,
                     overruns=over,
                     oom_events=oom,
+                    limited=a.limits is not None,
                 ))
         return out
 
@@ -940,7 +941,8 @@ class Daemon:
             self.model_loader = threading.Thread(target=self._load_default_model, args=(model.path,),
                                                  name="forecaster-load", daemon=True)
             self.model_loader.start()
-        self.metrics = DaemonMetrics(self.registry, StateSource(self.allocator, self.manager, cfg.server.backend))
+        self.metrics = DaemonMetrics(self.registry, StateSource(self.allocator, self.manager, cfg.server.backend),
+                                     max_apps=cfg.metrics.max_apps)
         try:  # the reconciled ledger is what a crash from here on must find
             self._save_all(ledger)
         except StoreError as exc:
