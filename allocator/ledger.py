@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 from vgpu.allocator.errors import InsufficientResources, InvalidRequest, NotFound, PermissionDenied
-from vgpu.ids import MAX_PID, app_id_problem
+from vgpu.ids import MAX_PID
 
 Source = Literal["request", "forecast", "cold_start"]
 SOURCES: tuple[str, ...] = ("request", "forecast", "cold_start")
@@ -652,9 +652,8 @@ def _limits_from_records(raw_limits: Iterable[Any], skip_bad: bool, bad: list[st
 def _limits_from_record(lim: Mapping[str, Any]) -> AppLimits:
     """A stored limits entry, its fields checked: a non-empty app id, caps that are finite numbers
     >= 0 (SM at most 100 %) or none, a priority that is an integer or none. A cap that is not a
-    number would stop every later request of the application with a TypeError; an id the app-id
-    rule refuses could never be named by a call; a priority beyond int32 fails every reply that
-    carries it."""
+    number would stop every later request of the application with a TypeError; a priority beyond
+    int32 fails every reply that carries it."""
     limits = AppLimits(**lim)
     if not isinstance(limits.app_id, str) or not limits.app_id.strip():
         raise ValueError(f"app_id is {limits.app_id!r}, not a non-empty string")
@@ -662,8 +661,6 @@ def _limits_from_record(lim: Mapping[str, Any]) -> AppLimits:
         _check_amount("max_memory_mib", limits.max_memory_mib)
     if limits.max_sm_pct is not None:
         _check_amount("max_sm_pct", limits.max_sm_pct, upper=100.0)
-    if (problem := app_id_problem(limits.app_id)) is not None:
-        raise ValueError(problem)
     if limits.priority is not None:
         _check_priority(limits.priority)
     return limits
@@ -687,16 +684,15 @@ def _record_id(record: object, key: str) -> str:
 
 
 def _grant_from_record(g: Mapping[str, Any]) -> Grant:
-    """A stored grant, its fields checked (types, finite sizes and times, an app id the id rule
-    takes, a priority and a pid in range)."""
+    """A stored grant, its fields checked (types, finite sizes and times, a priority and a pid in
+    range). Its app id is checked as the ledger checks a new grant's (a non-empty string), so what
+    the ledger holds always reads back; the id rule (`vgpu/ids.py`) is the RPC edge's."""
     grant = Grant(**g)
     for name in ("grant_id", "app_id", "device_id", "source"):
         if not isinstance(getattr(grant, name), str) or not getattr(grant, name):
             raise ValueError(f"{name} is {getattr(grant, name)!r}, not a non-empty string")
     _check_amount("memory_mib", grant.memory_mib)
     _check_amount("sm_pct", grant.sm_pct, upper=100.0)
-    if (problem := app_id_problem(grant.app_id)) is not None:
-        raise ValueError(problem)
     if grant.memory_mib > MAX_STORED_GRANT_MIB:
         raise ValueError(f"memory_mib {grant.memory_mib:g} is beyond any device ({MAX_STORED_GRANT_MIB:g} MiB)")
     _check_priority(grant.priority)

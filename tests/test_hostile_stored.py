@@ -84,10 +84,8 @@ ROW_DAMAGE: dict[str, tuple[str, str, dict[str, object], str]] = {
     "grant memory 10**400": ("grants", "grant_id", {"memory_mib": 10**400}, "grant "),
     # a finite 1e308 MiB left the device -1e308 MiB free: every request refused
     "grant memory 1e308": ("grants", "grant_id", {"memory_mib": 1e308}, "grant "),
-    "grant app id the rule refuses": ("grants", "grant_id", {"app_id": "held job"}, "grant "),
     "limits priority beyond int32": ("app_limits", "app_id", {"priority": 2**40}, "limits "),
     "limits cap 10**400": ("app_limits", "app_id", {"max_memory_mib": 10**400}, "limits "),
-    "limits app id the rule refuses": ("app_limits", "app_id", {"app_id": "held\u200bjob"}, "limits "),
 }
 
 
