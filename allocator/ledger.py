@@ -36,6 +36,11 @@ from vgpu.ids import MAX_PID
 Source = Literal["request", "forecast", "cold_start"]
 SOURCES: tuple[str, ...] = ("request", "forecast", "cold_start")
 RECORDS_VERSION = 1
+# A priority travels as a protobuf int32: a stored one beyond it would fail every reply naming its grant.
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
+# The most memory one stored grant may hold (1 EiB, beyond any device): a device's exact total of
+# grants stays a finite float however many are stored, where two grants of 1e308 MiB would overflow it.
+MAX_STORED_GRANT_MIB = float(2**40)
 # Tolerance for float sums: 1e-6 MiB and 1e-6 percentage points.
 _EPS = 1e-6
 # Exact totals count units of 2**-1074, the smallest positive float: every finite float is a whole
@@ -127,10 +132,18 @@ def _check_app_id(app_id: str) -> None:
         raise InvalidRequest("app_id is empty: give the application's identifier")
 
 
+def _finite(value: float) -> bool:
+    """A finite number, where an int too large for a float (a stored 10**400) is not finite either."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _check_amount(name: str, value: float, *, upper: float | None = None) -> None:
     if not isinstance(value, int | float) or isinstance(value, bool):
         raise InvalidRequest(f"{name} must be a number, got {value!r}")
-    if math.isnan(value) or math.isinf(value):
+    if not _finite(value):
         raise InvalidRequest(f"{name} must be a finite number, got {value}")
     if value < 0:
         raise InvalidRequest(f"{name} must be >= 0, got {value}")
@@ -607,7 +620,7 @@ def _grants_from_records(raw_grants: Iterable[Any], skip_bad: bool, bad: list[st
         except (KeyError, TypeError, ValueError, InvalidRequest) as exc:
             if not skip_bad:
                 raise ValueError(f"malformed ledger records: {exc}") from exc
-            bad.append(f"grant {_record_id(g, 'grant_id')}: {exc}")
+            bad.append(f"grant {_record_id(g, 'grant_id')}: {_said(exc)}")
             continue
         try:
             if grant.cold_start_mib is not None:
@@ -615,7 +628,7 @@ def _grants_from_records(raw_grants: Iterable[Any], skip_bad: bool, bad: list[st
         except InvalidRequest as exc:  # the grant stands; only the size it was sized at is lost
             if not skip_bad:
                 raise ValueError(f"malformed ledger records: {exc}") from exc
-            bad.append(f"grant {_record_id(g, 'grant_id')}: {exc}; kept without it")
+            bad.append(f"grant {_record_id(g, 'grant_id')}: {_said(exc)}; kept without it")
             grant = replace(grant, cold_start_mib=None)
         grants.append(grant)
     return grants
@@ -632,14 +645,15 @@ def _limits_from_records(raw_limits: Iterable[Any], skip_bad: bool, bad: list[st
         except (TypeError, ValueError, InvalidRequest) as exc:
             if not skip_bad:
                 raise ValueError(f"malformed ledger records: {exc}") from exc
-            bad.append(f"limits {_record_id(lim, 'app_id')}: {exc}")
+            bad.append(f"limits {_record_id(lim, 'app_id')}: {_said(exc)}")
     return limits
 
 
 def _limits_from_record(lim: Mapping[str, Any]) -> AppLimits:
     """A stored limits entry, its fields checked: a non-empty app id, caps that are finite numbers
     >= 0 (SM at most 100 %) or none, a priority that is an integer or none. A cap that is not a
-    number would stop every later request of the application with a TypeError."""
+    number would stop every later request of the application with a TypeError; a priority beyond
+    int32 fails every reply that carries it."""
     limits = AppLimits(**lim)
     if not isinstance(limits.app_id, str) or not limits.app_id.strip():
         raise ValueError(f"app_id is {limits.app_id!r}, not a non-empty string")
@@ -647,15 +661,21 @@ def _limits_from_record(lim: Mapping[str, Any]) -> AppLimits:
         _check_amount("max_memory_mib", limits.max_memory_mib)
     if limits.max_sm_pct is not None:
         _check_amount("max_sm_pct", limits.max_sm_pct, upper=100.0)
-    if limits.priority is not None and (not isinstance(limits.priority, int) or isinstance(limits.priority, bool)):
-        raise ValueError(f"priority is {limits.priority!r}, not an integer")
+    if limits.priority is not None:
+        _check_priority(limits.priority)
     return limits
 
 
 def _check_cold_start(mib: object) -> None:
     """A cold-start size: a finite number of MiB above 0."""
-    if not isinstance(mib, int | float) or isinstance(mib, bool) or not math.isfinite(mib) or mib <= 0:
+    if not isinstance(mib, int | float) or isinstance(mib, bool) or not _finite(mib) or mib <= 0:
         raise InvalidRequest(f"cold_start_mib must be a finite number of MiB > 0, got {mib!r}")
+
+
+def _said(exc: Exception) -> str:
+    """An error about a stored value, at most 300 characters: the value may be megabytes."""
+    text = str(exc)
+    return text if len(text) <= 300 else text[:300] + f"... ({len(text)} characters)"
 
 
 def _record_id(record: object, key: str) -> str:
@@ -664,17 +684,34 @@ def _record_id(record: object, key: str) -> str:
 
 
 def _grant_from_record(g: Mapping[str, Any]) -> Grant:
-    """A stored grant, its fields checked (types, finite sizes, a pid in range)."""
+    """A stored grant, its fields checked (types, finite sizes and times, a priority and a pid in
+    range). Its app id is checked as the ledger checks a new grant's (a non-empty string), so what
+    the ledger holds always reads back; the id rule (`vgpu/ids.py`) is the RPC edge's."""
     grant = Grant(**g)
     for name in ("grant_id", "app_id", "device_id", "source"):
         if not isinstance(getattr(grant, name), str) or not getattr(grant, name):
             raise ValueError(f"{name} is {getattr(grant, name)!r}, not a non-empty string")
     _check_amount("memory_mib", grant.memory_mib)
     _check_amount("sm_pct", grant.sm_pct, upper=100.0)
-    for name in ("priority", "pid"):
-        value = getattr(grant, name)
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ValueError(f"{name} is {value!r}, not an integer")
+    if grant.memory_mib > MAX_STORED_GRANT_MIB:
+        raise ValueError(f"memory_mib {grant.memory_mib:g} is beyond any device ({MAX_STORED_GRANT_MIB:g} MiB)")
+    _check_priority(grant.priority)
+    if not isinstance(grant.pid, int) or isinstance(grant.pid, bool):
+        raise ValueError(f"pid is {grant.pid!r}, not an integer")
     if not 0 <= grant.pid <= MAX_PID:
         raise ValueError(f"pid {grant.pid} is out of range (0 to {MAX_PID})")
+    for name in ("created_at_s", "updated_at_s", "mem_updated_at_s"):
+        value = getattr(grant, name)
+        if value is None and name == "mem_updated_at_s":
+            continue
+        # the policy subtracts these from the clock: a string or a NaN would fail or never age
+        if not isinstance(value, int | float) or isinstance(value, bool) or not _finite(value):
+            raise ValueError(f"{name} is {value!r}, not a finite number of seconds")
     return grant
+
+
+def _check_priority(value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"priority is {value!r}, not an integer")
+    if not PRIORITY_MIN <= value <= PRIORITY_MAX:
+        raise ValueError(f"priority {value} is out of range ({PRIORITY_MIN} to {PRIORITY_MAX})")

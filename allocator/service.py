@@ -390,7 +390,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     def __init__(self, allocator: Allocator, *, identify: Identify | None = None, observer: NodeObserver | None = None,
                  process_info: Callable[[int], tuple[str, str]] = process_info,
                  watcher_owner: Callable[[], str] | None = None,
-                 claims: Callable[[], Mapping[str, float]] | None = None, backend: str = "") -> None:
+                 claims: Callable[[], Mapping[str, float | None]] | None = None, backend: str = "") -> None:
         self.allocator = allocator
         self.backend = backend  # as GetAvailableResources reports it (server.backend)
         self._claims = claims or (lambda: {})
@@ -482,10 +482,11 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
                     msg.last_seen_s = seen
                 out.append(msg)
         for msg in out:
-            at_s = claims.get(msg.app_id)
-            if at_s is not None:
+            if msg.app_id in claims:
                 msg.claimed = True
-                msg.claimed_at_s = at_s
+                at_s = claims[msg.app_id]
+                if at_s is not None:  # None: the stored time is damaged; the claim stands
+                    msg.claimed_at_s = at_s
         out.sort(key=lambda m: m.app_id)
         return pb.ListApplicationsResponse(apps=out)
 

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from vgpu.allocator.ledger import Grant, LedgerChanges
+from vgpu.ids import app_id_problem
 
 SCHEMA_VERSION = 4
 DB_NAME = "vgpu.sqlite3"
@@ -207,6 +208,8 @@ class Store:
             self._migrate(step)
         self.writes = 0
         self._check_grant_rows()
+        # what open found damaged but could leave out; `load_ledger` reports it with its bad rows
+        self._open_notes = self._check_meta() + self._check_claims() + self._check_originals()
         self._checkpoint()
 
     def _damaged(self, what: str) -> StoreDamaged:
@@ -236,6 +239,40 @@ class Store:
         # count(*) (a scan of the table) per write or per claim.
         self._grant_rows = int(n)
         self._claimed = int(self._db.execute("SELECT count(*) FROM apps").fetchone()[0])
+
+    def _check_meta(self) -> list[str]:
+        """The ledger generation is a counter each change bumps and nothing else reads: one that is
+        not a number restarts from 0 (`_transaction`) instead of failing every change."""
+        row = self._db.execute("SELECT value FROM meta WHERE key='ledger_generation'").fetchone()
+        if row is None or _generation(row[0]) is not None:
+            return []
+        return [f"meta ledger_generation {str(row[0])[:80]!r}: not a number; counted afresh from 0"]
+
+    def _check_claims(self) -> list[str]:
+        """Claims whose id the app-id rule refuses (no call can name them, so leaving them out loses
+        nothing) are left out of `claimed_apps` and `claims`; a claim whose time is not a number is
+        kept, with no time. Each is described once, here."""
+        notes = []
+        for app_id, at_s in self._db.execute("SELECT app_id, claimed_at_s FROM apps ORDER BY rowid"):
+            if not _claim_id_ok(app_id):
+                why = app_id_problem(app_id) if isinstance(app_id, str) else f"a {type(app_id).__name__}, not text"
+                notes.append(f"apps row {str(app_id)[:80]!r}: {why}; left out")
+            elif _claim_time(at_s) is None:
+                notes.append(f"apps row {app_id!r}: claimed_at_s {str(at_s)[:80]!r} is not a time; the claim is kept")
+        return notes
+
+    def _check_originals(self) -> list[str]:
+        """Device and cgroup originals with a damaged field, each described once (they are read
+        with that field as unknown: `_original_from_row`, `_cgroup_original_from_row`)."""
+        notes = []
+        for row in self._db.execute("SELECT device_id, power_limit_mw, mig_enabled, mig_layout_json, saved_at_s "
+                                    "FROM device_originals ORDER BY device_id"):
+            notes += [f"device_originals row {str(row[0])[:80]!r}: {d}" for d in original_damage(row)]
+        for row in self._db.execute("SELECT device_id, cgroup, soft_mib, hard_mib, saved_at_s FROM cgroup_originals "
+                                    "ORDER BY device_id, cgroup"):
+            notes += [f"cgroup_originals row {str(row[0])[:80]!r} {str(row[1])[:80]!r}: {d}"
+                      for d in cgroup_original_damage(row)]
+        return notes
 
     def _checkpoint(self) -> None:
         """Copy the WAL into the database file (then a lost WAL loses nothing)."""
@@ -280,7 +317,7 @@ class Store:
             try:
                 grant_rows = write(self._db)
                 row = self._db.execute("SELECT value FROM meta WHERE key='ledger_generation'").fetchone()
-                generation = (int(row[0]) if row else 0) + 1
+                generation = ((_generation(row[0]) if row else 0) or 0) + 1
                 self._db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('ledger_generation', ?)", (str(generation),))
                 self._db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('grant_rows', ?)", (str(grant_rows),))
                 self._db.execute("COMMIT")
@@ -339,8 +376,8 @@ class Store:
     def load_ledger(self) -> dict[str, Any] | None:
         """The stored grants and limits as `Ledger.from_records()` reads them (devices come from the
         backend), or None when nothing was ever saved. A row that is not a JSON object is left out
-        and described in `bad_rows`."""
-        self.bad_rows = []
+        and described in `bad_rows`, with what open found damaged and left out (`_open_notes`)."""
+        self.bad_rows = list(self._open_notes)
         if self._db.execute("SELECT value FROM meta WHERE key='ledger_generation'").fetchone() is None:
             return None
         out: dict[str, Any] = {"version": 1, "devices": [], "grants": [], "limits": []}
@@ -454,12 +491,33 @@ class Store:
         return self._db.execute("SELECT 1 FROM apps WHERE app_id=?", (app_id,)).fetchone() is not None
 
     def claimed_apps(self) -> list[str]:
-        return [r[0] for r in self._db.execute("SELECT app_id FROM apps ORDER BY app_id").fetchall()]
+        """The claimed application ids (a stored one the app-id rule refuses is left out)."""
+        return [r[0] for r in self._db.execute("SELECT app_id FROM apps ORDER BY app_id").fetchall() if _claim_id_ok(r[0])]
 
-    def claims(self) -> dict[str, float]:
-        """Every claimed application id and when it was claimed (Unix s), by id."""
+    def claims(self) -> dict[str, float | None]:
+        """Every claimed application id and when it was claimed (Unix s; None: the stored time is
+        damaged), by id. A stored id the app-id rule refuses is left out."""
         rows = self._db.execute("SELECT app_id, claimed_at_s FROM apps ORDER BY app_id").fetchall()
-        return {str(app_id): float(at_s) for app_id, at_s in rows}
+        return {app_id: _claim_time(at_s) for app_id, at_s in rows if _claim_id_ok(app_id)}
+
+
+def _generation(value: object) -> int | None:
+    """A stored ledger generation, or None when it is not an integer."""
+    try:
+        return int(str(value))
+    except ValueError:
+        return None
+
+
+def _claim_id_ok(app_id: object) -> bool:
+    return isinstance(app_id, str) and app_id_problem(app_id) is None
+
+
+def _claim_time(at_s: object) -> float | None:
+    """A stored claim time (Unix s), or None when it is not a finite number."""
+    if isinstance(at_s, int | float) and not isinstance(at_s, bool) and math.isfinite(at_s):
+        return float(at_s)
+    return None
 
 
 def _json(record: Mapping[str, Any]) -> str:
@@ -476,29 +534,88 @@ def _grant_json(grant: Grant) -> str:
 
 
 def _original_from_row(row: tuple[Any, ...]) -> DeviceOriginal:
+    """A stored device original, read field by field: a damaged field is read as "not reported"
+    (None, or no layout), so the device is neither compared nor restored on it (`original_damage`
+    says which, once, at open); the row stays, so no later start records vgpu's own settings over it."""
     device_id, power, mig, layout_json, saved = row
-    layout = tuple(
-        MigSlot(int(s["profile_id"]), int(s["start"]), str(s.get("profile_name", ""))) for s in json.loads(layout_json)
-    )
+    layout = _layout(layout_json)
+    mig_enabled = None if mig not in (0, 1) or (mig == 1 and layout is None) else bool(mig)
     return DeviceOriginal(
-        device_id=device_id,
-        power_limit_mw=None if power is None else int(power),
-        mig_enabled=None if mig is None else bool(mig),
-        mig_layout=layout,
-        saved_at_s=float(saved),
+        device_id=str(device_id),
+        power_limit_mw=_int_or_none(power),
+        mig_enabled=mig_enabled,
+        mig_layout=layout or (),
+        saved_at_s=_claim_time(saved) or 0.0,
     )
+
+
+def original_damage(row: tuple[Any, ...]) -> list[str]:
+    """What of a stored device original is damaged (empty when nothing is)."""
+    device_id, power, mig, layout_json, saved = row
+    out = []
+    if power is not None and _int_or_none(power) is None:
+        out.append(f"power_limit_mw {str(power)[:80]!r}: not restored, set it by hand")
+    if mig is not None and mig not in (0, 1):
+        out.append(f"mig_enabled {str(mig)[:80]!r}: MIG not restored, set it by hand")
+    elif mig == 1 and _layout(layout_json) is None:
+        out.append("mig_layout_json is not a list of instances: MIG not restored, set it by hand")
+    if _claim_time(saved) is None:
+        out.append(f"saved_at_s {str(saved)[:80]!r} is not a time")
+    return out
+
+
+def _int_or_none(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _layout(layout_json: object) -> tuple[MigSlot, ...] | None:
+    """A stored MIG layout, or None when it is not a JSON list of {profile_id, start[, profile_name]}."""
+    try:
+        raw = json.loads(layout_json) if isinstance(layout_json, str) else None
+        if not isinstance(raw, list):
+            return None
+        return tuple(MigSlot(_int(s["profile_id"]), _int(s["start"]), str(s.get("profile_name", ""))[:64])
+                     for s in raw)
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        return None
+
+
+def _int(value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**31:
+        raise ValueError(f"{value!r} is not a small integer")
+    return value
 
 
 def _mib_or_null(mib: float) -> float | None:
     return None if math.isinf(mib) else mib
 
 
+def _limit_mib(value: object) -> float | None:
+    """A stored original cgroup limit (NULL: none, inf), or None when it is not a number > 0."""
+    if value is None:
+        return math.inf
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
+        return float(value)
+    return None
+
+
 def _cgroup_original_from_row(row: tuple[Any, ...]) -> CgroupOriginal:
+    """A stored cgroup original; a damaged limit is read as none (NVML's default, what a cgroup has
+    before anything caps it), and said once at open (`cgroup_original_damage`)."""
     device_id, cgroup, soft, hard, saved = row
     return CgroupOriginal(
-        device_id=device_id,
-        cgroup=cgroup,
-        soft_mib=math.inf if soft is None else float(soft),
-        hard_mib=math.inf if hard is None else float(hard),
-        saved_at_s=float(saved),
+        device_id=str(device_id),
+        cgroup=str(cgroup),
+        soft_mib=_limit_mib(soft) or math.inf,
+        hard_mib=_limit_mib(hard) or math.inf,
+        saved_at_s=_claim_time(saved) or 0.0,
     )
+
+
+def cgroup_original_damage(row: tuple[Any, ...]) -> list[str]:
+    device_id, cgroup, soft, hard, saved = row
+    out = [f"{what}_mib {str(v)[:80]!r}: written back as no limit" for what, v in (("soft", soft), ("hard", hard))
+           if _limit_mib(v) is None]
+    if _claim_time(saved) is None:
+        out.append(f"saved_at_s {str(saved)[:80]!r} is not a time")
+    return out

@@ -28,6 +28,7 @@ import os
 import re
 import tempfile
 import time
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TextIO
@@ -248,7 +249,8 @@ class NodeHistory:
                 continue
             try:
                 trace = _read_segment(path)
-            except (TraceFormatError, OSError, UnicodeDecodeError, EOFError) as exc:
+            # zlib.error: a gzip member whose deflate stream is damaged (a bad header is an OSError)
+            except (TraceFormatError, OSError, UnicodeDecodeError, EOFError, zlib.error) as exc:
                 if path.name not in self._skipped:
                     self._skipped.add(path.name)
                     self._log.warning("history_segment_skipped", path=str(path), error=str(exc))

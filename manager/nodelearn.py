@@ -73,7 +73,8 @@ def _append_log(state_dir: str | Path, entry: dict[str, Any]) -> None:
 
 
 def read_log(state_dir: str | Path) -> list[dict[str, Any]]:
-    """The promotion log; a line that is not a JSON object (a crash mid-write) is skipped."""
+    """The promotion log; a line that is not a JSON object (a crash mid-write, or damage: a line
+    nested too deep for the parser raises RecursionError) is skipped."""
     path = models_dir(state_dir) / LOG
     if not path.exists():
         return []
@@ -81,7 +82,7 @@ def read_log(state_dir: str | Path) -> list[dict[str, Any]]:
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             entry = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(entry, dict):
             out.append(entry)
