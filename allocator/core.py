@@ -619,18 +619,28 @@ class Allocator:
                               limit_s=idle_s, grants=[g.grant_id for g in grants],
                               memory_mib=sum(g.memory_mib for g in grants))
             self.release_departed(app_id, reason=reason, seen=seen)
-            gone.append(app_id)
+            if not self.ledger.grants(app_id=app_id):
+                gone.append(app_id)
         return gone
 
     def release_departed(self, app_id: str, *, reason: str, seen: float | None) -> list[Grant]:
         """Release every grant of `app_id`, an application that has gone, with `reason` on each RELEASED
-        event, and forget its latest recommendation and node-history series; its last sign of life
-        (`seen`) stays listed (LAST SEEN), as for an application released itself. The grants released."""
-        released = [self.release(g.grant_id, reason=reason) for g in self.ledger.grants(app_id=app_id)]
+        event, and forget its latest recommendation; its last sign of life (`seen`) stays listed (LAST
+        SEEN), as for an application released itself. A grant whose release cannot be stored is kept
+        (undone in memory, logged) and the others go on, so one failing write never stops a sweep
+        half-way; the next sweep tries it again. Its node-history series ends once no grant is left.
+        The grants released."""
+        released = []
+        for g in self.ledger.grants(app_id=app_id):
+            try:
+                released.append(self.release(g.grant_id, reason=reason))
+            except StateNotSaved as exc:
+                self._log.error("release_not_saved", app=app_id, grant=g.grant_id, error=str(exc))
         self._latest.pop(app_id, None)
         if seen is not None:
             self._seen[app_id] = seen
-        self.history.depart(app_id)
+        if not self.ledger.grants(app_id=app_id):
+            self.history.depart(app_id)
         return released
 
     def watched(self, app_id: str) -> bool:

@@ -119,3 +119,29 @@ def test_signatures_and_watches_are_signs_of_life() -> None:
     assert asyncio.run(run()) == ["silent"]
     assert alloc.last_seen_s("streaming") == 1099.0
     assert alloc.last_seen_s("silent") == 1000.0  # released, it keeps when it was last seen
+
+
+def test_a_release_that_cannot_be_stored_keeps_its_grant_and_the_sweep_goes_on() -> None:
+    """One failing write (a full state directory) keeps that grant, in memory and on disk alike, and
+    the sweep still releases every other idle application; the next sweep, the disk freed, releases it."""
+    from vgpu.allocator.errors import StateNotSaved
+    from vgpu.allocator.ledger import Ledger
+
+    now = [1000.0]
+    alloc = Allocator(SimBackend(["h100-80gb"]), clock=lambda: now[0], dry_run=False)
+    held = {app: alloc.request_allocation(AllocationRequest(app_id=app, memory_mib=100.0)).grant_id
+            for app in ("a-full-disk", "b-after", "c-after")}
+    disk_full = [True]
+
+    def store(ledger: Ledger) -> None:
+        if disk_full[0] and held["a-full-disk"] in ledger.changes().grants_removed:
+            raise StateNotSaved("database or disk is full")
+        ledger.commit_changes()
+
+    alloc.on_change = store
+    now[0] = 1100.0
+    assert alloc.release_vanished(60.0) == ["b-after", "c-after"]
+    assert [g.grant_id for g in alloc.ledger.grants()] == [held["a-full-disk"]]
+    disk_full[0] = False
+    assert alloc.release_vanished(60.0) == ["a-full-disk"]
+    assert not alloc.ledger.grants()
