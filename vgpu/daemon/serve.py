@@ -1,42 +1,89 @@
-"""`vgpu serve`: the manager and the allocator on one grpc.aio server, run as a system daemon.
+"""`vgpu serve`: the composition root. It builds the daemon from its configuration, starts the parts
+in a fixed order, serves until SIGTERM or SIGINT, then stops them and puts the devices back.
 
     vgpu serve --socket PATH --state-dir DIR --backend sim:h100-80gb|nvml [--config FILE]
                [--tcp HOST:PORT --tls-cert PEM --tls-key PEM [--tls-ca PEM]] [--metrics-port N] [--dry-run]
 
-Start-up, in order (each step fails loudly with a message that names what to fix):
-1. configuration: defaults < /etc/vgpu/vgpu.toml (or --config) < VGPU_* < flags (vgpu/config.py);
-   a plaintext TCP address is refused here;
-2. the state directory, locked so that two daemons never share it, and its SQLite store;
-3. the device backend; each device's power limit and MIG layout are recorded as its *original*
-   unless a previous run already recorded one (then the device may show our settings: a crash);
-4. the ledger from the store, reconciled with the device: grants on devices that are gone and
-   grants of processes that have exited are released; a power limit or MIG layout that is not the
-   original is reported (and put back at the next graceful stop); a cgroup memory limit a crashed
-   run left on a cgroup no remaining grant holds gets its recorded original back at once
-   (`Allocator.reconcile_cgroup_limits`);
-5. the forecaster (manager/modelpath.py): a configured `manager.model` must load or the start stops;
-   otherwise the shipped model loads in a worker thread while the baseline serves. Either is a
-   `ReloadingForecaster` that checks its file every `manager.model_check_interval_s` and swaps a new
-   checkpoint in without touching the streams (`forecaster_reloaded`); a new file that does not load
-   is logged (`forecaster_reload_failed`) and the old model keeps serving;
-   the cold-start sizer (manager/coldstart.py), loading in a worker thread (requests that need it
-   before it is loaded are answered UNAVAILABLE; if it cannot load, one warning, and they are
-   answered FAILED_PRECONDITION);
-   tokens (vgpu/auth.py), the Allocator and Ingest servicers behind the access-control
-   interceptor; gRPC listens in the front's private directory (`<state_dir>/front`, 0700), and the
-   front (vgpu/daemon/front.py) on the public Unix socket, created owner-only and then given its
-   configured owner, group and mode before it listens: the front reads each caller's credentials
-   (SO_PEERCRED), bounds connections per uid, and relays to gRPC (with `server.peer_credentials =
-   false`, gRPC listens on the public socket itself); the optional TLS listener; the metrics endpoint;
-6. READY=1 to systemd and a WATCHDOG=1 every third of WatchdogSec while the loop is alive.
+This module owns the order of start-up and stop (`Daemon.start`, `Daemon.stop`), the state
+directory's lock, the reconciliation of the stored ledger with the devices (`reconcile`), putting
+devices back to their recorded originals (`restore_devices`), the public socket and the front's
+private directory, the two early releases (idle, stream end), systemd notification and the command
+line (`main`). The parts themselves are built elsewhere: the Allocator (allocator/), the Manager
+(manager/), the servicers, access control (vgpu/auth.py), the front (vgpu/daemon/front.py) and the
+metrics (vgpu/daemon/metrics.py).
 
-SIGTERM or SIGINT: STOPPING=1, the front stops accepting and the public socket is removed, the
-watch streams end (they never end by themselves, so the grace would always run out on them), the
-server stops taking calls (in-flight ones get `grace_s`, relayed still), the front closes what is
-left and the front's directory is removed, the
-allocator restores what it changed, then every device whose power limit or MIG layout still
-differs from the recorded original is put back and read back (logged `device_restored` with
-before/after), the ledger is saved, exit status 0.
+Configuration (`main`, before anything starts): defaults < /etc/vgpu/vgpu.toml (or --config) <
+VGPU_* < flags (vgpu/config.py). A bad value, a plaintext TCP address or half a TLS pair is a
+ConfigError: `vgpu serve: configuration error: ...` on stderr, exit status 2.
+
+Start-up (`Daemon.start`), in order. A step that cannot be done raises StartupError (token files:
+auth.AuthSetupError) with a message that names what to fix; `run` calls `stop()`, which undoes only
+the steps reached, and `main` logs `startup_failed` and prints `vgpu serve: <message>` on one line
+on stderr, exit status 1 (any other exception: `vgpu serve: cannot start: <type>: <message>`).
+1. dry run resolved (`server.dry_run` unset: on for nvml, off for the simulator); when on, a
+   `dry_run` warning;
+2. the state directory (`_open_state`): created and locked with flock(2), so that two daemons never
+   share it (fails: "another vgpu daemon is using the state directory ..."); with --reset-state the
+   old database is moved aside (`state_reset`); the SQLite store is opened (a damaged one fails,
+   naming --reset-state);
+3. the device backend (`open_backend`; NVML that cannot be opened fails naming `vgpu doctor`, a bad
+   simulator spec fails as `--backend: ...`);
+4. reconciliation (`reconcile`): each device's power limit and MIG layout are recorded as its
+   *original* unless a previous run recorded one (then a difference is reported: a crash left the
+   daemon's settings, which the next graceful stop puts back); the ledger is loaded (one that cannot
+   be read fails, naming --reset-state; a bad row is left out and counted), and grants on devices
+   that are gone and grants of processes that have exited are released;
+5. the allocator (`_build_allocator`): the MIG mechanism (`<state_dir>/mig`), the cold-start sizer
+   (manager/coldstart.py) loading in a worker thread (requests that need it before it is loaded are
+   answered UNAVAILABLE; if it cannot load, one warning, and they are answered FAILED_PRECONDITION),
+   cgroup memory limits and the predictive policy; then a cgroup memory limit a crashed run left on
+   a cgroup no remaining grant holds gets its recorded original back (every one of them when
+   `server.cgroup_memory_limits` is off: nothing would restore them later);
+6. the forecaster and the manager (`_build_manager`, manager/modelpath.py): a configured
+   `manager.model` must load or the start fails; otherwise the shipped model loads in a worker thread
+   while the baseline serves. Either is a `ReloadingForecaster` that checks its file every
+   `manager.model_check_interval_s` and swaps a new checkpoint in without touching the streams
+   (`forecaster_reloaded`); a new file that does not load is logged (`forecaster_reload_failed`)
+   and the old model keeps serving. With `manager.mixture` the served forecaster is the expert
+   mixture (manager/experts.py), and the node history and the background learner start here;
+7. the metrics' collectors; the reconciled ledger stored whole (fails: "cannot store the reconciled
+   ledger"); one `reconciled` record of what steps 4 and 5 found (`_store_reconciled`);
+8. tokens (vgpu/auth.py; an application's token file that cannot be written is logged
+   `app_token_unwritable` and the start goes on), the front's private directory
+   (`<state_dir>/front`, 0700) and the access-control interceptor (`_access_control`);
+9. the sockets: the public socket's path is checked (another daemon listening on it, or a file that
+   is not a socket, fails; a stale socket is removed) and its directories created; the in-app
+   directory is created when missing (never fails: what was found is in `serving`); the gRPC server
+   is built with the Allocator and Ingest servicers behind the interceptor, listening in the front's
+   directory (with `server.peer_credentials = false`, on the public socket itself), and the public
+   socket is bound owner-only (`_build_server`), then given its configured owner, group and mode;
+   the optional TLS listener (`_add_tcp`); the metrics endpoint (`_serve_metrics`: a port that
+   cannot be bound fails the start, metrics.port 0 turns it off);
+10. gRPC starts, then the front (`_start_front`) listens on the public socket: it reads each
+   caller's credentials (SO_PEERCRED), bounds connections per uid and relays to gRPC;
+11. start-up's heap is frozen out of the garbage collector's full passes (vgpu/gc_freeze.py),
+   `serving` is logged, READY=1 goes to systemd, WATCHDOG=1 every third of WatchdogSec while the
+   loop is alive (they stop, with `front_stopped`, once the front's thread has ended, so that
+   systemd restarts a daemon nobody can reach), and the idle release starts.
+
+Releases while serving (neither runs with `server.idle_release_s` 0, which keeps grants until they
+are released): every min(5 s, idle_release_s / 4) the grants of applications silent for
+idle_release_s go (`Allocator.release_vanished`; a failed sweep is logged `idle_release_failed`);
+STREAM_END_GRACE_S after a profiler stream ends, its applications whose grants the daemon made from
+their signatures and whose process runs on none of their GPUs go (`_release_after_stream`,
+`app_released_stream_ended`).
+
+Stop (`Daemon.stop`; SIGTERM or SIGINT, or a failed start), in order: STOPPING=1; the watchdog, the
+idle release and the stream-end timers are cancelled; the front stops accepting and the public
+socket is removed; the watch streams end (they never end by themselves, so the grace would always
+run out on them); the server stops taking calls (in-flight ones get `grace_s`, relayed still); the
+front closes what is left and the front's directory is removed; the allocator restores what it
+changed (power limits, cgroup limits, MIG), then every device whose power limit or MIG layout still
+differs from the recorded original is put back and read back (`device_restored` with before/after;
+skipped in a dry run, `restore_skipped`); the ledger is saved; the metrics endpoint stops;
+background loads (forecaster, cold-start sizer, a hot reload) are waited for up to LOADER_JOIN_S,
+the learner stopped, the history, backend and store closed; `stopped` is logged, the state
+directory unlocked; exit status 0.
 """
 
 from __future__ import annotations
@@ -111,6 +158,7 @@ UPSTREAM_SOCKET = "grpc.sock"
 # bounded by it, whatever time stamps a profiler sends); samples stamped further ahead of the
 # daemon's clock than MAX_FUTURE_S are rejected with the reason.
 MAX_WINDOW_SPAN_S = 3600.0
+MAX_FUTURE_S = 300.0
 # Connections that hold a descriptor and do nothing are closed: one that has not finished its
 # HTTP/2 handshake after 10 s (a local client needs milliseconds), and one with no call for 10 min.
 # How many may be open at once is `server.max_connections` (server_options).
@@ -118,6 +166,8 @@ SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.server_handshake_timeout_ms", 10_000),
     ("grpc.max_connection_idle_ms", 600_000),
 )
+# How long a stop waits for background model loads to end (they take seconds; systemd's stop timeout is 90 s).
+LOADER_JOIN_S = 60.0
 
 
 def server_options(max_connections: int) -> tuple[tuple[str, int], ...]:
@@ -125,9 +175,6 @@ def server_options(max_connections: int) -> tuple[tuple[str, int], ...]:
     core closes one beyond it as soon as it is accepted; an idle connection costs about 13 KiB, and
     gRPC's read-buffer, BDP and HPACK options do not change that, so the count is what bounds it)."""
     return (*SERVER_OPTIONS, ("grpc.max_allowed_incoming_connections", max_connections))
-MAX_FUTURE_S = 300.0
-# How long a stop waits for background model loads to end (they take seconds; systemd's stop timeout is 90 s).
-LOADER_JOIN_S = 60.0
 
 
 class StartupError(RuntimeError):
