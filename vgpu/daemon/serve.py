@@ -915,11 +915,42 @@ class Daemon:
             metrics.store_writes.inc()
 
     async def start(self) -> None:
+        """Start-up's steps, in the order of the module docstring's list."""
         self.cfg = cfg = vconfig.resolve_dry_run(self.cfg)
         if cfg.server.dry_run:
             self.log.warning("dry_run", backend=cfg.server.backend,
                              meaning="decisions are logged, nothing is written to the devices",
                              to_act="set server.dry_run = false (or VGPU_SERVER_DRY_RUN=false, or --no-dry-run)")
+        self._open_state()
+        self.backend = self._backend_override or open_backend(cfg.server.backend, self.state_dir)
+        ledger, rec = reconcile(self.store, self.backend, clock=self.clock)
+        cgroup_outcomes = self._build_allocator(ledger)
+        self._build_manager()
+        self.metrics = DaemonMetrics(self.registry, StateSource(self.allocator, self.manager, cfg.server.backend))
+        self._store_reconciled(ledger, rec, cgroup_outcomes)
+        interceptor, token_files = self._access_control()
+        prepare_socket_path(self.socket_path)
+        inapp_state = prepare_inapp_dir(Path(cfg.server.inapp_dir))
+        self.server = self._build_server(interceptor)
+        # the public socket, born owner-only, gets its configured owner, group and mode before anything listens
+        secure_socket(self.socket_path, mode=cfg.socket_mode_bits, owner=cfg.server.socket_owner,
+                      group=cfg.server.socket_group)
+        if cfg.server.tcp:
+            self._add_tcp(self.server)
+        metrics_at = self._serve_metrics()
+        await self.server.start()
+        self._start_front()
+        # start-up is over: what it built is kept out of the garbage collector's full passes (vgpu/gc_freeze.py)
+        frozen = freeze_startup_heap()
+        self._log_serving(token_files, inapp_state, metrics_at, frozen)
+        self.notifier.notify(f"READY=1\nSTATUS=serving on {self.socket_path}\nMAINPID={os.getpid()}")
+        if self.notifier.watchdog_s:
+            self._watchdog = asyncio.create_task(self._ping_watchdog(self.notifier.watchdog_s / 3))
+        if cfg.server.idle_release_s > 0:
+            self._idle_release = asyncio.create_task(self._release_vanished(cfg.server.idle_release_s))
+
+    def _open_state(self) -> None:
+        """Lock the state directory, move a damaged database aside with --reset-state, open the store."""
         self._lock = lock_state_dir(self.state_dir)
         if self._reset_state:
             moved = reset_state(self.state_dir, clock=self.clock)
@@ -929,12 +960,16 @@ class Daemon:
             self.store = Store(self.state_dir, clock=self.clock)
         except StoreError as exc:
             raise StartupError(str(exc)) from exc
-        self.backend = self._backend_override or open_backend(cfg.server.backend, self.state_dir)
-        ledger, rec = reconcile(self.store, self.backend, clock=self.clock)
+
+    def _build_allocator(self, ledger: Ledger) -> list[tuple[str, str, str]]:
+        """The Allocator over the reconciled ledger, with its mechanisms, the cold-start sizer (loading
+        in a worker thread from here on) and the predictive policy; then the cgroup limits a crashed
+        run left are put back. Returns what became of each (device, cgroup, outcome)."""
+        cfg = self.cfg
         ledger.max_grants_per_app = cfg.server.max_grants_per_app
         ledger.max_grants = cfg.server.max_grants_per_node
         (self.state_dir / "mig").mkdir(mode=0o700, exist_ok=True)
-        dry_run = vconfig.dry_run_of(cfg.server)  # resolved above; said again for the type checker
+        dry_run = vconfig.dry_run_of(cfg.server)  # resolved by start(); said again for the type checker
         mig = MigLayoutMechanism(state_dir=self.state_dir / "mig", dry_run=dry_run)
         self.sizer = BackgroundSizer(self._load_sizer, self.log)
         cgroup_limits = CgroupMemoryLimits(dry_run=dry_run, store=self.store, clock=self.clock)
@@ -950,8 +985,13 @@ class Daemon:
                                    drop_slow_watchers=True)
         # cgroup limits a crashed run left: put back where no grant holds the cgroup now (all of
         # them where the mechanism is now off: nothing would restore them later)
-        cgroup_outcomes = (self.allocator.reconcile_cgroup_limits() if cfg.server.cgroup_memory_limits
-                           else cgroup_limits.reconcile(self.backend, {}))
+        return (self.allocator.reconcile_cgroup_limits() if cfg.server.cgroup_memory_limits
+                else cgroup_limits.reconcile(self.backend, {}))
+
+    def _build_manager(self) -> None:
+        """The served forecaster and the Manager that feeds the allocator. A configured model loads
+        here (or the start fails); the shipped one loads in a worker thread while the baseline serves."""
+        cfg = self.cfg
         baseline = default_baseline()
         interval_s = cfg.manager.model_check_interval_s
         model_forecaster = load_model(cfg.manager.model, fallback=baseline, check_interval_s=interval_s)
@@ -959,17 +999,7 @@ class Daemon:
         # that abstains until the model loads), or with manager.mixture off the model alone
         self.mixture = None
         if cfg.manager.mixture:
-            self.history = (NodeHistory(self.state_dir / "history", horizon_s=cfg.manager.history_horizon_s,
-                                        max_bytes=int(cfg.manager.history_max_mib * 2**20))
-                            if cfg.manager.history else None)
-            self.mixture = make_served(model_forecaster, local=True, history=self.history)
-            mixture = self.mixture
-            watcher = LocalModelWatcher(self.state_dir, lambda m: mixture.set_expert("local", m))
-            self.learner = BackgroundLearner(self.state_dir, self.state_dir / "history",
-                                             resolve_model(cfg.manager.model).path, watcher,
-                                             interval_s=cfg.manager.learn_interval_s if self.history else 0.0,
-                                             housekeeping=self.history.compress_closed if self.history else None)
-            self.learner.start()
+            self._start_mixture(model_forecaster)
         self.observed_pids = ObservedPids(self.backend)
         self.manager = Manager(self.allocator, self.mixture or model_forecaster,
                                clock=self.clock, fallback=baseline,
@@ -987,8 +1017,28 @@ class Daemon:
             self.model_loader = threading.Thread(target=self._load_default_model, args=(model.path,),
                                                  name="forecaster-load", daemon=True)
             self.model_loader.start()
-        self.metrics = DaemonMetrics(self.registry, StateSource(self.allocator, self.manager, cfg.server.backend))
-        try:  # the reconciled ledger is what a crash from here on must find
+
+    def _start_mixture(self, model_forecaster: Forecaster | None) -> None:
+        """The expert mixture over `model_forecaster` (None: the model slot waits for the shipped
+        model), with the node history (`manager.history`) and the background learner, started now."""
+        cfg = self.cfg
+        self.history = (NodeHistory(self.state_dir / "history", horizon_s=cfg.manager.history_horizon_s,
+                                    max_bytes=int(cfg.manager.history_max_mib * 2**20))
+                        if cfg.manager.history else None)
+        self.mixture = make_served(model_forecaster, local=True, history=self.history)
+        mixture = self.mixture
+        watcher = LocalModelWatcher(self.state_dir, lambda m: mixture.set_expert("local", m))
+        self.learner = BackgroundLearner(self.state_dir, self.state_dir / "history",
+                                         resolve_model(cfg.manager.model).path, watcher,
+                                         interval_s=cfg.manager.learn_interval_s if self.history else 0.0,
+                                         housekeeping=self.history.compress_closed if self.history else None)
+        self.learner.start()
+
+    def _store_reconciled(self, ledger: Ledger, rec: Reconciliation,
+                          cgroup_outcomes: Sequence[tuple[str, str, str]]) -> None:
+        """Store the reconciled ledger whole (what a crash from here on must find) and log what
+        start-up found as one `reconciled` record."""
+        try:
             self._save_all(ledger)
         except StoreError as exc:
             raise StartupError(f"cannot store the reconciled ledger: {exc}") from exc
@@ -1004,6 +1054,11 @@ class Daemon:
             cgroup_originals={f"{dev} {cg}": outcome for dev, cg, outcome in cgroup_outcomes},
         )
 
+    def _access_control(self) -> tuple[auth.AuthInterceptor, dict[str, Path]]:
+        """Write the role tokens and each claimed application's token, create the front's private
+        directory (with server.peer_credentials), and build the access-control interceptor. Returns
+        it and the role token files."""
+        cfg = self.cfg
         authority = auth.TokenAuthority(
             auth.token_dir(self.state_dir), operator_group=cfg.auth.operator_group, profiler_group=cfg.auth.profiler_group
         )
@@ -1016,9 +1071,6 @@ class Daemon:
         if cfg.server.peer_credentials:
             # the front accepts on the public socket; gRPC listens in the front's private directory
             self._front_dir = prepare_front_dir(self.state_dir / FRONT_DIR)
-            grpc_address = f"unix:{self._front_dir.upstream}"
-        else:
-            grpc_address = f"unix:{self.socket_path}"
         access = auth.AccessControl(
             authority,
             self.store,
@@ -1030,14 +1082,22 @@ class Daemon:
             open_ingest=cfg.auth.open_ingest,
             peer_of=self._front_dir.names.peer if self._front_dir is not None else None,
         )
-        interceptor = auth.AuthInterceptor(access, on_denied=self.metrics.on_denied)
-        replay = vconfig.accepts_replay(cfg)
+        return auth.AuthInterceptor(access, on_denied=self.metrics.on_denied), token_files
 
-        prepare_socket_path(self.socket_path)
-        inapp_state = prepare_inapp_dir(Path(cfg.server.inapp_dir))
-        old_umask = os.umask(0o177)  # the socket is born owner-only ...
+    def _build_server(self, interceptor: auth.AuthInterceptor) -> Server:
+        """The gRPC server with both servicers behind `interceptor`, bound in the front's directory
+        (without a front: on the public socket), and, with a front, the public socket bound for it
+        (not listening yet). Each socket file is born owner-only (umask 0177); `start` then gives the
+        public one its configured owner, group and mode."""
+        cfg = self.cfg
+        replay = vconfig.accepts_replay(cfg)
+        if self._front_dir is not None:
+            grpc_address = f"unix:{self._front_dir.upstream}"
+        else:
+            grpc_address = f"unix:{self.socket_path}"
+        old_umask = os.umask(0o177)
         try:
-            self.server = build_server(
+            server = build_server(
                 grpc_address,
                 allocator_servicer=AllocatorServicer(self.allocator, identify=auth.identify_caller,
                                                      observer=NodeView(self.manager),
@@ -1059,46 +1119,57 @@ class Daemon:
             raise StartupError(f"cannot listen on {self.socket_path}: {exc}") from exc
         finally:
             os.umask(old_umask)
-        # ... and gets its configured owner, group and mode before the server listens.
-        secure_socket(self.socket_path, mode=cfg.socket_mode_bits, owner=cfg.server.socket_owner,
-                      group=cfg.server.socket_group)
-        if cfg.server.tcp:
-            host, port = vconfig.parse_host_port(cfg.server.tcp)
-            creds = grpc.ssl_server_credentials(
-                [(_read(cfg.tls.key, "tls.key"), _read(cfg.tls.cert, "tls.cert"))],
-                root_certificates=_read(cfg.tls.ca, "tls.ca") if cfg.tls.ca else None,
-                require_client_auth=cfg.mutual_tls,
-            )
-            try:
-                self.server.server.add_secure_port(cfg.server.tcp, creds)
-            except RuntimeError as exc:
-                raise StartupError(f"cannot listen on {cfg.server.tcp}: {exc}") from exc
-        metrics_at = None
-        if cfg.metrics.port:
-            # Operators alert on the scrape: a daemon without its metrics would look down while it
-            # serves, so a port that cannot be bound fails the start (metrics.port 0 turns them off).
-            try:
-                self.metrics_server, _ = start_http_server(cfg.metrics.port, cfg.metrics.address, registry=self.registry)
-                metrics_at = f"{cfg.metrics.address}:{cfg.metrics.port}"
-            except OSError as exc:
-                # the socket is ours (prepare_socket_path checked) and nothing listens on it yet
-                self.socket_path.unlink(missing_ok=True)
-                raise StartupError(
-                    f"cannot serve metrics on {cfg.metrics.address}:{cfg.metrics.port} ({exc.strerror or exc}): "
-                    "free the port, or set another with --metrics-port (metrics.port, VGPU_METRICS_PORT); "
-                    "0 turns metrics off"
-                ) from exc
-        await self.server.start()
-        if self._front_dir is not None and self._listener is not None:
-            self.front = PeerFront(self._listener, self._front_dir.upstream, self._front_dir.names,
-                                   max_connections=cfg.server.max_connections,
-                                   max_per_uid=cfg.server.max_connections_per_uid,
-                                   on_refused=self.metrics.on_connection_refused, logger=self.log)
-            self._listener = None  # the front's now
-            self.front.start()
-            self.metrics.watch_connections(lambda: self.front.open_connections if self.front is not None else 0)
-        # start-up is over: what it built is kept out of the garbage collector's full passes (vgpu/gc_freeze.py)
-        frozen = freeze_startup_heap()
+        return server
+
+    def _add_tcp(self, server: Server) -> None:
+        """The TLS listener on server.tcp (the configuration refused it without a certificate and key)."""
+        cfg = self.cfg
+        creds = grpc.ssl_server_credentials(
+            [(_read(cfg.tls.key, "tls.key"), _read(cfg.tls.cert, "tls.cert"))],
+            root_certificates=_read(cfg.tls.ca, "tls.ca") if cfg.tls.ca else None,
+            require_client_auth=cfg.mutual_tls,
+        )
+        try:
+            server.server.add_secure_port(cfg.server.tcp, creds)
+        except RuntimeError as exc:
+            raise StartupError(f"cannot listen on {cfg.server.tcp}: {exc}") from exc
+
+    def _serve_metrics(self) -> str | None:
+        """Start the Prometheus endpoint; its address, or None when metrics.port is 0."""
+        cfg = self.cfg
+        if not cfg.metrics.port:
+            return None
+        # Operators alert on the scrape: a daemon without its metrics would look down while it
+        # serves, so a port that cannot be bound fails the start (metrics.port 0 turns them off).
+        try:
+            self.metrics_server, _ = start_http_server(cfg.metrics.port, cfg.metrics.address, registry=self.registry)
+        except OSError as exc:
+            # the socket is ours (prepare_socket_path checked) and nothing listens on it yet
+            self.socket_path.unlink(missing_ok=True)
+            raise StartupError(
+                f"cannot serve metrics on {cfg.metrics.address}:{cfg.metrics.port} ({exc.strerror or exc}): "
+                "free the port, or set another with --metrics-port (metrics.port, VGPU_METRICS_PORT); "
+                "0 turns metrics off"
+            ) from exc
+        return f"{cfg.metrics.address}:{cfg.metrics.port}"
+
+    def _start_front(self) -> None:
+        """Hand the bound public socket to the front, which listens on it from now on."""
+        if self._front_dir is None or self._listener is None:
+            return
+        cfg = self.cfg
+        self.front = PeerFront(self._listener, self._front_dir.upstream, self._front_dir.names,
+                               max_connections=cfg.server.max_connections,
+                               max_per_uid=cfg.server.max_connections_per_uid,
+                               on_refused=self.metrics.on_connection_refused, logger=self.log)
+        self._listener = None  # the front's now
+        self.front.start()
+        self.metrics.watch_connections(lambda: self.front.open_connections if self.front is not None else 0)
+
+    def _log_serving(self, token_files: dict[str, Path], inapp_state: str, metrics_at: str | None,
+                     frozen: int) -> None:
+        """The `serving` record: what the daemon listens on and how it is set up."""
+        cfg = self.cfg
         self.log.info(
             "serving",
             socket=str(self.socket_path),
@@ -1119,11 +1190,6 @@ class Daemon:
             pid=os.getpid(),
             heap_frozen_objects=frozen,
         )
-        self.notifier.notify(f"READY=1\nSTATUS=serving on {self.socket_path}\nMAINPID={os.getpid()}")
-        if self.notifier.watchdog_s:
-            self._watchdog = asyncio.create_task(self._ping_watchdog(self.notifier.watchdog_s / 3))
-        if cfg.server.idle_release_s > 0:
-            self._idle_release = asyncio.create_task(self._release_vanished(cfg.server.idle_release_s))
 
     def _stream_ended(self, stream: StreamState) -> None:
         """A profiler stream ended: `_release_after_stream` once STREAM_END_GRACE_S have passed; never
