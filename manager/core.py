@@ -141,11 +141,6 @@ class Decision:
     sm_util_pct: float = math.nan
     first_use_s: float = math.nan
 
-    def to_pb(self) -> ingest_pb2.Decision:
-        msg = ingest_pb2.Decision()
-        self.fill_pb(msg)
-        return msg
-
     def fill_pb(self, msg: ingest_pb2.Decision) -> None:
         """Write the decision into an empty `msg` (a reply's `decisions.add()`: filled in place, not
         built and then copied into the reply)."""
