@@ -435,7 +435,6 @@ class Manager:
         A batch with one sample per application, every one taken, is added in bulk
         (`WindowStore.add_latest`) and its rows' devices listed in `bulk`, which is then the device of
         every application kept in the batch (left empty otherwise)."""
-        apps = stream.apps if stream is not None else None
         stats = self.stats
         try:
             rows = read_columns(msg)
@@ -453,86 +452,122 @@ class Manager:
             k = int(rows.app_index[i])
             reply.rejected.add(index=base + i, app_id=rows.app_ids[k][:_MAX_APP_ID] if k < len(rows.app_ids) else "",
                                reason=why)
+        # the checks of `accept`'s signatures, in the same order, each clearing `rows.good` where it refuses
         if self.device_known is not None:
-            for k, device_id in enumerate(rows.device_ids):
-                if self._device_ok(device_id):
-                    continue
-                reason = self._unknown_device(device_id, count=0)
-                for row in np.flatnonzero(rows.good & (rows.device_index == k)).tolist():
-                    stats.rejected += 1
-                    stats.unknown_device += 1
-                    rows.good[row] = False
-                    reply.rejected.add(index=base + row, reason=reason, app_id=rows.app_ids[int(rows.app_index[row])])
+            self._refuse_unknown_devices(rows, base, reply)
         pids = np.frombuffer(msg.pid_u32, dtype="<u4") if len(msg.pid_u32) == 4 * len(rows.seq) else None
         if self._checks_pids(stream):
-            said: dict[tuple[int, int, int], str | None] = {}
-            for row in np.flatnonzero(rows.good).tolist():
-                a, d = int(rows.app_index[row]), int(rows.device_index[row])
-                pid = int(pids[row]) if pids is not None else 0
-                key = (a, d, pid)
-                if key not in said:
-                    said[key] = self._unobserved(rows.app_ids[a], rows.device_ids[d], pid, stream, count=0)
-                refusal = said[key]
-                if refusal is not None:
-                    stats.rejected += 1
-                    stats.unobserved_pid += 1
-                    rows.good[row] = False
-                    reply.rejected.add(index=base + row, app_id=rows.app_ids[a], reason=refusal)
+            self._refuse_unobserved(rows, pids, base, reply, stream)
         good = np.flatnonzero(rows.good)
         if self.max_future_s is not None and len(good):
-            ahead = rows.t_s[good] > now + self.max_future_s
-            for i in good[ahead]:
-                stats.rejected += 1
-                reply.rejected.add(index=base + int(i), app_id=rows.app_ids[int(rows.app_index[i])],
-                                   reason=_future_reason(float(rows.t_s[i]), now, self.max_future_s))
-            good = good[~ahead]
+            good = self._refuse_future(rows, good, base, reply, now, self.max_future_s)
         if not len(good):
             return 0
         order = good[np.argsort(rows.app_index[good], kind="stable")]  # by app, batch order within
         by_app = rows.app_index[order]
-        accepted = 0
         if len(order) == 1 or bool((by_app[1:] != by_app[:-1]).all()):
-            # One row per application, a profiler's usual tick: through the windows' one-sample path
-            # (the same rules as a group of one), on Python lists instead of numpy slices per application.
-            values = rows.values[:, order]
-            if len(values) > _NB and np.isnan(values[_NB:]).all():
-                values = values[:_NB]  # no in-app value in the batch: the format's columns only
-            app_at, dev_at = by_app.tolist(), rows.device_index[order].tolist()
-            pid_at = pids[order].tolist() if pids is not None else None
-            names = [rows.app_ids[k] for k in app_at]
-            devices = [rows.device_ids[d] for d in dev_at]
-            if not kept_apps and self.windows.add_latest(names, devices, rows.seq[order], rows.t_s[order], values,
-                                                         now):
-                # every row kept, as one by one below, without a Python pass per sample
-                self._dirty.update(names)
-                kept_apps.update(names)
+            return self._add_one_per_app(rows, order, pids, base, reply, now, stream, kept_apps, bulk)
+        return self._add_per_app(rows, order, by_app, pids, base, reply, now, stream, kept_apps)
+
+    def _refuse_unknown_devices(self, rows: ColumnRows, base: int, reply: ingest_pb2.IngestReply) -> None:
+        """Reject the good rows that name a device the daemon does not have."""
+        stats = self.stats
+        for k, device_id in enumerate(rows.device_ids):
+            if self._device_ok(device_id):
+                continue
+            reason = self._unknown_device(device_id, count=0)
+            for row in np.flatnonzero(rows.good & (rows.device_index == k)).tolist():
+                stats.rejected += 1
+                stats.unknown_device += 1
+                rows.good[row] = False
+                reply.rejected.add(index=base + row, reason=reason, app_id=rows.app_ids[int(rows.app_index[row])])
+
+    def _refuse_unobserved(self, rows: ColumnRows, pids: np.ndarray | None, base: int,
+                           reply: ingest_pb2.IngestReply, stream: StreamState | None) -> None:
+        """Reject the good rows whose pid is not a GPU process of this node (`_unobserved`), asked
+        once per (application, device, pid) of the batch."""
+        stats = self.stats
+        said: dict[tuple[int, int, int], str | None] = {}
+        for row in np.flatnonzero(rows.good).tolist():
+            a, d = int(rows.app_index[row]), int(rows.device_index[row])
+            pid = int(pids[row]) if pids is not None else 0
+            key = (a, d, pid)
+            if key not in said:
+                said[key] = self._unobserved(rows.app_ids[a], rows.device_ids[d], pid, stream, count=0)
+            refusal = said[key]
+            if refusal is not None:
+                stats.rejected += 1
+                stats.unobserved_pid += 1
+                rows.good[row] = False
+                reply.rejected.add(index=base + row, app_id=rows.app_ids[a], reason=refusal)
+
+    def _refuse_future(self, rows: ColumnRows, good: np.ndarray, base: int, reply: ingest_pb2.IngestReply,
+                       now: float, max_future_s: float) -> np.ndarray:
+        """Reject the rows of `good` stamped more than `max_future_s` ahead of `now`; the rest."""
+        ahead = rows.t_s[good] > now + max_future_s
+        for i in good[ahead]:
+            self.stats.rejected += 1
+            reply.rejected.add(index=base + int(i), app_id=rows.app_ids[int(rows.app_index[i])],
+                               reason=_future_reason(float(rows.t_s[i]), now, max_future_s))
+        rest: np.ndarray = good[~ahead]
+        return rest
+
+    def _add_one_per_app(self, rows: ColumnRows, order: np.ndarray, pids: np.ndarray | None, base: int,
+                         reply: ingest_pb2.IngestReply, now: float, stream: StreamState | None,
+                         kept_apps: set[str], bulk: list[str]) -> int:
+        """Add rows `order`, one per application (a profiler's usual tick), through the windows'
+        one-sample path (the same rules as a group of one), on Python lists instead of numpy slices
+        per application; in one bulk append when every row is taken. Returns how many were kept."""
+        apps = stream.apps if stream is not None else None
+        by_app = rows.app_index[order]
+        values = rows.values[:, order]
+        if len(values) > _NB and np.isnan(values[_NB:]).all():
+            values = values[:_NB]  # no in-app value in the batch: the format's columns only
+        app_at, dev_at = by_app.tolist(), rows.device_index[order].tolist()
+        pid_at = pids[order].tolist() if pids is not None else None
+        names = [rows.app_ids[k] for k in app_at]
+        devices = [rows.device_ids[d] for d in dev_at]
+        if not kept_apps and self.windows.add_latest(names, devices, rows.seq[order], rows.t_s[order], values,
+                                                     now):
+            # every row kept, as one by one below, without a Python pass per sample
+            self._dirty.update(names)
+            kept_apps.update(names)
+            if apps is not None:
+                apps.update(names)
+            if pid_at is not None:
+                pid_of, app_of = self._pids.get, self._pid_app.get
+                for app_id, pid in zip(names, pid_at, strict=True):
+                    if pid and (pid_of(app_id) != pid or app_of(pid) != app_id):
+                        self._name_pid(app_id, pid)
+            bulk += devices
+            return len(names)
+        accepted = 0
+        cols, seqs, ts = values.T.tolist(), rows.seq[order].tolist(), rows.t_s[order].tolist()
+        add_row, dirty = self.windows.add_row, self._dirty
+        for j in range(len(app_at)):
+            app_id = rows.app_ids[app_at[j]]
+            kept_one, evicted = add_row(app_id, rows.device_ids[dev_at[j]], seqs[j], ts[j], cols[j], now)
+            if evicted:
+                self._forget(evicted)
+            if kept_one:
+                accepted += 1
+                dirty.add(app_id)
+                if pid_at is not None and pid_at[j]:
+                    self._name_pid(app_id, pid_at[j])
+                kept_apps.add(app_id)
                 if apps is not None:
-                    apps.update(names)
-                if pid_at is not None:
-                    pid_of, app_of = self._pids.get, self._pid_app.get
-                    for app_id, pid in zip(names, pid_at, strict=True):
-                        if pid and (pid_of(app_id) != pid or app_of(pid) != app_id):
-                            self._name_pid(app_id, pid)
-                bulk += devices
-                return len(names)
-            cols, seqs, ts = values.T.tolist(), rows.seq[order].tolist(), rows.t_s[order].tolist()
-            add_row, dirty = self.windows.add_row, self._dirty
-            for j in range(len(app_at)):
-                app_id = rows.app_ids[app_at[j]]
-                kept_one, evicted = add_row(app_id, rows.device_ids[dev_at[j]], seqs[j], ts[j], cols[j], now)
-                if evicted:
-                    self._forget(evicted)
-                if kept_one:
-                    accepted += 1
-                    dirty.add(app_id)
-                    if pid_at is not None and pid_at[j]:
-                        self._name_pid(app_id, pid_at[j])
-                    kept_apps.add(app_id)
-                    if apps is not None:
-                        apps.add(app_id)
-                else:
-                    self._not_kept(app_id, order[j:j + 1], rows, base, reply, stream)
-            return accepted
+                    apps.add(app_id)
+            else:
+                self._not_kept(app_id, order[j:j + 1], rows, base, reply, stream)
+        return accepted
+
+    def _add_per_app(self, rows: ColumnRows, order: np.ndarray, by_app: np.ndarray, pids: np.ndarray | None,
+                     base: int, reply: ingest_pb2.IngestReply, now: float, stream: StreamState | None,
+                     kept_apps: set[str]) -> int:
+        """Add rows `order` (sorted by application, `by_app` their applications) one window append
+        per application; a group's pid and device are its last row's. Returns how many were kept."""
+        apps = stream.apps if stream is not None else None
+        accepted = 0
         for grp in np.split(order, np.flatnonzero(np.diff(by_app)) + 1):
             app_id = rows.app_ids[int(rows.app_index[grp[0]])]
             kept, evicted = self.windows.add_rows(app_id, rows.device_ids[int(rows.device_index[grp[-1]])],
