@@ -413,8 +413,14 @@ class Manager:
         reply.accepted = accepted
         stats.accepted += accepted
         self._last_kept = kept_apps
+        self._note_devices_seen(kept_apps, bulk, now)
+        return reply
+
+    def _note_devices_seen(self, kept_apps: set[str], bulk: list[str], now: float) -> None:
+        """Remember `now` as when each kept application's device (its window's, after the batch; the
+        devices of `bulk` when the columns were added in bulk) got its newest signature, past the
+        applications' eviction (`profiler_states`)."""
         newest = self._device_newest_s
-        # each kept application's device (its window's, after the batch), remembered past the apps' eviction
         for device_id in (set(bulk) if bulk else ()):
             newest[device_id] = now
         for app_id in (kept_apps if not bulk else ()):
@@ -422,7 +428,6 @@ class Manager:
                 newest[self.windows.window(app_id).device_id] = now
         while len(newest) > self.windows.max_apps:  # device ids come from the wire: bounded
             del newest[min(newest, key=newest.__getitem__)]
-        return reply
 
     def _accept_columns(self, msg: ingest_pb2.SignatureColumns, base: int, reply: ingest_pb2.IngestReply,
                         now: float, stream: StreamState | None, kept_apps: set[str], bulk: list[str]) -> int:
