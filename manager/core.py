@@ -196,7 +196,8 @@ class ManagerStats:
     evicted: int = 0
     dropped_by_profilers: int = 0
     forecast_s_total: float = 0.0
-    # allocator calls with decisions, and how many of them waited for the acting budget (`act_duty_max`)
+    # allocator calls with decisions; and rounds whose decisions found the acting budget (`act_duty_max`)
+    # spent and were left for a later apply (counted per round, not per decision or per apply)
     applies: int = 0
     applies_deferred: int = 0
     unknown_device: int = 0  # rejected (and in `rejected`): the signature names a device the daemon lacks

@@ -510,16 +510,16 @@ def reconcile(
     """Record originals, load the ledger, and drop what no longer exists (see module docstring)."""
     rec = Reconciliation()
     for dev in backend.devices():
-        now = read_original(dev, clock())
-        if store.save_original(now):
+        current = read_original(dev, clock())
+        if store.save_original(current):
             continue
         orig = store.original(dev.uuid)
         assert orig is not None
         diffs = []
-        if orig.power_limit_mw is not None and now.power_limit_mw != orig.power_limit_mw:
-            diffs.append(f"power limit {now.power_limit_mw} mW, original {orig.power_limit_mw} mW")
-        if orig.mig_enabled is not None and (now.mig_enabled, now.mig_layout) != (orig.mig_enabled, orig.mig_layout):
-            diffs.append(f"MIG {_layout_text(now)}, original {_layout_text(orig)}")
+        if orig.power_limit_mw is not None and current.power_limit_mw != orig.power_limit_mw:
+            diffs.append(f"power limit {current.power_limit_mw} mW, original {orig.power_limit_mw} mW")
+        if orig.mig_enabled is not None and (current.mig_enabled, current.mig_layout) != (orig.mig_enabled, orig.mig_layout):
+            diffs.append(f"MIG {_layout_text(current)}, original {_layout_text(orig)}")
         if diffs:
             rec.devices_not_original[dev.uuid] = "; ".join(diffs)
     caps = device_capacities(backend)
@@ -606,13 +606,13 @@ def _restore_power(
 def _restore_mig(
     dev: Device, orig: DeviceOriginal, logger: Any, actions: list[dict[str, Any]], metrics: DaemonMetrics | None
 ) -> bool:
-    now = read_original(dev, 0.0)
-    if now.mig_enabled != orig.mig_enabled:
+    current = read_original(dev, 0.0)
+    if current.mig_enabled != orig.mig_enabled:
         logger.error("device_restore_failed", device=dev.uuid, mechanism="mig",
-                     error=f"MIG mode is {now.mig_enabled}, was {orig.mig_enabled}; set it by hand (nvidia-smi -mig)")
+                     error=f"MIG mode is {current.mig_enabled}, was {orig.mig_enabled}; set it by hand (nvidia-smi -mig)")
         _record(metrics, "mig", "failed")
         return False
-    if now.mig_layout == orig.mig_layout:
+    if current.mig_layout == orig.mig_layout:
         return True
     try:
         for gi in dev.gpu_instances():
@@ -625,7 +625,7 @@ def _restore_mig(
         return False
     after = read_original(dev, 0.0)
     ok = after.mig_layout == orig.mig_layout
-    entry = {"device": dev.uuid, "mechanism": "mig", "before": _layout_text(now), "after": _layout_text(after),
+    entry = {"device": dev.uuid, "mechanism": "mig", "before": _layout_text(current), "after": _layout_text(after),
              "original": _layout_text(orig)}
     actions.append(entry)
     (logger.info if ok else logger.error)("device_restored" if ok else "device_restore_mismatch", **entry)
@@ -932,7 +932,7 @@ class Daemon:
         prepare_socket_path(self.socket_path)
         inapp_state = prepare_inapp_dir(Path(cfg.server.inapp_dir))
         self.server = self._build_server(interceptor)
-        # the public socket, born owner-only, gets its configured owner, group and mode before anything listens
+        # the public socket, born owner-only, gets its configured owner, group and mode before the server starts
         secure_socket(self.socket_path, mode=cfg.socket_mode_bits, owner=cfg.server.socket_owner,
                       group=cfg.server.socket_group)
         if cfg.server.tcp:
