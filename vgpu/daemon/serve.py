@@ -1290,8 +1290,9 @@ class Daemon:
             await asyncio.sleep(max(0.0, deadline - time.monotonic()))
 
     async def stop(self, reason: str = "signal") -> list[dict[str, Any]]:
-        """Stop serving, restore the devices, save. Works from any point of a failed start: each
-        part is undone only if start() got to it (attributes it never set are absent)."""
+        """Stop serving, restore the devices, save: the stop's steps, in the order of the module
+        docstring. Works from any point of a failed start: each part is undone only if start() got
+        to it (attributes it never set are absent)."""
         self.notifier.notify("STOPPING=1\nSTATUS=restoring device settings")
         self.log.info("stopping", reason=reason)
         if self._watchdog is not None:
@@ -1301,35 +1302,13 @@ class Daemon:
         self._stopping = True  # streams that end from here on are the daemon's doing
         for timer in self._stream_end_timers:
             timer.cancel()
-        if self.front is not None:  # no new connections; relayed ones stay for the grace period
-            await asyncio.to_thread(self.front.stop_accepting)
-        self._remove_public_socket()
         allocator: Allocator | None = getattr(self, "allocator", None)
-        if self.server is not None:
-            if allocator is not None:
-                allocator.end_watches()  # watch streams never end by themselves: grace_s is for calls
-            await self.server.stop(self.cfg.server.grace_s)
-        if self.front is not None:
-            await asyncio.to_thread(self.front.stop)
-        if self._listener is not None:  # a start that failed before the front took it
-            self._listener.close()
-            self._listener = None
-        if self._front_dir is not None:
-            remove_front_dir(self._front_dir)
-            self._front_dir = None
+        await self._stop_serving(allocator)
         actions: list[dict[str, Any]] = []
         store: Store | None = getattr(self, "store", None)
         backend: Backend | None = getattr(self, "backend", None)
         if allocator is not None and store is not None and backend is not None:
-            allocator.stop()
-            if self.cfg.server.dry_run:
-                self.log.info("restore_skipped", reason="dry run: nothing was written to the devices")
-            else:
-                actions = restore_devices(store, backend, self.log, getattr(self, "metrics", None))
-            try:
-                self._save(allocator.ledger)
-            except StateNotSaved:
-                pass  # logged by _save; every acknowledged change is stored already
+            actions = self._restore_and_save(allocator, store, backend)
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
         await asyncio.to_thread(self._wait_for_loaders, LOADER_JOIN_S)
@@ -1346,6 +1325,40 @@ class Daemon:
             self._lock.close()
         thaw_heap()  # what start-up froze is collectable again for whatever runs on in this process
         self.stopped.set()
+        return actions
+
+    async def _stop_serving(self, allocator: Allocator | None) -> None:
+        """Close the doors: the front stops accepting and the public socket goes, the watch streams
+        end, the server stops (in-flight calls get server.grace_s), then the front and its directory."""
+        if self.front is not None:  # no new connections; relayed ones stay for the grace period
+            await asyncio.to_thread(self.front.stop_accepting)
+        self._remove_public_socket()
+        if self.server is not None:
+            if allocator is not None:
+                allocator.end_watches()  # watch streams never end by themselves: grace_s is for calls
+            await self.server.stop(self.cfg.server.grace_s)
+        if self.front is not None:
+            await asyncio.to_thread(self.front.stop)
+        if self._listener is not None:  # a start that failed before the front took it
+            self._listener.close()
+            self._listener = None
+        if self._front_dir is not None:
+            remove_front_dir(self._front_dir)
+            self._front_dir = None
+
+    def _restore_and_save(self, allocator: Allocator, store: Store, backend: Backend) -> list[dict[str, Any]]:
+        """The allocator undoes what it changed, every device still off its recorded original is put
+        back (not in a dry run), and the ledger is saved. The restore actions taken."""
+        actions: list[dict[str, Any]] = []
+        allocator.stop()
+        if self.cfg.server.dry_run:
+            self.log.info("restore_skipped", reason="dry run: nothing was written to the devices")
+        else:
+            actions = restore_devices(store, backend, self.log, getattr(self, "metrics", None))
+        try:
+            self._save(allocator.ledger)
+        except StateNotSaved:
+            pass  # logged by _save; every acknowledged change is stored already
         return actions
 
     def _remove_public_socket(self) -> None:
