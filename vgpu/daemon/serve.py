@@ -166,7 +166,9 @@ SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.server_handshake_timeout_ms", 10_000),
     ("grpc.max_connection_idle_ms", 600_000),
 )
-# How long a stop waits for background model loads to end (they take seconds; systemd's stop timeout is 90 s).
+# How long a stop waits for background model loads to end (they take seconds). The wait comes after the
+# devices are restored and the ledger saved, so a stop that systemd kills during it (the shipped unit's
+# TimeoutStopSec is 60 s) loses only the clean exit.
 LOADER_JOIN_S = 60.0
 
 
