@@ -50,6 +50,7 @@ def test_env_booleans_and_numbers() -> None:
         ("socket = 1\n", {}, "must be a \\[section\\]"),
         ('[metrics]\nport = "9464"\n', {}, r"metrics.port .*expected int, got str"),
         ("[metrics]\nport = 70000\n", {}, r"metrics.port: expected 0..65535"),
+        ("", {"VGPU_METRICS_MAX_APPS": "-1"}, r"metrics.max_apps: must be >= 0"),
         ("[server]\ndry_run = 1\n", {}, r"server.dry_run .*expected bool"),
         ('[server]\nsocket_mode = "0666"\n', {}, "lets every local user connect"),
         ('[server]\nsocket_mode = "rw"\n', {}, "expected octal"),

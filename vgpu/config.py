@@ -137,6 +137,11 @@ class MetricsConfig:
     port: int = 9464
     # Address the endpoint binds to.
     address: str = "127.0.0.1"
+    # Applications given per-application series (vgpu_app_*) at most: those an operator set limits
+    # on, then those with an OOM event, then the largest memory footprint. The rest are summed per
+    # device (vgpu_device_unlisted_*) and counted (vgpu_device_apps_unlisted), so that callers who
+    # create many applications cannot grow every scrape without bound.
+    max_apps: int = 100
 
 
 @dataclass(frozen=True)
@@ -326,6 +331,9 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"manager.forecast_duty_max: expected a share in (0, 1], got {cfg.manager.forecast_duty_max}")
     if not 0 <= cfg.metrics.port <= 65535:
         raise ConfigError(f"metrics.port: expected 0..65535, got {cfg.metrics.port}")
+    if cfg.metrics.max_apps < 0:
+        raise ConfigError(f"metrics.max_apps: must be >= 0 (0: operator-limited applications only), "
+                          f"got {cfg.metrics.max_apps}")
     if cfg.log.format not in ("json", "console"):
         raise ConfigError(f"log.format: expected 'json' or 'console', got {cfg.log.format!r}")
     if cfg.log.level.lower() not in ("debug", "info", "warning", "error"):

@@ -40,6 +40,15 @@ is absent, not 0. All prefixed `vgpu_`:
   accept: `max_connections`, `max_connections_per_uid`, `upstream` when gRPC's own socket refused,
   `no_descriptors`), `connections_open` (relayed connections open now; absent with the front off);
 - `build_info{version,python,backend}` (1).
+
+Per-application series are bounded: any caller of the socket may create applications (up to the
+node's grant quota), and each would add up to eleven series per device to every scrape. `select_apps` keeps at most
+`max_apps` applications (`metrics.max_apps`): every application an operator has set limits on, then
+those that have had an OOM event, then the largest memory footprint (the larger of use, P90 forecast
+and grant, summed over its devices), ties by id. The others are left out of the `app_*` families and summed
+per device: `device_apps{device}` (applications on the device), `device_apps_unlisted{device}` (of
+those, left out), `device_unlisted_memory_used_bytes`, `device_unlisted_memory_granted_bytes`,
+`device_unlisted_granted_sm_ratio`, `device_unlisted_grants`; `metrics_max_apps` is the bound in force.
 """
 
 from __future__ import annotations
@@ -77,6 +86,7 @@ class AppSnapshot:
     last_seen_s: float = math.nan  # Unix s
     overruns: int | None = None  # None: no history kept for it
     oom_events: int | None = None
+    limited: bool = False  # an operator has set limits on the application
 
 
 @dataclass(frozen=True)
@@ -142,8 +152,40 @@ class MetricsSource(Protocol):
     def counter_snapshot(self) -> CounterSnapshot: ...
 
 
+DEFAULT_MAX_APPS = 100
+
+
 def _finite(x: float | None) -> bool:
     return x is not None and math.isfinite(x)
+
+
+def _footprint_mib(app: AppSnapshot) -> float:
+    """The memory an application takes on one device: the largest of its use, its P90 forecast and
+    its grant that is known."""
+    known = [x for x in (app.mem_used_mib, app.forecast_mem_p90_mib, app.granted_mem_mib) if _finite(x)]
+    return max(known, default=0.0)
+
+
+def select_apps(apps: Sequence[AppSnapshot], max_apps: int) -> tuple[list[AppSnapshot], list[AppSnapshot]]:
+    """`apps` (one snapshot per application and device) split into (listed, left out), whole
+    applications at a time: every application with operator limits, then up to `max_apps` in all
+    ranked by an OOM event first, then memory footprint over its devices, then id. More than
+    `max_apps` are listed only when operators have limited more applications than that."""
+    by_app: dict[str, list[AppSnapshot]] = {}
+    for a in apps:
+        by_app.setdefault(a.app_id, []).append(a)
+    if len(by_app) <= max_apps:
+        return list(apps), []
+
+    def rank(app_id: str) -> tuple[bool, bool, float, str]:
+        rows = by_app[app_id]
+        return (not any(r.limited for r in rows), not any((r.oom_events or 0) > 0 for r in rows),
+                -sum(_footprint_mib(r) for r in rows), app_id)
+
+    ranked = sorted(by_app, key=rank)
+    keep = {app_id for i, app_id in enumerate(ranked) if i < max_apps or any(r.limited for r in by_app[app_id])}
+    listed = [a for a in apps if a.app_id in keep]
+    return listed, [a for a in apps if a.app_id not in keep]
 
 
 def _histogram(name: str, doc: str, hist: LatencyHistogram | None, count: int, sum_s: float) -> HistogramMetricFamily:
@@ -153,15 +195,59 @@ def _histogram(name: str, doc: str, hist: LatencyHistogram | None, count: int, s
 
 
 class _StateCollector(Collector):
-    def __init__(self, source: MetricsSource) -> None:
+    def __init__(self, source: MetricsSource, max_apps: int) -> None:
         self._source = source
+        self._max_apps = max_apps
 
     def collect(self) -> Iterator[Metric]:
-        yield from self._apps()
-        yield from self._devices()
+        devices = self._source.device_snapshots()
+        listed, unlisted = select_apps(self._source.app_snapshots(), self._max_apps)
+        yield from self._apps(listed)
+        yield from self._unlisted([d.device_id for d in devices], listed, unlisted)
+        yield from self._devices(devices)
         yield from self._counters()
 
-    def _apps(self) -> Iterator[Metric]:
+    def _unlisted(self, device_ids: list[str], listed: list[AppSnapshot],
+                  unlisted: list[AppSnapshot]) -> Iterator[Metric]:
+        """Per device: how many applications there are and how many were left out of the
+        per-application series, with the sums of what those left out use and hold."""
+        dev = ["device"]
+        apps = GaugeMetricFamily("vgpu_device_apps", "Applications with a grant, use or forecast on the device",
+                                 labels=dev)
+        left = GaugeMetricFamily("vgpu_device_apps_unlisted", "Applications on the device left out of the vgpu_app_* "
+                                 "series (beyond metrics.max_apps)", labels=dev)
+        used = GaugeMetricFamily("vgpu_device_unlisted_memory_used_bytes", "GPU memory the applications left out "
+                                 "use, summed", labels=dev)
+        granted = GaugeMetricFamily("vgpu_device_unlisted_memory_granted_bytes", "GPU memory granted to the "
+                                    "applications left out, summed", labels=dev)
+        sm = GaugeMetricFamily("vgpu_device_unlisted_granted_sm_ratio", "SM share granted to the applications left "
+                               "out, summed (0-1)", labels=dev)
+        grants = GaugeMetricFamily("vgpu_device_unlisted_grants", "Grants the applications left out hold", labels=dev)
+        # every device, with zeros when nothing is left out, so that `> 0` rules have a series
+        order = list(dict.fromkeys([*device_ids, *(a.device_id for a in listed), *(a.device_id for a in unlisted)]))
+        totals = {d: [0, 0, 0.0, 0.0, 0.0, 0] for d in order}  # apps, left out, used, granted, SM, grants
+        for a in listed:
+            totals[a.device_id][0] += 1
+        for a in unlisted:
+            t = totals[a.device_id]
+            t[0] += 1
+            t[1] += 1
+            t[2] += a.mem_used_mib if _finite(a.mem_used_mib) else 0.0
+            t[3] += a.granted_mem_mib
+            t[4] += a.granted_sm_pct
+            t[5] += a.grants
+        for d, (n, n_left, used_mib, granted_mib, sm_pct, n_grants) in totals.items():
+            apps.add_metric([d], n)
+            left.add_metric([d], n_left)
+            used.add_metric([d], used_mib * MIB)
+            granted.add_metric([d], granted_mib * MIB)
+            sm.add_metric([d], sm_pct * 0.01)
+            grants.add_metric([d], n_grants)
+        yield from (apps, left, used, granted, sm, grants)
+        yield GaugeMetricFamily("vgpu_metrics_max_apps", "Applications given vgpu_app_* series at most "
+                                "(metrics.max_apps; operator-limited ones beyond it)", value=self._max_apps)
+
+    def _apps(self, snapshots: Sequence[AppSnapshot]) -> Iterator[Metric]:
         labels = ["app", "device"]
         # attribute -> (family, scale to base units)
         gauges = {
@@ -192,7 +278,7 @@ class _StateCollector(Collector):
                                        "used more memory than it was granted", labels=labels)
         ooms = CounterMetricFamily("vgpu_app_oom_events", "Runs of overruns: where a memory cap fails an allocation",
                                    labels=labels)
-        for app in self._source.app_snapshots():
+        for app in snapshots:
             key = [app.app_id, app.device_id]
             for attr, (family, scale) in gauges.items():
                 value = float(getattr(app, attr))
@@ -205,7 +291,7 @@ class _StateCollector(Collector):
         yield from (family for family, _ in gauges.values())
         yield from (overruns, ooms)
 
-    def _devices(self) -> Iterator[Metric]:
+    def _devices(self, devices: Sequence[DeviceSnapshot]) -> Iterator[Metric]:
         dev = ["device"]
         info = GaugeMetricFamily("vgpu_device_info", "The GPU's index, name and bus id (value 1)",
                                  labels=["device", "index", "name", "pci_bus_id"])
@@ -230,7 +316,7 @@ class _StateCollector(Collector):
                                     labels=dev)
         age = GaugeMetricFamily("vgpu_newest_signature_age_seconds", "Seconds since the newest signature for the "
                                 "device arrived", labels=dev)
-        for d in self._source.device_snapshots():
+        for d in devices:
             k = [d.device_id]
             info.add_metric([d.device_id, str(d.index), d.name, d.pci_bus_id or ""], 1)
             total.add_metric(k, d.mem_total_mib * MIB)
@@ -309,9 +395,13 @@ class _StateCollector(Collector):
 
 
 class DaemonMetrics:
-    """The daemon's metrics in `registry`."""
+    """The daemon's metrics in `registry`; per-application series for `max_apps` applications at
+    most (`select_apps`)."""
 
-    def __init__(self, registry: CollectorRegistry, source: MetricsSource | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry, source: MetricsSource | None = None, *,
+                 max_apps: int = DEFAULT_MAX_APPS) -> None:
+        if max_apps < 0:
+            raise ValueError(f"max_apps: must be >= 0, got {max_apps}")
         self.registry = registry
         self.denied = Counter(
             "vgpu_access_denied", "Calls refused by access control", ["method", "code"], registry=registry
@@ -326,7 +416,7 @@ class DaemonMetrics:
         )
         self._registry = registry
         if source is not None:
-            registry.register(_StateCollector(source))
+            registry.register(_StateCollector(source, max_apps))
 
     def on_connection_refused(self, reason: str) -> None:
         self.connections_refused.labels(reason=reason).inc()

@@ -282,6 +282,7 @@ class StateSource:
                     last_seen_s=a.last_seen_s if a.last_seen_s is not None else math.nan,
                     overruns=over,
                     oom_events=oom,
+                    limited=a.limits is not None,
                 ))
         return out
 
@@ -928,7 +929,8 @@ class Daemon:
         ledger, rec = reconcile(self.store, self.backend, clock=self.clock)
         cgroup_outcomes = self._build_allocator(ledger)
         self._build_manager()
-        self.metrics = DaemonMetrics(self.registry, StateSource(self.allocator, self.manager, cfg.server.backend))
+        self.metrics = DaemonMetrics(self.registry, StateSource(self.allocator, self.manager, cfg.server.backend),
+                                     max_apps=cfg.metrics.max_apps)
         self._store_reconciled(ledger, rec, cgroup_outcomes)
         interceptor, token_files = self._access_control()
         prepare_socket_path(self.socket_path)
