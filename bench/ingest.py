@@ -30,7 +30,8 @@ After `--warmup-s` the measurement window of `--seconds` opens. Printed:
 * manager_cpu_frac: the manager process's CPU time (user + system, all threads) over the window's
   wall time; 1.0 is one core;
 * applies / applies_deferred: the manager's calls to the allocator over the whole run, and how many
-  decisions' applies waited for its acting budget (`Manager(act_duty_max=...)`, manager/core.py).
+  rounds found its acting budget (`Manager(act_duty_max=...)`, manager/core.py) spent, their
+  decisions left for a later apply.
 
 `--forecaster served`: the manager forecasts with what `vgpu serve` serves by default, the expert
 mixture over the last value and the shipped model (manager/experts.py `make_served`, the model on

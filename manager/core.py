@@ -1,11 +1,43 @@
 """The `Manager`: signatures in, windows, batched forecasts soon after arrival, decisions out.
 
-Each ingested `SignatureBatch` is read signature by signature in one pass (`parse_signature` in
-vgpu/wire.py: validated and turned into the window's values together; a columnar part is read
-as arrays there too; a malformed signature is rejected with a reason,
-an out-of-order one is rejected as such, one the window already holds (a profiler's resend after a
-reconnect) is dropped quietly as a duplicate, the rest of the batch and the stream go on) and added to
-the per-application windows (manager/window.py, numpy ring buffers).
+It owns the per-application windows (manager/window.py, numpy ring buffers), which applications are
+due for a forecast and when, the forecast rounds, the decisions (the newest per application, and
+which of them each profiler stream has been given), and when the decisions are handed to the
+allocator (`Allocator.apply_recommendations`, in-process). Applications silent for long are evicted
+from the windows (so is the one silent longest when a new application finds the store full); the
+manager then forgets them (`_forget`) and the allocator releases their forecast grants.
+
+The path of one batch (`ingest_async`, called by the Ingest servicer, manager/service.py):
+1. `accept`, on the loop: applications silent too long are evicted; each signature is read in one
+   pass (`parse_signature` in vgpu/wire.py: validated and turned into the window's values together;
+   a batch's columnar part, `_accept_columns`, is read as arrays by `read_columns`). A signature is
+   rejected, with the reason in the reply, when it is malformed, names a device the daemon lacks, a
+   process this node does not run (see *Observed processes*), or a time too far ahead of the clock;
+   one the window already holds (a profiler's resend after a reconnect) is dropped quietly as a
+   duplicate; an older one is rejected as out of order. The rest of the batch and the stream go on.
+   Kept samples go into the windows and mark their applications dirty.
+2. `due_apps`: the dirty applications of this batch that are due (below); the first time a batch
+   makes an application due, its boundaries are set (`_anchor_batch`).
+3. The due applications join the pending set and the reply waits on a future of its own; the
+   round runner (`_run_pending`, one asyncio task at a time) is started when none runs.
+4. The runner sleeps `batch_window_s` (longer while the forecasting budget is spent), so every batch
+   arriving meanwhile joins the round; then, on the loop, it copies the pending applications'
+   windows (`_begin_tick`, a slice copy per application) and, in a worker thread
+   (`asyncio.to_thread`), runs one `forecast_batch` over them and turns each forecast into a
+   `Decision` (`_decide`).
+5. Back on the loop, in one step: the round's waiting replies are woken, then `_act` publishes the
+   decisions (`latest`, a serial per decision) and queues the allocator's apply behind the replies
+   (`loop.call_soon`), or defers it while the acting budget is spent.
+6. Each woken `ingest_async` adds to its reply the decisions its stream has not been given for its
+   own applications (`_attach`) and returns it; the servicer writes it.
+7. `_apply`, on the loop: the newest undelivered decision of each application still held goes to
+   the allocator as one set of recommendations, and the CPU it took is charged to the acting budget.
+
+Threads: everything but the forecast runs on the daemon's one asyncio loop (the windows, the
+decisions and the allocator live there); the forecaster runs in a worker thread, at most one round
+at a time, so a slow model never stalls other RPCs. `ingest` (no loop: tests, tools) takes the same
+steps on the calling thread without waiting: its batch's due applications are forecast at once,
+`_act` applies at once, and the reply gets its decisions.
 
 Deciding. An application whose window got new samples is *due* for a forecast when it has at least
 `min_samples` samples and either has not been forecast yet, or its last forecast is
@@ -13,44 +45,41 @@ Deciding. An application whose window got new samples is *due* for a forecast wh
 next of its own *boundaries* (fixed times `forecast_interval_s` apart) has passed since its last
 forecast and that forecast is at least half an interval old. An application's boundaries are set
 when a batch first makes it due: the k-th application a batch makes due for the first time gets
-boundaries k steps of the golden-ratio sequence (fractions of the interval) after the batch's
-time, less a twentieth of an interval so that they fall between its profiler's batches. So applications that arrive
-together (one profiler stream carries every application of its node in each batch) are forecast
-one slice of them per batch instead of all in the same batch once a second: the forecasting work,
-and so a decision's wait for the round it is in, is spread evenly over the interval, while an
-application arriving alone keeps its own cadence. Boundaries are fixed in time, so applications do
-not drift into step (an interval counted from the last forecast moved with batch timing, and slid
-to 1.1 s whenever a batch came a hair early); each application is still forecast once per interval
-on average (the second forecast of a spread application may come after half an interval, while it
-takes its place). The due applications of every batch that arrives within
-`batch_window_s` (a few ms) are forecast together: one `forecast_batch` call over their windows, run
-in a worker thread, and the reply to each of those batches waits for it and carries its decisions.
-So a decision follows its signature by the batching window plus one forecast, not by up to a whole
-forecast tick, while the forecasting work stays bounded at one forecast per application per
-`forecast_interval_s` (a shorter interval buys fresher decisions with proportionally more CPU).
-A forecast call has a fixed cost (a few ms for the shipped model on a CPU whatever the batch size),
-so the forecasting thread is held to `forecast_duty_max` of the time (0.25 by default) by a budget
-(`DutyBudget`): it earns `forecast_duty_max` seconds of CPU per second, keeps at most
-`duty_window_s` (1 s) worth of it, and each batch spends its thread CPU time. While the budget
-lasts, batches start after `batch_window_s`; once it is spent, the next batch waits until the
-debt is earned back and everything that became due meanwhile joins it. So bursts are answered
-within a few ms, and under sustained overload the forecasting CPU stays near `forecast_duty_max`
-of a core (torch's own intra-op threads come on top), with decisions later and batches larger.
-Each forecast becomes a `Decision` (recommended memory = the peak P90 over the horizons plus
-`mem_margin`, recommended SM = the peak P90), published at once (the replies carry it), and the
-decisions go to the allocator in-process (`Allocator.apply_recommendations`). An apply plans every
-application on the devices it touches (the others stand in with their latest recommendation), so
-its cost grows with the applications on a device, not with the decisions it carries: on the loop,
-applies are held to `act_duty_max` of a core (2 % by default) by a second `DutyBudget`. While it
-lasts, each round's decisions are applied right after the round, once the replies that waited
-for the round have been woken (so no reply waits for an apply); once it is spent, decisions wait
-(the newest per application) for the first round that ends after it is earned back and are applied
-together (or, when no round comes, one forecast interval later). So a node whose applies are cheap
-acts on every round, and one with hundreds of applications on a device acts less often on larger
-sets instead of spending a core on re-planning. Applications silent for long are evicted and their
-forecast grants released.
+boundaries k steps of the golden-ratio sequence (fractions of the interval) after the batch's time,
+less a twentieth of an interval so that they fall between its profiler's batches. So applications
+that arrive together (one profiler stream carries every application of its node in each batch) are
+forecast one slice of them per batch instead of all in the same batch once a second: the
+forecasting work, and so a decision's wait for the round it is in, is spread evenly over the
+interval, while an application arriving alone keeps its own cadence. Boundaries are fixed in time,
+so applications do not drift into step (an interval counted from each last forecast would move with
+batch timing, and slide to 1.1 s whenever a batch came a hair early); each application is still
+forecast once per interval on average (the second forecast of a spread application may come after
+half an interval, while it takes its place). So a decision follows its signature by the batching
+window plus one forecast, not by up to a whole forecast tick, while the forecasting work stays
+bounded at one forecast per application per `forecast_interval_s` (a shorter interval buys fresher
+decisions with proportionally more CPU).
 
-A forecaster that raises is logged and the fallback (the plain baseline) serves that batch.
+Budgets. A forecast call has a fixed cost (a few ms for the shipped model on a CPU whatever the
+batch size), so the forecasting thread is held to `forecast_duty_max` of the time (0.25 by default)
+by a `DutyBudget`: it earns `forecast_duty_max` seconds of CPU per second, keeps at most
+`duty_window_s` (1 s) worth of it, and each round spends its thread CPU time. While the budget
+lasts, rounds start after `batch_window_s`; once it is spent, the next round waits until the debt
+is earned back and everything that became due meanwhile joins it. So bursts are answered within a
+few ms, and under sustained overload the forecasting CPU stays near `forecast_duty_max` of a core
+(torch's own intra-op threads come on top), with decisions later and rounds larger.
+Each forecast becomes a `Decision` (recommended memory = the peak P90 over the horizons plus
+`mem_margin`, recommended SM = the peak P90; `recommend`). An apply plans every application on the
+devices it touches (the others stand in with their latest recommendation), so its cost grows with
+the applications on a device, not with the decisions it carries: applies are held to
+`act_duty_max` of a core (2 % by default) by a second `DutyBudget`. While it lasts, each round's
+decisions are applied right after the round, once the replies that waited for it have been woken
+(so no reply waits for an apply); once it is spent, decisions wait (the newest per application) for
+the first round that ends after it is earned back and are applied together (or, when no round
+comes, one forecast interval later). So a node whose applies are cheap acts on every round, and one
+with hundreds of applications on a device acts less often on larger sets instead of spending a core
+on re-planning.
+
+A forecaster that raises is logged and the fallback (the plain baseline) serves that round.
 
 Observed processes. With `pid_observed` (the daemon plugs in its devices' process lists), a stream
 that may not replay (`StreamState.replay_ok` False: the profiler token on a node that does not
@@ -58,11 +87,6 @@ accept replays) has a signature taken only when the pid it names is a GPU proces
 driver lists on the device it names, and no other application's signatures name that pid; anything
 else is rejected with the reason. So the profiler token can describe processes that run here, not
 invent them; a replay (trace pids, no such process) needs a stream that may replay.
-
-Concurrency: like the allocator, the manager lives on the daemon's one asyncio loop; `ingest` and
-`ingest_async` are called there. The windows are copied on the loop (a slice copy per application);
-the forecast runs in a worker thread (at most one at a time), so a slow model never stalls other RPCs.
-`ingest` (no loop) forecasts the due applications of its batch at once, on the calling thread.
 """
 
 from __future__ import annotations
@@ -116,11 +140,6 @@ class Decision:
     mem_used_mib: float = math.nan
     sm_util_pct: float = math.nan
     first_use_s: float = math.nan
-
-    def to_pb(self) -> ingest_pb2.Decision:
-        msg = ingest_pb2.Decision()
-        self.fill_pb(msg)
-        return msg
 
     def fill_pb(self, msg: ingest_pb2.Decision) -> None:
         """Write the decision into an empty `msg` (a reply's `decisions.add()`: filled in place, not
@@ -177,7 +196,8 @@ class ManagerStats:
     evicted: int = 0
     dropped_by_profilers: int = 0
     forecast_s_total: float = 0.0
-    # allocator calls with decisions, and how many of them waited for the acting budget (`act_duty_max`)
+    # allocator calls with decisions; and rounds whose decisions found the acting budget (`act_duty_max`)
+    # spent and were left for a later apply (counted per round, not per decision or per apply)
     applies: int = 0
     applies_deferred: int = 0
     unknown_device: int = 0  # rejected (and in `rejected`): the signature names a device the daemon lacks
@@ -394,8 +414,14 @@ class Manager:
         reply.accepted = accepted
         stats.accepted += accepted
         self._last_kept = kept_apps
+        self._note_devices_seen(kept_apps, bulk, now)
+        return reply
+
+    def _note_devices_seen(self, kept_apps: set[str], bulk: list[str], now: float) -> None:
+        """Remember `now` as when each kept application's device (its window's, after the batch; the
+        devices of `bulk` when the columns were added in bulk) got its newest signature, past the
+        applications' eviction (`profiler_states`)."""
         newest = self._device_newest_s
-        # each kept application's device (its window's, after the batch), remembered past the apps' eviction
         for device_id in (set(bulk) if bulk else ()):
             newest[device_id] = now
         for app_id in (kept_apps if not bulk else ()):
@@ -403,7 +429,6 @@ class Manager:
                 newest[self.windows.window(app_id).device_id] = now
         while len(newest) > self.windows.max_apps:  # device ids come from the wire: bounded
             del newest[min(newest, key=newest.__getitem__)]
-        return reply
 
     def _accept_columns(self, msg: ingest_pb2.SignatureColumns, base: int, reply: ingest_pb2.IngestReply,
                         now: float, stream: StreamState | None, kept_apps: set[str], bulk: list[str]) -> int:
@@ -416,7 +441,6 @@ class Manager:
         A batch with one sample per application, every one taken, is added in bulk
         (`WindowStore.add_latest`) and its rows' devices listed in `bulk`, which is then the device of
         every application kept in the batch (left empty otherwise)."""
-        apps = stream.apps if stream is not None else None
         stats = self.stats
         try:
             rows = read_columns(msg)
@@ -434,86 +458,122 @@ class Manager:
             k = int(rows.app_index[i])
             reply.rejected.add(index=base + i, app_id=rows.app_ids[k][:_MAX_APP_ID] if k < len(rows.app_ids) else "",
                                reason=why)
+        # the checks of `accept`'s signatures, in the same order, each clearing `rows.good` where it refuses
         if self.device_known is not None:
-            for k, device_id in enumerate(rows.device_ids):
-                if self._device_ok(device_id):
-                    continue
-                reason = self._unknown_device(device_id, count=0)
-                for row in np.flatnonzero(rows.good & (rows.device_index == k)).tolist():
-                    stats.rejected += 1
-                    stats.unknown_device += 1
-                    rows.good[row] = False
-                    reply.rejected.add(index=base + row, reason=reason, app_id=rows.app_ids[int(rows.app_index[row])])
+            self._refuse_unknown_devices(rows, base, reply)
         pids = np.frombuffer(msg.pid_u32, dtype="<u4") if len(msg.pid_u32) == 4 * len(rows.seq) else None
         if self._checks_pids(stream):
-            said: dict[tuple[int, int, int], str | None] = {}
-            for row in np.flatnonzero(rows.good).tolist():
-                a, d = int(rows.app_index[row]), int(rows.device_index[row])
-                pid = int(pids[row]) if pids is not None else 0
-                key = (a, d, pid)
-                if key not in said:
-                    said[key] = self._unobserved(rows.app_ids[a], rows.device_ids[d], pid, stream, count=0)
-                refusal = said[key]
-                if refusal is not None:
-                    stats.rejected += 1
-                    stats.unobserved_pid += 1
-                    rows.good[row] = False
-                    reply.rejected.add(index=base + row, app_id=rows.app_ids[a], reason=refusal)
+            self._refuse_unobserved(rows, pids, base, reply, stream)
         good = np.flatnonzero(rows.good)
         if self.max_future_s is not None and len(good):
-            ahead = rows.t_s[good] > now + self.max_future_s
-            for i in good[ahead]:
-                stats.rejected += 1
-                reply.rejected.add(index=base + int(i), app_id=rows.app_ids[int(rows.app_index[i])],
-                                   reason=_future_reason(float(rows.t_s[i]), now, self.max_future_s))
-            good = good[~ahead]
+            good = self._refuse_future(rows, good, base, reply, now, self.max_future_s)
         if not len(good):
             return 0
         order = good[np.argsort(rows.app_index[good], kind="stable")]  # by app, batch order within
         by_app = rows.app_index[order]
-        accepted = 0
         if len(order) == 1 or bool((by_app[1:] != by_app[:-1]).all()):
-            # One row per application, a profiler's usual tick: through the windows' one-sample path
-            # (the same rules as a group of one), on Python lists instead of numpy slices per application.
-            values = rows.values[:, order]
-            if len(values) > _NB and np.isnan(values[_NB:]).all():
-                values = values[:_NB]  # no in-app value in the batch: the format's columns only
-            app_at, dev_at = by_app.tolist(), rows.device_index[order].tolist()
-            pid_at = pids[order].tolist() if pids is not None else None
-            names = [rows.app_ids[k] for k in app_at]
-            devices = [rows.device_ids[d] for d in dev_at]
-            if not kept_apps and self.windows.add_latest(names, devices, rows.seq[order], rows.t_s[order], values,
-                                                         now):
-                # every row kept, as one by one below, without a Python pass per sample
-                self._dirty.update(names)
-                kept_apps.update(names)
+            return self._add_one_per_app(rows, order, pids, base, reply, now, stream, kept_apps, bulk)
+        return self._add_per_app(rows, order, by_app, pids, base, reply, now, stream, kept_apps)
+
+    def _refuse_unknown_devices(self, rows: ColumnRows, base: int, reply: ingest_pb2.IngestReply) -> None:
+        """Reject the good rows that name a device the daemon does not have."""
+        stats = self.stats
+        for k, device_id in enumerate(rows.device_ids):
+            if self._device_ok(device_id):
+                continue
+            reason = self._unknown_device(device_id, count=0)
+            for row in np.flatnonzero(rows.good & (rows.device_index == k)).tolist():
+                stats.rejected += 1
+                stats.unknown_device += 1
+                rows.good[row] = False
+                reply.rejected.add(index=base + row, reason=reason, app_id=rows.app_ids[int(rows.app_index[row])])
+
+    def _refuse_unobserved(self, rows: ColumnRows, pids: np.ndarray | None, base: int,
+                           reply: ingest_pb2.IngestReply, stream: StreamState | None) -> None:
+        """Reject the good rows whose pid is not a GPU process of this node (`_unobserved`), asked
+        once per (application, device, pid) of the batch."""
+        stats = self.stats
+        said: dict[tuple[int, int, int], str | None] = {}
+        for row in np.flatnonzero(rows.good).tolist():
+            a, d = int(rows.app_index[row]), int(rows.device_index[row])
+            pid = int(pids[row]) if pids is not None else 0
+            key = (a, d, pid)
+            if key not in said:
+                said[key] = self._unobserved(rows.app_ids[a], rows.device_ids[d], pid, stream, count=0)
+            refusal = said[key]
+            if refusal is not None:
+                stats.rejected += 1
+                stats.unobserved_pid += 1
+                rows.good[row] = False
+                reply.rejected.add(index=base + row, app_id=rows.app_ids[a], reason=refusal)
+
+    def _refuse_future(self, rows: ColumnRows, good: np.ndarray, base: int, reply: ingest_pb2.IngestReply,
+                       now: float, max_future_s: float) -> np.ndarray:
+        """Reject the rows of `good` stamped more than `max_future_s` ahead of `now`; the rest."""
+        ahead = rows.t_s[good] > now + max_future_s
+        for i in good[ahead]:
+            self.stats.rejected += 1
+            reply.rejected.add(index=base + int(i), app_id=rows.app_ids[int(rows.app_index[i])],
+                               reason=_future_reason(float(rows.t_s[i]), now, max_future_s))
+        rest: np.ndarray = good[~ahead]
+        return rest
+
+    def _add_one_per_app(self, rows: ColumnRows, order: np.ndarray, pids: np.ndarray | None, base: int,
+                         reply: ingest_pb2.IngestReply, now: float, stream: StreamState | None,
+                         kept_apps: set[str], bulk: list[str]) -> int:
+        """Add rows `order`, one per application (a profiler's usual tick), through the windows'
+        one-sample path (the same rules as a group of one), on Python lists instead of numpy slices
+        per application; in one bulk append when every row is taken. Returns how many were kept."""
+        apps = stream.apps if stream is not None else None
+        by_app = rows.app_index[order]
+        values = rows.values[:, order]
+        if len(values) > _NB and np.isnan(values[_NB:]).all():
+            values = values[:_NB]  # no in-app value in the batch: the format's columns only
+        app_at, dev_at = by_app.tolist(), rows.device_index[order].tolist()
+        pid_at = pids[order].tolist() if pids is not None else None
+        names = [rows.app_ids[k] for k in app_at]
+        devices = [rows.device_ids[d] for d in dev_at]
+        if not kept_apps and self.windows.add_latest(names, devices, rows.seq[order], rows.t_s[order], values,
+                                                     now):
+            # every row kept, as one by one below, without a Python pass per sample
+            self._dirty.update(names)
+            kept_apps.update(names)
+            if apps is not None:
+                apps.update(names)
+            if pid_at is not None:
+                pid_of, app_of = self._pids.get, self._pid_app.get
+                for app_id, pid in zip(names, pid_at, strict=True):
+                    if pid and (pid_of(app_id) != pid or app_of(pid) != app_id):
+                        self._name_pid(app_id, pid)
+            bulk += devices
+            return len(names)
+        accepted = 0
+        cols, seqs, ts = values.T.tolist(), rows.seq[order].tolist(), rows.t_s[order].tolist()
+        add_row, dirty = self.windows.add_row, self._dirty
+        for j in range(len(app_at)):
+            app_id = rows.app_ids[app_at[j]]
+            kept_one, evicted = add_row(app_id, rows.device_ids[dev_at[j]], seqs[j], ts[j], cols[j], now)
+            if evicted:
+                self._forget(evicted)
+            if kept_one:
+                accepted += 1
+                dirty.add(app_id)
+                if pid_at is not None and pid_at[j]:
+                    self._name_pid(app_id, pid_at[j])
+                kept_apps.add(app_id)
                 if apps is not None:
-                    apps.update(names)
-                if pid_at is not None:
-                    pid_of, app_of = self._pids.get, self._pid_app.get
-                    for app_id, pid in zip(names, pid_at, strict=True):
-                        if pid and (pid_of(app_id) != pid or app_of(pid) != app_id):
-                            self._name_pid(app_id, pid)
-                bulk += devices
-                return len(names)
-            cols, seqs, ts = values.T.tolist(), rows.seq[order].tolist(), rows.t_s[order].tolist()
-            add_row, dirty = self.windows.add_row, self._dirty
-            for j in range(len(app_at)):
-                app_id = rows.app_ids[app_at[j]]
-                kept_one, evicted = add_row(app_id, rows.device_ids[dev_at[j]], seqs[j], ts[j], cols[j], now)
-                if evicted:
-                    self._forget(evicted)
-                if kept_one:
-                    accepted += 1
-                    dirty.add(app_id)
-                    if pid_at is not None and pid_at[j]:
-                        self._name_pid(app_id, pid_at[j])
-                    kept_apps.add(app_id)
-                    if apps is not None:
-                        apps.add(app_id)
-                else:
-                    self._not_kept(app_id, order[j:j + 1], rows, base, reply, stream)
-            return accepted
+                    apps.add(app_id)
+            else:
+                self._not_kept(app_id, order[j:j + 1], rows, base, reply, stream)
+        return accepted
+
+    def _add_per_app(self, rows: ColumnRows, order: np.ndarray, by_app: np.ndarray, pids: np.ndarray | None,
+                     base: int, reply: ingest_pb2.IngestReply, now: float, stream: StreamState | None,
+                     kept_apps: set[str]) -> int:
+        """Add rows `order` (sorted by application, `by_app` their applications) one window append
+        per application; a group's pid and device are its last row's. Returns how many were kept."""
+        apps = stream.apps if stream is not None else None
+        accepted = 0
         for grp in np.split(order, np.flatnonzero(np.diff(by_app)) + 1):
             app_id = rows.app_ids[int(rows.app_index[grp[0]])]
             kept, evicted = self.windows.add_rows(app_id, rows.device_ids[int(rows.device_index[grp[-1]])],

@@ -1,42 +1,89 @@
-"""`vgpu serve`: the manager and the allocator on one grpc.aio server, run as a system daemon.
+"""`vgpu serve`: the composition root. It builds the daemon from its configuration, starts the parts
+in a fixed order, serves until SIGTERM or SIGINT, then stops them and puts the devices back.
 
     vgpu serve --socket PATH --state-dir DIR --backend sim:h100-80gb|nvml [--config FILE]
                [--tcp HOST:PORT --tls-cert PEM --tls-key PEM [--tls-ca PEM]] [--metrics-port N] [--dry-run]
 
-Start-up, in order (each step fails loudly with a message that names what to fix):
-1. configuration: defaults < /etc/vgpu/vgpu.toml (or --config) < VGPU_* < flags (vgpu/config.py);
-   a plaintext TCP address is refused here;
-2. the state directory, locked so that two daemons never share it, and its SQLite store;
-3. the device backend; each device's power limit and MIG layout are recorded as its *original*
-   unless a previous run already recorded one (then the device may show our settings: a crash);
-4. the ledger from the store, reconciled with the device: grants on devices that are gone and
-   grants of processes that have exited are released; a power limit or MIG layout that is not the
-   original is reported (and put back at the next graceful stop); a cgroup memory limit a crashed
-   run left on a cgroup no remaining grant holds gets its recorded original back at once
-   (`Allocator.reconcile_cgroup_limits`);
-5. the forecaster (manager/modelpath.py): a configured `manager.model` must load or the start stops;
-   otherwise the shipped model loads in a worker thread while the baseline serves. Either is a
-   `ReloadingForecaster` that checks its file every `manager.model_check_interval_s` and swaps a new
-   checkpoint in without touching the streams (`forecaster_reloaded`); a new file that does not load
-   is logged (`forecaster_reload_failed`) and the old model keeps serving;
-   the cold-start sizer (manager/coldstart.py), loading in a worker thread (requests that need it
-   before it is loaded are answered UNAVAILABLE; if it cannot load, one warning, and they are
-   answered FAILED_PRECONDITION);
-   tokens (vgpu/auth.py), the Allocator and Ingest servicers behind the access-control
-   interceptor; gRPC listens in the front's private directory (`<state_dir>/front`, 0700), and the
-   front (vgpu/daemon/front.py) on the public Unix socket, created owner-only and then given its
-   configured owner, group and mode before it listens: the front reads each caller's credentials
-   (SO_PEERCRED), bounds connections per uid, and relays to gRPC (with `server.peer_credentials =
-   false`, gRPC listens on the public socket itself); the optional TLS listener; the metrics endpoint;
-6. READY=1 to systemd and a WATCHDOG=1 every third of WatchdogSec while the loop is alive.
+This module owns the order of start-up and stop (`Daemon.start`, `Daemon.stop`), the state
+directory's lock, the reconciliation of the stored ledger with the devices (`reconcile`), putting
+devices back to their recorded originals (`restore_devices`), the public socket and the front's
+private directory, the two early releases (idle, stream end), systemd notification and the command
+line (`main`). The parts themselves are built elsewhere: the Allocator (allocator/), the Manager
+(manager/), the servicers, access control (vgpu/auth.py), the front (vgpu/daemon/front.py) and the
+metrics (vgpu/daemon/metrics.py).
 
-SIGTERM or SIGINT: STOPPING=1, the front stops accepting and the public socket is removed, the
-watch streams end (they never end by themselves, so the grace would always run out on them), the
-server stops taking calls (in-flight ones get `grace_s`, relayed still), the front closes what is
-left and the front's directory is removed, the
-allocator restores what it changed, then every device whose power limit or MIG layout still
-differs from the recorded original is put back and read back (logged `device_restored` with
-before/after), the ledger is saved, exit status 0.
+Configuration (`main`, before anything starts): defaults < /etc/vgpu/vgpu.toml (or --config) <
+VGPU_* < flags (vgpu/config.py). A bad value, a plaintext TCP address or half a TLS pair is a
+ConfigError: `vgpu serve: configuration error: ...` on stderr, exit status 2.
+
+Start-up (`Daemon.start`), in order. A step that cannot be done raises StartupError (token files:
+auth.AuthSetupError) with a message that names what to fix; `run` calls `stop()`, which undoes only
+the steps reached, and `main` logs `startup_failed` and prints `vgpu serve: <message>` on one line
+on stderr, exit status 1 (any other exception: `vgpu serve: cannot start: <type>: <message>`).
+1. dry run resolved (`server.dry_run` unset: on for nvml, off for the simulator); when on, a
+   `dry_run` warning;
+2. the state directory (`_open_state`): created and locked with flock(2), so that two daemons never
+   share it (fails: "another vgpu daemon is using the state directory ..."); with --reset-state the
+   old database is moved aside (`state_reset`); the SQLite store is opened (a damaged one fails,
+   naming --reset-state);
+3. the device backend (`open_backend`; NVML that cannot be opened fails naming `vgpu doctor`, a bad
+   simulator spec fails as `--backend: ...`);
+4. reconciliation (`reconcile`): each device's power limit and MIG layout are recorded as its
+   *original* unless a previous run recorded one (then a difference is reported: a crash left the
+   daemon's settings, which the next graceful stop puts back); the ledger is loaded (one that cannot
+   be read fails, naming --reset-state; a bad row is left out and counted), and grants on devices
+   that are gone and grants of processes that have exited are released;
+5. the allocator (`_build_allocator`): the MIG mechanism (`<state_dir>/mig`), the cold-start sizer
+   (manager/coldstart.py) loading in a worker thread (requests that need it before it is loaded are
+   answered UNAVAILABLE; if it cannot load, one warning, and they are answered FAILED_PRECONDITION),
+   cgroup memory limits and the predictive policy; then a cgroup memory limit a crashed run left on
+   a cgroup no remaining grant holds gets its recorded original back (every one of them when
+   `server.cgroup_memory_limits` is off: nothing would restore them later);
+6. the forecaster and the manager (`_build_manager`, manager/modelpath.py): a configured
+   `manager.model` must load or the start fails; otherwise the shipped model loads in a worker thread
+   while the baseline serves. Either is a `ReloadingForecaster` that checks its file every
+   `manager.model_check_interval_s` and swaps a new checkpoint in without touching the streams
+   (`forecaster_reloaded`); a new file that does not load is logged (`forecaster_reload_failed`)
+   and the old model keeps serving. With `manager.mixture` the served forecaster is the expert
+   mixture (manager/experts.py), and the node history and the background learner start here;
+7. the metrics' collectors; the reconciled ledger stored whole (fails: "cannot store the reconciled
+   ledger"); one `reconciled` record of what steps 4 and 5 found (`_store_reconciled`);
+8. tokens (vgpu/auth.py; an application's token file that cannot be written is logged
+   `app_token_unwritable` and the start goes on), the front's private directory
+   (`<state_dir>/front`, 0700) and the access-control interceptor (`_access_control`);
+9. the sockets: the public socket's path is checked (another daemon listening on it, or a file that
+   is not a socket, fails; a stale socket is removed) and its directories created; the in-app
+   directory is created when missing (never fails: what was found is in `serving`); the gRPC server
+   is built with the Allocator and Ingest servicers behind the interceptor, listening in the front's
+   directory (with `server.peer_credentials = false`, on the public socket itself), and the public
+   socket is bound owner-only (`_build_server`), then given its configured owner, group and mode;
+   the optional TLS listener (`_add_tcp`); the metrics endpoint (`_serve_metrics`: a port that
+   cannot be bound fails the start, metrics.port 0 turns it off);
+10. gRPC starts, then the front (`_start_front`) listens on the public socket: it reads each
+   caller's credentials (SO_PEERCRED), bounds connections per uid and relays to gRPC;
+11. start-up's heap is frozen out of the garbage collector's full passes (vgpu/gc_freeze.py),
+   `serving` is logged, READY=1 goes to systemd, WATCHDOG=1 every third of WatchdogSec while the
+   loop is alive (they stop, with `front_stopped`, once the front's thread has ended, so that
+   systemd restarts a daemon nobody can reach), and the idle release starts.
+
+Releases while serving (neither runs with `server.idle_release_s` 0, which keeps grants until they
+are released): every min(5 s, idle_release_s / 4) the grants of applications silent for
+idle_release_s go (`Allocator.release_vanished`; a failed sweep is logged `idle_release_failed`);
+STREAM_END_GRACE_S after a profiler stream ends, its applications whose grants the daemon made from
+their signatures and whose process runs on none of their GPUs go (`_release_after_stream`,
+`app_released_stream_ended`).
+
+Stop (`Daemon.stop`; SIGTERM or SIGINT, or a failed start), in order: STOPPING=1; the watchdog, the
+idle release and the stream-end timers are cancelled; the front stops accepting and the public
+socket is removed; the watch streams end (they never end by themselves, so the grace would always
+run out on them); the server stops taking calls (in-flight ones get `grace_s`, relayed still); the
+front closes what is left and the front's directory is removed; the allocator restores what it
+changed (power limits, cgroup limits, MIG), then every device whose power limit or MIG layout still
+differs from the recorded original is put back and read back (`device_restored` with before/after;
+skipped in a dry run, `restore_skipped`); the ledger is saved; the metrics endpoint stops;
+background loads (forecaster, cold-start sizer, a hot reload) are waited for up to LOADER_JOIN_S,
+the learner stopped, the history, backend and store closed; `stopped` is logged, the state
+directory unlocked; exit status 0.
 """
 
 from __future__ import annotations
@@ -111,6 +158,7 @@ UPSTREAM_SOCKET = "grpc.sock"
 # bounded by it, whatever time stamps a profiler sends); samples stamped further ahead of the
 # daemon's clock than MAX_FUTURE_S are rejected with the reason.
 MAX_WINDOW_SPAN_S = 3600.0
+MAX_FUTURE_S = 300.0
 # Connections that hold a descriptor and do nothing are closed: one that has not finished its
 # HTTP/2 handshake after 10 s (a local client needs milliseconds), and one with no call for 10 min.
 # How many may be open at once is `server.max_connections` (server_options).
@@ -118,6 +166,10 @@ SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.server_handshake_timeout_ms", 10_000),
     ("grpc.max_connection_idle_ms", 600_000),
 )
+# How long a stop waits for background model loads to end (they take seconds). The wait comes after the
+# devices are restored and the ledger saved, so a stop that systemd kills during it (the shipped unit's
+# TimeoutStopSec is 60 s) loses only the clean exit.
+LOADER_JOIN_S = 60.0
 
 
 def server_options(max_connections: int) -> tuple[tuple[str, int], ...]:
@@ -125,9 +177,6 @@ def server_options(max_connections: int) -> tuple[tuple[str, int], ...]:
     core closes one beyond it as soon as it is accepted; an idle connection costs about 13 KiB, and
     gRPC's read-buffer, BDP and HPACK options do not change that, so the count is what bounds it)."""
     return (*SERVER_OPTIONS, ("grpc.max_allowed_incoming_connections", max_connections))
-MAX_FUTURE_S = 300.0
-# How long a stop waits for background model loads to end (they take seconds; systemd's stop timeout is 90 s).
-LOADER_JOIN_S = 60.0
 
 
 class StartupError(RuntimeError):
@@ -464,16 +513,16 @@ def reconcile(
     """Record originals, load the ledger, and drop what no longer exists (see module docstring)."""
     rec = Reconciliation()
     for dev in backend.devices():
-        now = read_original(dev, clock())
-        if store.save_original(now):
+        current = read_original(dev, clock())
+        if store.save_original(current):
             continue
         orig = store.original(dev.uuid)
         assert orig is not None
         diffs = []
-        if orig.power_limit_mw is not None and now.power_limit_mw != orig.power_limit_mw:
-            diffs.append(f"power limit {now.power_limit_mw} mW, original {orig.power_limit_mw} mW")
-        if orig.mig_enabled is not None and (now.mig_enabled, now.mig_layout) != (orig.mig_enabled, orig.mig_layout):
-            diffs.append(f"MIG {_layout_text(now)}, original {_layout_text(orig)}")
+        if orig.power_limit_mw is not None and current.power_limit_mw != orig.power_limit_mw:
+            diffs.append(f"power limit {current.power_limit_mw} mW, original {orig.power_limit_mw} mW")
+        if orig.mig_enabled is not None and (current.mig_enabled, current.mig_layout) != (orig.mig_enabled, orig.mig_layout):
+            diffs.append(f"MIG {_layout_text(current)}, original {_layout_text(orig)}")
         if diffs:
             rec.devices_not_original[dev.uuid] = "; ".join(diffs)
     caps = device_capacities(backend)
@@ -560,13 +609,13 @@ def _restore_power(
 def _restore_mig(
     dev: Device, orig: DeviceOriginal, logger: Any, actions: list[dict[str, Any]], metrics: DaemonMetrics | None
 ) -> bool:
-    now = read_original(dev, 0.0)
-    if now.mig_enabled != orig.mig_enabled:
+    current = read_original(dev, 0.0)
+    if current.mig_enabled != orig.mig_enabled:
         logger.error("device_restore_failed", device=dev.uuid, mechanism="mig",
-                     error=f"MIG mode is {now.mig_enabled}, was {orig.mig_enabled}; set it by hand (nvidia-smi -mig)")
+                     error=f"MIG mode is {current.mig_enabled}, was {orig.mig_enabled}; set it by hand (nvidia-smi -mig)")
         _record(metrics, "mig", "failed")
         return False
-    if now.mig_layout == orig.mig_layout:
+    if current.mig_layout == orig.mig_layout:
         return True
     try:
         for gi in dev.gpu_instances():
@@ -579,7 +628,7 @@ def _restore_mig(
         return False
     after = read_original(dev, 0.0)
     ok = after.mig_layout == orig.mig_layout
-    entry = {"device": dev.uuid, "mechanism": "mig", "before": _layout_text(now), "after": _layout_text(after),
+    entry = {"device": dev.uuid, "mechanism": "mig", "before": _layout_text(current), "after": _layout_text(after),
              "original": _layout_text(orig)}
     actions.append(entry)
     (logger.info if ok else logger.error)("device_restored" if ok else "device_restore_mismatch", **entry)
@@ -869,11 +918,43 @@ class Daemon:
             metrics.store_writes.inc()
 
     async def start(self) -> None:
+        """Start-up's steps, in the order of the module docstring's list."""
         self.cfg = cfg = vconfig.resolve_dry_run(self.cfg)
         if cfg.server.dry_run:
             self.log.warning("dry_run", backend=cfg.server.backend,
                              meaning="decisions are logged, nothing is written to the devices",
                              to_act="set server.dry_run = false (or VGPU_SERVER_DRY_RUN=false, or --no-dry-run)")
+        self._open_state()
+        self.backend = self._backend_override or open_backend(cfg.server.backend, self.state_dir)
+        ledger, rec = reconcile(self.store, self.backend, clock=self.clock)
+        cgroup_outcomes = self._build_allocator(ledger)
+        self._build_manager()
+        self.metrics = DaemonMetrics(self.registry, StateSource(self.allocator, self.manager, cfg.server.backend),
+                                     max_apps=cfg.metrics.max_apps)
+        self._store_reconciled(ledger, rec, cgroup_outcomes)
+        interceptor, token_files = self._access_control()
+        prepare_socket_path(self.socket_path)
+        inapp_state = prepare_inapp_dir(Path(cfg.server.inapp_dir))
+        self.server = self._build_server(interceptor)
+        # the public socket, born owner-only, gets its configured owner, group and mode before the server starts
+        secure_socket(self.socket_path, mode=cfg.socket_mode_bits, owner=cfg.server.socket_owner,
+                      group=cfg.server.socket_group)
+        if cfg.server.tcp:
+            self._add_tcp(self.server)
+        metrics_at = self._serve_metrics()
+        await self.server.start()
+        self._start_front()
+        # start-up is over: what it built is kept out of the garbage collector's full passes (vgpu/gc_freeze.py)
+        frozen = freeze_startup_heap()
+        self._log_serving(token_files, inapp_state, metrics_at, frozen)
+        self.notifier.notify(f"READY=1\nSTATUS=serving on {self.socket_path}\nMAINPID={os.getpid()}")
+        if self.notifier.watchdog_s:
+            self._watchdog = asyncio.create_task(self._ping_watchdog(self.notifier.watchdog_s / 3))
+        if cfg.server.idle_release_s > 0:
+            self._idle_release = asyncio.create_task(self._release_vanished(cfg.server.idle_release_s))
+
+    def _open_state(self) -> None:
+        """Lock the state directory, move a damaged database aside with --reset-state, open the store."""
         self._lock = lock_state_dir(self.state_dir)
         if self._reset_state:
             moved = reset_state(self.state_dir, clock=self.clock)
@@ -883,12 +964,16 @@ class Daemon:
             self.store = Store(self.state_dir, clock=self.clock)
         except StoreError as exc:
             raise StartupError(str(exc)) from exc
-        self.backend = self._backend_override or open_backend(cfg.server.backend, self.state_dir)
-        ledger, rec = reconcile(self.store, self.backend, clock=self.clock)
+
+    def _build_allocator(self, ledger: Ledger) -> list[tuple[str, str, str]]:
+        """The Allocator over the reconciled ledger, with its mechanisms, the cold-start sizer (loading
+        in a worker thread from here on) and the predictive policy; then the cgroup limits a crashed
+        run left are put back. Returns what became of each (device, cgroup, outcome)."""
+        cfg = self.cfg
         ledger.max_grants_per_app = cfg.server.max_grants_per_app
         ledger.max_grants = cfg.server.max_grants_per_node
         (self.state_dir / "mig").mkdir(mode=0o700, exist_ok=True)
-        dry_run = vconfig.dry_run_of(cfg.server)  # resolved above; said again for the type checker
+        dry_run = vconfig.dry_run_of(cfg.server)  # resolved by start(); said again for the type checker
         mig = MigLayoutMechanism(state_dir=self.state_dir / "mig", dry_run=dry_run)
         self.sizer = BackgroundSizer(self._load_sizer, self.log)
         cgroup_limits = CgroupMemoryLimits(dry_run=dry_run, store=self.store, clock=self.clock)
@@ -904,8 +989,13 @@ class Daemon:
                                    drop_slow_watchers=True)
         # cgroup limits a crashed run left: put back where no grant holds the cgroup now (all of
         # them where the mechanism is now off: nothing would restore them later)
-        cgroup_outcomes = (self.allocator.reconcile_cgroup_limits() if cfg.server.cgroup_memory_limits
-                           else cgroup_limits.reconcile(self.backend, {}))
+        return (self.allocator.reconcile_cgroup_limits() if cfg.server.cgroup_memory_limits
+                else cgroup_limits.reconcile(self.backend, {}))
+
+    def _build_manager(self) -> None:
+        """The served forecaster and the Manager that feeds the allocator. A configured model loads
+        here (or the start fails); the shipped one loads in a worker thread while the baseline serves."""
+        cfg = self.cfg
         baseline = default_baseline()
         interval_s = cfg.manager.model_check_interval_s
         model_forecaster = load_model(cfg.manager.model, fallback=baseline, check_interval_s=interval_s)
@@ -913,17 +1003,7 @@ class Daemon:
         # that abstains until the model loads), or with manager.mixture off the model alone
         self.mixture = None
         if cfg.manager.mixture:
-            self.history = (NodeHistory(self.state_dir / "history", horizon_s=cfg.manager.history_horizon_s,
-                                        max_bytes=int(cfg.manager.history_max_mib * 2**20))
-                            if cfg.manager.history else None)
-            self.mixture = make_served(model_forecaster, local=True, history=self.history)
-            mixture = self.mixture
-            watcher = LocalModelWatcher(self.state_dir, lambda m: mixture.set_expert("local", m))
-            self.learner = BackgroundLearner(self.state_dir, self.state_dir / "history",
-                                             resolve_model(cfg.manager.model).path, watcher,
-                                             interval_s=cfg.manager.learn_interval_s if self.history else 0.0,
-                                             housekeeping=self.history.compress_closed if self.history else None)
-            self.learner.start()
+            self._start_mixture(model_forecaster)
         self.observed_pids = ObservedPids(self.backend)
         self.manager = Manager(self.allocator, self.mixture or model_forecaster,
                                clock=self.clock, fallback=baseline,
@@ -941,9 +1021,28 @@ class Daemon:
             self.model_loader = threading.Thread(target=self._load_default_model, args=(model.path,),
                                                  name="forecaster-load", daemon=True)
             self.model_loader.start()
-        self.metrics = DaemonMetrics(self.registry, StateSource(self.allocator, self.manager, cfg.server.backend),
-                                     max_apps=cfg.metrics.max_apps)
-        try:  # the reconciled ledger is what a crash from here on must find
+
+    def _start_mixture(self, model_forecaster: Forecaster | None) -> None:
+        """The expert mixture over `model_forecaster` (None: the model slot waits for the shipped
+        model), with the node history (`manager.history`) and the background learner, started now."""
+        cfg = self.cfg
+        self.history = (NodeHistory(self.state_dir / "history", horizon_s=cfg.manager.history_horizon_s,
+                                    max_bytes=int(cfg.manager.history_max_mib * 2**20))
+                        if cfg.manager.history else None)
+        self.mixture = make_served(model_forecaster, local=True, history=self.history)
+        mixture = self.mixture
+        watcher = LocalModelWatcher(self.state_dir, lambda m: mixture.set_expert("local", m))
+        self.learner = BackgroundLearner(self.state_dir, self.state_dir / "history",
+                                         resolve_model(cfg.manager.model).path, watcher,
+                                         interval_s=cfg.manager.learn_interval_s if self.history else 0.0,
+                                         housekeeping=self.history.compress_closed if self.history else None)
+        self.learner.start()
+
+    def _store_reconciled(self, ledger: Ledger, rec: Reconciliation,
+                          cgroup_outcomes: Sequence[tuple[str, str, str]]) -> None:
+        """Store the reconciled ledger whole (what a crash from here on must find) and log what
+        start-up found as one `reconciled` record."""
+        try:
             self._save_all(ledger)
         except StoreError as exc:
             raise StartupError(f"cannot store the reconciled ledger: {exc}") from exc
@@ -959,6 +1058,11 @@ class Daemon:
             cgroup_originals={f"{dev} {cg}": outcome for dev, cg, outcome in cgroup_outcomes},
         )
 
+    def _access_control(self) -> tuple[auth.AuthInterceptor, dict[str, Path]]:
+        """Write the role tokens and each claimed application's token, create the front's private
+        directory (with server.peer_credentials), and build the access-control interceptor. Returns
+        it and the role token files."""
+        cfg = self.cfg
         authority = auth.TokenAuthority(
             auth.token_dir(self.state_dir), operator_group=cfg.auth.operator_group, profiler_group=cfg.auth.profiler_group
         )
@@ -971,9 +1075,6 @@ class Daemon:
         if cfg.server.peer_credentials:
             # the front accepts on the public socket; gRPC listens in the front's private directory
             self._front_dir = prepare_front_dir(self.state_dir / FRONT_DIR)
-            grpc_address = f"unix:{self._front_dir.upstream}"
-        else:
-            grpc_address = f"unix:{self.socket_path}"
         access = auth.AccessControl(
             authority,
             self.store,
@@ -985,14 +1086,22 @@ class Daemon:
             open_ingest=cfg.auth.open_ingest,
             peer_of=self._front_dir.names.peer if self._front_dir is not None else None,
         )
-        interceptor = auth.AuthInterceptor(access, on_denied=self.metrics.on_denied)
-        replay = vconfig.accepts_replay(cfg)
+        return auth.AuthInterceptor(access, on_denied=self.metrics.on_denied), token_files
 
-        prepare_socket_path(self.socket_path)
-        inapp_state = prepare_inapp_dir(Path(cfg.server.inapp_dir))
-        old_umask = os.umask(0o177)  # the socket is born owner-only ...
+    def _build_server(self, interceptor: auth.AuthInterceptor) -> Server:
+        """The gRPC server with both servicers behind `interceptor`, bound in the front's directory
+        (without a front: on the public socket), and, with a front, the public socket bound for it
+        (not listening yet). Each socket file is born owner-only (umask 0177); `start` then gives the
+        public one its configured owner, group and mode."""
+        cfg = self.cfg
+        replay = vconfig.accepts_replay(cfg)
+        if self._front_dir is not None:
+            grpc_address = f"unix:{self._front_dir.upstream}"
+        else:
+            grpc_address = f"unix:{self.socket_path}"
+        old_umask = os.umask(0o177)
         try:
-            self.server = build_server(
+            server = build_server(
                 grpc_address,
                 allocator_servicer=AllocatorServicer(self.allocator, identify=auth.identify_caller,
                                                      observer=NodeView(self.manager),
@@ -1014,46 +1123,57 @@ class Daemon:
             raise StartupError(f"cannot listen on {self.socket_path}: {exc}") from exc
         finally:
             os.umask(old_umask)
-        # ... and gets its configured owner, group and mode before the server listens.
-        secure_socket(self.socket_path, mode=cfg.socket_mode_bits, owner=cfg.server.socket_owner,
-                      group=cfg.server.socket_group)
-        if cfg.server.tcp:
-            host, port = vconfig.parse_host_port(cfg.server.tcp)
-            creds = grpc.ssl_server_credentials(
-                [(_read(cfg.tls.key, "tls.key"), _read(cfg.tls.cert, "tls.cert"))],
-                root_certificates=_read(cfg.tls.ca, "tls.ca") if cfg.tls.ca else None,
-                require_client_auth=cfg.mutual_tls,
-            )
-            try:
-                self.server.server.add_secure_port(cfg.server.tcp, creds)
-            except RuntimeError as exc:
-                raise StartupError(f"cannot listen on {cfg.server.tcp}: {exc}") from exc
-        metrics_at = None
-        if cfg.metrics.port:
-            # Operators alert on the scrape: a daemon without its metrics would look down while it
-            # serves, so a port that cannot be bound fails the start (metrics.port 0 turns them off).
-            try:
-                self.metrics_server, _ = start_http_server(cfg.metrics.port, cfg.metrics.address, registry=self.registry)
-                metrics_at = f"{cfg.metrics.address}:{cfg.metrics.port}"
-            except OSError as exc:
-                # the socket is ours (prepare_socket_path checked) and nothing listens on it yet
-                self.socket_path.unlink(missing_ok=True)
-                raise StartupError(
-                    f"cannot serve metrics on {cfg.metrics.address}:{cfg.metrics.port} ({exc.strerror or exc}): "
-                    "free the port, or set another with --metrics-port (metrics.port, VGPU_METRICS_PORT); "
-                    "0 turns metrics off"
-                ) from exc
-        await self.server.start()
-        if self._front_dir is not None and self._listener is not None:
-            self.front = PeerFront(self._listener, self._front_dir.upstream, self._front_dir.names,
-                                   max_connections=cfg.server.max_connections,
-                                   max_per_uid=cfg.server.max_connections_per_uid,
-                                   on_refused=self.metrics.on_connection_refused, logger=self.log)
-            self._listener = None  # the front's now
-            self.front.start()
-            self.metrics.watch_connections(lambda: self.front.open_connections if self.front is not None else 0)
-        # start-up is over: what it built is kept out of the garbage collector's full passes (vgpu/gc_freeze.py)
-        frozen = freeze_startup_heap()
+        return server
+
+    def _add_tcp(self, server: Server) -> None:
+        """The TLS listener on server.tcp (the configuration refused it without a certificate and key)."""
+        cfg = self.cfg
+        creds = grpc.ssl_server_credentials(
+            [(_read(cfg.tls.key, "tls.key"), _read(cfg.tls.cert, "tls.cert"))],
+            root_certificates=_read(cfg.tls.ca, "tls.ca") if cfg.tls.ca else None,
+            require_client_auth=cfg.mutual_tls,
+        )
+        try:
+            server.server.add_secure_port(cfg.server.tcp, creds)
+        except RuntimeError as exc:
+            raise StartupError(f"cannot listen on {cfg.server.tcp}: {exc}") from exc
+
+    def _serve_metrics(self) -> str | None:
+        """Start the Prometheus endpoint; its address, or None when metrics.port is 0."""
+        cfg = self.cfg
+        if not cfg.metrics.port:
+            return None
+        # Operators alert on the scrape: a daemon without its metrics would look down while it
+        # serves, so a port that cannot be bound fails the start (metrics.port 0 turns them off).
+        try:
+            self.metrics_server, _ = start_http_server(cfg.metrics.port, cfg.metrics.address, registry=self.registry)
+        except OSError as exc:
+            # the socket is ours (prepare_socket_path checked) and nothing listens on it yet
+            self.socket_path.unlink(missing_ok=True)
+            raise StartupError(
+                f"cannot serve metrics on {cfg.metrics.address}:{cfg.metrics.port} ({exc.strerror or exc}): "
+                "free the port, or set another with --metrics-port (metrics.port, VGPU_METRICS_PORT); "
+                "0 turns metrics off"
+            ) from exc
+        return f"{cfg.metrics.address}:{cfg.metrics.port}"
+
+    def _start_front(self) -> None:
+        """Hand the bound public socket to the front, which listens on it from now on."""
+        if self._front_dir is None or self._listener is None:
+            return
+        cfg = self.cfg
+        self.front = PeerFront(self._listener, self._front_dir.upstream, self._front_dir.names,
+                               max_connections=cfg.server.max_connections,
+                               max_per_uid=cfg.server.max_connections_per_uid,
+                               on_refused=self.metrics.on_connection_refused, logger=self.log)
+        self._listener = None  # the front's now
+        self.front.start()
+        self.metrics.watch_connections(lambda: self.front.open_connections if self.front is not None else 0)
+
+    def _log_serving(self, token_files: dict[str, Path], inapp_state: str, metrics_at: str | None,
+                     frozen: int) -> None:
+        """The `serving` record: what the daemon listens on and how it is set up."""
+        cfg = self.cfg
         self.log.info(
             "serving",
             socket=str(self.socket_path),
@@ -1074,11 +1194,6 @@ class Daemon:
             pid=os.getpid(),
             heap_frozen_objects=frozen,
         )
-        self.notifier.notify(f"READY=1\nSTATUS=serving on {self.socket_path}\nMAINPID={os.getpid()}")
-        if self.notifier.watchdog_s:
-            self._watchdog = asyncio.create_task(self._ping_watchdog(self.notifier.watchdog_s / 3))
-        if cfg.server.idle_release_s > 0:
-            self._idle_release = asyncio.create_task(self._release_vanished(cfg.server.idle_release_s))
 
     def _stream_ended(self, stream: StreamState) -> None:
         """A profiler stream ended: `_release_after_stream` once STREAM_END_GRACE_S have passed; never
@@ -1179,8 +1294,9 @@ class Daemon:
             await asyncio.sleep(max(0.0, deadline - time.monotonic()))
 
     async def stop(self, reason: str = "signal") -> list[dict[str, Any]]:
-        """Stop serving, restore the devices, save. Works from any point of a failed start: each
-        part is undone only if start() got to it (attributes it never set are absent)."""
+        """Stop serving, restore the devices, save: the stop's steps, in the order of the module
+        docstring. Works from any point of a failed start: each part is undone only if start() got
+        to it (attributes it never set are absent)."""
         self.notifier.notify("STOPPING=1\nSTATUS=restoring device settings")
         self.log.info("stopping", reason=reason)
         if self._watchdog is not None:
@@ -1190,35 +1306,13 @@ class Daemon:
         self._stopping = True  # streams that end from here on are the daemon's doing
         for timer in self._stream_end_timers:
             timer.cancel()
-        if self.front is not None:  # no new connections; relayed ones stay for the grace period
-            await asyncio.to_thread(self.front.stop_accepting)
-        self._remove_public_socket()
         allocator: Allocator | None = getattr(self, "allocator", None)
-        if self.server is not None:
-            if allocator is not None:
-                allocator.end_watches()  # watch streams never end by themselves: grace_s is for calls
-            await self.server.stop(self.cfg.server.grace_s)
-        if self.front is not None:
-            await asyncio.to_thread(self.front.stop)
-        if self._listener is not None:  # a start that failed before the front took it
-            self._listener.close()
-            self._listener = None
-        if self._front_dir is not None:
-            remove_front_dir(self._front_dir)
-            self._front_dir = None
+        await self._stop_serving(allocator)
         actions: list[dict[str, Any]] = []
         store: Store | None = getattr(self, "store", None)
         backend: Backend | None = getattr(self, "backend", None)
         if allocator is not None and store is not None and backend is not None:
-            allocator.stop()
-            if self.cfg.server.dry_run:
-                self.log.info("restore_skipped", reason="dry run: nothing was written to the devices")
-            else:
-                actions = restore_devices(store, backend, self.log, getattr(self, "metrics", None))
-            try:
-                self._save(allocator.ledger)
-            except StateNotSaved:
-                pass  # logged by _save; every acknowledged change is stored already
+            actions = self._restore_and_save(allocator, store, backend)
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
         await asyncio.to_thread(self._wait_for_loaders, LOADER_JOIN_S)
@@ -1235,6 +1329,40 @@ class Daemon:
             self._lock.close()
         thaw_heap()  # what start-up froze is collectable again for whatever runs on in this process
         self.stopped.set()
+        return actions
+
+    async def _stop_serving(self, allocator: Allocator | None) -> None:
+        """Close the doors: the front stops accepting and the public socket goes, the watch streams
+        end, the server stops (in-flight calls get server.grace_s), then the front and its directory."""
+        if self.front is not None:  # no new connections; relayed ones stay for the grace period
+            await asyncio.to_thread(self.front.stop_accepting)
+        self._remove_public_socket()
+        if self.server is not None:
+            if allocator is not None:
+                allocator.end_watches()  # watch streams never end by themselves: grace_s is for calls
+            await self.server.stop(self.cfg.server.grace_s)
+        if self.front is not None:
+            await asyncio.to_thread(self.front.stop)
+        if self._listener is not None:  # a start that failed before the front took it
+            self._listener.close()
+            self._listener = None
+        if self._front_dir is not None:
+            remove_front_dir(self._front_dir)
+            self._front_dir = None
+
+    def _restore_and_save(self, allocator: Allocator, store: Store, backend: Backend) -> list[dict[str, Any]]:
+        """The allocator undoes what it changed, every device still off its recorded original is put
+        back (not in a dry run), and the ledger is saved. The restore actions taken."""
+        actions: list[dict[str, Any]] = []
+        allocator.stop()
+        if self.cfg.server.dry_run:
+            self.log.info("restore_skipped", reason="dry run: nothing was written to the devices")
+        else:
+            actions = restore_devices(store, backend, self.log, getattr(self, "metrics", None))
+        try:
+            self._save(allocator.ledger)
+        except StateNotSaved:
+            pass  # logged by _save; every acknowledged change is stored already
         return actions
 
     def _remove_public_socket(self) -> None:
