@@ -75,3 +75,21 @@ async def test_nvml_daemon_acts_when_told(tmp_path: Path) -> None:
         assert json.loads(await _available(d, tmp_path, "--json")).get("dry_run", False) is False
     finally:
         await d.stop("test")
+
+
+def test_the_real_gpu_is_recognised_however_the_backend_is_written() -> None:
+    """`--backend NVML` opens the real GPUs as `nvml` does; it once left dry run off there and let
+    simulated replays in, because those two readings compared the text exactly."""
+    for spelled in ("NVML", " nvml ", "Nvml"):
+        cfg = config.load(None, env={}, overrides={"server.backend": spelled})
+        assert config.dry_run_of(cfg.server) is True, spelled
+        assert config.accepts_replay(cfg) is False, spelled
+
+
+async def test_a_daemon_on_nvml_written_in_capitals_starts_in_dry_run(tmp_path: Path) -> None:
+    d, _sim = _nvml_daemon(tmp_path, **{"server.backend": "NVML"})
+    await d.start()
+    try:
+        assert d.allocator.dry_run is True
+    finally:
+        await d.stop("test")

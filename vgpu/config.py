@@ -285,8 +285,9 @@ def _validate(cfg: Config) -> None:
             f"server.socket: {s.socket!r} is {socket_bytes} bytes; a Unix socket path may have at most "
             f"{MAX_SOCKET_PATH_BYTES} (sun_path): choose a shorter path"
         )
-    if s.backend.strip().lower() != "nvml":
-        from vgpu.device import parse_sim_spec
+    from vgpu.device import is_nvml_spec, parse_sim_spec
+
+    if not is_nvml_spec(s.backend):
 
         try:
             parse_sim_spec(s.backend)
@@ -433,14 +434,18 @@ def replace(cfg: Config, **sections: dict[str, object]) -> Config:
 def dry_run_of(server: ServerConfig) -> bool:
     """Whether the daemon writes nothing to the devices: `server.dry_run` when set, else True on the
     nvml backend (a real GPU) and False on a simulator."""
-    return server.backend == "nvml" if server.dry_run is None else server.dry_run
+    from vgpu.device import is_nvml_spec
+
+    return is_nvml_spec(server.backend) if server.dry_run is None else server.dry_run
 
 
 def accepts_replay(cfg: Config) -> bool:
     """Whether the profiler token may stream signatures of processes the node does not run
     (`manager.accept_replay`; "auto": only on the simulator)."""
     if cfg.manager.accept_replay == "auto":
-        return cfg.server.backend.strip().lower() != "nvml"
+        from vgpu.device import is_nvml_spec
+
+        return not is_nvml_spec(cfg.server.backend)
     return cfg.manager.accept_replay == "yes"
 
 

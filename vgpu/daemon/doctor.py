@@ -366,7 +366,9 @@ def run_checks(
     sock = check_socket(socket_path)
     answer = ask_daemon(socket_path, state_dir) if sock.status != "FAIL" else None
     choice = choose_backend(cfg.server.backend, given=backend_given, socket_path=socket_path, answer=answer)
-    if choice.spec.strip().lower() == "nvml":
+    from vgpu.device import is_nvml_spec
+
+    if is_nvml_spec(choice.spec):
         device_checks = [check_driver(proc_root), check_nvml(open_nvml)]
     else:
         resp = answer[0] if answer is not None else None

@@ -135,6 +135,7 @@ from vgpu.client import (
 from vgpu.config import Config, ConfigError
 from vgpu.daemon.front import PeerFront
 from vgpu.daemon.metrics import AppSnapshot, CounterSnapshot, DaemonMetrics, DeviceSnapshot
+from vgpu.device import is_nvml_spec
 from vgpu.device.base import Backend, Device
 from vgpu.device.errors import DeviceError
 from vgpu.gc_freeze import freeze_startup_heap, thaw_heap
@@ -450,7 +451,7 @@ class ObservedPids:
 def open_backend(spec: str, state_dir: Path) -> Backend:
     """A backend by the device layer's one grammar (`vgpu.device.parse_sim_spec`: `nvml`, `sim`,
     `sim:SKU[*N][,SKU[*N]...]`); a simulated node keeps its device settings in the state directory."""
-    if spec.strip().lower() == "nvml":
+    if is_nvml_spec(spec):
         try:
             from vgpu.device.nvml import NvmlBackend
 

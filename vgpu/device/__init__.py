@@ -27,6 +27,12 @@ def _spec_error(spec: str, why: str) -> ValueError:
     )
 
 
+def is_nvml_spec(spec: str) -> bool:
+    """Whether a backend spec names the real GPUs ("nvml", in any case and with spaces around): the
+    one test every reader of a spec uses, so that a real GPU is never taken for a simulator."""
+    return spec.strip().lower() == "nvml"
+
+
 def parse_sim_spec(spec: str) -> list[str]:
     """The SKU names of a "sim:..." spec, one per GPU; ValueError naming the problem otherwise."""
     text = spec.strip()
@@ -62,7 +68,7 @@ def open_backend(spec: str, **kw: Any) -> Backend:
     """A backend for `spec` ("nvml", "sim", "sim:h100-80gb*8", ...); ValueError for a bad spec."""
     if not isinstance(spec, str) or not spec.strip():
         raise _spec_error(str(spec), "empty")
-    if spec.strip().lower() == "nvml":
+    if is_nvml_spec(spec):
         from vgpu.device.nvml import NvmlBackend
 
         return NvmlBackend(**kw)
