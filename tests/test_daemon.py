@@ -147,6 +147,20 @@ def test_readiness_and_watchdog_over_notify_socket(env: Env, serves: list[Serve]
     listener.close()
 
 
+def test_a_stale_notify_socket_neither_stops_the_start_nor_the_stop(env: Env, serves: list[Serve]) -> None:
+    """NOTIFY_SOCKET naming a socket that is gone (inherited from a unit that ended): the daemon
+    serves, and its stop, which notifies first, still restores, saves and unlocks ("stopped")."""
+    for stale in (env.tmp / "gone.sock", env.tmp / "closed.sock"):
+        if stale.name == "closed.sock":  # a socket file nobody reads any more: connect is refused
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            s.bind(str(stale))
+            s.close()
+        serves.append(Serve(env, notify=stale))
+        assert str(stale) in serves[-1].event("sd_notify_failed")["error"]
+        assert serves[-1].term() == 0
+        assert serves[-1].event("stopped")["devices_restored"] == 0
+
+
 def test_socket_is_created_with_the_configured_mode(env: Env, serves: list[Serve]) -> None:
     serves.append(Serve(env, "--socket-mode", "0600"))
     assert env.sock.stat().st_mode & 0o777 == 0o600

@@ -196,14 +196,23 @@ class SdNotifier:
         pid = env.get("WATCHDOG_PID", "")
         ours = not pid or pid == str(os.getpid())
         self.watchdog_s: float | None = int(usec) / 1e6 if usec.isdigit() and int(usec) > 0 and ours else None
+        self.error: str | None = None
 
     def notify(self, message: str) -> bool:
+        """Send `message`; whether it was sent. A socket that is gone or refuses (a stale variable
+        inherited from a unit that ended) is not the daemon's failure, as sd_notify(3) returns an
+        error rather than failing its caller: the stop that notifies first must still restore the
+        devices and save. The last error is kept in `error`."""
         if not self.address:
             return False
         addr = "\0" + self.address[1:] if self.address.startswith("@") else self.address
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
-            s.connect(addr)
-            s.sendall(message.encode())
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+                s.connect(addr)
+                s.sendall(message.encode())
+        except OSError as exc:
+            self.error = f"{self.address}: {exc.strerror or exc}"
+            return False
         return True
 
 
@@ -948,7 +957,10 @@ class Daemon:
         # start-up is over: what it built is kept out of the garbage collector's full passes (vgpu/gc_freeze.py)
         frozen = freeze_startup_heap()
         self._log_serving(token_files, inapp_state, metrics_at, frozen)
-        self.notifier.notify(f"READY=1\nSTATUS=serving on {self.socket_path}\nMAINPID={os.getpid()}")
+        if not self.notifier.notify(f"READY=1\nSTATUS=serving on {self.socket_path}\nMAINPID={os.getpid()}") \
+                and self.notifier.error:
+            self.log.warning("sd_notify_failed", error=self.notifier.error,
+                             to_act="under systemd the unit's Type=notify start will time out; elsewhere unset NOTIFY_SOCKET")
         if self.notifier.watchdog_s:
             self._watchdog = asyncio.create_task(self._ping_watchdog(self.notifier.watchdog_s / 3))
         if cfg.server.idle_release_s > 0:
