@@ -1012,8 +1012,9 @@ class Daemon:
         baseline = default_baseline()
         interval_s = cfg.manager.model_check_interval_s
         model_forecaster = load_model(cfg.manager.model, fallback=baseline, check_interval_s=interval_s)
-        # the served forecast: the expert mixture over the last value, an EWMA and the model (a slot
-        # that abstains until the model loads), or with manager.mixture off the model alone
+        # the served forecast: the expert mixture over the last value, the model (a slot that abstains
+        # until the model loads) and the node-local model once one is promoted, or with
+        # manager.mixture off the model alone
         self.mixture = None
         if cfg.manager.mixture:
             self._start_mixture(model_forecaster)
