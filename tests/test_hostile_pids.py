@@ -108,8 +108,8 @@ def test_bad_records_in_the_store_are_skipped_counted_and_logged(env: Env, serve
     assert serves[-1].term() == 0
 
 
-@pytest.mark.parametrize("damage", [{"max_memory_mib": "x"}, {"max_memory_mib": float("nan")}, {"max_sm_pct": 250},
-                                    {"priority": "high"}, {"app_id": ""}])
+# (other damaged limits fields, a priority beyond int32, a cap of 10**400: tests/test_hostile_stored.py)
+@pytest.mark.parametrize("damage", [{"max_memory_mib": "x"}, {"max_memory_mib": float("nan")}])
 def test_a_damaged_stored_limit_is_skipped_and_logged_and_its_application_served(
         env: Env, serves: list[Serve], client: Raw, damage: dict[str, object]) -> None:
     """A limits row whose cap is not a number once stopped every later request of its application
@@ -130,3 +130,19 @@ def test_a_damaged_stored_limit_is_skipped_and_logged_and_its_application_served
     assert rec["bad_record_reasons"][0].startswith("limits ")
     assert client.request("capped", 8192).memory_mib == 8192  # served, and no longer capped
     assert serves[-1].term() == 0
+
+
+@pytest.mark.parametrize("damage", [{"max_memory_mib": "x"}, {"max_memory_mib": float("nan")}, {"max_sm_pct": 250},
+                                    {"max_sm_pct": -1}, {"priority": "high"}, {"priority": True}, {"app_id": ""}])
+def test_each_damaged_limits_field_is_left_out_at_restore(damage: dict[str, object]) -> None:
+    """The same check in process, field by field: the limits entry is left out and named, nothing else."""
+    from vgpu.allocator.ledger import DeviceCapacity, Ledger
+
+    good = {"app_id": "capped", "max_memory_mib": 4096.0, "max_sm_pct": None, "priority": None}
+    records = {"version": 1, "devices": [], "grants": [], "limits": [good, {**good, "app_id": "other"} | damage]}
+    ledger = Ledger.from_records(records, devices=[DeviceCapacity("GPU-0", 81_559.0)], skip_bad=True)
+    (why,) = ledger.bad_on_restore
+    assert why.startswith("limits ")
+    assert ledger.limits("capped") is not None and ledger.limits("other") is None  # the good entry kept
+    with pytest.raises(ValueError, match="malformed ledger records"):
+        Ledger.from_records(records, devices=[DeviceCapacity("GPU-0", 81_559.0)])
