@@ -156,6 +156,7 @@ def test_a_stale_notify_socket_neither_stops_the_start_nor_the_stop(env: Env, se
             s.bind(str(stale))
             s.close()
         serves.append(Serve(env, notify=stale))
+        serves[-1].wait_for("sd_notify_failed")  # logged just after "serving", when READY is sent
         assert str(stale) in serves[-1].event("sd_notify_failed")["error"]
         assert serves[-1].term() == 0
         assert serves[-1].event("stopped")["devices_restored"] == 0
