@@ -190,6 +190,14 @@ def test_cli_set_is_reported_and_a_bad_one_is_a_clear_error(tmp_path: Path,
 # ------------------------------------------------------------------------------------------------
 # what users feel: OOM kills and failures, slowdown from contention and power, lead times
 # ------------------------------------------------------------------------------------------------
+def _predictive(apps: list[R.ReplayApp], forecaster: Forecaster, *sets: str) -> R.Result:
+    """The predictive policy alone replayed over `apps`, its shipped settings changed by `--set`-style
+    `sets`, out-of-memory events counted but not killing."""
+    config, _ = R.config_overrides(PREDICTIVE_CONFIG, list(sets))
+    return R.replay(apps, SKU, forecaster, policies=("predictive",), configs={"predictive": config},
+                    kill_on_oom=False)[0]
+
+
 def _lv() -> Forecaster:
     from vgpu.manager.baselines import LastValueForecaster
 
@@ -263,9 +271,7 @@ def test_the_leading_rules_grant_a_ramp_ahead_of_its_rise() -> None:
     apps = R.pack(R.prepare([app_trace("a", mem, [10.0] * len(mem))])[0], SKU)
 
     def result(*sets: str) -> R.Result:
-        config, _ = R.config_overrides(PREDICTIVE_CONFIG, list(sets))
-        return R.replay(apps, SKU, _lv(), policies=("predictive",),
-                        configs={"predictive": config}, kill_on_oom=False)[0]
+        return _predictive(apps, _lv(), *sets)
 
     led = result()
     bump_only = result("ramp_min_s=0", "mem_lead_frac=0", "start_ramp_frac=0")  # the bump alone trails the ramp
@@ -379,9 +385,7 @@ def test_a_start_up_ramp_is_granted_a_multiple_and_its_jump_does_not_overrun() -
     apps = R.pack(R.prepare([app_trace("a", mem, [10.0] * len(mem))])[0], SKU)
 
     def result(*sets: str) -> R.Result:
-        config, _ = R.config_overrides(PREDICTIVE_CONFIG, list(sets))
-        return R.replay(apps, SKU, _lv(), policies=("predictive",),
-                        configs={"predictive": config}, kill_on_oom=False)[0]
+        return _predictive(apps, _lv(), *sets)
 
     assert result()["oom_events"] == 0
     assert result("start_ramp_frac=0")["oom_events"] == 1
@@ -395,9 +399,7 @@ def test_a_ramp_in_mid_life_is_granted_ahead_at_its_latest_slope() -> None:
     apps = R.pack(R.prepare([app_trace("a", mem, [10.0] * len(mem))])[0], SKU)
 
     def result(*sets: str) -> R.Result:
-        config, _ = R.config_overrides(PREDICTIVE_CONFIG, list(sets))
-        return R.replay(apps, SKU, _lv(), policies=("predictive",),
-                        configs={"predictive": config}, kill_on_oom=False)[0]
+        return _predictive(apps, _lv(), *sets)
 
     led, trailed = result(), result("ramp_last_rate=0")
     assert led["rises_visible"] == trailed["rises_visible"] == 5
@@ -437,9 +439,7 @@ def test_the_start_up_window_from_first_use_covers_a_job_that_waited_idle() -> N
     assert apps[0].first_use == 20
 
     def result(*sets: str) -> R.Result:
-        config, _ = R.config_overrides(PREDICTIVE_CONFIG, list(sets))
-        return R.replay(apps, SKU, _lv(), policies=("predictive",),
-                        configs={"predictive": config}, kill_on_oom=False)[0]
+        return _predictive(apps, _lv(), *sets)
 
     assert result("start_from_use=1")["oom_events"] == 0
     assert result("start_from_use=0")["oom_events"] >= 1
@@ -560,9 +560,7 @@ def test_a_cache_that_bursts_again_is_granted_room_for_the_next_burst() -> None:
     stepped = R.pack(R.prepare([app_trace("b", steps, [10.0] * len(steps))])[0], SKU)
 
     def run(apps: list[R.ReplayApp], *sets: str) -> R.Result:
-        config, _ = R.config_overrides(PREDICTIVE_CONFIG, list(sets))
-        return R.replay(apps, SKU, _LastValueP90(), policies=("predictive",),  # type: ignore[arg-type]
-                        configs={"predictive": config}, kill_on_oom=False)[0]
+        return _predictive(apps, _LastValueP90(), *sets)  # type: ignore[arg-type]
 
     assert PREDICTIVE_CONFIG.mem_burst_window_s == 1200.0
     assert run(bursty)["oom_events"] == 1  # the first burst only
@@ -583,9 +581,7 @@ def test_a_cache_that_jumps_and_stays_flat_gets_its_jumps_grant_back_at_once() -
     ramping = R.pack(R.prepare([app_trace("b", ramp, [10.0] * len(ramp))])[0], SKU)
 
     def run(apps: list[R.ReplayApp], *sets: str) -> R.Result:
-        config, _ = R.config_overrides(PREDICTIVE_CONFIG, list(sets))
-        return R.replay(apps, SKU, _LastValueP90(), policies=("predictive",),  # type: ignore[arg-type]
-                        configs={"predictive": config}, kill_on_oom=False)[0]
+        return _predictive(apps, _LastValueP90(), *sets)  # type: ignore[arg-type]
 
     assert PREDICTIVE_CONFIG.ramp_jump_release == 1.0
     on, off = run(jumpy), run(jumpy, "ramp_jump_release=0")
@@ -610,9 +606,7 @@ def test_a_start_up_that_grows_in_stages_keeps_each_stages_grant_for_the_next() 
     jumpy = R.pack(R.prepare([app_trace("b", late, [10.0] * len(late))])[0], SKU)
 
     def run(apps: list[R.ReplayApp], *sets: str) -> R.Result:
-        config, _ = R.config_overrides(PREDICTIVE_CONFIG, list(sets))
-        return R.replay(apps, SKU, _LastValueP90(), policies=("predictive",),  # type: ignore[arg-type]
-                        configs={"predictive": config}, kill_on_oom=False)[0]
+        return _predictive(apps, _LastValueP90(), *sets)  # type: ignore[arg-type]
 
     assert PREDICTIVE_CONFIG.ramp_jump_release_after_s == 90.0
     on, off = run(staged), run(staged, "ramp_jump_release_after_s=0")
