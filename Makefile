@@ -16,9 +16,9 @@ $(STAMP): pyproject.toml
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 		echo "NVIDIA GPU found: pip takes the CUDA build of torch"; \
 	else \
-		echo "no NVIDIA GPU: installing the CPU build torch==$(TORCH_CPU_VERSION)"; \
-		$(PIP) install -q "torch==$(TORCH_CPU_VERSION)" || \
-		$(PIP) install -q --index-url https://download.pytorch.org/whl/cpu "torch==$(TORCH_CPU_VERSION)"; \
+		echo "no NVIDIA GPU: installing the CPU build torch==$(TORCH_CPU_VERSION)+cpu"; \
+		$(PIP) install -q "torch==$(TORCH_CPU_VERSION)+cpu" 2>/dev/null || \
+		$(PIP) install -q --index-url https://download.pytorch.org/whl/cpu "torch==$(TORCH_CPU_VERSION)+cpu"; \
 	fi
 	$(PIP) install -q -e ".[dev,bench]"
 	touch $(STAMP)
