@@ -115,11 +115,14 @@ def test_a_change_with_no_daemon_says_how_long_it_waited_and_0_does_not_wait(env
     assert r.returncode == 1 and "nothing listens" not in r.stderr
 
 
-@pytest.mark.parametrize("command", [["available", "--json"], ["apps", "--json"], ["top", "--plain", "--iterations", "1"]],
+@pytest.mark.parametrize("command", [["available", "--json"], ["apps", "--json"], ["top", "--plain", "--iterations", "1"],
+                                     ["report", "--app", "nobody", "--out", "REPORT"]],
                          ids=lambda c: c[0])
-def test_a_look_sent_before_the_daemon_listens_waits_for_it(env: Env, serves: list[Serve], command: list[str]) -> None:
+def test_a_look_sent_before_the_daemon_listens_waits_for_it(env: Env, serves: list[Serve], command: list[str],
+                                                           tmp_path: Path) -> None:
     """`vgpu serve & vgpu available` typed together (docs/install.md, "Trying it"): the read-only
     commands wait within --wait-s too, and answer once the daemon serves."""
+    command = [str(tmp_path / "report.png") if a == "REPORT" else a for a in command]
     waits = start(*command, "--socket", str(env.sock), "--wait-s", "60", env=env.env)
     assert waits.stderr is not None
     first = waits.stderr.readline()
@@ -127,14 +130,28 @@ def test_a_look_sent_before_the_daemon_listens_waits_for_it(env: Env, serves: li
     assert waits.poll() is None
     serves.append(Serve(env))
     out, err = waits.communicate(timeout=90)
-    assert waits.returncode == 0, first + err
     assert "nothing listens" not in err
+    if command[0] == "report":  # the daemon answered (no history for an app it never saw), not "cannot reach"
+        assert waits.returncode == 1 and "no history for application 'nobody'" in err, first + err
+        return
+    assert waits.returncode == 0, first + err
     if command[0] == "available":
         assert json.loads(out)["devices"][0]["name"]
     elif command[0] == "apps":
         assert json.loads(out).get("apps", []) == []
     else:
         assert out.startswith("vgpu top") and "GRANTED MiB" in out
+
+
+def test_report_with_no_daemon_says_how_long_it_waited_and_0_does_not_wait(env: Env, tmp_path: Path) -> None:
+    args = ["report", "--socket", str(env.sock), "--app", "a", "--out", str(tmp_path / "a.png")]
+    began = time.monotonic()
+    r = vgpu(*args, "--wait-s", "1", env=env.env)
+    assert r.returncode == 1 and time.monotonic() - began >= 0.8, r.stderr
+    assert "cannot reach the vgpu daemon" in r.stderr and "nothing listened there within 1 s (--wait-s)" in r.stderr
+    r = vgpu(*args, "--wait-s", "0", env=env.env)
+    assert r.returncode == 1 and "cannot reach the vgpu daemon" in r.stderr
+    assert "nothing listens" not in r.stderr and "within" not in r.stderr
 
 
 class NotReadyRelease(NotReadyAllocator):

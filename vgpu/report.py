@@ -1,10 +1,12 @@
 """`vgpu report`: a picture of forecast against use from the daemon's history.
 
-    vgpu report (--app ID | --device INDEX|UUID) [--since 10m] --out FILE.png|.svg|.html [--socket PATH]
+    vgpu report (--app ID | --device INDEX|UUID) [--since 10m] --out FILE.png|.svg|.html [--socket PATH] [--wait-s S]
 
 One panel per application (one application, or every application of a GPU): memory used, the P50
 and P90 forecasts, the grant, OOM events and grant changes (vgpu/plots.py), over the last `--since`
 (the daemon keeps about an hour per application; `GetAppHistory`). Prints the path it wrote.
+Like the other commands that talk to the daemon (vgpu/ctl.py, "Not ready"), it asks again for up to
+`--wait-s` (default 10 s; 0: never) while nothing listens on the socket yet.
 
 Exit status: 0 written, 1 the daemon refused, could not be reached or has no history for it, 2 usage.
 """
@@ -18,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
-from vgpu.ctl import Client, CliError, UsageError, _run
+from vgpu.ctl import Client, CliError, UsageError, _run, _wait_option
 from vgpu.v1 import allocator_pb2 as pb
 
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -40,6 +42,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu report", *, out: T
         who.add_argument("--device", help="every application of this GPU (its index or UUID)")
         p.add_argument("--since", type=parse_duration_s, default=600.0, help="how far back: 90s, 10m, 1h (default 10m)")
         p.add_argument("--out", type=Path, required=True, help="picture to write: .png, .svg or .html")
+        _wait_option(p)
 
     def body(ns: argparse.Namespace, c: Client, o: TextIO) -> int:
         from vgpu import plots
