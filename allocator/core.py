@@ -13,6 +13,12 @@ The allocator alone writes to devices. It owns:
 - applications' signs of life (`last_seen_s`, `release_vanished`);
 and it restores device settings on `stop()`.
 
+Stopping: once `refuse_changes()` (a stopping daemon calls it first, before it closes its doors) or
+`stop()` was called, every change to the grants (request, release, limits, a plan, the releases of
+applications that went silent) is refused with Unavailable ("the daemon is stopping") before
+anything changes: nothing is stored, announced or enforced after the daemon decided to stop, so the
+ledger it saves last and the store agree. Reads (available, list_apps) still answer.
+
 Every change to the grants (request, release, limits, a plan) goes check -> change -> store ->
 announce -> enforce:
 1. check: the ledger refuses what does not fit or is not the caller's (InsufficientResources,
@@ -378,6 +384,7 @@ class Allocator:
         self._subscriptions: list[Subscription] = []
         self._latest: dict[str, Recommendation] = {}
         self._stopped = False
+        self._refusing = False  # refuse_changes() or stop() was called: no change is made any more
         self._watches_ended = False
         self._warned: set[str] = set()
         self._mig_parent: dict[str, str] = {}  # MIG instance UUID -> its GPU's UUID
@@ -465,10 +472,25 @@ class Allocator:
         return sub
 
     # --- application API -------------------------------------------------------------------------
+    @property
+    def refusing_changes(self) -> bool:
+        """Whether changes are refused (`refuse_changes()` or `stop()` was called)."""
+        return self._refusing
+
+    def refuse_changes(self) -> None:
+        """Refuse every change from now on (Unavailable, nothing changed): the daemon has decided to
+        stop. Idempotent; `stop()` implies it."""
+        self._refusing = True
+
+    def _check_open(self) -> None:
+        if self._refusing:
+            raise Unavailable("the daemon is stopping: nothing was changed; send it again once the daemon is back")
+
     def request_allocation(self, request: AllocationRequest, *, caller: str | None = None) -> Grant:
         """Grant what the request asks for, or (memory 0 with a job description) what the cold-start
         sizer says; InsufficientResources when it does not fit, InvalidRequest when the job cannot be
-        sized, NotSupported without a sizer (nothing changes in any of these)."""
+        sized, NotSupported without a sizer, Unavailable once stopping (nothing changes in any of these)."""
+        self._check_open()
         memory_mib, sm_pct, source = self._size_request(request)
         grant = self.ledger.grant(
             request.app_id,
@@ -518,6 +540,7 @@ class Allocator:
         return max((c.mem_total_mib for c in caps), default=0.0)
 
     def release(self, grant_id: str, *, caller: str | None = None, reason: str = "") -> Grant:
+        self._check_open()
         grant = self.ledger.release(grant_id, caller=caller)
         self._changed()
         self._recount(grant.device_id, grant.app_id)
@@ -529,8 +552,12 @@ class Allocator:
 
     def forget_app(self, app_id: str) -> list[Grant]:
         """An application went silent: release its forecast and cold-start grants (grants it
-        requested itself stay until it releases them) and drop its latest recommendation."""
+        requested itself stay until it releases them) and drop its latest recommendation. Once
+        stopping, the grants stay (stored as they are; a restarted daemon releases them if the
+        application stays silent)."""
         self._latest.pop(app_id, None)
+        if self._refusing:
+            return []
         self._cold_start_mib.pop(app_id, None)
         self._unplan(app_id)
         gone = []
@@ -602,7 +629,10 @@ class Allocator:
 
     def release_vanished(self, idle_s: float) -> list[str]:
         """Release every grant of each application with no sign of life (`last_seen_s`) for more than
-        `idle_s` seconds, with a log line and a RELEASED event per grant saying why; the apps released."""
+        `idle_s` seconds, with a log line and a RELEASED event per grant saying why; the apps released.
+        None once stopping."""
+        if self._refusing:
+            return []
         now = self.clock()
         gone = []
         self._drop_stale_recommendations(now, idle_s)
@@ -629,7 +659,9 @@ class Allocator:
         SEEN), as for an application released itself. A grant whose release cannot be stored is kept
         (undone in memory, logged) and the others go on, so one failing write never stops a sweep
         half-way; the next sweep tries it again. Its node-history series ends once no grant is left.
-        The grants released."""
+        The grants released (none once stopping: they stay stored for the restarted daemon)."""
+        if self._refusing:
+            return []
         released = []
         for g in self.ledger.grants(app_id=app_id):
             try:
@@ -651,7 +683,8 @@ class Allocator:
         """Set an application's caps. A cap covers every grant of the application, the ones it holds
         already included: grants over the new memory or SM cap are cut down to it at once (each a
         RESIZED event), largest first. Logged as `limits_set`, and `limit_below_usage` when the
-        application uses more memory than its new cap."""
+        application uses more memory than its new cap. Unavailable once stopping."""
+        self._check_open()
         before = self.ledger.limits(limits.app_id)
         result = self.ledger.set_limits(limits, caller=caller)
         capped = self._cap_grants(result)
@@ -851,9 +884,8 @@ class Allocator:
         """Carry out the manager's recommendations: the policy plans grant sizes, power limits and
         MIG layouts; growth is clamped to what fits; device writes go through the mechanisms. A
         recommendation for an unknown device is skipped (reported in `skipped`). The steps, in
-        order, are the module docstring's list."""
-        if self._stopped:
-            raise InvalidRequest("the allocator is stopped")
+        order, are the module docstring's list. Unavailable once stopping."""
+        self._check_open()
         usable, skipped = self._admit(recommendations)
         fresh = {r.app_id for r in usable}
         devices_touched = {r.device_id for r in usable}
@@ -1207,6 +1239,7 @@ class Allocator:
         if self._stopped:
             return []
         self._stopped = True
+        self._refusing = True
         results = self.power.restore()
         if self.cgroup_limits is not None:
             for device_id, _cgroup, outcome in self.cgroup_limits.restore():

@@ -101,6 +101,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import structlog
 
+from vgpu.allocator.errors import Unavailable
 from vgpu.allocator.policy.base import IDLE_MEM_MIB, Recommendation, RecommendationSink
 from vgpu.histogram import LatencyHistogram
 from vgpu.log import get_logger, worth_logging
@@ -343,6 +344,7 @@ class Manager:
         # signature for another device could never become a grant: it is rejected, with the reason.
         self.device_known = device_known
         self._unknown_devices_said: set[str] = set()
+        self._apply_refused_said = False
 
     @property
     def source(self) -> str:
@@ -894,6 +896,11 @@ class Manager:
         started = time.thread_time()
         try:
             report = self.allocator.apply_recommendations([d.to_recommendation() for d in pending])
+        except Unavailable as exc:  # the daemon is stopping: it acts on nothing more (said once)
+            if not self._apply_refused_said:
+                self._apply_refused_said = True
+                self._log.info("apply_recommendations_refused", reason=str(exc))
+            return
         except Exception as exc:  # noqa: BLE001 - acting failed; the stream and the next tick go on
             self._log.error("apply_recommendations_failed", error=repr(exc))
             return

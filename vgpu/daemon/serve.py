@@ -74,7 +74,10 @@ their signatures and whose process runs on none of their GPUs go (`_release_afte
 `app_released_stream_ended`).
 
 Stop (`Daemon.stop`; SIGTERM or SIGINT, or a failed start), in order: STOPPING=1; the watchdog, the
-idle release and the stream-end timers are cancelled; the front stops accepting and the public
+idle release and the stream-end timers are cancelled; the allocator refuses every change from here on
+(`Allocator.refuse_changes`: a call that still reaches it, on a connection already open or a
+profiler stream's decisions, is answered UNAVAILABLE "the daemon is stopping" and changes nothing,
+so what the last save writes is what was acknowledged); the front stops accepting and the public
 socket is removed; the watch streams end (they never end by themselves, so the grace would always
 run out on them); the server stops taking calls (in-flight ones get `grace_s`, relayed still); the
 front closes what is left and the front's directory is removed; the allocator restores what it
@@ -1321,6 +1324,8 @@ class Daemon:
         for timer in self._stream_end_timers:
             timer.cancel()
         allocator: Allocator | None = getattr(self, "allocator", None)
+        if allocator is not None:  # decided: a call that still reaches it changes nothing (UNAVAILABLE)
+            allocator.refuse_changes()
         await self._stop_serving(allocator)
         actions: list[dict[str, Any]] = []
         store: Store | None = getattr(self, "store", None)
