@@ -1117,22 +1117,36 @@ class Allocator:
             return planned
         return Enforcement(device_id, False, f"uncontended: {granted:.0f} of {total:.0f} MiB granted")
 
-    def app_memory_limit(self, app_id: str) -> tuple[str, str]:
-        """(kind, why) of how the application's memory grant is enforced: "hard" when its cgroup is
-        capped (or, in dry run, would be), else "cooperative"; ("", "") without a grant."""
-        grants = self.ledger.grants(app_id=app_id)
-        if not grants:
+    def app_memory_limit(self, app_id: str, device_id: str | None = None) -> tuple[str, str]:
+        """(kind, why) of how the application's memory grants are enforced. Caps are per device
+        (`_sync_cgroup_limits`: on each GPU whose limits are hard, the cgroup of a process named by
+        the application's grants there is capped at what it holds there), so each GPU it holds a
+        grant on is judged on its own: "hard" when its cgroup is capped there (or, in dry run, would
+        be), else "cooperative". With `device_id`, that GPU's word; without, "hard" when any of its
+        GPUs caps it (beyond its grant there it runs out of memory), else "cooperative", the reason
+        naming each GPU when it holds grants on more than one. ("", "") without a grant (there)."""
+        grants = self.ledger.grants(app_id=app_id, device_id=device_id or None)
+        devices = sorted({g.device_id for g in grants})
+        if not devices:
             return "", ""
-        enf = self.memory_enforcement(grants[0].device_id)
+        words = {d: self._device_memory_limit(d, [g for g in grants if g.device_id == d]) for d in devices}
+        if len(words) == 1:
+            return words[devices[0]]
+        kind = "hard" if any(k == "hard" for k, _ in words.values()) else "cooperative"
+        return kind, "; ".join(f"{k} on {d}: {why}" for d, (k, why) in words.items())
+
+    def _device_memory_limit(self, device_id: str, grants: Sequence[Grant]) -> tuple[str, str]:
+        """(kind, why) for an application's `grants` on one device, as `_sync_cgroup_limits` caps them."""
+        enf = self.memory_enforcement(device_id)
         if not enf.hard_mem:
             return "cooperative", enf.reason
         lim = self.cgroup_limits
         if lim is None:
             return "cooperative", f"{enf.reason}; cgroup memory limits are off (server.cgroup_memory_limits)"
-        off = lim.disabled_reason(enf.device_id)
+        off = lim.disabled_reason(device_id)
         if off is not None:
             return "cooperative", f"{enf.reason}; cgroup memory limits unavailable: {off}"
-        pid = next((g.pid for g in grants if g.pid > 0), 0)
+        pid = next((g.pid for g in grants if g.pid > 0), 0)  # as `_cgroup_memory`: a pid named on this device
         if pid == 0 or self._cgroup_of(pid) is None:
             return "cooperative", f"{enf.reason}; no process (pid) with a readable cgroup to cap"
         return "hard", enf.reason + ("; dry run: the cap is logged, not written" if lim.dry_run else "")

@@ -415,7 +415,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             if not request.HasField("request"):
                 raise InvalidRequest("request is missing: set RequestResourceAllocationRequest.request")
             grant = self.allocator.request_allocation(request_from_pb(request.request), caller=caller)
-            return grant, self.allocator.app_memory_limit(grant.app_id)[0]
+            return grant, self.allocator.app_memory_limit(grant.app_id, grant.device_id)[0]  # the new grant's GPU
 
         grant, mem_limit = await self._call(context, "RequestResourceAllocation", run)
         return pb.RequestResourceAllocationResponse(grant=grant_to_pb(grant), mem_limit=mem_limit)

@@ -323,3 +323,35 @@ def test_a_ramp_after_the_window_is_granted_to_the_cold_start_size(told: bool) -
         assert _granted(allocator) == pytest.approx(10_000 * (1 + PREDICTIVE_CONFIG.mem_margin_frac))
     else:
         assert _granted(allocator) < 0.6 * 10_000
+
+
+def test_an_application_on_two_gpus_is_judged_on_each_as_its_caps_are_written() -> None:
+    """Caps are per GPU: an application whose first grant is on a free GPU and whose second is on a
+    contended one is capped on the second; what it is told says so, GPU by GPU."""
+    clock = ManualClock(1000.0)
+    backend = SimBackend(["h100-80gb", "h100-80gb"], clock=clock)
+    allocator = Allocator(backend, clock=clock, dry_run=False, cgroup_limits=CgroupMemoryLimits(), cgroup_of=CGROUPS.get,
+                          hard_limit_at_frac=PREDICTIVE_CONFIG.hard_limit_at_frac)
+    free, busy = (d.uuid for d in backend.devices())
+    allocator.request_allocation(AllocationRequest("multi", memory_mib=2048, pid=11, device_id=free))
+    allocator.request_allocation(AllocationRequest("multi", memory_mib=4096, pid=11, device_id=busy))
+    total = allocator.ledger.capacity(busy).mem_total_mib
+    allocator.request_allocation(AllocationRequest("big", memory_mib=0.95 * total - 4096, pid=12, device_id=busy))
+    # what is written: capped on the contended GPU at what it holds there, nothing on the free one
+    caps = {d.uuid: dict(d.memory_limits()) for d in backend.devices()}
+    assert caps[free] == {} and caps[busy]["/test/a"] == (4096.0, 4096.0)
+    assert allocator.app_memory_limit("multi", free) == ("cooperative", allocator.memory_enforcement(free).reason)
+    kind, why = allocator.app_memory_limit("multi", busy)
+    assert kind == "hard" and why.startswith("contended")
+    kind, why = allocator.app_memory_limit("multi")
+    assert kind == "hard" and f"hard on {busy}: contended" in why and f"cooperative on {free}: uncontended" in why
+    (info,) = [a for a in allocator.list_apps() if a.app_id == "multi"]
+    assert (info.mem_limit, info.mem_limit_reason) == (kind, why)
+
+    # a grant naming no pid on the contended GPU is not capped there (no process to cap), whatever
+    # its grant elsewhere names
+    allocator.request_allocation(AllocationRequest("nopid", memory_mib=1024, pid=11, device_id=free))
+    allocator.request_allocation(AllocationRequest("nopid", memory_mib=1024, device_id=busy))
+    assert allocator.app_memory_limit("nopid", busy)[0] == "cooperative"
+    assert allocator.app_memory_limit("nopid")[0] == "cooperative"
+    allocator.stop()
