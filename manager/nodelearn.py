@@ -40,12 +40,17 @@ from typing import Any
 
 import structlog
 
+from vgpu.capped import read_tail
 from vgpu.log import get_logger
 from vgpu.manager.forecast import Forecaster
 from vgpu.traces import AppTrace
 
 LOCAL = "local.pt"
 LOG = "promotions.jsonl"
+# The newest this many bytes of the promotion log are read (vgpu/capped.py `read_tail`): a line is a
+# few hundred bytes, so that is tens of thousands of promotions; an older part is skipped with one
+# log line (`promotion_log_skipped`), and a log damaged into gigabytes is never read whole.
+MAX_LOG_BYTES = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -72,14 +77,21 @@ def _append_log(state_dir: str | Path, entry: dict[str, Any]) -> None:
         os.fsync(fh.fileno())
 
 
-def read_log(state_dir: str | Path) -> list[dict[str, Any]]:
-    """The promotion log; a line that is not a JSON object (a crash mid-write, or damage: a line
-    nested too deep for the parser raises RecursionError) is skipped."""
+def read_log(state_dir: str | Path, *, max_bytes: int = MAX_LOG_BYTES) -> list[dict[str, Any]]:
+    """The promotion log, its newest `max_bytes` (an older part is skipped, said in one log line); a
+    line that is not a JSON object (a crash mid-write, or damage: a line nested too deep for the parser
+    raises RecursionError) is skipped."""
     path = models_dir(state_dir) / LOG
-    if not path.exists():
+    try:
+        data, skipped = read_tail(path, max_bytes)
+    except FileNotFoundError:
         return []
+    if skipped:
+        get_logger("vgpu.manager.nodelearn").warning(
+            "promotion_log_skipped", path=str(path), skipped_bytes=skipped, read_bytes=len(data),
+            reason=f"only the newest {max_bytes} bytes of the promotion log are read")
     out = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+    for line in data.decode("utf-8", errors="replace").splitlines():
         try:
             entry = json.loads(line)
         except (ValueError, RecursionError):

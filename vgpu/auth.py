@@ -52,6 +52,7 @@ from typing import Any, Literal, Protocol
 import grpc
 import structlog
 
+from vgpu.capped import FileTooLarge, read_capped
 from vgpu.config import DEFAULT_STATE_DIR
 from vgpu.ids import MAX_PID, app_id_digest, app_id_problem
 from vgpu.log import get_logger
@@ -194,7 +195,11 @@ class TokenAuthority:
             os.chmod(self.token_dir, 0o711)  # traversable, not listable
             if not path.exists():
                 _write_private(path, secrets.token_bytes(SECRET_BYTES), 0o600, durable=True)
-            data = path.read_bytes()
+            data = read_capped(path, SECRET_BYTES)
+        except FileTooLarge:
+            raise AuthSetupError(
+                f"{path} holds more than {SECRET_BYTES} bytes, expected {SECRET_BYTES}; delete it to issue new tokens"
+            ) from None
         except OSError as exc:
             raise AuthSetupError(f"cannot set up the token secret {path}: {exc}") from exc
         if len(data) != SECRET_BYTES:

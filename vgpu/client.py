@@ -81,6 +81,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from vgpu import config
+from vgpu.capped import FileTooLarge, read_capped
 from vgpu.ids import app_id_digest
 from vgpu.inapp import INAPP_MAX as INAPP_MAX
 from vgpu.inapp import INT_COUNTERS as INT_COUNTERS
@@ -105,6 +106,9 @@ INAPP_DIR_MODE = 0o1777
 INAPP_VERSION = 1
 # A file not rewritten for this long is stale (the reporter writes every second by default).
 INAPP_MAX_AGE_S = 5.0
+# The most of an in-app file that is read (vgpu/capped.py): the stub writes a few hundred bytes, and any
+# application may write in the directory; a larger file is malformed and is not read whole.
+MAX_INAPP_FILE_BYTES = 64 * 1024
 # psutil's create_time has clock-tick resolution; two starts closer than this are "the same process".
 PID_START_TOLERANCE_S = 1.0
 MIB = 1024 * 1024
@@ -362,9 +366,15 @@ def read_inapp(
     """The fresh report of `pid`, or None when there is none, it is older than `max_age_s`, or it was
     written by an earlier process with the same pid. A malformed file raises InAppFormatError."""
     try:
-        text = inapp_path(directory, pid).read_text(encoding="utf-8")
+        data = read_capped(inapp_path(directory, pid), MAX_INAPP_FILE_BYTES)
     except (FileNotFoundError, NotADirectoryError):
         return None
+    except FileTooLarge:
+        raise InAppFormatError(f"larger than {MAX_INAPP_FILE_BYTES} bytes, the most an in-app file may hold") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InAppFormatError(f"not UTF-8 text: {exc}") from None
     report = parse_inapp(text)
     if report.pid != pid:
         raise InAppFormatError(f"file for pid {pid} names pid {report.pid}")

@@ -12,10 +12,15 @@ import re
 import tempfile
 from pathlib import Path
 
+from vgpu.capped import read_capped
+
 # A token's shape (vgpu/auth.py `TokenAuthority.token_for`): `vgpu1.<base64url scope>.<hex HMAC>`.
 # Checked where a token is read, so a wrong file is named at once rather than sent (gRPC refuses
 # most bytes in metadata with a bare "Invalid metadata").
 TOKEN_RE = re.compile(r"vgpu1\.[A-Za-z0-9_=-]{1,2048}\.[0-9a-fA-F]{1,128}")
+# The most a token file is read of (vgpu/capped.py): a token is at most about 2.2 KB, so a larger file
+# holds none, and is refused without being read whole.
+MAX_TOKEN_FILE_BYTES = 4096
 
 
 class TokenFileError(ValueError):
@@ -41,7 +46,7 @@ def read_token(path: str | Path) -> str | None:
     cannot be read or holds something else."""
     path = Path(path)
     try:
-        data = path.read_bytes()
+        data = read_capped(path, MAX_TOKEN_FILE_BYTES)
     except FileNotFoundError:
         return None
     except OSError as exc:

@@ -126,6 +126,7 @@ from vgpu.allocator.policy.base import hard_limit_at_frac_for
 from vgpu.allocator.policy.forecast import ForecastPolicy
 from vgpu.allocator.service import AllocatorServicer, ProfilerState, Server, build_server
 from vgpu.allocator.store import DeviceOriginal, MigSlot, Store, StoreError, reset_state
+from vgpu.capped import read_capped
 from vgpu.client import (
     DEFAULT_INAPP_DIR,
     INAPP_MAX_AGE_S,
@@ -154,6 +155,9 @@ from vgpu.manager.service import IngestServicer
 from vgpu.manager.window import WindowStore
 
 SIM_STATE_FILE = "sim-devices.json"
+# The most of a TLS key, certificate or CA bundle that is read (vgpu/capped.py); a system CA bundle is
+# about 200 KiB.
+MAX_TLS_FILE_BYTES = 16 * 1024 * 1024
 LOCK_FILE = "daemon.lock"
 # The front's private directory in the state directory (mode 0700), and gRPC's own socket in it.
 FRONT_DIR = "front"
@@ -848,16 +852,17 @@ def _unusable_state_dir(state_dir: Path, exc: OSError) -> str:
 def _lock_holder(state_dir: Path) -> str:
     """' (pid N)' from the lock file the holder wrote, or '' when it cannot be read."""
     try:
-        text = (state_dir / LOCK_FILE).read_text(encoding="ascii", errors="replace").strip()
-    except OSError:
+        text = read_capped(state_dir / LOCK_FILE, 64).decode("ascii", errors="replace").strip()
+    except OSError:  # FileTooLarge too: no pid is that long
         return ""
     return f" (pid {int(text)})" if text.isdigit() and len(text) <= 10 else ""
 
 
 def _read(path: str, what: str) -> bytes:
+    """A TLS file (key, certificate, CA bundle), at most MAX_TLS_FILE_BYTES of it."""
     try:
-        return Path(path).read_bytes()
-    except OSError as exc:
+        return read_capped(path, MAX_TLS_FILE_BYTES)
+    except OSError as exc:  # FileTooLarge too: "larger than ... bytes
         raise StartupError(f"cannot read {what} {path}: {exc}") from exc
 
 

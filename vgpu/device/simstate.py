@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from vgpu.capped import FileTooLarge, read_capped
 from vgpu.device.base import (
     Backend,
     Device,
@@ -33,6 +34,11 @@ from vgpu.device.errors import DeviceError
 from vgpu.device.sim import SimBackend, SimDevice
 
 STATE_VERSION = 1
+
+
+# The most `read_state` reads (vgpu/capped.py): the file holds a few fields per device and one entry per
+# capped cgroup, kilobytes; a larger one is damaged, and is refused without being read whole.
+MAX_STATE_BYTES = 16 * 1024 * 1024
 
 
 class SimStateError(ValueError):
@@ -64,9 +70,11 @@ def read_state(path: Path) -> dict[str, dict[str, Any]]:
     """uuid -> device state, from a file written by `PersistentSimBackend` ({} when absent)."""
     path = Path(path)
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(read_capped(path, MAX_STATE_BYTES).decode("utf-8"))
     except FileNotFoundError:
         return {}
+    except FileTooLarge:
+        raise SimStateError(path, f"larger than {MAX_STATE_BYTES} bytes, the most it may hold; not read") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise SimStateError(path, f"not valid JSON: {exc}") from exc
     if not isinstance(raw, dict):
