@@ -79,7 +79,21 @@ comes, one forecast interval later). So a node whose applies are cheap acts on e
 with hundreds of applications on a device acts less often on larger sets instead of spending a core
 on re-planning.
 
-A forecaster that raises is logged and the fallback (the plain baseline) serves that round.
+A round decides for every application in it, whatever fails (`_forecast`, `_decide`):
+- the forecaster raises for the round: each application is forecast again alone, so one whose
+  features break the model (a NaN where it needs a number) leaves the others on the model; each one
+  it fails on alone is *benched* (the fallback forecasts it without asking the model) for
+  `BENCH_S`, so a round does not retry it one by one again until then;
+- the fallback forecasts what the forecaster could not; where it fails too, the forecast is unknown
+  and the application's last value decides (`recommend`: the last observation, plus the margin);
+- a forecast that cannot be made a decision (a value that is no number) is replaced by the
+  fallback's, then the last value's (a kept signature always has a finite memory value, so there is
+  always a last value to decide from);
+- a window that cannot be copied (`_begin_tick`) leaves that application out of the round, its
+  previous decision (and the grant the allocator made of it) standing, and the others in.
+Each kind of failure (`forecaster_failed`, `fallback_failed`, `decision_failed`, `window_failed`)
+is logged once with the first application it struck, not at every round; each is
+counted in `stats.forecast_failures`.
 
 Observed processes. With `pid_observed` (the daemon plugs in its devices' process lists), a stream
 that may not replay (`StreamState.replay_ok` False: the profiler token on a node that does not
@@ -118,6 +132,9 @@ _NAMED_SOURCES = ("model", "mixture")  # forecast sources a decision names; any 
 # The share of a core the allocator's acting may take on average (see `Manager._act`).
 ACT_DUTY_MAX = 0.02
 _GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0  # the phase sequence's step (a fraction of the interval)
+# An application the forecaster failed on alone is forecast by the fallback for this long before the
+# forecaster is tried on it again.
+BENCH_S = 60.0
 # An application's boundaries sit this fraction of the interval before its first forecast's phase,
 # between its profiler's batches rather than on them (a batch a hair early would wait a whole tick).
 _LEAD = 0.05
@@ -344,6 +361,8 @@ class Manager:
         # signature for another device could never become a grant: it is rejected, with the reason.
         self.device_known = device_known
         self._unknown_devices_said: set[str] = set()
+        self._failures_said: set[str] = set()  # the kinds of round failure logged already (once each)
+        self._benched: dict[str, float] = {}  # app -> until when the fallback forecasts it (BENCH_S)
         self._apply_refused_said = False
 
     @property
@@ -787,35 +806,82 @@ class Manager:
                 continue
             self._last_forecast_s[app_id] = now
             self._anchor(app_id, now, 0)  # (set already when a batch made it due)
-            trace = win.trace()
-            if app_id not in self._first_use_s:
-                used = first_use_s(trace)
-                if math.isfinite(used):
-                    self._first_use_s[app_id] = used
-            out.append(Item(app_id, win.device_id, win.last_seq, trace, win.latest_value("mem_used_mib"),
-                            win.latest_value("sm_util_pct"), self._first_use_s.get(app_id, math.inf)))
+            try:
+                trace = win.trace()
+                if app_id not in self._first_use_s:
+                    used = first_use_s(trace)
+                    if math.isfinite(used):
+                        self._first_use_s[app_id] = used
+                out.append(Item(app_id, win.device_id, win.last_seq, trace, win.latest_value("mem_used_mib"),
+                                win.latest_value("sm_util_pct"), self._first_use_s.get(app_id, math.inf)))
+            except Exception as exc:  # noqa: BLE001 - this application sits the round out; the others go on
+                self._round_failed("window_failed", exc, app_id)
         return out
 
-    def _run_forecaster(self, traces: list[AppTrace]) -> list[Forecast]:
+    def _round_failed(self, kind: str, exc: BaseException, app_id: str, **kw: object) -> None:
+        """Count a failure in a round; log its kind once (with the first application it struck)."""
+        self.stats.forecast_failures += 1
+        if kind not in self._failures_said:
+            self._failures_said.add(kind)
+            self._log.error(kind, app=app_id, error=repr(exc), count=self.stats.forecast_failures,
+                            said="once: later ones are counted (vgpu_forecast_failures_total), not logged", **kw)
+
+    @staticmethod
+    def _call(forecaster: Forecaster, traces: list[AppTrace]) -> list[Forecast]:
+        result = forecaster.forecast_batch(traces)
+        if len(result) != len(traces):
+            raise ValueError(f"{len(result)} forecasts for {len(traces)} histories")
+        return result
+
+    def _forecast(self, items: list[Item]) -> list[Forecast]:
+        """One forecast per item, whatever fails (the module docstring's list): the forecaster's for
+        the round, or alone for each item once the round's call failed; the fallback's for the rest
+        and for benched applications; unknown where the fallback fails too."""
+        now = self.clock()
+        out: list[Forecast | None] = [None] * len(items)
+        model = self.forecaster is not self.fallback
+        asked = [i for i, it in enumerate(items) if not model or self._benched.get(it.app_id, -math.inf) <= now]
+        name = getattr(self.forecaster, "name", "?")
+        if asked:
+            try:
+                for i, fc in zip(asked, self._call(self.forecaster, [items[i].window for i in asked]), strict=True):
+                    out[i] = fc
+            except Exception as exc:  # noqa: BLE001 - each application alone, then the fallback
+                self._round_failed("forecaster_failed", exc, items[asked[0]].app_id, forecaster=name, apps=len(asked))
+                for i in asked if len(asked) > 1 else ():
+                    try:
+                        out[i] = self._call(self.forecaster, [items[i].window])[0]
+                    except Exception:  # noqa: BLE001 - counted in the round's failure; benched below
+                        pass
+                for i in asked:
+                    if out[i] is None and model:
+                        self._benched[items[i].app_id] = now + BENCH_S
+        rest = [i for i, fc in enumerate(out) if fc is None]
+        if rest and model:
+            try:
+                for i, fc in zip(rest, self._call(self.fallback, [items[i].window for i in rest]), strict=True):
+                    out[i] = fc
+            except Exception as exc:  # noqa: BLE001 - each alone; unknown where it fails (the last value decides)
+                self._round_failed("fallback_failed", exc, items[rest[0]].app_id, apps=len(rest))
+                for i in rest if len(rest) > 1 else ():
+                    try:
+                        out[i] = self._call(self.fallback, [items[i].window])[0]
+                    except Exception:  # noqa: BLE001 - counted above
+                        pass
+        return [fc if fc is not None else _unknown() for fc in out]
+
+    def _fallback_one(self, it: Item) -> Forecast:
+        """The fallback's forecast for one item; unknown when it fails."""
         try:
-            result = self.forecaster.forecast_batch(traces)
-            if len(result) != len(traces):
-                raise ValueError(f"{len(result)} forecasts for {len(traces)} histories")
-            return result
-        except Exception as exc:  # noqa: BLE001 - the fallback serves this tick
-            self.stats.forecast_failures += 1
-            if worth_logging(self.stats.forecast_failures):
-                self._log.error("forecaster_failed", forecaster=getattr(self.forecaster, "name", "?"), error=repr(exc),
-                                count=self.stats.forecast_failures)
-            if self.forecaster is self.fallback:
-                return [_unknown() for _ in traces]
-            return self.fallback.forecast_batch(traces)
+            return self._call(self.fallback, [it.window])[0]
+        except Exception:  # noqa: BLE001 - the last value decides
+            return _unknown()
 
     def _decide(self, items: list[Item]) -> list[Decision]:
         if not items:
             return []
         started = time.perf_counter()
-        forecasts = self._run_forecaster([it.window for it in items])
+        forecasts = self._forecast(items)
         took = time.perf_counter() - started
         self.stats.forecast_s_total += took
         self.stats.forecast_latency.observe(took)
@@ -823,15 +889,26 @@ class Manager:
         now = self.clock()
         decisions = []
         for it, fc in zip(items, forecasts, strict=True):
-            mem, sm = self.recommend(fc, it.mem_used_mib, it.sm_util_pct)
-            if math.isnan(mem) and math.isnan(sm):
-                continue
-            source = fc.source if fc.source in _NAMED_SOURCES else "baseline"
-            decisions.append(
-                Decision(it.app_id, it.device_id, fc, 0.0 if math.isnan(mem) else mem, 0.0 if math.isnan(sm) else sm,
-                         source, it.seq, now, it.mem_used_mib, it.sm_util_pct, it.first_use_s)
-            )
+            decision = None
+            for attempt in (fc, None, _unknown()):  # the forecast, the fallback's, the last value alone
+                try:
+                    decision = self._decision(it, attempt if attempt is not None else self._fallback_one(it), now)
+                    break
+                except Exception as exc:  # noqa: BLE001 - the next way of deciding for this application
+                    if attempt is fc:
+                        self._round_failed("decision_failed", exc, it.app_id)
+            if decision is not None:
+                decisions.append(decision)
         return decisions
+
+    def _decision(self, it: Item, fc: Forecast, now: float) -> Decision | None:
+        """The decision from one forecast; None when nothing is known (no forecast, no last value)."""
+        mem, sm = self.recommend(fc, it.mem_used_mib, it.sm_util_pct)
+        if math.isnan(mem) and math.isnan(sm):
+            return None
+        source = fc.source if fc.source in _NAMED_SOURCES else "baseline"
+        return Decision(it.app_id, it.device_id, fc, 0.0 if math.isnan(mem) else mem, 0.0 if math.isnan(sm) else sm,
+                        source, it.seq, now, it.mem_used_mib, it.sm_util_pct, it.first_use_s)
 
     def recommend(self, fc: Forecast, mem_used_mib: float, sm_util_pct: float) -> tuple[float, float]:
         """(memory MiB, SM %) to recommend: the peak P90 over the horizons (P50 where no P90, the last
@@ -970,6 +1047,7 @@ class Manager:
             self._anchor_s.pop(app_id, None)
             self._unapplied.pop(app_id, None)
             self._first_use_s.pop(app_id, None)
+            self._benched.pop(app_id, None)
             pid = self._pids.pop(app_id, None)
             if pid is not None and self._pid_app.get(pid) == app_id:
                 del self._pid_app[pid]

@@ -30,8 +30,9 @@ is absent, not 0. All prefixed `vgpu_`:
   grow/shrink, released, or why it was released);
 - manager: `forecast_batch_seconds` (histogram: one observation per forecaster call, which serves a
   batch of the applications due together), `tick_seconds` (histogram: windows copied, forecast,
-  allocator acted), `forecast_failures_total` (batches whose forecaster raised and the fallback
-  served), `signatures_total{result}`, `forecaster_serving{forecaster}` (1 for "mixture", "model"
+  allocator acted), `forecast_failures_total` (failures in forecast rounds: the forecaster or the
+  fallback raised, a forecast that could not be made a decision, a window that could not be copied;
+  each application was decided all the same, manager/core.py), `signatures_total{result}`, `forecaster_serving{forecaster}` (1 for "mixture", "model"
   or "baseline", whichever serves), `forecaster_reloads_total{result}`, `inapp_apps{counter}`
   (applications whose newest sample carries that in-app counter, e.g. `inapp_kv_used_mib`),
   `inapp_values_dropped_total{reason}` (in-app values left out: not finite, negative, too large);
@@ -362,7 +363,7 @@ class _StateCollector(Collector):
         if c.tick_latency is not None:
             yield _histogram("vgpu_tick_seconds", "Wall time of one manager tick: windows copied, forecast, "
                              "the allocator acted", c.tick_latency, 0, 0.0)
-        yield CounterMetricFamily("vgpu_forecast_failures", "Forecast batches whose forecaster raised (the fallback served)", value=c.forecast_failures)
+        yield CounterMetricFamily("vgpu_forecast_failures", "Failures in forecast rounds (the fallback or the last value decided)", value=c.forecast_failures)
         sigs = CounterMetricFamily("vgpu_signatures", "Signatures ingested", labels=["result"])
         sigs.add_metric(["accepted"], c.signatures_accepted)
         sigs.add_metric(["rejected"], c.signatures_rejected)
