@@ -114,3 +114,28 @@ def test_a_stopping_allocator_refuses_every_change_and_stores_nothing(how: str) 
     assert alloc.available()[0].mem_granted_mib == sum(m for _, m in before)
     assert {a.app_id for a in alloc.list_apps()} >= {"asked"}
     assert not math.isnan(alloc.available()[0].mem_total_mib)
+
+
+def test_a_profiler_streams_decisions_reaching_a_stopping_allocator_are_refused_quietly() -> None:
+    """The manager's apply during the stop's grace: refused, said once at info, no error line."""
+    from manager_fakes import EwmaMarginForecaster
+    from structlog.testing import capture_logs
+
+    from vgpu.manager.core import Manager
+    from vgpu.v1 import ingest_pb2
+    from vgpu.v1 import signature_pb2 as spb
+
+    clock = FakeClock()
+    alloc = Allocator(FakeBackend([FakeDevice("GPU-0", power_limit_mw=700_000)]), clock=clock)  # type: ignore[arg-type]
+    mgr = Manager(alloc, EwmaMarginForecaster(), clock=clock, min_samples=1)
+    alloc.refuse_changes()
+    with capture_logs() as logs:
+        for k in range(1, 4):
+            clock.advance(1.0)
+            sig = spb.BehavioralSignature(app_id="a", pid=7, device_id="GPU-0", timestamp_s=clock(), seq=k,
+                                          process=spb.ProcessCounters(gpu_mem_used_mib=1000.0, sm_util_pct=10.0))
+            reply = mgr.ingest(ingest_pb2.SignatureBatch(profiler_id="p", tick=k, sent_at_s=clock(), signatures=[sig]))
+            assert len(reply.decisions) == 1  # the stream is still answered
+    assert [e["event"] for e in logs if e["log_level"] in ("error", "warning")] == []
+    assert [e["event"] for e in logs].count("apply_recommendations_refused") == 1
+    assert alloc.ledger.grants() == []
