@@ -189,12 +189,13 @@ def ask_daemon(socket_path: Path, state_dir: Path, *, timeout_s: float = 2.0
     import grpc
 
     from vgpu import auth
+    from vgpu.tokenfile import TokenFileError, read_token
     from vgpu.v1 import allocator_pb2 as pb
     from vgpu.v1 import allocator_pb2_grpc as pb_grpc
 
-    try:
-        operator = (auth.role_token_file("operator", state_dir)).read_text().strip()
-    except OSError:
+    try:  # read with its size cap (vgpu/capped.py); a file that holds no token is tried as none
+        operator = read_token(auth.role_token_file("operator", state_dir)) or ""
+    except TokenFileError:
         operator = ""
     error = ""
     with grpc.insecure_channel(f"unix:{socket_path}") as ch:
