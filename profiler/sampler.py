@@ -7,8 +7,9 @@ Where each part of a signature comes from, and how often it is refreshed:
 * the GPU processes and their GPU memory (`Device.processes()`, plus the MIG instances): enumerated at most
   once per `enumerate_every_s` (1 s) and cached in between; a new process is found within that period;
 * per-process SM utilisation: `Device.process_utilization(since_us)` every tick, with the last-seen
-  timestamp kept per device so each call returns only new samples; a process without a new sample keeps
-  its last value for `util_hold_s`, then the field goes unset;
+  timestamp kept per device so each call returns only new samples; only samples of listed processes are
+  used and move that timestamp; a process without a new sample keeps its last value for `util_hold_s`,
+  then the field goes unset;
 * host counters (CPU %, RSS, I/O rates) of the process: psutil, every tick; rates need two observations, so
   the first sample of a process leaves CPU and I/O unset;
 * in-app counters: the client stub's per-pid file (`vgpu.client.read_inapp`), every tick; its app id names
@@ -278,7 +279,13 @@ class Sampler:
 
     def _update_util(self, state: _DeviceState, now_mono: float) -> None:
         samples = self._read(state, "process_utilization", lambda: state.device.process_utilization(state.util_since_us))
+        listed = {p.pid for p in state.procs}
         for s in samples or ():
+            # Only a sample of a listed process is trusted, and only it moves the last-seen timestamp:
+            # drivers have answered samples of processes that do not run (nvtop issue #110), and one
+            # with a bogus timestamp far ahead would hide every later sample.
+            if s.pid not in listed:
+                continue
             state.util_since_us = max(state.util_since_us, int(s.timestamp_us))
             state.util[s.pid] = (float(s.sm_pct), now_mono)
         for pid in [p for p, (_, at) in state.util.items() if now_mono - at > self._util_hold_s]:

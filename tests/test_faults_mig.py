@@ -23,7 +23,8 @@ from vgpu.v1 import ingest_pb2
 PID = 5001
 PER_TICK = {"nvmlDeviceGetMemoryInfo", "nvmlDeviceGetUtilizationRates", "nvmlDeviceGetPowerUsage",
             "nvmlDeviceGetPowerManagementLimit", "nvmlDeviceGetClockInfo", "nvmlDeviceGetPcieThroughput",
-            "nvmlDeviceGetProcessUtilization", "nvmlDeviceGetComputeRunningProcesses"}
+            "nvmlDeviceGetProcessUtilization", "nvmlDeviceGetComputeRunningProcesses",
+            "nvmlDeviceGetGraphicsRunningProcesses"}
 MIG_SITES = ("nvmlDeviceGetMigMode", "nvmlDeviceGetGpuInstanceProfileInfo", "nvmlDeviceGetGpuInstancePossiblePlacements",
              "nvmlDeviceGetGpuInstances", "nvmlGpuInstanceGetInfo", "nvmlDeviceGetMaxMigDeviceCount",
              "nvmlDeviceGetMigDeviceHandleByIndex", "nvmlDeviceGetGpuInstanceId", "nvmlDeviceGetUUID")

@@ -16,6 +16,29 @@ FUNCTION_NOT_FOUND, as a driver older than the functions does.
 
 Compute instances: each GPU instance holds at most one compute instance spanning all its slices; asking
 for a smaller compute-instance profile gives NOT_SUPPORTED (the simulator does not model them).
+
+Where real NVML answers in ways a caller must cope with, the fake answers the same way:
+
+- Process lists: compute processes (`nvmlDeviceGetComputeRunningProcesses`) and graphics processes
+  (`nvmlDeviceGetGraphicsRunningProcesses`) are separate lists, and a process with both kinds of context is
+  in both (`contexts[pid] = "C"`, `"G"` or `"C+G"`; default "C"). On a MIG-enabled GPU the GPU's own handle
+  lists every process with its GPU-instance id but without its memory (`usedGpuMemory` None, pynvml's
+  value for NVML_VALUE_NOT_AVAILABLE), and only for a privileged caller (NO_PERMISSION otherwise); a MIG
+  device handle lists the processes of its instance with their memory. NVML reference,
+  nvmlDeviceGetComputeRunningProcesses: "In MIG mode, if device handle is provided, the API returns
+  aggregate information, only if the caller has appropriate privileges. Per-instance information can be
+  queried by using specific MIG device handles"; nvitop (nvitop/api/device.py, `Device.processes`) reads
+  the memory as N/A on MIG-enabled GPUs.
+- Per-process utilization: NOT_FOUND when no sample is newer than the timestamp given (NVML reference,
+  nvmlDeviceGetProcessUtilization). `extra_utilization_samples` (pid, timeStamp, smUtil, memUtil) are added
+  to every answer, to model what nvtop documents (issue #110; `gpuinfo_nvidia_get_process_utilization` in
+  src/extract_gpuinfo_nvidia.c): samples of processes that do not run, utilization above 100 and timestamps
+  older than the one asked for.
+- MIG mode: `nvmlDeviceSetMigMode` returns the activation status rather than failing when the mode cannot
+  be activated now (IN_USE while processes run); the requested mode is then pending
+  (`nvmlDeviceGetMigMode` answers [current, pending]). `mig_activation_status = code` makes every mode
+  change answer that code and stay pending (e.g. RESET_REQUIRED, what a pass-through VM answers). NVML
+  reference, nvmlDeviceSetMigMode.
 """
 
 from __future__ import annotations
@@ -30,7 +53,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import pynvml
 
-from vgpu.device.errors import DeviceError
+from vgpu.device.errors import DeviceError, InUse
 from vgpu.device.sim import SimBackend, SimDevice
 from vgpu.device.skus import CI_PROFILE_FOR_SLICES, MigProfile
 
@@ -111,6 +134,11 @@ class FakePynvml:
         self._gi_structs: dict[tuple[int, int], Any] = {}
         self._ci_structs: dict[tuple[int, int], Any] = {}
         self._by_address: dict[int, tuple[str, int, int]] = {}
+        # real-NVML behaviours a test may turn on (see the module doc)
+        self.contexts: dict[int, str] = {}
+        self.extra_utilization_samples: list[tuple[int, int, int, int]] = []
+        self.mig_activation_status: int | None = None
+        self._pending_mig: dict[int, bool] = {}
 
     def __getattr__(self, name: str) -> Any:
         # constants, ctypes structures and error classes come from the real module; an NVML
@@ -268,16 +296,27 @@ class FakePynvml:
             return int(round(rx))
         raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
 
-    @_faked
-    def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[Any]:
+    def _running(self, handle: Any, kind: str) -> list[Any]:
+        """The processes with a `kind` ("C" or "G") context, as the GPU handle or a MIG device handle
+        answers them (see the module doc)."""
+        dev = self._dev(handle, mig_ok=True)
+        gi_only = handle.gpu_instance_id
+        mig = gi_only is None and dev.sku.supports_mig and dev.mig_enabled()
+        if mig and not self.backend.privileged:
+            raise _error(pynvml.NVML_ERROR_NO_PERMISSION)  # the aggregate view needs privileges
         out = []
-        for p in self._dev(handle).processes():
+        for p in dev.processes():
+            if kind not in self.contexts.get(p.pid, "C"):
+                continue
+            if gi_only is not None and p.gpu_instance_id != gi_only:
+                continue
             in_gi = p.gpu_instance_id is not None
+            used = None if p.used_mib is None or mig else int(p.used_mib * _MIB)
             out.append(
                 pynvml.nvmlFriendlyObject(
                     {
                         "pid": p.pid,
-                        "usedGpuMemory": None if p.used_mib is None else int(p.used_mib * _MIB),
+                        "usedGpuMemory": used,
                         "gpuInstanceId": p.gpu_instance_id if in_gi else _NO_ID,
                         "computeInstanceId": 0 if in_gi else _NO_ID,
                     }
@@ -286,33 +325,56 @@ class FakePynvml:
         return out
 
     @_faked
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[Any]:
+        return self._running(handle, "C")
+
+    @_faked
+    def nvmlDeviceGetGraphicsRunningProcesses(self, handle: Any) -> list[Any]:
+        return self._running(handle, "G")
+
+    @_faked
     def nvmlDeviceGetProcessUtilization(self, handle: Any, timeStamp: int) -> list[Any]:  # noqa: N803
-        samples = self._dev(handle).process_utilization(int(timeStamp))
+        samples = [
+            (s.pid, s.timestamp_us, int(round(s.sm_pct)), int(round(s.mem_bw_pct)))
+            for s in self._dev(handle).process_utilization(int(timeStamp))
+        ]
         if not samples:
             raise _error(pynvml.NVML_ERROR_NOT_FOUND)  # what NVML answers when nothing is newer
+        samples += self.extra_utilization_samples
         return [
             pynvml.c_nvmlProcessUtilizationSample_t(
-                pid=s.pid,
-                timeStamp=s.timestamp_us,
-                smUtil=int(round(s.sm_pct)),
-                memUtil=int(round(s.mem_bw_pct)),
-                encUtil=0,
-                decUtil=0,
+                pid=pid, timeStamp=ts, smUtil=sm, memUtil=mem, encUtil=0, decUtil=0
             )
-            for s in samples
+            for pid, ts, sm, mem in samples
         ]
 
     # --- MIG -------------------------------------------------------------------------------
     @_faked
     def nvmlDeviceGetMigMode(self, device: Any) -> list[int]:
-        mode = int(self._dev(device).mig_enabled())
-        return [mode, mode]
+        dev = self._dev(device)
+        current = dev.mig_enabled()
+        pending = self._pending_mig.get(dev.index, current)
+        return [int(current), int(pending)]
 
     @_faked
     def nvmlDeviceSetMigMode(self, device: Any, mode: int) -> int:
         if mode not in (pynvml.NVML_DEVICE_MIG_DISABLE, pynvml.NVML_DEVICE_MIG_ENABLE):
             raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        self._dev(device).set_mig_mode(mode == pynvml.NVML_DEVICE_MIG_ENABLE)
+        dev = self._dev(device)
+        enable = mode == pynvml.NVML_DEVICE_MIG_ENABLE
+        if self.mig_activation_status is not None:
+            dev.mig_enabled()  # GPU_IS_LOST, or NOT_SUPPORTED on a SKU without MIG
+            if not self.backend.privileged:
+                raise _error(pynvml.NVML_ERROR_NO_PERMISSION)
+            self._pending_mig[dev.index] = enable
+            return self.mig_activation_status
+        try:
+            dev.set_mig_mode(enable)
+        except InUse:
+            # the mode is set as pending; NVML answers the failed activation in activationStatus
+            self._pending_mig[dev.index] = enable
+            return int(pynvml.NVML_ERROR_IN_USE)
+        self._pending_mig.pop(dev.index, None)
         return _SUCCESS
 
     @_faked

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from vgpu.device.base import (
@@ -35,16 +35,21 @@ from vgpu.device.base import (
 from vgpu.device.errors import (
     DeviceError,
     DriverNotLoaded,
+    GpuLost,
     InvalidArgument,
     LibraryNotFound,
+    NoPermission,
     NotFound,
     NotSupported,
+    UnknownDeviceError,
     from_nvml_code,
 )
 from vgpu.device.skus import CI_PROFILE_FOR_SLICES
 
 _MIB = 1024 * 1024
 _NO_ID = 0xFFFFFFFF
+# NVML_VALUE_NOT_AVAILABLE as an unsigned long long (usedGpuMemory's "not available").
+_NOT_AVAILABLE = 0xFFFFFFFFFFFFFFFF
 DEFAULT_MIG_RECONFIG_S = 6.0
 # Compute slices of each NVML_COMPUTE_INSTANCE_PROFILE_* constant (nvml.h: 1, 2, 3, 4, 7, 8, 6, 1-rev1,
 # 7-NVL); a constant not listed here is probed anyway.
@@ -155,34 +160,90 @@ class NvmlDevice(Device):
         rx = self._call("nvmlDeviceGetPcieThroughput", self._n.m.NVML_PCIE_UTIL_RX_BYTES)
         return float(tx), float(rx)
 
-    def processes(self) -> Sequence[ProcessInfo]:
-        out = []
-        for p in self._call("nvmlDeviceGetComputeRunningProcesses"):
+    def _process_list(self, handle: Any, gi_of_handle: int | None) -> dict[tuple[int, int | None], ProcessInfo]:
+        """The processes with a compute or graphics context on one handle (the GPU's, or a MIG device's
+        whose instance is `gi_of_handle`), keyed by (pid, GPU instance id). The two lists are separate
+        in NVML and a process with both contexts is in both (NVML reference,
+        nvmlDeviceGetComputeRunningProcesses: graphics applications are not listed by it; nvitop merges
+        them by pid): it is kept once, with the memory of whichever list reports it. A process whose
+        memory NVML cannot give (usedGpuMemory NVML_VALUE_NOT_AVAILABLE, None in pynvml) has
+        `used_mib` None."""
+        listed = list(self._n.call("nvmlDeviceGetComputeRunningProcesses", handle))
+        try:
+            listed += self._n.call("nvmlDeviceGetGraphicsRunningProcesses", handle)
+        except NotSupported:
+            pass  # no graphics contexts on this device: the compute list is the whole answer
+        out: dict[tuple[int, int | None], ProcessInfo] = {}
+        for p in listed:
             used = getattr(p, "usedGpuMemory", None)
+            if used is not None and int(used) >= _NOT_AVAILABLE:
+                used = None  # the raw sentinel, where a pynvml does not turn it into None
             gi = getattr(p, "gpuInstanceId", _NO_ID)
-            out.append(
-                ProcessInfo(
-                    pid=int(p.pid),
-                    used_mib=None if used is None else used / _MIB,
-                    gpu_instance_id=None if gi is None or gi == _NO_ID else int(gi),
-                )
-            )
+            gi_id = gi_of_handle if gi is None or int(gi) == _NO_ID else int(gi)
+            info = ProcessInfo(pid=int(p.pid), used_mib=None if used is None else int(used) / _MIB, gpu_instance_id=gi_id)
+            key = (info.pid, info.gpu_instance_id)
+            if key not in out or out[key].used_mib is None:
+                out[key] = info
         return out
 
+    def processes(self) -> Sequence[ProcessInfo]:
+        """Every process with a context on the GPU. On a MIG-enabled GPU the GPU's own handle lists the
+        processes of every instance only for a privileged caller, and may not give their memory; the
+        NVML reference (nvmlDeviceGetComputeRunningProcesses) says per-instance information comes from
+        the MIG device handles, so those fill in what the GPU's list lacks."""
+        try:
+            procs = self._process_list(self._h, None)
+        except NoPermission:
+            if not self._mig_on():
+                raise
+            procs, need_instances = {}, True
+        else:
+            need_instances = any(p.used_mib is None and p.gpu_instance_id is not None for p in procs.values())
+        if need_instances:
+            try:
+                for gi_id, mig in self._mig_devices():
+                    for key, info in self._process_list(mig, gi_id).items():
+                        have = procs.get(key)
+                        if have is None or have.used_mib is None:
+                            procs[key] = info
+            except GpuLost:
+                raise
+            except DeviceError:
+                if not procs:
+                    raise  # nothing listed at all: the read failed
+                # the GPU's own list stands; the memory it lacks stays unknown until the next read
+        return sorted(procs.values(), key=lambda p: (p.pid, -1 if p.gpu_instance_id is None else p.gpu_instance_id))
+
     def process_utilization(self, since_us: int) -> Sequence[ProcessUtilization]:
+        """Samples newer than `since_us` (CPU timestamps in microseconds). What NVML answers is checked:
+        NOT_FOUND means no sample is newer (NVML reference, nvmlDeviceGetProcessUtilization); pynvml
+        raises NVMLError(NVML_SUCCESS) when the sizing call answers SUCCESS, which also means none; and a
+        sample with pid 0, a utilization above 100 % or a timestamp not newer than `since_us` is dropped,
+        as nvtop drops them (its issue #110: drivers have answered such samples)."""
         try:
             samples = self._call("nvmlDeviceGetProcessUtilization", int(since_us))
         except NotFound:
             return []  # NVML's answer when no sample is newer than since_us
+        except UnknownDeviceError as exc:
+            if exc.nvml_code == int(self._n.m.NVML_SUCCESS):
+                return []
+            raise
         out = [
             ProcessUtilization(
                 pid=int(s.pid), timestamp_us=int(s.timeStamp), sm_pct=float(s.smUtil), mem_bw_pct=float(s.memUtil)
             )
             for s in samples
-            if int(s.timeStamp) > since_us
+            if int(s.timeStamp) > since_us and int(s.pid) > 0 and 0 <= int(s.smUtil) <= 100 and 0 <= int(s.memUtil) <= 100
         ]
         out.sort(key=lambda u: (u.timestamp_us, u.pid))
         return out
+
+    def _mig_on(self) -> bool:
+        """MIG mode is on now; False on a GPU without MIG."""
+        try:
+            return self.mig_enabled()
+        except NotSupported:
+            return False
 
     def mig_enabled(self) -> bool:
         current, _pending = self._call("nvmlDeviceGetMigMode")
@@ -240,18 +301,23 @@ class NvmlDevice(Device):
         known = ", ".join(f"{p.profile_id} ({p.name})" for _, p in table)
         raise InvalidArgument(f"GPU {self._index} has no GPU-instance profile id {profile_id}; known: {known}")
 
+    def _mig_devices(self) -> Iterator[tuple[int, Any]]:
+        """(GPU instance id, MIG device handle) of each MIG device (one per compute instance); an index
+        with no MIG device answers NOT_FOUND (NVML reference, nvmlDeviceGetMigDeviceHandleByIndex)."""
+        for i in range(int(self._call("nvmlDeviceGetMaxMigDeviceCount"))):
+            try:
+                mig = self._call("nvmlDeviceGetMigDeviceHandleByIndex", i)
+            except (NotFound, InvalidArgument):
+                continue
+            yield int(self._n.call("nvmlDeviceGetGpuInstanceId", mig)), mig
+
     def _mig_uuids(self, wanted: set[int]) -> dict[int, str]:
         """GPU instance id -> UUID of its MIG device, for the `wanted` instances (only an instance
         with a compute instance has one); the scan stops once all are found."""
         out: dict[int, str] = {}
         if not wanted:
             return out
-        for i in range(int(self._call("nvmlDeviceGetMaxMigDeviceCount"))):
-            try:
-                mig = self._call("nvmlDeviceGetMigDeviceHandleByIndex", i)
-            except (NotFound, InvalidArgument):
-                continue
-            gi_id = int(self._n.call("nvmlDeviceGetGpuInstanceId", mig))
+        for gi_id, mig in self._mig_devices():
             if gi_id in wanted and gi_id not in out:
                 out[gi_id] = self._text(self._n.call("nvmlDeviceGetUUID", mig))
                 if len(out) == len(wanted):
@@ -323,10 +389,22 @@ class NvmlDevice(Device):
         self._call("nvmlDeviceSetPowerManagementLimit", limit_mw)
 
     def set_mig_mode(self, enabled: bool) -> None:
+        """Enable or disable MIG. NVML answers a change it could not activate in the call's activation
+        status, not as a failed call (NVML reference, nvmlDeviceSetMigMode: IN_USE while the GPU is
+        busy, RESET_REQUIRED where only a GPU reset or VM reboot activates it); the mode is then only
+        pending, and that status is raised as its typed error (InUse, ResetRequired)."""
         m = self._n.m
         if self.mig_enabled() == enabled:
             return
-        self._call("nvmlDeviceSetMigMode", m.NVML_DEVICE_MIG_ENABLE if enabled else m.NVML_DEVICE_MIG_DISABLE)
+        status = int(self._call("nvmlDeviceSetMigMode", m.NVML_DEVICE_MIG_ENABLE if enabled else m.NVML_DEVICE_MIG_DISABLE))
+        self._profiles = None
+        if status != int(m.NVML_SUCCESS):
+            want = "enabling" if enabled else "disabling"
+            raise from_nvml_code(
+                status,
+                f"{want} MIG on GPU {self._index} is pending, not active (activation status: NVML code {status}); "
+                "IN_USE: stop the GPU's processes and retry; RESET_REQUIRED: reset the GPU (nvidia-smi -r) or reboot",
+            )
 
     def create_gpu_instance(self, profile_id: int, start: int) -> GpuInstance:
         m = self._n.m
