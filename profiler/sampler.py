@@ -18,8 +18,8 @@ Where each part of a signature comes from, and how often it is refreshed:
   and counter.
 
 Reads degrade field by field: NotSupported leaves the field unset and is logged once per (device, field);
-any other error is counted per (device, field) and logged at its 1st, 10th, 100th... occurrence; GpuLost
-marks the device lost and it is skipped until the next rediscovery (every `rediscover_every_s`, or
+so does NoPermission, which is also counted; any other error is counted per (device, field) and logged
+at its 1st, 10th, 100th... occurrence; GpuLost marks the device lost and it is skipped until the next rediscovery (every `rediscover_every_s`, or
 `rediscover()`). A process that exits mid-sample is skipped.
 """
 
@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 from vgpu.client import DEFAULT_INAPP_DIR, InAppFormatError, InAppReport, read_inapp
 from vgpu.device.base import Backend, Device, GpuInstance, ProcessInfo
-from vgpu.device.errors import GpuLost, NoData, NotFound, NotSupported
+from vgpu.device.errors import GpuLost, NoData, NoPermission, NotFound, NotSupported
 from vgpu.ids import app_id_problem, sanitize_app_id_part  # the manager's rule for app ids
 from vgpu.log import get_logger
 from vgpu.profiler.source import SeqCounter
@@ -296,6 +296,12 @@ class Sampler:
             return fn()
         except NotSupported:
             self._once(state.uuid, name, "field not supported by the device; left unset")
+            return None
+        except NoPermission as exc:
+            # lasts as long as the process runs as it does (an unprivileged profiler on a MIG GPU is
+            # refused the GPU's aggregate figures): said once, counted every time
+            self._once(state.uuid, name, f"field not readable without privileges; left unset: {exc}")
+            self.stats.errors[(state.uuid, name)] = self.stats.errors.get((state.uuid, name), 0) + 1
             return None
         except (NoData, NotFound):
             if name == "process_utilization":

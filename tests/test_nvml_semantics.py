@@ -222,3 +222,25 @@ def test_a_mig_mode_change_that_needs_a_reset_says_so() -> None:
     with pytest.raises(ResetRequired, match="reset the GPU"):
         dev.set_mig_mode(True)
     assert not dev.mig_enabled()
+
+
+def test_an_unprivileged_profiler_on_a_mig_gpu_says_the_refused_field_once() -> None:
+    _, _, backend, clock, _ = _mig_rig(privileged=False)
+    logged: list[tuple[str, dict[str, Any]]] = []
+
+    class _Log:
+        def warning(self, event: str, **kw: Any) -> None:
+            logged.append((event, kw))
+
+        info = error = warning
+
+    sampler = Sampler(backend, psutil_module=None, inapp_dir=None, clock=lambda: clock() + 1.7e9, monotonic=clock,
+                      app_id_of={6001: "a", 6002: "b"}.get, logger=_Log())
+    for _ in range(25):
+        sigs = sampler.sample()
+        assert len(sigs) == 2 and all(s.process.HasField("gpu_mem_used_mib") for s in sigs)
+        clock.advance(0.1)
+    refused = [kw for event, kw in logged if "without privileges" in event]
+    assert [kw["field"] for kw in refused] == ["memory"]  # once, though refused every tick
+    ((where, field), count), = sampler.stats.errors.items()
+    assert field == "memory" and count == 25

@@ -24,7 +24,8 @@ Where real NVML answers in ways a caller must cope with, the fake answers the sa
   in both (`contexts[pid] = "C"`, `"G"` or `"C+G"`; default "C"). On a MIG-enabled GPU the GPU's own handle
   lists every process with its GPU-instance id but without its memory (`usedGpuMemory` None, pynvml's
   value for NVML_VALUE_NOT_AVAILABLE), and only for a privileged caller (NO_PERMISSION otherwise); a MIG
-  device handle lists the processes of its instance with their memory. NVML reference,
+  device handle lists the processes of its instance with their memory. The GPU handle's memory figures
+  (`nvmlDeviceGetMemoryInfo`) are likewise refused to an unprivileged caller in MIG mode. NVML reference,
   nvmlDeviceGetComputeRunningProcesses: "In MIG mode, if device handle is provided, the API returns
   aggregate information, only if the caller has appropriate privileges. Per-instance information can be
   queried by using specific MIG device handles"; nvitop (nvitop/api/device.py, `Device.processes`) reads
@@ -243,7 +244,12 @@ class FakePynvml:
 
     @_faked
     def nvmlDeviceGetMemoryInfo(self, handle: Any, version: Any = None) -> Any:
-        m = self._dev(handle).memory()
+        dev = self._dev(handle)
+        if dev.sku.supports_mig and dev.mig_enabled() and not self.backend.privileged:
+            # NVML reference, nvmlDeviceGetMemoryInfo: in MIG mode the GPU handle's aggregate figures
+            # are only for a caller with the privileges
+            raise _error(pynvml.NVML_ERROR_NO_PERMISSION)
+        m = dev.memory()
         return pynvml.c_nvmlMemory_t(
             total=int(m.total_mib * _MIB), free=int(m.free_mib * _MIB), used=int(m.used_mib * _MIB)
         )
