@@ -13,7 +13,7 @@ import numpy as np
 import pynvml
 import pytest
 
-from vgpu.device.errors import InUse, ResetRequired
+from vgpu.device.errors import GpuLost, InUse, ResetRequired
 from vgpu.device.fake_pynvml import FakePynvml
 from vgpu.device.nvml import NvmlBackend
 from vgpu.device.sim import ManualClock, SimBackend
@@ -244,3 +244,35 @@ def test_an_unprivileged_profiler_on_a_mig_gpu_says_the_refused_field_once() -> 
     assert [kw["field"] for kw in refused] == ["memory"]  # once, though refused every tick
     ((where, field), count), = sampler.stats.errors.items()
     assert field == "memory" and count == 25
+
+
+# --- a GPU reset ---------------------------------------------------------------------------------
+
+
+def test_a_gpu_whose_handle_went_stale_is_sampled_again_after_rediscovery() -> None:
+    sim, fake, backend, clock = _rig(("h100-80gb", "h100-80gb"))
+    sim.launch("a", 7001, _trace("a"), loop=True)
+    sim.launch("b", 7002, _trace("b"), device_index=1, loop=True)
+    clock.advance(1.0)
+    sampler = _sampler(backend, clock, {7001: "a", 7002: "b"})
+    assert {s.app_id for s in sampler.sample()} == {"a", "b"}
+    fake.reset_gpu(1)  # its old handle now answers GPU_IS_LOST
+    clock.advance(0.1)
+    assert {s.app_id for s in sampler.sample()} == {"a"}
+    assert sampler.lost_devices() == [sim.devices()[1].uuid]
+    sampler.rediscover()  # what the sampler does every 30 s
+    clock.advance(0.1)
+    assert {s.app_id for s in sampler.sample()} == {"a", "b"}
+    assert fake.calls["nvmlDeviceGetHandleByUUID"] == 1  # only the lost GPU was asked for again
+
+
+def test_a_gpu_still_gone_keeps_its_old_handle_and_stays_lost() -> None:
+    sim, _, backend, clock = _rig()
+    dev = backend.devices()[0]
+    sim.devices()[0].lose()
+    with pytest.raises(GpuLost):
+        dev.memory()
+    assert not dev.reopen()
+    assert backend.devices()[0] is dev  # the same device, still answering GPU_IS_LOST
+    with pytest.raises(GpuLost):
+        dev.power_limit_mw()

@@ -69,6 +69,7 @@ _SUCCESS: int = pynvml.NVML_SUCCESS
 class _DeviceHandle:
     index: int
     gpu_instance_id: int | None = None  # set on a MIG device handle
+    generation: int = 0  # the device's reset count when the handle was given out (`reset_gpu`)
 
 
 def _error(code: int) -> pynvml.NVMLError:
@@ -140,6 +141,7 @@ class FakePynvml:
         self.extra_utilization_samples: list[tuple[int, int, int, int]] = []
         self.mig_activation_status: int | None = None
         self._pending_mig: dict[int, bool] = {}
+        self._generation: dict[int, int] = {}
 
     def __getattr__(self, name: str) -> Any:
         # constants, ctypes structures and error classes come from the real module; an NVML
@@ -164,6 +166,14 @@ class FakePynvml:
     def clear_faults(self) -> None:
         self._faults.clear()
 
+    def reset_gpu(self, index: int) -> None:
+        """The GPU is reset (`nvidia-smi -r`, or a MIG mode change that resets it): handles given out
+        before answer GPU_IS_LOST, a handle asked for afterwards works. The NVML reference says a reset
+        may change the device's attributes and that callers should query them again
+        (nvmlDeviceSetMigMode); whether an old handle keeps working is not documented, so this models
+        the case where it does not."""
+        self._generation[index] = self._generation.get(index, 0) + 1
+
     # --- helpers ---------------------------------------------------------------------------
     def _dev(self, handle: Any, *, mig_ok: bool = False) -> SimDevice:
         if not isinstance(handle, _DeviceHandle):
@@ -173,6 +183,8 @@ class FakePynvml:
         devices = self.backend.devices()
         if not 0 <= handle.index < len(devices):
             raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if handle.generation != self._generation.get(handle.index, 0):
+            raise _error(pynvml.NVML_ERROR_GPU_IS_LOST)  # a handle from before `reset_gpu`
         return devices[handle.index]
 
     def _handle(self, kind: str, index: int, gi_id: int) -> Any:
@@ -222,7 +234,16 @@ class FakePynvml:
     def nvmlDeviceGetHandleByIndex(self, index: int) -> _DeviceHandle:
         if not 0 <= index < len(self.backend.devices()):
             raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        return _DeviceHandle(index)
+        return _DeviceHandle(index, generation=self._generation.get(index, 0))
+
+    @_faked
+    def nvmlDeviceGetHandleByUUID(self, uuid: str | bytes) -> _DeviceHandle:
+        text = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+        for dev in self.backend.devices():
+            if dev.uuid == text:
+                dev.power_limit_mw()  # GPU_IS_LOST while the GPU is gone
+                return _DeviceHandle(dev.index, generation=self._generation.get(dev.index, 0))
+        raise _error(pynvml.NVML_ERROR_NOT_FOUND)  # no GPU with that UUID
 
     # --- reads -----------------------------------------------------------------------------
     @_faked
@@ -548,7 +569,7 @@ class FakePynvml:
         with_ci = sorted((g for g in dev._mig_state("gpu_instances").values() if g.has_ci), key=lambda g: g.instance_id)
         if index >= len(with_ci):
             raise _error(pynvml.NVML_ERROR_NOT_FOUND)
-        return _DeviceHandle(dev.index, with_ci[index].instance_id)
+        return _DeviceHandle(dev.index, with_ci[index].instance_id, self._generation.get(dev.index, 0))
 
     @_faked
     def nvmlDeviceGetGpuInstanceId(self, device: Any) -> int:

@@ -102,6 +102,7 @@ class NvmlDevice(Device):
         self._name = self._text(nvml.call("nvmlDeviceGetName", handle))
         self._mig_reconfig_s = mig_reconfig_s
         self._profiles: list[tuple[int, GpuInstanceProfile]] | None = None  # (NVML constant, profile)
+        self._lost = False  # a call answered GPU_IS_LOST: the handle is asked for again (`reopen`)
 
     @staticmethod
     def _text(value: Any) -> str:
@@ -124,7 +125,31 @@ class NvmlDevice(Device):
         return self._mig_reconfig_s
 
     def _call(self, name: str, *args: Any) -> Any:
-        return self._n.call(name, self._h, *args)
+        """An NVML function on this GPU's handle."""
+        return self._any(name, self._h, *args)
+
+    def _any(self, name: str, *args: Any) -> Any:
+        """An NVML function on any of this GPU's objects (its handle, MIG devices, instances); a lost GPU
+        is noted so that `reopen` asks for a fresh handle."""
+        try:
+            return self._n.call(name, *args)
+        except GpuLost:
+            self._lost = True
+            raise
+
+    def reopen(self) -> bool:
+        """After GPU_IS_LOST, ask NVML for the device's handle again by its UUID (a reset may leave the
+        old handle stale: the NVML reference, nvmlDeviceSetMigMode, says a reset can change the device's
+        attributes and callers should query them again). True when the device answers again; False
+        while it is still gone. A device never lost keeps its handle."""
+        if not self._lost:
+            return True
+        try:
+            handle = self._n.call("nvmlDeviceGetHandleByUUID", self._uuid)
+        except DeviceError:
+            return False
+        self._h, self._lost, self._profiles = handle, False, None
+        return True
 
     # --- reads -----------------------------------------------------------------------------
     def memory(self) -> MemoryInfo:
@@ -168,9 +193,9 @@ class NvmlDevice(Device):
         them by pid): it is kept once, with the memory of whichever list reports it. A process whose
         memory NVML cannot give (usedGpuMemory NVML_VALUE_NOT_AVAILABLE, None in pynvml) has
         `used_mib` None."""
-        listed = list(self._n.call("nvmlDeviceGetComputeRunningProcesses", handle))
+        listed = list(self._any("nvmlDeviceGetComputeRunningProcesses", handle))
         try:
-            listed += self._n.call("nvmlDeviceGetGraphicsRunningProcesses", handle)
+            listed += self._any("nvmlDeviceGetGraphicsRunningProcesses", handle)
         except NotSupported:
             pass  # no graphics contexts on this device: the compute list is the whole answer
         out: dict[tuple[int, int | None], ProcessInfo] = {}
@@ -309,7 +334,7 @@ class NvmlDevice(Device):
                 mig = self._call("nvmlDeviceGetMigDeviceHandleByIndex", i)
             except (NotFound, InvalidArgument):
                 continue
-            yield int(self._n.call("nvmlDeviceGetGpuInstanceId", mig)), mig
+            yield int(self._any("nvmlDeviceGetGpuInstanceId", mig)), mig
 
     def _mig_uuids(self, wanted: set[int]) -> dict[int, str]:
         """GPU instance id -> UUID of its MIG device, for the `wanted` instances (only an instance
@@ -319,7 +344,7 @@ class NvmlDevice(Device):
             return out
         for gi_id, mig in self._mig_devices():
             if gi_id in wanted and gi_id not in out:
-                out[gi_id] = self._text(self._n.call("nvmlDeviceGetUUID", mig))
+                out[gi_id] = self._text(self._any("nvmlDeviceGetUUID", mig))
                 if len(out) == len(wanted):
                     break
         return out
@@ -344,7 +369,7 @@ class NvmlDevice(Device):
             array = (m.c_nvmlGpuInstance_t * max(1, prof.max_count))()
             count = ctypes.c_uint(len(array))
             self._call("nvmlDeviceGetGpuInstances", prof.profile_id, array, ctypes.byref(count))
-            infos.extend(self._n.call("nvmlGpuInstanceGetInfo", array[i]) for i in range(count.value))
+            infos.extend(self._any("nvmlGpuInstanceGetInfo", array[i]) for i in range(count.value))
         uuids = self._mig_uuids({int(info.id) for info in infos})
         return sorted((self._gi_value(info, uuids) for info in infos), key=lambda g: g.instance_id)
 
@@ -419,38 +444,38 @@ class NvmlDevice(Device):
         gi = self._call("nvmlDeviceCreateGpuInstanceWithPlacement", profile_id, ctypes.byref(c_place))
         try:
             ci_const = CI_PROFILE_FOR_SLICES[prof.slice_count]
-            ci_info = self._n.call(
+            ci_info = self._any(
                 "nvmlGpuInstanceGetComputeInstanceProfileInfo", gi, ci_const, m.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
             )
-            self._n.call("nvmlGpuInstanceCreateComputeInstance", gi, ci_info.id)
+            self._any("nvmlGpuInstanceCreateComputeInstance", gi, ci_info.id)
         except (DeviceError, KeyError):
             try:
-                self._n.call("nvmlGpuInstanceDestroy", gi)
+                self._any("nvmlGpuInstanceDestroy", gi)
             except DeviceError:
                 pass  # the original error is the one to report
             raise
-        info = self._n.call("nvmlGpuInstanceGetInfo", gi)
+        info = self._any("nvmlGpuInstanceGetInfo", gi)
         return self._gi_value(info, self._mig_uuids({int(info.id)}))
 
     def destroy_gpu_instance(self, instance_id: int) -> None:
         m = self._n.m
         gi = self._call("nvmlDeviceGetGpuInstanceById", instance_id)  # NotSupported without MIG
-        gi_slices = self._profile(int(self._n.call("nvmlGpuInstanceGetInfo", gi).profileId)).slice_count
+        gi_slices = self._profile(int(self._any("nvmlGpuInstanceGetInfo", gi).profileId)).slice_count
         for const in range(int(m.NVML_COMPUTE_INSTANCE_PROFILE_COUNT)):
             if _CI_PROFILE_SLICES.get(const, 0) > gi_slices:
                 continue  # a compute instance never has more slices than its GPU instance
             try:
-                info = self._n.call(
+                info = self._any(
                     "nvmlGpuInstanceGetComputeInstanceProfileInfo", gi, const, m.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
                 )
             except (NotSupported, InvalidArgument):
                 continue
             array = (m.c_nvmlComputeInstance_t * max(1, int(info.instanceCount)))()
             count = ctypes.c_uint(len(array))
-            self._n.call("nvmlGpuInstanceGetComputeInstances", gi, info.id, array, ctypes.byref(count))
+            self._any("nvmlGpuInstanceGetComputeInstances", gi, info.id, array, ctypes.byref(count))
             for i in range(count.value):
-                self._n.call("nvmlComputeInstanceDestroy", array[i])
-        self._n.call("nvmlGpuInstanceDestroy", gi)
+                self._any("nvmlComputeInstanceDestroy", array[i])
+        self._any("nvmlGpuInstanceDestroy", gi)
 
 
 class NvmlBackend(Backend):
@@ -488,6 +513,10 @@ class NvmlBackend(Backend):
             raise
 
     def devices(self) -> Sequence[NvmlDevice]:
+        """The GPUs; one that answered GPU_IS_LOST gets a fresh handle here when it answers again
+        (callers rediscover through this: the profiler's sampler every 30 s)."""
+        for dev in self._devices:
+            dev.reopen()
         return list(self._devices)
 
     def close(self) -> None:
