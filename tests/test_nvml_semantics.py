@@ -7,6 +7,7 @@ signature. Where a check can run on a real GPU it is a `rig` test in test_device
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -276,3 +277,45 @@ def test_a_gpu_still_gone_keeps_its_old_handle_and_stays_lost() -> None:
     assert backend.devices()[0] is dev  # the same device, still answering GPU_IS_LOST
     with pytest.raises(GpuLost):
         dev.power_limit_mw()
+
+
+# --- library lifetime and threads ------------------------------------------------------------------
+
+
+def test_close_shuts_nvml_down_once_and_tolerates_it_being_down_already() -> None:
+    _, fake, backend, _ = _rig()
+    fake.inject("nvmlShutdown", pynvml.NVML_ERROR_UNINITIALIZED)  # someone else shut it down
+    backend.close()  # nothing left to release: no error
+    backend.close()  # and a second close does not call nvmlShutdown again
+    assert fake.calls["nvmlShutdown"] == 1
+
+
+def test_close_still_fails_loudly_on_another_error() -> None:
+    _, fake, backend, _ = _rig()
+    fake.inject("nvmlShutdown", pynvml.NVML_ERROR_UNKNOWN)
+    with pytest.raises(Exception, match="NVML code 999"):
+        backend.close()
+
+
+def test_reads_from_several_threads_at_once_agree_with_one_thread() -> None:
+    sim, _, backend, clock, gis = _mig_rig()
+    dev = backend.devices()[0]
+    want = (sorted((p.pid, p.used_mib, p.gpu_instance_id) for p in dev.processes()),
+            [(g.instance_id, g.uuid) for g in dev.gpu_instances()], dev.power_limit_mw())
+    errors: list[BaseException] = []
+    got: list[object] = []
+
+    def reader() -> None:
+        try:
+            for _ in range(50):
+                got.append((sorted((p.pid, p.used_mib, p.gpu_instance_id) for p in dev.processes()),
+                            [(g.instance_id, g.uuid) for g in dev.gpu_instances()], dev.power_limit_mw()))
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reader) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30.0)
+    assert not errors and len(got) == 200 and all(g == want for g in got)

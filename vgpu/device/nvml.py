@@ -1,5 +1,10 @@
 """The NVML backend: real GPUs through nvidia-ml-py (`pynvml`).
 
+NVML is thread-safe (NVML reference: simultaneous calls from several threads are safe), and this module
+keeps no state per call, so a backend may be read from several threads. What a device shares between
+calls (its MIG-profile cache, its handle after a lost GPU answers again) is replaced whole, never
+updated in place.
+
 The module is injected (`NvmlBackend(nvml=fake)` in tests; the real `pynvml`, imported lazily, by
 default). This is the only file that imports pynvml. Every `pynvml.NVMLError` becomes a typed error
 through `vgpu.device.errors.from_nvml_code`.
@@ -41,6 +46,7 @@ from vgpu.device.errors import (
     NoPermission,
     NotFound,
     NotSupported,
+    Uninitialized,
     UnknownDeviceError,
     from_nvml_code,
 )
@@ -520,6 +526,13 @@ class NvmlBackend(Backend):
         return list(self._devices)
 
     def close(self) -> None:
+        """nvmlShutdown, once for the nvmlInit of this backend: NVML counts initialisations and shuts
+        down when the count reaches zero (NVML reference, Initialization and Cleanup), so backends and
+        other users of the library in one process do not close each other's. UNINITIALIZED (some other
+        user shut it down once too often) leaves nothing to release and is not an error here."""
         if self._open:
             self._open = False
-            self._n.call("nvmlShutdown")
+            try:
+                self._n.call("nvmlShutdown")
+            except Uninitialized:
+                pass
