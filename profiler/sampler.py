@@ -8,8 +8,9 @@ Where each part of a signature comes from, and how often it is refreshed:
   once per `enumerate_every_s` (1 s) and cached in between; a new process is found within that period;
 * per-process SM utilisation: `Device.process_utilization(since_us)` every tick, with the last-seen
   timestamp kept per device so each call returns only new samples; only samples of listed processes are
-  used and move that timestamp; a process without a new sample keeps its last value for `util_hold_s`,
-  then the field goes unset;
+  used and move that timestamp; a process without a new sample keeps its last value for `util_hold_s`;
+  after that it reads 0 while the read works and the process has been listed for longer than the hold
+  (NVML samples only processes that used the GPU in the period), and is unset while the read fails;
 * host counters (CPU %, RSS, I/O rates) of the process: psutil, every tick; rates need two observations, so
   the first sample of a process leaves CPU and I/O unset;
 * in-app counters: the client stub's per-pid file (`vgpu.client.read_inapp`), every tick; its app id names
@@ -71,6 +72,10 @@ class _DeviceState:
     enumerated_at: float | None = None
     # pid -> (sm_pct, monotonic time the sample arrived)
     util: dict[int, tuple[float, float]] = field(default_factory=dict)
+    # the per-process utilization read of this tick answered (with samples or with none newer)
+    util_read_ok: bool = False
+    # pid -> monotonic time the process was first listed
+    listed_at: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -237,6 +242,11 @@ class Sampler:
             util = state.util.get(info.pid)
             if util is not None and now_mono - util[1] <= self._util_hold_s:
                 sig.process.sm_util_pct = util[0]
+            elif state.util_read_ok and now_mono - state.listed_at.get(info.pid, now_mono) > self._util_hold_s:
+                # NVML returns a sample only for a process that used the GPU in the sample period (NVML
+                # reference, nvmlDeviceGetProcessUtilization), so a process listed for longer than the
+                # hold with no sample in it, while the read works, was idle
+                sig.process.sm_util_pct = 0.0
             if host_counters.ListFields():
                 sig.host.CopyFrom(host_counters)
             if inapp is not None:
@@ -272,6 +282,7 @@ class Sampler:
         self.stats.enumerations += 1
         procs = self._read(state, "processes", dev.processes)
         state.procs = tuple(procs) if procs is not None else ()
+        state.listed_at = {p.pid: state.listed_at.get(p.pid, now_mono) for p in state.procs}
         state.instances = {}
         if any(p.gpu_instance_id is not None for p in state.procs):
             instances = self._read(state, "gpu_instances", dev.gpu_instances)
@@ -279,6 +290,7 @@ class Sampler:
 
     def _update_util(self, state: _DeviceState, now_mono: float) -> None:
         samples = self._read(state, "process_utilization", lambda: state.device.process_utilization(state.util_since_us))
+        state.util_read_ok = samples is not None
         listed = {p.pid for p in state.procs}
         for s in samples or ():
             # Only a sample of a listed process is trusted, and only it moves the last-seen timestamp:

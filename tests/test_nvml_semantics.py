@@ -319,3 +319,29 @@ def test_reads_from_several_threads_at_once_agree_with_one_thread() -> None:
     for t in threads:
         t.join(30.0)
     assert not errors and len(got) == 200 and all(g == want for g in got)
+
+
+def test_an_idle_process_gets_no_nvml_sample_and_reads_zero_not_unknown() -> None:
+    sim, fake, backend, clock = _rig()
+    sim.launch("idle", 7001, _trace("idle", sm_pct=0.0), loop=True)
+    sim.launch("busy", 7002, _trace("busy", sm_pct=40.0), loop=True)
+    clock.advance(1.0)
+    assert {s.pid for s in backend.devices()[0].process_utilization(0)} == {7002}  # as NVML: busy ones only
+    sampler = _sampler(backend, clock, {7001: "idle", 7002: "busy"})
+    first = {s.app_id: s for s in sampler.sample()}
+    assert not first["idle"].process.HasField("sm_util_pct")  # just listed: too early to say
+    assert first["busy"].process.sm_util_pct == 40.0
+    for _ in range(12):
+        clock.advance(0.1)
+        sigs = {s.app_id: s for s in sampler.sample()}
+    assert sigs["idle"].process.HasField("sm_util_pct") and sigs["idle"].process.sm_util_pct == 0.0
+    assert sigs["busy"].process.sm_util_pct == 40.0
+
+
+def test_an_idle_process_on_a_mig_gpu_stays_unknown() -> None:
+    _, _, backend, clock, _ = _mig_rig()  # per-process utilization is not supported under MIG
+    sampler = _sampler(backend, clock, {6001: "a", 6002: "b"})
+    for _ in range(15):
+        sigs = sampler.sample()
+        clock.advance(0.1)
+    assert sigs and not any(s.process.HasField("sm_util_pct") for s in sigs)

@@ -20,7 +20,7 @@ from tests.profiler_fakes import (
 )
 from vgpu.client import InAppCounters, InAppReport, VgpuClient, write_inapp
 from vgpu.device.base import ProcessInfo, ProcessUtilization
-from vgpu.device.errors import GpuLost, InvalidArgument, NoData, NotSupported
+from vgpu.device.errors import GpuLost, InvalidArgument, NoData, NotSupported, UnknownDeviceError
 from vgpu.profiler.sampler import Sampler
 from vgpu.traces import AppTrace
 
@@ -87,7 +87,10 @@ def test_process_utilization_asks_only_for_new_samples(tmp_path: Path) -> None:
     mono.advance(0.1)
     assert sampler.sample()[0].process.sm_util_pct == 30.0  # no new sample: held
     assert dev.since_args == [0, 2_000, 3_000]
-    mono.advance(1.5)  # older than util_hold_s: unset rather than pretend
+    mono.advance(1.5)  # older than util_hold_s, and the read answers no sample: NVML samples only busy processes
+    assert sampler.sample()[0].process.sm_util_pct == 0.0
+    dev.fail["process_utilization"] = UnknownDeviceError("the read fails")
+    mono.advance(1.5)  # no read to go by: unset rather than pretend
     assert not sampler.sample()[0].process.HasField("sm_util_pct")
 
 

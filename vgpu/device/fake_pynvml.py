@@ -30,7 +30,8 @@ Where real NVML answers in ways a caller must cope with, the fake answers the sa
   aggregate information, only if the caller has appropriate privileges. Per-instance information can be
   queried by using specific MIG device handles"; nvitop (nvitop/api/device.py, `Device.processes`) reads
   the memory as N/A on MIG-enabled GPUs.
-- Per-process utilization: NOT_FOUND when no sample is newer than the timestamp given (NVML reference,
+- Per-process utilization: a sample only for a process with some non-zero utilization in the sample
+  period, and NOT_FOUND when no sample is newer than the timestamp given (NVML reference,
   nvmlDeviceGetProcessUtilization). `extra_utilization_samples` (pid, timeStamp, smUtil, memUtil) are added
   to every answer, to model what nvtop documents (issue #110; `gpuinfo_nvidia_get_process_utilization` in
   src/extract_gpuinfo_nvidia.c): samples of processes that do not run, utilization above 100 and timestamps
@@ -364,6 +365,7 @@ class FakePynvml:
         samples = [
             (s.pid, s.timestamp_us, int(round(s.sm_pct)), int(round(s.mem_bw_pct)))
             for s in self._dev(handle).process_utilization(int(timeStamp))
+            if round(s.sm_pct) or round(s.mem_bw_pct)  # NVML samples only processes that used the GPU
         ]
         if not samples:
             raise _error(pynvml.NVML_ERROR_NOT_FOUND)  # what NVML answers when nothing is newer
