@@ -370,6 +370,37 @@ def test_process_utilization_returns_only_newer_samples(rig: Rig) -> None:
     assert len(newer) == pytest.approx(6, abs=1)  # one sample per 1/6 s
 
 
+def test_process_reads_keep_their_promises_on_any_device(rig: Rig) -> None:
+    """Reads only, so it also runs on a real GPU with whatever runs there: each process once per
+    instance, its memory unknown (None) or within the GPU's, per-process samples of a real pid with
+    utilization within 0-100 %, and a read from the newest timestamp returning only newer samples."""
+    if rig.sim is not None:
+        rig.sim.launch("a", 41, trace("a", [700] * 10, 40.0))
+        rig.advance(1.0)
+    dev = rig.device()
+    procs = dev.processes()
+    keys = [(p.pid, p.gpu_instance_id) for p in procs]
+    assert len(keys) == len(set(keys))
+    try:
+        total_mib = dev.memory().total_mib
+    except (NotSupported, NoPermission):  # an unprivileged caller on a MIG GPU
+        total_mib = math.inf
+    for p in procs:
+        assert p.pid > 0 and (p.used_mib is None or 0 <= p.used_mib <= total_mib)
+    try:
+        samples = list(dev.process_utilization(0))
+    except NotSupported:  # MIG, or a board without per-process counters
+        samples = []
+    for s in samples:
+        assert s.pid > 0 and 0 <= s.sm_pct <= 100 and 0 <= s.mem_bw_pct <= 100 and s.timestamp_us > 0
+    if samples:
+        newest = max(s.timestamp_us for s in samples)
+        assert all(s.timestamp_us > newest for s in dev.process_utilization(newest))
+    if rig.sim is not None:
+        assert keys == [(41, None)] and procs[0].used_mib == 700
+        assert samples and {s.pid for s in samples} == {41}
+
+
 def test_two_gpus_are_independent(rig_factory: Callable[..., Rig]) -> None:
     r = rig_factory(gpus=["a100-40gb", "h100-80gb"])
     sim = r.need_sim()

@@ -345,3 +345,16 @@ def test_an_idle_process_on_a_mig_gpu_stays_unknown() -> None:
         sigs = sampler.sample()
         clock.advance(0.1)
     assert sigs and not any(s.process.HasField("sm_util_pct") for s in sigs)
+
+
+# --- power limit -----------------------------------------------------------------------------------
+
+
+def test_an_unprivileged_power_limit_set_to_the_current_value_is_not_sent_to_nvml() -> None:
+    sim, fake, backend, _ = _rig()
+    sim.privileged = False
+    with pytest.raises(pynvml.NVMLError_NoPermission):  # NVML refuses the setter itself without root
+        fake.nvmlDeviceSetPowerManagementLimit(fake.nvmlDeviceGetHandleByIndex(0), sim.devices()[0].power_limit_mw())
+    dev = backend.devices()[0]
+    dev.set_power_limit_mw(dev.power_limit_mw())  # the backend sends nothing, so nothing is refused
+    assert fake.calls["nvmlDeviceSetPowerManagementLimit"] == 1

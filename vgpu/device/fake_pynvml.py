@@ -583,7 +583,13 @@ class FakePynvml:
     # --- writes ----------------------------------------------------------------------------
     @_faked
     def nvmlDeviceSetPowerManagementLimit(self, handle: Any, limit: int) -> None:
-        self._dev(handle).set_power_limit_mw(int(limit))
+        dev = self._dev(handle)
+        dev.power_limit_mw()  # GPU_IS_LOST first, like every call on a real device
+        if not self.backend.privileged:
+            # NVML reference: the setter needs root, whatever the value (the simulator lets a set to the
+            # current value through; the NVML backend never sends one)
+            raise _error(pynvml.NVML_ERROR_NO_PERMISSION)
+        dev.set_power_limit_mw(int(limit))
 
     # --- per-cgroup memory limits ------------------------------------------------------------
     def _limits_target(self, device: Any, limits: Any) -> tuple[SimDevice, str]:
