@@ -10,6 +10,7 @@ import platform
 import re
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -189,3 +190,26 @@ def test_collector_units_absent_values_and_histograms() -> None:
 def test_histogram_bounds_are_checked() -> None:
     with pytest.raises(ValueError):
         LatencyHistogram(bounds_s=(0.1, 0.01))
+
+
+def test_every_vgpu_command_an_alert_suggests_runs_as_written(tmp_path: Path) -> None:
+    """The commands the alerting rules and the alert table of docs/operations.md hand the on-call
+    operator are accepted by the CLI as written (label templates filled in): against a socket where
+    no daemon listens each fails to reach it (exit 1), never with a usage error (exit 2)."""
+    import os
+    import subprocess
+    import sys
+
+    ops = (ROOT / "docs" / "operations.md").read_text()
+    table = ops[ops.index("## Alerts"):].split("\n## ", 1)[0]
+    # a command with options is one to run; a bare name only names the command, except those run bare
+    commands = {c for c in re.findall(r"`(vgpu [^`]+)`", RULES.read_text() + table)
+                if " --" in c or c in ("vgpu doctor", "vgpu apps")}
+    assert any(c.startswith("vgpu report") for c in commands), commands
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VGPU_")}
+    for command in sorted(commands):
+        argv = re.sub(r"\{\{\s*\$labels\.\w+\s*\}\}", "bert-train", command).replace("APP", "bert-train").split()
+        r = subprocess.run([sys.executable, "-m", "vgpu.cli", *argv[1:], "--socket", str(tmp_path / "none.sock"),
+                            "--state-dir", str(tmp_path / "state")], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=120, env={**env, "PYTHONPATH": str(ROOT)}, check=False)
+        assert r.returncode == 1 and "usage:" not in r.stderr, (command, r.returncode, r.stderr)
