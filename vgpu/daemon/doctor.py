@@ -2,7 +2,7 @@
 
     vgpu doctor [--config FILE] [--socket PATH] [--state-dir DIR] [--backend SPEC] [--model FILE] [--max-signature-age-s S] [--json]
 
-Checks, each OK / WARN / FAIL with what to do: the configuration loads; which backend the driver and
+Checks, each OK / WARN / FAIL with what to do: the configuration loads and the users and groups it names exist; which backend the driver and
 NVML checks are for (`backend`: the one the daemon answering on the socket reports it runs on,
 GetAvailableResources' `backend`; the configured one, server.backend, when no daemon answers or it
 does not say; `--backend` wins, a daemon on another one is a warning); for `nvml` the NVIDIA driver
@@ -431,7 +431,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu doctor", *, out: T
             overrides={"server.socket": ns.socket, "server.state_dir": ns.state_dir, "server.backend": ns.backend},
         )
         backend_given = ns.backend is not None  # a --backend that does not load is not taken
-        checks = [Check("config", "OK", f"{ns.config or vconfig.DEFAULT_CONFIG_PATH} "
+        missing = vconfig.missing_names(cfg)  # the daemon refuses to start on these
+        checks = [Check("config", "FAIL", "; ".join(missing)) if missing else
+                  Check("config", "OK", f"{ns.config or vconfig.DEFAULT_CONFIG_PATH} "
                         + ("loads" if (ns.config or vconfig.DEFAULT_CONFIG_PATH.exists()) else "absent: defaults in use"))]
     except vconfig.ConfigError as exc:
         cfg = _fallback_config(ns.config, {"server.socket": ns.socket, "server.state_dir": ns.state_dir})

@@ -726,8 +726,9 @@ def secure_socket(path: Path, *, mode: int, owner: str, group: str) -> None:
             uid = pwd.getpwnam(owner).pw_uid
         if group:
             gid = grp.getgrnam(group).gr_gid
-    except KeyError as exc:
-        raise StartupError(f"socket owner/group {exc.args[0]!r} does not exist") from None
+    except KeyError:
+        # the name went away since the start's check (config.missing_names)
+        raise StartupError(f"socket owner {owner!r} or group {group!r} does not exist") from None
     if uid != -1 or gid != -1:
         os.chown(path, uid, gid)
     os.chmod(path, mode)
@@ -1499,6 +1500,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu serve") -> int:
         cfg = config_from_args(ns)
     except ConfigError as exc:
         print(f"{prog}: configuration error: {exc}", file=sys.stderr)
+        return 2
+    problems = vconfig.missing_names(cfg)
+    for problem in problems:
+        print(f"{prog}: configuration error: {problem}", file=sys.stderr)
+    if problems:
         return 2
     if ns.check_config:
         print(vconfig.to_toml(cfg), end="")
