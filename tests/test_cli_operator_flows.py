@@ -210,6 +210,25 @@ def test_doctor_checks_the_backend_the_daemon_runs_on_and_says_so(env: Env, serv
     assert "nvmlInit" in checks["nvml"][0]["detail"]
 
 
+def test_doctor_does_not_promise_a_state_directory_to_a_daemon_that_runs_with_another(
+        env: Env, serves: list[Serve], tmp_path: Path) -> None:
+    """`vgpu doctor --socket S` with a state directory that is not the daemon's (the default
+    /var/lib/vgpu while the daemon was given another): the line said the daemon "will create it",
+    which a running daemon never does; it now says a daemon answers, so its state is elsewhere."""
+    serves.append(Serve(env))
+    elsewhere = tmp_path / "not-the-daemons"
+    (state,) = doctor_lines(env, "--socket", str(env.sock), "--state-dir", str(elsewhere))["state dir"]
+    assert state["status"] == "WARN" and "will create it" not in state["detail"], state
+    assert state["detail"] == (f"{elsewhere} does not exist, yet a daemon answers on {env.sock}: it keeps its "
+                               "state in another directory; give its server.state_dir with --state-dir (or its "
+                               "--config)"), state
+    (state,) = doctor_lines(env, "--socket", str(env.sock))["state dir"]  # its own: fine
+    assert state["status"] == "OK" and str(env.state) in state["detail"], state
+    # with no daemon, a missing directory is still one the daemon will create
+    (state,) = doctor_lines(env, "--socket", str(tmp_path / "none.sock"), "--state-dir", str(elsewhere))["state dir"]
+    assert state["status"] == "WARN" and "the daemon will create it" in state["detail"], state
+
+
 def test_numbers_out_of_range_and_other_usage_mistakes_exit_2_naming_the_flag(env: Env, serves: list[Serve]) -> None:
     serves.append(Serve(env))
     sock = ["--socket", str(env.sock)]

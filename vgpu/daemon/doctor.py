@@ -309,13 +309,18 @@ def check_sim(spec: str, answer: pb.GetAvailableResourcesResponse | None) -> lis
         backend.close()
 
 
-def check_state_dir(path: Path) -> Check:
+def check_state_dir(path: Path, serving_on: Path | None = None) -> Check:
+    """`serving_on`: the socket a daemon answers on, when one does (it then has a state directory)."""
     if path.is_dir():
         if os.access(path, os.W_OK | os.X_OK):
             return Check("state dir", "OK", f"{path} is writable")
         return Check("state dir", "FAIL", f"{path} is not writable by uid {os.geteuid()} (the daemon runs as root)")
     if path.exists():
         return Check("state dir", "FAIL", f"{path} exists and is not a directory")
+    if serving_on is not None:
+        # "the daemon will create it" would be wrong: it runs, with its state somewhere else
+        return Check("state dir", "WARN", f"{path} does not exist, yet a daemon answers on {serving_on}: it keeps its "
+                     "state in another directory; give its server.state_dir with --state-dir (or its --config)")
     parent = next((p for p in path.parents if p.exists()), Path("/"))
     if os.access(parent, os.W_OK | os.X_OK):
         return Check("state dir", "WARN", f"{path} does not exist yet; the daemon will create it")
@@ -379,7 +384,7 @@ def run_checks(
         *device_checks,
         check_privileges(euid, proc_status),
         sock,
-        check_state_dir(state_dir),
+        check_state_dir(state_dir, socket_path if answer is not None and answer[0] is not None else None),
         check_model(model if model is not None else default_model(), load_model, required=model_required),
     ]
     if answer is None:
