@@ -351,3 +351,19 @@ def test_doctor_says_when_the_socket_s_directories_shut_its_group_out(env: Env, 
         for s in serves:
             s.stop_now()
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_the_state_directory_for_tokens_comes_from_the_configuration_as_the_help_says(
+        env: Env, serves: list[Serve]) -> None:
+    """`vgpu set-limit --help` says the state directory (where the operator token is read) defaults to
+    the configuration's server.state_dir, not a fixed /var/lib/vgpu; and so it does: with
+    VGPU_SERVER_STATE_DIR naming the daemon's, set-limit finds the operator token without --state-dir."""
+    help_text = " ".join(vgpu("set-limit", "--help", env=env.env).stdout.split())
+    assert "(default: server.state_dir of the configuration, /var/lib/vgpu)" in help_text, help_text
+    serves.append(Serve(env))
+    args = ("set-limit", "--socket", str(env.sock), "--app", "later", "--create", "--max-memory-mib", "1000",
+            "--wait-s", "0")
+    r = vgpu(*args, env={**env.env, "VGPU_SERVER_STATE_DIR": str(env.state)})
+    assert r.returncode == 0, r.stderr
+    r = vgpu(*args, env={**env.env, "VGPU_SERVER_STATE_DIR": str(env.tmp / "elsewhere")})
+    assert r.returncode == 1 and "UNAUTHENTICATED" in r.stderr and str(env.tmp / "elsewhere") in r.stderr, r.stderr
