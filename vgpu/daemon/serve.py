@@ -90,6 +90,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import fcntl
 import grp
 import math
@@ -1165,10 +1166,15 @@ class Daemon:
         except OSError as exc:
             # the socket is ours (prepare_socket_path checked) and nothing listens on it yet
             self.socket_path.unlink(missing_ok=True)
+            if exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT) or isinstance(exc, socket.gaierror):
+                # no interface of this host has the address (a typo, another host's IP): not the port
+                fix = ("give an address of this host with --metrics-address (metrics.address, "
+                       "VGPU_METRICS_ADDRESS), e.g. 127.0.0.1 or 0.0.0.0")
+            else:
+                fix = "free the port, or set another with --metrics-port (metrics.port, VGPU_METRICS_PORT)"
             raise StartupError(
                 f"cannot serve metrics on {cfg.metrics.address}:{cfg.metrics.port} ({exc.strerror or exc}): "
-                "free the port, or set another with --metrics-port (metrics.port, VGPU_METRICS_PORT); "
-                "0 turns metrics off"
+                f"{fix}; --metrics-port 0 turns metrics off"
             ) from exc
         return f"{cfg.metrics.address}:{cfg.metrics.port}"
 
