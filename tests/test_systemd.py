@@ -131,3 +131,15 @@ def test_a_configuration_error_is_not_restarted_but_a_start_failure_is(tmp_path:
         pytest.skip("an NVIDIA driver is loaded here: `vgpu serve --backend nvml` would start")
     no_nvml = _serve(tmp_path, "--backend", "nvml")
     assert "NVML" in no_nvml.stderr and no_nvml.returncode not in (0, *prevent), no_nvml.stderr
+
+
+def test_the_documentation_the_units_name_is_installed_by_install_md() -> None:
+    """`systemctl help vgpu-manager` opens the units' Documentation=; a file: path there that no step of
+    docs/install.md puts in place is a dead link on every server."""
+    steps = (ROOT / "docs" / "install.md").read_text()
+    for unit in UNITS:
+        for key, value in _settings(unit):
+            if key == "Documentation":
+                for uri in value.split():
+                    if uri.startswith("file:"):
+                        assert uri[len("file:"):] in steps, (unit, uri)
