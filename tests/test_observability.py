@@ -213,3 +213,60 @@ def test_every_vgpu_command_an_alert_suggests_runs_as_written(tmp_path: Path) ->
                             "--state-dir", str(tmp_path / "state")], cwd=tmp_path, capture_output=True, text=True,
                            timeout=120, env={**env, "PYTHONPATH": str(ROOT)}, check=False)
         assert r.returncode == 1 and "usage:" not in r.stderr, (command, r.returncode, r.stderr)
+
+
+def test_daemon_down_fires_for_one_node_of_many_and_for_none_scraped(tmp_path: Path) -> None:
+    """`promtool test rules` on synthetic series: node-a's daemon stops (up 0, its series go stale)
+    while node-b's keeps exporting; VgpuDaemonDown fires for node-a (absent(vgpu_build_info) alone
+    did not: node-b still exported it). Nothing fires while both are up; with no vgpu target scraped
+    at all it fires without an instance. Skipped where promtool is not installed (Debian's
+    `prometheus` package has it)."""
+    import shutil
+    import subprocess
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed here (apt-get install prometheus provides it)")
+    info = 'vgpu_build_info{{job="vgpu", instance="{}", version="0.1.0", python="3.11.7", backend="nvml"}}'
+    tests = f"""
+rule_files: [{RULES}]
+evaluation_interval: 30s
+tests:
+  - interval: 30s
+    input_series:
+      - series: 'up{{job="vgpu", instance="node-a:9464"}}'
+        values: '1x10 0x20'
+      - series: '{info.format("node-a:9464")}'
+        values: '1x10 _x20'
+      - series: 'up{{job="vgpu", instance="node-b:9464"}}'
+        values: '1x30'
+      - series: '{info.format("node-b:9464")}'
+        values: '1x30'
+    alert_rule_test:
+      - eval_time: 4m
+        alertname: VgpuDaemonDown
+        exp_alerts: []
+      - eval_time: 14m
+        alertname: VgpuDaemonDown
+        exp_alerts:
+          - exp_labels: {{severity: critical, job: vgpu, instance: "node-a:9464"}}
+            exp_annotations:
+              summary: "no vgpu daemon is exporting metrics at node-a:9464"
+              description: "The daemon is down or its metrics endpoint is not scraped (up == 0 for a target that exported vgpu_build_info, or vgpu_build_info absent everywhere). Check `systemctl status vgpu-manager` and `vgpu doctor`."
+  - interval: 30s
+    input_series:
+      - series: 'up{{job="node", instance="node-a:9100"}}'
+        values: '1x10'
+    alert_rule_test:
+      - eval_time: 4m
+        alertname: VgpuDaemonDown
+        exp_alerts:
+          - exp_labels: {{severity: critical}}
+            exp_annotations:
+              summary: "no vgpu daemon is exporting metrics"
+              description: "The daemon is down or its metrics endpoint is not scraped (up == 0 for a target that exported vgpu_build_info, or vgpu_build_info absent everywhere). Check `systemctl status vgpu-manager` and `vgpu doctor`."
+"""
+    (tmp_path / "tests.yml").write_text(tests)
+    r = subprocess.run([promtool, "test", "rules", str(tmp_path / "tests.yml")], capture_output=True, text=True,
+                       timeout=120, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
