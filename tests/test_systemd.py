@@ -143,3 +143,25 @@ def test_the_documentation_the_units_name_is_installed_by_install_md() -> None:
                 for uri in value.split():
                     if uri.startswith("file:"):
                         assert uri[len("file:"):] in steps, (unit, uri)
+
+
+def test_the_daemons_paths_lie_where_the_unit_lets_it_write_and_the_config_says_so() -> None:
+    """Under ProtectSystem=strict the manager writes only in its RuntimeDirectory, StateDirectory and
+    ReadWritePaths: every default path of the configuration lies there, and the shipped vgpu.toml
+    tells an operator who moves one what else to change (a drop-in's ReadWritePaths=, the profiler
+    unit's --manager and --token-file), since the daemon would otherwise fail to start on a
+    read-only file system."""
+    from vgpu import config
+
+    s = _settings("vgpu-manager.service")
+    assert dict(s)["ProtectSystem"] == "strict"
+    writable = [Path("/run") / v for k, v in s if k == "RuntimeDirectory"]
+    writable += [Path("/var/lib") / v for k, v in s if k == "StateDirectory"]
+    writable += [Path(p) for k, v in s if k == "ReadWritePaths" for p in v.split()]
+    server = config.Config().server
+    for path in (Path(server.socket).parent, Path(server.state_dir), Path(server.inapp_dir)):
+        assert any(path == w or w in path.parents for w in writable), (path, writable)
+    shipped = (ROOT / "systemd" / "vgpu.toml").read_text()
+    server_comments = shipped[shipped.index("[server]"):shipped.index('socket = "')]
+    for needed in ("ProtectSystem=strict", "ReadWritePaths=", "--manager", "--token-file"):
+        assert needed in server_comments, needed
