@@ -221,12 +221,6 @@ def test_daemon_down_fires_for_one_node_of_many_and_for_none_scraped(tmp_path: P
     did not: node-b still exported it). Nothing fires while both are up; with no vgpu target scraped
     at all it fires without an instance. Skipped where promtool is not installed (Debian's
     `prometheus` package has it)."""
-    import shutil
-    import subprocess
-
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.skip("promtool is not installed here (apt-get install prometheus provides it)")
     info = 'vgpu_build_info{{job="vgpu", instance="{}", version="0.1.0", python="3.11.7", backend="nvml"}}'
     tests = f"""
 rule_files: [{RULES}]
@@ -266,7 +260,55 @@ tests:
               summary: "no vgpu daemon is exporting metrics"
               description: "The daemon is down or its metrics endpoint is not scraped (up == 0 for a target that exported vgpu_build_info, or vgpu_build_info absent everywhere). Check `systemctl status vgpu-manager` and `vgpu doctor`."
 """
+    promtool_test_rules(tmp_path, tests)
+
+
+def promtool_test_rules(tmp_path: Path, tests: str) -> None:
+    """`promtool test rules` on `tests` (a rule test file); skipped where promtool is not installed."""
+    import shutil
+    import subprocess
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed here (apt-get install prometheus provides it)")
     (tmp_path / "tests.yml").write_text(tests)
     r = subprocess.run([promtool, "test", "rules", str(tmp_path / "tests.yml")], capture_output=True, text=True,
                        timeout=120, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_an_oom_event_of_an_application_whose_series_starts_with_it_fires(tmp_path: Path) -> None:
+    """`old` had series from the start and has its first OOM event at 5 min; `new` gets series only
+    then (beyond metrics.max_apps, it is listed once it has had an OOM event, so its counter appears at
+    1). Both fire; increase() alone saw nothing of `new`, although docs/operations.md promises that
+    listing applications with OOM events keeps VgpuOomEvents firing for them. Both resolve once 10
+    minutes pass without another event."""
+    def expected(app: str) -> str:
+        return f"""
+          - exp_labels: {{severity: warning, app: {app}, device: GPU-1}}
+            exp_annotations:
+              summary: "{app} used more memory than granted (1 times in 10 minutes)"
+              description: "The use crossed above the grant: with memory caps on, an allocation failed there. `vgpu report --app {app} --out oom.png` draws use against forecast and grant."
+"""
+    tests = f"""
+rule_files: [{RULES}]
+evaluation_interval: 30s
+tests:
+  - interval: 30s
+    input_series:
+      - series: 'vgpu_app_oom_events_total{{app="old", device="GPU-1"}}'
+        values: '0x10 1x40'
+      - series: 'vgpu_app_oom_events_total{{app="new", device="GPU-1"}}'
+        values: '_x10 1x40'
+    alert_rule_test:
+      - eval_time: 4m
+        alertname: VgpuOomEvents
+        exp_alerts: []
+      - eval_time: 7m
+        alertname: VgpuOomEvents
+        exp_alerts:{expected("old")}{expected("new")}
+      - eval_time: 17m
+        alertname: VgpuOomEvents
+        exp_alerts: []
+"""
+    promtool_test_rules(tmp_path, tests)
