@@ -312,3 +312,44 @@ tests:
         exp_alerts: []
 """
     promtool_test_rules(tmp_path, tests)
+
+
+def test_the_first_enforcement_failure_of_a_device_fires(tmp_path: Path) -> None:
+    """The daemon exports vgpu_enforcement_failures_total for a (device, mechanism) only from its first
+    failure on, so the series begins at 1: one failed power-limit write fired nothing (increase() saw
+    no change); it fires now, and a second failure later on another series still does."""
+    desc = "Device writes (power limit, MIG, cgroup memory limit) failed or did not read back."
+    tests = f"""
+rule_files: [{RULES}]
+evaluation_interval: 30s
+tests:
+  - interval: 30s
+    input_series:
+      - series: 'vgpu_enforcement_failures_total{{device="GPU-1", mechanism="power_limit"}}'
+        values: '_x10 1x40'
+      - series: 'vgpu_enforcement_failures_total{{device="GPU-1", mechanism="mig"}}'
+        values: '_x10 1x20 2x20'
+    alert_rule_test:
+      - eval_time: 4m
+        alertname: VgpuEnforcementFailures
+        exp_alerts: []
+      - eval_time: 7m
+        alertname: VgpuEnforcementFailures
+        exp_alerts:
+          - exp_labels: {{severity: warning, device: GPU-1, mechanism: power_limit}}
+            exp_annotations:
+              summary: "power_limit changes failed on GPU GPU-1"
+              description: "{desc}"
+          - exp_labels: {{severity: warning, device: GPU-1, mechanism: mig}}
+            exp_annotations:
+              summary: "mig changes failed on GPU GPU-1"
+              description: "{desc}"
+      - eval_time: 18m
+        alertname: VgpuEnforcementFailures
+        exp_alerts:
+          - exp_labels: {{severity: warning, device: GPU-1, mechanism: mig}}
+            exp_annotations:
+              summary: "mig changes failed on GPU GPU-1"
+              description: "{desc}"
+"""
+    promtool_test_rules(tmp_path, tests)
