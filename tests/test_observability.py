@@ -207,11 +207,15 @@ def test_every_vgpu_command_an_alert_suggests_runs_as_written(tmp_path: Path) ->
                 if " --" in c or c in ("vgpu doctor", "vgpu apps")}
     assert any(c.startswith("vgpu report") for c in commands), commands
     env = {k: v for k, v in os.environ.items() if not k.startswith("VGPU_")}
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "vgpu.cli", *args], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=120, env={**env, "PYTHONPATH": str(ROOT)}, check=False)
+
     for command in sorted(commands):
         argv = re.sub(r"\{\{\s*\$labels\.\w+\s*\}\}", "bert-train", command).replace("APP", "bert-train").split()
-        r = subprocess.run([sys.executable, "-m", "vgpu.cli", *argv[1:], "--socket", str(tmp_path / "none.sock"),
-                            "--state-dir", str(tmp_path / "state")], cwd=tmp_path, capture_output=True, text=True,
-                           timeout=120, env={**env, "PYTHONPATH": str(ROOT)}, check=False)
+        # a command that waits for a daemon to come up is told not to: none will
+        no_wait = ["--wait-s", "0"] if "--wait-s" in run(argv[1], "--help").stdout else []
+        r = run(*argv[1:], "--socket", str(tmp_path / "none.sock"), "--state-dir", str(tmp_path / "state"), *no_wait)
         assert r.returncode == 1 and "usage:" not in r.stderr, (command, r.returncode, r.stderr)
 
 
