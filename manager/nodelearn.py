@@ -435,19 +435,28 @@ class BackgroundLearner:
 
 
 # --- the commands ---------------------------------------------------------------------------------
-def _default_state_dir() -> str:
+def model_main(argv: Sequence[str] | None = None, prog: str = "vgpu model") -> int:
+    """`vgpu model status|rollback [--state-dir DIR] [--config FILE]`."""
     from vgpu import config  # noqa: PLC0415
 
-    return str(config.Config().server.state_dir)
-
-
-def model_main(argv: Sequence[str] | None = None, prog: str = "vgpu model") -> int:
-    """`vgpu model status|rollback [--state-dir DIR]`."""
     p = argparse.ArgumentParser(prog=prog, description="the node-local forecaster: status and rollback")
-    p.add_argument("action", choices=("status", "rollback"))
-    p.add_argument("--state-dir", default=None, help="the daemon's state directory (default: the configured one)")
+    p.add_argument("action", choices=("status", "rollback"),
+                   help="status: the node-local model and its promotions, as JSON; rollback: put the model "
+                   "promoted before the serving one back (or none)")
+    p.add_argument("--state-dir", default=None,
+                   help="the daemon's state directory (default: server.state_dir of the configuration, "
+                   f"{config.DEFAULT_STATE_DIR})")
+    p.add_argument("--config", type=Path, default=None,
+                   help=f"configuration file (default {config.DEFAULT_CONFIG_PATH} if present)")
     args = p.parse_args(argv)
-    state_dir = args.state_dir or _default_state_dir()
+    state_dir = args.state_dir
+    if state_dir is None:
+        # the daemon's own: its configuration file and VGPU_SERVER_STATE_DIR, as `vgpu serve` reads them
+        try:
+            state_dir = str(config.load(args.config).server.state_dir)
+        except config.ConfigError as exc:
+            print(f"{prog}: configuration error: {exc}", file=sys.stderr)
+            return 2
     if not Path(state_dir).is_dir():
         # a mistyped directory would otherwise read as a node with no history and no models
         print(f"{prog}: no state directory at {state_dir}: give the daemon's server.state_dir with --state-dir",

@@ -28,6 +28,7 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -95,6 +96,7 @@ def main(argv: Sequence[str], prog: str = "vgpu profiler") -> int:
         metadata = token_reader.metadata
 
     backend = None
+    replayed: tuple[Path, dict[str, Any]] | None = None  # the replayed trace and its #meta
     source: SignatureSource
     try:
         if args.replay is not None:
@@ -112,6 +114,7 @@ def main(argv: Sequence[str], prog: str = "vgpu profiler") -> int:
             except (TraceFormatError, OSError) as exc:
                 print(f"{prog}: {exc}", file=sys.stderr)
                 return 1
+            replayed = (args.replay, source.trace.metadata)
             note = source.trace.skipped_rows_note()
             if note:
                 print(f"{prog}: {note}", file=sys.stderr)
@@ -132,7 +135,9 @@ def main(argv: Sequence[str], prog: str = "vgpu profiler") -> int:
             from vgpu.profiler.record import RecordingSource, TraceRecorder, recording_metadata
 
             try:
-                recorder = TraceRecorder(args.record, recording_metadata(list(argv), prog, args.backend, backend))
+                # a replay samples no device: the recording names the trace it replayed, not --backend
+                recorder = TraceRecorder(args.record, recording_metadata(
+                    list(argv), prog, "replay" if args.replay is not None else args.backend, backend, replayed))
             except OSError as exc:
                 print(f"{prog}: cannot write {args.record}: {exc}", file=sys.stderr)
                 return 1

@@ -23,7 +23,9 @@ A field the signature does not carry is an empty cell. A signature with neither 
 per-process memory nor SM reading) is not written (the format needs one) and is counted.
 
 The `#meta` line says how the trace was made: `recorded: true`, the clock, the command line, the
-backend, the devices (name, memory), the host and the start time. Rows are written as they come and
+backend, the devices (name, memory), the host and the start time; a recording of a trace played back
+(`--sim-trace`, the profiler's `--replay`) names it (`replayed`) and keeps its provenance (`derived`,
+`generator`, `inputs`). Rows are written as they come and
 flushed every `flush_every_s`; with a `.gz` name the file is complete only once the recorder closes
 (an interrupted gzip stream has no end), so record long sessions to `.csv` and compress afterwards.
 `vgpu record --backend sim:<sku> --sim-trace TRACE` launches every application of TRACE on the
@@ -158,7 +160,16 @@ class RecordingSource:
             self.recorder.close()
 
 
-def recording_metadata(argv: Sequence[str], prog: str, backend_spec: str, backend: Any) -> dict[str, Any]:
+# What a trace's `#meta` says of where its values came from: a recording of a trace carries it over.
+PROVENANCE_KEYS = ("derived", "generator", "inputs")
+
+
+def recording_metadata(argv: Sequence[str], prog: str, backend_spec: str, backend: Any,
+                       source: tuple[Path, Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    """The `#meta` of a recording. `source`: the trace (path, metadata) whose values the sampled
+    applications play back (`--sim-trace`, the profiler's `--replay`); the recording then names it as
+    `replayed` and keeps its provenance (`derived`, `generator`, `inputs` with their licences), so that a
+    derived series recorded again is still derived to `vgpu eval`, `vgpu train` and `vgpu trace info`."""
     devices = []
     readers: tuple[tuple[str, Callable[[Any], Any]], ...] = (
         ("name", lambda d: d.name), ("uuid", lambda d: d.uuid), ("mem_total_mib", lambda d: d.memory().total_mib))
@@ -170,7 +181,7 @@ def recording_metadata(argv: Sequence[str], prog: str, backend_spec: str, backen
             except Exception:  # noqa: BLE001 - a field the device cannot give is left out
                 continue
         devices.append(entry)
-    return {
+    meta: dict[str, Any] = {
         "recorded": True,
         "derived": False,
         "clock": "shared",
@@ -181,6 +192,13 @@ def recording_metadata(argv: Sequence[str], prog: str, backend_spec: str, backen
         "host": socket.gethostname(),
         "started_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
+    if source is not None:
+        path, source_meta = source
+        meta["replayed"] = str(path)
+        meta.update({k: source_meta[k] for k in PROVENANCE_KEYS if k in source_meta})
+        # vgpu train counts a trace with a generator as derived, whatever its `derived` says
+        meta["derived"] = bool(source_meta.get("derived")) or "generator" in source_meta
+    return meta
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
@@ -233,7 +251,9 @@ def main(argv: Sequence[str], prog: str = "vgpu record") -> int:
         sampler = Sampler(backend, psutil_module=None if simulated else _psutil(), inapp_dir=args.inapp_dir,
                           app_id_of=app_ids.get if simulated else None)
         try:
-            recorder = TraceRecorder(args.out, recording_metadata(argv, prog, args.backend, backend))
+            recorder = TraceRecorder(args.out, recording_metadata(
+                argv, prog, args.backend, backend,
+                None if args.sim_trace is None else (args.sim_trace, trace.metadata)))
         except OSError as exc:
             print(f"{prog}: cannot write {args.out}: {exc}", file=sys.stderr)
             return 1

@@ -227,6 +227,25 @@ def test_doctor_checks_the_backend_the_daemon_runs_on_and_says_so(env: Env, serv
     assert "nvmlInit" in checks["nvml"][0]["detail"]
 
 
+def test_doctor_does_not_promise_a_state_directory_to_a_daemon_that_runs_with_another(
+        env: Env, serves: list[Serve], tmp_path: Path) -> None:
+    """`vgpu doctor --socket S` with a state directory that is not the daemon's (the default
+    /var/lib/vgpu while the daemon was given another): the line said the daemon "will create it",
+    which a running daemon never does; it now says a daemon answers, so its state is elsewhere."""
+    serves.append(Serve(env))
+    elsewhere = tmp_path / "not-the-daemons"
+    (state,) = doctor_lines(env, "--socket", str(env.sock), "--state-dir", str(elsewhere))["state dir"]
+    assert state["status"] == "WARN" and "will create it" not in state["detail"], state
+    assert state["detail"] == (f"{elsewhere} does not exist, yet a daemon answers on {env.sock}: it keeps its "
+                               "state in another directory; give its server.state_dir with --state-dir (or its "
+                               "--config)"), state
+    (state,) = doctor_lines(env, "--socket", str(env.sock))["state dir"]  # its own: fine
+    assert state["status"] == "OK" and str(env.state) in state["detail"], state
+    # with no daemon, a missing directory is still one the daemon will create
+    (state,) = doctor_lines(env, "--socket", str(tmp_path / "none.sock"), "--state-dir", str(elsewhere))["state dir"]
+    assert state["status"] == "WARN" and "the daemon will create it" in state["detail"], state
+
+
 def test_numbers_out_of_range_and_other_usage_mistakes_exit_2_naming_the_flag(env: Env, serves: list[Serve]) -> None:
     serves.append(Serve(env))
     sock = ["--socket", str(env.sock)]
@@ -349,3 +368,19 @@ def test_doctor_says_when_the_socket_s_directories_shut_its_group_out(env: Env, 
         for s in serves:
             s.stop_now()
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_the_state_directory_for_tokens_comes_from_the_configuration_as_the_help_says(
+        env: Env, serves: list[Serve]) -> None:
+    """`vgpu set-limit --help` says the state directory (where the operator token is read) defaults to
+    the configuration's server.state_dir, not a fixed /var/lib/vgpu; and so it does: with
+    VGPU_SERVER_STATE_DIR naming the daemon's, set-limit finds the operator token without --state-dir."""
+    help_text = " ".join(vgpu("set-limit", "--help", env=env.env).stdout.split())
+    assert "(default: server.state_dir of the configuration, /var/lib/vgpu)" in help_text, help_text
+    serves.append(Serve(env))
+    args = ("set-limit", "--socket", str(env.sock), "--app", "later", "--create", "--max-memory-mib", "1000",
+            "--wait-s", "0")
+    r = vgpu(*args, env={**env.env, "VGPU_SERVER_STATE_DIR": str(env.state)})
+    assert r.returncode == 0, r.stderr
+    r = vgpu(*args, env={**env.env, "VGPU_SERVER_STATE_DIR": str(env.tmp / "elsewhere")})
+    assert r.returncode == 1 and "UNAUTHENTICATED" in r.stderr and str(env.tmp / "elsewhere") in r.stderr, r.stderr

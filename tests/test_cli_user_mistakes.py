@@ -67,7 +67,21 @@ def test_a_taken_metrics_port_fails_the_start_naming_port_and_setting(env: Env) 
     assert r.returncode == 1, r.stderr
     said = [line for line in r.stderr.splitlines() if line.startswith("vgpu serve:")]
     assert len(said) == 1 and f"127.0.0.1:{port}" in said[0] and "--metrics-port" in said[0], r.stderr
+    assert "free the port" in said[0], said
     assert not env.sock.exists()  # nothing left serving
+
+
+def test_a_metrics_address_this_host_lacks_is_said_as_an_address_not_a_port(env: Env) -> None:
+    """192.0.2.1 (TEST-NET-1, on no interface here) or a name that does not resolve: the line points at
+    --metrics-address, not at freeing a port that nothing holds."""
+    for address in ("192.0.2.1", "no-such-host.invalid"):
+        r = vgpu("serve", "--socket", str(env.sock), "--state-dir", str(env.state), "--backend", f"sim:{SKU}",
+                 "--metrics-address", address, "--metrics-port", "19999", env=env.env)
+        assert r.returncode == 1, r.stderr
+        said = [line for line in r.stderr.splitlines() if line.startswith("vgpu serve:")]
+        assert len(said) == 1 and f"cannot serve metrics on {address}:19999" in said[0], r.stderr
+        assert "--metrics-address" in said[0] and "free the port" not in said[0], said
+        assert not env.sock.exists()
 
 
 def test_report_labels_an_sm_change_with_its_resource_and_unit(env: Env, serves: list[Serve], tmp_path: Path) -> None:

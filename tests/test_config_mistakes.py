@@ -3,6 +3,7 @@ line naming the setting or path and what to do, and the daemon does not start.""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -69,3 +70,37 @@ def test_a_state_directory_that_cannot_be_created_names_the_path_and_the_setting
     line = one_line(r)
     assert f"state directory {blocker / 'state'} is not usable (Not a directory)" in line, line
     assert "--state-dir (server.state_dir)" in line, line
+
+
+def test_a_user_or_group_the_host_lacks_is_named_with_its_key_before_anything_starts(env: Env) -> None:
+    """A group from install.md's list that was not created, or a typo of one: `--check-config` and
+    `vgpu serve` name the key and how to create it (exit 2, which the unit does not restart on), before
+    the state directory or the socket is made; `vgpu doctor` fails its config line with the same words.
+    Before, --check-config passed and the start failed only after setting up, with
+    `socket owner/group "getgrnam(): name not found: 'vpgu'" does not exist`."""
+    f = env.tmp / "vgpu.toml"
+    f.write_text('[server]\nsocket_group = "vpgu-no-such"\n[auth]\noperator_group = "root"\n')
+    r = serve(env, "--config", str(f), "--check-config")
+    assert r.returncode == 2
+    line = one_line(r)
+    assert line == ("vgpu serve: configuration error: server.socket_group: there is no group 'vpgu-no-such' on "
+                    "this host (create it: groupadd --system vpgu-no-such; or set another, or \"\" for none)"), line
+    r = serve(env, "--socket", str(env.sock), "--state-dir", str(env.state), "--socket-group", "vpgu-no-such")
+    assert r.returncode == 2 and "server.socket_group: there is no group 'vpgu-no-such'" in one_line(r)
+    assert not env.state.exists() and not env.sock.parent.exists()  # refused before anything was created
+    f.write_text('[server]\nsocket_owner = "nobody-no-such"\n[auth]\nprofiler_group = "vgpu-profiler-no-such"\n')
+    r = serve(env, "--config", str(f), "--check-config")
+    assert r.returncode == 2
+    lines = [line for line in r.stderr.splitlines() if line.startswith("vgpu serve:")]
+    assert len(lines) == 2 and "server.socket_owner: there is no user 'nobody-no-such'" in lines[0], lines
+    assert "useradd --system nobody-no-such" in lines[0] and "auth.profiler_group" in lines[1], lines
+    doctor = subprocess.run([sys.executable, "-m", "vgpu.cli", "doctor", "--config", str(f), "--socket",
+                             str(env.sock), "--state-dir", str(env.state), "--backend", f"sim:{SKU}",
+                             "--model", str(env.tmp / "none.pt"), "--json"],
+                            cwd=ROOT, env=env.env, capture_output=True, text=True, timeout=120)
+    config_check = json.loads(doctor.stdout)[0]
+    assert doctor.returncode == 1 and config_check["status"] == "FAIL", doctor.stdout
+    assert "auth.profiler_group: there is no group 'vgpu-profiler-no-such'" in config_check["detail"], config_check
+    # groups that exist pass
+    f.write_text('[server]\nsocket_group = "root"\n[auth]\noperator_group = "root"\nprofiler_group = "daemon"\n')
+    assert serve(env, "--config", str(f), "--check-config").returncode == 0

@@ -262,3 +262,36 @@ def test_a_sample_far_from_the_others_is_a_bad_row_not_a_crash_or_a_huge_grid(tm
         assert r.returncode == 0, r.stderr
         assert f"{trace.name}:22: t_s {float(far)} is" in r.stderr and "may span at most 10000000 s" in r.stderr
         assert json.loads(r.stdout)["results"]
+
+
+def test_the_default_split_says_how_many_applications_it_scores(tmp_path: Path) -> None:
+    """`vgpu eval --trace node.csv` on a node's own recording scores by default only the applications
+    the project's split holds out for testing: it says so, with the count and `--split all`, instead of
+    quietly reporting one application of five; with `--split` given it says nothing of it, and a trace
+    with no application in the default split names the way out."""
+    import subprocess
+    import sys
+
+    from vgpu.traces import write_trace
+
+    root = Path(__file__).resolve().parent.parent
+    names = ["resnet50-train", "bert-train", "vit-infer", "bert-infer", "vit-finetune"]
+    assert [split_of(n) for n in names].count("test") == 1
+    node = tmp_path / "node.csv"
+    write_trace(node, [ramp(30, app=n) for n in names], metadata={"recorded": True, "clock": "shared"})
+
+    def vgpu_eval(trace: Path, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "vgpu.cli", "eval", "--trace", str(trace), "--methods", "ewma",
+                               "--json", *args], cwd=root, capture_output=True, text=True, timeout=120)
+
+    r = vgpu_eval(node)
+    assert r.returncode == 0 and json.loads(r.stdout)["apps"] == 1, r.stderr
+    assert "vgpu eval: scoring the 'test' split: 1 of 5 applications" in r.stderr and "--split all" in r.stderr
+    r = vgpu_eval(node, "--split", "all")
+    assert r.returncode == 0 and json.loads(r.stdout)["apps"] == 5 and "scoring the" not in r.stderr
+    r = vgpu_eval(node, "--split", "test")
+    assert r.returncode == 0 and "scoring the" not in r.stderr
+    trained = tmp_path / "trained.csv"
+    write_trace(trained, [ramp(30, app=n) for n in names[:2]])
+    r = vgpu_eval(trained)
+    assert r.returncode == 1 and "falls in the 'test' split" in r.stderr and "--split all" in r.stderr, r.stderr

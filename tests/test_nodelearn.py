@@ -5,6 +5,7 @@ model falls back to the global one, rollback, and `vgpu model status|rollback` a
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -250,3 +251,35 @@ def test_cli_rollback_to_a_model_missing_from_the_archive_changes_nothing(tmp_pa
     assert (models / "local.pt").read_bytes() == b"two"
     status = json.loads(vgpu("status").stdout)
     assert status["rollbacks"] == 0 and status["serving_archive"] == "local-2.pt"
+
+
+def test_cli_finds_the_state_directory_the_daemon_is_configured_with(tmp_path: Path) -> None:
+    """Without --state-dir, `vgpu model` reads the daemon's configuration (the file, then
+    VGPU_SERVER_STATE_DIR), as `vgpu serve` does, not the built-in /var/lib/vgpu; a configuration that
+    does not load is said with the key, exit 2."""
+    state = tmp_path / "configured-state"
+    base = write_tiny_checkpoint(tmp_path / "global.pt", seed=1, bias=3.0)
+    NL.learn_once(state, _node(), base, CFG, tune=_shifted(-3.0))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VGPU_")}
+
+    def vgpu(*args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "vgpu.cli", "model", *args], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120, env={**env, **extra})
+
+    toml = tmp_path / "vgpu.toml"
+    toml.write_text(f'[server]\nstate_dir = "{state}"\n')
+    out = vgpu("status", "--config", str(toml))
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["serving_archive"] == "local-1.pt"
+    out = vgpu("status", VGPU_SERVER_STATE_DIR=str(state))
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["promotions"] == 1
+    out = vgpu("rollback", VGPU_SERVER_STATE_DIR=str(state))
+    assert out.returncode == 0 and json.loads(out.stdout)["undone"] == "local-1.pt", out.stderr
+    assert not (state / "models" / "local.pt").exists()
+    # --state-dir still wins over the configuration
+    out = vgpu("status", "--state-dir", str(tmp_path / "nowhere"), "--config", str(toml))
+    assert out.returncode == 2 and f"no state directory at {tmp_path / 'nowhere'}" in out.stderr
+    toml.write_text('[server]\nstate_dri = "/x"\n')
+    out = vgpu("status", "--config", str(toml))
+    assert out.returncode == 2 and "unknown key server.state_dri" in out.stderr and "Traceback" not in out.stderr

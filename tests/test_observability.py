@@ -10,6 +10,7 @@ import platform
 import re
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -189,3 +190,170 @@ def test_collector_units_absent_values_and_histograms() -> None:
 def test_histogram_bounds_are_checked() -> None:
     with pytest.raises(ValueError):
         LatencyHistogram(bounds_s=(0.1, 0.01))
+
+
+def test_every_vgpu_command_an_alert_suggests_runs_as_written(tmp_path: Path) -> None:
+    """The commands the alerting rules and the alert table of docs/operations.md hand the on-call
+    operator are accepted by the CLI as written (label templates filled in): against a socket where
+    no daemon listens each fails to reach it (exit 1), never with a usage error (exit 2)."""
+    import os
+    import subprocess
+    import sys
+
+    ops = (ROOT / "docs" / "operations.md").read_text()
+    table = ops[ops.index("## Alerts"):].split("\n## ", 1)[0]
+    # a command with options is one to run; a bare name only names the command, except those run bare
+    commands = {c for c in re.findall(r"`(vgpu [^`]+)`", RULES.read_text() + table)
+                if " --" in c or c in ("vgpu doctor", "vgpu apps")}
+    assert any(c.startswith("vgpu report") for c in commands), commands
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VGPU_")}
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "vgpu.cli", *args], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=120, env={**env, "PYTHONPATH": str(ROOT)}, check=False)
+
+    for command in sorted(commands):
+        argv = re.sub(r"\{\{\s*\$labels\.\w+\s*\}\}", "bert-train", command).replace("APP", "bert-train").split()
+        # a command that waits for a daemon to come up is told not to: none will
+        no_wait = ["--wait-s", "0"] if "--wait-s" in run(argv[1], "--help").stdout else []
+        r = run(*argv[1:], "--socket", str(tmp_path / "none.sock"), "--state-dir", str(tmp_path / "state"), *no_wait)
+        assert r.returncode == 1 and "usage:" not in r.stderr, (command, r.returncode, r.stderr)
+
+
+def test_daemon_down_fires_for_one_node_of_many_and_for_none_scraped(tmp_path: Path) -> None:
+    """`promtool test rules` on synthetic series: node-a's daemon stops (up 0, its series go stale)
+    while node-b's keeps exporting; VgpuDaemonDown fires for node-a (absent(vgpu_build_info) alone
+    did not: node-b still exported it). Nothing fires while both are up; with no vgpu target scraped
+    at all it fires without an instance. Skipped where promtool is not installed (Debian's
+    `prometheus` package has it)."""
+    info = 'vgpu_build_info{{job="vgpu", instance="{}", version="0.1.0", python="3.11.7", backend="nvml"}}'
+    tests = f"""
+rule_files: [{RULES}]
+evaluation_interval: 30s
+tests:
+  - interval: 30s
+    input_series:
+      - series: 'up{{job="vgpu", instance="node-a:9464"}}'
+        values: '1x10 0x20'
+      - series: '{info.format("node-a:9464")}'
+        values: '1x10 _x20'
+      - series: 'up{{job="vgpu", instance="node-b:9464"}}'
+        values: '1x30'
+      - series: '{info.format("node-b:9464")}'
+        values: '1x30'
+    alert_rule_test:
+      - eval_time: 4m
+        alertname: VgpuDaemonDown
+        exp_alerts: []
+      - eval_time: 14m
+        alertname: VgpuDaemonDown
+        exp_alerts:
+          - exp_labels: {{severity: critical, job: vgpu, instance: "node-a:9464"}}
+            exp_annotations:
+              summary: "no vgpu daemon is exporting metrics at node-a:9464"
+              description: "The daemon is down or its metrics endpoint is not scraped (up == 0 for a target that exported vgpu_build_info, or vgpu_build_info absent everywhere). Check `systemctl status vgpu-manager` and `vgpu doctor`."
+  - interval: 30s
+    input_series:
+      - series: 'up{{job="node", instance="node-a:9100"}}'
+        values: '1x10'
+    alert_rule_test:
+      - eval_time: 4m
+        alertname: VgpuDaemonDown
+        exp_alerts:
+          - exp_labels: {{severity: critical}}
+            exp_annotations:
+              summary: "no vgpu daemon is exporting metrics"
+              description: "The daemon is down or its metrics endpoint is not scraped (up == 0 for a target that exported vgpu_build_info, or vgpu_build_info absent everywhere). Check `systemctl status vgpu-manager` and `vgpu doctor`."
+"""
+    promtool_test_rules(tmp_path, tests)
+
+
+def promtool_test_rules(tmp_path: Path, tests: str) -> None:
+    """`promtool test rules` on `tests` (a rule test file); skipped where promtool is not installed."""
+    import shutil
+    import subprocess
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed here (apt-get install prometheus provides it)")
+    (tmp_path / "tests.yml").write_text(tests)
+    r = subprocess.run([promtool, "test", "rules", str(tmp_path / "tests.yml")], capture_output=True, text=True,
+                       timeout=120, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_an_oom_event_of_an_application_whose_series_starts_with_it_fires(tmp_path: Path) -> None:
+    """`old` had series from the start and has its first OOM event at 5 min; `new` gets series only
+    then (beyond metrics.max_apps, it is listed once it has had an OOM event, so its counter appears at
+    1). Both fire; increase() alone saw nothing of `new`, although docs/operations.md promises that
+    listing applications with OOM events keeps VgpuOomEvents firing for them. Both resolve once 10
+    minutes pass without another event."""
+    def expected(app: str) -> str:
+        return f"""
+          - exp_labels: {{severity: warning, app: {app}, device: GPU-1}}
+            exp_annotations:
+              summary: "{app} used more memory than granted (1 times in 10 minutes)"
+              description: "The use crossed above the grant: with memory caps on, an allocation failed there. `vgpu report --app {app} --out oom.png` draws use against forecast and grant."
+"""
+    tests = f"""
+rule_files: [{RULES}]
+evaluation_interval: 30s
+tests:
+  - interval: 30s
+    input_series:
+      - series: 'vgpu_app_oom_events_total{{app="old", device="GPU-1"}}'
+        values: '0x10 1x40'
+      - series: 'vgpu_app_oom_events_total{{app="new", device="GPU-1"}}'
+        values: '_x10 1x40'
+    alert_rule_test:
+      - eval_time: 4m
+        alertname: VgpuOomEvents
+        exp_alerts: []
+      - eval_time: 7m
+        alertname: VgpuOomEvents
+        exp_alerts:{expected("old")}{expected("new")}
+      - eval_time: 17m
+        alertname: VgpuOomEvents
+        exp_alerts: []
+"""
+    promtool_test_rules(tmp_path, tests)
+
+
+def test_the_first_enforcement_failure_of_a_device_fires(tmp_path: Path) -> None:
+    """The daemon exports vgpu_enforcement_failures_total for a (device, mechanism) only from its first
+    failure on, so the series begins at 1: one failed power-limit write fired nothing (increase() saw
+    no change); it fires now, and a second failure later on another series still does."""
+    desc = "Device writes (power limit, MIG, cgroup memory limit) failed or did not read back."
+    tests = f"""
+rule_files: [{RULES}]
+evaluation_interval: 30s
+tests:
+  - interval: 30s
+    input_series:
+      - series: 'vgpu_enforcement_failures_total{{device="GPU-1", mechanism="power_limit"}}'
+        values: '_x10 1x40'
+      - series: 'vgpu_enforcement_failures_total{{device="GPU-1", mechanism="mig"}}'
+        values: '_x10 1x20 2x20'
+    alert_rule_test:
+      - eval_time: 4m
+        alertname: VgpuEnforcementFailures
+        exp_alerts: []
+      - eval_time: 7m
+        alertname: VgpuEnforcementFailures
+        exp_alerts:
+          - exp_labels: {{severity: warning, device: GPU-1, mechanism: power_limit}}
+            exp_annotations:
+              summary: "power_limit changes failed on GPU GPU-1"
+              description: "{desc}"
+          - exp_labels: {{severity: warning, device: GPU-1, mechanism: mig}}
+            exp_annotations:
+              summary: "mig changes failed on GPU GPU-1"
+              description: "{desc}"
+      - eval_time: 18m
+        alertname: VgpuEnforcementFailures
+        exp_alerts:
+          - exp_labels: {{severity: warning, device: GPU-1, mechanism: mig}}
+            exp_annotations:
+              summary: "mig changes failed on GPU GPU-1"
+              description: "{desc}"
+"""
+    promtool_test_rules(tmp_path, tests)

@@ -157,3 +157,35 @@ def test_a_clean_trace_says_nothing_of_bad_rows(tmp_path: Path) -> None:
                         "--seconds", "0.3", "--inapp-dir", str(tmp_path / "none"), "--out", str(tmp_path / "out.csv")],
                        capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 0 and "bad row" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("command", ["record", "profiler"])
+def test_a_recording_of_a_derived_trace_stays_derived(tmp_path: Path, command: str) -> None:
+    """`vgpu record --sim-trace` and `vgpu profiler --replay --record` play a trace back and record it:
+    the recording names the trace it replayed and keeps its provenance (derived, generator, inputs with
+    their licences), so a derived series recorded again is not taken for a real one by `vgpu trace info`
+    (nor `vgpu eval` / `vgpu train`, which read the same keys); a replay names no device backend."""
+    src = tmp_path / "derived.csv"
+    inputs = [{"path": "migperf-a100-mig", "license": "MIT"}]
+    write_trace(src, [_ramp("job-a", 60)], metadata={"derived": True, "generator": "test-generator v1",
+                                                     "inputs": inputs, "clock": "per-app"})
+    out = tmp_path / "again.csv"
+    if command == "record":
+        args = ["record", "--backend", "sim:h100-80gb", "--sim-trace", str(src), "--seconds", "1",
+                "--inapp-dir", str(tmp_path / "none"), "--out", str(out)]
+    else:  # no manager listens there: the profiler replays and records, then says it never reached it
+        args = ["profiler", "--replay", str(src), "--no-token", "--manager", "127.0.0.1:9", "--seconds", "1",
+                "--record", str(out)]
+    r = subprocess.run([sys.executable, "-m", "vgpu.cli", *args], capture_output=True, text=True, timeout=120,
+                       check=False)
+    assert r.returncode == (0 if command == "record" else 1), r.stderr
+    trace = read_trace(out, strict=True)
+    assert list(trace.apps) == ["job-a"]
+    meta = trace.metadata
+    assert meta["recorded"] is True and meta["replayed"] == str(src)
+    assert meta["derived"] is True and meta["generator"] == "test-generator v1" and meta["inputs"] == inputs
+    assert meta["backend"] == ("sim:h100-80gb" if command == "record" else "replay")
+    assert meta["clock"] == "shared"  # the recording's own clock, not the source's
+    info = subprocess.run([sys.executable, "-m", "vgpu.cli", "trace", "info", str(out)], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert "derived series: test-generator v1" in info.stdout, info.stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -102,3 +103,65 @@ def test_profiler_exec_start_names_the_daemons_socket_and_token() -> None:
     assert ns.manager == config.DEFAULT_SOCKET == "unix://" + config.Config().server.socket
     assert ns.token_file == auth.role_token_file("profiler", config.Config().server.state_dir)
     assert not ns.no_token
+
+
+def _serve(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VGPU_", "NOTIFY_SOCKET", "WATCHDOG_"))}
+    return subprocess.run(
+        [sys.executable, "-m", "vgpu.cli", "serve", "--socket", str(tmp_path / "v.sock"), "--state-dir",
+         str(tmp_path / "state"), "--metrics-port", "0", *args],
+        cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120, check=False,
+    )
+
+
+def test_a_configuration_error_is_not_restarted_but_a_start_failure_is(tmp_path: Path) -> None:
+    """`Restart=on-failure` alone starts a daemon with a typo in vgpu.toml again every RestartSec,
+    for ever (each start takes longer than the start limit's pace): the exit status `vgpu serve` gives
+    a configuration error must be one the unit does not restart on, and the status of a failure that a
+    later start may get past (no NVML yet at boot) must not be."""
+    s = _settings("vgpu-manager.service")
+    assert dict(s)["Restart"] == "on-failure"
+    prevent = {int(v) for k, line in s if k == "RestartPreventExitStatus" for v in line.split()}
+    typo = tmp_path / "vgpu.toml"
+    typo.write_text('[server]\nsocket_grup = "vgpu"\n')
+    bad_config = _serve(tmp_path, "--config", str(typo), "--backend", "sim:h100-80gb")
+    assert "unknown key server.socket_grup" in bad_config.stderr
+    assert bad_config.returncode in prevent, (bad_config.returncode, prevent)
+    if Path("/proc/driver/nvidia/version").exists():
+        pytest.skip("an NVIDIA driver is loaded here: `vgpu serve --backend nvml` would start")
+    no_nvml = _serve(tmp_path, "--backend", "nvml")
+    assert "NVML" in no_nvml.stderr and no_nvml.returncode not in (0, *prevent), no_nvml.stderr
+
+
+def test_the_documentation_the_units_name_is_installed_by_install_md() -> None:
+    """`systemctl help vgpu-manager` opens the units' Documentation=; a file: path there that no step of
+    docs/install.md puts in place is a dead link on every server."""
+    steps = (ROOT / "docs" / "install.md").read_text()
+    for unit in UNITS:
+        for key, value in _settings(unit):
+            if key == "Documentation":
+                for uri in value.split():
+                    if uri.startswith("file:"):
+                        assert uri[len("file:"):] in steps, (unit, uri)
+
+
+def test_the_daemons_paths_lie_where_the_unit_lets_it_write_and_the_config_says_so() -> None:
+    """Under ProtectSystem=strict the manager writes only in its RuntimeDirectory, StateDirectory and
+    ReadWritePaths: every default path of the configuration lies there, and the shipped vgpu.toml
+    tells an operator who moves one what else to change (a drop-in's ReadWritePaths=, the profiler
+    unit's --manager and --token-file), since the daemon would otherwise fail to start on a
+    read-only file system."""
+    from vgpu import config
+
+    s = _settings("vgpu-manager.service")
+    assert dict(s)["ProtectSystem"] == "strict"
+    writable = [Path("/run") / v for k, v in s if k == "RuntimeDirectory"]
+    writable += [Path("/var/lib") / v for k, v in s if k == "StateDirectory"]
+    writable += [Path(p) for k, v in s if k == "ReadWritePaths" for p in v.split()]
+    server = config.Config().server
+    for path in (Path(server.socket).parent, Path(server.state_dir), Path(server.inapp_dir)):
+        assert any(path == w or w in path.parents for w in writable), (path, writable)
+    shipped = (ROOT / "systemd" / "vgpu.toml").read_text()
+    server_comments = shipped[shipped.index("[server]"):shipped.index('socket = "')]
+    for needed in ("ProtectSystem=strict", "ReadWritePaths=", "--manager", "--token-file"):
+        assert needed in server_comments, needed

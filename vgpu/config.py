@@ -11,7 +11,9 @@ that names the key and where it came from.
 from __future__ import annotations
 
 import dataclasses
+import grp
 import os
+import pwd
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -473,3 +475,26 @@ def to_toml(cfg: Config) -> str:
             lines.append(f"{f.name} = {text}")
         lines.append("")
     return "\n".join(lines)
+
+
+def missing_names(cfg: Config) -> list[str]:
+    """The users and groups the configuration names that this host does not have, one line each
+    naming the key: checked before anything starts (and by --check-config), since the daemon would
+    otherwise find out only once it has set up its state and bound its socket."""
+    problems = []
+    for key, name, kind in (("server.socket_owner", cfg.server.socket_owner, "user"),
+                            ("server.socket_group", cfg.server.socket_group, "group"),
+                            ("auth.operator_group", cfg.auth.operator_group, "group"),
+                            ("auth.profiler_group", cfg.auth.profiler_group, "group")):
+        if not name:
+            continue
+        try:
+            if kind == "user":
+                pwd.getpwnam(name)
+            else:
+                grp.getgrnam(name)
+        except KeyError:
+            create = f"useradd --system {name}" if kind == "user" else f"groupadd --system {name}"
+            problems.append(f"{key}: there is no {kind} {name!r} on this host (create it: {create}; "
+                            "or set another, or \"\" for none)")
+    return problems

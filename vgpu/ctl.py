@@ -316,7 +316,8 @@ UINT64 = _whole(0, 2**64 - 1)
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--socket", help=f"daemon socket (default: server.socket of the configuration, {vconfig.DEFAULT_SOCKET_PATH})")
-    p.add_argument("--state-dir", help=f"daemon state directory, to find readable tokens (default {vconfig.DEFAULT_STATE_DIR})")
+    p.add_argument("--state-dir", help="daemon state directory, to find readable tokens (default: server.state_dir of "
+                   f"the configuration, {vconfig.DEFAULT_STATE_DIR})")
     p.add_argument("--token-file", type=Path, help="send the token in this file")
     p.add_argument("--config", type=Path, help="configuration file (default /etc/vgpu/vgpu.toml if present)")
     p.add_argument("--timeout-s", type=_positive, default=10.0, help="per-call timeout (default 10 s)")

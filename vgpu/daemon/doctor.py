@@ -2,7 +2,7 @@
 
     vgpu doctor [--config FILE] [--socket PATH] [--state-dir DIR] [--backend SPEC] [--model FILE] [--max-signature-age-s S] [--json]
 
-Checks, each OK / WARN / FAIL with what to do: the configuration loads; which backend the driver and
+Checks, each OK / WARN / FAIL with what to do: the configuration loads and the users and groups it names exist; which backend the driver and
 NVML checks are for (`backend`: the one the daemon answering on the socket reports it runs on,
 GetAvailableResources' `backend`; the configured one, server.backend, when no daemon answers or it
 does not say; `--backend` wins, a daemon on another one is a warning); for `nvml` the NVIDIA driver
@@ -310,13 +310,18 @@ def check_sim(spec: str, answer: pb.GetAvailableResourcesResponse | None) -> lis
         backend.close()
 
 
-def check_state_dir(path: Path) -> Check:
+def check_state_dir(path: Path, serving_on: Path | None = None) -> Check:
+    """`serving_on`: the socket a daemon answers on, when one does (it then has a state directory)."""
     if path.is_dir():
         if os.access(path, os.W_OK | os.X_OK):
             return Check("state dir", "OK", f"{path} is writable")
         return Check("state dir", "FAIL", f"{path} is not writable by uid {os.geteuid()} (the daemon runs as root)")
     if path.exists():
         return Check("state dir", "FAIL", f"{path} exists and is not a directory")
+    if serving_on is not None:
+        # "the daemon will create it" would be wrong: it runs, with its state somewhere else
+        return Check("state dir", "WARN", f"{path} does not exist, yet a daemon answers on {serving_on}: it keeps its "
+                     "state in another directory; give its server.state_dir with --state-dir (or its --config)")
     parent = next((p for p in path.parents if p.exists()), Path("/"))
     if os.access(parent, os.W_OK | os.X_OK):
         return Check("state dir", "WARN", f"{path} does not exist yet; the daemon will create it")
@@ -380,7 +385,7 @@ def run_checks(
         *device_checks,
         check_privileges(euid, proc_status),
         sock,
-        check_state_dir(state_dir),
+        check_state_dir(state_dir, socket_path if answer is not None and answer[0] is not None else None),
         check_model(model if model is not None else default_model(), load_model, required=model_required),
     ]
     if answer is None:
@@ -432,7 +437,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu doctor", *, out: T
             overrides={"server.socket": ns.socket, "server.state_dir": ns.state_dir, "server.backend": ns.backend},
         )
         backend_given = ns.backend is not None  # a --backend that does not load is not taken
-        checks = [Check("config", "OK", f"{ns.config or vconfig.DEFAULT_CONFIG_PATH} "
+        missing = vconfig.missing_names(cfg)  # the daemon refuses to start on these
+        checks = [Check("config", "FAIL", "; ".join(missing)) if missing else
+                  Check("config", "OK", f"{ns.config or vconfig.DEFAULT_CONFIG_PATH} "
                         + ("loads" if (ns.config or vconfig.DEFAULT_CONFIG_PATH.exists()) else "absent: defaults in use"))]
     except vconfig.ConfigError as exc:
         cfg = _fallback_config(ns.config, {"server.socket": ns.socket, "server.state_dir": ns.state_dir})

@@ -93,6 +93,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import fcntl
 import grp
 import math
@@ -733,8 +734,9 @@ def secure_socket(path: Path, *, mode: int, owner: str, group: str) -> None:
             uid = pwd.getpwnam(owner).pw_uid
         if group:
             gid = grp.getgrnam(group).gr_gid
-    except KeyError as exc:
-        raise StartupError(f"socket owner/group {exc.args[0]!r} does not exist") from None
+    except KeyError:
+        # the name went away since the start's check (config.missing_names)
+        raise StartupError(f"socket owner {owner!r} or group {group!r} does not exist") from None
     if uid != -1 or gid != -1:
         os.chown(path, uid, gid)
     os.chmod(path, mode)
@@ -1172,10 +1174,15 @@ class Daemon:
         except OSError as exc:
             # the socket is ours (prepare_socket_path checked) and nothing listens on it yet
             self.socket_path.unlink(missing_ok=True)
+            if exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT) or isinstance(exc, socket.gaierror):
+                # no interface of this host has the address (a typo, another host's IP): not the port
+                fix = ("give an address of this host with --metrics-address (metrics.address, "
+                       "VGPU_METRICS_ADDRESS), e.g. 127.0.0.1 or 0.0.0.0")
+            else:
+                fix = "free the port, or set another with --metrics-port (metrics.port, VGPU_METRICS_PORT)"
             raise StartupError(
                 f"cannot serve metrics on {cfg.metrics.address}:{cfg.metrics.port} ({exc.strerror or exc}): "
-                "free the port, or set another with --metrics-port (metrics.port, VGPU_METRICS_PORT); "
-                "0 turns metrics off"
+                f"{fix}; --metrics-port 0 turns metrics off"
             ) from exc
         return f"{cfg.metrics.address}:{cfg.metrics.port}"
 
@@ -1509,6 +1516,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu serve") -> int:
         cfg = config_from_args(ns)
     except ConfigError as exc:
         print(f"{prog}: configuration error: {exc}", file=sys.stderr)
+        return 2
+    problems = vconfig.missing_names(cfg)
+    for problem in problems:
+        print(f"{prog}: configuration error: {problem}", file=sys.stderr)
+    if problems:
         return 2
     if ns.check_config:
         print(vconfig.to_toml(cfg), end="")

@@ -494,8 +494,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu eval") -> int:
         _warn(prog, note)
     apps = select(trace.apps, split)
     if not apps:
-        _warn(prog, f"no application of {args.trace} falls in the {split!r} split")
+        _warn(prog, f"no application of {args.trace} falls in the {split!r} split"
+              + ("" if args.split else " (the default; --split all scores every application)"))
         return 1
+    if args.split is None and len(apps) < len(trace.apps):
+        # a node's own recording was never trained on, and its owner may expect every application scored
+        _warn(prog, f"scoring the {split!r} split: {len(apps)} of {len(trace.apps)} applications (held out from "
+              "training by vgpu.offline.splits; --split all scores every one)")
 
     forecasters: list[Forecaster] = []
     model = load_model(args.model, prog) if "model" in methods or "served" in methods else None
