@@ -338,14 +338,18 @@ class TimedStreamer(SignatureStreamer):
         keys = [(self.buffer[i].app_id, self.buffer[i].seq) for i in range(n)]
         now = time.time()
         before = self.stats.batches_sent
+        # noted before the write: the manager can decide and its reply arrive while this task still
+        # awaits the write's completion, and a decision whose send time is not yet known is not counted
+        sent = self._lat.sent
+        for key in keys:
+            sent[key] = now
         await super()._send(k)
-        if self.stats.batches_sent > before:
-            sent = self._lat.sent
+        if self.stats.batches_sent == before:  # not sent (the stream failed): no decision can follow
             for key in keys:
-                sent[key] = now
-            if len(sent) > 200_000:  # keep the last few minutes only
-                for key in list(sent)[:100_000]:
-                    del sent[key]
+                sent.pop(key, None)
+        if len(sent) > 200_000:  # keep the last few minutes only
+            for key in list(sent)[:100_000]:
+                del sent[key]
 
 
 class LearningRounds:
