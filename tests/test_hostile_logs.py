@@ -9,7 +9,13 @@ import sys
 import textwrap
 from pathlib import Path
 
-from daemon_fixtures import ROOT, SKU, make_env
+import grpc
+import pytest
+from daemon_fixtures import ROOT, SKU, Serve, free_port, make_env, metric_samples
+from hostile import Raw, operator_token
+
+from vgpu import auth
+from vgpu.v1 import allocator_pb2 as pb
 
 _THREADS = textwrap.dedent(
     """
@@ -57,3 +63,32 @@ def test_a_failed_start_is_one_line_with_its_cause(tmp_path: Path) -> None:
     events = [json.loads(line)["event"] for line in proc.stderr.splitlines() if line.startswith("{")]
     assert "stopped" in events and events[-1] == "startup_failed"  # stop() ran to its end
     assert "Traceback" not in proc.stderr and "AttributeError" not in proc.stderr
+
+
+def test_denied_calls_in_a_loop_do_not_flood_the_log(tmp_path: Path) -> None:
+    """A socket user looping a call access control refuses (a made-up token, another application's
+    id) got one `access_denied` record per call: some 300 bytes each, hundreds a second, with no
+    bound. Records are now bounded per caller, method and refusal; the metric still counts every
+    denial, and a caller refused for another reason is still logged."""
+    env = make_env(tmp_path)
+    port = free_port()
+    serve = Serve(env, "--metrics-port", str(port))
+    client = Raw(env.sock)
+    try:
+        owner = client.request("owned", 1, token=operator_token(env.state))
+        for _ in range(200):
+            with pytest.raises(grpc.RpcError) as err:
+                client.stub.ListApplications(pb.ListApplicationsRequest(), metadata=auth.bearer("vgpu1.eA.00"), timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as err:  # another refusal: its own record
+            client.stub.ReleaseResources(pb.ReleaseResourcesRequest(grant_id=owner.grant_id), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        denied = [e for e in serve.events() if e.get("event") == "access_denied"]
+        assert len(denied) <= 11, len(denied)  # auth.DENIAL_LOG_BURST, and the other refusal
+        assert denied[-1]["method"] == "/vgpu.v1.Allocator/ReleaseResources"
+        counted = metric_samples(port)[("vgpu_access_denied_total", (
+            ("code", "UNAUTHENTICATED"), ("method", "/vgpu.v1.Allocator/ListApplications")))]
+        assert counted == 200
+    finally:
+        client.close()
+        assert serve.term() == 0
