@@ -1,5 +1,6 @@
 """`vgpu serve`: the composition root. It builds the daemon from its configuration, starts the parts
-in a fixed order, serves until SIGTERM or SIGINT, then stops them and puts the devices back.
+in a fixed order, serves until SIGTERM or SIGINT, then stops them and puts the devices back. SIGHUP
+is logged (`sighup_ignored`) and changes nothing: there is no reload by signal.
 
     vgpu serve --socket PATH --state-dir DIR --backend sim:h100-80gb|nvml [--config FILE]
                [--tcp HOST:PORT --tls-cert PEM --tls-key PEM [--tls-ca PEM]] [--metrics-port N] [--dry-run]
@@ -1419,8 +1420,15 @@ class Daemon:
             if not stop_signal.done():
                 stop_signal.set_result(sig.name)
 
+        def on_hangup() -> None:
+            # Python's default for SIGHUP ends the process on the spot (no stop, no device restore,
+            # the socket left behind); a `kill -HUP` meant as a reload must not do that.
+            self.log.warning("sighup_ignored", detail="vgpu serve reloads nothing on SIGHUP: the model reloads "
+                             "itself when its file changes; restart the daemon (SIGTERM) to apply configuration")
+
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig)
+        loop.add_signal_handler(signal.SIGHUP, on_hangup)
         try:
             await self.start()
         except BaseException:
