@@ -127,10 +127,15 @@ NOT_READY_WAIT_S = 10.0
 # Before saying that it waits for the daemon to listen: a daemon that listens connects well within it.
 LISTEN_NOTICE_AFTER_S = 0.5
 NOTHING_CHANGED_KEY = "vgpu-nothing-changed"  # as allocator/service.py sends it
+# The largest reply a client takes. gRPC's default (4 MiB) is less than the daemon may send:
+# ListApplications lists every claimed id (10,000 anonymous claims of 256-character ids and 4,096
+# grants are about 5 MB), and GetAppHistory of every series is up to 56 MiB (256 series of an hour).
+MAX_REPLY_BYTES = 128 * 2**20
 RECONNECT_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
+CHANNEL_OPTIONS = (*RECONNECT_OPTIONS, ("grpc.max_receive_message_length", MAX_REPLY_BYTES))
 
 AUTH_METADATA_KEY = "authorization"  # as vgpu/auth.py: `authorization: Bearer <token>`
 APP_TOKEN_TRAILER = "vgpu-app-token"  # the trailer that carries a newly claimed app's token
@@ -600,7 +605,7 @@ class VgpuClient:
         self._token_from_file = token is None and self._token is not None
         self._own_channel = channel is None
         self._channel = (channel if channel is not None
-                         else grpc.insecure_channel(grpc_target(socket), options=RECONNECT_OPTIONS))
+                         else grpc.insecure_channel(grpc_target(socket), options=CHANNEL_OPTIONS))
         self._stub = allocator_pb2_grpc.AllocatorStub(self._channel)
 
         self._lock = threading.Lock()
