@@ -63,11 +63,13 @@ torch, or no CUDA, the stub still requests, watches and reports; the torch count
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
 import os
 import random
+import stat
 import sys
 import threading
 import time
@@ -356,6 +358,37 @@ def parse_inapp(text: str) -> InAppReport:
     )
 
 
+# An in-app file is a few hundred bytes; one larger than this is not one.
+INAPP_MAX_BYTES = 64 * 1024
+
+
+def read_inapp_file(path: str | Path) -> tuple[str, os.stat_result]:
+    """The text of an in-app file and its status, read through one descriptor. The directory is
+    writable by every user, so anything may lie under a process's name: the file is opened without
+    following a symlink (one to /dev/zero would read without end) and without waiting (a FIFO would
+    hold the reader until some writer came), and must be a regular file of at most INAPP_MAX_BYTES;
+    anything else raises InAppFormatError. FileNotFoundError (or NotADirectoryError) when absent."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise InAppFormatError("a symbolic link, not a file the client stub wrote") from exc
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InAppFormatError("not a regular file")
+        data = os.read(fd, INAPP_MAX_BYTES + 1) if st.st_size <= INAPP_MAX_BYTES else b""
+        if st.st_size > INAPP_MAX_BYTES or len(data) > INAPP_MAX_BYTES:
+            raise InAppFormatError(f"larger than {INAPP_MAX_BYTES} bytes")
+    finally:
+        os.close(fd)
+    try:
+        return data.decode("utf-8"), st
+    except UnicodeDecodeError as exc:
+        raise InAppFormatError(f"not UTF-8: {exc}") from exc
+
+
 def read_inapp(
     directory: str | Path,
     pid: int,
@@ -365,9 +398,10 @@ def read_inapp(
     max_age_s: float = INAPP_MAX_AGE_S,
 ) -> InAppReport | None:
     """The fresh report of `pid`, or None when there is none, it is older than `max_age_s`, or it was
-    written by an earlier process with the same pid. A malformed file raises InAppFormatError."""
+    written by an earlier process with the same pid. A malformed file (or a symlink, a FIFO, anything
+    but a regular file of at most INAPP_MAX_BYTES: `read_inapp_file`) raises InAppFormatError."""
     try:
-        text = inapp_path(directory, pid).read_text(encoding="utf-8")
+        text, _ = read_inapp_file(inapp_path(directory, pid))
     except (FileNotFoundError, NotADirectoryError):
         return None
     report = parse_inapp(text)

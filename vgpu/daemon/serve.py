@@ -132,6 +132,7 @@ from vgpu.client import (
     inapp_path,
     make_inapp_dir,
     parse_inapp,
+    read_inapp_file,
 )
 from vgpu.config import Config, ConfigError
 from vgpu.daemon.front import PeerFront
@@ -363,7 +364,8 @@ class InAppPidProof:
     file owned by the process's user, fresh, written by this very process (its start time), and names
     the application. Another user cannot make a file owned by that user (and in the sticky in-app
     directory cannot replace one); the same user could, but may signal or trace the process anyway.
-    The file is opened once (no symlink) and checked through that descriptor."""
+    The file is opened once (no symlink, no waiting) and checked through that descriptor
+    (`vgpu.client.read_inapp_file`)."""
 
     def __init__(self, directory: Path = DEFAULT_INAPP_DIR, *, clock: Callable[[], float] = time.time,
                  proc_root: Path = Path("/proc"), process: Callable[[int], psutil.Process] = psutil.Process) -> None:
@@ -376,18 +378,14 @@ class InAppPidProof:
         try:
             proc_uid = os.stat(self._proc_root / str(pid)).st_uid
             start_s = self._process(pid).create_time()
-            fd = os.open(inapp_path(self.directory, pid), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except (OSError, psutil.Error):
-            return False
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != proc_uid or st.st_size > 64 * 1024:
+            # a regular file, opened without waiting: the directory is every user's, and a FIFO put
+            # there under this pid's name held this open (and the event loop) until a writer came
+            text, st = read_inapp_file(inapp_path(self.directory, pid))
+            if st.st_uid != proc_uid:
                 return False
-            report = parse_inapp(os.read(fd, 64 * 1024).decode("utf-8"))
-        except (OSError, UnicodeDecodeError, InAppFormatError):
+            report = parse_inapp(text)
+        except (OSError, psutil.Error, InAppFormatError):
             return False
-        finally:
-            os.close(fd)
         return (
             report.pid == pid
             and report.app_id == app_id
