@@ -197,10 +197,11 @@ def test_connections_beyond_the_bound_are_closed_at_once(env: Env, serves: list[
 
 
 def test_the_operator_lists_every_application_when_the_list_is_larger_than_4_mib(env: Env, serves: list[Serve]) -> None:
-    """Ids of 256 characters claimed by the thousand (anonymous callers may claim 10,000 and hold 4,096
-    grants: 6,832 such applications made a 3.9 MB `ListApplications` reply) pushed the reply past gRPC's
-    default receive limit of 4 MiB, and `vgpu apps` failed RESOURCE_EXHAUSTED for the operator. The
-    claims are written into the store here (much faster than 16,000 calls)."""
+    """`ListApplications` lists every claimed id. Ids of 256 characters claimed by the thousand (by
+    anonymous callers within the default quotas: 6,832 such applications, 4,096 with a grant, made a
+    3.85 MB reply; the operator may claim more) pushed the reply past gRPC's default receive limit of
+    4 MiB, and `vgpu apps` failed RESOURCE_EXHAUSTED for the operator. The claims are written into the
+    store here (much faster than 16,000 calls)."""
     serves.append(Serve(env))
     assert serves[-1].term() == 0
     ids = [f"a{i:05d}-" + "x" * 249 for i in range(16_000)]
