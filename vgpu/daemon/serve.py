@@ -111,7 +111,7 @@ from typing import Any, TextIO
 import grpc
 import psutil
 import structlog
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 from vgpu import auth, log, peers
 from vgpu import config as vconfig
@@ -136,7 +136,13 @@ from vgpu.client import (
 )
 from vgpu.config import Config, ConfigError
 from vgpu.daemon.front import PeerFront
-from vgpu.daemon.metrics import AppSnapshot, CounterSnapshot, DaemonMetrics, DeviceSnapshot
+from vgpu.daemon.metrics import (
+    AppSnapshot,
+    CounterSnapshot,
+    DaemonMetrics,
+    DeviceSnapshot,
+    start_metrics_server,
+)
 from vgpu.device import is_nvml_spec
 from vgpu.device.base import Backend, Device
 from vgpu.device.errors import DeviceError
@@ -1159,7 +1165,7 @@ class Daemon:
         # Operators alert on the scrape: a daemon without its metrics would look down while it
         # serves, so a port that cannot be bound fails the start (metrics.port 0 turns them off).
         try:
-            self.metrics_server, _ = start_http_server(cfg.metrics.port, cfg.metrics.address, registry=self.registry)
+            self.metrics_server = start_metrics_server(cfg.metrics.address, cfg.metrics.port, self.registry)
         except OSError as exc:
             # the socket is ours (prepare_socket_path checked) and nothing listens on it yet
             self.socket_path.unlink(missing_ok=True)
@@ -1328,6 +1334,7 @@ class Daemon:
             actions = self._restore_and_save(allocator, store, backend)
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
+            self.metrics_server.server_close()
         await asyncio.to_thread(self._wait_for_loaders, LOADER_JOIN_S)
         if self.learner is not None:
             await asyncio.to_thread(self.learner.stop)
