@@ -7,15 +7,20 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 from daemon_fixtures import ROOT, SKU, Serve, free_port, make_env, metric_samples
 from hostile import Raw, operator_token
 
 from vgpu import auth
 from vgpu.v1 import allocator_pb2 as pb
+from vgpu.v1 import ingest_pb2, ingest_pb2_grpc
+from vgpu.wire import encode_columns
 
 _THREADS = textwrap.dedent(
     """
@@ -89,6 +94,37 @@ def test_denied_calls_in_a_loop_do_not_flood_the_log(tmp_path: Path) -> None:
         counted = metric_samples(port)[("vgpu_access_denied_total", (
             ("code", "UNAUTHENTICATED"), ("method", "/vgpu.v1.Allocator/ListApplications")))]
         assert counted == 200
+    finally:
+        client.close()
+        assert serve.term() == 0
+
+
+def test_made_up_application_ids_do_not_flood_the_log(tmp_path: Path) -> None:
+    """A profiler stream naming thousands of made-up applications (the token's holder, or anyone
+    streaming a replay on the simulator) evicts an application from the manager's windows for each
+    new id past their bound (256): every eviction was an `app_evicted` record, 2,000 new ids a batch
+    about 2,000 records. They are now at most 10 a minute, the next one counting those left out."""
+    env = make_env(tmp_path)
+    serve = Serve(env)
+    client = Raw(env.sock)
+    try:
+        device = client.stub.GetAvailableResources(pb.GetAvailableResourcesRequest(), timeout=10).devices[0].device_id
+        token = auth.read_token_file(auth.role_token_file("profiler", env.state))
+        n = 600
+
+        def batches() -> Iterator[ingest_pb2.SignatureBatch]:
+            for b in range(5):
+                now = time.time()
+                cols = encode_columns([f"made-up-{b}-{i}" for i in range(n)], [device] * n, np.ones(n, dtype=np.uint64),
+                                      np.full(n, now), {"mem_used_mib": np.full(n, 100.0), "sm_util_pct": np.full(n, 5.0)})
+                yield ingest_pb2.SignatureBatch(profiler_id="p", tick=b + 1, sent_at_s=now, columns=cols)
+
+        stub = ingest_pb2_grpc.IngestStub(client.channel)
+        accepted = sum(r.accepted for r in stub.StreamSignatures(batches(), metadata=auth.bearer(token), timeout=60))
+        assert accepted == 5 * n
+        serve.wait_for("profiler_disconnected")
+        evicted = [e for e in serve.events() if e.get("event") == "app_evicted"]
+        assert 1 <= len(evicted) <= 10, len(evicted)
     finally:
         client.close()
         assert serve.term() == 0

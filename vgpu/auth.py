@@ -58,7 +58,7 @@ import structlog
 
 from vgpu.config import DEFAULT_STATE_DIR
 from vgpu.ids import MAX_PID, app_id_digest, app_id_problem
-from vgpu.log import get_logger
+from vgpu.log import LogBudget, get_logger
 from vgpu.peers import PeerCred, runs_as
 from vgpu.tokenfile import TokenFileError, read_token
 from vgpu.tokenfile import write_atomically as _write_private
@@ -599,37 +599,13 @@ DENIAL_LOG_BURST = 10
 _DENIAL_LOG_MAX_KEYS = 4096
 
 
-class DenialLog:
-    """Which refusals get an `access_denied` record: the first `burst` of each key (caller, method,
-    code) in each `interval_s`; the rest are counted and the key's next record carries the count.
-    Keys whose interval is over are forgotten once more than `max_keys` are held."""
+class DenialLog(LogBudget):
+    """Which refusals get an `access_denied` record (`vgpu.log.LogBudget`, keyed by caller, uid,
+    method and code): the first `DENIAL_LOG_BURST` of each key in each `DENIAL_LOG_INTERVAL_S`."""
 
     def __init__(self, *, interval_s: float = DENIAL_LOG_INTERVAL_S, burst: int = DENIAL_LOG_BURST,
                  max_keys: int = _DENIAL_LOG_MAX_KEYS, clock: Callable[[], float] = time.monotonic) -> None:
-        if not (interval_s > 0 and burst >= 1 and max_keys >= 1):
-            raise ValueError("interval_s must be > 0, burst and max_keys >= 1")
-        self.interval_s, self.burst, self.max_keys = interval_s, burst, max_keys
-        self._clock = clock
-        # key -> [start of its interval, records in it, refusals left out since its last record]
-        self._keys: dict[tuple[object, ...], list[float]] = {}
-
-    def admit(self, key: tuple[object, ...]) -> int | None:
-        """None: leave this refusal out of the log (it is counted); else log it, with this many left
-        out before it."""
-        now = self._clock()
-        state = self._keys.get(key)
-        if state is None:
-            if len(self._keys) >= self.max_keys:
-                self._keys = {k: v for k, v in self._keys.items() if now - v[0] < self.interval_s}
-            state = self._keys[key] = [now, 0.0, 0.0]
-        elif now - state[0] >= self.interval_s:
-            state[0], state[1] = now, 0.0
-        if state[1] >= self.burst:
-            state[2] += 1
-            return None
-        state[1] += 1
-        since, state[2] = int(state[2]), 0.0
-        return since
+        super().__init__(interval_s=interval_s, burst=burst, max_keys=max_keys, clock=clock)
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
