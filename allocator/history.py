@@ -76,16 +76,31 @@ class _Ring:
         return self.data[:, idx]
 
 
+_COLUMN_NAMES = tuple(f.name for f in fields(HistoryPoint))
+
+
 @dataclass
 class AppSeries:
-    """One application's history on one device (a copy, oldest point first)."""
+    """One application's history on one device (a copy, oldest point first). The points are kept as
+    columns (`column`): a reply of every series holds up to 256 x 3600 points, and a Python object
+    per point made each such `GetAppHistory` hold the event loop for seconds; `points` builds the
+    objects when asked."""
 
     app_id: str
     device_id: str
-    points: tuple[HistoryPoint, ...]
+    columns: np.ndarray  # (len(HistoryPoint fields), points), float64, in HistoryPoint's field order
     events: tuple[HistoryEvent, ...]
     overruns: int = 0
     ooms: int = 0
+
+    def column(self, name: str) -> np.ndarray:
+        """One field of every point, oldest first (`name`: a HistoryPoint field)."""
+        col: np.ndarray = self.columns[_COLUMN_NAMES.index(name)]
+        return col
+
+    @property
+    def points(self) -> tuple[HistoryPoint, ...]:
+        return tuple(HistoryPoint(*row) for row in self.columns.T.tolist())
 
 
 @dataclass
@@ -170,8 +185,7 @@ class History:
                 continue
             cols = s.ring.ordered()
             cols = cols[:, cols[0] >= since_t_s]
-            points = tuple(HistoryPoint(*(float(x) for x in cols[:, k])) for k in range(cols.shape[1]))
-            out.append(AppSeries(app, dev, points, tuple(e for e in s.events if e.t_s >= since_t_s),
+            out.append(AppSeries(app, dev, cols, tuple(e for e in s.events if e.t_s >= since_t_s),
                                  s.overruns, s.ooms))
         return out
 

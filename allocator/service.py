@@ -220,18 +220,18 @@ def app_to_pb(a: AppInfo, *, pids: Sequence[int] = (),
 
 
 def history_to_pb(s: AppSeries) -> pb.AppHistory:
-    pts = s.points
+    col = s.column
     return pb.AppHistory(
         app_id=s.app_id,
         device_id=s.device_id,
-        t_unix_s=[p.t_s for p in pts],
-        mem_used_mib=[p.mem_used_mib for p in pts],
-        mem_p50_mib=[p.mem_p50_mib for p in pts],
-        mem_p90_mib=[p.mem_p90_mib for p in pts],
-        mem_granted_mib=[p.mem_granted_mib for p in pts],
-        sm_used_pct=[p.sm_used_pct for p in pts],
-        sm_p90_pct=[p.sm_p90_pct for p in pts],
-        sm_granted_pct=[p.sm_granted_pct for p in pts],
+        t_unix_s=col("t_s").tolist(),
+        mem_used_mib=col("mem_used_mib").tolist(),
+        mem_p50_mib=col("mem_p50_mib").tolist(),
+        mem_p90_mib=col("mem_p90_mib").tolist(),
+        mem_granted_mib=col("mem_granted_mib").tolist(),
+        sm_used_pct=col("sm_used_pct").tolist(),
+        sm_p90_pct=col("sm_p90_pct").tolist(),
+        sm_granted_pct=col("sm_granted_pct").tolist(),
         events=[pb.HistoryEvent(t_unix_s=e.t_s, kind=e.kind, detail=e.detail, mem_granted_mib=e.mem_granted_mib)
                 for e in s.events],
     )

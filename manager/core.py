@@ -118,7 +118,7 @@ import structlog
 from vgpu.allocator.errors import Unavailable
 from vgpu.allocator.policy.base import IDLE_MEM_MIB, Recommendation, RecommendationSink
 from vgpu.histogram import LatencyHistogram
-from vgpu.log import get_logger, worth_logging
+from vgpu.log import LogBudget, get_logger, worth_logging
 from vgpu.manager.baselines import BaselineForecaster
 from vgpu.manager.forecast import HORIZONS_S, Forecast, Forecaster, forget_app
 from vgpu.manager.window import WindowStore
@@ -364,6 +364,8 @@ class Manager:
         self._failures_said: set[str] = set()  # the kinds of round failure logged already (once each)
         self._benched: dict[str, float] = {}  # app -> until when the fallback forecasts it (BENCH_S)
         self._apply_refused_said = False
+        # `app_evicted` records: at most 10 a minute, the next one counting those left out
+        self._evicted_log = LogBudget()
 
     @property
     def source(self) -> str:
@@ -1061,7 +1063,10 @@ class Manager:
             forget_app(self.forecaster, app_id)
             if self.fallback is not self.forecaster:
                 forget_app(self.fallback, app_id)
-            self._log.info("app_evicted", app=app_id)
+            # bounded: a stream may make up ids by the thousand, each evicting another application
+            since = self._evicted_log.admit(("app_evicted",))
+            if since is not None:
+                self._log.info("app_evicted", app=app_id, **({"evicted_since_last_record": since} if since else {}))
 
 
 def first_use_s(trace: AppTrace) -> float:

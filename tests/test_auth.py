@@ -331,3 +331,20 @@ async def test_a_slow_token_write_does_not_stall_other_calls(tmp_path: Path) -> 
         _, token = await asyncio.wait_for(claiming, RPC_TIMEOUT_S)
         assert disk.verify(token) == Principal("app", "slow", "token")
         assert disk.verify(disk.app_token_path("slow").read_text()) == Principal("app", "slow", "token")
+
+
+def test_denial_records_are_bounded_per_key_and_say_how_many_were_left_out() -> None:
+    now = [0.0]
+    log = auth.DenialLog(interval_s=60.0, burst=2, max_keys=2, clock=lambda: now[0])
+    a, b = ("anonymous", 1000, "/m", "UNAUTHENTICATED"), ("app:x", 1000, "/m", "PERMISSION_DENIED")
+    assert [log.admit(a) for _ in range(5)] == [0, 0, None, None, None]
+    assert log.admit(b) == 0  # another key keeps its own records
+    now[0] = 59.9
+    assert log.admit(a) is None
+    now[0] = 60.0  # a new interval: the next record says how many were left out before it
+    assert [log.admit(a), log.admit(a), log.admit(a)] == [4, 0, None]
+    now[0] = 200.0
+    c = ("anonymous", 1001, "/m", "UNAUTHENTICATED")
+    assert log.admit(c) == 0 and len(log._keys) <= 2  # keys whose interval is over are forgotten
+    with pytest.raises(ValueError):
+        auth.DenialLog(burst=0)

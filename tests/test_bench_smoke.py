@@ -131,3 +131,11 @@ def test_sim_meter_counts_only_time_inside_device_calls() -> None:
     assert spent > 0
     sum(range(200_000))  # work outside a device call is not counted
     assert meter.cpu_s == spent
+
+
+def test_history_reply_bench_short_run_reports_every_field() -> None:
+    import history_reply  # noqa: PLC0415
+
+    out = history_reply.measure(3, 10)
+    assert (out["apps"], out["points"]) == (3, 10) and out["reply_mib"] > 0
+    assert all(out[k] >= 0 for k in ("series_s", "reply_s", "serialize_s", "total_s"))

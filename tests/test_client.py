@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -353,6 +354,34 @@ def test_inapp_file_round_trip_is_atomic(tmp_path: Path) -> None:
     assert read_inapp(tmp_path, 123, now_s=2001.0, pid_start_s=1500.0) is None  # another process, same pid
     assert read_inapp(tmp_path, 456, now_s=2001.0) is None  # none
     assert json.loads(path.read_text())["counters"] == {"torch_allocated_mib": 1.5, "step": 9, "oom_count": 0}
+
+
+def test_a_planted_fifo_symlink_or_huge_file_is_no_report_and_never_blocks(tmp_path: Path) -> None:
+    """The in-app directory is writable by every user, so another user may put anything under a
+    process's name before its stub writes there. The profiler read `<pid>.json` with a plain open:
+    a FIFO held it until a writer came, a symlink to /dev/zero read without end. Now each is a
+    malformed report, said at once."""
+    os.mkfifo(tmp_path / "1.json")
+    (tmp_path / "2.json").symlink_to("/dev/zero")
+    (tmp_path / "3.json").write_bytes(b" " * (1 << 20))
+    for pid in (1, 2, 3):
+        out: queue.Queue[object] = queue.Queue()
+
+        def read(pid: int = pid, out: queue.Queue[object] = out) -> None:
+            try:
+                out.put(read_inapp(tmp_path, pid, now_s=time.time()))
+            except (InAppFormatError, OSError) as exc:
+                out.put(exc)
+
+        threading.Thread(target=read, daemon=True).start()
+        try:
+            got = out.get(timeout=5)
+        except queue.Empty:
+            got = "blocked"
+        finally:
+            with contextlib.suppress(OSError):  # let a read that waits on the FIFO return
+                os.close(os.open(tmp_path / "1.json", os.O_WRONLY | os.O_NONBLOCK))
+        assert isinstance(got, InAppFormatError), (pid, got)
 
 
 @pytest.mark.parametrize(

@@ -4,9 +4,13 @@ Seen on a fresh clone, where the first imports are slow enough for SIGTERM to la
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 import types
+from pathlib import Path
+
+from daemon_fixtures import Serve, make_env
 
 from vgpu.daemon.serve import Daemon
 
@@ -56,3 +60,20 @@ def test_the_wait_is_bounded_by_one_deadline() -> None:
     daemon._wait_for_loaders(0.3)
     assert time.monotonic() - started < 1.5  # one deadline for all three, not 0.3 s each plus slack
     assert not loaded.is_set()
+
+
+def test_a_hang_up_signal_is_logged_and_the_daemon_keeps_serving(tmp_path: Path) -> None:
+    """SIGHUP (`kill -HUP` meant as a reload, or the terminal of a daemon started by hand closing)
+    killed `vgpu serve` on the spot, by Python's default action: no stop, no device restore, the socket
+    left behind. It is now logged with what to do instead, and the daemon goes on serving."""
+    env = make_env(tmp_path)
+    serve = Serve(env)
+    try:
+        env.json("request", "--app", "a", "--memory-mib", "10")
+        serve.proc.send_signal(signal.SIGHUP)
+        serve.wait_for("sighup_ignored", timeout_s=10)
+        assert serve.proc.poll() is None
+        assert [a["app_id"] for a in env.json("apps")["apps"]] == ["a"]
+    finally:
+        assert serve.term() == 0
+    assert serve.event("stopped") and not env.sock.exists()

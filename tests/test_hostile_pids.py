@@ -5,6 +5,7 @@ start. A pid checked against the caller's uid (the front on): tests/test_hostile
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
@@ -87,6 +88,28 @@ def test_a_process_that_reports_itself_may_be_named_by_its_application(env: Env,
     finally:
         child.kill()
         child.wait(10)
+    assert serves[-1].term() == 0
+
+
+def test_a_fifo_in_the_in_app_directory_does_not_stall_the_daemon(env: Env, serves: list[Serve], client: Raw) -> None:
+    """The in-app directory is writable by every user (mode 1777: each application's stub writes its
+    own report there). A FIFO named after a pid that has no report (`1.json`), then a request naming
+    that pid: checking the report opened the FIFO, and the open waited for a writer on the event
+    loop, so the daemon answered nobody until someone opened it for writing. Now a FIFO is no
+    report: the request is refused at once and the daemon goes on serving."""
+    env.env["VGPU_SERVER_PEER_CREDENTIALS"] = "false"  # (with the front, root's own pid 1 would be taken)
+    serves.append(Serve(env))
+    inapp = env.tmp / "inapp"
+    inapp.mkdir(exist_ok=True)
+    os.mkfifo(inapp / "1.json")
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            client.request("squatter", 8, pid=1, timeout_s=5.0)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, err.value
+        assert client.granted_mib() == 0
+    finally:  # a writer lets an open that waits (the bug) return, so the daemon can stop
+        with contextlib.suppress(OSError):
+            os.close(os.open(inapp / "1.json", os.O_WRONLY | os.O_NONBLOCK))
     assert serves[-1].term() == 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import sqlite3
 import time
 from pathlib import Path
 
@@ -192,4 +193,21 @@ def test_connections_beyond_the_bound_are_closed_at_once(env: Env, serves: list[
         assert fresh.granted_mib() == 0
     finally:
         fresh.close()
+    assert serves[-1].term() == 0
+
+
+def test_the_operator_lists_every_application_when_the_list_is_larger_than_4_mib(env: Env, serves: list[Serve]) -> None:
+    """`ListApplications` lists every claimed id. Ids of 256 characters claimed by the thousand (by
+    anonymous callers within the default quotas: 6,832 such applications, 4,096 with a grant, made a
+    3.85 MB reply; the operator may claim more) pushed the reply past gRPC's default receive limit of
+    4 MiB, and `vgpu apps` failed RESOURCE_EXHAUSTED for the operator. The claims are written into the
+    store here (much faster than 16,000 calls)."""
+    serves.append(Serve(env))
+    assert serves[-1].term() == 0
+    ids = [f"a{i:05d}-" + "x" * 249 for i in range(16_000)]
+    with sqlite3.connect(env.state / "vgpu.sqlite3") as db:
+        db.executemany("INSERT INTO apps(app_id, claimed_at_s) VALUES (?, ?)", [(a, 1.0) for a in ids])
+    serves.append(Serve(env))
+    apps = env.json("apps")["apps"]
+    assert len(apps) == len(ids) and apps[0]["app_id"] == ids[0] and all(a["claimed"] for a in apps)
     assert serves[-1].term() == 0

@@ -26,8 +26,11 @@ PERMISSION_DENIED. Callers without a token are told apart by uid where it is kno
 `anonymous (uid N)`), so per-caller bounds do not put every user's anonymous calls together.
 
 Every denied call is answered PERMISSION_DENIED (known caller, not allowed) or UNAUTHENTICATED (no
-or a bad token), never reaches the servicer (so it changes nothing), and is logged as
-`access_denied`.
+or a bad token), never reaches the servicer (so it changes nothing), is counted
+(`vgpu_access_denied_total`), and is logged as `access_denied`: at most `DENIAL_LOG_BURST` records
+per caller (its uid where known), method and code in each `DENIAL_LOG_INTERVAL_S`, the next record
+saying how many were left out (`denied_since_last_record`), so a caller looping a refused call
+cannot fill the log (`DenialLog`).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import hmac
 import inspect
 import os
 import secrets
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +59,7 @@ import structlog
 from vgpu.capped import FileTooLarge, read_capped
 from vgpu.config import DEFAULT_STATE_DIR
 from vgpu.ids import MAX_PID, app_id_digest, app_id_problem
-from vgpu.log import get_logger
+from vgpu.log import LogBudget, get_logger
 from vgpu.peers import PeerCred, runs_as
 from vgpu.tokenfile import TokenFileError, read_token
 from vgpu.tokenfile import write_atomically as _write_private
@@ -594,6 +598,21 @@ def wrap_handler(
     return make(co_wrapped, **kw)
 
 
+# Records of refused calls: at most DENIAL_LOG_BURST per (caller, method, code) in each interval.
+DENIAL_LOG_INTERVAL_S = 60.0
+DENIAL_LOG_BURST = 10
+_DENIAL_LOG_MAX_KEYS = 4096
+
+
+class DenialLog(LogBudget):
+    """Which refusals get an `access_denied` record (`vgpu.log.LogBudget`, keyed by caller, uid,
+    method and code): the first `DENIAL_LOG_BURST` of each key in each `DENIAL_LOG_INTERVAL_S`."""
+
+    def __init__(self, *, interval_s: float = DENIAL_LOG_INTERVAL_S, burst: int = DENIAL_LOG_BURST,
+                 max_keys: int = _DENIAL_LOG_MAX_KEYS, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(interval_s=interval_s, burst=burst, max_keys=max_keys, clock=clock)
+
+
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Applies `AccessControl` to every call before the servicer sees it."""
 
@@ -603,20 +622,26 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         *,
         logger: structlog.typing.FilteringBoundLogger | None = None,
         on_denied: Callable[[str, grpc.StatusCode], None] | None = None,
+        denial_log: DenialLog | None = None,
     ) -> None:
         self.access = access
         self._log = logger or get_logger("vgpu.auth")
         self._on_denied = on_denied
+        self._denial_log = denial_log or DenialLog()
         # Claims of new application ids are serialised so two anonymous callers cannot both win.
         self._claim_lock = asyncio.Lock()
         self._pending_token: dict[str, str] = {}
 
     async def _deny(self, context: Any, method: str, caller: str, denied: Denied, peer: PeerCred | None = None) -> None:
-        where = {"uid": peer.uid, "pid": peer.pid} if peer is not None else {}
-        self._log.warning("access_denied", method=method, caller=caller, code=denied.code.name, reason=denied.reason,
-                          **where)
         if self._on_denied is not None:
             self._on_denied(method, denied.code)
+        since = self._denial_log.admit((caller, peer.uid if peer is not None else None, method, denied.code))
+        if since is not None:
+            where: dict[str, object] = {"uid": peer.uid, "pid": peer.pid} if peer is not None else {}
+            if since:
+                where["denied_since_last_record"] = since
+            self._log.warning("access_denied", method=method, caller=caller, code=denied.code.name,
+                              reason=denied.reason, **where)
         await context.abort(denied.code, denied.reason)
 
     async def intercept_service(

@@ -63,11 +63,13 @@ torch, or no CUDA, the stub still requests, watches and reports; the torch count
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
 import os
 import random
+import stat
 import sys
 import threading
 import time
@@ -81,7 +83,6 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from vgpu import config
-from vgpu.capped import FileTooLarge, read_capped
 from vgpu.ids import app_id_digest
 from vgpu.inapp import INAPP_MAX as INAPP_MAX
 from vgpu.inapp import INT_COUNTERS as INT_COUNTERS
@@ -131,10 +132,15 @@ NOT_READY_WAIT_S = 10.0
 # Before saying that it waits for the daemon to listen: a daemon that listens connects well within it.
 LISTEN_NOTICE_AFTER_S = 0.5
 NOTHING_CHANGED_KEY = "vgpu-nothing-changed"  # as allocator/service.py sends it
+# The largest reply a client takes. gRPC's default (4 MiB) is less than the daemon may send:
+# ListApplications lists every claimed id (10,000 anonymous claims of 256-character ids and 4,096
+# grants are about 5 MB), and GetAppHistory of every series is up to 56 MiB (256 series of an hour).
+MAX_REPLY_BYTES = 128 * 2**20
 RECONNECT_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
+CHANNEL_OPTIONS = (*RECONNECT_OPTIONS, ("grpc.max_receive_message_length", MAX_REPLY_BYTES))
 
 AUTH_METADATA_KEY = "authorization"  # as vgpu/auth.py: `authorization: Bearer <token>`
 APP_TOKEN_TRAILER = "vgpu-app-token"  # the trailer that carries a newly claimed app's token
@@ -355,6 +361,33 @@ def parse_inapp(text: str) -> InAppReport:
     )
 
 
+def read_inapp_file(path: str | Path) -> tuple[str, os.stat_result]:
+    """The text of an in-app file and its status, read through one descriptor. The directory is
+    writable by every user, so anything may lie under a process's name: the file is opened without
+    following a symlink (one to /dev/zero would read without end) and without waiting (a FIFO would
+    hold the reader until some writer came), and must be a regular file of at most MAX_INAPP_FILE_BYTES;
+    anything else raises InAppFormatError. FileNotFoundError (or NotADirectoryError) when absent."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise InAppFormatError("a symbolic link, not a file the client stub wrote") from exc
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InAppFormatError("not a regular file")
+        data = os.read(fd, MAX_INAPP_FILE_BYTES + 1) if st.st_size <= MAX_INAPP_FILE_BYTES else b""
+        if st.st_size > MAX_INAPP_FILE_BYTES or len(data) > MAX_INAPP_FILE_BYTES:
+            raise InAppFormatError(f"larger than {MAX_INAPP_FILE_BYTES} bytes, the most an in-app file may hold")
+    finally:
+        os.close(fd)
+    try:
+        return data.decode("utf-8"), st
+    except UnicodeDecodeError as exc:
+        raise InAppFormatError(f"not UTF-8: {exc}") from exc
+
+
 def read_inapp(
     directory: str | Path,
     pid: int,
@@ -364,17 +397,12 @@ def read_inapp(
     max_age_s: float = INAPP_MAX_AGE_S,
 ) -> InAppReport | None:
     """The fresh report of `pid`, or None when there is none, it is older than `max_age_s`, or it was
-    written by an earlier process with the same pid. A malformed file raises InAppFormatError."""
+    written by an earlier process with the same pid. A malformed file (or a symlink, a FIFO, anything
+    but a regular file of at most MAX_INAPP_FILE_BYTES: `read_inapp_file`) raises InAppFormatError."""
     try:
-        data = read_capped(inapp_path(directory, pid), MAX_INAPP_FILE_BYTES)
+        text, _ = read_inapp_file(inapp_path(directory, pid))
     except (FileNotFoundError, NotADirectoryError):
         return None
-    except FileTooLarge:
-        raise InAppFormatError(f"larger than {MAX_INAPP_FILE_BYTES} bytes, the most an in-app file may hold") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InAppFormatError(f"not UTF-8 text: {exc}") from None
     report = parse_inapp(text)
     if report.pid != pid:
         raise InAppFormatError(f"file for pid {pid} names pid {report.pid}")
@@ -610,7 +638,7 @@ class VgpuClient:
         self._token_from_file = token is None and self._token is not None
         self._own_channel = channel is None
         self._channel = (channel if channel is not None
-                         else grpc.insecure_channel(grpc_target(socket), options=RECONNECT_OPTIONS))
+                         else grpc.insecure_channel(grpc_target(socket), options=CHANNEL_OPTIONS))
         self._stub = allocator_pb2_grpc.AllocatorStub(self._channel)
 
         self._lock = threading.Lock()

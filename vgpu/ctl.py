@@ -146,7 +146,8 @@ class Client:
         self._connect()
 
     def _connect(self) -> None:
-        self.channel = grpc.insecure_channel(self._target)
+        self.channel = grpc.insecure_channel(self._target,
+                                             options=(("grpc.max_receive_message_length", vclient.MAX_REPLY_BYTES),))
         self.stub = pb_grpc.AllocatorStub(self.channel)
 
     def close(self) -> None:

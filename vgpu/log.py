@@ -11,6 +11,8 @@ import logging
 import math
 import sys
 import threading
+import time
+from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
 import structlog
@@ -132,3 +134,37 @@ def worth_logging(count: int) -> bool:
     """Whether the `count`-th repeat of one failure gets its own log line: the 1st, 10th and 100th,
     then every 1000th, so a failure that repeats every tick neither floods the log nor goes quiet."""
     return count in (1, 10, 100) or (count > 0 and count % 1000 == 0)
+
+
+class LogBudget:
+    """Which of many like events get a log record: the first `burst` of each key in each
+    `interval_s`; the rest are counted, and the key's next record carries the count. Keys whose
+    interval is over are forgotten once more than `max_keys` are held. For events a caller can cause
+    at will (refused calls, applications it makes up), so that it cannot fill the log."""
+
+    def __init__(self, *, interval_s: float = 60.0, burst: int = 10,
+                 max_keys: int = 4096, clock: Callable[[], float] = time.monotonic) -> None:
+        if not (interval_s > 0 and burst >= 1 and max_keys >= 1):
+            raise ValueError("interval_s must be > 0, burst and max_keys >= 1")
+        self.interval_s, self.burst, self.max_keys = interval_s, burst, max_keys
+        self._clock = clock
+        # key -> [start of its interval, records in it, events left out since its last record]
+        self._keys: dict[tuple[object, ...], list[float]] = {}
+
+    def admit(self, key: tuple[object, ...]) -> int | None:
+        """None: leave this event out of the log (it is counted); else log it, with this many of its
+        key left out before it."""
+        now = self._clock()
+        state = self._keys.get(key)
+        if state is None:
+            if len(self._keys) >= self.max_keys:
+                self._keys = {k: v for k, v in self._keys.items() if now - v[0] < self.interval_s}
+            state = self._keys[key] = [now, 0.0, 0.0]
+        elif now - state[0] >= self.interval_s:
+            state[0], state[1] = now, 0.0
+        if state[1] >= self.burst:
+            state[2] += 1
+            return None
+        state[1] += 1
+        since, state[2] = int(state[2]), 0.0
+        return since

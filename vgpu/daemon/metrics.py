@@ -56,12 +56,16 @@ from __future__ import annotations
 
 import math
 import platform
+import socket
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
+from wsgiref.simple_server import WSGIRequestHandler
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from vgpu import __version__
@@ -429,3 +433,74 @@ class DaemonMetrics:
 
     def on_denied(self, method: str, code: object) -> None:
         self.denied.labels(method=method, code=getattr(code, "name", str(code))).inc()
+
+
+# --- the endpoint -----------------------------------------------------------------------------------
+# prometheus_client's own server (start_http_server) gives every connection a thread that waits for
+# its request without a time limit: any local user could open connections to the port and send
+# nothing, each a thread of the daemon (about 250 KiB) held for good. Here a connection has
+# METRICS_IDLE_TIMEOUT_S between reads (a scrape sends its request at once; Prometheus's own scrape
+# timeout is 10 s), and at most METRICS_MAX_CONNECTIONS are served at once; one beyond is closed
+# as soon as it is accepted (`refused`).
+METRICS_IDLE_TIMEOUT_S = 10.0
+METRICS_MAX_CONNECTIONS = 64
+
+
+class _Handler(WSGIRequestHandler):
+    """One request per connection, each read bounded by the server's `idle_timeout_s`; no access log."""
+
+    def setup(self) -> None:
+        super().setup()
+        self.connection.settimeout(getattr(self.server, "idle_timeout_s", METRICS_IDLE_TIMEOUT_S))
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class's name
+        pass
+
+
+class MetricsServer(ThreadingWSGIServer):
+    """The /metrics endpoint: a thread per connection, at most `max_connections` at once, each read
+    bounded by `idle_timeout_s`."""
+
+    def __init__(self, address: tuple[str, int], *, idle_timeout_s: float = METRICS_IDLE_TIMEOUT_S,
+                 max_connections: int = METRICS_MAX_CONNECTIONS) -> None:
+        if not (idle_timeout_s > 0 and max_connections >= 1):
+            raise ValueError("idle_timeout_s must be > 0 and max_connections >= 1")
+        self.idle_timeout_s = idle_timeout_s
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self.refused = 0  # closed at accept: max_connections were being served
+        self.failed = 0  # timed out or broken while served
+        self.address_family = socket.getaddrinfo(address[0], address[1], type=socket.SOCK_STREAM)[0][0]
+        super().__init__(address, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # the thread did not start: its slot is free again
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A connection that timed out or broke: counted, not printed (socketserver prints a
+        traceback to stderr, the daemon's JSON log, for each)."""
+        self.failed += 1
+
+
+def start_metrics_server(address: str, port: int, registry: CollectorRegistry, *,
+                         idle_timeout_s: float = METRICS_IDLE_TIMEOUT_S,
+                         max_connections: int = METRICS_MAX_CONNECTIONS) -> MetricsServer:
+    """Serve `registry` at http://address:port/metrics from a daemon thread; `shutdown()` stops it.
+    OSError when the port cannot be bound."""
+    server = MetricsServer((address, port), idle_timeout_s=idle_timeout_s, max_connections=max_connections)
+    server.set_app(make_wsgi_app(registry))
+    threading.Thread(target=server.serve_forever, name="vgpu-metrics", daemon=True).start()
+    return server

@@ -1,5 +1,6 @@
 """`vgpu serve`: the composition root. It builds the daemon from its configuration, starts the parts
-in a fixed order, serves until SIGTERM or SIGINT, then stops them and puts the devices back.
+in a fixed order, serves until SIGTERM or SIGINT, then stops them and puts the devices back. SIGHUP
+is logged (`sighup_ignored`) and changes nothing: there is no reload by signal.
 
     vgpu serve --socket PATH --state-dir DIR --backend sim:h100-80gb|nvml [--config FILE]
                [--tcp HOST:PORT --tls-cert PEM --tls-key PEM [--tls-ca PEM]] [--metrics-port N] [--dry-run]
@@ -114,7 +115,7 @@ from typing import Any, TextIO
 import grpc
 import psutil
 import structlog
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 from vgpu import auth, log, peers
 from vgpu import config as vconfig
@@ -136,10 +137,17 @@ from vgpu.client import (
     inapp_path,
     make_inapp_dir,
     parse_inapp,
+    read_inapp_file,
 )
 from vgpu.config import Config, ConfigError
 from vgpu.daemon.front import PeerFront
-from vgpu.daemon.metrics import AppSnapshot, CounterSnapshot, DaemonMetrics, DeviceSnapshot
+from vgpu.daemon.metrics import (
+    AppSnapshot,
+    CounterSnapshot,
+    DaemonMetrics,
+    DeviceSnapshot,
+    start_metrics_server,
+)
 from vgpu.device import is_nvml_spec
 from vgpu.device.base import Backend, Device
 from vgpu.device.errors import DeviceError
@@ -370,7 +378,8 @@ class InAppPidProof:
     file owned by the process's user, fresh, written by this very process (its start time), and names
     the application. Another user cannot make a file owned by that user (and in the sticky in-app
     directory cannot replace one); the same user could, but may signal or trace the process anyway.
-    The file is opened once (no symlink) and checked through that descriptor."""
+    The file is opened once (no symlink, no waiting) and checked through that descriptor
+    (`vgpu.client.read_inapp_file`)."""
 
     def __init__(self, directory: Path = DEFAULT_INAPP_DIR, *, clock: Callable[[], float] = time.time,
                  proc_root: Path = Path("/proc"), process: Callable[[int], psutil.Process] = psutil.Process) -> None:
@@ -383,18 +392,14 @@ class InAppPidProof:
         try:
             proc_uid = os.stat(self._proc_root / str(pid)).st_uid
             start_s = self._process(pid).create_time()
-            fd = os.open(inapp_path(self.directory, pid), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except (OSError, psutil.Error):
-            return False
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != proc_uid or st.st_size > 64 * 1024:
+            # a regular file, opened without waiting: the directory is every user's, and a FIFO put
+            # there under this pid's name held this open (and the event loop) until a writer came
+            text, st = read_inapp_file(inapp_path(self.directory, pid))
+            if st.st_uid != proc_uid:
                 return False
-            report = parse_inapp(os.read(fd, 64 * 1024).decode("utf-8"))
-        except (OSError, UnicodeDecodeError, InAppFormatError):
+            report = parse_inapp(text)
+        except (OSError, psutil.Error, InAppFormatError):
             return False
-        finally:
-            os.close(fd)
         return (
             report.pid == pid
             and report.app_id == app_id
@@ -1170,7 +1175,7 @@ class Daemon:
         # Operators alert on the scrape: a daemon without its metrics would look down while it
         # serves, so a port that cannot be bound fails the start (metrics.port 0 turns them off).
         try:
-            self.metrics_server, _ = start_http_server(cfg.metrics.port, cfg.metrics.address, registry=self.registry)
+            self.metrics_server = start_metrics_server(cfg.metrics.address, cfg.metrics.port, self.registry)
         except OSError as exc:
             # the socket is ours (prepare_socket_path checked) and nothing listens on it yet
             self.socket_path.unlink(missing_ok=True)
@@ -1346,6 +1351,7 @@ class Daemon:
             actions = self._restore_and_save(allocator, store, backend)
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
+            self.metrics_server.server_close()
         await asyncio.to_thread(self._wait_for_loaders, LOADER_JOIN_S)
         if self.learner is not None:
             await asyncio.to_thread(self.learner.stop)
@@ -1436,8 +1442,15 @@ class Daemon:
             if not stop_signal.done():
                 stop_signal.set_result(sig.name)
 
+        def on_hangup() -> None:
+            # Python's default for SIGHUP ends the process on the spot (no stop, no device restore,
+            # the socket left behind); a `kill -HUP` meant as a reload must not do that.
+            self.log.warning("sighup_ignored", detail="vgpu serve reloads nothing on SIGHUP: the model reloads "
+                             "itself when its file changes; restart the daemon (SIGTERM) to apply configuration")
+
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig)
+        loop.add_signal_handler(signal.SIGHUP, on_hangup)
         try:
             await self.start()
         except BaseException:

@@ -1,0 +1,62 @@
+"""The /metrics endpoint against callers that connect and say nothing: any local user may reach it
+(127.0.0.1 by default). prometheus_client's own server gave each connection a thread that waited for
+its request without end; the daemon's (`MetricsServer`) closes a connection silent for its idle
+timeout, serves at most `max_connections` at once and closes the rest at accept, and writes nothing
+to stderr (the daemon's JSON log) for either."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import urllib.request
+
+import pytest
+from prometheus_client import CollectorRegistry, Gauge
+
+from vgpu.daemon.metrics import MetricsServer, start_metrics_server
+
+
+def _scrape(port: int) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+
+def _closed_by_server(conn: socket.socket, within_s: float) -> bool:
+    conn.settimeout(within_s)
+    try:
+        return conn.recv(1) == b""
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_silent_connections_are_bounded_closed_and_not_printed(capfd: pytest.CaptureFixture[str]) -> None:
+    registry = CollectorRegistry()
+    Gauge("vgpu_test_up", "up", registry=registry).set(1)
+    threads_before = threading.active_count()
+    server = start_metrics_server("127.0.0.1", 0, registry, idle_timeout_s=3.0, max_connections=4)
+    port = server.server_address[1]
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(10)]
+    try:
+        deadline = time.monotonic() + 5
+        while server.refused < 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.refused >= 6  # beyond the 4 served at once: closed at accept
+        assert threading.active_count() <= threads_before + 1 + 4  # the server's thread and one per slot
+        assert all(_closed_by_server(c, 5.0) for c in idle)  # the silent ones time out
+        assert "vgpu_test_up 1.0" in _scrape(port)  # slots free again: a scrape is served
+        assert server.failed >= 4
+    finally:
+        for c in idle:
+            c.close()
+        server.shutdown()
+        server.server_close()
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_bad_bounds_are_refused() -> None:
+    with pytest.raises(ValueError):
+        MetricsServer(("127.0.0.1", 0), idle_timeout_s=0)
+    with pytest.raises(ValueError):
+        MetricsServer(("127.0.0.1", 0), max_connections=0)
