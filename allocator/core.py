@@ -388,6 +388,7 @@ class Allocator:
         self._watches_ended = False
         self._warned: set[str] = set()
         self._mig_parent: dict[str, str] = {}  # MIG instance UUID -> its GPU's UUID
+        self._mig_mem_mib: dict[str, float] = {}  # MIG instance UUID -> its memory (MiB), as the device reports it
         self._mig_parent_at_s = -math.inf
         # Signs of life of applications (see last_seen_s): the daemon plugs in the manager's
         # "last signature" and a pid check; the start time is the floor, so grants restored after a
@@ -859,6 +860,20 @@ class Allocator:
         known = {c.device_id for c in self.ledger.devices()}
         return device_id in known or self._parent_gpu(device_id, known) is not None
 
+    def device_mem_total_mib(self, device_id: str) -> float | None:
+        """The memory (MiB) of `device_id`: a whole GPU's ledger capacity, or a MIG instance's own
+        memory (its GPU's when the device did not report the instance's); None for a device this
+        allocator does not have. What no process on that device can use more of (the manager's bound
+        on a signature's memory reading)."""
+        known = {c.device_id for c in self.ledger.devices()}
+        if device_id in known:
+            return self.ledger.capacity(device_id).mem_total_mib
+        parent = self._parent_gpu(device_id, known)
+        if parent is None:
+            return None
+        own = self._mig_mem_mib.get(device_id)
+        return own if own is not None and own > 0 else self.ledger.capacity(parent).mem_total_mib
+
     def _parent_gpu(self, device_id: str, known: set[str]) -> str | None:
         """The whole GPU a MIG instance UUID belongs to (the ledger holds whole GPUs; a MIG
         application reports its instance's UUID), or None when no device has that instance. The
@@ -867,16 +882,20 @@ class Allocator:
         if parent is None and self.clock() - self._mig_parent_at_s >= 1.0:
             self._mig_parent_at_s = self.clock()
             fresh: dict[str, str] = {}
+            mem: dict[str, float] = {}
             for gpu in sorted(known):
                 dev = self._read_device(gpu)
                 if dev is None:
                     continue
                 try:
                     if dev.mig_enabled():
-                        fresh.update((gi.uuid, gpu) for gi in dev.gpu_instances() if gi.uuid)
+                        for gi in dev.gpu_instances():
+                            if gi.uuid:
+                                fresh[gi.uuid] = gpu
+                                mem[gi.uuid] = gi.mem_total_mib
                 except DeviceError:
                     continue  # its instances are found at a later miss
-            self._mig_parent = fresh
+            self._mig_parent, self._mig_mem_mib = fresh, mem
             parent = fresh.get(device_id)
         return parent if parent in known else None
 

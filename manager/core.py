@@ -124,9 +124,18 @@ from vgpu.manager.forecast import HORIZONS_S, Forecast, Forecaster, forget_app
 from vgpu.manager.window import WindowStore
 from vgpu.traces import NUMERIC, AppTrace
 from vgpu.v1 import ingest_pb2
-from vgpu.wire import MAX_ID_CHARS, ColumnRows, ColumnsFormatError, parse_signature, read_columns
+from vgpu.wire import (
+    COLUMNS,
+    MAX_ID_CHARS,
+    ColumnRows,
+    ColumnsFormatError,
+    mem_limit_mib,
+    parse_signature,
+    read_columns,
+)
 
 _MAX_APP_ID = MAX_ID_CHARS
+_MEM = COLUMNS.index("mem_used_mib")  # a row's memory reading (process memory, else in-app reserved)
 _NB = len(NUMERIC)  # a row's values: the format's columns first, then the in-app counters (vgpu.wire.COLUMNS)
 _NAMED_SOURCES = ("model", "mixture")  # forecast sources a decision names; any other is "baseline"
 # The share of a core the allocator's acting may take on average (see `Manager._act`).
@@ -222,6 +231,8 @@ class ManagerStats:
     # rejected (and in `rejected`): from a stream that may not replay, naming no GPU process of this
     # node, or a pid another application's signatures name
     unobserved_pid: int = 0
+    # rejected (and in `rejected`): the memory reading is above the named device's total memory
+    over_capacity: int = 0
     # in-app values left out of kept signatures (not finite, negative, above their bound), by reason
     # (vgpu.wire.inapp_reason: a counter and a kind, never a value: a small, fixed set of keys)
     inapp_dropped: dict[str, int] = field(default_factory=dict)
@@ -312,6 +323,7 @@ class Manager:
         logger: structlog.typing.FilteringBoundLogger | None = None,
         device_known: Callable[[str], bool] | None = None,
         pid_observed: Callable[[str, int], bool] | None = None,
+        device_mem_total_mib: Callable[[str], float | None] | None = None,
     ) -> None:
         if forecast_interval_s < 0 or batch_window_s < 0 or not 0 < forecast_duty_max <= 1 or not 0 < act_duty_max <= 1:
             raise ValueError("forecast_interval_s and batch_window_s must be >= 0, forecast_duty_max and act_duty_max "
@@ -361,6 +373,11 @@ class Manager:
         # signature for another device could never become a grant: it is rejected, with the reason.
         self.device_known = device_known
         self._unknown_devices_said: set[str] = set()
+        # A device's total memory, MiB (None: unknown; the callable None: no check). A signature whose
+        # memory reading is above it (`mem_limit_mib`) describes no process that device can run: it
+        # is rejected, with the value and the capacity in the reason.
+        self.device_mem_total_mib = device_mem_total_mib
+        self._over_capacity_batches = 0  # batches with such rejections (logged at the 1st, 10th, ...)
         self._failures_said: set[str] = set()  # the kinds of round failure logged already (once each)
         self._benched: dict[str, float] = {}  # app -> until when the fallback forecasts it (BENCH_S)
         self._apply_refused_said = False
@@ -395,10 +412,14 @@ class Manager:
         sigs = batch.signatures
         stats.signatures += len(sigs)
         dropped: list[str] = []
+        totals: dict[str, float | None] = {}  # device -> its total memory, asked once per batch
+        over: list[tuple[str, float, float]] = []  # (device, reading, total) of the rows rejected for it
         for i, sig in enumerate(sigs):
             reason, values = parse_signature(sig, dropped)
             if reason is None and not self._device_ok(sig.device_id):
                 reason = self._unknown_device(sig.device_id)
+            if reason is None and self.device_mem_total_mib is not None:
+                reason = self._over_capacity(sig.device_id, values[_MEM], totals, over)
             if reason is None:
                 reason = self._unobserved(sig.app_id, sig.device_id, sig.pid, stream)
             if reason is not None:
@@ -433,7 +454,10 @@ class Manager:
             self._inapp_dropped(why, 1)
         bulk: list[str] = []  # the devices of the applications `_accept_columns` added in bulk
         if batch.HasField("columns"):
-            accepted += self._accept_columns(batch.columns, len(sigs), reply, now, stream, kept_apps, bulk)
+            accepted += self._accept_columns(batch.columns, len(sigs), reply, now, stream, kept_apps, bulk,
+                                             totals, over)
+        if over:
+            self._over_capacity_said(over)
         reply.accepted = accepted
         stats.accepted += accepted
         self._last_kept = kept_apps
@@ -454,7 +478,8 @@ class Manager:
             del newest[min(newest, key=newest.__getitem__)]
 
     def _accept_columns(self, msg: ingest_pb2.SignatureColumns, base: int, reply: ingest_pb2.IngestReply,
-                        now: float, stream: StreamState | None, kept_apps: set[str], bulk: list[str]) -> int:
+                        now: float, stream: StreamState | None, kept_apps: set[str], bulk: list[str],
+                        totals: dict[str, float | None], over: list[tuple[str, float, float]]) -> int:
         """The columnar part of a batch (vgpu/wire.py): checked as arrays, then one bulk
         window append per application. Row i answers as index `base + i`. Returns how many were kept.
 
@@ -484,6 +509,8 @@ class Manager:
         # the checks of `accept`'s signatures, in the same order, each clearing `rows.good` where it refuses
         if self.device_known is not None:
             self._refuse_unknown_devices(rows, base, reply)
+        if self.device_mem_total_mib is not None:
+            self._refuse_over_capacity(rows, base, reply, totals, over)
         pids = np.frombuffer(msg.pid_u32, dtype="<u4") if len(msg.pid_u32) == 4 * len(rows.seq) else None
         if self._checks_pids(stream):
             self._refuse_unobserved(rows, pids, base, reply, stream)
@@ -508,6 +535,25 @@ class Manager:
             for row in np.flatnonzero(rows.good & (rows.device_index == k)).tolist():
                 stats.rejected += 1
                 stats.unknown_device += 1
+                rows.good[row] = False
+                reply.rejected.add(index=base + row, reason=reason, app_id=rows.app_ids[int(rows.app_index[row])])
+
+    def _refuse_over_capacity(self, rows: ColumnRows, base: int, reply: ingest_pb2.IngestReply,
+                              totals: dict[str, float | None], over: list[tuple[str, float, float]]) -> None:
+        """Reject the good rows whose memory reading is above their device's total (`_over_capacity`),
+        each device's rows in one comparison."""
+        mem = rows.values[_MEM]
+        for k, device_id in enumerate(rows.device_ids):
+            total = self._total_of(device_id, totals)
+            if total is None:
+                continue
+            with np.errstate(invalid="ignore"):  # NaN (not reported) is no reading to refuse
+                bad = rows.good & (rows.device_index == k) & (mem > mem_limit_mib(total))
+            for row in np.flatnonzero(bad).tolist():
+                reason = self._over_capacity(device_id, float(mem[row]), totals, over)
+                if reason is None:  # cannot happen: the same bound
+                    continue
+                self.stats.rejected += 1
                 rows.good[row] = False
                 reply.rejected.add(index=base + row, reason=reason, app_id=rows.app_ids[int(rows.app_index[row])])
 
@@ -1039,6 +1085,38 @@ class Manager:
             self._unknown_devices_said.add(device_id)
             self._log.warning("signatures_rejected_unknown_device", device=device_id[:128])
         return reason
+
+    def _total_of(self, device_id: str, totals: dict[str, float | None]) -> float | None:
+        """`device_id`'s total memory (MiB; None where unknown), asked of `device_mem_total_mib` once
+        per batch (`totals`)."""
+        if device_id not in totals:
+            ask = self.device_mem_total_mib
+            total = ask(device_id) if ask is not None else None
+            totals[device_id] = total if total is not None and math.isfinite(total) and total > 0 else None
+        return totals[device_id]
+
+    def _over_capacity(self, device_id: str, mem_mib: float, totals: dict[str, float | None],
+                       over: list[tuple[str, float, float]]) -> str | None:
+        """The rejection reason of a signature on `device_id` whose memory reading `mem_mib` is above
+        the device's total (beyond `mem_limit_mib`'s slack), counted and noted in `over`; None when
+        it is not (or the total is unknown, or the reading NaN: not reported). The caller counts the
+        rejection in `stats.rejected`."""
+        total = self._total_of(device_id, totals)
+        if total is None or not mem_mib > mem_limit_mib(total):
+            return None
+        self.stats.over_capacity += 1
+        over.append((device_id, mem_mib, total))
+        return (f"memory reading {mem_mib:g} MiB is above the {total:g} MiB of device {device_id[:128]!r}: no "
+                "process on it can use that much (process.gpu_mem_used_mib, else in_app.torch_reserved_mib)")
+
+    def _over_capacity_said(self, over: list[tuple[str, float, float]]) -> None:
+        """Log a batch's over-capacity rejections in one record, at the 1st, 10th, 100th... such batch."""
+        self._over_capacity_batches += 1
+        if worth_logging(self._over_capacity_batches):
+            device_id, mem_mib, total = over[0]
+            self._log.warning("signatures_rejected_over_capacity", device=device_id[:128], mem_mib=mem_mib,
+                              mem_total_mib=total, in_batch=len(over), rejected_total=self.stats.over_capacity,
+                              batches=self._over_capacity_batches)
 
     def _forget(self, app_ids: list[str]) -> None:
         for app_id in app_ids:

@@ -36,6 +36,13 @@ MAX_ID_CHARS = 256
 # carried through a forecast plus margin they overflow to inf.
 MAX_COUNTER = 1e12
 _PCT = ("sm_util_pct", "mem_util_pct")
+# A memory reading may exceed its device's total memory by this share plus this many MiB and still be
+# taken: a profiler turns NVML's bytes into MiB (up to 1 MiB of rounding), and the total the daemon
+# holds for a device (its ledger capacity, a MIG instance's profile memory) and a process's reading
+# come from different NVML calls. No reading a device can give goes past its total by more; what does
+# is made up or corrupt (the manager rejects it, the node history refuses it).
+MEM_OVER_TOTAL_SHARE = 0.01
+MEM_OVER_TOTAL_MIB = 1.0
 INAPP_PREFIX = "inapp_"
 # the window's and the wire's value columns: the format's own, then the in-app counters
 COLUMNS: tuple[str, ...] = NUMERIC + INAPP_NUMERIC
@@ -62,6 +69,11 @@ class ColumnRows:
 
     def __len__(self) -> int:
         return len(self.t_s)
+
+
+def mem_limit_mib(total_mib: float) -> float:
+    """The largest memory reading (MiB) taken for a device of `total_mib` (see MEM_OVER_TOTAL_SHARE)."""
+    return total_mib * (1.0 + MEM_OVER_TOTAL_SHARE) + MEM_OVER_TOTAL_MIB
 
 
 def encode_columns(

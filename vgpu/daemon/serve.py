@@ -1039,6 +1039,7 @@ class Daemon:
                                batch_window_s=cfg.manager.batch_window_ms / 1000.0,
                                forecast_duty_max=cfg.manager.forecast_duty_max,
                                device_known=self.allocator.knows_device,
+                               device_mem_total_mib=self.allocator.device_mem_total_mib,
                                pid_observed=self.observed_pids,
                                windows=WindowStore(max_span_s=MAX_WINDOW_SPAN_S), max_future_s=MAX_FUTURE_S)
         self.allocator.signature_seen = self.manager.windows.last_seen_s
