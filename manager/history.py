@@ -18,6 +18,11 @@ segment as it is. Crash safety: a crash leaves at most a partial last line, whic
 out (a row cut short may still parse) and the next writer cuts off before appending; a segment that cannot be read at all (corrupt, not a trace) is skipped and
 logged once, never fatal. Bounds: segments whose last second is older than `horizon_s` are deleted,
 then the oldest until the directory holds at most `max_bytes` (the segment being written excepted).
+
+Memory above capacity. A row whose `mem_used_mib` is above the `mem_total_mib` it records (beyond the
+slack of `vgpu.wire.mem_limit_mib`) describes no process its device can run: it is not written, and
+one found in a file (written before the manager bounded readings by the device, or damaged) is left
+out of `read`, so the learner never trains on it. Both are counted (`rows_refused`) and logged once.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import structlog
 
 from vgpu.log import get_logger
 from vgpu.traces import INAPP_NUMERIC, AppTrace, Trace, TraceFormatError, read_trace
+from vgpu.wire import mem_limit_mib
 
 BASE_COLUMNS = ("t_s", "app", "gpu", "mem_used_mib", "sm_util_pct", "mem_total_mib")
 HEADER = ",".join((*BASE_COLUMNS, *INAPP_NUMERIC)) + "\n"
@@ -91,6 +97,8 @@ class NodeHistory:
         self._skipped: set[str] = set()
         self.rows_written = 0
         self.write_failures = 0
+        self.rows_refused = 0  # rows whose memory is above the capacity they record (not written, not read)
+        self._refused_said = False
 
     def segments(self) -> list[tuple[int, Path]]:
         """(k, path) of every segment file, oldest first (a segment may have a compressed file and a
@@ -160,6 +168,9 @@ class NodeHistory:
             rows: dict[int, list[tuple[int, str]]] = {}
             for i, (app, gpu, sec, (mem, sm), total) in enumerate(zip(apps, gpus, secs, vals, mem_total_mib,
                                                                       strict=True)):
+                if mem > mem_limit_mib(total):  # NaN on either side compares False: kept
+                    self._refused(1, "write", mem, total)
+                    continue
                 if "," in app or "\n" in app or '"' in app or "," in gpu or "\n" in gpu or '"' in gpu:
                     app, gpu = _quote(app), _quote(gpu)
                 seg = int(sec // self.segment_s)
@@ -237,6 +248,14 @@ class NodeHistory:
             self._log.info("history_pruned", removed=[p.name for p in gone], bytes=total)
         return gone
 
+    def _refused(self, n: int, where: str, mem_mib: float, total_mib: float) -> None:
+        """`n` rows refused for memory above their capacity: counted, the first logged."""
+        self.rows_refused += n
+        if not self._refused_said:
+            self._refused_said = True
+            self._log.warning("history_rows_refused", reason="mem_used_mib above mem_total_mib", at=where,
+                              mem_used_mib=mem_mib, mem_total_mib=total_mib, dir=str(self.dir))
+
     # --- reading --------------------------------------------------------------------------------
     def read(self, since_s: float = -math.inf) -> list[AppTrace]:
         """Every application's rows from `since_s` on, segments in order; a segment that cannot
@@ -266,6 +285,14 @@ class NodeHistory:
             names = {c for a in trs for c in a.columns}
             cols = {c: np.concatenate([a.column(c) for a in trs])[first] for c in names}
             keep = t[first] >= since_s
+            mem, total = cols.get("mem_used_mib"), cols.get("mem_total_mib")
+            if mem is not None and total is not None:
+                with np.errstate(invalid="ignore"):  # NaN on either side: kept
+                    over = keep & (mem > mem_limit_mib(total))
+                if over.any():
+                    k = int(np.flatnonzero(over)[0])
+                    self._refused(int(over.sum()), "read", float(mem[k]), float(total[k]))
+                    keep &= ~over
             # an in-app counter the application never reported is no column at all (older segments,
             # applications without counters): the learner's traces carry only what was reported
             kept = {c: v[keep] for c, v in cols.items() if c not in INAPP_NUMERIC or np.isfinite(v[keep]).any()}

@@ -200,3 +200,26 @@ def test_in_app_rows_stay_within_the_byte_cap(tmp_path: Path) -> None:
     assert sum(p.stat().st_size for p in closed) <= 30_000 and len(h.segments()) < 10
     (a,) = h.read()
     assert set(INAPP_NUMERIC) <= set(a.columns)
+
+
+def test_rows_with_memory_above_their_capacity_are_neither_written_nor_read(tmp_path: Path) -> None:
+    log = Rec()
+    h = NodeHistory(tmp_path, segment_s=100, logger=log)  # type: ignore[arg-type]
+    _rows(h, "a", range(0, 5))
+    _rows(h, "a", range(5, 8), value=1e12)  # a made-up reading: above the 40960 MiB the rows record
+    _rows(h, "a", range(8, 10), value=40960.0)  # at the capacity: taken
+    h.close()
+    assert h.rows_written == 7 and h.rows_refused == 3
+    # an old or damaged file holding such rows (written before the bound): left out when read
+    with open(tmp_path / "seg-0.csv", "a") as fh:
+        fh.write("10,a,GPU-0,1e+12,50,40960" + "," * len(INAPP_NUMERIC) + "\n")
+        fh.write("11,b,GPU-0,99999,50,80000" + "," * len(INAPP_NUMERIC) + "\n")
+        fh.write("12,b,GPU-0,99999,50,80000" + "," * len(INAPP_NUMERIC) + "\n")
+        fh.write("13,b,GPU-0,99999,50," + "," * len(INAPP_NUMERIC) + "\n")  # no capacity: nothing to bound by
+    back = {a.app: a for a in h.read()}
+    assert back["a"].t_s.tolist() == [0, 1, 2, 3, 4, 8, 9]
+    assert back["a"].columns["mem_used_mib"].max() == 40960.0
+    assert back["b"].t_s.tolist() == [13]
+    assert h.rows_refused == 6
+    refused = [kw for e, kw in log.events if e == "history_rows_refused"]
+    assert len(refused) == 1 and refused[0]["mem_used_mib"] == 1e12 and refused[0]["mem_total_mib"] == 40960.0

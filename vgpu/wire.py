@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -71,8 +72,12 @@ class ColumnRows:
         return len(self.t_s)
 
 
-def mem_limit_mib(total_mib: float) -> float:
-    """The largest memory reading (MiB) taken for a device of `total_mib` (see MEM_OVER_TOTAL_SHARE)."""
+_Total = TypeVar("_Total", float, npt.NDArray[np.float64])
+
+
+def mem_limit_mib(total_mib: _Total) -> _Total:
+    """The largest memory reading (MiB) taken for a device of `total_mib` (see MEM_OVER_TOTAL_SHARE);
+    elementwise for an array."""
     return total_mib * (1.0 + MEM_OVER_TOTAL_SHARE) + MEM_OVER_TOTAL_MIB
 
 
