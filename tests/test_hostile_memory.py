@@ -7,7 +7,9 @@ MIG instance's own memory as the bound."""
 
 from __future__ import annotations
 
+import socket
 import time
+import urllib.request
 
 import grpc
 from daemon_fixtures import Env, Serve
@@ -55,7 +57,10 @@ def _granted(client: Raw, app_id: str, wait_s: float) -> bool:
 
 def test_a_reading_above_the_device_is_rejected_and_granted_nothing(env: Env, serves: list[Serve],
                                                                     client: Raw) -> None:
-    serves.append(Serve(env))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serves.append(Serve(env, "--metrics-port", str(port)))
     dev = client.stub.GetAvailableResources(pb.GetAvailableResourcesRequest(), timeout=10).devices[0]
     gpu, total = dev.device_id, dev.mem_total_mib
     # rows: the made-up application at the wire's generic bound, a normal one beside it
@@ -79,6 +84,10 @@ def test_a_reading_above_the_device_is_rejected_and_granted_nothing(env: Env, se
     # logged per batch with such rejections (1st, 10th, ...), not per signature
     logged = [e for e in serves[-1].events() if e.get("event") == "signatures_rejected_over_capacity"]
     assert len(logged) == 1 and logged[0]["mem_total_mib"] == total and logged[0]["in_batch"] == 4
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    counts = {line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
+              if line.startswith("vgpu_signatures_total{")}
+    assert counts["over_capacity"] == 8 and counts["rejected"] == 0 and counts["accepted"] == 8
     assert serves[-1].term() == 0
 
 

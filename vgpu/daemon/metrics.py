@@ -136,6 +136,7 @@ class CounterSnapshot:
     signatures_rejected: int = 0  # malformed
     signatures_out_of_order: int = 0  # rejected: older than the application's last sample
     signatures_unknown_device: int = 0  # rejected: for a device the daemon does not have
+    signatures_over_capacity: int = 0  # rejected: a memory reading above the named device's total
     signatures_duplicate: int = 0  # a profiler's resend the window already held, dropped quietly
     forecaster: str = ""  # "mixture", "model" or "baseline"; empty = unknown
     forecaster_reloads: int = 0
@@ -373,6 +374,7 @@ class _StateCollector(Collector):
         sigs.add_metric(["rejected"], c.signatures_rejected)
         sigs.add_metric(["out_of_order"], c.signatures_out_of_order)
         sigs.add_metric(["unknown_device"], c.signatures_unknown_device)
+        sigs.add_metric(["over_capacity"], c.signatures_over_capacity)
         sigs.add_metric(["duplicate"], c.signatures_duplicate)
         yield sigs
         inapp = GaugeMetricFamily("vgpu_inapp_apps", "Applications whose newest sample carries this in-app "
