@@ -11,8 +11,10 @@ The path of one batch (`ingest_async`, called by the Ingest servicer, manager/se
 1. `accept`, on the loop: applications silent too long are evicted; each signature is read in one
    pass (`parse_signature` in vgpu/wire.py: validated and turned into the window's values together;
    a batch's columnar part, `_accept_columns`, is read as arrays by `read_columns`). A signature is
-   rejected, with the reason in the reply, when it is malformed, names a device the daemon lacks, a
-   process this node does not run (see *Observed processes*), or a time too far ahead of the clock;
+   rejected, with the reason in the reply, when it is malformed, names a device the daemon lacks,
+   reads more memory than that device (or MIG instance) has (`device_mem_total_mib`, with the slack of
+   `vgpu.wire.mem_limit_mib`), names a process this node does not run (see *Observed processes*), or
+   a time too far ahead of the clock;
    one the window already holds (a profiler's resend after a reconnect) is dropped quietly as a
    duplicate; an older one is rejected as out of order. The rest of the batch and the stream go on.
    Kept samples go into the windows and mark their applications dirty.
