@@ -416,12 +416,19 @@ class Manager:
         dropped: list[str] = []
         totals: dict[str, float | None] = {}  # device -> its total memory, asked once per batch
         over: list[tuple[str, float, float]] = []  # (device, reading, total) of the rows rejected for it
+        check_mem = self.device_mem_total_mib is not None
+        limits: dict[str, float] = {}  # device -> the largest memory reading taken (inf: no bound known)
         for i, sig in enumerate(sigs):
             reason, values = parse_signature(sig, dropped)
             if reason is None and not self._device_ok(sig.device_id):
                 reason = self._unknown_device(sig.device_id)
-            if reason is None and self.device_mem_total_mib is not None:
-                reason = self._over_capacity(sig.device_id, values[_MEM], totals, over)
+            if reason is None and check_mem:  # the common case is one dict look-up and one comparison
+                limit = limits.get(sig.device_id)
+                if limit is None:
+                    total = self._total_of(sig.device_id, totals)
+                    limit = limits[sig.device_id] = mem_limit_mib(total) if total is not None else math.inf
+                if values[_MEM] > limit:
+                    reason = self._over_capacity(sig.device_id, values[_MEM], totals, over)
             if reason is None:
                 reason = self._unobserved(sig.app_id, sig.device_id, sig.pid, stream)
             if reason is not None:
