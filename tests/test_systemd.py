@@ -69,6 +69,19 @@ def test_manager_unit_promises() -> None:
     assert any("nvidia" in a for a in allowed)
 
 
+def test_the_manager_has_a_memory_cap_with_room_for_what_it_needs() -> None:
+    """Half-sent calls grow the daemon without a bound of its own: the unit caps its memory, so an
+    attack ends in a restart instead of the kernel killing other processes on the node. The cap must
+    leave room for what the docs measure: the daemon after a day of 64 applications (355 MiB,
+    bench/soak.py) plus a learning round's child (460 MiB, bench/node_learn.py), several times over."""
+    s = dict(_settings("vgpu-manager.service"))
+    value = s["MemoryMax"]
+    units = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    cap_bytes = int(value[:-1]) * units[value[-1]] if value[-1] in units else int(value)
+    assert cap_bytes >= 4 * (355 + 460) * 2**20, value
+    assert s["Restart"] == "on-failure"  # systemd restarts a unit the OOM killer ended on failure
+
+
 def test_every_capability_is_commented() -> None:
     text = (ROOT / "systemd" / "vgpu-manager.service").read_text()
     caps = dict(_settings("vgpu-manager.service"))["CapabilityBoundingSet"].split()
