@@ -3,6 +3,7 @@ caller with access to the socket would make them (no CLI, no client stub in the 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,6 +39,15 @@ class Raw:
 
     def apps(self) -> list[pb.ApplicationInfo]:
         return list(self.stub.ListApplications(pb.ListApplicationsRequest(), timeout=10.0).apps)
+
+    def wait_granted(self, app_id: str, wait_s: float) -> bool:
+        """Whether `app_id` holds a grant within `wait_s` (polled every 0.1 s)."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if any(a.app_id == app_id and a.grants for a in self.apps()):
+                return True
+            time.sleep(0.1)
+        return False
 
     def granted_mib(self) -> float:
         devs = self.stub.GetAvailableResources(pb.GetAvailableResourcesRequest(), timeout=10.0).devices

@@ -46,15 +46,6 @@ def _stream(env: Env, batch: ingest_pb2.SignatureBatch) -> ingest_pb2.IngestRepl
     return reply
 
 
-def _granted(client: Raw, app_id: str, wait_s: float) -> bool:
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        if any(a.app_id == app_id and a.grants for a in client.apps()):
-            return True
-        time.sleep(0.1)
-    return False
-
-
 def test_a_reading_above_the_device_is_rejected_and_granted_nothing(env: Env, serves: list[Serve],
                                                                     client: Raw) -> None:
     with socket.socket() as s:
@@ -79,7 +70,7 @@ def test_a_reading_above_the_device_is_rejected_and_granted_nothing(env: Env, se
     assert sorted(r.index for r in reply.rejected) == [0, 1, 2, 3]
     assert {r.app_id for r in reply.rejected} == {"bloated-cols"}
     assert f"memory reading {2 * total:g} MiB is above the {total:g} MiB" in reply.rejected[0].reason
-    assert _granted(client, "normal", 20.0) and _granted(client, "normal-cols", 20.0)
+    assert client.wait_granted("normal", 20.0) and client.wait_granted("normal-cols", 20.0)
     assert not any(a.app_id in ("bloated", "bloated-cols") for a in client.apps())
     # logged per batch with such rejections (1st, 10th, ...), not per signature
     logged = [e for e in serves[-1].events() if e.get("event") == "signatures_rejected_over_capacity"]

@@ -52,15 +52,6 @@ def _serving(serve: Serve) -> dict:  # type: ignore[type-arg]
     return next(e for e in serve.events() if e.get("event") == "serving")
 
 
-def _forecast_granted(client: Raw, app_id: str, wait_s: float) -> bool:
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        if any(a.app_id == app_id and a.grants for a in client.apps()):
-            return True
-        time.sleep(0.1)
-    return False
-
-
 def test_the_profiler_token_cannot_invent_processes_but_the_operator_may_replay(env: Env, serves: list[Serve],
                                                                                 client: Raw) -> None:
     serves.append(Serve(env, "--accept-replay", "no"))
@@ -73,12 +64,12 @@ def test_the_profiler_token_cannot_invent_processes_but_the_operator_may_replay(
     assert "pid 4000000 is not a GPU process on device" in made_up.rejected[0].reason
     assert "names no pid" in made_up.rejected[4].reason
     assert "operator token" in made_up.rejected[0].reason
-    assert not _forecast_granted(client, "invented", 3.0)
+    assert not client.wait_granted("invented", 3.0)
     assert "invented" not in [a.app_id for a in client.apps()]
     # The operator's replay is taken, as before, and becomes a forecast grant.
     replay = _stream(env, operator_token(env.state), _signatures("replayed", 4_000_001, gpu))
     assert replay.accepted == 4 and not replay.rejected
-    assert _forecast_granted(client, "replayed", 20.0)
+    assert client.wait_granted("replayed", 20.0)
     assert serves[-1].term() == 0
 
 
