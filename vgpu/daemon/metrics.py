@@ -4,7 +4,9 @@
 frozen snapshots, no allocator or manager types) for the current applications, devices and
 counters when Prometheus scrapes, so nothing is sampled between scrapes and nothing goes stale.
 Events that only the daemon sees (denied calls, store writes, restores) are counters it
-increments. The registry is injected: tests pass a fresh `CollectorRegistry` and read it back with
+increments. A labelled counter whose label values are known at start (devices, mechanisms, reasons,
+results) has a series at 0 for each from the start, so `rate()`/`increase()` see its first event;
+`access_denied_total{method,code}` and the per-application counters appear with their first value. The registry is injected: tests pass a fresh `CollectorRegistry` and read it back with
 `registry.get_sample_value(...)`.
 
 Names follow Prometheus conventions: base units (bytes, seconds, watts, hertz, celsius, ratios
@@ -154,6 +156,11 @@ class MetricsSource(Protocol):
 
 
 DEFAULT_MAX_APPS = 100
+# the label values of the counters DaemonMetrics increments (vgpu/daemon/serve.py restores device
+# settings by mechanism with a result; vgpu/daemon/front.py refuses connections for a reason)
+RESTORE_MECHANISMS = ("power_limit", "mig")
+RESTORE_RESULTS = ("ok", "mismatch", "failed")
+REFUSAL_REASONS = ("max_connections", "max_connections_per_uid", "upstream", "no_descriptors")
 
 
 def _finite(x: float | None) -> bool:
@@ -415,6 +422,13 @@ class DaemonMetrics:
             "vgpu_connections_refused", "Unix-socket connections closed at accept, by the bound that refused them",
             ["reason"], registry=registry,
         )
+        # every label value these counters can take, exported at 0 from the start, so that a
+        # series exists before its first event and `rate()`/`increase()` see that event
+        for mechanism in RESTORE_MECHANISMS:
+            for result in RESTORE_RESULTS:
+                self.restores.labels(mechanism=mechanism, result=result)
+        for reason in REFUSAL_REASONS:
+            self.connections_refused.labels(reason=reason)
         self._registry = registry
         if source is not None:
             registry.register(_StateCollector(source, max_apps))
