@@ -169,6 +169,18 @@ def test_labelled_counters_are_exported_at_zero_before_their_first_event(env: En
     assert granted[("granted", "request")] == 1 and len(granted) == 7
 
 
+def test_a_scrape_has_no_created_series(env: Env, serves: list[Serve]) -> None:
+    """prometheus_client's `_created` series (when a counter began) are off: nothing reads them, the
+    docs list none, and only the counters the daemon increments itself would have them."""
+    port = free_port()
+    serves.append(Serve(env, "--metrics-port", str(port)))
+    assert cli(env, "request", "--app", "asked", "--memory-mib", "512").returncode == 0  # a store write
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    fams = scrape(port)
+    assert fams["vgpu_store_writes"][0][2] >= 1 and fams["vgpu_restore_actions"]
+    assert "_created" not in body, [line for line in body.splitlines() if "_created" in line]
+
+
 class _Source:
     def __init__(self, apps: list[AppSnapshot], devices: list[DeviceSnapshot], counters: CounterSnapshot) -> None:
         self.apps, self.devices, self.counters = apps, devices, counters

@@ -44,6 +44,8 @@ is absent, not 0. All prefixed `vgpu_`:
   `no_descriptors`), `connections_open` (relayed connections open now; absent with the front off);
 - `build_info{version,python,backend}` (1).
 
+No counter has a `_created` series (prometheus_client's are turned off, `DaemonMetrics`).
+
 Per-application series are bounded: any caller of the socket may create applications (up to the
 node's grant quota), and each would add up to eleven series per device to every scrape. `select_apps` keeps at most
 `max_apps` applications (`metrics.max_apps`): every application an operator has set limits on, then
@@ -62,7 +64,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -411,6 +413,10 @@ class DaemonMetrics:
         if max_apps < 0:
             raise ValueError(f"max_apps: must be >= 0, got {max_apps}")
         self.registry = registry
+        # prometheus_client's counters would each add a `<name>_created` gauge (when the series began),
+        # which nothing here reads and the collector's families do not have: off, so every counter
+        # looks alike. The switch is prometheus_client's process-wide one, read at each scrape.
+        disable_created_metrics()  # type: ignore[no-untyped-call]  # untyped in prometheus_client
         self.denied = Counter(
             "vgpu_access_denied", "Calls refused by access control", ["method", "code"], registry=registry
         )
