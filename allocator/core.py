@@ -99,7 +99,7 @@ from vgpu.allocator.errors import (
     VerifyFailed,
 )
 from vgpu.allocator.history import History, HistoryEvent, HistoryPoint
-from vgpu.allocator.ledger import AppLimits, DeviceCapacity, DeviceUsage, Grant, Ledger
+from vgpu.allocator.ledger import SOURCES, AppLimits, DeviceCapacity, DeviceUsage, Grant, Ledger
 from vgpu.allocator.mechanisms.limits import CgroupMemoryLimits, read_cgroup
 from vgpu.allocator.mechanisms.power import PowerLimitMechanism, PowerLimitResult
 from vgpu.allocator.policy.base import (
@@ -222,6 +222,15 @@ class ApplyReport:
     power: tuple[PowerLimitResult, ...] = ()
     mig_changes: int = 0
     skipped: tuple[str, ...] = ()
+
+
+# every (event kind, reason) a grant change is counted under (`Counters.grant_changes`): granted by
+# source, resized to grow, to shrink or to an operator's limits, released
+GRANT_CHANGE_KEYS: tuple[tuple[str, str], ...] = (
+    *(("granted", source) for source in SOURCES),
+    ("resized", "grow"), ("resized", "shrink"), ("resized", "limits"),
+    ("released", "released"),
+)
 
 
 @dataclass

@@ -132,9 +132,11 @@ FEATURES_BY_VERSION: dict[int, tuple[str, ...]] = {
     4: FEATURES_V4,
     5: FEATURES_V5,
 }
-# what `vgpu train` writes by default (the shipped model's); every version of FEATURES_BY_VERSION can be
-# encoded and served (`vgpu train --feature-version 4` trains on the in-app signals)
+# the encoding `encode`, `encode_latest` and `FeatureSpec` use when given none; every version of
+# FEATURES_BY_VERSION can be encoded and served (a checkpoint names its own)
 FEATURE_VERSION = 3
+# the shipped model's encoding (manager/models/default.pt), and so what `vgpu train` writes by default
+SHIPPED_FEATURE_VERSION = 5
 FEATURES = FEATURES_BY_VERSION[FEATURE_VERSION]
 N_FEATURES = len(FEATURES)
 TARGET_NAMES: tuple[str, ...] = ("mem_used_mib", "sm_util_pct")

@@ -4,7 +4,10 @@ only when it beats the serving one on the most recent held-back history, log eve
 Files, under `<state_dir>/models/`:
 - `local.pt`: the node-local model the daemon serves as the mixture's "local" expert (absent: none);
 - `archive/local-<n>.pt`: every promoted model, kept for rollback;
-- `promotions.jsonl`: one JSON object per promotion, rejection or rollback, appended.
+- `promotions.jsonl`: one JSON object per promotion, rejection or rollback, appended; rotated once it
+  passes `ROTATE_AT_BYTES` (1 MiB): rewritten as one `compacted` entry that carries what the older
+  entries said (the models that served in turn, the newest `MAX_SERVING_STACK` of them, and the counts
+  of promotions, rejections and rollbacks), then the newest entries that fit in `KEEP_BYTES` (256 KiB).
 
 One learning round (`learn_once`): read the history (manager/history.py), hold back its last
 `holdout_s` seconds of the node's clock, fine-tune a copy of the serving model (the local one when it
@@ -24,6 +27,7 @@ back in `local.pt` (or removes it when there was none before) and logs it; the d
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import math
 import os
@@ -51,6 +55,15 @@ LOG = "promotions.jsonl"
 # few hundred bytes, so that is tens of thousands of promotions; an older part is skipped with one
 # log line (`promotion_log_skipped`), and a log damaged into gigabytes is never read whole.
 MAX_LOG_BYTES = 8 * 1024 * 1024
+# The log is rotated when an append takes it past ROTATE_AT_BYTES (thousands of entries; a round runs
+# at most every few minutes, so years of them): the entries before the newest KEEP_BYTES are replaced
+# by one `compacted` entry that says what they said, so `status` and `rollback` read the same after it.
+# A rollback reaches back at most MAX_SERVING_STACK promotions that a rotation summarised (a name is
+# about 15 bytes, so the entry stays well under KEEP_BYTES); past them it serves the global model.
+ROTATE_AT_BYTES = 1024 * 1024
+KEEP_BYTES = 256 * 1024
+MAX_SERVING_STACK = 1000
+_LOCK = ".promotions.lock"
 
 
 @dataclass(frozen=True)
@@ -68,13 +81,80 @@ def models_dir(state_dir: str | Path) -> Path:
     return Path(state_dir) / "models"
 
 
-def _append_log(state_dir: str | Path, entry: dict[str, Any]) -> None:
+def _append_log(state_dir: str | Path, entry: dict[str, Any], *, rotate_at_bytes: int = ROTATE_AT_BYTES,
+                keep_bytes: int = KEEP_BYTES) -> None:
+    """Append `entry` to the promotion log, then rotate the log when it is larger than
+    `rotate_at_bytes`; under a lock, so that a learning round and `vgpu model rollback` never lose
+    each other's entries to a rotation."""
     d = models_dir(state_dir)
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
-    with open(d / LOG, "a", encoding="utf-8") as fh:
-        fh.write(json.dumps(entry, sort_keys=True) + "\n")
+    lock_fd = os.open(d / _LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        with open(d / LOG, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(entry, sort_keys=True) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+            size = fh.tell()
+        if size > rotate_at_bytes:
+            _rotate(state_dir, keep_bytes)
+    finally:
+        os.close(lock_fd)  # releases the lock
+
+
+def _rotate(state_dir: str | Path, keep_bytes: int) -> None:
+    """Rewrite the log (atomically) as one `compacted` entry summing up all but its newest entries,
+    then those newest entries that fit in `keep_bytes` (the newest one always)."""
+    log = read_log(state_dir)
+    lines = [json.dumps(e, sort_keys=True) + "\n" for e in log]
+    first, size = len(lines), 0
+    while first > 0 and (first == len(lines) or size + len(lines[first - 1]) <= keep_bytes):
+        first -= 1
+        size += len(lines[first])
+    if first == 0:
+        return  # nothing older to drop: every entry fits
+    stack, counts = _summarise(log[:first])
+    compacted = {"at": time.time(), "event": "compacted", "dropped_entries": first,
+                 "serving_archive": stack[-MAX_SERVING_STACK:], **counts}
+    d = models_dir(state_dir)
+    tmp = d / f".{LOG}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(json.dumps(compacted, sort_keys=True) + "\n")
+        fh.writelines(lines[first:])
         fh.flush()
         os.fsync(fh.fileno())
+    os.replace(tmp, d / LOG)  # the `compacted` entry itself records the rotation (no log line: the
+    # commands that append print JSON on stdout)
+
+
+def _count(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def _summarise(log: Sequence[dict[str, Any]]) -> tuple[list[str], dict[str, int]]:
+    """(the archived models that served in turn, oldest first, rollbacks applied; how many
+    promotions, rejections and rollbacks) that `log` says; a `compacted` entry stands for the entries
+    a rotation dropped before it."""
+    stack: list[str] = []
+    counts = {"promotions": 0, "rejections": 0, "rollbacks": 0}
+    for e in log:
+        event = e.get("event")
+        if event == "compacted":
+            prior = e.get("serving_archive")
+            stack = [a for a in prior if isinstance(a, str) and _ARCHIVED.fullmatch(a)] if isinstance(prior, list) else []
+            counts = {k: _count(e.get(k)) for k in counts}
+        elif event == "promoted":
+            counts["promotions"] += 1
+            archived = e.get("archived")
+            if isinstance(archived, str) and _ARCHIVED.fullmatch(archived):
+                stack.append(archived)
+        elif event == "rejected":
+            counts["rejections"] += 1
+        elif event == "rollback":
+            counts["rollbacks"] += 1
+            if stack:
+                stack.pop()
+    return stack, counts
 
 
 def read_log(state_dir: str | Path, *, max_bytes: int = MAX_LOG_BYTES) -> list[dict[str, Any]]:
@@ -272,14 +352,7 @@ _ARCHIVED = re.compile(r"local-[0-9]+\.pt")
 def serving_archive(state_dir: str | Path) -> list[str]:
     """The archived models that served in turn, oldest first, rollbacks applied: what the log says
     `local.pt` held after each promotion or rollback."""
-    stack: list[str] = []
-    for e in read_log(state_dir):
-        archived = e.get("archived")
-        if e.get("event") == "promoted" and isinstance(archived, str) and _ARCHIVED.fullmatch(archived):
-            stack.append(e["archived"])
-        elif e.get("event") == "rollback" and stack:
-            stack.pop()
-    return stack
+    return _summarise(read_log(state_dir))[0]
 
 
 def rollback(state_dir: str | Path) -> dict[str, Any]:
@@ -309,14 +382,12 @@ def rollback(state_dir: str | Path) -> dict[str, Any]:
 def status(state_dir: str | Path) -> dict[str, Any]:
     d = models_dir(state_dir)
     log = read_log(state_dir)
-    stack = serving_archive(state_dir)
+    stack, counts = _summarise(log)
     local = d / LOCAL
     return {
         "local_model": str(local) if local.exists() else None,
         "serving_archive": stack[-1] if stack else None,
-        "promotions": sum(e.get("event") == "promoted" for e in log),
-        "rejections": sum(e.get("event") == "rejected" for e in log),
-        "rollbacks": sum(e.get("event") == "rollback" for e in log),
+        **counts,
         "last": log[-1] if log else None,
         "history": _history_files(Path(state_dir) / "history"),
     }

@@ -27,3 +27,23 @@ def test_help_lists_version_and_the_trace_subcommands() -> None:
         assert sub in trace_line, (sub, trace_line)
     version = vgpu("--version")
     assert version.returncode == 0 and version.stdout.startswith("vgpu ")
+
+
+def test_every_command_help_says_what_it_does_and_points_only_at_what_a_node_has() -> None:
+    """Each `vgpu COMMAND --help` has a description under its usage (the ctl commands and `vgpu
+    report` had none), and none points at the development checkout's ../shared folder, which an
+    installed node lacks; `vgpu eval` names the project's own doc of the trace format."""
+    from vgpu.cli import COMMANDS
+
+    for name in COMMANDS:
+        r = vgpu(name, "--help")
+        assert r.returncode == 0, (name, r.stderr)
+        after_usage = r.stdout.split("\n\n", 1)[1]
+        assert not after_usage.startswith(("options:", "positional arguments:")), (name, r.stdout)
+        assert "../shared" not in r.stdout and "TRACE_FORMAT" not in r.stdout, (name, r.stdout)
+    report = " ".join(vgpu("report", "--help").stdout.split())
+    assert "forecast" in report and "grant" in report and "PNG, SVG or interactive HTML" in report
+    evaluate = " ".join(vgpu("eval", "--help").stdout.split())
+    assert "docs/evaluation.md" in evaluate and "t_s, app" in evaluate
+    assert "## The trace format" in (ROOT / "docs" / "evaluation.md").read_text()
+    assert "default v5, the shipped model's" in " ".join(vgpu("train", "--help").stdout.split())

@@ -283,3 +283,52 @@ def test_cli_finds_the_state_directory_the_daemon_is_configured_with(tmp_path: P
     toml.write_text('[server]\nstate_dri = "/x"\n')
     out = vgpu("status", "--config", str(toml))
     assert out.returncode == 2 and "unknown key server.state_dri" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_the_promotion_log_is_rotated_and_status_and_rollback_read_the_same_after_it(tmp_path: Path) -> None:
+    """A log past NL.ROTATE_AT_BYTES is rewritten at the next append as one `compacted` entry and the
+    newest NL.KEEP_BYTES of entries; the promotions it summed up still count, and `vgpu model
+    rollback` still goes back through them to models promoted long before."""
+    models = tmp_path / "state" / "models"
+    (models / "archive").mkdir(parents=True)
+    for n, body in ((1, b"one"), (2, b"two"), (3, b"three")):
+        (models / "archive" / f"local-{n}.pt").write_bytes(body)
+    (models / "local.pt").write_bytes(b"three")
+    lines = [{"event": "promoted", "archived": f"local-{n}.pt", "at": float(n)} for n in (1, 2, 3)]
+    rejected = {"event": "rejected", "reason": "no better on the held-back history", "serving_error": 0.25,
+                "candidate_error": 0.26, "train_apps": 12, "held_back_apps": 12, "holdout_s": 1800.0}
+    lines += [{**rejected, "at": 10.0 + i} for i in range(NL.ROTATE_AT_BYTES // 150)]
+    log = models / "promotions.jsonl"
+    log.write_text("".join(json.dumps(e) + "\n" for e in lines))
+    assert log.stat().st_size > NL.ROTATE_AT_BYTES
+
+    def vgpu(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "vgpu.cli", "model", *args, "--state-dir", str(tmp_path / "state")],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+    out = vgpu("rollback")  # its log entry is the append that rotates
+    assert out.returncode == 0 and json.loads(out.stdout)["undone"] == "local-3.pt", out.stderr
+    assert (models / "local.pt").read_bytes() == b"two"
+    assert log.stat().st_size <= NL.KEEP_BYTES + 1024
+    entries = [json.loads(line) for line in log.read_text().splitlines()]
+    assert entries[0]["event"] == "compacted" and entries[0]["serving_archive"] == ["local-1.pt", "local-2.pt",
+                                                                                    "local-3.pt"]
+    assert entries[-1]["event"] == "rollback" and len(entries) < len(lines)
+    status = json.loads(vgpu("status").stdout)
+    assert status["promotions"] == 3 and status["rejections"] == len(lines) - 3 and status["rollbacks"] == 1
+    assert status["serving_archive"] == "local-2.pt" and status["last"]["event"] == "rollback"
+    out = vgpu("rollback")
+    assert out.returncode == 0 and (models / "local.pt").read_bytes() == b"one"
+    out = vgpu("rollback")
+    assert out.returncode == 0 and not (models / "local.pt").exists()  # none before local-1: the global model
+
+
+def test_a_rotation_keeps_the_newest_entry_and_a_small_log_whole(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    NL._append_log(state, {"event": "rejected", "at": 1.0, "reason": "x" * 500}, rotate_at_bytes=100, keep_bytes=10)
+    NL._append_log(state, {"event": "rejected", "at": 2.0}, rotate_at_bytes=100, keep_bytes=10)
+    entries = NL.read_log(state)
+    assert [e["event"] for e in entries] == ["compacted", "rejected"] and entries[1]["at"] == 2.0
+    assert entries[0]["rejections"] == 1 and NL.status(state)["rejections"] == 2
+    NL._append_log(state, {"event": "rejected", "at": 3.0})  # under the default bound: appended
+    assert [e["at"] for e in NL.read_log(state)][1:] == [2.0, 3.0]

@@ -21,6 +21,7 @@ from tests.test_operator_views import cli, start_profiler
 from vgpu import __version__
 from vgpu.daemon.metrics import AppSnapshot, CounterSnapshot, DaemonMetrics, DeviceSnapshot
 from vgpu.histogram import LatencyHistogram
+from vgpu.inapp import INAPP_MAX
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "vgpu-dashboard.json"
 RULES = ROOT / "deploy" / "prometheus" / "vgpu-alerts.yml"
@@ -132,6 +133,52 @@ def test_dashboard_and_rules_load_only_what_a_running_daemon_exports(env: Env, s
     for name in ("vgpu_signatures_total", "vgpu_grant_changes_total", "vgpu_app_oom_events_total",
                  "vgpu_app_memory_overruns_total", "vgpu_forecast_failures_total", "vgpu_store_writes_total"):
         assert samples(name), name
+
+
+def test_labelled_counters_are_exported_at_zero_before_their_first_event(env: Env, serves: list[Serve]) -> None:
+    """A counter series that appeared only at its first event would begin at 1, and the dashboard's
+    rate()/increase() would miss that event: every label value known at start has its series at 0
+    as soon as the daemon serves, before anything happened."""
+    port = free_port()
+    serves.append(Serve(env, "--metrics-port", str(port)))
+    fams = scrape(port)
+    devices = [d["device_id"] for d in json.loads(cli(env, "available", "--json").stdout)["devices"]]
+    assert devices
+
+    def zeros(name: str) -> set[tuple[str, ...]]:
+        rows = fams[name]
+        assert all(v == 0 for _, _, v in rows), (name, rows)
+        return {tuple(labels.values()) for _, labels, _ in rows}
+
+    assert zeros("vgpu_enforcement_failures") == {(d, m) for d in devices
+                                                  for m in ("power_limit", "mig", "cgroup_memory")}
+    assert zeros("vgpu_restore_actions") == {(m, r) for m in ("power_limit", "mig")
+                                             for r in ("ok", "mismatch", "failed")}
+    assert zeros("vgpu_connections_refused") == {("max_connections",), ("max_connections_per_uid",),
+                                                 ("upstream",), ("no_descriptors",)}
+    assert zeros("vgpu_grant_changes") == {("granted", "request"), ("granted", "forecast"),
+                                           ("granted", "cold_start"), ("resized", "grow"), ("resized", "shrink"),
+                                           ("resized", "limits"), ("released", "released")}
+    dropped = zeros("vgpu_inapp_values_dropped")
+    assert {("in_app.kv_used_mib dropped: not finite",), ("in_app.kv_used_mib dropped: negative",),
+            ("in_app.kv_used_mib dropped: above 1.67772e+07",)} <= dropped
+    assert len(dropped) == 3 * len(INAPP_MAX)
+    # an event adds to its zero series rather than starting a new one
+    assert cli(env, "request", "--app", "asked", "--memory-mib", "512").returncode == 0
+    granted = {tuple(labels.values()): v for _, labels, v in scrape(port)["vgpu_grant_changes"]}
+    assert granted[("granted", "request")] == 1 and len(granted) == 7
+
+
+def test_a_scrape_has_no_created_series(env: Env, serves: list[Serve]) -> None:
+    """prometheus_client's `_created` series (when a counter began) are off: nothing reads them, the
+    docs list none, and only the counters the daemon increments itself would have them."""
+    port = free_port()
+    serves.append(Serve(env, "--metrics-port", str(port)))
+    assert cli(env, "request", "--app", "asked", "--memory-mib", "512").returncode == 0  # a store write
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    fams = scrape(port)
+    assert fams["vgpu_store_writes"][0][2] >= 1 and fams["vgpu_restore_actions"]
+    assert "_created" not in body, [line for line in body.splitlines() if "_created" in line]
 
 
 class _Source:
@@ -319,9 +366,9 @@ tests:
 
 
 def test_the_first_enforcement_failure_of_a_device_fires(tmp_path: Path) -> None:
-    """The daemon exports vgpu_enforcement_failures_total for a (device, mechanism) only from its first
-    failure on, so the series begins at 1: one failed power-limit write fired nothing (increase() saw
-    no change); it fires now, and a second failure later on another series still does."""
+    """A vgpu_enforcement_failures_total series that begins at 1 (the daemon exports it at 0 from the
+    start, but a scrape can miss the start): one failed power-limit write once fired nothing
+    (increase() saw no change); it fires now, and a second failure later on another series still does."""
     desc = "Device writes (power limit, MIG, cgroup memory limit) failed or did not read back."
     tests = f"""
 rule_files: [{RULES}]

@@ -97,6 +97,18 @@ def test_profiler_is_unprivileged() -> None:
     assert s["NoNewPrivileges"] == "yes"
 
 
+def test_the_profiler_may_read_the_mig_monitor_capability_and_nothing_more() -> None:
+    """On MIG GPUs, per-process NVML reads of the whole GPU need the mig-monitor capability device
+    (/dev/nvidia-caps/nvidia-cap2), which DevicePolicy=closed denies unless allowed: read-only, with the
+    documentation it rests on named beside it; never the manager's read-write access."""
+    allowed = [v.split() for k, v in _settings("vgpu-profiler.service") if k == "DeviceAllow"]
+    assert ["char-nvidia-caps", "r"] in allowed
+    assert not any(a[0] == "char-nvidia-caps" and "w" in a[1] for a in allowed)
+    text = (ROOT / "systemd" / "vgpu-profiler.service").read_text()
+    assert "mig-user-guide/device-nodes-and-capabilities" in text and "mig-monitor" in text
+    assert "char-nvidia-caps r" in (ROOT / "docs" / "install.md").read_text()
+
+
 def test_exec_start_parses_with_our_cli() -> None:
     from vgpu.daemon.serve import build_parser
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.daemon_fixtures import ROOT
 from tests.model_synth import population
 from vgpu.manager.checkpoint import load_checkpoint
 from vgpu.manager.features import FEATURES_V2, N_FEATURES, FeatureSpec
@@ -59,7 +60,9 @@ def test_cli_trains_and_writes_a_loadable_checkpoint(
     ck = load_checkpoint(out)
     meta = ck.metadata
     assert meta.features.window_s == 8 and meta.config.order == "gru_first"
-    assert meta.features.version == 3 and meta.config.n_features == len(meta.features.features) == 28
+    # the default encoding is the shipped model's, so a retrained model encodes like the one served
+    shipped = json.loads((ROOT / "manager" / "models" / "default.pt.json").read_text())["features"]["version"]
+    assert meta.features.version == shipped == 5 and meta.config.n_features == len(meta.features.features) == 48
     assert meta.training["apps"] == {"train": 5, "val": 2, "test": 2}
     assert meta.training["licences"] == ["test-only"]
     assert meta.training["trace_files"][0]["path"] == str(trace_file)

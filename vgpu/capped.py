@@ -10,7 +10,8 @@ The caps (each beside its reader, and listed in docs/reliability.md):
 - a token file: `vgpu.tokenfile.MAX_TOKEN_FILE_BYTES` (4 KiB; a token is at most about 2.2 KB);
 - `sim-devices.json`: `vgpu.device.simstate.MAX_STATE_BYTES` (16 MiB);
 - `promotions.jsonl`: its newest `vgpu.manager.nodelearn.MAX_LOG_BYTES` (8 MiB) are read, the older
-  part is skipped with one log line (`read_tail`).
+  part is skipped with one log line (`read_tail`); the log is rotated past 1 MiB, so only a damaged
+  one comes near that.
 """
 
 from __future__ import annotations

@@ -324,6 +324,14 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout-s", type=_positive, default=10.0, help="per-call timeout (default 10 s)")
 
 
+def _description(prog: str) -> str | None:
+    """A command's one-line help from `vgpu --help` (vgpu/cli.py COMMANDS), as its `--help` description."""
+    from vgpu.cli import COMMANDS  # noqa: PLC0415 - the dispatcher imports this module lazily
+
+    entry = COMMANDS.get(prog.rsplit(" ", 1)[-1])
+    return entry[1][:1].upper() + entry[1][1:] + "." if entry else None
+
+
 def _run(
     prog: str,
     argv: Sequence[str] | None,
@@ -332,9 +340,9 @@ def _run(
     out: TextIO | None = None,
     env: dict[str, str] | None = None,
 ) -> int:
-    p = argparse.ArgumentParser(prog=prog)
+    p = argparse.ArgumentParser(prog=prog, description=_description(prog))
     _common(p)
-    build(p)
+    build(p)  # may set its own, longer description
     ns = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     out = out or sys.stdout
     try:

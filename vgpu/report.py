@@ -37,6 +37,11 @@ def parse_duration_s(text: str) -> float:
 def main(argv: Sequence[str] | None = None, prog: str = "vgpu report", *, out: TextIO | None = None,
          env: dict[str, str] | None = None) -> int:
     def build(p: argparse.ArgumentParser) -> None:
+        p.description = (
+            "Draw an application's GPU memory use against its P50/P90 forecast and its grant over time, with its "
+            "grant changes and OOM events marked, from the daemon's node history; with --device, every "
+            "application of that GPU, one panel each. Writes a PNG, SVG or interactive HTML picture and "
+            "prints its path. The daemon keeps the last hour (docs/operations.md, `vgpu report`).")
         who = p.add_mutually_exclusive_group(required=True)
         who.add_argument("--app", help="one application")
         who.add_argument("--device", help="every application of this GPU (its index or UUID)")

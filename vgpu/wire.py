@@ -169,6 +169,13 @@ def inapp_reason(where: str, why: str) -> str:
     return f"{where} dropped: {why}"
 
 
+def inapp_drop_reasons() -> tuple[str, ...]:
+    """Every reason an in-app value can be dropped for (`inapp_reason`): each counter not finite,
+    negative, or above its bound."""
+    return tuple(inapp_reason(f"in_app.{name}", why) for name, bound in INAPP_MAX.items()
+                 for why in ("not finite", "negative", f"above {bound:g}"))
+
+
 def parse_signature(
     sig: signature_pb2.BehavioralSignature, dropped: list[str] | None = None
 ) -> tuple[str | None, list[float]]:

@@ -4,7 +4,9 @@
 frozen snapshots, no allocator or manager types) for the current applications, devices and
 counters when Prometheus scrapes, so nothing is sampled between scrapes and nothing goes stale.
 Events that only the daemon sees (denied calls, store writes, restores) are counters it
-increments. The registry is injected: tests pass a fresh `CollectorRegistry` and read it back with
+increments. A labelled counter whose label values are known at start (devices, mechanisms, reasons,
+results) has a series at 0 for each from the start, so `rate()`/`increase()` see its first event;
+`access_denied_total{method,code}` and the per-application counters appear with their first value. The registry is injected: tests pass a fresh `CollectorRegistry` and read it back with
 `registry.get_sample_value(...)`.
 
 Names follow Prometheus conventions: base units (bytes, seconds, watts, hertz, celsius, ratios
@@ -42,6 +44,8 @@ is absent, not 0. All prefixed `vgpu_`:
   `no_descriptors`), `connections_open` (relayed connections open now; absent with the front off);
 - `build_info{version,python,backend}` (1).
 
+No counter has a `_created` series (prometheus_client's are turned off, `DaemonMetrics`).
+
 Per-application series are bounded: any caller of the socket may create applications (up to the
 node's grant quota), and each would add up to eleven series per device to every scrape. `select_apps` keeps at most
 `max_apps` applications (`metrics.max_apps`): every application an operator has set limits on, then
@@ -63,7 +67,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 from wsgiref.simple_server import WSGIRequestHandler
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, make_wsgi_app
+from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
@@ -159,6 +163,11 @@ class MetricsSource(Protocol):
 
 
 DEFAULT_MAX_APPS = 100
+# the label values of the counters DaemonMetrics increments (vgpu/daemon/serve.py restores device
+# settings by mechanism with a result; vgpu/daemon/front.py refuses connections for a reason)
+RESTORE_MECHANISMS = ("power_limit", "mig")
+RESTORE_RESULTS = ("ok", "mismatch", "failed")
+REFUSAL_REASONS = ("max_connections", "max_connections_per_uid", "upstream", "no_descriptors")
 
 
 def _finite(x: float | None) -> bool:
@@ -410,6 +419,10 @@ class DaemonMetrics:
         if max_apps < 0:
             raise ValueError(f"max_apps: must be >= 0, got {max_apps}")
         self.registry = registry
+        # prometheus_client's counters would each add a `<name>_created` gauge (when the series began),
+        # which nothing here reads and the collector's families do not have: off, so every counter
+        # looks alike. The switch is prometheus_client's process-wide one, read at each scrape.
+        disable_created_metrics()  # type: ignore[no-untyped-call]  # untyped in prometheus_client
         self.denied = Counter(
             "vgpu_access_denied", "Calls refused by access control", ["method", "code"], registry=registry
         )
@@ -421,6 +434,13 @@ class DaemonMetrics:
             "vgpu_connections_refused", "Unix-socket connections closed at accept, by the bound that refused them",
             ["reason"], registry=registry,
         )
+        # every label value these counters can take, exported at 0 from the start, so that a
+        # series exists before its first event and `rate()`/`increase()` see that event
+        for mechanism in RESTORE_MECHANISMS:
+            for result in RESTORE_RESULTS:
+                self.restores.labels(mechanism=mechanism, result=result)
+        for reason in REFUSAL_REASONS:
+            self.connections_refused.labels(reason=reason)
         self._registry = registry
         if source is not None:
             registry.register(_StateCollector(source, max_apps))

@@ -119,7 +119,7 @@ from prometheus_client import CollectorRegistry
 
 from vgpu import auth, log, peers
 from vgpu import config as vconfig
-from vgpu.allocator.core import Allocator, Sizer, device_capacities
+from vgpu.allocator.core import GRANT_CHANGE_KEYS, Allocator, Sizer, device_capacities
 from vgpu.allocator.errors import NotFound, StateNotSaved
 from vgpu.allocator.ledger import Ledger
 from vgpu.allocator.mechanisms.limits import CgroupMemoryLimits
@@ -162,6 +162,7 @@ from vgpu.manager.modelpath import ModelChoice, open_forecaster, resolve_model
 from vgpu.manager.nodelearn import BackgroundLearner, LocalModelWatcher
 from vgpu.manager.service import IngestServicer
 from vgpu.manager.window import WindowStore
+from vgpu.wire import inapp_drop_reasons
 
 SIM_STATE_FILE = "sim-devices.json"
 # The most of a TLS key, certificate or CA bundle that is read (vgpu/capped.py); a system CA bundle is
@@ -351,7 +352,7 @@ class StateSource:
             power_limit_changes=c.power_limit_changes,
             mig_changes=c.mig_changes,
             grants_resized=c.resized,
-            failures=tuple((dev, mech, n) for (dev, mech), n in sorted(c.failures.items())),
+            failures=tuple((dev, mech, n) for (dev, mech), n in sorted(self._failures(c.failures).items())),
             forecast_batches=s.forecast_batches,
             forecast_s_total=s.forecast_s_total,
             forecast_latency=s.forecast_latency,
@@ -366,11 +367,23 @@ class StateSource:
             forecaster=self.manager.source,
             forecaster_reloads=getattr(forecaster, "reloads", 0),
             forecaster_reload_failures=getattr(forecaster, "reload_failures", 0),
-            grant_changes=tuple((kind, reason, n) for (kind, reason), n in sorted(c.grant_changes.items())),
+            grant_changes=tuple((kind, reason, n) for (kind, reason), n in
+                                sorted({**dict.fromkeys(GRANT_CHANGE_KEYS, 0), **c.grant_changes}.items())),
             backend=self.backend_name,
             inapp_apps=tuple(sorted(self.manager.windows.inapp_reporting().items())),
-            inapp_dropped=tuple(sorted(s.inapp_dropped.items())),
+            inapp_dropped=tuple(sorted({**dict.fromkeys(inapp_drop_reasons(), 0), **s.inapp_dropped}.items())),
         )
+
+    def _failures(self, counted: dict[tuple[str, str], int]) -> dict[tuple[str, str], int]:
+        """`counted` with a 0 for every device and every mechanism the allocator has, so that each
+        series exists from the start and `rate()`/`increase()` see the first failure."""
+        mechanisms = ["power_limit"]
+        if self.allocator.mig is not None:
+            mechanisms.append("mig")
+        if self.allocator.cgroup_limits is not None:
+            mechanisms.append("cgroup_memory")
+        zeros = {(c.device_id, m): 0 for c in self.allocator.ledger.devices() for m in mechanisms}
+        return {**zeros, **counted}
 
 
 class InAppPidProof:

@@ -1,4 +1,4 @@
-"""`vgpu eval`: forecasters scored by the evaluation protocol of ../shared/TRACE_FORMAT.md.
+"""`vgpu eval`: forecasters scored on canonical traces by the evaluation protocol (docs/evaluation.md).
 
     vgpu eval --trace PATH [--model PATH] [--split test|val|train|all] [--train-trace PATH ...] [--json]
 
@@ -458,7 +458,12 @@ def _format_table(report: Mapping[str, Any], results_key: str = "results", title
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "vgpu eval") -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog=prog, description=(
+        "Score the forecaster and the baselines (last value, EWMA, VPA percentile, GBDT) on a canonical trace: "
+        "a CSV (or .csv.gz) of one row per application and sample with columns t_s, app, mem_used_mib and/or "
+        "sm_util_pct, optional gpu, mem_total_mib, power_w and more. Per target and horizon 1-5 s on a 1 s grid: "
+        "MAE, RMSE, R2, MAPE, P90 coverage and pinball loss. The format and the protocol: docs/evaluation.md "
+        "(\"The trace format\", \"Evaluation\"); `vgpu trace convert` makes such traces from datasets."))
     parser.add_argument("--trace", required=True, help="canonical trace to evaluate on")
     parser.add_argument("--model", default=None, help="forecaster checkpoint (default: the shipped one)")
     parser.add_argument("--split", default=None, choices=("test", "val", "train", "all"),

@@ -36,6 +36,7 @@ from vgpu.manager.checkpoint import Metadata, git_commit, save_checkpoint
 from vgpu.manager.features import (
     FEATURE_VERSION,
     FEATURES_BY_VERSION,
+    SHIPPED_FEATURE_VERSION,
     FeatureSpec,
     build_grid,
     encode,
@@ -357,8 +358,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         "--feature-version",
         type=int,
         choices=sorted(FEATURES_BY_VERSION),
-        default=FEATURE_VERSION,
-        help=f"feature encoding (default v{FEATURE_VERSION}; see vgpu.manager.features)",
+        default=SHIPPED_FEATURE_VERSION,
+        help=f"feature encoding (default v{SHIPPED_FEATURE_VERSION}, the shipped model's: v{FEATURE_VERSION} "
+        "plus the in-app signals and a 120 s context; see docs/forecasting.md)",
     )
     p.add_argument(
         "--paper-recipe", action="store_true", help="lr 0.01 -> 0.001, L2 1e-3, patience 20 (the paper's)"
