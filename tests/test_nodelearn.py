@@ -332,3 +332,18 @@ def test_a_rotation_keeps_the_newest_entry_and_a_small_log_whole(tmp_path: Path)
     assert entries[0]["rejections"] == 1 and NL.status(state)["rejections"] == 2
     NL._append_log(state, {"event": "rejected", "at": 3.0})  # under the default bound: appended
     assert [e["at"] for e in NL.read_log(state)][1:] == [2.0, 3.0]
+
+
+def test_model_status_prints_only_json_on_stdout_when_it_logs(tmp_path: Path) -> None:
+    """A promotion log over NL.MAX_LOG_BYTES is read from its newest part with a
+    `promotion_log_skipped` record: that record goes to stderr, so `vgpu model status | jq` still reads
+    one JSON document (the record used to be printed on stdout before it)."""
+    models = tmp_path / "state" / "models"
+    models.mkdir(parents=True)
+    entry = json.dumps({"event": "rejected", "at": 1.0, "reason": "no better on the held-back history"}) + "\n"
+    (models / "promotions.jsonl").write_text(entry * (NL.MAX_LOG_BYTES // len(entry) + 100))
+    out = subprocess.run([sys.executable, "-m", "vgpu.cli", "model", "status", "--state-dir", str(tmp_path / "state")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["rejections"] > 0
+    assert "promotion_log_skipped" in out.stderr

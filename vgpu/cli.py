@@ -73,6 +73,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"vgpu: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    # Log records go to stderr from the start: structlog left unconfigured prints to stdout, where a
+    # tool's own output is (`vgpu model status | jq`). Commands with their own settings (serve, the
+    # profiler, the demo) configure it again.
+    from vgpu import log
+
+    log.configure("console", "info")
     try:
         return resolve(name)(args[1:], f"vgpu {name}")
     except BrokenPipeError:
