@@ -117,7 +117,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import structlog
 
-from vgpu.allocator.errors import Unavailable
+from vgpu.allocator.errors import StateNotSaved, Unavailable
 from vgpu.allocator.policy.base import IDLE_MEM_MIB, Recommendation, RecommendationSink
 from vgpu.histogram import LatencyHistogram
 from vgpu.log import LogBudget, get_logger, worth_logging
@@ -898,34 +898,32 @@ class Manager:
         out: list[Forecast | None] = [None] * len(items)
         model = self.forecaster is not self.fallback
         asked = [i for i, it in enumerate(items) if not model or self._benched.get(it.app_id, -math.inf) <= now]
-        name = getattr(self.forecaster, "name", "?")
         if asked:
-            try:
-                for i, fc in zip(asked, self._call(self.forecaster, [items[i].window for i in asked]), strict=True):
-                    out[i] = fc
-            except Exception as exc:  # noqa: BLE001 - each application alone, then the fallback
-                self._round_failed("forecaster_failed", exc, items[asked[0]].app_id, forecaster=name, apps=len(asked))
-                for i in asked if len(asked) > 1 else ():
-                    try:
-                        out[i] = self._call(self.forecaster, [items[i].window])[0]
-                    except Exception:  # noqa: BLE001 - counted in the round's failure; benched below
-                        pass
-                for i in asked:
-                    if out[i] is None and model:
-                        self._benched[items[i].app_id] = now + BENCH_S
+            self._forecast_into(out, self.forecaster, asked, items, "forecaster_failed",
+                                forecaster=getattr(self.forecaster, "name", "?"))
+            for i in asked:
+                if out[i] is None and model:
+                    self._benched[items[i].app_id] = now + BENCH_S
         rest = [i for i, fc in enumerate(out) if fc is None]
-        if rest and model:
-            try:
-                for i, fc in zip(rest, self._call(self.fallback, [items[i].window for i in rest]), strict=True):
-                    out[i] = fc
-            except Exception as exc:  # noqa: BLE001 - each alone; unknown where it fails (the last value decides)
-                self._round_failed("fallback_failed", exc, items[rest[0]].app_id, apps=len(rest))
-                for i in rest if len(rest) > 1 else ():
-                    try:
-                        out[i] = self._call(self.fallback, [items[i].window])[0]
-                    except Exception:  # noqa: BLE001 - counted above
-                        pass
+        if rest and model:  # unknown where the fallback fails too: the last value decides
+            self._forecast_into(out, self.fallback, rest, items, "fallback_failed")
         return [fc if fc is not None else _unknown() for fc in out]
+
+    def _forecast_into(self, out: list[Forecast | None], by: Forecaster, idx: list[int],
+                       items: list[Item], kind: str, **kw: object) -> None:
+        """`by`'s forecasts of `items[i]` for each i in `idx` into `out[i]`: in one call, or,
+        once that call raised (counted and logged as `kind`), alone for each (when there is more than
+        one), leaving None where that fails too."""
+        try:
+            for i, fc in zip(idx, self._call(by, [items[i].window for i in idx]), strict=True):
+                out[i] = fc
+        except Exception as exc:  # noqa: BLE001 - each application alone: one bad history fails only itself
+            self._round_failed(kind, exc, items[idx[0]].app_id, apps=len(idx), **kw)
+            for i in idx if len(idx) > 1 else ():
+                try:
+                    out[i] = self._call(by, [items[i].window])[0]
+                except Exception:  # noqa: BLE001 - counted in the round's failure; out[i] stays None
+                    pass
 
     def _fallback_one(self, it: Item) -> Forecast:
         """The fallback's forecast for one item; unknown when it fails."""
@@ -1031,6 +1029,9 @@ class Manager:
         try:
             report = self.allocator.apply_recommendations([d.to_recommendation() for d in pending])
         except Unavailable as exc:  # the daemon is stopping: it acts on nothing more (said once)
+            if isinstance(exc, StateNotSaved):  # an Unavailable too, but a failing store, not the stop
+                self._log.error("apply_recommendations_failed", error=repr(exc))
+                return
             if not self._apply_refused_said:
                 self._apply_refused_said = True
                 self._log.info("apply_recommendations_refused", reason=str(exc))

@@ -97,7 +97,9 @@ class NodeHistory:
         self._skipped: set[str] = set()
         self.rows_written = 0
         self.write_failures = 0
-        self.rows_refused = 0  # rows whose memory is above the capacity they record (not written, not read)
+        # rows whose memory is above the capacity they record: each refused write, and each row left out
+        # of a `read` (a segment read again counts its rows again)
+        self.rows_refused = 0
         self._refused_said = False
 
     def segments(self) -> list[tuple[int, Path]]:

@@ -27,13 +27,13 @@ at its 1st, 10th, 100th... occurrence; GpuLost marks the device lost and it is s
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
 from vgpu.client import DEFAULT_INAPP_DIR, InAppFormatError, InAppReport, read_inapp
-from vgpu.device.base import Backend, Device, GpuInstance, ProcessInfo
+from vgpu.device.base import Backend, Device, GpuInstance, ProcessInfo, ProcessUtilization
 from vgpu.device.errors import GpuLost, NoData, NoPermission, NotFound, NotSupported
 from vgpu.ids import app_id_problem, sanitize_app_id_part  # the manager's rule for app ids
 from vgpu.log import get_logger
@@ -289,7 +289,13 @@ class Sampler:
             state.instances = {gi.instance_id: gi for gi in instances or ()}
 
     def _update_util(self, state: _DeviceState, now_mono: float) -> None:
-        samples = self._read(state, "process_utilization", lambda: state.device.process_utilization(state.util_since_us))
+        def new_samples() -> Sequence[ProcessUtilization]:
+            try:
+                return state.device.process_utilization(state.util_since_us)
+            except (NoData, NotFound):
+                return ()  # NVML's way of saying "no new samples": the read worked
+
+        samples = self._read(state, "process_utilization", new_samples)
         state.util_read_ok = samples is not None
         listed = {p.pid for p in state.procs}
         for s in samples or ():
@@ -316,8 +322,6 @@ class Sampler:
             self.stats.errors[(state.uuid, name)] = self.stats.errors.get((state.uuid, name), 0) + 1
             return None
         except (NoData, NotFound):
-            if name == "process_utilization":
-                return None  # NVML's way of saying "no new samples"
             self._count_error(state.uuid, name, NotFound(f"{name}: no data"))
             return None
         except GpuLost as exc:

@@ -348,3 +348,17 @@ def test_denial_records_are_bounded_per_key_and_say_how_many_were_left_out() -> 
     assert log.admit(c) == 0 and len(log._keys) <= 2  # keys whose interval is over are forgotten
     with pytest.raises(ValueError):
         auth.DenialLog(burst=0)
+
+
+def test_denial_records_hold_at_most_max_keys_while_every_key_is_live() -> None:
+    """A caller that makes up keys faster than their interval ends (app ids it claimed, each
+    refused on every method) must not grow the budget past `max_keys`: the keys held are what the
+    daemon keeps in memory, and each new key once rebuilt the whole table when it was full."""
+    now = [0.0]
+    log = auth.DenialLog(interval_s=60.0, burst=1, max_keys=8, clock=lambda: now[0])
+    for i in range(100):
+        now[0] = i * 0.01  # all within one interval: none has expired
+        assert log.admit((f"app:{i}", 1000, "/m", "PERMISSION_DENIED")) == 0
+        assert len(log._keys) <= 8
+    # the newest keys are the ones kept: a key just seen is still within its budget
+    assert log.admit(("app:99", 1000, "/m", "PERMISSION_DENIED")) is None

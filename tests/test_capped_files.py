@@ -6,6 +6,7 @@ is measured (tracemalloc): reading it whole would allocate its size."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tracemalloc
@@ -17,6 +18,7 @@ import pytest
 from daemon_fixtures import ROOT, SKU, Env
 from structlog.testing import capture_logs
 
+from vgpu import capped
 from vgpu.auth import SECRET_BYTES, AuthSetupError, TokenAuthority
 from vgpu.capped import FileTooLarge, read_capped, read_tail
 from vgpu.client import MAX_INAPP_FILE_BYTES, InAppFormatError, inapp_path, read_inapp
@@ -71,6 +73,28 @@ def test_read_tail_keeps_whole_lines_of_the_newest_bytes(tmp_path: Path) -> None
     assert read_tail(p, 8) == (b"bbb\nccc\n", 4)  # the window starts on a line: kept whole
     assert read_tail(p, 6) == (b"ccc\n", 8)  # "b\n" is the end of a line cut short: left out
     assert read_tail(p, 3) == (b"", 12)  # no whole line in the window
+
+
+
+def test_read_tail_of_a_log_that_grew_past_the_window_while_read_keeps_its_newest_lines(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The size is taken before the read; a writer appending in between (the learner adds a
+    promotion while `vgpu model status` reads) makes the file longer than the window: its newest
+    lines are what is read, not its oldest."""
+    p = tmp_path / "log"
+    p.write_bytes(b"aaa\nbbb\nccc\nddd\n")
+    real_fstat = capped.os.fstat
+    calls = []
+
+    def fstat_before_the_append(fd: int) -> Any:
+        st = real_fstat(fd)
+        calls.append(st.st_size)
+        if len(calls) == 1:  # the size as it was before another writer appended "ccc\nddd\n"
+            return os.stat_result((*st[:6], 8, *st[7:]))
+        return st
+
+    monkeypatch.setattr(capped.os, "fstat", fstat_before_the_append)
+    assert read_tail(p, 8) == (b"ccc\nddd\n", 8)
 
 
 # --- each file -----------------------------------------------------------------------------------------

@@ -104,3 +104,20 @@ def test_a_user_or_group_the_host_lacks_is_named_with_its_key_before_anything_st
     # groups that exist pass
     f.write_text('[server]\nsocket_group = "root"\n[auth]\noperator_group = "root"\nprofiler_group = "daemon"\n')
     assert serve(env, "--config", str(f), "--check-config").returncode == 0
+
+
+def test_a_socket_name_gone_since_the_check_is_named_alone(tmp_path: Path) -> None:
+    """A user or group removed between the start's check and the socket's chown: the error names the
+    one that is missing, not both (an unset group read as `group ''`)."""
+    import pytest
+
+    from vgpu.daemon.serve import StartupError, secure_socket
+
+    sock = tmp_path / "s"
+    sock.touch()
+    with pytest.raises(StartupError) as group_gone:
+        secure_socket(sock, mode=0o660, owner="", group="vgpu-no-such-group")
+    assert str(group_gone.value) == "socket group 'vgpu-no-such-group' does not exist"
+    with pytest.raises(StartupError) as owner_gone:
+        secure_socket(sock, mode=0o660, owner="vgpu-no-such-user", group="root")
+    assert str(owner_gone.value) == "socket owner 'vgpu-no-such-user' does not exist"

@@ -20,7 +20,7 @@ from tests.profiler_fakes import (
 )
 from vgpu.client import InAppCounters, InAppReport, VgpuClient, write_inapp
 from vgpu.device.base import ProcessInfo, ProcessUtilization
-from vgpu.device.errors import GpuLost, InvalidArgument, NoData, NotSupported, UnknownDeviceError
+from vgpu.device.errors import GpuLost, InvalidArgument, NoData, NotFound, NotSupported, UnknownDeviceError
 from vgpu.profiler.sampler import Sampler
 from vgpu.traces import AppTrace
 
@@ -134,6 +134,21 @@ def test_no_data_from_process_utilization_is_not_an_error(tmp_path: Path) -> Non
     sampler, _, log, _ = make([dev], [FakeProc(11)], tmp_path)
     assert len(sampler.sample()) == 1
     assert sampler.stats.errors == {} and not log.records
+
+
+
+@pytest.mark.parametrize("no_samples", [NoData, NotFound])
+def test_no_new_samples_as_an_error_code_still_reads_an_idle_process_as_zero(
+        tmp_path: Path, no_samples: type[Exception]) -> None:
+    """NO_DATA / NOT_FOUND from the utilization read is NVML's "no sample newer" (as an empty answer
+    is): the read worked, so a process listed for longer than the hold with no sample was idle."""
+    dev = FakeDevice(procs=[ProcessInfo(pid=11, used_mib=1.0)])
+    dev.fail["process_utilization"] = no_samples()
+    sampler, mono, _, _ = make([dev], [FakeProc(11)], tmp_path, util_hold_s=1.0)
+    assert not sampler.sample()[0].process.HasField("sm_util_pct")  # just listed: too early to say
+    mono.advance(1.5)
+    sig = sampler.sample()[0]
+    assert sig.process.HasField("sm_util_pct") and sig.process.sm_util_pct == 0.0
 
 
 def test_other_errors_are_counted_and_logged_sparsely(tmp_path: Path) -> None:

@@ -139,3 +139,37 @@ def test_a_profiler_streams_decisions_reaching_a_stopping_allocator_are_refused_
     assert [e["event"] for e in logs if e["log_level"] in ("error", "warning")] == []
     assert [e["event"] for e in logs].count("apply_recommendations_refused") == 1
     assert alloc.ledger.grants() == []
+
+
+def test_a_store_failure_in_apply_is_an_error_every_time_not_the_stop() -> None:
+    """StateNotSaved is an Unavailable too: a sink whose apply could not store its plan has not
+    stopped, so each failure is an `apply_recommendations_failed` error (worth an operator's look),
+    not the stop's one quiet `apply_recommendations_refused`."""
+    from collections.abc import Sequence
+
+    from manager_fakes import EwmaMarginForecaster
+    from structlog.testing import capture_logs
+
+    from vgpu.allocator.errors import StateNotSaved
+    from vgpu.manager.core import Manager
+    from vgpu.v1 import ingest_pb2
+    from vgpu.v1 import signature_pb2 as spb
+
+    class FailingStore:
+        def apply_recommendations(self, recommendations: Sequence[Recommendation]) -> object:
+            raise StateNotSaved("state directory full")
+
+        def forget_app(self, app_id: str) -> list[object]:
+            return []
+
+    clock = FakeClock()
+    mgr = Manager(FailingStore(), EwmaMarginForecaster(), clock=clock, min_samples=1)  # type: ignore[arg-type]
+    with capture_logs() as logs:
+        for k in range(1, 4):
+            clock.advance(1.0)
+            sig = spb.BehavioralSignature(app_id="a", pid=7, device_id="GPU-0", timestamp_s=clock(), seq=k,
+                                          process=spb.ProcessCounters(gpu_mem_used_mib=1000.0, sm_util_pct=10.0))
+            mgr.ingest(ingest_pb2.SignatureBatch(profiler_id="p", tick=k, sent_at_s=clock(), signatures=[sig]))
+    events = [e["event"] for e in logs]
+    assert "apply_recommendations_refused" not in events
+    assert events.count("apply_recommendations_failed") == 3

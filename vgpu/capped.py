@@ -50,7 +50,7 @@ def read_tail(path: str | Path, max_bytes: int) -> tuple[bytes, int]:
             data = fh.read(max_bytes + 1)
             if len(data) <= max_bytes:
                 return data, 0
-            size = max(size, len(data))  # grew while being read: take its tail below
+            size = max(os.fstat(fh.fileno()).st_size, len(data))  # grew since: its tail as it is now, below
         # from the byte before the window: a newline there means the window starts with a whole line
         before = size - max_bytes - 1
         fh.seek(before)

@@ -138,9 +138,11 @@ def worth_logging(count: int) -> bool:
 
 class LogBudget:
     """Which of many like events get a log record: the first `burst` of each key in each
-    `interval_s`; the rest are counted, and the key's next record carries the count. Keys whose
-    interval is over are forgotten once more than `max_keys` are held. For events a caller can cause
-    at will (refused calls, applications it makes up), so that it cannot fill the log."""
+    `interval_s`; the rest are counted, and the key's next record carries the count. At most
+    `max_keys` keys are held: a new key past that forgets the key whose interval began first (one
+    whose interval is over, unless a caller makes up keys faster: then a live one, whose count of
+    events left out is lost and whose next event is logged). For events a caller can cause at will
+    (refused calls, applications it makes up), so that it cannot fill the log."""
 
     def __init__(self, *, interval_s: float = 60.0, burst: int = 10,
                  max_keys: int = 4096, clock: Callable[[], float] = time.monotonic) -> None:
@@ -148,7 +150,9 @@ class LogBudget:
             raise ValueError("interval_s must be > 0, burst and max_keys >= 1")
         self.interval_s, self.burst, self.max_keys = interval_s, burst, max_keys
         self._clock = clock
-        # key -> [start of its interval, records in it, events left out since its last record]
+        # key -> [start of its interval, records in it, events left out since its last record], in the
+        # order their intervals began (a key whose interval restarts moves to the end), so the key to
+        # forget is the first one: no pass over the table per new key
         self._keys: dict[tuple[object, ...], list[float]] = {}
 
     def admit(self, key: tuple[object, ...]) -> int | None:
@@ -157,11 +161,12 @@ class LogBudget:
         now = self._clock()
         state = self._keys.get(key)
         if state is None:
-            if len(self._keys) >= self.max_keys:
-                self._keys = {k: v for k, v in self._keys.items() if now - v[0] < self.interval_s}
+            while len(self._keys) >= self.max_keys:  # the interval that began first: an expired one if any
+                del self._keys[next(iter(self._keys))]
             state = self._keys[key] = [now, 0.0, 0.0]
         elif now - state[0] >= self.interval_s:
             state[0], state[1] = now, 0.0
+            self._keys[key] = self._keys.pop(key)  # to the end: the intervals stay in the order they began
         if state[1] >= self.burst:
             state[2] += 1
             return None

@@ -754,8 +754,10 @@ def secure_socket(path: Path, *, mode: int, owner: str, group: str) -> None:
         if group:
             gid = grp.getgrnam(group).gr_gid
     except KeyError:
-        # the name went away since the start's check (config.missing_names)
-        raise StartupError(f"socket owner {owner!r} or group {group!r} does not exist") from None
+        # the name went away since the start's check (config.missing_names); the owner is looked up
+        # first, so a uid still unset with an owner named means the owner is the one missing
+        missing = f"socket owner {owner!r}" if owner and uid == -1 else f"socket group {group!r}"
+        raise StartupError(f"{missing} does not exist") from None
     if uid != -1 or gid != -1:
         os.chown(path, uid, gid)
     os.chmod(path, mode)
@@ -883,7 +885,7 @@ def _read(path: str, what: str) -> bytes:
     """A TLS file (key, certificate, CA bundle), at most MAX_TLS_FILE_BYTES of it."""
     try:
         return read_capped(path, MAX_TLS_FILE_BYTES)
-    except OSError as exc:  # FileTooLarge too: "larger than ... bytes
+    except OSError as exc:  # FileTooLarge too: its strerror says "larger than N bytes ..."
         raise StartupError(f"cannot read {what} {path}: {exc}") from exc
 
 
