@@ -383,7 +383,9 @@ def promote(state_dir: str | Path, candidate: Path, entry: dict[str, Any]) -> Pa
     entry |= {"event": "promoted", "archived": kept.name}
     with _log_lock(state_dir):
         _append_locked(state_dir, entry)
-        _prune(state_dir)
+        pruned = _prune(state_dir)
+    if pruned:
+        get_logger("vgpu.manager.nodelearn").info("archived_models_pruned", pruned=pruned, keep=KEEP_ARCHIVED)
     return kept
 
 

@@ -368,7 +368,12 @@ def test_the_archive_keeps_the_newest_models_and_rollback_past_them_says_they_we
     state = tmp_path / "state"
     models = state / "models"
     n = NL.KEEP_ARCHIVED + 3
-    _promote_bodies(state, [f"model-{i}".encode() for i in range(1, n + 1)])
+    from structlog.testing import capture_logs
+
+    with capture_logs() as logs:
+        _promote_bodies(state, [f"model-{i}".encode() for i in range(1, n + 1)])
+    assert [e["pruned"] for e in logs if e["event"] == "archived_models_pruned"] == [["local-1.pt"], ["local-2.pt"],
+                                                                                     ["local-3.pt"]]
     kept = [f"local-{i}.pt" for i in range(4, n + 1)]
     assert sorted(p.name for p in (models / "archive").iterdir()) == sorted(kept)
     pruned = [e for e in NL.read_log(state) if e["event"] == "pruned"]
