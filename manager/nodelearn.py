@@ -3,11 +3,15 @@ only when it beats the serving one on the most recent held-back history, log eve
 
 Files, under `<state_dir>/models/`:
 - `local.pt`: the node-local model the daemon serves as the mixture's "local" expert (absent: none);
-- `archive/local-<n>.pt`: every promoted model, kept for rollback;
+- `archive/local-<n>.pt`: the promoted models, kept for rollback: the newest `KEEP_ARCHIVED` (10)
+  that rollback walks back through and the `KEEP_ARCHIVED` highest-numbered, at most twice that many
+  files (a checkpoint is about 0.9 MB); a promotion deletes the rest and logs a `pruned` entry naming
+  them, so a rollback past the oldest kept model falls back to the global model and says why;
 - `promotions.jsonl`: one JSON object per promotion, rejection or rollback, appended; rotated once it
   passes `ROTATE_AT_BYTES` (1 MiB): rewritten as one `compacted` entry that carries what the older
   entries said (the models that served in turn, the newest `MAX_SERVING_STACK` of them, and the counts
-  of promotions, rejections and rollbacks), then the newest entries that fit in `KEEP_BYTES` (256 KiB).
+  of promotions, rejections, rollbacks and pruned models), then the newest entries that fit in
+  `KEEP_BYTES` (256 KiB).
 
 One learning round (`learn_once`): read the history (manager/history.py), hold back its last
 `holdout_s` seconds of the node's clock, fine-tune a copy of the serving model (the local one when it
@@ -27,6 +31,7 @@ back in `local.pt` (or removes it when there was none before) and logs it; the d
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import json
 import math
@@ -37,7 +42,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,6 +68,12 @@ MAX_LOG_BYTES = 8 * 1024 * 1024
 ROTATE_AT_BYTES = 1024 * 1024
 KEEP_BYTES = 256 * 1024
 MAX_SERVING_STACK = 1000
+# A promotion keeps the newest KEEP_ARCHIVED models that a rollback walks back through (the serving
+# one and the KEEP_ARCHIVED - 1 before it) and the KEEP_ARCHIVED highest-numbered files (so a damaged
+# or deleted log never empties the archive), and deletes every other `local-<n>.pt`: at most
+# 2 x KEEP_ARCHIVED files, about 18 MB with the 0.9 MB shipped model. At least 2, so that the serving
+# model and the one a rollback goes back to next are never deleted.
+KEEP_ARCHIVED = 10
 _LOCK = ".promotions.lock"
 
 
@@ -81,25 +92,38 @@ def models_dir(state_dir: str | Path) -> Path:
     return Path(state_dir) / "models"
 
 
-def _append_log(state_dir: str | Path, entry: dict[str, Any], *, rotate_at_bytes: int = ROTATE_AT_BYTES,
-                keep_bytes: int = KEEP_BYTES) -> None:
-    """Append `entry` to the promotion log, then rotate the log when it is larger than
-    `rotate_at_bytes`; under a lock, so that a learning round and `vgpu model rollback` never lose
-    each other's entries to a rotation."""
+@contextlib.contextmanager
+def _log_lock(state_dir: str | Path) -> Iterator[None]:
+    """The promotion log's lock, held by every append (and by a promotion while it prunes), so that a
+    learning round and `vgpu model rollback` never lose each other's entries to a rotation."""
     d = models_dir(state_dir)
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
     lock_fd = os.open(d / _LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX)
-        with open(d / LOG, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(entry, sort_keys=True) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-            size = fh.tell()
-        if size > rotate_at_bytes:
-            _rotate(state_dir, keep_bytes)
+        yield
     finally:
         os.close(lock_fd)  # releases the lock
+
+
+def _append_log(state_dir: str | Path, entry: dict[str, Any], *, rotate_at_bytes: int = ROTATE_AT_BYTES,
+                keep_bytes: int = KEEP_BYTES) -> None:
+    """Append `entry` to the promotion log, then rotate the log when it is larger than
+    `rotate_at_bytes`; under the log's lock."""
+    with _log_lock(state_dir):
+        _append_locked(state_dir, entry, rotate_at_bytes, keep_bytes)
+
+
+def _append_locked(state_dir: str | Path, entry: dict[str, Any], rotate_at_bytes: int = ROTATE_AT_BYTES,
+                   keep_bytes: int = KEEP_BYTES) -> None:
+    d = models_dir(state_dir)
+    with open(d / LOG, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(entry, sort_keys=True) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+        size = fh.tell()
+    if size > rotate_at_bytes:
+        _rotate(state_dir, keep_bytes)
 
 
 def _rotate(state_dir: str | Path, keep_bytes: int) -> None:
@@ -113,9 +137,10 @@ def _rotate(state_dir: str | Path, keep_bytes: int) -> None:
         size += len(lines[first])
     if first == 0:
         return  # nothing older to drop: every entry fits
-    stack, counts = _summarise(log[:first])
-    compacted = {"at": time.time(), "event": "compacted", "dropped_entries": first,
-                 "serving_archive": stack[-MAX_SERVING_STACK:], **counts}
+    summary = _summarise(log[:first])
+    stack = summary.stack[-MAX_SERVING_STACK:]
+    compacted = {"at": time.time(), "event": "compacted", "dropped_entries": first, "serving_archive": stack,
+                 "pruned_below": summary.pruned_below, **summary.counts}
     d = models_dir(state_dir)
     tmp = d / f".{LOG}.tmp"
     with open(tmp, "w", encoding="utf-8") as fh:
@@ -131,18 +156,32 @@ def _count(value: object) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
-def _summarise(log: Sequence[dict[str, Any]]) -> tuple[list[str], dict[str, int]]:
-    """(the archived models that served in turn, oldest first, rollbacks applied; how many
-    promotions, rejections and rollbacks) that `log` says; a `compacted` entry stands for the entries
-    a rotation dropped before it."""
+@dataclass(frozen=True)
+class _Summary:
+    stack: list[str]  # the archived models that served in turn, oldest first, rollbacks and pruning applied
+    counts: dict[str, int]  # promotions, rejections, rollbacks, pruned (archived models deleted)
+    pruned_below: bool  # a model a rollback from the bottom of `stack` would have gone back to was pruned
+
+
+def _summarise(log: Sequence[dict[str, Any]]) -> _Summary:
+    """What `log` says; a `compacted` entry stands for the entries a rotation dropped before it."""
     stack: list[str] = []
-    counts = {"promotions": 0, "rejections": 0, "rollbacks": 0}
+    counts = {"promotions": 0, "rejections": 0, "rollbacks": 0, "pruned": 0}
+    pruned_below = False
     for e in log:
         event = e.get("event")
         if event == "compacted":
             prior = e.get("serving_archive")
             stack = [a for a in prior if isinstance(a, str) and _ARCHIVED.fullmatch(a)] if isinstance(prior, list) else []
             counts = {k: _count(e.get(k)) for k in counts}
+            pruned_below = e.get("pruned_below") is True
+        elif event == "pruned":
+            names = e.get("pruned")
+            gone = {a for a in names if isinstance(a, str)} if isinstance(names, list) else set()
+            counts["pruned"] += len(gone)
+            if any(a in gone for a in stack):
+                pruned_below = True
+                stack = [a for a in stack if a not in gone]
         elif event == "promoted":
             counts["promotions"] += 1
             archived = e.get("archived")
@@ -154,7 +193,9 @@ def _summarise(log: Sequence[dict[str, Any]]) -> tuple[list[str], dict[str, int]
             counts["rollbacks"] += 1
             if stack:
                 stack.pop()
-    return stack, counts
+            if not stack:
+                pruned_below = False  # the global model serves: nothing below it to reach
+    return _Summary(stack, counts, pruned_below)
 
 
 def read_log(state_dir: str | Path, *, max_bytes: int = MAX_LOG_BYTES) -> list[dict[str, Any]]:
@@ -340,8 +381,32 @@ def promote(state_dir: str | Path, candidate: Path, entry: dict[str, Any]) -> Pa
     os.replace(tmp, d / LOCAL)
     candidate.unlink(missing_ok=True)
     entry |= {"event": "promoted", "archived": kept.name}
-    _append_log(state_dir, entry)
+    with _log_lock(state_dir):
+        _append_locked(state_dir, entry)
+        pruned = _prune(state_dir)
+    if pruned:
+        get_logger("vgpu.manager.nodelearn").info("archived_models_pruned", pruned=pruned, keep=KEEP_ARCHIVED)
     return kept
+
+
+def _prune(state_dir: str | Path, keep: int = KEEP_ARCHIVED) -> list[str]:
+    """Delete the archived models beyond the newest `keep` that a rollback walks back through and the
+    `keep` highest-numbered files, logging a `pruned` entry first (a crash in between leaves files that
+    the next promotion deletes, never a log that reads a pruned model as deleted by accident); the
+    caller holds the log's lock. Returns the names deleted."""
+    keep = max(2, keep)  # never the serving model nor the one a rollback goes back to next
+    archive = models_dir(state_dir) / "archive"
+    files = sorted((p for p in archive.glob("local-*.pt") if _ARCHIVED.fullmatch(p.name) and p.is_file()),
+                   key=lambda p: int(p.stem.split("-")[1]))
+    kept = set(_summarise(read_log(state_dir)).stack[-keep:]) | {p.name for p in files[-keep:]}
+    gone = [p for p in files if p.name not in kept]
+    if not gone:
+        return []
+    _append_locked(state_dir, {"at": time.time(), "event": "pruned", "pruned": [p.name for p in gone],
+                               "keep": keep})
+    for p in gone:
+        p.unlink(missing_ok=True)
+    return [p.name for p in gone]
 
 
 # The names `promote` gives archived models; a log entry naming anything else (another directory, a
@@ -352,18 +417,23 @@ _ARCHIVED = re.compile(r"local-[0-9]+\.pt")
 def serving_archive(state_dir: str | Path) -> list[str]:
     """The archived models that served in turn, oldest first, rollbacks applied: what the log says
     `local.pt` held after each promotion or rollback."""
-    return _summarise(read_log(state_dir))[0]
+    return _summarise(read_log(state_dir)).stack
 
 
 def rollback(state_dir: str | Path) -> dict[str, Any]:
     """Put the model promoted before the serving one back in `local.pt` (or remove it when none was)."""
     d = models_dir(state_dir)
-    stack = serving_archive(state_dir)
+    summary = _summarise(read_log(state_dir))
+    stack = summary.stack
     if not stack:
         raise LookupError("nothing to roll back: no promoted node-local model serves")
     undone = stack.pop()
     entry: dict[str, Any] = {"at": time.time(), "event": "rollback", "undone": undone,
                              "serving": stack[-1] if stack else None}
+    if not stack and summary.pruned_below:
+        # the models promoted before `undone` were deleted to bound the archive: the global model serves
+        entry["note"] = (f"the models promoted before {undone} were pruned from the archive (only the newest "
+                         f"{KEEP_ARCHIVED} are kept): the global model serves")
     if stack:
         previous = d / "archive" / stack[-1]
         if not previous.is_file():
@@ -382,12 +452,14 @@ def rollback(state_dir: str | Path) -> dict[str, Any]:
 def status(state_dir: str | Path) -> dict[str, Any]:
     d = models_dir(state_dir)
     log = read_log(state_dir)
-    stack, counts = _summarise(log)
+    summary = _summarise(log)
+    stack = summary.stack
     local = d / LOCAL
     return {
         "local_model": str(local) if local.exists() else None,
         "serving_archive": stack[-1] if stack else None,
-        **counts,
+        "rollback_depth": len(stack),  # how many rollbacks reach an archived model (then the global one)
+        **summary.counts,
         "last": log[-1] if log else None,
         "history": _history_files(Path(state_dir) / "history"),
     }
@@ -541,6 +613,8 @@ def model_main(argv: Sequence[str] | None = None, prog: str = "vgpu model") -> i
     except LookupError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 1
+    if "note" in entry:
+        print(f"{prog}: {entry['note']}", file=sys.stderr)
     print(json.dumps(entry, sort_keys=True))
     return 0
 

@@ -347,3 +347,89 @@ def test_model_status_prints_only_json_on_stdout_when_it_logs(tmp_path: Path) ->
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["rejections"] > 0
     assert "promotion_log_skipped" in out.stderr
+
+
+def _promote_bodies(state: Path, bodies: Sequence[bytes]) -> None:
+    """Promotions as a learning round makes them (the candidate file copied into the archive and
+    `local.pt`), with small files for bodies."""
+    for body in bodies:
+        models_dir = NL.models_dir(state)
+        models_dir.mkdir(parents=True, exist_ok=True)
+        candidate = models_dir / "candidate.pt"
+        candidate.write_bytes(body)
+        NL.promote(state, candidate, {"at": time.time()})
+
+
+def test_the_archive_keeps_the_newest_models_and_rollback_past_them_says_they_were_pruned(tmp_path: Path) -> None:
+    """Every promotion past NL.KEEP_ARCHIVED deletes the oldest archived model and logs a `pruned`
+    entry; `vgpu model rollback` walks back through the kept ones, and past the oldest kept one serves
+    the global model and says the older ones were pruned; a kept model deleted by hand is still the
+    `missing from the archive` error (exit 1, nothing changed)."""
+    state = tmp_path / "state"
+    models = state / "models"
+    n = NL.KEEP_ARCHIVED + 3
+    from structlog.testing import capture_logs
+
+    with capture_logs() as logs:
+        _promote_bodies(state, [f"model-{i}".encode() for i in range(1, n + 1)])
+    assert [e["pruned"] for e in logs if e["event"] == "archived_models_pruned"] == [["local-1.pt"], ["local-2.pt"],
+                                                                                     ["local-3.pt"]]
+    kept = [f"local-{i}.pt" for i in range(4, n + 1)]
+    assert sorted(p.name for p in (models / "archive").iterdir()) == sorted(kept)
+    pruned = [e for e in NL.read_log(state) if e["event"] == "pruned"]
+    assert [e["pruned"] for e in pruned] == [["local-1.pt"], ["local-2.pt"], ["local-3.pt"]]
+    assert (models / "local.pt").read_bytes() == f"model-{n}".encode()
+
+    def vgpu(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "vgpu.cli", "model", *args, "--state-dir", str(state)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+    status = json.loads(vgpu("status").stdout)
+    assert (status["promotions"], status["pruned"], status["rollback_depth"]) == (n, 3, NL.KEEP_ARCHIVED)
+    # a kept model deleted by hand is not a pruned one: the error, and local.pt unchanged
+    hand_deleted = (models / "archive" / f"local-{n - 1}.pt").read_bytes()
+    (models / "archive" / f"local-{n - 1}.pt").unlink()
+    out = vgpu("rollback")
+    assert out.returncode == 1 and "is missing from the archive" in out.stderr and "pruned" not in out.stderr
+    assert (models / "local.pt").read_bytes() == f"model-{n}".encode()
+    (models / "archive" / f"local-{n - 1}.pt").write_bytes(hand_deleted)
+    for i in range(n - 1, 3, -1):  # back through every kept model, newest first
+        out = vgpu("rollback")
+        assert out.returncode == 0 and out.stderr == "", out.stderr
+        assert (models / "local.pt").read_bytes() == f"model-{i}".encode()
+    out = vgpu("rollback")  # past the oldest kept one: the global model, and why
+    assert out.returncode == 0 and json.loads(out.stdout)["serving"] is None, out.stderr
+    assert out.stderr.strip() == ("vgpu model: the models promoted before local-4.pt were pruned from the archive "
+                                  f"(only the newest {NL.KEEP_ARCHIVED} are kept): the global model serves")
+    assert not (models / "local.pt").exists()
+    out = vgpu("rollback")
+    assert out.returncode == 1 and "nothing to roll back" in out.stderr
+    assert json.loads(vgpu("status").stdout)["rollback_depth"] == 0
+
+
+def test_models_rolled_back_past_are_pruned_too_and_the_archive_stays_bounded(tmp_path: Path) -> None:
+    """Promote, roll back, promote again, many times: the archive never holds more than
+    2 x NL.KEEP_ARCHIVED files, the serving model and the one before it are always there, and a
+    rollback after a pruning rotation of the log still says the older models were pruned."""
+    state = tmp_path / "state"
+    archive = state / "models" / "archive"
+    for round_ in range(8):
+        _promote_bodies(state, [f"r{round_}-{i}".encode() for i in range(4)])
+        NL.rollback(state)
+        NL.rollback(state)
+        stack = NL.serving_archive(state)
+        files = {p.name for p in archive.iterdir()}
+        assert len(files) <= 2 * NL.KEEP_ARCHIVED and set(stack[-2:]) <= files
+        assert (state / "models" / "local.pt").read_bytes() == (archive / stack[-1]).read_bytes()
+    depth = len(NL.serving_archive(state))
+    assert depth == NL.KEEP_ARCHIVED - 2  # pruned at the last promotion, then two rollbacks
+    # a rotation that summarises the pruned entries keeps what they meant
+    NL._append_log(state, {"event": "rejected", "at": 1.0, "reason": "x" * 500}, rotate_at_bytes=100, keep_bytes=10)
+    entries = NL.read_log(state)
+    assert entries[0]["event"] == "compacted" and entries[0]["pruned_below"] is True and len(entries) == 2
+    for _ in range(depth - 1):
+        assert "note" not in NL.rollback(state)
+    last = NL.rollback(state)
+    assert last["serving"] is None and "were pruned from the archive" in last["note"]
+    with pytest.raises(LookupError, match="nothing to roll back"):
+        NL.rollback(state)
