@@ -14,12 +14,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import psutil
 import pytest
-from daemon_fixtures import ROOT, Env, Serve
+from daemon_fixtures import ROOT, Env, Serve, make_env
 from test_client import NotReadyAllocator, serve
 
 from vgpu.client import NOTHING_CHANGED_KEY
@@ -115,32 +116,44 @@ def test_a_change_with_no_daemon_says_how_long_it_waited_and_0_does_not_wait(env
     assert r.returncode == 1 and "nothing listens" not in r.stderr
 
 
-@pytest.mark.parametrize("command", [["available", "--json"], ["apps", "--json"], ["top", "--plain", "--iterations", "1"],
-                                     ["report", "--app", "nobody", "--out", "REPORT"]],
-                         ids=lambda c: c[0])
-def test_a_look_sent_before_the_daemon_listens_waits_for_it(env: Env, serves: list[Serve], command: list[str],
-                                                           tmp_path: Path) -> None:
+LOOKS = (["available", "--json"], ["apps", "--json"], ["top", "--plain", "--iterations", "1"],
+         ["report", "--app", "nobody", "--out", "REPORT"])
+
+
+def test_a_look_sent_before_the_daemon_listens_waits_for_it(env: Env, serves: list[Serve], tmp_path: Path) -> None:
     """`vgpu serve & vgpu available` typed together (docs/install.md, "Trying it"): the read-only
-    commands wait within --wait-s too, and answer once the daemon serves."""
-    command = [str(tmp_path / "report.png") if a == "REPORT" else a for a in command]
-    waits = start(*command, "--socket", str(env.sock), "--wait-s", "60", env=env.env)
-    assert waits.stderr is not None
-    first = waits.stderr.readline()
-    assert first.startswith(f"vgpu {command[0]}: nothing listens on ") and "--wait-s" in first, first
-    assert waits.poll() is None
-    serves.append(Serve(env))
-    out, err = waits.communicate(timeout=90)
-    assert "nothing listens" not in err
-    if command[0] == "report":  # the daemon answered (no history for an app it never saw), not "cannot reach"
-        assert waits.returncode == 1 and "no history for application 'nobody'" in err, first + err
-        return
-    assert waits.returncode == 0, first + err
-    if command[0] == "available":
-        assert json.loads(out)["devices"][0]["name"]
-    elif command[0] == "apps":
-        assert json.loads(out).get("apps", []) == []
-    else:
-        assert out.startswith("vgpu top") and "GRANTED MiB" in out
+    commands wait within --wait-s too, and answer once the daemon serves. All four wait for the
+    one daemon (a start is 2-3 s of the suite); each is checked on its own."""
+    waiting: dict[str, tuple[subprocess.Popen[str], str]] = {}
+    try:
+        for look in LOOKS:
+            command = [str(tmp_path / "report.png") if a == "REPORT" else a for a in look]
+            waits = start(*command, "--socket", str(env.sock), "--wait-s", "60", env=env.env)
+            waiting[command[0]] = (waits, "")
+            assert waits.stderr is not None
+            first = waits.stderr.readline()
+            assert first.startswith(f"vgpu {command[0]}: nothing listens on ") and "--wait-s" in first, first
+            assert waits.poll() is None
+            waiting[command[0]] = (waits, first)
+        serves.append(Serve(env))
+        for name, (waits, first) in waiting.items():
+            out, err = waits.communicate(timeout=90)
+            assert "nothing listens" not in err, name
+            if name == "report":  # the daemon answered (no history for an app it never saw), not "cannot reach"
+                assert waits.returncode == 1 and "no history for application 'nobody'" in err, first + err
+                continue
+            assert waits.returncode == 0, name + ": " + first + err
+            if name == "available":
+                assert json.loads(out)["devices"][0]["name"]
+            elif name == "apps":
+                assert json.loads(out).get("apps", []) == []
+            else:
+                assert out.startswith("vgpu top") and "GRANTED MiB" in out, out
+    finally:
+        for waits, _ in waiting.values():
+            if waits.poll() is None:
+                waits.kill()
+                waits.communicate(timeout=10)
 
 
 def test_report_with_no_daemon_says_how_long_it_waited_and_0_does_not_wait(env: Env, tmp_path: Path) -> None:
@@ -196,6 +209,18 @@ def _grant(grant_id: str) -> allocator_pb2.Grant:
     return allocator_pb2.Grant(grant_id=grant_id, app_id="a", device_id="GPU-0", memory_mib=10)
 
 
+@pytest.fixture(scope="module")
+def looked_at(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    """One `vgpu serve` for the tests that only look at it (doctor, top, and command lines refused
+    before they reach it): none of them changes it, so they need not start one each (2-3 s a start)."""
+    env = make_env(tmp_path_factory.mktemp("looked-at"))
+    daemon = Serve(env)
+    try:
+        yield env
+    finally:
+        daemon.stop_now()
+
+
 def doctor_lines(env: Env, *args: str) -> dict[str, list[dict[str, str]]]:
     r = vgpu("doctor", "--state-dir", str(env.state), "--json", *args, env=env.env)
     by_name: dict[str, list[dict[str, str]]] = {}
@@ -204,8 +229,8 @@ def doctor_lines(env: Env, *args: str) -> dict[str, list[dict[str, str]]]:
     return by_name
 
 
-def test_doctor_checks_the_backend_the_daemon_runs_on_and_says_so(env: Env, serves: list[Serve], tmp_path: Path) -> None:
-    serves.append(Serve(env))
+def test_doctor_checks_the_backend_the_daemon_runs_on_and_says_so(looked_at: Env, tmp_path: Path) -> None:
+    env = looked_at
     checks = doctor_lines(env, "--socket", str(env.sock))  # no --backend: the configuration says nvml
     (backend,) = checks["backend"]
     assert backend["status"] == "OK" and backend["detail"].startswith("sim:h100-80gb, the daemon's at "), backend
@@ -246,8 +271,8 @@ def test_doctor_does_not_promise_a_state_directory_to_a_daemon_that_runs_with_an
     assert state["status"] == "WARN" and "the daemon will create it" in state["detail"], state
 
 
-def test_numbers_out_of_range_and_other_usage_mistakes_exit_2_naming_the_flag(env: Env, serves: list[Serve]) -> None:
-    serves.append(Serve(env))
+def test_numbers_out_of_range_and_other_usage_mistakes_exit_2_naming_the_flag(looked_at: Env) -> None:
+    env = looked_at
     sock = ["--socket", str(env.sock)]
     job = ["--model-type", "resnet50", "--batch-size", "8"]
     cases = [  # (command line, the flag the message names)
@@ -280,9 +305,8 @@ def test_vgpu_without_a_command_is_a_usage_error() -> None:
     assert vgpu("--help").returncode == 0
 
 
-def test_doctor_with_a_bad_backend_still_checks_the_socket_and_state_dir_given(
-        env: Env, serves: list[Serve]) -> None:
-    serves.append(Serve(env))
+def test_doctor_with_a_bad_backend_still_checks_the_socket_and_state_dir_given(looked_at: Env) -> None:
+    env = looked_at
     checks = doctor_lines(env, "--socket", str(env.sock), "--backend", "sim:nope")
     assert checks["config"][0]["status"] == "FAIL" and "sim:nope" in checks["config"][0]["detail"]
     assert checks["socket"][0]["status"] == "OK" and str(env.sock) in checks["socket"][0]["detail"]
@@ -323,8 +347,8 @@ def test_releasing_a_grant_without_its_token_says_where_the_token_was_looked_for
     assert ok.returncode == 0, ok.stderr
 
 
-def test_a_reader_that_goes_away_ends_the_command_quietly(env: Env, serves: list[Serve]) -> None:
-    serves.append(Serve(env))
+def test_a_reader_that_goes_away_ends_the_command_quietly(looked_at: Env) -> None:
+    env = looked_at
     top = start("top", "--socket", str(env.sock), "--plain", "--interval-s", "0.1", "--iterations", "200", env=env.env)
     assert top.stdout is not None and top.stdout.readline().startswith("vgpu top")
     top.stdout.close()  # as `vgpu top --plain | head -1` does once it has its line

@@ -10,9 +10,11 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
-from daemon_fixtures import ROOT, SKU, Env, Serve
+import pytest
+from daemon_fixtures import ROOT, SKU, Env, Serve, make_env
 
 from vgpu import auth
 
@@ -42,18 +44,29 @@ def test_size_of_an_unknown_model_type_says_so_and_names_the_nearest(tmp_path: P
     assert known.returncode == 0 and "unknown model type" not in known.stderr + known.stdout
 
 
-def test_set_limit_without_the_operator_token_says_where_it_is_and_how_to_pass_it(
-        env: Env, serves: list[Serve]) -> None:
-    serves.append(Serve(env))
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    """One `vgpu serve` for the tests that each ask it about an application id of their own (a start
+    is 2-3 s of the suite)."""
+    env = make_env(tmp_path_factory.mktemp("shared"))
+    daemon = Serve(env)
+    try:
+        yield env
+    finally:
+        daemon.stop_now()
+
+
+def test_set_limit_without_the_operator_token_says_where_it_is_and_how_to_pass_it(shared: Env) -> None:
+    env = shared
     sock = ["--socket", str(env.sock)]
-    assert vgpu("request", *sock, "--app", "a", "--memory-mib", "10", env=env.env).returncode == 0
-    r = vgpu("set-limit", *sock, "--app", "a", "--max-memory-mib", "5", env=env.env)
+    assert vgpu("request", *sock, "--app", "limited", "--memory-mib", "10", env=env.env).returncode == 0
+    r = vgpu("set-limit", *sock, "--app", "limited", "--max-memory-mib", "5", env=env.env)
     assert r.returncode == 1
     # the CLI looked in the default state directory, not the daemon's: it names where it looked
     assert "UNAUTHENTICATED" in r.stderr and "operator.token" in r.stderr, r.stderr
     assert "--state-dir" in r.stderr and "--token-file" in r.stderr and "VGPU_TOKEN_FILE" in r.stderr
     ok = vgpu("set-limit", *sock, "--token-file", str(auth.role_token_file("operator", env.state)),
-              "--app", "a", "--max-memory-mib", "5", env=env.env)
+              "--app", "limited", "--max-memory-mib", "5", env=env.env)
     assert ok.returncode == 0, ok.stderr
 
 
@@ -99,9 +112,8 @@ def test_report_labels_an_sm_change_with_its_resource_and_unit(env: Env, serves:
     assert sm_rows == ["capped by limits: SM 50 -&gt; 20 %"], rows  # the SM change, not "1000 -> 1000 MiB"
 
 
-def test_requesting_an_id_another_client_owns_says_where_the_token_was_looked_for(
-        env: Env, serves: list[Serve], tmp_path: Path) -> None:
-    serves.append(Serve(env))
+def test_requesting_an_id_another_client_owns_says_where_the_token_was_looked_for(shared: Env, tmp_path: Path) -> None:
+    env = shared
     sock = ["--socket", str(env.sock)]
     assert vgpu("request", *sock, "--app", "taken", "--memory-mib", "10", env=env.env).returncode == 0
     other = dict(env.env, XDG_CONFIG_HOME=str(tmp_path / "another-user"))  # its token cache is empty
@@ -201,8 +213,8 @@ def test_doctor_refuses_a_signature_age_no_signature_can_be_under(tmp_path: Path
         assert r.stdout == "" and "argument --max-signature-age-s: must be a" in r.stderr, r.stderr
 
 
-def test_a_change_with_no_answer_in_time_says_it_may_have_been_made(env: Env, serves: list[Serve]) -> None:
-    serves.append(Serve(env))
+def test_a_change_with_no_answer_in_time_says_it_may_have_been_made(shared: Env) -> None:
+    env = shared
     sock = ["--socket", str(env.sock), "--timeout-s", "0.000001"]  # no answer can come that fast
     r = vgpu("request", *sock, "--app", "slow", "--memory-mib", "10", env=env.env)
     assert r.returncode == 1, r.stderr

@@ -12,10 +12,12 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from daemon_fixtures import ROOT, Env, Serve
+from daemon_fixtures import ROOT, Env, Serve, make_env
 
 from vgpu.client import app_token_path
 
@@ -42,6 +44,27 @@ def run_app(env: Env, app_id: str, inapp: Path, *, config_home: Path | None = No
         penv["XDG_CONFIG_HOME"] = str(config_home)
     return subprocess.run([sys.executable, "-c", program, str(env.sock), app_id, str(inapp)],
                           cwd=ROOT, env=penv, capture_output=True, text=True, timeout=60)
+
+
+@dataclass(frozen=True)
+class Shared:
+    env: Env
+    inapp: Path  # the daemon's in-app directory
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shared]:
+    """One `vgpu serve` (its in-app directory set) for the tests whose applications only ask it for
+    their own application ids' grants, each id a test's own: they need not start one each (2-3 s a
+    start). The ids' tokens are kept in one configuration directory, each under its id."""
+    tmp = tmp_path_factory.mktemp("shared")
+    env = make_env(tmp)
+    env.env["VGPU_SERVER_INAPP_DIR"] = str(tmp / "inapp")
+    daemon = Serve(env)
+    try:
+        yield Shared(env, tmp / "inapp")
+    finally:
+        daemon.stop_now()
 
 
 def grants_of(env: Env, app_id: str) -> list[dict]:  # type: ignore[type-arg]
@@ -84,10 +107,10 @@ def test_application_releases_its_grants_and_restarts(env: Env, serves: list[Ser
     )
 
 
-def test_a_garbage_token_file_is_named(env: Env, serves: list[Serve], tmp_path: Path) -> None:
-    serves.append(Serve(env))
+def test_a_garbage_token_file_is_named(shared: Shared, tmp_path: Path) -> None:
+    env = shared.env
     token_file = app_token_path("bad", str(env.sock), env.env)
-    token_file.parent.mkdir(parents=True)
+    token_file.parent.mkdir(parents=True, exist_ok=True)  # the shared configuration directory may hold other ids
     token_file.write_text("not a token\n")
     r = run_app(env, "bad", tmp_path / "inapp")
     assert r.returncode != 0
@@ -95,8 +118,8 @@ def test_a_garbage_token_file_is_named(env: Env, serves: list[Serve], tmp_path: 
     assert "Invalid metadata" not in r.stderr
 
 
-def test_missing_inapp_directory_is_said_once(env: Env, serves: list[Serve], tmp_path: Path) -> None:
-    serves.append(Serve(env))
+def test_missing_inapp_directory_is_said_once(shared: Shared, tmp_path: Path) -> None:
+    env = shared.env
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")  # the directory cannot be created below a file
     program = APP.replace('print("closed", flush=True)', 'import time; time.sleep(0.5); print("closed", flush=True)')
@@ -141,22 +164,16 @@ with VgpuClient(app_id, socket=sock, inapp_dir=inapp, watch=False) as client:
 """
 
 
-def test_the_limit_kind_is_known_when_request_returns(env: Env, serves: list[Serve], tmp_path: Path) -> None:
-    inapp = tmp_path / "inapp"
-    env.env["VGPU_SERVER_INAPP_DIR"] = str(inapp)
-    serves.append(Serve(env))
-    r = run_app(env, "kind", inapp, program=KIND_APP)
+def test_the_limit_kind_is_known_when_request_returns(shared: Shared) -> None:
+    r = run_app(shared.env, "kind", shared.inapp, program=KIND_APP)
     assert r.returncode == 0, r.stdout + r.stderr
     assert json.loads(r.stdout)["kind"] == "cooperative"  # 1 GiB of 80: uncontended
 
 
-def test_the_stub_logs_to_stderr_never_stdout(env: Env, serves: list[Serve], tmp_path: Path) -> None:
+def test_the_stub_logs_to_stderr_never_stdout(shared: Shared) -> None:
     """The application's stdout is its own output: only the line it prints is there; the stub's log
     lines (the token saved, no torch to apply the limit) go to stderr."""
-    inapp = tmp_path / "inapp"
-    env.env["VGPU_SERVER_INAPP_DIR"] = str(inapp)
-    serves.append(Serve(env))
-    r = run_app(env, "quiet", inapp, program=KIND_APP)
+    r = run_app(shared.env, "quiet", shared.inapp, program=KIND_APP)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.splitlines() == [json.dumps({"kind": "cooperative"})], r.stdout
     assert "application token saved" in r.stderr
@@ -362,12 +379,10 @@ with VgpuClient(app_id, socket=sock, inapp_dir=inapp, report_period_s=0.05) as c
 """
 
 
-def test_the_stub_makes_only_a_shared_in_app_directory_never_its_parents(
-        env: Env, serves: list[Serve], tmp_path: Path) -> None:
-    inapp = tmp_path / "rt" / "vgpu" / "inapp"
+def test_the_stub_makes_only_a_shared_in_app_directory_never_its_parents(shared: Shared, tmp_path: Path) -> None:
+    inapp = tmp_path / "rt" / "vgpu" / "inapp"  # not the daemon's: it sees no report there
     (tmp_path / "rt").mkdir()
-    serves.append(Serve(env))
-    r = run_app(env, "dirs", inapp, program=INAPP_DIR_APP)
+    r = run_app(shared.env, "dirs", inapp, program=INAPP_DIR_APP)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     # a root-owned runtime directory under the application's umask (0700) would shut every other
@@ -493,13 +508,11 @@ with VgpuClient("due", socket=sock, inapp_dir=inapp, watch=False) as client:
 """
 
 
-def test_a_deadline_that_is_not_a_finite_unix_time_is_refused(env: Env, serves: list[Serve], tmp_path: Path) -> None:
+def test_a_deadline_that_is_not_a_finite_unix_time_is_refused(shared: Shared) -> None:
     """`deadline_s` is Unix seconds: infinity, NaN or a negative time is INVALID_ARGUMENT naming the
     field, and nothing is granted for it."""
-    inapp = tmp_path / "inapp"
-    env.env["VGPU_SERVER_INAPP_DIR"] = str(inapp)
-    serves.append(Serve(env))
-    r = subprocess.run([sys.executable, "-c", DEADLINES, str(env.sock), str(inapp)],
+    env = shared.env
+    r = subprocess.run([sys.executable, "-c", DEADLINES, str(env.sock), str(shared.inapp)],
                        cwd=ROOT, env=env.env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = [line.split(maxsplit=2) for line in r.stdout.splitlines()]

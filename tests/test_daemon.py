@@ -320,48 +320,57 @@ def test_a_replay_s_applications_are_released_soon_after_it_ends(env: Env, serve
     assert serves[-1].term() == 0
 
 
-@pytest.mark.parametrize("idle_release_s", [120.0, 0.0])
-async def test_a_replayed_application_whose_process_runs_on_the_gpu_keeps_its_grants(
-        tmp_path: Path, idle_release_s: float) -> None:
+async def test_a_replayed_application_whose_process_runs_on_the_gpu_keeps_its_grants(tmp_path: Path) -> None:
     """The release after a stream ends never frees a grant whose process still runs: the replay's
     first application (pid 100000, as the replay numbers them) is made to run on the simulated GPU,
     and keeps its forecast grant; the other one's process runs nowhere, and its grant goes. With
-    server.idle_release_s 0 (keep grants until released) both stay."""
+    server.idle_release_s 0 (keep grants until released) both stay. The two settings run side by
+    side, each on a daemon of its own: each waits out STREAM_END_GRACE_S (10 s), and one wait does
+    for both."""
     import asyncio
 
     from daemon_fixtures import sim_daemon
 
     from vgpu.daemon.serve import STREAM_END_GRACE_S
 
-    trace = _small_trace(tmp_path / "trace.csv")
-    overrides: dict[str, object] = {"server.idle_release_s": idle_release_s}
-    d = sim_daemon(tmp_path, **overrides)
-    await d.start()
-    try:
-        device = d.backend.devices()[0]
-        t = np.arange(0.0, 600.0, 1.0)
-        sim = d.backend.sim  # type: ignore[attr-defined]  # the simulator under its saved settings
-        sim.launch("infer-b", 100_000, AppTrace("infer-b", t, {"mem_used_mib": np.full(len(t), 1500.0)}))
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "vgpu.cli", "profiler", "--manager", f"unix://{d.socket_path}", "--replay", str(trace),
-            "--speed", "10", "--seconds", "3", "--device-id", device.uuid,
-            "--token-file", str(tmp_path / "state" / "tokens" / "profiler.token"),
-            cwd=ROOT, env=env, stderr=asyncio.subprocess.PIPE)
-        _, err = await asyncio.wait_for(proc.communicate(), 60)
-        assert proc.returncode == 0, err.decode()
+    async def one(idle_release_s: float) -> None:
+        where = tmp_path / f"idle-{idle_release_s:g}"
+        where.mkdir()
+        trace = _small_trace(where / "trace.csv")
+        overrides: dict[str, object] = {"server.idle_release_s": idle_release_s}
+        d = sim_daemon(where, **overrides)
+        await d.start()
+        try:
+            device = d.backend.devices()[0]
+            t = np.arange(0.0, 600.0, 1.0)
+            sim = d.backend.sim  # type: ignore[attr-defined]  # the simulator under its saved settings
+            sim.launch("infer-b", 100_000, AppTrace("infer-b", t, {"mem_used_mib": np.full(len(t), 1500.0)}))
+            env = {**os.environ, "PYTHONPATH": str(ROOT)}
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "vgpu.cli", "profiler", "--manager", f"unix://{d.socket_path}", "--replay",
+                str(trace), "--speed", "10", "--seconds", "3", "--device-id", device.uuid,
+                "--token-file", str(where / "state" / "tokens" / "profiler.token"),
+                cwd=ROOT, env=env, stderr=asyncio.subprocess.PIPE)
+            _, err = await asyncio.wait_for(proc.communicate(), 60)
+            assert proc.returncode == 0, err.decode()
 
-        def sources() -> dict[str, list[str]]:
-            return {app: [g.source for g in d.allocator.ledger.grants(app_id=app)] for app in ("infer-b", "train-a")}
+            def sources() -> dict[str, list[str]]:
+                return {app: [g.source for g in d.allocator.ledger.grants(app_id=app)] for app in ("infer-b", "train-a")}
 
-        assert sources() == {"infer-b": ["forecast"], "train-a": ["forecast"]}
-        if not idle_release_s:
-            await asyncio.sleep(STREAM_END_GRACE_S + 3)
-            assert sources() == {"infer-b": ["forecast"], "train-a": ["forecast"]}
-            return
-        deadline = time.monotonic() + STREAM_END_GRACE_S + 20
-        while sources()["train-a"] and time.monotonic() < deadline:
-            await asyncio.sleep(0.2)
-        assert sources() == {"infer-b": ["forecast"], "train-a": []}
-    finally:
-        await d.stop("test")
+            assert sources() == {"infer-b": ["forecast"], "train-a": ["forecast"]}, idle_release_s
+            if not idle_release_s:
+                await asyncio.sleep(STREAM_END_GRACE_S + 3)
+                assert sources() == {"infer-b": ["forecast"], "train-a": ["forecast"]}, idle_release_s
+                return
+            deadline = time.monotonic() + STREAM_END_GRACE_S + 20
+            while sources()["train-a"] and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            assert sources() == {"infer-b": ["forecast"], "train-a": []}, idle_release_s
+        finally:
+            await d.stop("test")
+
+    # both run to the end (each stops its daemon) before either's failure is raised
+    outcomes = await asyncio.gather(one(120.0), one(0.0), return_exceptions=True)
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise outcome

@@ -146,6 +146,19 @@ def _crashed_copy(crashed_state: Path, env: Env) -> None:
     shutil.copytree(crashed_state, env.state, ignore=sockets)
 
 
+@pytest.fixture(scope="module")
+def stopped_state(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The state directory `vgpu serve` leaves when it stops cleanly, with the simulated GPUs' saved
+    settings (`sim-devices.json`). Made once by a real daemon; each test damages its own copy."""
+    env = make_env(tmp_path_factory.mktemp("stopped"))
+    serve = Serve(env)
+    try:
+        assert serve.term() == 0
+    finally:
+        serve.stop_now()
+    return env.state
+
+
 def _truncate(db: Path) -> None:
     data = db.read_bytes()
     db.write_bytes(data[: len(data) // 2])
@@ -201,12 +214,12 @@ def test_removing_daemon_lock_does_not_let_a_second_daemon_in(env: Env, serves: 
 @pytest.mark.parametrize("body", ["[]", '{"version": 1}', '{"version": 1, "devices": {"%s": {"power_limit_mw": "abc"}}}',
                                   '{"version": 1, "devices": {"%s": {}}}'],
                          ids=["list", "no-devices", "bad-power", "no-power"])
-def test_damaged_simulated_device_settings_are_named_with_what_to_do(env: Env, serves: list[Serve], body: str) -> None:
+def test_damaged_simulated_device_settings_are_named_with_what_to_do(env: Env, serves: list[Serve], body: str,
+                                                                    stopped_state: Path) -> None:
     """The simulated GPUs' saved settings (`sim-devices.json`) damaged by hand: the start said
     "AttributeError: 'list' object has no attribute 'get'" or "--backend: 'devices'"."""
-    serves.append(Serve(env))
+    _crashed_copy(stopped_state, env)  # a clean stop leaves no socket, so this copies everything
     uuid = json.loads((env.state / "sim-devices.json").read_text())["devices"].popitem()[0]
-    assert serves[-1].term() == 0
     saved = env.state / "sim-devices.json"
     saved.write_text(body.replace("%s", uuid))
     failed = _serve_fails(env)
