@@ -18,7 +18,8 @@ from vgpu.daemon.metrics import MetricsServer, start_metrics_server
 
 
 def _scrape(port: int) -> str:
-    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    body: bytes = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+    return body.decode()
 
 
 def _closed_by_server(conn: socket.socket, within_s: float) -> bool:
@@ -60,3 +61,55 @@ def test_bad_bounds_are_refused() -> None:
         MetricsServer(("127.0.0.1", 0), idle_timeout_s=0)
     with pytest.raises(ValueError):
         MetricsServer(("127.0.0.1", 0), max_connections=0)
+    with pytest.raises(ValueError):
+        MetricsServer(("127.0.0.1", 0), request_deadline_s=0)
+
+
+def test_a_request_dribbled_past_its_deadline_is_closed_and_scrapes_go_on() -> None:
+    """Each byte within the idle timeout, but the request never finished: the per-read timeout
+    alone would keep the slot for good. Closed at the request deadline from accept, the slots free
+    again, and a scrape is served."""
+    registry = CollectorRegistry()
+    Gauge("vgpu_test_up", "up", registry=registry).set(1)
+    deadline_s = 2.0
+    server = start_metrics_server("127.0.0.1", 0, registry, idle_timeout_s=5.0, request_deadline_s=deadline_s,
+                                  max_connections=2)
+    port = server.server_address[1]
+    slow = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(2)]
+    closed_after_s: list[float | None] = [None, None]
+
+    def dribble(i: int) -> None:
+        start = time.monotonic()
+        for byte in b"GET /metrics HTTP/1.1\r\nHost: x\r\n":
+            try:
+                slow[i].sendall(bytes([byte]))
+            except OSError:
+                break
+            slow[i].settimeout(1.0)
+            try:
+                if slow[i].recv(1) == b"":  # closed by the server
+                    break
+            except TimeoutError:
+                continue  # a second with no answer: the next byte
+            except OSError:
+                break
+        closed_after_s[i] = time.monotonic() - start
+
+    try:
+        threads = [threading.Thread(target=dribble, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        with pytest.raises(OSError):  # both slots taken: a scrape is refused meanwhile
+            _scrape(port)
+        for t in threads:
+            t.join(timeout=15)
+        # about 30 bytes at one a second would take 30 s: closed at the deadline instead
+        assert all(s is not None and s < deadline_s + 1.5 for s in closed_after_s), closed_after_s
+        assert "vgpu_test_up 1.0" in _scrape(port)
+        assert server.failed >= 2
+    finally:
+        for c in slow:
+            c.close()
+        server.shutdown()
+        server.server_close()

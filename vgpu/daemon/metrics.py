@@ -58,10 +58,12 @@ those, left out), `device_unlisted_memory_used_bytes`, `device_unlisted_memory_g
 
 from __future__ import annotations
 
+import io
 import math
 import platform
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -462,18 +464,45 @@ class DaemonMetrics:
 # its request without a time limit: any local user could open connections to the port and send
 # nothing, each a thread of the daemon (about 250 KiB) held for good. Here a connection has
 # METRICS_IDLE_TIMEOUT_S between reads (a scrape sends its request at once; Prometheus's own scrape
-# timeout is 10 s), and at most METRICS_MAX_CONNECTIONS are served at once; one beyond is closed
-# as soon as it is accepted (`refused`).
+# timeout is 10 s) and METRICS_REQUEST_DEADLINE_S in all from accept to read its request: a caller
+# sending a byte every few seconds would otherwise keep its slot for good. At most
+# METRICS_MAX_CONNECTIONS are served at once; one beyond is closed as soon as it is accepted
+# (`refused`).
 METRICS_IDLE_TIMEOUT_S = 10.0
+METRICS_REQUEST_DEADLINE_S = 10.0
 METRICS_MAX_CONNECTIONS = 64
 
 
+class _DeadlineReader(io.RawIOBase):
+    """The connection's reads, each bounded by `idle_timeout_s` and all of them by `deadline`
+    (time.monotonic()): TimeoutError once it has passed."""
+
+    def __init__(self, conn: socket.socket, idle_timeout_s: float, deadline: float) -> None:
+        super().__init__()
+        self._conn, self._idle_timeout_s, self._deadline = conn, idle_timeout_s, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        left_s = self._deadline - time.monotonic()
+        if left_s <= 0:
+            raise TimeoutError("request deadline passed")
+        self._conn.settimeout(min(self._idle_timeout_s, left_s))
+        return self._conn.recv_into(buffer)
+
+
 class _Handler(WSGIRequestHandler):
-    """One request per connection, each read bounded by the server's `idle_timeout_s`; no access log."""
+    """One request per connection, each read bounded by the server's `idle_timeout_s` and all of
+    them by its `request_deadline_s` from accept; no access log."""
 
     def setup(self) -> None:
         super().setup()
-        self.connection.settimeout(getattr(self.server, "idle_timeout_s", METRICS_IDLE_TIMEOUT_S))
+        idle_s = getattr(self.server, "idle_timeout_s", METRICS_IDLE_TIMEOUT_S)
+        deadline = time.monotonic() + getattr(self.server, "request_deadline_s", METRICS_REQUEST_DEADLINE_S)
+        self.connection.settimeout(idle_s)  # the answer's writes
+        self.rfile.close()
+        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, idle_s, deadline))
 
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class's name
         pass
@@ -481,13 +510,16 @@ class _Handler(WSGIRequestHandler):
 
 class MetricsServer(ThreadingWSGIServer):
     """The /metrics endpoint: a thread per connection, at most `max_connections` at once, each read
-    bounded by `idle_timeout_s`."""
+    bounded by `idle_timeout_s`, the request (line and headers) by `request_deadline_s` from accept
+    (default METRICS_REQUEST_DEADLINE_S, 10 s)."""
 
     def __init__(self, address: tuple[str, int], *, idle_timeout_s: float = METRICS_IDLE_TIMEOUT_S,
+                 request_deadline_s: float = METRICS_REQUEST_DEADLINE_S,
                  max_connections: int = METRICS_MAX_CONNECTIONS) -> None:
-        if not (idle_timeout_s > 0 and max_connections >= 1):
-            raise ValueError("idle_timeout_s must be > 0 and max_connections >= 1")
+        if not (idle_timeout_s > 0 and request_deadline_s > 0 and max_connections >= 1):
+            raise ValueError("idle_timeout_s and request_deadline_s must be > 0 and max_connections >= 1")
         self.idle_timeout_s = idle_timeout_s
+        self.request_deadline_s = request_deadline_s
         self._slots = threading.BoundedSemaphore(max_connections)
         self.refused = 0  # closed at accept: max_connections were being served
         self.failed = 0  # timed out or broken while served
@@ -519,10 +551,12 @@ class MetricsServer(ThreadingWSGIServer):
 
 def start_metrics_server(address: str, port: int, registry: CollectorRegistry, *,
                          idle_timeout_s: float = METRICS_IDLE_TIMEOUT_S,
+                         request_deadline_s: float = METRICS_REQUEST_DEADLINE_S,
                          max_connections: int = METRICS_MAX_CONNECTIONS) -> MetricsServer:
     """Serve `registry` at http://address:port/metrics from a daemon thread; `shutdown()` stops it.
     OSError when the port cannot be bound."""
-    server = MetricsServer((address, port), idle_timeout_s=idle_timeout_s, max_connections=max_connections)
+    server = MetricsServer((address, port), idle_timeout_s=idle_timeout_s, request_deadline_s=request_deadline_s,
+                           max_connections=max_connections)
     server.set_app(make_wsgi_app(registry))
     threading.Thread(target=server.serve_forever, name="vgpu-metrics", daemon=True).start()
     return server
