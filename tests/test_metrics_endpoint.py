@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
-from vgpu.daemon.metrics import MetricsServer, start_metrics_server
+from vgpu.daemon.metrics import DaemonMetrics, MetricsServer, start_metrics_server
 
 
 def _scrape(port: int) -> str:
@@ -113,3 +113,46 @@ def test_a_request_dribbled_past_its_deadline_is_closed_and_scrapes_go_on() -> N
             c.close()
         server.shutdown()
         server.server_close()
+
+
+def test_refused_and_failed_connections_are_counted_in_the_registry() -> None:
+    """`vgpu_metrics_connections_{refused,failed}_total` read the endpoint's counts at each scrape:
+    0 before anything, then one refused at accept and one closed silent."""
+    registry = CollectorRegistry()
+    metrics = DaemonMetrics(registry)
+
+    def value(name: str) -> float | None:
+        return registry.get_sample_value(name)
+
+    assert value("vgpu_metrics_connections_refused_total") == 0
+    assert value("vgpu_history_write_failures_total") == 0
+    server = start_metrics_server("127.0.0.1", 0, registry, idle_timeout_s=1.0, max_connections=1)
+    metrics.watch_endpoint(server)
+    port = server.server_address[1]
+    conns = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(2)]
+    try:
+        assert all(_closed_by_server(c, 5.0) for c in conns)
+        deadline = time.monotonic() + 5
+        while server.failed < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert value("vgpu_metrics_connections_refused_total") == 1
+        assert value("vgpu_metrics_connections_failed_total") == 1
+        assert "vgpu_metrics_connections_refused_total 1.0" in _scrape(port)
+    finally:
+        for c in conns:
+            c.close()
+        server.shutdown()
+        server.server_close()
+
+
+def test_history_counts_are_read_at_each_scrape() -> None:
+    class History:
+        rows_refused = 0
+        write_failures = 0
+
+    registry = CollectorRegistry()
+    history = History()
+    DaemonMetrics(registry).watch_history(history)
+    history.rows_refused, history.write_failures = 3, 2
+    assert registry.get_sample_value("vgpu_history_rows_refused_total") == 3
+    assert registry.get_sample_value("vgpu_history_write_failures_total") == 2

@@ -39,6 +39,10 @@ is absent, not 0. All prefixed `vgpu_`:
   (applications whose newest sample carries that in-app counter, e.g. `inapp_kv_used_mib`),
   `inapp_values_dropped_total{reason}` (in-app values left out: not finite, negative, too large);
 - access: `access_denied_total{method,code}`; persistence: `store_writes_total`;
+- the metrics endpoint itself: `metrics_connections_refused_total` (closed at accept),
+  `metrics_connections_failed_total` (closed unanswered); the node history:
+  `history_rows_refused_total`, `history_write_failures_total` (each 0 from the start, and 0 with
+  the history off);
 - the Unix socket's front (vgpu/daemon/front.py): `connections_refused_total{reason}` (closed at
   accept: `max_connections`, `max_connections_per_uid`, `upstream` when gRPC's own socket refused,
   `no_descriptors`), `connections_open` (relayed connections open now; absent with the front off);
@@ -412,6 +416,48 @@ class _StateCollector(Collector):
         yield build
 
 
+class EndpointCounts(Protocol):
+    """The metrics endpoint's own counts (`MetricsServer`)."""
+
+    @property
+    def refused(self) -> int: ...
+
+    @property
+    def failed(self) -> int: ...
+
+
+class HistoryCounts(Protocol):
+    """The node history's counts (manager/history.py `NodeHistory`)."""
+
+    @property
+    def rows_refused(self) -> int: ...
+
+    @property
+    def write_failures(self) -> int: ...
+
+
+class _OwnCountsCollector(Collector):
+    """Counters of the endpoint and the node history, read at scrape time; 0 before either is
+    watched (the endpoint not started yet, the history off), so every series exists from the start."""
+
+    def __init__(self) -> None:
+        self.endpoint: EndpointCounts | None = None
+        self.history: HistoryCounts | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        endpoint, history = self.endpoint, self.history
+        yield CounterMetricFamily("vgpu_metrics_connections_refused", "Connections to the metrics endpoint "
+                                  "closed at accept (metrics' max connections were being served)",
+                                  value=endpoint.refused if endpoint else 0)
+        yield CounterMetricFamily("vgpu_metrics_connections_failed", "Connections to the metrics endpoint closed "
+                                  "unanswered: silent past the idle timeout, request unfinished at its deadline, "
+                                  "or broken", value=endpoint.failed if endpoint else 0)
+        yield CounterMetricFamily("vgpu_history_rows_refused", "Node-history rows refused for memory above their "
+                                  "capacity, at write or at read", value=history.rows_refused if history else 0)
+        yield CounterMetricFamily("vgpu_history_write_failures", "Node-history writes that failed (rows lost)",
+                                  value=history.write_failures if history else 0)
+
+
 class DaemonMetrics:
     """The daemon's metrics in `registry`; per-application series for `max_apps` applications at
     most (`select_apps`)."""
@@ -444,8 +490,18 @@ class DaemonMetrics:
         for reason in REFUSAL_REASONS:
             self.connections_refused.labels(reason=reason)
         self._registry = registry
+        self._own = _OwnCountsCollector()
+        registry.register(self._own)
         if source is not None:
             registry.register(_StateCollector(source, max_apps))
+
+    def watch_endpoint(self, server: EndpointCounts) -> None:
+        """Report the metrics endpoint's refused and failed connections at each scrape."""
+        self._own.endpoint = server
+
+    def watch_history(self, history: HistoryCounts) -> None:
+        """Report the node history's refused rows and write failures at each scrape."""
+        self._own.history = history
 
     def on_connection_refused(self, reason: str) -> None:
         self.connections_refused.labels(reason=reason).inc()
@@ -523,6 +579,7 @@ class MetricsServer(ThreadingWSGIServer):
         self._slots = threading.BoundedSemaphore(max_connections)
         self.refused = 0  # closed at accept: max_connections were being served
         self.failed = 0  # timed out or broken while served
+        self._failed_lock = threading.Lock()  # handler threads count failures at once
         self.address_family = socket.getaddrinfo(address[0], address[1], type=socket.SOCK_STREAM)[0][0]
         super().__init__(address, _Handler)
 
@@ -546,7 +603,8 @@ class MetricsServer(ThreadingWSGIServer):
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A connection that timed out or broke: counted, not printed (socketserver prints a
         traceback to stderr, the daemon's JSON log, for each)."""
-        self.failed += 1
+        with self._failed_lock:
+            self.failed += 1
 
 
 def start_metrics_server(address: str, port: int, registry: CollectorRegistry, *,

@@ -972,6 +972,8 @@ class Daemon:
         self._build_manager()
         self.metrics = DaemonMetrics(self.registry, StateSource(self.allocator, self.manager, cfg.server.backend),
                                      max_apps=cfg.metrics.max_apps)
+        if self.history is not None:
+            self.metrics.watch_history(self.history)
         self._store_reconciled(ledger, rec, cgroup_outcomes)
         interceptor, token_files = self._access_control()
         prepare_socket_path(self.socket_path)
@@ -1193,6 +1195,7 @@ class Daemon:
         # serves, so a port that cannot be bound fails the start (metrics.port 0 turns them off).
         try:
             self.metrics_server = start_metrics_server(cfg.metrics.address, cfg.metrics.port, self.registry)
+            self.metrics.watch_endpoint(self.metrics_server)
         except OSError as exc:
             # the socket is ours (prepare_socket_path checked) and nothing listens on it yet
             self.socket_path.unlink(missing_ok=True)
