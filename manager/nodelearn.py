@@ -24,7 +24,8 @@ process at the lowest CPU priority with one torch thread (`BackgroundLearner`), 
 daemon's interpreter lock nor delays a tick.
 
 `vgpu model status` prints the state as JSON; `vgpu model rollback` puts the previously promoted model
-back in `local.pt` (or removes it when there was none before) and logs it; the daemon watches
+back in `local.pt` (or removes it when there was none before) and logs it (an entry and a
+`local_model_rolled_back` event), under the log's lock as a promotion is; the daemon watches
 `local.pt` and serves what is there (nothing: the global model and the last value only).
 """
 
