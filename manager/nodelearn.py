@@ -24,7 +24,8 @@ process at the lowest CPU priority with one torch thread (`BackgroundLearner`), 
 daemon's interpreter lock nor delays a tick.
 
 `vgpu model status` prints the state as JSON; `vgpu model rollback` puts the previously promoted model
-back in `local.pt` (or removes it when there was none before) and logs it; the daemon watches
+back in `local.pt` (or removes it when there was none before) and logs it (an entry and a
+`local_model_rolled_back` event), under the log's lock as a promotion is; the daemon watches
 `local.pt` and serves what is there (nothing: the global model and the last value only).
 """
 
@@ -93,14 +94,22 @@ def models_dir(state_dir: str | Path) -> Path:
 
 
 @contextlib.contextmanager
-def _log_lock(state_dir: str | Path) -> Iterator[None]:
-    """The promotion log's lock, held by every append (and by a promotion while it prunes), so that a
-    learning round and `vgpu model rollback` never lose each other's entries to a rotation."""
+def _log_lock(state_dir: str | Path, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
+    """The promotion log's lock, held by every append and for the whole of a promotion (archive, copy,
+    append, prune) and of a rollback (read, decide, copy, append), so that a learning round and
+    `vgpu model rollback` never interleave nor lose each other's entries to a rotation. It waits for
+    another holder; `on_wait` is called first when it has to (the holder's work is file copies, not
+    training, so the wait is short; a holder that dies releases it with its descriptor)."""
     d = models_dir(state_dir)
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
     lock_fd = os.open(d / _LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait is not None:
+                on_wait()
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(lock_fd)  # releases the lock
@@ -372,16 +381,18 @@ def promote(state_dir: str | Path, candidate: Path, entry: dict[str, Any]) -> Pa
     d = models_dir(state_dir)
     archive = d / "archive"
     archive.mkdir(parents=True, exist_ok=True, mode=0o700)
-    n = 1 + max((int(p.stem.split("-")[1]) for p in archive.glob("local-*.pt") if p.stem.split("-")[1].isdigit()),
-                default=0)
-    kept = archive / f"local-{n}.pt"
-    shutil.copyfile(candidate, kept)
-    tmp = d / f".{LOCAL}.tmp"
-    shutil.copyfile(candidate, tmp)
-    os.replace(tmp, d / LOCAL)
-    candidate.unlink(missing_ok=True)
-    entry |= {"event": "promoted", "archived": kept.name}
+    # under the log's lock from the first file to the last entry: a rollback between the copy over
+    # local.pt and the promotion's entry would read a log without it and put an older model back
     with _log_lock(state_dir):
+        n = 1 + max((int(p.stem.split("-")[1]) for p in archive.glob("local-*.pt")
+                     if p.stem.split("-")[1].isdigit()), default=0)
+        kept = archive / f"local-{n}.pt"
+        shutil.copyfile(candidate, kept)
+        tmp = d / f".{LOCAL}.tmp"
+        shutil.copyfile(candidate, tmp)
+        os.replace(tmp, d / LOCAL)
+        candidate.unlink(missing_ok=True)
+        entry |= {"event": "promoted", "archived": kept.name}
         _append_locked(state_dir, entry)
         pruned = _prune(state_dir)
     if pruned:
@@ -420,8 +431,17 @@ def serving_archive(state_dir: str | Path) -> list[str]:
     return _summarise(read_log(state_dir)).stack
 
 
-def rollback(state_dir: str | Path) -> dict[str, Any]:
-    """Put the model promoted before the serving one back in `local.pt` (or remove it when none was)."""
+def rollback(state_dir: str | Path, on_wait: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Put the model promoted before the serving one back in `local.pt` (or remove it when none was),
+    holding the log's lock throughout (after waiting for a promotion under way: `on_wait` is called
+    then), and log a `local_model_rolled_back` event."""
+    with _log_lock(state_dir, on_wait):
+        entry = _rollback_locked(state_dir)
+    get_logger("vgpu.manager.nodelearn").info("local_model_rolled_back", **_fields(entry))
+    return entry
+
+
+def _rollback_locked(state_dir: str | Path) -> dict[str, Any]:
     d = models_dir(state_dir)
     summary = _summarise(read_log(state_dir))
     stack = summary.stack
@@ -445,7 +465,7 @@ def rollback(state_dir: str | Path) -> dict[str, Any]:
         os.replace(tmp, d / LOCAL)
     else:
         (d / LOCAL).unlink(missing_ok=True)
-    _append_log(state_dir, entry)
+    _append_locked(state_dir, entry)
     return entry
 
 
@@ -608,8 +628,12 @@ def model_main(argv: Sequence[str] | None = None, prog: str = "vgpu model") -> i
     if args.action == "status":
         print(json.dumps(status(state_dir), indent=2, sort_keys=True))
         return 0
+    def waiting() -> None:
+        print(f"{prog}: a promotion or rollback is under way (the promotion log is locked): waiting for it",
+              file=sys.stderr, flush=True)
+
     try:
-        entry = rollback(state_dir)
+        entry = rollback(state_dir, waiting)
     except LookupError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 1

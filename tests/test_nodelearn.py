@@ -149,9 +149,14 @@ def test_cli_status_and_rollback(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["serving_archive"] == "local-1.pt"
     out = vgpu("rollback")
-    assert out.returncode == 0 and json.loads(out.stdout)["undone"] == "local-1.pt"
+    # stdout is the entry alone, one JSON document; the rollback's log event is on stderr
+    assert out.returncode == 0 and json.loads(out.stdout)["undone"] == "local-1.pt", out.stderr
+    assert len(out.stdout.splitlines()) == 1
+    [event] = out.stderr.splitlines()
+    assert "local_model_rolled_back" in event and "undone=local-1.pt" in event and "serving=None" in event
     out = vgpu("rollback")
     assert out.returncode == 1 and "nothing to roll back" in out.stderr
+    assert "local_model_rolled_back" not in out.stderr and out.stdout == ""
     final = json.loads(vgpu("status").stdout)
     assert final["rollbacks"] == 1 and final["history"] == {"segment_files": 0, "bytes": 0}
 
@@ -395,12 +400,15 @@ def test_the_archive_keeps_the_newest_models_and_rollback_past_them_says_they_we
     (models / "archive" / f"local-{n - 1}.pt").write_bytes(hand_deleted)
     for i in range(n - 1, 3, -1):  # back through every kept model, newest first
         out = vgpu("rollback")
-        assert out.returncode == 0 and out.stderr == "", out.stderr
+        assert out.returncode == 0 and len(out.stderr.splitlines()) == 1, out.stderr
+        assert "local_model_rolled_back" in out.stderr and "note=" not in out.stderr
         assert (models / "local.pt").read_bytes() == f"model-{i}".encode()
     out = vgpu("rollback")  # past the oldest kept one: the global model, and why
     assert out.returncode == 0 and json.loads(out.stdout)["serving"] is None, out.stderr
-    assert out.stderr.strip() == ("vgpu model: the models promoted before local-4.pt were pruned from the archive "
-                                  f"(only the newest {NL.KEEP_ARCHIVED} are kept): the global model serves")
+    event, said = out.stderr.splitlines()
+    assert "local_model_rolled_back" in event and "undone=local-4.pt" in event
+    assert said == ("vgpu model: the models promoted before local-4.pt were pruned from the archive "
+                    f"(only the newest {NL.KEEP_ARCHIVED} are kept): the global model serves")
     assert not (models / "local.pt").exists()
     out = vgpu("rollback")
     assert out.returncode == 1 and "nothing to roll back" in out.stderr
@@ -433,3 +441,61 @@ def test_models_rolled_back_past_are_pruned_too_and_the_archive_stays_bounded(tm
     assert last["serving"] is None and "were pruned from the archive" in last["note"]
     with pytest.raises(LookupError, match="nothing to roll back"):
         NL.rollback(state)
+
+
+def test_cli_rollback_waits_for_the_promotion_logs_lock(tmp_path: Path) -> None:
+    """A promotion holds the promotion log's lock for its whole work: `vgpu model rollback` started
+    meanwhile says it waits, changes nothing until the lock is released, then rolls back."""
+    import fcntl
+    import selectors
+
+    state = tmp_path / "state"
+    _promote_bodies(state, [b"model-1", b"model-2"])
+    models = state / "models"
+    log_before = (models / NL.LOG).read_bytes()
+    holder = os.open(models / NL._LOCK, os.O_RDWR)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # as a promotion in another process holds it
+    proc = subprocess.Popen([sys.executable, "-m", "vgpu.cli", "model", "rollback", "--state-dir", str(state)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stderr, selectors.EVENT_READ)
+        assert sel.select(timeout=60), "the rollback never said it waits"
+        said = proc.stderr.readline()
+        assert said.startswith("vgpu model: a promotion or rollback is under way") and "waiting" in said, said
+        time.sleep(0.3)  # still waiting, and nothing changed
+        assert proc.poll() is None
+        assert (models / "local.pt").read_bytes() == b"model-2"
+        assert (models / NL.LOG).read_bytes() == log_before
+    finally:
+        os.close(holder)  # releases the lock
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert json.loads(out)["undone"] == "local-2.pt" and "local_model_rolled_back" in err
+    assert (models / "local.pt").read_bytes() == b"model-1"
+
+
+def test_a_promotion_waits_for_a_rollback_under_way(tmp_path: Path) -> None:
+    """The lock covers the promotion from its first file: with the log locked, nothing is archived nor
+    copied over local.pt until it is released."""
+    import fcntl
+    import threading
+
+    state = tmp_path / "state"
+    _promote_bodies(state, [b"model-1"])
+    models = state / "models"
+    holder = os.open(models / NL._LOCK, os.O_RDWR)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    candidate = tmp_path / "candidate.pt"
+    candidate.write_bytes(b"model-2")
+    worker = threading.Thread(target=NL.promote, args=(state, candidate, {"at": 1.0}))
+    try:
+        worker.start()
+        time.sleep(0.3)
+        assert worker.is_alive() and not (models / "archive" / "local-2.pt").exists()
+        assert (models / "local.pt").read_bytes() == b"model-1"
+    finally:
+        os.close(holder)
+    worker.join(timeout=30)
+    assert not worker.is_alive() and (models / "local.pt").read_bytes() == b"model-2"
