@@ -13,6 +13,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,6 +157,17 @@ def serves_killed_after() -> Iterator[list[Serve]]:
     yield started
     for s in started:
         s.stop_now()
+
+
+@contextmanager
+def one_daemon_for_the_module(env: Env) -> Iterator[Env]:
+    """For a module-scoped fixture: one `vgpu serve` on `env` for every test of the module that only
+    looks at it or asks about ids of its own (a start is 2-3 s of the suite), stopped after them."""
+    daemon = Serve(env)
+    try:
+        yield env
+    finally:
+        daemon.stop_now()
 
 
 def free_port() -> int:

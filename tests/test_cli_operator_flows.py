@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 import psutil
 import pytest
-from daemon_fixtures import ROOT, Env, Serve, make_env
+from daemon_fixtures import ROOT, Env, Serve, make_env, one_daemon_for_the_module
 from test_client import NotReadyAllocator, serve
 
 from vgpu.client import NOTHING_CHANGED_KEY
@@ -102,8 +102,8 @@ def test_a_change_sent_before_the_daemon_listens_waits_for_it(env: Env, serves: 
     assert [a["app_id"] for a in apps["apps"]] == ["early"]
 
 
-def test_a_change_with_no_daemon_says_how_long_it_waited_and_0_does_not_wait(env: Env) -> None:
-    args = ["request", "--socket", str(env.sock), "--app", "a", "--memory-mib", "1"]
+def _says_how_long_it_waited_and_0_does_not_wait(env: Env, *args: str) -> None:
+    """`vgpu ARGS` with no daemon: --wait-s 1 waits that long and says so; --wait-s 0 fails at once."""
     began = time.monotonic()
     r = vgpu(*args, "--wait-s", "1", env=env.env)
     assert r.returncode == 1 and time.monotonic() - began >= 0.8, r.stderr
@@ -111,6 +111,11 @@ def test_a_change_with_no_daemon_says_how_long_it_waited_and_0_does_not_wait(env
     r = vgpu(*args, "--wait-s", "0", env=env.env)
     assert r.returncode == 1 and "cannot reach the vgpu daemon" in r.stderr
     assert "nothing listens" not in r.stderr and "within" not in r.stderr
+
+
+def test_a_change_with_no_daemon_says_how_long_it_waited_and_0_does_not_wait(env: Env) -> None:
+    _says_how_long_it_waited_and_0_does_not_wait(env, "request", "--socket", str(env.sock), "--app", "a",
+                                                 "--memory-mib", "1")
     # the read-only commands wait the same way, and not at all with 0
     r = vgpu("apps", "--socket", str(env.sock), "--wait-s", "0", env=env.env)
     assert r.returncode == 1 and "nothing listens" not in r.stderr
@@ -157,14 +162,8 @@ def test_a_look_sent_before_the_daemon_listens_waits_for_it(env: Env, serves: li
 
 
 def test_report_with_no_daemon_says_how_long_it_waited_and_0_does_not_wait(env: Env, tmp_path: Path) -> None:
-    args = ["report", "--socket", str(env.sock), "--app", "a", "--out", str(tmp_path / "a.png")]
-    began = time.monotonic()
-    r = vgpu(*args, "--wait-s", "1", env=env.env)
-    assert r.returncode == 1 and time.monotonic() - began >= 0.8, r.stderr
-    assert "cannot reach the vgpu daemon" in r.stderr and "nothing listened there within 1 s (--wait-s)" in r.stderr
-    r = vgpu(*args, "--wait-s", "0", env=env.env)
-    assert r.returncode == 1 and "cannot reach the vgpu daemon" in r.stderr
-    assert "nothing listens" not in r.stderr and "within" not in r.stderr
+    _says_how_long_it_waited_and_0_does_not_wait(env, "report", "--socket", str(env.sock), "--app", "a",
+                                                 "--out", str(tmp_path / "a.png"))
 
 
 class NotReadyRelease(NotReadyAllocator):
@@ -213,12 +212,8 @@ def _grant(grant_id: str) -> allocator_pb2.Grant:
 def looked_at(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     """One `vgpu serve` for the tests that only look at it (doctor, top, and command lines refused
     before they reach it): none of them changes it, so they need not start one each (2-3 s a start)."""
-    env = make_env(tmp_path_factory.mktemp("looked-at"))
-    daemon = Serve(env)
-    try:
+    with one_daemon_for_the_module(make_env(tmp_path_factory.mktemp("looked-at"))) as env:
         yield env
-    finally:
-        daemon.stop_now()
 
 
 def doctor_lines(env: Env, *args: str) -> dict[str, list[dict[str, str]]]:

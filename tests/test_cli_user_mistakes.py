@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from daemon_fixtures import ROOT, SKU, Env, Serve, make_env
+from daemon_fixtures import ROOT, SKU, Env, Serve, make_env, one_daemon_for_the_module
 
 from vgpu import auth
 
@@ -48,12 +48,8 @@ def test_size_of_an_unknown_model_type_says_so_and_names_the_nearest(tmp_path: P
 def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     """One `vgpu serve` for the tests that each ask it about an application id of their own (a start
     is 2-3 s of the suite)."""
-    env = make_env(tmp_path_factory.mktemp("shared"))
-    daemon = Serve(env)
-    try:
+    with one_daemon_for_the_module(make_env(tmp_path_factory.mktemp("shared"))) as env:
         yield env
-    finally:
-        daemon.stop_now()
 
 
 def test_set_limit_without_the_operator_token_says_where_it_is_and_how_to_pass_it(shared: Env) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from daemon_fixtures import ROOT, Env, Serve, make_env
+from daemon_fixtures import ROOT, Env, Serve, make_env, one_daemon_for_the_module
 
 from vgpu.client import app_token_path
 
@@ -60,11 +60,8 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shared]:
     tmp = tmp_path_factory.mktemp("shared")
     env = make_env(tmp)
     env.env["VGPU_SERVER_INAPP_DIR"] = str(tmp / "inapp")
-    daemon = Serve(env)
-    try:
+    with one_daemon_for_the_module(env):
         yield Shared(env, tmp / "inapp")
-    finally:
-        daemon.stop_now()
 
 
 def grants_of(env: Env, app_id: str) -> list[dict]:  # type: ignore[type-arg]
