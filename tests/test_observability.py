@@ -278,9 +278,6 @@ def test_daemon_down_fires_for_one_node_of_many_and_for_none_scraped(tmp_path: P
     `prometheus` package has it)."""
     info = 'vgpu_build_info{{job="vgpu", instance="{}", version="0.1.0", python="3.11.7", backend="nvml"}}'
     tests = f"""
-rule_files: [{RULES}]
-evaluation_interval: 30s
-tests:
   - interval: 30s
     input_series:
       - series: 'up{{job="vgpu", instance="node-a:9464"}}'
@@ -319,14 +316,15 @@ tests:
 
 
 def promtool_test_rules(tmp_path: Path, tests: str) -> None:
-    """`promtool test rules` on `tests` (a rule test file); skipped where promtool is not installed."""
+    """`promtool test rules` on `tests` (the `tests:` list of a rule test file, its items indented two
+    spaces), against the shipped rules evaluated every 30 s; skipped where promtool is not installed."""
     import shutil
     import subprocess
 
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool is not installed here (apt-get install prometheus provides it)")
-    (tmp_path / "tests.yml").write_text(tests)
+    (tmp_path / "tests.yml").write_text(f"\nrule_files: [{RULES}]\nevaluation_interval: 30s\ntests:{tests}")
     r = subprocess.run([promtool, "test", "rules", str(tmp_path / "tests.yml")], capture_output=True, text=True,
                        timeout=120, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -346,9 +344,6 @@ def test_an_oom_event_of_an_application_whose_series_starts_with_it_fires(tmp_pa
               description: "The use crossed above the grant: with memory caps on, an allocation failed there. `vgpu report --app {app} --out oom.png` draws use against forecast and grant."
 """
     tests = f"""
-rule_files: [{RULES}]
-evaluation_interval: 30s
-tests:
   - interval: 30s
     input_series:
       - series: 'vgpu_app_oom_events_total{{app="old", device="GPU-1"}}'
@@ -375,9 +370,6 @@ def test_the_first_enforcement_failure_of_a_device_fires(tmp_path: Path) -> None
     (increase() saw no change); it fires now, and a second failure later on another series still does."""
     desc = "Device writes (power limit, MIG, cgroup memory limit) failed or did not read back."
     tests = f"""
-rule_files: [{RULES}]
-evaluation_interval: 30s
-tests:
   - interval: 30s
     input_series:
       - series: 'vgpu_enforcement_failures_total{{device="GPU-1", mechanism="power_limit"}}'
