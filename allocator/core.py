@@ -15,7 +15,7 @@ and it restores device settings on `stop()`.
 
 Stopping: once `refuse_changes()` (a stopping daemon calls it first, before it closes its doors) or
 `stop()` was called, every change to the grants (request, release, limits, a plan, the releases of
-applications that went silent) is refused with Unavailable ("the daemon is stopping") before
+applications that went silent) is refused with Stopping (an Unavailable: "the daemon is stopping") before
 anything changes: nothing is stored, announced or enforced after the daemon decided to stop, so the
 ledger it saves last and the store agree. Reads (available, list_apps) still answer.
 
@@ -95,7 +95,7 @@ from vgpu.allocator.errors import (
     InvalidRequest,
     NotSupported,
     StateNotSaved,
-    Unavailable,
+    Stopping,
     VerifyFailed,
 )
 from vgpu.allocator.history import History, HistoryEvent, HistoryPoint
@@ -461,9 +461,9 @@ class Allocator:
         """Subscribe to allocation events (every application's, or one's plus device-level events).
         Iterate with `async for`; `close()` it when done. Must be called on the allocator's loop.
         `owner` names the caller for the per-caller bound; InsufficientResources names the bound
-        that is reached; Unavailable once `end_watches()` was called (the daemon is stopping)."""
+        that is reached; Stopping (an Unavailable) once `end_watches()` was called (the daemon is stopping)."""
         if self._watches_ended:
-            raise Unavailable("the daemon is stopping; watch again once it is back")
+            raise Stopping("the daemon is stopping; watch again once it is back")
         if self._max_watchers is not None and len(self._subscriptions) >= self._max_watchers:
             raise InsufficientResources(
                 f"quota: {len(self._subscriptions)} watchers are open, the limit (max_watchers = "
@@ -494,7 +494,7 @@ class Allocator:
 
     def _check_open(self) -> None:
         if self._refusing:
-            raise Unavailable("the daemon is stopping: nothing was changed; send it again once the daemon is back")
+            raise Stopping("the daemon is stopping: nothing was changed; send it again once the daemon is back")
 
     def request_allocation(self, request: AllocationRequest, *, caller: str | None = None) -> Grant:
         """Grant what the request asks for, or (memory 0 with a job description) what the cold-start

@@ -42,6 +42,7 @@ __all__ = [
     "NotSupported",
     "PermissionDenied",
     "StateNotSaved",
+    "Stopping",
     "Unavailable",
     "VerifyFailed",
     "status_for",
@@ -66,6 +67,10 @@ class VerifyFailed(AllocatorError):
 
 class Unavailable(AllocatorError):
     """Something the call needs is not ready yet (e.g. the cold-start model still loading); retry."""
+
+
+class Stopping(Unavailable):
+    """The daemon is stopping: the change was refused and nothing changed; send it again once it is back."""
 
 
 class StateNotSaved(Unavailable):

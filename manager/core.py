@@ -117,7 +117,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import structlog
 
-from vgpu.allocator.errors import StateNotSaved, Unavailable
+from vgpu.allocator.errors import Stopping
 from vgpu.allocator.policy.base import IDLE_MEM_MIB, Recommendation, RecommendationSink
 from vgpu.histogram import LatencyHistogram
 from vgpu.log import LogBudget, get_logger, worth_logging
@@ -1028,10 +1028,7 @@ class Manager:
         started = time.thread_time()
         try:
             report = self.allocator.apply_recommendations([d.to_recommendation() for d in pending])
-        except Unavailable as exc:  # the daemon is stopping: it acts on nothing more (said once)
-            if isinstance(exc, StateNotSaved):  # an Unavailable too, but a failing store, not the stop
-                self._log.error("apply_recommendations_failed", error=repr(exc))
-                return
+        except Stopping as exc:  # the daemon is stopping: it acts on nothing more (said once)
             if not self._apply_refused_said:
                 self._apply_refused_said = True
                 self._log.info("apply_recommendations_refused", reason=str(exc))
