@@ -94,8 +94,9 @@ A round decides for every application in it, whatever fails (`_forecast`, `_deci
 - a window that cannot be copied (`_begin_tick`) leaves that application out of the round, its
   previous decision (and the grant the allocator made of it) standing, and the others in.
 Each kind of failure (`forecaster_failed`, `fallback_failed`, `decision_failed`, `window_failed`)
-is logged once with the first application it struck, not at every round; each is
-counted in `stats.forecast_failures`.
+is logged with the application it struck at most once an hour (`FAILURE_LOG_INTERVAL_S`), not at every
+round, the record carrying how many of its kind were left out since the last; each is counted in
+`stats.forecast_failures`.
 
 Observed processes. With `pid_observed` (the daemon plugs in its devices' process lists), a stream
 that may not replay (`StreamState.replay_ok` False: the profiler token on a node that does not
@@ -146,6 +147,8 @@ _GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0  # the phase sequence's step (a fraction 
 # An application the forecaster failed on alone is forecast by the fallback for this long before the
 # forecaster is tried on it again.
 BENCH_S = 60.0
+# A kind of round failure is logged at most once in this many seconds; the rest are counted.
+FAILURE_LOG_INTERVAL_S = 3600.0
 # An application's boundaries sit this fraction of the interval before its first forecast's phase,
 # between its profiler's batches rather than on them (a batch a hair early would wait a whole tick).
 _LEAD = 0.05
@@ -380,7 +383,9 @@ class Manager:
         # is rejected, with the value and the capacity in the reason.
         self.device_mem_total_mib = device_mem_total_mib
         self._over_capacity_batches = 0  # batches with such rejections (logged at the 1st, 10th, ...)
-        self._failures_said: set[str] = set()  # the kinds of round failure logged already (once each)
+        # round failures: the first of each kind is logged, then at most one an hour (carrying the
+        # count left out), so a failure that persists is seen again in a log read days later
+        self._failures_log = LogBudget(interval_s=FAILURE_LOG_INTERVAL_S, burst=1)
         self._benched: dict[str, float] = {}  # app -> until when the fallback forecasts it (BENCH_S)
         self._apply_refused_said = False
         # `app_evicted` records: at most 10 a minute, the next one counting those left out
@@ -876,12 +881,13 @@ class Manager:
         return out
 
     def _round_failed(self, kind: str, exc: BaseException, app_id: str, **kw: object) -> None:
-        """Count a failure in a round; log its kind once (with the first application it struck)."""
+        """Count a failure in a round; log its kind at most once an hour (with the application it struck)."""
         self.stats.forecast_failures += 1
-        if kind not in self._failures_said:
-            self._failures_said.add(kind)
+        left_out = self._failures_log.admit((kind,))
+        if left_out is not None:
             self._log.error(kind, app=app_id, error=repr(exc), count=self.stats.forecast_failures,
-                            said="once: later ones are counted (vgpu_forecast_failures_total), not logged", **kw)
+                            left_out=left_out,
+                            said="at most once an hour: the others are counted (vgpu_forecast_failures_total)", **kw)
 
     @staticmethod
     def _call(forecaster: Forecaster, traces: list[AppTrace]) -> list[Forecast]:

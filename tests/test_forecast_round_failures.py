@@ -2,7 +2,7 @@
 the daemon's path (`ingest_async`: rounds batched on the loop, the forecast in a worker thread): an
 application the model fails on gets the fallback's forecast, the others keep the model's; where no
 forecaster can forecast, its last value decides; one whose window cannot be copied sits the round
-out, the others are decided. Each failure is logged once, not at every round."""
+out, the others are decided. Each kind of failure is logged at most once an hour, not at every round."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from manager_fakes import EwmaMarginForecaster
 from structlog.testing import capture_logs
 
 from vgpu.allocator.core import Allocator
-from vgpu.manager.core import Manager, StreamState
+from vgpu.log import LogBudget
+from vgpu.manager.core import FAILURE_LOG_INTERVAL_S, Manager, StreamState
 from vgpu.manager.forecast import HORIZONS_S, Forecast
 from vgpu.manager.window import AppWindow, WindowStore
 from vgpu.traces import AppTrace
@@ -162,3 +163,20 @@ async def test_a_window_that_cannot_be_copied_leaves_its_app_out_and_the_others_
         assert set(decided) == {"ok"} and decided["ok"].source == "model"
     assert _said(logs, "window_failed") == 1 and _said(logs, "forecast_batch_failed") == 0
     assert [g.app_id for g in alloc.ledger.grants()] == ["ok"]
+
+
+async def test_a_failure_that_persists_is_logged_again_an_hour_later_with_the_count_left_out() -> None:
+    mgr, _, clock = _manager(Broken(), Broken())  # every round fails
+    now = [0.0]
+    mgr._failures_log = LogBudget(interval_s=FAILURE_LOG_INTERVAL_S, burst=1, clock=lambda: now[0])
+    with capture_logs() as logs:
+        await _rounds(mgr, clock, ["a"], rounds=3)
+        now[0] = FAILURE_LOG_INTERVAL_S - 1.0
+        await _rounds(mgr, clock, ["a"], rounds=2)
+        assert _said(logs, "fallback_failed") == 1  # within the hour: counted, not logged
+        now[0] = FAILURE_LOG_INTERVAL_S + 1.0
+        await _rounds(mgr, clock, ["a"], rounds=2)
+    records = [e for e in logs if e["event"] == "fallback_failed"]
+    assert len(records) == 2
+    assert records[0]["left_out"] == 0 and records[1]["left_out"] >= 1
+    assert records[0]["count"] < records[1]["count"] <= mgr.stats.forecast_failures
