@@ -63,6 +63,10 @@ class SamplerStats:
     # in-app counters left out of otherwise good reports (vgpu.client.inapp_value_problem), by
     # "counter: why" (a fixed set of keys)
     inapp_dropped: dict[str, int] = field(default_factory=dict)
+    # listings of the in-app directory for the stub's other report names, and the entries they read
+    # (each at most vgpu.client.MAX_INAPP_SCAN_ENTRIES)
+    inapp_scans: int = 0
+    inapp_scan_entries: int = 0
 
 
 @dataclass
@@ -424,12 +428,15 @@ class Sampler:
             # no report under the names known: list the directory (bounded) for the stub's other name,
             # for every process of the node at once
             self._inapp_scanned_at = now_mono
+            read_before = finder.entries_read
             try:
                 finder.scan({p: self._owners(s) for p, s in self._procs.items()})
             except FileNotFoundError:
                 pass  # no directory: no stub has written yet
             except OSError as exc:
                 self._count_error("inapp_dir", "scan", exc)
+            self.stats.inapp_scans += 1
+            self.stats.inapp_scan_entries += finder.entries_read - read_before
             new = [p for p in finder.paths(pid) if p not in paths]
             if new:
                 found = self._inapp_reports(finder, pid, pstate, new, owners, now_s)
