@@ -55,6 +55,11 @@ the profiler, survives either side restarting, and ties the counters to the pid 
 temporary name and renamed, so a reader never sees half a file; a file older than `INAPP_MAX_AGE_S` or
 whose pid is gone or restarted is ignored. The directory (default `/run/vgpu/inapp`) must be writable by
 the applications (mode 1777, like /tmp); the profiler ignores a file whose owner is not the process's user.
+Since any user may create `<pid>.json` first (the sticky bit then keeps the stub from writing over it),
+a stub that finds that name taken by something it cannot write over writes `<pid>.<token>.json`
+instead, the token random (`claim_inapp_path`), and logs that once; the profiler and the daemon's pid
+proof find that name by a bounded listing of the directory (`InAppFinder`), counting only files owned
+by the process's user (docs/profiler.md, "The in-app protocol").
 
 torch is never imported here: an application that uses PyTorch has imported it already, so the stub
 takes it from `sys.modules` when it needs it (or from the `torch_module` argument, for tests). With no
