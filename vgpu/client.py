@@ -405,6 +405,8 @@ def parse_inapp(text: str) -> InAppReport:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InAppFormatError(f"not JSON: {exc}") from exc
+    except RecursionError:  # arrays nested thousands deep: within the size cap, beyond the decoder
+        raise InAppFormatError("not JSON: nested too deep") from None
     if not isinstance(data, dict):
         raise InAppFormatError("not a JSON object")
     if data.get("v") != INAPP_VERSION:
@@ -675,7 +677,10 @@ def read_inapp_reports(
 
 
 def _is_number(v: object) -> TypeGuard[int | float]:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    if not isinstance(v, int | float) or isinstance(v, bool):
+        return False
+    # an int of more digits than a double holds (JSON allows any) would raise OverflowError as a float
+    return abs(v) <= sys.float_info.max if isinstance(v, int) else math.isfinite(v)
 
 
 # --- a serving engine's counters -----------------------------------------------------------------------
