@@ -260,3 +260,31 @@ def test_a_directory_of_many_files_is_listed_in_bounded_steps_and_the_report_sti
         assert sampler.stats.inapp_scans == scans
     finally:
         client.close()
+
+
+def test_the_daemons_pid_proof_lists_at_most_one_step_per_quarter_second_whoever_asks(tmp_path: Path) -> None:
+    """The daemon checks a pid's report on its event loop, and any local user may send requests naming
+    pids: a flood of checks lists the directory at most once per INAPP_PROOF_SCAN_EVERY_S, and each
+    listing looks for every pid asked about lately, so the flood's listings find the stub's name too."""
+    from vgpu.daemon.serve import INAPP_PROOF_SCAN_EVERY_S
+
+    pid = os.getpid()
+    (tmp_path / f"{pid}.json").mkdir()
+    client = VgpuClient("proven", socket="unix:///nonexistent.sock", inapp_dir=tmp_path, watch=False, report=False)
+    try:
+        client.report_now()
+        clock = ManualClock(0.0)
+        proof = InAppPidProof(tmp_path, monotonic=clock)
+        assert not proof(1, "flood")  # pid 1 runs and has no report: one listing
+        assert proof.scans == 1
+        assert not proof(pid, "proven")  # no listing left in this quarter second: not found yet
+        for _ in range(100):
+            assert not proof(1, "flood")
+        assert proof.scans == 1
+        clock.advance(INAPP_PROOF_SCAN_EVERY_S)
+        assert not proof(1, "flood")  # the flood's next listing looks for the stub's pid as well ...
+        assert proof.scans == 2
+        assert proof(pid, "proven") and proof.scans == 2  # ... so its name is known without another
+        assert not proof(pid, "another-app")
+    finally:
+        client.close()

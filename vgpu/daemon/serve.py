@@ -384,6 +384,15 @@ class StateSource:
         return {**zeros, **counted}
 
 
+# The daemon's pid proof lists the in-app directory on its event loop: at most one bounded step
+# (vgpu.client.MAX_INAPP_SCAN_ENTRIES entries) per this many seconds, whoever asks, and each step looks
+# for every pid asked about in the last INAPP_PROOF_ASKED_S (at most INAPP_PROOF_ASKED_MAX of them), so
+# that a flood of requests naming pids adds no listing, and its steps find the other pids' names too.
+INAPP_PROOF_SCAN_EVERY_S = 0.25
+INAPP_PROOF_ASKED_S = 60.0
+INAPP_PROOF_ASKED_MAX = 1024
+
+
 class InAppPidProof:
     """Whether a process runs a given application, shown in a way only the process's own user could
     arrange: its client stub's in-app report (`<inapp_dir>/<pid>.json`, or the stub's
@@ -393,18 +402,26 @@ class InAppPidProof:
     directory cannot replace one); the same user could, but may signal or trace the process anyway.
     Each file is opened once (no symlink, no waiting) and checked through that descriptor
     (`vgpu.client.read_inapp_reports`). The other names are found by listing the directory
-    (`vgpu.client.InAppFinder`), at most MAX_INAPP_SCAN_ENTRIES entries per check, each check going on
-    where the last stopped: in a directory that holds more, a report under another name may take
-    several checks to be found."""
+    (`vgpu.client.InAppFinder`) when a check finds no report under the names known: one step of at
+    most MAX_INAPP_SCAN_ENTRIES entries per INAPP_PROOF_SCAN_EVERY_S, each going on where the last
+    stopped, for every pid asked about lately. In a directory of more entries, or while other checks
+    take the steps, a report under another name may take a few checks (seconds) to be found."""
 
     def __init__(self, directory: Path = DEFAULT_INAPP_DIR, *, clock: Callable[[], float] = time.time,
-                 proc_root: Path = Path("/proc"), process: Callable[[int], psutil.Process] = psutil.Process,
-                 finder: InAppFinder | None = None) -> None:
+                 monotonic: Callable[[], float] = time.monotonic, proc_root: Path = Path("/proc"),
+                 process: Callable[[int], psutil.Process] = psutil.Process, finder: InAppFinder | None = None,
+                 scan_every_s: float = INAPP_PROOF_SCAN_EVERY_S) -> None:
         self.directory = Path(directory)
         self._clock = clock
+        self._mono = monotonic
         self._proc_root = Path(proc_root)
         self._process = process
         self.finder = finder or InAppFinder(self.directory)
+        self._scan_every_s = scan_every_s
+        self._scanned_at = -math.inf
+        # pid -> (its owner's uid, monotonic time it was last asked about), oldest first
+        self._asked: dict[int, tuple[int, float]] = {}
+        self.scans = 0
 
     def __call__(self, pid: int, app_id: str) -> bool:
         try:
@@ -412,12 +429,21 @@ class InAppPidProof:
             start_s = self._process(pid).create_time()
         except (OSError, psutil.Error):
             return False
-        if self._proven(pid, app_id, proc_uid, start_s, self.finder.paths(pid)):
+        now = self._mono()
+        self._asked.pop(pid, None)
+        self._asked[pid] = (proc_uid, now)
+        while len(self._asked) > INAPP_PROOF_ASKED_MAX or now - next(iter(self._asked.values()))[1] > INAPP_PROOF_ASKED_S:
+            del self._asked[next(iter(self._asked))]
+        known = self.finder.paths(pid)  # the names found stay known (InAppFinder's own bound) while their files do
+        if self._proven(pid, app_id, proc_uid, start_s, known):
             return True
-        # not under the names known: list the directory (bounded) for the stub's other name
-        known = self.finder.paths(pid)
+        if now - self._scanned_at < self._scan_every_s:
+            return False
+        # not under the names known: list the directory (one bounded step) for the stubs' other names
+        self._scanned_at = now
+        self.scans += 1
         try:
-            self.finder.scan({pid: (proc_uid,)})
+            self.finder.scan({p: (uid,) for p, (uid, _) in self._asked.items()})
         except OSError:
             return False
         return self._proven(pid, app_id, proc_uid, start_s, [p for p in self.finder.paths(pid) if p not in known])
