@@ -13,7 +13,10 @@ Where each part of a signature comes from, and how often it is refreshed:
   (NVML samples only processes that used the GPU in the period), and is unset while the read fails;
 * host counters (CPU %, RSS, I/O rates) of the process: psutil, every tick; rates need two observations, so
   the first sample of a process leaves CPU and I/O unset;
-* in-app counters: the client stub's per-pid file (`vgpu.client.read_inapp`), every tick; its app id names
+* in-app counters: the client stub's per-pid file, every tick: `<pid>.json`, or, where that name was
+  taken by another user's file, the stub's `<pid>.<token>.json`, found by listing the directory at most
+  once per `inapp_scan_every_s` while some process has no report, each listing bounded
+  (`vgpu.client.InAppFinder`); only a file owned by the process's user (or root) counts. Its app id names
   the application. A counter that is not finite, negative or above its bound is left out of the
   signature (the rest of the report kept), counted in `stats.inapp_dropped` and logged once per process
   and counter.
@@ -26,13 +29,14 @@ at its 1st, 10th, 100th... occurrence; GpuLost marks the device lost and it is s
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-from vgpu.client import DEFAULT_INAPP_DIR, InAppFormatError, InAppReport, read_inapp
+from vgpu.client import DEFAULT_INAPP_DIR, InAppFinder, InAppFound, InAppReport, read_inapp_reports
 from vgpu.device.base import Backend, Device, GpuInstance, ProcessInfo, ProcessUtilization
 from vgpu.device.errors import GpuLost, NoData, NoPermission, NotFound, NotSupported
 from vgpu.ids import app_id_problem, sanitize_app_id_part  # the manager's rule for app ids
@@ -59,6 +63,10 @@ class SamplerStats:
     # in-app counters left out of otherwise good reports (vgpu.client.inapp_value_problem), by
     # "counter: why" (a fixed set of keys)
     inapp_dropped: dict[str, int] = field(default_factory=dict)
+    # listings of the in-app directory for the stub's other report names, and the entries they read
+    # (each at most vgpu.client.MAX_INAPP_SCAN_ENTRIES)
+    inapp_scans: int = 0
+    inapp_scan_entries: int = 0
 
 
 @dataclass
@@ -114,6 +122,7 @@ class Sampler:
         psutil_module: Any = _DEFAULT_PSUTIL,
         inapp_dir: str | Path | None = DEFAULT_INAPP_DIR,
         inapp_max_age_s: float = 5.0,
+        inapp_scan_every_s: float = 1.0,
         enumerate_every_s: float = 1.0,
         rediscover_every_s: float = 30.0,
         util_hold_s: float = 1.0,
@@ -126,8 +135,10 @@ class Sampler:
             import psutil as psutil_module  # noqa: PLC0415 - a default, injected in tests
         self._backend = backend
         self._psutil = psutil_module
-        self._inapp_dir = None if inapp_dir is None else Path(inapp_dir)
+        self._inapp = None if inapp_dir is None else InAppFinder(inapp_dir)
         self._inapp_max_age_s = inapp_max_age_s
+        self._inapp_scan_every_s = inapp_scan_every_s
+        self._inapp_scanned_at = -math.inf
         self._enumerate_every_s = enumerate_every_s
         self._rediscover_every_s = rediscover_every_s
         self._util_hold_s = util_hold_s
@@ -160,6 +171,8 @@ class Sampler:
                 continue
         for pid in set(self._procs) - seen_pids:  # forget processes that left every device
             del self._procs[pid]
+        if self._inapp is not None:
+            self._inapp.retain(self._procs)
         self.stats.samples += 1
         self.stats.signatures += len(out)
         return out
@@ -198,6 +211,8 @@ class Sampler:
     def close(self) -> None:
         self._devices.clear()
         self._procs.clear()
+        if self._inapp is not None:
+            self._inapp.close()
 
     # --- one device ---------------------------------------------------------------------------------
     def _sample_device(
@@ -222,7 +237,7 @@ class Sampler:
             if host is None:
                 continue  # vanished
             pstate, host_counters = host
-            inapp = self._inapp(info.pid, pstate, now_s)
+            inapp = self._read_inapp(info.pid, pstate, now_s, now_mono)
             app_id = self._app_id(info.pid, pstate, inapp)
             sig = signature_pb2.BehavioralSignature(
                 app_id=app_id, pid=info.pid, device_id=dev.uuid, timestamp_s=now_s, seq=self._seq.next(app_id)
@@ -402,34 +417,58 @@ class Sampler:
             return None
 
     # --- in-app counters and app ids -----------------------------------------------------------------
-    def _inapp(self, pid: int, pstate: _ProcState, now_s: float) -> InAppReport | None:
-        if self._inapp_dir is None:
+    def _read_inapp(self, pid: int, pstate: _ProcState, now_s: float, now_mono: float) -> InAppReport | None:
+        finder = self._inapp
+        if finder is None:
             return None
-        try:
-            report = read_inapp(
-                self._inapp_dir, pid, now_s=now_s, pid_start_s=pstate.start_s, max_age_s=self._inapp_max_age_s
-            )
-        except InAppFormatError as exc:
-            self.stats.inapp_bad += 1
-            self._once(f"pid:{pid}", "inapp", f"ignoring malformed in-app file: {exc}")
-            return None
-        except OSError as exc:
-            self._count_error(f"pid:{pid}", "inapp", exc)
-            return None
-        if report is not None and pstate.uid is not None:
+        owners = self._owners(pstate)
+        paths = finder.paths(pid)
+        found = self._inapp_reports(finder, pid, pstate, paths, owners, now_s)
+        if not found.reports and now_mono - self._inapp_scanned_at >= self._inapp_scan_every_s:
+            # no report under the names known: list the directory (bounded) for the stub's other name,
+            # for every process of the node at once
+            self._inapp_scanned_at = now_mono
+            read_before = finder.entries_read
             try:
-                owner = (self._inapp_dir / f"{pid}.json").stat().st_uid
-            except OSError:
-                return None
-            if owner not in (0, pstate.uid):
-                self._once(f"pid:{pid}", "inapp_owner", f"ignoring in-app file owned by uid {owner}, not {pstate.uid}")
-                return None
-        if report is not None:
-            for name, why in report.dropped:
-                key = f"{name}: {why}"
-                self.stats.inapp_dropped[key] = self.stats.inapp_dropped.get(key, 0) + 1
-                self._once(f"pid:{pid}", f"inapp.{name}", f"in-app counter {name} left out: {why}")
+                finder.scan({p: self._owners(s) for p, s in self._procs.items()})
+            except FileNotFoundError:
+                pass  # no directory: no stub has written yet
+            except OSError as exc:
+                self._count_error("inapp_dir", "scan", exc)
+            self.stats.inapp_scans += 1
+            self.stats.inapp_scan_entries += finder.entries_read - read_before
+            new = [p for p in finder.paths(pid) if p not in paths]
+            if new:
+                found = self._inapp_reports(finder, pid, pstate, new, owners, now_s)
+        if not found.reports:
+            return None
+        report = found.reports[0]
+        for name, why in report.dropped:
+            key = f"{name}: {why}"
+            self.stats.inapp_dropped[key] = self.stats.inapp_dropped.get(key, 0) + 1
+            self._once(f"pid:{pid}", f"inapp.{name}", f"in-app counter {name} left out: {why}")
         return report
+
+    @staticmethod
+    def _owners(pstate: _ProcState) -> tuple[int, ...] | None:
+        """Who may own a process's in-app file: root or the process's user (None: its user unknown)."""
+        return None if pstate.uid is None else (0, pstate.uid)
+
+    def _inapp_reports(self, finder: InAppFinder, pid: int, pstate: _ProcState, paths: list[Path],
+                       owners: tuple[int, ...] | None, now_s: float) -> InAppFound:
+        found = read_inapp_reports(
+            paths, pid, now_s=now_s, pid_start_s=pstate.start_s, owners=owners, max_age_s=self._inapp_max_age_s,
+            gone=lambda path: finder.forget(pid, path) if path.name != f"{pid}.json" else None,
+        )
+        for kind, name, why in found.skipped:
+            if kind == "malformed":
+                self.stats.inapp_bad += 1
+                self._once(f"pid:{pid}", "inapp", f"ignoring malformed in-app file {name}: {why}")
+            elif kind == "owner":
+                self._once(f"pid:{pid}", "inapp_owner", f"ignoring in-app file {name} {why}, not by root or uid {pstate.uid}")
+            else:
+                self._count_error(f"pid:{pid}", "inapp", OSError(f"{name}: {why}"))
+        return found
 
     def _app_id(self, pid: int, pstate: _ProcState, inapp: InAppReport | None) -> str:
         if pstate.app_id is None and inapp is not None:

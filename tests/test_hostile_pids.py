@@ -91,6 +91,41 @@ def test_a_process_that_reports_itself_may_be_named_by_its_application(env: Env,
     assert serves[-1].term() == 0
 
 
+SQUATTED_STUB = """\
+import sys
+from vgpu.client import VgpuClient
+sys.stdin.readline()  # the test takes this process's report name first
+with VgpuClient("squatted", socket=sys.argv[1], inapp_dir=sys.argv[2], watch=False, report_period_s=0.1) as client:
+    grant = client.request(memory_mib=8)
+    print(grant.pid, grant.memory_mib, flush=True)
+"""
+
+
+def test_a_stub_whose_report_name_was_taken_still_proves_its_pid(env: Env, serves: list[Serve]) -> None:
+    """Someone put something the stub cannot write over under its process's report name (a directory
+    here; another user's file does the same in the sticky directory) before it started. Before: the
+    stub could write no report, so its request named no pid (and the profiler saw no counters). Now
+    it reports under another name and the daemon, which cannot tell the caller's uid, finds that
+    report by listing the directory and takes the pid."""
+    env.env["VGPU_SERVER_PEER_CREDENTIALS"] = "false"  # only the in-app report can vouch for the pid
+    serves.append(Serve(env))
+    inapp = env.tmp / "inapp"
+    child = subprocess.Popen([sys.executable, "-c", SQUATTED_STUB, f"unix://{env.sock}", str(inapp)],
+                             cwd=Path(__file__).resolve().parents[1], env=env.env, text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        (inapp / f"{child.pid}.json").mkdir(parents=True)
+        out, err = child.communicate("go\n", timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
+    assert child.returncode == 0, err
+    assert out.split() == [str(child.pid), "8.0"], (out, err)  # before: "0 8.0", the pid left out
+    assert "usual file name is taken" in err and "could not verify" not in err, err
+    assert serves[-1].term() == 0
+
+
 def test_a_fifo_in_the_in_app_directory_does_not_stall_the_daemon(env: Env, serves: list[Serve], client: Raw) -> None:
     """The in-app directory is writable by every user (mode 1777: each application's stub writes its
     own report there). A FIFO named after a pid that has no report (`1.json`), then a request naming

@@ -374,6 +374,37 @@ def test_malformed_inapp_file_is_ignored_and_counted(tmp_path: Path) -> None:
     assert not sig.HasField("in_app") and sampler.stats.inapp_bad == 1
 
 
+@pytest.mark.parametrize("text", [
+    "[" * 30_000 + "]" * 30_000,  # nested beyond the JSON decoder's recursion (RecursionError)
+    '{"v": 1, "app_id": "x", "pid": %(pid)d, "written_at_s": 1%(zeros)s}',  # beyond a double (OverflowError)
+    '{"v": 1, "app_id": "x", "pid": %(pid)d, "written_at_s": 1, "pid_start_s": 1%(zeros)s}',
+], ids=["deep", "huge-written-at", "huge-start"])
+def test_an_in_app_file_beyond_the_json_decoder_is_malformed_and_the_tick_goes_on(tmp_path: Path, text: str) -> None:
+    """A 64 KiB in-app file may still hold what the decoder or a float cannot: before, parsing it raised
+    RecursionError or OverflowError out of `sample()`, so every process of the node lost that tick's
+    signature, tick after tick, for one file."""
+    (tmp_path / f"{os.getpid()}.json").write_text(text % {"pid": os.getpid(), "zeros": "0" * 400}
+                                                   if "%(" in text else text)
+    sampler, _ = _real_sampler(tmp_path)
+    (sig,) = sampler.sample()
+    assert not sig.HasField("in_app") and sampler.stats.inapp_bad == 1
+
+
+def test_a_counter_of_more_digits_than_a_double_holds_is_left_out_alone(tmp_path: Path) -> None:
+    import json
+    import time
+
+    import psutil
+
+    (tmp_path / f"{os.getpid()}.json").write_text(json.dumps(
+        {"v": 1, "app_id": "llm", "pid": os.getpid(), "pid_start_s": psutil.Process().create_time(),
+         "written_at_s": time.time(), "counters": {"step": 5}}).replace('"step": 5', '"step": 1' + "0" * 400))
+    sampler, _ = _real_sampler(tmp_path)
+    (sig,) = sampler.sample()
+    assert sig.app_id == "llm" and not sig.in_app.HasField("step")
+    assert sampler.stats.inapp_dropped == {"step: above 9.0072e+15": 1}
+
+
 def test_registered_app_id_sticks_when_the_file_goes_stale(tmp_path: Path) -> None:
     import time
 

@@ -55,6 +55,11 @@ the profiler, survives either side restarting, and ties the counters to the pid 
 temporary name and renamed, so a reader never sees half a file; a file older than `INAPP_MAX_AGE_S` or
 whose pid is gone or restarted is ignored. The directory (default `/run/vgpu/inapp`) must be writable by
 the applications (mode 1777, like /tmp); the profiler ignores a file whose owner is not the process's user.
+Since any user may create `<pid>.json` first (the sticky bit then keeps the stub from writing over it),
+a stub that finds that name taken by something it cannot write over writes `<pid>.<token>.json`
+instead, the token random (`claim_inapp_path`), and logs that once; the profiler and the daemon's pid
+proof find that name by a bounded listing of the directory (`InAppFinder`), counting only files owned
+by the process's user (docs/profiler.md, "The in-app protocol").
 
 torch is never imported here: an application that uses PyTorch has imported it already, so the stub
 takes it from `sys.modules` when it needs it (or from the `torch_module` argument, for tests). With no
@@ -69,11 +74,13 @@ import json
 import math
 import os
 import random
+import re
+import secrets
 import stat
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from types import ModuleType
@@ -110,6 +117,19 @@ INAPP_MAX_AGE_S = 5.0
 # The most of an in-app file that is read (vgpu/capped.py): the stub writes a few hundred bytes, and any
 # application may write in the directory; a larger file is malformed and is not read whole.
 MAX_INAPP_FILE_BYTES = 64 * 1024
+# The usual name taken by a file this process cannot own (another user's: a squat, or one left by another
+# user's earlier process with this pid; or no regular file), the stub writes `<pid>.<token>.json`
+# instead, the token INAPP_TOKEN_BYTES random bytes in lowercase hex: a name nobody can take first.
+INAPP_TOKEN_BYTES = 16
+_INAPP_FALLBACK_NAME = re.compile(rf"([1-9][0-9]{{0,9}})\.([0-9a-f]{{{2 * INAPP_TOKEN_BYTES}}})\.json")
+# What one scan of the in-app directory for those names costs at most (`InAppFinder.scan`): the
+# directory entries it reads (a directory that holds more is read over several scans, each going on
+# where the last stopped), and, of the names it finds for one process, owned by that process's user,
+# how many it keeps (the newest by modification time: a stub writes its own every second).
+MAX_INAPP_SCAN_ENTRIES = 4096
+MAX_INAPP_NAMES_PER_PID = 4
+# The processes whose names an `InAppFinder` keeps at once (the oldest forgotten past it).
+MAX_INAPP_FINDER_PIDS = 4096
 # psutil's create_time has clock-tick resolution; two starts closer than this are "the same process".
 PID_START_TOLERANCE_S = 1.0
 MIB = 1024 * 1024
@@ -295,9 +315,74 @@ def make_inapp_dir(directory: str | Path) -> bool:
     return True
 
 
-def write_inapp(directory: str | Path, report: InAppReport) -> Path:
+def _not_own(st: os.stat_result, euid: int) -> str | None:
+    """Why a file with status `st` (lstat) is not one that a process of `euid` may write its report
+    over, or None when it is: a regular file of its own."""
+    if stat.S_ISLNK(st.st_mode):
+        return "a symbolic link"
+    if stat.S_ISDIR(st.st_mode):
+        return "a directory"
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_uid != euid:
+        return f"owned by uid {st.st_uid}"
+    return None
+
+
+def _create_exclusive(path: Path) -> None:
+    """Create `path` empty, failing (FileExistsError) when anything, a dangling symlink included, is there."""
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644))
+
+
+@dataclass(frozen=True)
+class InAppClaim:
+    """The file a process writes its reports to, and why the usual name was passed over (None: it was not)."""
+
+    path: Path
+    usual_taken: str | None = None
+
+
+def claim_inapp_path(
+    directory: str | Path,
+    pid: int,
+    *,
+    euid: int | None = None,
+    token_hex: Callable[[int], str] = secrets.token_hex,
+) -> InAppClaim:
+    """The name `pid`'s reports go under. The usual one, `<pid>.json`, when it is free or already a
+    regular file of this user's (`euid`, default this process's: an earlier report of this process,
+    or of an earlier process of the same user with this pid). Anything else there (another user's
+    file: a squat, or one left by another user's earlier process with this pid; a symlink, a
+    directory, a FIFO) cannot be written over in the sticky directory, so a new name is made,
+    `<pid>.<INAPP_TOKEN_BYTES random bytes in hex>.json`, created here at once, empty, with O_EXCL and
+    without following a link, so that nobody holds it before this process does (the temporary file
+    of the first write would show the name to anyone listing the directory). A reader takes an empty
+    report file for one not written yet. OSError when no name can be created."""
+    directory = Path(directory)
+    euid = os.geteuid() if euid is None else euid
+    usual = inapp_path(directory, pid)
+    try:
+        why = _not_own(os.lstat(usual), euid)
+    except FileNotFoundError:
+        # Free: the write's rename creates it. Taken before that rename, the rename fails and the
+        # caller claims again (VgpuClient.report_now), finding it taken.
+        return InAppClaim(usual)
+    if why is None:
+        return InAppClaim(usual)
+    for _ in range(4):  # 128 random bits: a second try means something is very wrong
+        path = directory / f"{pid}.{token_hex(INAPP_TOKEN_BYTES)}.json"
+        try:
+            _create_exclusive(path)
+        except FileExistsError:
+            continue
+        return InAppClaim(path, why)
+    raise FileExistsError(errno.EEXIST, "no unused in-app file name after 4 random tries", str(directory))
+
+
+def write_inapp(directory: str | Path, report: InAppReport, *, path: str | Path | None = None) -> Path:
     """Write `report` atomically (`write_atomically`: a temporary file in the same directory, then a
-    rename), creating the directory when it is missing as `make_inapp_dir` does."""
+    rename) to `path` (default `<directory>/<pid>.json`; `claim_inapp_path` says which name a
+    process may use), creating the directory when it is missing as `make_inapp_dir` does."""
     directory = Path(directory)
     if not directory.is_dir():
         make_inapp_dir(directory)
@@ -309,7 +394,7 @@ def write_inapp(directory: str | Path, report: InAppReport) -> Path:
         "written_at_s": report.written_at_s,
         "counters": {k: v for k, v in asdict(report.counters).items() if v is not None},
     }
-    target = inapp_path(directory, report.pid)
+    target = inapp_path(directory, report.pid) if path is None else Path(path)
     write_atomically(target, json.dumps(payload, separators=(",", ":")).encode("utf-8"), 0o644)
     return target
 
@@ -320,6 +405,8 @@ def parse_inapp(text: str) -> InAppReport:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InAppFormatError(f"not JSON: {exc}") from exc
+    except RecursionError:  # arrays nested thousands deep: within the size cap, beyond the decoder
+        raise InAppFormatError("not JSON: nested too deep") from None
     if not isinstance(data, dict):
         raise InAppFormatError("not a JSON object")
     if data.get("v") != INAPP_VERSION:
@@ -417,8 +504,183 @@ def read_inapp(
     return report
 
 
+class InAppFinder:
+    """Where each process's in-app report may be: its usual name, `<pid>.json`, and the names
+    `<pid>.<token>.json` (`claim_inapp_path`) of that pid found by scanning the directory. A name
+    cannot be guessed, so it is found by listing; the directory is every user's, so the listing is
+    bounded: one `scan` reads at most `scan_entries` entries (a directory that holds more is read over
+    several scans, each going on where the last stopped, so every name is found within
+    entries / scan_entries scans), looks at the status (lstat, no link followed) only of names of
+    the pids asked for, and keeps, for each pid, at most `names_per_pid` of them: regular files owned
+    by one of that pid's owners, the newest by modification time. Another user's files under a
+    process's pid are passed over at the scan, so they cannot push the process's own out. At most
+    `max_pids` pids are remembered (the oldest forgotten first). Thread-safe."""
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        scan_entries: int = MAX_INAPP_SCAN_ENTRIES,
+        names_per_pid: int = MAX_INAPP_NAMES_PER_PID,
+        max_pids: int = MAX_INAPP_FINDER_PIDS,
+    ) -> None:
+        if scan_entries < 1 or names_per_pid < 1 or max_pids < 1:
+            raise ValueError("scan_entries, names_per_pid and max_pids must be >= 1")
+        self.directory = Path(directory)
+        self._scan_entries = scan_entries
+        self._names_per_pid = names_per_pid
+        self._max_pids = max_pids
+        self._lock = threading.Lock()
+        self._entries: Iterator[os.DirEntry[str]] | None = None
+        self._known: dict[int, dict[str, float]] = {}  # pid -> file name -> modification time
+        # what the scans cost: directory entries read, files whose status was read, whole passes
+        self.entries_read = 0
+        self.stats_read = 0
+        self.passes = 0
+
+    def paths(self, pid: int) -> list[Path]:
+        """The usual name of `pid`, then the names found for it, newest first."""
+        with self._lock:
+            names = sorted(self._known.get(pid, {}).items(), key=lambda kv: -kv[1])
+        return [inapp_path(self.directory, pid), *(self.directory / name for name, _ in names)]
+
+    def scan(self, wanted: Mapping[int, Collection[int] | None]) -> None:
+        """Read the next at most `scan_entries` directory entries, keeping the report names of the
+        pids in `wanted` whose owner is one of `wanted[pid]` (None: any owner). OSError when the
+        directory cannot be listed (FileNotFoundError: there is none yet)."""
+        with self._lock:
+            if self._entries is None:
+                self._entries = os.scandir(self.directory)
+            entries, read = self._entries, 0
+            try:
+                while read < self._scan_entries:
+                    entry = next(entries, None)
+                    if entry is None:
+                        self._end_pass()
+                        break
+                    read += 1
+                    match = _INAPP_FALLBACK_NAME.fullmatch(entry.name)
+                    if match is None or int(match.group(1)) not in wanted:
+                        continue
+                    pid = int(match.group(1))
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    self.stats_read += 1
+                    owners = wanted[pid]
+                    if stat.S_ISREG(st.st_mode) and (owners is None or st.st_uid in owners):
+                        self._keep(pid, entry.name, st.st_mtime)
+            except OSError:
+                self._end_pass()
+                raise
+            finally:
+                self.entries_read += read
+
+    def forget(self, pid: int, path: Path | None = None) -> None:
+        """Forget one name of `pid` (a file that is gone), or all of them."""
+        with self._lock:
+            names = self._known.get(pid)
+            if names is not None and path is not None:
+                names.pop(path.name, None)
+            if names is not None and (path is None or not names):
+                del self._known[pid]
+
+    def retain(self, pids: Collection[int]) -> None:
+        """Forget the names of every pid not in `pids` (processes that are gone)."""
+        with self._lock:
+            for pid in [p for p in self._known if p not in pids]:
+                del self._known[pid]
+
+    def close(self) -> None:
+        with self._lock:
+            self._end_pass()
+
+    def _end_pass(self) -> None:
+        if self._entries is not None:
+            close = getattr(self._entries, "close", None)
+            if close is not None:
+                close()
+            self._entries = None
+            self.passes += 1
+
+    def _keep(self, pid: int, name: str, mtime: float) -> None:
+        names = self._known.get(pid)
+        if names is None:
+            if len(self._known) >= self._max_pids:
+                del self._known[next(iter(self._known))]
+            names = self._known[pid] = {}
+        names[name] = mtime
+        if len(names) > self._names_per_pid:
+            del names[min(names, key=lambda n: names[n])]
+
+
+@dataclass(frozen=True)
+class InAppFound:
+    """What `read_inapp_reports` found for one pid: the usable reports, newest first, and what was
+    passed over, each as (kind, file name, why), kind one of "owner" (owned by nobody allowed),
+    "malformed" (InAppFormatError) or "error" (an OSError reading it)."""
+
+    reports: tuple[InAppReport, ...] = ()
+    skipped: tuple[tuple[str, str, str], ...] = ()
+
+
+def read_inapp_reports(
+    paths: Iterable[Path],
+    pid: int,
+    *,
+    now_s: float,
+    pid_start_s: float | None = None,
+    owners: Collection[int] | None = None,
+    max_age_s: float = INAPP_MAX_AGE_S,
+    gone: Callable[[Path], None] = lambda _path: None,
+) -> InAppFound:
+    """The fresh reports of `pid` among `paths` (`InAppFinder.paths`): each read as `read_inapp_file`
+    does (no link followed, no waiting, capped), owned by one of `owners` (None: anyone), not empty
+    (a name claimed and not yet written), naming `pid`, no older than `max_age_s` and, where both
+    are known, written by a process that started at `pid_start_s`. `gone(path)` is called for each
+    path that no longer exists."""
+    reports: list[InAppReport] = []
+    skipped: list[tuple[str, str, str]] = []
+    for path in paths:
+        try:
+            text, st = read_inapp_file(path)
+        except (FileNotFoundError, NotADirectoryError):
+            gone(path)
+            continue
+        except InAppFormatError as exc:
+            skipped.append(("malformed", path.name, str(exc)))
+            continue
+        except OSError as exc:
+            skipped.append(("error", path.name, exc.strerror or str(exc)))
+            continue
+        if owners is not None and st.st_uid not in owners:
+            skipped.append(("owner", path.name, f"owned by uid {st.st_uid}"))
+            continue
+        if not text:
+            continue
+        try:
+            report = parse_inapp(text)
+            if report.pid != pid:
+                raise InAppFormatError(f"file for pid {pid} names pid {report.pid}")
+        except InAppFormatError as exc:
+            skipped.append(("malformed", path.name, str(exc)))
+            continue
+        if now_s - report.written_at_s > max_age_s:
+            continue
+        if (pid_start_s is not None and report.pid_start_s is not None
+                and abs(report.pid_start_s - pid_start_s) > PID_START_TOLERANCE_S):
+            continue
+        reports.append(report)
+    reports.sort(key=lambda r: -r.written_at_s)
+    return InAppFound(tuple(reports), tuple(skipped))
+
+
 def _is_number(v: object) -> TypeGuard[int | float]:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    if not isinstance(v, int | float) or isinstance(v, bool):
+        return False
+    # an int of more digits than a double holds (JSON allows any) would raise OverflowError as a float
+    return abs(v) <= sys.float_info.max if isinstance(v, int) else math.isfinite(v)
 
 
 # --- a serving engine's counters -----------------------------------------------------------------------
@@ -643,6 +905,8 @@ class VgpuClient:
 
         self._lock = threading.Lock()
         self._apply_lock = threading.Lock()
+        self._inapp_lock = threading.Lock()  # the report's file name, claimed at the first write
+        self._inapp_file: Path | None = None
         self._target_mib: float | None = None
         self._grants: dict[str, allocator_pb2.Grant] = {}
         self._grants_changes = 0  # counts changes to `_grants`, so a catch-up knows it read a stale list
@@ -912,7 +1176,38 @@ class VgpuClient:
             written_at_s=self._clock(),
             counters=self.counters(),
         )
-        return write_inapp(self.inapp_dir, report)
+        with self._inapp_lock:
+            for attempt in (1, 2):
+                path = self._inapp_file or self._claim_inapp_name()
+                try:
+                    written = write_inapp(self.inapp_dir, report, path=path)
+                except (PermissionError, IsADirectoryError):
+                    # the name was taken since it was claimed (between the look and the rename): claim again
+                    self._inapp_file = None
+                    if attempt == 2:
+                        raise
+                    continue
+                self._inapp_file = written
+                return written
+        raise AssertionError("unreachable")
+
+    def _claim_inapp_name(self) -> Path:
+        """The name of this process's report (`claim_inapp_path`); said once when the usual one was
+        taken, since the profiler and the daemon then find the report only by listing the directory."""
+        if not self.inapp_dir.is_dir():
+            make_inapp_dir(self.inapp_dir)
+        claim = claim_inapp_path(self.inapp_dir, self.pid)
+        if claim.usual_taken is not None:
+            usual = inapp_path(self.inapp_dir, self.pid)
+            self._warn_once(
+                "inapp_name_taken",
+                "the in-app report's usual file name is taken by a file this user cannot write over "
+                "(another user's: squatted, or left by another user's earlier process with this pid): "
+                "reporting under an unpredictable name instead, which the profiler and the daemon find "
+                "by listing the directory",
+                usual=str(usual), taken_by=claim.usual_taken, report=str(claim.path),
+            )
+        return claim.path
 
     def handle_event(self, event: allocator_pb2.AllocationEvent) -> None:
         """Apply one WatchAllocations event (the watch thread calls this; public for tests)."""
@@ -948,12 +1243,16 @@ class VgpuClient:
                 _log.warning("release on close failed", app_id=self.app_id, code=str(exc.code()))
         for t in self._threads:
             t.join(timeout=5.0)
+        with self._inapp_lock:
+            # this process's own report only: a file of another user's under the usual name is not it
+            path, self._inapp_file = self._inapp_file, None
         try:
-            inapp_path(self.inapp_dir, self.pid).unlink()
+            if path is not None:
+                path.unlink()
         except FileNotFoundError:
             pass
         except OSError as exc:
-            _log.warning("cannot remove in-app file", path=str(inapp_path(self.inapp_dir, self.pid)), error=str(exc))
+            _log.warning("cannot remove in-app file", path=str(path), error=str(exc))
         if self._own_channel:
             self._channel.close()
 

@@ -39,8 +39,10 @@ def inapp_value_problem(name: str, value: object) -> str | None:
     never quotes the value, so reasons counted by name stay a small, fixed set."""
     if not isinstance(value, int | float) or isinstance(value, bool):
         return "not a number"
-    if not math.isfinite(value):
+    if isinstance(value, float) and not math.isfinite(value):
         return "not finite"
+    # an int is compared exactly: JSON allows any number of digits, and one past a double's range
+    # would raise OverflowError in a conversion to float
     if value < 0:
         return "negative"
     if value > INAPP_MAX[name]:

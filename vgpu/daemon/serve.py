@@ -133,11 +133,9 @@ from vgpu.client import (
     DEFAULT_INAPP_DIR,
     INAPP_MAX_AGE_S,
     PID_START_TOLERANCE_S,
-    InAppFormatError,
-    inapp_path,
+    InAppFinder,
     make_inapp_dir,
-    parse_inapp,
-    read_inapp_file,
+    read_inapp_reports,
 )
 from vgpu.config import Config, ConfigError
 from vgpu.daemon.front import PeerFront
@@ -386,40 +384,82 @@ class StateSource:
         return {**zeros, **counted}
 
 
+# The daemon's pid proof lists the in-app directory on its event loop: at most one bounded step
+# (vgpu.client.MAX_INAPP_SCAN_ENTRIES entries) per this many seconds, whoever asks, and each step looks
+# for every pid asked about in the last INAPP_PROOF_ASKED_S (at most INAPP_PROOF_ASKED_MAX of them), so
+# that a flood of requests naming pids adds no listing, and its steps find the other pids' names too.
+INAPP_PROOF_SCAN_EVERY_S = 0.25
+INAPP_PROOF_ASKED_S = 60.0
+INAPP_PROOF_ASKED_MAX = 1024
+
+
 class InAppPidProof:
     """Whether a process runs a given application, shown in a way only the process's own user could
-    arrange: its client stub's in-app report (`<inapp_dir>/<pid>.json`, vgpu/client.py) is a regular
-    file owned by the process's user, fresh, written by this very process (its start time), and names
-    the application. Another user cannot make a file owned by that user (and in the sticky in-app
+    arrange: its client stub's in-app report (`<inapp_dir>/<pid>.json`, or the stub's
+    `<pid>.<token>.json` where another user's file took that name: vgpu/client.py) is a regular file
+    owned by the process's user, fresh, written by this very process (its start time), and names the
+    application. Another user cannot make a file owned by that user (and in the sticky in-app
     directory cannot replace one); the same user could, but may signal or trace the process anyway.
-    The file is opened once (no symlink, no waiting) and checked through that descriptor
-    (`vgpu.client.read_inapp_file`)."""
+    Each file is opened once (no symlink, no waiting) and checked through that descriptor
+    (`vgpu.client.read_inapp_reports`). The other names are found by listing the directory
+    (`vgpu.client.InAppFinder`) when a check finds no report under the names known: one step of at
+    most MAX_INAPP_SCAN_ENTRIES entries per INAPP_PROOF_SCAN_EVERY_S, each going on where the last
+    stopped, for every pid asked about lately. In a directory of more entries, or while other checks
+    take the steps, a report under another name may take a few checks (seconds) to be found."""
 
     def __init__(self, directory: Path = DEFAULT_INAPP_DIR, *, clock: Callable[[], float] = time.time,
-                 proc_root: Path = Path("/proc"), process: Callable[[int], psutil.Process] = psutil.Process) -> None:
+                 monotonic: Callable[[], float] = time.monotonic, proc_root: Path = Path("/proc"),
+                 process: Callable[[int], psutil.Process] = psutil.Process, finder: InAppFinder | None = None,
+                 scan_every_s: float = INAPP_PROOF_SCAN_EVERY_S) -> None:
         self.directory = Path(directory)
         self._clock = clock
+        self._mono = monotonic
         self._proc_root = Path(proc_root)
         self._process = process
+        self.finder = finder or InAppFinder(self.directory)
+        self._scan_every_s = scan_every_s
+        self._scanned_at = -math.inf
+        # pid -> (its owner's uid, monotonic time it was last asked about), oldest first
+        self._asked: dict[int, tuple[int, float]] = {}
+        self.scans = 0
 
     def __call__(self, pid: int, app_id: str) -> bool:
         try:
             proc_uid = os.stat(self._proc_root / str(pid)).st_uid
             start_s = self._process(pid).create_time()
-            # a regular file, opened without waiting: the directory is every user's, and a FIFO put
-            # there under this pid's name held this open (and the event loop) until a writer came
-            text, st = read_inapp_file(inapp_path(self.directory, pid))
-            if st.st_uid != proc_uid:
-                return False
-            report = parse_inapp(text)
-        except (OSError, psutil.Error, InAppFormatError):
+        except (OSError, psutil.Error):
             return False
-        return (
-            report.pid == pid
-            and report.app_id == app_id
-            and self._clock() - report.written_at_s <= INAPP_MAX_AGE_S
+        now = self._mono()
+        self._asked.pop(pid, None)
+        self._asked[pid] = (proc_uid, now)
+        while len(self._asked) > INAPP_PROOF_ASKED_MAX or now - next(iter(self._asked.values()))[1] > INAPP_PROOF_ASKED_S:
+            del self._asked[next(iter(self._asked))]
+        known = self.finder.paths(pid)  # the names found stay known (InAppFinder's own bound) while their files do
+        if self._proven(pid, app_id, proc_uid, start_s, known):
+            return True
+        if now - self._scanned_at < self._scan_every_s:
+            return False
+        # not under the names known: list the directory (one bounded step) for the stubs' other names
+        self._scanned_at = now
+        self.scans += 1
+        try:
+            self.finder.scan({p: (uid,) for p, (uid, _) in self._asked.items()})
+        except OSError:
+            return False
+        return self._proven(pid, app_id, proc_uid, start_s, [p for p in self.finder.paths(pid) if p not in known])
+
+    def _proven(self, pid: int, app_id: str, proc_uid: int, start_s: float, paths: list[Path]) -> bool:
+        # regular files only, opened without waiting: the directory is every user's, and a FIFO put
+        # there under this pid's name held this open (and the event loop) until a writer came
+        found = read_inapp_reports(
+            paths, pid, now_s=self._clock(), owners=(proc_uid,), max_age_s=INAPP_MAX_AGE_S,
+            gone=lambda path: self.finder.forget(pid, path) if path.name != f"{pid}.json" else None,
+        )
+        return any(
+            report.app_id == app_id
             and report.pid_start_s is not None
             and abs(report.pid_start_s - start_s) <= PID_START_TOLERANCE_S
+            for report in found.reports
         )
 
 
