@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import signal
 import subprocess
@@ -14,7 +15,15 @@ import pytest
 from manager_fakes import EwmaMarginForecaster
 
 from vgpu.allocator.policy.base import Sizing
-from vgpu.daemon.demo import DEMO_RUNS, launch_offsets_s, launch_order, main, run_demo
+from vgpu.daemon.demo import (
+    DEMO_RUNS,
+    SizerUnavailable,
+    default_sizer,
+    launch_offsets_s,
+    launch_order,
+    main,
+    run_demo,
+)
 from vgpu.data import demo_trace_path
 from vgpu.jobs import JobConfig
 from vgpu.traces import read_trace
@@ -24,14 +33,18 @@ ROOT = Path(__file__).resolve().parent.parent
 
 class RecordingSizer:
     """A cold-start sizer that records every job it is asked to size and answers 1000 MiB plus the
-    batch size, no SM (so every declaration fits), making each grant tell which job it was sized for."""
+    batch size, no SM (so every declaration fits), making each grant tell which job it was sized for;
+    a job of a model in `too_big` is sized beyond any GPU (the allocator refuses it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, too_big: frozenset[str] = frozenset()) -> None:
         self.jobs: list[JobConfig] = []
+        self.too_big = too_big
 
     def size(self, job: JobConfig, *, mem_total_mib: float) -> Sizing:
         assert mem_total_mib > 0
         self.jobs.append(job)
+        if job.model_type in self.too_big:
+            return Sizing(memory_mib=10 * mem_total_mib, sm_pct=0.0, reason="too big")
         return Sizing(memory_mib=1000.0 + job.batch_size, sm_pct=0.0, reason="recorded")
 
 
@@ -81,6 +94,12 @@ def test_json_output_is_only_the_summary(capsys: pytest.CaptureFixture[str]) -> 
     assert summary["job_configs"] is True and summary["cold_start_grants"] >= 1
 
 
+def test_a_sizer_that_does_not_load_is_said(tmp_path: Path) -> None:
+    """No cold-start model where the sizer is looked for: the demo says so and names --no-job-config."""
+    with pytest.raises(SizerUnavailable, match="--no-job-config"):
+        default_sizer(tmp_path / "absent.pt")
+
+
 def test_no_job_config_declares_nothing(capsys: pytest.CaptureFixture[str]) -> None:
     """`vgpu demo --no-job-config --json`: the demo as it ran before the applications declared jobs."""
     assert main(["--seconds", "2", "--json", "--baseline", "--no-job-config"], "vgpu demo") == 0
@@ -94,16 +113,25 @@ async def test_each_run_declares_its_job_and_the_sizer_sizes_its_grant() -> None
     """The applications declare their runs' jobs through the client stub and the allocator's sizer
     sizes each grant: every job the sizer saw is one declared, in order, and each registration was
     granted the sizer's size for its own job (as `vgpu serve` grants a request with a job and no
-    memory). At 40x, runs after the first register within the 3 s."""
-    sizer = RecordingSizer()
+    memory). A job the allocator refuses (sized beyond the GPU) is said, with the daemon's error, and the
+    application runs on. At 40x, runs after the first register within the 3 s."""
+    sizer = RecordingSizer(too_big=frozenset({"vision_transformer"}))
     result = await run_demo(seconds=3, speed=40, forecaster=EwmaMarginForecaster(), forecaster_label="ewma",
                             sizer=sizer, sizer_label="recording")
     regs = result.registrations
     assert [r.job for r in regs] == sizer.jobs
+    refused = [r for r in regs if r.job.model_type == "vision_transformer"]
     for r in regs:
-        assert r.source == "cold_start" and r.refused == "", r
-        assert r.granted_mib == 1000.0 + r.job.batch_size, r
-    assert result.summary.cold_start_grants == len(regs) and result.summary.registrations_refused == 0
+        if r in refused:
+            assert r.refused.startswith("RESOURCE_EXHAUSTED: ") and r.source == "", r
+            assert math.isnan(r.granted_mib), r  # nothing granted
+        else:
+            assert r.source == "cold_start" and r.refused == "", r
+            assert r.granted_mib == 1000.0 + r.job.batch_size, r
+    assert refused and result.summary.registrations_refused == len(refused)
+    assert result.summary.cold_start_grants == len(regs) - len(refused)
+    # the refused applications ran on: the allocator planned them from their forecasts instead
+    assert {h.app_id for h in result.history} >= {"vit-infer", "vit-finetune"}
     # each application declared its runs in their order (at launch the first, then the later ones)
     by_app: dict[str, list[JobConfig]] = {}
     for r in regs:

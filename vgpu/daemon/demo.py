@@ -227,17 +227,18 @@ class SizerUnavailable(RuntimeError):
     """The cold-start sizer does not load, so the applications' jobs cannot be sized."""
 
 
-def default_sizer() -> tuple[Sizer, str]:
-    """The cold-start sizer as `vgpu serve` loads it (its shipped artefact, manager/coldstart.py) and
-    a line saying which; SizerUnavailable naming why when it does not load."""
+def default_sizer(path: Path | None = None) -> tuple[Sizer, str]:
+    """The cold-start sizer as `vgpu serve` loads it (`path`, default its shipped artefact,
+    manager/coldstart.py) and a line saying which; SizerUnavailable naming why when it does not load."""
     from vgpu.manager.coldstart import DEFAULT_ARTEFACT, AllocatorSizer, ColdStartSizer  # noqa: PLC0415 - torch
 
+    path = Path(DEFAULT_ARTEFACT) if path is None else path
     try:
-        sizer = ColdStartSizer.load()
+        sizer = ColdStartSizer.load(path)
     except (OSError, ValueError, ImportError) as exc:
         raise SizerUnavailable(f"the cold-start sizer does not load ({exc}); --no-job-config runs the demo "
                                "without it") from exc
-    return AllocatorSizer(sizer), f"cold-start sizer {sizer.model} ({Path(DEFAULT_ARTEFACT).name})"
+    return AllocatorSizer(sizer), f"cold-start sizer {sizer.model} ({path.name})"
 
 
 class _SimulatedAppClient(VgpuClient):
@@ -466,9 +467,9 @@ async def run_demo(
         finally:
             if i == 0:
                 first_up.set()
+        if not runs:
+            return
         for loop_index in itertools.count():
-            if not runs:
-                return
             for run in runs[1:]:
                 await at_trace_s(launched, loop_index, run.register_at_s)
                 await register(run.job)
