@@ -3,25 +3,56 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import signal
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 from manager_fakes import EwmaMarginForecaster
 
-from vgpu.daemon.demo import launch_offsets_s, launch_order, main, run_demo
+from vgpu.allocator.policy.base import Sizing
+from vgpu.daemon.demo import (
+    DEMO_RUNS,
+    SizerUnavailable,
+    default_sizer,
+    launch_offsets_s,
+    launch_order,
+    main,
+    run_demo,
+)
 from vgpu.data import demo_trace_path
+from vgpu.jobs import JobConfig
 from vgpu.traces import read_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+class RecordingSizer:
+    """A cold-start sizer that records every job it is asked to size and answers 1000 MiB plus the
+    batch size, no SM (so every declaration fits), making each grant tell which job it was sized for;
+    a job of a model in `too_big` is sized beyond any GPU (the allocator refuses it)."""
+
+    def __init__(self, too_big: frozenset[str] = frozenset()) -> None:
+        self.jobs: list[JobConfig] = []
+        self.too_big = too_big
+
+    def size(self, job: JobConfig, *, mem_total_mib: float) -> Sizing:
+        assert mem_total_mib > 0
+        self.jobs.append(job)
+        if job.model_type in self.too_big:
+            return Sizing(memory_mib=10 * mem_total_mib, sm_pct=0.0, reason="too big")
+        return Sizing(memory_mib=1000.0 + job.batch_size, sm_pct=0.0, reason="recorded")
+
+
 async def test_demo_summary_numbers() -> None:
     trace = read_trace(demo_trace_path())
-    result = await run_demo(seconds=3, trace=trace, forecaster=EwmaMarginForecaster(), forecaster_label="ewma")
+    # the recording sizer stands in for the shipped one (no torch to load; the jobs' path has its own test)
+    result = await run_demo(seconds=3, trace=trace, forecaster=EwmaMarginForecaster(), forecaster_label="ewma",
+                            sizer=RecordingSizer(), sizer_label="recording")
     s = result.summary
     assert s.apps == len(trace.apps) == 5
     assert 25 <= s.ticks <= 31  # 10 ticks a second; late ticks are skipped, never bunched
@@ -54,10 +85,103 @@ def test_json_output_is_only_the_summary(capsys: pytest.CaptureFixture[str]) -> 
     summary = json.loads(out[0])
     assert set(summary) == {"apps", "ticks", "signatures", "decisions", "power_limit_changes", "mig_changes",
                             "oom_events", "overrun_samples", "rises", "lead_time_median_s",
-                            "lead_time_median_visible_s"}
+                            "lead_time_median_visible_s", "job_configs", "cold_start_grants",
+                            "registrations_refused"}
     assert summary["oom_events"] >= 0 and summary["rises"] >= 0
     assert summary["overrun_samples"] >= summary["oom_events"]
     assert summary["apps"] == 5 and 16 <= summary["ticks"] <= 21 and summary["signatures"] >= summary["ticks"]
+    # the shipped cold-start sizer sized at least the first application's job (alone on the GPU, it fits)
+    assert summary["job_configs"] is True and summary["cold_start_grants"] >= 1
+
+
+def test_a_sizer_that_does_not_load_is_said(tmp_path: Path) -> None:
+    """No cold-start model where the sizer is looked for: the demo says so and names --no-job-config."""
+    with pytest.raises(SizerUnavailable, match="--no-job-config"):
+        default_sizer(tmp_path / "absent.pt")
+
+
+def test_no_job_config_declares_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    """`vgpu demo --no-job-config --json`: the demo as it ran before the applications declared jobs."""
+    assert main(["--seconds", "2", "--json", "--baseline", "--no-job-config"], "vgpu demo") == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["job_configs"] is False
+    assert summary["cold_start_grants"] == 0 and summary["registrations_refused"] == 0
+    assert summary["apps"] == 5 and summary["signatures"] >= summary["ticks"] > 0
+
+
+async def test_each_run_declares_its_job_and_the_sizer_sizes_its_grant() -> None:
+    """The applications declare their runs' jobs through the client stub and the allocator's sizer
+    sizes each grant: every job the sizer saw is one declared, in order, and each registration was
+    granted the sizer's size for its own job (as `vgpu serve` grants a request with a job and no
+    memory). A job the allocator refuses (sized beyond the GPU) is said, with the daemon's error, and the
+    application runs on. At 40x, runs after the first register within the 3 s."""
+    sizer = RecordingSizer(too_big=frozenset({"vision_transformer"}))
+    result = await run_demo(seconds=3, speed=40, forecaster=EwmaMarginForecaster(), forecaster_label="ewma",
+                            sizer=sizer, sizer_label="recording")
+    regs = result.registrations
+    assert [r.job for r in regs] == sizer.jobs
+    refused = [r for r in regs if r.job.model_type == "vision_transformer"]
+    for r in regs:
+        if r in refused:
+            assert r.refused.startswith("RESOURCE_EXHAUSTED: ") and r.source == "", r
+            assert math.isnan(r.granted_mib), r  # nothing granted
+        else:
+            assert r.source == "cold_start" and r.refused == "", r
+            assert r.granted_mib == 1000.0 + r.job.batch_size, r
+    assert refused and result.summary.registrations_refused == len(refused)
+    assert result.summary.cold_start_grants == len(regs) - len(refused)
+    # the refused applications ran on: the allocator planned them from their forecasts instead
+    assert {h.app_id for h in result.history} >= {"vit-infer", "vit-finetune"}
+    # each application declared its runs in their order (at launch the first, then the later ones)
+    by_app: dict[str, list[JobConfig]] = {}
+    for r in regs:
+        by_app.setdefault(r.app_id, []).append(r.job)
+    assert set(by_app) == set(DEMO_RUNS)
+    for app_id, jobs in by_app.items():
+        runs = [run.job for run in DEMO_RUNS[app_id]]
+        assert jobs == [runs[i % len(runs)] for i in range(len(jobs))], app_id
+    assert Counter(len(jobs) > 1 for jobs in by_app.values())[True] >= 2  # later runs did register
+
+
+# The last sample of a stretch at which the slice held no CUDA context (a process that registers
+# starts before its first allocation): under this many MiB.
+NO_CONTEXT_MIB = 64
+
+
+def test_demo_runs_register_before_their_memory_rises() -> None:
+    """Each later run registers at the last sample at or before its start_timestamp at which the
+    slice held no CUDA context, that is before its memory rises (the bundled trace)."""
+    trace = read_trace(demo_trace_path())
+    assert set(DEMO_RUNS) == set(trace.apps)
+    for app_id, runs in DEMO_RUNS.items():
+        t = trace.apps[app_id].t_s
+        mem = trace.apps[app_id].column("mem_used_mib")
+        assert runs[0].register_at_s == 0 and runs[0].run_start_s < 0, app_id
+        for run in runs[1:]:
+            idle = [ts for ts, m in zip(t, mem, strict=True) if ts <= run.run_start_s and m < NO_CONTEXT_MIB]
+            assert idle and run.register_at_s == idle[-1], (app_id, run)
+            after = mem[t > run.register_at_s]
+            assert after[after >= NO_CONTEXT_MIB].size > 0  # its memory rises after it registered
+
+
+def test_demo_runs_are_migperfs_runs(shared_data: Path) -> None:
+    """Each declared job is the MIGPerf run at that place of the stretch: model, batch size and
+    sequence length from the result tables, and the run's start_timestamp."""
+    from vgpu.offline.convert import DEMO_STRETCHES, _Issues, migperf_runs
+
+    root = shared_data / "migperf-a100-mig" / "data"
+    for stretch in DEMO_STRETCHES:
+        runs = migperf_runs(root / stretch.folder, _Issues(strict=False), Counter())
+        declared = DEMO_RUNS[stretch.app]
+        for run in declared:
+            (table,) = [r for r in runs if r.start_s - stretch.start_s == run.run_start_s]
+            assert table.model == run.job.model_type and table.batch_size == run.job.batch_size, (stretch.app, run)
+            assert table.mig_profile == stretch.mig_profile
+            if table.seq_length is not None:
+                assert table.seq_length == run.job.input_size
+        # every run that starts inside the stretch is declared
+        inside = [r for r in runs if 0 < r.start_s - stretch.start_s <= stretch.end_s - stretch.start_s]
+        assert len(inside) == len(declared) - 1, stretch.app
 
 
 @pytest.mark.parametrize("args", [["--seconds", "-1"], ["--speed", "0"], ["--gpu", "rtx4090"]])
@@ -71,8 +195,9 @@ def test_bad_arguments_exit_with_usage(args: list[str], capsys: pytest.CaptureFi
 def test_the_power_line_counts_the_changes_it_lists() -> None:
     """`vgpu demo` as a user runs it: the power line's count is the number of changes it lists, and
     its lowest is the lowest of them, even for a limit lowered and raised between two table lines."""
-    r = subprocess.run([sys.executable, "-m", "vgpu.cli", "demo", "--seconds", "3", "--baseline"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    # --no-job-config: no cold-start sizer to load for a test of the power line
+    r = subprocess.run([sys.executable, "-m", "vgpu.cli", "demo", "--seconds", "3", "--baseline", "--no-job-config"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     (line,) = [ln for ln in r.stdout.splitlines() if ln.strip().startswith("power limit ")]
     m = re.search(r"(\d+) W at start, lowest (\d+) W, (\d+) W at the end; (.*)", line)
@@ -114,6 +239,10 @@ def test_ctrl_c_ends_the_run_early_with_its_summary_and_picture(tmp_path: Path) 
     assert m is not None, out
     assert 2.0 <= float(m[1]) < 10.0, out  # ended where it was interrupted, not after 120 s
     assert re.search(r"^  profiler ticks\s+\d+", out, re.MULTILINE), out
+    # the first application declared its job as it started, and the shipped sizer sized it
+    assert re.search(r"^t=  0\.\d s  bert-infer \(pid \d+\) declares its job: bert-base infer, batch 1, fp32; "
+                     r"cold-start grant \d+ MiB$", "".join(seen), re.MULTILINE), "".join(seen)
+    assert re.search(r"^  job configs +\d+ declared through the client stub, [1-9]\d* granted", out, re.MULTILINE), out
     assert f"picture: {picture}" in out and picture.stat().st_size > 0
 
 
@@ -121,7 +250,8 @@ def test_json_with_a_picture_keeps_stdout_one_json_document(tmp_path: Path) -> N
     """`vgpu demo --json --plot FILE | jq .` as a user pipes it: the picture's path goes to stderr."""
     picture = tmp_path / "demo.svg"
     r = subprocess.run([sys.executable, "-m", "vgpu.cli", "demo", "--seconds", "2", "--json", "--baseline",
-                        "--plot", str(picture)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                        "--no-job-config", "--plot", str(picture)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)  # the whole of stdout, nothing after the summary
     assert summary["apps"] == 5

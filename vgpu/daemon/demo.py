@@ -1,6 +1,6 @@
 """`vgpu demo`: the whole pipeline on a simulated GPU, in one process, with no GPU needed.
 
-    vgpu demo [--seconds N] [--json] [--gpu h100-80gb] [--speed X] [--baseline] [--plot FILE.png]
+    vgpu demo [--seconds N] [--json] [--gpu h100-80gb] [--speed X] [--baseline] [--no-job-config] [--plot FILE.png]
 
 What runs: a simulated GPU (vgpu.device.sim) whose processes follow the applications of the bundled
 trace (vgpu/data/demo_trace.csv.gz, looping, at X times the trace's pace; the lightest starts first
@@ -10,10 +10,23 @@ Unix socket in a temporary directory; the manager forecasting every second (the 
 manager/models when one loads, else the baseline; the demo says which) and handing recommendations
 to the allocator, which grants memory/SM shares and sets the GPU's power limit (restored at the end).
 
+Each application declares its job as an application linking the client stub does (vgpu/client.py
+`VgpuClient(app_id, job=JobConfig(...)).request()`: RequestResourceAllocation with the job and no
+memory, over the demo's gRPC socket), so the allocator grants it the cold-start sizer's size for that
+job (manager/coldstart.py, loaded as `vgpu serve` loads it) before its memory rises, or refuses it as
+the daemon would (docs/demo.md: on a GPU whose SM the policy has granted, most are). The jobs are the
+MIGPerf runs each application's stretch of the trace holds (`DEMO_RUNS`): each run was its own process,
+so at each run's start the previous run's grant is released and the new run registers its job.
+`--no-job-config` runs the applications as before, declaring nothing: their grants come from the
+forecasts alone.
+
 Every second a plain-text table shows each application's usage, forecast and allocation and the
 GPU's power limit; at the end a summary. `--json` prints only the summary as one JSON object:
 {"apps", "ticks", "signatures", "decisions", "power_limit_changes", "mig_changes", "oom_events",
-"overrun_samples", "rises", "lead_time_median_s", "lead_time_median_visible_s"}. `power_limit_changes`
+"overrun_samples", "rises", "lead_time_median_s", "lead_time_median_visible_s", "job_configs",
+"cold_start_grants", "registrations_refused"}: `job_configs` is false under `--no-job-config`;
+`cold_start_grants` counts the grants the allocator sized from a declared job (its own count, by source
+"cold_start"), `registrations_refused` the declarations it refused. `power_limit_changes`
 counts the limits the allocator applied during the run (the restore at the end not included); the text
 summary lists them in watts, while the table shows the limit only at each second. An overrun sample is
 one (every 100 ms) at which an application asked the simulator for more memory than its grant; an OOM
@@ -30,28 +43,34 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import re
 import signal
 import sys
 import tempfile
+import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+import grpc
 import numpy as np
 
 from vgpu import log
-from vgpu.allocator.core import Allocator, EventKind, Subscription
+from vgpu.allocator.core import Allocator, EventKind, Sizer, Subscription
 from vgpu.allocator.history import AppSeries
 from vgpu.allocator.policy import lead
 from vgpu.allocator.policy.forecast import ForecastPolicy
 from vgpu.allocator.service import AllocatorServicer, build_server
+from vgpu.client import VgpuClient
 from vgpu.config import ManagerConfig
-from vgpu.device.sim import SimBackend
+from vgpu.device.sim import SimBackend, SimLaunch
+from vgpu.jobs import JobConfig
 from vgpu.manager.core import Manager, default_baseline
 from vgpu.manager.forecast import Forecaster
 from vgpu.manager.modelpath import ModelChoice, describe_serving, open_forecaster, resolve_model
@@ -62,6 +81,63 @@ from vgpu.traces import AppTrace, Trace, read_trace
 from vgpu.v1 import signature_pb2
 
 _FIRST_PID = 4000
+
+
+@dataclass(frozen=True)
+class DemoRun:
+    """One MIGPerf run inside an application's stretch of the bundled trace: the job its process
+    declares, and when it declares it, in trace seconds since the stretch's start."""
+
+    # 0: the run is under way when the stretch starts, so it registers at the application's launch
+    # (and again where the looping trace starts over). Else the last sample at or before the run's
+    # start_timestamp at which the slice held no CUDA context (under 64 MiB): a process registers when
+    # it starts, before its first allocation, and the result tables' start_timestamp is taken after
+    # 20 warm-up iterations (100 for the fine-tuning), well after the memory has risen.
+    register_at_s: float
+    # The run's start_timestamp in its result table, less the stretch's start (negative: before it).
+    run_start_s: float
+    job: JobConfig
+
+
+# The job each run declares, from MIGPerf's result tables (model_name, batch_size, seq_length; the
+# folders and DEMO_STRETCHES in vgpu/offline/convert.py) and its benchmark scripts (HuaizhengZhang/
+# MIGProfiler: A100-cv-train_test.py, A100-nlp-train_test.py, A100-cv-infer_test.py,
+# A100-finetune_test.py): fp32 throughout (no autocast, no half()); torchvision resnet50 and vit_b_16
+# at 224 px (their parameter counts, 25,557,032 and 86,567,656); bert-base is
+# bert-base-multilingual-cased (utils/common.py; 177,853,440 parameters as MIGPerf's own 40 GB tables
+# list it, 12 layers); training with SGD (CV) or AdamW (NLP), fine-tuning with SGD. The model names
+# are the tables' own. tests/test_demo.py checks each run against the tables and each register_at_s
+# against the bundled trace.
+def _resnet50_train(batch: int) -> JobConfig:
+    return JobConfig(model_type="resnet50", param_count=25_557_032, batch_size=batch, input_size=224, num_layers=50,
+                     precision="fp32", optimizer="sgd", mode="train")
+
+
+def _bert(batch: int, mode: str) -> JobConfig:
+    return JobConfig(model_type="bert-base", param_count=177_853_440, batch_size=batch, input_size=64, num_layers=12,
+                     precision="fp32", optimizer="adamw" if mode == "train" else "none", mode=mode)
+
+
+def _vit(batch: int, mode: str) -> JobConfig:
+    return JobConfig(model_type="vision_transformer", param_count=86_567_656, batch_size=batch, input_size=224,
+                     num_layers=12, precision="fp32", optimizer="sgd" if mode == "train" else "none", mode=mode)
+
+
+DEMO_RUNS: dict[str, tuple[DemoRun, ...]] = {
+    "resnet50-train": (DemoRun(0, -87, _resnet50_train(64)), DemoRun(40, 48, _resnet50_train(128)),
+                       DemoRun(175, 187, _resnet50_train(256))),
+    "bert-train": (DemoRun(0, -84, _bert(128, "train")), DemoRun(55, 70, _bert(256, "train"))),
+    "vit-infer": (DemoRun(0, -97, _vit(8, "infer")), DemoRun(30, 35, _vit(16, "infer")),
+                  DemoRun(163, 168, _vit(32, "infer"))),
+    "bert-infer": (DemoRun(0, -81, _bert(1, "infer")), DemoRun(58, 60, _bert(2, "infer"))),
+    "vit-finetune": (DemoRun(0, -83, _vit(8, "train")), DemoRun(116, 137, _vit(16, "train"))),
+}
+
+
+def describe_job(job: JobConfig) -> str:
+    """A job in a few words: `resnet50 train, batch 64, fp32, sgd`."""
+    opt = f", {job.optimizer}" if job.optimizer_norm != "none" else ""
+    return f"{job.model_type} {job.mode_norm}, batch {job.batch_size}, {job.precision_norm}{opt}"
 
 
 @dataclass(frozen=True)
@@ -77,6 +153,9 @@ class DemoSummary:
     rises: int = 0
     lead_time_median_s: float | None = None
     lead_time_median_visible_s: float | None = None
+    job_configs: bool = False  # the applications declared their jobs (off with --no-job-config)
+    cold_start_grants: int = 0  # grants the allocator sized from a declared job
+    registrations_refused: int = 0
 
     def to_json(self) -> str:
         return json.dumps(
@@ -92,6 +171,9 @@ class DemoSummary:
                 "rises": self.rises,
                 "lead_time_median_s": self.lead_time_median_s,
                 "lead_time_median_visible_s": self.lead_time_median_visible_s,
+                "job_configs": self.job_configs,
+                "cold_start_grants": self.cold_start_grants,
+                "registrations_refused": self.registrations_refused,
             }
         )
 
@@ -113,6 +195,22 @@ class DemoResult:
     power_limits_applied_mw: tuple[int, ...] = ()
     # Each application's history on the GPU (use, forecast, grant, events), for `--plot`.
     history: tuple[AppSeries, ...] = ()
+    # Each job an application declared, in order, with what the allocator answered.
+    registrations: tuple[Registration, ...] = ()
+    sizer: str = ""  # the cold-start sizer, in words ("" without job configs)
+
+
+@dataclass(frozen=True)
+class Registration:
+    """One job declared by a demo application, as its client stub sent it, and the answer."""
+
+    app_id: str
+    pid: int
+    at_s: float  # seconds since the run started
+    job: JobConfig
+    granted_mib: float  # the grant the request came back with (NaN when refused)
+    source: str  # the grant's source ("cold_start": the sizer sized it); "" when refused
+    refused: str = ""  # the daemon's error, "CODE: details", when it refused the request
 
 
 def default_forecaster() -> tuple[Forecaster, str]:
@@ -124,6 +222,80 @@ def default_forecaster() -> tuple[Forecaster, str]:
         return baseline, f"baseline ({getattr(baseline, 'name', 'baseline')}): no trained forecaster at {path}"
     forecaster = open_forecaster(ModelChoice(path, False), baseline, device="cpu")
     return forecaster, describe_serving(forecaster)
+
+
+class SizerUnavailable(RuntimeError):
+    """The cold-start sizer does not load, so the applications' jobs cannot be sized."""
+
+
+def default_sizer(path: Path | None = None) -> tuple[Sizer, str]:
+    """The cold-start sizer as `vgpu serve` loads it (`path`, default its shipped artefact,
+    manager/coldstart.py) and a line saying which; SizerUnavailable naming why when it does not load."""
+    from vgpu.manager.coldstart import DEFAULT_ARTEFACT, AllocatorSizer, ColdStartSizer  # noqa: PLC0415 - torch
+
+    path = Path(DEFAULT_ARTEFACT) if path is None else path
+    try:
+        sizer = ColdStartSizer.load(path)
+    except (OSError, ValueError, ImportError) as exc:
+        raise SizerUnavailable(f"the cold-start sizer does not load ({exc}); --no-job-config runs the demo "
+                               "without it") from exc
+    return AllocatorSizer(sizer), f"cold-start sizer {sizer.model} ({path.name})"
+
+
+class _SimulatedAppClient(VgpuClient):
+    """The client stub of a simulated application: it has no torch to apply its grant in (the
+    simulator enforces no limit either; the demo counts where a hard limit would have ended a job),
+    so applying a limit is a no-op instead of the stub's warning that torch is missing."""
+
+    def _apply_limit(self, limit_mib: float | None) -> bool:
+        return True
+
+
+class _JobStubs:
+    """The demo's applications as they link the client stub: each run of an application is a
+    `VgpuClient` with its job that requests no memory, so the allocator sizes the grant from the job
+    (RequestResourceAllocation over the demo's socket, the servicer and `Allocator.request_allocation`,
+    as under `vgpu serve`). The previous run's client closes first: its process has exited, and closing
+    releases its grants. The stub's calls block, so `register` runs in a worker thread, never on the
+    loop that serves the socket; `close` waits for a registration under way."""
+
+    def __init__(self, socket: str, workdir: Path) -> None:
+        self.socket = socket
+        self.workdir = workdir
+        self.registrations: list[Registration] = []
+        self._clients: dict[str, VgpuClient] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def register(self, app_id: str, pid: int, job: JobConfig, at_s: float) -> Registration | None:
+        """Declare `job` for `app_id`'s new run (process `pid`); None once closed."""
+        with self._lock:
+            if self._closed:
+                return None
+            old = self._clients.pop(app_id, None)
+            if old is not None:
+                old.close()
+            client = _SimulatedAppClient(app_id, socket=self.socket, job=job, inapp_dir=self.workdir / "inapp",
+                                         token_file=self.workdir / "tokens" / f"{pid}.token", watch=False,
+                                         report=False, pid=pid, pid_start_s=time.time())
+            try:
+                grant = client.request()  # memory 0: the daemon sizes it from the job
+            except grpc.RpcError as exc:
+                client.close(release=False)
+                reg = Registration(app_id, pid, at_s, job, math.nan, "", f"{exc.code().name}: {exc.details()}")
+            else:
+                self._clients[app_id] = client
+                reg = Registration(app_id, pid, at_s, job, grant.memory_mib, grant.source)
+            self.registrations.append(reg)
+            return reg
+
+    def close(self) -> None:
+        """Close every client without releasing (the run is over); no registration after this."""
+        with self._lock:
+            self._closed = True
+            for client in self._clients.values():
+                client.close(release=False)
+            self._clients.clear()
 
 
 def launch_order(trace: Trace) -> list[tuple[str, AppTrace]]:
@@ -242,9 +414,17 @@ async def run_demo(
     refresh_s: float = 1.0,
     period_s: float = 0.1,
     end_on_sigint: bool = False,
+    job_configs: bool = True,
+    sizer: Sizer | None = None,
+    sizer_label: str | None = None,
 ) -> DemoResult:
     """Run the pipeline for `seconds` of wall time; `live` receives the table every `refresh_s`.
-    With `end_on_sigint`, SIGINT (Ctrl-C) ends the run there and the result covers what ran."""
+    With `end_on_sigint`, SIGINT (Ctrl-C) ends the run there and the result covers what ran.
+    With `job_configs`, each application of `DEMO_RUNS` declares its runs' jobs through the client
+    stub and the allocator sizes them with `sizer` (default: the shipped cold-start sizer,
+    `default_sizer`); without, they declare nothing and the allocator has no sizer, as before."""
+    if job_configs and sizer is None:
+        sizer, sizer_label = default_sizer()
     if trace is None:
         from vgpu.data import demo_trace_path  # noqa: PLC0415
 
@@ -258,18 +438,50 @@ async def run_demo(
     apps = launch_order(trace)
     names = {_FIRST_PID + i: app_id for i, (app_id, _) in enumerate(apps)}
     offsets = launch_offsets_s(len(apps), seconds)
+    first_up = asyncio.Event()
 
-    async def launch_all() -> None:
-        t0 = time.monotonic()
-        for i, (app_id, app_trace) in enumerate(apps):
+    async def run_app(i: int, app_id: str, app_trace: AppTrace, t0: float, stubs: _JobStubs) -> None:
+        """Start one application at its offset, declaring its job first (with job configs); then, as
+        its trace plays, declare each later run's job at its registration second, and the first
+        run's again where the looping trace starts over."""
+        pid = _FIRST_PID + i
+        runs = DEMO_RUNS.get(app_id, ()) if job_configs else ()
+
+        async def register(job: JobConfig) -> None:
+            reg = await asyncio.to_thread(stubs.register, app_id, pid, job, time.monotonic() - t0)
+            if reg is not None and live is not None:
+                said = (f"refused ({reg.refused})" if reg.refused
+                        else f"cold-start grant {reg.granted_mib:.0f} MiB" if reg.source == "cold_start"
+                        else f"granted {reg.granted_mib:.0f} MiB ({reg.source})")
+                print(f"t={reg.at_s:5.1f} s  {app_id} (pid {pid}) declares its job: {describe_job(job)}; {said}\n",
+                      file=live, flush=True)
+
+        async def at_trace_s(launched: SimLaunch, loop_index: int, tau_s: float) -> None:
+            when = launched.start_s + (loop_index * launched.length_s + tau_s) / speed
+            await asyncio.sleep(max(0.0, when - time.monotonic()))
+
+        try:
             await asyncio.sleep(max(0.0, t0 + offsets[i] - time.monotonic()))
-            backend.launch(app_id, _FIRST_PID + i, app_trace, speed=speed, loop=True)
+            if runs:
+                await register(runs[0].job)  # as it starts, before its first allocation
+            launched = backend.launch(app_id, pid, app_trace, speed=speed, loop=True)
+        finally:
+            if i == 0:
+                first_up.set()
+        if not runs:
+            return
+        for loop_index in itertools.count():
+            for run in runs[1:]:
+                await at_trace_s(launched, loop_index, run.register_at_s)
+                await register(run.job)
+            await at_trace_s(launched, loop_index + 1, 0.0)
+            await register(runs[0].job)
 
     device = backend.devices()[0]
     start_limit = device.power_limit_mw()
     min_limit = start_limit
 
-    allocator = Allocator(backend, dry_run=False, policy=ForecastPolicy())
+    allocator = Allocator(backend, dry_run=False, policy=ForecastPolicy(), sizer=sizer if job_configs else None)
     applied_mw: list[int] = []
 
     async def follow_power(events: Subscription) -> None:
@@ -292,15 +504,20 @@ async def run_demo(
         watch = _GrantWatch(backend, allocator)
         source = _CountingSource(sampler, backend, watch)
         streamer = SignatureStreamer(source, address, period_s=period_s, profiler_id="demo")
+        stubs = _JobStubs(f"{tmp}/vgpu.sock", Path(tmp))
         if live is not None:
-            print(f"forecaster: {label}\n", file=live, flush=True)
+            jobs_line = (f"applications declare their jobs; {sizer_label or 'cold-start sizer'} sizes them"
+                         if job_configs else "applications declare no job (--no-job-config): grants follow forecasts only")
+            print(f"forecaster: {label}\n{jobs_line}\n", file=live, flush=True)
         ended = asyncio.Event()
         loop = asyncio.get_running_loop()
         if end_on_sigint:
             loop.add_signal_handler(signal.SIGINT, ended.set)
         started = time.monotonic()
-        launcher = asyncio.create_task(launch_all())
-        await asyncio.sleep(0)  # the first application runs before the first tick
+        launchers = [asyncio.create_task(run_app(i, app_id, app_trace, started, stubs))
+                     for i, (app_id, app_trace) in enumerate(apps)]
+        # the first application runs before the first tick (once it has declared its job)
+        await asyncio.wait([asyncio.create_task(first_up.wait()), launchers[0]], return_when=asyncio.FIRST_COMPLETED)
         run = asyncio.create_task(streamer.run())
         try:
             deadline = started + seconds
@@ -318,8 +535,11 @@ async def run_demo(
         finally:
             if end_on_sigint:
                 loop.remove_signal_handler(signal.SIGINT)
-            launcher.cancel()
-            await asyncio.gather(launcher, return_exceptions=True)
+            for task in launchers:
+                task.cancel()
+            failed = [r for r in await asyncio.gather(*launchers, return_exceptions=True)
+                      if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)]
+            await asyncio.to_thread(stubs.close)
             if not run.done():
                 run.cancel()
                 await asyncio.gather(run, return_exceptions=True)
@@ -329,6 +549,8 @@ async def run_demo(
             allocator.stop()  # ends the follower's subscription (after what it queued)
             await power_events
             backend.close()
+    if failed:
+        raise failed[0]  # an application's task failed: a bug, not a result
     stats = streamer.stats
     leads = watch.leads(period_s)
     summary = DemoSummary(
@@ -343,6 +565,9 @@ async def run_demo(
         rises=leads.rises,
         lead_time_median_s=leads.median,
         lead_time_median_visible_s=leads.median_visible,
+        job_configs=job_configs,
+        cold_start_grants=allocator.counters.grant_changes.get((str(EventKind.GRANTED), "cold_start"), 0),
+        registrations_refused=sum(1 for r in stubs.registrations if r.refused),
     )
     return DemoResult(
         summary=summary,
@@ -356,6 +581,8 @@ async def run_demo(
         seconds=time.monotonic() - started,
         power_limits_applied_mw=tuple(applied_mw),
         history=tuple(allocator.history.series()),
+        registrations=tuple(stubs.registrations),
+        sizer=(sizer_label or "cold-start sizer") if job_configs else "",
     )
 
 
@@ -392,8 +619,19 @@ def describe(result: DemoResult) -> str:
             f"{s.overrun_samples} samples over)",
             f"  lead time           median {_secs(s.lead_time_median_s)} over {s.rises} rises of memory, "
             f"{_secs(s.lead_time_median_visible_s)} over those after a ramp (ahead of the rise > 0)",
+            f"  job configs         {_jobs_line(result)}",
         ]
     )
+
+
+def _jobs_line(result: DemoResult) -> str:
+    s = result.summary
+    if not s.job_configs:
+        return "none declared (--no-job-config): every grant came from the forecasts"
+    line = (f"{len(result.registrations)} declared through the client stub, {s.cold_start_grants} granted as "
+            f"{result.sizer} sized them, {s.registrations_refused} refused")
+    codes = Counter(r.refused.partition(":")[0] for r in result.registrations if r.refused)
+    return line + (f" ({', '.join(f'{n} {code}' for code, n in sorted(codes.items()))})" if codes else "")
 
 
 def _secs(v: float | None) -> str:
@@ -408,6 +646,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--speed", type=float, default=10.0,
                    help="trace seconds per wall second (default 10: the 200 s trace in 20 s)")
     p.add_argument("--baseline", action="store_true", help="use the baseline forecaster even when a model exists")
+    p.add_argument("--no-job-config", action="store_true",
+                   help="the applications declare no job: no cold-start sizing, grants from the forecasts alone")
     p.add_argument("--plot", metavar="FILE", help="also draw use, forecast and grant over the run into FILE "
                    "(.png, .svg or .html) and print its path")
     return p
@@ -451,7 +691,8 @@ def main(argv: Sequence[str], prog: str = "vgpu demo") -> int:
         label = f"baseline ({getattr(forecaster, 'name', 'baseline')}), as asked"
     if not args.json:
         print(f"vgpu demo: {args.seconds:g} s on a simulated {args.gpu}, the bundled trace at {args.speed:g}x, "
-              "applications starting one by one; Ctrl-C ends early (with the summary).")
+              "applications starting one by one"
+              f"{'' if args.no_job_config else ' and declaring their jobs'}; Ctrl-C ends early (with the summary).")
     try:
         result = asyncio.run(
             run_demo(
@@ -462,11 +703,15 @@ def main(argv: Sequence[str], prog: str = "vgpu demo") -> int:
                 forecaster_label=label,
                 live=None if args.json else sys.stdout,
                 end_on_sigint=True,
+                job_configs=not args.no_job_config,
             )
         )
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    except SizerUnavailable as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
     if args.json:
         print(result.summary.to_json())
     else:

@@ -155,6 +155,9 @@ class SimLaunch:
     gpu_instance_id: int | None
     start_s: float  # clock time the process appears (later than launch inside a MIG reconfiguration)
     end_s: float | None  # clock time it leaves; None when it loops
+    # trace seconds one pass of its trace lasts (a looping process starts it again after that):
+    # trace time tau of pass k is at clock time start_s + (k * length_s + tau) / speed
+    length_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -926,7 +929,7 @@ class SimBackend(Backend):
             proc = _Proc(app_id, pid, series, start, speed, loop, gpu_instance_id, self._seq, cgroup)
             dev._add_proc(proc)
             self._where[pid] = device_index
-            return SimLaunch(app_id, pid, device_index, gpu_instance_id, proc.start_s, proc.end_s)
+            return SimLaunch(app_id, pid, device_index, gpu_instance_id, proc.start_s, proc.end_s, series.length_s)
 
     def kill(self, pid: int) -> bool:
         """End `pid` now; False when it was not running."""
