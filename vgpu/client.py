@@ -37,8 +37,9 @@ Three things run behind that API:
   *cooperatively*: for PyTorch, `torch.cuda.set_per_process_memory_fraction(limit / total)`, so an
   allocation beyond the grant fails (torch's OutOfMemoryError) and the application lives. On a device
   whose memory is contended the daemon also caps the process's cgroup at the grant (a hard limit,
-  beyond which the process runs out of memory); every event says which (`mem_limit`: "hard" or
-  "cooperative"), kept in `memory_limit_kind`. The allocator sees what was applied in the in-app
+  beyond which the process runs out of memory); the grant's reply and every event of the
+  application say which is in force (`mem_limit`: "hard" only while the cap is written), kept in
+  `memory_limit_kind`. The allocator sees what was applied in the in-app
   counters below.
 * **A reporter** (daemon thread, every `report_period_s`) writes the app's in-app counters to a small
   JSON file, `<inapp_dir>/<pid>.json`, that the profiler reads when it samples that pid: PyTorch's
@@ -857,9 +858,9 @@ class VgpuClient:
 
     @property
     def memory_limit_kind(self) -> str:
-        """How the daemon enforces this application's memory grant, from its latest event: "hard"
-        (its cgroup is capped too: the device is contended), "cooperative" (only this stub's own
-        limit), "" before any grant or event."""
+        """How the daemon enforces this application's memory grant, from its latest reply or event:
+        "hard" (its cgroup holds the daemon's cap too: the device is contended), "cooperative" (only
+        this stub's own limit), "" before any grant or event."""
         with self._lock:
             return self._mem_limit_kind
 

@@ -288,6 +288,8 @@ class CgroupMemoryLimits:
         self._log = logger or get_logger("vgpu.allocator.memlimit")
         self._disabled: dict[str, str] = {}
         self._original: dict[tuple[str, str], tuple[float, float]] = {}
+        # (device, cgroup) -> the hard cap (MiB) this wrote there and read back: what is in force now
+        self._capped: dict[tuple[str, str], float] = {}
         self._devices: dict[str, Device] = {}
         self.writes = 0
 
@@ -297,6 +299,12 @@ class CgroupMemoryLimits:
     def limited(self, device_id: str) -> set[str]:
         """The cgroups of the device whose limits this changed (and will restore)."""
         return {cg for dev, cg in self._original if dev == device_id}
+
+    def capped(self, device_id: str) -> set[str]:
+        """The cgroups of the device that hold a cap of this mechanism now: written and read back
+        (or found already at it), not restored since. A cap whose write raised, or did not read
+        back, is not counted; nor is anything in dry run, which writes nothing."""
+        return {cg for dev, cg in self._capped if dev == device_id}
 
     def _disable(self, device_id: str, reason: str) -> None:
         if device_id not in self._disabled:
@@ -325,6 +333,10 @@ class CgroupMemoryLimits:
         dev_id = device.uuid
         before = device.memory_limit_mib(cgroup)
         if _same(before.soft_mib, soft) and _same(before.hard_mib, hard):
+            if not save:
+                self._capped.pop((dev_id, cgroup), None)  # the original is what it holds
+            elif not dry_run and (dev_id, cgroup) in self._original:
+                self._capped[(dev_id, cgroup)] = hard  # our cap, still in force
             return False
         if dry_run:
             self._log.info("cgroup_memory_limit_plan", device=dev_id, cgroup=cgroup, dry_run=True,
@@ -335,10 +347,15 @@ class CgroupMemoryLimits:
         if save:
             self._devices[dev_id] = device
         self.writes += 1
-        device.set_memory_limit_mib(cgroup, soft, hard)
+        device.set_memory_limit_mib(cgroup, soft, hard)  # raising, the device holds what it held
         after = device.memory_limit_mib(cgroup)
         if not (_same(after.soft_mib, soft) and _same(after.hard_mib, hard)):
+            self._capped.pop((dev_id, cgroup), None)  # whatever it holds, not the cap asked for
             raise VerifyFailed(f"cgroup {cgroup} on {dev_id} reads {after[:2]} MiB after setting {(soft, hard)}")
+        if save:
+            self._capped[(dev_id, cgroup)] = hard
+        else:
+            self._capped.pop((dev_id, cgroup), None)
         self._log.info("cgroup_memory_limit_set", device=dev_id, cgroup=cgroup, hard_mib=hard,
                        before_mib=[before.soft_mib, before.hard_mib])
         return True
@@ -355,6 +372,7 @@ class CgroupMemoryLimits:
 
     def _forget(self, device_id: str, cgroup: str) -> None:
         self._original.pop((device_id, cgroup), None)
+        self._capped.pop((device_id, cgroup), None)
         if self.store is not None:
             self.store.forget_cgroup_original(device_id, cgroup)
 
