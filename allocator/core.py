@@ -1179,7 +1179,7 @@ class Allocator:
         if lim is not None and self._holds_cap(grants, lim.capped(device_id)):
             if enf.hard_mem:
                 return "hard", enf.reason
-            return "hard", f"{enf.reason}; its cgroup's cap is still in place (writing the original back failed)"
+            return "hard", f"{enf.reason}; its cgroup still holds our cap (its original is not written back yet)"
         if not enf.hard_mem:
             return "cooperative", enf.reason
         if lim is None:

@@ -388,7 +388,7 @@ def test_what_an_app_is_told_follows_the_cap_in_force_not_the_devices_decision()
     allocator.release(b.grant_id)
     assert not allocator.memory_enforcement(dev.uuid).hard_mem and "/test/a" in _limits(backend)
     kind, why = allocator.app_memory_limit("a")
-    assert kind == "hard" and why.startswith("uncontended") and "still in place" in why
+    assert kind == "hard" and why.startswith("uncontended") and "still holds our cap" in why
     assert not [e for e in _drain(watch) if e.kind == EventKind.LIMITS_CHANGED]  # nothing changed for a
 
     dev.clear_faults()

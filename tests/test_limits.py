@@ -389,6 +389,7 @@ def test_a_restart_after_a_crash_restores_the_true_original(rig: Rig, tmp_path: 
                                                            (dev.uuid, "/jobs/b", "kept: in use")]
         assert dev.memory_limit_mib("/jobs/a")[:2] == (20_000, 30_000)  # the operator's, not vgpu's 8000
         assert dev.memory_limit_mib("/jobs/b").hard_mib == 3_000  # still b's cap
+        assert alloc.app_memory_limit("b")[0] == "hard"  # in force on its process, before any new write
         assert [(o.cgroup, o.hard_mib) for o in store.cgroup_originals()] == [("/jobs/b", math.inf)]
         (grant,) = alloc.ledger.grants()
         alloc.release(grant.grant_id)  # the eventual restore writes the true original, not 3000

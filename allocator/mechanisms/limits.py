@@ -485,10 +485,22 @@ class CgroupMemoryLimits:
             if held:
                 self._log.info("cgroup_memory_limit_original_kept", device=dev_id, cgroup=cgroup,
                                original_mib=list(original))
+                self._adopt_cap(dev_id, cgroup, original)
                 out.append((dev_id, cgroup, "kept: in use"))
             else:
                 out.append((dev_id, cgroup, self.restore_one(dev_id, cgroup)))
         return out
+
+    def _adopt_cap(self, device_id: str, cgroup: str, original: tuple[float, float]) -> None:
+        """A cgroup kept at start-up still holds what the crashed run wrote, unless it reads as its
+        original: that cap is in force (`capped`) until the next sync writes the grant's. A read that
+        fails says nothing; the next write finds out."""
+        try:
+            now = self._devices[device_id].memory_limit_mib(cgroup)
+        except DeviceError:
+            return
+        if math.isfinite(now.hard_mib) and not (_same(now.soft_mib, original[0]) and _same(now.hard_mib, original[1])):
+            self._capped[(device_id, cgroup)] = now.hard_mib
 
     def _device_missing(self, device_id: str, cgroup: str, exc: DeviceError) -> str:
         if not self._cgroup_exists(cgroup):
