@@ -730,11 +730,11 @@ class VgpuClient:
                                         "readable by its operator), or use another app_id")
                 raise
         self._keep_token(call)
-        if resp.mem_limit in ("hard", "cooperative"):
+        self._on_grant(resp.grant, released=False)
+        if resp.mem_limit in ("hard", "cooperative") and self._kind_is_for_here(resp.grant.device_id):
             # Known from the reply itself: an event may come later, or not at all.
             with self._lock:
                 self._mem_limit_kind = resp.mem_limit
-        self._on_grant(resp.grant, released=False)
         return resp.grant
 
     def _wait_until_listening(self, wait_s: float) -> None:
@@ -858,9 +858,9 @@ class VgpuClient:
 
     @property
     def memory_limit_kind(self) -> str:
-        """How the daemon enforces this application's memory grant, from its latest reply or event:
-        "hard" (its cgroup holds the daemon's cap too: the device is contended), "cooperative" (only
-        this stub's own limit), "" before any grant or event."""
+        """How the daemon enforces this application's memory grant on this process's GPU, from its
+        latest reply or event there: "hard" (its cgroup holds the daemon's cap too: the device is
+        contended), "cooperative" (only this stub's own limit), "" before any grant or event."""
         with self._lock:
             return self._mem_limit_kind
 
@@ -924,13 +924,24 @@ class VgpuClient:
             # nor this client's to release on close.
             return
         kind = event.kind
-        if event.mem_limit in ("hard", "cooperative"):
-            with self._lock:
-                self._mem_limit_kind = event.mem_limit
         if kind in (allocator_pb2.AllocationEvent.GRANTED, allocator_pb2.AllocationEvent.RESIZED):
             self._on_grant(event.grant, released=False)
         elif kind == allocator_pb2.AllocationEvent.RELEASED:
             self._on_grant(event.grant, released=True)
+        if event.mem_limit in ("hard", "cooperative") and self._kind_is_for_here(event.grant.device_id):
+            with self._lock:
+                self._mem_limit_kind = event.mem_limit
+
+    def _kind_is_for_here(self, device_id: str) -> bool:
+        """Whether the daemon's word for `device_id` is this process's (`memory_limit_kind`): the
+        daemon judges each GPU on its own, so the word of another GPU the application holds grants
+        on is not this one's. As `_grants_here`: where this process's GPU is not known, or no grant
+        names it, every GPU's word counts."""
+        uuid = self._device_uuid()
+        if uuid is None or not device_id or device_id == uuid:
+            return True
+        with self._lock:
+            return not any(g.device_id == uuid for g in self._grants.values())
 
     def close(self, *, release: bool = True) -> None:
         """Stop the threads, release the grants (best effort), remove the in-app file, close the channel."""
