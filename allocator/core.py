@@ -20,7 +20,7 @@ anything changes: nothing is stored, announced or enforced after the daemon deci
 ledger it saves last and the store agree. Reads (available, list_apps) still answer.
 
 Every change to the grants (request, release, limits, a plan) goes check -> change -> store ->
-announce -> enforce:
+enforce -> announce:
 1. check: the ledger refuses what does not fit or is not the caller's (InsufficientResources,
    PermissionDenied, InvalidRequest, NotFound) before it changes anything;
 2. change: the ledger changes in memory;
@@ -28,9 +28,10 @@ announce -> enforce:
    `Ledger.changes()`) before anyone hears of the change; when that fails (StateNotSaved) the
    ledger is rolled back in memory, so the change was never made; without `on_change` the changes
    are only committed;
-4. announce: counters, a log line and an `AllocationEvent` per change;
-5. enforce: the device's cgroup caps follow (`_sync_cgroup_limits`); a failure there is counted
-   (`Counters.failures`) and logged, and never undoes the stored change.
+4. enforce: the device's cgroup caps follow (`_sync_cgroup_limits`); a failure there is counted
+   (`Counters.failures`) and logged, and never undoes the stored change;
+5. announce: counters, a log line and an `AllocationEvent` per change. After the caps, so that an
+   event's `mem_limit` (and a request's answer) says what is in force once the change is made.
 
 `apply_recommendations` runs these steps for a whole plan:
 1. admit each recommendation: one naming a MIG instance moves to its GPU, one for an unknown device
@@ -44,9 +45,9 @@ announce -> enforce:
    new grants and growth are clamped to what fits; a target the ledger refuses is skipped;
 6. store once for the plan: when that fails none of its grant changes stand, all are reported
    skipped ("not saved") and none is announced;
-7. announce the GRANTED / RESIZED events;
-8. keep the plan's hard/cooperative word for each device touched and sync the cgroup caps of each
+7. keep the plan's hard/cooperative word for each device touched and sync the cgroup caps of each
    device whose grants changed or whose decision changed;
+8. announce the GRANTED / RESIZED events;
 9. one history point per fresh recommendation (an OOM event is logged when its use was over the
    grant it held before this plan);
 10. power limits, then MIG layouts, through their mechanisms, each check -> change -> verify
@@ -56,7 +57,10 @@ announce -> enforce:
 An `AllocationEvent` carries its kind, the time, the application and device, the grant as it is
 after the change (GRANTED, RESIZED, RELEASED), a detail (a grant's source, a resize's "memory
 4096 -> 2048 MiB", a release's reason, a power limit's "before -> target mW", MIG profiles, limits)
-and the device's memory-limit kind when it was published. Events without an application (power,
+and `mem_limit`: how the application's memory is enforced on that device when it was published,
+"hard" only while a cgroup of a process its grants there name holds our cap (`_device_memory_limit`),
+else "cooperative"; "" for an event of no application or device. A change of that kind from the
+caps going on or off is sent to the application as LIMITS_CHANGED. Events without an application (power,
 MIG) reach every watcher; an application's watch gets its own events besides. A grant change is
 also counted by reason (`Counters.grant_changes`) and marked in the `History` whether or not anyone
 watches.
@@ -67,7 +71,9 @@ fails, the application lives). The cgroup cap, beyond which the application runs
 ends, is applied only on a device whose memory is contended: its grants reach `hard_limit_at_frac` of
 it, or the policy's latest plan for it says so (`Plan.enforcement`); it is lifted (the cgroup's
 original written back) when the device stops being contended. `hard_limit_at_frac` 0: hard wherever
-a pid is known.
+a pid is known. What an application is told (`app_memory_limit`, events, a request's answer) is
+what is in force on its processes, not the device's decision: "cooperative" on a contended device
+where no cap could be written (no pid, the mechanism off or unsupported, dry run, a failed write).
 
 Concurrency: the daemon runs on one asyncio loop and every method here is synchronous and must be
 called from that loop's thread (the gRPC servicers call them directly; none of them awaits). Device
@@ -82,7 +88,7 @@ import collections
 import dataclasses
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol, TypeVar
@@ -422,7 +428,7 @@ class Allocator:
             device_id=dev,
             grant=grant,
             detail=detail,
-            mem_limit=_kind(self.memory_enforcement(dev).hard_mem) if dev in self._device_ids() else "",
+            mem_limit=self._event_memory_limit(grant.app_id if grant is not None else app_id, dev, grant),
         )
         for sub in list(self._subscriptions):
             if sub.wants(event):
@@ -520,8 +526,8 @@ class Allocator:
         self.counters.granted += 1
         self._log.info("granted", app=grant.app_id, device=grant.device_id, memory_mib=grant.memory_mib,
                        sm_pct=grant.sm_pct, source=source, grant=grant.grant_id)
+        self._sync_cgroup_limits(grant.device_id)  # the caps first: the event says what is in force
         self._publish(EventKind.GRANTED, grant=grant, detail=source)
-        self._sync_cgroup_limits(grant.device_id)
         return grant
 
     def _size_request(self, request: AllocationRequest) -> tuple[float, float, str]:
@@ -556,8 +562,8 @@ class Allocator:
         self._recount(grant.device_id, grant.app_id)
         self.counters.released += 1
         self._log.info("released", app=grant.app_id, grant=grant_id, **({"reason": reason} if reason else {}))
+        self._sync_cgroup_limits(grant.device_id)  # as in request_allocation
         self._publish(EventKind.RELEASED, grant=grant, detail=reason)
-        self._sync_cgroup_limits(grant.device_id)
         return grant
 
     def forget_app(self, app_id: str) -> list[Grant]:
@@ -706,13 +712,13 @@ class Allocator:
         if result.max_memory_mib is not None and math.isfinite(used) and used > result.max_memory_mib:
             self._log.warning("limit_below_usage", app=result.app_id, mem_used_mib=used,
                               max_memory_mib=result.max_memory_mib)
+        for device_id in sorted({g.device_id for g, _ in capped}):
+            self._sync_cgroup_limits(device_id)  # as in request_allocation
         for new, old in capped:
             self.counters.resized += 1
             self._publish(EventKind.RESIZED, grant=new,
                           detail=f"capped by limits: {_resize_text(old, new)}", reason="limits")
         self._publish(EventKind.LIMITS_CHANGED, app_id=result.app_id, detail=_limits_text(result))
-        for device_id in sorted({g.device_id for g, _ in capped}):
-            self._sync_cgroup_limits(device_id)
         return result
 
     def _cap_grants(self, limits: AppLimits) -> list[tuple[Grant, Grant]]:
@@ -926,9 +932,9 @@ class Allocator:
             created, resized, events = self._store_plan(created, resized, events, skipped)
         self.counters.granted += len(created)
         self.counters.resized += len(resized)
-        for kind, grant, detail, reason in events:
-            self._publish(kind, grant=grant, detail=detail, reason=reason)
         self._enforce_plan(plan, devices_touched, {g.device_id for g in (*created, *resized)})
+        for kind, grant, detail, reason in events:  # after the caps: each says what is in force
+            self._publish(kind, grant=grant, detail=detail, reason=reason)
         for rec in usable:
             if rec.app_id in granted_before:
                 self._record_tick(rec, granted_before[rec.app_id])
@@ -1149,8 +1155,8 @@ class Allocator:
         """(kind, why) of how the application's memory grants are enforced. Caps are per device
         (`_sync_cgroup_limits`: on each GPU whose limits are hard, the cgroup of a process named by
         the application's grants there is capped at what it holds there), so each GPU it holds a
-        grant on is judged on its own: "hard" when its cgroup is capped there (or, in dry run, would
-        be), else "cooperative". With `device_id`, that GPU's word; without, "hard" when any of its
+        grant on is judged on its own: "hard" when its cgroup holds our cap there now, else
+        "cooperative" (`_device_memory_limit`). With `device_id`, that GPU's word; without, "hard" when any of its
         GPUs caps it (beyond its grant there it runs out of memory), else "cooperative", the reason
         naming each GPU when it holds grants on more than one. ("", "") without a grant (there)."""
         grants = self.ledger.grants(app_id=app_id, device_id=device_id or None)
@@ -1164,33 +1170,52 @@ class Allocator:
         return kind, "; ".join(f"{k} on {d}: {why}" for d, (k, why) in words.items())
 
     def _device_memory_limit(self, device_id: str, grants: Sequence[Grant]) -> tuple[str, str]:
-        """(kind, why) for an application's `grants` on one device, as `_sync_cgroup_limits` caps them."""
+        """(kind, why) for an application's `grants` on one device: "hard" when a cgroup of a process
+        they name holds a cap of ours on the device now (`CgroupMemoryLimits.capped`: written and
+        read back), else "cooperative", whatever the device's decision; the reason says the
+        decision and, where they differ, why the cap is not (or is still) there."""
         enf = self.memory_enforcement(device_id)
+        lim = self.cgroup_limits
+        if lim is not None and self._holds_cap(grants, lim.capped(device_id)):
+            if enf.hard_mem:
+                return "hard", enf.reason
+            return "hard", f"{enf.reason}; its cgroup still holds our cap (its original is not written back yet)"
         if not enf.hard_mem:
             return "cooperative", enf.reason
-        lim = self.cgroup_limits
         if lim is None:
             return "cooperative", f"{enf.reason}; cgroup memory limits are off (server.cgroup_memory_limits)"
         off = lim.disabled_reason(device_id)
         if off is not None:
             return "cooperative", f"{enf.reason}; cgroup memory limits unavailable: {off}"
-        pid = next((g.pid for g in grants if g.pid > 0), 0)  # as `_cgroup_memory`: a pid named on this device
-        if pid == 0 or self._cgroup_of(pid) is None:
+        if not any(g.pid > 0 and self._cgroup_of(g.pid) is not None for g in grants):
             return "cooperative", f"{enf.reason}; no process (pid) with a readable cgroup to cap"
-        return "hard", enf.reason + ("; dry run: the cap is logged, not written" if lim.dry_run else "")
+        if lim.dry_run:
+            return "cooperative", f"{enf.reason}; dry run: the cap it would get is logged, not written"
+        return "cooperative", f"{enf.reason}; no cap in place (writing it failed: cgroup_memory_limit_failed)"
+
+    def _holds_cap(self, grants: Iterable[Grant], capped: set[str]) -> bool:
+        """Whether a process named by `grants` runs in one of the `capped` cgroups."""
+        return bool(capped) and any(g.pid > 0 and self._cgroup_of(g.pid) in capped for g in grants)
+
+    def _event_memory_limit(self, app_id: str, device_id: str, grant: Grant | None) -> str:
+        """An event's `mem_limit`: the application's kind on the event's device (`_device_memory_limit`;
+        a grant just released still names its process); "" for an event of no application or device."""
+        if not app_id or device_id not in self._device_ids():
+            return ""
+        grants = list(self.ledger.grants(app_id=app_id, device_id=device_id))
+        if grant is not None and all(g.grant_id != grant.grant_id for g in grants):
+            grants.append(grant)
+        return self._device_memory_limit(device_id, grants)[0]
 
     def _note_enforcement(self, device_id: str) -> bool:
-        """The device's hard/cooperative decision now; a change is logged and published to every
-        application with a grant there (LIMITS_CHANGED, `mem_limit` saying the new kind)."""
+        """The device's hard/cooperative decision now; a change is logged (what each application is
+        told follows the caps themselves: `_tell_cap_changes`)."""
         enf = self.memory_enforcement(device_id)
         before = self._enforced.get(device_id)
         self._enforced[device_id] = enf.hard_mem
         if before is not None and before != enf.hard_mem:
             self._log.info("memory_limits_hard" if enf.hard_mem else "memory_limits_cooperative",
                            device=device_id, reason=enf.reason)
-            for app_id in sorted({g.app_id for g in self.ledger.grants(device_id=device_id)}):
-                self._publish(EventKind.LIMITS_CHANGED, app_id=app_id, device_id=device_id,
-                              detail=f"memory limit {_kind(enf.hard_mem)}: {enf.reason}")
         return enf.hard_mem
 
     def _sync_cgroup_limits(self, device_id: str) -> None:
@@ -1198,7 +1223,8 @@ class Allocator:
         memory granted to the applications whose process runs in it (an application's pid: from any
         of its grants there); put back the original limits of cgroups that no longer hold a grant,
         and of every cgroup of a device whose limits are cooperative. Failures are counted
-        ("cgroup_memory") and logged; they never undo the grant."""
+        ("cgroup_memory") and logged; they never undo the grant. Each application with a grant
+        there whose processes gained or lost a cap is told (LIMITS_CHANGED)."""
         hard = self._note_enforcement(device_id)
         lim = self.cgroup_limits
         if lim is None or self._stopped or lim.disabled_reason(device_id) is not None:
@@ -1210,8 +1236,22 @@ class Allocator:
         dev = self._read_device(device_id)
         if dev is None:
             return
+        capped_before = lim.capped(device_id)
         self._cap_cgroups(lim, dev, device_id, wanted)
         self._uncap_cgroups(lim, device_id, stale)
+        self._tell_cap_changes(device_id, capped_before, lim.capped(device_id))
+
+    def _tell_cap_changes(self, device_id: str, before: set[str], after: set[str]) -> None:
+        """A LIMITS_CHANGED to each application with a grant on the device whose kind there
+        (`_device_memory_limit`) the caps' change from `before` to `after` turned."""
+        if before == after or not self._subscriptions:
+            return
+        for app_id in sorted({g.app_id for g in self.ledger.grants(device_id=device_id)}):
+            grants = self.ledger.grants(app_id=app_id, device_id=device_id)
+            if self._holds_cap(grants, before) != self._holds_cap(grants, after):
+                kind, why = self._device_memory_limit(device_id, grants)
+                self._publish(EventKind.LIMITS_CHANGED, app_id=app_id, device_id=device_id,
+                              detail=f"memory limit {kind}: {why}")
 
     def _cap_cgroups(self, lim: CgroupMemoryLimits, dev: Device, device_id: str, wanted: dict[str, float]) -> None:
         """Cap each cgroup with a grant (MiB > 0) at that memory on the device."""
@@ -1311,9 +1351,6 @@ def _resize_text(old: Grant, new: Grant) -> str:
         parts.append(f"SM {old.sm_pct:g} -> {new.sm_pct:g} %")
     return ", ".join(parts)
 
-
-def _kind(hard: bool) -> str:
-    return "hard" if hard else "cooperative"
 
 
 def _try(fn: Callable[[], T]) -> T | None:

@@ -6,7 +6,11 @@ event object per resize whether or not anyone watched) and are what the cheaper 
 the same grants made and resized in the same order, the same events, the same changes stored,
 the same hard/cooperative decisions and history, floats to the last bit. They were recorded again
 once when the predictive policy began to give a one-second jump's extrapolated grant back
-(`ramp_jump_release`): with that rule off the apply gives the earlier digests to the last bit. A digest
+(`ramp_jump_release`): with that rule off the apply gives the earlier digests to the last bit. The
+watched 256-application digest was recorded again when an event's `mem_limit` began to say what
+is in force on the application's processes rather than the device's decision: this node has no
+cgroup mechanism and no pids, so its events say "cooperative" where the over-committed device used
+to make them say "hard"; the grants, stores and decisions (the unwatched digests) are unchanged. A digest
 that changes means a decision changed: if that is intended (a policy change), record the new ones with
 `python bench/apply_cost.py --apps N --applies K --warmup 0 --digest --json` and say why in the
 commit.
@@ -31,7 +35,7 @@ GOLDEN = {
     (64, 20, False): "3d6c2ac62a97ebcfbc34e2a2d3c5f19a712c2eb605da7952e2ce8b136e8c2949",
     # past the policy's 30 s window of recent peak usage
     (64, 50, False): "ab09f220dd32e3f74c7ce2de1789efacef0986cf4fa25bc810fa5d1931697dba",
-    (256, 15, True): "91297746ed20f3a29891193e61c5ffc80d310dd95f0abc79a625eaee89aa4132",
+    (256, 15, True): "cfe1bb3788636898d8618305a43b3f4397162e0e2c52d62996fc4b125ddfb6cc",
     (256, 15, False): "9583ae6a91c5179e706c4412baca72fbd8f8810927ca6661899539958cb8763e",
 }
 

@@ -293,6 +293,37 @@ def test_events_of_other_apps_are_ignored(tmp_path: Path) -> None:
         client.close(release=False)
 
 
+def test_the_limit_kind_kept_is_the_one_of_this_processs_gpu(tmp_path: Path) -> None:
+    """The daemon says hard or cooperative per GPU: a process on GPU b of an application that also
+    holds grants on GPU a keeps b's word, not whichever GPU's event came last; before any grant names
+    its GPU, every GPU's word counts (as its limit does)."""
+    on_a, on_b = (f"GPU-{u}" for u in FakeCudaWithUuids.UUIDS)
+    torch = types.ModuleType("torch")
+    torch.cuda = FakeCudaWithUuids(current=1)  # type: ignore[attr-defined]
+    client = VgpuClient("sharded", socket="/nowhere.sock", inapp_dir=tmp_path, torch_module=torch, watch=False,
+                        report=False)
+
+    def grant(gid: str, device_id: str) -> allocator_pb2.Grant:
+        return allocator_pb2.Grant(grant_id=gid, app_id="sharded", device_id=device_id, memory_mib=1024)
+
+    try:
+        client.handle_event(Event(kind=Event.GRANTED, grant=grant("g1", on_a), mem_limit="hard"))
+        assert client.memory_limit_kind == "hard"  # no grant on this GPU yet: a's word is the one there is
+        client.handle_event(Event(kind=Event.GRANTED, grant=grant("g2", on_b), mem_limit="cooperative"))
+        assert client.memory_limit_kind == "cooperative"
+        a_only = allocator_pb2.Grant(app_id="sharded", device_id=on_a)  # a LIMITS_CHANGED names its GPU so
+        client.handle_event(Event(kind=Event.LIMITS_CHANGED, grant=a_only, mem_limit="hard"))
+        client.handle_event(Event(kind=Event.RESIZED, grant=grant("g1", on_a), mem_limit="hard"))
+        assert client.memory_limit_kind == "cooperative"  # GPU a's word is not this process's
+        b_only = allocator_pb2.Grant(app_id="sharded", device_id=on_b)
+        client.handle_event(Event(kind=Event.LIMITS_CHANGED, grant=b_only, mem_limit="hard"))
+        assert client.memory_limit_kind == "hard"
+        client.handle_event(Event(kind=Event.POWER_LIMIT_CHANGED, grant=b_only))  # no word: kept
+        assert client.memory_limit_kind == "hard"
+    finally:
+        client.close(release=False)
+
+
 def test_a_grant_above_the_device_is_capped_at_the_whole_device(tmp_path: Path) -> None:
     torch = fake_torch()
     client = VgpuClient("a", socket="/nowhere.sock", inapp_dir=tmp_path, torch_module=torch, watch=False, report=False)

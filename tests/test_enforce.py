@@ -63,6 +63,8 @@ def test_write_refusal_disables_the_mechanism_for_that_device(error: type[Except
     r = mech.apply(bad, 300_000)
     assert not r.changed and r.reason.startswith("refused")
     assert mech.disabled_reason("GPU-bad") is not None
+    # NotSupported on the first write: the device has no settable limit (no alert); NoPermission: a failure
+    assert mech.unsupported("GPU-bad") is (error is NotSupported)
     r2 = mech.apply(bad, 250_000)
     assert r2.reason.startswith("disabled") and bad.writes == [300_000]  # no second attempt
     assert mech.apply(good, 300_000).changed  # other devices unaffected

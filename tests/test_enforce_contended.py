@@ -291,13 +291,15 @@ def test_the_start_up_window_takes_the_managers_first_use_over_its_own() -> None
 
 
 def test_dry_run_decides_the_same_and_writes_nothing() -> None:
+    """The device's decision is the same; the application is told "cooperative", since nothing caps it."""
     clock = ManualClock(1000.0)
     backend = SimBackend(["h100-80gb"], clock=clock)
     allocator = Allocator(backend, clock=clock, dry_run=True, cgroup_limits=CgroupMemoryLimits(dry_run=True),
                           cgroup_of=CGROUPS.get, hard_limit_at_frac=0.9)
     allocator.request_allocation(AllocationRequest("a", memory_mib=0.95 * _total(allocator), pid=11))
     kind, why = allocator.app_memory_limit("a")
-    assert kind == "hard" and "dry run" in why
+    assert allocator.memory_enforcement(allocator.ledger.devices()[0].device_id).hard_mem
+    assert kind == "cooperative" and why.startswith("contended") and "dry run" in why
     assert _limits(backend) == {}
 
 
@@ -354,4 +356,45 @@ def test_an_application_on_two_gpus_is_judged_on_each_as_its_caps_are_written() 
     allocator.request_allocation(AllocationRequest("nopid", memory_mib=1024, device_id=busy))
     assert allocator.app_memory_limit("nopid", busy)[0] == "cooperative"
     assert allocator.app_memory_limit("nopid")[0] == "cooperative"
+    allocator.stop()
+
+
+def test_what_an_app_is_told_follows_the_cap_in_force_not_the_devices_decision() -> None:
+    """A cap whose write fails leaves the application cooperative on a contended GPU, and says why;
+    a cap whose original cannot be written back leaves it hard on a GPU no longer contended. Each
+    change of what is in force reaches the application as one LIMITS_CHANGED, and its other events
+    say the same."""
+    from vgpu.device.errors import DeviceError
+
+    allocator, backend, _ = _rig()
+    allocator.cgroup_limits = CgroupMemoryLimits(cgroup_exists=lambda _cg: True)  # the test's cgroups exist
+    dev = backend.devices()[0]
+    watch = allocator.watch("a")
+    allocator.request_allocation(AllocationRequest("a", memory_mib=2048, pid=11))
+    dev.inject("set_memory_limit_mib", DeviceError, times=None)  # every write fails
+    b = allocator.request_allocation(AllocationRequest("b", memory_mib=0.95 * _total(allocator) - 2048, pid=12))
+    assert allocator.memory_enforcement(dev.uuid).hard_mem and _limits(backend) == {}
+    kind, why = allocator.app_memory_limit("a")
+    assert kind == "cooperative" and why.startswith("contended") and "no cap in place" in why
+    assert {e.mem_limit for e in _drain(watch)} == {"cooperative"}
+
+    dev.clear_faults()
+    allocator.request_allocation(AllocationRequest("a", memory_mib=512, pid=11))  # the caps are written now
+    assert _limits(backend)["/test/a"] == (2560.0, 2560.0)
+    events = _drain(watch)
+    assert [(e.kind, e.mem_limit) for e in events] == [(EventKind.LIMITS_CHANGED, "hard"), (EventKind.GRANTED, "hard")]
+
+    dev.inject("set_memory_limit_mib", DeviceError, times=None)  # now the originals cannot go back
+    allocator.release(b.grant_id)
+    assert not allocator.memory_enforcement(dev.uuid).hard_mem and "/test/a" in _limits(backend)
+    kind, why = allocator.app_memory_limit("a")
+    assert kind == "hard" and why.startswith("uncontended") and "still holds our cap" in why
+    assert not [e for e in _drain(watch) if e.kind == EventKind.LIMITS_CHANGED]  # nothing changed for a
+
+    dev.clear_faults()
+    allocator.request_allocation(AllocationRequest("a", memory_mib=256, pid=11))  # the next sync restores it
+    assert _limits(backend) == {}
+    assert [(e.kind, e.mem_limit) for e in _drain(watch)] == [(EventKind.LIMITS_CHANGED, "cooperative"),
+                                                              (EventKind.GRANTED, "cooperative")]
+    assert allocator.app_memory_limit("a")[0] == "cooperative"
     allocator.stop()

@@ -127,6 +127,8 @@ def test_dashboard_and_rules_load_only_what_a_running_daemon_exports(env: Env, s
     reasons = {(labels["kind"], labels["reason"]) for _, labels, _ in samples("vgpu_grant_changes_total")}
     assert ("granted", "request") in reasons and ("granted", "forecast") in reasons
     assert {labels["mechanism"] for _, labels, v in samples("vgpu_enforcement_disabled") if v == 0} >= {"power_limit"}
+    assert {labels["mechanism"] for _, labels, v in samples("vgpu_enforcement_unsupported")
+            if v == 0} >= {"power_limit", "cgroup_memory"}  # the simulator has both
     # conventions: base units in names (no MiB, percent or milliwatts), counters end in _total
     for fam in fams:
         assert not re.search(r"_(mib|pct|mw)(_|$)", fam), fam
@@ -209,8 +211,9 @@ def test_collector_units_absent_values_and_histograms() -> None:
                      oom_events=1),
          AppSnapshot("a", "GPU-2", granted_mem_mib=10, grants=1)],  # another device: no use known there
         [DeviceSnapshot("GPU-1", 1000, 200, 300_000, (("power_limit", ""), ("cgroup_memory", "not supported")),
-                        index=0, name="X", pci_bus_id="00000000:17:00.0", power_draw_mw=150_000, temperature_c=40,
-                        sm_clock_mhz=1500, sm_util_pct=50, profiler_streams=0)],
+                        unsupported=("cgroup_memory",), index=0, name="X", pci_bus_id="00000000:17:00.0",
+                        power_draw_mw=150_000, temperature_c=40, sm_clock_mhz=1500, sm_util_pct=50, profiler_streams=0),
+         DeviceSnapshot("GPU-2", 1000, 0, None, (("power_limit", "NoPermission: refused"), ("cgroup_memory", "")))],
         CounterSnapshot(forecast_latency=hist, tick_latency=LatencyHistogram(), forecast_batches=4,
                         grant_changes=(("resized", "grow", 2),), backend="nvml")))
     get = registry.get_sample_value
@@ -223,8 +226,15 @@ def test_collector_units_absent_values_and_histograms() -> None:
     assert get("vgpu_device_power_draw_watts", {"device": "GPU-1"}) == 150
     assert get("vgpu_device_sm_clock_hertz", {"device": "GPU-1"}) == 1.5e9
     assert get("vgpu_device_memory_used_bytes", {"device": "GPU-1"}) is None  # not reported
+    # off because the driver lacks it: unsupported, not disabled (which VgpuEnforcementDisabled fires on)
     assert get("vgpu_enforcement_disabled", {"device": "GPU-1", "mechanism": "power_limit"}) == 0
-    assert get("vgpu_enforcement_disabled", {"device": "GPU-1", "mechanism": "cgroup_memory"}) == 1
+    assert get("vgpu_enforcement_disabled", {"device": "GPU-1", "mechanism": "cgroup_memory"}) == 0
+    assert get("vgpu_enforcement_unsupported", {"device": "GPU-1", "mechanism": "cgroup_memory"}) == 1
+    assert get("vgpu_enforcement_unsupported", {"device": "GPU-1", "mechanism": "power_limit"}) == 0
+    # off after failing at runtime: disabled
+    assert get("vgpu_enforcement_disabled", {"device": "GPU-2", "mechanism": "power_limit"}) == 1
+    assert get("vgpu_enforcement_unsupported", {"device": "GPU-2", "mechanism": "power_limit"}) == 0
+    assert get("vgpu_enforcement_disabled", {"device": "GPU-2", "mechanism": "cgroup_memory"}) == 0
     assert get("vgpu_profiler_connected", {"device": "GPU-1"}) == 0
     assert get("vgpu_newest_signature_age_seconds", {"device": "GPU-1"}) is None
     assert get("vgpu_device_info", {"device": "GPU-1", "index": "0", "name": "X", "pci_bus_id": "00000000:17:00.0"}) == 1
@@ -398,5 +408,45 @@ def test_the_first_enforcement_failure_of_a_device_fires(tmp_path: Path) -> None
             exp_annotations:
               summary: "mig changes failed on GPU GPU-1"
               description: "{desc}"
+"""
+    promtool_test_rules(tmp_path, tests)
+
+
+def test_a_mechanism_the_driver_lacks_never_fires_one_that_failed_does(tmp_path: Path) -> None:
+    """cgroup_memory on GPU-1 is off for good because the driver has no per-cgroup memory limits: the
+    daemon exports it as vgpu_enforcement_unsupported = 1 and vgpu_enforcement_disabled = 0, so
+    VgpuEnforcementDisabled never fires for it, however long it lasts (it once fired for good on
+    such a node). power_limit on GPU-2 is turned off at 5 min after failing at runtime: it fires
+    once it has been off for 5 min, and resolves when the daemon, restarted with the cause fixed,
+    exports 0 again."""
+    desc = ("The allocator turned the mechanism off after it failed at runtime (a write refused for lack of "
+            "privilege, or NotSupported after it had worked); the daemon log says why "
+            "(`cgroup_memory_limit_disabled`, `power_limit_disabled`). Grants are kept in the ledger but not "
+            "applied to the device until the daemon restarts with the cause fixed: `vgpu doctor`.")
+    tests = f"""
+  - interval: 30s
+    input_series:
+      - series: 'vgpu_enforcement_disabled{{device="GPU-1", mechanism="cgroup_memory"}}'
+        values: '0x120'
+      - series: 'vgpu_enforcement_unsupported{{device="GPU-1", mechanism="cgroup_memory"}}'
+        values: '1x120'
+      - series: 'vgpu_enforcement_disabled{{device="GPU-2", mechanism="power_limit"}}'
+        values: '0x10 1x30 0x80'
+      - series: 'vgpu_enforcement_unsupported{{device="GPU-2", mechanism="power_limit"}}'
+        values: '0x120'
+    alert_rule_test:
+      - eval_time: 8m
+        alertname: VgpuEnforcementDisabled
+        exp_alerts: []
+      - eval_time: 12m
+        alertname: VgpuEnforcementDisabled
+        exp_alerts:
+          - exp_labels: {{severity: warning, device: GPU-2, mechanism: power_limit}}
+            exp_annotations:
+              summary: "power_limit enforcement is off on GPU GPU-2"
+              description: "{desc}"
+      - eval_time: 60m
+        alertname: VgpuEnforcementDisabled
+        exp_alerts: []
 """
     promtool_test_rules(tmp_path, tests)

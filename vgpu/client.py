@@ -37,8 +37,9 @@ Three things run behind that API:
   *cooperatively*: for PyTorch, `torch.cuda.set_per_process_memory_fraction(limit / total)`, so an
   allocation beyond the grant fails (torch's OutOfMemoryError) and the application lives. On a device
   whose memory is contended the daemon also caps the process's cgroup at the grant (a hard limit,
-  beyond which the process runs out of memory); every event says which (`mem_limit`: "hard" or
-  "cooperative"), kept in `memory_limit_kind`. The allocator sees what was applied in the in-app
+  beyond which the process runs out of memory); the grant's reply and every event of the
+  application say which is in force (`mem_limit`: "hard" only while the cap is written), kept in
+  `memory_limit_kind`. The allocator sees what was applied in the in-app
   counters below.
 * **A reporter** (daemon thread, every `report_period_s`) writes the app's in-app counters to a small
   JSON file, `<inapp_dir>/<pid>.json`, that the profiler reads when it samples that pid: PyTorch's
@@ -993,11 +994,11 @@ class VgpuClient:
                                         "readable by its operator), or use another app_id")
                 raise
         self._keep_token(call)
-        if resp.mem_limit in ("hard", "cooperative"):
+        self._on_grant(resp.grant, released=False)
+        if resp.mem_limit in ("hard", "cooperative") and self._kind_is_for_here(resp.grant.device_id):
             # Known from the reply itself: an event may come later, or not at all.
             with self._lock:
                 self._mem_limit_kind = resp.mem_limit
-        self._on_grant(resp.grant, released=False)
         return resp.grant
 
     def _wait_until_listening(self, wait_s: float) -> None:
@@ -1121,9 +1122,9 @@ class VgpuClient:
 
     @property
     def memory_limit_kind(self) -> str:
-        """How the daemon enforces this application's memory grant, from its latest event: "hard"
-        (its cgroup is capped too: the device is contended), "cooperative" (only this stub's own
-        limit), "" before any grant or event."""
+        """How the daemon enforces this application's memory grant on this process's GPU, from its
+        latest reply or event there: "hard" (its cgroup holds the daemon's cap too: the device is
+        contended), "cooperative" (only this stub's own limit), "" before any grant or event."""
         with self._lock:
             return self._mem_limit_kind
 
@@ -1218,13 +1219,24 @@ class VgpuClient:
             # nor this client's to release on close.
             return
         kind = event.kind
-        if event.mem_limit in ("hard", "cooperative"):
-            with self._lock:
-                self._mem_limit_kind = event.mem_limit
         if kind in (allocator_pb2.AllocationEvent.GRANTED, allocator_pb2.AllocationEvent.RESIZED):
             self._on_grant(event.grant, released=False)
         elif kind == allocator_pb2.AllocationEvent.RELEASED:
             self._on_grant(event.grant, released=True)
+        if event.mem_limit in ("hard", "cooperative") and self._kind_is_for_here(event.grant.device_id):
+            with self._lock:
+                self._mem_limit_kind = event.mem_limit
+
+    def _kind_is_for_here(self, device_id: str) -> bool:
+        """Whether the daemon's word for `device_id` is this process's (`memory_limit_kind`): the
+        daemon judges each GPU on its own, so the word of another GPU the application holds grants
+        on is not this one's. As `_grants_here`: where this process's GPU is not known, or no grant
+        names it, every GPU's word counts."""
+        uuid = self._device_uuid()
+        if uuid is None or not device_id or device_id == uuid:
+            return True
+        with self._lock:
+            return not any(g.device_id == uuid for g in self._grants.values())
 
     def close(self, *, release: bool = True) -> None:
         """Stop the threads, release the grants (best effort), remove the in-app file, close the channel."""

@@ -22,7 +22,12 @@ Three mechanisms, each optional and each degrading cleanly where the node lacks 
    writing them back on `restore()` (or `restore_one` when the application's grants are gone). A
    device or driver that answers NotSupported (no such NVML function, an older nvidia-ml-py), or
    NoPermission on a write, turns the mechanism off for that device with one log line; other
-   errors and a value that does not read back fail loudly. The allocator finds an application's
+   errors and a value that does not read back fail loudly. Off is one of two things
+   (`unsupported`): the driver or GPU has no such limits (NotSupported before the mechanism ever
+   wrote to the device: a fact of the node, said once, `cgroup_memory_limit_unsupported`; the
+   daemon asks each device at start, `probe`), or it failed at runtime (NoPermission, or
+   NotSupported after a write had worked: `cgroup_memory_limit_disabled`, what the
+   VgpuEnforcementDisabled alert is for). The allocator finds an application's
    cgroup from its pid (`read_cgroup`: /proc/<pid>/cgroup). Given the daemon's store, each original
    is also recorded there before the first write (first record wins) and forgotten once written
    back; at start-up `reconcile` puts back what a crashed run left on cgroups no grant holds now.
@@ -35,7 +40,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -287,7 +292,10 @@ class CgroupMemoryLimits:
         self._clock = clock
         self._log = logger or get_logger("vgpu.allocator.memlimit")
         self._disabled: dict[str, str] = {}
+        self._unsupported: set[str] = set()  # devices whose driver or GPU has no per-cgroup limits
         self._original: dict[tuple[str, str], tuple[float, float]] = {}
+        # (device, cgroup) -> the hard cap (MiB) this wrote there and read back: what is in force now
+        self._capped: dict[tuple[str, str], float] = {}
         self._devices: dict[str, Device] = {}
         self.writes = 0
 
@@ -298,10 +306,54 @@ class CgroupMemoryLimits:
         """The cgroups of the device whose limits this changed (and will restore)."""
         return {cg for dev, cg in self._original if dev == device_id}
 
-    def _disable(self, device_id: str, reason: str) -> None:
-        if device_id not in self._disabled:
-            self._disabled[device_id] = reason
+    def capped(self, device_id: str) -> set[str]:
+        """The cgroups of the device that hold a cap of this mechanism now: written and read back
+        (or found already at it), not restored since. A cap whose write raised, or did not read
+        back, is not counted; nor is anything in dry run, which writes nothing."""
+        return {cg for dev, cg in self._capped if dev == device_id}
+
+    def unsupported(self, device_id: str) -> bool:
+        """Whether the mechanism is off for the device because its driver or GPU has no per-cgroup
+        memory limits (NotSupported before any write of ours worked there), rather than after
+        failing at runtime."""
+        return device_id in self._unsupported
+
+    def _disable(self, device_id: str, exc: Exception) -> None:
+        """Off for the device, said once: unsupported (NotSupported where nothing of ours was ever
+        written there) or failed (anything else)."""
+        if device_id in self._disabled:
+            return
+        reason = f"{type(exc).__name__}: {exc}"
+        self._disabled[device_id] = reason
+        wrote = any(dev == device_id for dev, _ in (*self._original, *self._capped))
+        if isinstance(exc, NotSupported) and not wrote:
+            self._unsupported.add(device_id)
+            self._log.warning("cgroup_memory_limit_unsupported", device=device_id, reason=reason,
+                              meaning="memory grants on this GPU stay cooperative: no cgroup is capped",
+                              fix="per-cgroup memory limits (nvmlDeviceSetMemoryLimits_v1) need a driver "
+                                  "and nvidia-ml-py that have them (R615 / 13.615 or newer)")
+        else:
             self._log.warning("cgroup_memory_limit_disabled", device=device_id, reason=reason)
+
+    def probe(self, devices: Iterable[Device]) -> dict[str, str]:
+        """Ask each device whether it has per-cgroup memory limits at all (a read of the root
+        cgroup's, which writes nothing): one that answers NotSupported is off from here on,
+        unsupported, said once now rather than at the first contention. device -> reason for each
+        such device. Any other answer (a lost GPU, a refused read) says nothing about support and is
+        left to the first write."""
+        out: dict[str, str] = {}
+        for dev in devices:
+            if dev.uuid in self._disabled:
+                continue
+            try:
+                dev.memory_limit_mib("/")
+            except NotSupported as exc:
+                self._disable(dev.uuid, exc)
+                if dev.uuid in self._unsupported:
+                    out[dev.uuid] = self._disabled[dev.uuid]
+            except DeviceError:
+                continue
+        return out
 
     def apply(self, device: Device, cgroup: str, hard_mib: float, soft_mib: float | None = None) -> bool:
         """Cap `cgroup` on `device`; True when a write happened. False when off, unchanged or dry-run."""
@@ -317,7 +369,7 @@ class CgroupMemoryLimits:
         try:
             return self._write(device, cgroup, soft, hard_mib, save=True, dry_run=self.dry_run)
         except (NotSupported, NoPermission) as exc:
-            self._disable(device.uuid, f"{type(exc).__name__}: {exc}")
+            self._disable(device.uuid, exc)
             return False
 
     def _write(self, device: Device, cgroup: str, soft: float, hard: float, *, save: bool, dry_run: bool) -> bool:
@@ -325,6 +377,10 @@ class CgroupMemoryLimits:
         dev_id = device.uuid
         before = device.memory_limit_mib(cgroup)
         if _same(before.soft_mib, soft) and _same(before.hard_mib, hard):
+            if not save:
+                self._capped.pop((dev_id, cgroup), None)  # the original is what it holds
+            elif not dry_run and (dev_id, cgroup) in self._original:
+                self._capped[(dev_id, cgroup)] = hard  # our cap, still in force
             return False
         if dry_run:
             self._log.info("cgroup_memory_limit_plan", device=dev_id, cgroup=cgroup, dry_run=True,
@@ -335,10 +391,15 @@ class CgroupMemoryLimits:
         if save:
             self._devices[dev_id] = device
         self.writes += 1
-        device.set_memory_limit_mib(cgroup, soft, hard)
+        device.set_memory_limit_mib(cgroup, soft, hard)  # raising, the device holds what it held
         after = device.memory_limit_mib(cgroup)
         if not (_same(after.soft_mib, soft) and _same(after.hard_mib, hard)):
+            self._capped.pop((dev_id, cgroup), None)  # whatever it holds, not the cap asked for
             raise VerifyFailed(f"cgroup {cgroup} on {dev_id} reads {after[:2]} MiB after setting {(soft, hard)}")
+        if save:
+            self._capped[(dev_id, cgroup)] = hard
+        else:
+            self._capped.pop((dev_id, cgroup), None)
         self._log.info("cgroup_memory_limit_set", device=dev_id, cgroup=cgroup, hard_mib=hard,
                        before_mib=[before.soft_mib, before.hard_mib])
         return True
@@ -355,6 +416,7 @@ class CgroupMemoryLimits:
 
     def _forget(self, device_id: str, cgroup: str) -> None:
         self._original.pop((device_id, cgroup), None)
+        self._capped.pop((device_id, cgroup), None)
         if self.store is not None:
             self.store.forget_cgroup_original(device_id, cgroup)
 
@@ -423,10 +485,22 @@ class CgroupMemoryLimits:
             if held:
                 self._log.info("cgroup_memory_limit_original_kept", device=dev_id, cgroup=cgroup,
                                original_mib=list(original))
+                self._adopt_cap(dev_id, cgroup, original)
                 out.append((dev_id, cgroup, "kept: in use"))
             else:
                 out.append((dev_id, cgroup, self.restore_one(dev_id, cgroup)))
         return out
+
+    def _adopt_cap(self, device_id: str, cgroup: str, original: tuple[float, float]) -> None:
+        """A cgroup kept at start-up still holds what the crashed run wrote, unless it reads as its
+        original: that cap is in force (`capped`) until the next sync writes the grant's. A read that
+        fails says nothing; the next write finds out."""
+        try:
+            now = self._devices[device_id].memory_limit_mib(cgroup)
+        except DeviceError:
+            return
+        if math.isfinite(now.hard_mib) and not (_same(now.soft_mib, original[0]) and _same(now.hard_mib, original[1])):
+            self._capped[(device_id, cgroup)] = now.hard_mib
 
     def _device_missing(self, device_id: str, cgroup: str, exc: DeviceError) -> str:
         if not self._cgroup_exists(cgroup):

@@ -9,7 +9,9 @@
 4. verify: read the limit back; a different value raises `VerifyFailed`.
 
 A write refused for lack of privilege or support (`NoPermission`, `NotSupported`) is logged once
-and disables the mechanism for that device; later calls return a result saying so. Other errors
+and disables the mechanism for that device; later calls return a result saying so. NotSupported
+before any write of ours worked there is the device's nature (`unsupported`, logged as
+`power_limit_unsupported`), anything else a failure at runtime (`power_limit_disabled`). Other errors
 (`GpuLost`, ...) propagate: writes fail loudly. `restore()` writes each saved original back.
 
 Not thread-safe: the allocator that owns it runs on one asyncio loop.
@@ -53,6 +55,7 @@ class PowerLimitMechanism:
         self._devices: dict[str, Device] = {}
         self._original_mw: dict[str, int] = {}
         self._disabled: dict[str, str] = {}
+        self._unsupported: set[str] = set()  # devices that have no settable power limit at all
         self.writes = 0
 
     def original_mw(self, device_id: str) -> int | None:
@@ -63,10 +66,18 @@ class PowerLimitMechanism:
         """Why the mechanism is off for the device (None: it is on)."""
         return self._disabled.get(device_id)
 
-    def _disable(self, device_id: str, reason: str) -> None:
+    def unsupported(self, device_id: str) -> bool:
+        """Whether the mechanism is off for the device because the device has no power limit to read
+        or set (NotSupported before any write of ours), rather than after failing at runtime."""
+        return device_id in self._unsupported
+
+    def _disable(self, device_id: str, reason: str, *, unsupported: bool = False) -> None:
         if device_id not in self._disabled:
             self._disabled[device_id] = reason
-            self._log.warning("power_limit_disabled", device=device_id, reason=reason)
+            if unsupported:
+                self._unsupported.add(device_id)
+            self._log.warning("power_limit_unsupported" if unsupported else "power_limit_disabled",
+                              device=device_id, reason=reason)
 
     @staticmethod
     def clamp(target_mw: int, constraints: PowerConstraints) -> int:
@@ -83,7 +94,7 @@ class PowerLimitMechanism:
             constraints = device.power_constraints()
             before = device.power_limit_mw()
         except NotSupported as exc:
-            self._disable(device_id, f"power limit not readable: {exc}")
+            self._disable(device_id, f"power limit not readable: {exc}", unsupported=device_id not in self._original_mw)
             return PowerLimitResult(device_id, requested, requested, None, None, False, self.dry_run, f"disabled: {exc}")
         target = self.clamp(requested, constraints)
         if before == target:
@@ -98,7 +109,8 @@ class PowerLimitMechanism:
         try:
             self._write(device, target)
         except (NoPermission, NotSupported) as exc:
-            self._disable(device_id, f"{type(exc).__name__}: {exc}")
+            self._disable(device_id, f"{type(exc).__name__}: {exc}",
+                          unsupported=isinstance(exc, NotSupported) and first_write)
             if first_write:  # nothing of ours is on the device, so nothing to restore
                 del self._original_mw[device_id]
             return PowerLimitResult(device_id, requested, target, before, before, False, False, f"refused: {exc}")

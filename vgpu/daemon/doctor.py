@@ -6,7 +6,9 @@ Checks, each OK / WARN / FAIL with what to do: the configuration loads and the u
 NVML checks are for (`backend`: the one the daemon answering on the socket reports it runs on,
 GetAvailableResources' `backend`; the configured one, server.backend, when no daemon answers or it
 does not say; `--backend` wins, a daemon on another one is a warning); for `nvml` the NVIDIA driver
-is loaded (/proc/driver/nvidia/version) and NVML initialises and lists devices, for a `sim:` backend
+is loaded (/proc/driver/nvidia/version) and NVML initialises and lists devices, and whether each
+device has per-cgroup memory limits (`memlimits`: WARN naming the GPUs whose driver lacks
+nvmlDeviceSetMemoryLimits_v1, where memory grants stay cooperative), for a `sim:` backend
 no driver is needed and the simulated devices are listed (the daemon's, else the spec's: a spec
 `vgpu serve` would refuse fails); the process may write device
 settings (root or CAP_SYS_ADMIN); the daemon's socket exists, has no bits for "other", answers a
@@ -21,7 +23,9 @@ status 1 when any check fails.
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import logging
 import math
 import os
 import stat
@@ -30,6 +34,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TextIO
+
+import structlog
 
 from vgpu import config as vconfig
 
@@ -79,6 +85,47 @@ def check_nvml(open_backend: Callable[[], Backend] | None = None, *, required: b
         close = getattr(backend, "close", None)
         if close is not None:
             close()
+
+
+def check_memory_limits(open_backend: Callable[[], Backend] | None = None, *, enabled: bool = True) -> Check:
+    """Whether each device's driver has per-cgroup memory limits (the daemon's own question at start,
+    `CgroupMemoryLimits.probe`: a read, nothing written). A device without them is a fact of the
+    node, not a failure: memory grants there stay cooperative, and the daemon exports
+    `vgpu_enforcement_unsupported`, which no alert fires on."""
+    if not enabled:
+        return Check("memlimits", "OK", "off (server.cgroup_memory_limits = false): memory grants are cooperative only")
+    from vgpu.allocator.mechanisms.limits import CgroupMemoryLimits
+
+    try:
+        if open_backend is None:
+            from vgpu.device.nvml import NvmlBackend
+
+            open_backend = NvmlBackend
+        backend = open_backend()
+    except Exception as exc:  # noqa: BLE001 - said by the nvml check
+        return Check("memlimits", "WARN", f"not checked: NVML does not open ({type(exc).__name__})")
+    try:
+        devices = list(backend.devices())
+        lacking = CgroupMemoryLimits(dry_run=True, logger=_quiet_logger()).probe(devices)
+    finally:
+        close = getattr(backend, "close", None)
+        if close is not None:
+            close()
+    if not lacking:
+        return Check("memlimits", "OK", f"per-cgroup memory limits available on {len(devices)} device(s)")
+    gpus = ", ".join(f"{d.index} ({d.uuid})" for d in devices if d.uuid in lacking)
+    reason = next(iter(lacking.values()))
+    return Check("memlimits", "WARN",
+                 f"GPU {gpus}: no per-cgroup memory limits ({reason}); memory grants there stay cooperative "
+                 "(never hard caps). They need a driver and nvidia-ml-py with nvmlDeviceSetMemoryLimits_v1 "
+                 "(R615 / 13.615 or newer); until then the daemon reports vgpu_enforcement_unsupported = 1, not an alert")
+
+
+def _quiet_logger() -> structlog.typing.FilteringBoundLogger:
+    """A logger that says nothing: the doctor's own line says what the probe found."""
+    logger: structlog.typing.FilteringBoundLogger = structlog.wrap_logger(
+        structlog.PrintLogger(io.StringIO()), wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
+    return logger
 
 
 def _cap_eff(status_text: str) -> int:
@@ -375,7 +422,8 @@ def run_checks(
     from vgpu.device import is_nvml_spec
 
     if is_nvml_spec(choice.spec):
-        device_checks = [check_driver(proc_root), check_nvml(open_nvml)]
+        device_checks = [check_driver(proc_root), check_nvml(open_nvml),
+                         check_memory_limits(open_nvml, enabled=cfg.server.cgroup_memory_limits)]
     else:
         resp = answer[0] if answer is not None else None
         runs_it = resp is not None and bool(resp.backend) and _same_backend(choice.spec, resp.backend)

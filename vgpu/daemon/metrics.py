@@ -27,7 +27,9 @@ is absent, not 0. All prefixed `vgpu_`:
   `profiler_connected` (1 while a profiler stream that sent for the device is open),
   `profiler_streams`, `newest_signature_age_seconds`;
 - enforcement: `enforcement_actions_total{mechanism}`, `enforcement_failures_total{device,mechanism}`,
-  `enforcement_disabled{device,mechanism}` (0 or 1), `restore_actions_total{mechanism,result}`,
+  `enforcement_disabled{device,mechanism}` (1: turned off after failing at runtime),
+  `enforcement_unsupported{device,mechanism}` (1: off because the driver or GPU does not have it),
+  `restore_actions_total{mechanism,result}`,
   `grant_changes_total{kind,reason}` (kind granted/resized/released; reason the grant's source,
   grow/shrink, released, or why it was released);
 - manager: `forecast_batch_seconds` (histogram: one observation per forecaster call, which serves a
@@ -112,6 +114,8 @@ class DeviceSnapshot:
     power_limit_mw: int | None = None
     # mechanism -> why it is off on this device ("" when it is on)
     disabled: tuple[tuple[str, str], ...] = ()
+    # the mechanisms of `disabled` that are off because the driver or GPU does not have them
+    unsupported: tuple[str, ...] = ()
     index: int = 0
     name: str = ""
     pci_bus_id: str | None = None
@@ -329,8 +333,10 @@ class _StateCollector(Collector):
         dry = GaugeMetricFamily("vgpu_device_dry_run", "1 when the allocator writes nothing to the device", labels=dev)
         hard = GaugeMetricFamily("vgpu_device_memory_limits_hard", "1 when the device is contended and memory "
                                  "grants are hard cgroup caps, 0 when they are cooperative", labels=dev)
-        disabled = GaugeMetricFamily("vgpu_enforcement_disabled", "1 when a mechanism is off on a device",
-                                     labels=["device", "mechanism"])
+        disabled = GaugeMetricFamily("vgpu_enforcement_disabled", "1 when a mechanism was turned off on a device "
+                                     "after failing at runtime", labels=["device", "mechanism"])
+        unsupported = GaugeMetricFamily("vgpu_enforcement_unsupported", "1 when a mechanism is off on a device "
+                                        "because its driver or GPU does not have it", labels=["device", "mechanism"])
         connected = GaugeMetricFamily("vgpu_profiler_connected", "1 while a profiler stream that sent signatures "
                                       "for the device is open", labels=dev)
         streams = GaugeMetricFamily("vgpu_profiler_streams", "Open profiler streams that sent for the device",
@@ -352,12 +358,14 @@ class _StateCollector(Collector):
                 if value is not None and _finite(float(value)):
                     family.add_metric(k, float(value) * scale)
             for mechanism, reason in d.disabled:
-                disabled.add_metric([d.device_id, mechanism], 1 if reason else 0)
+                lacks = bool(reason) and mechanism in d.unsupported
+                disabled.add_metric([d.device_id, mechanism], 1 if reason and not lacks else 0)
+                unsupported.add_metric([d.device_id, mechanism], 1 if lacks else 0)
             if d.profiler_streams is not None:
                 streams.add_metric(k, d.profiler_streams)
                 connected.add_metric(k, 1 if d.profiler_streams > 0 else 0)
-        yield from (info, total, granted, used, limit, draw, temp, clock, util, dry, hard, disabled, connected, streams,
-                    age)
+        yield from (info, total, granted, used, limit, draw, temp, clock, util, dry, hard, disabled, unsupported,
+                    connected, streams, age)
 
     def _counters(self) -> Iterator[Metric]:
         c = self._source.counter_snapshot()

@@ -37,7 +37,10 @@ on stderr, exit status 1 (any other exception: `vgpu serve: cannot start: <type>
 5. the allocator (`_build_allocator`): the MIG mechanism (`<state_dir>/mig`), the cold-start sizer
    (manager/coldstart.py) loading in a worker thread (requests that need it before it is loaded are
    answered UNAVAILABLE; if it cannot load, one warning, and they are answered FAILED_PRECONDITION),
-   cgroup memory limits and the predictive policy; then a cgroup memory limit a crashed run left on
+   cgroup memory limits (each device is asked whether its driver has them at all: one that does not
+   is said once, `cgroup_memory_limit_unsupported`, and counted in `vgpu_enforcement_unsupported`,
+   not in the alert's `vgpu_enforcement_disabled`) and the predictive policy; then a cgroup memory
+   limit a crashed run left on
    a cgroup no remaining grant holds gets its recorded original back (every one of them when
    `server.cgroup_memory_limits` is off: nothing would restore them later);
 6. the forecaster and the manager (`_build_manager`, manager/modelpath.py): a configured
@@ -316,9 +319,12 @@ class StateSource:
         now = self.allocator.clock()
         out = []
         for d in self.allocator.available():
-            off = [("power_limit", self.allocator.power.disabled_reason(d.device_id) or "")]
-            if self.allocator.cgroup_limits is not None:
-                off.append(("cgroup_memory", self.allocator.cgroup_limits.disabled_reason(d.device_id) or ""))
+            power, lim = self.allocator.power, self.allocator.cgroup_limits
+            off = [("power_limit", power.disabled_reason(d.device_id) or "")]
+            lacks = ["power_limit"] if power.unsupported(d.device_id) else []
+            if lim is not None:
+                off.append(("cgroup_memory", lim.disabled_reason(d.device_id) or ""))
+                lacks += ["cgroup_memory"] if lim.unsupported(d.device_id) else []
             streams, newest = states.get(d.device_id, (0, None))
             out.append(
                 DeviceSnapshot(
@@ -327,6 +333,7 @@ class StateSource:
                     d.mem_granted_mib,
                     d.power_limit_mw,
                     tuple(off),
+                    unsupported=tuple(lacks),
                     index=d.index,
                     name=d.name,
                     pci_bus_id=d.pci_bus_id,
@@ -1063,6 +1070,10 @@ class Daemon:
         mig = MigLayoutMechanism(state_dir=self.state_dir / "mig", dry_run=dry_run)
         self.sizer = BackgroundSizer(self._load_sizer, self.log)
         cgroup_limits = CgroupMemoryLimits(dry_run=dry_run, store=self.store, clock=self.clock)
+        if cfg.server.cgroup_memory_limits:
+            # a driver or GPU without per-cgroup memory limits is said once now (a warning per
+            # device, cgroup_memory_limit_unsupported), not at its first contention
+            cgroup_limits.probe(self.backend.devices())
         policy = ForecastPolicy(manage_mig=cfg.server.manage_mig_layout)
         # hard cgroup caps only on a contended device, by the policy's own threshold ("always": 0, everywhere)
         hard_at = hard_limit_at_frac_for(cfg.server.hard_memory_limits, policy.config.hard_limit_at_frac)
