@@ -559,6 +559,12 @@ def peer_of(host: str) -> str:
     return LOOPBACK_PEER if ip.is_loopback else str(ip)
 
 
+def _host(client_address: Any) -> str:
+    """The address of an accepted TCP socket's peer: (host, port) for IPv4, (host, port, flowinfo,
+    scope_id) for IPv6."""
+    return str(client_address[0]) if isinstance(client_address, tuple) and client_address else ""
+
+
 class _DeadlineReader(io.RawIOBase):
     """The connection's reads, each bounded by `idle_timeout_s` and all of them by `deadline`
     (time.monotonic()): TimeoutError once it has passed."""
@@ -637,7 +643,7 @@ class MetricsServer(ThreadingWSGIServer):
         return sum(self.refused_by_reason.values())
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        host = str(client_address[0]) if isinstance(client_address, tuple) and client_address else ""
+        host = _host(client_address)
         peer = peer_of(host)
         with self._lock:
             held = self._open_per_peer.get(peer, 0)
@@ -667,8 +673,7 @@ class MetricsServer(ThreadingWSGIServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._give_back(peer_of(str(client_address[0]) if isinstance(client_address, tuple) and client_address
-                                    else ""))
+            self._give_back(peer_of(_host(client_address)))
 
     def _give_back(self, peer: str) -> None:
         with self._lock:
