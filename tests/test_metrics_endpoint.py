@@ -2,15 +2,22 @@
 (127.0.0.1 by default). prometheus_client's own server gave each connection a thread that waited for
 its request without end; the daemon's (`MetricsServer`) closes a connection silent for its idle
 timeout, serves at most `max_connections` at once and closes the rest at accept, and writes nothing
-to stderr (the daemon's JSON log) for either. One peer address holds at most `max_per_address` of the
-connections (every loopback address and the IPv4-mapped forms counting as one): a caller reconnecting
-all the time from one address once held most of the slots, and a scrape from elsewhere was refused."""
+to stderr (the daemon's JSON log) for either. One peer holds at most `max_per_address` of the
+connections: a caller reconnecting all the time from one address once held most of the slots, and a
+scrape from elsewhere was refused. A peer is the caller's address (an IPv4-mapped form counting as its
+IPv4 address); on loopback, where any local user may use any address, it is the user owning the
+caller's socket, read from the kernel (sock_diag), or one shared peer when that cannot be read."""
 
 from __future__ import annotations
 
+import functools
 import http.client
 import ipaddress
+import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -23,7 +30,15 @@ from daemon_fixtures import Env, Serve, free_port, metric_samples, wait_for
 from prometheus_client import CollectorRegistry, Gauge
 from structlog.testing import capture_logs
 
-from vgpu.daemon.metrics import LOOPBACK_PEER, DaemonMetrics, MetricsServer, peer_of, start_metrics_server
+from vgpu.daemon.metrics import (
+    LOOPBACK_PEER,
+    DaemonMetrics,
+    MetricsServer,
+    peer_of,
+    start_metrics_server,
+    uid_peer,
+)
+from vgpu.daemon.sockdiag import PeerUidUnknown, SocketOwner, parse_reply, tcp_socket_owner
 from vgpu.log import LogBudget
 
 
@@ -220,10 +235,29 @@ def _local_address(family: socket.AddressFamily) -> str | None:
     return None
 
 
+@functools.cache
+def _sock_diag_missing() -> str | None:
+    """Why the kernel cannot say who owns a loopback connection's far end here; None if it can."""
+    with socket.create_server(("127.0.0.1", 0)) as listener, \
+            socket.create_connection(listener.getsockname(), timeout=5) as conn:
+        accepted, _ = listener.accept()
+        with accepted:
+            try:
+                tcp_socket_owner(conn.getsockname(), listener.getsockname())
+            except PeerUidUnknown as exc:
+                return f"no sock_diag lookup here: {exc}"
+    return None
+
+
+def _my_peer() -> str:
+    """The peer this test process's loopback connections count against."""
+    return uid_peer(os.getuid()) if _sock_diag_missing() is None else LOOPBACK_PEER
+
+
 def test_an_address_beyond_its_share_is_refused_counted_and_logged_while_slots_are_free() -> None:
-    """Two connections from 127.0.0.1 hold loopback's share of 2 (of 8 in all): a third from it is
+    """Two connections from 127.0.0.1 hold this user's share of 2 (of 8 in all): a third from it is
     closed at accept, and so is one from 127.0.0.2 (a local caller may pick any loopback address,
-    so they are one peer); each is counted under its own reason and logged with its address, within
+    and it is the same user, so they are one peer); each is counted under its own reason and logged with its address, within
     the log budget. Once the two holders close, loopback is served again."""
     with capture_logs() as logs, _endpoint("127.0.0.1", idle_timeout_s=5.0, max_connections=8, max_per_address=2,
                                            log_budget=LogBudget(interval_s=3600, burst=2)) as (server, registry):
@@ -241,8 +275,8 @@ def test_an_address_beyond_its_share_is_refused_counted_and_logged_while_slots_a
             records = [e for e in logs if e["event"] == "metrics_connection_refused"]
             # the budget's 2 records for the peer; the third refusal is counted, not logged
             assert [(e["address"], e["peer"], e["reason"]) for e in records] == [
-                ("127.0.0.1", LOOPBACK_PEER, "max_connections_per_address"),
-                ("127.0.0.2", LOOPBACK_PEER, "max_connections_per_address")], records
+                ("127.0.0.1", _my_peer(), "max_connections_per_address"),
+                ("127.0.0.2", _my_peer(), "max_connections_per_address")], records
             assert records[0]["bound"] == 2 and records[0]["open_for_peer"] == 2 and records[0]["log_level"] == "warning"
         finally:
             for c in held + beyond:
@@ -354,3 +388,200 @@ def test_the_daemon_bounds_one_address_by_its_setting(env: Env, serves: list[Ser
     assert seen == [1 + scrapes_refused], (seen, scrapes_refused)
     record = daemon.event("metrics_connection_refused")
     assert record["address"] == "127.0.0.1" and record["bound"] == 2, record
+    assert record["peer"] == _my_peer(), record  # this test's user, as the daemon read it from the kernel
+
+
+# --- loopback: one share per local user ------------------------------------------------------------
+
+def _scrape_over(conn: socket.socket) -> bytes:
+    """The answer to GET /metrics sent on an open connection, read to its end."""
+    conn.sendall(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+    chunks = []
+    while chunk := conn.recv(65536):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_a_loopback_caller_counts_as_the_user_owning_its_socket() -> None:
+    """The kernel's answer for a loopback connection is the caller's socket (its inode, not the
+    endpoint's end of it) and this process's uid; the endpoint counts the caller under `uid:<uid>`,
+    whichever loopback address it comes from."""
+    missing = _sock_diag_missing()
+    if missing is not None:
+        pytest.skip(missing)
+    with capture_logs() as logs, _endpoint("127.0.0.1", idle_timeout_s=5.0, max_connections=8,
+                                           max_per_address=1) as (server, registry):
+        port = server.server_address[1]
+        held = _connect("127.0.0.1", port, "127.0.0.1")
+        beyond = _connect("127.0.0.1", port, "127.0.0.5")
+        try:
+            owner = tcp_socket_owner(held.getsockname(), ("127.0.0.1", port))
+            assert owner == SocketOwner(uid=os.getuid(), inode=os.fstat(held.fileno()).st_ino)
+            assert _closed_by_server(beyond, 2.0)
+            assert not _closed_by_server(held, 0.2)
+            records = [e for e in logs if e["event"] == "metrics_connection_refused"]
+            assert [(e["address"], e["peer"]) for e in records] == [("127.0.0.5", f"uid:{os.getuid()}")], records
+            assert not [e for e in logs if e["event"] == "metrics_peer_uid_unknown"]
+            assert set(server.peer_uid_unknown.values()) == {0}
+        finally:
+            held.close()
+            beyond.close()
+
+
+def test_the_kernel_lookup_says_gone_or_error_rather_than_guess() -> None:
+    """A connection whose caller closed its socket (the kernel keeps it, with no owner, and a
+    TIME_WAIT entry would read uid 0) and one that never existed are `gone`; a reply that is not for
+    the request is an `error`. Each is a refusal to name a user, never a wrong one."""
+    missing = _sock_diag_missing()
+    if missing is not None:
+        pytest.skip(missing)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        conn = socket.create_connection(listener.getsockname(), timeout=5)
+        accepted, _ = listener.accept()
+        with accepted:
+            mine = conn.getsockname()
+            conn.close()
+            with pytest.raises(PeerUidUnknown) as closed:
+                tcp_socket_owner(mine, listener.getsockname())
+            assert closed.value.reason == "gone"
+        with pytest.raises(PeerUidUnknown) as never:
+            tcp_socket_owner(("127.0.0.1", 1), listener.getsockname())
+        assert never.value.reason == "gone"
+    for data in (b"", b"\0" * 8, b"\x10\0\0\0\x02\0\0\0\x07\0\0\0\0\0\0\0"):  # short; truncated error
+        with pytest.raises(PeerUidUnknown) as bad:
+            parse_reply(data, 7, 1000, 2000)
+        assert bad.value.reason == "error"
+
+
+class _FailingLookup:
+    def __init__(self, exc: Exception) -> None:
+        self.exc, self.calls = exc, 0
+
+    def __call__(self, peer: tuple[str, int], local: tuple[str, int]) -> int:
+        self.calls += 1
+        raise self.exc
+
+
+@pytest.mark.parametrize(("exc", "reason"), [
+    (PeerUidUnknown("unsupported", "no netlink sockets on this system"), "unsupported"),
+    (PeerUidUnknown("gone", "no such connection"), "gone"),
+    (OSError(24, "Too many open files"), "error"),
+])
+def test_loopback_callers_whose_user_cannot_be_read_share_one_peer(exc: Exception, reason: str) -> None:
+    """When the lookup fails, every loopback caller counts against `loopback`: the bound still holds
+    (one share for all of them, as before per-user counting), the failure is counted by reason and
+    logged once, not once per connection."""
+    lookup = _FailingLookup(exc)
+    with capture_logs() as logs, _endpoint("127.0.0.1", idle_timeout_s=5.0, max_connections=8, max_per_address=1,
+                                           peer_uid=lookup) as (server, registry):
+        port = server.server_address[1]
+        held = _connect("127.0.0.1", port, "127.0.0.1")
+        beyond = [_connect("127.0.0.1", port, "127.0.0.2"), _connect("127.0.0.1", port, "127.0.0.3")]
+        try:
+            assert all(_closed_by_server(c, 2.0) for c in beyond)
+            assert not _closed_by_server(held, 0.2)
+            assert lookup.calls == 3
+            assert server.peer_uid_unknown[reason] == 3, server.peer_uid_unknown
+            refused = [e for e in logs if e["event"] == "metrics_connection_refused"]
+            assert [e["peer"] for e in refused] == [LOOPBACK_PEER, LOOPBACK_PEER], refused
+            unknown = [e for e in logs if e["event"] == "metrics_peer_uid_unknown"]
+            assert [(e["reason"], e["address"]) for e in unknown] == [(reason, "127.0.0.1")], unknown
+        finally:
+            held.close()
+            for c in beyond:
+                c.close()
+
+
+def test_one_local_user_at_its_share_does_not_lock_out_another() -> None:
+    """Two users on loopback (a fake lookup names the user by the caller's source port): user 1001
+    holds its share of 2, from two loopback addresses, and its third connection is refused, while a
+    scrape by user 1002 is served. Counted by address, the scrape was refused: all of them are
+    loopback."""
+    uids: dict[int, int] = {}
+
+    def lookup(peer: tuple[str, int], local: tuple[str, int]) -> int:
+        if peer[1] not in uids:
+            raise PeerUidUnknown("gone", "not a connection of this test")
+        return uids[peer[1]]
+
+    with _endpoint("127.0.0.1", idle_timeout_s=5.0, max_connections=8, max_per_address=2,
+                   peer_uid=lookup) as (server, registry):
+        port = server.server_address[1]
+
+        def connect_as(uid: int, source: str) -> socket.socket:
+            conn = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            conn.settimeout(5)
+            conn.bind((source, 0))
+            uids[conn.getsockname()[1]] = uid  # known before the endpoint can accept it
+            conn.connect(("127.0.0.1", port))
+            return conn
+
+        held = [connect_as(1001, "127.0.0.1"), connect_as(1001, "127.0.0.2")]
+        beyond = connect_as(1001, "127.0.0.3")
+        other = connect_as(1002, "127.0.0.1")
+        try:
+            assert _closed_by_server(beyond, 2.0)
+            assert b"vgpu_test_up 1.0" in _scrape_over(other)
+            assert not any(_closed_by_server(c, 0.2) for c in held)
+            assert registry.get_sample_value("vgpu_metrics_connections_refused_total",
+                                             {"reason": "max_connections_per_address"}) == 1
+            assert set(server.peer_uid_unknown.values()) == {0}
+        finally:
+            for c in [*held, beyond, other]:
+                c.close()
+
+
+_AS_ANOTHER_USER = """
+import json, socket, sys
+port = int(sys.argv[1])
+conns = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(3)]
+closed = []
+for c in conns:
+    c.settimeout(1.0)
+    try:
+        closed.append(c.recv(1) == b"")
+    except TimeoutError:
+        closed.append(False)
+    except ConnectionResetError:
+        closed.append(True)
+print(json.dumps(closed), flush=True)
+sys.stdin.read()
+"""
+
+
+def _start_as_nobody(args: list[str]) -> subprocess.Popen[str]:
+    """`python -I -c *args` as uid and gid 65534, with an interpreter that user may run (this one
+    may sit under a directory only root can read); skips the test if there is none."""
+    for python in (sys.executable, "/usr/bin/python3"):
+        try:
+            return subprocess.Popen([python, "-I", "-c", *args], user=65534, group=65534, extra_groups=[],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")
+        except (PermissionError, FileNotFoundError):
+            continue
+    pytest.skip("no Python interpreter that uid 65534 may run")
+
+
+def test_a_real_second_user_at_its_share_does_not_lock_out_this_one() -> None:
+    """With real users and the kernel's own answer: a process running as `nobody` (65534) opens 3
+    connections with a share of 2 and its third is refused; meanwhile a scrape by this process's
+    user, from the same loopback address, is served. Needs root to start the other user's process."""
+    missing = _sock_diag_missing()
+    if missing is not None:
+        pytest.skip(missing)
+    if os.geteuid() != 0 or os.getuid() == 65534:
+        pytest.skip("starting a process as another user needs root")
+    with capture_logs() as logs, _endpoint("127.0.0.1", idle_timeout_s=5.0, max_connections=8,
+                                           max_per_address=2) as (server, registry):
+        port = server.server_address[1]
+        child = _start_as_nobody([_AS_ANOTHER_USER, str(port)])
+        try:
+            assert child.stdout is not None and child.stdin is not None
+            closed = json.loads(child.stdout.readline())
+            assert closed == [False, False, True], closed
+            assert "vgpu_test_up 1.0" in _scrape_from("127.0.0.1", port, "127.0.0.1")
+            refused = [e for e in logs if e["event"] == "metrics_connection_refused"]
+            assert [e["peer"] for e in refused] == [uid_peer(65534)], refused
+        finally:
+            if child.stdin is not None:
+                child.stdin.close()
+            child.wait(timeout=10)

@@ -83,6 +83,7 @@ from prometheus_client.registry import Collector
 
 from vgpu import __version__
 from vgpu.config import METRICS_MAX_CONNECTIONS, MetricsConfig
+from vgpu.daemon.sockdiag import PEER_UID_UNKNOWN_REASONS, PeerUidUnknown, tcp_peer_uid
 from vgpu.histogram import LatencyHistogram
 from vgpu.log import LogBudget, get_logger
 
@@ -535,20 +536,35 @@ class DaemonMetrics:
 # timeout is 10 s) and METRICS_REQUEST_DEADLINE_S in all from accept to read its request: a caller
 # sending a byte every few seconds would otherwise keep its slot for good. At most
 # METRICS_MAX_CONNECTIONS (vgpu/config.py) are served at once, and at most
-# `metrics.max_connections_per_address` of them for one peer (`peer_of`): one beyond either is closed
-# as soon as it is accepted (`refused_by_reason`). Without the bound per address, one caller that
+# `metrics.max_connections_per_address` of them for one peer: one beyond either is closed as soon as
+# it is accepted (`refused_by_reason`). A peer is the caller's address (`peer_of`), or, on loopback,
+# the local user owning the caller's socket (`uid:1000`), read from the kernel for the connection's
+# 4-tuple (vgpu/daemon/sockdiag.py): any local user can connect from any loopback address, so on the
+# default binding (127.0.0.1) the address would make every caller one peer, and one local user
+# holding its share would lock out the local Prometheus. Without a bound per peer, one caller that
 # reconnects as each of its connections is closed held most of the slots, and a scrape from another
-# address was refused as often as not.
+# peer was refused as often as not.
 METRICS_IDLE_TIMEOUT_S = 10.0
 METRICS_REQUEST_DEADLINE_S = 10.0
 METRICS_MAX_CONNECTIONS_PER_ADDRESS = MetricsConfig.max_connections_per_address
+# loopback callers whose uid could not be read (not Linux, no sock_diag, the caller closed already)
+# share this one peer
 LOOPBACK_PEER = "loopback"
+# (the caller's host and port, the endpoint's host and port) -> the uid owning the caller's socket;
+# raises when it cannot tell (PeerUidUnknown, with its reason)
+PeerUidLookup = Callable[[tuple[str, int], tuple[str, int]], int]
+
+
+def uid_peer(uid: int) -> str:
+    """The peer a loopback caller whose socket `uid` owns counts against."""
+    return f"uid:{uid}"
 
 
 def peer_of(host: str) -> str:
-    """The peer a connection from `host` (an accepted socket's address) counts against: every
-    loopback address as one (`LOOPBACK_PEER`: a local caller may connect from any of 127.0.0.0/8 or
-    ::1 as it likes, and they are all this host), an IPv4-mapped IPv6 address as its IPv4 address (a
+    """The peer a connection from `host` (an accepted socket's address) counts against, by its
+    address: every loopback address as one (`LOOPBACK_PEER`: a local caller may connect from any of
+    127.0.0.0/8 or ::1 as it likes, and they are all this host; `MetricsServer` tells them apart by
+    the uid owning the caller's socket), an IPv4-mapped IPv6 address as its IPv4 address (a
     dual-stack listener sees IPv4 callers so), any other address as itself, without an IPv6 zone."""
     try:
         ip = ipaddress.ip_address(host.split("%", 1)[0])
@@ -602,17 +618,22 @@ class _Handler(WSGIRequestHandler):
 
 class MetricsServer(ThreadingWSGIServer):
     """The /metrics endpoint: a thread per connection, at most `max_connections` at once and
-    `max_per_address` of them for one peer (`peer_of`), each read bounded by `idle_timeout_s`, the
-    request (line and headers) by `request_deadline_s` from accept (default METRICS_REQUEST_DEADLINE_S,
-    10 s). A refusal for the bound per address is logged (`metrics_connection_refused`, with the
-    address) within `log_budget`'s records per peer: any caller can cause them at will."""
+    `max_per_address` of them for one peer, each read bounded by `idle_timeout_s`, the request (line
+    and headers) by `request_deadline_s` from accept (default METRICS_REQUEST_DEADLINE_S, 10 s). A
+    peer is the caller's address (`peer_of`); on loopback, `uid_peer(peer_uid(caller, endpoint))`, the
+    local user owning the caller's socket, or `LOOPBACK_PEER` for every loopback caller when
+    `peer_uid` is None or cannot tell (counted in `peer_uid_unknown` by reason, each reason logged
+    once as `metrics_peer_uid_unknown`). A refusal for the bound per peer is logged
+    (`metrics_connection_refused`, with the address and the peer) within `log_budget`'s records per
+    peer: any caller can cause them at will."""
 
     def __init__(self, address: tuple[str, int], *, idle_timeout_s: float = METRICS_IDLE_TIMEOUT_S,
                  request_deadline_s: float = METRICS_REQUEST_DEADLINE_S,
                  max_connections: int = METRICS_MAX_CONNECTIONS,
                  max_per_address: int = METRICS_MAX_CONNECTIONS_PER_ADDRESS,
                  logger: structlog.typing.FilteringBoundLogger | None = None,
-                 log_budget: LogBudget | None = None) -> None:
+                 log_budget: LogBudget | None = None,
+                 peer_uid: PeerUidLookup | None = tcp_peer_uid) -> None:
         if not (idle_timeout_s > 0 and request_deadline_s > 0 and max_connections >= 1 and max_per_address >= 1):
             raise ValueError("idle_timeout_s and request_deadline_s must be > 0, max_connections and "
                              "max_per_address >= 1")
@@ -626,6 +647,9 @@ class MetricsServer(ThreadingWSGIServer):
         self._lock = threading.Lock()
         self._open = 0
         self._open_per_peer: dict[str, int] = {}
+        self._peer_of_request: dict[Any, str] = {}  # each connection served now -> the peer it counts against
+        self._peer_uid = peer_uid
+        self.peer_uid_unknown = dict.fromkeys(PEER_UID_UNKNOWN_REASONS, 0)  # loopback callers counted as LOOPBACK_PEER
         self.refused_by_reason = dict.fromkeys(METRICS_REFUSAL_REASONS, 0)  # closed at accept
         self.failed = 0  # timed out or broken while served
         self._failed_lock = threading.Lock()  # handler threads count failures at once
@@ -644,7 +668,7 @@ class MetricsServer(ThreadingWSGIServer):
 
     def process_request(self, request: Any, client_address: Any) -> None:
         host = _host(client_address)
-        peer = peer_of(host)
+        peer = self._peer(request, client_address, host)
         with self._lock:
             held = self._open_per_peer.get(peer, 0)
             # the address's own share first: a caller beyond it is refused for that, whether or not
@@ -657,6 +681,7 @@ class MetricsServer(ThreadingWSGIServer):
                 reason = None
                 self._open += 1
                 self._open_per_peer[peer] = held + 1
+                self._peer_of_request[request] = peer
         if reason is not None:
             self.refused_by_reason[reason] += 1  # only the serving thread refuses
             self.shutdown_request(request)
@@ -666,17 +691,45 @@ class MetricsServer(ThreadingWSGIServer):
         try:
             super().process_request(request, client_address)
         except BaseException:  # the thread did not start: its slot is free again
-            self._give_back(peer)
+            self._give_back(request)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._give_back(peer_of(_host(client_address)))
+            self._give_back(request)
 
-    def _give_back(self, peer: str) -> None:
+    def _peer(self, request: Any, client_address: Any, host: str) -> str:
+        """The peer an accepted connection counts against: its address, or on loopback the uid owning
+        the caller's socket (`LOOPBACK_PEER` when that cannot be read)."""
+        peer = peer_of(host)
+        if peer != LOOPBACK_PEER or self._peer_uid is None:
+            return peer
+        try:
+            local = request.getsockname()
+            uid = self._peer_uid((host, int(client_address[1])), (str(local[0]), int(local[1])))
+        except PeerUidUnknown as exc:
+            reason, detail = exc.reason, exc.detail
+        except Exception as exc:  # noqa: BLE001 - a lookup that broke must not stop the serving thread
+            reason, detail = "error", repr(exc)
+        else:
+            if isinstance(uid, int) and uid >= 0:
+                return uid_peer(uid)
+            reason, detail = "error", f"not a uid: {uid!r}"
+        self.peer_uid_unknown[reason] = self.peer_uid_unknown.get(reason, 0) + 1  # only the serving thread
+        if self.peer_uid_unknown[reason] == 1:  # once per reason: the count says how often since
+            log = self._log.info if reason == "gone" else self._log.warning
+            log("metrics_peer_uid_unknown", reason=reason, error=detail, address=host, peer=LOOPBACK_PEER,
+                fix="loopback callers whose user cannot be read share one bound" + (
+                    "; sock_diag (netlink) is needed to tell local users apart" if reason == "unsupported" else ""))
+        return LOOPBACK_PEER
+
+    def _give_back(self, request: Any) -> None:
         with self._lock:
+            peer = self._peer_of_request.pop(request, None)
+            if peer is None:
+                return  # given back already
             self._open -= 1
             left = self._open_per_peer.get(peer, 1) - 1
             if left > 0:
@@ -691,7 +744,7 @@ class MetricsServer(ThreadingWSGIServer):
         self._log.warning("metrics_connection_refused", reason="max_connections_per_address", address=host,
                           peer=peer, open_for_peer=held, bound=self.max_per_address,
                           refused_since_last_record=since,
-                          fix="raise metrics.max_connections_per_address if a proxy brings scrapers from this address")
+                          fix="raise metrics.max_connections_per_address if a proxy brings scrapers from this peer")
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A connection that timed out or broke: counted, not printed (socketserver prints a
@@ -706,12 +759,13 @@ def start_metrics_server(address: str, port: int, registry: CollectorRegistry, *
                          max_connections: int = METRICS_MAX_CONNECTIONS,
                          max_per_address: int = METRICS_MAX_CONNECTIONS_PER_ADDRESS,
                          logger: structlog.typing.FilteringBoundLogger | None = None,
-                         log_budget: LogBudget | None = None) -> MetricsServer:
+                         log_budget: LogBudget | None = None,
+                         peer_uid: PeerUidLookup | None = tcp_peer_uid) -> MetricsServer:
     """Serve `registry` at http://address:port/metrics from a daemon thread; `shutdown()` stops it.
     OSError when the port cannot be bound."""
     server = MetricsServer((address, port), idle_timeout_s=idle_timeout_s, request_deadline_s=request_deadline_s,
                            max_connections=max_connections, max_per_address=max_per_address, logger=logger,
-                           log_budget=log_budget)
+                           log_budget=log_budget, peer_uid=peer_uid)
     server.set_app(make_wsgi_app(registry))
     threading.Thread(target=server.serve_forever, name="vgpu-metrics", daemon=True).start()
     return server
