@@ -456,7 +456,8 @@ class _OwnCountsCollector(Collector):
         endpoint, history = self.endpoint, self.history
         refused = CounterMetricFamily("vgpu_metrics_connections_refused", "Connections to the metrics endpoint "
                                       "closed at accept: all its slots were taken (max_connections), or the "
-                                      "caller's address held its share (max_connections_per_address)",
+                                      "caller's address (on loopback, its local user) held its share "
+                                      "(max_connections_per_address)",
                                       labels=["reason"])
         by_reason = endpoint.refused_by_reason if endpoint else {}
         for reason in METRICS_REFUSAL_REASONS:
