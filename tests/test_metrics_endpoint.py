@@ -167,6 +167,9 @@ def test_refused_and_failed_connections_are_counted_in_the_registry() -> None:
             time.sleep(0.05)
         assert refused("max_connections") == 1 and refused("max_connections_per_address") == 0
         assert value("vgpu_metrics_connections_failed_total") == 1
+        # the handler thread counts the failure before it gives the one slot back: a scrape sent
+        # between the two would be refused
+        wait_for("the slot given back", lambda: server.open_connections == 0, timeout_s=5)
         assert 'vgpu_metrics_connections_refused_total{reason="max_connections"} 1.0' in _scrape(port)
     finally:
         for c in conns:
