@@ -121,3 +121,27 @@ def test_a_socket_name_gone_since_the_check_is_named_alone(tmp_path: Path) -> No
     with pytest.raises(StartupError) as owner_gone:
         secure_socket(sock, mode=0o660, owner="vgpu-no-such-user", group="root")
     assert str(owner_gone.value) == "socket owner 'vgpu-no-such-user' does not exist"
+
+
+def test_a_metrics_share_per_address_out_of_range_names_the_key_and_the_range(env: Env) -> None:
+    """metrics.max_connections_per_address 0 would refuse every scrape, and above the endpoint's 64
+    it bounds nothing: from the file or the environment, one line naming the key and its range
+    (exit 2, which the unit does not restart on), before anything is created. A value in range is
+    taken and shown by --check-config."""
+    f = env.tmp / "vgpu.toml"
+    f.write_text("[metrics]\nmax_connections_per_address = 0\n")
+    r = serve(env, "--config", str(f), "--socket", str(env.sock), "--state-dir", str(env.state))
+    assert r.returncode == 2
+    assert one_line(r) == ("vgpu serve: configuration error: metrics.max_connections_per_address: expected 1..64 "
+                           "(the endpoint serves 64 connections at once in all; 64: no bound per address), got 0")
+    assert not env.state.exists() and not env.sock.parent.exists()  # refused before anything was created
+    env.env["VGPU_METRICS_MAX_CONNECTIONS_PER_ADDRESS"] = "65"
+    r = serve(env, "--check-config")
+    del env.env["VGPU_METRICS_MAX_CONNECTIONS_PER_ADDRESS"]
+    assert r.returncode == 2
+    assert one_line(r).startswith("vgpu serve: configuration error: metrics.max_connections_per_address: "
+                                  "expected 1..64 "), r.stderr
+    assert one_line(r).endswith("got 65"), r.stderr
+    f.write_text("[metrics]\nmax_connections_per_address = 64\n")
+    r = serve(env, "--config", str(f), "--check-config")
+    assert r.returncode == 0 and "max_connections_per_address = 64" in r.stdout, r.stderr

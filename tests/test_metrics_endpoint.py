@@ -2,19 +2,44 @@
 (127.0.0.1 by default). prometheus_client's own server gave each connection a thread that waited for
 its request without end; the daemon's (`MetricsServer`) closes a connection silent for its idle
 timeout, serves at most `max_connections` at once and closes the rest at accept, and writes nothing
-to stderr (the daemon's JSON log) for either."""
+to stderr (the daemon's JSON log) for either. One peer holds at most `max_per_address` of the
+connections: a caller reconnecting all the time from one address once held most of the slots, and a
+scrape from elsewhere was refused. A peer is the caller's address (an IPv4-mapped form counting as its
+IPv4 address); on loopback, where any local user may use any address, it is the user owning the
+caller's socket, read from the kernel (sock_diag), or one shared peer when that cannot be read."""
 
 from __future__ import annotations
 
+import functools
+import http.client
+import ipaddress
+import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 
+import psutil
 import pytest
+from daemon_fixtures import Env, Serve, free_port, metric_samples, wait_for
 from prometheus_client import CollectorRegistry, Gauge
+from structlog.testing import capture_logs
 
-from vgpu.daemon.metrics import DaemonMetrics, MetricsServer, start_metrics_server
+from vgpu.daemon.metrics import (
+    LOOPBACK_PEER,
+    DaemonMetrics,
+    MetricsServer,
+    peer_of,
+    start_metrics_server,
+    uid_peer,
+)
+from vgpu.daemon.sockdiag import PeerUidUnknown, SocketOwner, parse_reply, tcp_socket_owner
+from vgpu.log import LogBudget
 
 
 def _scrape(port: int) -> str:
@@ -63,6 +88,8 @@ def test_bad_bounds_are_refused() -> None:
         MetricsServer(("127.0.0.1", 0), max_connections=0)
     with pytest.raises(ValueError):
         MetricsServer(("127.0.0.1", 0), request_deadline_s=0)
+    with pytest.raises(ValueError):
+        MetricsServer(("127.0.0.1", 0), max_per_address=0)
 
 
 def test_a_request_dribbled_past_its_deadline_is_closed_and_scrapes_go_on() -> None:
@@ -124,7 +151,10 @@ def test_refused_and_failed_connections_are_counted_in_the_registry() -> None:
     def value(name: str) -> float | None:
         return registry.get_sample_value(name)
 
-    assert value("vgpu_metrics_connections_refused_total") == 0
+    def refused(reason: str) -> float | None:
+        return registry.get_sample_value("vgpu_metrics_connections_refused_total", {"reason": reason})
+
+    assert refused("max_connections") == 0 and refused("max_connections_per_address") == 0
     assert value("vgpu_history_write_failures_total") == 0
     server = start_metrics_server("127.0.0.1", 0, registry, idle_timeout_s=1.0, max_connections=1)
     metrics.watch_endpoint(server)
@@ -135,9 +165,12 @@ def test_refused_and_failed_connections_are_counted_in_the_registry() -> None:
         deadline = time.monotonic() + 5
         while server.failed < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert value("vgpu_metrics_connections_refused_total") == 1
+        assert refused("max_connections") == 1 and refused("max_connections_per_address") == 0
         assert value("vgpu_metrics_connections_failed_total") == 1
-        assert "vgpu_metrics_connections_refused_total 1.0" in _scrape(port)
+        # the handler thread counts the failure before it gives the one slot back: a scrape sent
+        # between the two would be refused
+        wait_for("the slot given back", lambda: server.open_connections == 0, timeout_s=5)
+        assert 'vgpu_metrics_connections_refused_total{reason="max_connections"} 1.0' in _scrape(port)
     finally:
         for c in conns:
             c.close()
@@ -156,3 +189,402 @@ def test_history_counts_are_read_at_each_scrape() -> None:
     history.rows_refused, history.write_failures = 3, 2
     assert registry.get_sample_value("vgpu_history_rows_refused_total") == 3
     assert registry.get_sample_value("vgpu_history_write_failures_total") == 2
+
+
+# --- one address's share ---------------------------------------------------------------------------
+
+def _connect(host: str, port: int, source: str) -> socket.socket:
+    """A connection to host:port from the address `source` (a loopback or local address)."""
+    family = socket.AF_INET6 if ":" in source else socket.AF_INET
+    conn = socket.socket(family, socket.SOCK_STREAM)
+    conn.settimeout(5)
+    conn.bind((source, 0))
+    conn.connect((host, port))
+    return conn
+
+
+def _scrape_from(host: str, port: int, source: str) -> str:
+    conn = http.client.HTTPConnection(host, port, timeout=5, source_address=(source, 0))
+    try:
+        conn.request("GET", "/metrics")
+        return conn.getresponse().read().decode()
+    finally:
+        conn.close()
+
+
+@contextmanager
+def _endpoint(address: str, **kw: object) -> Iterator[tuple[MetricsServer, CollectorRegistry]]:
+    registry = CollectorRegistry()
+    Gauge("vgpu_test_up", "up", registry=registry).set(1)
+    metrics = DaemonMetrics(registry)
+    server = start_metrics_server(address, 0, registry, **kw)  # type: ignore[arg-type]
+    metrics.watch_endpoint(server)
+    try:
+        yield server, registry
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _local_address(family: socket.AddressFamily) -> str | None:
+    """An address of this host that is not loopback nor link-local, in `family`; None if it has none."""
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family != family:
+                continue
+            ip = ipaddress.ip_address(a.address.split("%", 1)[0])
+            if not (ip.is_loopback or ip.is_link_local):
+                return str(ip)
+    return None
+
+
+@functools.cache
+def _sock_diag_missing() -> str | None:
+    """Why the kernel cannot say who owns a loopback connection's far end here; None if it can."""
+    with socket.create_server(("127.0.0.1", 0)) as listener, \
+            socket.create_connection(listener.getsockname(), timeout=5) as conn:
+        accepted, _ = listener.accept()
+        with accepted:
+            try:
+                tcp_socket_owner(conn.getsockname(), listener.getsockname())
+            except PeerUidUnknown as exc:
+                return f"no sock_diag lookup here: {exc}"
+    return None
+
+
+def _my_peer() -> str:
+    """The peer this test process's loopback connections count against."""
+    return uid_peer(os.getuid()) if _sock_diag_missing() is None else LOOPBACK_PEER
+
+
+def test_an_address_beyond_its_share_is_refused_counted_and_logged_while_slots_are_free() -> None:
+    """Two connections from 127.0.0.1 hold this user's share of 2 (of 8 in all): a third from it is
+    closed at accept, and so is one from 127.0.0.2 (a local caller may pick any loopback address,
+    and it is the same user, so they are one peer); each is counted under its own reason and logged with its address, within
+    the log budget. Once the two holders close, loopback is served again."""
+    with capture_logs() as logs, _endpoint("127.0.0.1", idle_timeout_s=5.0, max_connections=8, max_per_address=2,
+                                           log_budget=LogBudget(interval_s=3600, burst=2)) as (server, registry):
+        port = server.server_address[1]
+        held = [_connect("127.0.0.1", port, "127.0.0.1") for _ in range(2)]
+        beyond = [_connect("127.0.0.1", port, "127.0.0.1"), _connect("127.0.0.1", port, "127.0.0.2"),
+                  _connect("127.0.0.1", port, "127.0.0.3")]
+        try:
+            # refused at once, well inside the 5 s idle timeout that would close them otherwise
+            assert all(_closed_by_server(c, 2.0) for c in beyond)
+            assert not any(_closed_by_server(c, 0.2) for c in held)  # the share itself is served
+            by_reason = {r: registry.get_sample_value("vgpu_metrics_connections_refused_total", {"reason": r})
+                         for r in ("max_connections", "max_connections_per_address")}
+            assert by_reason == {"max_connections": 0, "max_connections_per_address": 3}, by_reason
+            records = [e for e in logs if e["event"] == "metrics_connection_refused"]
+            # the budget's 2 records for the peer; the third refusal is counted, not logged
+            assert [(e["address"], e["peer"], e["reason"]) for e in records] == [
+                ("127.0.0.1", _my_peer(), "max_connections_per_address"),
+                ("127.0.0.2", _my_peer(), "max_connections_per_address")], records
+            assert records[0]["bound"] == 2 and records[0]["open_for_peer"] == 2 and records[0]["log_level"] == "warning"
+        finally:
+            for c in held + beyond:
+                c.close()
+        wait_for("their slots given back", lambda: server.open_connections == 0, timeout_s=5)
+        assert "vgpu_test_up 1.0" in _scrape_from("127.0.0.1", port, "127.0.0.1")
+
+
+def test_a_scrape_from_another_address_is_served_while_one_holds_its_share() -> None:
+    """A local caller connecting from loopback as fast as it likes holds 3 of the endpoint's 4
+    slots and no more; a scrape from another address (this host's own, as a remote Prometheus
+    would have its own) is served meanwhile. Without the bound per address the caller took all 4
+    and the scrape was refused."""
+    other = _local_address(socket.AF_INET)
+    if other is None:
+        pytest.skip("this host has no IPv4 address besides loopback to scrape from")
+    with _endpoint(other, idle_timeout_s=5.0, max_connections=4, max_per_address=3) as (server, registry):
+        port = server.server_address[1]
+        holder = [_connect(other, port, "127.0.0.1") for _ in range(6)]
+        try:
+            assert sum(_closed_by_server(c, 1.0) for c in holder) == 3  # the three beyond its share
+            assert "vgpu_test_up 1.0" in _scrape_from(other, port, other)
+            assert registry.get_sample_value("vgpu_metrics_connections_refused_total",
+                                             {"reason": "max_connections_per_address"}) == 3
+            # the other address has its own share, as the endpoint's total allows: one more of it is
+            # refused for the total (4 served), not for its share
+            wait_for("the scrape's slot given back", lambda: server.open_connections == 3, timeout_s=5)
+            mine = [_connect(other, port, other), _connect(other, port, other)]
+            try:
+                assert [_closed_by_server(c, 1.0) for c in mine] == [False, True]
+                assert registry.get_sample_value("vgpu_metrics_connections_refused_total",
+                                                 {"reason": "max_connections"}) == 1
+            finally:
+                for c in mine:
+                    c.close()
+        finally:
+            for c in holder:
+                c.close()
+
+
+def test_ipv4_loopback_on_a_dual_stack_endpoint_counts_with_ipv6_loopback() -> None:
+    """On a listener bound to `::` an IPv4 caller arrives as ::ffff:127.0.0.1, which Python does not
+    call loopback: unmapped first, 127.0.0.1, 127.0.0.2 and ::1 are one peer, so a caller cannot
+    step past its share by switching family or loopback address. Another address is still served."""
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError as exc:
+        pytest.skip(f"no IPv6 loopback here: {exc}")
+    with _endpoint("::", idle_timeout_s=5.0, max_connections=8, max_per_address=2) as (server, registry):
+        port = server.server_address[1]
+        held = [_connect("::1", port, "::1"), _connect("::1", port, "::1")]
+        beyond = [_connect("127.0.0.1", port, "127.0.0.1"), _connect("127.0.0.1", port, "127.0.0.2"),
+                  _connect("::1", port, "::1")]
+        try:
+            assert all(_closed_by_server(c, 2.0) for c in beyond)
+            assert registry.get_sample_value("vgpu_metrics_connections_refused_total",
+                                             {"reason": "max_connections_per_address"}) == 3
+            other = _local_address(socket.AF_INET)
+            if other is not None:  # arrives as ::ffff:<other>: its own peer, served
+                assert "vgpu_test_up 1.0" in _scrape_from(other, port, other)
+        finally:
+            for c in held + beyond:
+                c.close()
+
+
+@pytest.mark.parametrize(("host", "peer"), [
+    ("127.0.0.1", LOOPBACK_PEER), ("127.45.6.7", LOOPBACK_PEER), ("::1", LOOPBACK_PEER),
+    ("::ffff:127.0.0.2", LOOPBACK_PEER), ("192.0.2.7", "192.0.2.7"), ("::ffff:192.0.2.7", "192.0.2.7"),
+    ("2001:db8::1", "2001:db8::1"), ("2001:DB8:0::1", "2001:db8::1"), ("fe80::1%eth0", "fe80::1"),
+])
+def test_the_peer_an_address_counts_against(host: str, peer: str) -> None:
+    assert peer_of(host) == peer
+
+
+def test_the_daemon_bounds_one_address_by_its_setting(env: Env, serves: list[Serve]) -> None:
+    """`vgpu serve` with metrics.max_connections_per_address 2 (from the environment): a third
+    connection from loopback is closed at accept, counted under its reason on the scrape, and
+    logged with the address in the daemon's JSON log."""
+    port = free_port()
+    env.env["VGPU_METRICS_MAX_CONNECTIONS_PER_ADDRESS"] = "2"
+    daemon = Serve(env, "--metrics-port", str(port))
+    serves.append(daemon)
+    held = [_connect("127.0.0.1", port, "127.0.0.1") for _ in range(2)]
+    try:
+        third = _connect("127.0.0.1", port, "127.0.0.1")
+        try:
+            assert _closed_by_server(third, 3.0)
+        finally:
+            third.close()
+    finally:
+        for c in held:
+            c.close()
+    key = ("vgpu_metrics_connections_refused_total", (("reason", "max_connections_per_address"),))
+
+    scrapes_refused = 0
+    seen: list[float | None] = []
+
+    def scraped() -> bool:
+        nonlocal scrapes_refused
+        try:
+            seen.append(metric_samples(port).get(key))
+            return True
+        except OSError:  # the holders' slots not given back yet: this scrape was a third connection
+            scrapes_refused += 1
+            return False
+
+    wait_for("a scrape once the holders closed", scraped, timeout_s=10)
+    assert seen == [1 + scrapes_refused], (seen, scrapes_refused)
+    record = daemon.event("metrics_connection_refused")
+    assert record["address"] == "127.0.0.1" and record["bound"] == 2, record
+    assert record["peer"] == _my_peer(), record  # this test's user, as the daemon read it from the kernel
+
+
+# --- loopback: one share per local user ------------------------------------------------------------
+
+def _scrape_over(conn: socket.socket) -> bytes:
+    """The answer to GET /metrics sent on an open connection, read to its end."""
+    conn.sendall(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+    chunks = []
+    while chunk := conn.recv(65536):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_a_loopback_caller_counts_as_the_user_owning_its_socket() -> None:
+    """The kernel's answer for a loopback connection is the caller's socket (its inode, not the
+    endpoint's end of it) and this process's uid; the endpoint counts the caller under `uid:<uid>`,
+    whichever loopback address it comes from."""
+    missing = _sock_diag_missing()
+    if missing is not None:
+        pytest.skip(missing)
+    with capture_logs() as logs, _endpoint("127.0.0.1", idle_timeout_s=5.0, max_connections=8,
+                                           max_per_address=1) as (server, registry):
+        port = server.server_address[1]
+        held = _connect("127.0.0.1", port, "127.0.0.1")
+        beyond = _connect("127.0.0.1", port, "127.0.0.5")
+        try:
+            owner = tcp_socket_owner(held.getsockname(), ("127.0.0.1", port))
+            assert owner == SocketOwner(uid=os.getuid(), inode=os.fstat(held.fileno()).st_ino)
+            assert _closed_by_server(beyond, 2.0)
+            assert not _closed_by_server(held, 0.2)
+            records = [e for e in logs if e["event"] == "metrics_connection_refused"]
+            assert [(e["address"], e["peer"]) for e in records] == [("127.0.0.5", f"uid:{os.getuid()}")], records
+            assert not [e for e in logs if e["event"] == "metrics_peer_uid_unknown"]
+            assert set(server.peer_uid_unknown.values()) == {0}
+        finally:
+            held.close()
+            beyond.close()
+
+
+def test_the_kernel_lookup_says_gone_or_error_rather_than_guess() -> None:
+    """A connection whose caller closed its socket (the kernel keeps it, with no owner, and a
+    TIME_WAIT entry would read uid 0) and one that never existed are `gone`; a reply that is not for
+    the request is an `error`. Each is a refusal to name a user, never a wrong one."""
+    missing = _sock_diag_missing()
+    if missing is not None:
+        pytest.skip(missing)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        conn = socket.create_connection(listener.getsockname(), timeout=5)
+        accepted, _ = listener.accept()
+        with accepted:
+            mine = conn.getsockname()
+            conn.close()
+            with pytest.raises(PeerUidUnknown) as closed:
+                tcp_socket_owner(mine, listener.getsockname())
+            assert closed.value.reason == "gone"
+        with pytest.raises(PeerUidUnknown) as never:
+            tcp_socket_owner(("127.0.0.1", 1), listener.getsockname())
+        assert never.value.reason == "gone"
+    for data in (b"", b"\0" * 8, b"\x10\0\0\0\x02\0\0\0\x07\0\0\0\0\0\0\0"):  # short; truncated error
+        with pytest.raises(PeerUidUnknown) as bad:
+            parse_reply(data, 7, 1000, 2000)
+        assert bad.value.reason == "error"
+
+
+class _FailingLookup:
+    def __init__(self, exc: Exception) -> None:
+        self.exc, self.calls = exc, 0
+
+    def __call__(self, peer: tuple[str, int], local: tuple[str, int]) -> int:
+        self.calls += 1
+        raise self.exc
+
+
+@pytest.mark.parametrize(("exc", "reason"), [
+    (PeerUidUnknown("unsupported", "no netlink sockets on this system"), "unsupported"),
+    (PeerUidUnknown("gone", "no such connection"), "gone"),
+    (OSError(24, "Too many open files"), "error"),
+])
+def test_loopback_callers_whose_user_cannot_be_read_share_one_peer(exc: Exception, reason: str) -> None:
+    """When the lookup fails, every loopback caller counts against `loopback`: the bound still holds
+    (one share for all of them, as before per-user counting), the failure is counted by reason and
+    logged once, not once per connection."""
+    lookup = _FailingLookup(exc)
+    with capture_logs() as logs, _endpoint("127.0.0.1", idle_timeout_s=5.0, max_connections=8, max_per_address=1,
+                                           peer_uid=lookup) as (server, registry):
+        port = server.server_address[1]
+        held = _connect("127.0.0.1", port, "127.0.0.1")
+        beyond = [_connect("127.0.0.1", port, "127.0.0.2"), _connect("127.0.0.1", port, "127.0.0.3")]
+        try:
+            assert all(_closed_by_server(c, 2.0) for c in beyond)
+            assert not _closed_by_server(held, 0.2)
+            assert lookup.calls == 3
+            assert server.peer_uid_unknown[reason] == 3, server.peer_uid_unknown
+            refused = [e for e in logs if e["event"] == "metrics_connection_refused"]
+            assert [e["peer"] for e in refused] == [LOOPBACK_PEER, LOOPBACK_PEER], refused
+            unknown = [e for e in logs if e["event"] == "metrics_peer_uid_unknown"]
+            assert [(e["reason"], e["address"]) for e in unknown] == [(reason, "127.0.0.1")], unknown
+        finally:
+            held.close()
+            for c in beyond:
+                c.close()
+
+
+def test_one_local_user_at_its_share_does_not_lock_out_another() -> None:
+    """Two users on loopback (a fake lookup names the user by the caller's source port): user 1001
+    holds its share of 2, from two loopback addresses, and its third connection is refused, while a
+    scrape by user 1002 is served. Counted by address, the scrape was refused: all of them are
+    loopback."""
+    uids: dict[int, int] = {}
+
+    def lookup(peer: tuple[str, int], local: tuple[str, int]) -> int:
+        if peer[1] not in uids:
+            raise PeerUidUnknown("gone", "not a connection of this test")
+        return uids[peer[1]]
+
+    with _endpoint("127.0.0.1", idle_timeout_s=5.0, max_connections=8, max_per_address=2,
+                   peer_uid=lookup) as (server, registry):
+        port = server.server_address[1]
+
+        def connect_as(uid: int, source: str) -> socket.socket:
+            conn = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            conn.settimeout(5)
+            conn.bind((source, 0))
+            uids[conn.getsockname()[1]] = uid  # known before the endpoint can accept it
+            conn.connect(("127.0.0.1", port))
+            return conn
+
+        held = [connect_as(1001, "127.0.0.1"), connect_as(1001, "127.0.0.2")]
+        beyond = connect_as(1001, "127.0.0.3")
+        other = connect_as(1002, "127.0.0.1")
+        try:
+            assert _closed_by_server(beyond, 2.0)
+            assert b"vgpu_test_up 1.0" in _scrape_over(other)
+            assert not any(_closed_by_server(c, 0.2) for c in held)
+            assert registry.get_sample_value("vgpu_metrics_connections_refused_total",
+                                             {"reason": "max_connections_per_address"}) == 1
+            assert set(server.peer_uid_unknown.values()) == {0}
+        finally:
+            for c in [*held, beyond, other]:
+                c.close()
+
+
+_AS_ANOTHER_USER = """
+import json, socket, sys
+port = int(sys.argv[1])
+conns = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(3)]
+closed = []
+for c in conns:
+    c.settimeout(1.0)
+    try:
+        closed.append(c.recv(1) == b"")
+    except TimeoutError:
+        closed.append(False)
+    except ConnectionResetError:
+        closed.append(True)
+print(json.dumps(closed), flush=True)
+sys.stdin.read()
+"""
+
+
+def _start_as_nobody(args: list[str]) -> subprocess.Popen[str]:
+    """`python -I -c *args` as uid and gid 65534, with an interpreter that user may run (this one
+    may sit under a directory only root can read); skips the test if there is none."""
+    for python in (sys.executable, "/usr/bin/python3"):
+        try:
+            return subprocess.Popen([python, "-I", "-c", *args], user=65534, group=65534, extra_groups=[],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")
+        except (PermissionError, FileNotFoundError):
+            continue
+    pytest.skip("no Python interpreter that uid 65534 may run")
+
+
+def test_a_real_second_user_at_its_share_does_not_lock_out_this_one() -> None:
+    """With real users and the kernel's own answer: a process running as `nobody` (65534) opens 3
+    connections with a share of 2 and its third is refused; meanwhile a scrape by this process's
+    user, from the same loopback address, is served. Needs root to start the other user's process."""
+    missing = _sock_diag_missing()
+    if missing is not None:
+        pytest.skip(missing)
+    if os.geteuid() != 0 or os.getuid() == 65534:
+        pytest.skip("starting a process as another user needs root")
+    with capture_logs() as logs, _endpoint("127.0.0.1", idle_timeout_s=5.0, max_connections=8,
+                                           max_per_address=2) as (server, registry):
+        port = server.server_address[1]
+        child = _start_as_nobody([_AS_ANOTHER_USER, str(port)])
+        try:
+            assert child.stdout is not None and child.stdin is not None
+            closed = json.loads(child.stdout.readline())
+            assert closed == [False, False, True], closed
+            assert "vgpu_test_up 1.0" in _scrape_from("127.0.0.1", port, "127.0.0.1")
+            refused = [e for e in logs if e["event"] == "metrics_connection_refused"]
+            assert [e["peer"] for e in refused] == [uid_peer(65534)], refused
+        finally:
+            if child.stdin is not None:
+                child.stdin.close()
+            child.wait(timeout=10)

@@ -165,9 +165,9 @@ def test_labelled_counters_are_exported_at_zero_before_their_first_event(env: En
     assert {("in_app.kv_used_mib dropped: not finite",), ("in_app.kv_used_mib dropped: negative",),
             ("in_app.kv_used_mib dropped: above 1.67772e+07",)} <= dropped
     assert len(dropped) == 3 * len(INAPP_MAX)
-    # the endpoint's own connections and the node history's losses, one series each at 0
-    for name in ("vgpu_metrics_connections_refused", "vgpu_metrics_connections_failed",
-                 "vgpu_history_rows_refused", "vgpu_history_write_failures"):
+    # the endpoint's own connections (refused by reason) and the node history's losses, at 0
+    assert zeros("vgpu_metrics_connections_refused") == {("max_connections",), ("max_connections_per_address",)}
+    for name in ("vgpu_metrics_connections_failed", "vgpu_history_rows_refused", "vgpu_history_write_failures"):
         assert zeros(name) == {()}, name
     # an event adds to its zero series rather than starting a new one
     assert cli(env, "request", "--app", "asked", "--memory-mib", "512").returncode == 0

@@ -69,6 +69,15 @@ def test_manager_unit_promises() -> None:
     assert any("nvidia" in a for a in allowed)
 
 
+def test_the_manager_may_open_the_socket_families_the_daemon_uses() -> None:
+    """RestrictAddressFamilies refuses any other family at socket(): AF_NETLINK is the metrics
+    endpoint's sock_diag lookup of a loopback caller's uid (vgpu/daemon/sockdiag.py), which without
+    it fails on every accept and leaves all local users one shared bound."""
+    families = set(dict(_settings("vgpu-manager.service"))["RestrictAddressFamilies"].split())
+    assert {"AF_UNIX", "AF_INET", "AF_INET6", "AF_NETLINK"} <= families, families
+    assert "AF_NETLINK" in (ROOT / "vgpu" / "daemon" / "sockdiag.py").read_text()
+
+
 def test_the_manager_has_a_memory_cap_with_room_for_what_it_needs() -> None:
     """Half-sent calls grow the daemon without a bound of its own: the unit caps its memory, so an
     attack ends in a restart instead of the kernel killing other processes on the node. The cap must

@@ -31,6 +31,9 @@ MAX_SOCKET_PATH_BYTES = 107
 # Settings that name files: a relative path would depend on the daemon's working directory (/ under
 # systemd), so the file and the environment must give them absolute (flags are made absolute first).
 PATH_KEYS = ("server.socket", "server.state_dir", "server.inapp_dir", "tls.cert", "tls.key", "tls.ca")
+# Connections the metrics endpoint serves at once in all (vgpu/daemon/metrics.py); one address (on
+# loopback, one local user) may hold metrics.max_connections_per_address of them.
+METRICS_MAX_CONNECTIONS = 64
 
 
 class ConfigError(ValueError):
@@ -144,6 +147,17 @@ class MetricsConfig:
     # device (vgpu_device_unlisted_*) and counted (vgpu_device_apps_unlisted), so that callers who
     # create many applications cannot grow every scrape without bound.
     max_apps: int = 100
+    # Connections one peer may hold open on the endpoint at once, of the 64 it serves in all: one
+    # beyond is closed at accept (vgpu_metrics_connections_refused_total{reason=
+    # "max_connections_per_address"}), so one caller reconnecting all the time cannot take the slots
+    # a scrape needs. A peer is the caller's address (an IPv4 address and its IPv4-mapped IPv6 form
+    # are one), or on loopback the local user owning the caller's socket (any local user may connect
+    # from any loopback address; all loopback callers share one peer where the kernel cannot say).
+    # A Prometheus server scrapes over one connection at a time (two while a slow scrape ends), so 8
+    # leaves room for a pair of them behind one address; a proxy on the node (kube-rbac-proxy, a TLS
+    # front, a Unix-socket relay) brings every scraper behind it as its own user: raise it to 2 per
+    # scraper behind the proxy (64: no bound per peer).
+    max_connections_per_address: int = 8
 
 
 @dataclass(frozen=True)
@@ -337,6 +351,11 @@ def _validate(cfg: Config) -> None:
     if cfg.metrics.max_apps < 0:
         raise ConfigError(f"metrics.max_apps: must be >= 0 (0: operator-limited applications only), "
                           f"got {cfg.metrics.max_apps}")
+    if not 1 <= cfg.metrics.max_connections_per_address <= METRICS_MAX_CONNECTIONS:
+        raise ConfigError(f"metrics.max_connections_per_address: expected 1..{METRICS_MAX_CONNECTIONS} (the "
+                          f"endpoint serves {METRICS_MAX_CONNECTIONS} connections at once in all; "
+                          f"{METRICS_MAX_CONNECTIONS}: no bound per address), "
+                          f"got {cfg.metrics.max_connections_per_address}")
     if cfg.log.format not in ("json", "console"):
         raise ConfigError(f"log.format: expected 'json' or 'console', got {cfg.log.format!r}")
     if cfg.log.level.lower() not in ("debug", "info", "warning", "error"):

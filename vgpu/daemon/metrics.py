@@ -41,8 +41,9 @@ is absent, not 0. All prefixed `vgpu_`:
   (applications whose newest sample carries that in-app counter, e.g. `inapp_kv_used_mib`),
   `inapp_values_dropped_total{reason}` (in-app values left out: not finite, negative, too large);
 - access: `access_denied_total{method,code}`; persistence: `store_writes_total`;
-- the metrics endpoint itself: `metrics_connections_refused_total` (closed at accept),
-  `metrics_connections_failed_total` (closed unanswered); the node history:
+- the metrics endpoint itself: `metrics_connections_refused_total{reason}` (closed at accept:
+  `max_connections`, `max_connections_per_address`), `metrics_connections_failed_total` (closed
+  unanswered); the node history:
   `history_rows_refused_total`, `history_write_failures_total` (each 0 from the start, and 0 with
   the history off);
 - the Unix socket's front (vgpu/daemon/front.py): `connections_refused_total{reason}` (closed at
@@ -65,6 +66,7 @@ those, left out), `device_unlisted_memory_used_bytes`, `device_unlisted_memory_g
 from __future__ import annotations
 
 import io
+import ipaddress
 import math
 import platform
 import socket
@@ -75,13 +77,17 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 from wsgiref.simple_server import WSGIRequestHandler
 
+import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from vgpu import __version__
+from vgpu.config import METRICS_MAX_CONNECTIONS, MetricsConfig
+from vgpu.daemon.sockdiag import PEER_UID_UNKNOWN_REASONS, PeerUidUnknown, tcp_peer_uid
 from vgpu.histogram import LatencyHistogram
+from vgpu.log import LogBudget, get_logger
 
 MIB = 1024 * 1024
 
@@ -178,6 +184,8 @@ DEFAULT_MAX_APPS = 100
 RESTORE_MECHANISMS = ("power_limit", "mig")
 RESTORE_RESULTS = ("ok", "mismatch", "failed")
 REFUSAL_REASONS = ("max_connections", "max_connections_per_uid", "upstream", "no_descriptors")
+# why the metrics endpoint closed a connection at accept (MetricsServer)
+METRICS_REFUSAL_REASONS = ("max_connections", "max_connections_per_address")
 
 
 def _finite(x: float | None) -> bool:
@@ -428,7 +436,7 @@ class EndpointCounts(Protocol):
     """The metrics endpoint's own counts (`MetricsServer`)."""
 
     @property
-    def refused(self) -> int: ...
+    def refused_by_reason(self) -> dict[str, int]: ...
 
     @property
     def failed(self) -> int: ...
@@ -454,9 +462,15 @@ class _OwnCountsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         endpoint, history = self.endpoint, self.history
-        yield CounterMetricFamily("vgpu_metrics_connections_refused", "Connections to the metrics endpoint "
-                                  "closed at accept (metrics' max connections were being served)",
-                                  value=endpoint.refused if endpoint else 0)
+        refused = CounterMetricFamily("vgpu_metrics_connections_refused", "Connections to the metrics endpoint "
+                                      "closed at accept: all its slots were taken (max_connections), or the "
+                                      "caller's address (on loopback, its local user) held its share "
+                                      "(max_connections_per_address)",
+                                      labels=["reason"])
+        by_reason = endpoint.refused_by_reason if endpoint else {}
+        for reason in METRICS_REFUSAL_REASONS:
+            refused.add_metric([reason], by_reason.get(reason, 0))
+        yield refused
         yield CounterMetricFamily("vgpu_metrics_connections_failed", "Connections to the metrics endpoint closed "
                                   "unanswered: silent past the idle timeout, request unfinished at its deadline, "
                                   "or broken", value=endpoint.failed if endpoint else 0)
@@ -504,7 +518,7 @@ class DaemonMetrics:
             registry.register(_StateCollector(source, max_apps))
 
     def watch_endpoint(self, server: EndpointCounts) -> None:
-        """Report the metrics endpoint's refused and failed connections at each scrape."""
+        """Report the metrics endpoint's refused (by reason) and failed connections at each scrape."""
         self._own.endpoint = server
 
     def watch_history(self, history: HistoryCounts) -> None:
@@ -530,11 +544,50 @@ class DaemonMetrics:
 # METRICS_IDLE_TIMEOUT_S between reads (a scrape sends its request at once; Prometheus's own scrape
 # timeout is 10 s) and METRICS_REQUEST_DEADLINE_S in all from accept to read its request: a caller
 # sending a byte every few seconds would otherwise keep its slot for good. At most
-# METRICS_MAX_CONNECTIONS are served at once; one beyond is closed as soon as it is accepted
-# (`refused`).
+# METRICS_MAX_CONNECTIONS (vgpu/config.py) are served at once, and at most
+# `metrics.max_connections_per_address` of them for one peer: one beyond either is closed as soon as
+# it is accepted (`refused_by_reason`). A peer is the caller's address (`peer_of`), or, on loopback,
+# the local user owning the caller's socket (`uid:1000`), read from the kernel for the connection's
+# 4-tuple (vgpu/daemon/sockdiag.py): any local user can connect from any loopback address, so on the
+# default binding (127.0.0.1) the address would make every caller one peer, and one local user
+# holding its share would lock out the local Prometheus. Without a bound per peer, one caller that
+# reconnects as each of its connections is closed held most of the slots, and a scrape from another
+# peer was refused as often as not.
 METRICS_IDLE_TIMEOUT_S = 10.0
 METRICS_REQUEST_DEADLINE_S = 10.0
-METRICS_MAX_CONNECTIONS = 64
+METRICS_MAX_CONNECTIONS_PER_ADDRESS = MetricsConfig.max_connections_per_address
+# loopback callers whose uid could not be read (not Linux, no sock_diag, the caller closed already)
+# share this one peer
+LOOPBACK_PEER = "loopback"
+# (the caller's host and port, the endpoint's host and port) -> the uid owning the caller's socket;
+# raises when it cannot tell (PeerUidUnknown, with its reason)
+PeerUidLookup = Callable[[tuple[str, int], tuple[str, int]], int]
+
+
+def uid_peer(uid: int) -> str:
+    """The peer a loopback caller whose socket `uid` owns counts against."""
+    return f"uid:{uid}"
+
+
+def peer_of(host: str) -> str:
+    """The peer a connection from `host` (an accepted socket's address) counts against, by its
+    address: every loopback address as one (`LOOPBACK_PEER`: a local caller may connect from any of
+    127.0.0.0/8 or ::1 as it likes, and they are all this host; `MetricsServer` tells them apart by
+    the uid owning the caller's socket), an IPv4-mapped IPv6 address as its IPv4 address (a
+    dual-stack listener sees IPv4 callers so), any other address as itself, without an IPv6 zone."""
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host  # not an IP address: no TCP peer has one, but count it as what it says
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return LOOPBACK_PEER if ip.is_loopback else str(ip)
+
+
+def _host(client_address: Any) -> str:
+    """The address of an accepted TCP socket's peer: (host, port) for IPv4, (host, port, flowinfo,
+    scope_id) for IPv6."""
+    return str(client_address[0]) if isinstance(client_address, tuple) and client_address else ""
 
 
 class _DeadlineReader(io.RawIOBase):
@@ -573,40 +626,134 @@ class _Handler(WSGIRequestHandler):
 
 
 class MetricsServer(ThreadingWSGIServer):
-    """The /metrics endpoint: a thread per connection, at most `max_connections` at once, each read
-    bounded by `idle_timeout_s`, the request (line and headers) by `request_deadline_s` from accept
-    (default METRICS_REQUEST_DEADLINE_S, 10 s)."""
+    """The /metrics endpoint: a thread per connection, at most `max_connections` at once and
+    `max_per_address` of them for one peer, each read bounded by `idle_timeout_s`, the request (line
+    and headers) by `request_deadline_s` from accept (default METRICS_REQUEST_DEADLINE_S, 10 s). A
+    peer is the caller's address (`peer_of`); on loopback, `uid_peer(peer_uid(caller, endpoint))`, the
+    local user owning the caller's socket, or `LOOPBACK_PEER` for every loopback caller when
+    `peer_uid` is None or cannot tell (counted in `peer_uid_unknown` by reason, each reason logged
+    once as `metrics_peer_uid_unknown`). A refusal for the bound per peer is logged
+    (`metrics_connection_refused`, with the address and the peer) within `log_budget`'s records per
+    peer: any caller can cause them at will."""
 
     def __init__(self, address: tuple[str, int], *, idle_timeout_s: float = METRICS_IDLE_TIMEOUT_S,
                  request_deadline_s: float = METRICS_REQUEST_DEADLINE_S,
-                 max_connections: int = METRICS_MAX_CONNECTIONS) -> None:
-        if not (idle_timeout_s > 0 and request_deadline_s > 0 and max_connections >= 1):
-            raise ValueError("idle_timeout_s and request_deadline_s must be > 0 and max_connections >= 1")
+                 max_connections: int = METRICS_MAX_CONNECTIONS,
+                 max_per_address: int = METRICS_MAX_CONNECTIONS_PER_ADDRESS,
+                 logger: structlog.typing.FilteringBoundLogger | None = None,
+                 log_budget: LogBudget | None = None,
+                 peer_uid: PeerUidLookup | None = tcp_peer_uid) -> None:
+        if not (idle_timeout_s > 0 and request_deadline_s > 0 and max_connections >= 1 and max_per_address >= 1):
+            raise ValueError("idle_timeout_s and request_deadline_s must be > 0, max_connections and "
+                             "max_per_address >= 1")
         self.idle_timeout_s = idle_timeout_s
         self.request_deadline_s = request_deadline_s
-        self._slots = threading.BoundedSemaphore(max_connections)
-        self.refused = 0  # closed at accept: max_connections were being served
+        self.max_connections, self.max_per_address = max_connections, max_per_address
+        self._log = logger or get_logger("vgpu.metrics")
+        self._log_budget = log_budget or LogBudget()
+        # connections served now, in all and per peer; taken on the serving thread, given back on
+        # each connection's own
+        self._lock = threading.Lock()
+        self._open = 0
+        self._open_per_peer: dict[str, int] = {}
+        self._peer_of_request: dict[Any, str] = {}  # each connection served now -> the peer it counts against
+        self._peer_uid = peer_uid
+        self.peer_uid_unknown = dict.fromkeys(PEER_UID_UNKNOWN_REASONS, 0)  # loopback callers counted as LOOPBACK_PEER
+        self.refused_by_reason = dict.fromkeys(METRICS_REFUSAL_REASONS, 0)  # closed at accept
         self.failed = 0  # timed out or broken while served
         self._failed_lock = threading.Lock()  # handler threads count failures at once
         self.address_family = socket.getaddrinfo(address[0], address[1], type=socket.SOCK_STREAM)[0][0]
         super().__init__(address, _Handler)
 
+    @property
+    def open_connections(self) -> int:
+        """Connections served now (each until its thread has closed it)."""
+        return self._open
+
+    @property
+    def refused(self) -> int:
+        """Connections closed at accept, for either bound."""
+        return sum(self.refused_by_reason.values())
+
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.refused += 1
+        host = _host(client_address)
+        peer = self._peer(request, client_address, host)
+        with self._lock:
+            held = self._open_per_peer.get(peer, 0)
+            # the address's own share first: a caller beyond it is refused for that, whether or not
+            # the endpoint is full as well
+            if held >= self.max_per_address:
+                reason: str | None = "max_connections_per_address"
+            elif self._open >= self.max_connections:
+                reason = "max_connections"
+            else:
+                reason = None
+                self._open += 1
+                self._open_per_peer[peer] = held + 1
+                self._peer_of_request[request] = peer
+        if reason is not None:
+            self.refused_by_reason[reason] += 1  # only the serving thread refuses
             self.shutdown_request(request)
+            if reason == "max_connections_per_address":
+                self._log_refusal(host, peer, held)
             return
         try:
             super().process_request(request, client_address)
         except BaseException:  # the thread did not start: its slot is free again
-            self._slots.release()
+            self._give_back(request)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            self._give_back(request)
+
+    def _peer(self, request: Any, client_address: Any, host: str) -> str:
+        """The peer an accepted connection counts against: its address, or on loopback the uid owning
+        the caller's socket (`LOOPBACK_PEER` when that cannot be read)."""
+        peer = peer_of(host)
+        if peer != LOOPBACK_PEER or self._peer_uid is None:
+            return peer
+        try:
+            local = request.getsockname()
+            uid = self._peer_uid((host, int(client_address[1])), (str(local[0]), int(local[1])))
+        except PeerUidUnknown as exc:
+            reason, detail = exc.reason, exc.detail
+        except Exception as exc:  # noqa: BLE001 - a lookup that broke must not stop the serving thread
+            reason, detail = "error", repr(exc)
+        else:
+            if isinstance(uid, int) and uid >= 0:
+                return uid_peer(uid)
+            reason, detail = "error", f"not a uid: {uid!r}"
+        self.peer_uid_unknown[reason] = self.peer_uid_unknown.get(reason, 0) + 1  # only the serving thread
+        if self.peer_uid_unknown[reason] == 1:  # once per reason: the count says how often since
+            log = self._log.info if reason == "gone" else self._log.warning
+            log("metrics_peer_uid_unknown", reason=reason, error=detail, address=host, peer=LOOPBACK_PEER,
+                fix="loopback callers whose user cannot be read share one bound" + (
+                    "; sock_diag (netlink) is needed to tell local users apart" if reason == "unsupported" else ""))
+        return LOOPBACK_PEER
+
+    def _give_back(self, request: Any) -> None:
+        with self._lock:
+            peer = self._peer_of_request.pop(request, None)
+            if peer is None:
+                return  # given back already
+            self._open -= 1
+            left = self._open_per_peer.get(peer, 1) - 1
+            if left > 0:
+                self._open_per_peer[peer] = left
+            else:
+                self._open_per_peer.pop(peer, None)
+
+    def _log_refusal(self, host: str, peer: str, held: int) -> None:
+        since = self._log_budget.admit((peer, "max_connections_per_address"))
+        if since is None:
+            return  # counted, not logged: this peer has had its records for the interval
+        self._log.warning("metrics_connection_refused", reason="max_connections_per_address", address=host,
+                          peer=peer, open_for_peer=held, bound=self.max_per_address,
+                          refused_since_last_record=since,
+                          fix="raise metrics.max_connections_per_address if a proxy brings scrapers from this peer")
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A connection that timed out or broke: counted, not printed (socketserver prints a
@@ -618,11 +765,16 @@ class MetricsServer(ThreadingWSGIServer):
 def start_metrics_server(address: str, port: int, registry: CollectorRegistry, *,
                          idle_timeout_s: float = METRICS_IDLE_TIMEOUT_S,
                          request_deadline_s: float = METRICS_REQUEST_DEADLINE_S,
-                         max_connections: int = METRICS_MAX_CONNECTIONS) -> MetricsServer:
+                         max_connections: int = METRICS_MAX_CONNECTIONS,
+                         max_per_address: int = METRICS_MAX_CONNECTIONS_PER_ADDRESS,
+                         logger: structlog.typing.FilteringBoundLogger | None = None,
+                         log_budget: LogBudget | None = None,
+                         peer_uid: PeerUidLookup | None = tcp_peer_uid) -> MetricsServer:
     """Serve `registry` at http://address:port/metrics from a daemon thread; `shutdown()` stops it.
     OSError when the port cannot be bound."""
     server = MetricsServer((address, port), idle_timeout_s=idle_timeout_s, request_deadline_s=request_deadline_s,
-                           max_connections=max_connections)
+                           max_connections=max_connections, max_per_address=max_per_address, logger=logger,
+                           log_budget=log_budget, peer_uid=peer_uid)
     server.set_app(make_wsgi_app(registry))
     threading.Thread(target=server.serve_forever, name="vgpu-metrics", daemon=True).start()
     return server

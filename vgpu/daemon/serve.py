@@ -1245,7 +1245,9 @@ class Daemon:
         # Operators alert on the scrape: a daemon without its metrics would look down while it
         # serves, so a port that cannot be bound fails the start (metrics.port 0 turns them off).
         try:
-            self.metrics_server = start_metrics_server(cfg.metrics.address, cfg.metrics.port, self.registry)
+            self.metrics_server = start_metrics_server(
+                cfg.metrics.address, cfg.metrics.port, self.registry,
+                max_per_address=cfg.metrics.max_connections_per_address, logger=self.log)
             self.metrics.watch_endpoint(self.metrics_server)
         except OSError as exc:
             # the socket is ours (prepare_socket_path checked) and nothing listens on it yet
