@@ -21,10 +21,11 @@ uid 0 is exempt from the front's per-uid connection bound, so `--connections` is
 it at or under `server.max_connections_per_uid` for a figure that another user could reach). Printed:
 
     {"connections", "calls_per_connection", "announce_bytes", "max_streams_per_connection" (the daemon's
-     SETTINGS), "streams_refused" (reset by the daemon), "connections_closed" (GOAWAY or closed),
+     SETTINGS), "streams_refused" (reset by the daemon) and "reset_codes" (HTTP/2 error code -> how
+     many), "connections_closed" (GOAWAY or closed), "streams_held" (open at the end of the push),
      "bytes_pushed_mib" (what flow control let through), "rss_before_mib", "rss_held_mib",
-     "rss_added_mib", "rss_added_per_stream_held_kib", "other_client_served", "other_client_ms",
-     "daemon_alive"}
+     "rss_added_mib", "rss_after_close_mib" (`--settle-s` after the attacker closed its connections),
+     "rss_added_per_stream_held_kib", "other_client_served", "other_client_ms", "daemon_alive", "env"}
 
 No figure is tuned here; the worst case per uid (`server.max_connections_per_uid` x
 `server.max_streams_per_connection` x `server.max_request_bytes`) is in docs/reliability.md.
@@ -43,7 +44,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +94,10 @@ class HalfSentConn:
         self.reset_codes: dict[int, int] = {}  # RST_STREAM error code -> streams reset with it
         self.dead = False
         self._next_stream = 1
-        self.sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(_SETTINGS, 0, 0))
+        try:
+            self.sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(_SETTINGS, 0, 0))
+        except OSError:  # closed at once (the front's per-uid bound): the reader sees end-of-file
+            self.dead = True
         self._reader = threading.Thread(target=self._read, name="halfsent-reader", daemon=True)
         self._reader.start()
 
@@ -168,7 +172,10 @@ class HalfSentConn:
             stream = self._next_stream
             self._next_stream += 2
             self.windows[stream] = self.initial_window
-            self.sock.sendall(_frame(_HEADERS, 4, stream, block))  # END_HEADERS, not END_STREAM
+            try:
+                self.sock.sendall(_frame(_HEADERS, 4, stream, block))  # END_HEADERS, not END_STREAM
+            except OSError:
+                self.dead = True
         return stream
 
     def push_some(self, stream: int, announce_bytes: int, offset: int) -> int:
@@ -201,9 +208,11 @@ def rss_mib(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def hold(sock: Path, connections: int, calls: int, announce_bytes: int, push_s: float) -> tuple[list[HalfSentConn], dict[str, Any]]:
-    """Open the connections and their half-sent calls (one pushing thread per connection); returns the
-    connections (still open: the caller closes them) and what was pushed."""
+def hold(sock: Path, connections: int, calls: int, announce: Sequence[int],
+         push_s: float) -> tuple[list[HalfSentConn], dict[str, Any]]:
+    """Open the connections and, on each, `calls` half-sent calls announcing `announce` bytes in turn
+    (one pushing thread per connection, round-robin over its calls so each gets its share); returns
+    the connections (still open: the caller closes them) and what was pushed."""
     conns = [HalfSentConn(sock) for _ in range(connections)]
     for c in conns:
         c.settings_seen.wait(5.0)
@@ -212,22 +221,24 @@ def hold(sock: Path, connections: int, calls: int, announce_bytes: int, push_s: 
 
     def run(i: int) -> None:
         c = conns[i]
-        streams = [c.open() for _ in range(calls)]
-        # round-robin over the streams, a window at a time, so every call gets its share
+        if c.dead:
+            return
+        streams = {c.open(): announce[k % len(announce)] for k in range(calls)}
         progress = dict.fromkeys(streams, 0)
-        while time.monotonic() < deadline and not c.dead:
+
+        def done(s: int) -> bool:
+            return s in c.closed_streams or progress[s] >= 5 + streams[s] - 1
+
+        while time.monotonic() < deadline and not c.dead and not all(done(s) for s in streams):
             moved = False
-            for s in streams:
-                if s in c.closed_streams or progress[s] >= 5 + announce_bytes - 1:
-                    continue
-                got = c.push_some(s, announce_bytes, progress[s])
-                progress[s] += got
-                moved = moved or got > 0
+            for s, length in streams.items():
+                if not done(s):
+                    got = c.push_some(s, length, progress[s])
+                    progress[s] += got
+                    moved = moved or got > 0
             if not moved:
                 with c._cv:
                     c._cv.wait(0.05)
-            if all(s in c.closed_streams or progress[s] >= 5 + announce_bytes - 1 for s in streams):
-                break
         pushed[i] = sum(progress.values())
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(connections)]
@@ -237,7 +248,7 @@ def hold(sock: Path, connections: int, calls: int, announce_bytes: int, push_s: 
         t.join()
     streams_held = sum(len(c.windows) - len(c.closed_streams) for c in conns if not c.dead)
     return conns, {
-        "max_streams_per_connection": conns[0].max_streams if conns else None,
+        "max_streams_per_connection": next((c.max_streams for c in conns if c.max_streams is not None), None),
         "streams_refused": sum(len(c.reset_streams) for c in conns),
         "reset_codes": {str(k): sum(c.reset_codes.get(k, 0) for c in conns)
                         for k in sorted({k for c in conns for k in c.reset_codes})},
@@ -292,13 +303,13 @@ def daemon(tmp: Path, env_extra: dict[str, str]) -> Iterator[tuple[subprocess.Po
                     proc.wait(10)
 
 
-def measure(connections: int, calls: int, announce_bytes: int, push_s: float, settle_s: float,
+def measure(connections: int, calls: int, announce: Sequence[int], push_s: float, settle_s: float,
             env_extra: dict[str, str]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="vgpu-halfsent-") as d, daemon(Path(d), env_extra) as (proc, sock):
         served(sock)  # the first call's one-off costs (channel, servicer paths) before the baseline
         time.sleep(0.5)
         before = rss_mib(proc.pid)
-        conns, pile = hold(sock, connections, calls, announce_bytes, push_s)
+        conns, pile = hold(sock, connections, calls, announce, push_s)
         try:
             time.sleep(settle_s)
             ok, ms = served(sock)
@@ -307,11 +318,14 @@ def measure(connections: int, calls: int, announce_bytes: int, push_s: float, se
         finally:
             for c in conns:
                 c.close()
+        time.sleep(settle_s)
+        after = rss_mib(proc.pid)
         added = held - before
         return {
-            "connections": connections, "calls_per_connection": calls, "announce_bytes": announce_bytes,
+            "connections": connections, "calls_per_connection": calls, "announce_bytes": list(announce),
             **pile,
             "rss_before_mib": round(before, 1), "rss_held_mib": round(held, 1), "rss_added_mib": round(added, 1),
+            "rss_after_close_mib": round(after, 1),
             "rss_added_per_stream_held_kib": round(added * 1024 / pile["streams_held"], 1) if pile["streams_held"] else None,
             "other_client_served": ok, "other_client_ms": round(ms, 1), "daemon_alive": alive,
             "env": env_extra,
@@ -322,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--connections", type=int, default=8)
     ap.add_argument("--calls", type=int, default=40, help="half-sent calls started on each connection")
-    ap.add_argument("--announce-bytes", type=int, default=4 * 2**20, help="the message length each call announces")
+    ap.add_argument("--announce-bytes", type=int, nargs="+", default=[4 * 2**20],
+                    help="the message length each call announces (several: the calls take them in turn)")
     ap.add_argument("--push-s", type=float, default=5.0, help="how long the calls are pushed")
     ap.add_argument("--settle-s", type=float, default=1.0)
     ap.add_argument("--env", action="append", default=[], metavar="VGPU_KEY=VALUE",
