@@ -2,6 +2,7 @@
 
     python bench/halfsent.py --json                                  # 8 connections x 40 calls, 4 MiB announced
     python bench/halfsent.py --connections 1 --calls 20 --json
+    python bench/halfsent.py --connections 256 --calls 16 --announce-bytes 262144 --gap-s 0.03 --push-s 20 --json
     python bench/halfsent.py --env VGPU_SERVER_MAX_STREAMS_PER_CONNECTION=1000 --json   # without the stream bound
 
 gRPC core reads a call's request message into memory until the message is complete, before any vgpu
@@ -14,8 +15,10 @@ because gRPC's own clients never leave a message unfinished.
 
 What runs. `vgpu serve --backend sim:h100-80gb` as a child process on a temporary state directory, with
 `--env` settings added to its environment. Once it serves and its forecaster has loaded (or fallen
-back), its RSS is read; the calls are opened and pushed for up to `--push-s`; then, with every call still
-held open, a well-behaved client (the gRPC stub, a fresh channel) asks GetAvailableResources and the
+back), its RSS is read; the calls are opened and pushed for up to `--push-s` (`--gap-s`: connection i
+starts its calls i x gap after the first; started all at once, gRPC sheds calls that arrive faster
+than the server takes them up, so a paced attack is the worse one); then, with every call still held
+open, a well-behaved client (the gRPC stub, a fresh channel) asks GetAvailableResources and the
 daemon's RSS is read again after `--settle-s`. The attacker runs as the bench's own uid: run as root,
 uid 0 is exempt from the front's per-uid connection bound, so `--connections` is what is opened (keep
 it at or under `server.max_connections_per_uid` for a figure that another user could reach). Printed:
@@ -25,7 +28,8 @@ it at or under `server.max_connections_per_uid` for a figure that another user c
      many), "connections_closed" (GOAWAY or closed), "streams_held" (open at the end of the push),
      "bytes_pushed_mib" (what flow control let through), "rss_before_mib", "rss_held_mib",
      "rss_added_mib", "rss_after_close_mib" (`--settle-s` after the attacker closed its connections),
-     "rss_added_per_stream_held_kib", "other_client_served", "other_client_ms", "daemon_alive", "env"}
+     "rss_added_per_stream_held_kib", "other_client_served", "other_client_ms", "daemon_alive", "env",
+     "gap_s"}
 
 No figure is tuned here; the worst case per uid (`server.max_connections_per_uid` x
 `server.max_streams_per_connection` x `server.max_request_bytes`) is in docs/reliability.md.
@@ -208,19 +212,22 @@ def rss_mib(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def hold(sock: Path, connections: int, calls: int, announce: Sequence[int],
-         push_s: float) -> tuple[list[HalfSentConn], dict[str, Any]]:
+def hold(sock: Path, connections: int, calls: int, announce: Sequence[int], push_s: float,
+         gap_s: float = 0.0) -> tuple[list[HalfSentConn], dict[str, Any]]:
     """Open the connections and, on each, `calls` half-sent calls announcing `announce` bytes in turn
-    (one pushing thread per connection, round-robin over its calls so each gets its share); returns
-    the connections (still open: the caller closes them) and what was pushed."""
+    (one pushing thread per connection, round-robin over its calls so each gets its share; connection
+    i starts its calls i x `gap_s` after the first); returns the connections (still open: the caller
+    closes them) and what was pushed."""
     conns = [HalfSentConn(sock) for _ in range(connections)]
     for c in conns:
         c.settings_seen.wait(5.0)
-    deadline = time.monotonic() + push_s
+    start = time.monotonic()
+    deadline = start + push_s + connections * gap_s
     pushed = [0] * connections
 
     def run(i: int) -> None:
         c = conns[i]
+        time.sleep(max(0.0, start + i * gap_s - time.monotonic()))
         if c.dead:
             return
         streams = {c.open(): announce[k % len(announce)] for k in range(calls)}
@@ -304,12 +311,12 @@ def daemon(tmp: Path, env_extra: dict[str, str]) -> Iterator[tuple[subprocess.Po
 
 
 def measure(connections: int, calls: int, announce: Sequence[int], push_s: float, settle_s: float,
-            env_extra: dict[str, str]) -> dict[str, Any]:
+            env_extra: dict[str, str], gap_s: float = 0.0) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="vgpu-halfsent-") as d, daemon(Path(d), env_extra) as (proc, sock):
         served(sock)  # the first call's one-off costs (channel, servicer paths) before the baseline
         time.sleep(0.5)
         before = rss_mib(proc.pid)
-        conns, pile = hold(sock, connections, calls, announce, push_s)
+        conns, pile = hold(sock, connections, calls, announce, push_s, gap_s)
         try:
             time.sleep(settle_s)
             ok, ms = served(sock)
@@ -323,6 +330,7 @@ def measure(connections: int, calls: int, announce: Sequence[int], push_s: float
         added = held - before
         return {
             "connections": connections, "calls_per_connection": calls, "announce_bytes": list(announce),
+            "gap_s": gap_s,
             **pile,
             "rss_before_mib": round(before, 1), "rss_held_mib": round(held, 1), "rss_added_mib": round(added, 1),
             "rss_after_close_mib": round(after, 1),
@@ -340,12 +348,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="the message length each call announces (several: the calls take them in turn)")
     ap.add_argument("--push-s", type=float, default=5.0, help="how long the calls are pushed")
     ap.add_argument("--settle-s", type=float, default=1.0)
+    ap.add_argument("--gap-s", type=float, default=0.0,
+                    help="each connection starts its calls this long after the one before (0: all at once)")
     ap.add_argument("--env", action="append", default=[], metavar="VGPU_KEY=VALUE",
                     help="a setting for the daemon's environment (repeatable)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     env_extra = dict(e.split("=", 1) for e in args.env)
-    out = measure(args.connections, args.calls, args.announce_bytes, args.push_s, args.settle_s, env_extra)
+    out = measure(args.connections, args.calls, args.announce_bytes, args.push_s, args.settle_s, env_extra, args.gap_s)
     print(json.dumps(out, indent=None if args.json else 2))
     return 0
 
