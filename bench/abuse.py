@@ -11,7 +11,8 @@ shares the daemon with the model's loading):
 
 0. the well-behaved application's channel connects (before anything piles up);
 1. N grants are requested with the operator token, spread over N/32 applications (1 MiB each);
-2. N `WatchAllocations` streams are opened (as anonymous callers, over N/50 channels) and never read;
+2. N `WatchAllocations` streams are opened (as anonymous callers, over N/16 connections: a connection
+   carries at most `server.max_streams_per_connection` calls) and never read;
 3. N idle connections are opened to the socket (connected, never a byte sent) by a child process
    that runs as another user (`--pile-uid`, default 65534 when the bench runs as root: the issue's
    case, one local user against another; without root, the bench's own uid). The daemon's front
@@ -224,7 +225,11 @@ def measure(n: int, pairs: int, raise_quotas: bool, pile: set[str], pile_uid: in
                     break
         grants = len(piled)
         n_watch = n if "watchers" in pile else 0
-        channels = [grpc.insecure_channel(f"unix:{sock}") for _ in range(max(1, n_watch // 50))] if n_watch else []
+        # a connection carries at most server.max_streams_per_connection calls, and channels with the same
+        # options share one connection: each channel gets its own (a local subchannel pool) and that many
+        per_channel = vconfig.ServerConfig().max_streams_per_connection
+        channels = [grpc.insecure_channel(f"unix:{sock}", options=(("grpc.use_local_subchannel_pool", 1),))
+                    for _ in range(-(-n_watch // per_channel))]
         watches: list[Any] = []
         watchers = 0
         for i in range(n_watch):

@@ -43,14 +43,16 @@ import grpc
 import grpc.aio
 
 from vgpu.client import grpc_target
+from vgpu.config import MAX_BATCH_BYTES
 from vgpu.log import Logger, get_logger, worth_logging
 from vgpu.profiler.source import SignatureSource
 from vgpu.v1 import ingest_pb2, ingest_pb2_grpc, signature_pb2
 from vgpu.wire import columns_from_signatures
 
 Sleep = Callable[[float], Awaitable[None]]
-# A batch stays well under the manager's receive limit (gRPC's default, 4 MiB).
-DEFAULT_MAX_BATCH_BYTES = 1024 * 1024
+# A batch stays within half the daemon's smallest receive limit (server.max_request_bytes); a tick of
+# 256 applications is 55-115 KiB as columns (115 with 256-character app ids).
+DEFAULT_MAX_BATCH_BYTES = MAX_BATCH_BYTES
 # A batch of this many signatures or more goes as columns (vgpu/wire.py), which the manager
 # reads about ten times faster; smaller ones go as rows, with their host and in-app counters.
 DEFAULT_COLUMNS_FROM = 256
@@ -393,17 +395,7 @@ class SignatureStreamer:
         call = self._call
         if call is None:
             return
-        n = self._batch_len()
-        sigs = [self.buffer[i] for i in range(n)]
-        batch = ingest_pb2.SignatureBatch(
-            profiler_id=self.profiler_id, tick=k, sent_at_s=self._wall(), dropped_since_last=self.dropped_since_last
-        )
-        if self.columns_from is not None and n >= self.columns_from:
-            columns, rows = columns_from_signatures(sigs)
-            batch.columns.CopyFrom(columns)
-            batch.signatures.extend(rows)
-        else:
-            batch.signatures.extend(sigs)
+        n, batch = self._next_batch(k)
         try:
             await asyncio.wait_for(call.write(batch), self._write_timeout_s)
             ok = True
@@ -438,10 +430,37 @@ class SignatureStreamer:
         self.stats.batches_sent += 1
         self.stats.signatures_sent += n
 
+    def _next_batch(self, k: int) -> tuple[int, ingest_pb2.SignatureBatch]:
+        """Batch `k` of the signatures at the front of the buffer, and how many it carries: at most
+        `max_batch` and `max_batch_bytes` serialised (a message over the daemon's receive limit ends
+        the stream). Columns carry every known column for every row, so signatures that are small as
+        rows may be larger as columns: such a batch is halved until it is within the budget (the rest
+        waits for the next tick)."""
+        n = self._batch_len()
+        batch = self._batch(k, n)
+        while n > 1 and batch.ByteSize() > self.max_batch_bytes:
+            n //= 2
+            batch = self._batch(k, n)
+        return n, batch
+
+    def _batch(self, k: int, n: int) -> ingest_pb2.SignatureBatch:
+        """Batch `k` of the first `n` buffered signatures: as columns from `columns_from` on, else rows."""
+        sigs = [self.buffer[i] for i in range(n)]
+        batch = ingest_pb2.SignatureBatch(
+            profiler_id=self.profiler_id, tick=k, sent_at_s=self._wall(), dropped_since_last=self.dropped_since_last
+        )
+        if self.columns_from is not None and n >= self.columns_from:
+            columns, rows = columns_from_signatures(sigs)
+            batch.columns.CopyFrom(columns)
+            batch.signatures.extend(rows)
+        else:
+            batch.signatures.extend(sigs)
+        return batch
+
     def _batch_len(self) -> int:
         """How many signatures from the front of the buffer go in the next batch: at most `max_batch`
-        and `max_batch_bytes` serialised (the manager refuses a message over its receive limit, 4 MiB
-        by default, and ends the stream). A signature alone over the byte budget could never be sent:
+        and `max_batch_bytes` serialised (the manager refuses a message over its receive limit,
+        server.max_request_bytes, and ends the stream). A signature alone over the byte budget could never be sent:
         it is dropped and counted like a buffer overflow."""
         n = size = 0
         while n < min(len(self.buffer), self.max_batch):

@@ -74,6 +74,12 @@ def test_env_booleans_and_numbers() -> None:
         ('[manager]\nbatch_window_ms = "1"\n', {}, r"manager.batch_window_ms .*expected float, got str"),
         ("[manager]\nforecast_duty_max = 0\n", {}, r"manager.forecast_duty_max: expected a share in \(0, 1\]"),
         ("", {"VGPU_MANAGER_FORECAST_DUTY_MAX": "1.5"}, r"manager.forecast_duty_max: expected a share in \(0, 1\]"),
+        ("[server]\nmax_streams_per_connection = 3\n", {}, r"server.max_streams_per_connection: expected 4..1024 .*got 3"),
+        ("", {"VGPU_SERVER_MAX_STREAMS_PER_CONNECTION": "1025"}, r"server.max_streams_per_connection: expected 4..1024"),
+        ("[server]\nmax_request_bytes = 262143\n", {},
+         r"server.max_request_bytes: expected 262144..67108864 \(twice a profiler's largest batch, 131072"),
+        ("", {"VGPU_SERVER_MAX_REQUEST_BYTES": "67108865"}, r"server.max_request_bytes: expected 262144..67108864"),
+        ("", {"VGPU_SERVER_MAX_REQUEST_BYTES": "4MiB"}, r"server.max_request_bytes .*expected int"),
     ],
 )
 def test_bad_configuration_is_a_clear_error(tmp_path: Path, toml: str, env: dict[str, str], match: str) -> None:

@@ -17,6 +17,7 @@ import pytest
 from manager_fakes import EwmaMarginForecaster
 from structlog.testing import capture_logs
 
+from vgpu import config as vconfig
 from vgpu.allocator.service import build_server
 from vgpu.manager.core import Manager
 from vgpu.manager.service import IngestServicer
@@ -276,23 +277,52 @@ async def test_a_batch_just_under_the_limit_is_accepted(ingest: tuple[str, Manag
     assert reply.accepted == 1 and manager.stats.batches == 1
 
 
-def test_the_largest_batch_a_profiler_builds_fits_the_servers_limit() -> None:
-    """max_batch signatures with every field set and ids at their longest accepted length."""
-    streamer = SignatureStreamer(_NoSource(), "unix:///nonexistent.sock")
-    s = spb.BehavioralSignature(app_id="a" * 256, pid=2**31, device_id="MIG-" + "f" * 36, timestamp_s=1.7e9,
-                                seq=2**62)
+def _largest_signature(app_id: str) -> spb.BehavioralSignature:
+    """Every field set, ids at their longest accepted length."""
+    s = spb.BehavioralSignature(app_id=app_id, pid=2**31, device_id="MIG-" + "f" * 36, timestamp_s=1.7e9, seq=2**62)
     for part, message in (("device", spb.DeviceCounters), ("process", spb.ProcessCounters),
                           ("host", spb.HostCounters), ("in_app", spb.InAppCounters)):
         for fd in message.DESCRIPTOR.fields:
-            value = 2**40 if fd.type in (fd.TYPE_UINT64, fd.TYPE_UINT32) else 1e300
+            value = 2**40 if fd.type in (fd.TYPE_UINT64, fd.TYPE_UINT32) else 1e3
             if fd.type == fd.TYPE_UINT32:
                 value = 2**31
             setattr(getattr(s, part), fd.name, value)
-    batch = ingest_pb2.SignatureBatch(profiler_id="host" * 64, tick=2**62, sent_at_s=1.7e9,
-                                      signatures=[s] * streamer.max_batch, dropped_since_last=2**40)
-    assert batch.ByteSize() < GRPC_DEFAULT_MAX_RECEIVE // 2  # a wide margin under the server's limit,
-    # and the streamer cuts a batch at its byte cap (max_batch_bytes) before max_batch in any case
-    assert streamer.max_batch_bytes <= GRPC_DEFAULT_MAX_RECEIVE // 4
+    return s
+
+
+@pytest.mark.parametrize("shape", ["largest", "smallest_rows_widest_columns"])
+def test_the_largest_batch_a_profiler_builds_fits_the_servers_smallest_limit(shape: str) -> None:
+    """max_batch signatures from the buffer's front, as the streamer batches them (columns from 256):
+    within its byte budget, half the smallest receive limit the daemon may be configured with. Small
+    rows (one counter each) with one row that knows every column are the widest as columns: within the
+    budget as rows, three times over it as columns, so the streamer halves the batch."""
+    streamer = SignatureStreamer(_NoSource(), "unix:///nonexistent.sock", profiler_id="host" * 64)
+    assert streamer.max_batch_bytes * 2 <= vconfig.MIN_REQUEST_BYTES <= vconfig.ServerConfig().max_request_bytes
+    if shape == "largest":
+        sigs = [_largest_signature(f"{i:04d}" + "a" * 252) for i in range(streamer.max_batch)]
+    else:
+        sigs = [spb.BehavioralSignature(app_id=f"a{i}", pid=2, device_id=GPU, timestamp_s=1.7e9 + i, seq=i + 1)
+                for i in range(streamer.max_batch)]
+        for s in sigs:
+            s.process.gpu_mem_used_mib = 10.0
+        wide = sigs[0]  # valid, every window column known: each column then has a value for every row
+        for part, message in (("device", spb.DeviceCounters), ("process", spb.ProcessCounters),
+                              ("in_app", spb.InAppCounters)):
+            for fd in message.DESCRIPTOR.fields:
+                setattr(getattr(wide, part), fd.name, 50 if fd.type in (fd.TYPE_UINT64, fd.TYPE_UINT32) else 50.0)
+        wide.device.mem_total_mib = 81559.0
+    streamer.enqueue(sigs)
+    if shape != "largest":
+        n_rows = streamer._batch_len()
+        assert n_rows == streamer.max_batch and streamer._batch(1, n_rows).ByteSize() > streamer.max_batch_bytes
+    sent = 0
+    while streamer.buffer:
+        n, batch = streamer._next_batch(1)
+        assert 0 < n and batch.ByteSize() <= streamer.max_batch_bytes
+        for _ in range(n):
+            streamer.buffer.popleft()
+        sent += n
+    assert sent == streamer.max_batch  # nothing dropped
 
 
 class _NoSource:

@@ -1,5 +1,6 @@
-"""bench/abuse.py runs end to end on a real `vgpu serve` in a short run and reports every field; the
-daemon's watcher bound shows in what it accepted. bench/watch_fanout.py runs in process the same way.
+"""bench/abuse.py and bench/halfsent.py run end to end on a real `vgpu serve` in short runs and report
+every field; the daemon's watcher and stream bounds show in what it accepted. bench/watch_fanout.py runs
+in process the same way.
 No speed target is asserted (docs/performance.md)."""
 
 from __future__ import annotations
@@ -45,3 +46,16 @@ def test_watch_fanout_bench_measures_the_python_part_alone() -> None:
                            "--pairs", "20", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
     out = json.loads(proc.stdout)
     assert out["no_grpc"] is True and out["watchers"] == 2 and isinstance(out["python_us_per_event_per_stream"], float)
+
+
+def test_halfsent_bench_short_run_reports_every_field() -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "halfsent.py"), "--connections", "2", "--calls", "20",
+                           "--announce-bytes", "262144", "--push-s", "2", "--settle-s", "0.2", "--json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
+    out = json.loads(proc.stdout)
+    assert out["connections"] == 2 and out["calls_per_connection"] == 20 and out["announce_bytes"] == [262144]
+    # the daemon's SETTINGS bound the calls per connection: the rest are refused, none goes unaccounted
+    assert out["max_streams_per_connection"] == 16 and out["streams_held"] + out["streams_refused"] == 40
+    assert out["reset_codes"].get("7", 0) == 2 * (20 - 16)  # REFUSED_STREAM
+    assert out["bytes_pushed_mib"] > 0 and out["rss_before_mib"] > 0 and out["rss_held_mib"] > 0
+    assert out["other_client_served"] is True and out["daemon_alive"] is True

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from vgpu import config
+
 ROOT = Path(__file__).resolve().parent.parent
 UNITS = ("vgpu-manager.service", "vgpu-profiler.service")
 VGPU_BIN = Path(sys.executable).parent / "vgpu"
@@ -79,8 +81,8 @@ def test_the_manager_may_open_the_socket_families_the_daemon_uses() -> None:
 
 
 def test_the_manager_has_a_memory_cap_with_room_for_what_it_needs() -> None:
-    """Half-sent calls grow the daemon without a bound of its own: the unit caps its memory, so an
-    attack ends in a restart instead of the kernel killing other processes on the node. The cap must
+    """Half-sent calls from several users together grow the daemon past any one user's bound: the unit
+    caps its memory, so an attack ends in a restart instead of the kernel killing other processes on the node. The cap must
     leave room for what the docs measure: the daemon after a day of 64 applications (355 MiB,
     bench/soak.py) plus a learning round's child (460 MiB, bench/node_learn.py), several times over."""
     s = dict(_settings("vgpu-manager.service"))
@@ -89,6 +91,17 @@ def test_the_manager_has_a_memory_cap_with_room_for_what_it_needs() -> None:
     cap_bytes = int(value[:-1]) * units[value[-1]] if value[-1] in units else int(value)
     assert cap_bytes >= 4 * (355 + 460) * 2**20, value
     assert s["Restart"] == "on-failure"  # systemd restarts a unit the OOM killer ended on failure
+
+
+def test_one_uid_s_half_sent_calls_stay_well_under_the_memory_cap() -> None:
+    """What one uid can make the daemon hold with calls it never finishes, with the shipped settings:
+    its connections x calls per connection x (the request limit + gRPC's own, about 30 KiB a call,
+    bench/halfsent.py), at most a quarter of the unit's cap."""
+    cfg = config.load(ROOT / "systemd" / "vgpu.toml", env={}).server
+    value = dict(_settings("vgpu-manager.service"))["MemoryMax"]
+    cap_bytes = int(value[:-1]) * {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[value[-1]]
+    per_uid = cfg.max_connections_per_uid * cfg.max_streams_per_connection * (cfg.max_request_bytes + 32 * 2**10)
+    assert per_uid <= cap_bytes / 4, (per_uid / 2**30, value)
 
 
 def test_every_capability_is_commented() -> None:

@@ -161,7 +161,12 @@ RECONNECT_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
-CHANNEL_OPTIONS = (*RECONNECT_OPTIONS, ("grpc.max_receive_message_length", MAX_REPLY_BYTES))
+# Each stub has a connection of its own: gRPC shares one among a process's channels with the same
+# options, and the daemon bounds the calls open at once on a connection (server.max_streams_per_connection,
+# 16), so a process with many stubs, each holding its watch stream, would otherwise wait on its own
+# calls. The daemon's per-uid connection bound (server.max_connections_per_uid) counts them.
+CHANNEL_OPTIONS = (*RECONNECT_OPTIONS, ("grpc.max_receive_message_length", MAX_REPLY_BYTES),
+                   ("grpc.use_local_subchannel_pool", 1))
 
 AUTH_METADATA_KEY = "authorization"  # as vgpu/auth.py: `authorization: Bearer <token>`
 APP_TOKEN_TRAILER = "vgpu-app-token"  # the trailer that carries a newly claimed app's token

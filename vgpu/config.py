@@ -30,6 +30,14 @@ DEFAULT_STATE_DIR = "/var/lib/vgpu"
 MAX_SOCKET_PATH_BYTES = 107
 # Settings that name files: a relative path would depend on the daemon's working directory (/ under
 # systemd), so the file and the environment must give them absolute (flags are made absolute first).
+# server.max_request_bytes's range. A profiler's SignatureBatch is at most MAX_BATCH_BYTES serialised
+# (profiler/stream.py), half the smallest limit, so a batch always fits whatever the daemon allows.
+MIN_REQUEST_BYTES = 256 * 1024
+MAX_REQUEST_BYTES = 64 * 1024 * 1024
+MAX_BATCH_BYTES = MIN_REQUEST_BYTES // 2
+# server.max_streams_per_connection's range
+MIN_STREAMS_PER_CONNECTION = 4
+MAX_STREAMS_PER_CONNECTION = 1024
 PATH_KEYS = ("server.socket", "server.state_dir", "server.inapp_dir", "tls.cert", "tls.key", "tls.ca")
 # Connections the metrics endpoint serves at once in all (vgpu/daemon/metrics.py); one address (on
 # loopback, one local user) may hold metrics.max_connections_per_address of them.
@@ -98,6 +106,19 @@ class ServerConfig:
     # bounded only by max_connections: root can stop the daemon anyway, and every container that
     # runs as root without a user namespace is uid 0, so a per-uid bound would make them one user.
     max_connections_per_uid: int = 256
+    # Calls one connection may have open at once (gRPC's grpc.max_concurrent_streams; a client past it
+    # waits for one of its calls to end). Every channel a process opens to the socket with the same
+    # options shares one connection, so this bounds a process's open calls: an application's stub
+    # holds a few (a request, a WatchAllocations stream), a profiler one stream. gRPC holds a call's
+    # request in memory until the whole message has arrived, so what one uid can make the daemon hold
+    # with calls it never finishes is max_connections_per_uid x this x max_request_bytes (1 GiB with
+    # the defaults; docs/reliability.md).
+    max_streams_per_connection: int = 16
+    # The largest request message the daemon takes (gRPC's grpc.max_receive_message_length; one
+    # larger ends its call with RESOURCE_EXHAUSTED before it is read). A profiler's batch is at most
+    # half of the smallest value allowed (MAX_BATCH_BYTES); every other request is a few KiB.
+    # Replies are not bounded by it.
+    max_request_bytes: int = 256 * 1024
     # Read each Unix-socket caller's uid and pid (SO_PEERCRED) through the daemon's front, which
     # accepts on the socket and relays to gRPC's own socket in <state_dir>/front (vgpu/daemon/front.py):
     # connections are bounded per uid, and a request may name a pid of the caller's own uid. false:
@@ -319,6 +340,13 @@ def _validate(cfg: Config) -> None:
                  "max_connections", "max_connections_per_uid"):
         if getattr(s, name) < 1:
             raise ConfigError(f"server.{name}: must be >= 1, got {getattr(s, name)}")
+    if not MIN_STREAMS_PER_CONNECTION <= s.max_streams_per_connection <= MAX_STREAMS_PER_CONNECTION:
+        raise ConfigError(f"server.max_streams_per_connection: expected {MIN_STREAMS_PER_CONNECTION}.."
+                          f"{MAX_STREAMS_PER_CONNECTION} (a process's channels share one connection: its watch, "
+                          f"profiler stream and requests need a few), got {s.max_streams_per_connection}")
+    if not MIN_REQUEST_BYTES <= s.max_request_bytes <= MAX_REQUEST_BYTES:
+        raise ConfigError(f"server.max_request_bytes: expected {MIN_REQUEST_BYTES}..{MAX_REQUEST_BYTES} (twice a "
+                          f"profiler's largest batch, {MAX_BATCH_BYTES}, up to 64 MiB), got {s.max_request_bytes}")
     if cfg.manager.accept_replay not in ("auto", "yes", "no"):
         raise ConfigError(f"manager.accept_replay: expected auto, yes or no, got {cfg.manager.accept_replay!r}")
     if cfg.auth.max_self_registered_apps < 1:

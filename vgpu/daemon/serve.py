@@ -191,11 +191,19 @@ SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
 LOADER_JOIN_S = 60.0
 
 
-def server_options(max_connections: int) -> tuple[tuple[str, int], ...]:
-    """The gRPC server's options: SERVER_OPTIONS and the bound on connections open at once (gRPC
+def server_options(max_connections: int, max_streams_per_connection: int,
+                   max_request_bytes: int) -> tuple[tuple[str, int], ...]:
+    """The gRPC server's options: SERVER_OPTIONS, the bound on connections open at once (gRPC
     core closes one beyond it as soon as it is accepted; an idle connection costs about 13 KiB, and
-    gRPC's read-buffer, BDP and HPACK options do not change that, so the count is what bounds it)."""
-    return (*SERVER_OPTIONS, ("grpc.max_allowed_incoming_connections", max_connections))
+    gRPC's read-buffer, BDP and HPACK options do not change that, so the count is what bounds it),
+    and what one connection can make the daemon hold in requests not yet complete: gRPC reads a
+    call's request message into memory until it is whole (HTTP/2 flow control opens the stream's
+    window to the length the message announces, so `grpc.http2.lookahead_bytes` does not bound it),
+    so a connection holds at most `max_streams_per_connection` x `max_request_bytes` of them
+    (a message announcing more is refused before it is read)."""
+    return (*SERVER_OPTIONS, ("grpc.max_allowed_incoming_connections", max_connections),
+            ("grpc.max_concurrent_streams", max_streams_per_connection),
+            ("grpc.max_receive_message_length", max_request_bytes))
 
 
 class StartupError(RuntimeError):
@@ -1210,7 +1218,8 @@ class Daemon:
                                                replay_ok=lambda: replay or auth.caller_name() == "operator",
                                                on_stream_end=self._stream_ended),
                 interceptors=[interceptor],
-                options=server_options(cfg.server.max_connections),
+                options=server_options(cfg.server.max_connections, cfg.server.max_streams_per_connection,
+                                       cfg.server.max_request_bytes),
             )
             if self._front_dir is not None:
                 self._listener = bind_unix(self.socket_path)
@@ -1295,6 +1304,8 @@ class Daemon:
             peer_credentials=self._front_dir is not None,
             max_connections=cfg.server.max_connections,
             max_connections_per_uid=cfg.server.max_connections_per_uid if self._front_dir is not None else None,
+            max_streams_per_connection=cfg.server.max_streams_per_connection,
+            max_request_bytes=cfg.server.max_request_bytes,
             operator_token=str(token_files["operator"]),
             inapp_dir=cfg.server.inapp_dir,
             inapp_dir_state=inapp_state,
