@@ -86,7 +86,10 @@ def cpu_s() -> float:
 
 def readers(sock: str, n: int, events: int, read: bool) -> int:
     """The child: `n` streams; with `read`, read `events` from each, then print what each got."""
-    channels = [grpc.insecure_channel(f"unix:{sock}") for _ in range(n)]
+    # a connection per stream, as each application's stub has: gRPC would otherwise share one among
+    # channels of the same options, and the daemon holds at most 16 calls open on a connection
+    channels = [grpc.insecure_channel(f"unix:{sock}", options=(("grpc.use_local_subchannel_pool", 1),))
+                for _ in range(n)]
     calls: list[Any] = [pb_grpc.AllocatorStub(ch).WatchAllocations(pb.WatchAllocationsRequest(), timeout=3600)
                         for ch in channels]
     for call in calls:
