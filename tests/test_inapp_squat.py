@@ -173,6 +173,37 @@ def test_a_name_taken_between_two_reports_is_claimed_again(tmp_path: Path,
         client.close()
 
 
+def test_reports_that_fail_to_write_under_a_taken_name_claim_one_name_not_one_each(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full file system (an empty file still takes only an inode: any user can fill the shared
+    tmpfs, and squat the name too) fails each report's write after its name was claimed. Every
+    report goes on with the one name claimed, rather than leaving an empty file behind per report,
+    which nothing would remove and which every listing of the directory would read."""
+    pid = os.getpid()
+    (tmp_path / f"{pid}.json").mkdir()
+    full = OSError(28, "No space left on device")
+
+    def no_space(path: Path, data: bytes, mode: int = 0o600, *, durable: bool = False) -> None:
+        raise full
+
+    client = VgpuClient("full", socket="unix:///nonexistent.sock", inapp_dir=tmp_path, watch=False, report=False)
+    try:
+        with monkeypatch.context() as m:
+            m.setattr("vgpu.client.write_atomically", no_space)
+            for _ in range(5):
+                with pytest.raises(OSError, match="No space"):
+                    client.report_now()
+        claimed = [p for p in tmp_path.iterdir() if p.name != f"{pid}.json"]
+        assert len(claimed) == 1 and claimed[0].stat().st_size == 0, claimed
+        client.step(2)
+        assert client.report_now() == claimed[0]  # the space back: the name claimed is written
+        (sig,) = _sampler(pid, tmp_path).sample()
+        assert sig.app_id == "full" and sig.in_app.step == 2
+    finally:
+        client.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{pid}.json"]
+
+
 def test_the_process_users_own_stale_reports_of_the_pid_do_not_hide_the_live_one(tmp_path: Path) -> None:
     """Names of this pid from an earlier process (pid reuse: another start time), and one claimed but
     never written (empty), beside the live report: the live one is read, nothing is counted bad."""

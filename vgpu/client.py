@@ -1179,7 +1179,11 @@ class VgpuClient:
         )
         with self._inapp_lock:
             for attempt in (1, 2):
-                path = self._inapp_file or self._claim_inapp_name()
+                if self._inapp_file is None:
+                    # kept from the claim on, whether or not this write works: a name claimed anew at
+                    # each failed write (a full file system) would leave an empty file behind each time
+                    self._inapp_file = self._claim_inapp_name()
+                path = self._inapp_file
                 try:
                     written = write_inapp(self.inapp_dir, report, path=path)
                 except (PermissionError, IsADirectoryError):
