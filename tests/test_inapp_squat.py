@@ -26,7 +26,7 @@ import psutil
 import pytest
 
 from tests.profiler_fakes import FakeBackend, FakeDevice, ManualClock, RecordingLogger
-from vgpu.client import VgpuClient
+from vgpu.client import MAX_INAPP_NAMES_PER_PID, InAppFinder, VgpuClient
 from vgpu.daemon.serve import InAppPidProof
 from vgpu.device.base import ProcessInfo
 from vgpu.profiler.sampler import Sampler
@@ -250,6 +250,28 @@ def test_another_users_files_under_the_pid_cannot_push_the_process_report_out(tm
         assert InAppPidProof(tmp_path)(pid, "victim") and not InAppPidProof(tmp_path)(pid, "evil")
     finally:
         client.close()
+
+
+@as_root
+def test_names_kept_for_an_earlier_owner_of_the_pid_cannot_push_the_new_owners_report_out(tmp_path: Path) -> None:
+    """Pid reuse: while the pid was another user's process, that user's names under it were found
+    (the daemon's proof lists for every pid asked about, and any user may ask about its own), dated in
+    the future. Once the pid is a process of another user, a listing for it keeps that user's report:
+    the earlier owner's names no longer count against the bound, so they cannot push it out."""
+    finder = InAppFinder(tmp_path)
+    pid = 4_000_001
+    for _ in range(MAX_INAPP_NAMES_PER_PID):
+        decoy = tmp_path / f"{pid}.{secrets.token_hex(16)}.json"
+        decoy.write_text("{}")  # what they hold is read later, by owner; the listing looks at names
+        os.chown(decoy, SQUATTER, SQUATTER)
+        os.utime(decoy, (time.time() + 3600, time.time() + 3600))
+    finder.scan({pid: (SQUATTER,)})  # the pid is the squatter's process: its names are its own
+    assert len(finder.paths(pid)) == 1 + MAX_INAPP_NAMES_PER_PID
+    report = tmp_path / f"{pid}.{secrets.token_hex(16)}.json"
+    report.write_text("{}")
+    os.chown(report, NOBODY, NOBODY)
+    finder.scan({pid: (NOBODY,)})  # the pid now runs a process of NOBODY's
+    assert report in finder.paths(pid)
 
 
 def test_a_directory_of_many_files_is_listed_in_bounded_steps_and_the_report_still_found(tmp_path: Path) -> None:
