@@ -274,6 +274,23 @@ def test_names_kept_for_an_earlier_owner_of_the_pid_cannot_push_the_new_owners_r
     assert report in finder.paths(pid)
 
 
+def test_a_listing_that_ended_on_the_directorys_last_entry_starts_the_next_pass_at_once(tmp_path: Path) -> None:
+    """A directory of exactly as many entries as one listing reads: that listing reads them all
+    without seeing the end. The next one starts over (a report made since is found there), instead
+    of reading nothing but the end and leaving the report to the listing after, one more second for
+    the sampler (or a refused request for the daemon's proof) beyond the bound the docs give."""
+    for i in range(4):
+        (tmp_path / f"other-{i}").touch()
+    finder = InAppFinder(tmp_path, scan_entries=4)
+    pid = os.getpid()
+    finder.scan({pid: None})
+    assert finder.entries_read == 4 and len(finder.paths(pid)) == 1
+    report = tmp_path / f"{pid}.{secrets.token_hex(16)}.json"
+    report.write_text("{}")
+    finder.scan({pid: None})
+    assert report in finder.paths(pid)
+
+
 def test_a_directory_of_many_files_is_listed_in_bounded_steps_and_the_report_still_found(tmp_path: Path) -> None:
     """10,000 other files in the in-app directory: each listing reads at most MAX_INAPP_SCAN_ENTRIES
     (4096) entries, at most once per second however often the profiler samples, going on where the

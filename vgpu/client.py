@@ -552,6 +552,7 @@ class InAppFinder:
         pids in `wanted` whose owner is one of `wanted[pid]` (None: any owner). OSError when the
         directory cannot be listed (FileNotFoundError: there is none yet)."""
         with self._lock:
+            fresh = self._entries is None
             if self._entries is None:
                 self._entries = os.scandir(self.directory)
             entries, read = self._entries, 0
@@ -560,6 +561,12 @@ class InAppFinder:
                     entry = next(entries, None)
                     if entry is None:
                         self._end_pass()
+                        if read == 0 and not fresh:
+                            # the last scan stopped on the directory's last entry: start the next
+                            # pass now rather than spend this scan on reading the end alone
+                            fresh = True
+                            self._entries = entries = os.scandir(self.directory)
+                            continue
                         break
                     read += 1
                     match = _INAPP_FALLBACK_NAME.fullmatch(entry.name)
