@@ -6,14 +6,16 @@ holds (its per-cgroup memory limits) or by the grant, against the setting that t
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from vgpu.allocator.core import AllocationEvent, AllocationRequest, Allocator, EventKind, Subscription
-from vgpu.allocator.mechanisms.limits import CgroupMemoryLimits
+from vgpu.allocator.mechanisms.limits import CgroupMemoryLimits, read_cgroup
 from vgpu.allocator.policy.base import IDLE_MEM_MIB, DeviceView, Enforcement, Plan, Recommendation, Sizing
 from vgpu.allocator.policy.forecast import (
     PREDICTIVE_CONFIG,
@@ -70,6 +72,35 @@ def test_limits_are_cooperative_until_the_device_is_contended_and_lifted_after()
     assert _limits(backend) == {}
     assert allocator.app_memory_limit("a")[0] == "cooperative"
     assert [e.mem_limit for e in _drain(watch) if e.kind == EventKind.LIMITS_CHANGED] == ["cooperative"]
+    allocator.stop()
+
+
+def test_a_process_in_a_cgroup_whose_name_is_not_utf8_is_left_uncapped_and_the_others_capped(tmp_path: Path) -> None:
+    """Any user with a delegated cgroup subtree (systemd's user@.service) may name a cgroup with
+    bytes that are not UTF-8 and run its process there, so /proc/<pid>/cgroup is hostile input: that
+    process has no cgroup the allocator can cap (it is told "cooperative"), while the request is
+    answered, announced, and the other application on the contended device is capped as ever.
+    Before, reading it raised UnicodeDecodeError out of the request after its grant was stored,
+    and out of every later change on the device, so no cap was written there any more."""
+    for pid, text in ((11, b"0::/test/a\n"), (12, b"0::/user.slice/user-1000.slice/\xff\xfe\n")):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "cgroup").write_bytes(text)
+    clock = ManualClock(1000.0)
+    backend = SimBackend(["h100-80gb"], clock=clock)
+    allocator = Allocator(backend, clock=clock, dry_run=False, policy=ForecastPolicy(),
+                          cgroup_limits=CgroupMemoryLimits(),
+                          cgroup_of=functools.partial(read_cgroup, proc_root=tmp_path),
+                          hard_limit_at_frac=PREDICTIVE_CONFIG.hard_limit_at_frac)
+    watch = allocator.watch("b")
+    allocator.request_allocation(AllocationRequest("a", memory_mib=2048, pid=11))
+    b = allocator.request_allocation(AllocationRequest("b", memory_mib=0.95 * _total(allocator) - 2048, pid=12))
+    assert _limits(backend) == {"/test/a": (2048.0, 2048.0)}  # contended: a capped, b has no cgroup to cap
+    assert allocator.app_memory_limit("a")[0] == "hard"
+    assert allocator.app_memory_limit("b")[0] == "cooperative"
+    granted = [e for e in _drain(watch) if e.kind == EventKind.GRANTED]
+    assert [(e.grant.grant_id, e.mem_limit) for e in granted if e.grant is not None] == [(b.grant_id, "cooperative")]
+    allocator.release(b.grant_id)
+    assert _limits(backend) == {}  # no longer contended: a's original written back
     allocator.stop()
 
 

@@ -26,7 +26,7 @@ import psutil
 import pytest
 
 from tests.profiler_fakes import FakeBackend, FakeDevice, ManualClock, RecordingLogger
-from vgpu.client import VgpuClient
+from vgpu.client import MAX_INAPP_NAMES_PER_PID, InAppFinder, VgpuClient
 from vgpu.daemon.serve import InAppPidProof
 from vgpu.device.base import ProcessInfo
 from vgpu.profiler.sampler import Sampler
@@ -173,6 +173,37 @@ def test_a_name_taken_between_two_reports_is_claimed_again(tmp_path: Path,
         client.close()
 
 
+def test_reports_that_fail_to_write_under_a_taken_name_claim_one_name_not_one_each(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full file system (an empty file still takes only an inode: any user can fill the shared
+    tmpfs, and squat the name too) fails each report's write after its name was claimed. Every
+    report goes on with the one name claimed, rather than leaving an empty file behind per report,
+    which nothing would remove and which every listing of the directory would read."""
+    pid = os.getpid()
+    (tmp_path / f"{pid}.json").mkdir()
+    full = OSError(28, "No space left on device")
+
+    def no_space(path: Path, data: bytes, mode: int = 0o600, *, durable: bool = False) -> None:
+        raise full
+
+    client = VgpuClient("full", socket="unix:///nonexistent.sock", inapp_dir=tmp_path, watch=False, report=False)
+    try:
+        with monkeypatch.context() as m:
+            m.setattr("vgpu.client.write_atomically", no_space)
+            for _ in range(5):
+                with pytest.raises(OSError, match="No space"):
+                    client.report_now()
+        claimed = [p for p in tmp_path.iterdir() if p.name != f"{pid}.json"]
+        assert len(claimed) == 1 and claimed[0].stat().st_size == 0, claimed
+        client.step(2)
+        assert client.report_now() == claimed[0]  # the space back: the name claimed is written
+        (sig,) = _sampler(pid, tmp_path).sample()
+        assert sig.app_id == "full" and sig.in_app.step == 2
+    finally:
+        client.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{pid}.json"]
+
+
 def test_the_process_users_own_stale_reports_of_the_pid_do_not_hide_the_live_one(tmp_path: Path) -> None:
     """Names of this pid from an earlier process (pid reuse: another start time), and one claimed but
     never written (empty), beside the live report: the live one is read, nothing is counted bad."""
@@ -219,6 +250,45 @@ def test_another_users_files_under_the_pid_cannot_push_the_process_report_out(tm
         assert InAppPidProof(tmp_path)(pid, "victim") and not InAppPidProof(tmp_path)(pid, "evil")
     finally:
         client.close()
+
+
+@as_root
+def test_names_kept_for_an_earlier_owner_of_the_pid_cannot_push_the_new_owners_report_out(tmp_path: Path) -> None:
+    """Pid reuse: while the pid was another user's process, that user's names under it were found
+    (the daemon's proof lists for every pid asked about, and any user may ask about its own), dated in
+    the future. Once the pid is a process of another user, a listing for it keeps that user's report:
+    the earlier owner's names no longer count against the bound, so they cannot push it out."""
+    finder = InAppFinder(tmp_path)
+    pid = 4_000_001
+    for _ in range(MAX_INAPP_NAMES_PER_PID):
+        decoy = tmp_path / f"{pid}.{secrets.token_hex(16)}.json"
+        decoy.write_text("{}")  # what they hold is read later, by owner; the listing looks at names
+        os.chown(decoy, SQUATTER, SQUATTER)
+        os.utime(decoy, (time.time() + 3600, time.time() + 3600))
+    finder.scan({pid: (SQUATTER,)})  # the pid is the squatter's process: its names are its own
+    assert len(finder.paths(pid)) == 1 + MAX_INAPP_NAMES_PER_PID
+    report = tmp_path / f"{pid}.{secrets.token_hex(16)}.json"
+    report.write_text("{}")
+    os.chown(report, NOBODY, NOBODY)
+    finder.scan({pid: (NOBODY,)})  # the pid now runs a process of NOBODY's
+    assert report in finder.paths(pid)
+
+
+def test_a_listing_that_ended_on_the_directorys_last_entry_starts_the_next_pass_at_once(tmp_path: Path) -> None:
+    """A directory of exactly as many entries as one listing reads: that listing reads them all
+    without seeing the end. The next one starts over (a report made since is found there), instead
+    of reading nothing but the end and leaving the report to the listing after, one more second for
+    the sampler (or a refused request for the daemon's proof) beyond the bound the docs give."""
+    for i in range(4):
+        (tmp_path / f"other-{i}").touch()
+    finder = InAppFinder(tmp_path, scan_entries=4)
+    pid = os.getpid()
+    finder.scan({pid: None})
+    assert finder.entries_read == 4 and len(finder.paths(pid)) == 1
+    report = tmp_path / f"{pid}.{secrets.token_hex(16)}.json"
+    report.write_text("{}")
+    finder.scan({pid: None})
+    assert report in finder.paths(pid)
 
 
 def test_a_directory_of_many_files_is_listed_in_bounded_steps_and_the_report_still_found(tmp_path: Path) -> None:

@@ -231,6 +231,9 @@ def test_read_cgroup_v2_v1_and_gone(tmp_path: Path) -> None:
     assert read_cgroup(11, tmp_path) == "/slurm/job_7"
     assert read_cgroup(12, tmp_path) is None
     assert read_cgroup(13, tmp_path) is None  # the process is gone
+    (tmp_path / "14").mkdir()
+    (tmp_path / "14" / "cgroup").write_bytes(b"0::/user.slice/\xff\n")  # a user's cgroup named in bytes
+    assert read_cgroup(14, tmp_path) is None  # that are not UTF-8: nothing usable, not UnicodeDecodeError
     assert read_cgroup(0, tmp_path) is None
     mine = read_cgroup(os.getpid())
     assert mine is None or mine.startswith("/")

@@ -16,6 +16,7 @@ import ipaddress
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -454,6 +455,39 @@ def test_the_kernel_lookup_says_gone_or_error_rather_than_guess() -> None:
         with pytest.raises(PeerUidUnknown) as bad:
             parse_reply(data, 7, 1000, 2000)
         assert bad.value.reason == "error"
+
+
+def _diag_reply(*, seq: int = 7, kind: int = 20, sport: int = 1000, dport: int = 2000, uid: int = 1001,
+                inode: int = 4242, length: int | None = None, error: int | None = None) -> bytes:
+    """A NETLINK_SOCK_DIAG reply as the kernel lays it out (nlmsghdr, then inet_diag_msg or nlmsgerr)."""
+    if error is not None:
+        body = struct.pack("=i", -error) + b"\0" * 16
+        kind = 2
+    else:
+        body = (struct.pack("=BBBB", socket.AF_INET, 1, 0, 0)
+                + struct.pack(">HH16s16s", sport, dport, bytes(16), bytes(16))
+                + struct.pack("=III", 0, 0, 0) + struct.pack("=IIIII", 0, 0, 0, uid, inode))
+    return struct.pack("=IHHII", 16 + len(body) if length is None else length, kind, 0, seq, 0) + body
+
+
+@pytest.mark.parametrize(("reply", "reason"), [
+    (_diag_reply(seq=8), "error"),  # an answer to another request
+    (_diag_reply(sport=1001), "error"),  # about another connection
+    (_diag_reply(dport=2001), "error"),
+    (_diag_reply(kind=3), "error"),  # NLMSG_DONE, not an answer
+    (_diag_reply(length=16 + 71), "error"),  # says it is shorter than an inet_diag_msg
+    (_diag_reply(length=16 + 73), "error"),  # says it is longer than what came
+    (_diag_reply(error=2), "gone"),  # ENOENT: no such connection
+    (_diag_reply(error=13), "error"),
+    (_diag_reply(inode=0), "gone"),  # closed: no process holds it (TIME_WAIT reads uid 0)
+], ids=["seq", "sport", "dport", "type", "short", "long", "enoent", "eacces", "inode0"])
+def test_a_kernel_reply_not_for_the_connection_asked_about_names_no_user(reply: bytes, reason: str) -> None:
+    """Each check `parse_reply` makes on what came back, one at a time: a reply that fails one names
+    nobody, whatever uid it carries; the same reply with every check met names its uid."""
+    assert parse_reply(_diag_reply(), 7, 1000, 2000) == SocketOwner(uid=1001, inode=4242)
+    with pytest.raises(PeerUidUnknown) as exc:
+        parse_reply(reply, 7, 1000, 2000)
+    assert exc.value.reason == reason
 
 
 class _FailingLookup:

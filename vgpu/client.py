@@ -519,7 +519,8 @@ class InAppFinder:
     entries / scan_entries scans), looks at the status (lstat, no link followed) only of names of
     the pids asked for, and keeps, for each pid, at most `names_per_pid` of them: regular files owned
     by one of that pid's owners, the newest by modification time. Another user's files under a
-    process's pid are passed over at the scan, so they cannot push the process's own out. At most
+    process's pid are passed over at the scan, and names kept for an earlier owner of the pid dropped
+    when a name of the new owner's is found, so they cannot push the process's own out. At most
     `max_pids` pids are remembered (the oldest forgotten first). Thread-safe."""
 
     def __init__(
@@ -538,7 +539,8 @@ class InAppFinder:
         self._max_pids = max_pids
         self._lock = threading.Lock()
         self._entries: Iterator[os.DirEntry[str]] | None = None
-        self._known: dict[int, dict[str, float]] = {}  # pid -> file name -> modification time
+        # pid -> file name -> (modification time, owner uid)
+        self._known: dict[int, dict[str, tuple[float, int]]] = {}
         # what the scans cost: directory entries read, files whose status was read, whole passes
         self.entries_read = 0
         self.stats_read = 0
@@ -547,7 +549,7 @@ class InAppFinder:
     def paths(self, pid: int) -> list[Path]:
         """The usual name of `pid`, then the names found for it, newest first."""
         with self._lock:
-            names = sorted(self._known.get(pid, {}).items(), key=lambda kv: -kv[1])
+            names = sorted(self._known.get(pid, {}).items(), key=lambda kv: -kv[1][0])
         return [inapp_path(self.directory, pid), *(self.directory / name for name, _ in names)]
 
     def scan(self, wanted: Mapping[int, Collection[int] | None]) -> None:
@@ -555,6 +557,7 @@ class InAppFinder:
         pids in `wanted` whose owner is one of `wanted[pid]` (None: any owner). OSError when the
         directory cannot be listed (FileNotFoundError: there is none yet)."""
         with self._lock:
+            fresh = self._entries is None
             if self._entries is None:
                 self._entries = os.scandir(self.directory)
             entries, read = self._entries, 0
@@ -563,6 +566,12 @@ class InAppFinder:
                     entry = next(entries, None)
                     if entry is None:
                         self._end_pass()
+                        if read == 0 and not fresh:
+                            # the last scan stopped on the directory's last entry: start the next
+                            # pass now rather than spend this scan on reading the end alone
+                            fresh = True
+                            self._entries = entries = os.scandir(self.directory)
+                            continue
                         break
                     read += 1
                     match = _INAPP_FALLBACK_NAME.fullmatch(entry.name)
@@ -576,7 +585,7 @@ class InAppFinder:
                     self.stats_read += 1
                     owners = wanted[pid]
                     if stat.S_ISREG(st.st_mode) and (owners is None or st.st_uid in owners):
-                        self._keep(pid, entry.name, st.st_mtime)
+                        self._keep(pid, entry.name, st.st_mtime, st.st_uid, owners)
             except OSError:
                 self._end_pass()
                 raise
@@ -610,15 +619,20 @@ class InAppFinder:
             self._entries = None
             self.passes += 1
 
-    def _keep(self, pid: int, name: str, mtime: float) -> None:
+    def _keep(self, pid: int, name: str, mtime: float, uid: int, owners: Collection[int] | None) -> None:
         names = self._known.get(pid)
         if names is None:
             if len(self._known) >= self._max_pids:
                 del self._known[next(iter(self._known))]
             names = self._known[pid] = {}
-        names[name] = mtime
+        elif owners is not None:
+            # names kept while the pid was another user's process (pid reuse) are not this one's: with
+            # mtimes their owner set at will, they would push this process's own out of the bound
+            for other in [n for n, (_, u) in names.items() if u not in owners]:
+                del names[other]
+        names[name] = (mtime, uid)
         if len(names) > self._names_per_pid:
-            del names[min(names, key=lambda n: names[n])]
+            del names[min(names, key=lambda n: names[n][0])]
 
 
 @dataclass(frozen=True)
@@ -1184,7 +1198,11 @@ class VgpuClient:
         )
         with self._inapp_lock:
             for attempt in (1, 2):
-                path = self._inapp_file or self._claim_inapp_name()
+                if self._inapp_file is None:
+                    # kept from the claim on, whether or not this write works: a name claimed anew at
+                    # each failed write (a full file system) would leave an empty file behind each time
+                    self._inapp_file = self._claim_inapp_name()
+                path = self._inapp_file
                 try:
                     written = write_inapp(self.inapp_dir, report, path=path)
                 except (PermissionError, IsADirectoryError):

@@ -232,12 +232,17 @@ class MpsControl:
 # ------------------------------------------------------------------------------------------------
 def read_cgroup(pid: int, proc_root: str | Path = "/proc") -> str | None:
     """The cgroup path of `pid` (the cgroup v2 entry "0::PATH" of /proc/<pid>/cgroup, else the v1
-    memory controller's), or None when the process is gone or the file says nothing usable."""
+    memory controller's), or None when the process is gone or the file says nothing usable (a path
+    that is not UTF-8 included)."""
     if pid <= 0:
         return None
     try:
         text = (Path(proc_root) / str(pid) / "cgroup").read_text(encoding="utf-8")
     except OSError:
+        return None
+    except UnicodeDecodeError:
+        # a cgroup named in bytes that are not UTF-8 (any user may name one in a subtree delegated to
+        # it): no path to cap, rather than an error out of every change on the device
         return None
     v1_memory = None
     for line in text.splitlines():
