@@ -31,11 +31,12 @@ class _Sizer:
         return Sizing(self.mib, self.sm, "test")
 
 
-def _rig(gpus: tuple[str, ...] = ("h100-80gb",), **kw: object) -> tuple[Allocator, SimBackend]:
+def _rig(gpus: tuple[str, ...] = ("h100-80gb",), *, reclaim: bool = True,
+         hard_limit_at_frac: float = 0.0) -> tuple[Allocator, SimBackend]:
     clock = ManualClock(1000.0)
     backend = SimBackend(list(gpus), clock=clock)
-    allocator = Allocator(backend, clock=clock, dry_run=False, sizer=_Sizer(),  # type: ignore[arg-type]
-                          cgroup_limits=CgroupMemoryLimits(), cgroup_of=CGROUPS.get, **kw)
+    allocator = Allocator(backend, clock=clock, dry_run=False, sizer=_Sizer(), cgroup_limits=CgroupMemoryLimits(),
+                          cgroup_of=CGROUPS.get, reclaim=reclaim, hard_limit_at_frac=hard_limit_at_frac)
     return allocator, backend
 
 
