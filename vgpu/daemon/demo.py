@@ -13,8 +13,8 @@ to the allocator, which grants memory/SM shares and sets the GPU's power limit (
 Each application declares its job as an application linking the client stub does (vgpu/client.py
 `VgpuClient(app_id, job=JobConfig(...)).request()`: RequestResourceAllocation with the job and no
 memory, over the demo's gRPC socket), so the allocator grants it the cold-start sizer's size for that
-job (manager/coldstart.py, loaded as `vgpu serve` loads it) before its memory rises, or refuses it as
-the daemon would (docs/demo.md: on a GPU whose SM the policy has granted, most are). The jobs are the
+job (manager/coldstart.py, loaded as `vgpu serve` loads it) before its memory rises, out of the slack of
+the policy's grants where they hold the GPU (docs/allocation.md), or refuses it as the daemon would. The jobs are the
 MIGPerf runs each application's stretch of the trace holds (`DEMO_RUNS`): each run was its own process,
 so at each run's start the previous run's grant is released and the new run registers its job.
 `--no-job-config` runs the applications as before, declaring nothing: their grants come from the
