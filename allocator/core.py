@@ -122,6 +122,7 @@ from vgpu.allocator.policy.base import (
     Sizing,
     limits_are_hard,
 )
+from vgpu.allocator.reclaim import ReclaimPlan, Slack, plan_reclaim
 from vgpu.device.base import Backend, Device, GpuInstance, PowerConstraints, ProcessInfo
 from vgpu.jobs import InvalidJobConfig, JobConfig
 from vgpu.log import get_logger
@@ -234,7 +235,7 @@ class ApplyReport:
 # source, resized to grow, to shrink or to an operator's limits, released
 GRANT_CHANGE_KEYS: tuple[tuple[str, str], ...] = (
     *(("granted", source) for source in SOURCES),
-    ("resized", "grow"), ("resized", "shrink"), ("resized", "limits"),
+    ("resized", "grow"), ("resized", "shrink"), ("resized", "limits"), ("resized", "reclaim"),
     ("released", "released"),
 )
 
@@ -250,6 +251,9 @@ class Counters:
     mig_changes: int = 0
     recommendations: int = 0
     events_dropped: int = 0
+    # requests admitted by cutting the policy's managed grants (each cut is also a grant change
+    # ("resized", "reclaim"))
+    reclaims: int = 0
     # (event kind, reason) -> grant changes: ("granted", source), ("resized", "grow"|"shrink"),
     # ("released", "released")
     grant_changes: dict[tuple[str, str], int] = field(default_factory=dict)
@@ -365,6 +369,9 @@ class Allocator:
         logger: structlog.typing.FilteringBoundLogger | None = None,
         history: History | None = None,
         hard_limit_at_frac: float = 0.0,
+        reclaim: bool = True,
+        reclaim_margin_frac: float = 0.10,
+        reclaim_min_mib: float = 256.0,
     ) -> None:
         self.backend = backend
         self.clock = clock
@@ -381,6 +388,14 @@ class Allocator:
         if not hard_limit_at_frac >= 0:
             raise ValueError(f"hard_limit_at_frac must be >= 0, got {hard_limit_at_frac}")
         self.hard_limit_at_frac = hard_limit_at_frac
+        # A request that does not fit in what is free may take the slack of the policy's managed
+        # grants, down to their applications' usage x (1 + margin), at least `reclaim_min_mib`
+        # (`_grant_reclaiming`); off: refused as soon as the free room is short.
+        if not (reclaim_margin_frac >= 0 and reclaim_min_mib >= 0):
+            raise ValueError(f"reclaim margins must be >= 0, got {reclaim_margin_frac}, {reclaim_min_mib}")
+        self.reclaim = reclaim
+        self.reclaim_margin_frac = reclaim_margin_frac
+        self.reclaim_min_mib = reclaim_min_mib
         self._plan_enforcement: dict[str, Enforcement] = {}  # device -> the latest plan's decision
         # device -> the decision `memory_enforcement` made and what it was made from (the ledger,
         # its revision, the plan's decision, hard_limit_at_frac): judged again only when one changed
@@ -508,27 +523,134 @@ class Allocator:
         sized, NotSupported without a sizer, Unavailable once stopping (nothing changes in any of these)."""
         self._check_open()
         memory_mib, sm_pct, source = self._size_request(request)
-        grant = self.ledger.grant(
+        cuts: list[tuple[Grant, Grant]] = []
+        try:
+            grant = self._grant(request, memory_mib, sm_pct, source, request.device_id or None, caller)
+        except InsufficientResources as refused:
+            if not self.reclaim:
+                raise
+            # the sizer's SM estimate is not what the application asked for: trimmed, never refused
+            sm_elastic = source == "cold_start" and request.sm_pct <= 0
+            grant, cuts = self._grant_reclaiming(request, memory_mib, sm_pct, source, sm_elastic, caller, refused)
+        self._changed()  # stored before anyone hears of it (the cuts with it; undone with it)
+        if grant.cold_start_mib is not None:
+            self._cold_start_mib[grant.app_id] = grant.cold_start_mib
+        self._seen[grant.app_id] = self.clock()
+        self.counters.granted += 1
+        self.counters.resized += len(cuts)
+        if cuts:
+            self.counters.reclaims += 1
+        # the caps first, as the ledger is now (the cut grants' lower caps with the new one's): the
+        # events say what is in force
+        self._sync_cgroup_limits(grant.device_id)
+        for new, old in cuts:
+            self._log.info("reclaimed", app=new.app_id, device=new.device_id, grant=new.grant_id,
+                           memory_mib=new.memory_mib, was_memory_mib=old.memory_mib, sm_pct=new.sm_pct,
+                           was_sm_pct=old.sm_pct, for_app=grant.app_id)
+            self._publish(EventKind.RESIZED, grant=new, reason="reclaim",
+                          detail=f"reclaimed for {grant.app_id}'s {source}: {_resize_text(old, new)}")
+        self._log.info("granted", app=grant.app_id, device=grant.device_id, memory_mib=grant.memory_mib,
+                       sm_pct=grant.sm_pct, source=source, grant=grant.grant_id,
+                       **({"reclaimed_from": [g.app_id for g, _ in cuts]} if cuts else {}))
+        self._publish(EventKind.GRANTED, grant=grant, detail=source)
+        return grant
+
+    def _grant(self, request: AllocationRequest, memory_mib: float, sm_pct: float, source: str,
+               device_id: str | None, caller: str | None) -> Grant:
+        return self.ledger.grant(
             request.app_id,
             memory_mib,
             sm_pct,
-            device_id=request.device_id or None,
+            device_id=device_id,
             priority=request.priority,
             source=source,
             pid=request.pid,
             caller=caller,
             cold_start_mib=memory_mib if source == "cold_start" else None,
         )
-        self._changed()  # stored before anyone hears of it
-        if grant.cold_start_mib is not None:
-            self._cold_start_mib[grant.app_id] = grant.cold_start_mib
-        self._seen[grant.app_id] = self.clock()
-        self.counters.granted += 1
-        self._log.info("granted", app=grant.app_id, device=grant.device_id, memory_mib=grant.memory_mib,
-                       sm_pct=grant.sm_pct, source=source, grant=grant.grant_id)
-        self._sync_cgroup_limits(grant.device_id)  # the caps first: the event says what is in force
-        self._publish(EventKind.GRANTED, grant=grant, detail=source)
-        return grant
+
+    def _grant_reclaiming(self, request: AllocationRequest, memory_mib: float, sm_pct: float, source: str,
+                          sm_elastic: bool, caller: str | None,
+                          refused: InsufficientResources) -> tuple[Grant, list[tuple[Grant, Grant]]]:
+        """A request that does not fit in what is free, granted by cutting the policy's managed
+        grants down toward what their applications need now (allocator/reclaim.py), on its device
+        or, without one, on the device that has the most memory left after; the grant and each cut
+        as (new, old), in the ledger only (the caller stores and announces). InsufficientResources,
+        nothing changed, when it does not fit even so (the ledger's reason and what is committed and
+        reclaimable), or when the application's quota or limits refuse it."""
+        self.ledger.check_admissible(request.app_id, memory_mib, 0.0 if sm_elastic else sm_pct)
+        devices = [request.device_id] if request.device_id else [c.device_id for c in self.ledger.devices()]
+        best: ReclaimPlan | None = None
+        for device_id in devices:
+            usage = self.ledger.usage(device_id)
+            plan = plan_reclaim(device_id, usage.mem_available_mib, usage.sm_available_pct, memory_mib, sm_pct,
+                                self._slacks(device_id), sm_elastic=sm_elastic)
+            if plan is not None and (best is None or plan.mem_left_mib > best.mem_left_mib):
+                best = plan
+        if best is None:
+            raise InsufficientResources(f"{refused}; {self._reclaim_text(devices)}") from None
+        cuts: list[tuple[Grant, Grant]] = []
+        try:
+            for cut in best.cuts:
+                old = self.ledger.get(cut.grant_id)
+                cuts.append((self.ledger.resize(cut.grant_id, cut.memory_mib, cut.sm_pct), old))
+            granted_sm = best.sm_pct
+            if sm_elastic:  # within the application's own SM limit too
+                granted_sm = min(granted_sm, self.ledger.headroom(request.app_id, best.device_id)[1])
+            grant = self._grant(request, memory_mib, granted_sm, source, best.device_id, caller)
+        except BaseException:
+            self.ledger.rollback_changes()  # the cuts go with the grant that needed them
+            raise
+        return grant, cuts
+
+    def _slacks(self, device_id: str) -> list[Slack]:
+        """The grants on the device the policy manages, each with the least it may be cut to: per
+        application, its latest grant not from a request (the one the policy resizes), down to its
+        usage (the latest recommendation's) plus `reclaim_margin_frac` (at least
+        `reclaim_min_mib`) less its other grants there; a cold-start grant keeps at least the
+        sizer's size too. SM likewise, from its SM use. An application whose usage is not known
+        here gives nothing back."""
+        by_app: dict[str, list[Grant]] = {}
+        for g in self.ledger.grants(device_id=device_id):
+            by_app.setdefault(g.app_id, []).append(g)
+        slacks = []
+        for app_id, grants in by_app.items():
+            managed = [g for g in grants if g.source != "request"]
+            rec = self._latest.get(app_id)
+            if not managed or rec is None or rec.device_id != device_id:
+                continue
+            own = max(managed, key=lambda g: g.created_at_s)
+            other_mem = sum(g.memory_mib for g in grants if g is not own)
+            other_sm = sum(g.sm_pct for g in grants if g is not own)
+            mem_floor = sm_floor = math.inf
+            if math.isfinite(rec.mem_used_mib) and rec.mem_used_mib >= 0:
+                need = max(rec.mem_used_mib * (1.0 + self.reclaim_margin_frac), self.reclaim_min_mib)
+                mem_floor = need - other_mem
+                if own.source == "cold_start" and own.cold_start_mib is not None:
+                    mem_floor = max(mem_floor, own.cold_start_mib)
+            if math.isfinite(rec.sm_util_pct) and rec.sm_util_pct >= 0:
+                sm_floor = rec.sm_util_pct * (1.0 + self.reclaim_margin_frac) - other_sm
+            slacks.append(Slack(own.grant_id, app_id, own.priority, own.memory_mib, own.sm_pct,
+                                min(own.memory_mib, max(mem_floor, 0.0)), min(own.sm_pct, max(sm_floor, 0.0))))
+        return slacks
+
+    def _reclaim_text(self, devices: Sequence[str]) -> str:
+        """What stands on each device: committed (requests and cold-start sizes), held by the
+        policy's managed grants above what their applications need now (reclaimable), free."""
+        parts = []
+        for device_id in devices:
+            usage = self.ledger.usage(device_id)
+            slacks = self._slacks(device_id)
+            managed = {s.grant_id for s in slacks}
+            committed = sum(g.memory_mib for g in self.ledger.grants(device_id=device_id) if g.grant_id not in managed)
+            parts.append(
+                f"on {device_id}: {committed:.0f} MiB committed (requests, cold-start sizes, grants whose use "
+                f"is not known), {sum(s.mem_floor_mib for s in slacks):.0f} MiB needed now by forecast-managed "
+                f"applications, {sum(s.mem_slack_mib for s in slacks):.0f} MiB reclaimable from their grants, "
+                f"{usage.mem_available_mib:.0f} MiB free; {sum(s.sm_slack_pct for s in slacks):.3g} % SM "
+                f"reclaimable, {usage.sm_available_pct:.3g} % free"
+            )
+        return "; ".join(parts)
 
     def _size_request(self, request: AllocationRequest) -> tuple[float, float, str]:
         """(memory MiB, SM %, source) to grant: what the request asks for ("request"), or for memory

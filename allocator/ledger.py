@@ -373,6 +373,16 @@ class Ledger:
                 f"{sm_pct:g} % SM does not fit on {device_id}: {cap.sm_total_pct - sm_dev:g} % SM is free "
                 "(not granted to any application)"
             )
+        self._check_limits(app_id, memory_mib, sm_pct, excluding=excluding)
+
+    def check_admissible(self, app_id: str, memory_mib: float, sm_pct: float) -> None:
+        """Whether one more grant of this size is within the node's and the application's grant
+        quotas and the application's limits, whatever the devices hold (InsufficientResources if
+        not): what no room made on a device can change."""
+        self._check_quota(app_id)
+        self._check_limits(app_id, memory_mib, sm_pct)
+
+    def _check_limits(self, app_id: str, memory_mib: float, sm_pct: float, *, excluding: str | None = None) -> None:
         lim = self._limits.get(app_id)
         if lim is not None:
             mem_app, sm_app = self._app_total(app_id, excluding=excluding)

@@ -86,7 +86,7 @@ def test_json_output_is_only_the_summary(capsys: pytest.CaptureFixture[str]) -> 
     assert set(summary) == {"apps", "ticks", "signatures", "decisions", "power_limit_changes", "mig_changes",
                             "oom_events", "overrun_samples", "rises", "lead_time_median_s",
                             "lead_time_median_visible_s", "job_configs", "cold_start_grants",
-                            "registrations_refused"}
+                            "registrations_refused", "reclaims"}
     assert summary["oom_events"] >= 0 and summary["rises"] >= 0
     assert summary["overrun_samples"] >= summary["oom_events"]
     assert summary["apps"] == 5 and 16 <= summary["ticks"] <= 21 and summary["signatures"] >= summary["ticks"]
@@ -105,7 +105,7 @@ def test_no_job_config_declares_nothing(capsys: pytest.CaptureFixture[str]) -> N
     assert main(["--seconds", "2", "--json", "--baseline", "--no-job-config"], "vgpu demo") == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["job_configs"] is False
-    assert summary["cold_start_grants"] == 0 and summary["registrations_refused"] == 0
+    assert summary["cold_start_grants"] == 0 and summary["registrations_refused"] == 0 and summary["reclaims"] == 0
     assert summary["apps"] == 5 and summary["signatures"] >= summary["ticks"] > 0
 
 

@@ -13,8 +13,8 @@ to the allocator, which grants memory/SM shares and sets the GPU's power limit (
 Each application declares its job as an application linking the client stub does (vgpu/client.py
 `VgpuClient(app_id, job=JobConfig(...)).request()`: RequestResourceAllocation with the job and no
 memory, over the demo's gRPC socket), so the allocator grants it the cold-start sizer's size for that
-job (manager/coldstart.py, loaded as `vgpu serve` loads it) before its memory rises, or refuses it as
-the daemon would (docs/demo.md: on a GPU whose SM the policy has granted, most are). The jobs are the
+job (manager/coldstart.py, loaded as `vgpu serve` loads it) before its memory rises, out of the slack of
+the policy's grants where they hold the GPU (docs/allocation.md), or refuses it as the daemon would. The jobs are the
 MIGPerf runs each application's stretch of the trace holds (`DEMO_RUNS`): each run was its own process,
 so at each run's start the previous run's grant is released and the new run registers its job.
 `--no-job-config` runs the applications as before, declaring nothing: their grants come from the
@@ -24,9 +24,10 @@ Every second a plain-text table shows each application's usage, forecast and all
 GPU's power limit; at the end a summary. `--json` prints only the summary as one JSON object:
 {"apps", "ticks", "signatures", "decisions", "power_limit_changes", "mig_changes", "oom_events",
 "overrun_samples", "rises", "lead_time_median_s", "lead_time_median_visible_s", "job_configs",
-"cold_start_grants", "registrations_refused"}: `job_configs` is false under `--no-job-config`;
+"cold_start_grants", "registrations_refused", "reclaims"}: `job_configs` is false under `--no-job-config`;
 `cold_start_grants` counts the grants the allocator sized from a declared job (its own count, by source
-"cold_start"), `registrations_refused` the declarations it refused. `power_limit_changes`
+"cold_start"), `registrations_refused` the declarations it refused, `reclaims` the requests it admitted
+by cutting the policy's forecast-managed grants down toward their use (docs/allocation.md). `power_limit_changes`
 counts the limits the allocator applied during the run (the restore at the end not included); the text
 summary lists them in watts, while the table shows the limit only at each second. An overrun sample is
 one (every 100 ms) at which an application asked the simulator for more memory than its grant; an OOM
@@ -156,6 +157,7 @@ class DemoSummary:
     job_configs: bool = False  # the applications declared their jobs (off with --no-job-config)
     cold_start_grants: int = 0  # grants the allocator sized from a declared job
     registrations_refused: int = 0
+    reclaims: int = 0  # requests admitted out of the policy's grants' slack (Counters.reclaims)
 
     def to_json(self) -> str:
         return json.dumps(
@@ -174,6 +176,7 @@ class DemoSummary:
                 "job_configs": self.job_configs,
                 "cold_start_grants": self.cold_start_grants,
                 "registrations_refused": self.registrations_refused,
+                "reclaims": self.reclaims,
             }
         )
 
@@ -568,6 +571,7 @@ async def run_demo(
         job_configs=job_configs,
         cold_start_grants=allocator.counters.grant_changes.get((str(EventKind.GRANTED), "cold_start"), 0),
         registrations_refused=sum(1 for r in stubs.registrations if r.refused),
+        reclaims=allocator.counters.reclaims,
     )
     return DemoResult(
         summary=summary,
@@ -629,7 +633,8 @@ def _jobs_line(result: DemoResult) -> str:
     if not s.job_configs:
         return "none declared (--no-job-config): every grant came from the forecasts"
     line = (f"{len(result.registrations)} declared through the client stub, {s.cold_start_grants} granted as "
-            f"{result.sizer} sized them, {s.registrations_refused} refused")
+            f"{result.sizer} sized them ({s.reclaims} out of the slack of the policy's grants), "
+            f"{s.registrations_refused} refused")
     codes = Counter(r.refused.partition(":")[0] for r in result.registrations if r.refused)
     return line + (f" ({', '.join(f'{n} {code}' for code, n in sorted(codes.items()))})" if codes else "")
 

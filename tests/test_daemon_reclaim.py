@@ -1,0 +1,94 @@
+"""A second application's request against the policy's forecast grant, as users meet it: a real
+`vgpu serve` on the simulated GPU, the first application's signatures from `vgpu profiler --replay`
+(so the policy holds most of the GPU for it), the second application linking the client stub. Its
+declared job and an explicit amount are granted out of the forecast grant's slack, which is cut no
+lower than the first application's use."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+from daemon_fixtures import ROOT, Env, Serve
+
+from vgpu.traces import AppTrace, write_trace
+
+# An application that links the client stub: it declares its job (argv[4] "job") or asks for an
+# amount of MiB, and prints the daemon's answer.
+APP = """
+import json, sys
+import grpc
+from vgpu.client import VgpuClient
+from vgpu.jobs import JobConfig
+
+sock, app_id, inapp, ask = sys.argv[1:5]
+job = JobConfig(model_type="resnet50", batch_size=64, input_size=224) if ask == "job" else None
+client = VgpuClient(app_id, socket=sock, inapp_dir=inapp, job=job, watch=False, report=False)
+try:
+    g = client.request(memory_mib=0.0 if job else float(ask))
+    print(json.dumps({"memory_mib": g.memory_mib, "sm_pct": g.sm_pct, "source": g.source}))
+except grpc.RpcError as exc:
+    print(json.dumps({"refused": exc.code().name, "details": exc.details()}))
+finally:
+    client.close(release=False)
+"""
+
+
+def _app(env: Env, app_id: str, ask: str) -> dict:  # type: ignore[type-arg]
+    r = subprocess.run([sys.executable, "-c", APP, str(env.sock), app_id, str(env.tmp / "inapp"), ask],
+                       cwd=ROOT, env=env.env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def _replay(env: Env, device_id: str, app_id: str, mem_mib: float, sm_pct: float, seconds: float) -> None:
+    t = np.arange(0.0, seconds, 0.5)
+    trace = env.tmp / "replay.csv"
+    write_trace(trace, [AppTrace(app_id, t, {"mem_used_mib": np.full(len(t), mem_mib),
+                                            "sm_util_pct": np.full(len(t), sm_pct)})])
+    run = subprocess.run(
+        [sys.executable, "-m", "vgpu.cli", "profiler", "--manager", f"unix://{env.sock}", "--replay", str(trace),
+         "--device-id", device_id, "--token-file", str(env.state / "tokens" / "profiler.token"),
+         "--seconds", str(seconds)], cwd=ROOT, env=env.env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+
+
+def _held(env: Env, app_id: str) -> dict:  # type: ignore[type-arg]
+    (app,) = [a for a in env.json("apps")["apps"] if a["app_id"] == app_id]
+    (grant,) = app["grants"]
+    return grant  # type: ignore[no-any-return]
+
+
+def test_a_second_application_is_granted_out_of_the_forecast_grants_slack(env: Env, serves: list[Serve]) -> None:
+    serves.append(Serve(env))
+    (dev,) = env.json("available")["devices"]
+    total, gpu = dev["mem_total_mib"], dev["device_id"]
+    used = 0.5 * total
+    _replay(env, gpu, "big", used, 95.0, 4.0)
+    big = _held(env, "big")
+    assert big["source"] == "forecast" and big["sm_pct"] > 95  # the policy's share: no SM is free
+
+    job = _app(env, "job", "job")  # its declared job, sized by the daemon's cold-start sizer
+    assert job.get("source") == "cold_start", job
+    after_job = _held(env, "big")
+    assert after_job["memory_mib"] >= used and after_job["sm_pct"] >= 95  # never below its use
+
+    free = env.json("available")["devices"][0]["mem_available_mib"]
+    slack = after_job["memory_mib"] - used * 1.1
+    assert slack > 1000, after_job  # the policy held more than its use + 10 %: some can be taken
+    ask = free + slack / 2
+    explicit = _app(env, "explicit", f"{ask:.0f}")
+    assert explicit.get("source") == "request" and explicit["memory_mib"] == round(ask), explicit
+    after = _held(env, "big")
+    assert used * 1.1 - 1 <= after["memory_mib"] < after_job["memory_mib"]
+
+    # more than the slack left: refused as before, saying what is committed and what could be taken
+    too_much = _app(env, "greedy", f"{env.json('available')['devices'][0]['mem_available_mib'] + slack:.0f}")
+    assert too_much["refused"] == "RESOURCE_EXHAUSTED" and "reclaimable" in too_much["details"], too_much
+    assert _held(env, "big") == after
+
+    reclaimed = [e for e in serves[-1].events() if e.get("event") == "reclaimed"]
+    assert {e["for_app"] for e in reclaimed} >= {"explicit"} and all(e["app"] == "big" for e in reclaimed)
+    assert serves[-1].term() == 0
