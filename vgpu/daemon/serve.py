@@ -35,14 +35,15 @@ on stderr, exit status 1 (any other exception: `vgpu serve: cannot start: <type>
    be read fails, naming --reset-state; a bad row is left out and counted), and grants on devices
    that are gone and grants of processes that have exited are released;
 5. the allocator (`_build_allocator`): the MIG mechanism (`<state_dir>/mig`), the cold-start sizer
-   (manager/coldstart.py) loading in a worker thread (requests that need it before it is loaded are
-   answered UNAVAILABLE; if it cannot load, one warning, and they are answered FAILED_PRECONDITION),
+   (manager/coldstart.py), which loads in a worker thread from step 11 on (requests that need it
+   before it is loaded are answered UNAVAILABLE; if it cannot load, one warning, and they are
+   answered FAILED_PRECONDITION),
    cgroup memory limits and the predictive policy; then a cgroup memory limit a crashed run left on
    a cgroup no remaining grant holds gets its recorded original back (every one of them when
    `server.cgroup_memory_limits` is off: nothing would restore them later);
 6. the forecaster and the manager (`_build_manager`, manager/modelpath.py): a configured
    `manager.model` must load or the start fails; otherwise the shipped model loads in a worker thread
-   while the baseline serves. Either is a `ReloadingForecaster` that checks its file every
+   from step 11 on while the baseline serves. Either is a `ReloadingForecaster` that checks its file every
    `manager.model_check_interval_s` and swaps a new checkpoint in without touching the streams
    (`forecaster_reloaded`); a new file that does not load is logged (`forecaster_reload_failed`)
    and the old model keeps serving. With `manager.mixture` the served forecaster is the expert
@@ -65,7 +66,10 @@ on stderr, exit status 1 (any other exception: `vgpu serve: cannot start: <type>
 11. start-up's heap is frozen out of the garbage collector's full passes (vgpu/gc_freeze.py),
    `serving` is logged, READY=1 goes to systemd, WATCHDOG=1 every third of WatchdogSec while the
    loop is alive (they stop, with `front_stopped`, once the front's thread has ended, so that
-   systemd restarts a daemon nobody can reach), and the idle release starts.
+   systemd restarts a daemon nobody can reach), and the idle release starts. The background loads
+   (the cold-start sizer, the shipped model) begin only now: importing torch and loading a model hold
+   the interpreter's lock for long stretches, and begun before this step they delayed `serving`
+   (docs/performance.md, *A daemon's start and stop*).
 
 Releases while serving (neither runs with `server.idle_release_s` 0, which keeps grants until they
 are released): every min(5 s, idle_release_s / 4) the grants of applications silent for
@@ -990,6 +994,11 @@ class Daemon:
         # start-up is over: what it built is kept out of the garbage collector's full passes (vgpu/gc_freeze.py)
         frozen = freeze_startup_heap()
         self._log_serving(token_files, inapp_state, metrics_at, frozen)
+        # The background loads begin only now: importing torch and loading a model hold the
+        # interpreter's lock for long stretches, and begun earlier they delayed `serving` (docs/performance.md).
+        self.sizer.start()
+        if self.model_loader is not None:
+            self.model_loader.start()
         if not self.notifier.notify(f"READY=1\nSTATUS=serving on {self.socket_path}\nMAINPID={os.getpid()}") \
                 and self.notifier.error:
             self.log.warning("sd_notify_failed", error=self.notifier.error,
@@ -1065,10 +1074,10 @@ class Daemon:
         if model.configured:
             self.log.info("forecaster", serving="model", path=str(model.path), check_interval_s=interval_s)
         else:
-            # the shipped model, when present, loads in the background; the baseline serves meanwhile
+            # the shipped model, when present, loads in the background (from step 11 on, with the
+            # cold-start sizer); the baseline serves meanwhile
             self.model_loader = threading.Thread(target=self._load_default_model, args=(model.path,),
                                                  name="forecaster-load", daemon=True)
-            self.model_loader.start()
 
     def _start_mixture(self, model_forecaster: Forecaster | None) -> None:
         """The expert mixture over `model_forecaster` (None: the model slot waits for the shipped
@@ -1441,7 +1450,7 @@ class Daemon:
         "terminate called without an active exception") instead of exiting 0."""
         deadline = time.monotonic() + timeout_s
         waits: list[Callable[[float], object]] = []
-        if self.model_loader is not None:
+        if self.model_loader is not None and self.model_loader.ident is not None:  # started (start-up served)
             waits.append(self.model_loader.join)
         # Either may be missing (start-up failed before it) or be a stand-in without the method.
         sizer_wait = getattr(getattr(self, "sizer", None), "wait", None)
