@@ -419,11 +419,11 @@ class BackgroundSizer:
         self._done = threading.Event()
         self._sizer: Sizer | None = None
         self.error: str | None = None
-        self._thread = threading.Thread(target=self._load, args=(load,), name="coldstart-load", daemon=True)
+        self.thread = threading.Thread(target=self._load, args=(load,), name="coldstart-load", daemon=True)
 
     def start(self) -> None:
         """Begin loading in the worker thread (call once)."""
-        self._thread.start()
+        self.thread.start()
 
     def _load(self, load: Callable[[], Sizer]) -> None:
         try:
@@ -439,7 +439,7 @@ class BackgroundSizer:
     def wait(self, timeout_s: float | None = None) -> bool:
         """True once loading has finished (loaded or failed), or at once when it never began (a
         start-up that failed before serving has nothing to wait for)."""
-        if self._thread.ident is None:
+        if self.thread.ident is None:
             return True
         return self._done.wait(timeout_s)
 

@@ -91,13 +91,19 @@ differs from the recorded original is put back and read back (`device_restored` 
 skipped in a dry run, `restore_skipped`); the ledger is saved; the metrics endpoint stops;
 background loads (forecaster, cold-start sizer, a hot reload) are waited for up to LOADER_JOIN_S,
 the learner stopped, the history, backend and store closed; `stopped` is logged, the state
-directory unlocked; exit status 0.
+directory unlocked; exit status 0. `vgpu serve` itself (`main`) does not wait for the background
+loads: a stop that comes while one is still under way (seconds after the start) ends the process
+right after `stopped` with `os._exit`, because the interpreter's normal exit would run torch's and
+ONNX Runtime's C++ destructors under the loading thread and abort (SIGABRT, "terminate called
+without an active exception"); everything is saved and closed by then, and the loads' results were
+for a process that is ending.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import errno
 import fcntl
 import grp
@@ -114,7 +120,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 import grpc
 import psutil
@@ -909,9 +915,11 @@ class Daemon:
         backend: Backend | None = None,
         load_sizer: Callable[[], Sizer] | None = None,
         reset_state: bool = False,
+        loader_join_s: float = LOADER_JOIN_S,
     ) -> None:
         self.cfg = cfg
         self._reset_state = reset_state
+        self._loader_join_s = loader_join_s  # how long stop() waits for the background loads
         self._load_sizer = load_sizer or default_sizer
         self.clock = clock
         self.notifier = notifier or SdNotifier()
@@ -1381,7 +1389,7 @@ class Daemon:
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
             self.metrics_server.server_close()
-        await asyncio.to_thread(self._wait_for_loaders, LOADER_JOIN_S)
+        await asyncio.to_thread(self._wait_for_loaders, self._loader_join_s)
         if self.learner is not None:
             await asyncio.to_thread(self.learner.stop)
         if self.history is not None:
@@ -1462,6 +1470,13 @@ class Daemon:
             waits.append(forecaster_wait)
         for wait in waits:
             wait(max(0.0, deadline - time.monotonic()))
+
+    def loads_running(self) -> bool:
+        """Whether a background load (forecaster, cold-start sizer, a hot reload) is still under way."""
+        threads = [self.model_loader, getattr(getattr(self, "sizer", None), "thread", None)]
+        forecaster = model_of(self.manager.forecaster) if hasattr(self, "manager") else None
+        threads.append(getattr(forecaster, "loading_thread", None))
+        return any(isinstance(t, threading.Thread) and t.is_alive() for t in threads)
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -1569,9 +1584,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu serve") -> int:
         return 0
     log.configure(cfg.log.format, cfg.log.level)  # type: ignore[arg-type]
     logger = log.get_logger("vgpu.daemon")
-    daemon = Daemon(cfg, logger=logger, reset_state=ns.reset_state)
+    # The process does not wait for the background loads when it stops (the module docstring's Stop).
+    daemon = Daemon(cfg, logger=logger, reset_state=ns.reset_state, loader_join_s=0.0)
     try:
-        return asyncio.run(daemon.run())
+        status = asyncio.run(daemon.run())
+        if daemon.loads_running():
+            end_process_now(status)
+        return status
     except (StartupError, auth.AuthSetupError) as exc:
         logger.error("startup_failed", error=str(exc))
         print(f"{prog}: {_one_line(str(exc))}", file=sys.stderr)
@@ -1581,6 +1600,16 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu serve") -> int:
         logger.error("startup_failed", error=cause, exc_info=exc)
         print(f"{prog}: cannot start: {_one_line(cause)}", file=sys.stderr)
         return 1
+
+
+def end_process_now(status: int) -> NoReturn:
+    """End the process with `status` at once, the standard streams flushed, without the interpreter's
+    exit: a background load is still inside torch or ONNX Runtime, and their C++ destructors, which
+    a normal exit runs, would abort the process under it (SIGABRT instead of `status`)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a stream already closed or gone: nothing to flush
+            stream.flush()
+    os._exit(status)
 
 
 def _one_line(text: str) -> str:
