@@ -21,7 +21,7 @@ another matter: manager/heap.py.)
 `freeze_for_exit()` is for a process that is about to end: the interpreter's exit runs one more full
 collection over everything still alive, which frees nothing the operating system does not take back
 anyway. With torch and the forecaster loaded that collection took 0.4-1.1 s of every `vgpu serve`
-stop on the shared 2-core development machine (docs/performance.md, *A stop's exit*).
+stop on the shared 2-core development machine (docs/performance.md, *A daemon's start and stop*).
 """
 
 from __future__ import annotations
