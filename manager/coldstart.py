@@ -407,16 +407,23 @@ class AllocatorSizer:
 class BackgroundSizer:
     """A `Sizer` whose model loads in a worker thread, so a daemon's start-up does not wait for torch.
 
-    Until `load()` returns, `size` raises `Unavailable` (UNAVAILABLE: retry, or give memory_mib); when
-    it failed, one warning is logged and `size` raises `NotSupported` (FAILED_PRECONDITION) naming why,
-    for the life of the process: the daemon degrades to requests that state their memory."""
+    Loading begins at `start()`: the daemon calls it once it serves, because the load (torch's import
+    among it) holds the interpreter's lock for long stretches and would slow the rest of the start-up
+    down with it. Until `load()` returns, `size` raises `Unavailable` (UNAVAILABLE: retry, or give
+    memory_mib); when it failed, one warning is logged and `size` raises `NotSupported`
+    (FAILED_PRECONDITION) naming why, for the life of the process: the daemon degrades to requests
+    that state their memory."""
 
     def __init__(self, load: Callable[[], Sizer], logger: structlog.typing.FilteringBoundLogger) -> None:
         self._log = logger
         self._done = threading.Event()
         self._sizer: Sizer | None = None
         self.error: str | None = None
-        threading.Thread(target=self._load, args=(load,), name="coldstart-load", daemon=True).start()
+        self.thread = threading.Thread(target=self._load, args=(load,), name="coldstart-load", daemon=True)
+
+    def start(self) -> None:
+        """Begin loading in the worker thread (call once)."""
+        self.thread.start()
 
     def _load(self, load: Callable[[], Sizer]) -> None:
         try:
@@ -430,7 +437,10 @@ class BackgroundSizer:
             self._done.set()
 
     def wait(self, timeout_s: float | None = None) -> bool:
-        """True once loading has finished (loaded or failed)."""
+        """True once loading has finished (loaded or failed), or at once when it never began (a
+        start-up that failed before serving has nothing to wait for)."""
+        if self.thread.ident is None:
+            return True
         return self._done.wait(timeout_s)
 
     def size(self, job: JobConfig, *, mem_total_mib: float) -> Sizing:

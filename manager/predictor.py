@@ -352,6 +352,11 @@ class ReloadingForecaster:
                 return
         self._load(sig)
 
+    @property
+    def loading_thread(self) -> threading.Thread | None:
+        """The background load of a new file, when one was started (it may have finished)."""
+        return self._thread
+
     def wait_idle(self, timeout_s: float = 30.0) -> None:
         """Wait for a background load to finish (for tests and orderly shutdown)."""
         thread = self._thread

@@ -77,3 +77,61 @@ def test_a_hang_up_signal_is_logged_and_the_daemon_keeps_serving(tmp_path: Path)
     finally:
         assert serve.term() == 0
     assert serve.event("stopped") and not env.sock.exists()
+
+
+# `vgpu serve` whose cold-start sizer takes 40 s to load (the shipped loader, then a wait): the process
+# is stopped while that load is still under way.
+SLOW_LOAD = """
+import sys, time
+from vgpu.daemon import serve
+
+shipped = serve.default_sizer
+
+def slow():
+    sizer = shipped()
+    time.sleep(40)
+    return sizer
+
+serve.default_sizer = slow
+sys.exit(serve.main(sys.argv[1:]))
+"""
+
+
+def test_a_stop_during_a_background_load_ends_the_process_at_once_with_everything_saved(tmp_path: Path) -> None:
+    """The process does not wait for a background load when it stops: right after `stopped` it ends
+    (os._exit, exit status 0: a normal exit would run torch's C++ destructors under the loading
+    thread), with every grant saved for the next start."""
+    import subprocess
+    import sys
+
+    from daemon_fixtures import ROOT, SKU
+
+    env = make_env(tmp_path)
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SLOW_LOAD, "--socket", str(env.sock), "--state-dir", str(env.state),
+             "--backend", f"sim:{SKU}", "--metrics-port", "0"],
+            cwd=ROOT, env=env.env, stdout=subprocess.DEVNULL, stderr=log)
+        try:
+            deadline = time.monotonic() + 60
+            while '"serving"' not in log_path.read_text():
+                assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+                time.sleep(0.05)
+            grant = env.json("request", "--app", "kept", "--memory-mib", "64")
+            proc.send_signal(signal.SIGTERM)
+            started = time.monotonic()
+            assert proc.wait(30) == 0, log_path.read_text()
+            assert time.monotonic() - started < 20  # not the 40 s load
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    events = [e for e in log_path.read_text().splitlines() if e.startswith("{")]
+    assert '"stopped"' in events[-1] and not any('"coldstart_sizer_loaded"' in e for e in events)
+    serve = Serve(env)  # the grant was saved before the process ended
+    try:
+        assert serve.event("reconciled")["grants_restored"] == 1
+        assert [g["grant_id"] for a in env.json("apps")["apps"] for g in a["grants"]] == [grant["grant_id"]]
+    finally:
+        assert serve.term() == 0

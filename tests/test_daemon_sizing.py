@@ -103,3 +103,51 @@ async def test_a_loaded_sizer_is_what_the_allocator_asks(tmp_path: Path) -> None
         assert isinstance(d.allocator.policy, ForecastPolicy)  # the daemon plans with the predictive policy
     finally:
         await d.stop("test")
+
+
+async def test_the_background_loads_begin_once_the_daemon_serves(tmp_path: Path) -> None:
+    """The cold-start sizer and the shipped model load in worker threads that begin after `serving`:
+    begun earlier, their imports (torch) held the interpreter's lock through the rest of the start-up."""
+    import structlog
+    from structlog.testing import capture_logs
+
+    structlog.reset_defaults()  # another test's `main()` may have configured warning level for the process
+    seen: list[list[str]] = []
+
+    def load() -> Sizer:
+        seen.append([e["event"] for e in logs])
+        raise _Broken("not needed here")
+
+    d = sim_daemon(tmp_path, load_sizer=load)
+    with capture_logs() as logs:
+        await d.start()
+        try:
+            assert d.sizer.wait(30)
+            assert d.model_loader is not None and d.model_loader.ident is not None  # the shipped model's load began
+        finally:
+            await d.stop("test")
+    assert len(seen) == 1 and "serving" in seen[0]
+
+
+async def test_a_start_that_fails_before_serving_begins_no_load_and_waits_for_none(tmp_path: Path) -> None:
+    """A start-up that fails before `serving` (here: the socket's path is a directory) has begun no
+    background load, so its stop does not wait for one (a load takes seconds; up to LOADER_JOIN_S)."""
+    import time
+
+    from vgpu.daemon.serve import StartupError
+
+    calls: list[float] = []
+
+    def load() -> Sizer:
+        calls.append(time.monotonic())
+        time.sleep(30)
+        raise _Broken("too slow")
+
+    (tmp_path / "v.sock").mkdir()
+    d = sim_daemon(tmp_path, load_sizer=load)
+    started = time.monotonic()
+    with pytest.raises(StartupError):
+        await d.start()
+    await d.stop("start-up failed")
+    assert calls == [] and time.monotonic() - started < 15
+    assert d.model_loader is None or d.model_loader.ident is None

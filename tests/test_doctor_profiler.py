@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon_fixtures import ROOT, Env, Serve
+from tests.daemon_fixtures import ROOT, Env, Serve, wait_for
 from tests.test_operator_views import cli, start_profiler
 from vgpu.allocator.service import build_server
 from vgpu.daemon import doctor
@@ -38,6 +38,13 @@ def test_doctor_against_a_daemon_without_then_with_a_profiler(env: Env, serves: 
     device = json.loads(cli(env, "available", "--json").stdout)["devices"][0]["device_id"]
     prof = start_profiler(env, device)
     try:
+        # Each doctor run is a process that loads the forecaster (seconds): ask the daemon in this
+        # process until the stream is open and a signature has arrived, then let doctor say so.
+        def streamed() -> bool:
+            (dev,) = env.json("available")["devices"]
+            return bool(dev.get("profiler_streams")) and dev.get("newest_signature_age_s") is not None
+
+        wait_for("the profiler's first signature", streamed, timeout_s=60)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             _, checks = run_doctor(env)

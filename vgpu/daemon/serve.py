@@ -35,17 +35,17 @@ on stderr, exit status 1 (any other exception: `vgpu serve: cannot start: <type>
    be read fails, naming --reset-state; a bad row is left out and counted), and grants on devices
    that are gone and grants of processes that have exited are released;
 5. the allocator (`_build_allocator`): the MIG mechanism (`<state_dir>/mig`), the cold-start sizer
-   (manager/coldstart.py) loading in a worker thread (requests that need it before it is loaded are
-   answered UNAVAILABLE; if it cannot load, one warning, and they are answered FAILED_PRECONDITION),
-   cgroup memory limits (each device is asked whether its driver has them at all: one that does not
-   is said once, `cgroup_memory_limit_unsupported`, and counted in `vgpu_enforcement_unsupported`,
-   not in the alert's `vgpu_enforcement_disabled`) and the predictive policy; then a cgroup memory
-   limit a crashed run left on
+   (manager/coldstart.py), which loads in a worker thread from step 11 on (requests that need it
+   before it is loaded are answered UNAVAILABLE; if it cannot load, one warning, and they are
+   answered FAILED_PRECONDITION), cgroup memory limits (each device is asked whether its driver has
+   them at all: one that does not is said once, `cgroup_memory_limit_unsupported`, and counted in
+   `vgpu_enforcement_unsupported`, not in the alert's `vgpu_enforcement_disabled`) and the predictive
+   policy; then a cgroup memory limit a crashed run left on
    a cgroup no remaining grant holds gets its recorded original back (every one of them when
    `server.cgroup_memory_limits` is off: nothing would restore them later);
 6. the forecaster and the manager (`_build_manager`, manager/modelpath.py): a configured
    `manager.model` must load or the start fails; otherwise the shipped model loads in a worker thread
-   while the baseline serves. Either is a `ReloadingForecaster` that checks its file every
+   from step 11 on while the baseline serves. Either is a `ReloadingForecaster` that checks its file every
    `manager.model_check_interval_s` and swaps a new checkpoint in without touching the streams
    (`forecaster_reloaded`); a new file that does not load is logged (`forecaster_reload_failed`)
    and the old model keeps serving. With `manager.mixture` the served forecaster is the expert
@@ -68,7 +68,10 @@ on stderr, exit status 1 (any other exception: `vgpu serve: cannot start: <type>
 11. start-up's heap is frozen out of the garbage collector's full passes (vgpu/gc_freeze.py),
    `serving` is logged, READY=1 goes to systemd, WATCHDOG=1 every third of WatchdogSec while the
    loop is alive (they stop, with `front_stopped`, once the front's thread has ended, so that
-   systemd restarts a daemon nobody can reach), and the idle release starts.
+   systemd restarts a daemon nobody can reach), and the idle release starts. The background loads
+   (the cold-start sizer, the shipped model) begin only now: importing torch and loading a model hold
+   the interpreter's lock for long stretches, and begun before this step they delayed `serving`
+   (docs/performance.md, *A daemon's start and stop*).
 
 Releases while serving (neither runs with `server.idle_release_s` 0, which keeps grants until they
 are released): every min(5 s, idle_release_s / 4) the grants of applications silent for
@@ -90,13 +93,19 @@ differs from the recorded original is put back and read back (`device_restored` 
 skipped in a dry run, `restore_skipped`); the ledger is saved; the metrics endpoint stops;
 background loads (forecaster, cold-start sizer, a hot reload) are waited for up to LOADER_JOIN_S,
 the learner stopped, the history, backend and store closed; `stopped` is logged, the state
-directory unlocked; exit status 0.
+directory unlocked; exit status 0. `vgpu serve` itself (`main`) does not wait for the background
+loads: a stop that comes while one is still under way (seconds after the start) ends the process
+right after `stopped` with `os._exit`, because the interpreter's normal exit would run torch's and
+ONNX Runtime's C++ destructors under the loading thread and abort (SIGABRT, "terminate called
+without an active exception"); everything is saved and closed by then, and the loads' results were
+for a process that is ending.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import errno
 import fcntl
 import grp
@@ -113,7 +122,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 import grpc
 import psutil
@@ -960,9 +969,11 @@ class Daemon:
         backend: Backend | None = None,
         load_sizer: Callable[[], Sizer] | None = None,
         reset_state: bool = False,
+        loader_join_s: float = LOADER_JOIN_S,
     ) -> None:
         self.cfg = cfg
         self._reset_state = reset_state
+        self._loader_join_s = loader_join_s  # how long stop() waits for the background loads
         self._load_sizer = load_sizer or default_sizer
         self.clock = clock
         self.notifier = notifier or SdNotifier()
@@ -1045,6 +1056,11 @@ class Daemon:
         # start-up is over: what it built is kept out of the garbage collector's full passes (vgpu/gc_freeze.py)
         frozen = freeze_startup_heap()
         self._log_serving(token_files, inapp_state, metrics_at, frozen)
+        # The background loads begin only now: importing torch and loading a model hold the
+        # interpreter's lock for long stretches, and begun earlier they delayed `serving` (docs/performance.md).
+        self.sizer.start()
+        if self.model_loader is not None:
+            self.model_loader.start()
         if not self.notifier.notify(f"READY=1\nSTATUS=serving on {self.socket_path}\nMAINPID={os.getpid()}") \
                 and self.notifier.error:
             self.log.warning("sd_notify_failed", error=self.notifier.error,
@@ -1124,10 +1140,10 @@ class Daemon:
         if model.configured:
             self.log.info("forecaster", serving="model", path=str(model.path), check_interval_s=interval_s)
         else:
-            # the shipped model, when present, loads in the background; the baseline serves meanwhile
+            # the shipped model, when present, loads in the background (from step 11 on, with the
+            # cold-start sizer); the baseline serves meanwhile
             self.model_loader = threading.Thread(target=self._load_default_model, args=(model.path,),
                                                  name="forecaster-load", daemon=True)
-            self.model_loader.start()
 
     def _start_mixture(self, model_forecaster: Forecaster | None) -> None:
         """The expert mixture over `model_forecaster` (None: the model slot waits for the shipped
@@ -1436,7 +1452,7 @@ class Daemon:
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
             self.metrics_server.server_close()
-        await asyncio.to_thread(self._wait_for_loaders, LOADER_JOIN_S)
+        await asyncio.to_thread(self._wait_for_loaders, self._loader_join_s)
         if self.learner is not None:
             await asyncio.to_thread(self.learner.stop)
         if self.history is not None:
@@ -1505,7 +1521,7 @@ class Daemon:
         "terminate called without an active exception") instead of exiting 0."""
         deadline = time.monotonic() + timeout_s
         waits: list[Callable[[float], object]] = []
-        if self.model_loader is not None:
+        if self.model_loader is not None and self.model_loader.ident is not None:  # started (start-up served)
             waits.append(self.model_loader.join)
         # Either may be missing (start-up failed before it) or be a stand-in without the method.
         sizer_wait = getattr(getattr(self, "sizer", None), "wait", None)
@@ -1517,6 +1533,13 @@ class Daemon:
             waits.append(forecaster_wait)
         for wait in waits:
             wait(max(0.0, deadline - time.monotonic()))
+
+    def loads_running(self) -> bool:
+        """Whether a background load (forecaster, cold-start sizer, a hot reload) is still under way."""
+        threads = [self.model_loader, getattr(getattr(self, "sizer", None), "thread", None)]
+        forecaster = model_of(self.manager.forecaster) if hasattr(self, "manager") else None
+        threads.append(getattr(forecaster, "loading_thread", None))
+        return any(isinstance(t, threading.Thread) and t.is_alive() for t in threads)
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -1624,9 +1647,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu serve") -> int:
         return 0
     log.configure(cfg.log.format, cfg.log.level)  # type: ignore[arg-type]
     logger = log.get_logger("vgpu.daemon")
-    daemon = Daemon(cfg, logger=logger, reset_state=ns.reset_state)
+    # The process does not wait for the background loads when it stops (the module docstring's Stop).
+    daemon = Daemon(cfg, logger=logger, reset_state=ns.reset_state, loader_join_s=0.0)
     try:
-        return asyncio.run(daemon.run())
+        status = asyncio.run(daemon.run())
+        if daemon.loads_running():
+            end_process_now(status)
+        return status
     except (StartupError, auth.AuthSetupError) as exc:
         logger.error("startup_failed", error=str(exc))
         print(f"{prog}: {_one_line(str(exc))}", file=sys.stderr)
@@ -1636,6 +1663,16 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu serve") -> int:
         logger.error("startup_failed", error=cause, exc_info=exc)
         print(f"{prog}: cannot start: {_one_line(cause)}", file=sys.stderr)
         return 1
+
+
+def end_process_now(status: int) -> NoReturn:
+    """End the process with `status` at once, the standard streams flushed, without the interpreter's
+    exit: a background load is still inside torch or ONNX Runtime, and their C++ destructors, which
+    a normal exit runs, would abort the process under it (SIGABRT instead of `status`)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a stream already closed or gone: nothing to flush
+            stream.flush()
+    os._exit(status)
 
 
 def _one_line(text: str) -> str:
