@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
 import subprocess
@@ -56,12 +57,18 @@ def test_a_full_collection_after_the_freeze_walks_only_what_came_later(unfrozen:
 
 
 async def test_a_daemon_in_this_process_gives_the_heap_back_when_it_stops(tmp_path: Path, unfrozen: None) -> None:
-    """vgpu serve freezes its start-up heap; stopped, it thaws it, so a process that goes on (this
-    test run) collects its cycles again."""
+    """vgpu serve freezes its start-up heap, and again once its background loads (the cold-start
+    sizer, the shipped forecaster), begun after `serving`, are over; stopped, it thaws it, so a
+    process that goes on (this test run) collects its cycles again."""
     d = sim_daemon(tmp_path)
     await d.start()
     try:
-        assert gc.get_freeze_count() > 10_000
+        at_serving = gc.get_freeze_count()
+        assert at_serving > 10_000
+        assert d._refreeze is not None
+        await asyncio.wait_for(asyncio.shield(d._refreeze), timeout=60)
+        assert not d.loads_running()
+        assert gc.get_freeze_count() > at_serving  # what the loads left alive is frozen too
     finally:
         await d.stop("test")
     assert gc.get_freeze_count() == 0

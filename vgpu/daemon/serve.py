@@ -71,7 +71,8 @@ on stderr, exit status 1 (any other exception: `vgpu serve: cannot start: <type>
    systemd restarts a daemon nobody can reach), and the idle release starts. The background loads
    (the cold-start sizer, the shipped model) begin only now: importing torch and loading a model hold
    the interpreter's lock for long stretches, and begun before this step they delayed `serving`
-   (docs/performance.md, *A daemon's start and stop*).
+   (docs/performance.md, *A daemon's start and stop*). Once they are over, the heap is frozen again
+   (`heap_frozen`), so that what they loaded is out of the full passes too.
 
 Releases while serving (neither runs with `server.idle_release_s` 0, which keeps grants until they
 are released): every min(5 s, idle_release_s / 4) the grants of applications silent for
@@ -237,14 +238,17 @@ class SdNotifier:
         """Send `message`; whether it was sent. A socket that is gone or refuses (a stale variable
         inherited from a unit that ended) is not the daemon's failure, as sd_notify(3) returns an
         error rather than failing its caller: the stop that notifies first must still restore the
-        devices and save. The last error is kept in `error`."""
+        devices and save. Nor is a receiver whose queue is full (it does not read): the message is
+        dropped rather than waited on. The last error is kept in `error`."""
         if not self.address:
             return False
         addr = "\0" + self.address[1:] if self.address.startswith("@") else self.address
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
                 s.connect(addr)
-                s.sendall(message.encode())
+                # never waits: the caller is the event loop, and a receiver that does not read (a
+                # stale socket some process still holds) would stall it; a full queue is an error
+                s.send(message.encode(), socket.MSG_DONTWAIT)
         except OSError as exc:
             self.error = f"{self.address}: {exc.strerror or exc}"
             return False
@@ -991,6 +995,7 @@ class Daemon:
         self._lock: StateLock | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self._idle_release: asyncio.Task[None] | None = None
+        self._refreeze: asyncio.Task[None] | None = None
         self._stream_end_timers: set[asyncio.TimerHandle] = set()  # _stream_ended's, cancelled on stop
         self._stopping = False
         self.model_loader: threading.Thread | None = None
@@ -1069,6 +1074,7 @@ class Daemon:
             self._watchdog = asyncio.create_task(self._ping_watchdog(self.notifier.watchdog_s / 3))
         if cfg.server.idle_release_s > 0:
             self._idle_release = asyncio.create_task(self._release_vanished(cfg.server.idle_release_s))
+        self._refreeze = asyncio.create_task(self._freeze_after_loads())
 
     def _open_state(self) -> None:
         """Lock the state directory, move a damaged database aside with --reset-state, open the store."""
@@ -1413,6 +1419,15 @@ class Daemon:
         # baseline serves and the file is not watched.
         self.log.warning("forecaster_unavailable", path=str(path), error=error, serving="baseline")
 
+    async def _freeze_after_loads(self, poll_s: float = 1.0) -> None:
+        """Once the background loads are over, freeze the heap again (vgpu/gc_freeze.py): they begin
+        after the start-up freeze, and what they leave alive (torch, the forecaster, the sizer: most
+        of the process's objects) would otherwise be walked by every full collection."""
+        while self.loads_running():
+            await asyncio.sleep(poll_s)
+        frozen = freeze_startup_heap()
+        self.log.info("heap_frozen", after="background loads", heap_frozen_objects=frozen)
+
     async def _ping_watchdog(self, period_s: float) -> None:
         # Fixed rate on monotonic deadlines; runs on the loop, so a stalled loop stops the pings. A
         # front whose thread has ended accepts nobody on the socket: the pings stop too (said once),
@@ -1437,6 +1452,8 @@ class Daemon:
             self._watchdog.cancel()
         if self._idle_release is not None:
             self._idle_release.cancel()
+        if self._refreeze is not None:
+            self._refreeze.cancel()
         self._stopping = True  # streams that end from here on are the daemon's doing
         for timer in self._stream_end_timers:
             timer.cancel()
