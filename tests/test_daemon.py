@@ -147,6 +147,45 @@ def test_readiness_and_watchdog_over_notify_socket(env: Env, serves: list[Serve]
     listener.close()
 
 
+def _full_datagram_socket(path: Path) -> tuple[socket.socket, list[socket.socket]]:
+    """A datagram socket bound at `path` that nobody reads, its queue filled: a new sender's first
+    message would wait. (The listener, the senders that filled it.)"""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(str(path))
+    senders: list[socket.socket] = []
+    for _ in range(64):  # each sender is bounded by its own send buffer too: as many as the queue takes
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        s.connect(str(path))
+        senders.append(s)
+        try:
+            while True:
+                s.send(b"x", socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            pass
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as probe:
+            probe.connect(str(path))
+            try:
+                probe.send(b"x", socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return listener, senders
+    raise AssertionError("the datagram queue never filled")
+
+
+def test_a_notify_socket_that_is_not_read_stalls_neither_the_loop_nor_the_stop(env: Env, serves: list[Serve]) -> None:
+    """NOTIFY_SOCKET naming a socket whose queue is full (a process holds it and never reads): the
+    daemon's messages are dropped and said, not waited on; it goes on answering and stops cleanly."""
+    listener, senders = _full_datagram_socket(env.tmp / "full.sock")
+    try:
+        serves.append(Serve(env, notify=env.tmp / "full.sock"))
+        serves[-1].wait_for("sd_notify_failed")
+        assert "unavailable" in serves[-1].event("sd_notify_failed")["error"].lower()
+        assert serves[-1].term() == 0
+        assert serves[-1].events()[-1]["event"] == "stopped"
+    finally:
+        for s in [listener, *senders]:
+            s.close()
+
+
 def test_a_stale_notify_socket_neither_stops_the_start_nor_the_stop(env: Env, serves: list[Serve]) -> None:
     """NOTIFY_SOCKET naming a socket that is gone (inherited from a unit that ended): the daemon
     serves, and its stop, which notifies first, still restores, saves and unlocks ("stopped")."""
