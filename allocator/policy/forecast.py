@@ -1105,6 +1105,10 @@ class UsageHistory:
         self._samples: dict[str, list[tuple[float, float]]] = {}
         self._seq: dict[str, int] = {}
         self._first_use: dict[str, float] = {}
+        # per application: when this history saw its first sample, and the first use it saw since a
+        # new job's start (`use_since_s`) as (that start, the use; inf: none yet)
+        self._began: dict[str, float] = {}
+        self._job_use: dict[str, tuple[float, float]] = {}
         # the forecast P90 given with the latest sample, the one the latest sample is judged against
         # (given with the sample before it), and how many samples that moved have stayed at or under
         # theirs since the last that went over (`covered_s`)
@@ -1121,6 +1125,7 @@ class UsageHistory:
             return
         if seq:
             self._seq[app_id] = seq
+        self._began.setdefault(app_id, now_s)
         if used_mib > IDLE_MEM_MIB:
             self._first_use.setdefault(app_id, now_s)
         samples = self._samples.setdefault(app_id, [])
@@ -1173,7 +1178,8 @@ class UsageHistory:
             self._seq.pop(app_id, None)
             self._covered_n.pop(app_id, None)
             self._rises.pop(app_id, None)
-            for d in (self._first_use, self._p90, self._p90_judged):
+            self._job_use.pop(app_id, None)
+            for d in (self._first_use, self._began, self._p90, self._p90_judged):
                 d.pop(app_id, None)
 
     def ramp(self, app_id: str, back: int = 0) -> tuple[float, float]:
@@ -1204,6 +1210,31 @@ class UsageHistory:
         """Seconds since the usage first rose above `IDLE_MEM_MIB`; NaN when it has not."""
         first = self._first_use.get(app_id)
         return math.nan if first is None else max(now_s - first, 0.0)
+
+    def first_use_s(self, app_id: str) -> float:
+        """When this history first saw the usage above `IDLE_MEM_MIB`; NaN when it has not."""
+        return self._first_use.get(app_id, math.nan)
+
+    def use_since_s(self, app_id: str, since_s: float) -> float:
+        """When the usage first rose above `IDLE_MEM_MIB` at or after `since_s` (a new job's start),
+        to the step (`min_step_s`), as this history saw it; inf while it has not. `since_s` itself
+        where this history began after it (a restarted daemon's policy, or an application forgotten
+        and seen again): what came before is not known here, and the job is taken to have used the
+        GPU from its start, so that a job already running does not start its window again."""
+        began = self._began.get(app_id)
+        if began is None or began > since_s:
+            return since_s
+        known = self._job_use.get(app_id)
+        if known is not None and known[0] == since_s and math.isfinite(known[1]):
+            return known[1]
+        # found once while the use is in the kept samples (this is asked at every plan), then kept
+        samples = self._samples.get(app_id, [])
+        i = len(samples)
+        while i > 0 and samples[i - 1][0] >= since_s:
+            i -= 1
+        used = next((t for t, v in samples[i:] if v > IDLE_MEM_MIB), math.inf)
+        self._job_use[app_id] = (since_s, used)
+        return used
 
     def covered_s(self, app_id: str) -> float:
         """Seconds (samples, one a second at most) since a sample's usage last went over the forecast
@@ -1381,6 +1412,7 @@ class ForecastPolicy:
         self.history.observe(rec.app_id, now_s, rec.mem_used_mib, rec.for_seq,
                              f_mem if math.isfinite(f_mem) else math.nan)
         ramp_s, ramp_rate = self.history.ramp(rec.app_id)
+        used_since_s = self._job_first_use_s(rec, own)
         window = self.config.mem_shrink_window_s
         return AppState(
             app_id=rec.app_id, device_id=rec.device_id,
@@ -1396,10 +1428,28 @@ class ForecastPolicy:
             mem_ramp_s=ramp_s, mem_ramp_rate_mib_s=ramp_rate, mem_ramp_last_mib_s=self.history.last_rise(rec.app_id),
             mem_ramp_prev_s=self.history.ramp(rec.app_id, back=1)[0],
             recent_peak_mem_mib=self.history.peak(rec.app_id, now_s, window) if window > 0 else math.nan,
-            active_s=active_since_use_s(now_s, rec.first_use_s, self.history.active_s(rec.app_id, now_s)),
+            active_s=active_since_use_s(now_s, used_since_s, self.history.active_s(rec.app_id, now_s)),
             mem_p90_covered_s=self.history.covered_s(rec.app_id),
-            mem_burst_mib=self.history.burst_mib(rec.app_id, now_s, self.config, rec.first_use_s),
+            mem_burst_mib=self.history.burst_mib(rec.app_id, now_s, self.config, used_since_s),
         )
+
+    def _job_first_use_s(self, rec: Recommendation, own: Grant | None) -> float:
+        """The start of the application's start-up windows, as `Recommendation.first_use_s` says it
+        (NaN: from the use this policy's history saw): its first use of the GPU, unless its managed
+        grant (`own`) is a cold-start grant made after that first use: a new job, declared by an
+        application that had used the GPU already (a script run again under the same id, the next
+        of a series of runs). Its windows then count from its first use since that grant
+        (`UsageHistory.use_since_s`; inf while it has used nothing since), so that the new job keeps
+        its cold-start size through its own start-up. A grant the application requested itself
+        declares no job and is never `own`; a cold-start grant made before the first use is the
+        first job's, whose windows count from the first use as they always did."""
+        first = rec.first_use_s
+        if own is None or own.source != "cold_start":
+            return first
+        used = self.history.first_use_s(rec.app_id) if math.isnan(first) else first
+        if not own.created_at_s > used:  # not after it, not used yet (inf), or not known (NaN)
+            return first
+        return self.history.use_since_s(rec.app_id, own.created_at_s)
 
     def _power_targets(self, result: Plan, views: Mapping[str, DeviceView]) -> list[PowerTarget]:
         """Each device's power limit from its planned SM share (the maximum where the plan says full
