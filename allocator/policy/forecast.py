@@ -31,7 +31,9 @@ Per application and resource, the target before hysteresis (`_desired`):
     burst: `mem_burst_ramp_cap`): where a rising usage ends (`ramp`).
  6. Start-up (`start_window_s`, `start_headroom_mib`, `start_from_use`; start-up ramps:
     `start_ramp_frac`, `start_ramp_window_s`, `start_ramp_min_s`): the cold-start size, or usage
-    plus headroom, or a multiple of a ramping usage (`start`).
+    plus headroom, or a multiple of a ramping usage (`start`). A new job declared after the
+    application's first use (a newer cold-start grant) counts from its own first use
+    (`ForecastPolicy._job_first_use_s`).
  7. Burst room (`mem_burst_window_s`, `mem_burst_frac`): usage plus the largest recent burst (`burst`).
  Both resources:
  8. Overrun bump [2] (`mem_bump_frac`, `mem_bump_min_mib`, `sm_bump_pct`): usage that reached the
