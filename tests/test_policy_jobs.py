@@ -1,6 +1,7 @@
-"""A new job declared under an application id already in use starts a new start-up window: the
-daemon's Allocator and ForecastPolicy on a simulated H100, with a sizer that sizes a job at 100 MiB
-per sample of its batch, and the manager's first use of the GPU on every recommendation."""
+"""A job keeps its cold-start size while it loads. A new job declared under an application id already
+in use starts a new start-up window: the daemon's Allocator and ForecastPolicy on a simulated H100,
+with a sizer that sizes a job at 100 MiB per sample of its batch, and the manager's first use of the
+GPU on every recommendation. And a full device does not take the size back as headroom (`plan`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ import pytest
 from vgpu.allocator.core import AllocationRequest, Allocator
 from vgpu.allocator.ledger import Grant
 from vgpu.allocator.policy.base import Recommendation, Sizing
-from vgpu.allocator.policy.forecast import PREDICTIVE_CONFIG, ForecastPolicy, UsageHistory
+from vgpu.allocator.policy.forecast import (
+    PREDICTIVE_CONFIG,
+    AppState,
+    DeviceState,
+    ForecastPolicy,
+    UsageHistory,
+    plan,
+)
 from vgpu.device.sim import ManualClock, SimBackend
 from vgpu.jobs import JobConfig
 
@@ -139,3 +147,21 @@ def test_the_history_finds_the_first_use_since_a_job_s_start() -> None:
     assert h.use_since_s("a", 4.5) == 6.0
     # a job that started before this history began: taken as in use from its start
     assert h.use_since_s("a", -10.0) == -10.0 and h.use_since_s("b", 3.0) == 3.0
+
+
+def test_a_full_device_does_not_cut_a_loading_job_under_its_cold_start_size() -> None:
+    # "big" ramps at 10 GB/s: its ramp's end, capped at the device, is headroom over its claim
+    # (40,800 MiB); "new" loads (1,000 MiB of its 4,000 MiB cold-start size), 1 s into its window
+    dev = DeviceState("gpu0", mem_total_mib=80_000)
+    big = AppState("big", "gpu0", granted_mem_mib=40_800, used_mem_mib=40_000, forecast_mem_p90_mib=40_000,
+                   mem_ramp_s=2.0, mem_ramp_rate_mib_s=10_000.0, mem_ramp_last_mib_s=10_000.0, active_s=600.0,
+                   history_s=600.0)
+    new = AppState("new", "gpu0", granted_mem_mib=4_000, used_mem_mib=1_000, forecast_mem_p90_mib=1_000,
+                   expected_mem_mib=4_000, active_s=1.0, history_s=600.0, last_mem_change_s=99.0)
+    result = plan([big, new], [dev], 100.0, CFG)
+    assert result.devices[0].contended_mem
+    assert result.target("new").mem_mib == pytest.approx(4_000 * MARGIN)
+    assert result.target("big").mem_mib + result.target("new").mem_mib <= 80_000 + 1e-6
+    # past its window the size is headroom like any other, cut in proportion with the ramp's
+    later = plan([big, replace(new, active_s=CFG.start_window_s + 1)], [dev], 100.0, CFG)
+    assert later.target("new").mem_mib < 4_000

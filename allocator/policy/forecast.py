@@ -21,7 +21,8 @@ Per application and resource, the target before hysteresis (`_desired`):
  2. Reclaim [2]: usage x (1 + margin) above the estimate raises it to that (`reclaim-grow`); below,
     the estimate stands, so unused grant is taken back. The margin here is always the full one.
  3. Floor [3]: the explicit request, else the minimum grant (`guarantee`, `minimum`). The target so
-    far is the application's *claim*, what the contention rule (11) weighs.
+    far is the application's *claim*, what the contention rule (11) weighs; in its start-up window a
+    job's cold-start size plus the margin is part of its claim (`_cold_start_floor`).
  Memory only, the leading rules [6]; each raises the target when above it (capped by the operator's
  limit and the device, never under the floor), so each lies above the claim:
  4. Lead headroom (`mem_lead_frac`; none for a trusted forecast): a P90 over the grant in force is
@@ -697,6 +698,12 @@ def _desired(app: AppState, res: Resource, est: Estimator, config: PolicyConfig,
         value, reason = floor, "guarantee" if app.request(res) > 0 else "minimum"
     claim = value
     if res == "mem":
+        # a job's cold-start size in its start-up window is its claim too: the allocator admitted
+        # the job at that size (reclaiming room for it if need be), so a full device does not take
+        # it back as headroom while the job loads
+        cold = _cold_start_floor(app, config)
+        if cold > claim:
+            claim = max(min(cold, upper), floor)
         # 4-7. the leading rules: each raises the target above the claim when it asks for more
         for name, rule in _LEADING_RULES:
             wanted = rule(app, config)
@@ -794,12 +801,23 @@ def _start_up(app: AppState, config: PolicyConfig) -> float:
     if not (starting or ramping):
         return math.nan
     if starting and not math.isnan(app.expected_mem_mib):
-        return app.expected_mem_mib * (1.0 + config.mem_margin_frac)
+        return _cold_start_floor(app, config)
     if math.isnan(app.used_mem_mib):
         return math.nan
     used = app.used_mem_mib
     grow = max(config.start_headroom_mib if starting else 0.0, used * config.start_ramp_frac if ramping else 0.0)
     return (used + grow) * (1.0 + config.mem_margin_frac) if grow > 0 else math.nan
+
+
+def _cold_start_floor(app: AppState, config: PolicyConfig) -> float:
+    """The job's cold-start size plus the margin while it is in its start-up window
+    (`start_window_s`, counted as `_start_up` counts it); NaN otherwise, or when it has none."""
+    if math.isnan(app.expected_mem_mib) or config.start_window_s <= 0:
+        return math.nan
+    age = app.history_s
+    if config.start_from_use > 0:
+        age = 0.0 if math.isnan(app.active_s) else app.active_s
+    return app.expected_mem_mib * (1.0 + config.mem_margin_frac) if age < config.start_window_s else math.nan
 
 
 def _burst_room(app: AppState, config: PolicyConfig) -> float:
