@@ -132,13 +132,13 @@ def test_the_client_stub_is_told_when_its_limit_turns_hard(env: Env, serves: lis
     assert serves[-1].term() == 0
 
 
-def _request_sized(env: Env, app_id: str) -> dict:  # type: ignore[type-arg]
+def _request_sized(env: Env, app_id: str, batch_size: int = 64) -> dict:  # type: ignore[type-arg]
     """`vgpu request` with the job's configuration and no memory: the cold-start model sizes it (it
     loads in the background for a few seconds after start: UNAVAILABLE until then)."""
     deadline = time.monotonic() + 120
     while True:
         r = env.vgpu("request", "--socket", str(env.sock), "--json", "--app", app_id, "--model-type", "resnet50",
-                     "--batch-size", "64", "--input-size", "224", check=False)
+                     "--batch-size", str(batch_size), "--input-size", "224", check=False)
         if r.returncode == 0:
             return json.loads(r.stdout)  # type: ignore[no-any-return]
         assert "UNAVAILABLE" in r.stderr and time.monotonic() < deadline, r.stderr
@@ -199,6 +199,28 @@ def test_a_job_still_loading_keeps_its_cold_start_size_until_it_starts_across_a_
         (held,) = job["grants"]
         assert held["grant_id"] == grant["grant_id"]
         assert cold_mib <= held["memory_mib"] <= cold_mib * (1 + PREDICTIVE_CONFIG.mem_margin_frac) + 1, (app_id, held)
+    assert serves[-1].term() == 0
+
+
+def test_a_new_job_under_the_same_application_gets_its_own_start_up_window(env: Env, serves: list[Serve]) -> None:
+    """An application runs a job past its start-up window, ends it (releases its grant), and starts
+    its next job under the same id with a bigger batch: a new cold-start grant while the new job
+    loads. The new job's window counts from its own start, so the policy holds its grant at the new
+    cold-start size plus the margin, as it did the first job's; counted from the application's first
+    use, the window would be over and the grant left to follow the loading job's low usage."""
+    serves.append(Serve(env))
+    first = _request_sized(env, "runs", batch_size=64)
+    device, used_mib = first["device_id"], 0.5 * first["memory_mib"]
+    _replay(env, {device: {"runs": used_mib}}, PREDICTIVE_CONFIG.start_window_s + 4)
+    env.vgpu("release", "--socket", str(env.sock), "--grant", first["grant_id"])
+    second = _request_sized(env, "runs", batch_size=128)
+    cold_mib = second["memory_mib"]
+    assert second["source"] == "cold_start" and cold_mib > 2 * used_mib
+    # loading: its model in memory, no batch yet; the usage as the last job left it (no rise, so
+    # that no ramp rule, which also grants up to the cold-start size, has a say)
+    _replay(env, {device: {"runs": used_mib}}, 5)
+    held = {g["grant_id"]: g for g in _apps(env)["runs"]["grants"]}[second["grant_id"]]
+    assert held["memory_mib"] == pytest.approx(cold_mib * (1 + PREDICTIVE_CONFIG.mem_margin_frac), rel=1e-3)
     assert serves[-1].term() == 0
 
 

@@ -21,7 +21,8 @@ Per application and resource, the target before hysteresis (`_desired`):
  2. Reclaim [2]: usage x (1 + margin) above the estimate raises it to that (`reclaim-grow`); below,
     the estimate stands, so unused grant is taken back. The margin here is always the full one.
  3. Floor [3]: the explicit request, else the minimum grant (`guarantee`, `minimum`). The target so
-    far is the application's *claim*, what the contention rule (11) weighs.
+    far is the application's *claim*, what the contention rule (11) weighs; in its start-up window a
+    job's cold-start size plus the margin is part of its claim (`_cold_start_floor`).
  Memory only, the leading rules [6]; each raises the target when above it (capped by the operator's
  limit and the device, never under the floor), so each lies above the claim:
  4. Lead headroom (`mem_lead_frac`; none for a trusted forecast): a P90 over the grant in force is
@@ -31,7 +32,9 @@ Per application and resource, the target before hysteresis (`_desired`):
     burst: `mem_burst_ramp_cap`): where a rising usage ends (`ramp`).
  6. Start-up (`start_window_s`, `start_headroom_mib`, `start_from_use`; start-up ramps:
     `start_ramp_frac`, `start_ramp_window_s`, `start_ramp_min_s`): the cold-start size, or usage
-    plus headroom, or a multiple of a ramping usage (`start`).
+    plus headroom, or a multiple of a ramping usage (`start`). A new job declared after the
+    application's first use (a newer cold-start grant) counts from its own first use
+    (`ForecastPolicy._job_first_use_s`).
  7. Burst room (`mem_burst_window_s`, `mem_burst_frac`): usage plus the largest recent burst (`burst`).
  Both resources:
  8. Overrun bump [2] (`mem_bump_frac`, `mem_bump_min_mib`, `sm_bump_pct`): usage that reached the
@@ -695,6 +698,12 @@ def _desired(app: AppState, res: Resource, est: Estimator, config: PolicyConfig,
         value, reason = floor, "guarantee" if app.request(res) > 0 else "minimum"
     claim = value
     if res == "mem":
+        # a job's cold-start size in its start-up window is its claim too: the allocator admitted
+        # the job at that size (reclaiming room for it if need be), so a full device does not take
+        # it back as headroom while the job loads
+        cold = _cold_start_floor(app, config)
+        if cold > claim:
+            claim = max(min(cold, upper), floor)
         # 4-7. the leading rules: each raises the target above the claim when it asks for more
         for name, rule in _LEADING_RULES:
             wanted = rule(app, config)
@@ -792,12 +801,23 @@ def _start_up(app: AppState, config: PolicyConfig) -> float:
     if not (starting or ramping):
         return math.nan
     if starting and not math.isnan(app.expected_mem_mib):
-        return app.expected_mem_mib * (1.0 + config.mem_margin_frac)
+        return _cold_start_floor(app, config)
     if math.isnan(app.used_mem_mib):
         return math.nan
     used = app.used_mem_mib
     grow = max(config.start_headroom_mib if starting else 0.0, used * config.start_ramp_frac if ramping else 0.0)
     return (used + grow) * (1.0 + config.mem_margin_frac) if grow > 0 else math.nan
+
+
+def _cold_start_floor(app: AppState, config: PolicyConfig) -> float:
+    """The job's cold-start size plus the margin while it is in its start-up window
+    (`start_window_s`, counted as `_start_up` counts it); NaN otherwise, or when it has none."""
+    if math.isnan(app.expected_mem_mib) or config.start_window_s <= 0:
+        return math.nan
+    age = app.history_s
+    if config.start_from_use > 0:
+        age = 0.0 if math.isnan(app.active_s) else app.active_s
+    return app.expected_mem_mib * (1.0 + config.mem_margin_frac) if age < config.start_window_s else math.nan
 
 
 def _burst_room(app: AppState, config: PolicyConfig) -> float:
@@ -1105,6 +1125,10 @@ class UsageHistory:
         self._samples: dict[str, list[tuple[float, float]]] = {}
         self._seq: dict[str, int] = {}
         self._first_use: dict[str, float] = {}
+        # per application: when this history saw its first sample, and the first use it saw since a
+        # new job's start (`use_since_s`) as (that start, the use; inf: none yet)
+        self._began: dict[str, float] = {}
+        self._job_use: dict[str, tuple[float, float]] = {}
         # the forecast P90 given with the latest sample, the one the latest sample is judged against
         # (given with the sample before it), and how many samples that moved have stayed at or under
         # theirs since the last that went over (`covered_s`)
@@ -1121,6 +1145,7 @@ class UsageHistory:
             return
         if seq:
             self._seq[app_id] = seq
+        self._began.setdefault(app_id, now_s)
         if used_mib > IDLE_MEM_MIB:
             self._first_use.setdefault(app_id, now_s)
         samples = self._samples.setdefault(app_id, [])
@@ -1173,7 +1198,8 @@ class UsageHistory:
             self._seq.pop(app_id, None)
             self._covered_n.pop(app_id, None)
             self._rises.pop(app_id, None)
-            for d in (self._first_use, self._p90, self._p90_judged):
+            self._job_use.pop(app_id, None)
+            for d in (self._first_use, self._began, self._p90, self._p90_judged):
                 d.pop(app_id, None)
 
     def ramp(self, app_id: str, back: int = 0) -> tuple[float, float]:
@@ -1204,6 +1230,31 @@ class UsageHistory:
         """Seconds since the usage first rose above `IDLE_MEM_MIB`; NaN when it has not."""
         first = self._first_use.get(app_id)
         return math.nan if first is None else max(now_s - first, 0.0)
+
+    def first_use_s(self, app_id: str) -> float:
+        """When this history first saw the usage above `IDLE_MEM_MIB`; NaN when it has not."""
+        return self._first_use.get(app_id, math.nan)
+
+    def use_since_s(self, app_id: str, since_s: float) -> float:
+        """When the usage first rose above `IDLE_MEM_MIB` at or after `since_s` (a new job's start),
+        to the step (`min_step_s`), as this history saw it; inf while it has not. `since_s` itself
+        where this history began after it (a restarted daemon's policy, or an application forgotten
+        and seen again): what came before is not known here, and the job is taken to have used the
+        GPU from its start, so that a job already running does not start its window again."""
+        began = self._began.get(app_id)
+        if began is None or began > since_s:
+            return since_s
+        known = self._job_use.get(app_id)
+        if known is not None and known[0] == since_s and math.isfinite(known[1]):
+            return known[1]
+        # found once while the use is in the kept samples (this is asked at every plan), then kept
+        samples = self._samples.get(app_id, [])
+        i = len(samples)
+        while i > 0 and samples[i - 1][0] >= since_s:
+            i -= 1
+        used = next((t for t, v in samples[i:] if v > IDLE_MEM_MIB), math.inf)
+        self._job_use[app_id] = (since_s, used)
+        return used
 
     def covered_s(self, app_id: str) -> float:
         """Seconds (samples, one a second at most) since a sample's usage last went over the forecast
@@ -1381,6 +1432,7 @@ class ForecastPolicy:
         self.history.observe(rec.app_id, now_s, rec.mem_used_mib, rec.for_seq,
                              f_mem if math.isfinite(f_mem) else math.nan)
         ramp_s, ramp_rate = self.history.ramp(rec.app_id)
+        used_since_s = self._job_first_use_s(rec, own)
         window = self.config.mem_shrink_window_s
         return AppState(
             app_id=rec.app_id, device_id=rec.device_id,
@@ -1396,10 +1448,28 @@ class ForecastPolicy:
             mem_ramp_s=ramp_s, mem_ramp_rate_mib_s=ramp_rate, mem_ramp_last_mib_s=self.history.last_rise(rec.app_id),
             mem_ramp_prev_s=self.history.ramp(rec.app_id, back=1)[0],
             recent_peak_mem_mib=self.history.peak(rec.app_id, now_s, window) if window > 0 else math.nan,
-            active_s=active_since_use_s(now_s, rec.first_use_s, self.history.active_s(rec.app_id, now_s)),
+            active_s=active_since_use_s(now_s, used_since_s, self.history.active_s(rec.app_id, now_s)),
             mem_p90_covered_s=self.history.covered_s(rec.app_id),
-            mem_burst_mib=self.history.burst_mib(rec.app_id, now_s, self.config, rec.first_use_s),
+            mem_burst_mib=self.history.burst_mib(rec.app_id, now_s, self.config, used_since_s),
         )
+
+    def _job_first_use_s(self, rec: Recommendation, own: Grant | None) -> float:
+        """The start of the application's start-up windows, as `Recommendation.first_use_s` says it
+        (NaN: from the use this policy's history saw): its first use of the GPU, unless its managed
+        grant (`own`) is a cold-start grant made after that first use: a new job, declared by an
+        application that had used the GPU already (a script run again under the same id, the next
+        of a series of runs). Its windows then count from its first use since that grant
+        (`UsageHistory.use_since_s`; inf while it has used nothing since), so that the new job keeps
+        its cold-start size through its own start-up. A grant the application requested itself
+        declares no job and is never `own`; a cold-start grant made before the first use is the
+        first job's, whose windows count from the first use as they always did."""
+        first = rec.first_use_s
+        if own is None or own.source != "cold_start":
+            return first
+        used = self.history.first_use_s(rec.app_id) if math.isnan(first) else first
+        if not own.created_at_s > used:  # not after it, not used yet (inf), or not known (NaN)
+            return first
+        return self.history.use_since_s(rec.app_id, own.created_at_s)
 
     def _power_targets(self, result: Plan, views: Mapping[str, DeviceView]) -> list[PowerTarget]:
         """Each device's power limit from its planned SM share (the maximum where the plan says full
