@@ -11,6 +11,8 @@ import asyncio
 import io
 import json
 import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,9 +27,10 @@ from vgpu import ctl as cli
 from vgpu.allocator.mechanisms.limits import CgroupMemoryLimits
 from vgpu.daemon import doctor
 from vgpu.daemon.serve import Daemon, SdNotifier
+from vgpu.device.errors import GpuLost
 from vgpu.device.fake_pynvml import FakePynvml
 from vgpu.device.nvml import NvmlBackend
-from vgpu.device.sim import SimBackend
+from vgpu.device.sim import SimBackend, SimDevice
 
 
 @dataclass
@@ -129,3 +132,70 @@ def test_doctor_names_the_gpus_without_cgroup_limits(supported: bool, status: st
         assert "vgpu_enforcement_unsupported" in check.detail
     off = doctor.check_memory_limits(lambda: NvmlBackend(nvml=FakePynvml(sim)), enabled=False)
     assert off.status == "OK" and "server.cgroup_memory_limits = false" in off.detail
+
+
+# `vgpu doctor` run as its user runs it, a process of its own, with NVML the fake pynvml over a simulated
+# GPU: the child puts the fake where `import pynvml` finds it, then runs the CLI's entry point.
+_DOCTOR_ON_FAKE_NVML = """
+import sys
+import pynvml
+from vgpu.device.fake_pynvml import FakePynvml
+from vgpu.device.sim import SimBackend
+from vgpu.cli import main
+fake = FakePynvml(SimBackend(["h100-80gb", "h100-80gb"]))
+fault = sys.argv[1]
+if fault != "none":
+    function, code = fault.split("=")
+    fake.inject(function, getattr(pynvml, code), times=None)
+sys.modules["pynvml"] = fake
+sys.exit(main(["doctor", "--json", *sys.argv[2:]]))
+"""
+
+
+def _doctor_on_fake_nvml(tmp_path: Path, fault: str) -> dict[str, list[dict[str, str]]]:
+    args = ["--backend", "nvml", "--socket", str(tmp_path / "none.sock"), "--state-dir", str(tmp_path / "state"),
+            "--model", str(tmp_path / "no-model.pt")]  # a model that is not there: nothing is loaded
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VGPU_")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    done = subprocess.run([sys.executable, "-c", _DOCTOR_ON_FAKE_NVML, fault, *args], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=tmp_path)
+    assert "Traceback" not in done.stderr, done.stderr
+    checks: dict[str, list[dict[str, str]]] = {}
+    for c in json.loads(done.stdout):
+        checks.setdefault(c["name"], []).append(c)
+    return checks
+
+
+def test_doctor_without_privilege_says_it_could_not_check_memory_limits_rather_than_ok(tmp_path: Path) -> None:
+    """NVML refuses the read of the limits to a caller without privilege: that says nothing about
+    whether the driver has them, so the line is a warning naming the GPUs and the fix, not OK."""
+    fine = _doctor_on_fake_nvml(tmp_path, "none")
+    assert fine["memlimits"][0]["status"] == "OK", fine["memlimits"]
+    refused = _doctor_on_fake_nvml(tmp_path, "nvmlDeviceGetMemoryLimits_v1=NVML_ERROR_NO_PERMISSION")
+    [line] = refused["memlimits"]
+    assert line["status"] == "WARN" and line["detail"].startswith("could not check GPU 0 (GPU-"), line
+    assert ", 1 (GPU-" in line["detail"] and "no permission" in line["detail"] and "root" in line["detail"]
+    assert "NoPermission" in line["detail"] and "cooperative" not in line["detail"]
+    assert refused["nvml"][0]["status"] == "OK"  # NVML itself opens: only the limits were refused
+
+
+def test_doctor_says_an_nvml_error_while_listing_the_devices_in_a_line(tmp_path: Path) -> None:
+    checks = _doctor_on_fake_nvml(tmp_path, "nvmlDeviceGetUUID=NVML_ERROR_NO_PERMISSION")
+    [nvml] = checks["nvml"]
+    assert nvml["status"] == "FAIL" and "device listing" in nvml["detail"], nvml
+    assert "nvmlDeviceGetUUID" in nvml["detail"] and "NoPermission" in nvml["detail"]
+    assert checks["memlimits"][0]["status"] == "WARN" and "not checked" in checks["memlimits"][0]["detail"]
+
+
+class _ListingFails(SimBackend):
+    """A backend that opens but whose device listing raises (a GPU lost between open and list)."""
+
+    def devices(self) -> list[SimDevice]:
+        raise GpuLost("nvmlDeviceGetHandleByIndex: GPU is lost (NVML code 15)")
+
+
+def test_doctor_lines_for_a_device_listing_that_raises() -> None:
+    nvml = doctor.check_nvml(lambda: _ListingFails(["h100-80gb"]))
+    assert nvml.status == "FAIL" and "listing the devices failed: GpuLost" in nvml.detail, nvml
+    mem = doctor.check_memory_limits(lambda: _ListingFails(["h100-80gb"]))
+    assert mem.status == "WARN" and "not checked: listing the devices failed (GpuLost)" in mem.detail, mem

@@ -23,9 +23,7 @@ status 1 when any check fails.
 from __future__ import annotations
 
 import argparse
-import io
 import json
-import logging
 import math
 import os
 import stat
@@ -34,8 +32,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TextIO
-
-import structlog
 
 from vgpu import config as vconfig
 
@@ -76,10 +72,16 @@ def check_nvml(open_backend: Callable[[], Backend] | None = None, *, required: b
             open_backend = NvmlBackend
         backend = open_backend()
     except Exception as exc:  # noqa: BLE001 - every failure is the answer
-        return Check("nvml", "FAIL" if required else "WARN", f"nvmlInit failed: {type(exc).__name__}: {exc}")
+        # the NVML backend lists its devices as it opens: the error names the NVML function that failed
+        return Check("nvml", "FAIL" if required else "WARN",
+                     f"NVML does not open (nvmlInit and the device listing): {type(exc).__name__}: {exc}")
     try:
         devices = list(backend.devices())
         names = ", ".join(sorted({d.name for d in devices})) or "none"
+    except Exception as exc:  # noqa: BLE001 - every failure is the answer
+        return Check("nvml", "FAIL" if required else "WARN",
+                     f"nvmlInit OK, but listing the devices failed: {type(exc).__name__}: {exc}")
+    else:
         return Check("nvml", "OK" if devices else "WARN", f"nvmlInit OK, {len(devices)} device(s): {names}")
     finally:
         close = getattr(backend, "close", None)
@@ -89,12 +91,14 @@ def check_nvml(open_backend: Callable[[], Backend] | None = None, *, required: b
 
 def check_memory_limits(open_backend: Callable[[], Backend] | None = None, *, enabled: bool = True) -> Check:
     """Whether each device's driver has per-cgroup memory limits (the daemon's own question at start,
-    `CgroupMemoryLimits.probe`: a read, nothing written). A device without them is a fact of the
-    node, not a failure: memory grants there stay cooperative, and the daemon exports
-    `vgpu_enforcement_unsupported`, which no alert fires on."""
+    `CgroupMemoryLimits.probe`: a read of the root cgroup's limits, nothing written). A device without
+    them is a fact of the node, not a failure: memory grants there stay cooperative, and the daemon
+    exports `vgpu_enforcement_unsupported`, which no alert fires on. A read NVML refuses (NoPermission:
+    the doctor runs without privilege) or that fails otherwise says nothing about support: the line is
+    a WARN naming what could not be checked, never OK."""
     if not enabled:
         return Check("memlimits", "OK", "off (server.cgroup_memory_limits = false): memory grants are cooperative only")
-    from vgpu.allocator.mechanisms.limits import CgroupMemoryLimits
+    from vgpu.device.errors import DeviceError, NoPermission, NotSupported
 
     try:
         if open_backend is None:
@@ -104,28 +108,43 @@ def check_memory_limits(open_backend: Callable[[], Backend] | None = None, *, en
         backend = open_backend()
     except Exception as exc:  # noqa: BLE001 - said by the nvml check
         return Check("memlimits", "WARN", f"not checked: NVML does not open ({type(exc).__name__})")
+    lacking: dict[str, str] = {}  # GPU -> why it has no limits (NotSupported)
+    unknown: dict[str, str] = {}  # GPU -> why its answer says nothing (NoPermission, another error)
+    refused = False
     try:
-        devices = list(backend.devices())
-        lacking = CgroupMemoryLimits(dry_run=True, logger=_quiet_logger()).probe(devices)
+        try:
+            devices = list(backend.devices())
+        except Exception as exc:  # noqa: BLE001 - said by the nvml check
+            return Check("memlimits", "WARN", f"not checked: listing the devices failed ({type(exc).__name__})")
+        for dev in devices:
+            gpu = f"{dev.index} ({dev.uuid})"
+            try:
+                dev.memory_limit_mib("/")
+            except NotSupported as exc:
+                lacking[gpu] = f"{type(exc).__name__}: {exc}"
+            except NoPermission as exc:
+                refused = True
+                unknown[gpu] = f"{type(exc).__name__}: {exc}"
+            except DeviceError as exc:
+                unknown[gpu] = f"{type(exc).__name__}: {exc}"
     finally:
         close = getattr(backend, "close", None)
         if close is not None:
             close()
-    if not lacking:
-        return Check("memlimits", "OK", f"per-cgroup memory limits available on {len(devices)} device(s)")
-    gpus = ", ".join(f"{d.index} ({d.uuid})" for d in devices if d.uuid in lacking)
-    reason = next(iter(lacking.values()))
-    return Check("memlimits", "WARN",
-                 f"GPU {gpus}: no per-cgroup memory limits ({reason}); memory grants there stay cooperative "
-                 "(never hard caps). They need a driver and nvidia-ml-py with nvmlDeviceSetMemoryLimits_v1 "
-                 "(R615 / 13.615 or newer); until then the daemon reports vgpu_enforcement_unsupported = 1, not an alert")
-
-
-def _quiet_logger() -> structlog.typing.FilteringBoundLogger:
-    """A logger that says nothing: the doctor's own line says what the probe found."""
-    logger: structlog.typing.FilteringBoundLogger = structlog.wrap_logger(
-        structlog.PrintLogger(io.StringIO()), wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
-    return logger
+    if lacking:
+        reason = next(iter(lacking.values()))
+        text = (f"GPU {', '.join(lacking)}: no per-cgroup memory limits ({reason}); memory grants there stay "
+                "cooperative (never hard caps). They need a driver and nvidia-ml-py with nvmlDeviceSetMemoryLimits_v1 "
+                "(R615 / 13.615 or newer); until then the daemon reports vgpu_enforcement_unsupported = 1, not an alert")
+        if unknown:
+            text += f"; could not check GPU {', '.join(unknown)} ({next(iter(unknown.values()))})"
+        return Check("memlimits", "WARN", text)
+    if unknown:
+        fix = ("no permission: run `sudo vgpu doctor` (the daemon runs as root)" if refused else
+               "NVML answered with an error")
+        return Check("memlimits", "WARN", f"could not check GPU {', '.join(unknown)}: {fix} "
+                     f"({next(iter(unknown.values()))})")
+    return Check("memlimits", "OK", f"per-cgroup memory limits available on {len(devices)} device(s)")
 
 
 def _cap_eff(status_text: str) -> int:
