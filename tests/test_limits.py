@@ -267,6 +267,33 @@ def test_allocator_caps_the_application_cgroup_at_its_grant_and_restores(rig: Ri
     assert alloc.counters.failures == {}
 
 
+def test_a_grant_equal_to_the_cgroup_s_existing_limit_is_hard_without_a_write(rig: Rig) -> None:
+    """The cgroup already holds exactly the cap the grant asks for (an operator's limit): the limit
+    in force is the grant's, so the application is told "hard", nothing is written, and its release
+    leaves the operator's limit as it found it."""
+    rig.need_writes()
+    dev = rig.device()
+    dev.set_memory_limit_mib("/jobs/a", 8_000, 8_000)  # an operator's limit, there before vgpu
+    alloc = _allocator(rig)
+    lim = alloc.cgroup_limits
+    assert lim is not None
+    g1 = alloc.request_allocation(AllocationRequest("a", memory_mib=8_000, pid=4242, device_id=dev.uuid))
+    assert lim.writes == 0 and dev.memory_limit_mib("/jobs/a")[:2] == (8_000, 8_000)
+    kind, why = alloc.app_memory_limit("a")
+    assert (kind, "writing it failed" in why) == ("hard", False), why
+    assert lim.capped(dev.uuid) == {"/jobs/a"}
+    # a second application in the cgroup: a cap of ours over the operator's, which is what comes back
+    g2 = alloc.request_allocation(AllocationRequest("a2", memory_mib=2_000, pid=4343, device_id=dev.uuid))
+    assert lim.writes == 1 and dev.memory_limit_mib("/jobs/a").hard_mib == 10_000
+    alloc.release(g2.grant_id)
+    assert dev.memory_limit_mib("/jobs/a")[:2] == (8_000, 8_000) and alloc.app_memory_limit("a")[0] == "hard"
+    writes = lim.writes
+    alloc.release(g1.grant_id)
+    assert dev.memory_limit_mib("/jobs/a")[:2] == (8_000, 8_000) and lim.writes == writes  # as it was: no write
+    assert lim.capped(dev.uuid) == set() and lim.limited(dev.uuid) == set()
+    assert alloc.counters.failures == {}
+
+
 def test_allocator_cgroup_limit_clips_the_simulated_process(rig: Rig) -> None:
     sim = rig.need_sim()
     dev = rig.device()
@@ -411,9 +438,13 @@ def test_a_restart_keeps_the_first_record_without_reconciling(rig: Rig, tmp_path
         assert dev.memory_limit_mib("/jobs/b").hard_mib == 4_000
         assert store.cgroup_original(dev.uuid, "/jobs/b") is not None
         assert store.cgroup_original(dev.uuid, "/jobs/b").hard_mib == math.inf  # type: ignore[union-attr]
+        # /jobs/a still holds the crashed run's 8000, exactly a's grant: that cap is in force, adopted
+        # with the first record as its original
+        assert alloc.app_memory_limit("a")[0] == "hard"
         alloc.stop()
         assert dev.memory_limit_mib("/jobs/b").hard_mib == math.inf
-        assert [o.cgroup for o in store.cgroup_originals()] == ["/jobs/a"]  # never touched, so never adopted
+        assert dev.memory_limit_mib("/jobs/a")[:2] == (20_000, 30_000)  # the true original, from the record
+        assert store.cgroup_originals() == []
 
 
 def test_restoring_forgets_the_record(rig: Rig, tmp_path: Path) -> None:

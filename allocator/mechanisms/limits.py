@@ -19,7 +19,9 @@ Three mechanisms, each optional and each degrading cleanly where the node lacks 
    R615+) caps the GPU memory of a cgroup. Only the device layer talks to NVML, so this asks the
    device (`Device.memory_limit_mib(cgroup)` / `set_memory_limit_mib(cgroup, soft, hard)`) with
    check -> change -> verify, saving each cgroup's original limits before the first write and
-   writing them back on `restore()` (or `restore_one` when the application's grants are gone). A
+   writing them back on `restore()` (or `restore_one` when the application's grants are gone); a
+   cgroup found already at the cap asked for is in force without a write, adopted with what it
+   holds as its original. A
    device or driver that answers NotSupported (no such NVML function, an older nvidia-ml-py), or
    NoPermission on a write, turns the mechanism off for that device with one log line; other
    errors and a value that does not read back fail loudly. Off is one of two things
@@ -308,7 +310,8 @@ class CgroupMemoryLimits:
         return self._disabled.get(device_id)
 
     def limited(self, device_id: str) -> set[str]:
-        """The cgroups of the device whose limits this changed (and will restore)."""
+        """The cgroups of the device whose limits this changed, or found already at the cap asked
+        for (and will restore: for the latter, a write of nothing while it still holds it)."""
         return {cg for dev, cg in self._original if dev == device_id}
 
     def capped(self, device_id: str) -> set[str]:
@@ -384,8 +387,16 @@ class CgroupMemoryLimits:
         if _same(before.soft_mib, soft) and _same(before.hard_mib, hard):
             if not save:
                 self._capped.pop((dev_id, cgroup), None)  # the original is what it holds
-            elif not dry_run and (dev_id, cgroup) in self._original:
-                self._capped[(dev_id, cgroup)] = hard  # our cap, still in force
+            elif not dry_run:
+                if (dev_id, cgroup) not in self._original:
+                    # The cgroup already holds exactly the cap asked for (an operator's limit, say):
+                    # in force without a write. It is adopted as ours: its original is what it holds
+                    # (recorded as before a write, so a later, different cap is put back to it) and
+                    # its release writes nothing.
+                    self._original[(dev_id, cgroup)] = self._record_original(dev_id, cgroup, before.soft_mib,
+                                                                             before.hard_mib)
+                    self._devices[dev_id] = device
+                self._capped[(dev_id, cgroup)] = hard  # our cap, in force
             return False
         if dry_run:
             self._log.info("cgroup_memory_limit_plan", device=dev_id, cgroup=cgroup, dry_run=True,
