@@ -25,9 +25,10 @@ from prometheus_client import CollectorRegistry
 from vgpu import config
 from vgpu import ctl as cli
 from vgpu.allocator.mechanisms.limits import CgroupMemoryLimits
+from vgpu.allocator.mechanisms.power import PowerLimitMechanism
 from vgpu.daemon import doctor
 from vgpu.daemon.serve import Daemon, SdNotifier
-from vgpu.device.errors import GpuLost
+from vgpu.device.errors import GpuLost, NotSupported
 from vgpu.device.fake_pynvml import FakePynvml
 from vgpu.device.nvml import NvmlBackend
 from vgpu.device.sim import SimBackend, SimDevice
@@ -120,6 +121,45 @@ def test_notsupported_after_a_write_worked_is_a_runtime_failure() -> None:
     assert lim2.probe([dev]) == {dev.uuid: lim2.disabled_reason(dev.uuid)} and lim2.unsupported(dev.uuid)
     sim.memory_limits = True
     assert CgroupMemoryLimits().probe([dev]) == {}  # a driver that has them: nothing said
+
+
+def test_notsupported_after_a_cap_was_restored_is_still_a_runtime_failure() -> None:
+    """The cgroup limits worked on the device once, and their original was written back: a
+    NotSupported after that is a failure at runtime (disabled, what the alert is for), not a driver
+    without the limits (unsupported)."""
+    sim = SimBackend(["h100-80gb"])
+    dev = sim.devices()[0]
+    lim = CgroupMemoryLimits(cgroup_exists=lambda _cg: True)
+    assert lim.apply(dev, "/jobs/a", 1_000)
+    assert lim.restore_one(dev.uuid, "/jobs/a") == "restored" and lim.limited(dev.uuid) == set()
+    sim.memory_limits = False
+    assert not lim.apply(dev, "/jobs/b", 2_000)
+    assert "NotSupported" in (lim.disabled_reason(dev.uuid) or "") and not lim.unsupported(dev.uuid)
+    probed = CgroupMemoryLimits(cgroup_exists=lambda _cg: True)
+    sim.memory_limits = True
+    assert probed.apply(dev, "/jobs/a", 1_000) and probed.restore() == [(dev.uuid, "/jobs/a", "restored")]
+    sim.memory_limits = False
+    assert probed.probe([dev]) == {} and not probed.unsupported(dev.uuid)  # the start-up question too
+    assert probed.disabled_reason(dev.uuid) is not None
+
+
+@pytest.mark.parametrize("refusing", ["power_constraints", "set_power_limit_mw"])
+def test_power_notsupported_after_a_restore_is_still_a_runtime_failure(refusing: str) -> None:
+    """As for cgroup limits: the power limit was written (and read back) on the device, then its
+    original put back; a NotSupported after that, on the read or on the write, is disabled."""
+    sim = SimBackend(["h100-80gb"])
+    dev = sim.devices()[0]
+    power = PowerLimitMechanism()
+    assert power.apply(dev, 400_000).changed
+    assert [r.changed for r in power.restore()] == [True] and power.original_mw(dev.uuid) is None
+    dev.inject(refusing, NotSupported, times=None)
+    result = power.apply(dev, 300_000)
+    assert not result.changed and power.disabled_reason(dev.uuid) is not None, result
+    assert not power.unsupported(dev.uuid)
+    fresh = SimBackend(["h100-80gb"]).devices()[0]  # the same answer where nothing ever worked: unsupported
+    fresh.inject(refusing, NotSupported, times=None)
+    other = PowerLimitMechanism()
+    assert not other.apply(fresh, 300_000).changed and other.unsupported(fresh.uuid)
 
 
 @pytest.mark.parametrize(("supported", "status"), [(True, "OK"), (False, "WARN")])

@@ -300,6 +300,9 @@ class CgroupMemoryLimits:
         self._log = logger or get_logger("vgpu.allocator.memlimit")
         self._disabled: dict[str, str] = {}
         self._unsupported: set[str] = set()  # devices whose driver or GPU has no per-cgroup limits
+        # devices where this once held a cgroup's original or cap: kept once those are forgotten
+        # (restored), so that a later NotSupported there is a failure at runtime, not the driver's nature
+        self._worked: set[str] = set()
         self._original: dict[tuple[str, str], tuple[float, float]] = {}
         # (device, cgroup) -> the hard cap (MiB) this wrote there and read back: what is in force now
         self._capped: dict[tuple[str, str], float] = {}
@@ -322,8 +325,8 @@ class CgroupMemoryLimits:
 
     def unsupported(self, device_id: str) -> bool:
         """Whether the mechanism is off for the device because its driver or GPU has no per-cgroup
-        memory limits (NotSupported before any write of ours worked there), rather than after
-        failing at runtime."""
+        memory limits (NotSupported before any write of ours worked there, a restore since
+        included), rather than after failing at runtime."""
         return device_id in self._unsupported
 
     def _disable(self, device_id: str, exc: Exception) -> None:
@@ -333,7 +336,7 @@ class CgroupMemoryLimits:
             return
         reason = f"{type(exc).__name__}: {exc}"
         self._disabled[device_id] = reason
-        wrote = any(dev == device_id for dev, _ in (*self._original, *self._capped))
+        wrote = device_id in self._worked or any(dev == device_id for dev, _ in (*self._original, *self._capped))
         if isinstance(exc, NotSupported) and not wrote:
             self._unsupported.add(device_id)
             self._log.warning("cgroup_memory_limit_unsupported", device=device_id, reason=reason,
@@ -431,6 +434,8 @@ class CgroupMemoryLimits:
         return stored.soft_mib, stored.hard_mib
 
     def _forget(self, device_id: str, cgroup: str) -> None:
+        if (device_id, cgroup) in self._original or (device_id, cgroup) in self._capped:
+            self._worked.add(device_id)
         self._original.pop((device_id, cgroup), None)
         self._capped.pop((device_id, cgroup), None)
         if self.store is not None:

@@ -10,7 +10,7 @@
 
 A write refused for lack of privilege or support (`NoPermission`, `NotSupported`) is logged once
 and disables the mechanism for that device; later calls return a result saying so. NotSupported
-before any write of ours worked there is the device's nature (`unsupported`, logged as
+before any write of ours worked there (kept across `restore()`) is the device's nature (`unsupported`, logged as
 `power_limit_unsupported`), anything else a failure at runtime (`power_limit_disabled`). Other errors
 (`GpuLost`, ...) propagate: writes fail loudly. `restore()` writes each saved original back.
 
@@ -56,6 +56,9 @@ class PowerLimitMechanism:
         self._original_mw: dict[str, int] = {}
         self._disabled: dict[str, str] = {}
         self._unsupported: set[str] = set()  # devices that have no settable power limit at all
+        # devices where a write of ours read back once: kept across `restore()`, so that a later
+        # NotSupported there is a failure at runtime (disabled), never the device's nature
+        self._worked: set[str] = set()
         self.writes = 0
 
     def original_mw(self, device_id: str) -> int | None:
@@ -94,7 +97,7 @@ class PowerLimitMechanism:
             constraints = device.power_constraints()
             before = device.power_limit_mw()
         except NotSupported as exc:
-            self._disable(device_id, f"power limit not readable: {exc}", unsupported=device_id not in self._original_mw)
+            self._disable(device_id, f"power limit not readable: {exc}", unsupported=not self._wrote_here(device_id))
             return PowerLimitResult(device_id, requested, requested, None, None, False, self.dry_run, f"disabled: {exc}")
         target = self.clamp(requested, constraints)
         if before == target:
@@ -104,21 +107,27 @@ class PowerLimitMechanism:
             return PowerLimitResult(device_id, requested, target, before, before, False, True, "dry run")
         # Save the original once, before the first write to this device.
         first_write = device_id not in self._original_mw
+        worked = self._wrote_here(device_id)
         self._devices.setdefault(device_id, device)
         self._original_mw.setdefault(device_id, before)
         try:
             self._write(device, target)
         except (NoPermission, NotSupported) as exc:
             self._disable(device_id, f"{type(exc).__name__}: {exc}",
-                          unsupported=isinstance(exc, NotSupported) and first_write)
+                          unsupported=isinstance(exc, NotSupported) and not worked)
             if first_write:  # nothing of ours is on the device, so nothing to restore
                 del self._original_mw[device_id]
             return PowerLimitResult(device_id, requested, target, before, before, False, False, f"refused: {exc}")
         after = device.power_limit_mw()
         if after != target:
             raise VerifyFailed(f"power limit of {device_id} reads {after} mW after writing {target} mW")
+        self._worked.add(device_id)
         self._log.info("power_limit_set", device=device_id, before_mw=before, after_mw=after)
         return PowerLimitResult(device_id, requested, target, before, after, True, False)
+
+    def _wrote_here(self, device_id: str) -> bool:
+        """Whether a write of ours is on the device now, or one read back there once (before a restore)."""
+        return device_id in self._original_mw or device_id in self._worked
 
     def _write(self, device: Device, limit_mw: int) -> None:
         self.writes += 1
@@ -140,6 +149,8 @@ class PowerLimitMechanism:
                     self._write(device, original)
                     after = device.power_limit_mw()
                     ok = after == original
+                    if ok:
+                        self._worked.add(device_id)
                     if not ok:
                         self._log.error("power_limit_restore_mismatch", device=device_id, after_mw=after, want_mw=original)
                     results.append(
