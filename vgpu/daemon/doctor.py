@@ -8,7 +8,8 @@ GetAvailableResources' `backend`; the configured one, server.backend, when no da
 does not say; `--backend` wins, a daemon on another one is a warning); for `nvml` the NVIDIA driver
 is loaded (/proc/driver/nvidia/version) and NVML initialises and lists devices, and whether each
 device has per-cgroup memory limits (`memlimits`: WARN naming the GPUs whose driver lacks
-nvmlDeviceSetMemoryLimits_v1, where memory grants stay cooperative), for a `sim:` backend
+nvmlDeviceSetMemoryLimits_v1, where memory grants stay cooperative, and those whose read NVML refused
+or failed, which could not be checked: never OK then), for a `sim:` backend
 no driver is needed and the simulated devices are listed (the daemon's, else the spec's: a spec
 `vgpu serve` would refuse fails); the process may write device
 settings (root or CAP_SYS_ADMIN); the daemon's socket exists, has no bits for "other", answers a
