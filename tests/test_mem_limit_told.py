@@ -182,3 +182,27 @@ async def test_the_answer_and_every_event_say_what_is_in_force(node: Node, tmp_p
         assert (any(h == 1536.0 for _, h in caps.values())) == (after == "hard"), caps  # 1024 + 512 MiB
     finally:
         app.close()
+
+
+@pytest.mark.parametrize("node", [True], indirect=True)
+async def test_a_cgroup_already_at_the_grant_s_cap_is_hard_without_a_write(node: Node, tmp_path: Path) -> None:
+    """The application's cgroup already holds exactly the cap its grants come to (an operator's
+    limit): that limit is in force, so it is told "hard", not that writing the cap failed, and
+    nothing is written."""
+    cgroup = read_cgroup(os.getpid())
+    if cgroup is None:
+        pytest.skip("no readable /proc/<pid>/cgroup here")
+    dev = node.sim.devices()[0]
+    dev.set_memory_limit_mib(cgroup, 1536, 1536)  # set before the daemon's grants
+    app = App(node, node.inapp, tmp_path / "app.log")
+    try:
+        first = await app.request(1536, event=False)
+        assert set(_kinds(first)) == {"cooperative"}, first  # uncontended
+        writes = dev.writes
+        total = node.daemon.allocator.ledger.devices()[0].mem_total_mib
+        await _operator(node, "--app", "big", "--memory-mib", str(int(0.95 * total) - 2048))  # contended now
+        told = (await _apps(node))["told"]
+        assert told["mem_limit"] == "hard" and "writing it failed" not in told["mem_limit_reason"], told
+        assert dev.writes == writes and dev.memory_limits()[cgroup] == (1536, 1536)
+    finally:
+        app.close()
