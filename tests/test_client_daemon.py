@@ -486,6 +486,8 @@ def test_a_request_with_no_daemon_fails_after_its_wait_with_the_reason(env: Env,
     assert waited[0] == "1.0" and 1.0 <= float(waited[1]) < 3.0 and waited[2] == "UNAVAILABLE", r.stdout
     assert "No such file" in waited[3]  # the reason, not a bare deadline
     assert r.stderr.count("does not listen yet") == 1  # only the stub that waits says so
+    # and each failure says, besides gRPC's text, what to check
+    assert r.stderr.count("cannot reach the vgpu daemon") == 2 and "is vgpu-manager running" in r.stderr, r.stderr
 
 
 DEADLINES = """

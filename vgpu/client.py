@@ -1024,6 +1024,13 @@ class VgpuClient:
                                     fix="run with the token file of the first run, pass token= (the daemon keeps a "
                                         f"copy: <state-dir>/tokens/apps/{app_id_digest(self.app_id)}.token, "
                                         "readable by its operator), or use another app_id")
+                elif exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    # gRPC's own text names the socket and the errno but not what to do about it
+                    _log.warning("cannot reach the vgpu daemon", app_id=self.app_id, socket=self._socket,
+                                 waited_s=self._ready_wait_s,
+                                 fix="is vgpu-manager running (`systemctl status vgpu-manager`), is this the "
+                                     "daemon's socket (socket=), and may this user open it? ready_wait_s= "
+                                     "waits longer for a daemon that is starting")
                 raise
         self._keep_token(call)
         self._on_grant(resp.grant, released=False)
