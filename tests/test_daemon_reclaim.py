@@ -7,6 +7,7 @@ lower than the first application's use."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -157,4 +158,17 @@ def test_the_application_whose_grant_is_cut_hears_why(env: Env, serves: list[Ser
     assert kinds[-1] == "heard RELEASED", (kinds, err)
     cuts = [e for e in events if e["kind"] == "RESIZED" and e["detail"].startswith("reclaimed for second's")]
     assert cuts and all(e["app"] == "held" for e in cuts), (events, err)
+    # each share as one reads it: at most a tenth of a point ("SM 85.8 -> 55 %", not 85.8079)
+    shares = [v for e in events if e["kind"] == "RESIZED" for pair in re.findall(r"SM (\S+) -> (\S+) %", e["detail"])
+              for v in pair]
+    assert shares and all(re.fullmatch(r"\d+(\.\d)?", v) for v in shares), events
     assert serves[-1].term() == 0
+
+
+def test_a_resize_reads_each_share_to_a_tenth() -> None:
+    from vgpu.allocator.core import _resize_text
+    from vgpu.allocator.ledger import Grant
+
+    old = Grant("g", "a", "GPU-0", 36000.0, 85.80794, 0, 0.0, 0.0)
+    new = Grant("g", "a", "GPU-0", 30693.4, 55.0, 0, 0.0, 1.0)
+    assert _resize_text(old, new) == "memory 36000 -> 30693 MiB, SM 85.8 -> 55 %"
