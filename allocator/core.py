@@ -1470,7 +1470,8 @@ def _resize_text(old: Grant, new: Grant) -> str:
     if new.memory_mib != old.memory_mib or new.sm_pct == old.sm_pct:
         parts.append(f"memory {old.memory_mib:.0f} -> {new.memory_mib:.0f} MiB")
     if new.sm_pct != old.sm_pct:
-        parts.append(f"SM {old.sm_pct:g} -> {new.sm_pct:g} %")
+        # a tenth of a point is all anyone reads (a plan's shares come out as 85.8079)
+        parts.append(f"SM {round(old.sm_pct, 1):g} -> {round(new.sm_pct, 1):g} %")
     return ", ".join(parts)
 
 

@@ -38,7 +38,7 @@ import structlog
 
 from vgpu.allocator.errors import NotSupported, Unavailable
 from vgpu.allocator.policy.base import Sizer, Sizing
-from vgpu.jobs import known_model, nearest_known_models, physics_estimate
+from vgpu.jobs import known_model, physics_estimate, unknown_model_note
 from vgpu.manager.jobprofiles import (
     ENCODING_VERSION,
     FAMILIES,
@@ -502,14 +502,6 @@ def train_sizer(data_root: Path, seed: int = 0, gpumemnet_rows: int | None = Non
     return ColdStartSizer(
         TreeEnsemble.from_sklearn(fit(all_rows, mem)), TreeEnsemble.from_sklearn(fit(all_rows, util)), metadata
     )
-
-
-def unknown_model_note(model_type: str) -> str:
-    """What is said of a model type the table does not know, with the nearest names it does."""
-    near = nearest_known_models(model_type)
-    hint = f"did you mean {', '.join(near)}?" if near else "no known type is close."
-    return (f"unknown model type {model_type!r} (not in vgpu.jobs.KNOWN_MODELS): {hint} "
-            "Sized from its family's defaults; give --param-count for a model of your own")
 
 
 def _add_size_arguments(s: argparse.ArgumentParser) -> None:

@@ -486,6 +486,8 @@ def test_a_request_with_no_daemon_fails_after_its_wait_with_the_reason(env: Env,
     assert waited[0] == "1.0" and 1.0 <= float(waited[1]) < 3.0 and waited[2] == "UNAVAILABLE", r.stdout
     assert "No such file" in waited[3]  # the reason, not a bare deadline
     assert r.stderr.count("does not listen yet") == 1  # only the stub that waits says so
+    # and each failure says, besides gRPC's text, what to check
+    assert r.stderr.count("cannot reach the vgpu daemon") == 2 and "is vgpu-manager running" in r.stderr, r.stderr
 
 
 DEADLINES = """
@@ -517,3 +519,48 @@ def test_a_deadline_that_is_not_a_finite_unix_time_is_refused(shared: Shared) ->
     for value, code, details in lines[:4]:
         assert code == "INVALID_ARGUMENT" and "request.deadline_s" in details, (value, code, details)
     assert lines[4][1:] == ["granted", "10.0"], r.stdout
+
+
+# A user's first mistakes: a job whose model type has a typo, and a request that asks for nothing.
+MISTAKES_APP = """
+import json, sys
+from vgpu.client import VgpuClient
+from vgpu.jobs import JobConfig
+
+sock, app_id, inapp = sys.argv[1], sys.argv[2], sys.argv[3]
+with VgpuClient(app_id, socket=sock, inapp_dir=inapp, watch=False, report=False) as client:
+    try:
+        client.request()
+    except ValueError as exc:
+        print(json.dumps({"nothing": str(exc)}), flush=True)
+    grant = client.request(job=JobConfig(model_type="resnett50", batch_size=64))
+    print(json.dumps({"source": grant.source, "memory_mib": grant.memory_mib}), flush=True)
+"""
+
+
+def test_a_request_for_nothing_and_a_model_type_typo_are_named(shared: Shared) -> None:
+    """`request()` with no memory, SM or job is refused before it reaches the daemon (it would be a
+    0 MiB grant) and says what to give; a job whose model type is not a known one is still sized (a
+    model of one's own) but the stub warns with the nearest known names, as `vgpu size` does."""
+    r = run_app(shared.env, "mistakes", shared.inapp, program=MISTAKES_APP)
+    assert r.returncode == 0, r.stdout + r.stderr
+    nothing, granted = (json.loads(line) for line in r.stdout.splitlines())
+    assert "asks for nothing" in nothing["nothing"] and "memory_mib" in nothing["nothing"]
+    assert "job=JobConfig" in nothing["nothing"]
+    assert granted["source"] == "cold_start" and granted["memory_mib"] > 0, granted
+    assert "unknown model type 'resnett50'" in r.stderr and "did you mean resnet50" in r.stderr, r.stderr
+    assert "JobConfig(param_count=...)" in r.stderr
+    assert [g["memory_mib"] for g in grants_of(shared.env, "mistakes")] == []  # released on leaving
+
+
+def test_vgpu_request_warns_of_an_unknown_model_type(shared: Shared) -> None:
+    def request(app_id: str, model_type: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "vgpu.cli", "request", "--socket", str(shared.env.sock),
+                               "--app", app_id, "--model-type", model_type, "--batch-size", "64", "--json"],
+                              cwd=ROOT, env=shared.env.env, capture_output=True, text=True, timeout=60)
+
+    r = request("typo-cli", "resnett50")
+    assert r.returncode == 0 and json.loads(r.stdout)["source"] == "cold_start", r.stdout + r.stderr
+    assert "warning: unknown model type 'resnett50'" in r.stderr and "did you mean resnet50" in r.stderr
+    known = request("known-cli", "resnet50")
+    assert known.returncode == 0 and "unknown model type" not in known.stderr, known.stderr

@@ -7,6 +7,7 @@ lower than the first application's use."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -92,3 +93,82 @@ def test_a_second_application_is_granted_out_of_the_forecast_grants_slack(env: E
     reclaimed = [e for e in serves[-1].events() if e.get("event") == "reclaimed"]
     assert {e["for_app"] for e in reclaimed} >= {"explicit"} and all(e["app"] == "big" for e in reclaimed)
     assert serves[-1].term() == 0
+
+
+# The first application, linking the client stub: it declares its job, then prints each allocation
+# event the stub hands its `on_event` until told to stop (a line on stdin).
+HOLDER = """
+import json, sys, threading
+from vgpu.client import VgpuClient
+from vgpu.jobs import JobConfig
+from vgpu.v1 import allocator_pb2
+
+sock, app_id, inapp = sys.argv[1:4]
+out = threading.Lock()  # the watch thread and this one print whole lines
+released = threading.Event()
+
+def say(obj):
+    with out:
+        sys.stdout.write(json.dumps(obj) + "\\n")
+        sys.stdout.flush()
+
+def show(event):
+    kind = allocator_pb2.AllocationEvent.Kind.Name(event.kind)
+    say({"kind": kind, "app": event.grant.app_id, "sm_pct": event.grant.sm_pct, "detail": event.detail})
+    if kind == "RELEASED":
+        released.set()
+
+with VgpuClient(app_id, socket=sock, inapp_dir=inapp, report=False, on_event=show,
+                job=JobConfig(model_type="resnet50", batch_size=64, input_size=224)) as client:
+    client.request()
+    say({"kind": "ready"})
+    sys.stdin.readline()
+    client.release()
+    say({"kind": "heard RELEASED" if released.wait(10) else "no RELEASED"})
+"""
+
+
+def test_the_application_whose_grant_is_cut_hears_why(env: Env, serves: list[Serve]) -> None:
+    """A job that declared itself and is then managed by the policy (its signatures replayed) hears,
+    through the stub's `on_event`, the RESIZED event that takes room from it for a second declared job,
+    with the reason; its own grant and the release are events too."""
+    serves.append(Serve(env))
+    (dev,) = env.json("available")["devices"]
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(env.sock), "held", str(env.tmp / "inapp")],
+                              cwd=ROOT, env=env.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdin is not None
+        while json.loads(holder.stdout.readline())["kind"] != "ready":
+            pass
+        _replay(env, dev["device_id"], "held", 0.3 * dev["mem_total_mib"], 50.0, 4.0)
+        assert _held(env, "held")["sm_pct"] > 55  # the policy's share, more than half the SM
+
+        job = _app(env, "second", "job")
+        assert job.get("source") == "cold_start", job
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        out, err = holder.communicate(timeout=30)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+    events = [json.loads(line) for line in out.splitlines()]
+    kinds = [e["kind"] for e in events]
+    assert kinds[-1] == "heard RELEASED", (kinds, err)
+    cuts = [e for e in events if e["kind"] == "RESIZED" and e["detail"].startswith("reclaimed for second's")]
+    assert cuts and all(e["app"] == "held" for e in cuts), (events, err)
+    # each share as one reads it: at most a tenth of a point ("SM 85.8 -> 55 %", not 85.8079)
+    shares = [v for e in events if e["kind"] == "RESIZED" for pair in re.findall(r"SM (\S+) -> (\S+) %", e["detail"])
+              for v in pair]
+    assert shares and all(re.fullmatch(r"\d+(\.\d)?", v) for v in shares), events
+    assert serves[-1].term() == 0
+
+
+def test_a_resize_reads_each_share_to_a_tenth() -> None:
+    from vgpu.allocator.core import _resize_text
+    from vgpu.allocator.ledger import Grant
+
+    old = Grant("g", "a", "GPU-0", 36000.0, 85.80794, 0, 0.0, 0.0)
+    new = Grant("g", "a", "GPU-0", 30693.4, 55.0, 0, 0.0, 1.0)
+    assert _resize_text(old, new) == "memory 36000 -> 30693 MiB, SM 85.8 -> 55 %"

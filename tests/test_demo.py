@@ -199,6 +199,8 @@ def test_the_power_line_counts_the_changes_it_lists() -> None:
     r = subprocess.run([sys.executable, "-m", "vgpu.cli", "demo", "--seconds", "3", "--baseline", "--no-job-config"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+    # 3 s end before the first rise of memory: the lead-time line says so rather than "- over 0 rises"
+    assert re.search(r"^  lead time +none: no rise of memory beyond its grant in this run", r.stdout, re.MULTILINE), r.stdout
     (line,) = [ln for ln in r.stdout.splitlines() if ln.strip().startswith("power limit ")]
     m = re.search(r"(\d+) W at start, lowest (\d+) W, (\d+) W at the end; (.*)", line)
     assert m is not None, line
@@ -242,7 +244,9 @@ def test_ctrl_c_ends_the_run_early_with_its_summary_and_picture(tmp_path: Path) 
     # the first application declared its job as it started, and the shipped sizer sized it
     assert re.search(r"^t=  0\.\d s  bert-infer \(pid \d+\) declares its job: bert-base infer, batch 1, fp32; "
                      r"cold-start grant \d+ MiB$", "".join(seen), re.MULTILINE), "".join(seen)
-    assert re.search(r"^  job configs +\d+ declared through the client stub, [1-9]\d* granted", out, re.MULTILINE), out
+    assert re.search(r"^  job configs +\d+ declared through the client stub, [1-9]\d* granted at the size "
+                     r"cold-start sizer .* gave \(\d+ of them by taking room from other applications' forecast "
+                     r"grants\), \d+ refused", out, re.MULTILINE), out
     assert f"picture: {picture}" in out and picture.stat().st_size > 0
 
 

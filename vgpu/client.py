@@ -99,7 +99,7 @@ from vgpu.inapp import MAX_INAPP_MIB as MAX_INAPP_MIB
 from vgpu.inapp import MAX_INAPP_REQUESTS as MAX_INAPP_REQUESTS
 from vgpu.inapp import MAX_INAPP_TOKENS as MAX_INAPP_TOKENS
 from vgpu.inapp import inapp_value_problem as inapp_value_problem
-from vgpu.jobs import JobConfig
+from vgpu.jobs import JobConfig, known_model, unknown_model_note
 from vgpu.log import get_library_logger
 from vgpu.tokenfile import TokenFileError as TokenFileError
 from vgpu.tokenfile import check_token as check_token
@@ -864,7 +864,10 @@ class VgpuClient:
     `torch_module`, `clock`, `pid` and `sleep` exist for tests. `ready_wait_s` is how long `request()`
     and `release()` wait for a daemon that does not listen yet, or answers that it is not ready, before
     failing with UNAVAILABLE (0: at once; as the CLI's `--wait-s`). `serving_max_age_s` is how long a
-    `report_serving` stays in the reports. `watch=False` / `report=False` turn the
+    `report_serving` stays in the reports. `on_event` is called, on the watch thread, with each
+    `AllocationEvent` of this process's own grants after the stub has applied it (GRANTED, RESIZED
+    with `detail` saying why, e.g. "reclaimed for ...", RELEASED, LIMITS_CHANGED); an exception it
+    raises is logged and does not stop the watch. `watch=False` / `report=False` turn the
     background threads off. A token file that holds no token raises TokenFileError naming it.
     """
 
@@ -892,6 +895,7 @@ class VgpuClient:
         env: Mapping[str, str] | None = None,
         serving_max_age_s: float = INAPP_MAX_AGE_S,
         ready_wait_s: float = NOT_READY_WAIT_S,
+        on_event: Callable[[allocator_pb2.AllocationEvent], None] | None = None,
     ) -> None:
         if not app_id or not app_id.strip():
             raise ValueError("app_id must be a non-empty string")
@@ -901,6 +905,7 @@ class VgpuClient:
             raise ValueError(f"report_period_s must be positive, got {report_period_s}")
         self.app_id = app_id
         self.job = job
+        self._on_event = on_event
         self.inapp_dir = Path(inapp_dir)
         self._report_period_s = report_period_s
         self._torch_device = torch_device
@@ -969,6 +974,15 @@ class VgpuClient:
             raise ValueError(f"memory_mib must be a non-negative number, got {memory_mib}")
         if not 0 <= sm_pct <= 100:
             raise ValueError(f"sm_pct must be within 0-100, got {sm_pct}")
+        job = job if job is not None else self.job
+        if job is None and memory_mib == 0 and sm_pct == 0:
+            # nothing to size and nothing asked: the daemon would grant 0 MiB, which no job wants
+            raise ValueError("request() asks for nothing: give memory_mib (and/or sm_pct), or a job "
+                             "(VgpuClient(..., job=JobConfig(...)) or request(job=...)) to have it sized")
+        if job is not None and job.model_type and known_model(job.model_type) is None:
+            # a model of one's own is sized all the same; a typo should not pass unnoticed
+            self._warn_once(f"unknown_model:{job.model_type}",
+                            unknown_model_note(job.model_type, param_count_arg="JobConfig(param_count=...)"))
         req = allocator_pb2.ResourceRequest(
             app_id=self.app_id,
             device_id=device_id,
@@ -979,7 +993,6 @@ class VgpuClient:
             critical=critical,
             pid=self._provable_pid(),
         )
-        job = job if job is not None else self.job
         if job is not None:
             req.job.CopyFrom(job.to_proto() if isinstance(job, JobConfig) else job)
         message = allocator_pb2.RequestResourceAllocationRequest(request=req)
@@ -1011,6 +1024,13 @@ class VgpuClient:
                                     fix="run with the token file of the first run, pass token= (the daemon keeps a "
                                         f"copy: <state-dir>/tokens/apps/{app_id_digest(self.app_id)}.token, "
                                         "readable by its operator), or use another app_id")
+                elif exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    # gRPC's own text names the socket and the errno but not what to do about it
+                    _log.warning("cannot reach the vgpu daemon", app_id=self.app_id, socket=self._socket,
+                                 waited_s=self._ready_wait_s,
+                                 fix="is vgpu-manager running (`systemctl status vgpu-manager`), is this the "
+                                     "daemon's socket (socket=), and may this user open it? ready_wait_s= "
+                                     "waits longer for a daemon that is starting")
                 raise
         self._keep_token(call)
         self._on_grant(resp.grant, released=False)
@@ -1249,6 +1269,11 @@ class VgpuClient:
         if event.mem_limit in ("hard", "cooperative") and self._kind_is_for_here(event.grant.device_id):
             with self._lock:
                 self._mem_limit_kind = event.mem_limit
+        if self._on_event is not None:
+            try:
+                self._on_event(event)
+            except Exception as exc:  # the application's callback: its bug must not end the watch
+                _log.warning("on_event raised; the watch goes on", app_id=self.app_id, error=repr(exc))
 
     def _kind_is_for_here(self, device_id: str) -> bool:
         """Whether the daemon's word for `device_id` is this process's (`memory_limit_kind`): the

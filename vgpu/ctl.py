@@ -49,6 +49,7 @@ from google.protobuf.message import Message
 from vgpu import auth
 from vgpu import client as vclient
 from vgpu import config as vconfig
+from vgpu.jobs import known_model, unknown_model_note
 from vgpu.v1 import allocator_pb2 as pb
 from vgpu.v1 import allocator_pb2_grpc as pb_grpc
 
@@ -643,6 +644,9 @@ def request_main(argv: Sequence[str] | None = None, prog: str = "vgpu request", 
                              f"{'it' if len(stray) == 1 else 'them'} out")
         if ns.memory_mib is None and not ns.model_type:
             raise UsageError("give --memory-mib, or describe the job (--model-type, --batch-size, ...) to have it sized")
+        if ns.model_type and known_model(ns.model_type) is None:
+            # a model of one's own is sized all the same; a typo should not pass unnoticed
+            print(f"{prog}: warning: {unknown_model_note(ns.model_type)}", file=sys.stderr)
         req = pb.RequestResourceAllocationRequest(
             request=pb.ResourceRequest(
                 app_id=ns.app, memory_mib=ns.memory_mib or 0.0, sm_pct=ns.sm_pct, device_id=ns.device,

@@ -299,6 +299,15 @@ def nearest_known_models(model_type: str, n: int = 3) -> list[str]:
     return difflib.get_close_matches(key, [*KNOWN_MODELS, *_ALIASES], n=n, cutoff=0.6)
 
 
+
+def unknown_model_note(model_type: str, *, param_count_arg: str = "--param-count") -> str:
+    """What is said of a model type the table does not know, with the nearest names it does
+    (`param_count_arg`: how the caller's interface names the parameter count)."""
+    near = nearest_known_models(model_type)
+    hint = f"did you mean {', '.join(near)}?" if near else "no known type is close."
+    return (f"unknown model type {model_type!r} (not in vgpu.jobs.KNOWN_MODELS): {hint} "
+            f"Sized from its family's defaults; give {param_count_arg} for a model of your own")
+
 # For a model not in the table: the input size its family usually runs at.
 _FAMILY_INPUT = {"cnn": 224, "vit": 224, "transformer": 512, "gan": 256}
 

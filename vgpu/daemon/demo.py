@@ -621,8 +621,7 @@ def describe(result: DemoResult) -> str:
             f"  MIG changes         {s.mig_changes}",
             f"  OOM events          {s.oom_events} (runs of samples asking more memory than granted; "
             f"{s.overrun_samples} samples over)",
-            f"  lead time           median {_secs(s.lead_time_median_s)} over {s.rises} rises of memory, "
-            f"{_secs(s.lead_time_median_visible_s)} over those after a ramp (ahead of the rise > 0)",
+            f"  lead time           {_lead_line(s)}",
             f"  job configs         {_jobs_line(result)}",
         ]
     )
@@ -632,11 +631,20 @@ def _jobs_line(result: DemoResult) -> str:
     s = result.summary
     if not s.job_configs:
         return "none declared (--no-job-config): every grant came from the forecasts"
-    line = (f"{len(result.registrations)} declared through the client stub, {s.cold_start_grants} granted as "
-            f"{result.sizer} sized them ({s.reclaims} out of the slack of the policy's grants), "
-            f"{s.registrations_refused} refused")
+    line = (f"{len(result.registrations)} declared through the client stub, {s.cold_start_grants} granted at "
+            f"the size {result.sizer} gave ({s.reclaims} of them by taking room from other applications' "
+            f"forecast grants), {s.registrations_refused} refused")
     codes = Counter(r.refused.partition(":")[0] for r in result.registrations if r.refused)
     return line + (f" ({', '.join(f'{n} {code}' for code, n in sorted(codes.items()))})" if codes else "")
+
+
+def _lead_line(s: DemoSummary) -> str:
+    """How far ahead of each rise of memory its grant had grown (> 0: ahead), or why there is no figure."""
+    if s.rises == 0:
+        return ("none: no rise of memory beyond its grant in this run (a run shorter than about 9 s ends "
+                "before the first)")
+    return (f"median {_secs(s.lead_time_median_s)} over {s.rises} rise{'s' if s.rises != 1 else ''} of memory, "
+            f"{_secs(s.lead_time_median_visible_s)} over those after a ramp (> 0: the grant grew before the use)")
 
 
 def _secs(v: float | None) -> str:
