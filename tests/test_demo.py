@@ -17,8 +17,13 @@ from manager_fakes import EwmaMarginForecaster
 from vgpu.allocator.policy.base import Sizing
 from vgpu.daemon.demo import (
     DEMO_RUNS,
+    DemoResult,
+    DemoSummary,
+    Overruns,
     SizerUnavailable,
+    count_overruns,
     default_sizer,
+    describe,
     launch_offsets_s,
     launch_order,
     main,
@@ -67,6 +72,55 @@ async def test_demo_summary_numbers() -> None:
     assert result.power_limit_min_seen_mw == min(result.power_limit_start_mw, *result.power_limits_applied_mw)
     # OOM events and lead times of the run (a median only where there were rises)
     assert s.oom_events >= 0 and (s.lead_time_median_s is None) == (s.rises == 0)
+    # the per-application counts add up to the total, and name only applications that had events
+    assert sum(n for _, n in s.oom_events_by_app) == s.oom_events
+    assert all(n > 0 and app in trace.apps for app, n in s.oom_events_by_app)
+
+
+NAN = math.nan
+
+
+@pytest.mark.parametrize(
+    ("used", "granted", "expected"),
+    [
+        ([], [], Overruns(0, 0)),
+        # no grant yet (NaN) is never an overrun, however much is used
+        ([5000, 9000], [NAN, NAN], Overruns(0, 0)),
+        # at the grant is not over it; one run of three samples over is one event
+        ([100, 101, 150, 120, 100], [100, 100, 100, 100, 100], Overruns(1, 3)),
+        # two runs with a sample under between them: two events
+        ([200, 50, 200, 200], [100, 100, 100, 100], Overruns(2, 3)),
+        # a grant raised past the use ends the run; a later rise past it starts another
+        ([200, 200, 300], [100, 250, 250], Overruns(2, 2)),
+    ],
+)
+def test_count_overruns(used: list[float], granted: list[float], expected: Overruns) -> None:
+    assert count_overruns(used, granted) == expected
+
+
+def test_count_overruns_needs_one_grant_per_sample() -> None:
+    with pytest.raises(ValueError):
+        count_overruns([1.0, 2.0], [1.0])
+
+
+def _result(summary: DemoSummary) -> DemoResult:
+    return DemoResult(summary=summary, forecaster="ewma", apps_present_total=0, signatures_sent=0, rejected=0,
+                      power_limit_start_mw=700_000, power_limit_end_mw=700_000, power_limit_min_seen_mw=700_000,
+                      seconds=1.0)
+
+
+def test_the_oom_line_names_each_application_with_its_events() -> None:
+    """The summary says who had the OOM events, most first; with none it names nobody."""
+    s = DemoSummary(apps=5, ticks=10, signatures=10, decisions=1, power_limit_changes=0, mig_changes=0,
+                    oom_events=3, oom_events_by_app=(("resnet50-train", 2), ("bert-train", 1)), overrun_samples=13)
+    (line,) = [ln for ln in describe(_result(s)).splitlines() if "OOM events" in ln]
+    assert line == ("  OOM events          3 (resnet50-train 2, bert-train 1; runs of samples asking more memory "
+                    "than granted; 13 samples over)")
+    assert json.loads(s.to_json())["oom_events_by_app"] == {"resnet50-train": 2, "bert-train": 1}
+    none = DemoSummary(apps=5, ticks=10, signatures=10, decisions=1, power_limit_changes=0, mig_changes=0)
+    (line,) = [ln for ln in describe(_result(none)).splitlines() if "OOM events" in ln]
+    assert line == "  OOM events          0 (runs of samples asking more memory than granted; 0 samples over)"
+    assert json.loads(none.to_json())["oom_events_by_app"] == {}
 
 
 def test_launch_schedule_starts_the_lightest_first_and_alone() -> None:
@@ -84,11 +138,13 @@ def test_json_output_is_only_the_summary(capsys: pytest.CaptureFixture[str]) -> 
     assert len(out) == 1
     summary = json.loads(out[0])
     assert set(summary) == {"apps", "ticks", "signatures", "decisions", "power_limit_changes", "mig_changes",
-                            "oom_events", "overrun_samples", "rises", "lead_time_median_s",
+                            "oom_events", "oom_events_by_app", "overrun_samples", "rises", "lead_time_median_s",
                             "lead_time_median_visible_s", "job_configs", "cold_start_grants",
                             "registrations_refused", "reclaims"}
     assert summary["oom_events"] >= 0 and summary["rises"] >= 0
     assert summary["overrun_samples"] >= summary["oom_events"]
+    by_app = summary["oom_events_by_app"]
+    assert sum(by_app.values()) == summary["oom_events"] and all(n > 0 for n in by_app.values())
     assert summary["apps"] == 5 and 16 <= summary["ticks"] <= 21 and summary["signatures"] >= summary["ticks"]
     # the shipped cold-start sizer sized at least the first application's job (alone on the GPU, it fits)
     assert summary["job_configs"] is True and summary["cold_start_grants"] >= 1

@@ -23,7 +23,7 @@ forecasts alone.
 Every second a plain-text table shows each application's usage, forecast and allocation and the
 GPU's power limit; at the end a summary. `--json` prints only the summary as one JSON object:
 {"apps", "ticks", "signatures", "decisions", "power_limit_changes", "mig_changes", "oom_events",
-"overrun_samples", "rises", "lead_time_median_s", "lead_time_median_visible_s", "job_configs",
+"oom_events_by_app", "overrun_samples", "rises", "lead_time_median_s", "lead_time_median_visible_s", "job_configs",
 "cold_start_grants", "registrations_refused", "reclaims"}: `job_configs` is false under `--no-job-config`;
 `cold_start_grants` counts the grants the allocator sized from a declared job (its own count, by source
 "cold_start"), `registrations_refused` the declarations it refused, `reclaims` the requests it admitted
@@ -32,7 +32,8 @@ counts the limits the allocator applied during the run (the restore at the end n
 summary lists them in watts, while the table shows the limit only at each second. An overrun sample is
 one (every 100 ms) at which an application asked the simulator for more memory than its grant; an OOM
 event is the first of a run of them (the demo enforces no limit: each is where a hard limit would
-have ended the job), as the daemon's history and metrics count them; lead times are in seconds of the
+have ended the job), as the daemon's history and metrics count them; `oom_events_by_app` maps each
+application that had any to its count (the text summary names them beside the total); lead times are in seconds of the
 run, over the rises of each application's memory (vgpu.allocator.policy.lead: how long before a
 rise its grant had already grown to cover it; negative: after). `--plot FILE` also draws each
 application's memory use against its forecast and grant over the run (vgpu/plots.py; its OOM marks
@@ -150,6 +151,8 @@ class DemoSummary:
     power_limit_changes: int
     mig_changes: int
     oom_events: int = 0
+    # (application, OOM events) for each application that had any: most first, then by name
+    oom_events_by_app: tuple[tuple[str, int], ...] = ()
     overrun_samples: int = 0
     rises: int = 0
     lead_time_median_s: float | None = None
@@ -169,6 +172,7 @@ class DemoSummary:
                 "power_limit_changes": self.power_limit_changes,
                 "mig_changes": self.mig_changes,
                 "oom_events": self.oom_events,
+                "oom_events_by_app": dict(self.oom_events_by_app),
                 "overrun_samples": self.overrun_samples,
                 "rises": self.rises,
                 "lead_time_median_s": self.lead_time_median_s,
@@ -321,6 +325,27 @@ def launch_offsets_s(n: int, seconds: float) -> list[float]:
     return [0.0] + [first + (last - first) * i / max(1, n - 2) for i in range(n - 1)]
 
 
+@dataclass(frozen=True)
+class Overruns:
+    events: int  # OOM events: runs of overrun samples
+    samples: int  # overrun samples
+
+
+def count_overruns(used_mib: Sequence[float], granted_mib: Sequence[float]) -> Overruns:
+    """One application's samples in order: a sample asking more memory than the grant in force is an
+    overrun (a NaN grant, none yet, is never overrun), and the first of each run of them an OOM event."""
+    events = samples = 0
+    over_before = False
+    for used, granted in zip(used_mib, granted_mib, strict=True):
+        over = used > granted  # NaN compares False
+        if over:
+            samples += 1
+            if not over_before:
+                events += 1
+        over_before = over
+    return Overruns(events, samples)
+
+
 class _GrantWatch:
     """Per application, at each sample: the memory it asks of the simulator and the grant in force
     (NaN before its first), for OOM events and lead times. As in the daemon's history
@@ -332,9 +357,6 @@ class _GrantWatch:
         self.allocator = allocator
         self.used: dict[str, list[float]] = {}
         self.granted: dict[str, list[float]] = {}
-        self.oom_events = 0
-        self.overrun_samples = 0
-        self._over: dict[str, bool] = {}
 
     def sample(self) -> None:
         grants: dict[str, float] = {}
@@ -345,12 +367,11 @@ class _GrantWatch:
                 grant = grants.get(p.app_id, math.nan)
                 self.used.setdefault(p.app_id, []).append(p.demand_mib)
                 self.granted.setdefault(p.app_id, []).append(grant)
-                over = p.demand_mib > grant  # NaN (no grant yet) compares False
-                if over:
-                    self.overrun_samples += 1
-                    if not self._over.get(p.app_id, False):
-                        self.oom_events += 1
-                self._over[p.app_id] = over
+
+    def overruns(self) -> dict[str, Overruns]:
+        """Each application's overruns over its samples so far (a sample it was absent from, between
+        two runs, neither starts nor ends a run of overruns)."""
+        return {app: count_overruns(used, self.granted[app]) for app, used in self.used.items()}
 
     def leads(self, period_s: float) -> lead.LeadSummary:
         found = [lt for app, used in self.used.items() for lt in lead.lead_times(used, self.granted[app])]
@@ -556,6 +577,8 @@ async def run_demo(
         raise failed[0]  # an application's task failed: a bug, not a result
     stats = streamer.stats
     leads = watch.leads(period_s)
+    overruns = watch.overruns()
+    oom_by_app = sorted(((app, o.events) for app, o in overruns.items() if o.events), key=lambda a: (-a[1], a[0]))
     summary = DemoSummary(
         apps=len(trace.apps),
         ticks=streamer.loop.stats.ticks,
@@ -563,8 +586,9 @@ async def run_demo(
         decisions=manager.stats.decisions,
         power_limit_changes=allocator.counters.power_limit_changes,
         mig_changes=allocator.counters.mig_changes,
-        oom_events=watch.oom_events,
-        overrun_samples=watch.overrun_samples,
+        oom_events=sum(o.events for o in overruns.values()),
+        oom_events_by_app=tuple(oom_by_app),
+        overrun_samples=sum(o.samples for o in overruns.values()),
         rises=leads.rises,
         lead_time_median_s=leads.median,
         lead_time_median_visible_s=leads.median_visible,
@@ -619,12 +643,19 @@ def describe(result: DemoResult) -> str:
             f"{_power_changes(s.power_limit_changes, result)}; "
             f"restored to {result.power_limit_start_mw / 1000:.0f} W after",
             f"  MIG changes         {s.mig_changes}",
-            f"  OOM events          {s.oom_events} (runs of samples asking more memory than granted; "
+            f"  OOM events          {s.oom_events} ({_oom_apps(s)}runs of samples asking more memory than granted; "
             f"{s.overrun_samples} samples over)",
             f"  lead time           {_lead_line(s)}",
             f"  job configs         {_jobs_line(result)}",
         ]
     )
+
+
+def _oom_apps(s: DemoSummary) -> str:
+    """The applications that had OOM events, each with its count, ahead of the OOM line's gloss."""
+    if not s.oom_events_by_app:
+        return ""
+    return ", ".join(f"{app} {n}" for app, n in s.oom_events_by_app) + "; "
 
 
 def _jobs_line(result: DemoResult) -> str:
