@@ -535,6 +535,10 @@ with VgpuClient(app_id, socket=sock, inapp_dir=inapp, watch=False, report=False)
         print(json.dumps({"nothing": str(exc)}), flush=True)
     grant = client.request(job=JobConfig(model_type="resnett50", batch_size=64))
     print(json.dumps({"source": grant.source, "memory_mib": grant.memory_mib}), flush=True)
+    client.release()
+    # a model of one's own, named and counted: sized from its parameter count, nothing to warn of
+    own = client.request(job=JobConfig(model_type="my_segmenter", param_count=31_000_000, batch_size=16))
+    print(json.dumps({"source": own.source, "memory_mib": own.memory_mib}), flush=True)
 """
 
 
@@ -544,19 +548,21 @@ def test_a_request_for_nothing_and_a_model_type_typo_are_named(shared: Shared) -
     model of one's own) but the stub warns with the nearest known names, as `vgpu size` does."""
     r = run_app(shared.env, "mistakes", shared.inapp, program=MISTAKES_APP)
     assert r.returncode == 0, r.stdout + r.stderr
-    nothing, granted = (json.loads(line) for line in r.stdout.splitlines())
+    nothing, granted, own = (json.loads(line) for line in r.stdout.splitlines())
     assert "asks for nothing" in nothing["nothing"] and "memory_mib" in nothing["nothing"]
     assert "job=JobConfig" in nothing["nothing"]
     assert granted["source"] == "cold_start" and granted["memory_mib"] > 0, granted
     assert "unknown model type 'resnett50'" in r.stderr and "did you mean resnet50" in r.stderr, r.stderr
     assert "JobConfig(param_count=...)" in r.stderr
+    assert own["source"] == "cold_start" and own["memory_mib"] > 0, own
+    assert "my_segmenter" not in r.stderr, r.stderr  # its parameter count says it is the application's own
     assert [g["memory_mib"] for g in grants_of(shared.env, "mistakes")] == []  # released on leaving
 
 
 def test_vgpu_request_warns_of_an_unknown_model_type(shared: Shared) -> None:
-    def request(app_id: str, model_type: str) -> subprocess.CompletedProcess[str]:
+    def request(app_id: str, model_type: str, *extra: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "vgpu.cli", "request", "--socket", str(shared.env.sock),
-                               "--app", app_id, "--model-type", model_type, "--batch-size", "64", "--json"],
+                               "--app", app_id, "--model-type", model_type, "--batch-size", "64", *extra, "--json"],
                               cwd=ROOT, env=shared.env.env, capture_output=True, text=True, timeout=60)
 
     r = request("typo-cli", "resnett50")
@@ -564,3 +570,5 @@ def test_vgpu_request_warns_of_an_unknown_model_type(shared: Shared) -> None:
     assert "warning: unknown model type 'resnett50'" in r.stderr and "did you mean resnet50" in r.stderr
     known = request("known-cli", "resnet50")
     assert known.returncode == 0 and "unknown model type" not in known.stderr, known.stderr
+    own = request("own-cli", "my_segmenter", "--param-count", "31000000")
+    assert own.returncode == 0 and "unknown model type" not in own.stderr, own.stderr

@@ -979,8 +979,9 @@ class VgpuClient:
             # nothing to size and nothing asked: the daemon would grant 0 MiB, which no job wants
             raise ValueError("request() asks for nothing: give memory_mib (and/or sm_pct), or a job "
                              "(VgpuClient(..., job=JobConfig(...)) or request(job=...)) to have it sized")
-        if job is not None and job.model_type and known_model(job.model_type) is None:
-            # a model of one's own is sized all the same; a typo should not pass unnoticed
+        if job is not None and job.model_type and not job.param_count and known_model(job.model_type) is None:
+            # a model of one's own is sized all the same (from its parameter count, when given: then
+            # the name is the application's own and nothing is said); a typo should not pass unnoticed
             self._warn_once(f"unknown_model:{job.model_type}",
                             unknown_model_note(job.model_type, param_count_arg="JobConfig(param_count=...)"))
         req = allocator_pb2.ResourceRequest(

@@ -644,8 +644,9 @@ def request_main(argv: Sequence[str] | None = None, prog: str = "vgpu request", 
                              f"{'it' if len(stray) == 1 else 'them'} out")
         if ns.memory_mib is None and not ns.model_type:
             raise UsageError("give --memory-mib, or describe the job (--model-type, --batch-size, ...) to have it sized")
-        if ns.model_type and known_model(ns.model_type) is None:
-            # a model of one's own is sized all the same; a typo should not pass unnoticed
+        if ns.model_type and not ns.param_count and known_model(ns.model_type) is None:
+            # a model of one's own is sized all the same (from --param-count, when given: then nothing
+            # is said); a typo should not pass unnoticed
             print(f"{prog}: warning: {unknown_model_note(ns.model_type)}", file=sys.stderr)
         req = pb.RequestResourceAllocationRequest(
             request=pb.ResourceRequest(
