@@ -40,15 +40,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import socket
 import struct
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +54,9 @@ import grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from abuse import daemon  # noqa: E402
 
 from vgpu.v1 import allocator_pb2 as pb  # noqa: E402
 from vgpu.v1 import allocator_pb2_grpc as pb_grpc  # noqa: E402
@@ -276,43 +277,9 @@ def served(sock: Path, timeout_s: float = 10.0) -> tuple[bool, float]:
     return len(reply.devices) > 0, (time.monotonic() - t0) * 1000.0
 
 
-def _started(log: bytes) -> bool:
-    return b'"serving"' in log and (b'"forecaster_loaded"' in log or b'"forecaster_fallback"' in log)
-
-
-@contextlib.contextmanager
-def daemon(tmp: Path, env_extra: dict[str, str]) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
-    """`vgpu serve` on the simulated GPU, yielded once it serves and its forecaster has loaded."""
-    sock, state = tmp / "vgpu.sock", tmp / "state"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VGPU_")}
-    env.update({"PYTHONPATH": str(ROOT), **env_extra})
-    log_path = tmp / "serve.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "vgpu.cli", "serve", "--socket", str(sock), "--state-dir", str(state),
-             "--backend", "sim:h100-80gb", "--metrics-port", "0"],
-            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log,
-        )
-        try:
-            deadline = time.monotonic() + 120
-            while not _started(log_path.read_bytes()):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the daemon did not start: {log_path.read_text()[-2000:]}")
-                time.sleep(0.05)
-            yield proc, sock
-        finally:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(10)
-
-
 def measure(connections: int, calls: int, announce: Sequence[int], push_s: float, settle_s: float,
             env_extra: dict[str, str], gap_s: float = 0.0) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="vgpu-halfsent-") as d, daemon(Path(d), env_extra) as (proc, sock):
+    with tempfile.TemporaryDirectory(prefix="vgpu-halfsent-") as d, daemon(Path(d), env_extra) as (proc, sock, _state):
         served(sock)  # the first call's one-off costs (channel, servicer paths) before the baseline
         time.sleep(0.5)
         before = rss_mib(proc.pid)
