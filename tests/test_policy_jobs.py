@@ -165,3 +165,24 @@ def test_a_full_device_does_not_cut_a_loading_job_under_its_cold_start_size() ->
     # past its window the size is headroom like any other, cut in proportion with the ramp's
     later = plan([big, replace(new, active_s=CFG.start_window_s + 1)], [dev], 100.0, CFG)
     assert later.target("new").mem_mib < 4_000
+
+
+@pytest.mark.parametrize("to_size", [1.0, 0.0])
+def test_a_ramp_under_the_job_s_size_is_granted_to_the_size_and_not_past_it(to_size: float) -> None:
+    """A job of 4,000 MiB past its cold-start window jumps from 100 to 3,000 MiB: the start-up ramp
+    rule would grant its use x (1 + start_ramp_frac), 9,000 MiB; the job said where its memory ends,
+    so it is granted its size (`ramp_to_cold_start`). Past the size, the rules apply as without it."""
+    clock = ManualClock(1000.0)
+    n = node(clock, SimBackend(["h100-80gb"], clock=clock))
+    n.allocator.policy = ForecastPolicy(replace(CFG, ramp_to_cold_start=to_size))
+    grant = n.allocator.request_allocation(AllocationRequest("a", job=job(40)))
+    assert grant.memory_mib == 4_000
+    n.seconds(int(CFG.start_window_s) + 2, 100.0)  # loaded, using little: past the cold-start window
+    n.seconds(2, 3_000.0)  # a jump under the job's size, in the start-up ramp's window
+    ramped = n.grant(grant.grant_id).memory_mib
+    if to_size:
+        assert 3_000 <= ramped <= 4_000 * MARGIN + 1e-6, ramped
+    else:
+        assert ramped > 2 * 4_000, ramped  # the use x 3, past what the job said
+    n.seconds(2, 5_000.0)  # past its size: the ramp rules as before
+    assert n.grant(grant.grant_id).memory_mib > 5_000 * 2
