@@ -209,16 +209,27 @@ def test_doctor_refuses_a_signature_age_no_signature_can_be_under(tmp_path: Path
         assert r.stdout == "" and "argument --max-signature-age-s: must be a" in r.stderr, r.stderr
 
 
+def _without_an_answer_in_time(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`vgpu *args` until a run gets no answer within its deadline (at most 5 runs): no answer comes
+    within 1 us, but gRPC's deadline is a timer, and on a loaded machine the reply can be read before
+    it fires."""
+    for _ in range(5):
+        r = vgpu(*args, env=env)
+        if r.returncode != 0:
+            return r
+    raise AssertionError(f"5 runs of vgpu {args[0]} were all answered within their deadline")
+
+
 def test_a_change_with_no_answer_in_time_says_it_may_have_been_made(shared: Env) -> None:
     env = shared
     sock = ["--socket", str(env.sock), "--timeout-s", "0.000001"]  # no answer can come that fast
-    r = vgpu("request", *sock, "--app", "slow", "--memory-mib", "10", env=env.env)
+    r = _without_an_answer_in_time("request", *sock, "--app", "slow", "--memory-mib", "10", env=env.env)
     assert r.returncode == 1, r.stderr
     said = r.stderr.strip()
     assert said.startswith("vgpu request: DEADLINE_EXCEEDED: no answer within 1e-06 s (--timeout-s); the daemon "
                            "may have made the change all the same: see `vgpu apps`"), said
     assert "/var/lib/vgpu/tokens/apps/" in said and "--state-dir" in said, said  # where its token would be
     # a read changes nothing: it only says there was no answer in time
-    read = vgpu("available", *sock, env=env.env)
+    read = _without_an_answer_in_time("available", *sock, env=env.env)
     assert read.returncode == 1
     assert read.stderr.strip() == "vgpu available: DEADLINE_EXCEEDED: no answer within 1e-06 s (--timeout-s)"
