@@ -458,7 +458,7 @@ class Sampler:
                        owners: tuple[int, ...] | None, now_s: float) -> InAppFound:
         found = read_inapp_reports(
             paths, pid, now_s=now_s, pid_start_s=pstate.start_s, owners=owners, max_age_s=self._inapp_max_age_s,
-            gone=lambda path: finder.forget(pid, path) if path.name != f"{pid}.json" else None,
+            gone=lambda path: finder.forget(pid, path),
         )
         for kind, name, why in found.skipped:
             if kind == "malformed":

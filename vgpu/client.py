@@ -593,7 +593,8 @@ class InAppFinder:
                 self.entries_read += read
 
     def forget(self, pid: int, path: Path | None = None) -> None:
-        """Forget one name of `pid` (a file that is gone), or all of them."""
+        """Forget one name of `pid` (a file that is gone), or all of them. A name never found by a scan
+        (the usual `<pid>.json`) changes nothing."""
         with self._lock:
             names = self._known.get(pid)
             if names is not None and path is not None:

@@ -481,7 +481,7 @@ class InAppPidProof:
         # there under this pid's name held this open (and the event loop) until a writer came
         found = read_inapp_reports(
             paths, pid, now_s=self._clock(), owners=(proc_uid,), max_age_s=INAPP_MAX_AGE_S,
-            gone=lambda path: self.finder.forget(pid, path) if path.name != f"{pid}.json" else None,
+            gone=lambda path: self.finder.forget(pid, path),
         )
         return any(
             report.app_id == app_id
