@@ -172,3 +172,33 @@ def test_a_resize_reads_each_share_to_a_tenth() -> None:
     old = Grant("g", "a", "GPU-0", 36000.0, 85.80794, 0, 0.0, 0.0)
     new = Grant("g", "a", "GPU-0", 30693.4, 55.0, 0, 0.0, 1.0)
     assert _resize_text(old, new) == "memory 36000 -> 30693 MiB, SM 85.8 -> 55 %"
+
+
+def test_the_operator_sets_how_much_reclaim_may_take_or_turns_it_off(env: Env, serves: list[Serve]) -> None:
+    """`server.reclaim_margin_frac` sets the room left above a cut application's use; with
+    `server.reclaim = false` the same request is refused while the policy's grant holds the room."""
+    conf = env.tmp / "vgpu.toml"
+    conf.write_text("[server]\nreclaim_margin_frac = 0.2\n")
+    serves.append(Serve(env, "--config", str(conf)))
+    (dev,) = env.json("available")["devices"]
+    used = 0.4 * dev["mem_total_mib"]
+    _replay(env, dev["device_id"], "big", used, 95.0, 4.0)
+    before = _held(env, "big")["memory_mib"]
+    assert before > used * 1.2 + 1000, before  # room above use x 1.2 that a cut could take
+    free = env.json("available")["devices"][0]["mem_available_mib"]
+    asked = _app(env, "greedy", f"{free + before - used * 1.1:.0f}")  # would need a cut to use x 1.1
+    assert asked["refused"] == "RESOURCE_EXHAUSTED" and "reclaimable" in asked["details"], asked
+    fits = _app(env, "modest", f"{free + (before - used * 1.2) / 2:.0f}")
+    assert fits.get("source") == "request", fits
+    assert _held(env, "big")["memory_mib"] >= used * 1.2 - 1
+    assert serves[-1].term() == 0
+
+    conf.write_text("[server]\nreclaim = false\n")
+    serves.append(Serve(env, "--config", str(conf)))
+    _replay(env, dev["device_id"], "big", used, 95.0, 4.0)
+    held = _held(env, "big")["memory_mib"]
+    free = env.json("available")["devices"][0]["mem_available_mib"]
+    refused = _app(env, "later", f"{free + (held - used * 1.2) / 2:.0f}")
+    assert refused["refused"] == "RESOURCE_EXHAUSTED" and "reclaimable" not in refused["details"], refused
+    assert _held(env, "big")["memory_mib"] == held
+    assert serves[-1].term() == 0

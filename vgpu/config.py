@@ -78,6 +78,13 @@ class ServerConfig:
     # applications on it (created ahead of need; an instance with processes is never destroyed).
     # Off: the operator's layout is left as it is.
     manage_mig_layout: bool = False
+    # A request that does not fit in the free room takes it from the policy's own forecast grants,
+    # each cut no lower than its application's latest use x (1 + reclaim_margin_frac), at least
+    # reclaim_min_mib, lowest priority first (allocator/reclaim.py). false: such a request is refused
+    # while the policy holds the room, as a static allocator would.
+    reclaim: bool = True
+    reclaim_margin_frac: float = 0.10
+    reclaim_min_mib: float = 256.0
     # Seconds a graceful stop waits for in-flight RPCs.
     grace_s: float = 5.0
     # An application with grants that shows no sign of life for this long (no signature, no live
@@ -334,6 +341,11 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"server.grace_s: must be >= 0, got {s.grace_s}")
     if s.hard_memory_limits not in ("contended", "always"):
         raise ConfigError(f"server.hard_memory_limits: expected 'contended' or 'always', got {s.hard_memory_limits!r}")
+    if not 0 <= s.reclaim_margin_frac <= 10:
+        raise ConfigError(f"server.reclaim_margin_frac: expected 0..10 (a fraction of the use kept above it), "
+                          f"got {s.reclaim_margin_frac}")
+    if not 0 <= s.reclaim_min_mib <= 1024 * 1024:
+        raise ConfigError(f"server.reclaim_min_mib: expected 0..1048576 MiB, got {s.reclaim_min_mib}")
     if not s.idle_release_s >= 0:
         raise ConfigError(f"server.idle_release_s: must be >= 0 (0: never), got {s.idle_release_s}")
     for name in ("max_grants_per_app", "max_grants_per_node", "max_watchers_per_caller", "max_watchers",

@@ -1110,7 +1110,9 @@ class Daemon:
         self.allocator = Allocator(self.backend, clock=self.clock, dry_run=dry_run, ledger=ledger,
                                    mig=mig, cgroup_limits=cgroup_limits if cfg.server.cgroup_memory_limits else None,
                                    sizer=self.sizer, policy=policy, hard_limit_at_frac=hard_at,
-                                   on_change=self._save,
+                                   on_change=self._save, reclaim=cfg.server.reclaim,
+                                   reclaim_margin_frac=cfg.server.reclaim_margin_frac,
+                                   reclaim_min_mib=cfg.server.reclaim_min_mib,
                                    max_watchers=cfg.server.max_watchers,
                                    max_watchers_per_caller=cfg.server.max_watchers_per_caller,
                                    drop_slow_watchers=True)
