@@ -88,7 +88,7 @@ import collections
 import dataclasses
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol, TypeVar
@@ -116,6 +116,7 @@ from vgpu.allocator.policy.base import (
     MigOutcome,
     MigTarget,
     Plan,
+    PlanReason,
     Policy,
     Recommendation,
     Sizer,
@@ -196,6 +197,8 @@ class AppInfo:
     # itself), "" without a grant; and why (allocator.app_memory_limit)
     mem_limit: str = ""
     mem_limit_reason: str = ""
+    # the latest plan's size for it and the rules that set it; None while it is not planned
+    plan: PlanReason | None = None
 
 
 class EventKind(StrEnum):
@@ -413,6 +416,8 @@ class Allocator:
         self._drop_slow_watchers = drop_slow_watchers
         self._subscriptions: list[Subscription] = []
         self._latest: dict[str, Recommendation] = {}
+        # each planned application's latest plan reasons (`vgpu apps`), kept while it is planned
+        self._why: dict[str, PlanReason] = {}
         self._stopped = False
         self._refusing = False  # refuse_changes() or stop() was called: no change is made any more
         self._watches_ended = False
@@ -927,6 +932,7 @@ class Allocator:
                     pids=tuple(sorted({g.pid for g in grants if g.pid > 0})),
                     mem_limit=mem_limit,
                     mem_limit_reason=mem_limit_reason,
+                    plan=self._why.get(app_id) if rec is not None else None,
                 )
             )
         return out
@@ -1049,7 +1055,11 @@ class Allocator:
         views, usable = self._readable_views(devices_touched, usable, skipped)
         granted_before = {r.app_id: self._granted(r.app_id, r.device_id) for r in usable if r.app_id in fresh}
         plan: Plan = self.policy.plan(usable, views, self.clock())
-        created, resized, events = self._change_grants(plan.grants, skipped)
+        why = {r.app_id: r for r in plan.reasons}
+        self._why.update(why)
+        if len(self._why) > len(self._latest):  # applications no longer planned
+            self._why = {a: r for a, r in self._why.items() if a in self._latest}
+        created, resized, events = self._change_grants(plan.grants, skipped, why)
         if created or resized:
             created, resized, events = self._store_plan(created, resized, events, skipped)
         self.counters.granted += len(created)
@@ -1112,12 +1122,15 @@ class Allocator:
             usable = [r for r in usable if r.device_id != device_id]
         return views, usable
 
-    def _change_grants(self, targets: Sequence[GrantTarget], skipped: list[str]) -> tuple[
+    def _change_grants(self, targets: Sequence[GrantTarget], skipped: list[str],
+                       why: Mapping[str, PlanReason] | None = None) -> tuple[
             list[Grant], list[Grant], list[tuple[EventKind, Grant, str, str]]]:
         """The plan's grant targets made in the ledger only, shrinks first: new grants and growth
         clamped to what fits, a resize that changes nothing dropped, a target the ledger refuses
         named in `skipped`. The grants created, the grants resized, and the events to publish once
-        they are stored as (kind, grant, detail, reason)."""
+        they are stored as (kind, grant, detail, reason); a resize's detail names the plan's rules
+        (`why`) where the policy gave them."""
+        why = why or {}
         created: list[Grant] = []
         resized: list[Grant] = []
         events: list[tuple[EventKind, Grant, str, str]] = []
@@ -1140,7 +1153,7 @@ class Allocator:
                     if (grant.memory_mib, grant.sm_pct) == (old.memory_mib, old.sm_pct):
                         continue
                     resized.append(grant)
-                    events.append((EventKind.RESIZED, grant, _resize_text(old, grant),
+                    events.append((EventKind.RESIZED, grant, _resize_text(old, grant) + _rules_text(why.get(grant.app_id)),
                                    "grow" if grant.memory_mib > old.memory_mib or grant.sm_pct > old.sm_pct
                                    else "shrink"))
             except (DeviceError, InvalidRequest) as exc:
@@ -1461,6 +1474,11 @@ class Allocator:
         for sub in list(self._subscriptions):
             sub.close()
         return results
+
+
+def _rules_text(why: PlanReason | None) -> str:
+    """" (memory: ramp, SM: forecast)": the plan's rules for a resize, "" without them."""
+    return "" if why is None else f" (memory: {why.mem_rule}, SM: {why.sm_rule})"
 
 
 def _resize_text(old: Grant, new: Grant) -> str:

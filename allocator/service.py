@@ -216,6 +216,12 @@ def app_to_pb(a: AppInfo, *, pids: Sequence[int] = (),
         msg.limits.CopyFrom(limits_to_pb(a.limits))
     if a.last_seen_s is not None:
         msg.last_seen_s = a.last_seen_s
+    if a.plan is not None:
+        if math.isfinite(a.plan.memory_mib):
+            msg.plan_memory_mib = a.plan.memory_mib
+        if math.isfinite(a.plan.sm_pct):
+            msg.plan_sm_pct = a.plan.sm_pct
+        msg.plan_mem_rule, msg.plan_sm_rule = a.plan.mem_rule, a.plan.sm_rule
     return msg
 
 

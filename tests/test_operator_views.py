@@ -164,6 +164,10 @@ def test_streamed_apps_show_usage_forecast_history_and_profiler(env: Env, serves
         assert row["USER"] == "N/A" and row["COMMAND"] == "N/A"
         assert row["GPU"] == "0" and re.fullmatch(r"\d+s ago", row["LAST SEEN"])
         assert row["CLAIMED"] == "no"  # an id seen only in signatures has no owner
+        assert row["WHY"] in RULES, row  # the rule the latest plan sized its memory by
+        planned = {a["app_id"]: a for a in json.loads(cli(env, "apps", "--json").stdout)["apps"]}["bert-train"]
+        assert planned["plan_mem_rule"] in RULES and planned["plan_sm_rule"] in RULES, planned
+        assert planned["plan_memory_mib"] > 0, planned
         dev = _row(cli(env, "available").stdout, "0")
         assert re.fullmatch(r"1 \(\d+s ago\)", dev["PROFILERS"]), dev["PROFILERS"]
 
@@ -336,7 +340,36 @@ def test_apps_table_marks_unknowns() -> None:
     msg = app_to_pb(AppInfo("a", (), None, pids=(4242,)), process_info=lambda pid: ("", ""))
     row = _row(ctl.apps_table(pb.ListApplicationsResponse(apps=[msg])), "a")
     assert row["PID"] == "4242" and row["USER"] == "N/A" and row["COMMAND"] == "N/A"
-    assert row["USED MiB"] == row["P90 MiB"] == row["LAST SEEN"] == "N/A"
+    assert row["USED MiB"] == row["P90 MiB"] == row["LAST SEEN"] == row["WHY"] == "N/A"
+    assert not msg.HasField("plan_memory_mib") and msg.plan_mem_rule == ""
+
+
+# The rules the policy names in a plan (allocator/policy/forecast.py), as docs/operations.md lists them.
+RULES = {"forecast", "usage", "reclaim-grow", "guarantee", "minimum", "lead", "ramp", "start", "burst", "bump",
+         "jump-ended", "overrun", "dwell", "below-threshold", "hold", "contention", "contention-held"}
+
+
+def test_every_rule_a_plan_names_is_documented_for_the_operator() -> None:
+    """The WHY column's words are the policy's own: each one the policy can write is in the list that
+    docs/operations.md explains (and this test's), so a new rule cannot reach the table unexplained."""
+    source = (ROOT / "allocator" / "policy" / "forecast.py").read_text()
+    written = set(re.findall(r'reason(?:\[res\])? = "([a-z-]+)"', source))
+    written |= set(re.findall(r'return (?:desired|current|max\(desired, app.request\(res\)\)), "([a-z-]+)"', source))
+    written |= set(re.findall(r'value, reason = .*, "([a-z-]+)"$', source, re.M))
+    written |= set(re.findall(r'\("([a-z]+)", _[a-z_]+\)', source))  # the leading rules' names
+    assert written and written <= RULES, written - RULES
+    doc = (ROOT / "docs" / "operations.md").read_text()
+    assert all(f"`{rule}`" in doc for rule in RULES), [r for r in RULES if f"`{r}`" not in doc]
+
+
+def test_a_planned_application_shows_the_plans_size_and_rules() -> None:
+    from vgpu.allocator.policy.base import PlanReason
+
+    why = PlanReason("a", "GPU-0", 12000.0, 40.0, "ramp", "forecast")
+    msg = app_to_pb(AppInfo("a", (), None, plan=why), process_info=lambda pid: ("", ""))
+    assert (msg.plan_memory_mib, msg.plan_sm_pct, msg.plan_mem_rule, msg.plan_sm_rule) == (12000.0, 40.0, "ramp",
+                                                                                         "forecast")
+    assert _row(ctl.apps_table(pb.ListApplicationsResponse(apps=[msg])), "a")["WHY"] == "ramp"
 
 
 def test_apps_table_says_sm_shares_are_not_enforced_where_one_is_granted() -> None:

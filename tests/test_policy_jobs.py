@@ -186,3 +186,18 @@ def test_a_ramp_under_the_job_s_size_is_granted_to_the_size_and_not_past_it(to_s
         assert ramped > 2 * 4_000, ramped  # the use x 3, past what the job said
     n.seconds(2, 5_000.0)  # past its size: the ramp rules as before
     assert n.grant(grant.grant_id).memory_mib > 5_000 * 2
+
+
+def test_a_resize_and_the_apps_listing_say_which_rule_the_plan_used() -> None:
+    """Each RESIZED event of a planned grant ends with the plan's rules, and `list_apps` carries the
+    latest plan's size and rules while the application is planned."""
+    n, first = first_job_run_past_its_window()
+    sub = n.allocator.watch("a")
+    n.seconds(3, 6_000.0)  # use jumps past the grant: grown at once
+    resized = [e for e in sub.drain_nowait() if e.kind.value == "resized"]
+    assert resized and resized[0].detail.endswith(")") and "(memory: " in resized[0].detail, resized
+    (info,) = n.allocator.list_apps()
+    assert info.plan is not None and info.plan.mem_rule in resized[-1].detail
+    assert info.plan.memory_mib == pytest.approx(n.grant(first.grant_id).memory_mib)
+    n.allocator.forget_app("a")
+    assert all(a.plan is None for a in n.allocator.list_apps())

@@ -511,7 +511,7 @@ def available_main(argv: Sequence[str] | None = None, prog: str = "vgpu availabl
 
 # --- apps ------------------------------------------------------------------------------------------------
 APP_COLUMNS = ("APP", "CLAIMED", "PID", "USER", "COMMAND", "GPU", "USED MiB", "P50 MiB", "P90 MiB", "GRANTED MiB",
-               "ENFORCED", "LIMIT MiB", "SM %", "P90 SM %", "GRANT SM %", "LAST SEEN")
+               "WHY", "ENFORCED", "LIMIT MiB", "SM %", "P90 SM %", "GRANT SM %", "LAST SEEN")
 _APP_RIGHT = {"USED MiB", "P50 MiB", "P90 MiB", "GRANTED MiB", "LIMIT MiB", "SM %", "P90 SM %", "GRANT SM %"}
 
 
@@ -542,6 +542,8 @@ def app_rows(resp: pb.ListApplicationsResponse, devices: pb.GetAvailableResource
             "P50 MiB": _known(a.forecast_mem_p50_mib, known and a.forecast_mem_p50_mib > 0),
             "P90 MiB": _known(a.forecast_mem_p90_mib, known and a.forecast_mem_p90_mib > 0),
             "GRANTED MiB": f"{sum(g.memory_mib for g in a.grants):,.0f}",
+            # the rule the latest plan sized its memory by (docs/operations.md lists them)
+            "WHY": a.plan_mem_rule or NA,
             "ENFORCED": a.mem_limit or NA,
             "LIMIT MiB": f"{lim.max_memory_mib:,.0f}" if a.HasField("limits") and lim.HasField("max_memory_mib") else "-",
             "SM %": _known(a.sm_util_pct, known),

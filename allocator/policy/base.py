@@ -171,12 +171,29 @@ class Enforcement:
 
 
 @dataclass(frozen=True)
+class PlanReason:
+    """Why the plan sized an application as it did, for the operator (`vgpu apps`): its planned
+    memory and SM on the device (what it holds, requests included, once the plan is carried out;
+    growth may still be clamped to what fits) and the rule that set each, as the policy names it
+    (allocator/policy/forecast.py lists them: e.g. `forecast`, `ramp`, `start`, `dwell`, `contention`)."""
+
+    app_id: str
+    device_id: str
+    memory_mib: float
+    sm_pct: float
+    mem_rule: str
+    sm_rule: str
+
+
+@dataclass(frozen=True)
 class Plan:
     grants: tuple[GrantTarget, ...] = ()
     power: tuple[PowerTarget, ...] = ()
     mig: tuple[MigTarget, ...] = ()
     # per device; a device the plan does not name keeps the allocator's own rule (allocator/core.py)
     enforcement: tuple[Enforcement, ...] = ()
+    # every planned application's reasons, changed or not; a policy that gives none leaves it empty
+    reasons: tuple[PlanReason, ...] = ()
 
 
 @runtime_checkable

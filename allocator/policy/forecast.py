@@ -90,6 +90,7 @@ from vgpu.allocator.policy.base import (
     Enforcement,
     GrantTarget,
     MigTarget,
+    PlanReason,
     PowerTarget,
     limits_are_hard,
 )
@@ -1431,8 +1432,10 @@ class ForecastPolicy:
         if self.manage_mig:
             mig = [m for v in devices if v.mig_enabled and (m := self._mig_target(v, states, result)) is not None]
         enforcement = [self._enforcement(dp, views[dp.device_id], seen) for dp in result.devices]
+        reasons = tuple(PlanReason(t.app_id, t.device_id, t.mem_mib, t.sm_pct, t.reason_mem, t.reason_sm)
+                        for t in result.targets)
         return AllocatorPlan(grants=tuple(grants), power=tuple(power), mig=tuple(mig),
-                              enforcement=tuple(enforcement))
+                              enforcement=tuple(enforcement), reasons=reasons)
 
     def _app_state(self, rec: Recommendation, mine: Sequence[Grant], own: Grant | None, now_s: float) -> AppState:
         """What `plan()` knows of one application: its recommendation, its grants on the device
