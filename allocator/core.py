@@ -235,11 +235,12 @@ class ApplyReport:
 
 
 # every (event kind, reason) a grant change is counted under (`Counters.grant_changes`): granted by
-# source, resized to grow, to shrink or to an operator's limits, released
+# source, resized to grow, to shrink, to an operator's limits or for another's request (reclaim),
+# released, or released because the application's declared job superseded it
 GRANT_CHANGE_KEYS: tuple[tuple[str, str], ...] = (
     *(("granted", source) for source in SOURCES),
     ("resized", "grow"), ("resized", "shrink"), ("resized", "limits"), ("resized", "reclaim"),
-    ("released", "released"),
+    ("released", "released"), ("released", "superseded"),
 )
 
 
@@ -257,8 +258,8 @@ class Counters:
     # requests admitted by cutting the policy's managed grants (each cut is also a grant change
     # ("resized", "reclaim"))
     reclaims: int = 0
-    # (event kind, reason) -> grant changes: ("granted", source), ("resized", "grow"|"shrink"),
-    # ("released", "released")
+    # (event kind, reason) -> grant changes: ("granted", source), ("resized", "grow"|"shrink"|"limits"|
+    # "reclaim"), ("released", "released"|"superseded")
     grant_changes: dict[tuple[str, str], int] = field(default_factory=dict)
     # (device_id, mechanism) -> device changes that failed: "power_limit" (write refused, raised or
     # did not read back; device unreadable), "mig" (raised, refused, or steps left undone; device
@@ -525,24 +526,46 @@ class Allocator:
     def request_allocation(self, request: AllocationRequest, *, caller: str | None = None) -> Grant:
         """Grant what the request asks for, or (memory 0 with a job description) what the cold-start
         sizer says; InsufficientResources when it does not fit, InvalidRequest when the job cannot be
-        sized, NotSupported without a sizer, Unavailable once stopping (nothing changes in any of these)."""
+        sized, NotSupported without a sizer, Unavailable once stopping (nothing changes in any of these).
+
+        A declared job (cold start) supersedes the policy's forecast grants of the application on the
+        device it is granted on (`_supersede_forecast`): they are released in the same stored change,
+        the room they held counts toward the new grant, and the new grant is no smaller than they
+        were nor than the application uses there now, so the application holds one managed grant
+        there, the one the policy resizes. Without a device named, a job of an application that
+        holds a forecast grant goes to that grant's device (where its process runs)."""
         self._check_open()
         memory_mib, sm_pct, source = self._size_request(request)
+        sized_mib = memory_mib
+        superseded: list[Grant] = []
         cuts: list[tuple[Grant, Grant]] = []
         try:
-            grant = self._grant(request, memory_mib, sm_pct, source, request.device_id or None, caller)
-        except InsufficientResources as refused:
-            if not self.reclaim:
-                raise
-            # the sizer's SM estimate is not what the application asked for: trimmed, never refused
-            sm_elastic = source == "cold_start" and request.sm_pct <= 0
-            grant, cuts = self._grant_reclaiming(request, memory_mib, sm_pct, source, sm_elastic, caller, refused)
-        self._changed()  # stored before anyone hears of it (the cuts with it; undone with it)
+            if source == "cold_start":
+                device_id = request.device_id or self._forecast_device(request.app_id)
+                if device_id:
+                    request = dataclasses.replace(request, device_id=device_id)
+                    superseded, memory_mib, sm_pct = self._supersede_forecast(request, device_id, memory_mib,
+                                                                              sm_pct, caller)
+            try:
+                grant = self._grant(request, memory_mib, sm_pct, source, request.device_id or None, caller,
+                                    sized_mib)
+            except InsufficientResources as refused:
+                if not self.reclaim:
+                    raise
+                # the sizer's SM estimate is not what the application asked for: trimmed, never refused
+                sm_elastic = source == "cold_start" and request.sm_pct <= 0
+                grant, cuts = self._grant_reclaiming(request, memory_mib, sm_pct, source, sm_elastic, caller,
+                                                     refused, sized_mib)
+        except BaseException:
+            self.ledger.rollback_changes()  # the superseded grants stay when the new one is not made
+            raise
+        self._changed()  # stored before anyone hears of it (the cuts and releases with it; undone with it)
         if grant.cold_start_mib is not None:
             self._cold_start_mib[grant.app_id] = grant.cold_start_mib
         self._seen[grant.app_id] = self.clock()
         self.counters.granted += 1
         self.counters.resized += len(cuts)
+        self.counters.released += len(superseded)
         if cuts:
             self.counters.reclaims += 1
         # the caps first, as the ledger is now (the cut grants' lower caps with the new one's): the
@@ -554,14 +577,59 @@ class Allocator:
                            was_sm_pct=old.sm_pct, for_app=grant.app_id)
             self._publish(EventKind.RESIZED, grant=new, reason="reclaim",
                           detail=f"reclaimed for {grant.app_id}'s {source}: {_resize_text(old, new)}")
+        for old in superseded:
+            self._log.info("released", app=old.app_id, grant=old.grant_id, reason="superseded",
+                           memory_mib=old.memory_mib, by_grant=grant.grant_id)
+            self._publish(EventKind.RELEASED, grant=old, reason="superseded",
+                          detail=f"superseded by its {source} grant {grant.grant_id} "
+                                 f"({grant.memory_mib:.0f} MiB, {grant.sm_pct:.3g} % SM)")
         self._log.info("granted", app=grant.app_id, device=grant.device_id, memory_mib=grant.memory_mib,
                        sm_pct=grant.sm_pct, source=source, grant=grant.grant_id,
-                       **({"reclaimed_from": [g.app_id for g, _ in cuts]} if cuts else {}))
+                       **({"reclaimed_from": [g.app_id for g, _ in cuts]} if cuts else {}),
+                       **({"superseded": [g.grant_id for g in superseded]} if superseded else {}))
         self._publish(EventKind.GRANTED, grant=grant, detail=source)
         return grant
 
+    def _forecast_device(self, app_id: str) -> str | None:
+        """The device of the application's forecast grants, where its process runs: its latest
+        recommendation's device when it holds one there, else its newest forecast grant's; None
+        without a forecast grant."""
+        grants = [g for g in self.ledger.grants(app_id=app_id) if g.source == "forecast"]
+        if not grants:
+            return None
+        rec = self._latest.get(app_id)
+        if rec is not None and any(g.device_id == rec.device_id for g in grants):
+            return rec.device_id
+        return max(grants, key=lambda g: g.created_at_s).device_id
+
+    def _supersede_forecast(self, request: AllocationRequest, device_id: str, memory_mib: float, sm_pct: float,
+                            caller: str | None) -> tuple[list[Grant], float, float]:
+        """Release the application's forecast grants on the device, in the ledger only (the caller
+        grants, stores and announces, or rolls back), for the cold-start grant that supersedes
+        them; the grants released and the size that grant gets: the sizer's (`memory_mib`,
+        `sm_pct`), at least what they held, and memory at least what the application uses there
+        now (its latest recommendation's) beyond its other grants there, as far as the device has
+        room for it. The room they held counts toward the new grant, so the declaration is never
+        refused for room the application itself held; nothing it holds or uses is cut."""
+        mine = self.ledger.grants(app_id=request.app_id, device_id=device_id)
+        old = [g for g in mine if g.source == "forecast"]
+        if not old:
+            return [], memory_mib, sm_pct
+        held_mem = sum(g.memory_mib for g in old)
+        held_sm = min(100.0, sum(g.sm_pct for g in old))
+        kept_mem = sum(g.memory_mib for g in mine if g.source != "forecast")
+        for g in old:
+            self.ledger.release(g.grant_id, caller=caller)
+        rec = self._latest.get(request.app_id)
+        in_use = 0.0
+        if rec is not None and rec.device_id == device_id and math.isfinite(rec.mem_used_mib):
+            in_use = min(max(rec.mem_used_mib - kept_mem, 0.0), self.ledger.headroom(request.app_id, device_id)[0])
+        return old, max(memory_mib, held_mem, in_use), max(sm_pct, held_sm)
+
     def _grant(self, request: AllocationRequest, memory_mib: float, sm_pct: float, source: str,
-               device_id: str | None, caller: str | None) -> Grant:
+               device_id: str | None, caller: str | None, sized_mib: float | None = None) -> Grant:
+        """The grant in the ledger; a cold-start grant keeps the sizer's size (`sized_mib`, else
+        `memory_mib`) as its `cold_start_mib`."""
         return self.ledger.grant(
             request.app_id,
             memory_mib,
@@ -571,12 +639,12 @@ class Allocator:
             source=source,
             pid=request.pid,
             caller=caller,
-            cold_start_mib=memory_mib if source == "cold_start" else None,
+            cold_start_mib=(memory_mib if sized_mib is None else sized_mib) if source == "cold_start" else None,
         )
 
     def _grant_reclaiming(self, request: AllocationRequest, memory_mib: float, sm_pct: float, source: str,
-                          sm_elastic: bool, caller: str | None,
-                          refused: InsufficientResources) -> tuple[Grant, list[tuple[Grant, Grant]]]:
+                          sm_elastic: bool, caller: str | None, refused: InsufficientResources,
+                          sized_mib: float | None = None) -> tuple[Grant, list[tuple[Grant, Grant]]]:
         """A request that does not fit in what is free, granted by cutting the policy's managed
         grants down toward what their applications need now (allocator/reclaim.py), on its device
         or, without one, on the device that has the most memory left after; the grant and each cut
@@ -602,7 +670,7 @@ class Allocator:
             granted_sm = best.sm_pct
             if sm_elastic:  # within the application's own SM limit too
                 granted_sm = min(granted_sm, self.ledger.headroom(request.app_id, best.device_id)[1])
-            grant = self._grant(request, memory_mib, granted_sm, source, best.device_id, caller)
+            grant = self._grant(request, memory_mib, granted_sm, source, best.device_id, caller, sized_mib)
         except BaseException:
             self.ledger.rollback_changes()  # the cuts go with the grant that needed them
             raise
