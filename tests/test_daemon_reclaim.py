@@ -12,7 +12,8 @@ import subprocess
 import sys
 
 import numpy as np
-from daemon_fixtures import ROOT, Env, Serve
+import pytest
+from daemon_fixtures import ROOT, Env, Serve, free_port, metric_samples
 
 from vgpu.traces import AppTrace, write_trace
 
@@ -201,4 +202,115 @@ def test_the_operator_sets_how_much_reclaim_may_take_or_turns_it_off(env: Env, s
     refused = _app(env, "later", f"{free + (held - used * 1.2) / 2:.0f}")
     assert refused["refused"] == "RESOURCE_EXHAUSTED" and "reclaimable" not in refused["details"], refused
     assert _held(env, "big")["memory_mib"] == held
+
+
+# An application the profiler saw first, linking the client stub: once its watch has caught up with
+# the forecast grant the policy holds for it, it declares its job, waits to hear the job's GRANTED and
+# prints every event its `on_event` got, the daemon's answer and what the stub holds; then it runs
+# until told to stop (a line on stdin).
+DECLARER = """
+import json, sys, threading, time
+from vgpu.client import VgpuClient
+from vgpu.jobs import JobConfig
+from vgpu.v1 import allocator_pb2
+
+sock, app_id, inapp = sys.argv[1:4]
+heard, granted = [], threading.Event()
+
+def show(event):
+    kind = allocator_pb2.AllocationEvent.Kind.Name(event.kind)
+    heard.append({"kind": kind, "grant": event.grant.grant_id, "source": event.grant.source,
+                  "memory_mib": event.grant.memory_mib, "detail": event.detail})
+    if kind == "GRANTED" and event.grant.source == "cold_start":
+        granted.set()
+
+client = VgpuClient(app_id, socket=sock, inapp_dir=inapp, report=False, on_event=show,
+                    job=JobConfig(model_type="resnet50", batch_size=64, input_size=224))
+deadline = time.monotonic() + 20
+while not client.grants() and time.monotonic() < deadline:  # caught up: the watch is live
+    time.sleep(0.05)
+before = [g.grant_id for g in client.grants()]
+g = client.request()
+granted.wait(10)
+print(json.dumps({"before": before, "answer": {"grant": g.grant_id, "memory_mib": g.memory_mib,
+                  "source": g.source},
+                  "heard": heard, "holds": [x.grant_id for x in client.grants()],
+                  "granted_memory_mib": client.granted_memory_mib}), flush=True)
+sys.stdin.readline()  # alive until told: a restarted daemon keeps the grants of live processes
+client.close(release=False)
+"""
+
+
+def _grants_of(env: Env, app_id: str) -> list[dict]:  # type: ignore[type-arg]
+    return [g for a in env.json("apps")["apps"] if a["app_id"] == app_id for g in a["grants"]]
+
+
+def test_an_app_the_policy_manages_that_declares_its_job_holds_one_grant(env: Env, serves: list[Serve]) -> None:
+    """The profiler saw the application first (the policy holds a forecast grant for it); it then
+    declares its job through the client stub. It holds one grant, the job's, which the policy resizes
+    from then on and which a restarted daemon still lists alone; it heard the forecast grant released
+    as superseded, then its job granted; the metrics count the release by that reason."""
+    port = free_port()
+    serves.append(Serve(env, "--metrics-port", str(port)))
+    (dev,) = env.json("available")["devices"]
+    gpu, total = dev["device_id"], dev["mem_total_mib"]
+    used = 0.5 * total
+    _replay(env, gpu, "big", used, 60.0, 4.0)
+    (forecast,) = _grants_of(env, "big")
+    assert forecast["source"] == "forecast" and forecast["memory_mib"] >= used, forecast
+
+    app = subprocess.Popen([sys.executable, "-c", DECLARER, str(env.sock), "big", str(env.tmp / "inapp")],
+                           cwd=ROOT, env=env.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                           stderr=subprocess.DEVNULL, text=True)
+    try:
+        _declared_job_holds_one_grant(env, serves, app, port, forecast)
+    finally:
+        if app.poll() is None:
+            app.kill()
+            app.wait()
+
+
+def _declared_job_holds_one_grant(env: Env, serves: list[Serve], app: subprocess.Popen,  # type: ignore[type-arg]
+                                  port: int, forecast: dict) -> None:  # type: ignore[type-arg]
+    assert app.stdout is not None and app.stdin is not None
+    (dev,) = env.json("available")["devices"]
+    gpu, total = dev["device_id"], dev["mem_total_mib"]
+    said = json.loads(app.stdout.readline())
+    answer = said["answer"]
+    assert said["before"] == [forecast["grant_id"]], said  # the stub had caught up with the forecast grant
+    assert answer["source"] == "cold_start" and answer["memory_mib"] >= forecast["memory_mib"], said
+    # the job is granted what the forecast grant held, more than the sizer's size
+    assert serves[-1].event("cold_start_sized")["memory_mib"] < answer["memory_mib"]
+    # one grant: in `vgpu apps`, in the ledger's totals (GetAvailableResources) and in the stub
+    (held,) = _grants_of(env, "big")
+    assert held["grant_id"] == answer["grant"] and held["memory_mib"] == answer["memory_mib"], held
+    (now,) = env.json("available")["devices"]
+    assert now["mem_granted_mib"] == pytest.approx(held["memory_mib"])
+    assert said["holds"] == [answer["grant"]] and said["granted_memory_mib"] == answer["memory_mib"], said
+    # heard: the forecast grant released as superseded, then the job's grant
+    story = [(e["kind"], e["grant"]) for e in said["heard"] if e["kind"] in ("GRANTED", "RELEASED")]
+    assert story[-2:] == [("RELEASED", forecast["grant_id"]), ("GRANTED", answer["grant"])], said["heard"]
+    released = [e for e in said["heard"] if e["kind"] == "RELEASED"][-1]
+    assert released["detail"].startswith(f"superseded by its cold_start grant {answer['grant']}"), released
+    counted = metric_samples(port)
+    assert counted[("vgpu_grant_changes_total", (("kind", "released"), ("reason", "superseded")))] == 1
+    assert counted[("vgpu_grant_changes_total", (("kind", "released"), ("reason", "released")))] == 0
+
+    # the policy resizes that one grant: the application's use grows past it and the grant follows
+    assert held["memory_mib"] < 0.8 * total
+    _replay(env, gpu, "big", 0.8 * total, 60.0, 4.0)
+    (resized,) = _grants_of(env, "big")
+    assert resized["grant_id"] == answer["grant"] and resized["memory_mib"] >= 0.8 * total, resized
+    (now,) = env.json("available")["devices"]
+    assert now["mem_granted_mib"] == pytest.approx(resized["memory_mib"])
+
+    # and a restarted daemon lists that one grant, from its store
+    assert serves[-1].term() == 0
+    serves.append(Serve(env))
+    (restored,) = _grants_of(env, "big")
+    assert restored["grant_id"] == answer["grant"] and restored["source"] == "cold_start", restored
+    (after,) = env.json("available")["devices"]
+    assert after["mem_granted_mib"] == pytest.approx(restored["memory_mib"])
+    app.communicate("stop\n", timeout=30)
+    assert app.returncode == 0
     assert serves[-1].term() == 0

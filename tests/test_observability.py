@@ -161,7 +161,7 @@ def test_labelled_counters_are_exported_at_zero_before_their_first_event(env: En
     assert zeros("vgpu_grant_changes") == {("granted", "request"), ("granted", "forecast"),
                                            ("granted", "cold_start"), ("resized", "grow"), ("resized", "shrink"),
                                            ("resized", "limits"), ("resized", "reclaim"),
-                                           ("released", "released")}
+                                           ("released", "released"), ("released", "superseded")}
     dropped = zeros("vgpu_inapp_values_dropped")
     assert {("in_app.kv_used_mib dropped: not finite",), ("in_app.kv_used_mib dropped: negative",),
             ("in_app.kv_used_mib dropped: above 1.67772e+07",)} <= dropped
@@ -173,7 +173,7 @@ def test_labelled_counters_are_exported_at_zero_before_their_first_event(env: En
     # an event adds to its zero series rather than starting a new one
     assert cli(env, "request", "--app", "asked", "--memory-mib", "512").returncode == 0
     granted = {tuple(labels.values()): v for _, labels, v in scrape(port)["vgpu_grant_changes"]}
-    assert granted[("granted", "request")] == 1 and len(granted) == 8
+    assert granted[("granted", "request")] == 1 and len(granted) == 9
 
 
 def test_a_scrape_has_no_created_series(env: Env, serves: list[Serve]) -> None:
