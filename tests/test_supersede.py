@@ -216,3 +216,25 @@ def test_the_policy_resizes_the_one_grant_after_the_declaration() -> None:
     assert now.grant_id == job.grant_id and now.source == "cold_start" and now.cold_start_mib == 3_000
     assert now.memory_mib < job.memory_mib
     assert allocator.ledger.usage(gpu).mem_granted_mib == now.memory_mib
+
+
+def test_an_explicit_request_beside_the_forecast_grant_is_topped_up_not_counted_twice() -> None:
+    """The design for requests: the policy's grant carries only what its plan wants beyond them, so
+    once the shrink rules let it, the two add up to what the forecast grant alone held."""
+    clock = ManualClock(1000.0)
+    backend = SimBackend(["h100-80gb"], clock=clock)
+    allocator = Allocator(backend, clock=clock, dry_run=False,
+                          policy=ForecastPolicy(replace(PREDICTIVE_CONFIG, confidence_multiplier=0.0)))
+    gpu = _gpu(allocator)
+    for seq in range(1, 121):
+        if seq == 41:
+            (alone,) = allocator.ledger.grants(app_id="a")
+            asked = allocator.request_allocation(AllocationRequest("a", memory_mib=4_000))
+        allocator.apply_recommendations([Recommendation(
+            "a", gpu, 8_000, 20, mem_p90_peak_mib=8_000, sm_p90_peak_pct=20, mem_used_mib=8_000,
+            sm_util_pct=20, for_seq=seq, first_use_s=1000.0)])
+        clock.advance(1.0)
+    now = {g.grant_id: g for g in allocator.ledger.grants(app_id="a")}
+    assert set(now) == {alone.grant_id, asked.grant_id}
+    assert now[asked.grant_id].memory_mib == 4_000
+    assert sum(g.memory_mib for g in now.values()) == pytest.approx(alone.memory_mib)
