@@ -102,7 +102,7 @@ def process_info(pid: int) -> tuple[str, str]:
 
 # --- conversions -----------------------------------------------------------------------------------
 def grant_to_pb(g: Grant) -> pb.Grant:
-    return pb.Grant(
+    msg = pb.Grant(
         grant_id=g.grant_id,
         app_id=g.app_id,
         device_id=g.device_id,
@@ -114,6 +114,9 @@ def grant_to_pb(g: Grant) -> pb.Grant:
         source=g.source,
         pid=g.pid,
     )
+    if g.cold_start_mib is not None and math.isfinite(g.cold_start_mib):
+        msg.cold_start_mib = g.cold_start_mib
+    return msg
 
 
 def limits_to_pb(lim: AppLimits) -> pb.AppLimits:

@@ -174,10 +174,16 @@ async def test_request_sizes_a_described_job_with_the_cold_start_model(tmp_path:
                              "--batch-size", "64", "--json")
         grant = json.loads(text)
         assert rc == 0 and (grant["memory_mib"], grant["source"]) == (3200, "cold_start")
+        assert grant["cold_start_mib"] == 3200  # the sizer's size, told beside the grant
+        rc, text = await run(cli.request_main, tmp_path, *sock, "--app", "j2", "--model-type", "resnet50",
+                             "--batch-size", "8")
+        assert rc == 0 and text.endswith(" for j2 (the job sized at 400 MiB)\n"), text
+        rc, text = await run(cli.request_main, tmp_path, *sock, "--app", "x", "--memory-mib", "512", "--json")
+        assert rc == 0 and "cold_start_mib" not in json.loads(text)  # an amount asked: no size to tell
         rc, _ = await run(cli.request_main, tmp_path, *sock, "--app", "k", "--model-type", "resnet50")
         assert rc == 1  # batch size 0: INVALID_ARGUMENT from the daemon, nothing granted
         rc, _ = await run(cli.request_main, tmp_path, *sock, "--app", "k")
         assert rc == 2  # neither --memory-mib nor a job: a usage error
-        assert [g.app_id for g in d.allocator.ledger.grants()] == ["j"]
+        assert sorted(g.app_id for g in d.allocator.ledger.grants()) == ["j", "j2", "x"]
     finally:
         await d.stop("test")

@@ -676,8 +676,10 @@ def request_main(argv: Sequence[str] | None = None, prog: str = "vgpu request", 
         if ns.json:
             _print_json(grant, o)
         else:
+            sized = (f" (the job sized at {resp.grant.cold_start_mib:,.0f} MiB)"
+                     if resp.grant.HasField("cold_start_mib") else "")
             o.write(f"granted {grant['grant_id']}: {resp.grant.memory_mib:g} MiB, {resp.grant.sm_pct:g} % SM "
-                    f"on {resp.grant.device_id} for {resp.grant.app_id}\n")
+                    f"on {resp.grant.device_id} for {resp.grant.app_id}{sized}\n")
         if saved is not None:
             print(f"{prog}: application token for {ns.app!r} saved in {saved}", file=sys.stderr)
         return 0

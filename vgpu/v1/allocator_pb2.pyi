@@ -50,7 +50,7 @@ class ResourceRequest(_message.Message):
     def __init__(self, app_id: _Optional[str] = ..., device_id: _Optional[str] = ..., memory_mib: _Optional[float] = ..., sm_pct: _Optional[float] = ..., priority: _Optional[int] = ..., deadline_s: _Optional[float] = ..., critical: _Optional[bool] = ..., job: _Optional[_Union[JobConfig, _Mapping]] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class Grant(_message.Message):
-    __slots__ = ("grant_id", "app_id", "device_id", "memory_mib", "sm_pct", "priority", "created_at_s", "updated_at_s", "source", "pid")
+    __slots__ = ("grant_id", "app_id", "device_id", "memory_mib", "sm_pct", "priority", "created_at_s", "updated_at_s", "source", "pid", "cold_start_mib")
     GRANT_ID_FIELD_NUMBER: _ClassVar[int]
     APP_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class Grant(_message.Message):
     UPDATED_AT_S_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    COLD_START_MIB_FIELD_NUMBER: _ClassVar[int]
     grant_id: str
     app_id: str
     device_id: str
@@ -71,7 +72,8 @@ class Grant(_message.Message):
     updated_at_s: float
     source: str
     pid: int
-    def __init__(self, grant_id: _Optional[str] = ..., app_id: _Optional[str] = ..., device_id: _Optional[str] = ..., memory_mib: _Optional[float] = ..., sm_pct: _Optional[float] = ..., priority: _Optional[int] = ..., created_at_s: _Optional[float] = ..., updated_at_s: _Optional[float] = ..., source: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+    cold_start_mib: float
+    def __init__(self, grant_id: _Optional[str] = ..., app_id: _Optional[str] = ..., device_id: _Optional[str] = ..., memory_mib: _Optional[float] = ..., sm_pct: _Optional[float] = ..., priority: _Optional[int] = ..., created_at_s: _Optional[float] = ..., updated_at_s: _Optional[float] = ..., source: _Optional[str] = ..., pid: _Optional[int] = ..., cold_start_mib: _Optional[float] = ...) -> None: ...
 
 class RequestResourceAllocationRequest(_message.Message):
     __slots__ = ("request",)
