@@ -9,9 +9,9 @@ sizes every job of the 30 % test part through `ColdStartSizer.size` on its own s
 margin, `under_frac` (the share of jobs whose grant, size + margin, is below the measured peak) and
 the slack of the others (grant - peak), over all jobs, the non-MLP jobs, and by batch size.
 
-Sizers: "shipped" (a forest on the peak in MiB, min 2 samples per leaf, p90 margin) and
-"ratio_to_physics" (a forest on log(peak / physical estimate), min 1 sample per leaf, p95 margin; its
-settings were chosen by cross-validation on the training part, docs/coldstart.md).
+Sizers: "peak" (the earlier sizer: a forest on the peak in MiB, min 2 samples per leaf, p90 margin)
+and "ratio_to_physics" (shipped: a forest on log(peak / physical estimate), min 1 sample per leaf,
+p95 margin; chosen by nested cross-validation on the training part, docs/coldstart.md).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:
 from vgpu.manager.coldstart import heldout_evaluation  # noqa: E402
 
 SIZERS: dict[str, dict[str, Any]] = {
-    "shipped": {"mem_target": "mem_mib", "params": {"min_samples_leaf": 2}, "quantile": 0.9},
+    "peak": {"mem_target": "mem_mib", "params": {"min_samples_leaf": 2}, "quantile": 0.9},
     "ratio_to_physics": {"mem_target": "log_ratio_to_physics", "params": {"min_samples_leaf": 1}, "quantile": 0.95},
 }
 

@@ -9,15 +9,15 @@ train from. Rebuild it with
 
     python -m vgpu.manager.coldstart train --data ../shared/data
 
-What the forest learns for memory (metadata "mem_target"): "mem_mib", the peak itself (shipped), or
-"log_ratio_to_physics", the log of the measured peak over the physical estimate
-(vgpu.jobs.physics_estimate: weights, gradients, optimizer state, activations that grow with the
-batch and the input, context), a size then being that estimate times the learned ratio. A forest
-predicts a constant outside the points it was fit on and averages neighbouring rows inside them, so
-a forest on the peak sizes a job's largest batches like its smaller ones; the ratio keeps the batch's
-scaling from the physics and learns only the correction (evaluated, not shipped: docs/coldstart.md).
+What the forest learns for memory (metadata "mem_target"): "log_ratio_to_physics" (shipped), the log
+of the measured peak over the physical estimate (vgpu.jobs.physics_estimate: weights, gradients,
+optimizer state, activations that grow with the batch and the input, context), a size then being
+that estimate times the learned ratio; or "mem_mib", the peak itself (the earlier sizer's target,
+still read from older artefacts). A forest predicts a constant outside the points it was fit on and
+averages neighbouring rows inside them, so a forest on the peak sizes a job's largest batches like
+its smaller ones; the ratio keeps the batch's scaling from the physics and learns only the correction.
 
-The margin comes from the model's measured error on the training part alone: the 90th percentile of
+The margin comes from the model's measured error on the training part alone: the 95th percentile of
 the absolute relative error of peak memory over CV_FOLDS-fold cross-validated predictions of the 70 %
 training part of the 70/30 split (per model family where that part holds at least
 MIN_FAMILY_TEST_ROWS of it, else over all rows; a family the model never saw gets the largest of
@@ -68,15 +68,18 @@ from vgpu.manager.regressors import regression_metrics, split_indices
 DEFAULT_ARTEFACT = Path(__file__).resolve().parent / "models" / "coldstart_randomforest.pt"
 DEFAULT_CAPACITY_MIB = 40960.0  # a whole A100-40GB, where the caller does not say
 MIN_FAMILY_TEST_ROWS = 10
-MARGIN_QUANTILE = 0.9
+MARGIN_QUANTILE = 0.95  # of the absolute relative memory error
+SM_MARGIN_QUANTILE = 0.9  # of the absolute utilization error (points)
 MIN_HISTORY_S = 10.0
 MODEL_NAME = "RandomForest"
-RF_PARAMS: dict[str, Any] = {"n_estimators": 32, "min_samples_leaf": 2}
-MEM_TARGETS: tuple[str, ...] = ("mem_mib", "log_ratio_to_physics")
-# The shipped target. "log_ratio_to_physics" (with min_samples_leaf 1 and a 0.95 margin quantile,
-# chosen by cross-validation on the training part) halves the error and the slack but did not size
-# fewer held-out jobs under their peak (docs/coldstart.md), so it is not shipped.
-MEM_TARGET = "mem_mib"
+# The target, min_samples_leaf and margin quantile were chosen by nested 5-fold cross-validation on
+# the training part only (docs/coldstart.md); the earlier sizer learned the peak ("mem_mib") with
+# min_samples_leaf 2 and a 0.9 quantile.
+RF_PARAMS: dict[str, Any] = {"n_estimators": 32, "min_samples_leaf": 1}
+# The utilization forest keeps the earlier min_samples_leaf: the selection above was about memory.
+UTIL_MIN_SAMPLES_LEAF = 2
+MEM_TARGETS: tuple[str, ...] = ("log_ratio_to_physics", "mem_mib")
+MEM_TARGET = "log_ratio_to_physics"
 CV_FOLDS = 5
 # Batch-size buckets of the held-out report (inclusive bounds).
 BATCH_BUCKETS: tuple[tuple[int, int], ...] = ((1, 16), (17, 64), (65, 128), (129, 1 << 30))
@@ -264,6 +267,10 @@ class ColdStartSizer:
         self.mem_target = str(metadata.get("mem_target", "mem_mib"))
         if self.mem_target not in MEM_TARGETS:
             raise ValueError(f"cold-start model has an unknown mem_target {self.mem_target!r}; expected one of {MEM_TARGETS}: retrain it")
+        # The largest batch of each stretch of batch sizes the memory forest does not tell apart (a
+        # split on log2_batch at t: batches up to floor(2**t) go left), for `_smaller_batch_mib`.
+        on_batch = mem.feature == FEATURE_NAMES.index("log2_batch")
+        self._batch_breaks = np.unique(np.floor(2.0 ** mem.threshold[on_batch].astype(np.float64)))
 
     @classmethod
     def load(cls, path: Path | str = DEFAULT_ARTEFACT) -> ColdStartSizer:
@@ -317,6 +324,7 @@ class ColdStartSizer:
         seen = family in self._seen
         notes: list[str] = []
         extrapolated = self._out_of_range(x[0])
+        smaller_mib, smaller_batch = self._smaller_batch_mib(x[0], phys, job.batch_size) if seen else (0.0, 0)
         if not seen:
             extrapolated = ("family", *extrapolated)
             notes.append(f"model family {family!r} is not in the training data: widest margin used")
@@ -332,9 +340,16 @@ class ColdStartSizer:
                 f"outside the learned model's training data ({', '.join(extrapolated)}): sized from "
                 "parameters, precision, optimizer and activations; widest margin used"
             )
+            if smaller_mib > mem:
+                mem = smaller_mib
+                notes.append(f"raised to the learned size of batch {smaller_batch} of the same job ({smaller_mib:.0f} MiB)")
         else:
             rel = self._margin_family.get(family, self._margin_all)
             mem, method = max(learned, 0.0), "learned"
+            if smaller_mib > mem:
+                mem = smaller_mib
+                notes.append(f"raised to the learned size of batch {smaller_batch} of the same job ({smaller_mib:.0f} MiB): "
+                             "a larger batch never needs less")
             if mem < phys.floor_mib:
                 mem, method = phys.floor_mib, "learned, raised to the physical floor"
                 notes.append(f"the learned model's {learned:.0f} MiB is below what the job needs by construction")
@@ -361,6 +376,34 @@ class ColdStartSizer:
             physics_mib=phys.estimate_mib,
             param_count=phys.param_count,
         )
+
+    def _smaller_batch_mib(self, x: np.ndarray, phys: PhysicsEstimate, batch: int) -> tuple[float, int]:
+        """The largest learned size of the same job at a smaller batch inside the training ranges,
+        and that batch ((0, 0) where there is none): a job never needs less memory than at a
+        smaller batch, and the forest, piecewise constant in the batch, need not agree.
+
+        Between two splits on the batch the forest's output is constant, so the size (that output, or
+        the physical estimate times it) is largest at the stretch's largest batch: checking those
+        (`_batch_breaks`) below `batch` makes the size non-decreasing in the batch. The physical
+        estimate at batch b' is its batch-independent part plus the activations scaled by b'/batch
+        (vgpu.jobs.physics_estimate's activations are proportional to the batch)."""
+        batch = max(batch, 1)
+        others = tuple(n for n in self._out_of_range(x) if n != "batch_size")
+        candidates = self._batch_breaks[self._batch_breaks < batch]
+        if others or not len(candidates):
+            return 0.0, 0
+        family = FAMILIES[int(x[0])]
+        lo, hi = self.metadata.get("feature_ranges_by_family", {}).get(family, {}).get("ranges", {}).get("log2_batch", (math.inf, -math.inf))
+        log2_b = np.log2(candidates)
+        candidates = candidates[(log2_b >= lo) & (log2_b <= hi)]
+        if not len(candidates):
+            return 0.0, 0
+        xs = np.repeat(x[None, :], len(candidates), axis=0)
+        xs[:, FEATURE_NAMES.index("log2_batch")] = np.log2(candidates)
+        static_mib = phys.estimate_mib - phys.activations_mib
+        mems, _ = self.predict_raw(xs, static_mib + phys.activations_mib * candidates / batch)
+        i = int(np.argmax(mems))
+        return float(mems[i]), int(candidates[i])
 
     def _out_of_range(self, x: np.ndarray) -> tuple[str, ...]:
         """The encoded inputs outside the training data's ranges (metadata "feature_ranges"; a
@@ -522,8 +565,8 @@ def _fit_sizer(data: _Data, fit_rows: np.ndarray, margin: dict[str, Any], sm_mar
     """A sizer fit on `fit_rows` (its training ranges theirs), with the given margins."""
     from sklearn.ensemble import RandomForestRegressor
 
-    def fit(y: np.ndarray) -> TreeEnsemble:
-        model = RandomForestRegressor(random_state=seed, n_jobs=1, **rf_params).fit(data.x[fit_rows], y[fit_rows])
+    def fit(y: np.ndarray, params: dict[str, Any]) -> TreeEnsemble:
+        model = RandomForestRegressor(random_state=seed, n_jobs=1, **params).fit(data.x[fit_rows], y[fit_rows])
         return TreeEnsemble.from_sklearn(model)
 
     meta = {
@@ -531,16 +574,24 @@ def _fit_sizer(data: _Data, fit_rows: np.ndarray, margin: dict[str, Any], sm_mar
         "model": MODEL_NAME,
         "mem_target": mem_target,
         "params": rf_params,
+        "util_params": _util_params(rf_params),
         "seed": seed,
         "encoding_version": ENCODING_VERSION,
         "feature_names": list(FEATURE_NAMES),
         "families_seen": sorted(set(data.families[fit_rows].tolist())),
         "margin_quantile": quantile,
+        "sm_margin_quantile": SM_MARGIN_QUANTILE,
         "margin_rel": margin,
         "sm_margin_pct": sm_margin_pct,
         "feature_ranges_by_family": training_ranges(data.x[fit_rows]),
     }
-    return ColdStartSizer(fit(_mem_fit_target(data.mem, data.physics_mib, mem_target)), fit(data.util), meta)
+    mem = fit(_mem_fit_target(data.mem, data.physics_mib, mem_target), rf_params)
+    return ColdStartSizer(mem, fit(data.util, _util_params(rf_params)), meta)
+
+
+def _util_params(rf_params: dict[str, Any]) -> dict[str, Any]:
+    """The utilization forest's settings: the memory forest's, at UTIL_MIN_SAMPLES_LEAF."""
+    return {**rf_params, "min_samples_leaf": UTIL_MIN_SAMPLES_LEAF}
 
 
 def _cv_margins(data: _Data, rows: np.ndarray, mem_target: str, rf_params: dict[str, Any], seed: int,
@@ -555,12 +606,12 @@ def _cv_margins(data: _Data, rows: np.ndarray, mem_target: str, rf_params: dict[
     for fit_idx, eval_idx in folds.split(rows):
         fit_rows, eval_rows = rows[fit_idx], rows[eval_idx]
 
-        def model(y: np.ndarray, fit_rows: np.ndarray = fit_rows) -> Any:
-            return RandomForestRegressor(random_state=seed, n_jobs=1, **rf_params).fit(data.x[fit_rows], y[fit_rows])
+        def model(y: np.ndarray, params: dict[str, Any], fit_rows: np.ndarray = fit_rows) -> Any:
+            return RandomForestRegressor(random_state=seed, n_jobs=1, **params).fit(data.x[fit_rows], y[fit_rows])
 
-        raw = model(y_mem).predict(data.x[eval_rows])
+        raw = model(y_mem, rf_params).predict(data.x[eval_rows])
         p_mem[eval_idx] = data.physics_mib[eval_rows] * np.exp(raw) if mem_target == "log_ratio_to_physics" else raw
-        p_util[eval_idx] = model(data.util).predict(data.x[eval_rows])
+        p_util[eval_idx] = model(data.util, _util_params(rf_params)).predict(data.x[eval_rows])
     rel = np.abs(p_mem - data.mem[rows]) / np.maximum(data.mem[rows], 1.0)
     fams = data.families[rows]
     by_family = {}
@@ -569,7 +620,7 @@ def _cv_margins(data: _Data, rows: np.ndarray, mem_target: str, rf_params: dict[
         if sel.sum() >= MIN_FAMILY_TEST_ROWS:
             by_family[fam] = round(_quantile(rel[sel], quantile), 5)
     margin = {"all": round(_quantile(rel, quantile), 5), "by_family": by_family, "from": f"{CV_FOLDS}-fold CV of the training part"}
-    return margin, round(_quantile(np.abs(p_util - data.util[rows]), quantile), 4)
+    return margin, round(_quantile(np.abs(p_util - data.util[rows]), SM_MARGIN_QUANTILE), 4)
 
 
 def _bucket_name(lo: int, hi: int) -> str:
@@ -669,7 +720,8 @@ def _size(args: argparse.Namespace, prog: str, *, as_json: bool) -> int:
     try:
         job = JobConfig(args.model_type, args.param_count, args.batch_size, args.input_size, args.num_layers,
                         args.precision, args.optimizer, args.mode)
-        est = ColdStartSizer.load(args.model).size(job, args.capacity_mib)
+        sizer = ColdStartSizer.load(args.model)
+        est = sizer.size(job, args.capacity_mib)
     except (InvalidJobConfig, FileNotFoundError, ValueError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
@@ -686,7 +738,8 @@ def _size(args: argparse.Namespace, prog: str, *, as_json: bool) -> int:
     print(f"{job.model_type} ({est.family}, {est.param_count:,} parameters), batch {job.batch_size}, "
           f"{job.mode_norm}, {job.precision_norm} on {est.capacity_mib:.0f} MiB:")
     print(f"  peak memory  {est.mem_mib:8.0f} MiB + margin {est.margin_mib:.0f} MiB "
-          f"(p90 relative error {est.margin_rel:.1%}) = grant {est.grant_mib:.0f} MiB")
+          f"(p{round(100 * float(sizer.metadata.get('margin_quantile', MARGIN_QUANTILE)))} relative error "
+          f"{est.margin_rel:.1%}) = grant {est.grant_mib:.0f} MiB")
     print(f"  {verdict}")
     print(f"  method {est.method}, confidence {est.confidence}"
           + (f" (missing: {', '.join(est.missing)})" if est.missing else ""))
