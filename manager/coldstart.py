@@ -9,11 +9,22 @@ train from. Rebuild it with
 
     python -m vgpu.manager.coldstart train --data ../shared/data
 
-The margin comes from the model's measured error: the 90th percentile of the absolute relative
-error of peak memory on the 30 % test part of the 70/30 split (per model family where the test part
-holds at least MIN_FAMILY_TEST_ROWS of it, else over all rows; a family the model never saw gets the
-largest of them). The shipped model is then refit on all rows, so the margin is, if anything,
-pessimistic.
+What the forest learns for memory (metadata "mem_target"): "log_ratio_to_physics" (shipped), the log
+of the measured peak over the physical estimate (vgpu.jobs.physics_estimate: weights, gradients,
+optimizer state, activations that grow with the batch and the input, context), a size then being
+that estimate times the learned ratio; or "mem_mib", the peak itself (the earlier sizer's target,
+still read from older artefacts). A forest predicts a constant outside the points it was fit on and
+averages neighbouring rows inside them, so a forest on the peak sizes a job's largest batches like
+its smaller ones; the ratio keeps the batch's scaling from the physics and learns only the correction.
+
+The margin comes from the model's measured error on the training part alone: the 95th percentile of
+the absolute relative error of peak memory over CV_FOLDS-fold cross-validated predictions of the 70 %
+training part of the 70/30 split (per model family where that part holds at least
+MIN_FAMILY_TEST_ROWS of it, else over all rows; a family the model never saw gets the largest of
+them). The 30 % test part is held out from the model and the margin alike: `heldout_evaluation`
+sizes each of its jobs through `ColdStartSizer.size` (metadata "heldout": error, the share of jobs
+whose grant is under their measured peak, the slack over it, by batch size). The shipped model is
+then refit on all rows with that margin.
 
 Hand-over: `choose_source` says whether a grant comes from the request, the cold-start sizer, or the
 time-series forecaster (once the application has enough history).
@@ -38,7 +49,7 @@ import structlog
 
 from vgpu.allocator.errors import NotSupported, Unavailable
 from vgpu.allocator.policy.base import Sizer, Sizing
-from vgpu.jobs import known_model, physics_estimate, unknown_model_note
+from vgpu.jobs import PhysicsEstimate, known_model, physics_estimate, unknown_model_note
 from vgpu.manager.jobprofiles import (
     ENCODING_VERSION,
     FAMILIES,
@@ -46,6 +57,7 @@ from vgpu.manager.jobprofiles import (
     PERMITTED_SOURCES,
     InvalidJobConfig,
     JobConfig,
+    JobProfile,
     encode,
     encode_profiles,
     load_permitted,
@@ -56,10 +68,21 @@ from vgpu.manager.regressors import regression_metrics, split_indices
 DEFAULT_ARTEFACT = Path(__file__).resolve().parent / "models" / "coldstart_randomforest.pt"
 DEFAULT_CAPACITY_MIB = 40960.0  # a whole A100-40GB, where the caller does not say
 MIN_FAMILY_TEST_ROWS = 10
-MARGIN_QUANTILE = 0.9
+MARGIN_QUANTILE = 0.95  # of the absolute relative memory error
+SM_MARGIN_QUANTILE = 0.9  # of the absolute utilization error (points)
 MIN_HISTORY_S = 10.0
 MODEL_NAME = "RandomForest"
-RF_PARAMS: dict[str, Any] = {"n_estimators": 32, "min_samples_leaf": 2}
+# The target, min_samples_leaf and margin quantile were chosen by nested 5-fold cross-validation on
+# the training part only (docs/coldstart.md); the earlier sizer learned the peak ("mem_mib") with
+# min_samples_leaf 2 and a 0.9 quantile.
+RF_PARAMS: dict[str, Any] = {"n_estimators": 32, "min_samples_leaf": 1}
+# The utilization forest keeps the earlier min_samples_leaf: the selection above was about memory.
+UTIL_MIN_SAMPLES_LEAF = 2
+MEM_TARGETS: tuple[str, ...] = ("log_ratio_to_physics", "mem_mib")
+MEM_TARGET = "log_ratio_to_physics"
+CV_FOLDS = 5
+# Batch-size buckets of the held-out report (inclusive bounds).
+BATCH_BUCKETS: tuple[tuple[int, int], ...] = ((1, 16), (17, 64), (65, 128), (129, 1 << 30))
 
 
 # --------------------------------------------------------------------------------------------
@@ -241,6 +264,13 @@ class ColdStartSizer:
         self._margin_unseen = max([self._margin_all, *self._margin_family.values()])
         self._sm_margin = float(metadata["sm_margin_pct"])
         self._seen = set(metadata.get("families_seen", []))
+        self.mem_target = str(metadata.get("mem_target", "mem_mib"))
+        if self.mem_target not in MEM_TARGETS:
+            raise ValueError(f"cold-start model has an unknown mem_target {self.mem_target!r}; expected one of {MEM_TARGETS}: retrain it")
+        # The largest batch of each stretch of batch sizes the memory forest does not tell apart (a
+        # split on log2_batch at t: batches up to floor(2**t) go left), for `_smaller_batch_mib`.
+        on_batch = mem.feature == FEATURE_NAMES.index("log2_batch")
+        self._batch_breaks = np.unique(np.floor(2.0 ** mem.threshold[on_batch].astype(np.float64)))
 
     @classmethod
     def load(cls, path: Path | str = DEFAULT_ARTEFACT) -> ColdStartSizer:
@@ -264,9 +294,14 @@ class ColdStartSizer:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         torch.save(data, Path(path))
 
-    def predict_raw(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(peak memory MiB, utilization %) for encoded rows."""
-        return self._mem.predict(x), self._util.predict(x)
+    def predict_raw(self, x: np.ndarray, physics_mib: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(peak memory MiB, utilization %) for encoded rows whose physical estimates (MiB,
+        `PhysicsEstimate.estimate_mib`) are `physics_mib`; the latter are used only when the forest
+        learned the ratio to them."""
+        mem = self._mem.predict(x)
+        if self.mem_target == "log_ratio_to_physics":
+            mem = np.asarray(physics_mib, dtype=np.float64) * np.exp(mem)
+        return mem, self._util.predict(x)
 
     def size(self, job: JobConfig, capacity_mib: float | None = None) -> SizeEstimate:
         """Size `job` on a slice or GPU of `capacity_mib` (None: a whole A100-40GB, flagged)."""
@@ -284,11 +319,12 @@ class ColdStartSizer:
             num_layers=job.num_layers or (known[1].num_layers if known else 0),
         )
         x = encode(filled, cap)[None, :]  # raises InvalidJobConfig on a bad capacity
-        learned, util = (float(v[0]) for v in self.predict_raw(x))
+        learned, util = (float(v[0]) for v in self.predict_raw(x, np.array([phys.estimate_mib])))
         family = job.family
         seen = family in self._seen
         notes: list[str] = []
         extrapolated = self._out_of_range(x[0])
+        smaller_mib, smaller_batch = self._smaller_batch_mib(x[0], phys, job.batch_size) if seen else (0.0, 0)
         if not seen:
             extrapolated = ("family", *extrapolated)
             notes.append(f"model family {family!r} is not in the training data: widest margin used")
@@ -304,9 +340,16 @@ class ColdStartSizer:
                 f"outside the learned model's training data ({', '.join(extrapolated)}): sized from "
                 "parameters, precision, optimizer and activations; widest margin used"
             )
+            if smaller_mib > mem:
+                mem = smaller_mib
+                notes.append(f"raised to the learned size of batch {smaller_batch} of the same job ({smaller_mib:.0f} MiB)")
         else:
             rel = self._margin_family.get(family, self._margin_all)
             mem, method = max(learned, 0.0), "learned"
+            if smaller_mib > mem:
+                mem = smaller_mib
+                notes.append(f"raised to the learned size of batch {smaller_batch} of the same job ({smaller_mib:.0f} MiB): "
+                             "a larger batch never needs less")
             if mem < phys.floor_mib:
                 mem, method = phys.floor_mib, "learned, raised to the physical floor"
                 notes.append(f"the learned model's {learned:.0f} MiB is below what the job needs by construction")
@@ -333,6 +376,34 @@ class ColdStartSizer:
             physics_mib=phys.estimate_mib,
             param_count=phys.param_count,
         )
+
+    def _smaller_batch_mib(self, x: np.ndarray, phys: PhysicsEstimate, batch: int) -> tuple[float, int]:
+        """The largest learned size of the same job at a smaller batch inside the training ranges,
+        and that batch ((0, 0) where there is none): a job never needs less memory than at a
+        smaller batch, and the forest, piecewise constant in the batch, need not agree.
+
+        Between two splits on the batch the forest's output is constant, so the size (that output, or
+        the physical estimate times it) is largest at the stretch's largest batch: checking those
+        (`_batch_breaks`) below `batch` makes the size non-decreasing in the batch. The physical
+        estimate at batch b' is its batch-independent part plus the activations scaled by b'/batch
+        (vgpu.jobs.physics_estimate's activations are proportional to the batch)."""
+        batch = max(batch, 1)
+        others = tuple(n for n in self._out_of_range(x) if n != "batch_size")
+        candidates = self._batch_breaks[self._batch_breaks < batch]
+        if others or not len(candidates):
+            return 0.0, 0
+        family = FAMILIES[int(x[0])]
+        lo, hi = self.metadata.get("feature_ranges_by_family", {}).get(family, {}).get("ranges", {}).get("log2_batch", (math.inf, -math.inf))
+        log2_b = np.log2(candidates)
+        candidates = candidates[(log2_b >= lo) & (log2_b <= hi)]
+        if not len(candidates):
+            return 0.0, 0
+        xs = np.repeat(x[None, :], len(candidates), axis=0)
+        xs[:, FEATURE_NAMES.index("log2_batch")] = np.log2(candidates)
+        static_mib = phys.estimate_mib - phys.activations_mib
+        mems, _ = self.predict_raw(xs, static_mib + phys.activations_mib * candidates / batch)
+        i = int(np.argmax(mems))
+        return float(mems[i]), int(candidates[i])
 
     def _out_of_range(self, x: np.ndarray) -> tuple[str, ...]:
         """The encoded inputs outside the training data's ranges (metadata "feature_ranges"; a
@@ -387,13 +458,14 @@ class AllocatorSizer:
 
     def __init__(self, sizer: ColdStartSizer) -> None:
         self.sizer = sizer
+        self._quantile_pct = round(100 * float(sizer.metadata.get("margin_quantile", MARGIN_QUANTILE)))
 
     def size(self, job: JobConfig | Any, *, mem_total_mib: float) -> Sizing:
         config = job if isinstance(job, JobConfig) else JobConfig.from_proto(job)
         est = self.sizer.size(config, mem_total_mib if mem_total_mib > 0 else None)
         memory = est.grant_mib
         reason = (f"cold_start {est.model} ({est.method}, confidence {est.confidence}): peak {est.mem_mib:.0f} MiB "
-                  f"+ margin {est.margin_mib:.0f} MiB (p90 rel err {est.margin_rel:.3f})")
+                  f"+ margin {est.margin_mib:.0f} MiB (p{self._quantile_pct} rel err {est.margin_rel:.3f})")
         if est.missing:
             reason += f"; missing {', '.join(est.missing)}"
         if not est.fits and est.mem_mib <= est.capacity_mib:
@@ -459,49 +531,174 @@ def _quantile(values: np.ndarray, q: float) -> float:
     return float(np.quantile(values, q)) if len(values) else math.nan
 
 
-def train_sizer(data_root: Path, seed: int = 0, gpumemnet_rows: int | None = None, params: dict[str, Any] | None = None) -> ColdStartSizer:
-    """Fit on the permitted profiles: measure the error on a 70/30 split, then refit on all rows."""
+def _mem_fit_target(mem: np.ndarray, physics_mib: np.ndarray, mem_target: str) -> np.ndarray:
+    if mem_target == "log_ratio_to_physics":
+        ratio: np.ndarray = np.log(np.maximum(mem, 1.0) / np.maximum(physics_mib, 1.0))
+        return ratio
+    if mem_target == "mem_mib":
+        return mem
+    raise ValueError(f"unknown mem_target {mem_target!r}; expected one of {MEM_TARGETS}")
+
+
+@dataclass(frozen=True)
+class _Data:
+    """The permitted profiles, encoded, with each job's physical estimate and family."""
+
+    profiles: list[JobProfile]
+    x: np.ndarray
+    mem: np.ndarray
+    util: np.ndarray
+    physics_mib: np.ndarray
+    families: np.ndarray
+
+    @classmethod
+    def load(cls, data_root: Path, gpumemnet_rows: int | None) -> _Data:
+        profiles = load_permitted(data_root, gpumemnet_rows)
+        x, mem, util = encode_profiles(profiles)
+        phys: list[PhysicsEstimate] = [physics_estimate(p.job) for p in profiles]
+        return cls(profiles, x, mem, util, np.array([e.estimate_mib for e in phys], dtype=np.float64),
+                   np.array([p.job.family for p in profiles]))
+
+
+def _fit_sizer(data: _Data, fit_rows: np.ndarray, margin: dict[str, Any], sm_margin_pct: float, mem_target: str,
+               rf_params: dict[str, Any], seed: int, quantile: float, metadata: dict[str, Any]) -> ColdStartSizer:
+    """A sizer fit on `fit_rows` (its training ranges theirs), with the given margins."""
     from sklearn.ensemble import RandomForestRegressor
 
-    rf_params = {**RF_PARAMS, **(params or {})}
-    profiles = load_permitted(data_root, gpumemnet_rows)
-    x, mem, util = encode_profiles(profiles)
-    train, test = split_indices(len(profiles), 0.7, seed)
+    def fit(y: np.ndarray, params: dict[str, Any]) -> TreeEnsemble:
+        model = RandomForestRegressor(random_state=seed, n_jobs=1, **params).fit(data.x[fit_rows], y[fit_rows])
+        return TreeEnsemble.from_sklearn(model)
 
-    def fit(idx: np.ndarray, y: np.ndarray) -> Any:
-        return RandomForestRegressor(random_state=seed, n_jobs=1, **rf_params).fit(x[idx], y[idx])
-
-    p_mem, p_util = fit(train, mem).predict(x[test]), fit(train, util).predict(x[test])
-    rel = np.abs(p_mem - mem[test]) / np.maximum(mem[test], 1.0)
-    families = np.array([p.job.family for p in profiles])
-    by_family = {}
-    for fam in sorted(set(families[test])):
-        sel = families[test] == fam
-        if sel.sum() >= MIN_FAMILY_TEST_ROWS:
-            by_family[fam] = round(_quantile(rel[sel], MARGIN_QUANTILE), 5)
-    metadata: dict[str, Any] = {
+    meta = {
+        **metadata,
         "model": MODEL_NAME,
+        "mem_target": mem_target,
         "params": rf_params,
+        "util_params": _util_params(rf_params),
         "seed": seed,
         "encoding_version": ENCODING_VERSION,
         "feature_names": list(FEATURE_NAMES),
-        "trained_on": {src: {"rows": n, "license": PERMITTED_SOURCES[src]} for src, n in profiles_summary(profiles).items()},
-        "families_seen": sorted(set(families.tolist())),
+        "families_seen": sorted(set(data.families[fit_rows].tolist())),
+        "margin_quantile": quantile,
+        "sm_margin_quantile": SM_MARGIN_QUANTILE,
+        "margin_rel": margin,
+        "sm_margin_pct": sm_margin_pct,
+        "feature_ranges_by_family": training_ranges(data.x[fit_rows]),
+    }
+    mem = fit(_mem_fit_target(data.mem, data.physics_mib, mem_target), rf_params)
+    return ColdStartSizer(mem, fit(data.util, _util_params(rf_params)), meta)
+
+
+def _util_params(rf_params: dict[str, Any]) -> dict[str, Any]:
+    """The utilization forest's settings: the memory forest's, at UTIL_MIN_SAMPLES_LEAF."""
+    return {**rf_params, "min_samples_leaf": UTIL_MIN_SAMPLES_LEAF}
+
+
+def _cv_margins(data: _Data, rows: np.ndarray, mem_target: str, rf_params: dict[str, Any], seed: int,
+                quantile: float) -> tuple[dict[str, Any], float]:
+    """Margins from CV_FOLDS-fold cross-validated errors over `rows` only: (margin_rel, sm_margin_pct)."""
+    from sklearn.ensemble import RandomForestRegressor
+    from sklearn.model_selection import KFold
+
+    p_mem, p_util = np.zeros(len(rows)), np.zeros(len(rows))
+    y_mem = _mem_fit_target(data.mem, data.physics_mib, mem_target)
+    folds = KFold(n_splits=min(CV_FOLDS, len(rows)), shuffle=True, random_state=seed)
+    for fit_idx, eval_idx in folds.split(rows):
+        fit_rows, eval_rows = rows[fit_idx], rows[eval_idx]
+
+        def model(y: np.ndarray, params: dict[str, Any], fit_rows: np.ndarray = fit_rows) -> Any:
+            return RandomForestRegressor(random_state=seed, n_jobs=1, **params).fit(data.x[fit_rows], y[fit_rows])
+
+        raw = model(y_mem, rf_params).predict(data.x[eval_rows])
+        p_mem[eval_idx] = data.physics_mib[eval_rows] * np.exp(raw) if mem_target == "log_ratio_to_physics" else raw
+        p_util[eval_idx] = model(data.util, _util_params(rf_params)).predict(data.x[eval_rows])
+    rel = np.abs(p_mem - data.mem[rows]) / np.maximum(data.mem[rows], 1.0)
+    fams = data.families[rows]
+    by_family = {}
+    for fam in sorted(set(fams.tolist())):
+        sel = fams == fam
+        if sel.sum() >= MIN_FAMILY_TEST_ROWS:
+            by_family[fam] = round(_quantile(rel[sel], quantile), 5)
+    margin = {"all": round(_quantile(rel, quantile), 5), "by_family": by_family, "from": f"{CV_FOLDS}-fold CV of the training part"}
+    return margin, round(_quantile(np.abs(p_util - data.util[rows]), SM_MARGIN_QUANTILE), 4)
+
+
+def _bucket_name(lo: int, hi: int) -> str:
+    return f"{lo}-{hi}" if hi < (1 << 30) else f">={lo}"
+
+
+def sizing_report(sizer: ColdStartSizer, profiles: Sequence[JobProfile]) -> dict[str, Any]:
+    """How `sizer` sizes measured jobs (each through `size`, on its own slice or GPU): MAE and MAPE of
+    the size without margin; `under_frac`, the share of jobs whose grant (size + margin) is below the
+    measured peak; `slack_mib` / `slack_pct`, the mean of grant - peak over the jobs not under; by
+    batch-size bucket, by method, and over the jobs other than the MLPs (3,000 easy rows of one source)."""
+    sized = [sizer.size(p.job, p.capacity_mib) for p in profiles]
+    mem = np.array([e.mem_mib for e in sized])
+    grant = np.array([e.grant_mib for e in sized])
+    peak = np.array([p.peak_mem_mib for p in profiles])
+    batch = np.array([p.job.batch_size for p in profiles])
+    method = np.array([e.method for e in sized])
+    mlp = np.array([p.job.family == "mlp" for p in profiles])
+
+    def stats(sel: np.ndarray) -> dict[str, Any]:
+        if not sel.any():
+            return {"n": 0}
+        err, over = mem[sel] - peak[sel], ~(grant[sel] < peak[sel])
+        slack = grant[sel] - peak[sel]
+        return {
+            "n": int(sel.sum()),
+            "mae_mib": round(float(np.mean(np.abs(err))), 1),
+            "mape": round(float(np.mean(np.abs(err) / peak[sel]) * 100), 2),
+            "under_frac": round(float(np.mean(~over)), 4),
+            "slack_mib": round(float(np.mean(slack[over])), 1) if over.any() else None,
+            "slack_pct": round(float(np.mean(slack[over] / peak[sel][over]) * 100), 1) if over.any() else None,
+        }
+
+    everything = np.ones(len(profiles), dtype=bool)
+    return {
+        "all": stats(everything),
+        "not_mlp": stats(~mlp),
+        "by_batch": {_bucket_name(lo, hi): stats((batch >= lo) & (batch <= hi)) for lo, hi in BATCH_BUCKETS},
+        "by_batch_not_mlp": {_bucket_name(lo, hi): stats((batch >= lo) & (batch <= hi) & ~mlp) for lo, hi in BATCH_BUCKETS},
+        "by_method": {m: stats(method == m) for m in sorted(set(method.tolist()))},
+    }
+
+
+def heldout_evaluation(data_root: Path, seed: int = 0, gpumemnet_rows: int | None = None, params: dict[str, Any] | None = None,
+                       mem_target: str = MEM_TARGET, quantile: float = MARGIN_QUANTILE) -> dict[str, Any]:
+    """The sizer as `train_sizer` builds it, but fit (model, ranges and margin) on the 70 % training
+    part only, sizing the 30 % test part: see `sizing_report`."""
+    rf_params = {**RF_PARAMS, **(params or {})}
+    data = _Data.load(data_root, gpumemnet_rows)
+    train, test = split_indices(len(data.profiles), 0.7, seed)
+    margin, sm_margin = _cv_margins(data, train, mem_target, rf_params, seed, quantile)
+    sizer = _fit_sizer(data, train, margin, sm_margin, mem_target, rf_params, seed, quantile, {})
+    return {"mem_target": mem_target, "params": rf_params, "margin_quantile": quantile, "split": {"train": int(len(train)), "test": int(len(test)), "frac": 0.7},
+            "margin_rel": margin, **sizing_report(sizer, [data.profiles[i] for i in test])}
+
+
+def train_sizer(data_root: Path, seed: int = 0, gpumemnet_rows: int | None = None, params: dict[str, Any] | None = None,
+                mem_target: str = MEM_TARGET, quantile: float = MARGIN_QUANTILE) -> ColdStartSizer:
+    """Fit on the permitted profiles: margin from cross-validation on the 70 % training part, error
+    measured on the 30 % held-out part (model and margin fit without it), then refit on all rows."""
+    rf_params = {**RF_PARAMS, **(params or {})}
+    data = _Data.load(data_root, gpumemnet_rows)
+    train, test = split_indices(len(data.profiles), 0.7, seed)
+    margin, sm_margin = _cv_margins(data, train, mem_target, rf_params, seed, quantile)
+    held = _fit_sizer(data, train, margin, sm_margin, mem_target, rf_params, seed, quantile, {})
+    p_mem, p_util = held.predict_raw(data.x[test], data.physics_mib[test])
+    report = sizing_report(held, [data.profiles[i] for i in test])
+    metadata: dict[str, Any] = {
+        "trained_on": {src: {"rows": n, "license": PERMITTED_SOURCES[src]} for src, n in profiles_summary(data.profiles).items()},
         "split": {"train": int(len(train)), "test": int(len(test)), "frac": 0.7},
         "test_metrics": {
-            "peak_mem_mib": {k: round(v, 4) for k, v in regression_metrics(mem[test], p_mem).items()},
-            "sm_util_pct": {k: round(v, 4) for k, v in regression_metrics(util[test], p_util).items()},
+            "peak_mem_mib": {k: round(v, 4) for k, v in regression_metrics(data.mem[test], p_mem).items()},
+            "sm_util_pct": {k: round(v, 4) for k, v in regression_metrics(data.util[test], p_util).items()},
         },
-        "margin_quantile": MARGIN_QUANTILE,
-        "margin_rel": {"all": round(_quantile(rel, MARGIN_QUANTILE), 5), "by_family": by_family},
-        "sm_margin_pct": round(_quantile(np.abs(p_util - util[test]), MARGIN_QUANTILE), 4),
+        "heldout": {k: report[k] for k in ("all", "not_mlp", "by_batch_not_mlp")},
         "refit_on_all_rows": True,
     }
-    metadata["feature_ranges_by_family"] = training_ranges(x)
-    all_rows = np.arange(len(profiles))
-    return ColdStartSizer(
-        TreeEnsemble.from_sklearn(fit(all_rows, mem)), TreeEnsemble.from_sklearn(fit(all_rows, util)), metadata
-    )
+    return _fit_sizer(data, np.arange(len(data.profiles)), margin, sm_margin, mem_target, rf_params, seed, quantile, metadata)
 
 
 def _add_size_arguments(s: argparse.ArgumentParser) -> None:
@@ -523,7 +720,8 @@ def _size(args: argparse.Namespace, prog: str, *, as_json: bool) -> int:
     try:
         job = JobConfig(args.model_type, args.param_count, args.batch_size, args.input_size, args.num_layers,
                         args.precision, args.optimizer, args.mode)
-        est = ColdStartSizer.load(args.model).size(job, args.capacity_mib)
+        sizer = ColdStartSizer.load(args.model)
+        est = sizer.size(job, args.capacity_mib)
     except (InvalidJobConfig, FileNotFoundError, ValueError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
@@ -540,7 +738,8 @@ def _size(args: argparse.Namespace, prog: str, *, as_json: bool) -> int:
     print(f"{job.model_type} ({est.family}, {est.param_count:,} parameters), batch {job.batch_size}, "
           f"{job.mode_norm}, {job.precision_norm} on {est.capacity_mib:.0f} MiB:")
     print(f"  peak memory  {est.mem_mib:8.0f} MiB + margin {est.margin_mib:.0f} MiB "
-          f"(p90 relative error {est.margin_rel:.1%}) = grant {est.grant_mib:.0f} MiB")
+          f"(p{round(100 * float(sizer.metadata.get('margin_quantile', MARGIN_QUANTILE)))} relative error "
+          f"{est.margin_rel:.1%}) = grant {est.grant_mib:.0f} MiB")
     print(f"  {verdict}")
     print(f"  method {est.method}, confidence {est.confidence}"
           + (f" (missing: {', '.join(est.missing)})" if est.missing else ""))
@@ -566,13 +765,21 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m vgpu.manager.
     t.add_argument("--data", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "data")
     t.add_argument("--out", type=Path, default=DEFAULT_ARTEFACT)
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--mem-target", choices=MEM_TARGETS, default=MEM_TARGET,
+                   help="what the forest learns for memory: the peak, or its log ratio to the physical estimate")
+    t.add_argument("--min-samples-leaf", type=int, default=RF_PARAMS["min_samples_leaf"])
+    t.add_argument("--margin-quantile", type=float, default=MARGIN_QUANTILE)
     _add_size_arguments(sub.add_parser("size", help="size one job with the shipped model (JSON; see `vgpu size`)"))
     args = parser.parse_args(argv)
     if args.cmd == "train":
         if not args.data.is_dir():
             print(f"{prog}: data directory {args.data} not found", file=sys.stderr)
             return 2
-        sizer = train_sizer(args.data, args.seed)
+        if not 0.5 <= args.margin_quantile < 1 or args.min_samples_leaf < 1:
+            print(f"{prog}: --margin-quantile must be in [0.5, 1) and --min-samples-leaf >= 1", file=sys.stderr)
+            return 2
+        sizer = train_sizer(args.data, args.seed, params={"min_samples_leaf": args.min_samples_leaf},
+                            mem_target=args.mem_target, quantile=args.margin_quantile)
         sizer.save(args.out)
         print(json.dumps({"out": str(args.out), **sizer.metadata}))
         return 0
@@ -592,5 +799,7 @@ __all__ = [
     "SizeEstimate",
     "TreeEnsemble",
     "choose_source",
+    "heldout_evaluation",
+    "sizing_report",
     "train_sizer",
 ]

@@ -80,11 +80,14 @@ _A100_40_BY_GB = {5: "1g.5gb", 10: "2g.10gb", 20: "3g.20gb", 40: "7g.40gb"}
 
 # name -> (param_count, num_layers, input_size, optimizer); "~" in the note means approximate.
 KNOWN_MODELS: dict[str, tuple[int, int, int, str]] = {
-    # MIGPerf (tables list total_params for the 40GB NLP models; others are the usual sizes, ~)
-    "bert-base": (110_000_000, 12, 64, "adam"),
-    "vision_transformer": (86_600_000, 12, 224, "sgd"),
-    "resnet50": (25_600_000, 50, 224, "sgd"),
-    "resnet50_moco": (25_600_000, 50, 224, "sgd"),
+    # MIGPerf (tables list total_params for the 40GB NLP models). Its scripts (MIGProfiler
+    # utils/common.py, utils/model_hub.py, A100-{cv,nlp}-train_test.py at 47c05f6) load "bert-base" as
+    # Hugging Face's bert-base-multilingual-cased and train it with AdamW; "vision_transformer" and
+    # "resnet50" are torchvision's vit_b_16 and resnet50 (exact parameter counts), trained with SGD.
+    "bert-base": (177_853_440, 12, 64, "adamw"),
+    "vision_transformer": (86_567_656, 12, 224, "sgd"),
+    "resnet50": (25_557_032, 50, 224, "sgd"),
+    "resnet50_moco": (25_557_032, 50, 224, "sgd"),
     "bert-base-multilingual-cased": (177_853_440, 12, 64, "none"),
     "paraphrase-multilingual-MiniLM-L12-v2": (117_653_760, 12, 64, "none"),
     "distiluse-base-multilingual-cased-v1": (134_734_080, 6, 64, "none"),

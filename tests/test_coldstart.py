@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -10,15 +11,25 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from vgpu.jobs import physics_estimate
 from vgpu.manager.coldstart import (
     DEFAULT_ARTEFACT,
     AllocatorSizer,
     ColdStartSizer,
     TreeEnsemble,
     choose_source,
+    heldout_evaluation,
+    sizing_report,
     train_sizer,
 )
-from vgpu.manager.jobprofiles import ENCODING_VERSION, FEATURE_NAMES, InvalidJobConfig, JobConfig
+from vgpu.manager.jobprofiles import (
+    ENCODING_VERSION,
+    FEATURE_NAMES,
+    InvalidJobConfig,
+    JobConfig,
+    JobProfile,
+    encode,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,18 +57,23 @@ def test_hand_over_refuses_nonsense(kw: dict[str, float]) -> None:
 
 
 # ---- a tiny injected model ---------------------------------------------------------------------
-def _tiny_sizer(margin_all: float = 0.1, by_family: dict[str, float] | None = None) -> ColdStartSizer:
+def _tiny_sizer(margin_all: float = 0.1, by_family: dict[str, float] | None = None, mem_target: str | None = None,
+                falling: bool = False) -> ColdStartSizer:
     from sklearn.ensemble import ExtraTreesRegressor
 
     rng = np.random.default_rng(0)
     x = rng.uniform(0, 10, size=(200, len(FEATURE_NAMES)))
     x[:, 0] = rng.integers(0, 3, size=200)  # families 0..2: transformer, vit, cnn
-    mem = 1000 + 300 * x[:, 2]
+    # the peak grows with log2_batch (0..10, batches up to 1024); the ratio target: peak = physics x 1.1
+    mem = 1000 + 300 * x[:, 2] if mem_target is None else np.full(200, np.log(1.1))
+    if falling:  # a forest whose output falls as the batch grows, as one fit on noisy neighbours can
+        mem = 5000 - 300 * x[:, 2]
     util = 10 + 5 * x[:, 2]
     m = ExtraTreesRegressor(n_estimators=5, random_state=0).fit(x, mem)
     u = ExtraTreesRegressor(n_estimators=5, random_state=0).fit(x, util)
     meta = {
         "model": "RandomForest",
+        **({"mem_target": mem_target} if mem_target else {}),
         "encoding_version": ENCODING_VERSION,
         "feature_names": list(FEATURE_NAMES),
         "margin_rel": {"all": margin_all, "by_family": by_family or {}},
@@ -119,6 +135,53 @@ def test_encoding_mismatch_is_refused() -> None:
         ColdStartSizer(sizer._mem, sizer._util, {**sizer.metadata, "encoding_version": -1})
 
 
+def test_a_forest_on_the_ratio_to_physics_scales_with_the_batch_past_its_training_rows() -> None:
+    peak, ratio = _tiny_sizer(), _tiny_sizer(mem_target="log_ratio_to_physics")
+    assert ratio.mem_target == "log_ratio_to_physics" and peak.mem_target == "mem_mib"  # older artefacts: the peak
+
+    def job(batch: int) -> JobConfig:
+        return JobConfig("resnet50", 25_557_032, batch, 224, 50, optimizer="sgd")
+
+    # a forest on the peak is flat past the largest batch it was fit on (log2 1024 = 10): the defect
+    x = np.zeros((2, len(FEATURE_NAMES)))
+    x[:, FEATURE_NAMES.index("log2_batch")] = (10.0, 12.0)
+    flat = peak.predict_raw(x, np.array([1.0, 4.0]))[0]
+    assert flat[0] == flat[1]
+    sizes = [ratio.size(job(b), 81920.0).mem_mib for b in (1, 8, 64, 128, 256, 1024, 4096)]
+    assert sizes == sorted(sizes) and sizes[-1] > 3 * sizes[-2]  # a larger batch is never sized smaller
+    assert sizes[4] == pytest.approx(1.1 * physics_estimate(job(256)).estimate_mib, rel=1e-6)
+    with pytest.raises(ValueError, match="unknown mem_target"):
+        ColdStartSizer(ratio._mem, ratio._util, {**ratio.metadata, "mem_target": "peak_squared"})
+
+
+def test_a_larger_batch_of_the_same_job_is_never_sized_smaller() -> None:
+    sizer = _tiny_sizer(falling=True)
+    job = JobConfig("resnet50", 25_557_032, 1, 8, 50, optimizer="sgd")  # 8 px: activations far under the forest's sizes
+    sizes = [sizer.size(dataclasses.replace(job, batch_size=b), 19968.0) for b in (1, 2, 3, 4, 8, 16, 33, 64)]
+    assert [e.mem_mib for e in sizes] == sorted(e.mem_mib for e in sizes)
+    assert [e.grant_mib for e in sizes] == sorted(e.grant_mib for e in sizes)
+    assert sizes[-1].mem_mib > sizer.predict_raw(encode(dataclasses.replace(job, batch_size=64), 19968.0)[None, :],
+                                                 np.ones(1))[0][0]
+    assert any("raised to the learned size of batch" in n for n in sizes[-1].notes) and sizes[-1].method == "learned"
+
+
+def test_sizing_report_counts_grants_under_the_peak_and_the_slack_of_the_others() -> None:
+    sizer = _tiny_sizer(margin_all=0.1, by_family={"cnn": 0.25})
+    small, big = JobConfig("resnet50", 25_000_000, 8, 224, 50), JobConfig("resnet50", 25_000_000, 256, 224, 50)
+    est_small, est_big = sizer.size(small, 19968.0), sizer.size(big, 19968.0)
+    profiles = [  # the small job used half its grant; the big one twice its grant
+        JobProfile(small, 19968.0, "A100-40GB", "3g.20gb", "migperf", 0.5 * est_small.grant_mib, 50.0),
+        JobProfile(big, 19968.0, "A100-40GB", "3g.20gb", "migperf", 2.0 * est_big.grant_mib, 50.0),
+    ]
+    report = sizing_report(sizer, profiles)
+    assert report["all"]["n"] == 2 and report["all"]["under_frac"] == 0.5
+    assert report["all"]["slack_mib"] == pytest.approx(0.5 * est_small.grant_mib, abs=0.1)
+    assert report["all"]["slack_pct"] == pytest.approx(100.0, abs=0.1)
+    assert report["by_batch"]["1-16"]["under_frac"] == 0.0 and report["by_batch"][">=129"]["under_frac"] == 1.0
+    assert report["by_batch"][">=129"]["slack_mib"] is None and report["by_batch"]["17-64"] == {"n": 0}
+    assert report["not_mlp"]["n"] == 2 and sum(m["n"] for m in report["by_method"].values()) == 2
+
+
 def test_save_load_round_trip_and_broken_files(tmp_path: Path) -> None:
     sizer = _tiny_sizer()
     path = tmp_path / "m.pt"
@@ -141,6 +204,25 @@ def test_shipped_model_is_trained_on_permitted_data_only_and_sizes_a_job() -> No
     big = sizer.size(JobConfig("bert-base", 110_000_000, 32, 512, 12, mode="train"), 81920.0)
     assert 500 < small.mem_mib < 9856 and 0 <= small.sm_pct <= 100
     assert big.mem_mib > small.mem_mib  # training a long sequence needs more than inferring a short one
+
+
+@pytest.mark.parametrize("job, capacity_mib", [
+    (JobConfig("resnet50", 25_557_032, 1, 224, 50, "fp32", "sgd", "train"), 81559.0),
+    (JobConfig("bert-base", 177_853_440, 1, 64, 12, "fp32", "adamw", "train"), 81559.0),
+    (JobConfig("paraphrase-multilingual-MiniLM-L12-v2", 117_653_760, 1, 64, 12, mode="infer"), 4864.0),
+])
+def test_shipped_model_never_sizes_a_larger_batch_smaller(job: JobConfig, capacity_mib: float) -> None:
+    sizer = ColdStartSizer.load(DEFAULT_ARTEFACT)
+    sizes = [sizer.size(dataclasses.replace(job, batch_size=b), capacity_mib) for b in range(1, 700, 11)]
+    assert [e.mem_mib for e in sizes] == sorted(e.mem_mib for e in sizes)
+    assert [e.grant_mib for e in sizes] == sorted(e.grant_mib for e in sizes)
+
+
+def test_shipped_model_grants_resnet50_at_batch_256_its_measured_peak() -> None:
+    # MIGPerf's resnet50 training at batch 256 on an A100-80GB (7g.80gb) peaked at 28,102 MiB; a forest
+    # on the peak itself sized it 18,036 MiB with a 27,245 MiB grant (docs/demo.md)
+    est = ColdStartSizer.load(DEFAULT_ARTEFACT).size(JobConfig("resnet50", 25_557_032, 256, 224, 50, "fp32", "sgd", "train"), 81559.0)
+    assert est.method == "learned" and est.grant_mib >= 28_102
 
 
 # ---- the allocator's sizer protocol -------------------------------------------------------------
@@ -181,6 +263,20 @@ def test_training_measures_the_margin_on_held_out_rows(shared_data: Path) -> Non
     assert "lucid" not in meta["trained_on"]
     fams = meta["margin_rel"]["by_family"]
     assert fams and all(v > 0 for v in fams.values())
+    # the margin comes from the training part alone, so the held-out grants are an honest test of it
+    assert meta["margin_rel"]["from"] == "5-fold CV of the training part" and meta["refit_on_all_rows"] is True
+    held = meta["heldout"]
+    assert held["all"]["n"] == meta["split"]["test"] and 0 <= held["all"]["under_frac"] <= 1
+    assert set(held["by_batch_not_mlp"]) == {"1-16", "17-64", "65-128", ">=129"}
+    assert meta["mem_target"] == "log_ratio_to_physics" and meta["margin_quantile"] == 0.95
+
+
+def test_heldout_evaluation_of_the_ratio_sizer(shared_data: Path) -> None:
+    report = heldout_evaluation(shared_data, gpumemnet_rows=150, params={"n_estimators": 4},
+                                mem_target="log_ratio_to_physics", quantile=0.95)
+    assert report["mem_target"] == "log_ratio_to_physics" and report["margin_quantile"] == 0.95
+    assert report["all"]["n"] == report["split"]["test"] and report["all"]["mape"] > 0
+    assert sum(v["n"] for v in report["by_batch"].values()) == report["all"]["n"]
 
 
 def test_comparison_is_deterministic_on_a_subset(shared_data: Path) -> None:

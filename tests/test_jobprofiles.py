@@ -123,6 +123,13 @@ def test_migperf_profiles_from_the_real_tables(shared_data: Path) -> None:
     assert all(p.mem_mean_mib is not None and p.peak_mem_mib >= p.mem_mean_mib for p in profiles)
     assert all(0 <= p.sm_pct <= 100 and p.peak_mem_mib <= p.capacity_mib for p in profiles)
     assert {p.slice_name for p in profiles} >= {"1g.5gb", "7g.40gb", "1g.10gb", "7g.80gb"}
+    # MIGPerf's scripts load "bert-base" as bert-base-multilingual-cased and train it with AdamW, and
+    # its vision models are torchvision's: the rows say so, as the 40GB tables' total_params do.
+    by_name = {p.job.model_type: p.job for p in profiles if p.job.mode_norm == "train"}
+    assert (by_name["bert-base"].param_count, by_name["bert-base"].optimizer_norm) == (177_853_440, "adamw")
+    assert {p.job.param_count for p in profiles if p.job.model_type == "bert-base-multilingual-cased"} == {177_853_440}
+    assert (by_name["resnet50"].param_count, by_name["resnet50"].optimizer_norm) == (25_557_032, "sgd")
+    assert {p.job.param_count for p in profiles if p.job.model_type == "vision_transformer"} == {86_567_656}
 
 
 def test_permitted_profiles_never_include_lucid(shared_data: Path) -> None:
