@@ -572,3 +572,82 @@ def test_vgpu_request_warns_of_an_unknown_model_type(shared: Shared) -> None:
     assert known.returncode == 0 and "unknown model type" not in known.stderr, known.stderr
     own = request("own-cli", "my_segmenter", "--param-count", "31000000")
     assert own.returncode == 0 and "unknown model type" not in own.stderr, own.stderr
+
+
+# An application that goes on using its client after leaving the `with` block: every call that would
+# write the in-app report or reach the daemon says the client is closed; the in-memory ones still answer.
+AFTER_CLOSE_APP = """
+import json, os, sys, time
+from vgpu.client import ClientClosedError, ServingCounters, VgpuClient
+
+sock, app_id, inapp = sys.argv[1], sys.argv[2], sys.argv[3]
+mine = lambda: sorted(n for n in os.listdir(inapp) if n.split(".")[0] == str(os.getpid()))
+with VgpuClient(app_id, socket=sock, inapp_dir=inapp, report_period_s=0.05) as client:
+    client.request(memory_mib=100)
+    print(json.dumps({"open": mine()}), flush=True)
+errors = {}
+for name, call in (("report_now", client.report_now), ("request", lambda: client.request(memory_mib=100)),
+                   ("release", client.release)):
+    try:
+        call()
+    except ClientClosedError as exc:
+        errors[name] = str(exc)
+step = client.step()
+client.report_serving(ServingCounters(requests_running=1))
+time.sleep(0.3)  # six report periods: a reporter still running would have written the file again
+print(json.dumps({"closed": client.closed, "after": mine(), "errors": errors, "step": step,
+                  "granted_memory_mib": client.granted_memory_mib}), flush=True)
+"""
+
+
+def test_nothing_is_reported_after_close_and_the_calls_say_why(shared: Shared) -> None:
+    r = run_app(shared.env, "after-close", shared.inapp, program=AFTER_CLOSE_APP)
+    assert r.returncode == 0, r.stdout + r.stderr
+    opened, closed = (json.loads(line) for line in r.stdout.splitlines())
+    assert len(opened["open"]) == 1, opened  # the report that proved the pid, while open
+    assert closed["after"] == [], closed  # report_now() after close wrote nothing, nor did the reporter
+    assert set(closed["errors"]) == {"report_now", "request", "release"}, closed
+    for name, message in closed["errors"].items():
+        assert f"VgpuClient('after-close') is closed: {name}()" in message, message
+    assert closed["closed"] is True and closed["step"] == 1 and closed["granted_memory_mib"] == 0
+    assert grants_of(shared.env, "after-close") == []  # the failed request after close sent nothing
+
+
+# An application that never closes its client: it requests, reports, and exits.
+NEVER_CLOSED_APP = """
+import json, os, sys, time
+from vgpu.client import VgpuClient
+
+sock, app_id, inapp = sys.argv[1], sys.argv[2], sys.argv[3]
+fork = len(sys.argv) > 4
+# forking: no reporter thread, which would write the file again at once were the child to remove it;
+# the request writes the report that proves the pid
+client = VgpuClient(app_id, socket=sock, inapp_dir=inapp, report_period_s=0.05, report=not fork)
+client.request(memory_mib=100)
+time.sleep(0.2)
+print(json.dumps({"pid": os.getpid(), "files": sorted(n for n in os.listdir(inapp) if n.split(".")[0] == str(os.getpid()))}),
+      flush=True)
+if fork:  # a child forked from it exits (and runs its exit hooks) first
+    child = os.fork()
+    if child == 0:
+        sys.exit(0)
+    os.waitpid(child, 0)
+    print(json.dumps({"after_child": sorted(os.listdir(inapp))}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("fork", [False, True], ids=["exit", "fork-then-exit"])
+def test_an_application_that_exits_without_close_leaves_no_report(shared: Shared, fork: bool) -> None:
+    """The in-app file goes when the interpreter exits, even without close(); a child forked from the
+    application exiting before it does not remove the parent's file."""
+    program = NEVER_CLOSED_APP
+    args = [sys.executable, "-c", program, str(shared.env.sock), f"no-close-{fork}", str(shared.inapp)]
+    r = subprocess.run([*args, "fork"] if fork else args, cwd=ROOT, env=shared.env.env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = [json.loads(line) for line in r.stdout.splitlines()]
+    pid, files = lines[0]["pid"], lines[0]["files"]
+    assert len(files) == 1, lines  # it reported while it ran
+    if fork:
+        assert files[0] in lines[1]["after_child"], lines  # the child's exit left the parent's report
+    assert not (shared.inapp / files[0]).exists(), f"{files[0]} of pid {pid} left behind"

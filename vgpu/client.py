@@ -7,6 +7,12 @@
         client.step()
     client.close()          # releases the app's grants and removes its in-app file
 
+After `close()` (or the `with` block), `request()`, `release()` and `report_now()` raise
+ClientClosedError and the in-app file is never written again; `step()`, `report_serving()`,
+`counters()` and the properties still answer from memory. An application that exits without closing
+has its in-app file removed at interpreter exit (a `weakref.finalize` hook; not in a child it forked),
+but its grants stay until the daemon releases them (their pid gone, or `server.idle_release_s`).
+
 Identity. The daemon knows an application by its id and, once the id is taken, by the application's
 token (vgpu/auth.py). A new id needs no token: the first grant comes back with the application's token,
 and the stub keeps it (in memory, and in `token_file`, 0600) and sends it on every later call, so
@@ -81,6 +87,7 @@ import stat
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -852,6 +859,39 @@ def scrape_serving_metrics(
 _FROM_SYS_MODULES: Any = object()
 
 
+class ClientClosedError(RuntimeError):
+    """A call that would reach the daemon or write the in-app report, made after `VgpuClient.close()`."""
+
+
+class _ReportFile:
+    """This process's in-app report file: its name once claimed, and whether reporting has ended.
+    Shared by the client and its finalizer (`weakref.finalize`), which removes the file when the
+    client is collected or the interpreter exits without `close()`; holds no reference to the client."""
+
+    def __init__(self, owner_pid: int) -> None:
+        self.lock = threading.Lock()  # held while the name is claimed and the file written
+        self.path: Path | None = None
+        self.ended = False
+        # The process that made the client: a child forked from it inherits the finalizer, and must
+        # not remove the parent's file when it exits.
+        self.owner_pid = owner_pid
+
+    def end(self) -> None:
+        """No report is written from now on, and the one written is removed (this process's own only:
+        a file of another user's under the usual name was never claimed)."""
+        with self.lock:
+            self.ended = True
+            path, self.path = self.path, None
+        if path is None or os.getpid() != self.owner_pid:
+            return
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            _log.warning("cannot remove in-app file", path=str(path), error=str(exc))
+
+
 class VgpuClient:
     """One application's link to vgpu. Thread-safe; `close()` (or a `with` block) ends it.
 
@@ -931,8 +971,10 @@ class VgpuClient:
 
         self._lock = threading.Lock()
         self._apply_lock = threading.Lock()
-        self._inapp_lock = threading.Lock()  # the report's file name, claimed at the first write
-        self._inapp_file: Path | None = None
+        # The report's file name, claimed at the first write; removed by close(), or at the latest
+        # when the client is collected or the interpreter exits (an application that never closes).
+        self._report_file = _ReportFile(os.getpid())
+        self._report_finalizer = weakref.finalize(self, self._report_file.end)
         self._target_mib: float | None = None
         self._grants: dict[str, allocator_pb2.Grant] = {}
         self._grants_changes = 0  # counts changes to `_grants`, so a catch-up knows it read a stale list
@@ -970,7 +1012,9 @@ class VgpuClient:
         critical: bool = False,
     ) -> allocator_pb2.Grant:
         """Ask for resources; the allocator's grant, or grpc.RpcError (RESOURCE_EXHAUSTED when it does
-        not fit, INVALID_ARGUMENT on bad values). The granted memory is applied at once."""
+        not fit, INVALID_ARGUMENT on bad values). The granted memory is applied at once.
+        ClientClosedError after `close()`."""
+        self._check_open("request")
         if memory_mib < 0 or not math.isfinite(memory_mib):
             raise ValueError(f"memory_mib must be a non-negative number, got {memory_mib}")
         if not 0 <= sm_pct <= 100:
@@ -1118,12 +1162,16 @@ class VgpuClient:
     def release(self, grant_id: str | None = None, *, wait_s: float | None = None) -> list[allocator_pb2.Grant]:
         """Release one grant, or every grant this client holds; the released grants. Each call waits up
         to `wait_s` (default `ready_wait_s`) for a daemon that does not listen (one starting or
-        restarting) before failing with UNAVAILABLE."""
+        restarting) before failing with UNAVAILABLE. ClientClosedError after `close()`."""
+        self._check_open("release")
+        return self._release(grant_id, self._ready_wait_s if wait_s is None else wait_s)
+
+    def _release(self, grant_id: str | None, wait_s: float) -> list[allocator_pb2.Grant]:
         with self._lock:
             ids = [grant_id] if grant_id is not None else list(self._grants)
         released = []
         for gid in ids:
-            self._wait_until_listening(self._ready_wait_s if wait_s is None else wait_s)
+            self._wait_until_listening(wait_s)
             resp = self._stub.ReleaseResources(
                 allocator_pb2.ReleaseResourcesRequest(grant_id=gid),
                 timeout=self._timeout_s,
@@ -1210,7 +1258,9 @@ class VgpuClient:
     def report_now(self) -> Path:
         """Write the in-app file now (the reporter thread does this every `report_period_s`); a missing
         directory is created as `make_inapp_dir` does (mode 1777, not its parents), and OSError when
-        it cannot be (its parent missing, no permission)."""
+        it cannot be (its parent missing, no permission). After `close()` it raises ClientClosedError
+        and writes nothing: close removed the file, and nothing would remove a new one."""
+        self._check_open("report_now")
         report = InAppReport(
             app_id=self.app_id,
             pid=self.pid,
@@ -1218,24 +1268,41 @@ class VgpuClient:
             written_at_s=self._clock(),
             counters=self.counters(),
         )
-        with self._inapp_lock:
+        rf = self._report_file
+        with rf.lock:
+            if rf.ended:  # close() (or the exit) ended reporting while the counters were read
+                raise ClientClosedError(self._closed_message("report_now"))
             for attempt in (1, 2):
-                if self._inapp_file is None:
+                if rf.path is None:
                     # kept from the claim on, whether or not this write works: a name claimed anew at
                     # each failed write (a full file system) would leave an empty file behind each time
-                    self._inapp_file = self._claim_inapp_name()
-                path = self._inapp_file
+                    rf.path = self._claim_inapp_name()
+                path = rf.path
                 try:
                     written = write_inapp(self.inapp_dir, report, path=path)
                 except (PermissionError, IsADirectoryError):
                     # the name was taken since it was claimed (between the look and the rename): claim again
-                    self._inapp_file = None
+                    rf.path = None
                     if attempt == 2:
                         raise
                     continue
-                self._inapp_file = written
+                rf.path = written
                 return written
         raise AssertionError("unreachable")
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close()` has been called (or the `with` block left)."""
+        return self._closed.is_set()
+
+    def _closed_message(self, call: str) -> str:
+        what = "writes the in-app report" if call == "report_now" else "calls the daemon"
+        return (f"VgpuClient({self.app_id!r}) is closed: {call}() {what}, which close() ended; "
+                "make a new VgpuClient to go on")
+
+    def _check_open(self, call: str) -> None:
+        if self._closed.is_set():
+            raise ClientClosedError(self._closed_message(call))
 
     def _claim_inapp_name(self) -> Path:
         """The name of this process's report (`claim_inapp_path`); said once when the usual one was
@@ -1289,7 +1356,12 @@ class VgpuClient:
             return not any(g.device_id == uuid for g in self._grants.values())
 
     def close(self, *, release: bool = True) -> None:
-        """Stop the threads, release the grants (best effort), remove the in-app file, close the channel."""
+        """Stop the threads, release the grants (best effort), remove the in-app file, close the channel.
+        A second call does nothing. After it, `request()`, `release()` and `report_now()` raise
+        ClientClosedError and no in-app file is written again; `step()`, `report_serving()`,
+        `counters()` and the properties go on answering from memory. An application that exits without
+        closing has its in-app file removed at interpreter exit (its grants are not released then: the
+        daemon releases them after `server.idle_release_s`, or when their pid is gone)."""
         if self._closed.is_set():
             return
         self._closed.set()
@@ -1300,21 +1372,14 @@ class VgpuClient:
             try:
                 # A daemon in the middle of a restart is waited for briefly: otherwise the grants
                 # would stay until its idle release.
-                self.release(wait_s=CLOSE_RELEASE_WAIT_S)
+                self._release(None, CLOSE_RELEASE_WAIT_S)
             except grpc.RpcError as exc:
                 _log.warning("release on close failed", app_id=self.app_id, code=str(exc.code()))
         for t in self._threads:
             t.join(timeout=5.0)
-        with self._inapp_lock:
-            # this process's own report only: a file of another user's under the usual name is not it
-            path, self._inapp_file = self._inapp_file, None
-        try:
-            if path is not None:
-                path.unlink()
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            _log.warning("cannot remove in-app file", path=str(path), error=str(exc))
+        # Under the report's lock: a report being written now finishes first and is removed, and none
+        # is written after (report_now raises ClientClosedError).
+        self._report_finalizer()
         if self._own_channel:
             self._channel.close()
 
@@ -1535,6 +1600,8 @@ class VgpuClient:
         while not self._closed.is_set():
             try:
                 self.report_now()
+            except ClientClosedError:
+                return
             except OSError as exc:
                 self.report_errors += 1
                 self._warn_once("report", "cannot write in-app counters", dir=str(self.inapp_dir), error=str(exc))
