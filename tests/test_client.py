@@ -234,7 +234,7 @@ def test_refused_request_changes_nothing(allocator, tmp_path: Path) -> None:  # 
         with pytest.raises(grpc.RpcError) as exc:
             client.request(memory_mib=1e9)
         assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert torch.cuda.fractions == [] and client.grants() == []
+        assert torch.cuda.fractions == [] and client.grants == []
         with pytest.raises(grpc.RpcError) as exc:
             client.release("nope")
         assert exc.value.code() == grpc.StatusCode.NOT_FOUND
@@ -282,7 +282,7 @@ def test_events_of_other_apps_are_ignored(tmp_path: Path) -> None:
     try:
         other = allocator_pb2.Grant(grant_id="x", app_id="theirs", memory_mib=1000)
         client.handle_event(Event(kind=Event.GRANTED, grant=other))
-        assert torch.cuda.fractions == [] and client.grants() == []
+        assert torch.cuda.fractions == [] and client.grants == []
         mine = allocator_pb2.Grant(grant_id="y", app_id="mine", memory_mib=8192)
         client.handle_event(Event(kind=Event.GRANTED, grant=mine))
         client.handle_event(Event(kind=Event.RESIZED, grant=mine))  # same size: not applied again

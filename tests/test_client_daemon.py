@@ -188,7 +188,7 @@ with VgpuClient(app_id, socket=sock, inapp_dir=inapp) as client:
     print("granted", grant.grant_id, flush=True)
     sys.stdin.readline()
     time.sleep(0.5)  # the watch has had time to hear of the other process's grant
-    print("holds", json.dumps(sorted(g.grant_id for g in client.grants())), client.granted_memory_mib, flush=True)
+    print("holds", json.dumps(sorted(g.grant_id for g in client.grants)), client.granted_memory_mib, flush=True)
 print("closed", flush=True)
 """
 
@@ -237,7 +237,7 @@ with VgpuClient(app_id, socket=sock, inapp_dir=inapp) as client:
     grant = client.request(memory_mib=1000)
     print("granted", grant.grant_id, client.token, flush=True)
     sys.stdin.readline()
-    print("holds", [g.grant_id for g in client.grants()], client.token, flush=True)
+    print("holds", [g.grant_id for g in client.grants], client.token, flush=True)
 print("closed", flush=True)
 """
 
@@ -307,9 +307,9 @@ with VgpuClient(app_id, socket=sock, inapp_dir=inapp) as client:
     print("granted", grant.grant_id, client.token, flush=True)
     sys.stdin.readline()
     deadline = time.monotonic() + 15
-    while client.grants() and time.monotonic() < deadline:
+    while client.grants and time.monotonic() < deadline:
         time.sleep(0.05)
-    print("holds", [g.grant_id for g in client.grants()], flush=True)
+    print("holds", [g.grant_id for g in client.grants], flush=True)
 """
 
 
@@ -651,3 +651,33 @@ def test_an_application_that_exits_without_close_leaves_no_report(shared: Shared
     if fork:
         assert files[0] in lines[1]["after_child"], lines  # the child's exit left the parent's report
     assert not (shared.inapp / files[0]).exists(), f"{files[0]} of pid {pid} left behind"
+
+
+# An application reading its grants both ways: the property, and the call of the time it was a method.
+GRANTS_APP = """
+import json, sys, warnings
+from vgpu.client import VgpuClient
+
+sock, app_id, inapp = sys.argv[1], sys.argv[2], sys.argv[3]
+with VgpuClient(app_id, socket=sock, inapp_dir=inapp) as client:
+    grant = client.request(memory_mib=300)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        now = client.grants
+        called = client.grants()
+    print(json.dumps({"granted": grant.grant_id, "property": [g.grant_id for g in now],
+                      "called": [g.grant_id for g in called], "sum": client.granted_memory_mib,
+                      "is_list": isinstance(now, list) and type(called) is list,
+                      "warnings": [(w.category.__name__, str(w.message), w.filename) for w in caught]}), flush=True)
+"""
+
+
+def test_grants_is_a_property_and_the_old_call_still_works_with_a_warning(shared: Shared) -> None:
+    r = run_app(shared.env, "grants-both-ways", shared.inapp, program=GRANTS_APP)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    assert out["property"] == out["called"] == [out["granted"]] and out["sum"] == 300.0, out
+    assert out["is_list"] is True
+    # only the call warns, and the warning points at the application's line, not the stub
+    assert out["warnings"] == [["DeprecationWarning", "VgpuClient.grants is a property now, like "
+                                "granted_memory_mib: write client.grants, not client.grants()", "<string>"]], out

@@ -87,6 +87,7 @@ import stat
 import sys
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
@@ -859,6 +860,17 @@ def scrape_serving_metrics(
 _FROM_SYS_MODULES: Any = object()
 
 
+class GrantList(list[allocator_pb2.Grant]):
+    """`VgpuClient.grants`: the grants held when it was read, a plain list. Calling it, the spelling
+    of the time `grants` was a method (`client.grants()`), still works: it returns a copy of the list
+    and warns (DeprecationWarning)."""
+
+    def __call__(self) -> list[allocator_pb2.Grant]:
+        warnings.warn("VgpuClient.grants is a property now, like granted_memory_mib: write client.grants, "
+                      "not client.grants()", DeprecationWarning, stacklevel=2)
+        return list(self)
+
+
 class ClientClosedError(RuntimeError):
     """A call that would reach the daemon or write the in-app report, made after `VgpuClient.close()`."""
 
@@ -1206,6 +1218,7 @@ class VgpuClient:
 
     @property
     def granted_memory_mib(self) -> float:
+        """The memory of `grants`, summed (MiB)."""
         with self._lock:
             return sum(g.memory_mib for g in self._grants.values())
 
@@ -1222,9 +1235,12 @@ class VgpuClient:
         with self._lock:
             return self._applied_limit_mib
 
-    def grants(self) -> list[allocator_pb2.Grant]:
+    @property
+    def grants(self) -> GrantList:
+        """This process's grants now (a copy: it does not follow later changes). A property, as
+        `granted_memory_mib`; `client.grants()` still works and warns (GrantList)."""
         with self._lock:
-            return list(self._grants.values())
+            return GrantList(self._grants.values())
 
     def counters(self) -> InAppCounters:
         """The in-app counters now: torch's allocator statistics where torch has CUDA initialised,
