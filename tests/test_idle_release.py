@@ -73,7 +73,8 @@ def test_a_vanished_application_is_released_and_a_live_one_kept(env: Env, serves
         assert event.detail.startswith("idle: ")
         # Released, it is still listed with when it was last heard from, not N/A.
         assert apps(env)["ghost"]["last_seen_s"] == pytest.approx(before, abs=5)
-        table = env.vgpu("apps", *sock).stdout
+        assert not [line for line in env.vgpu("apps", *sock).stdout.splitlines() if line.startswith("ghost ")]
+        table = env.vgpu("apps", *sock, "--all").stdout  # it holds nothing: listed with --all only
         (row,) = [line for line in table.splitlines() if line.startswith("ghost ")]
         assert row.rstrip().endswith("ago"), table
         # The application with a live process keeps its grant, and is seen now.

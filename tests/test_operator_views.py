@@ -23,7 +23,7 @@ from tests.daemon_fixtures import ROOT, Env, Serve
 from vgpu import auth, ctl
 from vgpu.allocator.core import Allocator, AppInfo
 from vgpu.allocator.history import History, HistoryPoint
-from vgpu.allocator.ledger import Grant
+from vgpu.allocator.ledger import AppLimits, Grant
 from vgpu.allocator.service import ProfilerState, app_to_pb, device_to_pb, process_info
 from vgpu.device.errors import GpuLost, NotSupported
 from vgpu.device.sim import SimBackend
@@ -131,12 +131,20 @@ def test_a_claimed_id_with_no_grant_is_listed_as_claimed(env: Env, serves: list[
     assert listed["owner-1"]["claimed"] is True and listed["owner-1"]["grants"] == []
     assert time.time() - 60 < listed["owner-1"]["claimed_at_s"] <= time.time()
     assert listed["holder"]["claimed"] is True and len(listed["holder"]["grants"]) == 1
+    # The table lists what holds resources: the id that released its grant is left out, and counted.
     table = cli(env, "apps").stdout
-    assert _row(table, "owner-1")["CLAIMED"] == "yes" and _row(table, "owner-1")["GRANTED MiB"] == "0"
+    assert [line.split()[0] for line in table.splitlines()[1:3]] == ["holder", "1"], table
     assert _row(table, "holder")["CLAIMED"] == "yes" and _row(table, "holder")["GRANTED MiB"] == "32"
+    assert table.splitlines()[-1].startswith("1 application holding nothing not listed (no grant"), table
+    assert table.rstrip().endswith("vgpu apps --all lists them"), table
+    # --all lists it too, its GRANTED MiB "none" (no grant, not a grant of 0 MiB), with when it was seen.
+    table = cli(env, "apps", "--all").stdout
+    row = _row(table, "owner-1")
+    assert row["CLAIMED"] == "yes" and row["GRANTED MiB"] == "none" and row["LAST SEEN"].endswith("ago"), table
+    assert _row(table, "holder")["GRANTED MiB"] == "32" and "not listed" not in table
     assert serves[-1].term() == 0
     serves.append(Serve(env))  # the claim is stored: listed after a restart too
-    assert _row(cli(env, "apps").stdout, "owner-1")["CLAIMED"] == "yes"
+    assert _row(cli(env, "apps", "-a").stdout, "owner-1")["CLAIMED"] == "yes"
 
 
 def test_dry_run_is_shown(env: Env, serves: list[Serve]) -> None:
@@ -370,6 +378,32 @@ def test_a_planned_application_shows_the_plans_size_and_rules() -> None:
     assert (msg.plan_memory_mib, msg.plan_sm_pct, msg.plan_mem_rule, msg.plan_sm_rule) == (12000.0, 40.0, "ramp",
                                                                                          "forecast")
     assert _row(ctl.apps_table(pb.ListApplicationsResponse(apps=[msg])), "a")["WHY"] == "ramp"
+
+
+def test_apps_table_leaves_out_what_holds_nothing_unless_all() -> None:
+    """An id with no grant, no process, no forecast and no limits is left out by default and counted;
+    one with no grant that still runs a process, or has the operator's limits, is listed, its GRANTED
+    MiB "none"; a grant of 0 MiB (an SM share alone) reads 0."""
+    sm_only = Grant("g1", "sm-only", "GPU-0", 0.0, 30.0, 0, 1.0, 1.0)
+    apps = pb.ListApplicationsResponse(apps=[
+        app_to_pb(AppInfo("gone", (), None), process_info=lambda pid: ("", "")),
+        app_to_pb(AppInfo("gone-too", (), None), process_info=lambda pid: ("", "")),
+        app_to_pb(AppInfo("running", (), None, pids=(4242,)), process_info=lambda pid: ("", "")),
+        app_to_pb(AppInfo("limited", (), AppLimits("limited", max_memory_mib=1024.0)), process_info=lambda pid: ("", "")),
+        app_to_pb(AppInfo("sm-only", (sm_only,), None)),
+    ])
+    table = ctl.apps_table(apps, show_all=False)
+    listed = [line.split()[0] for line in table.splitlines()[1:]]
+    assert listed[:3] == ["running", "limited", "sm-only"] and "gone" not in listed and "gone-too" not in listed
+    assert "2 applications holding nothing not listed" in table
+    assert _row(table, "running")["GRANTED MiB"] == _row(table, "limited")["GRANTED MiB"] == "none"
+    assert _row(table, "sm-only")["GRANTED MiB"] == "0"
+    every = ctl.apps_table(apps, show_all=True)
+    assert _row(every, "gone")["GRANTED MiB"] == "none" and "not listed" not in every
+    only_gone = ctl.apps_table(pb.ListApplicationsResponse(apps=apps.apps[:1]), show_all=False)
+    assert "(no application holds a grant or runs on a GPU)" in only_gone
+    assert only_gone.splitlines()[-1].startswith("1 application holding nothing not listed")
+    assert "(no applications)" in ctl.apps_table(pb.ListApplicationsResponse(), show_all=False)
 
 
 def test_apps_table_says_sm_shares_are_not_enforced_where_one_is_granted() -> None:

@@ -541,7 +541,8 @@ def app_rows(resp: pb.ListApplicationsResponse, devices: pb.GetAvailableResource
             "USED MiB": _known(a.mem_used_mib, known),
             "P50 MiB": _known(a.forecast_mem_p50_mib, known and a.forecast_mem_p50_mib > 0),
             "P90 MiB": _known(a.forecast_mem_p90_mib, known and a.forecast_mem_p90_mib > 0),
-            "GRANTED MiB": f"{sum(g.memory_mib for g in a.grants):,.0f}",
+            # "none": no grant at all, told apart from a grant of 0 MiB (an SM share alone)
+            "GRANTED MiB": f"{sum(g.memory_mib for g in a.grants):,.0f}" if a.grants else NO_GRANT,
             # the rule the latest plan sized its memory by (docs/operations.md lists them)
             "WHY": a.plan_mem_rule or NA,
             "ENFORCED": a.mem_limit or NA,
@@ -554,14 +555,38 @@ def app_rows(resp: pb.ListApplicationsResponse, devices: pb.GetAvailableResource
     return rows
 
 
+NO_GRANT = "none"
+
+
+def holds_nothing(a: pb.ApplicationInfo) -> bool:
+    """Whether an application is only remembered: no grant, no process on a GPU, no use or forecast, no
+    operator limits. The daemon keeps a claimed id (its token's owner) and its last sign of life after
+    its grants are released, for as long as the claim is stored; `vgpu apps` leaves such ids out
+    unless `--all`, as `docker ps` leaves out stopped containers."""
+    known = a.mem_used_mib > 0 or a.forecast_mem_p90_mib > 0 or a.sm_util_pct > 0
+    return not a.grants and not a.processes and not known and not a.HasField("limits")
+
+
 def apps_table(resp: pb.ListApplicationsResponse, devices: pb.GetAvailableResourcesResponse | None = None,
-               now_s: float | None = None, *, command_width: int = 32) -> str:
-    rows = app_rows(resp, devices, now_s)
+               now_s: float | None = None, *, command_width: int = 32, show_all: bool = True) -> str:
+    """The applications as a plain table; `show_all=False` leaves out those that hold nothing
+    (`holds_nothing`) and says under the table how many were left out."""
+    shown = resp
+    hidden = 0
+    if not show_all:
+        kept = [a for a in resp.apps if not holds_nothing(a)]
+        hidden = len(resp.apps) - len(kept)
+        shown = pb.ListApplicationsResponse(apps=kept)
+    rows = app_rows(shown, devices, now_s)
     for r in rows:
         r["COMMAND"] = r["COMMAND"][:command_width]
-    table = _text_table(rows, APP_COLUMNS, _APP_RIGHT, "(no applications)")
-    if any(g.sm_pct > 0 for a in resp.apps for g in a.grants):
+    empty = "(no application holds a grant or runs on a GPU)" if hidden else "(no applications)"
+    table = _text_table(rows, APP_COLUMNS, _APP_RIGHT, empty)
+    if any(g.sm_pct > 0 for a in shown.apps for g in a.grants):
         table += "\n" + SM_NOT_ENFORCED
+    if hidden:
+        table += (f"\n{hidden} application{'s' if hidden != 1 else ''} holding nothing not listed (no grant, no "
+                  "process on a GPU: released or idle, the id kept as claimed); vgpu apps --all lists them")
     return table
 
 
@@ -572,7 +597,12 @@ SM_NOT_ENFORCED = ("GRANT SM %: not enforced. The daemon records SM shares and p
 
 def apps_main(argv: Sequence[str] | None = None, prog: str = "vgpu apps", *, out: TextIO | None = None, env: dict[str, str] | None = None) -> int:
     def build(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--json", action="store_true", help="print JSON")
+        p.add_argument("-a", "--all", action="store_true",
+                       help="also list the applications that hold nothing now: no grant, no process on a GPU, no "
+                            "forecast, no limits (released or idle, their ids kept as claimed); "
+                            f"their GRANTED MiB reads {NO_GRANT!r}")
+        p.add_argument("--json", action="store_true",
+                       help="print the daemon's ListApplications answer as JSON: every application, as with --all")
         _wait_option(p)
 
     def body(ns: argparse.Namespace, c: Client, o: TextIO) -> int:
@@ -581,7 +611,7 @@ def apps_main(argv: Sequence[str] | None = None, prog: str = "vgpu apps", *, out
             _print_json(_dict(resp), o)
             return 0
         devices, _ = c.call("GetAvailableResources", pb.GetAvailableResourcesRequest(), token=False)
-        o.write(apps_table(resp, devices) + "\n")
+        o.write(apps_table(resp, devices, show_all=ns.all) + "\n")
         return 0
 
     return _run(prog, argv, build, body, out, env)
