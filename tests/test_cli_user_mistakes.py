@@ -108,6 +108,27 @@ def test_report_labels_an_sm_change_with_its_resource_and_unit(env: Env, serves:
     assert sm_rows == ["capped by limits: SM 50 -&gt; 20 %"], rows  # the SM change, not "1000 -> 1000 MiB"
 
 
+def test_a_gpu_is_named_by_its_index_as_the_tables_show_it_or_by_its_uuid(shared: Env) -> None:
+    """`vgpu available` shows each GPU's index under IDX and `vgpu apps` under GPU: `--device 0`
+    means that GPU, for `available` and `request` as for `report`; an index no GPU has is said, with
+    the GPUs there are."""
+    env = shared
+    sock = ["--socket", str(env.sock)]
+    (device,) = json.loads(vgpu("available", *sock, "--json", env=env.env).stdout)["devices"]
+    by_index = vgpu("available", *sock, "--device", "0", "--json", env=env.env)
+    assert by_index.returncode == 0, by_index.stderr
+    assert [d["device_id"] for d in json.loads(by_index.stdout)["devices"]] == [device["device_id"]]
+    r = vgpu("request", *sock, "--app", "by-index", "--memory-mib", "10", "--device", "0", "--json", env=env.env)
+    assert r.returncode == 0 and json.loads(r.stdout)["device_id"] == device["device_id"], r.stderr
+    for command in (["available"], ["request", "--app", "by-index", "--memory-mib", "10"]):
+        r = vgpu(*command, *sock, "--device", "3", env=env.env)
+        assert r.returncode == 1 and r.stdout == "", r.stdout
+        assert r.stderr.strip() == (f"vgpu {command[0]}: no GPU with index 3 on this daemon "
+                                    f"(its GPUs: 0 ({device['device_id']}))"), r.stderr
+    by_uuid = vgpu("available", *sock, "--device", device["device_id"], "--json", env=env.env)
+    assert by_uuid.returncode == 0 and json.loads(by_uuid.stdout)["devices"][0]["index"] == 0
+
+
 def test_requesting_an_id_another_client_owns_says_where_the_token_was_looked_for(shared: Env, tmp_path: Path) -> None:
     env = shared
     sock = ["--socket", str(env.sock)]

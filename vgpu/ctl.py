@@ -36,6 +36,7 @@ import functools
 import json
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -486,14 +487,30 @@ def devices_table(resp: pb.GetAvailableResourcesResponse, apps: pb.ListApplicati
     return text
 
 
+def _device_arg(c: Client, text: str) -> str:
+    """A `--device` as given: a GPU's index as `vgpu available` shows it under IDX (and `vgpu apps`
+    under GPU) is looked up to its UUID, as `vgpu report --device` does; anything else (a GPU or MIG
+    UUID) goes to the daemon as it is, which answers NOT_FOUND, with the devices it knows, for one it
+    does not."""
+    if not re.fullmatch(r"[0-9]{1,9}", text):
+        return text
+    devices, _ = c.call("GetAvailableResources", pb.GetAvailableResourcesRequest(), token=False)
+    for d in devices.devices:
+        if d.index == int(text):
+            return str(d.device_id)
+    known = ", ".join(f"{d.index} ({d.device_id})" for d in devices.devices) or "none"
+    raise CliError(f"no GPU with index {text} on this daemon (its GPUs: {known})")
+
+
 def available_main(argv: Sequence[str] | None = None, prog: str = "vgpu available", *, out: TextIO | None = None, env: dict[str, str] | None = None) -> int:
     def build(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--device", default="", help="one device (UUID)")
+        p.add_argument("--device", default="", help="one GPU: its index (IDX) or UUID")
         p.add_argument("--json", action="store_true", help="print JSON")
         _wait_option(p)
 
     def body(ns: argparse.Namespace, c: Client, o: TextIO) -> int:
-        resp, _ = c.call("GetAvailableResources", pb.GetAvailableResourcesRequest(device_id=ns.device), token=False)
+        device_id = _device_arg(c, ns.device)
+        resp, _ = c.call("GetAvailableResources", pb.GetAvailableResourcesRequest(device_id=device_id), token=False)
         if ns.json:
             _print_json(_dict(resp), o)
             return 0
@@ -651,7 +668,8 @@ def request_main(argv: Sequence[str] | None = None, prog: str = "vgpu request", 
                        help="memory to grant (MiB); leave out with --model-type to have the cold-start model size the job")
         p.add_argument("--sm-pct", type=_share_pct, default=0.0,
                        help="SM share to grant (%%); recorded and planned with, not enforced (no MPS limit is set)")
-        p.add_argument("--device", default="", help="device UUID (default: the allocator chooses)")
+        p.add_argument("--device", default="",
+                       help="the GPU: its index (as vgpu available shows it) or UUID (default: the allocator chooses)")
         p.add_argument("--priority", type=INT32, default=0,
                        help="under contention lower priorities yield first (negative allowed; default 0)")
         p.add_argument("--pid", type=UINT32, default=0, help="process holding the grant (released when it exits)")
@@ -682,7 +700,7 @@ def request_main(argv: Sequence[str] | None = None, prog: str = "vgpu request", 
             print(f"{prog}: warning: {unknown_model_note(ns.model_type)}", file=sys.stderr)
         req = pb.RequestResourceAllocationRequest(
             request=pb.ResourceRequest(
-                app_id=ns.app, memory_mib=ns.memory_mib or 0.0, sm_pct=ns.sm_pct, device_id=ns.device,
+                app_id=ns.app, memory_mib=ns.memory_mib or 0.0, sm_pct=ns.sm_pct, device_id=_device_arg(c, ns.device),
                 priority=ns.priority, pid=ns.pid,
             )
         )
