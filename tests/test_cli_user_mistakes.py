@@ -129,6 +129,20 @@ def test_a_gpu_is_named_by_its_index_as_the_tables_show_it_or_by_its_uuid(shared
     assert by_uuid.returncode == 0 and json.loads(by_uuid.stdout)["devices"][0]["index"] == 0
 
 
+def test_a_grant_with_no_pid_is_said_to_be_a_lease(shared: Env) -> None:
+    """`vgpu request` with no --pid: nothing ties the grant to a process, so the daemon releases it
+    after server.idle_release_s unless the application shows signs of life; the request says so, and
+    one naming a process (this test's, of this user) does not."""
+    sock = ["--socket", str(shared.sock)]
+    r = vgpu("request", *sock, "--app", "leased", "--memory-mib", "10", "--json", env=shared.env)
+    assert r.returncode == 0 and json.loads(r.stdout)["pid"] == 0, r.stderr  # stdout stays the grant
+    assert "vgpu request: note: no --pid, so no process holds this grant: unless 'leased' shows it is alive" in r.stderr
+    assert "server.idle_release_s" in r.stderr
+    held = vgpu("request", *sock, "--app", "leased", "--memory-mib", "10", "--pid", str(os.getpid()), env=shared.env)
+    assert held.returncode == 0 and held.stdout.startswith("granted "), held.stderr
+    assert "note: no --pid" not in held.stderr
+
+
 def test_requesting_an_id_another_client_owns_says_where_the_token_was_looked_for(shared: Env, tmp_path: Path) -> None:
     env = shared
     sock = ["--socket", str(env.sock)]

@@ -730,9 +730,19 @@ def request_main(argv: Sequence[str] | None = None, prog: str = "vgpu request", 
                     f"on {resp.grant.device_id} for {resp.grant.app_id}{sized}\n")
         if saved is not None:
             print(f"{prog}: application token for {ns.app!r} saved in {saved}", file=sys.stderr)
+        if not ns.pid:
+            print(f"{prog}: {LEASE_NOTE.format(app=ns.app)}", file=sys.stderr)
         return 0
 
     return _run(prog, argv, build, body, out, env)
+
+
+# Said after a grant asked for with no --pid: nothing ties it to a process, so it lasts only while the
+# application shows other signs of life (docs/allocation.md, "idle release"); a new user would otherwise
+# find it gone two minutes later with no word why.
+LEASE_NOTE = ("note: no --pid, so no process holds this grant: unless {app!r} shows it is alive (a profiler "
+              "sees it, or a client stub of it watches its grants), the daemon releases it after "
+              "server.idle_release_s (default 120 s) without a sign of life; --pid ties it to a running process")
 
 
 # The job's fields besides its model type (`vgpu request`'s options of the same names).
