@@ -143,6 +143,18 @@ def test_a_grant_with_no_pid_is_said_to_be_a_lease(shared: Env) -> None:
     assert "note: no --pid" not in held.stderr
 
 
+def test_releasing_a_grant_that_is_gone_says_it_may_have_been_released_already(shared: Env) -> None:
+    sock = ["--socket", str(shared.sock)]
+    r = vgpu("request", *sock, "--app", "twice", "--memory-mib", "10", "--json", env=shared.env)
+    grant_id = json.loads(r.stdout)["grant_id"]
+    assert vgpu("release", *sock, "--grant", grant_id, env=shared.env).returncode == 0
+    again = vgpu("release", *sock, "--grant", grant_id, env=shared.env)
+    assert again.returncode == 1 and again.stdout == ""
+    assert again.stderr.startswith(f"vgpu release: NOT_FOUND: no grant '{grant_id}': no application holds it now "
+                                   "(released already"), again.stderr
+    assert again.stderr.rstrip().endswith("`vgpu apps` lists the grants held"), again.stderr
+
+
 def test_requesting_an_id_another_client_owns_says_where_the_token_was_looked_for(shared: Env, tmp_path: Path) -> None:
     env = shared
     sock = ["--socket", str(env.sock)]

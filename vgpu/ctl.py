@@ -769,7 +769,15 @@ def release_main(argv: Sequence[str] | None = None, prog: str = "vgpu release", 
 
     def body(ns: argparse.Namespace, c: Client, o: TextIO) -> int:
         app = ns.app or _owner_of(c, ns.grant)
-        resp, _ = c.call("ReleaseResources", pb.ReleaseResourcesRequest(grant_id=ns.grant), app_id=app)
+        try:
+            resp, _ = c.call("ReleaseResources", pb.ReleaseResourcesRequest(grant_id=ns.grant), app_id=app)
+        except CliError as exc:
+            if str(exc).startswith("NOT_FOUND"):
+                # the usual cause: it is gone already, and the daemon's reply cannot say how
+                raise CliError(f"{exc}: no application holds it now (released already: by a release, by its "
+                               "application's close, or by the daemon once the application went idle or its "
+                               "process ended); `vgpu apps` lists the grants held") from None
+            raise
         if ns.json:
             _print_json(_dict(resp.released), o)
         else:
@@ -785,7 +793,7 @@ SET_LIMIT_HELP = """Cap an application (needs the operator token).
 A cap covers every grant of the application, the grants it holds now included: the daemon cuts grants
 over a new memory or SM cap down to it at once (largest first) and logs every change (limits_set). The
 flags given change those values; the others keep their current ones. An application the daemon does not
-list (vgpu apps) is refused unless --create, so a typo does not leave a limit behind for an app that
+know (vgpu apps --all) is refused unless --create, so a typo does not leave a limit behind for an app that
 will never come. --clear removes the memory and SM caps (the priority stays; --priority 0 resets it)."""
 
 
