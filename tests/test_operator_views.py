@@ -202,11 +202,18 @@ def test_streamed_apps_show_usage_forecast_history_and_profiler(env: Env, serves
 def test_top_prints_plain_tables_off_a_terminal(env: Env, serves: list[Serve]) -> None:
     serves.append(Serve(env))
     cli(env, "request", "--app", "mine", "--memory-mib", "1024")
+    gone = json.loads(cli(env, "request", "--app", "gone", "--memory-mib", "10", "--json").stdout)["grant_id"]
+    assert cli(env, "release", "--grant", gone).returncode == 0
     out = cli(env, "top", "--iterations", "2", "--interval-s", "0.2")
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("vgpu top") == 2
     assert "\x1b" not in out.stdout  # no escape codes into a pipe
     assert _row(out.stdout, "mine", "APP")["GRANTED MiB"] == "1,024"
+    # as `vgpu apps`: the application that released its grant is counted, not listed, unless --all
+    assert "gone" not in [line.split()[0] for line in out.stdout.splitlines() if line.strip()]
+    assert "1 application holding nothing not listed" in out.stdout
+    every = cli(env, "top", "--iterations", "1", "--all").stdout
+    assert _row(every, "gone", "APP")["GRANTED MiB"] == "none"
 
 
 # A tmux server of this test's own (not the user's default one, whose sessions may set the window size).

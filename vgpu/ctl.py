@@ -891,6 +891,8 @@ def top_main(
         p.add_argument("--iterations", type=_whole(0, 2**31 - 1), default=0,
                        help="stop after N refreshes (default 0: until q or Ctrl-C)")
         p.add_argument("--plain", action="store_true", help="plain tables even on a terminal")
+        p.add_argument("-a", "--all", action="store_true",
+                       help="also list the applications that hold nothing now (as vgpu apps --all)")
         _wait_option(p, first_only=True)
 
     def body(ns: argparse.Namespace, c: Client, o: TextIO) -> int:
@@ -903,7 +905,7 @@ def top_main(
             apps, _ = c.call("ListApplications", pb.ListApplicationsRequest(), token=False)
             stamp = time.strftime("%H:%M:%S")
             o.write(f"vgpu top  {stamp}  {c.socket_path}\n\n{devices_table(devices, apps)}\n\n"
-                    f"{apps_table(apps, devices)}\n\n")
+                    f"{apps_table(apps, devices, show_all=ns.all)}\n\n")
             o.flush()
             c.wait_s = 0.0  # --wait-s covers the first refresh: a daemon that goes away later is said at once
             n += 1
@@ -925,6 +927,8 @@ def _top_screen(ns: argparse.Namespace, c: Client) -> int:
         try:
             devices, _ = c.call("GetAvailableResources", pb.GetAvailableResourcesRequest(), token=False)
             apps, _ = c.call("ListApplications", pb.ListApplicationsRequest(), token=False)
+            if not ns.all:  # as `vgpu apps`: what holds resources
+                apps = pb.ListApplicationsResponse(apps=[a for a in apps.apps if not holds_nothing(a)])
             history, _ = c.call("GetAppHistory", pb.GetAppHistoryRequest(since_s=top.SPARK_WINDOW_S), token=False)
         except CliError as exc:
             if not last:
