@@ -1232,6 +1232,8 @@ class VgpuClient:
 
     @property
     def applied_mem_limit_mib(self) -> float | None:
+        """The memory limit this stub applied through torch (MiB, `granted_memory_mib` of this GPU
+        capped at its size); None when none is in force: no grant, or no torch with CUDA."""
         with self._lock:
             return self._applied_limit_mib
 
