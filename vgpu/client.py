@@ -11,7 +11,7 @@ After `close()` (or the `with` block), `request()`, `release()` and `report_now(
 ClientClosedError and the in-app file is never written again; `step()`, `report_serving()`,
 `counters()` and the properties still answer from memory. An application that exits without closing
 has its in-app file removed at interpreter exit (a `weakref.finalize` hook; not in a child it forked),
-but its grants stay until the daemon releases them (their pid gone, or `server.idle_release_s`).
+but its grants stay until the daemon's idle release (`server.idle_release_s` after its last sign of life).
 
 Identity. The daemon knows an application by its id and, once the id is taken, by the application's
 token (vgpu/auth.py). A new id needs no token: the first grant comes back with the application's token,
@@ -1379,7 +1379,7 @@ class VgpuClient:
         ClientClosedError and no in-app file is written again; `step()`, `report_serving()`,
         `counters()` and the properties go on answering from memory. An application that exits without
         closing has its in-app file removed at interpreter exit (its grants are not released then: the
-        daemon releases them after `server.idle_release_s`, or when their pid is gone)."""
+        daemon releases them `server.idle_release_s` after the application's last sign of life)."""
         if self._closed.is_set():
             return
         self._closed.set()
