@@ -366,6 +366,16 @@ def test_bad_arguments_are_refused(tmp_path: Path) -> None:
             client.request(memory_mib=-1)
         with pytest.raises(ValueError, match="sm_pct"):
             client.request(sm_pct=150)
+        # a wrong kind of value is named, not a comparison's TypeError or protobuf's "Value out of range"
+        with pytest.raises(TypeError, match=r"memory_mib must be a number, got '100' \(str\)"):
+            client.request(memory_mib="100")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"sm_pct must be a number, got None"):
+            client.request(memory_mib=10, sm_pct=None)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"priority must be a whole number within -2\*\*31..2\*\*31-1.*got 1099511627776"):
+            client.request(memory_mib=10, priority=2**40)
+        with pytest.raises(ValueError, match="priority must be a whole number"):
+            client.request(memory_mib=10, priority=1.5)  # type: ignore[arg-type]
+        assert list(tmp_path.iterdir()) == []  # refused before the report that proves the pid
         with pytest.raises(ValueError):
             client.step(-1)
     finally:

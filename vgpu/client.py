@@ -1027,6 +1027,12 @@ class VgpuClient:
         not fit, INVALID_ARGUMENT on bad values). The granted memory is applied at once.
         ClientClosedError after `close()`."""
         self._check_open("request")
+        for name, value in (("memory_mib", memory_mib), ("sm_pct", sm_pct)):
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+        if isinstance(priority, bool) or not isinstance(priority, int) or not -(2**31) <= priority < 2**31:
+            raise ValueError(f"priority must be a whole number within -2**31..2**31-1 (a 32-bit integer; "
+                             f"lower yields first under contention), got {priority!r}")
         if memory_mib < 0 or not math.isfinite(memory_mib):
             raise ValueError(f"memory_mib must be a non-negative number, got {memory_mib}")
         if not 0 <= sm_pct <= 100:
