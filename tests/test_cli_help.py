@@ -47,3 +47,12 @@ def test_every_command_help_says_what_it_does_and_points_only_at_what_a_node_has
     assert "docs/evaluation.md" in evaluate and "t_s, app" in evaluate
     assert "## The trace format" in (ROOT / "docs" / "evaluation.md").read_text()
     assert "default v5, the shipped model's" in " ".join(vgpu("train", "--help").stdout.split())
+
+
+def test_help_of_a_command_by_name_as_git_help() -> None:
+    """`vgpu help apps` is `vgpu apps --help`; `vgpu help` of a command that is not one says so (2)."""
+    by_name, by_flag = vgpu("help", "apps"), vgpu("apps", "--help")
+    assert by_name.returncode == 0 and by_name.stdout == by_flag.stdout and "--all" in by_name.stdout
+    assert "vgpu help COMMAND" in vgpu("help").stdout
+    typo = vgpu("help", "ap")
+    assert typo.returncode == 2 and typo.stdout == "" and typo.stderr.startswith("vgpu: unknown command 'ap'")

@@ -44,7 +44,7 @@ def _usage() -> str:
     lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
     lines += ["", "options:", f"  {'--version':<{width}}  print vgpu's version and exit",
               f"  {'-h, --help':<{width}}  show this help and exit",
-              "", "Run `vgpu COMMAND --help` for a command's options."]
+              "", "Run `vgpu COMMAND --help` (or `vgpu help COMMAND`) for a command's options."]
     return "\n".join(lines)
 
 
@@ -62,7 +62,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args:  # no command: a usage error, as for an unknown one (a script's typo does not pass)
         print(_usage(), file=sys.stderr)
         return 2
-    if args[0] in ("-h", "--help", "help"):
+    if args[0] == "help" and len(args) > 1:  # `vgpu help apps`, as `git help`: that command's help
+        if args[1] not in COMMANDS:
+            print(f"vgpu: unknown command {args[1]!r}\n\n{_usage()}", file=sys.stderr)
+            return 2
+        args = [args[1], "--help"]
+    elif args[0] in ("-h", "--help", "help"):
         print(_usage())
         return 0
     if args[0] == "--version":
