@@ -143,6 +143,18 @@ def test_a_grant_with_no_pid_is_said_to_be_a_lease(shared: Env) -> None:
     assert "note: no --pid" not in held.stderr
 
 
+def test_a_grant_is_printed_rounded_as_the_tables_show_it_and_exact_in_json(shared: Env) -> None:
+    sock = ["--socket", str(shared.sock)]
+    exact = json.loads(vgpu("request", *sock, "--app", "fractions", "--memory-mib", "1234.56", "--sm-pct", "33.3333",
+                            "--json", env=shared.env).stdout)
+    assert exact["memory_mib"] == 1234.56 and exact["sm_pct"] == 33.3333
+    r = vgpu("request", *sock, "--app", "fractions", "--memory-mib", "1234.56", "--sm-pct", "33.3333", env=shared.env)
+    grant_id = r.stdout.split()[1].rstrip(":")
+    assert r.stdout == f"granted {grant_id}: 1,235 MiB, 33 % SM on {exact['device_id']} for fractions\n", r.stdout
+    released = vgpu("release", *sock, "--grant", grant_id, env=shared.env)
+    assert released.stdout == f"released {grant_id} (1,235 MiB of fractions)\n", released.stdout
+
+
 def test_releasing_a_grant_that_is_gone_says_it_may_have_been_released_already(shared: Env) -> None:
     sock = ["--socket", str(shared.sock)]
     r = vgpu("request", *sock, "--app", "twice", "--memory-mib", "10", "--json", env=shared.env)

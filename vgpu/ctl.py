@@ -726,7 +726,8 @@ def request_main(argv: Sequence[str] | None = None, prog: str = "vgpu request", 
         else:
             sized = (f" (the job sized at {resp.grant.cold_start_mib:,.0f} MiB)"
                      if resp.grant.HasField("cold_start_mib") else "")
-            o.write(f"granted {grant['grant_id']}: {resp.grant.memory_mib:g} MiB, {resp.grant.sm_pct:g} % SM "
+            # rounded as the tables show them (a sized grant is 12250.8 MiB, 63.8274 %); --json has them exact
+            o.write(f"granted {grant['grant_id']}: {resp.grant.memory_mib:,.0f} MiB, {resp.grant.sm_pct:.0f} % SM "
                     f"on {resp.grant.device_id} for {resp.grant.app_id}{sized}\n")
         if saved is not None:
             print(f"{prog}: application token for {ns.app!r} saved in {saved}", file=sys.stderr)
@@ -781,7 +782,7 @@ def release_main(argv: Sequence[str] | None = None, prog: str = "vgpu release", 
         if ns.json:
             _print_json(_dict(resp.released), o)
         else:
-            o.write(f"released {resp.released.grant_id} ({resp.released.memory_mib:g} MiB of {resp.released.app_id})\n")
+            o.write(f"released {resp.released.grant_id} ({resp.released.memory_mib:,.0f} MiB of {resp.released.app_id})\n")
         return 0
 
     return _run(prog, argv, build, body, out, env)
