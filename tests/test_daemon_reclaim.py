@@ -227,14 +227,14 @@ def show(event):
 client = VgpuClient(app_id, socket=sock, inapp_dir=inapp, report=False, on_event=show,
                     job=JobConfig(model_type="resnet50", batch_size=64, input_size=224))
 deadline = time.monotonic() + 20
-while not client.grants() and time.monotonic() < deadline:  # caught up: the watch is live
+while not client.grants and time.monotonic() < deadline:  # caught up: the watch is live
     time.sleep(0.05)
-before = [g.grant_id for g in client.grants()]
+before = [g.grant_id for g in client.grants]
 g = client.request()
 granted.wait(10)
 print(json.dumps({"before": before, "answer": {"grant": g.grant_id, "memory_mib": g.memory_mib,
                   "source": g.source},
-                  "heard": heard, "holds": [x.grant_id for x in client.grants()],
+                  "heard": heard, "holds": [x.grant_id for x in client.grants],
                   "granted_memory_mib": client.granted_memory_mib}), flush=True)
 sys.stdin.readline()  # alive until told: a restarted daemon keeps the grants of live processes
 client.close(release=False)
