@@ -10,7 +10,8 @@ The allocator alone writes to devices. It owns:
   limits, where the pid is known and `cgroup_limits` is given (allocator/mechanisms/limits.py);
 - each device's hard/cooperative memory decision (below);
 - the `watch()` subscriptions, the `Counters` and the per-application `History`;
-- applications' signs of life (`last_seen_s`, `release_vanished`);
+- applications' signs of life (`last_seen_s`, `release_vanished`) and the exit of the processes
+  their grants name (`release_exited`);
 and it restores device settings on `stop()`.
 
 Stopping: once `refuse_changes()` (a stopping daemon calls it first, before it closes its doors) or
@@ -236,12 +237,18 @@ class ApplyReport:
 
 # every (event kind, reason) a grant change is counted under (`Counters.grant_changes`): granted by
 # source, resized to grow, to shrink, to an operator's limits or for another's request (reclaim),
-# released, or released because the application's declared job superseded it
+# released, released because the application's declared job superseded it, or released because the
+# process the grant named exited (`release_exited`)
 GRANT_CHANGE_KEYS: tuple[tuple[str, str], ...] = (
     *(("granted", source) for source in SOURCES),
     ("resized", "grow"), ("resized", "shrink"), ("resized", "limits"), ("resized", "reclaim"),
-    ("released", "released"), ("released", "superseded"),
+    ("released", "released"), ("released", "superseded"), ("released", "exited"),
 )
+
+# A process counts as the one a grant names only when it started no later than the grant was made,
+# give or take this much: a process's start time is read from the kernel in clock ticks after boot,
+# and the boot time in whole seconds, so the two clocks disagree by up to about a second.
+PROCESS_START_TOLERANCE_S = 1.0
 
 
 @dataclass
@@ -431,6 +438,11 @@ class Allocator:
         # restart get the full idle time to show up again.
         self.signature_seen: Callable[[str], float | None] = lambda _app: None
         self.pid_alive: Callable[[int], bool] = _pid_alive
+        # pid -> when its process started (Unix seconds), None when there is no such process here
+        # (`release_exited`; one read of /proc per pid and sweep)
+        self.process_start: Callable[[int], float | None] = _process_start
+        # grants whose process this allocator has seen running (`release_exited` releases no others)
+        self._process_seen: set[str] = set()
         self._started_s = clock()
         self._seen: dict[str, float] = {}
 
@@ -458,7 +470,11 @@ class Allocator:
                 self.counters.events_dropped += sub.dropped - before
 
     def _note_grant_change(self, kind: EventKind, grant: Grant, detail: str, reason: str) -> None:
-        """Count a grant change by reason and mark it in the application's history."""
+        """Count a grant change by reason and mark it in the application's history; a new grant naming
+        a pid is checked against that process at once (`_grant_process_runs`), so that a process that
+        exits before the next sweep still counts as seen."""
+        if kind == EventKind.GRANTED and grant.pid > 0:
+            self._grant_process_runs(grant, self.process_start(grant.pid))
         if not reason:
             reason = grant.source if kind == EventKind.GRANTED else str(kind)
         key = (str(kind), reason)
@@ -750,15 +766,18 @@ class Allocator:
         caps = self.ledger.devices()
         return max((c.mem_total_mib for c in caps), default=0.0)
 
-    def release(self, grant_id: str, *, caller: str | None = None, reason: str = "") -> Grant:
+    def release(self, grant_id: str, *, caller: str | None = None, reason: str = "", counted_as: str = "") -> Grant:
+        """Release one grant; `reason` is the RELEASED event's detail, `counted_as` the reason it is
+        counted under (`Counters.grant_changes`; "": "released")."""
         self._check_open()
         grant = self.ledger.release(grant_id, caller=caller)
         self._changed()
+        self._process_seen.discard(grant_id)
         self._recount(grant.device_id, grant.app_id)
         self.counters.released += 1
         self._log.info("released", app=grant.app_id, grant=grant_id, **({"reason": reason} if reason else {}))
         self._sync_cgroup_limits(grant.device_id)  # as in request_allocation
-        self._publish(EventKind.RELEASED, grant=grant, detail=reason)
+        self._publish(EventKind.RELEASED, grant=grant, detail=reason, reason=counted_as)
         return grant
 
     def forget_app(self, app_id: str) -> list[Grant]:
@@ -884,6 +903,81 @@ class Allocator:
             self._seen[app_id] = seen
         if not self.ledger.grants(app_id=app_id):
             self.history.depart(app_id)
+        return released
+
+    # --- processes that exited ------------------------------------------------------------------
+    def _grant_process_runs(self, grant: Grant, start_s: float | None) -> bool:
+        """Whether the process `grant` names runs, given when the process now holding its pid started
+        (`start_s`; None: no process has that pid here). A process that started after the grant was
+        made is another one that took the pid over (pid reuse), not the grant's. A grant whose process
+        is found running is marked seen (`release_exited` releases only those)."""
+        runs = start_s is not None and start_s <= grant.created_at_s + PROCESS_START_TOLERANCE_S
+        if runs:
+            self._process_seen.add(grant.grant_id)
+        return runs
+
+    def release_exited(self, grace_s: float) -> list[str]:
+        """Release the grants whose process has exited, without waiting for the idle release; the
+        grants released (their ids). One look at each distinct pid the grants name
+        (`process_start`). A grant is released when all of these hold:
+        - it names a pid (a grant without one keeps to `release_vanished`), and this allocator has seen
+          that process run, at the grant's making or at a sweep since. A pid the daemon never saw
+          (a process in another pid namespace, a pid an operator named that does not exist here) may
+          belong to a process that runs where the daemon cannot look, so it is left to the idle
+          release;
+        - no process has that pid now, or the one that has it started after the grant was made
+          (the pid was reused: `_grant_process_runs`);
+        - when no grant of its application names a running process any more: no watch of the
+          application's own is open and neither a request nor a signature came from it in the last
+          `grace_s` seconds (a watch, or signatures still arriving, with no process of it left in
+          sight means that something of it lives where the daemon cannot see it). While another of
+          its processes runs, that process explains the watch and the signatures, and the exited
+          process's grants go at once: the client stub takes as its own only the grants naming its
+          own pid, so nobody else uses them.
+        Each is released with a RELEASED event whose detail says which process exited, logged once per
+        application (`app_released_exited`). A release that cannot be stored keeps its grant (logged,
+        tried again at the next sweep). Nothing once stopping, or with `grace_s` <= 0 (the rule is off)."""
+        if self._refusing or not grace_s > 0:
+            return []
+        grants = [g for g in self.ledger.grants() if g.pid > 0]
+        live = {g.grant_id for g in grants}
+        self._process_seen &= live  # grants released elsewhere
+        starts = {pid: self.process_start(pid) for pid in sorted({g.pid for g in grants})}
+        exited: dict[str, list[Grant]] = {}
+        running: set[str] = set()
+        for g in grants:
+            if self._grant_process_runs(g, starts[g.pid]):
+                running.add(g.app_id)
+            elif g.grant_id in self._process_seen:
+                exited.setdefault(g.app_id, []).append(g)
+        now = self.clock()
+        released: list[str] = []
+        for app_id in sorted(exited):
+            if app_id not in running:
+                if self.watched(app_id):
+                    continue
+                heard = [t for t in (self._seen.get(app_id), self.signature_seen(app_id))
+                         if t is not None and math.isfinite(t)]
+                if heard and now - max(heard) < grace_s:
+                    continue
+            gone = exited[app_id]
+            pids = sorted({g.pid for g in gone})
+            self._log.warning("app_released_exited", app=app_id, pids=pids, grants=[g.grant_id for g in gone],
+                              memory_mib=sum(g.memory_mib for g in gone))
+            for g in gone:
+                start = starts[g.pid]
+                why = (f"its process {g.pid} exited" if start is None else
+                       f"its process {g.pid} exited (pid {g.pid} is now another process's, started after the grant)")
+                try:
+                    self.release(g.grant_id, reason=why, counted_as="exited")
+                except StateNotSaved as exc:  # kept (undone in memory); the next sweep tries it again
+                    self._log.error("release_not_saved", app=app_id, grant=g.grant_id, error=str(exc))
+                    continue
+                released.append(g.grant_id)
+            if not self.ledger.grants(app_id=app_id):
+                self._latest.pop(app_id, None)
+                self._unplan(app_id)
+                self.history.depart(app_id)
         return released
 
     def watched(self, app_id: str) -> bool:
@@ -1607,6 +1701,16 @@ __all__ = [
     "Subscription",
     "device_capacities",
 ]
+
+
+def _process_start(pid: int) -> float | None:
+    """When process `pid` started (Unix seconds), or None when there is no such process here."""
+    import psutil  # as in _pid_alive
+
+    try:
+        return float(psutil.Process(pid).create_time())
+    except (psutil.Error, OSError, ValueError, OverflowError):
+        return None
 
 
 def _pid_alive(pid: int) -> bool:

@@ -91,6 +91,10 @@ class ServerConfig:
     # process among its grants' pids, no open watch of its own, no request) has its grants released.
     # 0 keeps grants until they are released.
     idle_release_s: float = 120.0
+    # Grants naming a pid whose process the daemon saw run are released this long after the process
+    # exited, once its application shows no other sign of life (no watch of its own, no request or
+    # signature; while another of its processes runs, at once). 0 leaves them to idle_release_s.
+    exit_release_s: float = 5.0
     # Grant quotas: at most this many grants per application and on the node (RESOURCE_EXHAUSTED
     # naming the quota beyond); they bound the ledger whatever callers pile up.
     max_grants_per_app: int = 64
@@ -348,6 +352,9 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"server.reclaim_min_mib: expected 0..1048576 MiB, got {s.reclaim_min_mib}")
     if not s.idle_release_s >= 0:
         raise ConfigError(f"server.idle_release_s: must be >= 0 (0: never), got {s.idle_release_s}")
+    if not 0 <= s.exit_release_s <= 3600:
+        raise ConfigError(f"server.exit_release_s: expected 0..3600 seconds (0: off, grants of exited processes "
+                          f"wait for server.idle_release_s), got {s.exit_release_s}")
     for name in ("max_grants_per_app", "max_grants_per_node", "max_watchers_per_caller", "max_watchers",
                  "max_connections", "max_connections_per_uid"):
         if getattr(s, name) < 1:

@@ -74,9 +74,12 @@ on stderr, exit status 1 (any other exception: `vgpu serve: cannot start: <type>
    (docs/performance.md, *A daemon's start and stop*). Once they are over, the heap is frozen again
    (`heap_frozen`), so that what they loaded is out of the full passes too.
 
-Releases while serving (neither runs with `server.idle_release_s` 0, which keeps grants until they
-are released): every min(5 s, idle_release_s / 4) the grants of applications silent for
-idle_release_s go (`Allocator.release_vanished`; a failed sweep is logged `idle_release_failed`);
+Releases while serving: every min(5 s, idle_release_s / 4, exit_release_s / 2, at least 1 s) a sweep
+releases the grants whose process the daemon saw run and has exited, its application silent for
+`server.exit_release_s` (`Allocator.release_exited`, `app_released_exited`; off with 0), then the
+grants of applications silent for idle_release_s (`Allocator.release_vanished`; off with 0); a failed
+sweep is logged `idle_release_failed`. With `server.idle_release_s` 0 (keep grants until they are
+released) neither the idle release nor the stream-end release below runs;
 STREAM_END_GRACE_S after a profiler stream ends, its applications whose grants the daemon made from
 their signatures and whose process runs on none of their GPUs go (`_release_after_stream`,
 `app_released_stream_ended`).
@@ -1072,8 +1075,9 @@ class Daemon:
                              to_act="under systemd the unit's Type=notify start will time out; elsewhere unset NOTIFY_SOCKET")
         if self.notifier.watchdog_s:
             self._watchdog = asyncio.create_task(self._ping_watchdog(self.notifier.watchdog_s / 3))
-        if cfg.server.idle_release_s > 0:
-            self._idle_release = asyncio.create_task(self._release_vanished(cfg.server.idle_release_s))
+        if cfg.server.idle_release_s > 0 or cfg.server.exit_release_s > 0:
+            self._idle_release = asyncio.create_task(
+                self._release_vanished(cfg.server.idle_release_s, cfg.server.exit_release_s))
         self._refreeze = asyncio.create_task(self._freeze_after_loads())
 
     def _open_state(self) -> None:
@@ -1386,14 +1390,19 @@ class Daemon:
             gone.append(app_id)
         return gone
 
-    async def _release_vanished(self, idle_s: float) -> None:
-        """Release the grants of applications silent for `idle_s` (Allocator.release_vanished),
-        checked a few times per `idle_s` (at most every 5 s)."""
-        period_s = min(5.0, idle_s / 4)
+    async def _release_vanished(self, idle_s: float, exit_s: float = 0.0) -> None:
+        """Release the grants whose process exited (Allocator.release_exited, `exit_s` > 0) and those
+        of applications silent for `idle_s` (Allocator.release_vanished, `idle_s` > 0), checked a few
+        times per `idle_s` and twice per `exit_s` (at most every 5 s, at least every 1 s)."""
+        periods = [5.0, *([idle_s / 4] if idle_s > 0 else []), *([max(1.0, exit_s / 2)] if exit_s > 0 else [])]
+        period_s = min(periods)
         while True:
             await asyncio.sleep(period_s)
             try:
-                self.allocator.release_vanished(idle_s)
+                if exit_s > 0:
+                    self.allocator.release_exited(exit_s)
+                if idle_s > 0:
+                    self.allocator.release_vanished(idle_s)
             except Exception as exc:  # noqa: BLE001 - a failed sweep is logged; the next one tries again
                 self.log.error("idle_release_failed", error=repr(exc))
 
