@@ -434,12 +434,11 @@ class Allocator:
         self._mig_mem_mib: dict[str, float] = {}  # MIG instance UUID -> its memory (MiB), as the device reports it
         self._mig_parent_at_s = -math.inf
         # Signs of life of applications (see last_seen_s): the daemon plugs in the manager's
-        # "last signature" and a pid check; the start time is the floor, so grants restored after a
-        # restart get the full idle time to show up again.
+        # "last signature" and a look at the processes the grants name; the start time is the floor,
+        # so grants restored after a restart get the full idle time to show up again.
         self.signature_seen: Callable[[str], float | None] = lambda _app: None
-        self.pid_alive: Callable[[int], bool] = _pid_alive
         # pid -> when its process started (Unix seconds), None when there is no such process here
-        # (`release_exited`; one read of /proc per pid and sweep)
+        # (`last_seen_s`, `release_exited`: one read of /proc per pid)
         self.process_start: Callable[[int], float | None] = _process_start
         # grants whose process this allocator has seen running (`release_exited` releases no others)
         self._process_seen: set[str] = set()
@@ -834,14 +833,15 @@ class Allocator:
     # --- applications that vanished --------------------------------------------------------------
     def last_seen_s(self, app_id: str) -> float | None:
         """When `app_id` last showed a sign of life: now while it has a watch of its own open or a
-        grant whose pid is alive; else the latest of its last request, a change to one of its grants,
+        grant whose process runs (a process that took the pid over after the grant was made is not
+        the grant's: `_grant_process_runs`); else the latest of its last request, a change to one of its grants,
         its last signature (`signature_seen`) and, for an app with grants, this allocator's start.
         None when there is no sign at all."""
         now = self.clock()
         grants = self.ledger.grants(app_id=app_id)
         if any(sub.app_id == app_id for sub in self._subscriptions):
             return now
-        if any(g.pid > 0 and self.pid_alive(g.pid) for g in grants):
+        if any(g.pid > 0 and self._grant_process_runs(g, self.process_start(g.pid)) for g in grants):
             return now
         signs = [self._seen.get(app_id), self.signature_seen(app_id), *(g.updated_at_s for g in grants)]
         if grants:
@@ -1705,18 +1705,9 @@ __all__ = [
 
 def _process_start(pid: int) -> float | None:
     """When process `pid` started (Unix seconds), or None when there is no such process here."""
-    import psutil  # as in _pid_alive
+    import psutil  # the daemon's dependency; imported here so the pure logic does not need it
 
     try:
         return float(psutil.Process(pid).create_time())
     except (psutil.Error, OSError, ValueError, OverflowError):
         return None
-
-
-def _pid_alive(pid: int) -> bool:
-    import psutil  # the daemon's dependency; imported here so the pure logic does not need it
-
-    try:
-        return bool(psutil.pid_exists(pid))
-    except OSError:
-        return False
