@@ -53,7 +53,7 @@ def start_app(env: Env, app_id: str, inapp: Path, memory_mib: int) -> tuple[subp
 
 def grants_of(env: Env, app_id: str) -> list[dict]:  # type: ignore[type-arg]
     listed = {a["app_id"]: a for a in env.json("apps", "--all").get("apps", [])}
-    return listed.get(app_id, {}).get("grants", [])
+    return listed.get(app_id, {}).get("grants", [])  # type: ignore[no-any-return]
 
 
 def wait_until(pred, timeout_s: float = 30.0) -> float:  # type: ignore[no-untyped-def]

@@ -161,7 +161,8 @@ def test_labelled_counters_are_exported_at_zero_before_their_first_event(env: En
     assert zeros("vgpu_grant_changes") == {("granted", "request"), ("granted", "forecast"),
                                            ("granted", "cold_start"), ("resized", "grow"), ("resized", "shrink"),
                                            ("resized", "limits"), ("resized", "reclaim"),
-                                           ("released", "released"), ("released", "superseded")}
+                                           ("released", "released"), ("released", "superseded"),
+                                           ("released", "exited")}
     dropped = zeros("vgpu_inapp_values_dropped")
     assert {("in_app.kv_used_mib dropped: not finite",), ("in_app.kv_used_mib dropped: negative",),
             ("in_app.kv_used_mib dropped: above 1.67772e+07",)} <= dropped

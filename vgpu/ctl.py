@@ -672,8 +672,8 @@ def request_main(argv: Sequence[str] | None = None, prog: str = "vgpu request", 
                        help="the GPU: its index (as vgpu available shows it) or UUID (default: the allocator chooses)")
         p.add_argument("--priority", type=INT32, default=0,
                        help="under contention lower priorities yield first (negative allowed; default 0)")
-        p.add_argument("--pid", type=UINT32, default=0, help="process holding the grant: kept while it runs, released server.idle_release_s "
-                            "(default 120 s) after it exits and nothing else of the application shows life")
+        p.add_argument("--pid", type=UINT32, default=0, help="process holding the grant: kept while it runs, released server.exit_release_s (default 5 s) "
+                            "after it exits (server.idle_release_s, default 120 s, where the daemon cannot see it run)")
         p.add_argument("--json", action="store_true", help="print the grant as JSON")
         _wait_option(p)
         job = p.add_argument_group("job (vgpu.v1.JobConfig), for sizing it before it has a history")

@@ -31,8 +31,9 @@ is absent, not 0. All prefixed `vgpu_`:
   `enforcement_unsupported{device,mechanism}` (1: off because the driver or GPU does not have it),
   `restore_actions_total{mechanism,result}`,
   `grant_changes_total{kind,reason}` (kind granted/resized/released; reason the grant's source,
-  grow/shrink, limits, reclaim (a managed grant cut for an application's request), released, or
-  superseded (a forecast grant replaced by its application's declared job));
+  grow/shrink, limits, reclaim (a managed grant cut for an application's request), released,
+  superseded (a forecast grant replaced by its application's declared job), or exited (the process
+  the grant named exited: Allocator.release_exited));
 - manager: `forecast_batch_seconds` (histogram: one observation per forecaster call, which serves a
   batch of the applications due together), `tick_seconds` (histogram: windows copied, forecast,
   allocator acted), `forecast_failures_total` (failures in forecast rounds: the forecaster or the
