@@ -174,7 +174,7 @@ def test_labelled_counters_are_exported_at_zero_before_their_first_event(env: En
     # an event adds to its zero series rather than starting a new one
     assert cli(env, "request", "--app", "asked", "--memory-mib", "512").returncode == 0
     granted = {tuple(labels.values()): v for _, labels, v in scrape(port)["vgpu_grant_changes"]}
-    assert granted[("granted", "request")] == 1 and len(granted) == 9
+    assert granted[("granted", "request")] == 1 and len(granted) == 10
 
 
 def test_a_scrape_has_no_created_series(env: Env, serves: list[Serve]) -> None:
