@@ -323,3 +323,20 @@ def test_the_real_process_table_knows_this_process_and_not_a_free_pid() -> None:
     started = _process_start(os.getpid())
     assert started is not None and started <= time.time()
     assert _process_start(2**22 + 1) is None  # above the kernel's pid_max: never a process
+
+
+def test_a_change_the_daemon_makes_to_the_grant_after_the_exit_does_not_hold_it() -> None:
+    # the idle release counts any change to a grant as a sign of life (a cut to an operator's limit, a
+    # plan's resize of a cold-start grant when another application's plan runs on its GPU); the exit
+    # release asks only whether the process runs
+    from vgpu.allocator.ledger import AppLimits
+
+    now = [1000.0]
+    alloc, procs = make(now)
+    procs.started[9] = 990.0
+    grant_id = request(alloc, "cut", 9, 1000.0)
+    del procs.started[9]
+    now[0] = 1010.0
+    alloc.set_limits(AppLimits(app_id="cut", max_memory_mib=500.0))
+    assert alloc.ledger.grants(app_id="cut")[0].updated_at_s == 1010.0
+    assert alloc.release_exited(5.0) == [grant_id]
