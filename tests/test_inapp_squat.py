@@ -41,6 +41,7 @@ as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the st
 VICTIM = textwrap.dedent("""\
     import os, sys
     import psutil, structlog
+    import grpc._channel  # grpc loads it at the first channel, after the switch to nobody
     from vgpu.client import VgpuClient
     os.setgroups([])
     os.setgid(int(sys.argv[2]))
