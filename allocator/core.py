@@ -440,8 +440,9 @@ class Allocator:
         # pid -> when its process started (Unix seconds), None when there is no such process here
         # (`last_seen_s`, `release_exited`: one read of /proc per pid)
         self.process_start: Callable[[int], float | None] = _process_start
-        # grants whose process this allocator has seen running (`release_exited` releases no others)
-        self._process_seen: set[str] = set()
+        # grant id -> the start time of the process it names, as this allocator first saw it run
+        # (`release_exited` releases no other grants; a later start time at that pid is another process)
+        self._process_seen: dict[str, float] = {}
         self._started_s = clock()
         self._seen: dict[str, float] = {}
 
@@ -473,7 +474,9 @@ class Allocator:
         a pid is checked against that process at once (`_grant_process_runs`), so that a process that
         exits before the next sweep still counts as seen."""
         if kind == EventKind.GRANTED and grant.pid > 0:
-            self._grant_process_runs(grant, self.process_start(grant.pid))
+            start_s = self.process_start(grant.pid)
+            if start_s is not None:  # the request proved this process just now: it is the grant's
+                self._process_seen[grant.grant_id] = start_s
         if not reason:
             reason = grant.source if kind == EventKind.GRANTED else str(kind)
         key = (str(kind), reason)
@@ -771,7 +774,7 @@ class Allocator:
         self._check_open()
         grant = self.ledger.release(grant_id, caller=caller)
         self._changed()
-        self._process_seen.discard(grant_id)
+        self._process_seen.pop(grant_id, None)
         self._recount(grant.device_id, grant.app_id)
         self.counters.released += 1
         self._log.info("released", app=grant.app_id, grant=grant_id, **({"reason": reason} if reason else {}))
@@ -908,13 +911,22 @@ class Allocator:
     # --- processes that exited ------------------------------------------------------------------
     def _grant_process_runs(self, grant: Grant, start_s: float | None) -> bool:
         """Whether the process `grant` names runs, given when the process now holding its pid started
-        (`start_s`; None: no process has that pid here). A process that started after the grant was
-        made is another one that took the pid over (pid reuse), not the grant's. A grant whose process
-        is found running is marked seen (`release_exited` releases only those)."""
-        runs = start_s is not None and start_s <= grant.created_at_s + PROCESS_START_TOLERANCE_S
-        if runs:
-            self._process_seen.add(grant.grant_id)
-        return runs
+        (`start_s`; None: no process has that pid here). Once the grant's process has been seen, its
+        start time is the one seen then: another start time at that pid is another process that took
+        the pid over (pid reuse). Comparing start times read the same way, rather than with the
+        grant's creation time, keeps a step of the wall clock from passing a live process for a new
+        one. A grant not seen yet (restored after a restart, or whose process was not visible when it
+        was made) is the grant's process when it started no later than the grant was made; it is then
+        marked seen (`release_exited` releases only those)."""
+        if start_s is None:
+            return False
+        seen = self._process_seen.get(grant.grant_id)
+        if seen is not None:
+            return abs(start_s - seen) <= PROCESS_START_TOLERANCE_S
+        if start_s <= grant.created_at_s + PROCESS_START_TOLERANCE_S:
+            self._process_seen[grant.grant_id] = start_s
+            return True
+        return False
 
     def release_exited(self, grace_s: float) -> list[str]:
         """Release the grants whose process has exited, without waiting for the idle release; the
@@ -941,7 +953,7 @@ class Allocator:
             return []
         grants = [g for g in self.ledger.grants() if g.pid > 0]
         live = {g.grant_id for g in grants}
-        self._process_seen &= live  # grants released elsewhere
+        self._process_seen = {g: t for g, t in self._process_seen.items() if g in live}  # released elsewhere
         starts = {pid: self.process_start(pid) for pid in sorted({g.pid for g in grants})}
         exited: dict[str, list[Grant]] = {}
         running: set[str] = set()

@@ -220,6 +220,22 @@ def test_a_pid_taken_over_by_a_newer_process_counts_as_exited() -> None:
     assert events == ["its process 4242 exited (pid 4242 is now another process's, started after the grant)"]
 
 
+def test_a_step_of_the_wall_clock_does_not_pass_a_live_process_for_a_new_one() -> None:
+    """The wall clock stepped back 30 s (NTP) between a process's start and its request: the grant was
+    made at a time before the process's start as the kernel reports it. The process proved itself by
+    its request, so it is the grant's, and it keeps its grant while it runs; it is released once it
+    exits, and a later process at its pid is still told apart."""
+    now = [1000.0]
+    alloc, procs = make(now)
+    procs.started[4242] = 1010.0  # started 10 s "after" the grant's time: the clock went back after it
+    grant_id = request(alloc, "train", 4242)
+    now[0] = 1100.0
+    assert alloc.release_exited(5.0) == [] and held(alloc) == [grant_id]
+    assert alloc.last_seen_s("train") == 1100.0  # its running process is its sign of life
+    procs.started[4242] = 1090.0  # another process took the pid over
+    assert alloc.release_exited(5.0) == [grant_id]
+
+
 def test_a_process_the_daemon_never_saw_is_left_to_the_idle_release() -> None:
     # a process in another pid namespace: its pid means nothing here, so "no such process" proves nothing
     now = [1000.0]
