@@ -247,14 +247,14 @@ def test_top_on_a_terminal_draws_sparklines_sorts_and_quits_on_q(env: Env, serve
         assert re.search(r"use +[▁▂▃▄▅▆▇█]", screen), screen
         assert re.search(r"p90 +[▁▂▃▄▅▆▇█ ]", screen)
         subprocess.run([*TMUX, "send-keys", "-t", session, "s"], check=True)
-        _wait_for(lambda: "sorted by used" in _tmux("capture-pane", "-p", "-t", session), 10)
+        _wait_for(lambda: "sorted by used" in _tmux("capture-pane", "-p", "-t", session), 30)
         prof.terminate()
         serves[0].term()  # the daemon goes away: the screen says so and keeps the last figures
-        _wait_for(lambda: "refresh failed" in _tmux("capture-pane", "-p", "-t", session), 15,
+        _wait_for(lambda: "refresh failed" in _tmux("capture-pane", "-p", "-t", session), 30,
                   lambda: _tmux("capture-pane", "-p", "-t", session))
         assert "bert-train" in _tmux("capture-pane", "-p", "-t", session)
         subprocess.run([*TMUX, "send-keys", "-t", session, "q"], check=True)
-        _wait_for(done.exists, 10)
+        _wait_for(done.exists, 30)
         assert done.read_text().strip() == "0"
         # the terminal is given back: the shell's next output is on the normal screen
         assert "Applications" not in _tmux("capture-pane", "-p", "-t", session)
