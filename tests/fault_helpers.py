@@ -14,8 +14,9 @@ from vgpu.manager.service import IngestServicer
 from vgpu.profiler.stream import SignatureStreamer
 
 
-async def until(pred: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    """Wait until `pred()` holds; AssertionError after `timeout_s`."""
+async def until(pred: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """Wait until `pred()` holds; AssertionError after `timeout_s` (generous: it ends as soon as
+    `pred()` holds, and a loaded machine can take seconds for what takes milliseconds alone)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not pred():
         if asyncio.get_running_loop().time() > deadline:

@@ -299,9 +299,15 @@ def test_ctrl_c_ends_the_run_early_with_its_summary_and_picture(tmp_path: Path) 
     assert m is not None, out
     assert 2.0 <= float(m[1]) < 10.0, out  # ended where it was interrupted, not after 120 s
     assert re.search(r"^  profiler ticks\s+\d+", out, re.MULTILINE), out
-    # the first application declared its job as it started, and the shipped sizer sized it
-    assert re.search(r"^t=  0\.\d s  bert-infer \(pid \d+\) declares its job: bert-base infer, batch 1, fp32; "
-                     r"cold-start grant \d+ MiB$", "".join(seen), re.MULTILINE), "".join(seen)
+    # the first application declared its job as it started, before any table shows its memory in use,
+    # and the shipped sizer sized it; the second on its line is not pinned (about 0.x s on a quiet
+    # machine, a second or more on a loaded one, whose gRPC call to the demo's allocator is slower)
+    text = "".join(seen) + out
+    declared = re.search(r"^t=\s*\d+\.\d s  bert-infer \(pid \d+\) declares its job: bert-base infer, batch 1, fp32; "
+                         r"cold-start grant \d+ MiB$", text, re.MULTILINE)
+    assert declared is not None, text
+    in_use = re.search(r"^bert-infer +\d+ MiB", text, re.MULTILINE)
+    assert in_use is None or declared.start() < in_use.start(), text
     assert re.search(r"^  job configs +\d+ declared through the client stub, [1-9]\d* granted at the size "
                      r"cold-start sizer .* gave \(\d+ of them by taking room from other applications' forecast "
                      r"grants\), \d+ refused", out, re.MULTILINE), out

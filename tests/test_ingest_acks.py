@@ -66,12 +66,14 @@ def quiet_manager() -> Manager:
     return Manager(None, EwmaMarginForecaster(), forecast_interval_s=0.05, min_samples=10_000)
 
 
-async def _until(cond: Callable[[], bool]) -> None:
-    for _ in range(500):
-        if cond():
-            return
+async def _until(cond: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """Until `cond()` holds: generous, since it ends as soon as it does and a loaded machine can
+    take seconds for what takes milliseconds alone."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"condition not reached in {timeout_s} s")
         await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached in 5 s")
 
 
 async def _drain(call: grpc.aio.StreamStreamCall, into: list[ingest_pb2.IngestReply]) -> None:  # type: ignore[type-arg]

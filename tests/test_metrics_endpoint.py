@@ -64,12 +64,12 @@ def test_silent_connections_are_bounded_closed_and_not_printed(capfd: pytest.Cap
     port = server.server_address[1]
     idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(10)]
     try:
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while server.refused < 6 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert server.refused >= 6  # beyond the 4 served at once: closed at accept
         assert threading.active_count() <= threads_before + 1 + 4  # the server's thread and one per slot
-        assert all(_closed_by_server(c, 5.0) for c in idle)  # the silent ones time out
+        assert all(_closed_by_server(c, 15.0) for c in idle)  # the silent ones time out (3 s), not never
         assert "vgpu_test_up 1.0" in _scrape(port)  # slots free again: a scrape is served
         assert server.failed >= 4
     finally:
@@ -130,8 +130,9 @@ def test_a_request_dribbled_past_its_deadline_is_closed_and_scrapes_go_on() -> N
             _scrape(port)
         for t in threads:
             t.join(timeout=15)
-        # about 30 bytes at one a second would take 30 s: closed at the deadline instead
-        assert all(s is not None and s < deadline_s + 1.5 for s in closed_after_s), closed_after_s
+        # about 30 bytes at one a second would take 30 s: closed at the deadline instead (the
+        # margin is for a loaded machine's scheduling, far short of the dribble's own length)
+        assert all(s is not None and s < deadline_s + 3 for s in closed_after_s), closed_after_s
         assert "vgpu_test_up 1.0" in _scrape(port)
         assert server.failed >= 2
     finally:
@@ -160,15 +161,15 @@ def test_refused_and_failed_connections_are_counted_in_the_registry() -> None:
     port = server.server_address[1]
     conns = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(2)]
     try:
-        assert all(_closed_by_server(c, 5.0) for c in conns)
-        deadline = time.monotonic() + 5
+        assert all(_closed_by_server(c, 15.0) for c in conns)
+        deadline = time.monotonic() + 30
         while server.failed < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert refused("max_connections") == 1 and refused("max_connections_per_address") == 0
         assert value("vgpu_metrics_connections_failed_total") == 1
         # the handler thread counts the failure before it gives the one slot back: a scrape sent
         # between the two would be refused
-        wait_for("the slot given back", lambda: server.open_connections == 0, timeout_s=5)
+        wait_for("the slot given back", lambda: server.open_connections == 0, timeout_s=30)
         assert 'vgpu_metrics_connections_refused_total{reason="max_connections"} 1.0' in _scrape(port)
     finally:
         for c in conns:
@@ -271,7 +272,7 @@ def test_an_address_beyond_its_share_is_refused_counted_and_logged_while_slots_a
         finally:
             for c in held + beyond:
                 c.close()
-        wait_for("their slots given back", lambda: server.open_connections == 0, timeout_s=5)
+        wait_for("their slots given back", lambda: server.open_connections == 0, timeout_s=30)
         assert "vgpu_test_up 1.0" in _scrape_from("127.0.0.1", port, "127.0.0.1")
 
 

@@ -87,15 +87,18 @@ def test_dashboard_and_rules_load_only_what_a_running_daemon_exports(env: Env, s
     assert cli(env, "request", "--app", "asked", "--memory-mib", "512").returncode == 0
     prof = start_profiler(env, device)
     try:
+        # until what the checks below read has happened (a forecast, the grant it made, every metric the
+        # dashboard and rules use) or 60 s went by: polled, not a fixed wait a loaded machine can outlast
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             fams = scrape(port)
+            reasons = {(labels["kind"], labels["reason"]) for name, labels, v in fams.get("vgpu_grant_changes", [])
+                       if name == "vgpu_grant_changes_total" and v > 0}
             if any(v > 0 for _, _, v in fams.get("vgpu_app_forecast_memory_p90_bytes", [])) and \
-                    fams.get("vgpu_app_oom_events"):
+                    fams.get("vgpu_app_oom_events") and ("granted", "forecast") in reasons and \
+                    not used_names() - exported_names(fams):
                 break
             time.sleep(0.5)
-        time.sleep(1.5)
-        fams = scrape(port)
     finally:
         prof.terminate()
         prof.wait(10)
@@ -124,7 +127,8 @@ def test_dashboard_and_rules_load_only_what_a_running_daemon_exports(env: Env, s
     buckets = samples("vgpu_forecast_batch_seconds_bucket")
     assert buckets[-1][1]["le"] == "+Inf" and buckets[-1][2] == samples("vgpu_forecast_batch_seconds_count")[0][2] > 0
     assert samples("vgpu_tick_seconds_count")[0][2] > 0
-    reasons = {(labels["kind"], labels["reason"]) for _, labels, _ in samples("vgpu_grant_changes_total")}
+    # counted, not only exported (every series is exported at 0 from the start)
+    reasons = {(labels["kind"], labels["reason"]) for _, labels, v in samples("vgpu_grant_changes_total") if v > 0}
     assert ("granted", "request") in reasons and ("granted", "forecast") in reasons
     assert {labels["mechanism"] for _, labels, v in samples("vgpu_enforcement_disabled") if v == 0} >= {"power_limit"}
     assert {labels["mechanism"] for _, labels, v in samples("vgpu_enforcement_unsupported")

@@ -9,17 +9,18 @@ import math
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from tests.daemon_fixtures import ROOT, Env, Serve
+from tests.daemon_fixtures import ROOT, Env, Serve, wait_for
 from tests.test_operator_views import cli, start_profiler
 from vgpu import plots
 from vgpu.v1 import allocator_pb2 as pb
+from vgpu.v1 import allocator_pb2_grpc as pb_grpc
 
 GRANT_RGB = np.array([0x16, 0xA3, 0x4A]) / 255.0  # plots.COLOURS["granted"]
 OOM_RGB = np.array([0xDC, 0x26, 0x26]) / 255.0
@@ -92,13 +93,19 @@ def test_report_draws_an_app_and_a_gpu_from_the_daemon(env: Env, serves: list[Se
     device = json.loads(cli(env, "available", "--json").stdout)["devices"][0]["device_id"]
     prof = start_profiler(env, device)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        def drawable() -> bool:
+            # what the reports below draw: two applications with forecasts and a few points of history,
+            # bert-train's grant in force at two of them; waited for, not assumed after a fixed time
             apps = json.loads(cli(env, "apps", "--json").stdout)["apps"]
-            if sum(1 for a in apps if a["forecast_mem_p90_mib"] > 0) >= 2:
-                break
-            time.sleep(0.5)
-        time.sleep(3)  # a few points of history
+            if sum(1 for a in apps if a["forecast_mem_p90_mib"] > 0) < 2:
+                return False
+            with grpc.insecure_channel(f"unix:{env.sock}") as ch:
+                hist = pb_grpc.AllocatorStub(ch).GetAppHistory(
+                    pb.GetAppHistoryRequest(device_id=device, since_s=90), timeout=10)
+            granted = [g for h in hist.apps if h.app_id == "bert-train" for g in h.mem_granted_mib if g > 0]
+            return sum(1 for h in hist.apps if len(h.t_unix_s) >= 3) >= 2 and len(granted) >= 2
+
+        wait_for("two applications' forecasts and history with a grant", drawable, timeout_s=60, poll_s=0.5)
     finally:
         prof.terminate()
         prof.wait(10)

@@ -338,7 +338,8 @@ async def start_server(sock: Path, servicer: ingest_pb2_grpc.IngestServicer) -> 
     return server
 
 
-async def wait_for(pred, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+async def wait_for(pred, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
+    # generous: it ends as soon as `pred()` holds, and a loaded machine can take seconds for it
     deadline = asyncio.get_running_loop().time() + timeout
     while not pred():
         if asyncio.get_running_loop().time() > deadline:
