@@ -7,7 +7,6 @@ import gc
 import os
 import subprocess
 import sys
-import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,11 +14,6 @@ import pytest
 from daemon_fixtures import ROOT, sim_daemon
 
 from vgpu.gc_freeze import freeze_startup_heap
-
-
-class _Node:
-    def __init__(self) -> None:
-        self.other: _Node | None = None
 
 
 @pytest.fixture
@@ -32,16 +26,32 @@ def unfrozen() -> Iterator[None]:
         gc.unfreeze()
 
 
-def test_garbage_from_start_up_is_collected_and_the_rest_frozen(unfrozen: None) -> None:
-    a, b = _Node(), _Node()
-    a.other, b.other = b, a  # a cycle: only the cyclic collector frees it
-    gone = weakref.ref(a)
-    del a, b
-    kept = [_Node() for _ in range(1000)]
-    frozen = freeze_startup_heap()
-    assert gone() is None  # collected before the freeze, not kept forever
-    assert frozen == gc.get_freeze_count() >= len(kept)
-    assert all(not gc.is_finalized(k) for k in kept)
+# Run in a fresh interpreter: `gc.collect()` does nothing while another thread's collection is under
+# way, and the test process has threads left by earlier tests (gRPC's, a stub's) that may be collecting.
+COLLECT_THEN_FREEZE = """
+import gc, weakref
+from vgpu.gc_freeze import freeze_startup_heap
+
+class Node:
+    other = None
+
+a, b = Node(), Node()
+a.other, b.other = b, a  # a cycle: only the cyclic collector frees it
+gone = weakref.ref(a)
+del a, b
+kept = [Node() for _ in range(1000)]
+frozen = freeze_startup_heap()
+assert gone() is None, "the cycle was kept"  # collected before the freeze, not kept forever
+assert frozen == gc.get_freeze_count() >= len(kept), (frozen, gc.get_freeze_count())
+assert all(not gc.is_finalized(k) for k in kept)
+print("ok")
+"""
+
+
+def test_garbage_from_start_up_is_collected_and_the_rest_frozen() -> None:
+    r = subprocess.run([sys.executable, "-c", COLLECT_THEN_FREEZE], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 
 def test_a_full_collection_after_the_freeze_walks_only_what_came_later(unfrozen: None) -> None:
