@@ -1229,11 +1229,10 @@ class Allocator:
         views, usable = self._readable_views(devices_touched, usable, skipped)
         granted_before = {r.app_id: self._granted(r.app_id, r.device_id) for r in usable if r.app_id in fresh}
         plan: Plan = self.policy.plan(usable, views, self.clock())
-        why = {r.app_id: r for r in plan.reasons}
-        self._why.update(why)
+        self._why.update((r.app_id, r) for r in plan.reasons)
         if len(self._why) > len(self._latest):  # applications no longer planned
             self._why = {a: r for a, r in self._why.items() if a in self._latest}
-        created, resized, events = self._change_grants(plan.grants, skipped, why)
+        created, resized, events = self._change_grants(plan.grants, skipped, self._why)
         if created or resized:
             created, resized, events = self._store_plan(created, resized, events, skipped)
         self.counters.granted += len(created)
