@@ -22,7 +22,9 @@ kernel says which uid and pid connected, and scoped tokens say which role or app
 A request that names a pid (its grant then caps that process's cgroup) is taken from the operator,
 from a caller whose uid the process runs as (real, effective and saved uid: `vgpu.peers.runs_as`),
 or when the process itself reports that it runs the application (`pid_proof`); any other pid is
-PERMISSION_DENIED. Callers without a token are told apart by uid where it is known (`caller_name()`:
+PERMISSION_DENIED. A Unix-socket caller's pid is first read in the caller's own pid namespace and
+rewritten to the daemon's (`AccessControl.place_pid`): a client in a container names processes by
+their pids there. Callers without a token are told apart by uid where it is known (`caller_name()`:
 `anonymous (uid N)`), so per-caller bounds do not put every user's anonymous calls together.
 
 Every denied call is answered PERMISSION_DENIED (known caller, not allowed) or UNAUTHENTICATED (no
@@ -60,7 +62,7 @@ from vgpu.capped import FileTooLarge, read_capped
 from vgpu.config import DEFAULT_STATE_DIR
 from vgpu.ids import MAX_PID, app_id_digest, app_id_problem
 from vgpu.log import LogBudget, get_logger
-from vgpu.peers import PeerCred, runs_as
+from vgpu.peers import PeerCred, pid_here, runs_as
 from vgpu.tokenfile import TokenFileError, read_token
 from vgpu.tokenfile import write_atomically as _write_private
 
@@ -325,6 +327,7 @@ class AccessControl:
         mtls_role: Role = "profiler",
         peer_of: Callable[[str], PeerCred | None] | None = None,
         pid_runs_as: Callable[[int, int], bool] = runs_as,
+        pid_from_caller: Callable[[int, int], int | None] = pid_here,
     ) -> None:
         self.authority = authority
         self.registry = registry
@@ -341,6 +344,9 @@ class AccessControl:
         # call, else None (TCP, or the front is off). pid_runs_as(pid, uid): the process runs as uid.
         self.peer_of = peer_of
         self.pid_runs_as = pid_runs_as
+        # pid_from_caller(pid, caller_pid): the pid here of the process the caller calls `pid` in its
+        # own pid namespace (a container's), or None when it cannot be told (vgpu.peers.pid_here).
+        self.pid_from_caller = pid_from_caller
 
     def peer(self, peer: str) -> PeerCred | None:
         """The credentials a call's `context.peer()` carries, or None."""
@@ -440,6 +446,28 @@ class AccessControl:
                 f"{principal.describe()} may not change grant {grant_id} of application {owner!r}",
             )
         raise Denied(grpc.StatusCode.PERMISSION_DENIED, f"unknown access rule {need!r}")
+
+    def place_pid(self, request: object, peer: PeerCred | None) -> None:
+        """Rewrite a request's pid from the caller's pid namespace into the daemon's, before any rule
+        reads it: a caller in a container names processes by their pid in the container, which here
+        is another process or none. The grant, its cgroup cap, the exit release and the reply then
+        all name the process the caller meant. Raises Denied when the caller's namespace is not this
+        one and the pid cannot be placed in it (nothing is changed). Without the Unix peer (TCP, or
+        the front off) the pid is taken as it is: only the operator or an in-app report, both read
+        in the daemon's namespace, can make it stand there."""
+        pid = _request_pid(request)
+        if peer is None or not 0 < pid <= MAX_PID:
+            return  # no pid, or one `authorize` refuses as out of range
+        here = self.pid_from_caller(pid, peer.pid)
+        if here is None:
+            raise Denied(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"cannot tell which process pid {pid} is: the caller (pid {peer.pid} on this host) runs in another "
+                "pid namespace (a container's) with no process of that pid the daemon can see, or has exited; "
+                "name the pid as it is inside the caller's own namespace, or name none",
+            )
+        if here != pid:
+            request.request.pid = here  # type: ignore[attr-defined]  # _request_pid found it there
 
     def _may_name(self, pid: int, app_id: str, peer: PeerCred | None) -> bool:
         """A grant tied to a pid caps that process's cgroup: the caller must be the process's own
@@ -663,6 +691,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             try:
                 principal = access.identify(metadata, verified_client_cert=_verified_client_cert(context))
                 caller = principal.describe()
+                if need == "app_request":
+                    access.place_pid(request, peer)
                 claim = access.authorize(need, principal, request, peer)
             except Denied as denied:
                 await self._deny(context, method, caller, denied, peer)

@@ -970,6 +970,9 @@ class VgpuClient:
         self._clock = clock
         self.pid = os.getpid() if pid is None else pid
         self._pid_start_s = pid_start_s if pid_start_s is not None else _own_start_time(self.pid)
+        # This process's pid as the daemon names it: in a container's pid namespace the daemon turns
+        # the pid a request names into its own (vgpu.peers.pid_here), learnt from the first reply.
+        self._daemon_pid = self.pid
         self._rng = rng or random.Random()
         self.token_file = Path(token_file) if token_file is not None else app_token_path(app_id, socket, env)
         self._token: str | None = (
@@ -1097,6 +1100,9 @@ class VgpuClient:
                                      "waits longer for a daemon that is starting")
                 raise
         self._keep_token(call)
+        if req.pid == self.pid and resp.grant.pid:
+            with self._lock:
+                self._daemon_pid = resp.grant.pid
         self._on_grant(resp.grant, released=False)
         if resp.mem_limit in ("hard", "cooperative") and self._kind_is_for_here(resp.grant.device_id):
             # Known from the reply itself: an event may come later, or not at all.
@@ -1350,7 +1356,7 @@ class VgpuClient:
         """Apply one WatchAllocations event (the watch thread calls this; public for tests)."""
         if event.grant.app_id and event.grant.app_id != self.app_id:
             return
-        if event.grant.pid and event.grant.pid != self.pid:
+        if event.grant.pid and not self._is_this_process(event.grant.pid):
             # Another process of the same application id: its grant is neither this process's limit
             # nor this client's to release on close.
             return
@@ -1414,6 +1420,10 @@ class VgpuClient:
         self.close()
 
     # --- grants and the cooperative limit -----------------------------------------------------------
+    def _is_this_process(self, pid: int) -> bool:
+        """Whether a grant's pid is this process's: its own pid, or the daemon's name for it."""
+        return pid in (self.pid, self._daemon_pid)
+
     def _on_grant(self, grant: allocator_pb2.Grant, *, released: bool, grant_id: str | None = None) -> None:
         gid = grant.grant_id or grant_id or ""
         with self._lock:
@@ -1442,7 +1452,7 @@ class VgpuClient:
                                 "the watch was away are not seen", code=str(exc.code()))
                 return
             now = {g.grant_id: g for a in reply.apps if a.app_id == self.app_id for g in a.grants
-                   if g.grant_id and (not g.pid or g.pid == self.pid)}
+                   if g.grant_id and (not g.pid or self._is_this_process(g.pid))}
             with self._lock:
                 if self._grants_changes != seen:
                     continue  # a request or release of this process ran meanwhile: list again

@@ -17,6 +17,7 @@ did not make, has no credentials here (`peer` returns None).
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import struct
@@ -108,3 +109,63 @@ def runs_as(pid: int, uid: int, proc_root: Path = Path("/proc")) -> bool:
     the user's to name)."""
     uids = process_uids(pid, proc_root)
     return uids is not None and uids == (uid, uid, uid)
+
+
+def ns_pids(pid: int, proc_root: Path = Path("/proc")) -> tuple[int, ...] | None:
+    """A process's pid in each pid namespace it belongs to, outermost (the one /proc shows) first:
+    the `NSpid` line of `/proc/<pid>/status` (Linux 4.1 on). None when there is no such process, its
+    status cannot be read, or the kernel has no `NSpid` line."""
+    try:
+        text = (proc_root / str(pid) / "status").read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("NSpid:"):
+            parts = line.split()[1:]
+            if parts and all(p.isdigit() for p in parts):
+                return tuple(int(p) for p in parts)
+            return None
+    return None
+
+
+def pid_namespace(pid: int | str, proc_root: Path = Path("/proc")) -> str | None:
+    """The pid namespace a process belongs to (`/proc/<pid>/ns/pid`, e.g. `pid:[4026531836]`), or
+    None when it cannot be read (no such process; another user's process to a daemon not run as root)."""
+    try:
+        return os.readlink(proc_root / str(pid) / "ns" / "pid")
+    except OSError:
+        return None
+
+
+def pid_here(pid: int, caller_pid: int, proc_root: Path = Path("/proc")) -> int | None:
+    """The pid, in the namespace /proc shows (the daemon's), of the process that the caller
+    `caller_pid` (a pid here: the kernel translates `SO_PEERCRED`'s) calls `pid`. A caller in a
+    container's pid namespace names processes by their pid in that namespace, which here is another
+    process's pid or none; read as ours, it would let a caller have an unrelated process capped.
+
+    A caller in this namespace: `pid` unchanged. A caller in a nested namespace that names itself
+    (the client stub's usual request): its own pid here. Another process of its namespace: found by
+    reading each process's `NSpid` (its innermost pid) and namespace, a scan of /proc made only for
+    this case. None when it cannot be told: the caller has exited, is outside this namespace
+    (`caller_pid` 0), its namespace cannot be read, or no process of its namespace has that pid."""
+    chain = ns_pids(caller_pid, proc_root) if caller_pid > 0 else None
+    if chain is None:
+        # no NSpid line (a kernel before 4.1) or no caller: only a caller in our own namespace is understood
+        ns = pid_namespace(caller_pid, proc_root) if caller_pid > 0 else None
+        return pid if ns is not None and ns == pid_namespace("self", proc_root) else None
+    if len(chain) == 1:
+        return pid
+    if chain[-1] == pid:
+        return caller_pid
+    ns = pid_namespace(caller_pid, proc_root)
+    if ns is None:
+        return None
+    try:
+        entries = [e.name for e in os.scandir(proc_root) if e.name.isdigit()]
+    except OSError:
+        return None
+    for name in entries:
+        other = ns_pids(int(name), proc_root)
+        if other is not None and len(other) == len(chain) and other[-1] == pid and pid_namespace(name, proc_root) == ns:
+            return int(name)
+    return None
