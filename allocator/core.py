@@ -774,6 +774,10 @@ class Allocator:
         self._check_open()
         grant = self.ledger.release(grant_id, caller=caller)
         self._changed()
+        if caller is not None and caller == grant.app_id:
+            # the application's own call: a sign of life, as a request is (an operator's or the
+            # daemon's release is not one)
+            self._seen[grant.app_id] = self.clock()
         self._process_seen.pop(grant_id, None)
         self._recount(grant.device_id, grant.app_id)
         self.counters.released += 1

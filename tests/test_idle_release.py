@@ -122,6 +122,18 @@ def test_signatures_and_watches_are_signs_of_life() -> None:
     assert alloc.last_seen_s("silent") == 1000.0  # released, it keeps when it was last seen
 
 
+def test_an_application_s_own_release_is_a_sign_of_life_and_an_operator_s_is_not() -> None:
+    now = [1000.0]
+    alloc = Allocator(SimBackend(["h100-80gb"]), clock=lambda: now[0], dry_run=False)
+    own = alloc.request_allocation(AllocationRequest(app_id="job", memory_mib=100.0), caller="job")
+    other = alloc.request_allocation(AllocationRequest(app_id="other", memory_mib=100.0), caller="other")
+    now[0] = 1050.0
+    alloc.release(own.grant_id, caller="job")  # `vgpu apps --all` shows LAST SEEN as this moment
+    alloc.release(other.grant_id, caller=None)  # the operator's
+    assert alloc.last_seen_s("job") == 1050.0
+    assert alloc.last_seen_s("other") == 1000.0
+
+
 def test_a_release_that_cannot_be_stored_keeps_its_grant_and_the_sweep_goes_on() -> None:
     """One failing write (a full state directory) keeps that grant, in memory and on disk alike, and
     the sweep still releases every other idle application; the next sweep, the disk freed, releases it."""
