@@ -22,6 +22,7 @@ from daemon_fixtures import ROOT, Env, Serve
 from hostile import Raw, operator_token
 
 from vgpu.auth import AccessControl, Denied
+from vgpu.daemon.serve import InAppPidProof
 from vgpu.peers import PeerCred, ns_pids, pid_here
 from vgpu.v1 import allocator_pb2 as pb
 
@@ -136,6 +137,9 @@ _BOXED = textwrap.dedent("""
     with VgpuClient("boxed", socket=sock, inapp_dir=inapp) as client:
         grant = client.request(memory_mib=64)
         out.update(grant_pid=grant.pid, grant_id=grant.grant_id, held=[g.grant_id for g in client.grants])
+        report = client.report_now()  # the in-app report, moved to the name the daemon knows
+        out.update(report=report.name, report_pid=json.loads(report.read_text())["pid"],
+                   inapp=sorted(os.listdir(inapp)))
         stub = pb_grpc.AllocatorStub(grpc.insecure_channel(f"unix:{sock}"))
         def ask(app, pid):
             msg = pb.RequestResourceAllocationRequest(request=pb.ResourceRequest(app_id=app, memory_mib=8, pid=pid))
@@ -192,6 +196,12 @@ def test_a_stub_in_a_container_gets_its_own_process_capped_not_the_host_s(
     # the grant names the stub's own process, which the host knows by another pid (before: pid 1, init)
     assert out["grant_pid"] == stub_here.pid
     assert out["held"] == [out["grant_id"]]  # the stub knows the grant as its own
+    # its in-app report is named by the pid the profiler and the daemon see (NVML's on the host), and
+    # the one under the pid seen inside is gone
+    assert out["report"] == f"{stub_here.pid}.json" and out["report_pid"] == stub_here.pid
+    assert out["inapp"] == [out["report"]]
+    # ... and it passes the daemon's own checks for that process (owner, freshness, start time)
+    assert InAppPidProof(env.tmp / "inapp")(stub_here.pid, "boxed")
     # another process of the container, named by its pid there
     assert out["launcher_pid"] != out["sleeper"]
     assert psutil.Process(out["launcher_pid"]).cmdline() == ["sleep", "120"]

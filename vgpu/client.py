@@ -75,6 +75,7 @@ torch, or no CUDA, the stub still requests, watches and reports; the torch count
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -883,6 +884,7 @@ class _ReportFile:
     def __init__(self, owner_pid: int) -> None:
         self.lock = threading.Lock()  # held while the name is claimed and the file written
         self.path: Path | None = None
+        self.named_pid = 0  # the pid the file at `path` names
         self.ended = False
         # The process that made the client: a child forked from it inherits the finalizer, and must
         # not remove the parent's file when it exits.
@@ -1291,9 +1293,12 @@ class VgpuClient:
         it cannot be (its parent missing, no permission). After `close()` it raises ClientClosedError
         and writes nothing: close removed the file, and nothing would remove a new one."""
         self._check_open("report_now")
+        # Named by the daemon's pid for this process: the profiler and the daemon look for the report
+        # of the process they see (in a container, its pid on the host), not the pid seen inside.
+        pid = self._daemon_pid
         report = InAppReport(
             app_id=self.app_id,
-            pid=self.pid,
+            pid=pid,
             pid_start_s=self._pid_start_s,
             written_at_s=self._clock(),
             counters=self.counters(),
@@ -1302,11 +1307,17 @@ class VgpuClient:
         with rf.lock:
             if rf.ended:  # close() (or the exit) ended reporting while the counters were read
                 raise ClientClosedError(self._closed_message("report_now"))
+            if rf.path is not None and rf.named_pid != pid:
+                # the daemon named this process otherwise (a container's pid namespace): the file
+                # under the pid seen inside goes, and the report moves to the daemon's name
+                with contextlib.suppress(OSError):
+                    rf.path.unlink()
+                rf.path = None
             for attempt in (1, 2):
                 if rf.path is None:
                     # kept from the claim on, whether or not this write works: a name claimed anew at
                     # each failed write (a full file system) would leave an empty file behind each time
-                    rf.path = self._claim_inapp_name()
+                    rf.path, rf.named_pid = self._claim_inapp_name(pid), pid
                 path = rf.path
                 try:
                     written = write_inapp(self.inapp_dir, report, path=path)
@@ -1334,14 +1345,15 @@ class VgpuClient:
         if self._closed.is_set():
             raise ClientClosedError(self._closed_message(call))
 
-    def _claim_inapp_name(self) -> Path:
-        """The name of this process's report (`claim_inapp_path`); said once when the usual one was
-        taken, since the profiler and the daemon then find the report only by listing the directory."""
+    def _claim_inapp_name(self, pid: int) -> Path:
+        """The name of the report of this process, known to the daemon as `pid` (`claim_inapp_path`);
+        said once when the usual one was taken, since the profiler and the daemon then find the report
+        only by listing the directory."""
         if not self.inapp_dir.is_dir():
             make_inapp_dir(self.inapp_dir)
-        claim = claim_inapp_path(self.inapp_dir, self.pid)
+        claim = claim_inapp_path(self.inapp_dir, pid)
         if claim.usual_taken is not None:
-            usual = inapp_path(self.inapp_dir, self.pid)
+            usual = inapp_path(self.inapp_dir, pid)
             self._warn_once(
                 "inapp_name_taken",
                 "the in-app report's usual file name is taken by a file this user cannot write over "
