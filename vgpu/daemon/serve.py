@@ -155,6 +155,7 @@ from vgpu.client import (
 )
 from vgpu.config import Config, ConfigError
 from vgpu.daemon.front import PeerFront
+from vgpu.daemon.inapp_sweep import INAPP_SWEEP_EVERY_S, InAppSweeper
 from vgpu.daemon.metrics import (
     AppSnapshot,
     CounterSnapshot,
@@ -999,6 +1000,10 @@ class Daemon:
         self._watchdog: asyncio.Task[None] | None = None
         self._idle_release: asyncio.Task[None] | None = None
         self._refreeze: asyncio.Task[None] | None = None
+        # reports left in the in-app directory by processes killed without closing (vgpu/daemon/inapp_sweep.py)
+        self.inapp_sweeper = InAppSweeper(Path(cfg.server.inapp_dir))
+        self.inapp_sweep_every_s = INAPP_SWEEP_EVERY_S
+        self._inapp_sweep: asyncio.Task[None] | None = None
         self._stream_end_timers: set[asyncio.TimerHandle] = set()  # _stream_ended's, cancelled on stop
         self._stopping = False
         self.model_loader: threading.Thread | None = None
@@ -1079,6 +1084,7 @@ class Daemon:
             self._idle_release = asyncio.create_task(
                 self._release_vanished(cfg.server.idle_release_s, cfg.server.exit_release_s))
         self._refreeze = asyncio.create_task(self._freeze_after_loads())
+        self._inapp_sweep = asyncio.create_task(self._sweep_inapp())
 
     def _open_state(self) -> None:
         """Lock the state directory, move a damaged database aside with --reset-state, open the store."""
@@ -1406,6 +1412,20 @@ class Daemon:
             except Exception as exc:  # noqa: BLE001 - a failed sweep is logged; the next one tries again
                 self.log.error("idle_release_failed", error=repr(exc))
 
+    async def _sweep_inapp(self) -> None:
+        """Every `inapp_sweep_every_s`, remove the in-app reports of processes that are gone (in a
+        worker thread: it lists and stats files); logs `inapp_swept` when it removed any."""
+        while True:
+            await asyncio.sleep(self.inapp_sweep_every_s)
+            try:
+                done = await asyncio.to_thread(self.inapp_sweeper.sweep, time.time())
+            except Exception as exc:  # noqa: BLE001 - a failed sweep is logged; the next one tries again
+                self.log.error("inapp_sweep_failed", error=repr(exc))
+                continue
+            if done.removed or done.not_removable:
+                self.log.info("inapp_swept", directory=str(self.inapp_sweeper.directory), removed=done.removed,
+                              not_removable=done.not_removable, kept_running=done.kept_running)
+
     def _load_default_model(self, path: Path) -> None:
         """Serve the default forecaster once it loads; until then (or if it does not) the baseline."""
         if not path.is_file():
@@ -1465,6 +1485,8 @@ class Daemon:
             self._idle_release.cancel()
         if self._refreeze is not None:
             self._refreeze.cancel()
+        if self._inapp_sweep is not None:
+            self._inapp_sweep.cancel()
         self._stopping = True  # streams that end from here on are the daemon's doing
         for timer in self._stream_end_timers:
             timer.cancel()
