@@ -10,7 +10,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from daemon_fixtures import free_port, sim_daemon
+from daemon_fixtures import bound_port, sim_daemon
+from structlog.testing import capture_logs
 
 from vgpu import auth
 from vgpu.daemon.serve import Daemon
@@ -42,13 +43,15 @@ async def tls_daemon(tmp_path: Path) -> AsyncIterator[tuple[Daemon, Path, int]]:
     pki = tmp_path / "pki"
     pki.mkdir()
     make_pki(pki)
-    port = free_port()
     d = sim_daemon(tmp_path, **{
-        "server.tcp": f"127.0.0.1:{port}", "tls.cert": str(pki / "server.pem"), "tls.key": str(pki / "server.key"),
+        "server.tcp": "127.0.0.1:auto", "tls.cert": str(pki / "server.pem"), "tls.key": str(pki / "server.key"),
         "tls.ca": str(pki / "ca.pem"),
     })
-    await d.start()
+    with capture_logs() as logs:
+        await d.start()
     try:
+        # the kernel picked the port at bind; the daemon says which in its `serving` record
+        port = bound_port(next(r for r in logs if r["event"] == "serving"), "tcp")
         yield d, pki, port
     finally:
         await d.stop("test")
