@@ -18,6 +18,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
+from structlog.testing import capture_logs
 
 from vgpu import config
 from vgpu.allocator.core import Sizer
@@ -173,6 +174,13 @@ def one_daemon_for_the_module(env: Env) -> Iterator[Env]:
         yield env
     finally:
         daemon.stop_now()
+
+
+async def start_logging_serving(d: Daemon) -> dict:  # type: ignore[type-arg]
+    """`await d.start()` for an in-process daemon; the `serving` record it logged (where it listens)."""
+    with capture_logs() as logs:
+        await d.start()
+    return next(r for r in logs if r["event"] == "serving")
 
 
 def bound_port(serving: dict, key: str) -> int:  # type: ignore[type-arg]

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from daemon_fixtures import bound_port, sim_daemon
-from structlog.testing import capture_logs
+from daemon_fixtures import bound_port, sim_daemon, start_logging_serving
 
 from vgpu import auth
 from vgpu.daemon.serve import Daemon
@@ -47,11 +46,9 @@ async def tls_daemon(tmp_path: Path) -> AsyncIterator[tuple[Daemon, Path, int]]:
         "server.tcp": "127.0.0.1:auto", "tls.cert": str(pki / "server.pem"), "tls.key": str(pki / "server.key"),
         "tls.ca": str(pki / "ca.pem"),
     })
-    with capture_logs() as logs:
-        await d.start()
+    serving = await start_logging_serving(d)
     try:
-        # the kernel picked the port at bind; the daemon says which in its `serving` record
-        port = bound_port(next(r for r in logs if r["event"] == "serving"), "tcp")
+        port = bound_port(serving, "tcp")  # the kernel picked it at bind; the daemon says which
         yield d, pki, port
     finally:
         await d.stop("test")
