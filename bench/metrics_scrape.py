@@ -45,19 +45,17 @@ from vgpu.v1 import allocator_pb2 as pb  # noqa: E402
 from vgpu.v1 import allocator_pb2_grpc as pb_grpc  # noqa: E402
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_serving(log_path: Path, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
+def _wait_serving(log_path: Path, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> int:
+    """The metrics port the daemon bound (`--metrics-port auto`), once its `serving` record says it."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if b'"serving"' in log_path.read_bytes():
-            return
+        for line in log_path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line still being written
+                continue
+            if record.get("event") == "serving":
+                return int(record["metrics"].rpartition(":")[2])
         if proc.poll() is not None:
             raise SystemExit(f"vgpu serve exited {proc.returncode}:\n{log_path.read_text()}")
         time.sleep(0.05)
@@ -73,18 +71,18 @@ def scrape(port: int) -> tuple[float, bytes]:
 def run_one(n: int, scrapes: int, settings: dict[str, str]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="vgpu-metrics-bench-") as tmp_text:
         tmp = Path(tmp_text)
-        sock, port, log_path = tmp / "vgpu.sock", _free_port(), tmp / "serve.log"
+        sock, log_path = tmp / "vgpu.sock", tmp / "serve.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("VGPU_")}
         env.update({"PYTHONPATH": str(ROOT), "XDG_CONFIG_HOME": str(tmp / "cfg")})
         env.update({"VGPU_" + k.replace(".", "_").upper(): v for k, v in settings.items()})
         with open(log_path, "w") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "vgpu.cli", "serve", "--socket", str(sock), "--state-dir", str(tmp / "state"),
-                 "--backend", "sim:h100-80gb", "--metrics-port", str(port)],
+                 "--backend", "sim:h100-80gb", "--metrics-port", "auto"],
                 cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log,
             )
         try:
-            _wait_serving(log_path, proc)
+            port = _wait_serving(log_path, proc)
             channel = grpc.insecure_channel(f"unix:{sock}")
             stub = pb_grpc.AllocatorStub(channel)
             created = 0

@@ -7,7 +7,6 @@ import io
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
+from structlog.testing import capture_logs
 
 from vgpu import config
 from vgpu.allocator.core import Sizer
@@ -124,6 +124,12 @@ class Serve:
                 pass
         return out
 
+    @property
+    def metrics_port(self) -> int:
+        """The metrics endpoint's port, as `serving` names it (start the daemon with
+        `--metrics-port auto`)."""
+        return bound_port(self.event("serving"), "metrics")
+
     def event(self, name: str) -> dict:  # type: ignore[type-arg]
         found = [e for e in self.events() if e.get("event") == name]
         assert found, f"no {name!r} event in {self.log_path.read_text()}"
@@ -170,11 +176,20 @@ def one_daemon_for_the_module(env: Env) -> Iterator[Env]:
         daemon.stop_now()
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a daemon's metrics or TCP listener)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+async def start_logging_serving(d: Daemon) -> dict:  # type: ignore[type-arg]
+    """`await d.start()` for an in-process daemon; the `serving` record it logged (where it listens)."""
+    with capture_logs() as logs:
+        await d.start()
+    return next(r for r in logs if r["event"] == "serving")
+
+
+def bound_port(serving: dict, key: str) -> int:  # type: ignore[type-arg]
+    """The port a daemon bound, as its `serving` record names it under `key` ("metrics" or "tcp":
+    "HOST:PORT", "[v6]:PORT"): with `--metrics-port auto` / `--tcp HOST:auto` the kernel picks a free
+    one at bind, so no other process can take it between choosing and binding."""
+    address = serving.get(key)
+    assert address, f"the serving record names no {key} address: {serving}"
+    return int(str(address).rpartition(":")[2])
 
 
 def metric_samples(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

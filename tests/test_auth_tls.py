@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from daemon_fixtures import free_port, sim_daemon
+from daemon_fixtures import bound_port, sim_daemon, start_logging_serving
 
 from vgpu import auth
 from vgpu.daemon.serve import Daemon
@@ -42,13 +42,13 @@ async def tls_daemon(tmp_path: Path) -> AsyncIterator[tuple[Daemon, Path, int]]:
     pki = tmp_path / "pki"
     pki.mkdir()
     make_pki(pki)
-    port = free_port()
     d = sim_daemon(tmp_path, **{
-        "server.tcp": f"127.0.0.1:{port}", "tls.cert": str(pki / "server.pem"), "tls.key": str(pki / "server.key"),
+        "server.tcp": "127.0.0.1:auto", "tls.cert": str(pki / "server.pem"), "tls.key": str(pki / "server.key"),
         "tls.ca": str(pki / "ca.pem"),
     })
-    await d.start()
+    serving = await start_logging_serving(d)
     try:
+        port = bound_port(serving, "tcp")  # the kernel picked it at bind; the daemon says which
         yield d, pki, port
     finally:
         await d.stop("test")

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from daemon_fixtures import sim_daemon
+from daemon_fixtures import bound_port, sim_daemon, start_logging_serving
 
 from vgpu import auth
 from vgpu import ctl as cli
@@ -129,15 +129,12 @@ def test_missing_token_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
 
 
 async def test_metrics_endpoint_serves_the_registry(tmp_path: Path) -> None:
-    import socket
     import urllib.request
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    d = sim_daemon(tmp_path, **{"metrics.port": port})
-    await d.start()
+    d = sim_daemon(tmp_path, **{"metrics.port": "auto"})
+    serving = await start_logging_serving(d)
     try:
+        port = bound_port(serving, "metrics")
         await run(cli.request_main, tmp_path, "--socket", str(d.socket_path), "--app", "m", "--memory-mib", "64")
         body = await asyncio.to_thread(
             lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()

@@ -145,3 +145,31 @@ def test_a_metrics_share_per_address_out_of_range_names_the_key_and_the_range(en
     f.write_text("[metrics]\nmax_connections_per_address = 64\n")
     r = serve(env, "--config", str(f), "--check-config")
     assert r.returncode == 0 and "max_connections_per_address = 64" in r.stdout, r.stderr
+
+
+def test_a_port_that_is_neither_a_number_nor_auto_names_the_key_and_the_choices(env: Env) -> None:
+    """metrics.port takes a number 0..65535 (0: off) or "auto" in any case (any free port, named in
+    `serving`): anything else from a flag or the file is one line naming the key, where it came from
+    and the choices (exit 2), before anything is created; in the file a quoted number is refused too.
+    The TLS listener takes HOST:auto, and HOST:0 (which could read as off) names it."""
+    choices = 'expected a port number (0: off) or "auto" (any free port, logged in `serving`)'
+    r = serve(env, "--metrics-port", "any", "--socket", str(env.sock), "--state-dir", str(env.state))
+    assert r.returncode == 2
+    assert one_line(r) == (f"vgpu serve: configuration error: metrics.port (flag for metrics.port): {choices}, "
+                           "got str 'any'")
+    assert not env.state.exists() and not env.sock.parent.exists()
+    r = serve(env, "--metrics-port", "65536", "--check-config")
+    assert r.returncode == 2
+    assert one_line(r) == ('vgpu serve: configuration error: metrics.port: expected 0..65535 (0: off) or "auto" '
+                           "(any free port), got 65536")
+    f = env.tmp / "vgpu.toml"
+    f.write_text('[metrics]\nport = "9464"\n')
+    r = serve(env, "--config", str(f), "--check-config")
+    assert r.returncode == 2
+    assert one_line(r) == f"vgpu serve: configuration error: metrics.port ({f}): {choices}, got str '9464'"
+    r = serve(env, "--metrics-port", "AUTO", "--check-config")
+    assert r.returncode == 0 and '\nport = "auto"\n' in r.stdout, r.stderr
+    r = serve(env, "--tcp", "127.0.0.1:0", "--check-config")
+    assert r.returncode == 2
+    assert one_line(r) == ("vgpu serve: configuration error: server.tcp: port 0 is outside 1..65535 "
+                           "(HOST:auto: any free port)")

@@ -36,6 +36,27 @@ def test_layers_in_order(tmp_path: Path) -> None:
     assert cfg.server.backend == "nvml"
 
 
+@pytest.mark.parametrize(("toml", "env", "flag"), [
+    ('[metrics]\nport = "auto"\n', {}, None),
+    ("", {"VGPU_METRICS_PORT": " Auto "}, None),
+    ("[metrics]\nport = 9000\n", {}, "auto"),
+])
+def test_any_free_port_is_spelled_auto_in_every_layer(tmp_path: Path, toml: str, env: dict[str, str],
+                                                      flag: str | None) -> None:
+    """"auto" from the file, the environment or a flag; it binds port 0 (the kernel picks) and shows
+    as itself in the printed configuration, which loads back to the same."""
+    f = tmp_path / "vgpu.toml"
+    f.write_text(toml)
+    cfg = config.load(f, env=env, overrides={"metrics.port": flag})
+    assert cfg.metrics.port == "auto" and config.bind_port(cfg.metrics.port) == 0
+    assert 'port = "auto"' in config.to_toml(cfg)
+    f.write_text(config.to_toml(cfg))
+    assert config.load(f, env={}) == cfg
+    # a number stays a number, 0 (off) included: "auto" is not 0
+    assert config.load(None, env={"VGPU_METRICS_PORT": "0"}).metrics.port == 0
+    assert config.bind_port(9464) == 9464
+
+
 def test_env_booleans_and_numbers() -> None:
     cfg = config.load(None, env={"VGPU_SERVER_DRY_RUN": "yes", "VGPU_SERVER_GRACE_S": "1.5"})
     assert cfg.server.dry_run is True and cfg.server.grace_s == 1.5
@@ -48,8 +69,13 @@ def test_env_booleans_and_numbers() -> None:
         ('[server]\nsockett = "/x"\n', {}, r"unknown key server.sockett .*known in \[server\]: socket"),
         ('[serverr]\nsocket = "/x"\n', {}, r"unknown section \[serverr\]"),
         ("socket = 1\n", {}, "must be a \\[section\\]"),
-        ('[metrics]\nport = "9464"\n', {}, r"metrics.port .*expected int, got str"),
-        ("[metrics]\nport = 70000\n", {}, r"metrics.port: expected 0..65535"),
+        ('[metrics]\nport = "9464"\n', {}, r'metrics.port .*expected a port number \(0: off\) or "auto" .*got str'),
+        ('[metrics]\nport = "any"\n', {}, r'metrics.port .*expected a port number \(0: off\) or "auto" .*got str'),
+        ("[metrics]\nport = true\n", {}, r"metrics.port .*expected a port number .*got bool"),
+        ("[metrics]\nport = 9464.0\n", {}, r"metrics.port .*expected a port number .*got float"),
+        ("[metrics]\nport = 70000\n", {}, r'metrics.port: expected 0..65535 \(0: off\) or "auto"'),
+        ("", {"VGPU_METRICS_PORT": "-1"}, r"metrics.port: expected 0..65535 .*got -1"),
+        ("", {"VGPU_METRICS_PORT": "auto:9464"}, r"metrics.port \(environment VGPU_METRICS_PORT\): expected a port"),
         ("", {"VGPU_METRICS_MAX_APPS": "-1"}, r"metrics.max_apps: must be >= 0"),
         ("[metrics]\nmax_connections_per_address = 0\n", {}, r"metrics.max_connections_per_address: expected 1..64"),
         ("", {"VGPU_METRICS_MAX_CONNECTIONS_PER_ADDRESS": "65"},
@@ -72,7 +98,7 @@ def test_env_booleans_and_numbers() -> None:
         ('[tls]\ncert = "/c.pem"\n', {}, "set both or neither"),
         ("[server\n", {}, "not valid TOML"),
         ("", {"VGPU_SERVER_BOGUS": "1"}, r"unknown key server.bogus \(environment VGPU_SERVER_BOGUS\)"),
-        ("", {"VGPU_METRICS_PORT": "lots"}, r"metrics.port \(environment VGPU_METRICS_PORT\): expected int"),
+        ("", {"VGPU_METRICS_PORT": "lots"}, r"metrics.port \(environment VGPU_METRICS_PORT\): expected a port number"),
         ("", {"VGPU_SERVER_DRY_RUN": "maybe"}, "expected true/false"),
         ("[manager]\nmodel_check_interval_s = 0\n", {}, r"manager.model_check_interval_s: must be > 0"),
         ("", {"VGPU_MANAGER_MODEL_CHECK_INTERVAL_S": "-1"}, r"manager.model_check_interval_s: must be > 0"),
@@ -109,10 +135,25 @@ def test_plaintext_tcp_is_refused(tcp: str) -> None:
     assert config.parse_host_port(cfg.server.tcp)[1] == 50051
 
 
-@pytest.mark.parametrize("tcp", ["50051", "host:", "host:port", "host:0"])
-def test_bad_tcp_address(tcp: str) -> None:
-    with pytest.raises(ConfigError, match="server.tcp"):
+@pytest.mark.parametrize(("tcp", "match"), [
+    ("50051", "expected HOST:PORT or HOST:auto"), ("host:", "port must be a number or 'auto'"),
+    ("host:port", "port must be a number or 'auto'"), ("host:0", r"port 0 is outside 1..65535 \(HOST:auto: any free port\)"),
+])
+def test_bad_tcp_address(tcp: str, match: str) -> None:
+    with pytest.raises(ConfigError, match="server.tcp: " + match):
         config.load(None, env={}, overrides={"server.tcp": tcp, "tls.cert": "/c", "tls.key": "/k"})
+
+
+@pytest.mark.parametrize(("tcp", "bind", "shown"), [
+    ("127.0.0.1:auto", "127.0.0.1:0", "127.0.0.1:40123"), ("[::]:AUTO", "[::]:0", "[::]:40123"),
+    ("0.0.0.0:7443", "0.0.0.0:7443", "0.0.0.0:40123"),
+])
+def test_a_tcp_address_may_take_any_free_port(tcp: str, bind: str, shown: str) -> None:
+    cfg = config.load(None, env={}, overrides={"server.tcp": tcp, "tls.cert": "/c", "tls.key": "/k"})
+    assert config.parse_host_port(cfg.server.tcp)[1] == (0 if bind.endswith(":0") else 7443)
+    assert config.bind_address(cfg.server.tcp) == bind
+    host = config.parse_host_port(cfg.server.tcp)[0]
+    assert config.address_text(host, 40123) == shown
 
 
 def test_replace_validates() -> None:

@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 import pytest
-from daemon_fixtures import ROOT, Env, Serve, free_port, metric_samples
+from daemon_fixtures import ROOT, Env, Serve, metric_samples
 
 from vgpu.traces import AppTrace, write_trace
 
@@ -250,8 +250,8 @@ def test_an_app_the_policy_manages_that_declares_its_job_holds_one_grant(env: En
     declares its job through the client stub. It holds one grant, the job's, which the policy resizes
     from then on and which a restarted daemon still lists alone; it heard the forecast grant released
     as superseded, then its job granted; the metrics count the release by that reason."""
-    port = free_port()
-    serves.append(Serve(env, "--metrics-port", str(port)))
+    serves.append(Serve(env, "--metrics-port", "auto"))
+    port = serves[-1].metrics_port
     (dev,) = env.json("available")["devices"]
     gpu, total = dev["device_id"], dev["mem_total_mib"]
     used = 0.5 * total

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from daemon_fixtures import ROOT, Env, Serve, free_port, make_env, metric_samples, wait_for
+from daemon_fixtures import ROOT, Env, Serve, make_env, metric_samples, wait_for
 
 from tests.checkpoint_synth import write_tiny_checkpoint
 from vgpu.traces import AppTrace, write_trace
@@ -40,8 +40,8 @@ def test_a_new_checkpoint_is_swapped_in_without_dropping_the_stream(tmp_path: Pa
     env.env["VGPU_MANAGER_MIXTURE"] = "true" if mixture else "false"
     serving = "mixture" if mixture else "model"
     model = write_tiny_checkpoint(tmp_path / "model.pt", seed=1)
-    port = free_port()
-    serves.append(Serve(env, "--model", str(model), "--metrics-port", str(port)))
+    serves.append(Serve(env, "--model", str(model), "--metrics-port", "auto"))
+    port = serves[-1].metrics_port
     daemon = serves[-1]
     assert daemon.event("forecaster")["serving"] == "model"
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from daemon_fixtures import ROOT, SKU, Serve, free_port, make_env, metric_samples
+from daemon_fixtures import ROOT, SKU, Serve, make_env, metric_samples
 from hostile import Raw, operator_token
 
 from vgpu import auth
@@ -76,10 +76,10 @@ def test_denied_calls_in_a_loop_do_not_flood_the_log(tmp_path: Path) -> None:
     bound. Records are now bounded per caller, method and refusal; the metric still counts every
     denial, and a caller refused for another reason is still logged."""
     env = make_env(tmp_path)
-    port = free_port()
-    serve = Serve(env, "--metrics-port", str(port))
+    serve = Serve(env, "--metrics-port", "auto")
     client = Raw(env.sock)
     try:
+        port = serve.metrics_port
         owner = client.request("owned", 1, token=operator_token(env.state))
         for _ in range(200):
             with pytest.raises(grpc.RpcError) as err:

@@ -7,7 +7,6 @@ MIG instance's own memory as the bound."""
 
 from __future__ import annotations
 
-import socket
 import time
 import urllib.request
 
@@ -48,10 +47,8 @@ def _stream(env: Env, batch: ingest_pb2.SignatureBatch) -> ingest_pb2.IngestRepl
 
 def test_a_reading_above_the_device_is_rejected_and_granted_nothing(env: Env, serves: list[Serve],
                                                                     client: Raw) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    serves.append(Serve(env, "--metrics-port", str(port)))
+    serves.append(Serve(env, "--metrics-port", "auto"))
+    port = serves[-1].metrics_port
     dev = client.stub.GetAvailableResources(pb.GetAvailableResourcesRequest(), timeout=10).devices[0]
     gpu, total = dev.device_id, dev.mem_total_mib
     # rows: the made-up application at the wire's generic bound, a normal one beside it

@@ -28,7 +28,7 @@ from typing import Any
 
 import grpc
 import pytest
-from daemon_fixtures import ROOT, Env, Serve, free_port, make_env, metric_samples, wait_for
+from daemon_fixtures import ROOT, Env, Serve, make_env, metric_samples, wait_for
 from hostile import Raw
 
 from vgpu.v1 import allocator_pb2 as pb
@@ -109,8 +109,8 @@ def test_another_users_pid_is_refused_and_the_denial_names_the_caller(env: Env, 
 def test_connections_beyond_the_per_uid_bound_are_refused_and_other_users_are_not(env: Env,
                                                                                   serves: list[Serve]) -> None:
     env.env["VGPU_SERVER_MAX_CONNECTIONS_PER_UID"] = "4"
-    port = free_port()
-    serves.append(_serve(env, "--metrics-port", str(port)))
+    serves.append(_serve(env, "--metrics-port", "auto"))
+    port = serves[-1].metrics_port
     holder = subprocess.Popen(_as_user(env, NOBODY, "hold", "10"), env=env.env, cwd=ROOT, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     try:

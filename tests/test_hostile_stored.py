@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_fixtures import Env, Serve, free_port, make_env, metric_samples
+from daemon_fixtures import Env, Serve, make_env, metric_samples
 from hostile import Raw, operator_token
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -147,8 +147,8 @@ def test_damaged_ledger_rows_are_each_skipped_and_named_and_every_call_works(
     for case, app in zip(limits_cases, LIMIT_APPS, strict=True):
         _edit(env, "app_limits", "app_id", app, ROW_DAMAGE[case][1])
         named[case] = f"limits {app!r}: "
-    port = free_port()
-    serves.append(Serve(env, "--metrics-port", str(port)))
+    serves.append(Serve(env, "--metrics-port", "auto"))
+    port = serves[-1].metrics_port
     rec = serves[-1].event("reconciled")
     found = {case: [r for r in rec["bad_record_reasons"] if r.startswith(start)] for case, start in named.items()}
     assert {case: len(reasons) for case, reasons in found.items()} == dict.fromkeys(ROW_DAMAGE, 1), rec
@@ -176,8 +176,8 @@ def test_damaged_store_rows_are_each_named_and_every_call_works(
     _stored(stored_state, env)
     for statement, _, _ in STORE_DAMAGE.values():
         _sql(env, statement)
-    port = free_port()
-    serves.append(Serve(env, "--metrics-port", str(port)))
+    serves.append(Serve(env, "--metrics-port", "auto"))
+    port = serves[-1].metrics_port
     rec = serves[-1].event("reconciled")
     found = {case: [r for r in rec["bad_record_reasons"] if r.startswith(start) and says in r]
              for case, (_, start, says) in STORE_DAMAGE.items()}
@@ -264,8 +264,8 @@ def test_damaged_device_and_cgroup_originals_are_named_and_every_call_works(
     serves[-1].kill9()  # the originals stay recorded, as after a crash
     _sql(env, "UPDATE device_originals SET power_limit_mw='x', mig_enabled=1, mig_layout_json='{{'")
     _sql(env, "INSERT INTO cgroup_originals SELECT device_id, '/vgpu/held', 'x', -5, 'x' FROM device_originals")
-    port = free_port()
-    serves.append(Serve(env, "--metrics-port", str(port)))
+    serves.append(Serve(env, "--metrics-port", "auto"))
+    port = serves[-1].metrics_port
     reasons = serves[-1].event("reconciled")["bad_record_reasons"]
     assert [(r.split(" ", 1)[0], r.split(": ", 1)[1].split(" ", 1)[0]) for r in reasons] == [
         ("device_originals", "power_limit_mw"), ("device_originals", "mig_layout_json"),

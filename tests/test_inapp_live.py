@@ -18,7 +18,7 @@ from typing import IO
 
 import numpy as np
 import pytest
-from daemon_fixtures import ROOT, SKU, Env, Serve, free_port, metric_samples
+from daemon_fixtures import ROOT, SKU, Env, Serve, metric_samples
 from manager_fakes import EwmaMarginForecaster
 
 from vgpu import auth
@@ -350,8 +350,8 @@ def test_a_stubs_serving_counters_reach_the_daemons_windows_and_the_recording(
     from vgpu.profiler.sampler import Sampler
     from vgpu.profiler.stream import SignatureStreamer
 
-    port = free_port()
-    serves.append(Serve(env, "--metrics-port", str(port)))
+    serves.append(Serve(env, "--metrics-port", "auto"))
+    port = serves[-1].metrics_port
     inapp = tmp_path / "inapp"
     metrics_file = tmp_path / "vllm-metrics.txt"
     metrics_file.write_text(VLLM_METRICS)
@@ -454,8 +454,8 @@ def test_vgpu_profiler_replaying_a_serving_series_feeds_its_counters_to_vgpu_ser
     in-app columns (what `vgpu trace synth --kind serving` writes)."""
     from vgpu.traces import write_trace
 
-    port = free_port()
-    serves.append(Serve(env, "--metrics-port", str(port)))
+    serves.append(Serve(env, "--metrics-port", "auto"))
+    port = serves[-1].metrics_port
     t = np.arange(0.0, 60.0, 0.1)
     n = len(t)
     write_trace(tmp_path / "serving.csv", [

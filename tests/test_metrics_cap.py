@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client import CollectorRegistry
 
-from tests.daemon_fixtures import Env, Serve, free_port
+from tests.daemon_fixtures import Env, Serve
 from tests.hostile import Raw, raw
 from tests.test_observability import scrape
 from tests.test_operator_views import cli
@@ -36,8 +36,8 @@ def per_device(fams: Families, name: str) -> dict[str, float]:
 
 def test_default_cap_holds_against_an_anonymous_flood(env: Env, serves: list[Serve], caller: Raw) -> None:
     """No setting: 100 applications get series; 5 more, created by anyone, are only counted."""
-    port = free_port()
-    serves.append(Serve(env, "--metrics-port", str(port)))
+    serves.append(Serve(env, "--metrics-port", "auto"))
+    port = serves[-1].metrics_port
     for i in range(105):
         caller.request(f"flood-{i:03d}", 1.0 + i)  # flood-104 is the largest
     fams = scrape(port)
@@ -58,8 +58,8 @@ def test_default_cap_holds_against_an_anonymous_flood(env: Env, serves: list[Ser
 
 def test_operator_limited_applications_keep_their_series(env: Env, serves: list[Serve], caller: Raw) -> None:
     env.env["VGPU_METRICS_MAX_APPS"] = "4"
-    port = free_port()
-    serves.append(Serve(env, "--metrics-port", str(port)))
+    serves.append(Serve(env, "--metrics-port", "auto"))
+    port = serves[-1].metrics_port
     for app, mib in (("big-1", 300.0), ("big-2", 200.0), ("big-3", 100.0), ("quiet", 1.0)):
         caller.request(app, mib)
     for i in range(10):
@@ -90,8 +90,8 @@ def test_operator_limited_applications_keep_their_series(env: Env, serves: list[
 
 def test_max_apps_zero_lists_only_limited_applications(env: Env, serves: list[Serve], caller: Raw) -> None:
     env.env["VGPU_METRICS_MAX_APPS"] = "0"
-    port = free_port()
-    serves.append(Serve(env, "--metrics-port", str(port)))
+    serves.append(Serve(env, "--metrics-port", "auto"))
+    port = serves[-1].metrics_port
     caller.request("a", 10.0)
     caller.request("b", 1.0)
     fams = scrape(port)

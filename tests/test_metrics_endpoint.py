@@ -14,6 +14,7 @@ import functools
 import http.client
 import json
 import os
+import platform
 import socket
 import struct
 import subprocess
@@ -23,12 +24,14 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
-from daemon_fixtures import Env, Serve, free_port, metric_samples, wait_for
+from daemon_fixtures import Env, Serve, make_env, metric_samples, wait_for
 from prometheus_client import CollectorRegistry, Gauge
 from structlog.testing import capture_logs
 
+from vgpu import __version__
 from vgpu.daemon.metrics import (
     LOOPBACK_PEER,
     DaemonMetrics,
@@ -308,14 +311,58 @@ def test_the_peer_an_address_counts_against(host: str, peer: str) -> None:
     assert peer_of(host) == peer
 
 
+@contextmanager
+def _notify_socket(path: Path) -> Iterator[socket.socket]:
+    """A datagram socket at `path` for a daemon's NOTIFY_SOCKET, one per daemon: the watchdog pings
+    of one would fill the queue another's READY=1 has to get into."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(str(path))
+    listener.settimeout(10)
+    try:
+        yield listener
+    finally:
+        listener.close()
+
+
+def _ready_status(listener: socket.socket) -> str:
+    """The STATUS line of the READY=1 message a daemon sent to its NOTIFY_SOCKET (the first it sends)."""
+    message = listener.recv(4096).decode()
+    assert message.startswith("READY=1"), message
+    return next(line for line in message.splitlines() if line.startswith("STATUS="))
+
+
+def test_auto_binds_a_port_the_kernel_picks_and_the_daemon_names_it(tmp_path: Path, serves: list[Serve]) -> None:
+    """`--metrics-port auto`: each daemon binds a free port at once (two on one host get two ports,
+    so nothing has to hand ports out between choosing and binding), and says which in its `serving`
+    record and in the STATUS systemd shows; the scrape is served there. `--metrics-port 0` is still
+    off: `serving` has no address and STATUS no metrics."""
+    envs = []
+    for name in ("a", "b", "off"):
+        (tmp_path / name).mkdir()
+        envs.append(make_env(tmp_path / name))
+    with _notify_socket(tmp_path / "a.notify") as notify_a, _notify_socket(tmp_path / "off.notify") as notify_off:
+        serves.append(Serve(envs[0], "--metrics-port", "auto", notify=tmp_path / "a.notify"))
+        status_a = _ready_status(notify_a)
+        serves.append(Serve(envs[1], "--metrics-port", "auto"))
+        a, b = serves[0].metrics_port, serves[1].metrics_port
+        assert a != b and 0 not in (a, b) and serves[0].event("serving")["metrics"] == f"127.0.0.1:{a}"
+        assert status_a == f"STATUS=serving on {envs[0].sock}, metrics on http://127.0.0.1:{a}/metrics"
+        for port in (a, b):
+            assert metric_samples(port)[("vgpu_build_info", (("backend", "sim:h100-80gb"),
+                                         ("python", platform.python_version()), ("version", __version__)))] == 1
+        serves.append(Serve(envs[2], notify=tmp_path / "off.notify"))  # the fixture's --metrics-port 0
+        assert serves[2].event("serving")["metrics"] is None
+        assert _ready_status(notify_off) == f"STATUS=serving on {envs[2].sock}"
+
+
 def test_the_daemon_bounds_one_address_by_its_setting(env: Env, serves: list[Serve]) -> None:
     """`vgpu serve` with metrics.max_connections_per_address 2 (from the environment): a third
     connection from loopback is closed at accept, counted under its reason on the scrape, and
     logged with the address in the daemon's JSON log."""
-    port = free_port()
     env.env["VGPU_METRICS_MAX_CONNECTIONS_PER_ADDRESS"] = "2"
-    daemon = Serve(env, "--metrics-port", str(port))
+    daemon = Serve(env, "--metrics-port", "auto")
     serves.append(daemon)
+    port = daemon.metrics_port
     held = [_connect("127.0.0.1", port, "127.0.0.1") for _ in range(2)]
     try:
         third = _connect("127.0.0.1", port, "127.0.0.1")

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.daemon_fixtures import ROOT, Env, Serve, free_port
+from tests.daemon_fixtures import ROOT, Env, Serve
 from tests.test_operator_views import cli, start_profiler
 from vgpu import __version__
 from vgpu.daemon.metrics import AppSnapshot, CounterSnapshot, DaemonMetrics, DeviceSnapshot
@@ -81,8 +81,8 @@ def test_rules_file_has_an_expr_per_alert() -> None:
 
 
 def test_dashboard_and_rules_load_only_what_a_running_daemon_exports(env: Env, serves: list[Serve]) -> None:
-    port = free_port()
-    serves.append(Serve(env, "--metrics-port", str(port)))
+    serves.append(Serve(env, "--metrics-port", "auto"))
+    port = serves[-1].metrics_port
     device = json.loads(cli(env, "available", "--json").stdout)["devices"][0]["device_id"]
     assert cli(env, "request", "--app", "asked", "--memory-mib", "512").returncode == 0
     prof = start_profiler(env, device)
@@ -145,8 +145,8 @@ def test_labelled_counters_are_exported_at_zero_before_their_first_event(env: En
     """A counter series that appeared only at its first event would begin at 1, and the dashboard's
     rate()/increase() would miss that event: every label value known at start has its series at 0
     as soon as the daemon serves, before anything happened."""
-    port = free_port()
-    serves.append(Serve(env, "--metrics-port", str(port)))
+    serves.append(Serve(env, "--metrics-port", "auto"))
+    port = serves[-1].metrics_port
     fams = scrape(port)
     devices = [d["device_id"] for d in json.loads(cli(env, "available", "--json").stdout)["devices"]]
     assert devices
@@ -184,8 +184,8 @@ def test_labelled_counters_are_exported_at_zero_before_their_first_event(env: En
 def test_a_scrape_has_no_created_series(env: Env, serves: list[Serve]) -> None:
     """prometheus_client's `_created` series (when a counter began) are off: nothing reads them, the
     docs list none, and only the counters the daemon increments itself would have them."""
-    port = free_port()
-    serves.append(Serve(env, "--metrics-port", str(port)))
+    serves.append(Serve(env, "--metrics-port", "auto"))
+    port = serves[-1].metrics_port
     assert cli(env, "request", "--app", "asked", "--memory-mib", "512").returncode == 0  # a store write
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     fams = scrape(port)

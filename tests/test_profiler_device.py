@@ -4,7 +4,6 @@ start; a profiler that never reaches the manager exits non-zero."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -25,11 +24,9 @@ def profiler(env: Env, *extra: str, sock: Path | None = None, seconds: float = 2
 
 
 def test_signatures_for_an_unknown_device_are_rejected_and_said(env: Env, serves: list[Serve]) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    serve = Serve(env, "--metrics-port", str(port))
+    serve = Serve(env, "--metrics-port", "auto")
     serves.append(serve)
+    port = serve.metrics_port
     r = profiler(env)  # no --device-id: the trace's own gpu ids, which this daemon does not have
     assert r.returncode == 0, r.stderr
     assert "manager rejected signatures" in r.stderr and "unknown device" in r.stderr

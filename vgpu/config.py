@@ -42,6 +42,12 @@ PATH_KEYS = ("server.socket", "server.state_dir", "server.inapp_dir", "tls.cert"
 # Connections the metrics endpoint serves at once in all (vgpu/daemon/metrics.py); one address (on
 # loopback, one local user) may hold metrics.max_connections_per_address of them.
 METRICS_MAX_CONNECTIONS = 64
+# The spelling of "any free port the kernel picks" for metrics.port (and the port of server.tcp,
+# HOST:auto): the daemon binds port 0 and logs the port it got in its `serving` record. 0 itself
+# means off for metrics.port, as it always has, and is refused in server.tcp.
+ANY_PORT = "auto"
+# A port setting: a number or ANY_PORT
+PortSetting = int | str
 
 
 class ConfigError(ValueError):
@@ -170,8 +176,9 @@ class AuthConfig:
 
 @dataclass(frozen=True)
 class MetricsConfig:
-    # Prometheus endpoint port; 0 disables it.
-    port: int = 9464
+    # Prometheus endpoint port; 0 disables it; "auto" binds any free port the kernel picks (the
+    # `serving` log record and systemd's STATUS say which).
+    port: PortSetting = 9464
     # Address the endpoint binds to.
     address: str = "127.0.0.1"
     # Applications given per-application series (vgpu_app_*) at most: those an operator set limits
@@ -268,11 +275,15 @@ _SECTIONS: dict[str, type] = {
 _TYPES: dict[str, type] = {"str": str, "bool": bool, "int": int, "float": float, "bool | None": bool}
 
 
-def _field_type(section: str, key: str) -> type:
+def _annotation(section: str, key: str) -> str:
     for f in fields(_SECTIONS[section]):
         if f.name == key:
-            return _TYPES[str(f.type)]
+            return str(f.type)
     raise KeyError(key)
+
+
+def _field_type(section: str, key: str) -> type:
+    return _TYPES[_annotation(section, key)]
 
 
 def _known_keys(section: str) -> list[str]:
@@ -282,8 +293,10 @@ def _known_keys(section: str) -> list[str]:
 def _coerce(section: str, key: str, value: object, source: str, *, parse: bool = True) -> object:
     """`value` as the field's type; strings (from the environment or flags) are parsed when `parse`
     (a TOML file has types of its own, so `port = "9464"` there is an error)."""
-    want = _field_type(section, key)
     where = f"{section}.{key} ({source})"
+    if _annotation(section, key) == "PortSetting":
+        return _coerce_port(value, where, parse=parse)
+    want = _field_type(section, key)
     if parse and isinstance(value, str) and want is not str:
         text = value.strip().lower()
         if want is bool:
@@ -301,6 +314,29 @@ def _coerce(section: str, key: str, value: object, source: str, *, parse: bool =
     if not isinstance(value, want) or (want is int and isinstance(value, bool)):
         raise ConfigError(f"{where}: expected {want.__name__}, got {type(value).__name__} {value!r}")
     return value
+
+
+def _coerce_port(value: object, where: str, *, parse: bool) -> PortSetting:
+    """A port setting: a number, or ANY_PORT in any case. A number in a string is read as the number
+    when `parse` (the environment, a flag); a TOML file has numbers of its own, so there it is an error."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == ANY_PORT:
+            return ANY_PORT
+        if parse:
+            try:
+                return int(text)
+            except ValueError:
+                pass
+    raise ConfigError(f'{where}: expected a port number (0: off) or "{ANY_PORT}" (any free port, logged in '
+                      f"`serving`), got {type(value).__name__} {value!r}")
+
+
+def bind_port(port: PortSetting) -> int:
+    """A port setting as the number to bind: ANY_PORT is 0, for which the kernel picks a free port."""
+    return port if isinstance(port, int) else 0
 
 
 def _validate(cfg: Config) -> None:
@@ -393,8 +429,9 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"manager.learn_interval_s: must be >= 0 (0: never), got {cfg.manager.learn_interval_s}")
     if not 0 < cfg.manager.forecast_duty_max <= 1:
         raise ConfigError(f"manager.forecast_duty_max: expected a share in (0, 1], got {cfg.manager.forecast_duty_max}")
-    if not 0 <= cfg.metrics.port <= 65535:
-        raise ConfigError(f"metrics.port: expected 0..65535, got {cfg.metrics.port}")
+    port = cfg.metrics.port
+    if port != ANY_PORT and not (isinstance(port, int) and not isinstance(port, bool) and 0 <= port <= 65535):
+        raise ConfigError(f'metrics.port: expected 0..65535 (0: off) or "{ANY_PORT}" (any free port), got {port!r}')
     if cfg.metrics.max_apps < 0:
         raise ConfigError(f"metrics.max_apps: must be >= 0 (0: operator-limited applications only), "
                           f"got {cfg.metrics.max_apps}")
@@ -410,17 +447,32 @@ def _validate(cfg: Config) -> None:
 
 
 def parse_host_port(text: str) -> tuple[str, int]:
-    """'HOST:PORT' or '[v6]:PORT' -> (host, port); ConfigError otherwise."""
+    """'HOST:PORT' or '[v6]:PORT' -> (host, port), with port 0 for 'HOST:auto' (any free port the
+    kernel picks); ConfigError otherwise."""
     host, sep, port_text = text.rpartition(":")
     if not sep or not host:
-        raise ConfigError(f"server.tcp: expected HOST:PORT, got {text!r}")
+        raise ConfigError(f"server.tcp: expected HOST:PORT or HOST:{ANY_PORT}, got {text!r}")
+    if port_text.strip().lower() == ANY_PORT:
+        return host.strip("[]"), 0
     try:
         port = int(port_text)
     except ValueError:
-        raise ConfigError(f"server.tcp: port must be a number, got {port_text!r}") from None
+        raise ConfigError(f"server.tcp: port must be a number or {ANY_PORT!r} (any free port), "
+                          f"got {port_text!r}") from None
     if not 0 < port <= 65535:
-        raise ConfigError(f"server.tcp: port {port} is outside 1..65535")
+        raise ConfigError(f"server.tcp: port {port} is outside 1..65535 (HOST:{ANY_PORT}: any free port)")
     return host.strip("[]"), port
+
+
+def bind_address(text: str) -> str:
+    """A 'HOST:PORT' setting as the address to bind: 'HOST:auto' becomes 'HOST:0'."""
+    host, _, port_text = text.rpartition(":")
+    return f"{host}:{0 if port_text.strip().lower() == ANY_PORT else port_text}"
+
+
+def address_text(host: str, port: PortSetting) -> str:
+    """HOST:PORT as an operator types it, an IPv6 address in brackets ([::1]:9464)."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 def _merge(

@@ -668,6 +668,11 @@ class MetricsServer(ThreadingWSGIServer):
         super().__init__(address, _Handler)
 
     @property
+    def port(self) -> int:
+        """The port bound: the one asked for, or the one the kernel picked for port 0."""
+        return int(self.server_address[1])
+
+    @property
     def open_connections(self) -> int:
         """Connections served now (each until its thread has closed it)."""
         return self._open
@@ -773,7 +778,7 @@ def start_metrics_server(address: str, port: int, registry: CollectorRegistry, *
                          log_budget: LogBudget | None = None,
                          peer_uid: PeerUidLookup | None = tcp_peer_uid) -> MetricsServer:
     """Serve `registry` at http://address:port/metrics from a daemon thread; `shutdown()` stops it.
-    OSError when the port cannot be bound."""
+    Port 0 binds any free port (the server's `port` says which). OSError when the port cannot be bound."""
     server = MetricsServer((address, port), idle_timeout_s=idle_timeout_s, request_deadline_s=request_deadline_s,
                            max_connections=max_connections, max_per_address=max_per_address, logger=logger,
                            log_budget=log_budget, peer_uid=peer_uid)

@@ -3,7 +3,7 @@ in a fixed order, serves until SIGTERM or SIGINT, then stops them and puts the d
 is logged (`sighup_ignored`) and changes nothing: there is no reload by signal.
 
     vgpu serve --socket PATH --state-dir DIR --backend sim:h100-80gb|nvml [--config FILE]
-               [--tcp HOST:PORT --tls-cert PEM --tls-key PEM [--tls-ca PEM]] [--metrics-port N] [--dry-run]
+               [--tcp HOST:PORT --tls-cert PEM --tls-key PEM [--tls-ca PEM]] [--metrics-port N|auto] [--dry-run]
 
 This module owns the order of start-up and stop (`Daemon.start`, `Daemon.stop`), the state
 directory's lock, the reconciliation of the stored ledger with the devices (`reconcile`), putting
@@ -62,7 +62,9 @@ on stderr, exit status 1 (any other exception: `vgpu serve: cannot start: <type>
    directory (with `server.peer_credentials = false`, on the public socket itself), and the public
    socket is bound owner-only (`_build_server`), then given its configured owner, group and mode;
    the optional TLS listener (`_add_tcp`); the metrics endpoint (`_serve_metrics`: a port that
-   cannot be bound fails the start, metrics.port 0 turns it off);
+   cannot be bound fails the start, metrics.port 0 turns it off); a port given as "auto"
+   (metrics.port, server.tcp HOST:auto) is any free port the kernel picks, and `serving` and the
+   STATUS sent to systemd name the ports bound;
 10. gRPC starts, then the front (`_start_front`) listens on the public socket: it reads each
    caller's credentials (SO_PEERCRED), bounds connections per uid and relays to gRPC;
 11. start-up's heap is frozen out of the garbage collector's full passes (vgpu/gc_freeze.py),
@@ -1061,20 +1063,21 @@ class Daemon:
         # the public socket, born owner-only, gets its configured owner, group and mode before the server starts
         secure_socket(self.socket_path, mode=cfg.socket_mode_bits, owner=cfg.server.socket_owner,
                       group=cfg.server.socket_group)
-        if cfg.server.tcp:
-            self._add_tcp(self.server)
+        tcp_at = self._add_tcp(self.server) if cfg.server.tcp else None
         metrics_at = self._serve_metrics()
         await self.server.start()
         self._start_front()
         # start-up is over: what it built is kept out of the garbage collector's full passes (vgpu/gc_freeze.py)
         frozen = freeze_startup_heap()
-        self._log_serving(token_files, inapp_state, metrics_at, frozen)
+        self._log_serving(token_files, inapp_state, tcp_at, metrics_at, frozen)
         # The background loads begin only now: importing torch and loading a model hold the
         # interpreter's lock for long stretches, and begun earlier they delayed `serving` (docs/performance.md).
         self.sizer.start()
         if self.model_loader is not None:
             self.model_loader.start()
-        if not self.notifier.notify(f"READY=1\nSTATUS=serving on {self.socket_path}\nMAINPID={os.getpid()}") \
+        # `systemctl status vgpu-manager` shows STATUS: where to scrape, when the kernel picked the port
+        status = f"serving on {self.socket_path}" + (f", metrics on http://{metrics_at}/metrics" if metrics_at else "")
+        if not self.notifier.notify(f"READY=1\nSTATUS={status}\nMAINPID={os.getpid()}") \
                 and self.notifier.error:
             self.log.warning("sd_notify_failed", error=self.notifier.error,
                              to_act="under systemd the unit's Type=notify start will time out; elsewhere unset NOTIFY_SOCKET")
@@ -1267,8 +1270,9 @@ class Daemon:
             os.umask(old_umask)
         return server
 
-    def _add_tcp(self, server: Server) -> None:
-        """The TLS listener on server.tcp (the configuration refused it without a certificate and key)."""
+    def _add_tcp(self, server: Server) -> str:
+        """The TLS listener on server.tcp (the configuration refused it without a certificate and key);
+        the address bound, HOST:PORT with the port the kernel picked for HOST:auto."""
         cfg = self.cfg
         creds = grpc.ssl_server_credentials(
             [(_read(cfg.tls.key, "tls.key"), _read(cfg.tls.cert, "tls.cert"))],
@@ -1276,20 +1280,24 @@ class Daemon:
             require_client_auth=cfg.mutual_tls,
         )
         try:
-            server.server.add_secure_port(cfg.server.tcp, creds)
+            port = server.server.add_secure_port(vconfig.bind_address(cfg.server.tcp), creds)
         except RuntimeError as exc:
             raise StartupError(f"cannot listen on {cfg.server.tcp}: {exc}") from exc
+        if not port:  # gRPC versions that do not raise say so with port 0
+            raise StartupError(f"cannot listen on {cfg.server.tcp}: the address cannot be bound")
+        return f"{cfg.server.tcp.rpartition(':')[0]}:{port}"
 
     def _serve_metrics(self) -> str | None:
-        """Start the Prometheus endpoint; its address, or None when metrics.port is 0."""
+        """Start the Prometheus endpoint; its address as HOST:PORT with the port bound (the one the
+        kernel picked for "auto"), or None when metrics.port is 0."""
         cfg = self.cfg
-        if not cfg.metrics.port:
+        if cfg.metrics.port == 0:
             return None
         # Operators alert on the scrape: a daemon without its metrics would look down while it
         # serves, so a port that cannot be bound fails the start (metrics.port 0 turns them off).
         try:
             self.metrics_server = start_metrics_server(
-                cfg.metrics.address, cfg.metrics.port, self.registry,
+                cfg.metrics.address, vconfig.bind_port(cfg.metrics.port), self.registry,
                 max_per_address=cfg.metrics.max_connections_per_address, logger=self.log)
             self.metrics.watch_endpoint(self.metrics_server)
         except OSError as exc:
@@ -1300,12 +1308,13 @@ class Daemon:
                 fix = ("give an address of this host with --metrics-address (metrics.address, "
                        "VGPU_METRICS_ADDRESS), e.g. 127.0.0.1 or 0.0.0.0")
             else:
-                fix = "free the port, or set another with --metrics-port (metrics.port, VGPU_METRICS_PORT)"
+                fix = ("free the port, or set another with --metrics-port (metrics.port, VGPU_METRICS_PORT; "
+                       f"{vconfig.ANY_PORT!r}: any free port)")
             raise StartupError(
-                f"cannot serve metrics on {cfg.metrics.address}:{cfg.metrics.port} ({exc.strerror or exc}): "
-                f"{fix}; --metrics-port 0 turns metrics off"
+                f"cannot serve metrics on {vconfig.address_text(cfg.metrics.address, cfg.metrics.port)} "
+                f"({exc.strerror or exc}): {fix}; --metrics-port 0 turns metrics off"
             ) from exc
-        return f"{cfg.metrics.address}:{cfg.metrics.port}"
+        return vconfig.address_text(cfg.metrics.address, self.metrics_server.port)
 
     def _start_front(self) -> None:
         """Hand the bound public socket to the front, which listens on it from now on."""
@@ -1320,15 +1329,16 @@ class Daemon:
         self.front.start()
         self.metrics.watch_connections(lambda: self.front.open_connections if self.front is not None else 0)
 
-    def _log_serving(self, token_files: dict[str, Path], inapp_state: str, metrics_at: str | None,
-                     frozen: int) -> None:
-        """The `serving` record: what the daemon listens on and how it is set up."""
+    def _log_serving(self, token_files: dict[str, Path], inapp_state: str, tcp_at: str | None,
+                     metrics_at: str | None, frozen: int) -> None:
+        """The `serving` record: what the daemon listens on (each port as bound: the one the kernel
+        picked where the setting says "auto") and how it is set up."""
         cfg = self.cfg
         self.log.info(
             "serving",
             socket=str(self.socket_path),
             socket_mode=oct(os.stat(self.socket_path).st_mode & 0o777),
-            tcp=cfg.server.tcp or None,
+            tcp=tcp_at,
             mutual_tls=cfg.mutual_tls if cfg.server.tcp else None,
             metrics=metrics_at,
             backend=cfg.server.backend,
@@ -1630,11 +1640,13 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--socket-group", help="group that owns the socket")
     p.add_argument("--state-dir", help=f"ledger, tokens and saved device settings (default {vconfig.DEFAULT_STATE_DIR})")
     p.add_argument("--backend", help="nvml (default), sim, or sim:SKU[*N][,SKU[*N]...], e.g. sim:h100-80gb*2")
-    p.add_argument("--tcp", metavar="HOST:PORT", help="also listen on TCP; needs --tls-cert and --tls-key")
+    p.add_argument("--tcp", metavar="HOST:PORT", help="also listen on TCP (HOST:auto: any free port, logged in "
+                   "`serving`); needs --tls-cert and --tls-key")
     p.add_argument("--tls-cert", help="PEM server certificate for --tcp")
     p.add_argument("--tls-key", help="PEM server key for --tcp")
     p.add_argument("--tls-ca", help="PEM CA: TCP clients must present a certificate it signed (mutual TLS)")
-    p.add_argument("--metrics-port", type=int, help="Prometheus endpoint port; 0 disables (default 9464)")
+    p.add_argument("--metrics-port", metavar="PORT", help="Prometheus endpoint port; 0 disables it, auto binds any "
+                   "free port and logs it in `serving` (default 9464)")
     p.add_argument("--metrics-address", help="address of the metrics endpoint (default 127.0.0.1)")
     p.add_argument("--model", help="forecaster checkpoint; must load (default: the shipped model when it loads, "
                    "else the baseline forecaster)")
