@@ -41,6 +41,26 @@ def test_a_relative_path_flag_is_taken_from_the_shells_directory(env: Env) -> No
     assert f'state_dir = "{env.tmp / "st"}"' in r.stdout
 
 
+def test_a_socket_given_as_the_clients_give_it_is_that_path(env: Env) -> None:
+    """`unix:///abs/path` (what the clients and `vgpu profiler --manager` take) names the path: before,
+    `vgpu serve` listened on `<cwd>/unix:/abs/path` and `vgpu doctor` called it relative and checked
+    the default socket instead."""
+    for given in (f"unix://{env.sock}", f"unix:{env.sock}"):
+        r = serve(env, "--socket", given, "--state-dir", str(env.state), "--check-config", cwd=env.tmp)
+        assert r.returncode == 0, r.stderr
+        assert f'socket = "{env.sock}"' in r.stdout, given
+    assert not (env.tmp / "unix:").exists()
+    doctor = subprocess.run([sys.executable, "-m", "vgpu.cli", "doctor", "--socket", f"unix://{env.sock}",
+                             "--state-dir", str(env.state), "--json"],
+                            cwd=env.tmp, env=env.env, capture_output=True, text=True, timeout=120)
+    checks = {c["name"]: c for c in json.loads(doctor.stdout)}
+    assert checks["config"]["status"] == "OK", checks["config"]
+    assert checks["socket"]["detail"].startswith(f"{env.sock} "), checks["socket"]  # the socket given, not the default
+    env.env["VGPU_SERVER_SOCKET"] = f"unix://{env.sock}"  # the environment likewise
+    r = serve(env, "--state-dir", str(env.state), "--check-config", cwd=env.tmp)
+    assert r.returncode == 0 and f'socket = "{env.sock}"' in r.stdout, r.stderr
+
+
 def test_a_socket_path_longer_than_sun_path_names_its_length_and_the_limit(env: Env) -> None:
     long_sock = env.tmp / ("s" * 120 + ".sock")
     r = serve(env, "--socket", str(long_sock), "--state-dir", str(env.state))

@@ -334,6 +334,22 @@ def _coerce_port(value: object, where: str, *, parse: bool) -> PortSetting:
                       f"`serving`), got {type(value).__name__} {value!r}")
 
 
+def socket_path(value: str) -> str:
+    """A socket setting as the path the daemon binds: the gRPC spellings the clients take
+    (`unix:///run/vgpu/vgpu.sock`, `unix:/run/...`) name the same path, so they are read as it
+    rather than as a relative path whose name begins with `unix:`."""
+    text = value.strip()
+    for prefix in ("unix://", "unix:"):
+        if text.startswith(prefix):
+            return text[len(prefix):]
+    return value
+
+
+def socket_flag(value: str | None) -> str | None:
+    """A `--socket` flag as an absolute path (`socket_path`, then relative to the shell's directory)."""
+    return os.path.abspath(socket_path(value)) if value else value
+
+
 def bind_port(port: PortSetting) -> int:
     """A port setting as the number to bind: ANY_PORT is 0, for which the kernel picks a free port."""
     return port if isinstance(port, int) else 0
@@ -533,6 +549,9 @@ def load(
         section, _, key = dotted.partition(".")
         _merge(layers, section, key, value, f"flag for {dotted}")
 
+    server = layers.get("server", {})
+    if isinstance(server.get("socket"), str):
+        server["socket"] = socket_path(server["socket"])
     sections: dict[str, Any] = {name: cls(**layers.get(name, {})) for name, cls in _SECTIONS.items()}
     cfg = Config(**sections)
     _validate(cfg)

@@ -498,6 +498,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu doctor", *, out: T
                    help=f"oldest newest-signature age that passes on a GPU with grants (default {DEFAULT_MAX_SIGNATURE_AGE_S:g})")
     p.add_argument("--json", action="store_true", help="print the checks as JSON")
     ns = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    ns.socket = vconfig.socket_flag(ns.socket)  # as `vgpu serve` reads it
     out = out or sys.stdout
     try:
         cfg = vconfig.load(

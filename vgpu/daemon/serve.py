@@ -1669,7 +1669,8 @@ def _absolute(path: str | None) -> str | None:
 
 
 def config_from_args(ns: argparse.Namespace, env: dict[str, str] | None = None) -> Config:
-    for name in ("socket", "state_dir", "tls_cert", "tls_key", "tls_ca"):
+    ns.socket = vconfig.socket_flag(ns.socket)  # (`unix:///path` as the clients take it: the same path)
+    for name in ("state_dir", "tls_cert", "tls_key", "tls_ca"):
         setattr(ns, name, _absolute(getattr(ns, name)))
     overrides = {
         "server.socket": ns.socket,
