@@ -550,8 +550,9 @@ def load(
         _merge(layers, section, key, value, f"flag for {dotted}")
 
     server = layers.get("server", {})
-    if isinstance(server.get("socket"), str):
-        server["socket"] = socket_path(server["socket"])
+    given = server.get("socket")
+    if isinstance(given, str):
+        server["socket"] = socket_path(given)
     sections: dict[str, Any] = {name: cls(**layers.get(name, {})) for name, cls in _SECTIONS.items()}
     cfg = Config(**sections)
     _validate(cfg)
