@@ -127,8 +127,9 @@ def test_missing_inapp_directory_is_said_once(shared: Shared, tmp_path: Path) ->
     out = r.stdout + r.stderr
     assert out.count("in-app counter directory missing") == 1, out
     assert "cannot write in-app counters" not in out
-    # without a report to prove its pid the stub names none, says so once, and is still served
-    assert out.count("requests name no pid") == 1, out
+    # without a report to prove its pid the stub names it on the Unix socket all the same (the daemon
+    # checks the caller's uid), says so once over its two requests, and is served
+    assert out.count("on the socket's word") == 1 and "requests name no pid" not in out, out
     assert str(blocker / "inapp") in out
 
 
@@ -681,3 +682,38 @@ def test_grants_is_a_property_and_the_old_call_still_works_with_a_warning(shared
     # only the call warns, and the warning points at the application's line, not the stub
     assert out["warnings"] == [["DeprecationWarning", "VgpuClient.grants is a property now, like "
                                 "granted_memory_mib: write client.grants, not client.grants()", "<string>"]], out
+
+
+# A stub whose in-app directory cannot be made (its parent missing, as /run/vgpu on a machine with no
+# daemon unit): it prints the pid its grant names and its own.
+NO_REPORT = """
+import os, sys
+from vgpu.client import VgpuClient
+
+sock, app_id, inapp = sys.argv[1], sys.argv[2], sys.argv[3]
+with VgpuClient(app_id, socket=sock, inapp_dir=inapp, watch=False) as client:
+    grant = client.request(memory_mib=100)
+    print("pids", grant.pid, os.getpid(), flush=True)
+"""
+
+
+def test_a_stub_that_cannot_write_its_report_still_names_its_pid_on_the_unix_socket(
+        shared: Shared, tmp_path: Path) -> None:
+    """The socket's front proves the pid by the caller's uid; before, the stub named none without its
+    report, so the grant followed no process (no cgroup cap, no release when the process exited)."""
+    r = run_app(shared.env, "no-report", tmp_path / "missing" / "inapp", program=NO_REPORT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    granted, own = (int(x) for x in r.stdout.split()[1:3])
+    assert granted == own
+    assert "cannot write the in-app report" in r.stderr and "socket's word" in r.stderr
+
+
+def test_without_the_front_a_pid_no_report_proves_is_left_out_and_the_grant_still_made(
+        env: Env, serves: list[Serve], tmp_path: Path) -> None:
+    env.env["VGPU_SERVER_PEER_CREDENTIALS"] = "false"  # the caller's uid unknown, as over TCP
+    env.env["VGPU_SERVER_INAPP_DIR"] = str(tmp_path / "inapp")
+    serves.append(Serve(env))
+    r = run_app(env, "no-report", tmp_path / "missing" / "inapp", program=NO_REPORT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.split()[1] == "0"  # sent again without the pid the daemon refused
+    assert "did not take this process's pid" in r.stderr

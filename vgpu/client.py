@@ -872,6 +872,11 @@ class GrantList(list[allocator_pb2.Grant]):
         return list(self)
 
 
+def _refused_pid(exc: grpc.RpcError) -> bool:
+    """Whether the daemon refused a request for the pid it named (vgpu/auth.py `_pid_refusal`)."""
+    return bool(exc.code() == grpc.StatusCode.PERMISSION_DENIED and "name process" in (exc.details() or ""))
+
+
 class ClientClosedError(RuntimeError):
     """A call that would reach the daemon or write the in-app report, made after `VgpuClient.close()`."""
 
@@ -975,6 +980,7 @@ class VgpuClient:
         # This process's pid as the daemon names it: in a container's pid namespace the daemon turns
         # the pid a request names into its own (vgpu.peers.pid_here), learnt from the first reply.
         self._daemon_pid = self.pid
+        self._unproven_pid = False  # the last request named the pid without an in-app report to prove it
         self._rng = rng or random.Random()
         self.token_file = Path(token_file) if token_file is not None else app_token_path(app_id, socket, env)
         self._token: str | None = (
@@ -1066,7 +1072,17 @@ class VgpuClient:
             req.job.CopyFrom(job.to_proto() if isinstance(job, JobConfig) else job)
         message = allocator_pb2.RequestResourceAllocationRequest(request=req)
         try:
-            resp, call = self._request_when_ready(message)
+            try:
+                resp, call = self._request_when_ready(message)
+            except grpc.RpcError as exc:
+                if not (req.pid and self._unproven_pid and _refused_pid(exc)):
+                    raise
+                # the daemon cannot tell this caller's user (its socket front off) and no report proves
+                # the pid: the grant without it, as over TCP
+                self._warn_once("pid_refused", "the daemon did not take this process's pid without its in-app "
+                                "report: the grant names no process", inapp_dir=str(self.inapp_dir))
+                req.pid = message.request.pid = 0  # (the message holds a copy of req)
+                resp, call = self._request_when_ready(message)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.UNAUTHENTICATED and self._token_from_file:
                 # A token from another key (the daemon's secret was replaced): drop it, claim anew.
@@ -1079,7 +1095,7 @@ class VgpuClient:
                     message, timeout=self._timeout_s, metadata=self._call_metadata()
                 )
             else:
-                if exc.code() == grpc.StatusCode.PERMISSION_DENIED and req.pid and "name process" in (exc.details() or ""):
+                if req.pid and _refused_pid(exc):
                     # A daemon that cannot tell the caller's uid (its socket front off, or TCP) takes
                     # this process's pid only on its in-app report, read from the daemon's own
                     # server.inapp_dir: a stub writing elsewhere is refused for that.
@@ -1273,11 +1289,24 @@ class VgpuClient:
         """The pid to name in a request, or 0 for none. The daemon takes a pid from a caller without the
         operator token when the caller's uid runs the process (its socket front reads the uid), or
         else when that process's fresh in-app report names the application (over TCP, or with the
-        front off), so the report is written first; where it cannot be, the request names no pid (the
-        grant still holds, but the daemon cannot enforce it on this process's cgroup), and that is said once."""
+        front off), so the report is written first. Where it cannot be written, the pid is still named
+        over a Unix socket (the uid decides there; a daemon with its front off refuses it, and the
+        request is then sent again without it: `request`), and not over TCP (nothing could prove it);
+        without a pid the grant still holds, but it is not enforced on this process's cgroup nor
+        released when the process exits. Either is said once."""
         try:
             self.report_now()
         except OSError as exc:
+            if grpc_target(self._socket).startswith("unix"):
+                self._warn_once(
+                    "pid_report",
+                    "cannot write the in-app report: the profiler sees no in-app counters of this process, "
+                    "and the daemon must take this process's pid on the socket's word for its user",
+                    dir=str(self.inapp_dir), error=exc.strerror or str(exc),
+                    fix="give the stub the daemon's server.inapp_dir as inapp_dir= (default /run/vgpu/inapp)",
+                )
+                self._unproven_pid = True
+                return self.pid
             self._warn_once(
                 "pid",
                 "cannot write the in-app report that proves this process's pid: requests name no pid, "
@@ -1285,6 +1314,7 @@ class VgpuClient:
                 dir=str(self.inapp_dir), error=exc.strerror or str(exc),
             )
             return 0
+        self._unproven_pid = False
         return self.pid
 
     def report_now(self) -> Path:
