@@ -838,12 +838,14 @@ class Allocator:
         self._plan_enforcement[device_id] = planned.recounted(app_id, sum(g.memory_mib for g in grants))
 
     # --- applications that vanished --------------------------------------------------------------
-    def last_seen_s(self, app_id: str) -> float | None:
+    def last_seen_s(self, app_id: str, *, counting_start: bool = True) -> float | None:
         """When `app_id` last showed a sign of life: now while it has a watch of its own open or a
         grant whose process runs (a process that took the pid over after the grant was made is not
         the grant's: `_grant_process_runs`); else the latest of its last request, a change to one of its grants,
-        its last signature (`signature_seen`) and, for an app with grants, this allocator's start.
-        None when there is no sign at all."""
+        its last signature (`signature_seen`) and, for an app with grants and `counting_start`, this
+        allocator's start: the idle release's clock, which gives grants restored after a restart the
+        full time to show up. What the operator is shown (`applications`) leaves the start out: it is
+        the daemon's, not a sign of the application. None when there is no sign at all."""
         now = self.clock()
         grants = self.ledger.grants(app_id=app_id)
         if any(sub.app_id == app_id for sub in self._subscriptions):
@@ -851,7 +853,7 @@ class Allocator:
         if any(g.pid > 0 and self._grant_process_runs(g, self.process_start(g.pid)) for g in grants):
             return now
         signs = [self._seen.get(app_id), self.signature_seen(app_id), *(g.updated_at_s for g in grants)]
-        if grants:
+        if grants and counting_start:
             signs.append(self._started_s)
         known = [t for t in signs if t is not None and math.isfinite(t)]
         return max(known) if known else None
@@ -1103,7 +1105,7 @@ class Allocator:
                     forecast_mem_p90_mib=rec.mem_p90_peak_mib if rec else math.nan,
                     forecast_sm_p90_pct=rec.sm_p90_peak_pct if rec else math.nan,
                     source=rec.source if rec else "",
-                    last_seen_s=self.last_seen_s(app_id),
+                    last_seen_s=self.last_seen_s(app_id, counting_start=False),
                     device_id=rec.device_id if rec else (grants[0].device_id if grants else ""),
                     forecast_mem_p50_mib=rec.mem_p50_peak_mib if rec else math.nan,
                     forecast_sm_p50_pct=rec.sm_p50_peak_pct if rec else math.nan,

@@ -486,7 +486,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         for app_id in claims:
             if app_id not in listed:
                 msg = pb.ApplicationInfo(app_id=app_id)
-                seen = self.allocator.last_seen_s(app_id)
+                seen = self.allocator.last_seen_s(app_id, counting_start=False)
                 if seen is not None:
                     msg.last_seen_s = seen
                 out.append(msg)

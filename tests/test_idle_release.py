@@ -92,9 +92,14 @@ def test_grants_restored_after_a_restart_are_released_when_nobody_comes_back(env
     first = Serve(dataclasses.replace(env, env={**env.env, "VGPU_SERVER_IDLE_RELEASE_S": "0"}))  # never
     serves.append(first)
     env.vgpu("request", "--socket", str(env.sock), "--app", "left", "--memory-mib", "8192")
+    granted_at = apps(env)["left"]["grants"][0]["updated_at_s"]
     assert first.term() == 0
-    second = Serve(env)
+    time.sleep(1.5)
+    second = Serve(dataclasses.replace(env, env={**env.env, "VGPU_SERVER_IDLE_RELEASE_S": "6"}))  # time to look
     serves.append(second)
+    # the operator sees the application's last sign, the grant's time, not the restart (which still
+    # gives the restored grant the whole idle time to show up)
+    assert apps(env)["left"]["last_seen_s"] == pytest.approx(granted_at, abs=0.01)
     wait_until(lambda: not apps(env).get("left", {}).get("grants"))
     assert second.event("app_released_idle")["app"] == "left"
     assert env.json("available")["devices"][0]["mem_granted_mib"] == 0
