@@ -212,6 +212,8 @@ def test_socket_is_created_with_the_configured_mode(env: Env, serves: list[Serve
     third = env.vgpu("serve", "--socket", str(env.sock), "--state-dir", str(env.tmp / "s3"),
                      "--backend", f"sim:{SKU}", "--metrics-port", "0", check=False)
     assert third.returncode == 1 and "another daemon is listening" in third.stderr
+    # the failed start removes the state directory it made (tokens, database, lock) and nothing else
+    assert not (env.tmp / "s3").exists() and (env.state / "tokens" / "operator.token").exists()
     assert env.json("available")["devices"]
     assert serves[-1].term() == 0
 

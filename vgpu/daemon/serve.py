@@ -19,7 +19,8 @@ ConfigError: `vgpu serve: configuration error: ...` on stderr, exit status 2.
 
 Start-up (`Daemon.start`), in order. A step that cannot be done raises StartupError (token files:
 auth.AuthSetupError) with a message that names what to fix; `run` calls `stop()`, which undoes only
-the steps reached, and `main` logs `startup_failed` and prints `vgpu serve: <message>` on one line
+the steps reached, then removes the state directory if this start created it (`state_dir_removed`),
+and `main` logs `startup_failed` and prints `vgpu serve: <message>` on one line
 on stderr, exit status 1 (any other exception: `vgpu serve: cannot start: <type>: <message>`).
 1. dry run resolved (`server.dry_run` unset: on for nvml, off for the simulator); when on, a
    `dry_run` warning;
@@ -1039,6 +1040,18 @@ class Daemon:
         if metrics is not None:
             metrics.store_writes.inc()
 
+    def _remove_fresh_state_dir(self) -> None:
+        """After a failed start, remove the state directory that start created (it held no state
+        before, and nothing was served from it): a mistyped socket, a port in use or a missing
+        driver otherwise left a directory of tokens, database and lock behind for each try."""
+        try:
+            shutil.rmtree(self.state_dir)
+        except OSError as exc:
+            self.log.warning("state_dir_not_removed", state_dir=str(self.state_dir), error=str(exc))
+        else:
+            self.log.info("state_dir_removed", state_dir=str(self.state_dir),
+                          reason="start-up failed; the directory was made by this start")
+
     async def start(self) -> None:
         """Start-up's steps, in the order of the module docstring's list."""
         self.cfg = cfg = vconfig.resolve_dry_run(self.cfg)
@@ -1618,10 +1631,13 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig)
         loop.add_signal_handler(signal.SIGHUP, on_hangup)
+        fresh_state = not os.path.lexists(self.state_dir)
         try:
             await self.start()
         except BaseException:
             await self.stop("start-up failed")
+            if fresh_state:
+                self._remove_fresh_state_dir()
             raise
         reason = await stop_signal
         await self.stop(reason)
