@@ -364,20 +364,21 @@ async def test_a_replayed_application_whose_process_runs_on_the_gpu_keeps_its_gr
     first application (pid 100000, as the replay numbers them) is made to run on the simulated GPU,
     and keeps its forecast grant; the other one's process runs nowhere, and its grant goes. With
     server.idle_release_s 0 (keep grants until released) both stay. The two settings run side by
-    side, each on a daemon of its own: each waits out STREAM_END_GRACE_S (10 s), and one wait does
-    for both."""
+    side, each on a daemon of its own: each waits out the grace after the stream's end, and one wait
+    does for both. The daemons are given a grace of `grace_s` (4 s) instead of STREAM_END_GRACE_S
+    (10 s), as their constructor allows, so that the wait is shorter; the rule is the same."""
     import asyncio
 
     from daemon_fixtures import sim_daemon
 
-    from vgpu.daemon.serve import STREAM_END_GRACE_S
+    grace_s = 4.0  # still far longer than the profiler takes to exit once its stream has ended
 
     async def one(idle_release_s: float) -> None:
         where = tmp_path / f"idle-{idle_release_s:g}"
         where.mkdir()
         trace = _small_trace(where / "trace.csv")
         overrides: dict[str, object] = {"server.idle_release_s": idle_release_s}
-        d = sim_daemon(where, **overrides)
+        d = sim_daemon(where, stream_end_grace_s=grace_s, **overrides)
         await d.start()
         try:
             device = d.backend.devices()[0]
@@ -398,10 +399,10 @@ async def test_a_replayed_application_whose_process_runs_on_the_gpu_keeps_its_gr
 
             assert sources() == {"infer-b": ["forecast"], "train-a": ["forecast"]}, idle_release_s
             if not idle_release_s:
-                await asyncio.sleep(STREAM_END_GRACE_S + 3)
+                await asyncio.sleep(grace_s + 3)  # the release would have come at grace_s
                 assert sources() == {"infer-b": ["forecast"], "train-a": ["forecast"]}, idle_release_s
                 return
-            deadline = time.monotonic() + STREAM_END_GRACE_S + 20
+            deadline = time.monotonic() + grace_s + 20
             while sources()["train-a"] and time.monotonic() < deadline:
                 await asyncio.sleep(0.2)
             assert sources() == {"infer-b": ["forecast"], "train-a": []}, idle_release_s

@@ -980,10 +980,12 @@ class Daemon:
         load_sizer: Callable[[], Sizer] | None = None,
         reset_state: bool = False,
         loader_join_s: float = LOADER_JOIN_S,
+        stream_end_grace_s: float = STREAM_END_GRACE_S,
     ) -> None:
         self.cfg = cfg
         self._reset_state = reset_state
         self._loader_join_s = loader_join_s  # how long stop() waits for the background loads
+        self._stream_end_grace_s = stream_end_grace_s  # how long after a stream ends its release waits
         self._load_sizer = load_sizer or default_sizer
         self.clock = clock
         self.notifier = notifier or SdNotifier()
@@ -1358,8 +1360,9 @@ class Daemon:
         )
 
     def _stream_ended(self, stream: StreamState) -> None:
-        """A profiler stream ended: `_release_after_stream` once STREAM_END_GRACE_S have passed; never
-        where server.idle_release_s is 0 (grants are kept until released)."""
+        """A profiler stream ended: `_release_after_stream` once the grace (STREAM_END_GRACE_S unless
+        the constructor was given another) has passed; never where server.idle_release_s is 0 (grants
+        are kept until released)."""
         if self._stopping or self.cfg.server.idle_release_s <= 0:
             return
         ended_s = self.clock()
@@ -1371,7 +1374,7 @@ class Daemon:
             except Exception as exc:  # noqa: BLE001 - the idle release still applies
                 self.log.error("stream_end_release_failed", peer=stream.peer, error=repr(exc))
 
-        timer = asyncio.get_running_loop().call_later(STREAM_END_GRACE_S, release)
+        timer = asyncio.get_running_loop().call_later(self._stream_end_grace_s, release)
         self._stream_end_timers.add(timer)
 
     def _release_after_stream(self, stream: StreamState, ended_s: float) -> list[str]:
