@@ -206,6 +206,7 @@ class ManagerConfig:
     model: str = ""
     # Seconds between checks of the checkpoint file for a new version (mtime/size), hot-loaded
     # without dropping streams; a new file that does not load is logged and the old model serves.
+    # The node-local model (<state_dir>/models/local.pt) is looked at as often.
     model_check_interval_s: float = 5.0
     # Milliseconds the manager waits after a signature batch makes an application due, so that
     # others arriving meanwhile are forecast in the same call (one forecaster call per batch).

@@ -1181,6 +1181,7 @@ class Daemon:
         self.learner = BackgroundLearner(self.state_dir, self.state_dir / "history",
                                          resolve_model(cfg.manager.model).path, watcher,
                                          interval_s=cfg.manager.learn_interval_s if self.history else 0.0,
+                                         poll_s=cfg.manager.model_check_interval_s,
                                          housekeeping=self.history.compress_closed if self.history else None)
         self.learner.start()
 
