@@ -22,18 +22,16 @@ from structlog.testing import capture_logs
 
 from vgpu import config
 from vgpu.allocator.core import Sizer
-from vgpu.daemon.serve import STREAM_END_GRACE_S, Daemon, SdNotifier
+from vgpu.daemon.serve import Daemon, SdNotifier
 
 
-def sim_daemon(tmp_path: Path, *, load_sizer: Callable[[], Sizer] | None = None,
-               stream_end_grace_s: float = STREAM_END_GRACE_S, **overrides: object) -> Daemon:
+def sim_daemon(tmp_path: Path, *, load_sizer: Callable[[], Sizer] | None = None, **overrides: object) -> Daemon:
     """Not started: `await d.start()`, then `await d.stop("test")`."""
     cfg = config.load(None, env={}, overrides={
         "server.socket": str(tmp_path / "v.sock"), "server.state_dir": str(tmp_path / "state"),
         "server.backend": "sim:h100-80gb", "metrics.port": 0, "server.grace_s": 0.0, **overrides,
     })
-    return Daemon(cfg, notifier=SdNotifier(env={}), registry=CollectorRegistry(), load_sizer=load_sizer,
-                  stream_end_grace_s=stream_end_grace_s)
+    return Daemon(cfg, notifier=SdNotifier(env={}), registry=CollectorRegistry(), load_sizer=load_sizer)
 
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -330,11 +330,12 @@ def test_a_bad_backend_spec_is_refused_by_serve_and_profiler_alike(env: Env) -> 
 
 def test_a_replay_s_applications_are_released_soon_after_it_ends(env: Env, serves: list[Serve]) -> None:
     """docs/install.md's "Trying it": after a short replay, the replayed applications' grants stay to
-    be looked at, then go about STREAM_END_GRACE_S after the replay ends (their made-up processes run
-    on no GPU), not after server.idle_release_s, so a request finds the GPU free. An application of
-    the replay that requested a grant itself keeps it."""
-    from vgpu.daemon.serve import STREAM_END_GRACE_S
-
+    be looked at, then go about server.stream_end_grace_s after the replay ends (their made-up
+    processes run on no GPU), not after server.idle_release_s, so a request finds the GPU free. An
+    application of the replay that requested a grant itself keeps it. The grace is set to 4 s (10 s
+    by default), still far longer than the profiler takes to exit once its stream has ended."""
+    grace_s = 4.0
+    env.env["VGPU_SERVER_STREAM_END_GRACE_S"] = str(grace_s)
     serves.append(Serve(env))
     device = env.json("available")["devices"][0]["device_id"]
     trace = _small_trace(env.tmp / "trace.csv")
@@ -350,7 +351,7 @@ def test_a_replay_s_applications_are_released_soon_after_it_ends(env: Env, serve
     def granted() -> dict[str, list[str]]:
         return {a["app_id"]: [g["source"] for g in a.get("grants", [])] for a in env.json("apps")["apps"]}
 
-    wait_for("the replayed application's release", lambda: not granted().get("infer-b"), timeout_s=STREAM_END_GRACE_S + 20)
+    wait_for("the replayed application's release", lambda: not granted().get("infer-b"), timeout_s=grace_s + 20)
     assert time.monotonic() - ended < 60  # far sooner than the 120 s idle release
     assert granted()["train-a"] == train_a  # it requested: its grants are its own to release
     (released,) = [e for e in serves[-1].events() if e.get("event") == "app_released_stream_ended"]
@@ -365,20 +366,20 @@ async def test_a_replayed_application_whose_process_runs_on_the_gpu_keeps_its_gr
     and keeps its forecast grant; the other one's process runs nowhere, and its grant goes. With
     server.idle_release_s 0 (keep grants until released) both stay. The two settings run side by
     side, each on a daemon of its own: each waits out the grace after the stream's end, and one wait
-    does for both. The daemons are given a grace of `grace_s` (4 s) instead of STREAM_END_GRACE_S
-    (10 s), as their constructor allows, so that the wait is shorter; the rule is the same."""
+    does for both: server.stream_end_grace_s, set to 4 s (10 s by default), still far longer than the
+    profiler takes to exit once its stream has ended."""
     import asyncio
 
     from daemon_fixtures import sim_daemon
 
-    grace_s = 4.0  # still far longer than the profiler takes to exit once its stream has ended
+    grace_s = 4.0
 
     async def one(idle_release_s: float) -> None:
         where = tmp_path / f"idle-{idle_release_s:g}"
         where.mkdir()
         trace = _small_trace(where / "trace.csv")
-        overrides: dict[str, object] = {"server.idle_release_s": idle_release_s}
-        d = sim_daemon(where, stream_end_grace_s=grace_s, **overrides)
+        overrides: dict[str, object] = {"server.idle_release_s": idle_release_s, "server.stream_end_grace_s": grace_s}
+        d = sim_daemon(where, **overrides)
         await d.start()
         try:
             device = d.backend.devices()[0]
