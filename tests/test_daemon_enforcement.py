@@ -189,7 +189,7 @@ def test_a_job_still_loading_keeps_its_cold_start_size_until_it_starts_across_a_
     assert serves[-1].event("reconciled")["grants_restored"] == 1
     sized["after"] = _request_sized(env, "after")
     assert {g["source"] for g in sized.values()} == {"cold_start"}
-    _replay(env, {g["device_id"]: {app_id: 0.0} for app_id, g in sized.items()}, PREDICTIVE_CONFIG.start_window_s + 4)
+    _replay(env, {g["device_id"]: {app_id: 0.0} for app_id, g in sized.items()}, PREDICTIVE_CONFIG.start_window_s + 2)
     apps = _apps(env)
     for app_id, grant in sized.items():
         cold_mib = grant["memory_mib"]
