@@ -253,7 +253,7 @@ def _small_trace(path: Path) -> Path:
     return path
 
 
-def _profiler(env: Env, trace: Path, *extra: str, seconds: float = 3.0) -> subprocess.CompletedProcess[str]:
+def _profiler(env: Env, trace: Path, *extra: str, seconds: float = 2.0) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "vgpu.cli", "profiler", "--manager", f"unix://{env.sock}", "--replay", str(trace),
          "--speed", "10", "--seconds", str(seconds), *extra],
@@ -389,7 +389,7 @@ async def test_a_replayed_application_whose_process_runs_on_the_gpu_keeps_its_gr
             env = {**os.environ, "PYTHONPATH": str(ROOT)}
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "vgpu.cli", "profiler", "--manager", f"unix://{d.socket_path}", "--replay",
-                str(trace), "--speed", "10", "--seconds", "3", "--device-id", device.uuid,
+                str(trace), "--speed", "10", "--seconds", "2", "--device-id", device.uuid,
                 "--token-file", str(where / "state" / "tokens" / "profiler.token"),
                 cwd=ROOT, env=env, stderr=asyncio.subprocess.PIPE)
             _, err = await asyncio.wait_for(proc.communicate(), 60)
