@@ -255,7 +255,7 @@ def _small_trace(path: Path) -> Path:
     return path
 
 
-def _profiler(env: Env, trace: Path, *extra: str, seconds: float = 3.0) -> subprocess.CompletedProcess[str]:
+def _profiler(env: Env, trace: Path, *extra: str, seconds: float = 2.0) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "vgpu.cli", "profiler", "--manager", f"unix://{env.sock}", "--replay", str(trace),
          "--speed", "10", "--seconds", str(seconds), *extra],
@@ -332,11 +332,12 @@ def test_a_bad_backend_spec_is_refused_by_serve_and_profiler_alike(env: Env) -> 
 
 def test_a_replay_s_applications_are_released_soon_after_it_ends(env: Env, serves: list[Serve]) -> None:
     """docs/install.md's "Trying it": after a short replay, the replayed applications' grants stay to
-    be looked at, then go about STREAM_END_GRACE_S after the replay ends (their made-up processes run
-    on no GPU), not after server.idle_release_s, so a request finds the GPU free. An application of
-    the replay that requested a grant itself keeps it."""
-    from vgpu.daemon.serve import STREAM_END_GRACE_S
-
+    be looked at, then go about server.stream_end_grace_s after the replay ends (their made-up
+    processes run on no GPU), not after server.idle_release_s, so a request finds the GPU free. An
+    application of the replay that requested a grant itself keeps it. The grace is set to 4 s (10 s
+    by default), still far longer than the profiler takes to exit once its stream has ended."""
+    grace_s = 4.0
+    env.env["VGPU_SERVER_STREAM_END_GRACE_S"] = str(grace_s)
     serves.append(Serve(env))
     device = env.json("available")["devices"][0]["device_id"]
     trace = _small_trace(env.tmp / "trace.csv")
@@ -352,7 +353,7 @@ def test_a_replay_s_applications_are_released_soon_after_it_ends(env: Env, serve
     def granted() -> dict[str, list[str]]:
         return {a["app_id"]: [g["source"] for g in a.get("grants", [])] for a in env.json("apps")["apps"]}
 
-    wait_for("the replayed application's release", lambda: not granted().get("infer-b"), timeout_s=STREAM_END_GRACE_S + 20)
+    wait_for("the replayed application's release", lambda: not granted().get("infer-b"), timeout_s=grace_s + 20)
     assert time.monotonic() - ended < 60  # far sooner than the 120 s idle release
     assert granted()["train-a"] == train_a  # it requested: its grants are its own to release
     (released,) = [e for e in serves[-1].events() if e.get("event") == "app_released_stream_ended"]
@@ -366,19 +367,20 @@ async def test_a_replayed_application_whose_process_runs_on_the_gpu_keeps_its_gr
     first application (pid 100000, as the replay numbers them) is made to run on the simulated GPU,
     and keeps its forecast grant; the other one's process runs nowhere, and its grant goes. With
     server.idle_release_s 0 (keep grants until released) both stay. The two settings run side by
-    side, each on a daemon of its own: each waits out STREAM_END_GRACE_S (10 s), and one wait does
-    for both."""
+    side, each on a daemon of its own: each waits out the grace after the stream's end, and one wait
+    does for both: server.stream_end_grace_s, set to 4 s (10 s by default), still far longer than the
+    profiler takes to exit once its stream has ended."""
     import asyncio
 
     from daemon_fixtures import sim_daemon
 
-    from vgpu.daemon.serve import STREAM_END_GRACE_S
+    grace_s = 4.0
 
     async def one(idle_release_s: float) -> None:
         where = tmp_path / f"idle-{idle_release_s:g}"
         where.mkdir()
         trace = _small_trace(where / "trace.csv")
-        overrides: dict[str, object] = {"server.idle_release_s": idle_release_s}
+        overrides: dict[str, object] = {"server.idle_release_s": idle_release_s, "server.stream_end_grace_s": grace_s}
         d = sim_daemon(where, **overrides)
         await d.start()
         try:
@@ -389,7 +391,7 @@ async def test_a_replayed_application_whose_process_runs_on_the_gpu_keeps_its_gr
             env = {**os.environ, "PYTHONPATH": str(ROOT)}
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "vgpu.cli", "profiler", "--manager", f"unix://{d.socket_path}", "--replay",
-                str(trace), "--speed", "10", "--seconds", "3", "--device-id", device.uuid,
+                str(trace), "--speed", "10", "--seconds", "2", "--device-id", device.uuid,
                 "--token-file", str(where / "state" / "tokens" / "profiler.token"),
                 cwd=ROOT, env=env, stderr=asyncio.subprocess.PIPE)
             _, err = await asyncio.wait_for(proc.communicate(), 60)
@@ -400,10 +402,10 @@ async def test_a_replayed_application_whose_process_runs_on_the_gpu_keeps_its_gr
 
             assert sources() == {"infer-b": ["forecast"], "train-a": ["forecast"]}, idle_release_s
             if not idle_release_s:
-                await asyncio.sleep(STREAM_END_GRACE_S + 3)
+                await asyncio.sleep(grace_s + 3)  # the release would have come at grace_s
                 assert sources() == {"infer-b": ["forecast"], "train-a": ["forecast"]}, idle_release_s
                 return
-            deadline = time.monotonic() + STREAM_END_GRACE_S + 20
+            deadline = time.monotonic() + grace_s + 20
             while sources()["train-a"] and time.monotonic() < deadline:
                 await asyncio.sleep(0.2)
             assert sources() == {"infer-b": ["forecast"], "train-a": []}, idle_release_s

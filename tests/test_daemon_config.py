@@ -89,6 +89,8 @@ def test_env_booleans_and_numbers() -> None:
         ("[server]\nexit_release_s = -1.0\n", {}, r"server.exit_release_s: expected 0..3600 seconds .*got -1.0"),
         ("", {"VGPU_SERVER_EXIT_RELEASE_S": "nan"}, r"server.exit_release_s: expected 0..3600 .*got nan"),
         ("", {"VGPU_SERVER_EXIT_RELEASE_S": "inf"}, r"server.exit_release_s: expected 0..3600 .*got inf"),
+        ("[server]\nstream_end_grace_s = 0.0\n", {}, r"server.stream_end_grace_s: expected more than 0 .*got 0.0"),
+        ("", {"VGPU_SERVER_STREAM_END_GRACE_S": "nan"}, r"server.stream_end_grace_s: expected more than 0 .*got nan"),
         ('[server]\nreclaim = "no"\n', {}, r"server.reclaim .*expected bool"),
         ('[server]\nsocket_mode = "0666"\n', {}, "lets every local user connect"),
         ('[server]\nsocket_mode = "rw"\n', {}, "expected octal"),

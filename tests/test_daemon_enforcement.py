@@ -189,7 +189,7 @@ def test_a_job_still_loading_keeps_its_cold_start_size_until_it_starts_across_a_
     assert serves[-1].event("reconciled")["grants_restored"] == 1
     sized["after"] = _request_sized(env, "after")
     assert {g["source"] for g in sized.values()} == {"cold_start"}
-    _replay(env, {g["device_id"]: {app_id: 0.0} for app_id, g in sized.items()}, PREDICTIVE_CONFIG.start_window_s + 4)
+    _replay(env, {g["device_id"]: {app_id: 0.0} for app_id, g in sized.items()}, PREDICTIVE_CONFIG.start_window_s + 2)
     apps = _apps(env)
     for app_id, grant in sized.items():
         cold_mib = grant["memory_mib"]
@@ -211,7 +211,8 @@ def test_a_new_job_under_the_same_application_gets_its_own_start_up_window(env: 
     serves.append(Serve(env))
     first = _request_sized(env, "runs", batch_size=64)
     device, used_mib = first["device_id"], 0.5 * first["memory_mib"]
-    _replay(env, {device: {"runs": used_mib}}, PREDICTIVE_CONFIG.start_window_s + 4)
+    # its first sample is its first use: the second job's replay starts more than the window after it
+    _replay(env, {device: {"runs": used_mib}}, PREDICTIVE_CONFIG.start_window_s + 2)
     env.vgpu("release", "--socket", str(env.sock), "--grant", first["grant_id"])
     second = _request_sized(env, "runs", batch_size=128)
     cold_mib = second["memory_mib"]
@@ -266,7 +267,7 @@ def test_a_release_lifts_the_caps_of_a_plan_s_contention_at_once(
                     "--state-dir", str(env.state))
     assert _limits(env) == {}
     total = env.json("available")["devices"][0]["mem_total_mib"]
-    _replay(env, {job1["device_id"]: {"big": 0.9 * total}}, 4.0)
+    _replay(env, {job1["device_id"]: {"big": 0.9 * total}}, 2.5)  # the plan is made on the first signatures
     assert _limits(env)[cgroup] == [2048.0, 2048.0]
     assert serves[-1].event("memory_limits_hard")["device"] == job1["device_id"]
     (big,) = _apps(env)["big"]["grants"]

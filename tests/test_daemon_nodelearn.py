@@ -24,6 +24,9 @@ def _until(what: str, check: Callable[[], bool], timeout_s: float = 20.0) -> Non
 
 def test_history_is_written_and_a_local_model_is_served_or_skipped(tmp_path: Path, serves: list[Serve]) -> None:
     env: Env = make_env(tmp_path)
+    # the daemon looks at models/local.pt every half second, not every 5 s: the waits below for each
+    # new file are that much shorter
+    env.env["VGPU_MANAGER_MODEL_CHECK_INTERVAL_S"] = "0.5"
     model = write_tiny_checkpoint(tmp_path / "model.pt", seed=1)
     serves.append(Serve(env, "--model", str(model)))
     daemon = serves[-1]

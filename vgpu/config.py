@@ -101,6 +101,11 @@ class ServerConfig:
     # exited, once its application shows no other sign of life (no watch of its own, no request or
     # signature; while another of its processes runs, at once). 0 leaves them to idle_release_s.
     exit_release_s: float = 5.0
+    # Seconds after a profiler stream ends (a replay that stopped, a profiler stopped or restarted)
+    # that its applications whose grants it alone made, and whose processes run on none of their GPUs,
+    # are released; far below idle_release_s, long enough to look at a replay's applications (`vgpu
+    # apps`) and for a restarted profiler to send for them again. With idle_release_s 0 it never runs.
+    stream_end_grace_s: float = 10.0
     # Grant quotas: at most this many grants per application and on the node (RESOURCE_EXHAUSTED
     # naming the quota beyond); they bound the ledger whatever callers pile up.
     max_grants_per_app: int = 64
@@ -206,6 +211,7 @@ class ManagerConfig:
     model: str = ""
     # Seconds between checks of the checkpoint file for a new version (mtime/size), hot-loaded
     # without dropping streams; a new file that does not load is logged and the old model serves.
+    # The node-local model (<state_dir>/models/local.pt) is looked at as often.
     model_check_interval_s: float = 5.0
     # Milliseconds the manager waits after a signature batch makes an application due, so that
     # others arriving meanwhile are forecast in the same call (one forecaster call per batch).
@@ -407,6 +413,9 @@ def _validate(cfg: Config) -> None:
     if not 0 <= s.exit_release_s <= 3600:
         raise ConfigError(f"server.exit_release_s: expected 0..3600 seconds (0: off, grants of exited processes "
                           f"wait for server.idle_release_s), got {s.exit_release_s}")
+    if not 0 < s.stream_end_grace_s <= 3600:
+        raise ConfigError(f"server.stream_end_grace_s: expected more than 0 and at most 3600 seconds (the release "
+                          f"after a stream's end is off only with server.idle_release_s 0), got {s.stream_end_grace_s}")
     for name in ("max_grants_per_app", "max_grants_per_node", "max_watchers_per_caller", "max_watchers",
                  "max_connections", "max_connections_per_uid"):
         if getattr(s, name) < 1:

@@ -82,9 +82,9 @@ releases the grants whose process the daemon saw run and has exited, its applica
 `server.exit_release_s` (`Allocator.release_exited`, `app_released_exited`; off with 0), then the
 grants of applications silent for idle_release_s (`Allocator.release_vanished`; off with 0); a failed
 sweep is logged `idle_release_failed`. With `server.idle_release_s` 0 (keep grants until they are
-released) neither the idle release nor the stream-end release below runs;
-STREAM_END_GRACE_S after a profiler stream ends, its applications whose grants the daemon made from
-their signatures and whose process runs on none of their GPUs go (`_release_after_stream`,
+released) neither the idle release nor the stream-end release below runs; `server.stream_end_grace_s`
+(10 s) after a profiler stream ends, its applications whose grants the daemon made from their
+signatures and whose process runs on none of their GPUs go (`_release_after_stream`,
 `app_released_stream_ended`).
 
 Stop (`Daemon.stop`; SIGTERM or SIGINT, or a failed start), in order: STOPPING=1; the watchdog, the
@@ -496,12 +496,6 @@ class InAppPidProof:
             and abs(report.pid_start_s - start_s) <= PID_START_TOLERANCE_S
             for report in found.reports
         )
-
-
-# How long after a profiler stream ends the applications only it sent, and whose processes are gone,
-# are released (`Daemon._release_after_stream`): long enough to look at them (`vgpu apps`) after a
-# replay, and for a restarted profiler to send for them again; far below server.idle_release_s.
-STREAM_END_GRACE_S = 10.0
 
 
 class ObservedPids:
@@ -1192,6 +1186,7 @@ class Daemon:
         self.learner = BackgroundLearner(self.state_dir, self.state_dir / "history",
                                          resolve_model(cfg.manager.model).path, watcher,
                                          interval_s=cfg.manager.learn_interval_s if self.history else 0.0,
+                                         poll_s=cfg.manager.model_check_interval_s,
                                          housekeeping=self.history.compress_closed if self.history else None)
         self.learner.start()
 
@@ -1371,8 +1366,8 @@ class Daemon:
         )
 
     def _stream_ended(self, stream: StreamState) -> None:
-        """A profiler stream ended: `_release_after_stream` once STREAM_END_GRACE_S have passed; never
-        where server.idle_release_s is 0 (grants are kept until released)."""
+        """A profiler stream ended: `_release_after_stream` once server.stream_end_grace_s have passed;
+        never where server.idle_release_s is 0 (grants are kept until released)."""
         if self._stopping or self.cfg.server.idle_release_s <= 0:
             return
         ended_s = self.clock()
@@ -1384,7 +1379,7 @@ class Daemon:
             except Exception as exc:  # noqa: BLE001 - the idle release still applies
                 self.log.error("stream_end_release_failed", peer=stream.peer, error=repr(exc))
 
-        timer = asyncio.get_running_loop().call_later(STREAM_END_GRACE_S, release)
+        timer = asyncio.get_running_loop().call_later(self.cfg.server.stream_end_grace_s, release)
         self._stream_end_timers.add(timer)
 
     def _release_after_stream(self, stream: StreamState, ended_s: float) -> list[str]:
