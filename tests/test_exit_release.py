@@ -144,7 +144,9 @@ def test_with_exit_release_off_a_killed_application_s_grant_waits_for_the_idle_r
     try:
         crashed.send_signal(signal.SIGKILL)
         crashed.wait(10)
-        time.sleep(8.0)  # several sweeps (every 5 s at most) and far more than the grace would be
+        # two sweeps (every 5 s at most) that come more than the default grace (5 s) after the kill: a
+        # 0 read as the default would release it by then
+        time.sleep(10.5)
         assert [g["grant_id"] for g in grants_of(env, "train-kept")] == [grant_id]
         assert not [e for e in serve.events() if e.get("event") == "app_released_exited"]
     finally:
