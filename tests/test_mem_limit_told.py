@@ -72,11 +72,12 @@ class Node:
 
 @pytest.fixture
 async def node(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Node]:
-    supported: bool = request.param
+    # the driver's cgroup limits supported, and (when given) whether the socket's front reads callers' uids
+    supported, front = (request.param, True) if isinstance(request.param, bool) else request.param
     cfg = config.load(None, env={}, overrides={
         "server.socket": str(tmp_path / "v.sock"), "server.state_dir": str(tmp_path / "state"),
         "server.inapp_dir": str(tmp_path / "inapp"), "server.backend": "nvml", "server.dry_run": False,
-        "metrics.port": 0, "server.grace_s": 0.0,
+        "metrics.port": 0, "server.grace_s": 0.0, "server.peer_credentials": front,
     })
     sim = SimBackend(["h100-80gb"], memory_limits=supported)
     d = Daemon(cfg, notifier=SdNotifier(env={}), registry=CollectorRegistry(), backend=NvmlBackend(nvml=FakePynvml(sim)))
@@ -157,8 +158,9 @@ async def _apps(node: Node) -> dict[str, dict[str, str]]:
 @pytest.mark.parametrize(("node", "pid_proven", "after"), [
     pytest.param(True, True, "hard", id="capped"),
     pytest.param(False, True, "cooperative", id="driver-without-cgroup-limits"),
-    # the stub cannot write the report that proves its pid: its requests name none
-    pytest.param(True, False, "cooperative", id="no-pid-to-cap"),
+    # the stub cannot write the report that proves its pid, and the daemon cannot tell its uid (the
+    # front off, as over TCP): its requests name no process to cap
+    pytest.param((True, False), False, "cooperative", id="no-pid-to-cap"),
 ], indirect=["node"])
 async def test_the_answer_and_every_event_say_what_is_in_force(node: Node, tmp_path: Path, pid_proven: bool,
                                                                after: str) -> None:
