@@ -23,7 +23,8 @@ sent) and while the daemon answers UNAVAILABLE marked as having changed nothing
 (vgpu.client.changed_nothing: its cold-start model still loading just after it starts, its state
 directory full), saying once on stderr for each that they wait; the second loop is the client
 stub's (vgpu.client.send_when_ready). An UNAVAILABLE without the mark may follow a change and is
-never sent again.
+never sent again. A socket whose directory does not exist is not waited for: no daemon listens
+there, and none is starting (the unit's RuntimeDirectory, or `vgpu serve` as it starts, makes it).
 
 Exit status: 0 done, 1 the daemon refused or could not be reached (the message says why), 2 usage
 or configuration error (a number outside its field's range, a token file that holds no token).
@@ -144,6 +145,7 @@ class Client:
         self._notice = notice
         self._noticed = False
         self._target = socket_path if socket_path.startswith("unix:") else f"unix:{os.path.abspath(socket_path)}"
+        self._socket_file = _socket_file(self._target)
         self._listening_noticed = False
         self._connect()
 
@@ -171,7 +173,7 @@ class Client:
                     wait_s=max(0.0, deadline - time.monotonic()), on_wait=self._waiting)
                 return answer
             except grpc.RpcError as exc:
-                if not _not_listening(exc) or time.monotonic() + delay_s > deadline:
+                if not _not_listening(exc) or self._missing_directory() or time.monotonic() + delay_s > deadline:
                     raise
             if not self._listening_noticed:
                 self._listening_noticed = True
@@ -205,12 +207,7 @@ class Client:
                         hint = " (nothing was changed: run it again)"
                     raise CliError(f"{code.name}: {exc.details()}{hint}") from None
                 if code == grpc.StatusCode.UNAVAILABLE:
-                    waited = (f"; nothing listened there within {self.wait_s:g} s (--wait-s)"
-                              if self.wait_s and _not_listening(exc) else "")
-                    raise CliError(
-                        f"cannot reach the vgpu daemon at {self.socket_path} ({exc.details()}){waited}; "
-                        "is vgpu-manager running, and may you open its socket?"
-                    ) from None
+                    raise CliError(self._unreachable_text(exc)) from None
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise CliError(self._no_answer(method)) from None
                 if code == grpc.StatusCode.UNAUTHENTICATED and cached is not None:
@@ -221,6 +218,23 @@ class Client:
                 raise CliError(f"{code.name}: {exc.details()}{self._owner_hint(exc, app_id)}") from None
         assert last is not None
         raise CliError(f"{last.code().name}: {last.details()}{self._owner_hint(last, app_id)}")
+
+    def _missing_directory(self) -> Path | None:
+        """The socket's directory when it does not exist: no daemon listens there, and none is about
+        to (the unit's RuntimeDirectory, or `vgpu serve` as it starts, makes it before it listens)."""
+        if self._socket_file is None or self._socket_file.parent.exists():
+            return None
+        return self._socket_file.parent
+
+    def _unreachable_text(self, exc: grpc.RpcError) -> str:
+        """No connection to the socket: why, how long this command waited, and where else to look."""
+        text = f"cannot reach the vgpu daemon at {self.socket_path} ({exc.details()})"
+        missing = self._missing_directory() if _not_listening(exc) else None
+        if missing is not None:
+            text += f"; its directory {missing} does not exist, so no daemon listens there (not waited for)"
+        elif self.wait_s and _not_listening(exc):
+            text += f"; nothing listened there within {self.wait_s:g} s (--wait-s)"
+        return text + "; " + NO_DAEMON_HINT
 
     def _no_answer(self, method: str) -> str:
         """No answer within the timeout: a change may have been made all the same (the call reached
@@ -253,6 +267,19 @@ class Client:
                 f"{auth.app_token_file(app_id, self.tokens.state_dir)}; pass the file of the run that claimed it "
                 "with --token-file, or --state-dir (the daemon's) as a user who may read its tokens"
                 + (", or use another --app" if claimed else ""))
+
+
+# What to try when no daemon answers on the socket: the packaged service, or another daemon's socket.
+NO_DAEMON_HINT = ("is vgpu-manager running (systemctl status vgpu-manager), and may you open its socket? "
+                  "For a daemon on another socket, pass --socket PATH or set VGPU_SERVER_SOCKET")
+
+
+def _socket_file(target: str) -> Path | None:
+    """The socket file of a `unix:` gRPC target (`unix:///abs/path`, `unix:path`), None for others."""
+    for prefix in ("unix://", "unix:"):
+        if target.startswith(prefix):
+            return Path(os.path.abspath(target[len(prefix):]))
+    return None
 
 
 # The calls that change something (the others only read).
