@@ -593,7 +593,8 @@ def app_rows(resp: pb.ListApplicationsResponse, devices: pb.GetAvailableResource
             "LIMIT MiB": f"{lim.max_memory_mib:,.0f}" if a.HasField("limits") and lim.HasField("max_memory_mib") else "-",
             "SM %": _known(a.sm_util_pct, known),
             "P90 SM %": _known(a.forecast_sm_p90_pct, known and a.forecast_sm_p90_pct > 0),
-            "GRANT SM %": f"{sum(g.sm_pct for g in a.grants):.0f}",
+            # as GRANTED MiB: "none" without a grant, told apart from a memory grant with no SM share
+            "GRANT SM %": f"{sum(g.sm_pct for g in a.grants):.0f}" if a.grants else NO_GRANT,
             "LAST SEEN": _age(now - a.last_seen_s) if a.HasField("last_seen_s") else NA,
         })
     return rows
@@ -644,7 +645,7 @@ def apps_main(argv: Sequence[str] | None = None, prog: str = "vgpu apps", *, out
         p.add_argument("-a", "--all", action="store_true",
                        help="also list the applications that hold nothing now: no grant, no process on a GPU, no "
                             "forecast, no limits (released or idle, their ids kept as claimed); "
-                            f"their GRANTED MiB reads {NO_GRANT!r}")
+                            f"their GRANTED MiB and GRANT SM % read {NO_GRANT!r}")
         p.add_argument("--json", action="store_true",
                        help="print the daemon's ListApplications answer as JSON: every application, as with --all")
         _wait_option(p)
