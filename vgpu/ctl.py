@@ -645,7 +645,7 @@ def apps_main(argv: Sequence[str] | None = None, prog: str = "vgpu apps", *, out
         p.add_argument("-a", "--all", action="store_true",
                        help="also list the applications that hold nothing now: no grant, no process on a GPU, no "
                             "forecast, no limits (released or idle, their ids kept as claimed); "
-                            f"their GRANTED MiB and GRANT SM % read {NO_GRANT!r}")
+                            f"their GRANTED MiB and GRANT SM %% read {NO_GRANT!r}")
         p.add_argument("--json", action="store_true",
                        help="print the daemon's ListApplications answer as JSON: every application, as with --all")
         _wait_option(p)
