@@ -51,7 +51,7 @@ from google.protobuf.message import Message
 from vgpu import auth
 from vgpu import client as vclient
 from vgpu import config as vconfig
-from vgpu.jobs import known_model, unknown_model_note
+from vgpu.jobs import MODES, PRECISIONS, InvalidJobConfig, JobConfig, known_model, unknown_model_note
 from vgpu.v1 import allocator_pb2 as pb
 from vgpu.v1 import allocator_pb2_grpc as pb_grpc
 
@@ -725,9 +725,9 @@ def request_main(argv: Sequence[str] | None = None, prog: str = "vgpu request", 
         job.add_argument("--param-count", type=UINT64, default=0)
         job.add_argument("--input-size", type=UINT32, default=0)
         job.add_argument("--num-layers", type=UINT32, default=0)
-        job.add_argument("--precision", default="", help="fp32 (default), fp16, bf16 or amp")
+        job.add_argument("--precision", default="", help=f"one of {', '.join(PRECISIONS)} (default {PRECISIONS[0]})")
         job.add_argument("--optimizer", default="")
-        job.add_argument("--mode", default="", help="train (default) or infer")
+        job.add_argument("--mode", default="", help=f"one of {', '.join(MODES)} (default {MODES[0]})")
 
     def body(ns: argparse.Namespace, c: Client, o: TextIO) -> int:
         # The job goes to the daemon only with its model type; its other fields alone would be dropped.
@@ -738,6 +738,8 @@ def request_main(argv: Sequence[str] | None = None, prog: str = "vgpu request", 
                              f"{'it' if len(stray) == 1 else 'them'} out")
         if ns.memory_mib is None and not ns.model_type:
             raise UsageError("give --memory-mib, or describe the job (--model-type, --batch-size, ...) to have it sized")
+        if ns.model_type:
+            _check_job(ns)
         if ns.model_type and not ns.param_count and known_model(ns.model_type) is None:
             # a model of one's own is sized all the same (from --param-count, when given: then nothing
             # is said); a typo should not pass unnoticed
@@ -792,6 +794,22 @@ LEASE_NOTE = ("note: no --pid, so no process holds this grant: unless {app!r} sh
 
 # The job's fields besides its model type (`vgpu request`'s options of the same names).
 _JOB_DETAILS = ("batch_size", "param_count", "input_size", "num_layers", "precision", "optimizer", "mode")
+
+
+def _check_job(ns: argparse.Namespace) -> None:
+    """UsageError for a job the daemon would refuse INVALID_ARGUMENT, checked as it checks it: every
+    job by vgpu.jobs.JobConfig (its precision and mode among PRECISIONS and MODES), and a job to be
+    sized (no --memory-mib) by JobConfig.check_sizable (a batch of at least 1)."""
+    try:
+        job = JobConfig(ns.model_type, ns.param_count, ns.batch_size, ns.input_size, ns.num_layers, ns.precision,
+                        ns.optimizer, ns.mode)
+        if not ns.memory_mib:
+            job.check_sizable()
+    except InvalidJobConfig as exc:
+        # the message names the job's field; the option of the same name says it as typed
+        field = next((f for f in ("model_type", *_JOB_DETAILS) if re.search(rf"\b{f}\b", str(exc))), None)
+        flag = f"--{field.replace('_', '-')}: " if field else ""
+        raise UsageError(f"{flag}the job cannot be {'sent' if ns.memory_mib else 'sized'}: {exc}") from None
 
 
 def _owner_of(c: Client, grant_id: str) -> str | None:
