@@ -43,6 +43,15 @@ def test_size_of_an_unknown_model_type_says_so_and_names_the_nearest(tmp_path: P
     assert any("unknown model type 'resnet5O'" in n for n in json.loads(r.stdout)["notes"])
     known = vgpu("size", "--model-type", "resnet50", "--batch-size", "64", "--json")
     assert known.returncode == 0 and "unknown model type" not in known.stderr + known.stdout
+    # the table says the parameter count is not known, not that the model has none; the size is unchanged
+    typed = vgpu("size", "--model-type", "resnett50", "--batch-size", "8")
+    first = typed.stdout.splitlines()[0]
+    assert typed.returncode == 0 and first.startswith("resnett50 (cnn, parameter count unknown: give --param-count)")
+    assert "0 parameters" not in typed.stdout
+    sized = json.loads(vgpu("size", "--model-type", "resnett50", "--batch-size", "8", "--json").stdout)
+    assert f"= grant {sized['grant_mib']:.0f} MiB" in typed.stdout
+    given = vgpu("size", "--model-type", "resnett50", "--batch-size", "8", "--param-count", "25000000")
+    assert given.stdout.startswith("resnett50 (cnn, 25,000,000 parameters)"), given.stdout
 
 
 @pytest.fixture(scope="module")
