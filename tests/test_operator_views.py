@@ -260,6 +260,9 @@ def test_top_on_a_terminal_draws_sparklines_sorts_and_quits_on_q(env: Env, serve
         screen = _tmux("capture-pane", "-p", "-t", session)
         assert "GPUs" in screen and "00000000:17:00.0" in screen
         assert "sorted by granted" in screen
+        # the columns of `vgpu apps` less its SM ones (docs/operations.md, "vgpu top")
+        assert "GRANTED MiB" in screen and "LAST SEEN" in screen
+        assert "GRANT SM %" not in screen and "P90 SM %" not in screen, screen
         assert re.search(r"use +[▁▂▃▄▅▆▇█]", screen), screen
         assert re.search(r"p90 +[▁▂▃▄▅▆▇█ ]", screen)
         subprocess.run([*TMUX, "send-keys", "-t", session, "s"], check=True)
