@@ -735,7 +735,10 @@ def _size(args: argparse.Namespace, prog: str, *, as_json: bool) -> int:
     if as_json:
         print(json.dumps({**dataclasses.asdict(est), "grant_mib": est.grant_mib, "fits": est.fits, "verdict": verdict}))
         return 0
-    print(f"{job.model_type} ({est.family}, {est.param_count:,} parameters), batch {job.batch_size}, "
+    # 0: neither --param-count nor the known-model table gave one (the sizer then goes by the family)
+    params = (f"{est.param_count:,} parameters" if est.param_count > 0 else
+              "parameter count unknown: give --param-count")
+    print(f"{job.model_type} ({est.family}, {params}), batch {job.batch_size}, "
           f"{job.mode_norm}, {job.precision_norm} on {est.capacity_mib:.0f} MiB:")
     print(f"  peak memory  {est.mem_mib:8.0f} MiB + margin {est.margin_mib:.0f} MiB "
           f"(p{round(100 * float(sizer.metadata.get('margin_quantile', MARGIN_QUANTILE)))} relative error "

@@ -46,8 +46,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     src.add_argument("--backend", default="nvml", help="device backend: nvml (default), sim, or sim:SKU[*N][,SKU[*N]...], e.g. sim:h100-80gb*2")
     src.add_argument("--replay", type=Path, metavar="TRACE", help="replay a canonical trace instead of sampling GPUs")
     p.add_argument("--device-id", default=None,
-                   help="replay: the device the signatures name (a device of the daemon, see `vgpu available`); "
-                   "default: the trace's gpu column")
+                   help="replay: the device the signatures name, a device of the daemon by its index (IDX) or "
+                   "UUID, as `vgpu available` lists them; default: the trace's gpu column")
     tok = p.add_mutually_exclusive_group()
     tok.add_argument("--token-file", type=Path, default=auth.role_token_file("profiler"),
                      help="the daemon's profiler token (default %(default)s)")
@@ -104,9 +104,10 @@ def main(argv: Sequence[str], prog: str = "vgpu profiler") -> int:
             from vgpu.traces import TraceFormatError
 
             if args.device_id is not None:
-                problem = check_device_id(args.manager, args.device_id, metadata, logger)
-                if problem:
-                    print(f"{prog}: {problem}", file=sys.stderr)
+                try:
+                    args.device_id = resolve_device_id(args.manager, args.device_id, metadata, logger)
+                except ValueError as exc:
+                    print(f"{prog}: {exc}", file=sys.stderr)
                     return 2
             try:
                 source = ReplaySource(args.replay, speed=args.speed, copies=args.copies, loop=args.loop,
@@ -192,18 +193,22 @@ class TokenReader:
         return auth.bearer(self.token)
 
 
-def check_device_id(
+def resolve_device_id(
     manager: str,
     device_id: str,
     metadata: Callable[[], tuple[tuple[str, str], ...]] | None,
     logger: structlog.typing.FilteringBoundLogger,
     timeout_s: float = 5.0,
-) -> str | None:
-    """Why `device_id` cannot be used with the daemon at `manager` (it answers without such a device
-    or MIG instance), or None. A daemon that cannot be asked now is warned about, not an error: the
-    profiler waits for it like for any manager that is away."""
+) -> str:
+    """The device the replayed signatures name: `device_id` as given (a GPU or MIG UUID), or the UUID
+    of the GPU whose index it is, looked up as every `--device` flag is (vgpu.ctl.device_of_index).
+    ValueError saying why it cannot be used with the daemon at `manager` (it answers without such a
+    device or MIG instance, or an index cannot be looked up). A daemon that cannot be asked now is
+    warned about for a UUID, not an error: the profiler waits for it like for any manager that is
+    away."""
     import grpc
 
+    from vgpu.ctl import device_of_index, is_device_index
     from vgpu.v1 import allocator_pb2, allocator_pb2_grpc
 
     channel = grpc.insecure_channel(grpc_target(manager))
@@ -213,16 +218,25 @@ def check_device_id(
             metadata=metadata() if metadata is not None else (),
         )
     except grpc.RpcError as exc:
+        if is_device_index(device_id):
+            raise ValueError(f"--device-id {device_id} is a GPU index, which only the daemon can look up, and it "
+                             f"cannot be reached at {manager} ({exc.code().name}: {exc.details()}); start it first, "
+                             "or give the GPU's UUID (vgpu available)") from None
         logger.warning("cannot check --device-id against the manager", manager=manager, device_id=device_id,
                        code=str(exc.code()), detail=exc.details())
-        return None
+        return device_id
     finally:
         channel.close()
+    if is_device_index(device_id):
+        try:
+            return device_of_index(resp, device_id)
+        except LookupError as exc:
+            raise ValueError(f"--device-id {device_id}: {exc}") from None
     ids = [d.device_id for d in resp.devices]
     if device_id in ids or any(device_id == m.instance_id for d in resp.devices for m in d.mig_instances):
-        return None
-    return (f"--device-id {device_id!r} is not a device of the daemon at {manager}; its devices: "
-            f"{', '.join(ids) or 'none'} (vgpu available)")
+        return device_id
+    raise ValueError(f"--device-id {device_id!r} is not a device of the daemon at {manager}; its devices: "
+                     f"{', '.join(f'{d.index} ({d.device_id})' for d in resp.devices) or 'none'} (vgpu available)")
 
 
 async def _run(streamer: SignatureStreamer, seconds: float) -> StreamStats:

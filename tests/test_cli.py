@@ -178,7 +178,7 @@ async def test_request_sizes_a_described_job_with_the_cold_start_model(tmp_path:
         rc, text = await run(cli.request_main, tmp_path, *sock, "--app", "x", "--memory-mib", "512", "--json")
         assert rc == 0 and "cold_start_mib" not in json.loads(text)  # an amount asked: no size to tell
         rc, _ = await run(cli.request_main, tmp_path, *sock, "--app", "k", "--model-type", "resnet50")
-        assert rc == 1  # batch size 0: INVALID_ARGUMENT from the daemon, nothing granted
+        assert rc == 2  # no batch size: refused at the command line as the daemon would refuse it, nothing granted
         rc, _ = await run(cli.request_main, tmp_path, *sock, "--app", "k")
         assert rc == 2  # neither --memory-mib nor a job: a usage error
         assert sorted(g.app_id for g in d.allocator.ledger.grants()) == ["j", "j2", "x"]

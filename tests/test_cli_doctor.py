@@ -83,6 +83,8 @@ def test_main_exits_1_on_failure_and_prints_a_line_per_check(tmp_path: Path) -> 
     assert names == ["config", "backend", "driver", "nvml", "privileges", "socket", "state", "model", "profiler"]
     assert all(line.split()[0] in ("OK", "WARN", "FAIL") for line in lines)
     assert lines[5].startswith("FAIL") and "does not exist" in lines[5]
+    # the hint names the service and a daemon started by hand
+    assert "systemctl status vgpu-manager" in lines[5] and "give its --socket here" in lines[5]
     assert "sim:h100-80gb (checked as --backend asks: no daemon answers" in lines[1]
 
 

@@ -104,6 +104,7 @@ def test_a_change_sent_before_the_daemon_listens_waits_for_it(env: Env, serves: 
 
 def _says_how_long_it_waited_and_0_does_not_wait(env: Env, *args: str) -> None:
     """`vgpu ARGS` with no daemon: --wait-s 1 waits that long and says so; --wait-s 0 fails at once."""
+    env.sock.parent.mkdir(parents=True, exist_ok=True)  # a directory a daemon could be starting in
     began = time.monotonic()
     r = vgpu(*args, "--wait-s", "1", env=env.env)
     assert r.returncode == 1 and time.monotonic() - began >= 0.8, r.stderr
@@ -121,6 +122,33 @@ def test_a_change_with_no_daemon_says_how_long_it_waited_and_0_does_not_wait(env
     assert r.returncode == 1 and "nothing listens" not in r.stderr
 
 
+@pytest.mark.parametrize("command", [["apps"], ["top", "--plain", "--iterations", "1"],
+                                     ["request", "--app", "a", "--memory-mib", "1"]])
+def test_a_socket_in_a_directory_that_does_not_exist_fails_at_once(env: Env, command: list[str]) -> None:
+    """No daemon can be listening or starting where the socket's directory is missing (a mistyped
+    --socket, or the default /run/vgpu/vgpu.sock on a node that runs none): the command says so
+    without waiting out --wait-s, and says how to name another daemon's socket."""
+    sock = env.tmp / "no-such-dir" / "vgpu.sock"
+    began = time.monotonic()
+    r = vgpu(*command, "--socket", str(sock), "--wait-s", "30", env=env.env)
+    assert r.returncode == 1 and time.monotonic() - began < 20, r.stderr
+    assert f"cannot reach the vgpu daemon at {sock}" in r.stderr, r.stderr
+    assert f"its directory {sock.parent} does not exist" in r.stderr and "nothing listens" not in r.stderr
+    assert "--socket PATH or set VGPU_SERVER_SOCKET" in r.stderr and "systemctl status vgpu-manager" in r.stderr
+    # the environment variable the hint names is the one the commands read
+    r = vgpu(command[0], *command[1:], "--wait-s", "30", env={**env.env, "VGPU_SERVER_SOCKET": str(sock)})
+    assert r.returncode == 1 and f"cannot reach the vgpu daemon at {sock}" in r.stderr, r.stderr
+
+
+def test_a_missing_socket_in_an_existing_directory_is_waited_for_and_names_the_flag(env: Env) -> None:
+    """The socket's directory exists (a daemon may be starting there): the wait is kept, and the
+    message says how to point the command at another daemon."""
+    env.sock.parent.mkdir(parents=True)
+    r = vgpu("apps", "--socket", str(env.sock), "--wait-s", "0.5", env=env.env)
+    assert r.returncode == 1 and "nothing listened there within 0.5 s (--wait-s)" in r.stderr, r.stderr
+    assert "--socket PATH or set VGPU_SERVER_SOCKET" in r.stderr
+
+
 LOOKS = (["available", "--json"], ["apps", "--json"], ["top", "--plain", "--iterations", "1"],
          ["report", "--app", "nobody", "--out", "REPORT"])
 
@@ -130,6 +158,7 @@ def test_a_look_sent_before_the_daemon_listens_waits_for_it(env: Env, serves: li
     commands wait within --wait-s too, and answer once the daemon serves. All four wait for the
     one daemon (a start is 2-3 s of the suite); each is checked on its own."""
     waiting: dict[str, tuple[subprocess.Popen[str], str]] = {}
+    env.sock.parent.mkdir(parents=True, exist_ok=True)  # as the unit's RuntimeDirectory makes it
     try:
         for look in LOOKS:
             command = [str(tmp_path / "report.png") if a == "REPORT" else a for a in look]

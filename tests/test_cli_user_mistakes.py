@@ -17,6 +17,7 @@ import pytest
 from daemon_fixtures import ROOT, SKU, Env, Serve, make_env, one_daemon_for_the_module
 
 from vgpu import auth
+from vgpu.jobs import MODES, PRECISIONS
 
 
 def vgpu(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -42,6 +43,15 @@ def test_size_of_an_unknown_model_type_says_so_and_names_the_nearest(tmp_path: P
     assert any("unknown model type 'resnet5O'" in n for n in json.loads(r.stdout)["notes"])
     known = vgpu("size", "--model-type", "resnet50", "--batch-size", "64", "--json")
     assert known.returncode == 0 and "unknown model type" not in known.stderr + known.stdout
+    # the table says the parameter count is not known, not that the model has none; the size is unchanged
+    typed = vgpu("size", "--model-type", "resnett50", "--batch-size", "8")
+    first = typed.stdout.splitlines()[0]
+    assert typed.returncode == 0 and first.startswith("resnett50 (cnn, parameter count unknown: give --param-count)")
+    assert "0 parameters" not in typed.stdout
+    sized = json.loads(vgpu("size", "--model-type", "resnett50", "--batch-size", "8", "--json").stdout)
+    assert f"= grant {sized['grant_mib']:.0f} MiB" in typed.stdout
+    given = vgpu("size", "--model-type", "resnett50", "--batch-size", "8", "--param-count", "25000000")
+    assert given.stdout.startswith("resnett50 (cnn, 25,000,000 parameters)"), given.stdout
 
 
 @pytest.fixture(scope="module")
@@ -248,6 +258,29 @@ def test_a_job_detail_without_its_model_type_is_refused_not_dropped(tmp_path: Pa
     beside = vgpu("request", *sock, "--app", "a", "--memory-mib", "10", "--batch-size", "64", "--precision", "fp16")
     assert beside.returncode == 2, beside.stderr
     assert "--batch-size, --precision describe a job only with --model-type" in beside.stderr, beside.stderr
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (("--batch-size", "0"), "--batch-size: the job cannot be sized: batch_size must be >= 1"),
+    (("--batch-size", "8", "--precision", "fp8"),
+     f"--precision: the job cannot be sized: unknown precision 'fp8'; expected one of {', '.join(PRECISIONS)}"),
+    (("--batch-size", "8", "--mode", "inference"),
+     f"--mode: the job cannot be sized: unknown mode 'inference'; expected {' or '.join(map(repr, MODES))}"),
+    (("--memory-mib", "10", "--batch-size", "8", "--mode", "inference"), "--mode: the job cannot be sent: unknown mode"),
+])
+def test_a_job_the_daemon_would_refuse_is_a_usage_error_naming_the_allowed_values(
+        shared: Env, args: tuple[str, ...], said: str) -> None:
+    """A job that cannot be sized (batch 0) or that names a precision or mode the sizer does not know
+    is refused at the command line, exit 2, as the daemon's own check words it (vgpu.jobs.JobConfig),
+    and the daemon hears nothing of it; the spellings it accepts still reach it."""
+    sock = ["--socket", str(shared.sock)]
+    r = vgpu("request", *sock, "--app", "badjob", "--model-type", "resnet50", *args, env=shared.env)
+    assert r.returncode == 2 and r.stderr.startswith(f"vgpu request: {said}") and r.stderr.count("\n") == 1, r.stderr
+    assert "badjob" not in {a["app_id"] for a in shared.json("apps")["apps"]}
+    fixed = [{"0": "8", "fp8": "FP16", "inference": "infer"}.get(a, a) for a in args]
+    ok = vgpu("request", *sock, "--app", "goodjob", "--model-type", "resnet50", *fixed, "--json", env=shared.env)
+    assert ok.returncode == 0, ok.stderr
+    assert vgpu("release", *sock, "--grant", json.loads(ok.stdout)["grant_id"], env=shared.env).returncode == 0
 
 
 def test_an_sm_share_above_100_is_a_usage_error_before_the_daemon_is_asked(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ server that answers with chosen figures."""
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -34,6 +35,24 @@ def test_doctor_against_a_daemon_without_then_with_a_profiler(env: Env, serves: 
     rc, checks = run_doctor(env)
     assert rc == 1
     assert [c["status"] for c in checks] == ["FAIL"] and "no profiler is streaming" in checks[0]["detail"]
+    # the hint names the service and, for a daemon started by hand, the command line with this
+    # daemon's socket, profiler token and backend; that command line, run as given, opens a stream
+    detail = checks[0]["detail"]
+    assert "systemctl start vgpu-profiler" in detail and "or without systemd: vgpu profiler " in detail, detail
+    hinted = shlex.split(detail.split("or without systemd: ", 1)[1])
+    token = env.state / "tokens" / "profiler.token"
+    assert hinted == ["vgpu", "profiler", "--manager", str(env.sock), "--token-file", str(token),
+                      "--backend", "sim:h100-80gb"], detail
+    by_hand = subprocess.Popen([sys.executable, "-m", "vgpu.cli", *hinted[1:], "--seconds", "60"], cwd=ROOT,
+                               env=env.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for("the hinted profiler's stream", lambda: env.json("available").get("profiler_streams_open", 0) > 0,
+                 timeout_s=60)
+    finally:
+        by_hand.terminate()
+        assert by_hand.wait(10) == 0
+    wait_for("the hinted profiler's stream to close",
+             lambda: env.json("available").get("profiler_streams_open", 0) == 0, timeout_s=30)
 
     device = json.loads(cli(env, "available", "--json").stdout)["devices"][0]["device_id"]
     prof = start_profiler(env, device)

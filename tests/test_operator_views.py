@@ -141,6 +141,7 @@ def test_a_claimed_id_with_no_grant_is_listed_as_claimed(env: Env, serves: list[
     table = cli(env, "apps", "--all").stdout
     row = _row(table, "owner-1")
     assert row["CLAIMED"] == "yes" and row["GRANTED MiB"] == "none" and row["LAST SEEN"].endswith("ago"), table
+    assert row["GRANT SM %"] == "none", table  # no grant: no SM share either, not a share of 0 %
     assert _row(table, "holder")["GRANTED MiB"] == "32" and "not listed" not in table
     assert serves[-1].term() == 0
     serves.append(Serve(env))  # the claim is stored: listed after a restart too
@@ -259,6 +260,9 @@ def test_top_on_a_terminal_draws_sparklines_sorts_and_quits_on_q(env: Env, serve
         screen = _tmux("capture-pane", "-p", "-t", session)
         assert "GPUs" in screen and "00000000:17:00.0" in screen
         assert "sorted by granted" in screen
+        # the columns of `vgpu apps` less its SM ones (docs/operations.md, "vgpu top")
+        assert "GRANTED MiB" in screen and "LAST SEEN" in screen
+        assert "GRANT SM %" not in screen and "P90 SM %" not in screen, screen
         assert re.search(r"use +[▁▂▃▄▅▆▇█]", screen), screen
         assert re.search(r"p90 +[▁▂▃▄▅▆▇█ ]", screen)
         subprocess.run([*TMUX, "send-keys", "-t", session, "s"], check=True)
@@ -404,7 +408,7 @@ def test_a_planned_application_shows_the_plans_size_and_rules() -> None:
 def test_apps_table_leaves_out_what_holds_nothing_unless_all() -> None:
     """An id with no grant, no process, no forecast and no limits is left out by default and counted;
     one with no grant that still runs a process, or has the operator's limits, is listed, its GRANTED
-    MiB "none"; a grant of 0 MiB (an SM share alone) reads 0."""
+    MiB and GRANT SM % "none"; a grant of 0 MiB (an SM share alone) reads 0."""
     sm_only = Grant("g1", "sm-only", "GPU-0", 0.0, 30.0, 0, 1.0, 1.0)
     apps = pb.ListApplicationsResponse(apps=[
         app_to_pb(AppInfo("gone", (), None), process_info=lambda pid: ("", "")),
@@ -418,9 +422,10 @@ def test_apps_table_leaves_out_what_holds_nothing_unless_all() -> None:
     assert listed[:3] == ["running", "limited", "sm-only"] and "gone" not in listed and "gone-too" not in listed
     assert "2 applications holding nothing not listed" in table
     assert _row(table, "running")["GRANTED MiB"] == _row(table, "limited")["GRANTED MiB"] == "none"
-    assert _row(table, "sm-only")["GRANTED MiB"] == "0"
+    assert _row(table, "running")["GRANT SM %"] == _row(table, "limited")["GRANT SM %"] == "none"
+    assert _row(table, "sm-only")["GRANTED MiB"] == "0" and _row(table, "sm-only")["GRANT SM %"] != "none"
     every = ctl.apps_table(apps, show_all=True)
-    assert _row(every, "gone")["GRANTED MiB"] == "none" and "not listed" not in every
+    assert _row(every, "gone")["GRANTED MiB"] == _row(every, "gone")["GRANT SM %"] == "none" and "not listed" not in every
     only_gone = ctl.apps_table(pb.ListApplicationsResponse(apps=apps.apps[:1]), show_all=False)
     assert "(no application holds a grant or runs on a GPU)" in only_gone
     assert only_gone.splitlines()[-1].startswith("1 application holding nothing not listed")
@@ -434,7 +439,9 @@ def test_apps_table_says_sm_shares_are_not_enforced_where_one_is_granted() -> No
     assert with_sm.splitlines()[-1] == ctl.SM_NOT_ENFORCED and "not enforced" in ctl.SM_NOT_ENFORCED
     assert _row(with_sm, "a")["GRANT SM %"] == "30"
     no_sm = dataclasses.replace(grant, sm_pct=0.0)
-    assert ctl.SM_NOT_ENFORCED not in ctl.apps_table(pb.ListApplicationsResponse(apps=[app_to_pb(AppInfo("a", (no_sm,), None))]))
+    memory_only = ctl.apps_table(pb.ListApplicationsResponse(apps=[app_to_pb(AppInfo("a", (no_sm,), None))]))
+    assert ctl.SM_NOT_ENFORCED not in memory_only
+    assert _row(memory_only, "a")["GRANT SM %"] == "0"  # a grant with no SM share, not "none" (no grant)
 
 
 # --- the history behind sparklines and reports ----------------------------------------------------------

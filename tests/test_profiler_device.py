@@ -50,9 +50,29 @@ def test_a_device_id_the_daemon_lacks_stops_the_profiler_at_start(env: Env, serv
     assert {a["app_id"] for a in env.json("apps")["apps"]}
 
 
+def test_device_id_takes_the_gpu_index_as_every_device_flag_does(env: Env, serves: list[Serve]) -> None:
+    """`--device-id 0` names the GPU `vgpu available` lists at IDX 0, as `vgpu request --device 0`
+    does; an index the daemon has no GPU for stops the profiler at start, naming the GPUs it has."""
+    serves.append(Serve(env))
+    (gpu,) = env.json("available")["devices"]
+    assert gpu["index"] == 0
+    ok = profiler(env, "--device-id", "0")
+    assert ok.returncode == 0, ok.stderr
+    assert "manager rejected signatures" not in ok.stderr
+    apps = env.json("apps")["apps"]
+    assert apps and {a["device_id"] for a in apps} == {gpu["device_id"]}
+    r = profiler(env, "--device-id", "7")
+    assert r.returncode == 2
+    assert f"--device-id 7: no GPU with index 7 on this daemon (its GPUs: 0 ({gpu['device_id']}))" in r.stderr, r.stderr
+
+
 def test_a_profiler_that_never_reaches_the_manager_fails(env: Env) -> None:
     (env.state / "tokens").mkdir(parents=True)
     (env.state / "tokens" / "profiler.token").write_text("vgpu1.cHJvZmlsZXI.00\n")
     r = profiler(env, sock=env.tmp / "nobody-here.sock", seconds=1.5)
     assert r.returncode == 1
     assert "never reached the manager" in r.stderr
+    # a GPU index needs the daemon to look it up: said at start, with the way round it
+    r = profiler(env, "--device-id", "0", sock=env.tmp / "nobody-here.sock", seconds=1.5)
+    assert r.returncode == 2 and "--device-id 0 is a GPU index, which only the daemon can look up" in r.stderr
+    assert "give the GPU's UUID" in r.stderr

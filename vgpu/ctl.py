@@ -23,7 +23,8 @@ sent) and while the daemon answers UNAVAILABLE marked as having changed nothing
 (vgpu.client.changed_nothing: its cold-start model still loading just after it starts, its state
 directory full), saying once on stderr for each that they wait; the second loop is the client
 stub's (vgpu.client.send_when_ready). An UNAVAILABLE without the mark may follow a change and is
-never sent again.
+never sent again. A socket whose directory does not exist is not waited for: no daemon listens
+there, and none is starting (the unit's RuntimeDirectory, or `vgpu serve` as it starts, makes it).
 
 Exit status: 0 done, 1 the daemon refused or could not be reached (the message says why), 2 usage
 or configuration error (a number outside its field's range, a token file that holds no token).
@@ -50,7 +51,7 @@ from google.protobuf.message import Message
 from vgpu import auth
 from vgpu import client as vclient
 from vgpu import config as vconfig
-from vgpu.jobs import known_model, unknown_model_note
+from vgpu.jobs import MODES, PRECISIONS, InvalidJobConfig, JobConfig, known_model, unknown_model_note
 from vgpu.v1 import allocator_pb2 as pb
 from vgpu.v1 import allocator_pb2_grpc as pb_grpc
 
@@ -144,6 +145,7 @@ class Client:
         self._notice = notice
         self._noticed = False
         self._target = socket_path if socket_path.startswith("unix:") else f"unix:{os.path.abspath(socket_path)}"
+        self._socket_file = _socket_file(self._target)
         self._listening_noticed = False
         self._connect()
 
@@ -171,7 +173,7 @@ class Client:
                     wait_s=max(0.0, deadline - time.monotonic()), on_wait=self._waiting)
                 return answer
             except grpc.RpcError as exc:
-                if not _not_listening(exc) or time.monotonic() + delay_s > deadline:
+                if not _not_listening(exc) or self._missing_directory() or time.monotonic() + delay_s > deadline:
                     raise
             if not self._listening_noticed:
                 self._listening_noticed = True
@@ -205,12 +207,7 @@ class Client:
                         hint = " (nothing was changed: run it again)"
                     raise CliError(f"{code.name}: {exc.details()}{hint}") from None
                 if code == grpc.StatusCode.UNAVAILABLE:
-                    waited = (f"; nothing listened there within {self.wait_s:g} s (--wait-s)"
-                              if self.wait_s and _not_listening(exc) else "")
-                    raise CliError(
-                        f"cannot reach the vgpu daemon at {self.socket_path} ({exc.details()}){waited}; "
-                        "is vgpu-manager running, and may you open its socket?"
-                    ) from None
+                    raise CliError(self._unreachable_text(exc)) from None
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise CliError(self._no_answer(method)) from None
                 if code == grpc.StatusCode.UNAUTHENTICATED and cached is not None:
@@ -221,6 +218,23 @@ class Client:
                 raise CliError(f"{code.name}: {exc.details()}{self._owner_hint(exc, app_id)}") from None
         assert last is not None
         raise CliError(f"{last.code().name}: {last.details()}{self._owner_hint(last, app_id)}")
+
+    def _missing_directory(self) -> Path | None:
+        """The socket's directory when it does not exist: no daemon listens there, and none is about
+        to (the unit's RuntimeDirectory, or `vgpu serve` as it starts, makes it before it listens)."""
+        if self._socket_file is None or self._socket_file.parent.exists():
+            return None
+        return self._socket_file.parent
+
+    def _unreachable_text(self, exc: grpc.RpcError) -> str:
+        """No connection to the socket: why, how long this command waited, and where else to look."""
+        text = f"cannot reach the vgpu daemon at {self.socket_path} ({exc.details()})"
+        missing = self._missing_directory() if _not_listening(exc) else None
+        if missing is not None:
+            text += f"; its directory {missing} does not exist, so no daemon listens there (not waited for)"
+        elif self.wait_s and _not_listening(exc):
+            text += f"; nothing listened there within {self.wait_s:g} s (--wait-s)"
+        return text + "; " + NO_DAEMON_HINT
 
     def _no_answer(self, method: str) -> str:
         """No answer within the timeout: a change may have been made all the same (the call reached
@@ -253,6 +267,19 @@ class Client:
                 f"{auth.app_token_file(app_id, self.tokens.state_dir)}; pass the file of the run that claimed it "
                 "with --token-file, or --state-dir (the daemon's) as a user who may read its tokens"
                 + (", or use another --app" if claimed else ""))
+
+
+# What to try when no daemon answers on the socket: the packaged service, or another daemon's socket.
+NO_DAEMON_HINT = ("is vgpu-manager running (systemctl status vgpu-manager), and may you open its socket? "
+                  "For a daemon on another socket, pass --socket PATH or set VGPU_SERVER_SOCKET")
+
+
+def _socket_file(target: str) -> Path | None:
+    """The socket file of a `unix:` gRPC target (`unix:///abs/path`, `unix:path`), None for others."""
+    for prefix in ("unix://", "unix:"):
+        if target.startswith(prefix):
+            return Path(os.path.abspath(target[len(prefix):]))
+    return None
 
 
 # The calls that change something (the others only read).
@@ -487,19 +514,34 @@ def devices_table(resp: pb.GetAvailableResourcesResponse, apps: pb.ListApplicati
     return text
 
 
-def _device_arg(c: Client, text: str) -> str:
-    """A `--device` as given: a GPU's index as `vgpu available` shows it under IDX (and `vgpu apps`
-    under GPU) is looked up to its UUID, as `vgpu report --device` does; anything else (a GPU or MIG
-    UUID) goes to the daemon as it is, which answers NOT_FOUND, with the devices it knows, for one it
-    does not."""
-    if not re.fullmatch(r"[0-9]{1,9}", text):
-        return text
-    devices, _ = c.call("GetAvailableResources", pb.GetAvailableResourcesRequest(), token=False)
+def is_device_index(text: str) -> bool:
+    """Whether a device flag names a GPU by its index (IDX in `vgpu available`, GPU in `vgpu apps`)
+    rather than by a GPU or MIG UUID."""
+    return re.fullmatch(r"[0-9]{1,9}", text) is not None
+
+
+def device_of_index(devices: pb.GetAvailableResourcesResponse, text: str) -> str:
+    """The UUID of the GPU whose index is `text`, from the daemon's GetAvailableResources answer;
+    LookupError naming the GPUs it has when none has that index. Shared by every command that takes
+    a device flag (`--device`, `vgpu profiler --device-id`)."""
     for d in devices.devices:
         if d.index == int(text):
             return str(d.device_id)
     known = ", ".join(f"{d.index} ({d.device_id})" for d in devices.devices) or "none"
-    raise CliError(f"no GPU with index {text} on this daemon (its GPUs: {known})")
+    raise LookupError(f"no GPU with index {text} on this daemon (its GPUs: {known})")
+
+
+def _device_arg(c: Client, text: str) -> str:
+    """A `--device` as given: a GPU's index is looked up to its UUID (device_of_index); anything else
+    (a GPU or MIG UUID) goes to the daemon as it is, which answers NOT_FOUND, with the devices it
+    knows, for one it does not."""
+    if not is_device_index(text):
+        return text
+    devices, _ = c.call("GetAvailableResources", pb.GetAvailableResourcesRequest(), token=False)
+    try:
+        return device_of_index(devices, text)
+    except LookupError as exc:
+        raise CliError(str(exc)) from None
 
 
 def available_main(argv: Sequence[str] | None = None, prog: str = "vgpu available", *, out: TextIO | None = None, env: dict[str, str] | None = None) -> int:
@@ -566,7 +608,8 @@ def app_rows(resp: pb.ListApplicationsResponse, devices: pb.GetAvailableResource
             "LIMIT MiB": f"{lim.max_memory_mib:,.0f}" if a.HasField("limits") and lim.HasField("max_memory_mib") else "-",
             "SM %": _known(a.sm_util_pct, known),
             "P90 SM %": _known(a.forecast_sm_p90_pct, known and a.forecast_sm_p90_pct > 0),
-            "GRANT SM %": f"{sum(g.sm_pct for g in a.grants):.0f}",
+            # as GRANTED MiB: "none" without a grant, told apart from a memory grant with no SM share
+            "GRANT SM %": f"{sum(g.sm_pct for g in a.grants):.0f}" if a.grants else NO_GRANT,
             "LAST SEEN": _age(now - a.last_seen_s) if a.HasField("last_seen_s") else NA,
         })
     return rows
@@ -617,7 +660,7 @@ def apps_main(argv: Sequence[str] | None = None, prog: str = "vgpu apps", *, out
         p.add_argument("-a", "--all", action="store_true",
                        help="also list the applications that hold nothing now: no grant, no process on a GPU, no "
                             "forecast, no limits (released or idle, their ids kept as claimed); "
-                            f"their GRANTED MiB reads {NO_GRANT!r}")
+                            f"their GRANTED MiB and GRANT SM %% read {NO_GRANT!r}")
         p.add_argument("--json", action="store_true",
                        help="print the daemon's ListApplications answer as JSON: every application, as with --all")
         _wait_option(p)
@@ -682,9 +725,9 @@ def request_main(argv: Sequence[str] | None = None, prog: str = "vgpu request", 
         job.add_argument("--param-count", type=UINT64, default=0)
         job.add_argument("--input-size", type=UINT32, default=0)
         job.add_argument("--num-layers", type=UINT32, default=0)
-        job.add_argument("--precision", default="", help="fp32 (default), fp16, bf16 or amp")
+        job.add_argument("--precision", default="", help=f"one of {', '.join(PRECISIONS)} (default {PRECISIONS[0]})")
         job.add_argument("--optimizer", default="")
-        job.add_argument("--mode", default="", help="train (default) or infer")
+        job.add_argument("--mode", default="", help=f"one of {', '.join(MODES)} (default {MODES[0]})")
 
     def body(ns: argparse.Namespace, c: Client, o: TextIO) -> int:
         # The job goes to the daemon only with its model type; its other fields alone would be dropped.
@@ -695,6 +738,8 @@ def request_main(argv: Sequence[str] | None = None, prog: str = "vgpu request", 
                              f"{'it' if len(stray) == 1 else 'them'} out")
         if ns.memory_mib is None and not ns.model_type:
             raise UsageError("give --memory-mib, or describe the job (--model-type, --batch-size, ...) to have it sized")
+        if ns.model_type:
+            _check_job(ns)
         if ns.model_type and not ns.param_count and known_model(ns.model_type) is None:
             # a model of one's own is sized all the same (from --param-count, when given: then nothing
             # is said); a typo should not pass unnoticed
@@ -749,6 +794,22 @@ LEASE_NOTE = ("note: no --pid, so no process holds this grant: unless {app!r} sh
 
 # The job's fields besides its model type (`vgpu request`'s options of the same names).
 _JOB_DETAILS = ("batch_size", "param_count", "input_size", "num_layers", "precision", "optimizer", "mode")
+
+
+def _check_job(ns: argparse.Namespace) -> None:
+    """UsageError for a job the daemon would refuse INVALID_ARGUMENT, checked as it checks it: every
+    job by vgpu.jobs.JobConfig (its precision and mode among PRECISIONS and MODES), and a job to be
+    sized (no --memory-mib) by JobConfig.check_sizable (a batch of at least 1)."""
+    try:
+        job = JobConfig(ns.model_type, ns.param_count, ns.batch_size, ns.input_size, ns.num_layers, ns.precision,
+                        ns.optimizer, ns.mode)
+        if not ns.memory_mib:
+            job.check_sizable()
+    except InvalidJobConfig as exc:
+        # the message names the job's field; the option of the same name says it as typed
+        field = next((f for f in ("model_type", *_JOB_DETAILS) if re.search(rf"\b{f}\b", str(exc))), None)
+        flag = f"--{field.replace('_', '-')}: " if field else ""
+        raise UsageError(f"{flag}the job cannot be {'sent' if ns.memory_mib else 'sized'}: {exc}") from None
 
 
 def _owner_of(c: Client, grant_id: str) -> str | None:

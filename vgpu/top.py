@@ -161,7 +161,7 @@ def render(snap: Snapshot, *, sort: int = 0, reverse: bool = False, socket: str 
     hist = {(h.app_id, h.device_id): h for h in snap.history.apps}
     rows = list(zip(app_rows(snap.apps, snap.devices, snap.at_s), snap.apps.apps, strict=True))
     rows.sort(key=lambda pair: _sort_value(pair[0], column), reverse=reverse)
-    shown = [c for c in APP_COLUMNS if c not in ("SM %", "P90 SM %", "GRANT SM %")]
+    shown = [c for c in APP_COLUMNS if c not in SM_COLUMNS]
     apps = Table(title=f"Applications (sorted by {key}{', reversed' if reverse else ''})", title_justify="left",
                  pad_edge=False)
     for col in shown:
@@ -174,6 +174,11 @@ def render(snap: Snapshot, *, sort: int = 0, reverse: bool = False, socket: str 
     parts.append(apps)
     parts.append(Text("q quit   s sort by next column   r reverse", style="dim"))
     return Group(*parts)
+
+
+# Left out of the applications table on screen: SM shares are recorded, not enforced (no MPS limit),
+# and the width goes to the memory sparklines. `vgpu apps` and `vgpu top --plain` show them.
+SM_COLUMNS = ("SM %", "P90 SM %", "GRANT SM %")
 
 
 def run(fetch: Callable[[], Snapshot], *, interval_s: float, socket: str = "", console: Console | None = None,

@@ -27,6 +27,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import stat
 import sys
 from collections.abc import Callable, Sequence
@@ -176,7 +177,8 @@ def check_socket(path: Path, *, timeout_s: float = 2.0) -> Check:
     try:
         st = path.stat()
     except FileNotFoundError:
-        return Check("socket", "FAIL", f"{path} does not exist: is vgpu-manager running? (systemctl status vgpu-manager)")
+        return Check("socket", "FAIL", f"{path} does not exist: is vgpu-manager running? (systemctl status "
+                     "vgpu-manager; for a daemon started by hand, `vgpu serve --socket PATH`, give its --socket here)")
     except PermissionError as exc:
         return Check("socket", "FAIL", f"{path}: {exc}; are you in the socket's group?")
     if not stat.S_ISSOCK(st.st_mode):
@@ -277,6 +279,19 @@ def ask_daemon(socket_path: Path, state_dir: Path, *, timeout_s: float = 2.0
     return None, error
 
 
+def profiler_start_hint(socket_path: Path, state_dir: Path, backend: str = "") -> str:
+    """How to start a profiler for the daemon at `socket_path`: the packaged service, or by hand with
+    this daemon's socket and profiler token (and its backend, when it is not the profiler's default)."""
+    from vgpu import auth
+
+    argv = ["vgpu", "profiler", "--manager", str(socket_path),
+            "--token-file", str(auth.role_token_file("profiler", state_dir))]
+    if backend and backend != "nvml":
+        argv += ["--backend", backend]
+    return ("systemctl start vgpu-profiler (systemctl status vgpu-profiler says why it stopped), or without "
+            f"systemd: {shlex.join(argv)}")
+
+
 def check_profilers(socket_path: Path, state_dir: Path, *, max_age_s: float = DEFAULT_MAX_SIGNATURE_AGE_S,
                     timeout_s: float = 2.0,
                     answer: tuple[pb.GetAvailableResourcesResponse | None, str] | None = None) -> list[Check]:
@@ -289,7 +304,7 @@ def check_profilers(socket_path: Path, state_dir: Path, *, max_age_s: float = DE
         return [Check("profiler", "WARN", "not checked: this daemon does not report its profiler streams")]
     if resp.profiler_streams_open == 0:
         return [Check("profiler", "FAIL", "no profiler is streaming to the daemon: nothing is forecast and grants do "
-                      "not follow the use; start it (systemctl status vgpu-profiler)")]
+                      f"not follow the use; start it: {profiler_start_hint(socket_path, state_dir, resp.backend)}")]
     checks = []
     for d in resp.devices:
         name = f"GPU {d.index} ({d.device_id})"
