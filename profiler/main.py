@@ -33,7 +33,7 @@ from typing import Any
 import structlog
 
 from vgpu import auth, log
-from vgpu.client import DEFAULT_INAPP_DIR, DEFAULT_SOCKET, grpc_target
+from vgpu.client import DEFAULT_INAPP_DIR, DEFAULT_SOCKET, device_of_index, grpc_target, is_device_index
 from vgpu.gc_freeze import freeze_startup_heap, thaw_heap
 from vgpu.profiler.source import SignatureSource
 from vgpu.profiler.stream import SignatureStreamer, StreamStats
@@ -201,14 +201,13 @@ def resolve_device_id(
     timeout_s: float = 5.0,
 ) -> str:
     """The device the replayed signatures name: `device_id` as given (a GPU or MIG UUID), or the UUID
-    of the GPU whose index it is, looked up as every `--device` flag is (vgpu.ctl.device_of_index).
+    of the GPU whose index it is, looked up as every `--device` flag is (vgpu.client.device_of_index).
     ValueError saying why it cannot be used with the daemon at `manager` (it answers without such a
     device or MIG instance, or an index cannot be looked up). A daemon that cannot be asked now is
     warned about for a UUID, not an error: the profiler waits for it like for any manager that is
     away."""
     import grpc
 
-    from vgpu.ctl import device_of_index, is_device_index
     from vgpu.v1 import allocator_pb2, allocator_pb2_grpc
 
     channel = grpc.insecure_channel(grpc_target(manager))

@@ -872,6 +872,23 @@ class GrantList(list[allocator_pb2.Grant]):
         return list(self)
 
 
+def is_device_index(text: str) -> bool:
+    """Whether a device flag names a GPU by its index (IDX in `vgpu available`, GPU in `vgpu apps`)
+    rather than by a GPU or MIG UUID."""
+    return re.fullmatch(r"[0-9]{1,9}", text) is not None
+
+
+def device_of_index(devices: allocator_pb2.GetAvailableResourcesResponse, text: str) -> str:
+    """The UUID of the GPU whose index is `text`, from the daemon's GetAvailableResources answer;
+    LookupError naming the GPUs it has when none has that index. Shared by every command that takes
+    a device flag (`--device`, `vgpu profiler --device-id`)."""
+    for d in devices.devices:
+        if d.index == int(text):
+            return str(d.device_id)
+    known = ", ".join(f"{d.index} ({d.device_id})" for d in devices.devices) or "none"
+    raise LookupError(f"no GPU with index {text} on this daemon (its GPUs: {known})")
+
+
 def _refused_pid(exc: grpc.RpcError) -> bool:
     """Whether the daemon refused a request for the pid it named (vgpu/auth.py `_pid_refusal`)."""
     return bool(exc.code() == grpc.StatusCode.PERMISSION_DENIED and "name process" in (exc.details() or ""))

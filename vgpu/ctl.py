@@ -514,32 +514,15 @@ def devices_table(resp: pb.GetAvailableResourcesResponse, apps: pb.ListApplicati
     return text
 
 
-def is_device_index(text: str) -> bool:
-    """Whether a device flag names a GPU by its index (IDX in `vgpu available`, GPU in `vgpu apps`)
-    rather than by a GPU or MIG UUID."""
-    return re.fullmatch(r"[0-9]{1,9}", text) is not None
-
-
-def device_of_index(devices: pb.GetAvailableResourcesResponse, text: str) -> str:
-    """The UUID of the GPU whose index is `text`, from the daemon's GetAvailableResources answer;
-    LookupError naming the GPUs it has when none has that index. Shared by every command that takes
-    a device flag (`--device`, `vgpu profiler --device-id`)."""
-    for d in devices.devices:
-        if d.index == int(text):
-            return str(d.device_id)
-    known = ", ".join(f"{d.index} ({d.device_id})" for d in devices.devices) or "none"
-    raise LookupError(f"no GPU with index {text} on this daemon (its GPUs: {known})")
-
-
 def _device_arg(c: Client, text: str) -> str:
     """A `--device` as given: a GPU's index is looked up to its UUID (device_of_index); anything else
     (a GPU or MIG UUID) goes to the daemon as it is, which answers NOT_FOUND, with the devices it
     knows, for one it does not."""
-    if not is_device_index(text):
+    if not vclient.is_device_index(text):
         return text
     devices, _ = c.call("GetAvailableResources", pb.GetAvailableResourcesRequest(), token=False)
     try:
-        return device_of_index(devices, text)
+        return vclient.device_of_index(devices, text)
     except LookupError as exc:
         raise CliError(str(exc)) from None
 
