@@ -35,10 +35,11 @@ def test_a_relative_path_in_the_config_file_names_the_key_and_an_absolute_form(e
 
 
 def test_a_relative_path_flag_is_taken_from_the_shells_directory(env: Env) -> None:
-    r = serve(env, "--socket", "v.sock", "--state-dir", "st", "--check-config", cwd=env.tmp)
+    r = serve(env, "--socket", "v.sock", "--state-dir", "st", "--inapp-dir", "inapp", "--check-config", cwd=env.tmp)
     assert r.returncode == 0, r.stderr
     assert f'socket = "{env.tmp / "v.sock"}"' in r.stdout
     assert f'state_dir = "{env.tmp / "st"}"' in r.stdout
+    assert f'inapp_dir = "{env.tmp / "inapp"}"' in r.stdout
 
 
 def test_a_socket_given_as_the_clients_give_it_is_that_path(env: Env) -> None:

@@ -1650,6 +1650,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--socket-mode", help="socket permission bits, octal (default 0660)")
     p.add_argument("--socket-group", help="group that owns the socket")
     p.add_argument("--state-dir", help=f"ledger, tokens and saved device settings (default {vconfig.DEFAULT_STATE_DIR})")
+    p.add_argument("--inapp-dir", help="directory the client stubs write their in-app reports to, which the daemon reads "
+                   "to prove a process's pid (default /run/vgpu/inapp, server.inapp_dir; made, mode 1777, where its parent "
+                   "exists)")
     p.add_argument("--backend", help="nvml (default), sim, or sim:SKU[*N][,SKU[*N]...], e.g. sim:h100-80gb*2")
     p.add_argument("--tcp", metavar="HOST:PORT", help="also listen on TCP (HOST:auto: any free port, logged in "
                    "`serving`); needs --tls-cert and --tls-key")
@@ -1681,13 +1684,14 @@ def _absolute(path: str | None) -> str | None:
 
 def config_from_args(ns: argparse.Namespace, env: dict[str, str] | None = None) -> Config:
     ns.socket = vconfig.socket_flag(ns.socket)  # (`unix:///path` as the clients take it: the same path)
-    for name in ("state_dir", "tls_cert", "tls_key", "tls_ca"):
+    for name in ("state_dir", "inapp_dir", "tls_cert", "tls_key", "tls_ca"):
         setattr(ns, name, _absolute(getattr(ns, name)))
     overrides = {
         "server.socket": ns.socket,
         "server.socket_mode": ns.socket_mode,
         "server.socket_group": ns.socket_group,
         "server.state_dir": ns.state_dir,
+        "server.inapp_dir": ns.inapp_dir,
         "server.backend": ns.backend,
         "server.tcp": ns.tcp,
         "server.dry_run": ns.dry_run,
