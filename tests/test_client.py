@@ -356,6 +356,25 @@ def test_watch_reconnects_after_the_daemon_restarts(tmp_path: Path) -> None:
         server.stop(grace=None)
 
 
+def test_the_stubs_channel_tries_a_daemon_that_is_back_again_within_a_second(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Path) -> None:
+    """gRPC's default reconnect backoff grows to minutes: a stub whose daemon restarted after a few
+    seconds down would then wait many seconds to reach it (its close() could not release in time;
+    tests/test_client_daemon.py shows the whole flow, which catches a lost cap only when the
+    backoff's jitter falls a certain way). The stub's channel caps the backoff at a second."""
+    seen: list[dict[str, object]] = []
+    real = grpc.insecure_channel
+
+    def spy(target: str, options: object = None, **kw: object) -> grpc.Channel:
+        seen.append(dict(options or ()))  # type: ignore[call-overload]
+        return real(target, options=options, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(grpc, "insecure_channel", spy)
+    client = VgpuClient("a", socket=str(tmp_path / "absent.sock"), inapp_dir=tmp_path, report=False, watch=False)
+    client.close()
+    assert seen and all(0 < int(o["grpc.max_reconnect_backoff_ms"]) <= 1000 for o in seen), seen  # type: ignore[call-overload]
+
+
 def test_bad_arguments_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="app_id"):
         VgpuClient(" ", inapp_dir=tmp_path, watch=False, report=False)
