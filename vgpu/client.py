@@ -132,6 +132,8 @@ MAX_INAPP_FILE_BYTES = 64 * 1024
 # instead, the token INAPP_TOKEN_BYTES random bytes in lowercase hex: a name nobody can take first.
 INAPP_TOKEN_BYTES = 16
 _INAPP_FALLBACK_NAME = re.compile(rf"([1-9][0-9]{{0,9}})\.([0-9a-f]{{{2 * INAPP_TOKEN_BYTES}}})\.json")
+# Either name of a stub's report (`<pid>.json`, `<pid>.<token>.json`), the pid its first group.
+INAPP_REPORT_NAME = re.compile(rf"([1-9][0-9]{{0,9}})(?:\.[0-9a-f]{{{2 * INAPP_TOKEN_BYTES}}})?\.json")
 # What one scan of the in-app directory for those names costs at most (`InAppFinder.scan`): the
 # directory entries it reads (a directory that holds more is read over several scans, each going on
 # where the last stopped), and, of the names it finds for one process, owned by that process's user,
@@ -246,9 +248,8 @@ def grpc_target(address: str) -> str:
 def _socket_key(address: str) -> str:
     """The same key for every spelling of one Unix socket (`unix:///p`, `unix:p`, `/p`); host:port as is."""
     address = address.strip()
-    for prefix in ("unix://", "unix:"):
-        if address.startswith(prefix):
-            return os.path.realpath(address[len(prefix):])
+    if address.startswith("unix:"):
+        return os.path.realpath(config.socket_path(address))
     if "/" in address or not address.rpartition(":")[2].isdigit():
         return os.path.realpath(address)
     return address

@@ -276,10 +276,7 @@ NO_DAEMON_HINT = ("is vgpu-manager running (systemctl status vgpu-manager), and 
 
 def _socket_file(target: str) -> Path | None:
     """The socket file of a `unix:` gRPC target (`unix:///abs/path`, `unix:path`), None for others."""
-    for prefix in ("unix://", "unix:"):
-        if target.startswith(prefix):
-            return Path(os.path.abspath(target[len(prefix):]))
-    return None
+    return Path(os.path.abspath(vconfig.socket_path(target))) if target.startswith("unix:") else None
 
 
 # The calls that change something (the others only read).

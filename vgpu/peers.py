@@ -87,20 +87,26 @@ def relay_names(directory: Path, dir_fd: int) -> RelayNames:
     return RelayNames(f"/proc/self/fd/{dir_fd}")
 
 
-def process_uids(pid: int, proc_root: Path = Path("/proc")) -> tuple[int, int, int] | None:
-    """A process's real, effective and saved uid (`/proc/<pid>/status`), or None when there is no
-    such process (or its status cannot be read)."""
+def _status_field(pid: int, name: str, proc_root: Path) -> list[str] | None:
+    """The values of one line (`Uid:`, `NSpid:`) of `/proc/<pid>/status`, or None when there is no
+    such process, its status cannot be read, or it has no such line."""
     try:
         text = (proc_root / str(pid) / "status").read_text(encoding="ascii", errors="replace")
     except OSError:
         return None
     for line in text.splitlines():
-        if line.startswith("Uid:"):
-            parts = line.split()[1:4]
-            if len(parts) == 3 and all(p.isdigit() for p in parts):
-                return int(parts[0]), int(parts[1]), int(parts[2])
-            return None
+        if line.startswith(f"{name}:"):
+            return line.split()[1:]
     return None
+
+
+def process_uids(pid: int, proc_root: Path = Path("/proc")) -> tuple[int, int, int] | None:
+    """A process's real, effective and saved uid (`/proc/<pid>/status`), or None when there is no
+    such process (or its status cannot be read)."""
+    parts = _status_field(pid, "Uid", proc_root)
+    if parts is None or len(parts) < 3 or not all(p.isdigit() for p in parts[:3]):
+        return None
+    return int(parts[0]), int(parts[1]), int(parts[2])
 
 
 def runs_as(pid: int, uid: int, proc_root: Path = Path("/proc")) -> bool:
@@ -115,17 +121,10 @@ def ns_pids(pid: int, proc_root: Path = Path("/proc")) -> tuple[int, ...] | None
     """A process's pid in each pid namespace it belongs to, outermost (the one /proc shows) first:
     the `NSpid` line of `/proc/<pid>/status` (Linux 4.1 on). None when there is no such process, its
     status cannot be read, or the kernel has no `NSpid` line."""
-    try:
-        text = (proc_root / str(pid) / "status").read_text(encoding="ascii", errors="replace")
-    except OSError:
+    parts = _status_field(pid, "NSpid", proc_root)
+    if not parts or not all(p.isdigit() for p in parts):
         return None
-    for line in text.splitlines():
-        if line.startswith("NSpid:"):
-            parts = line.split()[1:]
-            if parts and all(p.isdigit() for p in parts):
-                return tuple(int(p) for p in parts)
-            return None
-    return None
+    return tuple(int(p) for p in parts)
 
 
 def pid_namespace(pid: int | str, proc_root: Path = Path("/proc")) -> str | None:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import psutil
 
-from vgpu.client import INAPP_TOKEN_BYTES, MAX_INAPP_SCAN_ENTRIES
+from vgpu.client import INAPP_REPORT_NAME, MAX_INAPP_SCAN_ENTRIES
 
 # Reports not rewritten for this long, of processes that are gone, are removed (a stub rewrites its
 # own every second; readers already ignore one older than INAPP_MAX_AGE_S).
@@ -45,10 +45,8 @@ INAPP_SWEEP_EVERY_S = 60.0
 # at the start: psutil's start times come from a boot time in whole seconds.
 _START_SLACK_S = 1.0
 
-_REPORT = rf"([1-9][0-9]{{0,9}})(?:\.[0-9a-f]{{{2 * INAPP_TOKEN_BYTES}}})?\.json"
-_REPORT_NAME = re.compile(_REPORT)
-# write_atomically's temporary file: mkstemp(prefix=".<name>.")
-_TEMP_NAME = re.compile(rf"\.{_REPORT}\.[A-Za-z0-9_]{{1,32}}")
+# write_atomically's temporary file beside a report: mkstemp(prefix=".<name>.")
+_TEMP_NAME = re.compile(rf"\.{INAPP_REPORT_NAME.pattern}\.[A-Za-z0-9_]{{1,32}}")
 
 
 def process_start_s(pid: int) -> float | None:
@@ -109,7 +107,7 @@ class InAppSweeper:
 
     def _look_at(self, entry: os.DirEntry[str], now_s: float, result: SweepResult) -> None:
         name = entry.name
-        report = _REPORT_NAME.fullmatch(name)
+        report = INAPP_REPORT_NAME.fullmatch(name)
         temp = None if report else _TEMP_NAME.fullmatch(name)
         if report is None and temp is None:
             return
