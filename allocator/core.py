@@ -940,9 +940,9 @@ class Allocator:
         (`process_start`). A grant is released when all of these hold:
         - it names a pid (a grant without one keeps to `release_vanished`), and this allocator has seen
           that process run, at the grant's making or at a sweep since. A pid the daemon never saw
-          (a process in another pid namespace, a pid an operator named that does not exist here) may
-          belong to a process that runs where the daemon cannot look, so it is left to the idle
-          release;
+          (a pid an operator named that does not exist here; one named over TCP, read in the daemon's
+          pid namespace though the caller's may differ) may belong to a process that runs where the
+          daemon cannot look, so it is left to the idle release;
         - no process has that pid now, or the one that has it started after the grant was made
           (the pid was reused: `_grant_process_runs`);
         - when no grant of its application names a running process any more: no watch of the
