@@ -571,7 +571,7 @@ class Allocator:
                 if not self.reclaim:
                     raise
                 # the sizer's SM estimate is not what the application asked for: trimmed, never refused
-                sm_elastic = source == "cold_start" and request.sm_pct <= 0
+                sm_elastic = _sm_estimated(request, source)
                 grant, cuts = self._grant_reclaiming(request, memory_mib, sm_pct, source, sm_elastic, caller,
                                                      refused, sized_mib)
         except BaseException:
@@ -647,7 +647,8 @@ class Allocator:
     def _grant(self, request: AllocationRequest, memory_mib: float, sm_pct: float, source: str,
                device_id: str | None, caller: str | None, sized_mib: float | None = None) -> Grant:
         """The grant in the ledger; a cold-start grant keeps the sizer's size (`sized_mib`, else
-        `memory_mib`) as its `cold_start_mib`."""
+        `memory_mib`) as its `cold_start_mib`, and says whether its SM share is the sizer's
+        estimate (`sm_estimated`: the request named no SM)."""
         return self.ledger.grant(
             request.app_id,
             memory_mib,
@@ -658,6 +659,7 @@ class Allocator:
             pid=request.pid,
             caller=caller,
             cold_start_mib=(memory_mib if sized_mib is None else sized_mib) if source == "cold_start" else None,
+            sm_estimated=_sm_estimated(request, source),
         )
 
     def _grant_reclaiming(self, request: AllocationRequest, memory_mib: float, sm_pct: float, source: str,
@@ -674,8 +676,9 @@ class Allocator:
         best: ReclaimPlan | None = None
         for device_id in devices:
             usage = self.ledger.usage(device_id)
+            # an estimate is not taken for another estimate: that would only move a guess
             plan = plan_reclaim(device_id, usage.mem_available_mib, usage.sm_available_pct, memory_mib, sm_pct,
-                                self._slacks(device_id), sm_elastic=sm_elastic)
+                                self._slacks(device_id, estimates=not sm_elastic), sm_elastic=sm_elastic)
             if plan is not None and (best is None or plan.mem_left_mib > best.mem_left_mib):
                 best = plan
         if best is None:
@@ -694,23 +697,31 @@ class Allocator:
             raise
         return grant, cuts
 
-    def _slacks(self, device_id: str) -> list[Slack]:
+    def _slacks(self, device_id: str, *, estimates: bool = True) -> list[Slack]:
         """The grants on the device the policy manages, each with the least it may be cut to: per
         application, its latest grant not from a request (the one the policy resizes), down to its
         usage (the latest recommendation's) plus `reclaim_margin_frac` (at least
         `reclaim_min_mib`) less its other grants there; a cold-start grant keeps at least the
         sizer's size too. SM likewise, from its SM use. An application whose usage is not known
-        here gives nothing back."""
+        here gives nothing back, but for the SM share the sizer estimated for its job
+        (`Grant.sm_estimated`): that share was never asked for, no limit holds the job to it (SM
+        is time-sliced), and the policy gives the job its share from its use once it is known,
+        so a request may take all of it (`estimates`; off, such a share gives nothing)."""
         by_app: dict[str, list[Grant]] = {}
         for g in self.ledger.grants(device_id=device_id):
             by_app.setdefault(g.app_id, []).append(g)
         slacks = []
         for app_id, grants in by_app.items():
             managed = [g for g in grants if g.source != "request"]
-            rec = self._latest.get(app_id)
-            if not managed or rec is None or rec.device_id != device_id:
+            if not managed:
                 continue
             own = max(managed, key=lambda g: g.created_at_s)
+            rec = self._latest.get(app_id)
+            if rec is None or rec.device_id != device_id:
+                if estimates and own.sm_estimated and own.sm_pct > 0:
+                    slacks.append(Slack(own.grant_id, app_id, own.priority, own.memory_mib, own.sm_pct,
+                                        own.memory_mib, 0.0))
+                continue
             other_mem = sum(g.memory_mib for g in grants if g is not own)
             other_sm = sum(g.sm_pct for g in grants if g is not own)
             mem_floor = sm_floor = math.inf
@@ -1659,6 +1670,12 @@ def _rules_text(why: PlanReason | None) -> str:
     """" (memory: ramp, SM: forecast)": the plan's rules for a resize, "" without them."""
     return "" if why is None else f" (memory: {why.mem_rule}, SM: {why.sm_rule})"
 
+
+
+def _sm_estimated(request: AllocationRequest, source: str) -> bool:
+    """Whether a grant's SM share is the cold-start sizer's estimate: a declared job whose request
+    named no SM share of its own."""
+    return source == "cold_start" and request.sm_pct <= 0
 
 def _resize_text(old: Grant, new: Grant) -> str:
     """What a resize changed, each resource with its unit: "memory 4096 -> 2048 MiB", "SM 40 -> 23 %",

@@ -86,6 +86,10 @@ class Grant:
     # the cold-start sizer's size for the job this grant was made for (None: not sized), kept with the
     # grant so that the policy still knows it after a restart
     cold_start_mib: float | None = None
+    # its SM share is the cold-start sizer's estimate for the job (or the policy's share it took
+    # over), not a share the application asked for: room another request may take while the
+    # application's use is not known yet
+    sm_estimated: bool = False
 
     @property
     def mem_changed_at_s(self) -> float:
@@ -428,9 +432,11 @@ class Ledger:
         pid: int = 0,
         caller: str | None = None,
         cold_start_mib: float | None = None,
+        sm_estimated: bool = False,
     ) -> Grant:
         """A new grant, or InsufficientResources (and nothing changes). `cold_start_mib`: the
-        sizer's size for the job, kept with the grant. `priority` is the application's own; an
+        sizer's size for the job, kept with the grant; `sm_estimated`: its SM share is an estimate,
+        not asked for (`Grant.sm_estimated`). `priority` is the application's own; an
         operator's priority for the application (`set_limits`) overrides it."""
         _check_app_id(app_id)
         _check_amount("memory_mib", memory_mib)
@@ -464,6 +470,7 @@ class Ledger:
             source=source,
             pid=int(pid),
             cold_start_mib=None if cold_start_mib is None else float(cold_start_mib),
+            sm_estimated=bool(sm_estimated),
         )
         self._touch_grant(grant.grant_id)
         self._put(grant)
@@ -533,6 +540,7 @@ class Ledger:
             pid=grant.pid,
             mem_updated_at_s=now if memory_mib != grant.memory_mib else grant.mem_updated_at_s,
             cold_start_mib=grant.cold_start_mib,
+            sm_estimated=grant.sm_estimated,
         )
         self._touch_grant(grant_id)
         self._put(new)
@@ -622,7 +630,7 @@ class Ledger:
 def _grants_from_records(raw_grants: Iterable[Any], skip_bad: bool, bad: list[str]) -> list[Grant]:
     """The stored grants, each checked (`_grant_from_record`). A malformed one raises ValueError, or
     with `skip_bad` is left out and described in `bad`; a bad cold-start size alone is dropped and
-    its grant kept."""
+    its grant kept, as is a grant whose `sm_estimated` is not a boolean (kept as not estimated)."""
     grants: list[Grant] = []
     for g in raw_grants:
         try:
@@ -640,6 +648,12 @@ def _grants_from_records(raw_grants: Iterable[Any], skip_bad: bool, bad: list[st
                 raise ValueError(f"malformed ledger records: {exc}") from exc
             bad.append(f"grant {_record_id(g, 'grant_id')}: {_said(exc)}; kept without it")
             grant = replace(grant, cold_start_mib=None)
+        if not isinstance(grant.sm_estimated, bool):  # the grant stands, its whole SM share a commitment
+            why = _said(ValueError(f"sm_estimated is {grant.sm_estimated!r}, not true or false"))
+            if not skip_bad:
+                raise ValueError(f"malformed ledger records: {why}")
+            bad.append(f"grant {_record_id(g, 'grant_id')}: {why}; kept as not estimated")
+            grant = replace(grant, sm_estimated=False)
         grants.append(grant)
     return grants
 

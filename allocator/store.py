@@ -16,7 +16,8 @@ state aside and starts empty). A write that fails (a full disk, an I/O error) ra
 
 What is stored:
 - `grants` and `app_limits`: one row per grant and per application's limits (the ledger's records,
-  as JSON; a grant's record keeps its job's cold-start size, `cold_start_mib`, since schema 4), and
+  as JSON; a grant's record keeps its job's cold-start size, `cold_start_mib`, since schema 4, and
+  whether its SM share is the sizer's estimate, `sm_estimated`, since schema 5), and
   `meta.grant_rows` / `meta.ledger_generation` kept with them;
 - `device_originals`: each device's power limit and MIG layout as found *before* vgpu wrote to it,
   recorded once and kept across crashes until a graceful stop has restored them;
@@ -47,7 +48,7 @@ from typing import Any
 from vgpu.allocator.ledger import Grant, LedgerChanges
 from vgpu.ids import app_id_problem
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 DB_NAME = "vgpu.sqlite3"
 
 # Version 1, the tables every database starts from; `_MIGRATIONS` takes it to SCHEMA_VERSION.
@@ -109,6 +110,11 @@ UPDATE grants SET record_json = json_set(record_json, '$.cold_start_mib', json_e
     AND json_extract(record_json, '$.memory_mib') > 0
     AND json_type(record_json, '$.cold_start_mib') IS NULL;
 """,
+    # A grant's record may hold `sm_estimated` (its SM share is the cold-start sizer's estimate, which
+    # another request may take while the application's use is not known; a vgpu before this cannot
+    # read such a record: hence a version). Which older grants' shares were estimates is not known,
+    # so they stay as they were, every share a commitment: no row changes.
+    5: "",
 }
 
 

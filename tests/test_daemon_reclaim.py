@@ -18,7 +18,7 @@ from daemon_fixtures import ROOT, Env, Serve, metric_samples
 from vgpu.traces import AppTrace, write_trace
 
 # An application that links the client stub: it declares its job (argv[4] "job") or asks for an
-# amount of MiB, and prints the daemon's answer.
+# amount of MiB ("MIB" or "MIB:SM", with an SM share in %), and prints the daemon's answer.
 APP = """
 import json, sys
 import grpc
@@ -29,7 +29,8 @@ sock, app_id, inapp, ask = sys.argv[1:5]
 job = JobConfig(model_type="resnet50", batch_size=64, input_size=224) if ask == "job" else None
 client = VgpuClient(app_id, socket=sock, inapp_dir=inapp, job=job, watch=False, report=False)
 try:
-    g = client.request(memory_mib=0.0 if job else float(ask))
+    mib, _, sm = ask.partition(":")
+    g = client.request(memory_mib=0.0) if job else client.request(memory_mib=float(mib), sm_pct=float(sm or 0))
     print(json.dumps({"memory_mib": g.memory_mib, "sm_pct": g.sm_pct, "source": g.source}))
 except grpc.RpcError as exc:
     print(json.dumps({"refused": exc.code().name, "details": exc.details()}))
@@ -99,6 +100,33 @@ def test_a_second_application_is_granted_out_of_the_forecast_grants_slack(env: E
 
     reclaimed = [e for e in serves[-1].events() if e.get("event") == "reclaimed"]
     assert {e["for_app"] for e in reclaimed} >= {"explicit"} and all(e["app"] == "big" for e in reclaimed)
+    assert serves[-1].term() == 0
+
+
+def test_an_sm_share_is_granted_out_of_declared_jobs_estimates_before_their_use_is_known(
+        env: Env, serves: list[Serve]) -> None:
+    """Two declared jobs still loading hold the SM shares the cold-start sizer estimated for them,
+    between them the whole GPU. A third application asking for an SM share of its own, with memory
+    free, is granted it out of those estimates (nothing limits a job to its share, and the policy
+    sizes each job's share from its use once known), where before it was refused for SM alone;
+    asking for more than the estimates and what is free hold is refused, nothing changed."""
+    serves.append(Serve(env))
+    for app_id in ("job-1", "job-2"):
+        assert _app(env, app_id, "job").get("source") == "cold_start"
+    jobs_sm = sum(_held(env, a)["sm_pct"] for a in ("job-1", "job-2"))
+    (dev,) = env.json("available")["devices"]
+    assert dev["mem_available_mib"] > 10_000 and dev["sm_available_pct"] < 50, dev
+    explicit = _app(env, "explicit", "1000:50")
+    assert (explicit.get("source"), explicit.get("sm_pct")) == ("request", 50.0), explicit
+    after = sum(_held(env, a)["sm_pct"] for a in ("job-1", "job-2"))
+    assert after == pytest.approx(min(jobs_sm, 100.0 - 50.0), abs=0.01)
+    assert all(_held(env, a)["memory_mib"] > 0 for a in ("job-1", "job-2"))  # their memory is theirs
+    before = env.json("apps")
+    too_much = _app(env, "greedy", f"1000:{after + 1:.0f}")
+    assert too_much["refused"] == "RESOURCE_EXHAUSTED" and "% SM" in too_much["details"], too_much
+    assert env.json("apps")["apps"] == before["apps"]
+    reclaimed = [e for e in serves[-1].events() if e.get("event") == "reclaimed"]
+    assert {e["app"] for e in reclaimed} <= {"job-1", "job-2"} and {e["for_app"] for e in reclaimed} == {"explicit"}
     assert serves[-1].term() == 0
 
 

@@ -148,15 +148,49 @@ def test_operator_limits_still_refuse_and_nothing_is_cut() -> None:
     assert allocator.ledger.get(a).memory_mib == pytest.approx(_total(allocator) - 10_000)
 
 
-def test_the_sizers_sm_is_trimmed_an_explicit_sm_is_refused() -> None:
+def test_the_sizers_sm_is_trimmed_and_an_explicit_sm_may_take_it_while_the_jobs_use_is_unknown() -> None:
     allocator, _ = _rig()
     a = _forecast(allocator, "a", 20_000, used_mib=10_000, sm=100, sm_used=40)
     g = allocator.request_allocation(AllocationRequest("b", job=JobConfig(model_type="resnet", batch_size=8)))
+    watch = allocator.watch("b")
     # memory fitted; SM: a's share cut to its use + 10 % (44 %), b gets the 56 % left of the sizer's 70 %
-    assert (g.source, g.memory_mib) == ("cold_start", 30_000)
+    assert (g.source, g.memory_mib, g.sm_estimated) == ("cold_start", 30_000, True)
     assert allocator.ledger.get(a).sm_pct == pytest.approx(44) and g.sm_pct == pytest.approx(56)
+    # b's share is the sizer's estimate and b's use is not known yet: an explicit share is taken from
+    # it (a stays at its use's floor), and b hears of the cut
+    c = allocator.request_allocation(AllocationRequest("c", memory_mib=1_000, sm_pct=10))
+    assert c.sm_pct == 10 and allocator.ledger.get(g.grant_id).sm_pct == pytest.approx(46)
+    assert allocator.ledger.get(g.grant_id).memory_mib == 30_000 and allocator.ledger.get(a).sm_pct == pytest.approx(44)
+    (event,) = _drain(watch)
+    assert event.kind == EventKind.RESIZED and "reclaimed for c" in event.detail and event.grant.sm_pct == 46
+    # more than the estimates and the slack above use hold: refused, nothing changed
+    before = allocator.ledger.to_records()
+    with pytest.raises(InsufficientResources, match="SM"):
+        allocator.request_allocation(AllocationRequest("d", memory_mib=1_000, sm_pct=47))
+    assert allocator.ledger.to_records() == before
+
+
+def test_an_estimate_is_not_taken_for_another_estimate() -> None:
+    allocator, _ = _rig()
+    allocator.sizer = _Sizer(mib=10_000, sm=80)
+    first = allocator.request_allocation(AllocationRequest("j1", job=JobConfig(model_type="resnet", batch_size=8)))
+    second = allocator.request_allocation(AllocationRequest("j2", job=JobConfig(model_type="resnet", batch_size=8)))
+    # the second job's estimate is trimmed to what is free; the first's stands
+    assert (first.sm_pct, second.sm_pct) == (80, 20)
+    assert allocator.ledger.get(first.grant_id).sm_pct == 80 and allocator.counters.reclaims == 0
+
+
+def test_an_sm_share_the_job_asked_for_itself_is_not_taken() -> None:
+    allocator, _ = _rig()
+    g = allocator.request_allocation(AllocationRequest("b", job=JobConfig(model_type="resnet", batch_size=8),
+                                                       sm_pct=100))
+    assert (g.source, g.sm_pct, g.sm_estimated) == ("cold_start", 100, False)
     with pytest.raises(InsufficientResources, match="SM"):
         allocator.request_allocation(AllocationRequest("c", memory_mib=1_000, sm_pct=10))
+    # once b's use is known its share is cut toward that use like any managed grant's
+    allocator.apply_recommendations([Recommendation("b", _gpu(allocator), 30_000, 100, mem_used_mib=20_000,
+                                                    sm_util_pct=50)])
+    assert allocator.request_allocation(AllocationRequest("c", memory_mib=1_000, sm_pct=10)).sm_pct == 10
 
 
 def test_a_cold_start_grant_keeps_its_size_and_the_cut_is_capped_after() -> None:

@@ -169,7 +169,7 @@ def test_a_version_1_database_is_upgraded_in_place(tmp_path: Path) -> None:
         assert store.cgroup_originals() == []
         assert store.save_cgroup_original(CgroupOriginal("GPU-0", "/jobs/a", math.inf, math.inf, 2.0))
     db = sqlite3.connect(tmp_path / "vgpu.sqlite3")
-    assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == str(SCHEMA_VERSION) == "4"
+    assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == str(SCHEMA_VERSION) == "5"
 
 
 def test_a_failed_upgrade_changes_nothing(tmp_path: Path) -> None:
@@ -234,7 +234,7 @@ def test_a_version_3_database_gets_the_cold_start_size_of_grants_not_resized_and
     got = {g.grant_id: g.cold_start_mib for g in ledger.dropped_on_restore}
     assert got == {"loading-1": 9188.0, "resized-1": None, "asked-1": None}
     db = sqlite3.connect(tmp_path / "vgpu.sqlite3")
-    assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "4"
+    assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == str(SCHEMA_VERSION)
     assert db.execute("SELECT count(*) FROM grants").fetchone()[0] == 4
     assert db.execute("SELECT record_json FROM grants WHERE grant_id='broken-1'").fetchone()[0] == "{not json"
     for grant_id, body in rows[1:3]:  # untouched, byte for byte
@@ -245,20 +245,62 @@ def test_a_version_3_database_gets_the_cold_start_size_of_grants_not_resized_and
     db.close()
 
 
-@pytest.mark.parametrize("bad", ["lots", -1.0, 0.0, 1e400, True, [9188]])
-def test_a_bad_stored_cold_start_size_is_dropped_and_counted_and_its_grant_kept(tmp_path: Path, bad: object) -> None:
+# (field, a bad stored value, what the grant reads as then, the note's ending)
+_BAD_OPTIONAL = [("cold_start_mib", bad, None, "kept without it") for bad in ["lots", -1.0, 0.0, 1e400, True, [9188]]] + [
+    ("sm_estimated", bad, False, "kept as not estimated") for bad in ["yes", 1, None, [True]]]
+
+
+@pytest.mark.parametrize(("field", "bad", "read_as", "note"), _BAD_OPTIONAL)
+def test_a_bad_stored_optional_field_is_dropped_and_counted_and_its_grant_kept(
+        tmp_path: Path, field: str, bad: object, read_as: object, note: str) -> None:
+    """A bad cold-start size is forgotten; a bad `sm_estimated` reads as false (the share a
+    commitment); either way the grant itself stands, and the operator is told."""
     from vgpu.allocator.ledger import DeviceCapacity, Ledger
 
     grant = json.loads(_grant_v3("loading-1", "cold_start", 9188.0, None))
-    grant["cold_start_mib"] = bad
+    grant[field] = bad
     records = {"version": 1, "devices": [], "grants": [grant], "limits": []}
     ledger = Ledger.from_records(records, devices=[DeviceCapacity("GPU-0", 81_559.0)], skip_bad=True)
     (kept,) = ledger.grants()
-    assert kept.grant_id == "loading-1" and kept.memory_mib == 9188.0 and kept.cold_start_mib is None
+    assert kept.grant_id == "loading-1" and (kept.memory_mib, kept.sm_pct) == (9188.0, 10.0)
+    assert getattr(kept, field) is read_as
     (why,) = ledger.bad_on_restore
-    assert why.startswith("grant 'loading-1': cold_start_mib") and "kept without it" in why
-    with pytest.raises(ValueError, match="cold_start_mib"):
+    assert why.startswith(f"grant 'loading-1': {field}") and why.endswith(note)
+    with pytest.raises(ValueError, match=field):
         Ledger.from_records(records, devices=[DeviceCapacity("GPU-0", 81_559.0)])
+
+
+def test_a_version_4_database_is_read_with_every_sm_share_a_commitment_and_no_row_changed(tmp_path: Path) -> None:
+    """Schema 5 lets a grant say its SM share is the sizer's estimate. Which shares of an older
+    database were is not known: the upgrade changes no row and each grant reads as a commitment;
+    a grant written since keeps its flag across a restart."""
+    from vgpu.allocator.ledger import DeviceCapacity, Ledger
+
+    db = sqlite3.connect(tmp_path / "vgpu.sqlite3")
+    db.executescript(_SCHEMA_3.replace("('schema_version', '3')", "('schema_version', '4')"))
+    body = _grant_v3("loading-1", "cold_start", 9188.0, None)
+    db.executemany("INSERT INTO grants VALUES (?, ?)", [("loading-1", body)] + [
+        (f"x-{i}", _grant_v3(f"x-{i}", "request", 100.0, None)) for i in range(3)])
+    db.commit()
+    db.close()
+    devices = [DeviceCapacity("GPU-0", 81_559.0)]
+    with Store(tmp_path) as store:
+        records = store.load_ledger()
+        assert records is not None
+        ledger = Ledger.from_records(records, devices=devices)
+        assert [g.sm_estimated for g in ledger.grants()] == [False] * 4 and ledger.bad_on_restore == ()
+        ledger.grant("new", 1_000, 30, device_id="GPU-0", source="cold_start", cold_start_mib=1_000,
+                     sm_estimated=True)
+        store.apply_changes(ledger.changes())
+    db = sqlite3.connect(tmp_path / "vgpu.sqlite3")
+    assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "5"
+    assert db.execute("SELECT record_json FROM grants WHERE grant_id='loading-1'").fetchone()[0] == body
+    db.close()
+    with Store(tmp_path) as store:
+        records = store.load_ledger()
+        assert records is not None
+        (new,) = Ledger.from_records(records, devices=devices).grants(app_id="new")
+        assert new.sm_estimated is True
 
 
 def test_the_counts_kept_beside_the_rows_follow_every_write(tmp_path: Path) -> None:
