@@ -112,3 +112,25 @@ def test_the_operators_priority_reaches_the_grants_held_and_to_come(env: Env, se
     assert serves[-1].term() == 0
     serves.append(Serve(env))
     assert [g["priority"] for g in app(env, "batch")["grants"]] == [-2, -2]
+
+
+def test_each_change_is_logged_with_who_asked_for_it(env: Env, serves: list[Serve]) -> None:
+    """An operator on a shared node reads from the journal who took a grant, capped an application or
+    released a grant: the role, how it proved it, and the kernel's uid and pid of the calling process."""
+    import os
+
+    serve = Serve(env)
+    serves.append(serve)
+    sock = ["--socket", str(env.sock)]
+    grant = json.loads(env.vgpu("request", *sock, "--app", "audited", "--memory-mib", "1024", "--json").stdout)
+    op(env, "--app", "audited", "--max-memory-mib", "512")
+    env.vgpu("release", *sock, "--grant", grant["grant_id"], "--app", "audited")
+    me = {"caller_uid": os.getuid(), "caller_pid": os.getpid()}  # the CLI ran in this process
+    granted = serve.event("granted")
+    assert {k: granted.get(k) for k in ("caller", "caller_via", *me)} == {"caller": "anonymous", "caller_via": "none", **me}
+    capped = serve.event("limits_set")
+    assert {k: capped.get(k) for k in ("caller", "caller_via", *me)} == {"caller": "operator", "caller_via": "token", **me}
+    released = serve.event("released")
+    assert released["caller"] in ("anonymous", "app:audited") and released["caller_pid"] == os.getpid()
+    # the policy's own work is no call: it names no caller
+    assert all("caller" not in e for e in serve.events() if e.get("event") in ("serving", "stopped"))

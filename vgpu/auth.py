@@ -539,6 +539,19 @@ def caller_label(principal: Principal, peer: PeerCred | None) -> str:
     return principal.describe()
 
 
+def audit_fields(principal: Principal, peer: PeerCred | None, address: str) -> dict[str, object]:
+    """Who made a call, for the log lines of what it changed: its role (`caller`: "operator",
+    "profiler", "app:<id>", "anonymous") and how it proved it (`caller_via`), and the kernel's word
+    on its process over a Unix socket (`caller_uid`, `caller_pid`, in the daemon's pid namespace),
+    else its address (`caller_addr`, TCP)."""
+    fields: dict[str, object] = {"caller": principal.describe(), "caller_via": principal.via}
+    if peer is not None:
+        fields.update(caller_uid=peer.uid, caller_pid=peer.pid)
+    elif address:
+        fields["caller_addr"] = address
+    return fields
+
+
 def _peer_text(context: Any) -> str:
     try:
         peer = context.peer()
@@ -699,6 +712,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 raise  # abort raises; never reached
             _CALLER.set(principal.app_id if principal.role == "app" else claim)
             _PRINCIPAL.set(caller_label(principal, peer))
+            # every line logged for this call (granted, released, limits_set, reclaimed, ...) says who
+            # asked: the call runs in its own task, so the binding ends with it
+            structlog.contextvars.bind_contextvars(**audit_fields(principal, peer, _peer_text(context)))
             if claim is None and principal.role == "operator" and need == "app_request":
                 app_id = _request_app_id(request)
                 if app_id and app_id_problem(app_id) is None and not access.registry.app_claimed(app_id):
