@@ -237,7 +237,12 @@ class Sampler:
             if host is None:
                 continue  # vanished
             pstate, host_counters = host
-            inapp = self._read_inapp(info.pid, pstate, now_s, now_mono)
+            try:
+                inapp = self._read_inapp(info.pid, pstate, now_s, now_mono)
+            except Exception as exc:  # noqa: BLE001 - a file a user writes: its process goes on without it
+                # one process's report must never cost every process of the node its signature
+                self._count_error(f"pid:{info.pid}", "inapp", exc)
+                inapp = None
             app_id = self._app_id(info.pid, pstate, inapp)
             sig = signature_pb2.BehavioralSignature(
                 app_id=app_id, pid=info.pid, device_id=dev.uuid, timestamp_s=now_s, seq=self._seq.next(app_id)

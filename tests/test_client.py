@@ -449,6 +449,7 @@ def test_a_planted_fifo_symlink_or_huge_file_is_no_report_and_never_blocks(tmp_p
     "text, reason",
     [
         ("{", "not JSON"),
+        ('{"v": 1, "app_id": "a", "pid": 1' + "0" * 5000 + ', "written_at_s": 1}', "not JSON: Exceeds the limit"),
         ("[]", "not a JSON object"),
         ('{"v": 2}', "version"),
         ('{"v": 1, "pid": 1, "written_at_s": 1}', "app_id"),

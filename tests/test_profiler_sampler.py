@@ -378,12 +378,15 @@ def test_malformed_inapp_file_is_ignored_and_counted(tmp_path: Path) -> None:
     "[" * 30_000 + "]" * 30_000,  # nested beyond the JSON decoder's recursion (RecursionError)
     '{"v": 1, "app_id": "x", "pid": %(pid)d, "written_at_s": 1%(zeros)s}',  # beyond a double (OverflowError)
     '{"v": 1, "app_id": "x", "pid": %(pid)d, "written_at_s": 1, "pid_start_s": 1%(zeros)s}',
-], ids=["deep", "huge-written-at", "huge-start"])
+    # an integer of more digits than Python converts from text (4,300): ValueError from the decoder
+    '{"v": 1, "app_id": "x", "pid": 1%(many)s, "written_at_s": 1}',
+    '{"v": 1, "app_id": "x", "pid": %(pid)d, "written_at_s": 1, "counters": {"step": 1%(many)s}}',
+], ids=["deep", "huge-written-at", "huge-start", "pid-of-5001-digits", "counter-of-5001-digits"])
 def test_an_in_app_file_beyond_the_json_decoder_is_malformed_and_the_tick_goes_on(tmp_path: Path, text: str) -> None:
     """A 64 KiB in-app file may still hold what the decoder or a float cannot: before, parsing it raised
     RecursionError or OverflowError out of `sample()`, so every process of the node lost that tick's
     signature, tick after tick, for one file."""
-    (tmp_path / f"{os.getpid()}.json").write_text(text % {"pid": os.getpid(), "zeros": "0" * 400}
+    (tmp_path / f"{os.getpid()}.json").write_text(text % {"pid": os.getpid(), "zeros": "0" * 400, "many": "0" * 5000}
                                                    if "%(" in text else text)
     sampler, _ = _real_sampler(tmp_path)
     (sig,) = sampler.sample()
@@ -440,3 +443,22 @@ def test_sampler_on_the_simulated_h100() -> None:
     backend.devices()[0].lose()
     clock.advance(0.1)
     assert sampler.sample() == [] and sampler.lost_devices() == [sig.device_id]
+
+
+def test_a_report_whose_reading_fails_unforeseen_costs_only_its_own_process_the_counters(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever a user's in-app file makes the reader raise, the tick goes on: that process's
+    signature is sent without in-app counters and the failure is counted."""
+    import time
+
+    from vgpu.profiler import sampler as sampler_module
+
+    write_inapp(tmp_path, _report(os.getpid(), time.time(), None))
+
+    def broken(*_args: object, **_kwargs: object) -> None:
+        raise LookupError("a failure no rule foresaw")
+
+    monkeypatch.setattr(sampler_module, "read_inapp_reports", broken)
+    sampler, _ = _real_sampler(tmp_path)
+    (sig,) = sampler.sample()
+    assert not sig.HasField("in_app") and sampler.stats.errors[(f"pid:{os.getpid()}", "inapp")] == 1

@@ -419,10 +419,10 @@ def parse_inapp(text: str) -> InAppReport:
     """Parse an in-app file's text; InAppFormatError with the reason when it is not one."""
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InAppFormatError(f"not JSON: {exc}") from exc
     except RecursionError:  # arrays nested thousands deep: within the size cap, beyond the decoder
         raise InAppFormatError("not JSON: nested too deep") from None
+    except ValueError as exc:  # not JSON, or an integer of more digits than Python converts (4,300)
+        raise InAppFormatError(f"not JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise InAppFormatError("not a JSON object")
     if data.get("v") != INAPP_VERSION:
