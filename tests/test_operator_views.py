@@ -503,3 +503,46 @@ def test_every_process_on_the_gpu_is_listed_with_its_application() -> None:
     assert mine["APP"] == first and mine["USER"] == getpass.getuser() and mine["GPU"] == "0" and mine["GI"] == "-"
     assert float(mine["USED MiB"].replace(",", "")) > 0
     assert other["APP"] == "-" and other["USER"] == "N/A" and other["COMMAND"] == "N/A"  # not vgpu's; no such process
+
+
+def test_another_users_command_line_cannot_write_to_the_operators_terminal(env: Env, serves: list[Serve]) -> None:
+    """A process's command line is whatever its user wrote: escape sequences that set the terminal's
+    title, clear the screen or forge a line reach `vgpu apps` and `vgpu top` as visible escapes."""
+    import io
+
+    from rich.console import Console
+
+    from vgpu.top import Snapshot, render
+    from vgpu.v1 import allocator_pb2 as pb
+
+    serves.append(Serve(env))
+    evil = "[b]X\x1b]0;OWNED\x07\x1b[2J\x1b[31mFAKE\x1b[0m\r\x9b"
+    sleeper = subprocess.Popen([evil, "60"], executable="/bin/sleep")
+    try:
+        out = cli(env, "request", "--app", "evil", "--memory-mib", "5", "--pid", str(sleeper.pid))
+        assert out.returncode == 0, out.stderr
+        apps = cli(env, "apps")
+        assert apps.returncode == 0, apps.stderr
+        assert not any(ch in apps.stdout for ch in "\x1b\x07\r\x9b")
+        assert "\\x1b]0;OWNED\\x07" in _row(apps.stdout, "evil")["COMMAND"]
+        snap = Snapshot(pb.GetAvailableResourcesResponse(), pb.ListApplicationsResponse.FromString(
+            _list_apps(env)), pb.GetAppHistoryResponse(), 0.0)
+        screen = io.StringIO()
+        Console(file=screen, width=300, color_system=None, force_terminal=False).print(render(snap))
+        # escaped, and "[b]" not read as markup (the COMMAND column shows its first 24 characters)
+        assert "[b]X\\x1b]0;OWNED\\x07" in screen.getvalue()
+        assert not any(ch in screen.getvalue() for ch in "\x1b\x07\r\x9b")
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def _list_apps(env: Env) -> bytes:
+    """ListApplications as the daemon answers it, serialised."""
+    import grpc
+
+    from vgpu.v1 import allocator_pb2 as pb
+    from vgpu.v1 import allocator_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(f"unix://{env.sock}") as channel:
+        return pb_grpc.AllocatorStub(channel).ListApplications(pb.ListApplicationsRequest()).SerializeToString()

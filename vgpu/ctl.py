@@ -455,7 +455,18 @@ def device_rows(resp: pb.GetAvailableResourcesResponse) -> list[dict[str, str]]:
     return rows
 
 
+# C0 controls, DEL and C1 controls: a terminal acts on them (clears the screen, sets the title,
+# moves the cursor), and a process's command line or user name is whatever that user wrote.
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
+
+
+def printable(text: str) -> str:
+    """`text` with every control character written as a visible `\\xNN` escape, for a terminal."""
+    return text.translate(_CONTROLS)
+
+
 def _text_table(rows: Sequence[dict[str, str]], columns: Sequence[str], right: set[str], empty: str) -> str:
+    rows = [{c: printable(r[c]) for c in columns} for r in rows]
     widths = {c: max([len(c), *(len(r[c]) for r in rows)]) for c in columns}
     head = "  ".join(c.rjust(widths[c]) if c in right else c.ljust(widths[c]) for c in columns)
     lines = [head.rstrip()]

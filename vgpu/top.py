@@ -118,8 +118,13 @@ def render(snap: Snapshot, *, sort: int = 0, reverse: bool = False, socket: str 
         app_rows,
         device_rows,
         mig_rows,
+        printable,
         process_rows,
     )
+
+    def cells(row: dict[str, str], columns: Sequence[str]) -> list[Text]:
+        # Text, not str: rich would read "[...]" in a user's command line as markup
+        return [Text(printable(row[c])) for c in columns]
 
     modes = sorted({"dry run" if d.dry_run else "live" for d in snap.devices.devices}) or ["no devices"]
     head = Text()
@@ -127,7 +132,7 @@ def render(snap: Snapshot, *, sort: int = 0, reverse: bool = False, socket: str 
     head.append(f"  {time.strftime('%H:%M:%S', time.localtime(snap.at_s))}  {socket}  ")
     head.append(" / ".join(modes), style="bold yellow" if "dry run" in modes else "bold green")
     if snap.error:
-        head.append(f"  refresh failed: {snap.error}", style="bold red")
+        head.append(f"  refresh failed: {printable(snap.error)}", style="bold red")
 
     devices = Table(title="GPUs", title_justify="left", expand=False, pad_edge=False)
     # The mode is in the header; UUIDs are for `vgpu available`, where a person copies them.
@@ -136,7 +141,7 @@ def render(snap: Snapshot, *, sort: int = 0, reverse: bool = False, socket: str 
         devices.add_column(col, justify="right" if col.endswith(("MiB", "W", "FREE", "MHz", "TEMP", "UTIL")) else "left",
                            no_wrap=True)
     for row in device_rows(snap.devices):
-        devices.add_row(*(row[c] for c in dev_cols))
+        devices.add_row(*cells(row, dev_cols))
     parts: list[RenderableType] = [head, devices]
     mig = mig_rows(snap.devices)
     if mig:
@@ -144,7 +149,7 @@ def render(snap: Snapshot, *, sort: int = 0, reverse: bool = False, socket: str 
         for col in MIG_COLUMNS:
             mig_table.add_column(col, no_wrap=True)
         for row in mig:
-            mig_table.add_row(*(row[c] for c in MIG_COLUMNS))
+            mig_table.add_row(*cells(row, MIG_COLUMNS))
         parts.append(mig_table)
 
     procs = process_rows(snap.devices, snap.apps)
@@ -154,7 +159,7 @@ def render(snap: Snapshot, *, sort: int = 0, reverse: bool = False, socket: str 
             proc_table.add_column(col, justify="right" if col in ("PID", "USED MiB") else "left", no_wrap=True,
                                   max_width=40 if col == "COMMAND" else None)
         for row in procs:
-            proc_table.add_row(*(row[c] for c in PROCESS_COLUMNS))
+            proc_table.add_row(*cells(row, PROCESS_COLUMNS))
         parts.append(proc_table)
 
     key, column = SORT_KEYS[sort % len(SORT_KEYS)]
@@ -170,7 +175,7 @@ def render(snap: Snapshot, *, sort: int = 0, reverse: bool = False, socket: str 
     apps.add_column(f"MEMORY, LAST {SPARK_WINDOW_S:.0f} s", no_wrap=True)
     for row, app in rows:
         h = hist.get((app.app_id, app.device_id))
-        apps.add_row(*(row[c] for c in shown), app_sparks(h, snap.at_s) if h is not None else Text("no history", style="dim"))
+        apps.add_row(*cells(row, shown), app_sparks(h, snap.at_s) if h is not None else Text("no history", style="dim"))
     parts.append(apps)
     parts.append(Text("q quit   s sort by next column   r reverse", style="dim"))
     return Group(*parts)
