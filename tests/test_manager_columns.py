@@ -225,3 +225,22 @@ def test_one_row_per_application_ticks_give_the_windows_rows_give() -> None:
         assert by_cols.app_pids(f"app{a}") == [100 + a]
     assert "inapp_torch_reserved_mib" in by_cols.windows.trace("app1").columns
     assert "inapp_torch_reserved_mib" not in by_cols.windows.trace("app2").columns
+
+
+def test_each_row_gets_its_own_ids_reason_among_many_bad_ids() -> None:
+    """Rows take the reason of the id they name, app id before device id, whatever the number of bad
+    ids in the tables (one lookup per row: a table of tens of thousands of bad ids costs one pass)."""
+    app_ids = ["ok", "", "x" * 300, "a b", *(f"bad {k}" for k in range(2000))]
+    device_ids = [GPU, " ", "y" * 300]
+    rows = [(0, 0), (1, 0), (2, 0), (3, 1), (0, 1), (0, 2), (2003, 0), (9999, 0), (0, 0)]
+    msg = ingest_pb2.SignatureColumns(
+        app_ids=app_ids, device_ids=device_ids,
+        app_index_u32=np.array([a for a, _ in rows], "<u4").tobytes(),
+        device_index_u32=np.array([d for _, d in rows], "<u4").tobytes(),
+        seq_u64=np.arange(1, len(rows) + 1, dtype="<u8").tobytes(),
+        timestamp_s_f64=np.full(len(rows), 1000.0, "<f8").tobytes(),
+        column_names=["mem_used_mib"], values_f64=np.ones(len(rows), "<f8").tobytes())
+    got = dict(read_columns(msg).rejected)
+    assert sorted(got) == [1, 2, 3, 4, 5, 6, 7]
+    assert got[1] == "app_id is empty" and "at most 256" in got[2] and "'a b'" in got[3] and "'bad 1999'" in got[6]
+    assert got[4] == "device_id is empty" and "at most 256" in got[5] and "past the 2004 app_ids" in got[7]

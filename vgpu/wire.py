@@ -329,9 +329,18 @@ def read_columns(msg: ingest_pb2.SignatureColumns) -> ColumnRows:
     mark(app_index >= len(apps), f"app_index_u32 is past the {len(apps)} app_ids")
     mark(device_index >= len(devs), f"device_index_u32 is past the {len(devs)} device_ids")
     for table, index, what in ((apps, app_index, "app_id"), (devs, device_index, "device_id")):
+        # each row takes its id's reason through one lookup: a batch may hold tens of thousands of bad
+        # ids, and a pass over the rows per id would hold the event loop for seconds
+        code = np.zeros(len(table) + 1, dtype=np.int64)  # the last entry: an index past the table
+        texts: dict[str, int] = {}
         for k, why in enumerate(_bad_ids(table, what)):
             if why is not None:
-                mark(index == k, why)
+                code[k] = texts.setdefault(why, len(reasons) + len(texts))
+        if texts:
+            row_code = code[np.minimum(index, len(table))]
+            hit = (row_code > 0) & (reason == 0)
+            reason[hit] = row_code[hit]
+            reasons.extend(texts)
     mark(seq == 0, "seq is 0: sequence numbers start at 1")
     mark(~(t_s > 0) | ~np.isfinite(t_s), "timestamp_s must be Unix seconds > 0 and finite")
     with np.errstate(invalid="ignore"):
