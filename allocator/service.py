@@ -343,10 +343,11 @@ def _amount(value: float, name: str, *, upper: float | None = None) -> float:
     if math.isnan(value) or math.isinf(value):
         raise InvalidRequest(f"{name} must be a finite number, got {value}")
     if value < 0:
-        raise InvalidRequest(f"{name} must be >= 0, got {value:g}")
+        raise InvalidRequest(f"{name} must be >= 0, got {value!r}")
     if upper is not None and value > upper:
-        raise InvalidRequest(f"{name} must be at most {upper:g}, got {value:g}")
-    return value
+        # repr, not :g, which would print 100.0000001 as 100 and contradict the bound it names
+        raise InvalidRequest(f"{name} must be at most {upper:g}, got {value!r}")
+    return value + 0.0  # -0.0 is 0: a grant of "-0 MiB" reads as nonsense
 
 
 def request_from_pb(msg: pb.ResourceRequest) -> AllocationRequest:

@@ -273,6 +273,8 @@ async def test_grpc_grant_refuse_release(served: tuple[pb_grpc.AllocatorStub, Al
         (req("a", -1), "request.memory_mib must be >= 0"),
         (req("a", math.nan), "request.memory_mib must be a finite number"),
         (req("a", 1, 150), "request.sm_pct must be at most 100"),
+        (req("a", 1, 100.0000001), "request.sm_pct must be at most 100, got 100.0000001"),  # not "got 100"
+        (req("a", -1e-9), "request.memory_mib must be >= 0, got -1e-09"),
         (pb.RequestResourceAllocationRequest(), "request is missing"),
         (pb.RequestResourceAllocationRequest(request=pb.ResourceRequest(
             app_id="a", job=pb.JobConfig(model_type="bert", batch_size=8, precision="fp8"))),
@@ -290,6 +292,14 @@ async def test_grpc_input_validation(
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert match in (err.value.details() or "")
     assert alloc.ledger.grants() == []
+
+
+async def test_a_negative_zero_is_granted_as_zero(
+        served: tuple[pb_grpc.AllocatorStub, Allocator, grpc.aio.Channel]) -> None:
+    stub, alloc, _ = served
+    g = (await stub.RequestResourceAllocation(req("a", -0.0, -0.0), timeout=T_S)).grant
+    assert math.copysign(1.0, g.memory_mib) == math.copysign(1.0, g.sm_pct) == 1.0  # shown as 0, not -0
+    assert math.copysign(1.0, alloc.ledger.get(g.grant_id).memory_mib) == 1.0
 
 
 async def test_grpc_limits_list_and_validation(served: tuple[pb_grpc.AllocatorStub, Allocator, grpc.aio.Channel]) -> None:

@@ -212,8 +212,9 @@ def test_removing_daemon_lock_does_not_let_a_second_daemon_in(env: Env, serves: 
 
 
 @pytest.mark.parametrize("body", ["[]", '{"version": 1}', '{"version": 1, "devices": {"%s": {"power_limit_mw": "abc"}}}',
-                                  '{"version": 1, "devices": {"%s": {}}}'],
-                         ids=["list", "no-devices", "bad-power", "no-power"])
+                                  '{"version": 1, "devices": {"%s": {}}}', "[" * 200_000 + "]" * 200_000,
+                                  '{"version": 1' + "0" * 5000 + "}"],
+                         ids=["list", "no-devices", "bad-power", "no-power", "nested-deep", "5001-digits"])
 def test_damaged_simulated_device_settings_are_named_with_what_to_do(env: Env, serves: list[Serve], body: str,
                                                                     stopped_state: Path) -> None:
     """The simulated GPUs' saved settings (`sim-devices.json`) damaged by hand: the start said

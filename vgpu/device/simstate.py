@@ -75,7 +75,9 @@ def read_state(path: Path) -> dict[str, dict[str, Any]]:
         return {}
     except FileTooLarge:
         raise SimStateError(path, f"larger than {MAX_STATE_BYTES} bytes, the most it may hold; not read") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except RecursionError:  # nested deeper than the decoder goes, within the size cap
+        raise SimStateError(path, "not valid JSON: nested too deep") from None
+    except (ValueError, UnicodeDecodeError) as exc:  # ValueError: JSONDecodeError, or a 4,300-digit integer
         raise SimStateError(path, f"not valid JSON: {exc}") from exc
     if not isinstance(raw, dict):
         raise SimStateError(path, "not a JSON object")
