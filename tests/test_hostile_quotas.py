@@ -103,14 +103,20 @@ def test_far_future_samples_are_rejected_and_invented_ids_do_not_lock_out_owners
         s.process.sm_util_pct = 50.0
     future = spb.BehavioralSignature(app_id="victim", pid=7, device_id=gpu, timestamp_s=now + 365 * 86400, seq=4)
     future.process.gpu_mem_used_mib = 1.0
+    # a minute ahead: accepted, it would make every honest sample after it "out of order" for that minute
+    ahead = spb.BehavioralSignature(app_id="victim", pid=7, device_id=gpu, timestamp_s=now + 60, seq=5)
+    honest = spb.BehavioralSignature(app_id="victim", pid=7, device_id=gpu, timestamp_s=now + 0.5, seq=6)
+    for s in (ahead, honest):
+        s.process.gpu_mem_used_mib = 20_000.0
     with grpc.insecure_channel(f"unix:{env.sock}") as ch:
         stub = ingest_pb2_grpc.IngestStub(ch)
-        replies = stub.StreamSignatures(iter([ingest_pb2.SignatureBatch(tick=1, signatures=[*sigs, future])]),
-                                        metadata=auth.bearer(token), timeout=10)
+        batch = ingest_pb2.SignatureBatch(tick=1, signatures=[*sigs, future, ahead, honest])
+        replies = stub.StreamSignatures(iter([batch]), metadata=auth.bearer(token), timeout=10)
         reply = next(replies)
         replies.cancel()
-    assert reply.accepted == 3
-    assert [r.index for r in reply.rejected] == [3] and "ahead of the manager's clock" in reply.rejected[0].reason
+    assert reply.accepted == 4
+    assert [r.index for r in reply.rejected] == [3, 4]
+    assert all("ahead of the manager's clock" in r.reason for r in reply.rejected)
     # The forecast grant for "victim" arrives from the signatures ...
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and not any(a.app_id == "victim" and a.grants for a in client.apps()):

@@ -192,9 +192,12 @@ FRONT_DIR = "front"
 UPSTREAM_SOCKET = "grpc.sock"
 # A window's trace covers at most this long before its latest sample (a forecast's 1 s grid is
 # bounded by it, whatever time stamps a profiler sends); samples stamped further ahead of the
-# daemon's clock than MAX_FUTURE_S are rejected with the reason.
+# daemon's clock than MAX_FUTURE_S are rejected with the reason. The profiler reads the node's own
+# clock, so its samples are never ahead but by the node's clock adjustments; and a sample accepted
+# ahead makes every honest sample of its application "out of order" until the clock reaches it,
+# which this bounds to seconds.
 MAX_WINDOW_SPAN_S = 3600.0
-MAX_FUTURE_S = 300.0
+MAX_FUTURE_S = 10.0
 # Connections that hold a descriptor and do nothing are closed: one that has not finished its
 # HTTP/2 handshake after 10 s (a local client needs milliseconds), and one with no call for 10 min.
 # How many may be open at once is `server.max_connections` (server_options).
