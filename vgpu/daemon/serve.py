@@ -146,7 +146,7 @@ from vgpu.allocator.mechanisms.mig import MigLayoutMechanism
 from vgpu.allocator.policy.base import hard_limit_at_frac_for
 from vgpu.allocator.policy.forecast import ForecastPolicy
 from vgpu.allocator.service import AllocatorServicer, ProfilerState, Server, build_server
-from vgpu.allocator.store import DeviceOriginal, MigSlot, Store, StoreError, reset_state
+from vgpu.allocator.store import SCHEMA_VERSION, DeviceOriginal, MigSlot, Store, StoreError, reset_state
 from vgpu.capped import read_capped
 from vgpu.client import (
     DEFAULT_INAPP_DIR,
@@ -1107,6 +1107,11 @@ class Daemon:
             self.store = Store(self.state_dir, clock=self.clock)
         except StoreError as exc:
             raise StartupError(str(exc)) from exc
+        if self.store.upgraded_copy is not None:
+            self.log.info("state_upgraded", path=str(self.store.path), from_schema=self.store.schema_found,
+                          to_schema=SCHEMA_VERSION, copy=str(self.store.upgraded_copy),
+                          to_act="a downgrade to the vgpu that wrote it needs this copy put back in place "
+                          "(docs/install.md, Upgrading and downgrading vgpu)")
 
     def _build_allocator(self, ledger: Ledger) -> list[tuple[str, str, str]]:
         """The Allocator over the reconciled ledger, with its mechanisms, the cold-start sizer (loading
