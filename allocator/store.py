@@ -247,11 +247,15 @@ class Store:
         `<DB_NAME>.pre-schema-<version>` before an upgrade changes it: SQLite's online backup (a
         consistent copy, the WAL's committed pages included) into a new private file beside it, made a
         one-file database (journal_mode DELETE), fsynced, renamed over an older copy of that name and the
-        directory fsynced. StoreError, with nothing changed, when it cannot be written."""
+        directory fsynced (a new file that a crash cut short is removed first). StoreError, with nothing
+        changed, when it cannot be written."""
         copy = self.state_dir / f"{PRE_SCHEMA}{version}"
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{copy.name}.", dir=self.state_dir)  # mode 0600
-        tmp = Path(tmp_name)
+        tmp: Path | None = None
         try:
+            for stale in self.state_dir.glob(f".{copy.name}.*"):  # a copy cut short by a crash
+                stale.unlink(missing_ok=True)
+            fd, tmp_name = tempfile.mkstemp(prefix=f".{copy.name}.", dir=self.state_dir)  # mode 0600
+            tmp = Path(tmp_name)
             os.close(fd)
             dst = sqlite3.connect(tmp, isolation_level=None)
             try:
@@ -268,7 +272,8 @@ class Store:
             finally:
                 os.close(dir_fd)
         except (OSError, sqlite3.Error) as exc:
-            tmp.unlink(missing_ok=True)
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
             self._db.close()
             raise StoreError(
                 f"cannot write {copy}, the copy of {self.path} kept before upgrading it from schema {version} to "

@@ -263,6 +263,7 @@ def test_an_upgrade_first_writes_a_complete_copy_that_still_says_its_old_schema(
     rows = _v3_database(tmp_path)
     copy = tmp_path / "vgpu.sqlite3.pre-schema-3"
     copy.write_bytes(b"a copy from an earlier upgrade")
+    (tmp_path / ".vgpu.sqlite3.pre-schema-3.k2j4x").write_bytes(b"a copy cut short by a crash")
     with Store(tmp_path) as store:
         assert store.upgraded_copy == copy and store.schema_found == 3
         assert len(store.load_ledger()["grants"]) == 4  # type: ignore[index]
