@@ -549,8 +549,14 @@ def test_cli_status_doctor_and_rollback_with_models_that_do_not_load(tmp_path: P
     doctor = vgpu("doctor", "--socket", str(tmp_path / "none.sock"), "--backend", "sim:h100-80gb", "--json")
     (check,) = [c for c in json.loads(doctor.stdout) if c["name"] == "local model"]
     assert check["status"] == "WARN" and check["detail"].startswith(f"{local} does not load (")
+    assert f"its archived copy {models / 'archive' / 'local-2.pt'} loads" in check["detail"]
+
+    (models / "archive" / "local-2.pt").write_bytes(noise)  # the archived copy damaged too
+    doctor = vgpu("doctor", "--socket", str(tmp_path / "none.sock"), "--backend", "sim:h100-80gb", "--json")
+    (check,) = [c for c in json.loads(doctor.stdout) if c["name"] == "local model"]
     assert "would refuse (local-1.pt, the model before it, does not load either)" in check["detail"]
-    assert f"remove {local}" in check["detail"]
+    assert f"remove {local}" in check["detail"] and check["status"] == "WARN"
+    (models / "archive" / "local-2.pt").write_bytes(two)
 
     out = vgpu("model", "rollback")
     assert out.returncode == 1 and out.stdout == "" and "Traceback" not in out.stderr, out.stderr
