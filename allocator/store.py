@@ -26,9 +26,13 @@ What is stored:
   forgotten once written back (at release, at stop, or by the start-up reconcile after a crash);
 - `apps`: application ids that have been claimed (their token has been issued).
 
-The schema is versioned (`meta.schema_version`). Opening a database of an older version upgrades it
-in place, one step per version, each step and its version bump in one transaction (`_MIGRATIONS`);
-a database of a newer version, which this vgpu cannot read, is refused.
+The schema is versioned (`meta.schema_version`). Opening a database of an older version first writes
+a complete copy of it beside it, `vgpu.sqlite3.pre-schema-<old version>` (SQLite's online backup,
+fsynced, renamed into place; `Store.upgraded_copy` names it), which the vgpu that wrote it can read
+again after a downgrade; a copy that cannot be written refuses the upgrade and changes nothing. Then
+it upgrades the database in place, one step per version, each step and its version bump in one
+transaction (`_MIGRATIONS`). A database of a newer version, which this vgpu cannot read, is refused,
+naming such a copy when there is one.
 
 Not thread-safe: the daemon's asyncio loop owns it (sqlite3 objects stay on their thread).
 """
@@ -39,6 +43,7 @@ import json
 import math
 import os
 import sqlite3
+import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
@@ -50,6 +55,8 @@ from vgpu.ids import app_id_problem
 
 SCHEMA_VERSION = 5
 DB_NAME = "vgpu.sqlite3"
+# The copy an upgrade writes first: `<DB_NAME>.pre-schema-<the version it upgrades from>`.
+PRE_SCHEMA = DB_NAME + ".pre-schema-"
 
 # Version 1, the tables every database starts from; `_MIGRATIONS` takes it to SCHEMA_VERSION.
 _SCHEMA_V1 = """
@@ -208,8 +215,12 @@ class Store:
         except OSError as exc:
             raise StoreError(f"cannot create state directory {self.state_dir}: {exc}") from exc
         if not 1 <= version <= SCHEMA_VERSION:
-            raise StoreError(f"{self.path} has schema {version}; this vgpu reads schemas 1 to {SCHEMA_VERSION}")
+            self._db.close()
+            raise StoreError(self._newer(version))
         self._quick_check()  # before an upgrade writes to a damaged file
+        # the copy that a downgrade back to the vgpu that wrote this database needs; None: no upgrade
+        self.schema_found = version
+        self.upgraded_copy = self._copy_before_upgrade(version) if version < SCHEMA_VERSION and not fresh else None
         for step in range(version + 1, SCHEMA_VERSION + 1):
             self._migrate(step)
         self.writes = 0
@@ -217,6 +228,58 @@ class Store:
         # what open found damaged but could leave out; `load_ledger` reports it with its bad rows
         self._open_notes = self._check_meta() + self._check_claims() + self._check_originals()
         self._checkpoint()
+
+    def _newer(self, version: int) -> str:
+        """What to do about a database of a schema this vgpu does not read: a newer vgpu's, as a rule."""
+        copies = sorted((int(m), p.name) for p in self.state_dir.glob(PRE_SCHEMA + "*")
+                        if (m := p.name[len(PRE_SCHEMA):]).isdigit() and 1 <= int(m) <= SCHEMA_VERSION)
+        back = (f"put back {self.state_dir / copies[-1][1]}, the copy the newer vgpu wrote before it upgraded (grants "
+                f"made since are lost): stop vgpu, move {DB_NAME} and its -wal and -shm files aside, copy it to "
+                f"{self.path}, start" if copies else
+                f"restore {self.state_dir} from a backup made before the upgrade (a newer vgpu leaves one beside it "
+                f"as {PRE_SCHEMA}<N>; there is none)")
+        return (f"{self.path} has schema {version}; this vgpu reads schemas 1 to {SCHEMA_VERSION} (a newer vgpu wrote "
+                f"it?): install that vgpu again, or, to run this one, {back}; or start with `vgpu serve --reset-state` "
+                "to move it aside and begin empty (its grants are lost)")
+
+    def _copy_before_upgrade(self, version: int) -> Path:
+        """Write a complete copy of the database, still at schema `version`, to
+        `<DB_NAME>.pre-schema-<version>` before an upgrade changes it: SQLite's online backup (a
+        consistent copy, the WAL's committed pages included) into a new private file beside it, made a
+        one-file database (journal_mode DELETE), fsynced, renamed over an older copy of that name and the
+        directory fsynced (a new file that a crash cut short is removed first). StoreError, with nothing
+        changed, when it cannot be written."""
+        copy = self.state_dir / f"{PRE_SCHEMA}{version}"
+        tmp: Path | None = None
+        try:
+            for stale in self.state_dir.glob(f".{copy.name}.*"):  # a copy cut short by a crash
+                stale.unlink(missing_ok=True)
+            fd, tmp_name = tempfile.mkstemp(prefix=f".{copy.name}.", dir=self.state_dir)  # mode 0600
+            tmp = Path(tmp_name)
+            os.close(fd)
+            dst = sqlite3.connect(tmp, isolation_level=None)
+            try:
+                self._db.backup(dst)
+                dst.execute("PRAGMA journal_mode=DELETE")
+            finally:
+                dst.close()
+            with open(tmp, "rb") as fh:
+                os.fsync(fh.fileno())
+            os.replace(tmp, copy)
+            dir_fd = os.open(self.state_dir, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        except (OSError, sqlite3.Error) as exc:
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
+            self._db.close()
+            raise StoreError(
+                f"cannot write {copy}, the copy of {self.path} kept before upgrading it from schema {version} to "
+                f"{SCHEMA_VERSION}: {exc}; nothing was changed: free space in (or make writable) {self.state_dir}, "
+                "or start the vgpu that wrote it again") from exc
+        return copy
 
     def _damaged(self, what: str) -> StoreDamaged:
         return StoreDamaged(

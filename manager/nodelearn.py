@@ -23,10 +23,15 @@ does not load is replaced by the global one as the reference (and logged). A rou
 process at the lowest CPU priority with one torch thread (`BackgroundLearner`), so it never holds the
 daemon's interpreter lock nor delays a tick.
 
-`vgpu model status` prints the state as JSON; `vgpu model rollback` puts the previously promoted model
+`vgpu model status` prints the state as JSON, with whether `local.pt`, the archived model it should
+hold and the one a rollback would put back each load as the daemon loads them (`load_local`: at most
+three loads, so the command stays quick); `vgpu model rollback` puts the previously promoted model
 back in `local.pt` (or removes it when there was none before) and logs it (an entry and a
-`local_model_rolled_back` event), under the log's lock as a promotion is; the daemon watches
-`local.pt` and serves what is there (nothing: the global model and the last value only).
+`local_model_rolled_back` event), under the log's lock as a promotion is. It loads the copy it would
+install first and refuses, changing nothing, when that does not load, as it refuses when the file is
+missing: a rollback never installs a model that cannot serve. The daemon watches `local.pt` and serves
+what is there (nothing, or a file that does not load: the global model and the last value only;
+`LocalModelWatcher.state`, the metric `vgpu_local_model_state`).
 """
 
 from __future__ import annotations
@@ -431,17 +436,47 @@ def serving_archive(state_dir: str | Path) -> list[str]:
     return _summarise(read_log(state_dir)).stack
 
 
-def rollback(state_dir: str | Path, on_wait: Callable[[], None] | None = None) -> dict[str, Any]:
+def load_local(path: Path) -> Forecaster:
+    """A node-local model as the daemon serves it (on the CPU, with the serving threads); raises
+    what the load raises when the file cannot be served."""
+    from vgpu.manager.predictor import SERVING_THREADS, load_forecaster  # noqa: PLC0415 - torch
+
+    return load_forecaster(path, "cpu", threads=SERVING_THREADS)
+
+
+# A load failure is said in at most this many characters (torch's own messages run to paragraphs).
+MAX_PROBLEM_CHARS = 200
+
+
+def load_problem(path: Path, load: Callable[[Path], object] = load_local) -> str | None:
+    """None when `path` loads with `load`; else why not, in one short line."""
+    from vgpu.manager.checkpoint import CheckpointError  # noqa: PLC0415
+
+    try:
+        load(path)
+    except CheckpointError as exc:
+        why = exc.problem
+    except Exception as exc:  # noqa: BLE001 - any failure means it cannot be served
+        why = f"{type(exc).__name__}: {exc}"
+    else:
+        return None
+    why = " ".join(why.split())
+    return why if len(why) <= MAX_PROBLEM_CHARS else why[:MAX_PROBLEM_CHARS - 3] + "..."
+
+
+def rollback(state_dir: str | Path, on_wait: Callable[[], None] | None = None, *,
+             load: Callable[[Path], object] = load_local) -> dict[str, Any]:
     """Put the model promoted before the serving one back in `local.pt` (or remove it when none was),
     holding the log's lock throughout (after waiting for a promotion under way: `on_wait` is called
-    then), and log a `local_model_rolled_back` event."""
+    then), and log a `local_model_rolled_back` event. LookupError, with nothing changed, when there is
+    nothing to roll back or the model to put back is missing or does not `load`."""
     with _log_lock(state_dir, on_wait):
-        entry = _rollback_locked(state_dir)
+        entry = _rollback_locked(state_dir, load)
     get_logger("vgpu.manager.nodelearn").info("local_model_rolled_back", **_fields(entry))
     return entry
 
 
-def _rollback_locked(state_dir: str | Path) -> dict[str, Any]:
+def _rollback_locked(state_dir: str | Path, load: Callable[[Path], object]) -> dict[str, Any]:
     d = models_dir(state_dir)
     summary = _summarise(read_log(state_dir))
     stack = summary.stack
@@ -462,6 +497,12 @@ def _rollback_locked(state_dir: str | Path) -> dict[str, Any]:
                               "from the archive")
         tmp = d / f".{LOCAL}.tmp"
         shutil.copyfile(previous, tmp)
+        problem = load_problem(tmp, load)  # the very bytes that would serve
+        if problem is not None:
+            tmp.unlink(missing_ok=True)
+            raise LookupError(f"cannot roll back {undone}: the model before it, {previous}, does not load "
+                              f"({problem}); nothing changed. To serve the global model alone, remove "
+                              f"{d / LOCAL}; `vgpu model status` says which models load")
         os.replace(tmp, d / LOCAL)
     else:
         (d / LOCAL).unlink(missing_ok=True)
@@ -469,15 +510,31 @@ def _rollback_locked(state_dir: str | Path) -> dict[str, Any]:
     return entry
 
 
-def status(state_dir: str | Path) -> dict[str, Any]:
+def _model_check(name: str, path: Path | None, load: Callable[[Path], object]) -> dict[str, Any]:
+    """`<name>_loads` (None: no file to check) and, when it does not load, `<name>_problem`."""
+    if path is None:
+        return {f"{name}_loads": None}
+    problem = load_problem(path, load)
+    return {f"{name}_loads": problem is None} | ({} if problem is None else {f"{name}_problem": problem})
+
+
+def status(state_dir: str | Path, load: Callable[[Path], object] = load_local) -> dict[str, Any]:
+    """The node-local model's state; `local_model`, the archived model it should hold
+    (`serving_archive`) and the one a rollback would put back (`rollback_to`; None: the global model
+    alone, or nothing to roll back when `rollback_depth` is 0) each with whether it loads by `load`."""
     d = models_dir(state_dir)
     log = read_log(state_dir)
     summary = _summarise(log)
     stack = summary.stack
     local = d / LOCAL
+    archived = [d / "archive" / a for a in stack[-2:]]
     return {
         "local_model": str(local) if local.exists() else None,
+        **_model_check("local_model", local if local.exists() else None, load),
         "serving_archive": stack[-1] if stack else None,
+        **_model_check("serving_archive", archived[-1] if stack else None, load),
+        "rollback_to": stack[-2] if len(stack) > 1 else None,
+        **_model_check("rollback_to", archived[0] if len(stack) > 1 else None, load),
         "rollback_depth": len(stack),  # how many rollbacks reach an archived model (then the global one)
         **summary.counts,
         "last": log[-1] if log else None,
@@ -494,10 +551,11 @@ def _history_files(directory: Path) -> dict[str, int]:
 class LocalModelWatcher:
     """Serves `local.pt` as the mixture's "local" expert: `poll()` loads a changed file (a failed load is
     logged once per file version and the slot left empty: the global model and the last value
-    serve), and empties the slot when the file is gone (a rollback to none)."""
+    serve), and empties the slot when the file is gone (a rollback to none). `state` says which:
+    "serving", "unusable" (a file that does not load) or "none" (no file)."""
 
     def __init__(self, state_dir: str | Path, set_expert: Callable[[Forecaster | None], None],
-                 loader: Callable[[Path], Forecaster] | None = None,
+                 loader: Callable[[Path], Forecaster] = load_local,
                  logger: structlog.typing.FilteringBoundLogger | None = None) -> None:
         self.path = models_dir(state_dir) / LOCAL
         self._set = set_expert
@@ -506,6 +564,7 @@ class LocalModelWatcher:
         self._sig: tuple[int, int] | None = None
         self.loaded = 0
         self.failures = 0
+        self.state = "none"
 
     def poll(self) -> None:
         try:
@@ -518,22 +577,22 @@ class LocalModelWatcher:
         self._sig = sig
         if sig is None:
             self._set(None)
+            self.state = "none"
             self._log.info("local_model", serving=None)
             return
         try:
-            if self._loader is None:
-                from vgpu.manager.predictor import SERVING_THREADS, load_forecaster  # noqa: PLC0415 - torch
-
-                model: Forecaster = load_forecaster(self.path, "cpu", threads=SERVING_THREADS)
-            else:
-                model = self._loader(self.path)
+            model = self._loader(self.path)
         except Exception as exc:  # noqa: BLE001 - any unusable file: no local expert, the others serve
             self.failures += 1
             self._set(None)
-            self._log.warning("local_model_unusable", path=str(self.path), error=repr(exc))
+            self.state = "unusable"
+            self._log.warning("local_model_unusable", path=str(self.path), error=repr(exc),
+                              to_act="`vgpu model status` says which archived models load; `vgpu model rollback` "
+                              "puts the one before back, or remove the file to serve the global model alone")
             return
         self.loaded += 1
         self._set(model)
+        self.state = "serving"
         self._log.info("local_model", serving=str(self.path))
 
 
@@ -626,7 +685,13 @@ def model_main(argv: Sequence[str] | None = None, prog: str = "vgpu model") -> i
               file=sys.stderr)
         return 2
     if args.action == "status":
-        print(json.dumps(status(state_dir), indent=2, sort_keys=True))
+        state = status(state_dir)
+        print(json.dumps(state, indent=2, sort_keys=True))
+        if state["local_model_loads"] is False:
+            # stdout stays one JSON document; the warning a person reads goes to stderr
+            print(f"{prog}: {state['local_model']} does not load ({state['local_model_problem']}): the daemon serves "
+                  f"without it; `{prog} rollback` puts the model before it back (rollback_to above), or remove it to "
+                  "serve the global model alone", file=sys.stderr)
         return 0
     def waiting() -> None:
         print(f"{prog}: a promotion or rollback is under way (the promotion log is locked): waiting for it",

@@ -118,22 +118,22 @@ def test_the_watcher_serves_local_pt_and_empties_the_slot_on_a_bad_file(tmp_path
     slot: list[object] = []
     watcher = NL.LocalModelWatcher(tmp_path, slot.append, loader=lambda p: "model@" + p.read_text())  # type: ignore[arg-type,return-value]
     watcher.poll()
-    assert slot == []  # no file, nothing changed
+    assert slot == [] and watcher.state == "none"  # no file, nothing changed
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "local.pt").write_text("v1")
     watcher.poll()
     watcher.poll()
-    assert slot == ["model@v1"]
+    assert slot == ["model@v1"] and watcher.state == "serving"
 
     def bad(p: Path) -> object:
         raise RuntimeError("corrupt")
     watcher._loader = bad  # type: ignore[assignment]  # noqa: SLF001
     (tmp_path / "models" / "local.pt").write_text("v2 longer")
     watcher.poll()
-    assert slot == ["model@v1", None] and watcher.failures == 1
+    assert slot == ["model@v1", None] and watcher.failures == 1 and watcher.state == "unusable"
     (tmp_path / "models" / "local.pt").unlink()
     watcher.poll()
-    assert slot == ["model@v1", None, None]
+    assert slot == ["model@v1", None, None] and watcher.state == "none"
 
 
 def test_cli_status_and_rollback(tmp_path: Path) -> None:
@@ -296,9 +296,10 @@ def test_the_promotion_log_is_rotated_and_status_and_rollback_read_the_same_afte
     rollback` still goes back through them to models promoted long before."""
     models = tmp_path / "state" / "models"
     (models / "archive").mkdir(parents=True)
-    for n, body in ((1, b"one"), (2, b"two"), (3, b"three")):
+    one, two, three = _checkpoints(tmp_path, 3)
+    for n, body in ((1, one), (2, two), (3, three)):
         (models / "archive" / f"local-{n}.pt").write_bytes(body)
-    (models / "local.pt").write_bytes(b"three")
+    (models / "local.pt").write_bytes(three)
     lines = [{"event": "promoted", "archived": f"local-{n}.pt", "at": float(n)} for n in (1, 2, 3)]
     rejected = {"event": "rejected", "reason": "no better on the held-back history", "serving_error": 0.25,
                 "candidate_error": 0.26, "train_apps": 12, "held_back_apps": 12, "holdout_s": 1800.0}
@@ -313,7 +314,7 @@ def test_the_promotion_log_is_rotated_and_status_and_rollback_read_the_same_afte
 
     out = vgpu("rollback")  # its log entry is the append that rotates
     assert out.returncode == 0 and json.loads(out.stdout)["undone"] == "local-3.pt", out.stderr
-    assert (models / "local.pt").read_bytes() == b"two"
+    assert (models / "local.pt").read_bytes() == two
     assert log.stat().st_size <= NL.KEEP_BYTES + 1024
     entries = [json.loads(line) for line in log.read_text().splitlines()]
     assert entries[0]["event"] == "compacted" and entries[0]["serving_archive"] == ["local-1.pt", "local-2.pt",
@@ -323,7 +324,7 @@ def test_the_promotion_log_is_rotated_and_status_and_rollback_read_the_same_afte
     assert status["promotions"] == 3 and status["rejections"] == len(lines) - 3 and status["rollbacks"] == 1
     assert status["serving_archive"] == "local-2.pt" and status["last"]["event"] == "rollback"
     out = vgpu("rollback")
-    assert out.returncode == 0 and (models / "local.pt").read_bytes() == b"one"
+    assert out.returncode == 0 and (models / "local.pt").read_bytes() == one
     out = vgpu("rollback")
     assert out.returncode == 0 and not (models / "local.pt").exists()  # none before local-1: the global model
 
@@ -354,6 +355,16 @@ def test_model_status_prints_only_json_on_stdout_when_it_logs(tmp_path: Path) ->
     assert "promotion_log_skipped" in out.stderr
 
 
+def _checkpoints(tmp_path: Path, n: int) -> list[bytes]:
+    """`n` distinct tiny checkpoints that load (a rollback loads the model it puts back), as bytes."""
+    return [write_tiny_checkpoint(tmp_path / f"body-{i}.pt", seed=i).read_bytes() for i in range(n)]
+
+
+def _loads_anything(path: Path) -> object:
+    """A loader for rollbacks over placeholder bodies, where what is under test is the archive's bookkeeping."""
+    return path
+
+
 def _promote_bodies(state: Path, bodies: Sequence[bytes]) -> None:
     """Promotions as a learning round makes them (the candidate file copied into the archive and
     `local.pt`), with small files for bodies."""
@@ -375,15 +386,16 @@ def test_the_archive_keeps_the_newest_models_and_rollback_past_them_says_they_we
     n = NL.KEEP_ARCHIVED + 3
     from structlog.testing import capture_logs
 
+    bodies = dict(enumerate(_checkpoints(tmp_path, n), start=1))  # promotion i -> its model
     with capture_logs() as logs:
-        _promote_bodies(state, [f"model-{i}".encode() for i in range(1, n + 1)])
+        _promote_bodies(state, [bodies[i] for i in range(1, n + 1)])
     assert [e["pruned"] for e in logs if e["event"] == "archived_models_pruned"] == [["local-1.pt"], ["local-2.pt"],
                                                                                      ["local-3.pt"]]
     kept = [f"local-{i}.pt" for i in range(4, n + 1)]
     assert sorted(p.name for p in (models / "archive").iterdir()) == sorted(kept)
     pruned = [e for e in NL.read_log(state) if e["event"] == "pruned"]
     assert [e["pruned"] for e in pruned] == [["local-1.pt"], ["local-2.pt"], ["local-3.pt"]]
-    assert (models / "local.pt").read_bytes() == f"model-{n}".encode()
+    assert (models / "local.pt").read_bytes() == bodies[n]
 
     def vgpu(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "vgpu.cli", "model", *args, "--state-dir", str(state)],
@@ -396,13 +408,13 @@ def test_the_archive_keeps_the_newest_models_and_rollback_past_them_says_they_we
     (models / "archive" / f"local-{n - 1}.pt").unlink()
     out = vgpu("rollback")
     assert out.returncode == 1 and "is missing from the archive" in out.stderr and "pruned" not in out.stderr
-    assert (models / "local.pt").read_bytes() == f"model-{n}".encode()
+    assert (models / "local.pt").read_bytes() == bodies[n]
     (models / "archive" / f"local-{n - 1}.pt").write_bytes(hand_deleted)
     for i in range(n - 1, 3, -1):  # back through every kept model, newest first
         out = vgpu("rollback")
         assert out.returncode == 0 and len(out.stderr.splitlines()) == 1, out.stderr
         assert "local_model_rolled_back" in out.stderr and "note=" not in out.stderr
-        assert (models / "local.pt").read_bytes() == f"model-{i}".encode()
+        assert (models / "local.pt").read_bytes() == bodies[i]
     out = vgpu("rollback")  # past the oldest kept one: the global model, and why
     assert out.returncode == 0 and json.loads(out.stdout)["serving"] is None, out.stderr
     event, said = out.stderr.splitlines()
@@ -423,8 +435,8 @@ def test_models_rolled_back_past_are_pruned_too_and_the_archive_stays_bounded(tm
     archive = state / "models" / "archive"
     for round_ in range(8):
         _promote_bodies(state, [f"r{round_}-{i}".encode() for i in range(4)])
-        NL.rollback(state)
-        NL.rollback(state)
+        NL.rollback(state, load=_loads_anything)
+        NL.rollback(state, load=_loads_anything)
         stack = NL.serving_archive(state)
         files = {p.name for p in archive.iterdir()}
         assert len(files) <= 2 * NL.KEEP_ARCHIVED and set(stack[-2:]) <= files
@@ -436,11 +448,11 @@ def test_models_rolled_back_past_are_pruned_too_and_the_archive_stays_bounded(tm
     entries = NL.read_log(state)
     assert entries[0]["event"] == "compacted" and entries[0]["pruned_below"] is True and len(entries) == 2
     for _ in range(depth - 1):
-        assert "note" not in NL.rollback(state)
-    last = NL.rollback(state)
+        assert "note" not in NL.rollback(state, load=_loads_anything)
+    last = NL.rollback(state, load=_loads_anything)
     assert last["serving"] is None and "were pruned from the archive" in last["note"]
     with pytest.raises(LookupError, match="nothing to roll back"):
-        NL.rollback(state)
+        NL.rollback(state, load=_loads_anything)
 
 
 def test_cli_rollback_waits_for_the_promotion_logs_lock(tmp_path: Path) -> None:
@@ -450,7 +462,8 @@ def test_cli_rollback_waits_for_the_promotion_logs_lock(tmp_path: Path) -> None:
     import selectors
 
     state = tmp_path / "state"
-    _promote_bodies(state, [b"model-1", b"model-2"])
+    model_1, model_2 = _checkpoints(tmp_path, 2)
+    _promote_bodies(state, [model_1, model_2])
     models = state / "models"
     log_before = (models / NL.LOG).read_bytes()
     holder = os.open(models / NL._LOCK, os.O_RDWR)
@@ -466,14 +479,14 @@ def test_cli_rollback_waits_for_the_promotion_logs_lock(tmp_path: Path) -> None:
         assert said.startswith("vgpu model: a promotion or rollback is under way") and "waiting" in said, said
         time.sleep(0.3)  # still waiting, and nothing changed
         assert proc.poll() is None
-        assert (models / "local.pt").read_bytes() == b"model-2"
+        assert (models / "local.pt").read_bytes() == model_2
         assert (models / NL.LOG).read_bytes() == log_before
     finally:
         os.close(holder)  # releases the lock
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     assert json.loads(out)["undone"] == "local-2.pt" and "local_model_rolled_back" in err
-    assert (models / "local.pt").read_bytes() == b"model-1"
+    assert (models / "local.pt").read_bytes() == model_1
 
 
 def test_a_promotion_waits_for_a_rollback_under_way(tmp_path: Path) -> None:
@@ -499,3 +512,63 @@ def test_a_promotion_waits_for_a_rollback_under_way(tmp_path: Path) -> None:
         os.close(holder)
     worker.join(timeout=30)
     assert not worker.is_alive() and (models / "local.pt").read_bytes() == b"model-2"
+
+
+def test_cli_status_doctor_and_rollback_with_models_that_do_not_load(tmp_path: Path) -> None:
+    """`local.pt` cut short, the archived copy it should be sound, the model before it damaged (100
+    bytes of noise): `vgpu model status` says which load, `vgpu doctor` warns with what to do, and
+    `vgpu model rollback` refuses to install the damaged model (exit 1, nothing changed: no file, no
+    log entry); once that model is sound again the rollback installs it."""
+    state = tmp_path / "state"
+    models = state / "models"
+    (models / "archive").mkdir(parents=True)
+    one, two = _checkpoints(tmp_path, 2)
+    noise = bytes(np.random.default_rng(0).integers(0, 256, 100, dtype=np.uint8))
+    (models / "archive" / "local-1.pt").write_bytes(noise)
+    (models / "archive" / "local-2.pt").write_bytes(two)
+    (models / "local.pt").write_bytes(two[:1000])
+    lines = [{"event": "promoted", "archived": f"local-{n}.pt", "at": float(n)} for n in (1, 2)]
+    (models / NL.LOG).write_text("".join(json.dumps(e) + "\n" for e in lines))
+    log_before = (models / NL.LOG).read_bytes()
+
+    def vgpu(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "vgpu.cli", *args, "--state-dir", str(state)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+    out = vgpu("model", "status")
+    assert out.returncode == 0, out.stderr
+    status = json.loads(out.stdout)
+    assert (status["local_model_loads"], status["serving_archive"], status["serving_archive_loads"]) == (
+        False, "local-2.pt", True)
+    assert (status["rollback_to"], status["rollback_to_loads"]) == ("local-1.pt", False)
+    assert "truncated or corrupt" in status["local_model_problem"] and status["rollback_to_problem"]
+    assert "serving_archive_problem" not in status
+    local = models / "local.pt"
+    assert out.stderr.startswith(f"vgpu model: {local} does not load (") and "rollback" in out.stderr
+
+    doctor = vgpu("doctor", "--socket", str(tmp_path / "none.sock"), "--backend", "sim:h100-80gb", "--json")
+    (check,) = [c for c in json.loads(doctor.stdout) if c["name"] == "local model"]
+    assert check["status"] == "WARN" and check["detail"].startswith(f"{local} does not load (")
+    assert f"its archived copy {models / 'archive' / 'local-2.pt'} loads" in check["detail"]
+
+    (models / "archive" / "local-2.pt").write_bytes(noise)  # the archived copy damaged too
+    doctor = vgpu("doctor", "--socket", str(tmp_path / "none.sock"), "--backend", "sim:h100-80gb", "--json")
+    (check,) = [c for c in json.loads(doctor.stdout) if c["name"] == "local model"]
+    assert "would refuse (local-1.pt, the model before it, does not load either)" in check["detail"]
+    assert f"remove {local}" in check["detail"] and check["status"] == "WARN"
+    (models / "archive" / "local-2.pt").write_bytes(two)
+
+    out = vgpu("model", "rollback")
+    assert out.returncode == 1 and out.stdout == "" and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.startswith(f"vgpu model: cannot roll back local-2.pt: the model before it, "
+                                 f"{models / 'archive' / 'local-1.pt'}, does not load (")
+    assert "nothing changed" in out.stderr and "local_model_rolled_back" not in out.stderr
+    assert local.read_bytes() == two[:1000] and (models / NL.LOG).read_bytes() == log_before
+    assert sorted(p.name for p in models.iterdir()) == [NL._LOCK, "archive", "local.pt", NL.LOG]
+
+    (models / "archive" / "local-1.pt").write_bytes(one)
+    out = vgpu("model", "rollback")
+    assert out.returncode == 0 and json.loads(out.stdout)["serving"] == "local-1.pt", out.stderr
+    assert local.read_bytes() == one
+    status = json.loads(vgpu("model", "status").stdout)
+    assert (status["local_model_loads"], status["serving_archive_loads"], status["rollback_to"]) == (True, True, None)

@@ -245,6 +245,100 @@ def test_a_version_3_database_gets_the_cold_start_size_of_grants_not_resized_and
     db.close()
 
 
+def _v3_database(path: Path) -> list[tuple[str, str]]:
+    """A schema-3 database in `path` with the four grants its meta counts; its grant rows."""
+    db = sqlite3.connect(path / "vgpu.sqlite3")
+    db.execute("PRAGMA journal_mode=WAL")  # as every vgpu wrote it
+    db.executescript(_SCHEMA_3)
+    rows = [(f"loading-{i}", _grant_v3(f"loading-{i}", "cold_start", 9188.0, None)) for i in range(4)]
+    db.executemany("INSERT INTO grants VALUES (?, ?)", rows)
+    db.commit()
+    db.close()
+    return rows
+
+
+def test_an_upgrade_first_writes_a_complete_copy_that_still_says_its_old_schema(tmp_path: Path) -> None:
+    """The copy a downgrade needs: every row as the older vgpu left it, its schema number, a private
+    one-file database (no WAL beside it), in place of an older copy of the same name."""
+    rows = _v3_database(tmp_path)
+    copy = tmp_path / "vgpu.sqlite3.pre-schema-3"
+    copy.write_bytes(b"a copy from an earlier upgrade")
+    (tmp_path / ".vgpu.sqlite3.pre-schema-3.k2j4x").write_bytes(b"a copy cut short by a crash")
+    with Store(tmp_path) as store:
+        assert store.upgraded_copy == copy and store.schema_found == 3
+        assert len(store.load_ledger()["grants"]) == 4  # type: ignore[index]
+    db = sqlite3.connect(copy)
+    assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "3"
+    assert db.execute("SELECT grant_id, record_json FROM grants ORDER BY grant_id").fetchall() == rows
+    assert db.execute("SELECT count(*) FROM app_limits").fetchone()[0] == 1
+    assert db.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+    assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    db.close()
+    assert copy.stat().st_mode & 0o077 == 0
+    db = sqlite3.connect(tmp_path / "vgpu.sqlite3")
+    assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == str(SCHEMA_VERSION)
+    db.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["vgpu.sqlite3", "vgpu.sqlite3.pre-schema-3"]
+
+
+def test_a_version_1_upgrade_keeps_the_ledger_row_in_its_copy(tmp_path: Path) -> None:
+    with Store(tmp_path) as store:
+        store.save_ledger(RECORDS)
+    _as_version_1(tmp_path, RECORDS)
+    with Store(tmp_path) as store:
+        assert store.upgraded_copy == tmp_path / "vgpu.sqlite3.pre-schema-1"
+        assert store.load_ledger() == RECORDS
+    db = sqlite3.connect(tmp_path / "vgpu.sqlite3.pre-schema-1")
+    assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "1"
+    assert json.loads(db.execute("SELECT records_json FROM ledger").fetchone()[0]) == RECORDS
+    db.close()
+
+
+def test_nothing_to_upgrade_writes_no_copy(tmp_path: Path) -> None:
+    for _ in range(2):  # a new database, then one of this schema
+        with Store(tmp_path) as store:
+            assert store.upgraded_copy is None
+            store.save_ledger(RECORDS)
+    assert [p.name for p in tmp_path.iterdir()] == ["vgpu.sqlite3"]
+
+
+def test_a_copy_that_cannot_be_written_refuses_the_upgrade_and_changes_nothing(tmp_path: Path) -> None:
+    _v3_database(tmp_path)
+    before = (tmp_path / "vgpu.sqlite3").read_bytes()
+    in_the_way = tmp_path / "vgpu.sqlite3.pre-schema-3"
+    in_the_way.mkdir()  # the rename over it fails, as a full disk or a read-only directory would fail the copy
+    (in_the_way / "x").write_text("x")
+    with pytest.raises(StoreError, match=r"cannot write .*pre-schema-3.* from schema 3 to 5: .*nothing was changed"):
+        Store(tmp_path)
+    assert (tmp_path / "vgpu.sqlite3").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["vgpu.sqlite3", "vgpu.sqlite3.pre-schema-3"]
+    db = sqlite3.connect(tmp_path / "vgpu.sqlite3")
+    assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "3"
+    db.close()
+    in_the_way.joinpath("x").unlink()
+    in_the_way.rmdir()
+    with Store(tmp_path) as store:  # once the copy can be written, the upgrade goes ahead
+        assert store.upgraded_copy == in_the_way and in_the_way.is_file()
+
+
+def test_a_newer_schema_says_how_to_go_back(tmp_path: Path) -> None:
+    """A downgrade: the newer vgpu's copy of this vgpu's schema is named when it is there, and
+    --reset-state either way."""
+    Store(tmp_path).close()
+    db = sqlite3.connect(tmp_path / "vgpu.sqlite3")
+    db.execute(f"UPDATE meta SET value='{SCHEMA_VERSION + 1}' WHERE key='schema_version'")
+    db.commit()
+    db.close()
+    with pytest.raises(StoreError, match="--reset-state") as got:
+        Store(tmp_path)
+    assert "there is none" in str(got.value)
+    for n in (2, SCHEMA_VERSION, SCHEMA_VERSION + 1):  # the newest this vgpu reads is the one to put back
+        (tmp_path / f"vgpu.sqlite3.pre-schema-{n}").write_bytes(b"")
+    with pytest.raises(StoreError, match="--reset-state") as got:
+        Store(tmp_path)
+    assert f"put back {tmp_path / f'vgpu.sqlite3.pre-schema-{SCHEMA_VERSION}'}," in str(got.value)
+
+
 # (field, a bad stored value, what the grant reads as then, the note's ending)
 _BAD_OPTIONAL = [("cold_start_mib", bad, None, "kept without it") for bad in ["lots", -1.0, 0.0, 1e400, True, [9188]]] + [
     ("sm_estimated", bad, False, "kept as not estimated") for bad in ["yes", 1, None, [True]]]

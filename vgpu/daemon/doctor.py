@@ -14,7 +14,9 @@ no driver is needed and the simulated devices are listed (the daemon's, else the
 `vgpu serve` would refuse fails); the process may write device
 settings (root or CAP_SYS_ADMIN); the daemon's socket exists, has no bits for "other", answers a
 health check, and, where it is given a group of its own, every directory above it lets that group
-through (`socket_dirs_shutting_out`); the state directory is writable; the forecaster checkpoint loads; a profiler is
+through (`socket_dirs_shutting_out`); the state directory is writable; the forecaster checkpoint loads;
+the node-local model (`<state dir>/models/local.pt`, manager/nodelearn.py) loads as the daemon loads it
+(`local model`: WARN when it does not, since the global model serves without it, with what to do); a profiler is
 streaming to the daemon, and for every GPU how old the newest signature is (`profiler`, one line
 per GPU: FAIL when no profiler stream is open, or when applications hold grants on a GPU whose
 newest signature is older than `--max-signature-age-s`; an idle GPU has no signature to send). Exit
@@ -427,6 +429,40 @@ def check_model(path: Path, load: Callable[[Path], object] | None = None, *, req
     return Check("model", "OK", f"{path} loads")
 
 
+def check_local_model(state_dir: Path, load: Callable[[Path], object] | None = None) -> Check:
+    """The node-local model the daemon serves beside the global one, loaded as it loads it, and when it
+    does not load, whether the model a rollback would put back does. WARN, never FAIL: without it the
+    daemon serves the global model."""
+    from vgpu.manager import nodelearn
+
+    try:
+        state = nodelearn.status(state_dir, load or nodelearn.load_local)
+    except OSError as exc:
+        return Check("local model", "WARN", f"cannot read {nodelearn.models_dir(state_dir)}: {exc} (the daemon runs as "
+                     "root: run this as root)")
+    if state["local_model"] is None:
+        return Check("local model", "OK", f"none at {nodelearn.models_dir(state_dir) / nodelearn.LOCAL}: the global "
+                     "model serves alone")
+    if state["local_model_loads"]:
+        return Check("local model", "OK", f"{state['local_model']} loads")
+    rollback = f"`vgpu model rollback --state-dir {state_dir}`"
+    if state["serving_archive_loads"]:
+        # local.pt damaged after its promotion: the archived copy of the same model puts it right
+        archived = nodelearn.models_dir(state_dir) / "archive" / state["serving_archive"]
+        todo = (f"its archived copy {archived} loads: copy that to a new file beside it and `mv` it over "
+                f"{nodelearn.LOCAL}, or {rollback} to go back one promotion")
+    elif state["rollback_depth"] == 0:
+        todo = f"no promotion is logged to roll back to: remove {state['local_model']}"
+    elif state["rollback_to_loads"] is False:
+        todo = (f"{rollback} would refuse ({state['rollback_to']}, the model before it, does not load either): remove "
+                f"{state['local_model']}")
+    else:
+        back = state["rollback_to"] or "none: the global model alone"
+        todo = f"{rollback} puts back the model promoted before it ({back}), or remove {state['local_model']}"
+    return Check("local model", "WARN", f"{state['local_model']} does not load ({state['local_model_problem']}): "
+                 f"the daemon serves the global model without it; {todo}")
+
+
 def default_model() -> Path:
     """The forecaster the daemon serves when none is configured (manager/modelpath.py)."""
     from vgpu.manager.modelpath import resolve_model
@@ -470,6 +506,7 @@ def run_checks(
         sock,
         check_state_dir(state_dir, socket_path if answer is not None and answer[0] is not None else None),
         check_model(model if model is not None else default_model(), load_model, required=model_required),
+        check_local_model(state_dir, load_model),
     ]
     if answer is None:
         checks.append(Check("profiler", "WARN", "not checked: the daemon does not answer (see socket)"))

@@ -39,7 +39,10 @@ is absent, not 0. All prefixed `vgpu_`:
   allocator acted), `forecast_failures_total` (failures in forecast rounds: the forecaster or the
   fallback raised, a forecast that could not be made a decision, a window that could not be copied;
   each application was decided all the same, manager/core.py), `signatures_total{result}`, `forecaster_serving{forecaster}` (1 for "mixture", "model"
-  or "baseline", whichever serves), `forecaster_reloads_total{result}`, `inapp_apps{counter}`
+  or "baseline", whichever serves), `forecaster_reloads_total{result}`, `local_model_state{state}` (1 for
+  the node-local model's state, 0 for the others: "serving", "unusable" (`local.pt` does not load: the
+  global model serves without it) or "none"; absent without the expert mixture) and
+  `local_model_loads_total{result}` (loads of a changed `local.pt`, "ok" or "failed"), `inapp_apps{counter}`
   (applications whose newest sample carries that in-app counter, e.g. `inapp_kv_used_mib`),
   `inapp_values_dropped_total{reason}` (in-app values left out: not finite, negative, too large);
 - access: `access_denied_total{method,code}`; persistence: `store_writes_total`;
@@ -92,6 +95,8 @@ from vgpu.histogram import LatencyHistogram
 from vgpu.log import LogBudget, get_logger
 
 MIB = 1024 * 1024
+# The node-local model's states (manager/nodelearn.py LocalModelWatcher.state), each a series.
+LOCAL_MODEL_STATES = ("serving", "unusable", "none")
 
 
 @dataclass(frozen=True)
@@ -163,6 +168,9 @@ class CounterSnapshot:
     forecaster: str = ""  # "mixture", "model" or "baseline"; empty = unknown
     forecaster_reloads: int = 0
     forecaster_reload_failures: int = 0
+    local_model: str = ""  # LOCAL_MODEL_STATES; empty: no node-local model slot (no expert mixture)
+    local_model_loads: int = 0
+    local_model_load_failures: int = 0
     # (kind, reason, count) of grant changes
     grant_changes: tuple[tuple[str, str, int], ...] = field(default=())
     backend: str = ""
@@ -428,6 +436,18 @@ class _StateCollector(Collector):
         reloads.add_metric(["ok"], c.forecaster_reloads)
         reloads.add_metric(["failed"], c.forecaster_reload_failures)
         yield reloads
+        if c.local_model:
+            local = GaugeMetricFamily("vgpu_local_model_state", "1 for the node-local model's state: serving, "
+                                      "unusable (it does not load; the global model serves without it) or none",
+                                      labels=["state"])
+            for state in LOCAL_MODEL_STATES:
+                local.add_metric([state], 1 if state == c.local_model else 0)
+            yield local
+            loads = CounterMetricFamily("vgpu_local_model_loads", "Loads of a changed node-local model file",
+                                        labels=["result"])
+            loads.add_metric(["ok"], c.local_model_loads)
+            loads.add_metric(["failed"], c.local_model_load_failures)
+            yield loads
         build = GaugeMetricFamily("vgpu_build_info", "The daemon's version (value 1)",
                                   labels=["version", "python", "backend"])
         build.add_metric([__version__, platform.python_version(), c.backend], 1)

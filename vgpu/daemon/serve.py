@@ -146,7 +146,7 @@ from vgpu.allocator.mechanisms.mig import MigLayoutMechanism
 from vgpu.allocator.policy.base import hard_limit_at_frac_for
 from vgpu.allocator.policy.forecast import ForecastPolicy
 from vgpu.allocator.service import AllocatorServicer, ProfilerState, Server, build_server
-from vgpu.allocator.store import DeviceOriginal, MigSlot, Store, StoreError, reset_state
+from vgpu.allocator.store import SCHEMA_VERSION, DeviceOriginal, MigSlot, Store, StoreError, reset_state
 from vgpu.capped import read_capped
 from vgpu.client import (
     DEFAULT_INAPP_DIR,
@@ -311,10 +311,12 @@ class NodeView:
 class StateSource:
     """The daemon's live state as metric snapshots (vgpu.daemon.metrics.MetricsSource)."""
 
-    def __init__(self, allocator: Allocator, manager: Manager, backend_name: str = "") -> None:
+    def __init__(self, allocator: Allocator, manager: Manager, backend_name: str = "",
+                 local_model: LocalModelWatcher | None = None) -> None:
         self.allocator = allocator
         self.manager = manager
         self.backend_name = backend_name
+        self.local_model = local_model  # None: no node-local model slot
 
     def app_snapshots(self) -> list[AppSnapshot]:
         """One snapshot per application and device: its grants there, and its use and forecast on
@@ -403,6 +405,9 @@ class StateSource:
             forecaster=self.manager.source,
             forecaster_reloads=getattr(forecaster, "reloads", 0),
             forecaster_reload_failures=getattr(forecaster, "reload_failures", 0),
+            local_model=self.local_model.state if self.local_model is not None else "",
+            local_model_loads=self.local_model.loaded if self.local_model is not None else 0,
+            local_model_load_failures=self.local_model.failures if self.local_model is not None else 0,
             grant_changes=tuple((kind, reason, n) for (kind, reason), n in
                                 sorted({**dict.fromkeys(GRANT_CHANGE_KEYS, 0), **c.grant_changes}.items())),
             backend=self.backend_name,
@@ -1061,7 +1066,8 @@ class Daemon:
         ledger, rec = reconcile(self.store, self.backend, clock=self.clock)
         cgroup_outcomes = self._build_allocator(ledger)
         self._build_manager()
-        self.metrics = DaemonMetrics(self.registry, StateSource(self.allocator, self.manager, cfg.server.backend),
+        self.metrics = DaemonMetrics(self.registry, StateSource(self.allocator, self.manager, cfg.server.backend,
+                                                                self.learner.watcher if self.learner else None),
                                      max_apps=cfg.metrics.max_apps)
         if self.history is not None:
             self.metrics.watch_history(self.history)
@@ -1110,6 +1116,11 @@ class Daemon:
             self.store = Store(self.state_dir, clock=self.clock)
         except StoreError as exc:
             raise StartupError(str(exc)) from exc
+        if self.store.upgraded_copy is not None:
+            self.log.info("state_upgraded", path=str(self.store.path), from_schema=self.store.schema_found,
+                          to_schema=SCHEMA_VERSION, copy=str(self.store.upgraded_copy),
+                          to_act="a downgrade to the vgpu that wrote it needs this copy put back in place "
+                          "(docs/install.md, Upgrading and downgrading vgpu)")
 
     def _build_allocator(self, ledger: Ledger) -> list[tuple[str, str, str]]:
         """The Allocator over the reconciled ledger, with its mechanisms, the cold-start sizer (loading
