@@ -105,9 +105,12 @@ def test_one_uid_s_half_sent_calls_stay_well_under_the_memory_cap() -> None:
 
 
 def test_every_capability_is_commented() -> None:
+    """CAP_SYS_PTRACE among them: without it the daemon may not read the pid namespace of another
+    user's process or a root container's, and a caller in a container naming a pid other than its
+    own was refused (tests/test_hostile_pidns.py)."""
     text = (ROOT / "systemd" / "vgpu-manager.service").read_text()
     caps = dict(_settings("vgpu-manager.service"))["CapabilityBoundingSet"].split()
-    assert caps and "CAP_SYS_ADMIN" in caps
+    assert caps and "CAP_SYS_ADMIN" in caps and "CAP_SYS_PTRACE" in caps
     comments = "\n".join(line for line in text.splitlines() if line.startswith("#"))
     for cap in caps:
         assert re.search(rf"#\s*{cap}:", comments), f"{cap} has no comment saying why"
