@@ -8,6 +8,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,18 @@ def _settings(unit: str) -> list[tuple[str, str]]:
         if line and not line.startswith(("#", "[")) and "=" in line:
             key, _, value = line.partition("=")
             out.append((key.strip(), value.strip()))
+    return out
+
+
+def _section(unit: str, name: str) -> dict[str, str]:
+    """The settings of one [section] of a unit."""
+    out, current = {}, ""
+    for line in (ROOT / "systemd" / unit).read_text().splitlines():
+        if line.startswith("["):
+            current = line.strip("[]")
+        elif current == name and line and not line.startswith("#") and "=" in line:
+            key, _, value = line.partition("=")
+            out[key.strip()] = value.strip()
     return out
 
 
@@ -179,8 +192,28 @@ def test_a_configuration_error_is_not_restarted_but_a_start_failure_is(tmp_path:
     assert bad_config.returncode in prevent, (bad_config.returncode, prevent)
     if Path("/proc/driver/nvidia/version").exists():
         pytest.skip("an NVIDIA driver is loaded here: `vgpu serve --backend nvml` would start")
+    started = time.monotonic()
     no_nvml = _serve(tmp_path, "--backend", "nvml")
+    failed_start_s = time.monotonic() - started
     assert "NVML" in no_nvml.stderr and no_nvml.returncode not in (0, *prevent), no_nvml.stderr
+    # such a start, failing for ever, is retried only up to the start limit
+    _assert_a_restart_loop_reaches_the_start_limit(failed_start_s)
+
+
+def _assert_a_restart_loop_reaches_the_start_limit(failed_start_s: float) -> None:
+    unit, service = _section("vgpu-manager.service", "Unit"), _section("vgpu-manager.service", "Service")
+    interval_s, burst = float(unit["StartLimitIntervalSec"]), int(unit["StartLimitBurst"])
+    loop_s = burst * (float(service["RestartSec"]) + failed_start_s)
+    assert loop_s < interval_s, (loop_s, interval_s)
+    assert loop_s >= 20, loop_s  # a driver still loading at boot gets more than a few seconds
+
+
+def test_a_start_that_keeps_failing_ends_in_the_failed_state() -> None:
+    """A failed start took about 1.6 s and RestartSec=2 waited 2 s more: one start every 3.6 s, which
+    never reached systemd's default start limit (5 in 10 s), so a daemon that could not start was
+    started again for ever. The unit's own limit, in [Unit] where systemd reads it, is reached by
+    such a loop (with a failed start taking up to 2 s here; the test above measures one)."""
+    _assert_a_restart_loop_reaches_the_start_limit(2.0)
 
 
 def test_the_documentation_the_units_name_is_installed_by_install_md() -> None:

@@ -14,6 +14,7 @@ import dataclasses
 import grp
 import os
 import pwd
+import stat
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -622,6 +623,29 @@ def to_toml(cfg: Config) -> str:
             lines.append(f"{f.name} = {text}")
         lines.append("")
     return "\n".join(lines)
+
+
+def unreadable_files(cfg: Config) -> list[str]:
+    """The files the configuration names for the daemon to read (manager.model; tls.cert, tls.key and
+    tls.ca when server.tcp listens) that are missing, not files, or cannot be read, one line each
+    naming the key: every start would fail on them alike, so they are checked before anything starts
+    (and by --check-config). Whether a model loads or a certificate parses only the start tells."""
+    files = [("manager.model", cfg.manager.model.strip())]
+    if cfg.server.tcp:
+        files += [("tls.cert", cfg.tls.cert), ("tls.key", cfg.tls.key), ("tls.ca", cfg.tls.ca)]
+    problems = []
+    for key, path in files:
+        if not path:
+            continue
+        try:
+            if not stat.S_ISREG(os.stat(path).st_mode):  # a directory, or a FIFO an open would block on
+                problems.append(f"{key}: {path} is not a file")
+                continue
+            with open(path, "rb") as fh:
+                fh.read(1)
+        except OSError as exc:
+            problems.append(f"{key}: cannot read {path} ({exc.strerror or exc})")
+    return problems
 
 
 def missing_names(cfg: Config) -> list[str]:
