@@ -129,6 +129,14 @@ def test_every_capability_is_commented() -> None:
         assert re.search(rf"#\s*{cap}:", comments), f"{cap} has no comment saying why"
 
 
+def test_the_longest_stop_grace_leaves_the_restore_half_the_stop_timeout() -> None:
+    """A stop waits up to server.grace_s for calls in flight and only then restores the devices;
+    systemd kills the daemon TimeoutStopSec after SIGTERM, so the largest grace the configuration
+    takes must leave the restore at least as long again."""
+    timeout_s = float(dict(_settings("vgpu-manager.service"))["TimeoutStopSec"])
+    assert 2 * config.MAX_GRACE_S <= timeout_s, (config.MAX_GRACE_S, timeout_s)
+
+
 def test_profiler_is_unprivileged() -> None:
     s = dict(_settings("vgpu-profiler.service"))
     assert s["CapabilityBoundingSet"] == "" and (s.get("DynamicUser") == "yes" or s.get("User"))
