@@ -1186,10 +1186,11 @@ class Daemon:
         self.allocator.signature_seen = self.manager.windows.last_seen_s
         model = resolve_model(cfg.manager.model)
         if model.configured:
-            self.log.info("forecaster", serving="model", path=str(model.path), check_interval_s=interval_s)
+            self.log.info("forecaster", serving=self.manager.source, model="loaded", path=str(model.path),
+                          check_interval_s=interval_s)
         else:
             # the shipped model, when present, loads in the background (from step 11 on, with the
-            # cold-start sizer); the baseline serves meanwhile
+            # cold-start sizer); the mixture serves without it meanwhile (the baseline, mixture off)
             self.model_loader = threading.Thread(target=self._load_default_model, args=(model.path,),
                                                  name="forecaster-load", daemon=True)
 
@@ -1465,9 +1466,13 @@ class Daemon:
                               not_removable=done.not_removable, kept_running=done.kept_running)
 
     def _load_default_model(self, path: Path) -> None:
-        """Serve the default forecaster once it loads; until then (or if it does not) the baseline."""
+        """Put the shipped model in service once it loads: as the mixture's model expert, or alone with
+        manager.mixture off. Until then, or if it does not load, the mixture serves without it (or the
+        baseline alone)."""
+        # `serving` names what vgpu_forecaster_serving does (Manager.source): with the mixture on, the
+        # mixture serves whether or not the model, one of its experts, loaded; `model` says which.
         if not path.is_file():
-            self.log.info("forecaster", serving="baseline", reason=f"no checkpoint at {path}")
+            self.log.info("forecaster", serving=self.manager.source, model="absent", reason=f"no checkpoint at {path}")
             return
         interval_s = self.cfg.manager.model_check_interval_s
         try:
@@ -1481,12 +1486,13 @@ class Daemon:
                     self.mixture.set_expert("model", model)
                 else:
                     self.manager.forecaster = model
-                self.log.info("forecaster", serving="model", path=str(path), check_interval_s=interval_s)
+                self.log.info("forecaster", serving=self.manager.source, model="loaded", path=str(path),
+                              check_interval_s=interval_s)
                 return
             error = model.last_error or "did not load"
         # A shipped model that does not load is a broken install (`vgpu doctor` says WARN): the
-        # baseline serves and the file is not watched.
-        self.log.warning("forecaster_unavailable", path=str(path), error=error, serving="baseline")
+        # mixture serves without it (the baseline, mixture off) and the file is not watched.
+        self.log.warning("forecaster_unavailable", path=str(path), error=error, serving=self.manager.source)
 
     async def _freeze_after_loads(self, poll_s: float = 1.0) -> None:
         """Once the background loads are over, freeze the heap again (vgpu/gc_freeze.py): they begin
