@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,14 +90,15 @@ def make_env(tmp_path: Path) -> Env:
 
 
 class Serve:
-    def __init__(self, env: Env, *extra: str, notify: Path | None = None) -> None:
+    def __init__(self, env: Env, *extra: str, notify: Path | None = None, prefix: Sequence[str] = ()) -> None:
+        """`prefix`: a command the daemon runs under (e.g. setpriv with the unit's capabilities)."""
         self.log_path = env.tmp / f"serve-{time.monotonic_ns()}.log"
         penv = dict(env.env)
         if notify is not None:
             penv.update({"NOTIFY_SOCKET": str(notify), "WATCHDOG_USEC": "300000"})
         self.log = open(self.log_path, "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vgpu.cli", "serve", "--socket", str(env.sock), "--state-dir", str(env.state),
+            [*prefix, sys.executable, "-m", "vgpu.cli", "serve", "--socket", str(env.sock), "--state-dir", str(env.state),
              "--backend", f"sim:{SKU}", "--metrics-port", "0", *extra],
             cwd=ROOT, env=penv, stdout=subprocess.DEVNULL, stderr=self.log,
         )

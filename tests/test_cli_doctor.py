@@ -158,8 +158,10 @@ async def test_the_daemon_degrades_to_the_baseline_when_the_default_model_does_n
             d._load_default_model(tmp_path / "absent.pt")
         assert d.manager.forecaster is before
         events = {e["event"]: e for e in logs}
-        assert events["forecaster_unavailable"]["serving"] == "baseline" and str(bad) in events["forecaster_unavailable"]["path"]
-        assert "no checkpoint at" in events["forecaster"]["reason"]
+        # what serves, as vgpu_forecaster_serving names it: the mixture (the default), without the model
+        assert events["forecaster_unavailable"]["serving"] == "mixture" and str(bad) in events["forecaster_unavailable"]["path"]
+        assert "no checkpoint at" in events["forecaster"]["reason"] and events["forecaster"]["serving"] == "mixture"
+        assert events["forecaster"]["model"] == "absent"
     finally:
         await d.stop("test")
 

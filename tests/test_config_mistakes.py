@@ -194,3 +194,26 @@ def test_a_port_that_is_neither_a_number_nor_auto_names_the_key_and_the_choices(
     assert r.returncode == 2
     assert one_line(r) == ("vgpu serve: configuration error: server.tcp: port 0 is outside 1..65535 "
                            "(HOST:auto: any free port)")
+
+
+def test_a_stop_grace_that_would_outlast_the_units_stop_timeout_is_refused(env: Env) -> None:
+    """server.grace_s nan, inf or 1e9 passed: a stop waits that long for calls in flight before it
+    restores the devices, and systemd kills the daemon TimeoutStopSec (60 s) after SIGTERM, restore
+    or not. Each is now one line naming the key, its range and why (exit 2, --check-config says it);
+    idle_release_s inf (which acted as 0, never) is refused too. Values in range still pass."""
+    f = env.tmp / "vgpu.toml"
+    for value in ("nan", "inf", "1e9", "30.5", "-1.0"):
+        f.write_text(f"[server]\ngrace_s = {value}\n")
+        r = serve(env, "--config", str(f), "--check-config")
+        assert r.returncode == 2, (value, r.stdout)
+        assert one_line(r).startswith("vgpu serve: configuration error: server.grace_s: expected 0..30 seconds "), r.stderr
+        assert "TimeoutStopSec" in one_line(r) and one_line(r).endswith(f"got {float(value)}"), r.stderr
+    env.env["VGPU_SERVER_IDLE_RELEASE_S"] = "inf"
+    r = serve(env, "--check-config")
+    assert r.returncode == 2
+    assert one_line(r) == ("vgpu serve: configuration error: server.idle_release_s: expected 0..604800 seconds "
+                           "(a week; 0: never), got inf")
+    env.env["VGPU_SERVER_IDLE_RELEASE_S"] = "0"
+    f.write_text("[server]\ngrace_s = 30\n")
+    r = serve(env, "--config", str(f), "--check-config")
+    assert r.returncode == 0 and "\ngrace_s = 30.0\n" in r.stdout and "\nidle_release_s = 0.0\n" in r.stdout, r.stderr

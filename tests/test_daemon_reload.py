@@ -43,7 +43,7 @@ def test_a_new_checkpoint_is_swapped_in_without_dropping_the_stream(tmp_path: Pa
     serves.append(Serve(env, "--model", str(model), "--metrics-port", "auto"))
     port = serves[-1].metrics_port
     daemon = serves[-1]
-    assert daemon.event("forecaster")["serving"] == "model"
+    assert daemon.event("forecaster")["serving"] == serving  # as vgpu_forecaster_serving says, below
 
     t = np.arange(0.0, 200.0, 0.5)
     trace = tmp_path / "trace.csv"

@@ -204,8 +204,8 @@ def test_a_stream_and_a_large_reply_pass_the_front(env: Env, serves: list[Serve]
 
 def test_the_daemon_stops_cleanly_and_starts_again(env: Env, serves: list[Serve]) -> None:
     # A connection that never speaks carries no call: the stop closes it at once, where gRPC's own
-    # stop would hold it until its handshake timeout (10 s) or the grace period (60 s here) ran out
-    env.env["VGPU_SERVER_GRACE_S"] = "60"
+    # stop would hold it until its handshake timeout (10 s) or the grace period (30 s here) ran out
+    env.env["VGPU_SERVER_GRACE_S"] = "30"
     serves.append(_serve(env))
     idle = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     idle.connect(str(env.sock))  # held open through the stop

@@ -7,12 +7,14 @@ stub run under `unshare --pid` (as a container runtime starts a job) against a r
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -23,7 +25,7 @@ from hostile import Raw, operator_token
 
 from vgpu.auth import AccessControl, Denied
 from vgpu.daemon.serve import InAppPidProof
-from vgpu.peers import PeerCred, ns_pids, pid_here
+from vgpu.peers import NamespaceUnreadable, PeerCred, ns_pids, pid_here
 from vgpu.v1 import allocator_pb2 as pb
 
 HOST_NS = "pid:[4026531836]"
@@ -121,6 +123,43 @@ def test_the_request_carries_the_daemon_s_pid_after_the_edge(proc: FakeProc) -> 
         access.place_pid(req, PeerCred(pid=5000, uid=0, gid=0))
     assert err.value.code == grpc.StatusCode.PERMISSION_DENIED and "pid namespace" in err.value.reason
     assert req.request.pid == 500  # refused: nothing changed
+
+
+def _refusing(*pids: int) -> Callable[[Path], str]:
+    """os.readlink as the kernel answers a daemon without CAP_SYS_PTRACE: the ns/pid link of another
+    user's process (here: of `pids`) is refused with EACCES."""
+    def readlink(path: Path) -> str:
+        if path.name == "pid" and path.parent.name == "ns" and path.parent.parent.name in {str(p) for p in pids}:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return os.readlink(path)
+    return readlink
+
+
+def test_a_namespace_the_kernel_will_not_show_is_said_as_such(proc: FakeProc) -> None:
+    """Under the unit's capabilities without CAP_SYS_PTRACE, root may not read the ns/pid link of a
+    container process of another uid: the refusal said "no process of that pid the daemon can see, or
+    has exited", as if the caller had named a wrong pid."""
+    caller_refused = _refusing(5000, 5001)
+    assert pid_here(1, 5000, proc.root, caller_refused) == 5000  # naming itself needs no namespace read
+    with pytest.raises(NamespaceUnreadable) as err:
+        pid_here(7, 5000, proc.root, caller_refused)
+    assert err.value.pid == 5000 and err.value.error.errno == errno.EACCES
+    with pytest.raises(NamespaceUnreadable) as err:  # the caller's is readable, the candidate's is not
+        pid_here(7, 5000, proc.root, _refusing(5001))
+    assert err.value.pid == "5001"
+    # another user's process that is not the one named changes nothing
+    assert pid_here(7, 5000, proc.root, _refusing(6001)) == 5001
+    assert pid_here(500, 5000, proc.root, _refusing(6001)) is None
+
+    access = AccessControl(None, None, _NoLedger(),  # type: ignore[arg-type]
+                           pid_from_caller=lambda pid, caller: pid_here(pid, caller, proc.root, caller_refused))
+    req = _req(7)
+    with pytest.raises(Denied) as denied:
+        access.place_pid(req, PeerCred(pid=5000, uid=65534, gid=65534))
+    assert denied.value.code == grpc.StatusCode.PERMISSION_DENIED
+    reason = denied.value.reason
+    assert "CAP_SYS_PTRACE" in reason and "Permission denied" in reason and "/proc/<pid>/ns/pid" in reason, reason
+    assert "or has exited" not in reason and req.request.pid == 7
 
 
 # --- end to end: a stub in a new pid namespace, as a container runtime starts a job ---------------
@@ -223,3 +262,64 @@ def test_a_stub_in_a_container_gets_its_own_process_capped_not_the_host_s(
         assert proc.wait(30) == 0
     finally:
         client.close()
+
+
+# --- end to end under the unit's capabilities: a launcher in a container names its child --------------
+
+_LAUNCHER = textwrap.dedent("""
+    import json, subprocess, sys
+    import grpc
+    from vgpu.v1 import allocator_pb2 as pb, allocator_pb2_grpc as pb_grpc
+    child = subprocess.Popen(["sleep", "120"])
+    stub = pb_grpc.AllocatorStub(grpc.insecure_channel(f"unix:{sys.argv[1]}"))
+    msg = pb.RequestResourceAllocationRequest(request=pb.ResourceRequest(app_id="launched", memory_mib=8, pid=child.pid))
+    try:
+        out = {"child": child.pid, "grant_pid": stub.RequestResourceAllocation(msg, timeout=10).grant.pid}
+    except grpc.RpcError as exc:
+        out = {"child": child.pid, "refused": [exc.code().name, exc.details()]}
+    print(json.dumps(out), flush=True)
+    sys.stdin.readline()  # the test looks at the child from the host
+    child.kill()
+""")
+
+
+def _unit_capabilities() -> list[str]:
+    for line in (ROOT / "systemd" / "vgpu-manager.service").read_text().splitlines():
+        if line.startswith("CapabilityBoundingSet="):
+            return line.partition("=")[2].split()
+    raise AssertionError("the unit has no CapabilityBoundingSet")
+
+
+@pytest.mark.skipif(not _can_unshare() or shutil.which("setpriv") is None,
+                    reason="a new pid namespace and a reduced bounding set need root, unshare(1) and setpriv(1)")
+@pytest.mark.parametrize("ptrace", [True, False], ids=["unit", "unit-without-ptrace"])
+def test_under_the_units_capabilities_a_launcher_in_a_container_may_name_its_child(
+        env: Env, serves: list[Serve], ptrace: bool) -> None:
+    """The daemon run as the unit runs it, root reduced to its CapabilityBoundingSet (setpriv), and a
+    launcher in a container (root, its own pid namespace) requesting for its child by the child's pid
+    there. Placing that pid reads the container's ns/pid links, which the kernel shows a process whose
+    capabilities do not cover the target's only with CAP_SYS_PTRACE: under the unit's set before it
+    had that capability, the request was refused as if the pid named nothing."""
+    caps = [c for c in _unit_capabilities() if ptrace or c != "CAP_SYS_PTRACE"]
+    bounding = ",".join(["-all", *("+" + c.removeprefix("CAP_").lower() for c in caps)])
+    serves.append(Serve(env, prefix=["setpriv", f"--bounding-set={bounding}", "--inh-caps=-all"]))
+    proc = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", _LAUNCHER,
+                             str(env.sock)], cwd=ROOT, env=env.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        out = json.loads(proc.stdout.readline())
+        if ptrace:  # granted for the child, named by its pid here
+            assert "refused" not in out, out
+            assert ns_pids(out["grant_pid"])[-1] == out["child"] != out["grant_pid"], out  # type: ignore[index]
+            assert psutil.Process(out["grant_pid"]).cmdline() == ["sleep", "120"]
+        else:  # refused, saying what the daemon lacks
+            code, details = out["refused"]
+            assert code == "PERMISSION_DENIED" and "lacks CAP_SYS_PTRACE" in details, out
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)

@@ -193,6 +193,23 @@ def test_a_scrape_has_no_created_series(env: Env, serves: list[Serve]) -> None:
     assert "_created" not in body, [line for line in body.splitlines() if "_created" in line]
 
 
+@pytest.mark.parametrize("mixture", [True, False], ids=["mixture", "model-alone"])
+def test_the_forecaster_record_names_the_forecaster_the_metric_says_serves(env: Env, serves: list[Serve],
+                                                                          mixture: bool) -> None:
+    """The start's `forecaster` record said "serving": "model" while vgpu_forecaster_serving said the
+    expert mixture served (the shipped model is one of its experts): an operator grepping the
+    journal got another answer than the scrape. Both now name the same forecaster; `model` says
+    whether the checkpoint loaded."""
+    env.env["VGPU_MANAGER_MIXTURE"] = "true" if mixture else "false"
+    serves.append(Serve(env, "--metrics-port", "auto"))
+    serves[-1].wait_for("forecaster", 120.0)  # the shipped model loads in the background
+    record = serves[-1].event("forecaster")
+    serving = [labels["forecaster"] for _, labels, v in scrape(serves[-1].metrics_port)["vgpu_forecaster_serving"]
+               if v == 1]
+    assert serving == [record["serving"]] == ["mixture" if mixture else "model"], (serving, record)
+    assert record["model"] == "loaded" and record["path"].endswith("default.pt"), record
+
+
 class _Source:
     def __init__(self, apps: list[AppSnapshot], devices: list[DeviceSnapshot], counters: CounterSnapshot) -> None:
         self.apps, self.devices, self.counters = apps, devices, counters

@@ -8,6 +8,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,18 @@ def _settings(unit: str) -> list[tuple[str, str]]:
         if line and not line.startswith(("#", "[")) and "=" in line:
             key, _, value = line.partition("=")
             out.append((key.strip(), value.strip()))
+    return out
+
+
+def _section(unit: str, name: str) -> dict[str, str]:
+    """The settings of one [section] of a unit."""
+    out, current = {}, ""
+    for line in (ROOT / "systemd" / unit).read_text().splitlines():
+        if line.startswith("["):
+            current = line.strip("[]")
+        elif current == name and line and not line.startswith("#") and "=" in line:
+            key, _, value = line.partition("=")
+            out[key.strip()] = value.strip()
     return out
 
 
@@ -105,12 +118,23 @@ def test_one_uid_s_half_sent_calls_stay_well_under_the_memory_cap() -> None:
 
 
 def test_every_capability_is_commented() -> None:
+    """CAP_SYS_PTRACE among them: without it the daemon may not read the pid namespace of another
+    user's process or a root container's, and a caller in a container naming a pid other than its
+    own was refused (tests/test_hostile_pidns.py)."""
     text = (ROOT / "systemd" / "vgpu-manager.service").read_text()
     caps = dict(_settings("vgpu-manager.service"))["CapabilityBoundingSet"].split()
-    assert caps and "CAP_SYS_ADMIN" in caps
+    assert caps and "CAP_SYS_ADMIN" in caps and "CAP_SYS_PTRACE" in caps
     comments = "\n".join(line for line in text.splitlines() if line.startswith("#"))
     for cap in caps:
         assert re.search(rf"#\s*{cap}:", comments), f"{cap} has no comment saying why"
+
+
+def test_the_longest_stop_grace_leaves_the_restore_half_the_stop_timeout() -> None:
+    """A stop waits up to server.grace_s for calls in flight and only then restores the devices;
+    systemd kills the daemon TimeoutStopSec after SIGTERM, so the largest grace the configuration
+    takes must leave the restore at least as long again."""
+    timeout_s = float(dict(_settings("vgpu-manager.service"))["TimeoutStopSec"])
+    assert 2 * config.MAX_GRACE_S <= timeout_s, (config.MAX_GRACE_S, timeout_s)
 
 
 def test_profiler_is_unprivileged() -> None:
@@ -176,8 +200,28 @@ def test_a_configuration_error_is_not_restarted_but_a_start_failure_is(tmp_path:
     assert bad_config.returncode in prevent, (bad_config.returncode, prevent)
     if Path("/proc/driver/nvidia/version").exists():
         pytest.skip("an NVIDIA driver is loaded here: `vgpu serve --backend nvml` would start")
+    started = time.monotonic()
     no_nvml = _serve(tmp_path, "--backend", "nvml")
+    failed_start_s = time.monotonic() - started
     assert "NVML" in no_nvml.stderr and no_nvml.returncode not in (0, *prevent), no_nvml.stderr
+    # such a start, failing for ever, is retried only up to the start limit
+    _assert_a_restart_loop_reaches_the_start_limit(failed_start_s)
+
+
+def _assert_a_restart_loop_reaches_the_start_limit(failed_start_s: float) -> None:
+    unit, service = _section("vgpu-manager.service", "Unit"), _section("vgpu-manager.service", "Service")
+    interval_s, burst = float(unit["StartLimitIntervalSec"]), int(unit["StartLimitBurst"])
+    loop_s = burst * (float(service["RestartSec"]) + failed_start_s)
+    assert loop_s < interval_s, (loop_s, interval_s)
+    assert loop_s >= 20, loop_s  # a driver still loading at boot gets more than a few seconds
+
+
+def test_a_start_that_keeps_failing_ends_in_the_failed_state() -> None:
+    """A failed start took about 1.6 s and RestartSec=2 waited 2 s more: one start every 3.6 s, which
+    never reached systemd's default start limit (5 in 10 s), so a daemon that could not start was
+    started again for ever. The unit's own limit, in [Unit] where systemd reads it, is reached by
+    such a loop (with a failed start taking up to 2 s here; the test above measures one)."""
+    _assert_a_restart_loop_reaches_the_start_limit(2.0)
 
 
 def test_the_documentation_the_units_name_is_installed_by_install_md() -> None:

@@ -62,7 +62,7 @@ from vgpu.capped import FileTooLarge, read_capped
 from vgpu.config import DEFAULT_STATE_DIR
 from vgpu.ids import MAX_PID, app_id_digest, app_id_problem
 from vgpu.log import LogBudget, get_logger
-from vgpu.peers import PeerCred, pid_here, runs_as
+from vgpu.peers import NamespaceUnreadable, PeerCred, pid_here, runs_as
 from vgpu.tokenfile import TokenFileError, read_token
 from vgpu.tokenfile import write_atomically as _write_private
 
@@ -345,7 +345,8 @@ class AccessControl:
         self.peer_of = peer_of
         self.pid_runs_as = pid_runs_as
         # pid_from_caller(pid, caller_pid): the pid here of the process the caller calls `pid` in its
-        # own pid namespace (a container's), or None when it cannot be told (vgpu.peers.pid_here).
+        # own pid namespace (a container's), or None when it cannot be told; NamespaceUnreadable when
+        # the kernel would not let the daemon read a namespace it needed (vgpu.peers.pid_here).
         self.pid_from_caller = pid_from_caller
 
     def peer(self, peer: str) -> PeerCred | None:
@@ -452,13 +453,24 @@ class AccessControl:
         reads it: a caller in a container names processes by their pid in the container, which here
         is another process or none. The grant, its cgroup cap, the exit release and the reply then
         all name the process the caller meant. Raises Denied when the caller's namespace is not this
-        one and the pid cannot be placed in it (nothing is changed). Without the Unix peer (TCP, or
+        one and the pid cannot be placed in it (nothing is changed), saying so apart when the daemon
+        was refused a read of a namespace it needed (no CAP_SYS_PTRACE). Without the Unix peer (TCP, or
         the front off) the pid is taken as it is: only the operator or an in-app report, both read
         in the daemon's namespace, can make it stand there."""
         pid = _request_pid(request)
         if peer is None or not 0 < pid <= MAX_PID:
             return  # no pid, or one `authorize` refuses as out of range
-        here = self.pid_from_caller(pid, peer.pid)
+        try:
+            here = self.pid_from_caller(pid, peer.pid)
+        except NamespaceUnreadable as exc:
+            raise Denied(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"cannot tell which process pid {pid} is: the caller (pid {peer.pid} on this host) runs in another "
+                f"pid namespace (a container's), and the kernel refused the daemon a read of its processes' pid "
+                f"namespace (/proc/<pid>/ns/pid: {exc.error.strerror or exc.error}): the daemon lacks "
+                "CAP_SYS_PTRACE, which reading another user's, or a root container's, needs; give it that "
+                "capability (the shipped systemd unit does), or name the caller's own pid",
+            ) from exc
         if here is None:
             raise Denied(
                 grpc.StatusCode.PERMISSION_DENIED,

@@ -14,6 +14,7 @@ import dataclasses
 import grp
 import os
 import pwd
+import stat
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -39,6 +40,12 @@ MAX_BATCH_BYTES = MIN_REQUEST_BYTES // 2
 MIN_STREAMS_PER_CONNECTION = 4
 MAX_STREAMS_PER_CONNECTION = 1024
 PATH_KEYS = ("server.socket", "server.state_dir", "server.inapp_dir", "tls.cert", "tls.key", "tls.ca")
+# server.grace_s's bound. A stop waits up to grace_s for calls in flight and only then puts the
+# devices' power limits and MIG layouts back; systemd kills the daemon TimeoutStopSec (60 s in the
+# shipped unit) after SIGTERM, so the grace must leave the restore the other half of it.
+MAX_GRACE_S = 30.0
+# server.idle_release_s's bound, a week (0: never)
+MAX_IDLE_RELEASE_S = 7 * 24 * 3600.0
 # Connections the metrics endpoint serves at once in all (vgpu/daemon/metrics.py); one address (on
 # loopback, one local user) may hold metrics.max_connections_per_address of them.
 METRICS_MAX_CONNECTIONS = 64
@@ -91,11 +98,12 @@ class ServerConfig:
     reclaim: bool = True
     reclaim_margin_frac: float = 0.10
     reclaim_min_mib: float = 256.0
-    # Seconds a graceful stop waits for in-flight RPCs.
+    # Seconds a graceful stop waits for in-flight RPCs before it restores the devices: 0..30
+    # (MAX_GRACE_S), well under the unit's TimeoutStopSec (60 s), which the restore must fit in too.
     grace_s: float = 5.0
     # An application with grants that shows no sign of life for this long (no signature, no live
     # process among its grants' pids, no open watch of its own, no request) has its grants released.
-    # 0 keeps grants until they are released.
+    # 0 keeps grants until they are released; at most a week (MAX_IDLE_RELEASE_S).
     idle_release_s: float = 120.0
     # Grants naming a pid whose process the daemon saw run are released this long after the process
     # exited, once its application shows no other sign of life (no watch of its own, no request or
@@ -399,8 +407,10 @@ def _validate(cfg: Config) -> None:
             parse_sim_spec(s.backend)
         except ValueError as exc:
             raise ConfigError(f"server.backend: expected 'nvml' or 'sim:<sku>', got {s.backend!r} ({exc})") from None
-    if s.grace_s < 0:
-        raise ConfigError(f"server.grace_s: must be >= 0, got {s.grace_s}")
+    if not 0 <= s.grace_s <= MAX_GRACE_S:
+        raise ConfigError(f"server.grace_s: expected 0..{MAX_GRACE_S:g} seconds (a stop waits this long for calls in "
+                          "flight, then restores the devices, and systemd kills the daemon TimeoutStopSec, 60 s, "
+                          f"after SIGTERM: keep it well under that), got {s.grace_s}")
     if s.hard_memory_limits not in ("contended", "always"):
         raise ConfigError(f"server.hard_memory_limits: expected 'contended' or 'always', got {s.hard_memory_limits!r}")
     if not 0 <= s.reclaim_margin_frac <= 10:
@@ -408,8 +418,9 @@ def _validate(cfg: Config) -> None:
                           f"got {s.reclaim_margin_frac}")
     if not 0 <= s.reclaim_min_mib <= 1024 * 1024:
         raise ConfigError(f"server.reclaim_min_mib: expected 0..1048576 MiB, got {s.reclaim_min_mib}")
-    if not s.idle_release_s >= 0:
-        raise ConfigError(f"server.idle_release_s: must be >= 0 (0: never), got {s.idle_release_s}")
+    if not 0 <= s.idle_release_s <= MAX_IDLE_RELEASE_S:
+        raise ConfigError(f"server.idle_release_s: expected 0..{MAX_IDLE_RELEASE_S:g} seconds (a week; 0: never), "
+                          f"got {s.idle_release_s}")
     if not 0 <= s.exit_release_s <= 3600:
         raise ConfigError(f"server.exit_release_s: expected 0..3600 seconds (0: off, grants of exited processes "
                           f"wait for server.idle_release_s), got {s.exit_release_s}")
@@ -622,6 +633,29 @@ def to_toml(cfg: Config) -> str:
             lines.append(f"{f.name} = {text}")
         lines.append("")
     return "\n".join(lines)
+
+
+def unreadable_files(cfg: Config) -> list[str]:
+    """The files the configuration names for the daemon to read (manager.model; tls.cert, tls.key and
+    tls.ca when server.tcp listens) that are missing, not files, or cannot be read, one line each
+    naming the key: every start would fail on them alike, so they are checked before anything starts
+    (and by --check-config). Whether a model loads or a certificate parses only the start tells."""
+    files = [("manager.model", cfg.manager.model.strip())]
+    if cfg.server.tcp:
+        files += [("tls.cert", cfg.tls.cert), ("tls.key", cfg.tls.key), ("tls.ca", cfg.tls.ca)]
+    problems = []
+    for key, path in files:
+        if not path:
+            continue
+        try:
+            if not stat.S_ISREG(os.stat(path).st_mode):  # a directory, or a FIFO an open would block on
+                problems.append(f"{key}: {path} is not a file")
+                continue
+            with open(path, "rb") as fh:
+                fh.read(1)
+        except OSError as exc:
+            problems.append(f"{key}: cannot read {path} ({exc.strerror or exc})")
+    return problems
 
 
 def missing_names(cfg: Config) -> list[str]:

@@ -21,6 +21,7 @@ import os
 import re
 import socket
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,16 +128,32 @@ def ns_pids(pid: int, proc_root: Path = Path("/proc")) -> tuple[int, ...] | None
     return tuple(int(p) for p in parts)
 
 
-def pid_namespace(pid: int | str, proc_root: Path = Path("/proc")) -> str | None:
+class NamespaceUnreadable(Exception):
+    """A process's pid namespace (`/proc/<pid>/ns/pid`) that the daemon may not read: the kernel
+    shows it to a reader of another uid, or one whose capabilities do not cover the process's (root
+    with a reduced set reading a root container's process), only with CAP_SYS_PTRACE."""
+
+    def __init__(self, pid: int | str, error: OSError) -> None:
+        super().__init__(f"cannot read the pid namespace of process {pid}: {error.strerror or error}")
+        self.pid = pid
+        self.error = error
+
+
+def pid_namespace(pid: int | str, proc_root: Path = Path("/proc"),
+                  readlink: Callable[[Path], str] = os.readlink) -> str | None:
     """The pid namespace a process belongs to (`/proc/<pid>/ns/pid`, e.g. `pid:[4026531836]`), or
-    None when it cannot be read (no such process; another user's process to a daemon not run as root)."""
+    None when there is no such process. Raises NamespaceUnreadable when the kernel refuses the read
+    (EACCES, EPERM: another user's process, or a root container's, to a daemon without CAP_SYS_PTRACE)."""
     try:
-        return os.readlink(proc_root / str(pid) / "ns" / "pid")
+        return readlink(proc_root / str(pid) / "ns" / "pid")
+    except PermissionError as exc:  # EACCES and EPERM
+        raise NamespaceUnreadable(pid, exc) from exc
     except OSError:
         return None
 
 
-def pid_here(pid: int, caller_pid: int, proc_root: Path = Path("/proc")) -> int | None:
+def pid_here(pid: int, caller_pid: int, proc_root: Path = Path("/proc"),
+             readlink: Callable[[Path], str] = os.readlink) -> int | None:
     """The pid, in the namespace /proc shows (the daemon's), of the process that the caller
     `caller_pid` (a pid here: the kernel translates `SO_PEERCRED`'s) calls `pid`. A caller in a
     container's pid namespace names processes by their pid in that namespace, which here is another
@@ -146,25 +163,35 @@ def pid_here(pid: int, caller_pid: int, proc_root: Path = Path("/proc")) -> int 
     (the client stub's usual request): its own pid here. Another process of its namespace: found by
     reading each process's `NSpid` (its innermost pid) and namespace, a scan of /proc made only for
     this case. None when it cannot be told: the caller has exited, is outside this namespace
-    (`caller_pid` 0), its namespace cannot be read, or no process of its namespace has that pid."""
+    (`caller_pid` 0), or no process of its namespace has that pid. Raises NamespaceUnreadable when
+    the answer needed a namespace the kernel would not let the daemon read (the caller's, or that of
+    a process with that pid): the daemon lacks CAP_SYS_PTRACE (NamespaceUnreadable says when it is needed)."""
     chain = ns_pids(caller_pid, proc_root) if caller_pid > 0 else None
     if chain is None:
         # no NSpid line (a kernel before 4.1) or no caller: only a caller in our own namespace is understood
-        ns = pid_namespace(caller_pid, proc_root) if caller_pid > 0 else None
-        return pid if ns is not None and ns == pid_namespace("self", proc_root) else None
+        ns = pid_namespace(caller_pid, proc_root, readlink) if caller_pid > 0 else None
+        return pid if ns is not None and ns == pid_namespace("self", proc_root, readlink) else None
     if len(chain) == 1:
         return pid
     if chain[-1] == pid:
         return caller_pid
-    ns = pid_namespace(caller_pid, proc_root)
+    ns = pid_namespace(caller_pid, proc_root, readlink)
     if ns is None:
         return None
     try:
         entries = [e.name for e in os.scandir(proc_root) if e.name.isdigit()]
     except OSError:
         return None
+    unreadable: NamespaceUnreadable | None = None
     for name in entries:
         other = ns_pids(int(name), proc_root)
-        if other is not None and len(other) == len(chain) and other[-1] == pid and pid_namespace(name, proc_root) == ns:
-            return int(name)
+        if other is None or len(other) != len(chain) or other[-1] != pid:
+            continue
+        try:
+            if pid_namespace(name, proc_root, readlink) == ns:
+                return int(name)
+        except NamespaceUnreadable as exc:  # it may be the one: said if no other is
+            unreadable = exc
+    if unreadable is not None:
+        raise unreadable
     return None

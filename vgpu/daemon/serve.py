@@ -15,13 +15,17 @@ metrics (vgpu/daemon/metrics.py).
 
 Configuration (`main`, before anything starts): defaults < /etc/vgpu/vgpu.toml (or --config) <
 VGPU_* < flags (vgpu/config.py). A bad value, a plaintext TCP address or half a TLS pair is a
-ConfigError: `vgpu serve: configuration error: ...` on stderr, exit status 2.
+ConfigError: `vgpu serve: configuration error: ...` on stderr, exit status 2; so are a user or group
+the host lacks and a configured file (manager.model; tls.* with server.tcp) that is missing or
+unreadable (`--check-config` checks all of it and starts nothing).
 
 Start-up (`Daemon.start`), in order. A step that cannot be done raises StartupError (token files:
 auth.AuthSetupError) with a message that names what to fix; `run` calls `stop()`, which undoes only
 the steps reached, then removes the state directory if this start created it (`state_dir_removed`),
 and `main` logs `startup_failed` and prints `vgpu serve: <message>` on one line
-on stderr, exit status 1 (any other exception: `vgpu serve: cannot start: <type>: <message>`).
+on stderr, exit status 1 (any other exception: `vgpu serve: cannot start: <type>: <message>`), or 2
+for a PermanentStartupError, which every later start would meet too (a configured model that does
+not load, a TLS file that cannot be read, a damaged state database or one of a newer schema).
 1. dry run resolved (`server.dry_run` unset: on for nvml, off for the simulator); when on, a
    `dry_run` warning;
 2. the state directory (`_open_state`): created and locked with flock(2), so that two daemons never
@@ -226,8 +230,24 @@ def server_options(max_connections: int, max_streams_per_connection: int,
             ("grpc.max_receive_message_length", max_request_bytes))
 
 
+# `vgpu serve`'s exit statuses for a start that fails. The unit restarts the first
+# (Restart=on-failure) and not the second (RestartPreventExitStatus=2).
+EXIT_START_FAILED = 1  # another start may succeed: NVML not loaded yet at boot, a port still held
+EXIT_FIX_FIRST = 2  # every start fails alike until an operator acts: a configuration or state problem
+
+
 class StartupError(RuntimeError):
     """The daemon cannot start; the message says what to fix."""
+
+    exit_status = EXIT_START_FAILED
+
+
+class PermanentStartupError(StartupError):
+    """A start that fails on what the operator configured or on the stored state (a configured model
+    or TLS file missing or unreadable, a damaged state database, one from a newer vgpu): starting
+    again cannot get past it, so it exits as a configuration error does."""
+
+    exit_status = EXIT_FIX_FIRST
 
 
 # --- systemd notification ------------------------------------------------------------------------------
@@ -577,7 +597,7 @@ def open_backend(spec: str, state_dir: Path) -> Backend:
     try:
         return PersistentSimBackend(parse_sim_spec(spec), state_dir / SIM_STATE_FILE)
     except SimStateError as exc:  # the state directory's file, not the --backend given
-        raise StartupError(str(exc)) from exc
+        raise PermanentStartupError(str(exc)) from exc
     except (KeyError, ValueError) as exc:
         raise StartupError(f"--backend: {exc}") from exc
 
@@ -646,7 +666,7 @@ def reconcile(
     try:
         ledger = Ledger.from_records(records, devices=caps, clock=clock, skip_bad=True)
     except ValueError as exc:
-        raise StartupError(
+        raise PermanentStartupError(
             f"{store.path}: the stored ledger cannot be read ({exc}); start with --reset-state to begin empty"
         ) from exc
     rec.bad_records += [*store.bad_rows, *ledger.bad_on_restore]
@@ -765,7 +785,7 @@ def load_model(path: str, *, fallback: Forecaster | None = None, check_interval_
         return None
     forecaster = open_forecaster(choice, fallback or default_baseline(), check_interval_s=check_interval_s)
     if not forecaster.serving_model:
-        raise StartupError(f"manager.model {choice.path}: {forecaster.last_error} (check it with `vgpu doctor`)")
+        raise PermanentStartupError(f"manager.model {choice.path}: {forecaster.last_error} (check it with `vgpu doctor`)")
     return forecaster
 
 
@@ -963,7 +983,7 @@ def _read(path: str, what: str) -> bytes:
     try:
         return read_capped(path, MAX_TLS_FILE_BYTES)
     except OSError as exc:  # FileTooLarge too: its strerror says "larger than N bytes ..."
-        raise StartupError(f"cannot read {what} {path}: {exc}") from exc
+        raise PermanentStartupError(f"cannot read {what} {path}: {exc}") from exc
 
 
 # --- the daemon -------------------------------------------------------------------------------------------
@@ -1114,8 +1134,8 @@ class Daemon:
                              reason="--reset-state: the ledger starts empty; the old database is kept beside it")
         try:
             self.store = Store(self.state_dir, clock=self.clock)
-        except StoreError as exc:
-            raise StartupError(str(exc)) from exc
+        except StoreError as exc:  # damaged, from a newer vgpu, refused WAL: restore, reset or move it first
+            raise PermanentStartupError(str(exc)) from exc
         if self.store.upgraded_copy is not None:
             self.log.info("state_upgraded", path=str(self.store.path), from_schema=self.store.schema_found,
                           to_schema=SCHEMA_VERSION, copy=str(self.store.upgraded_copy),
@@ -1180,10 +1200,11 @@ class Daemon:
         self.allocator.signature_seen = self.manager.windows.last_seen_s
         model = resolve_model(cfg.manager.model)
         if model.configured:
-            self.log.info("forecaster", serving="model", path=str(model.path), check_interval_s=interval_s)
+            self.log.info("forecaster", serving=self.manager.source, model="loaded", path=str(model.path),
+                          check_interval_s=interval_s)
         else:
             # the shipped model, when present, loads in the background (from step 11 on, with the
-            # cold-start sizer); the baseline serves meanwhile
+            # cold-start sizer); the mixture serves without it meanwhile (the baseline, mixture off)
             self.model_loader = threading.Thread(target=self._load_default_model, args=(model.path,),
                                                  name="forecaster-load", daemon=True)
 
@@ -1459,9 +1480,13 @@ class Daemon:
                               not_removable=done.not_removable, kept_running=done.kept_running)
 
     def _load_default_model(self, path: Path) -> None:
-        """Serve the default forecaster once it loads; until then (or if it does not) the baseline."""
+        """Put the shipped model in service once it loads: as the mixture's model expert, or alone with
+        manager.mixture off. Until then, or if it does not load, the mixture serves without it (or the
+        baseline alone)."""
+        # `serving` names what vgpu_forecaster_serving does (Manager.source): with the mixture on, the
+        # mixture serves whether or not the model, one of its experts, loaded; `model` says which.
         if not path.is_file():
-            self.log.info("forecaster", serving="baseline", reason=f"no checkpoint at {path}")
+            self.log.info("forecaster", serving=self.manager.source, model="absent", reason=f"no checkpoint at {path}")
             return
         interval_s = self.cfg.manager.model_check_interval_s
         try:
@@ -1475,12 +1500,13 @@ class Daemon:
                     self.mixture.set_expert("model", model)
                 else:
                     self.manager.forecaster = model
-                self.log.info("forecaster", serving="model", path=str(path), check_interval_s=interval_s)
+                self.log.info("forecaster", serving=self.manager.source, model="loaded", path=str(path),
+                              check_interval_s=interval_s)
                 return
             error = model.last_error or "did not load"
         # A shipped model that does not load is a broken install (`vgpu doctor` says WARN): the
-        # baseline serves and the file is not watched.
-        self.log.warning("forecaster_unavailable", path=str(path), error=error, serving="baseline")
+        # mixture serves without it (the baseline, mixture off) and the file is not watched.
+        self.log.warning("forecaster_unavailable", path=str(path), error=error, serving=self.manager.source)
 
     async def _freeze_after_loads(self, poll_s: float = 1.0) -> None:
         """Once the background loads are over, freeze the heap again (vgpu/gc_freeze.py): they begin
@@ -1728,12 +1754,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu serve") -> int:
         cfg = config_from_args(ns)
     except ConfigError as exc:
         print(f"{prog}: configuration error: {exc}", file=sys.stderr)
-        return 2
-    problems = vconfig.missing_names(cfg)
+        return EXIT_FIX_FIRST
+    problems = vconfig.missing_names(cfg) + vconfig.unreadable_files(cfg)
     for problem in problems:
         print(f"{prog}: configuration error: {problem}", file=sys.stderr)
     if problems:
-        return 2
+        return EXIT_FIX_FIRST
     if ns.check_config:
         print(vconfig.to_toml(cfg), end="")
         return 0
@@ -1749,12 +1775,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu serve") -> int:
     except (StartupError, auth.AuthSetupError) as exc:
         logger.error("startup_failed", error=str(exc))
         print(f"{prog}: {_one_line(str(exc))}", file=sys.stderr)
-        return 1
+        return exc.exit_status if isinstance(exc, StartupError) else EXIT_START_FAILED
     except Exception as exc:  # noqa: BLE001 - one line with the cause, not a traceback, for the operator
         cause = f"{type(exc).__name__}: {exc}"
         logger.error("startup_failed", error=cause, exc_info=exc)
         print(f"{prog}: cannot start: {_one_line(cause)}", file=sys.stderr)
-        return 1
+        return EXIT_START_FAILED
 
 
 def end_process_now(status: int) -> NoReturn:
