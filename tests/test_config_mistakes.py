@@ -217,3 +217,13 @@ def test_a_stop_grace_that_would_outlast_the_units_stop_timeout_is_refused(env: 
     f.write_text("[server]\ngrace_s = 30\n")
     r = serve(env, "--config", str(f), "--check-config")
     assert r.returncode == 0 and "\ngrace_s = 30.0\n" in r.stdout and "\nidle_release_s = 0.0\n" in r.stdout, r.stderr
+
+
+def test_a_config_file_nested_deeper_than_the_parser_goes_is_one_line(env: Env) -> None:
+    """Arrays or inline tables nested thousands deep: before, a 1,000-frame RecursionError traceback."""
+    for i, body in enumerate(("a = " + "[" * 100_000 + "]" * 100_000, "x = " + "{a = " * 2000 + "1" + "}" * 2000)):
+        f = env.tmp / f"deep-{i}.toml"
+        f.write_text(body + "\n")
+        r = serve(env, "--config", str(f), "--check-config")
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+        assert one_line(r).endswith(f"config file {f}: not valid TOML: nested too deep")

@@ -546,6 +546,8 @@ def load(
             raise ConfigError(f"config file {file_path} does not exist") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {file_path}: not valid TOML: {exc}") from None
+        except RecursionError:  # arrays or tables nested deeper than the parser goes: no vgpu setting is
+            raise ConfigError(f"config file {file_path}: not valid TOML: nested too deep") from None
         for section, table in raw.items():
             if not isinstance(table, dict):
                 raise ConfigError(
