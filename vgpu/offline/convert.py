@@ -41,6 +41,10 @@ class Conversion:
     issues: list[RowIssue] = field(default_factory=list)
     rows_read: int = 0
     left_out: Counter[str] = field(default_factory=Counter)
+    # where a further log starts inside one file (nvidia-smi: the header line again); not bad rows
+    log_starts: list[RowIssue] = field(default_factory=list)
+    # what the summary must say although nothing failed (rows that may be on the wrong GPU)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def samples(self) -> int:
@@ -415,7 +419,9 @@ def convert_nvidia_smi(
 
     The GPU is the `index` (or `uuid`, `pci.bus_id`) column where there is one; otherwise the
     data row's position modulo `gpus` (nvidia-smi prints the GPUs in index order each sample),
-    so `gpus` is then required. Bad rows still occupy their position. App ids are
+    so `gpus` is then required. Bad rows still occupy their position (and the conversion warns that
+    later rows depend on it); the header line repeated is where a further log starts, and positions
+    count from there (`Conversion.log_starts`). App ids are
     `<prefix>/gpu<N>` with the file name (without .csv[.gz]) as the default prefix."""
     return convert_nvidia_smi_paths([Path(path)], gpus=gpus, strict=strict, prefix=prefix)
 
@@ -438,11 +444,14 @@ def convert_nvidia_smi_paths(
     apps: list[AppTrace] = []
     rows_read = 0
     left_out: Counter[str] = Counter()
+    log_starts: list[RowIssue] = []
+    warnings: list[str] = []
     for path in paths:
         opener = gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")  # noqa: SIM115
         try:
             with io.TextIOWrapper(opener, encoding="utf-8", newline="") as fh:
-                apps_here, n = _smi_file(fh, path, gpus, issues, prefix or f"nvidia-smi/{_trace_stem(path)}")
+                here = _SmiFile(path, gpus, issues, log_starts)
+                apps_here = here.read(fh, prefix or f"nvidia-smi/{_trace_stem(path)}")
         except NotNvidiaSmiError:
             if not skip_foreign:
                 raise
@@ -451,66 +460,110 @@ def convert_nvidia_smi_paths(
         except (OSError, EOFError, UnicodeDecodeError, csv.Error) as exc:
             raise TraceFormatError(f"{path}: cannot read: {exc}") from exc
         apps.extend(apps_here)
-        rows_read += n
+        rows_read += here.rows
+        warnings.extend(here.warnings())
     if not apps:
         raise TraceFormatError(f"{', '.join(map(str, paths))}: no usable row ({len(issues.items)} bad rows)")
-    return Conversion(apps=apps, issues=issues.items, rows_read=rows_read, left_out=left_out)
+    return Conversion(apps=apps, issues=issues.items, rows_read=rows_read, left_out=left_out,
+                      log_starts=log_starts, warnings=warnings)
 
 
-def _smi_file(
-    fh: Iterable[str], path: Path, gpus: int | None, issues: _Issues, prefix: str
-) -> tuple[list[AppTrace], int]:
-    reader = csv.reader(fh)
-    try:
-        header = [_header_field(h) for h in next(reader)]
-    except StopIteration:
-        raise TraceFormatError(f"{path}: empty file") from None
-    if "timestamp" not in header:
-        raise NotNvidiaSmiError(f"{path}: header lacks 'timestamp' (is this nvidia-smi --query-gpu CSV?)")
-    columns = {i: NVIDIA_SMI_FIELDS[h] for i, h in enumerate(header) if h in NVIDIA_SMI_FIELDS}
-    if not {"sm_util_pct", "mem_used_mib"} & set(columns.values()):
-        raise NotNvidiaSmiError(f"{path}: header has neither utilization.gpu nor memory.used")
-    id_col = next((header.index(f) for f in _GPU_ID_FIELDS if f in header), None)
-    if id_col is None and gpus is None:
-        raise TraceFormatError(
-            f"{path}: no GPU index column; give the number of GPUs (--gpus N) to assign rows by position"
-        )
-    t_col = header.index("timestamp")
-    per_gpu: dict[str, tuple[list[float], dict[str, list[float]]]] = {}
-    position = 0
-    for line, row in enumerate(reader, start=2):
-        if not row or all(not c.strip() for c in row):
-            continue
-        slot = position
-        position += 1
-        if len(row) != len(header):
-            issues.add(path, line, f"{len(row)} fields for {len(header)} columns")
-            continue
-        gpu = row[id_col].strip() if id_col is not None else str(slot % (gpus or 1))
+class _SmiFile:
+    """One nvidia-smi log file read into per-GPU series.
+
+    Without a GPU id column a data row's GPU is its position in the current log modulo `gpus`. A
+    line equal to the header is where a further log starts (a restarted `nvidia-smi -l` appending
+    to the same file, or `cat` of two logs): positions count from 0 again there. A skipped row keeps
+    its position, which is right when the bad line stood for one sample; a line cut short and
+    continued on the next, or two lines run together, shifts every later row to the wrong GPU, so
+    the skipped rows under position assignment become a warning."""
+
+    def __init__(self, path: Path, gpus: int | None, issues: _Issues, log_starts: list[RowIssue]) -> None:
+        self.path = path
+        self.gpus = gpus
+        self.issues = issues
+        self.log_starts = log_starts
+        self.rows = 0  # data rows read (header lines not counted)
+        self.by_position = False
+        self.first_skipped: int | None = None  # line of the first bad row, under position assignment
+        self.skipped = 0
+
+    def _bad(self, line: int, reason: str) -> None:
+        self.issues.add(self.path, line, reason)
+        if self.by_position:
+            self.skipped += 1
+            if self.first_skipped is None:
+                self.first_skipped = line
+
+    def warnings(self) -> list[str]:
+        if not self.skipped:
+            return []
+        return [
+            f"{self.path}: GPU assigned by row position (--gpus {self.gpus}) and {self.skipped} bad rows kept "
+            f"their position; from line {self.first_skipped} on, rows are on the right GPU only if each bad "
+            "line stood for exactly one sample (a line cut short or two lines run together shift every later "
+            "row); check those lines, or log an index column (--query-gpu=index,...)"
+        ]
+
+    def read(self, fh: Iterable[str], prefix: str) -> list[AppTrace]:
+        path, gpus = self.path, self.gpus
+        reader = csv.reader(fh)
         try:
-            t = parse_smi_timestamp(row[t_col])
-            values = {col: parse_smi_value(row[i]) for i, col in columns.items()}
-        except ValueError as exc:
-            issues.add(path, line, f"unparsable value ({exc})")
-            continue
-        problem = _range_problem(values)
-        if problem:
-            issues.add(path, line, problem)
-            continue
-        t_list, cols = per_gpu.setdefault(gpu, ([], {c: [] for c in set(columns.values())}))
-        if t_list and t < t_list[-1]:
-            issues.add(path, line, f"time goes back for GPU {gpu} ({t} after {t_list[-1]})")
-            continue
-        t_list.append(t)
-        for col in cols:
-            v = values.get(col)
-            cols[col].append(math.nan if v is None else v)
-    apps = [
-        _app(f"{prefix}/gpu{gpu}", t_list, cols, gpu)
-        for gpu, (t_list, cols) in sorted(per_gpu.items())
-        if t_list
-    ]
-    return apps, position
+            first = next(reader)
+        except StopIteration:
+            raise TraceFormatError(f"{path}: empty file") from None
+        header = [_header_field(h) for h in first]
+        if "timestamp" not in header:
+            raise NotNvidiaSmiError(f"{path}: header lacks 'timestamp' (is this nvidia-smi --query-gpu CSV?)")
+        columns = {i: NVIDIA_SMI_FIELDS[h] for i, h in enumerate(header) if h in NVIDIA_SMI_FIELDS}
+        if not {"sm_util_pct", "mem_used_mib"} & set(columns.values()):
+            raise NotNvidiaSmiError(f"{path}: header has neither utilization.gpu nor memory.used")
+        id_col = next((header.index(f) for f in _GPU_ID_FIELDS if f in header), None)
+        if id_col is None and gpus is None:
+            raise TraceFormatError(
+                f"{path}: no GPU index column; give the number of GPUs (--gpus N) to assign rows by position"
+            )
+        self.by_position = id_col is None and (gpus or 1) > 1
+        t_col = header.index("timestamp")
+        per_gpu: dict[str, tuple[list[float], dict[str, list[float]]]] = {}
+        position = 0
+        for line, row in enumerate(reader, start=2):
+            if not row or all(not c.strip() for c in row):
+                continue
+            if [_header_field(c) for c in row] == header:
+                self.log_starts.append(RowIssue(str(path), line, "the header again: a further log starts here"))
+                position = 0
+                continue
+            slot = position
+            position += 1
+            self.rows += 1
+            if len(row) != len(header):
+                self._bad(line, f"{len(row)} fields for {len(header)} columns")
+                continue
+            gpu = row[id_col].strip() if id_col is not None else str(slot % (gpus or 1))
+            try:
+                t = parse_smi_timestamp(row[t_col])
+                values = {col: parse_smi_value(row[i]) for i, col in columns.items()}
+            except ValueError as exc:
+                self._bad(line, f"unparsable value ({exc})")
+                continue
+            problem = _range_problem(values)
+            if problem:
+                self._bad(line, problem)
+                continue
+            t_list, cols = per_gpu.setdefault(gpu, ([], {c: [] for c in set(columns.values())}))
+            if t_list and t < t_list[-1]:
+                self._bad(line, f"time goes back for GPU {gpu} ({t} after {t_list[-1]})")
+                continue
+            t_list.append(t)
+            for col in cols:
+                v = values.get(col)
+                cols[col].append(math.nan if v is None else v)
+        return [
+            _app(f"{prefix}/gpu{gpu}", t_list, cols, gpu)
+            for gpu, (t_list, cols) in sorted(per_gpu.items())
+            if t_list
+        ]
 
 
 def _range_problem(values: dict[str, float | None]) -> str | None:

@@ -65,6 +65,8 @@ def conversion_summary(result: convert.Conversion, out: Path, fmt: str) -> dict[
         "skipped_rows": len(result.issues),
         "skipped_by_reason": dict(result.issue_reasons()),
         "left_out": dict(result.left_out),
+        "log_starts": [str(i) for i in result.log_starts],
+        "warnings": list(result.warnings),
     }
 
 
@@ -83,6 +85,12 @@ def _print_summary(summary: dict[str, object], result: convert.Conversion, strea
         print(f"  ... and {len(result.issues) - _MAX_LISTED_ISSUES} more", file=stream)
     for what, n in result.left_out.most_common():
         print(f"left out: {n} {what}", file=stream)
+    if result.log_starts:
+        print(f"further logs in one file: {len(result.log_starts)} (row positions count from each)", file=stream)
+        for start in result.log_starts[:_MAX_LISTED_ISSUES]:
+            print(f"  {start}", file=stream)
+    for warning in result.warnings:
+        print(f"warning: {warning}", file=stream)
 
 
 def trace_info(trace: Trace) -> dict[str, object]:
