@@ -401,3 +401,17 @@ def test_a_real_log_cut_in_two_and_concatenated_converts_as_the_whole(shared_dat
     for a, b in zip(whole.apps, cat.apps, strict=True):
         assert a.app == b.app and np.array_equal(a.t_s, b.t_s)
         assert np.array_equal(a.column("power_w"), b.column("power_w"), equal_nan=True)
+
+
+def test_cli_a_compressed_log_cut_short_keeps_its_rows_and_strict_refuses_it(tmp_path: Path) -> None:
+    src = _write(tmp_path, "cut.csv.gz", _smi_log(0, 400))
+    data = src.read_bytes()
+    src.write_bytes(data[: len(data) // 2])
+    out = tmp_path / "out.csv"
+    r = _vgpu_trace("convert", "--format", "nvidia-smi", "--src", str(src), "--out", str(out), "--gpus", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert 100 < summary["rows_written"] < 800 and summary["skipped_rows"] == 1
+    assert list(summary["skipped_by_reason"]) == ["damaged tail: the file ends inside a gzip member"]
+    r = _vgpu_trace("convert", "--format", "nvidia-smi", "--src", str(src), "--out", str(out), "--gpus", "2", "--strict")
+    assert r.returncode == 1 and "damaged tail" in r.stderr

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import ArrayLike
 
-from vgpu.traces import AppTrace, RowIssue, TraceFormatError
+from vgpu.traces import AppTrace, RowIssue, TraceFormatError, damaged_tail_reason, open_text
 
 # --------------------------------------------------------------------------------------------
 # shared plumbing
@@ -436,10 +436,8 @@ def convert_nvidia_smi_paths(
 ) -> Conversion:
     """`convert_nvidia_smi` over several files (app ids prefixed by each file's name). With
     `skip_foreign`, a file whose header is not nvidia-smi's is left out (and counted) instead of
-    failing the run, for folders that mix logs with derived files."""
-    import gzip
-    import io
-
+    failing the run, for folders that mix logs with derived files. A compressed log cut short (the
+    logger killed mid-write) keeps its rows before the damage, which counts as a bad row."""
     issues = _Issues(strict)
     apps: list[AppTrace] = []
     rows_read = 0
@@ -447,11 +445,14 @@ def convert_nvidia_smi_paths(
     log_starts: list[RowIssue] = []
     warnings: list[str] = []
     for path in paths:
-        opener = gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")  # noqa: SIM115
         try:
-            with io.TextIOWrapper(opener, encoding="utf-8", newline="") as fh:
+            fh, tail = open_text(path)
+            with fh:
                 here = _SmiFile(path, gpus, issues, log_starts)
                 apps_here = here.read(fh, prefix or f"nvidia-smi/{_trace_stem(path)}")
+                damage = damaged_tail_reason(tail)
+                if damage:
+                    issues.add(path, here.last_line + 1, damage)
         except NotNvidiaSmiError:
             if not skip_foreign:
                 raise
@@ -484,6 +485,7 @@ class _SmiFile:
         self.issues = issues
         self.log_starts = log_starts
         self.rows = 0  # data rows read (header lines not counted)
+        self.last_line = 1
         self.by_position = False
         self.first_skipped: int | None = None  # line of the first bad row, under position assignment
         self.skipped = 0
@@ -528,6 +530,7 @@ class _SmiFile:
         per_gpu: dict[str, tuple[list[float], dict[str, list[float]]]] = {}
         position = 0
         for line, row in enumerate(reader, start=2):
+            self.last_line = line
             if not row or all(not c.strip() for c in row):
                 continue
             if [_header_field(c) for c in row] == header:
