@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.daemon_fixtures import ROOT, Env, Serve
+from tests.daemon_fixtures import ROOT, Env, Serve, metric_samples
 from tests.test_operator_views import cli, start_profiler
 from vgpu import __version__
 from vgpu.daemon.metrics import AppSnapshot, CounterSnapshot, DaemonMetrics, DeviceSnapshot
@@ -208,6 +208,55 @@ def test_the_forecaster_record_names_the_forecaster_the_metric_says_serves(env: 
                if v == 1]
     assert serving == [record["serving"]] == ["mixture" if mixture else "model"], (serving, record)
     assert record["model"] == "loaded" and record["path"].endswith("default.pt"), record
+
+
+def test_an_application_limited_before_it_runs_has_no_device_series(env: Env, serves: list[Serve]) -> None:
+    """`set-limit --create` for an application that never ran: it has no device, so it is on no
+    device's count; before, it made a `device=""` series in every per-device family (an extra
+    "device" in each `sum by (device)` and in the dashboard's device list)."""
+    serves.append(Serve(env, "--metrics-port", "auto"))
+    port = serves[-1].metrics_port
+    device = json.loads(cli(env, "available", "--json").stdout)["devices"][0]["device_id"]
+    r = cli(env, "set-limit", "--app", "future", "--max-memory-mib", "2000", "--create")
+    assert r.returncode == 0, r.stderr
+    assert cli(env, "request", "--app", "running", "--memory-mib", "512").returncode == 0
+    samples = metric_samples(port)
+    assert [k for k in samples if ("device", "") in k[1]] == []
+    assert samples[("vgpu_device_apps", (("device", device),))] == 1  # "running" only
+    assert samples[("vgpu_device_apps_unlisted", (("device", device),))] == 0
+    assert not [k for k in samples if ("app", "future") in k[1]]
+    assert ("vgpu_app_grants", (("app", "running"), ("device", device))) in samples
+
+
+def test_process_metrics_and_a_name_filter_on_the_endpoint(env: Env, serves: list[Serve]) -> None:
+    """The daemon's own RSS, descriptors, CPU and start time, to watch it approach the unit's
+    MemoryMax and LimitNOFILE; `?name[]=` answers with the families named (it gave an empty 200)."""
+    serves.append(Serve(env, "--metrics-port", "auto"))
+    port = serves[-1].metrics_port
+    samples = metric_samples(port)
+    if platform.system() == "Linux":
+        # the daemon's, not this test's: its RSS is of a process that has loaded the daemon
+        assert 20 * MIB < samples[("process_resident_memory_bytes", ())] < 4096 * MIB
+        assert 5 < samples[("process_open_fds", ())] <= samples[("process_max_fds", ())]
+        assert abs(samples[("process_start_time_seconds", ())] - time.time()) < 600
+        assert samples[("process_cpu_seconds_total", ())] > 0
+    assert any(name == "python_info" for name, _ in samples)
+
+    def get(query: str) -> tuple[int, str]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics?{query}", timeout=10) as r:
+            return r.status, r.read().decode()
+
+    status, body = get("name[]=vgpu_build_info")
+    assert status == 200
+    fams = list(text_string_to_metric_families(body))
+    assert [f.name for f in fams] == ["vgpu_build_info"] and fams[0].samples[0].labels["version"] == __version__
+    # several names; a counter by its family or by its samples' name
+    status, body = get("name[]=vgpu_store_writes&name[]=process_open_fds&name[]=vgpu_signatures_total")
+    names = {s.name for f in text_string_to_metric_families(body) for s in f.samples}
+    assert names == {"vgpu_store_writes_total", "process_open_fds", "vgpu_signatures_total"}
+    assert get("name[]=vgpu_no_such_metric") == (200, "")
+    # without the filter, everything, as before
+    assert "vgpu_device_info" in get("")[1] and "vgpu_device_info" in get("other=1")[1]
 
 
 class _Source:
