@@ -70,7 +70,67 @@ def test_dashboard_is_well_formed() -> None:
         if p["type"] != "row":
             assert p["datasource"]["uid"] == "${datasource}" and p["targets"], p["title"]
             assert all(t["expr"].strip() for t in p["targets"])
-    assert {v["name"] for v in dash["templating"]["list"]} == {"datasource", "device"}
+    assert [v["name"] for v in dash["templating"]["list"]] == ["datasource", "instance", "device"]
+
+
+# An aggregation with its `by`/`without` clause before or after its argument, a join's `on`/`ignoring`.
+_AGGREGATION = re.compile(r"\b(sum|avg|min|max|count|group|stddev|stdvar|topk|bottomk|quantile|count_values)\s*"
+                          r"(?:(by|without)\s*\(([^)]*)\))?\s*\(")
+_POSTFIX_CLAUSE = re.compile(r"\)\s*(by|without)\s*\(")
+_JOIN = re.compile(r"\b(on|ignoring)\s*\(([^)]*)\)")
+_QUANTILE = re.compile(r"histogram_quantile\(\s*[0-9.]+\s*,\s*(\w+)\s*(?:by\s*\(([^)]*)\))?")
+
+
+def _labels(text: str | None) -> set[str]:
+    return {label.strip() for label in (text or "").split(",") if label.strip()}
+
+
+def per_node_problems(expr: str) -> list[str]:
+    """Where `expr` would merge nodes or lose the label that names one: an aggregation not by
+    `instance`, a join not on it, a histogram quantile over several nodes' buckets."""
+    problems = []
+    for m in _AGGREGATION.finditer(expr):
+        if m.group(2) != "by" or "instance" not in _labels(m.group(3)):
+            problems.append(f"{m.group(0)!r} does not keep instance")
+    if _POSTFIX_CLAUSE.search(expr):
+        problems.append("a by/without clause after its argument (write it before, with instance)")
+    for m in _JOIN.finditer(expr):
+        if m.group(1) != "on" or "instance" not in _labels(m.group(2)):
+            problems.append(f"{m.group(0)!r} matches across nodes")
+    for m in _QUANTILE.finditer(expr):
+        if not {"instance", "le"} <= _labels(m.group(2)):
+            problems.append(f"{m.group(0)!r}: a quantile of buckets summed over nodes")
+    return problems
+
+
+def test_per_node_problems_finds_what_merges_nodes() -> None:
+    assert per_node_problems('histogram_quantile(0.99, sum by (instance, le) (rate(x_bucket[5m])))') == []
+    for merged in ("histogram_quantile(0.99, sum by (le) (rate(x_bucket[5m])))", "sum(rate(x[5m]))",
+                   "sum without (device) (x)", "sum(x) by (instance)", "a and on (device) b", "a and ignoring (app) b"):
+        assert per_node_problems(merged), merged
+
+
+def test_every_dashboard_query_and_rule_is_per_node() -> None:
+    """Prometheus scrapes one daemon per node: a panel that sums, or an alert that aggregates or
+    joins, across `instance` merges the nodes (one slow node's P99 diluted by the fast ones, an
+    alert with no node to name). Every dashboard query is filtered by the Node variable too."""
+    dash = json.loads(DASHBOARD.read_text())
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert variables["instance"]["definition"] == "label_values(vgpu_build_info, instance)"
+    assert variables["instance"]["includeAll"] and variables["instance"]["allValue"] == ".*"
+    assert variables["device"]["definition"] == 'label_values(vgpu_device_info{instance=~"$instance"}, device)'
+    targets = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    assert len(targets) >= 30
+    for expr in targets:
+        assert not per_node_problems(expr), (expr, per_node_problems(expr))
+        for m in re.finditer(r"\b(vgpu_[a-z0-9_]+)(\{[^}]*\})?", expr):
+            assert 'instance=~"$instance"' in (m.group(2) or ""), (m.group(1), expr)
+    quantiles = [e for e in (*targets, *rule_exprs()) if "histogram_quantile" in e]
+    assert len(quantiles) >= 4
+    for expr in rule_exprs():
+        assert not per_node_problems(expr), (expr, per_node_problems(expr))
+    slow = next(e for e in rule_exprs() if "vgpu_forecast_batch_seconds_bucket" in e)
+    assert "sum by (instance, le)" in slow
 
 
 def test_rules_file_has_an_expr_per_alert() -> None:
@@ -410,6 +470,34 @@ def promtool_test_rules(tmp_path: Path, tests: str) -> None:
     r = subprocess.run([promtool, "test", "rules", str(tmp_path / "tests.yml")], capture_output=True, text=True,
                        timeout=120, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_forecasts_slow_on_one_node_of_two_fire_for_that_node(tmp_path: Path) -> None:
+    """node-a makes one forecast per 30 s, each 0.25-0.5 s; node-b 100, each under 0.1 s. Summed over
+    both nodes the P99 is under 0.1 s and nothing fired; per node, node-a's is 0.4975 s and fires,
+    named by its instance."""
+    def buckets(instance: str, per_interval: dict[str, int]) -> str:
+        return "".join(f"""
+      - series: 'vgpu_forecast_batch_seconds_bucket{{job="vgpu", instance="{instance}", le="{le}"}}'
+        values: '0+{n}x60'""" for le, n in per_interval.items())
+
+    tests = f"""
+  - interval: 30s
+    input_series:{buckets("node-a:9464", {"0.1": 0, "0.25": 0, "0.5": 1, "+Inf": 1})}{
+        buckets("node-b:9464", {"0.1": 100, "0.25": 100, "0.5": 100, "+Inf": 100})}
+    alert_rule_test:
+      - eval_time: 5m
+        alertname: VgpuForecastSlow
+        exp_alerts: []
+      - eval_time: 25m
+        alertname: VgpuForecastSlow
+        exp_alerts:
+          - exp_labels: {{severity: warning, instance: "node-a:9464"}}
+            exp_annotations:
+              summary: "P99 forecast latency 497.5ms on node-a:9464"
+              description: "Forecasts take a quarter of their 1 s period or more: the CPU is short, or the batches too large."
+"""
+    promtool_test_rules(tmp_path, tests)
 
 
 def test_an_oom_event_of_an_application_whose_series_starts_with_it_fires(tmp_path: Path) -> None:
