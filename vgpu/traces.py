@@ -180,6 +180,7 @@ class GzipTail(io.RawIOBase):
         self._z: Any = None  # the current member's decompressor (zlib.decompressobj)
         self._compressed = b""  # read from the file, not yet given to a decompressor
         self._ready = b""  # decompressed, up to the last newline: can be returned
+        self._at = 0  # how much of _ready was returned
         self._partial = b""  # decompressed after the last newline
         self._started = False
         self._raw_eof = False
@@ -191,11 +192,12 @@ class GzipTail(io.RawIOBase):
         return True
 
     def readinto(self, buffer: Any) -> int:
-        while not self._ready and not self._done:
+        while self._at >= len(self._ready) and not self._done:
+            self._ready, self._at = b"", 0
             self._fill()
-        n = min(len(buffer), len(self._ready))
-        buffer[:n] = self._ready[:n]
-        self._ready = self._ready[n:]
+        n = min(len(buffer), len(self._ready) - self._at)
+        buffer[:n] = memoryview(self._ready)[self._at:self._at + n]
+        self._at += n
         return n
 
     def close(self) -> None:
