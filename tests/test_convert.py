@@ -381,12 +381,40 @@ def test_cli_warns_that_rows_after_a_bad_row_depend_on_its_position(tmp_path: Pa
     assert r.returncode == 0, r.stderr
     assert "skipped rows: 1" in r.stdout
     (warning,) = [line for line in r.stdout.splitlines() if line.startswith("warning:")]
-    assert f"{src}: GPU assigned by row position (--gpus 2)" in warning and "from line 4 on" in warning
+    assert f"{src}: GPU assigned by row position (--gpus 2), and 1 bad rows" in warning and "from line 4 on" in warning
+    # a whole line with a value out of range or unreadable was one sample: nothing to warn of
+    r = _vgpu_trace("convert", "--format", "nvidia-smi", "--src", str(_write(tmp_path, "smi.csv", SMI)),
+                    "--out", str(out), "--gpus", "2", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["skipped_rows"] == 2 and json.loads(r.stdout)["warnings"] == []
     # with an index column there is nothing to warn of
     indexed = "timestamp, index, memory.used [MiB]\n2025/12/04 01:00:00.100, 0, 5 MiB\ngarbage\n2025/12/04 01:00:01.100, 0, 6 MiB\n"
     r = _vgpu_trace("convert", "--format", "nvidia-smi", "--src", str(_write(tmp_path, "idx.csv", indexed)),
                     "--out", str(out), "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["warnings"] == [] and json.loads(r.stdout)["skipped_rows"] == 1
+
+
+def test_cli_warns_when_row_times_show_rows_dealt_to_the_wrong_gpus(tmp_path: Path) -> None:
+    """A logger killed after GPU 0's row of a sample and restarted without a header leaves no bad row,
+    yet every later row is on the other GPU: the rows taken for one sample are then a whole sampling
+    interval apart instead of milliseconds, which the converter says."""
+    first = _smi_log(0, 5).splitlines()[:-1]  # GPU 1's row of the last sample never written
+    again = _smi_log(100, 20).splitlines()[1:]  # --format=csv,noheader appended to the same file
+    src = _write(tmp_path, "restarted.csv", "\n".join(first + again) + "\n")
+    out = tmp_path / "out.csv"
+    r = _vgpu_trace("convert", "--format", "nvidia-smi", "--src", str(src), "--out", str(out), "--gpus", "2",
+                    "--json")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["skipped_rows"] == 0
+    (warning,) = summary["warnings"]
+    assert warning.startswith(f"{src}: 20 of 24 samples (the first at line 10) have rows further apart than half "
+                              "the sampling interval (1 s)"), warning
+    assert "warning: " + warning in r.stderr
+    # the same rows with nothing lost: no warning
+    src = _write(tmp_path, "whole.csv", _smi_log(0, 25))
+    r = _vgpu_trace("convert", "--format", "nvidia-smi", "--src", str(src), "--out", str(out), "--gpus", "2",
+                    "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["warnings"] == []
 
 
 @pytest.mark.shared_data
@@ -401,6 +429,11 @@ def test_a_real_log_cut_in_two_and_concatenated_converts_as_the_whole(shared_dat
     for a, b in zip(whole.apps, cat.apps, strict=True):
         assert a.app == b.app and np.array_equal(a.t_s, b.t_s)
         assert np.array_equal(a.column("power_w"), b.column("power_w"), equal_nan=True)
+    assert not whole.warnings and not cat.warnings
+    # cut after GPU 0's row of a sample and continued without a header: the rows' times give it away
+    shifted = convert.convert_nvidia_smi(_write(tmp_path, "shifted.csv", "".join(lines[:1000] + lines[1001:])),
+                                         gpus=2, prefix="x")
+    assert not shifted.issues and len(shifted.warnings) == 1 and "rows look dealt to the wrong GPUs" in shifted.warnings[0]
 
 
 def test_cli_a_compressed_log_cut_short_keeps_its_rows_and_strict_refuses_it(tmp_path: Path) -> None:

@@ -475,9 +475,12 @@ class _SmiFile:
     Without a GPU id column a data row's GPU is its position in the current log modulo `gpus`. A
     line equal to the header is where a further log starts (a restarted `nvidia-smi -l` appending
     to the same file, or `cat` of two logs): positions count from 0 again there. A skipped row keeps
-    its position, which is right when the bad line stood for one sample; a line cut short and
-    continued on the next, or two lines run together, shifts every later row to the wrong GPU, so
-    the skipped rows under position assignment become a warning."""
+    its position, which is right when the bad line stood for one sample. A line with every field and
+    a timestamp did (a value out of range, `garbage` for a number); one with too few or too many
+    fields, or no timestamp, may be a line cut short and continued on the next, or two lines run
+    together, which shift every later row to the wrong GPU; a time going back for one GPU is what
+    such a shift looks like. Under position assignment those become a warning, and so do rows whose
+    times show them dealt to the wrong GPUs (`_misaligned`)."""
 
     def __init__(self, path: Path, gpus: int | None, issues: _Issues, log_starts: list[RowIssue]) -> None:
         self.path = path
@@ -487,24 +490,59 @@ class _SmiFile:
         self.rows = 0  # data rows read (header lines not counted)
         self.last_line = 1
         self.by_position = False
-        self.first_skipped: int | None = None  # line of the first bad row, under position assignment
-        self.skipped = 0
+        self.suspects: list[tuple[int, int]] = []  # (log, line) of bad rows that may shift positions
+        self.last_row: dict[int, int] = {}  # log -> line of its last row kept
+        self.log = 0  # logs begun before the current one
+        # under position assignment, (log, sample) -> [first t, last t, rows, first line] of its rows read
+        self.samples: dict[tuple[int, int], list[float]] = {}
 
-    def _bad(self, line: int, reason: str) -> None:
+    def _bad(self, line: int, reason: str, *, may_shift: bool = False) -> None:
+        """A skipped row; `may_shift`: the line may not have been one whole sample."""
         self.issues.add(self.path, line, reason)
-        if self.by_position:
-            self.skipped += 1
-            if self.first_skipped is None:
-                self.first_skipped = line
+        if self.by_position and may_shift:
+            self.suspects.append((self.log, line))
 
     def warnings(self) -> list[str]:
-        if not self.skipped:
+        out = self._misaligned()
+        # only a bad row with rows of its log after it: the last line of a log cut short moves nothing
+        suspects = [line for log, line in self.suspects if self.last_row.get(log, 0) > line]
+        if not suspects:
+            return out
+        return out + [
+            f"{self.path}: GPU assigned by row position (--gpus {self.gpus}), and {len(suspects)} bad rows may "
+            f"not have been one sample each (fields missing or extra, no timestamp, time going back); from "
+            f"line {suspects[0]} on, rows are on the right GPU only if each was (a line cut short or two "
+            "lines run together shift every later row): check those lines, or log an index column "
+            "(--query-gpu=index,...)"
+        ]
+
+    def _misaligned(self) -> list[str]:
+        """A warning when rows look dealt to the wrong GPUs by their times: nvidia-smi prints all
+        GPUs of a sample within milliseconds, samples an interval apart, so the rows taken for one
+        sample should lie far closer together than the interval. Rows shifted by one put the end of
+        one sample with the start of the next, the interval apart; that happens with no bad row
+        left, e.g. a logger killed mid-sample and restarted without a header."""
+        spreads: list[tuple[float, int]] = []  # (time from first to last row, its first line)
+        gaps: list[float] = []
+        previous: tuple[tuple[int, int], float] | None = None
+        for key in sorted(self.samples):
+            first_t, last_t, rows, first_line = self.samples[key]
+            if rows > 1:
+                spreads.append((last_t - first_t, int(first_line)))
+            if previous is not None and previous[0] == (key[0], key[1] - 1):
+                gaps.append(first_t - previous[1])
+            previous = key, first_t
+        if len(spreads) < 3 or not gaps:
+            return []
+        interval = float(np.median(gaps))
+        apart = [line for spread, line in spreads if spread > interval / 2]
+        if interval <= 0 or len(apart) < max(3, len(spreads) // 10):
             return []
         return [
-            f"{self.path}: GPU assigned by row position (--gpus {self.gpus}) and {self.skipped} bad rows kept "
-            f"their position; from line {self.first_skipped} on, rows are on the right GPU only if each bad "
-            "line stood for exactly one sample (a line cut short or two lines run together shift every later "
-            "row); check those lines, or log an index column (--query-gpu=index,...)"
+            f"{self.path}: {len(apart)} of {len(spreads)} samples (the first at line {min(apart)}) have rows further "
+            f"apart than half the sampling interval ({interval:.3g} s): rows look dealt to the wrong GPUs (a "
+            f"sample cut short, e.g. a logger killed and restarted without a header); log an index column "
+            "(--query-gpu=index,...)"
         ]
 
     def read(self, fh: Iterable[str], prefix: str) -> list[AppTrace]:
@@ -536,16 +574,21 @@ class _SmiFile:
             if [_header_field(c) for c in row] == header:
                 self.log_starts.append(RowIssue(str(path), line, "the header again: a further log starts here"))
                 position = 0
+                self.log += 1
                 continue
             slot = position
             position += 1
             self.rows += 1
             if len(row) != len(header):
-                self._bad(line, f"{len(row)} fields for {len(header)} columns")
+                self._bad(line, f"{len(row)} fields for {len(header)} columns", may_shift=True)
                 continue
             gpu = row[id_col].strip() if id_col is not None else str(slot % (gpus or 1))
             try:
                 t = parse_smi_timestamp(row[t_col])
+            except ValueError as exc:
+                self._bad(line, f"unparsable value ({exc})", may_shift=True)
+                continue
+            try:
                 values = {col: parse_smi_value(row[i]) for i, col in columns.items()}
             except ValueError as exc:
                 self._bad(line, f"unparsable value ({exc})")
@@ -556,9 +599,13 @@ class _SmiFile:
                 continue
             t_list, cols = per_gpu.setdefault(gpu, ([], {c: [] for c in set(columns.values())}))
             if t_list and t < t_list[-1]:
-                self._bad(line, f"time goes back for GPU {gpu} ({t} after {t_list[-1]})")
+                self._bad(line, f"time goes back for GPU {gpu} ({t} after {t_list[-1]})", may_shift=True)
                 continue
             t_list.append(t)
+            self.last_row[self.log] = line
+            if self.by_position:
+                seen = self.samples.setdefault((self.log, slot // (gpus or 1)), [t, t, 0, line])
+                seen[0], seen[1], seen[2] = min(seen[0], t), max(seen[1], t), seen[2] + 1
             for col in cols:
                 v = values.get(col)
                 cols[col].append(math.nan if v is None else v)
