@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -329,3 +331,120 @@ def test_cli_folder_skips_files_that_are_not_nvidia_smi(tmp_path: Path, capsys: 
     assert tracecli.main(["convert", "--format", "nvidia-smi", "--src", str(folder / "a_processed.csv"),
                           "--out", str(out), "--gpus", "2"]) == 1
     assert "header lacks 'timestamp'" in capsys.readouterr().err
+
+
+def _smi_log(first_s: int, samples: int) -> str:
+    """An nvidia-smi log of 2 GPUs without an index column: GPU 0 uses 1000+ MiB, GPU 1 under 100."""
+    lines = ["timestamp, power.draw [W], utilization.gpu [%], memory.used [MiB]"]
+    for k in range(samples):
+        stamp = f"2025/12/04 01:{(first_s + k) // 60:02d}:{(first_s + k) % 60:02d}"
+        lines.append(f"{stamp}.100, 70.00 W, 50 %, {1000 + k} MiB")
+        lines.append(f"{stamp}.104, 16.00 W, 0 %, {k} MiB")
+    return "\n".join(lines) + "\n"
+
+
+def _vgpu_trace(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "vgpu.cli", "trace", *args], capture_output=True, text=True,
+                          timeout=120, check=False, cwd=Path(__file__).parent.parent)
+
+
+def test_cli_concatenated_logs_restart_row_positions_at_the_repeated_header(tmp_path: Path) -> None:
+    """`cat a.csv b.csv`: the second header is where a log starts, not a bad row holding a position;
+    before, every row after it went to the other GPU."""
+    src = _write(tmp_path, "cat.csv", _smi_log(0, 5) + _smi_log(100, 4))
+    out = tmp_path / "out.csv"
+    r = _vgpu_trace("convert", "--format", "nvidia-smi", "--src", str(src), "--out", str(out), "--gpus", "2",
+                    "--json")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["skipped_rows"] == 0 and summary["rows_read"] == 18 and summary["rows_written"] == 18
+    assert summary["log_starts"] == [f"{src}:12: the header again: a further log starts here"]
+    assert summary["warnings"] == []
+    assert "further logs in one file: 1" in r.stderr and f"{src}:12:" in r.stderr
+    apps = read_trace(out).apps
+    assert apps["nvidia-smi/cat/gpu0"].column("mem_used_mib").tolist() == [1000.0 + k for k in (0, 1, 2, 3, 4, 0, 1, 2, 3)]
+    assert apps["nvidia-smi/cat/gpu1"].column("mem_used_mib").tolist() == [float(k) for k in (0, 1, 2, 3, 4, 0, 1, 2, 3)]
+    # under --strict too: a further log is not a bad row
+    assert _vgpu_trace("convert", "--format", "nvidia-smi", "--src", str(src), "--out", str(out), "--gpus", "2",
+                       "--strict").returncode == 0
+
+
+def test_cli_warns_that_rows_after_a_bad_row_depend_on_its_position(tmp_path: Path) -> None:
+    """Two lines run together (a write cut short, then the next sample) are one bad row for two
+    samples: every later row is on the other GPU, which the converter cannot tell; it says so."""
+    lines = _smi_log(0, 4).splitlines()
+    lines[3] = lines[3][:20] + lines[4]  # the row of GPU 0 at line 4 cut short and GPU 1's row after it
+    del lines[4]
+    src = _write(tmp_path, "cut.csv", "\n".join(lines) + "\n")
+    out = tmp_path / "out.csv"
+    r = _vgpu_trace("convert", "--format", "nvidia-smi", "--src", str(src), "--out", str(out), "--gpus", "2")
+    assert r.returncode == 0, r.stderr
+    assert "skipped rows: 1" in r.stdout
+    (warning,) = [line for line in r.stdout.splitlines() if line.startswith("warning:")]
+    assert f"{src}: GPU assigned by row position (--gpus 2), and 1 bad rows" in warning and "from line 4 on" in warning
+    # a whole line with a value out of range or unreadable was one sample: nothing to warn of
+    r = _vgpu_trace("convert", "--format", "nvidia-smi", "--src", str(_write(tmp_path, "smi.csv", SMI)),
+                    "--out", str(out), "--gpus", "2", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["skipped_rows"] == 2 and json.loads(r.stdout)["warnings"] == []
+    # with an index column there is nothing to warn of
+    indexed = "timestamp, index, memory.used [MiB]\n2025/12/04 01:00:00.100, 0, 5 MiB\ngarbage\n2025/12/04 01:00:01.100, 0, 6 MiB\n"
+    r = _vgpu_trace("convert", "--format", "nvidia-smi", "--src", str(_write(tmp_path, "idx.csv", indexed)),
+                    "--out", str(out), "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["warnings"] == [] and json.loads(r.stdout)["skipped_rows"] == 1
+
+
+def test_cli_warns_when_row_times_show_rows_dealt_to_the_wrong_gpus(tmp_path: Path) -> None:
+    """A logger killed after GPU 0's row of a sample and restarted without a header leaves no bad row,
+    yet every later row is on the other GPU: the rows taken for one sample are then a whole sampling
+    interval apart instead of milliseconds, which the converter says."""
+    first = _smi_log(0, 5).splitlines()[:-1]  # GPU 1's row of the last sample never written
+    again = _smi_log(100, 20).splitlines()[1:]  # --format=csv,noheader appended to the same file
+    src = _write(tmp_path, "restarted.csv", "\n".join(first + again) + "\n")
+    out = tmp_path / "out.csv"
+    r = _vgpu_trace("convert", "--format", "nvidia-smi", "--src", str(src), "--out", str(out), "--gpus", "2",
+                    "--json")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["skipped_rows"] == 0
+    (warning,) = summary["warnings"]
+    assert warning.startswith(f"{src}: 20 of 24 samples (the first at line 10) have rows further apart than half "
+                              "the sampling interval (1 s)"), warning
+    assert "warning: " + warning in r.stderr
+    # the same rows with nothing lost: no warning
+    src = _write(tmp_path, "whole.csv", _smi_log(0, 25))
+    r = _vgpu_trace("convert", "--format", "nvidia-smi", "--src", str(src), "--out", str(out), "--gpus", "2",
+                    "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["warnings"] == []
+
+
+@pytest.mark.shared_data
+def test_a_real_log_cut_in_two_and_concatenated_converts_as_the_whole(shared_data: Path, tmp_path: Path) -> None:
+    with gzip.open(shared_data / "titanx-100ms-training-traces" / "power-trace_2gpu_2025-12-04-01-22-31.csv.gz",
+                   "rt", encoding="utf-8") as fh:
+        lines = [next(fh) for _ in range(2001)]
+    whole = convert.convert_nvidia_smi(_write(tmp_path, "whole.csv", "".join(lines)), gpus=2, prefix="x")
+    cat = convert.convert_nvidia_smi(_write(tmp_path, "cat.csv", "".join(lines[:1001] + lines[:1] + lines[1001:])),
+                                     gpus=2, prefix="x")
+    assert not whole.issues and not cat.issues and len(cat.log_starts) == 1
+    for a, b in zip(whole.apps, cat.apps, strict=True):
+        assert a.app == b.app and np.array_equal(a.t_s, b.t_s)
+        assert np.array_equal(a.column("power_w"), b.column("power_w"), equal_nan=True)
+    assert not whole.warnings and not cat.warnings
+    # cut after GPU 0's row of a sample and continued without a header: the rows' times give it away
+    shifted = convert.convert_nvidia_smi(_write(tmp_path, "shifted.csv", "".join(lines[:1000] + lines[1001:])),
+                                         gpus=2, prefix="x")
+    assert not shifted.issues and len(shifted.warnings) == 1 and "rows look dealt to the wrong GPUs" in shifted.warnings[0]
+
+
+def test_cli_a_compressed_log_cut_short_keeps_its_rows_and_strict_refuses_it(tmp_path: Path) -> None:
+    src = _write(tmp_path, "cut.csv.gz", _smi_log(0, 400))
+    data = src.read_bytes()
+    src.write_bytes(data[: len(data) // 2])
+    out = tmp_path / "out.csv"
+    r = _vgpu_trace("convert", "--format", "nvidia-smi", "--src", str(src), "--out", str(out), "--gpus", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert 100 < summary["rows_written"] < 800 and summary["skipped_rows"] == 1
+    assert list(summary["skipped_by_reason"]) == ["damaged tail: the file ends inside a gzip member"]
+    r = _vgpu_trace("convert", "--format", "nvidia-smi", "--src", str(src), "--out", str(out), "--gpus", "2", "--strict")
+    assert r.returncode == 1 and "damaged tail" in r.stderr

@@ -23,6 +23,14 @@ def test_the_rule_in_short() -> None:
     assert sanitize_app_id_part("Web Content (1)") == "Web_Content__1_"
 
 
+def test_a_letter_outside_ascii_is_refused_as_such() -> None:
+    """'ü' is a letter: a message saying that only letters are allowed would contradict itself."""
+    problem = app_id_problem("\u00fc\U0001f642")
+    assert problem is not None and "'\u00fc' (U+00FC)" in problem
+    assert "only ASCII letters (A-Z, a-z), digits and" in problem and "starting with an ASCII letter" in problem
+    assert "only letters" not in problem
+
+
 def test_long_and_emoji_ids_are_refused_and_the_daemon_restarts(env: Env, serves: list[Serve], client: Raw) -> None:
     serves.append(Serve(env))
     # 250 ASCII characters: valid by the rule; its token file is named by a hash, so it fits.

@@ -182,7 +182,8 @@ def test_collector_sums_what_it_leaves_out_per_device() -> None:
     assert get("vgpu_app_granted_memory_bytes", {"app": "gone", "device": "GPU-1"}) is None
     assert get("vgpu_device_apps", {"device": "GPU-1"}) == 3
     assert get("vgpu_device_apps_unlisted", {"device": "GPU-1"}) == 2
-    assert get("vgpu_device_apps_unlisted", {"device": ""}) == 1
+    assert get("vgpu_device_apps_unlisted", {"device": ""}) is None  # no device, no series
+    assert get("vgpu_device_apps", {"device": ""}) is None
     assert get("vgpu_device_apps_unlisted", {"device": "GPU-2"}) == 0  # a series even with nothing left out
     assert get("vgpu_device_apps", {"device": "GPU-2"}) == 0
     assert get("vgpu_device_unlisted_memory_used_bytes", {"device": "GPU-1"}) == 30 * MIB  # unknown use: not summed

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.daemon_fixtures import ROOT, Env, Serve
+from tests.daemon_fixtures import ROOT, Env, Serve, metric_samples
 from tests.test_operator_views import cli, start_profiler
 from vgpu import __version__
 from vgpu.daemon.metrics import AppSnapshot, CounterSnapshot, DaemonMetrics, DeviceSnapshot
@@ -70,7 +70,67 @@ def test_dashboard_is_well_formed() -> None:
         if p["type"] != "row":
             assert p["datasource"]["uid"] == "${datasource}" and p["targets"], p["title"]
             assert all(t["expr"].strip() for t in p["targets"])
-    assert {v["name"] for v in dash["templating"]["list"]} == {"datasource", "device"}
+    assert [v["name"] for v in dash["templating"]["list"]] == ["datasource", "instance", "device"]
+
+
+# An aggregation with its `by`/`without` clause before or after its argument, a join's `on`/`ignoring`.
+_AGGREGATION = re.compile(r"\b(sum|avg|min|max|count|group|stddev|stdvar|topk|bottomk|quantile|count_values)\s*"
+                          r"(?:(by|without)\s*\(([^)]*)\))?\s*\(")
+_POSTFIX_CLAUSE = re.compile(r"\)\s*(by|without)\s*\(")
+_JOIN = re.compile(r"\b(on|ignoring)\s*\(([^)]*)\)")
+_QUANTILE = re.compile(r"histogram_quantile\(\s*[0-9.]+\s*,\s*(\w+)\s*(?:by\s*\(([^)]*)\))?")
+
+
+def _labels(text: str | None) -> set[str]:
+    return {label.strip() for label in (text or "").split(",") if label.strip()}
+
+
+def per_node_problems(expr: str) -> list[str]:
+    """Where `expr` would merge nodes or lose the label that names one: an aggregation not by
+    `instance`, a join not on it, a histogram quantile over several nodes' buckets."""
+    problems = []
+    for m in _AGGREGATION.finditer(expr):
+        if m.group(2) != "by" or "instance" not in _labels(m.group(3)):
+            problems.append(f"{m.group(0)!r} does not keep instance")
+    if _POSTFIX_CLAUSE.search(expr):
+        problems.append("a by/without clause after its argument (write it before, with instance)")
+    for m in _JOIN.finditer(expr):
+        if m.group(1) != "on" or "instance" not in _labels(m.group(2)):
+            problems.append(f"{m.group(0)!r} matches across nodes")
+    for m in _QUANTILE.finditer(expr):
+        if not {"instance", "le"} <= _labels(m.group(2)):
+            problems.append(f"{m.group(0)!r}: a quantile of buckets summed over nodes")
+    return problems
+
+
+def test_per_node_problems_finds_what_merges_nodes() -> None:
+    assert per_node_problems('histogram_quantile(0.99, sum by (instance, le) (rate(x_bucket[5m])))') == []
+    for merged in ("histogram_quantile(0.99, sum by (le) (rate(x_bucket[5m])))", "sum(rate(x[5m]))",
+                   "sum without (device) (x)", "sum(x) by (instance)", "a and on (device) b", "a and ignoring (app) b"):
+        assert per_node_problems(merged), merged
+
+
+def test_every_dashboard_query_and_rule_is_per_node() -> None:
+    """Prometheus scrapes one daemon per node: a panel that sums, or an alert that aggregates or
+    joins, across `instance` merges the nodes (one slow node's P99 diluted by the fast ones, an
+    alert with no node to name). Every dashboard query is filtered by the Node variable too."""
+    dash = json.loads(DASHBOARD.read_text())
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert variables["instance"]["definition"] == "label_values(vgpu_build_info, instance)"
+    assert variables["instance"]["includeAll"] and variables["instance"]["allValue"] == ".*"
+    assert variables["device"]["definition"] == 'label_values(vgpu_device_info{instance=~"$instance"}, device)'
+    targets = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    assert len(targets) >= 30
+    for expr in targets:
+        assert not per_node_problems(expr), (expr, per_node_problems(expr))
+        for m in re.finditer(r"\b(vgpu_[a-z0-9_]+)(\{[^}]*\})?", expr):
+            assert 'instance=~"$instance"' in (m.group(2) or ""), (m.group(1), expr)
+    quantiles = [e for e in (*targets, *rule_exprs()) if "histogram_quantile" in e]
+    assert len(quantiles) >= 4
+    for expr in rule_exprs():
+        assert not per_node_problems(expr), (expr, per_node_problems(expr))
+    slow = next(e for e in rule_exprs() if "vgpu_forecast_batch_seconds_bucket" in e)
+    assert "sum by (instance, le)" in slow
 
 
 def test_rules_file_has_an_expr_per_alert() -> None:
@@ -208,6 +268,55 @@ def test_the_forecaster_record_names_the_forecaster_the_metric_says_serves(env: 
                if v == 1]
     assert serving == [record["serving"]] == ["mixture" if mixture else "model"], (serving, record)
     assert record["model"] == "loaded" and record["path"].endswith("default.pt"), record
+
+
+def test_an_application_limited_before_it_runs_has_no_device_series(env: Env, serves: list[Serve]) -> None:
+    """`set-limit --create` for an application that never ran: it has no device, so it is on no
+    device's count; before, it made a `device=""` series in every per-device family (an extra
+    "device" in each `sum by (device)` and in the dashboard's device list)."""
+    serves.append(Serve(env, "--metrics-port", "auto"))
+    port = serves[-1].metrics_port
+    device = json.loads(cli(env, "available", "--json").stdout)["devices"][0]["device_id"]
+    r = cli(env, "set-limit", "--app", "future", "--max-memory-mib", "2000", "--create")
+    assert r.returncode == 0, r.stderr
+    assert cli(env, "request", "--app", "running", "--memory-mib", "512").returncode == 0
+    samples = metric_samples(port)
+    assert [k for k in samples if ("device", "") in k[1]] == []
+    assert samples[("vgpu_device_apps", (("device", device),))] == 1  # "running" only
+    assert samples[("vgpu_device_apps_unlisted", (("device", device),))] == 0
+    assert not [k for k in samples if ("app", "future") in k[1]]
+    assert ("vgpu_app_grants", (("app", "running"), ("device", device))) in samples
+
+
+def test_process_metrics_and_a_name_filter_on_the_endpoint(env: Env, serves: list[Serve]) -> None:
+    """The daemon's own RSS, descriptors, CPU and start time, to watch it approach the unit's
+    MemoryMax and LimitNOFILE; `?name[]=` answers with the families named (it gave an empty 200)."""
+    serves.append(Serve(env, "--metrics-port", "auto"))
+    port = serves[-1].metrics_port
+    samples = metric_samples(port)
+    if platform.system() == "Linux":
+        # the daemon's, not this test's: its RSS is of a process that has loaded the daemon
+        assert 20 * MIB < samples[("process_resident_memory_bytes", ())] < 4096 * MIB
+        assert 5 < samples[("process_open_fds", ())] <= samples[("process_max_fds", ())]
+        assert abs(samples[("process_start_time_seconds", ())] - time.time()) < 600
+        assert samples[("process_cpu_seconds_total", ())] > 0
+    assert any(name == "python_info" for name, _ in samples)
+
+    def get(query: str) -> tuple[int, str]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics?{query}", timeout=10) as r:
+            return r.status, r.read().decode()
+
+    status, body = get("name[]=vgpu_build_info")
+    assert status == 200
+    fams = list(text_string_to_metric_families(body))
+    assert [f.name for f in fams] == ["vgpu_build_info"] and fams[0].samples[0].labels["version"] == __version__
+    # several names; a counter by its family or by its samples' name
+    status, body = get("name[]=vgpu_store_writes&name[]=process_open_fds&name[]=vgpu_signatures_total")
+    names = {s.name for f in text_string_to_metric_families(body) for s in f.samples}
+    assert names == {"vgpu_store_writes_total", "process_open_fds", "vgpu_signatures_total"}
+    assert get("name[]=vgpu_no_such_metric") == (200, "")
+    # without the filter, everything, as before
+    assert "vgpu_device_info" in get("")[1] and "vgpu_device_info" in get("other=1")[1]
 
 
 class _Source:
@@ -361,6 +470,34 @@ def promtool_test_rules(tmp_path: Path, tests: str) -> None:
     r = subprocess.run([promtool, "test", "rules", str(tmp_path / "tests.yml")], capture_output=True, text=True,
                        timeout=120, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_forecasts_slow_on_one_node_of_two_fire_for_that_node(tmp_path: Path) -> None:
+    """node-a makes one forecast per 30 s, each 0.25-0.5 s; node-b 100, each under 0.1 s. Summed over
+    both nodes the P99 is under 0.1 s and nothing fired; per node, node-a's is 0.4975 s and fires,
+    named by its instance."""
+    def buckets(instance: str, per_interval: dict[str, int]) -> str:
+        return "".join(f"""
+      - series: 'vgpu_forecast_batch_seconds_bucket{{job="vgpu", instance="{instance}", le="{le}"}}'
+        values: '0+{n}x60'""" for le, n in per_interval.items())
+
+    tests = f"""
+  - interval: 30s
+    input_series:{buckets("node-a:9464", {"0.1": 0, "0.25": 0, "0.5": 1, "+Inf": 1})}{
+        buckets("node-b:9464", {"0.1": 100, "0.25": 100, "0.5": 100, "+Inf": 100})}
+    alert_rule_test:
+      - eval_time: 5m
+        alertname: VgpuForecastSlow
+        exp_alerts: []
+      - eval_time: 25m
+        alertname: VgpuForecastSlow
+        exp_alerts:
+          - exp_labels: {{severity: warning, instance: "node-a:9464"}}
+            exp_annotations:
+              summary: "P99 forecast latency 497.5ms on node-a:9464"
+              description: "Forecasts take a quarter of their 1 s period or more: the CPU is short, or the batches too large."
+"""
+    promtool_test_rules(tmp_path, tests)
 
 
 def test_an_oom_event_of_an_application_whose_series_starts_with_it_fires(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from vgpu.client import InAppCounters, InAppReport, write_inapp
 from vgpu.device.sim import ManualClock, SimBackend
 from vgpu.profiler.record import RECORD_HEADER, RecordingSource, TraceRecorder, signature_values
 from vgpu.profiler.sampler import Sampler
-from vgpu.traces import AppTrace, read_trace, write_trace
+from vgpu.traces import AppTrace, TraceFormatError, read_trace, write_trace
 from vgpu.v1 import signature_pb2
 
 DEMO = Path(__file__).resolve().parent.parent / "vgpu" / "data" / "demo_trace.csv.gz"
@@ -39,7 +39,8 @@ def test_recorded_rows_are_what_was_streamed(tmp_path: Path, name: str) -> None:
     sampler = Sampler(backend, psutil_module=None, inapp_dir=inapp, inapp_max_age_s=1e12,
                       clock=lambda: 1_700_000_000.0 + clock(), monotonic=clock)
     path = tmp_path / name
-    source = RecordingSource(sampler, TraceRecorder(path, {"recorded": True, "clock": "shared"}, monotonic=clock))
+    source = RecordingSource(sampler, TraceRecorder(path, {"recorded": True, "clock": "shared"}, monotonic=clock,
+                                                          checkpoint_every_s=1.0))  # .gz: 3 members
     streamed: list[signature_pb2.BehavioralSignature] = []
     for _ in range(30):
         clock.advance(0.1)
@@ -189,3 +190,75 @@ def test_a_recording_of_a_derived_trace_stays_derived(tmp_path: Path, command: s
     info = subprocess.run([sys.executable, "-m", "vgpu.cli", "trace", "info", str(out)], capture_output=True,
                           text=True, timeout=120, check=False)
     assert "derived series: test-generator v1" in info.stdout, info.stdout
+
+
+def _trace_info(path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "vgpu.cli", "trace", "info", str(path), *extra],
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_a_recording_killed_without_warning_keeps_its_rows_to_the_last_checkpoint(tmp_path: Path) -> None:
+    """SIGKILL (an OOM kill, a reboot) gives the recorder no chance to end its gzip stream: the
+    members it ended every 5 s are read, the unfinished one is reported as a damaged tail."""
+    import json
+    import signal
+    import time
+
+    out = tmp_path / "r.csv.gz"
+    proc = subprocess.Popen([sys.executable, "-m", "vgpu.cli", "record", "--backend", "sim:h100-80gb",
+                             "--sim-trace", str(DEMO), "--period-ms", "100", "--inapp-dir", str(tmp_path / "none"),
+                             "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        seen = 0
+        deadline = time.monotonic() + 60
+        while not seen and time.monotonic() < deadline:  # rows on disk while it records, read as a reader would
+            time.sleep(0.5)
+            try:
+                seen = read_trace(out).samples
+            except TraceFormatError:  # no file yet, or the first member not ended
+                seen = 0
+        assert seen, "the recording never had a row readable on disk"
+        time.sleep(6)  # past the next checkpoint
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    r = _trace_info(out, "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["samples"] > seen + 100  # what was readable before, and the next checkpoint's rows
+    assert info["apps"] >= 4
+    assert set(info["skipped_by_reason"]) <= {"damaged tail: the file ends inside a gzip member"}
+
+
+def test_a_gzip_trace_cut_short_is_read_to_the_damage_and_reported(tmp_path: Path) -> None:
+    path = tmp_path / "t.csv.gz"
+    write_trace(path, [_ramp("job", 2000)])
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) * 3 // 4])  # a copy cut short; the end of the one gzip stream is gone
+
+    trace = read_trace(path)
+    (issue,) = trace.issues
+    assert issue.reason.startswith("damaged tail: the file ends inside a gzip member")
+    job = trace.apps["job"]
+    assert 500 < len(job) < 2000
+    # every row kept is whole: the row cut at the damage is dropped, not read with its value cut short
+    np.testing.assert_array_equal(job.column("mem_used_mib"), 1000.0 + 50 * np.arange(len(job)))
+    note = trace.skipped_rows_note()
+    assert note is not None and note.startswith(f"1 bad row skipped in {path}") and f"{path}:{len(job) + 2}:" in note
+
+    r = _trace_info(path)
+    assert r.returncode == 0 and "skipped rows: 1" in r.stdout and "damaged tail" in r.stdout, r.stdout + r.stderr
+    r = _trace_info(path, "--strict")
+    assert r.returncode == 1 and f"{path}:{len(job) + 2}: damaged tail" in r.stderr
+    # damaged data rather than a short file: the member's check fails, the rows before it are kept
+    members = gzip.compress(b"t_s,app,mem_used_mib\n0,a,1\n1,a,2\n") + gzip.compress(b"2,a,3\n3,a,4\n")
+    broken = bytearray(members)
+    broken[-6] ^= 0xFF  # the second member's CRC
+    path.write_bytes(bytes(broken))
+    trace = read_trace(path)
+    assert trace.apps["a"].column("mem_used_mib").tolist() == [1.0, 2.0]
+    assert trace.issues[0].reason.startswith("damaged tail: damaged gzip data")
+    # not gzip at all is not a trace cut short: the whole file is refused as before
+    path.write_bytes(b"t_s,app,mem_used_mib\n0,a,1\n")
+    with pytest.raises(TraceFormatError, match="cannot read"):
+        read_trace(path)

@@ -6,7 +6,8 @@ fits every one of those uses, so nothing downstream has to re-check or escape it
 
 - 1 to `MAX_APP_ID_BYTES` bytes of UTF-8, which is also the limit in characters: only ASCII is
   allowed, so bytes and characters agree;
-- letters, digits and `. _ - : @ # + = /`, starting with a letter or a digit.
+- ASCII letters, digits and `. _ - : @ # + = /`, starting with an ASCII letter or a digit (`é`
+  and `ü` are letters, but not ASCII ones).
 
 So ids that differ only by a trailing space, a zero-width character or a homoglyph cannot exist:
 they are refused with a reason. Case is kept (`Trainer` and `trainer` are two applications, both
@@ -22,7 +23,7 @@ from collections.abc import Sequence
 MAX_APP_ID_BYTES = 256
 # The largest pid: pid_t is a signed 32-bit integer (Linux's pid_max is far lower, at most 2**22).
 MAX_PID = 2**31 - 1
-APP_ID_CHARS = "letters, digits and . _ - : @ # + = /"
+APP_ID_CHARS = "ASCII letters (A-Z, a-z), digits and . _ - : @ # + = /"
 _APP_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-:@#+=/]*")
 # Anything outside the rule, for `sanitize_app_id_part`.
 _NOT_ALLOWED = re.compile(r"[^A-Za-z0-9._\-:@#+=/]")
@@ -39,7 +40,7 @@ def app_id_problem(app_id: str, name: str = "app_id") -> str | None:
         bad = next((c for c in app_id if _NOT_ALLOWED.match(c)), app_id[0])
         return (
             f"{name} {_shown(app_id)} has the character {bad!r} (U+{ord(bad):04X}) "
-            f"where only {APP_ID_CHARS} are allowed, starting with a letter or a digit"
+            f"where only {APP_ID_CHARS} are allowed, starting with an ASCII letter or a digit"
         )
     return None
 

@@ -162,10 +162,100 @@ class Trace:
         return f"{len(self.issues)} {rows} skipped in {self.source} (first: {first}{more})"
 
 
-def _open_text(path: Path) -> io.TextIOBase:
+class GzipTail(io.RawIOBase):
+    """The decompressed bytes of a gzip file, member after member (gzip's own reader reads them so
+    too), that ends where the compressed data does instead of failing the whole read.
+
+    A writer killed mid-member (`vgpu record` to .csv.gz under SIGKILL, OOM or power loss) leaves a
+    last member without its end; a damaged disk block breaks one. Every complete line before the
+    damage is returned, the unfinished line at it is dropped (its values would be cut short), and
+    `damage` says what happened. A file damaged before its first byte of data raises as before: it
+    is not a trace cut short but not gzip at all."""
+
+    _CHUNK = 1 << 16
+
+    def __init__(self, raw: io.BufferedIOBase) -> None:
+        super().__init__()
+        self._raw = raw
+        self._z: Any = None  # the current member's decompressor (zlib.decompressobj)
+        self._compressed = b""  # read from the file, not yet given to a decompressor
+        self._ready = b""  # decompressed, up to the last newline: can be returned
+        self._at = 0  # how much of _ready was returned
+        self._partial = b""  # decompressed after the last newline
+        self._started = False
+        self._raw_eof = False
+        self._done = False
+        self.damage: str | None = None
+        self.dropped_bytes = 0  # of the unfinished line at the damage
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while self._at >= len(self._ready) and not self._done:
+            self._ready, self._at = b"", 0
+            self._fill()
+        n = min(len(buffer), len(self._ready) - self._at)
+        buffer[:n] = memoryview(self._ready)[self._at:self._at + n]
+        self._at += n
+        return n
+
+    def close(self) -> None:
+        try:
+            self._raw.close()
+        finally:
+            super().close()
+
+    def _fill(self) -> None:
+        import zlib
+
+        if not self._compressed and not self._raw_eof:
+            self._compressed = self._raw.read(self._CHUNK)
+            self._raw_eof = not self._compressed
+        if self._z is None or self._z.eof:
+            self._compressed = self._compressed.lstrip(b"\0")  # padding after a member, as gzip skips it
+            if not self._compressed:
+                if self._raw_eof:
+                    self._finish(None)
+                return
+            self._z = zlib.decompressobj(wbits=31)  # one gzip member, header and trailer checked
+        if not self._compressed:
+            self._finish("the file ends inside a gzip member (written until the writer was killed?)", EOFError)
+            return
+        chunk, self._compressed = self._compressed, b""
+        try:
+            out = self._z.decompress(chunk)
+        except zlib.error as exc:
+            self._finish(f"damaged gzip data ({exc})", OSError)
+            return
+        if self._z.eof:
+            self._compressed = self._z.unused_data
+        if out:
+            self._started = True
+            data = self._partial + out
+            cut = data.rfind(b"\n") + 1
+            self._ready += data[:cut]
+            self._partial = data[cut:]
+
+    def _finish(self, damage: str | None, error: type[Exception] = OSError) -> None:
+        self._done = True
+        if damage is None:
+            self._ready += self._partial
+        elif not self._started:
+            raise error(damage)
+        else:
+            self.damage = damage
+            self.dropped_bytes = len(self._partial)
+        self._partial = b""
+
+
+def open_text(path: Path) -> tuple[io.TextIOBase, GzipTail | None]:
+    """`path` as text (decompressed when its name ends in .gz), and for a .gz the `GzipTail` that
+    says, once read, whether the file ended in damage (`damaged_tail_reason`)."""
     if path.suffix == ".gz":
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8", newline="")
-    return open(path, encoding="utf-8", newline="")  # noqa: SIM115
+        tail = GzipTail(open(path, "rb"))  # noqa: SIM115 - closed with the wrapper
+        return io.TextIOWrapper(io.BufferedReader(tail), encoding="utf-8", newline=""), tail
+    return open(path, encoding="utf-8", newline=""), None  # noqa: SIM115
 
 
 def _parse_float(text: str) -> float | None:
@@ -189,8 +279,9 @@ def read_trace(path: str | Path, *, strict: bool = False) -> Trace:
     if not path.exists():
         raise TraceFormatError(f"{path}: no such file")
     try:
-        with _open_text(path) as fh:
-            return _read(fh, str(path), strict)
+        fh, tail = open_text(path)
+        with fh:
+            return _read(fh, str(path), strict, tail)
     except (OSError, EOFError, UnicodeDecodeError, csv.Error) as exc:
         raise TraceFormatError(f"{path}: cannot read: {exc}") from exc
 
@@ -227,7 +318,7 @@ def _leading_metadata(
     return iter(()), metadata, issues, peeled
 
 
-def _read(fh: Iterable[str], name: str, strict: bool) -> Trace:
+def _read(fh: Iterable[str], name: str, strict: bool, tail: GzipTail | None = None) -> Trace:
     rest, metadata, issues, peeled = _leading_metadata(fh, name, strict)
     reader = csv.reader(rest)
     try:
@@ -252,6 +343,7 @@ def _read(fh: Iterable[str], name: str, strict: bool) -> Trace:
             raise TraceFormatError(str(issue))
         issues.append(issue)
 
+    line = peeled + 1
     for line, row in enumerate(reader, start=peeled + 2):
         if not row or all(not cell.strip() for cell in row):
             continue
@@ -288,6 +380,9 @@ def _read(fh: Iterable[str], name: str, strict: bool) -> Trace:
             if gpu:
                 gpus[app] = gpu
 
+    damage = damaged_tail_reason(tail)
+    if damage:
+        bad(line + 1, damage)
     if not rows:
         raise TraceFormatError(f"{name}: no usable row ({len(issues)} bad rows)")
     apps: dict[str, AppTrace] = {}
@@ -340,12 +435,75 @@ def format_value(value: float | None) -> str:
     return "" if value is None else _format(float(value))
 
 
-def open_for_writing(path: str | Path) -> io.TextIOWrapper:
+def damaged_tail_reason(tail: GzipTail | None) -> str | None:
+    """The bad-row reason for a gzip file that ended in damage (None when it did not): the rows
+    before the damage are kept, what came after it is lost, and that is said."""
+    if tail is None or not tail.damage:
+        return None
+    cut = f", an unfinished row of {tail.dropped_bytes} bytes dropped" if tail.dropped_bytes else ""
+    return f"damaged tail: {tail.damage}; the rows before this line are kept{cut}, any after it are lost"
+
+
+class AppendingTrace(io.TextIOWrapper):
+    """A text stream to a new trace file for a writer that adds rows as they come (`vgpu record`).
+
+    `checkpoint()` puts everything written so far in the file, readable as it stands if the writer
+    dies right after (SIGKILL, OOM, power loss once the kernel has written it): a plain .csv is
+    flushed; a .csv.gz ends its gzip member there and the next rows go to a new member (gzip
+    readers read the members as one stream, `read_trace` included). A crash then loses only what
+    came after the last checkpoint, where one continuous gzip stream would be unreadable whole."""
+
+    def __init__(self, path: Path) -> None:
+        raw = open(path, "wb")  # noqa: SIM115 - closed with this stream
+        self._members = _GzipMembers(raw) if path.suffix == ".gz" else None
+        super().__init__(io.BufferedWriter(self._members) if self._members is not None else raw,
+                         encoding="utf-8", newline="")
+
+    def checkpoint(self) -> None:
+        self.flush()
+        if self._members is not None:
+            self._members.end_member()
+
+
+class _GzipMembers(io.RawIOBase):
+    """Bytes written as a series of gzip members (no time or name in their headers): a member is
+    opened by the first write after `end_member()`, which closes the current one and flushes."""
+
+    def __init__(self, raw: io.BufferedWriter) -> None:
+        super().__init__()
+        self._raw = raw
+        self._gz: gzip.GzipFile | None = None
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        if self._gz is None:
+            self._gz = gzip.GzipFile(filename="", mode="wb", fileobj=self._raw, mtime=0)
+        return self._gz.write(data)
+
+    def end_member(self) -> None:
+        if self._gz is not None:
+            self._gz.close()  # writes the member's trailer to the file; leaves the file open
+            self._gz = None
+        self._raw.flush()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            self.end_member()
+        finally:
+            self._raw.close()
+            super().close()
+
+
+def open_for_writing(path: str | Path) -> AppendingTrace:
     """A text stream to a new trace file (gzip when the name ends in .gz), for writers that add rows
     as they come (`vgpu record`); `write_trace` for whole traces."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    return _open_for_writing(path)
+    return AppendingTrace(path)
 
 
 def meta_line(metadata: Mapping[str, Any]) -> str:

@@ -56,7 +56,13 @@ is absent, not 0. All prefixed `vgpu_`:
   `no_descriptors`), `connections_open` (relayed connections open now; absent with the front off);
 - `build_info{version,python,backend}` (1).
 
-No counter has a `_created` series (prometheus_client's are turned off, `DaemonMetrics`).
+Beside them, prometheus_client's standard process metrics of the daemon (`process_resident_memory_bytes`,
+`process_virtual_memory_bytes`, `process_open_fds`, `process_max_fds`, `process_cpu_seconds_total`,
+`process_start_time_seconds`; Linux only) and `python_info`. No counter has a `_created` series
+(prometheus_client's are turned off, `DaemonMetrics`). An application with no device yet (limits set
+with `vgpu set-limit --create` before it runs) has no series: `device=""` is no device.
+
+`/metrics?name[]=NAME` (repeatable) answers with those families or samples only (`metrics_app`).
 
 Per-application series are bounded: any caller of the socket may create applications (up to the
 node's grant quota), and each would add up to eleven series per device to every scrape. `select_apps` keeps at most
@@ -77,13 +83,22 @@ import platform
 import socket
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 from wsgiref.simple_server import WSGIRequestHandler
 
 import structlog
-from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics, make_wsgi_app
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+    make_wsgi_app,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
@@ -244,7 +259,10 @@ class _StateCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         devices = self._source.device_snapshots()
-        listed, unlisted = select_apps(self._source.app_snapshots(), self._max_apps)
+        # a snapshot without a device (an application known by its limits only) is on no device:
+        # a `device=""` series would add a device to every `sum by (device)`
+        apps = [a for a in self._source.app_snapshots() if a.device_id]
+        listed, unlisted = select_apps(apps, self._max_apps)
         yield from self._apps(listed)
         yield from self._unlisted([d.device_id for d in devices], listed, unlisted)
         yield from self._devices(devices)
@@ -507,7 +525,7 @@ class DaemonMetrics:
     most (`select_apps`)."""
 
     def __init__(self, registry: CollectorRegistry, source: MetricsSource | None = None, *,
-                 max_apps: int = DEFAULT_MAX_APPS) -> None:
+                 max_apps: int = DEFAULT_MAX_APPS, process_metrics: bool = True) -> None:
         if max_apps < 0:
             raise ValueError(f"max_apps: must be >= 0, got {max_apps}")
         self.registry = registry
@@ -534,6 +552,11 @@ class DaemonMetrics:
         for reason in REFUSAL_REASONS:
             self.connections_refused.labels(reason=reason)
         self._registry = registry
+        if process_metrics:
+            # RSS, open and allowed descriptors, CPU seconds and start time of this process (from
+            # /proc; absent elsewhere), and python_info: what the unit's MemoryMax and LimitNOFILE bound
+            ProcessCollector(registry=registry)
+            PlatformCollector(registry=registry)
         self._own = _OwnCountsCollector()
         registry.register(self._own)
         if source is not None:
@@ -789,6 +812,46 @@ class MetricsServer(ThreadingWSGIServer):
             self.failed += 1
 
 
+class _Named(Collector):
+    """The families of `registry` named in `names`, whole, and the samples named there from others
+    (`vgpu_signatures_total` of the counter `vgpu_signatures`)."""
+
+    def __init__(self, registry: CollectorRegistry, names: frozenset[str]) -> None:
+        self._registry = registry
+        self._names = names
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._registry.collect():
+            samples = family.samples if family.name in self._names else \
+                [s for s in family.samples if s.name in self._names]
+            if samples:
+                out = Metric(family.name, family.documentation, family.type, family.unit)
+                out.samples = list(samples)
+                yield out
+
+
+def metrics_app(registry: CollectorRegistry) -> Callable[[dict[str, Any], Callable[..., Any]], Any]:
+    """prometheus_client's WSGI app for `registry`, with its `name[]` filter answered here.
+
+    prometheus_client filters by the names collectors declare (`describe`); the daemon's collectors
+    read its state at scrape time and declare none, so `?name[]=vgpu_build_info` gave an empty 200.
+    Here the filter is applied to what a whole scrape yields: a family by its name, or samples by
+    theirs."""
+    plain = make_wsgi_app(registry)
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        params = urllib.parse.parse_qs(environ.get("QUERY_STRING", ""))
+        names = params.pop("name[]", None)
+        if not names:
+            return plain(environ, start_response)
+        named = CollectorRegistry(auto_describe=False)
+        named.register(_Named(registry, frozenset(names)))
+        rest = {**environ, "QUERY_STRING": urllib.parse.urlencode(params, doseq=True)}
+        return make_wsgi_app(named)(rest, start_response)
+
+    return app
+
+
 def start_metrics_server(address: str, port: int, registry: CollectorRegistry, *,
                          idle_timeout_s: float = METRICS_IDLE_TIMEOUT_S,
                          request_deadline_s: float = METRICS_REQUEST_DEADLINE_S,
@@ -802,6 +865,6 @@ def start_metrics_server(address: str, port: int, registry: CollectorRegistry, *
     server = MetricsServer((address, port), idle_timeout_s=idle_timeout_s, request_deadline_s=request_deadline_s,
                            max_connections=max_connections, max_per_address=max_per_address, logger=logger,
                            log_budget=log_budget, peer_uid=peer_uid)
-    server.set_app(make_wsgi_app(registry))
+    server.set_app(metrics_app(registry))
     threading.Thread(target=server.serve_forever, name="vgpu-metrics", daemon=True).start()
     return server

@@ -340,11 +340,12 @@ class StateSource:
 
     def app_snapshots(self) -> list[AppSnapshot]:
         """One snapshot per application and device: its grants there, and its use and forecast on
-        the device its signatures name."""
+        the device its signatures name. An application with no device (limits set before it ran)
+        has none: a `device=""` series would count a device that does not exist."""
         counts = {(app, dev): (over, oom) for app, dev, over, oom in self.allocator.history.counts()}
         out = []
         for a in self.allocator.list_apps():
-            devices = sorted({a.device_id, *(g.device_id for g in a.grants)} - {""}) or [""]
+            devices = sorted({a.device_id, *(g.device_id for g in a.grants)} - {""})
             for dev in devices:
                 grants = [g for g in a.grants if g.device_id == dev]
                 mine = dev == a.device_id

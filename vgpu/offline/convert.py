@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import ArrayLike
 
-from vgpu.traces import AppTrace, RowIssue, TraceFormatError
+from vgpu.traces import AppTrace, RowIssue, TraceFormatError, damaged_tail_reason, open_text
 
 # --------------------------------------------------------------------------------------------
 # shared plumbing
@@ -41,6 +41,10 @@ class Conversion:
     issues: list[RowIssue] = field(default_factory=list)
     rows_read: int = 0
     left_out: Counter[str] = field(default_factory=Counter)
+    # where a further log starts inside one file (nvidia-smi: the header line again); not bad rows
+    log_starts: list[RowIssue] = field(default_factory=list)
+    # what the summary must say although nothing failed (rows that may be on the wrong GPU)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def samples(self) -> int:
@@ -415,7 +419,9 @@ def convert_nvidia_smi(
 
     The GPU is the `index` (or `uuid`, `pci.bus_id`) column where there is one; otherwise the
     data row's position modulo `gpus` (nvidia-smi prints the GPUs in index order each sample),
-    so `gpus` is then required. Bad rows still occupy their position. App ids are
+    so `gpus` is then required. Bad rows still occupy their position (and the conversion warns that
+    later rows depend on it); the header line repeated is where a further log starts, and positions
+    count from there (`Conversion.log_starts`). App ids are
     `<prefix>/gpu<N>` with the file name (without .csv[.gz]) as the default prefix."""
     return convert_nvidia_smi_paths([Path(path)], gpus=gpus, strict=strict, prefix=prefix)
 
@@ -430,19 +436,23 @@ def convert_nvidia_smi_paths(
 ) -> Conversion:
     """`convert_nvidia_smi` over several files (app ids prefixed by each file's name). With
     `skip_foreign`, a file whose header is not nvidia-smi's is left out (and counted) instead of
-    failing the run, for folders that mix logs with derived files."""
-    import gzip
-    import io
-
+    failing the run, for folders that mix logs with derived files. A compressed log cut short (the
+    logger killed mid-write) keeps its rows before the damage, which counts as a bad row."""
     issues = _Issues(strict)
     apps: list[AppTrace] = []
     rows_read = 0
     left_out: Counter[str] = Counter()
+    log_starts: list[RowIssue] = []
+    warnings: list[str] = []
     for path in paths:
-        opener = gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")  # noqa: SIM115
         try:
-            with io.TextIOWrapper(opener, encoding="utf-8", newline="") as fh:
-                apps_here, n = _smi_file(fh, path, gpus, issues, prefix or f"nvidia-smi/{_trace_stem(path)}")
+            fh, tail = open_text(path)
+            with fh:
+                here = _SmiFile(path, gpus, issues, log_starts)
+                apps_here = here.read(fh, prefix or f"nvidia-smi/{_trace_stem(path)}")
+                damage = damaged_tail_reason(tail)
+                if damage:
+                    issues.add(path, here.last_line + 1, damage)
         except NotNvidiaSmiError:
             if not skip_foreign:
                 raise
@@ -451,66 +461,159 @@ def convert_nvidia_smi_paths(
         except (OSError, EOFError, UnicodeDecodeError, csv.Error) as exc:
             raise TraceFormatError(f"{path}: cannot read: {exc}") from exc
         apps.extend(apps_here)
-        rows_read += n
+        rows_read += here.rows
+        warnings.extend(here.warnings())
     if not apps:
         raise TraceFormatError(f"{', '.join(map(str, paths))}: no usable row ({len(issues.items)} bad rows)")
-    return Conversion(apps=apps, issues=issues.items, rows_read=rows_read, left_out=left_out)
+    return Conversion(apps=apps, issues=issues.items, rows_read=rows_read, left_out=left_out,
+                      log_starts=log_starts, warnings=warnings)
 
 
-def _smi_file(
-    fh: Iterable[str], path: Path, gpus: int | None, issues: _Issues, prefix: str
-) -> tuple[list[AppTrace], int]:
-    reader = csv.reader(fh)
-    try:
-        header = [_header_field(h) for h in next(reader)]
-    except StopIteration:
-        raise TraceFormatError(f"{path}: empty file") from None
-    if "timestamp" not in header:
-        raise NotNvidiaSmiError(f"{path}: header lacks 'timestamp' (is this nvidia-smi --query-gpu CSV?)")
-    columns = {i: NVIDIA_SMI_FIELDS[h] for i, h in enumerate(header) if h in NVIDIA_SMI_FIELDS}
-    if not {"sm_util_pct", "mem_used_mib"} & set(columns.values()):
-        raise NotNvidiaSmiError(f"{path}: header has neither utilization.gpu nor memory.used")
-    id_col = next((header.index(f) for f in _GPU_ID_FIELDS if f in header), None)
-    if id_col is None and gpus is None:
-        raise TraceFormatError(
-            f"{path}: no GPU index column; give the number of GPUs (--gpus N) to assign rows by position"
-        )
-    t_col = header.index("timestamp")
-    per_gpu: dict[str, tuple[list[float], dict[str, list[float]]]] = {}
-    position = 0
-    for line, row in enumerate(reader, start=2):
-        if not row or all(not c.strip() for c in row):
-            continue
-        slot = position
-        position += 1
-        if len(row) != len(header):
-            issues.add(path, line, f"{len(row)} fields for {len(header)} columns")
-            continue
-        gpu = row[id_col].strip() if id_col is not None else str(slot % (gpus or 1))
+class _SmiFile:
+    """One nvidia-smi log file read into per-GPU series.
+
+    Without a GPU id column a data row's GPU is its position in the current log modulo `gpus`. A
+    line equal to the header is where a further log starts (a restarted `nvidia-smi -l` appending
+    to the same file, or `cat` of two logs): positions count from 0 again there. A skipped row keeps
+    its position, which is right when the bad line stood for one sample. A line with every field and
+    a timestamp did (a value out of range, `garbage` for a number); one with too few or too many
+    fields, or no timestamp, may be a line cut short and continued on the next, or two lines run
+    together, which shift every later row to the wrong GPU; a time going back for one GPU is what
+    such a shift looks like. Under position assignment those become a warning, and so do rows whose
+    times show them dealt to the wrong GPUs (`_misaligned`)."""
+
+    def __init__(self, path: Path, gpus: int | None, issues: _Issues, log_starts: list[RowIssue]) -> None:
+        self.path = path
+        self.gpus = gpus
+        self.issues = issues
+        self.log_starts = log_starts
+        self.rows = 0  # data rows read (header lines not counted)
+        self.last_line = 1
+        self.by_position = False
+        self.suspects: list[tuple[int, int]] = []  # (log, line) of bad rows that may shift positions
+        self.last_row: dict[int, int] = {}  # log -> line of its last row kept
+        self.log = 0  # logs begun before the current one
+        # under position assignment, (log, sample) -> [first t, last t, rows, first line] of its rows read
+        self.samples: dict[tuple[int, int], list[float]] = {}
+
+    def _bad(self, line: int, reason: str, *, may_shift: bool = False) -> None:
+        """A skipped row; `may_shift`: the line may not have been one whole sample."""
+        self.issues.add(self.path, line, reason)
+        if self.by_position and may_shift:
+            self.suspects.append((self.log, line))
+
+    def warnings(self) -> list[str]:
+        out = self._misaligned()
+        # only a bad row with rows of its log after it: the last line of a log cut short moves nothing
+        suspects = [line for log, line in self.suspects if self.last_row.get(log, 0) > line]
+        if not suspects:
+            return out
+        return out + [
+            f"{self.path}: GPU assigned by row position (--gpus {self.gpus}), and {len(suspects)} bad rows may "
+            f"not have been one sample each (fields missing or extra, no timestamp, time going back); from "
+            f"line {suspects[0]} on, rows are on the right GPU only if each was (a line cut short or two "
+            "lines run together shift every later row): check those lines, or log an index column "
+            "(--query-gpu=index,...)"
+        ]
+
+    def _misaligned(self) -> list[str]:
+        """A warning when rows look dealt to the wrong GPUs by their times: nvidia-smi prints all
+        GPUs of a sample within milliseconds, samples an interval apart, so the rows taken for one
+        sample should lie far closer together than the interval. Rows shifted by one put the end of
+        one sample with the start of the next, the interval apart; that happens with no bad row
+        left, e.g. a logger killed mid-sample and restarted without a header."""
+        spreads: list[tuple[float, int]] = []  # (time from first to last row, its first line)
+        gaps: list[float] = []
+        previous: tuple[tuple[int, int], float] | None = None
+        for key in sorted(self.samples):
+            first_t, last_t, rows, first_line = self.samples[key]
+            if rows > 1:
+                spreads.append((last_t - first_t, int(first_line)))
+            if previous is not None and previous[0] == (key[0], key[1] - 1):
+                gaps.append(first_t - previous[1])
+            previous = key, first_t
+        if len(spreads) < 3 or not gaps:
+            return []
+        interval = float(np.median(gaps))
+        apart = [line for spread, line in spreads if spread > interval / 2]
+        if interval <= 0 or len(apart) < max(3, len(spreads) // 10):
+            return []
+        return [
+            f"{self.path}: {len(apart)} of {len(spreads)} samples (the first at line {min(apart)}) have rows further "
+            f"apart than half the sampling interval ({interval:.3g} s): rows look dealt to the wrong GPUs (a "
+            f"sample cut short, e.g. a logger killed and restarted without a header); log an index column "
+            "(--query-gpu=index,...)"
+        ]
+
+    def read(self, fh: Iterable[str], prefix: str) -> list[AppTrace]:
+        path, gpus = self.path, self.gpus
+        reader = csv.reader(fh)
         try:
-            t = parse_smi_timestamp(row[t_col])
-            values = {col: parse_smi_value(row[i]) for i, col in columns.items()}
-        except ValueError as exc:
-            issues.add(path, line, f"unparsable value ({exc})")
-            continue
-        problem = _range_problem(values)
-        if problem:
-            issues.add(path, line, problem)
-            continue
-        t_list, cols = per_gpu.setdefault(gpu, ([], {c: [] for c in set(columns.values())}))
-        if t_list and t < t_list[-1]:
-            issues.add(path, line, f"time goes back for GPU {gpu} ({t} after {t_list[-1]})")
-            continue
-        t_list.append(t)
-        for col in cols:
-            v = values.get(col)
-            cols[col].append(math.nan if v is None else v)
-    apps = [
-        _app(f"{prefix}/gpu{gpu}", t_list, cols, gpu)
-        for gpu, (t_list, cols) in sorted(per_gpu.items())
-        if t_list
-    ]
-    return apps, position
+            first = next(reader)
+        except StopIteration:
+            raise TraceFormatError(f"{path}: empty file") from None
+        header = [_header_field(h) for h in first]
+        if "timestamp" not in header:
+            raise NotNvidiaSmiError(f"{path}: header lacks 'timestamp' (is this nvidia-smi --query-gpu CSV?)")
+        columns = {i: NVIDIA_SMI_FIELDS[h] for i, h in enumerate(header) if h in NVIDIA_SMI_FIELDS}
+        if not {"sm_util_pct", "mem_used_mib"} & set(columns.values()):
+            raise NotNvidiaSmiError(f"{path}: header has neither utilization.gpu nor memory.used")
+        id_col = next((header.index(f) for f in _GPU_ID_FIELDS if f in header), None)
+        if id_col is None and gpus is None:
+            raise TraceFormatError(
+                f"{path}: no GPU index column; give the number of GPUs (--gpus N) to assign rows by position"
+            )
+        self.by_position = id_col is None and (gpus or 1) > 1
+        t_col = header.index("timestamp")
+        per_gpu: dict[str, tuple[list[float], dict[str, list[float]]]] = {}
+        position = 0
+        for line, row in enumerate(reader, start=2):
+            self.last_line = line
+            if not row or all(not c.strip() for c in row):
+                continue
+            if [_header_field(c) for c in row] == header:
+                self.log_starts.append(RowIssue(str(path), line, "the header again: a further log starts here"))
+                position = 0
+                self.log += 1
+                continue
+            slot = position
+            position += 1
+            self.rows += 1
+            if len(row) != len(header):
+                self._bad(line, f"{len(row)} fields for {len(header)} columns", may_shift=True)
+                continue
+            gpu = row[id_col].strip() if id_col is not None else str(slot % (gpus or 1))
+            try:
+                t = parse_smi_timestamp(row[t_col])
+            except ValueError as exc:
+                self._bad(line, f"unparsable value ({exc})", may_shift=True)
+                continue
+            try:
+                values = {col: parse_smi_value(row[i]) for i, col in columns.items()}
+            except ValueError as exc:
+                self._bad(line, f"unparsable value ({exc})")
+                continue
+            problem = _range_problem(values)
+            if problem:
+                self._bad(line, problem)
+                continue
+            t_list, cols = per_gpu.setdefault(gpu, ([], {c: [] for c in set(columns.values())}))
+            if t_list and t < t_list[-1]:
+                self._bad(line, f"time goes back for GPU {gpu} ({t} after {t_list[-1]})", may_shift=True)
+                continue
+            t_list.append(t)
+            self.last_row[self.log] = line
+            if self.by_position:
+                seen = self.samples.setdefault((self.log, slot // (gpus or 1)), [t, t, 0, line])
+                seen[0], seen[1], seen[2] = min(seen[0], t), max(seen[1], t), seen[2] + 1
+            for col in cols:
+                v = values.get(col)
+                cols[col].append(math.nan if v is None else v)
+        return [
+            _app(f"{prefix}/gpu{gpu}", t_list, cols, gpu)
+            for gpu, (t_list, cols) in sorted(per_gpu.items())
+            if t_list
+        ]
 
 
 def _range_problem(values: dict[str, float | None]) -> str | None:

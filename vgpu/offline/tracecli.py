@@ -2,7 +2,7 @@
 
     vgpu trace convert --format {migperf,nvidia-smi,alibaba} --src PATH --out OUT.csv.gz
                        [--gpus N] [--strict]
-    vgpu trace info PATH [--json]
+    vgpu trace info PATH [--json] [--strict]
     vgpu trace cut {demo,fixture} --src MIGPERF_DATA --out OUT.csv.gz
     vgpu trace synth --kind serving --service {azure-conv,azure-code,mooncake} --out OUT.csv.gz
                      [--data ../shared/data] [--replicas N] [--model llama2-70b] [--hardware a100-80gb]
@@ -65,6 +65,8 @@ def conversion_summary(result: convert.Conversion, out: Path, fmt: str) -> dict[
         "skipped_rows": len(result.issues),
         "skipped_by_reason": dict(result.issue_reasons()),
         "left_out": dict(result.left_out),
+        "log_starts": [str(i) for i in result.log_starts],
+        "warnings": list(result.warnings),
     }
 
 
@@ -83,6 +85,12 @@ def _print_summary(summary: dict[str, object], result: convert.Conversion, strea
         print(f"  ... and {len(result.issues) - _MAX_LISTED_ISSUES} more", file=stream)
     for what, n in result.left_out.most_common():
         print(f"left out: {n} {what}", file=stream)
+    if result.log_starts:
+        print(f"further logs in one file: {len(result.log_starts)} (row positions count from each)", file=stream)
+        for start in result.log_starts[:_MAX_LISTED_ISSUES]:
+            print(f"  {start}", file=stream)
+    for warning in result.warnings:
+        print(f"warning: {warning}", file=stream)
 
 
 def trace_info(trace: Trace) -> dict[str, object]:
@@ -122,6 +130,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu trace") -> int:
     info = sub.add_parser("info", help="describe a canonical trace")
     info.add_argument("path")
     info.add_argument("--json", action="store_true")
+    info.add_argument("--strict", action="store_true", help="fail on the first bad row (a damaged tail included)")
     cut = sub.add_parser("cut", help="cut the bundled demo trace or the test fixture from MIGPerf")
     cut.add_argument("what", choices=("demo", "fixture"))
     cut.add_argument("--src", required=True, help="the MIGPerf data folder (migperf-a100-mig/data)")
@@ -179,7 +188,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu trace") -> int:
         return 0
 
     try:
-        trace = read_trace(args.path)
+        trace = read_trace(args.path, strict=args.strict)
     except TraceFormatError as exc:
         print(f"{prog} info: {exc}", file=sys.stderr)
         return 1
