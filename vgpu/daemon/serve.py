@@ -162,7 +162,7 @@ from vgpu.client import (
 )
 from vgpu.config import Config, ConfigError
 from vgpu.daemon.front import PeerFront
-from vgpu.daemon.inapp_sweep import INAPP_SWEEP_EVERY_S, InAppSweeper
+from vgpu.daemon.inapp_sweep import INAPP_SWEEP_EVERY_S, InAppSweeper, inapp_dir_problem
 from vgpu.daemon.metrics import (
     AppSnapshot,
     CounterSnapshot,
@@ -828,20 +828,30 @@ def prepare_socket_path(path: Path) -> None:
         path.unlink()
 
 
-def prepare_inapp_dir(path: Path) -> str:
+def prepare_inapp_dir(path: Path, *, euid: int | None = None) -> str:
     """Create the in-app directory the client stubs write to (mode 1777, vgpu.client.make_inapp_dir)
     when it is missing: under systemd it lies in the runtime directory, which is removed each time the
     daemon stops, and an application that is not root cannot make it there. Its parent is not
     created. What was found, for the "serving" record: present, created, or why it is missing (the
-    stubs then send no in-app counters; nothing else depends on it)."""
+    stubs then send no in-app counters; nothing else depends on it).
+
+    A path that another user controls stops the start (StartupError): a symbolic link, something
+    other than a directory, a directory owned by neither the daemon's user (`euid`, default this
+    process's) nor root, or one others may write to without the sticky bit
+    (vgpu.daemon.inapp_sweep.inapp_dir_problem). The daemon reads pid proofs there and, as root,
+    removes report files there; a user who made the directory first could point it anywhere."""
     try:
-        if path.is_dir():
-            return "present"
-        return "created" if make_inapp_dir(path) else "present"
+        created = make_inapp_dir(path)
+        found = os.lstat(path)
     except FileNotFoundError:
         return f"missing: its parent {path.parent} does not exist"
     except OSError as exc:
         return f"missing: {exc.strerror or exc}"
+    problem = inapp_dir_problem(found, os.geteuid() if euid is None else euid)
+    if problem is not None:
+        raise StartupError(f"server.inapp_dir {path}: {problem}; remove it and let the daemon make it "
+                           "(a directory of root's, mode 1777), or choose another --inapp-dir")
+    return "created" if created else "present"
 
 
 def secure_socket(path: Path, *, mode: int, owner: str, group: str) -> None:
@@ -1468,7 +1478,10 @@ class Daemon:
 
     async def _sweep_inapp(self) -> None:
         """Every `inapp_sweep_every_s`, remove the in-app reports of processes that are gone (in a
-        worker thread: it lists and stats files); logs `inapp_swept` when it removed any."""
+        worker thread: it lists and stats files); logs `inapp_swept` when it removed any, and
+        `inapp_sweep_skipped` (a warning) when the directory is not one to sweep, once for each reason
+        in a row (vgpu/daemon/inapp_sweep.py)."""
+        skipped: str | None = None
         while True:
             await asyncio.sleep(self.inapp_sweep_every_s)
             try:
@@ -1476,6 +1489,9 @@ class Daemon:
             except Exception as exc:  # noqa: BLE001 - a failed sweep is logged; the next one tries again
                 self.log.error("inapp_sweep_failed", error=repr(exc))
                 continue
+            if done.skipped is not None and done.skipped != skipped:
+                self.log.warning("inapp_sweep_skipped", directory=str(self.inapp_sweeper.directory), reason=done.skipped)
+            skipped = done.skipped
             if done.removed or done.not_removable:
                 self.log.info("inapp_swept", directory=str(self.inapp_sweeper.directory), removed=done.removed,
                               not_removable=done.not_removable, kept_running=done.kept_running)
