@@ -25,7 +25,8 @@ the steps reached, then removes the state directory if this start created it (`s
 and `main` logs `startup_failed` and prints `vgpu serve: <message>` on one line
 on stderr, exit status 1 (any other exception: `vgpu serve: cannot start: <type>: <message>`), or 2
 for a PermanentStartupError, which every later start would meet too (a configured model that does
-not load, a TLS file that cannot be read, a damaged state database or one of a newer schema).
+not load, a TLS file that cannot be read, a damaged state database or one of a newer schema, an
+in-app directory another user controls).
 1. dry run resolved (`server.dry_run` unset: on for nvml, off for the simulator); when on, a
    `dry_run` warning;
 2. the state directory (`_open_state`): created and locked with flock(2), so that two daemons never
@@ -62,7 +63,8 @@ not load, a TLS file that cannot be read, a damaged state database or one of a n
    (`<state_dir>/front`, 0700) and the access-control interceptor (`_access_control`);
 9. the sockets: the public socket's path is checked (another daemon listening on it, or a file that
    is not a socket, fails; a stale socket is removed) and its directories created; the in-app
-   directory is created when missing (never fails: what was found is in `serving`); the gRPC server
+   directory is created when missing (a missing parent is no failure: what was found is in `serving`;
+   one another user controls is, `prepare_inapp_dir`); the gRPC server
    is built with the Allocator and Ingest servicers behind the interceptor, listening in the front's
    directory (with `server.peer_credentials = false`, on the public socket itself), and the public
    socket is bound owner-only (`_build_server`), then given its configured owner, group and mode;
@@ -859,7 +861,7 @@ def prepare_inapp_dir(path: Path, *, euid: int | None = None) -> str:
     created. What was found, for the "serving" record: present, created, or why it is missing (the
     stubs then send no in-app counters; nothing else depends on it).
 
-    A path that another user controls stops the start (StartupError): a symbolic link, something
+    A path that another user controls stops the start (PermanentStartupError): a symbolic link, something
     other than a directory, a directory owned by neither the daemon's user (`euid`, default this
     process's) nor root, or one others may write to without the sticky bit
     (vgpu.daemon.inapp_sweep.inapp_dir_problem). The daemon reads pid proofs there and, as root,
@@ -873,7 +875,7 @@ def prepare_inapp_dir(path: Path, *, euid: int | None = None) -> str:
         return f"missing: {exc.strerror or exc}"
     problem = inapp_dir_problem(found, os.geteuid() if euid is None else euid)
     if problem is not None:
-        raise StartupError(f"server.inapp_dir {path}: {problem}; remove it and let the daemon make it "
+        raise PermanentStartupError(f"server.inapp_dir {path}: {problem}; remove it and let the daemon make it "
                            "(a directory of root's, mode 1777), or choose another --inapp-dir")
     return "created" if created else "present"
 
