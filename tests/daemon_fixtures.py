@@ -7,6 +7,7 @@ import io
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
@@ -23,15 +25,35 @@ from structlog.testing import capture_logs
 from vgpu import config
 from vgpu.allocator.core import Sizer
 from vgpu.daemon.serve import Daemon, SdNotifier
+from vgpu.device.base import Backend
 
 
-def sim_daemon(tmp_path: Path, *, load_sizer: Callable[[], Sizer] | None = None, **overrides: object) -> Daemon:
-    """Not started: `await d.start()`, then `await d.stop("test")`."""
+class FullDisk:
+    """A SQLite connection (a Store's `_db`) whose writes fail as on a full disk while `full` is set."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+        self.full = True
+
+    def execute(self, sql: str, params: Any = ()) -> sqlite3.Cursor:
+        if self.full and sql.lstrip().upper().startswith(("INSERT", "UPDATE", "DELETE")):
+            raise sqlite3.OperationalError("database or disk is full")
+        return self.db.execute(sql, params)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.db, name)
+
+
+def sim_daemon(tmp_path: Path, *, load_sizer: Callable[[], Sizer] | None = None, backend: Backend | None = None,
+               **overrides: object) -> Daemon:
+    """Not started: `await d.start()`, then `await d.stop("test")`. `backend`: in place of the one
+    `server.backend` names."""
     cfg = config.load(None, env={}, overrides={
         "server.socket": str(tmp_path / "v.sock"), "server.state_dir": str(tmp_path / "state"),
         "server.backend": "sim:h100-80gb", "metrics.port": 0, "server.grace_s": 0.0, **overrides,
     })
-    return Daemon(cfg, notifier=SdNotifier(env={}), registry=CollectorRegistry(), load_sizer=load_sizer)
+    return Daemon(cfg, notifier=SdNotifier(env={}), registry=CollectorRegistry(), load_sizer=load_sizer,
+                  backend=backend)
 
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import structlog
+from daemon_fixtures import FullDisk
 from structlog.testing import capture_logs
 
 from vgpu.allocator.ledger import Ledger
@@ -90,6 +91,33 @@ def test_failed_restore_keeps_the_original_for_next_time(tmp_path: Path) -> None
         assert store.original(dev.uuid) is not None and store.original(dev.uuid).power_limit_mw == 700_000
         restore_devices(store, b, LOG)
         assert dev.power_limit_mw() == 700_000 and store.originals() == {}
+
+
+def test_originals_that_cannot_be_forgotten_leave_every_device_restored(tmp_path: Path) -> None:
+    """Forgetting a restored original is best effort: on a full state directory every device is still
+    put back, one warning says which originals stay stored, and the next start finds those devices
+    at their originals, with nothing to report; its stop forgets them."""
+    b = PersistentSimBackend(["h100-80gb", "h100-80gb"], tmp_path / "sim.json")
+    devs = b.devices()
+    with Store(tmp_path) as store:
+        reconcile(store, b, clock=lambda: 1.0)
+        for dev, mw in zip(devs, (400_000, 450_000), strict=True):
+            dev.set_power_limit_mw(mw)
+        db = store._db
+        store._db = FullDisk(db)  # type: ignore[assignment]
+        with capture_logs() as logs:
+            actions = restore_devices(store, b, LOG)
+        store._db = db
+        assert [(a["device"], a["after_mw"]) for a in actions] == [(d.uuid, 700_000) for d in devs]
+        assert [d.power_limit_mw() for d in devs] == [700_000, 700_000]
+        warned = [r for r in logs if r["event"] == "device_originals_not_forgotten"]
+        assert len(warned) == 1 and warned[0]["devices"] == [d.uuid for d in devs], logs
+        assert "full" in warned[0]["error"] and warned[0]["log_level"] == "warning"
+        assert sorted(store.originals()) == sorted(d.uuid for d in devs)
+        # the next start: the stored originals are what the devices hold
+        _, rec = reconcile(store, b, clock=lambda: 2.0)
+        assert rec.devices_not_original == {}
+        assert restore_devices(store, b, LOG) == [] and store.originals() == {}
 
 
 def test_reconcile_drops_grants_of_gone_devices_and_processes(tmp_path: Path) -> None:

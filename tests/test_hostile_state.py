@@ -15,42 +15,43 @@ import contextlib
 import io
 import json
 import os
+import resource
 import shutil
+import signal
+import socket
 import sqlite3
 import stat
 import subprocess
 import sys
+import threading
 from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-from daemon_fixtures import ROOT, SKU, Env, Serve, make_env
+from daemon_fixtures import (
+    ROOT,
+    SKU,
+    Env,
+    FullDisk,
+    Serve,
+    bound_port,
+    make_env,
+    sim_daemon,
+    start_logging_serving,
+    wait_for,
+)
 from hostile import Raw, operator_token
+from structlog.testing import capture_logs
 
 from vgpu import auth, ctl
+from vgpu.allocator.store import Store
 from vgpu.daemon.serve import Daemon
+from vgpu.device import parse_sim_spec
+from vgpu.device.simstate import PersistentSimBackend
 from vgpu.v1 import allocator_pb2 as pb
 from vgpu.v1 import allocator_pb2_grpc as pb_grpc
-
-
-class _FullDisk:
-    """A SQLite connection whose writes fail as on a full disk while `full` is set."""
-
-    def __init__(self, db: sqlite3.Connection) -> None:
-        self.db = db
-        self.full = True
-
-    def execute(self, sql: str, params: Any = ()) -> sqlite3.Cursor:
-        if self.full and sql.lstrip().upper().startswith(("INSERT", "UPDATE", "DELETE")):
-            raise sqlite3.OperationalError("database or disk is full")
-        return self.db.execute(sql, params)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.db, name)
-
-
 
 
 async def test_a_full_disk_changes_nothing_and_reads_keep_working(daemon: Daemon, tmp_path: Path) -> None:
@@ -69,7 +70,7 @@ async def test_a_full_disk_changes_nothing_and_reads_keep_working(daemon: Daemon
             return sum(d.mem_granted_mib for d in devs)
 
         kept = await request("a", 1000)
-        disk = _FullDisk(daemon.store._db)
+        disk = FullDisk(daemon.store._db)
         daemon.store._db = disk  # type: ignore[assignment]
         # A grant, a claim by a new anonymous application, a release and limits: all UNAVAILABLE.
         calls: list[Awaitable[Any]] = [
@@ -106,6 +107,129 @@ async def test_a_full_disk_changes_nothing_and_reads_keep_working(daemon: Daemon
     daemon.store._db = disk.db
     stored = daemon.store.load_ledger()
     assert stored is not None and sorted(g["memory_mib"] for g in stored["grants"]) == [500, 500, 1000]
+
+
+# --- stopping on a full disk ---------------------------------------------------------------------------------
+TWO = "sim:h100-80gb*2"
+
+
+def _off_original(d: Daemon) -> list[str]:
+    """Both simulated devices at a lower power limit, as an enforcement in force leaves them; their uuids."""
+    devices = d.backend.devices()
+    for dev, mw in zip(devices, (400_000, 450_000), strict=True):
+        dev.set_power_limit_mw(mw)
+    return [dev.uuid for dev in devices]
+
+
+def _sim_power_mw(state_dir: Path) -> dict[str, int]:
+    """What the simulated devices hold, from the state file they keep it in (as a GPU keeps it)."""
+    return {u: dev["power_limit_mw"] for u, dev in json.loads((state_dir / "sim-devices.json").read_text())["devices"].items()}
+
+
+async def test_a_stop_on_a_full_disk_restores_every_device_and_finishes(tmp_path: Path) -> None:
+    d = sim_daemon(tmp_path, **{"server.backend": TWO, "metrics.port": "auto"})
+    metrics_port = bound_port(await start_logging_serving(d), "metrics")
+    uuids = _off_original(d)
+    disk = FullDisk(d.store._db)
+    d.store._db = disk  # type: ignore[assignment]
+    with capture_logs() as logs:
+        await d.stop("test")
+    events = [r["event"] for r in logs]
+    assert _sim_power_mw(d.state_dir) == dict.fromkeys(uuids, 700_000)
+    assert [r["device"] for r in logs if r["event"] == "device_restored"] == uuids
+    assert events.count("device_originals_not_forgotten") == 1
+    # every later step ran: the store, the backend and the metrics endpoint are closed, `stopped` logged
+    assert d.stop_failures == [] and "stop_step_failed" not in events
+    stopped = next(r for r in logs if r["event"] == "stopped")
+    assert stopped["devices_restored"] == 2 and stopped["failed_steps"] == [] and d.stopped.is_set()
+    with pytest.raises(sqlite3.ProgrammingError):
+        disk.db.execute("SELECT 1")
+    assert d.backend.sim.closed  # type: ignore[attr-defined]
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", metrics_port), timeout=1).close()
+    # The disk frees. The next start (the lock was let go) finds the devices at the originals it still
+    # holds, reports nothing, and its stop forgets them.
+    again = sim_daemon(tmp_path, **{"server.backend": TWO})
+    with capture_logs() as logs:
+        await again.start()
+        assert sorted(again.store.originals()) == sorted(uuids)
+        await again.stop("test")
+    assert next(r for r in logs if r["event"] == "reconciled")["devices_not_original"] == {}
+    assert "device_restored" not in [r["event"] for r in logs]
+    with Store(again.state_dir) as store:
+        assert store.originals() == {}
+
+
+class _CloseFails(PersistentSimBackend):
+    """A backend whose shutdown fails (NVML's nvmlShutdown on a GPU that fell off the bus, say)."""
+
+    def close(self) -> None:
+        super().close()
+        raise OSError(5, "Input/output error")
+
+
+async def test_a_failed_stop_step_is_logged_and_the_rest_of_the_stop_runs(tmp_path: Path) -> None:
+    """`run` (what `vgpu serve` runs) stops on SIGTERM; a step that fails is logged, every later step
+    runs, and the exit status is 1 (the unit shows it failed)."""
+    backend = _CloseFails(parse_sim_spec(TWO), tmp_path / "sim.json")
+    d = sim_daemon(tmp_path, backend=backend, **{"server.backend": TWO})
+    with capture_logs() as logs:
+        running = asyncio.create_task(d.run())
+        while "serving" not in [r["event"] for r in logs] and not running.done():
+            await asyncio.sleep(0.02)
+        uuids = _off_original(d)
+        d.store._db = FullDisk(d.store._db)  # type: ignore[assignment]
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert await asyncio.wait_for(running, 60) == 1
+    assert [dev.power_limit_mw() for dev in backend.devices()] == [700_000, 700_000]
+    assert d.stop_failures == ["backend: OSError: [Errno 5] Input/output error"]
+    failed = next(r for r in logs if r["event"] == "stop_step_failed")
+    assert (failed["step"], failed["log_level"]) == ("backend", "error")
+    stopped = next(r for r in logs if r["event"] == "stopped")
+    assert stopped["failed_steps"] == d.stop_failures and stopped["devices_restored"] == 2
+    assert [r["device"] for r in logs if r["event"] == "device_restored"] == uuids
+    # the steps after it ran: the store is closed and the state directory unlocked
+    again = sim_daemon(tmp_path, **{"server.backend": TWO})
+    await again.start()
+    await again.stop("test")
+
+
+def test_vgpu_serve_stopped_on_a_full_disk_restores_both_devices_and_exits_0(env: Env, serves: list[Serve]) -> None:
+    """SIGTERM to `vgpu serve` on two simulated GPUs whose state directory cannot grow: the soft file
+    size limit (RLIMIT_FSIZE) is set below one page of SQLite's write-ahead log, so forgetting an
+    original fails as on a full disk (the 350-byte device state file still fits). Its log goes to a
+    pipe, which the limit does not bound."""
+    serves.append(Serve(env, "--backend", TWO))
+    serves[-1].kill9()
+    sim_file = env.state / "sim-devices.json"
+    state = json.loads(sim_file.read_text())
+    for dev, mw in zip(state["devices"].values(), (400_000, 450_000), strict=True):
+        dev["power_limit_mw"] = mw  # an enforcement in force when it was killed
+    sim_file.write_text(json.dumps(state))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vgpu.cli", "serve", "--socket", str(env.sock), "--state-dir", str(env.state),
+         "--backend", TWO, "--metrics-port", "0"],
+        cwd=ROOT, env=env.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr or ()), daemon=True)
+    reader.start()
+    try:
+        wait_for("serving", lambda: any('"event": "serving"' in line for line in list(lines)), 60)
+        resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (2048, resource.RLIM_INFINITY))
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    reader.join(10)
+    text = "".join(lines)
+    events = {e["event"]: e for e in (json.loads(line) for line in lines if line.startswith("{"))}
+    assert rc == 0, text
+    assert _sim_power_mw(env.state) == dict.fromkeys(state["devices"], 700_000)
+    assert "disk I/O error" in events["device_originals_not_forgotten"]["error"], text
+    assert events["stopped"]["devices_restored"] == 2 and events["stopped"]["failed_steps"] == []
+    assert "startup_failed" not in events and "cannot start" not in text
 
 
 # --- damaged state, against `vgpu serve` -------------------------------------------------------------------

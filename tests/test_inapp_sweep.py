@@ -1,5 +1,7 @@
 """In-app reports left by processes killed without closing are removed by the daemon; the reports of
-processes that run, fresh files, and anything that is not a stub's are left."""
+processes that run, fresh files, and anything that is not a stub's are left. An in-app directory
+another user controls (a symbolic link, theirs, writable without the sticky bit) stops the start, and
+one swapped after the start is not followed: the daemon, as root, removes nothing elsewhere."""
 
 from __future__ import annotations
 
@@ -9,13 +11,17 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
-from daemon_fixtures import sim_daemon
+import pytest
+from daemon_fixtures import ROOT, SKU, make_env, sim_daemon
+from structlog.testing import capture_logs
 
 from vgpu.client import InAppCounters, InAppReport, make_inapp_dir, write_inapp
 from vgpu.daemon.inapp_sweep import InAppSweeper
+from vgpu.daemon.serve import StartupError, prepare_inapp_dir
 
 OLD_S = 120.0  # older than the sweeper's age
 
@@ -127,3 +133,135 @@ async def test_the_daemon_removes_the_report_of_a_job_killed_with_sigkill(tmp_pa
         assert not report.exists()
     finally:
         await daemon.stop("test")
+
+
+# --- a directory another user controls --------------------------------------------------------------------
+def _victim(tmp_path: Path, dead: int) -> list[Path]:
+    """Report-named files, old, of a gone pid, in a root-only directory the sweep must never touch."""
+    victim = tmp_path / "victim"
+    victim.mkdir(mode=0o700)
+    return [_aged(_report(victim, dead, victim / name), OLD_S) for name in (f"{dead}.json", f"{dead}.{'ab' * 16}.json")]
+
+
+def test_a_directory_swapped_for_a_link_after_the_first_sweep_is_not_followed(tmp_path: Path) -> None:
+    d = tmp_path / "inapp"
+    make_inapp_dir(d)
+    dead = _dead_pid()
+    victims = _victim(tmp_path, dead)
+    sweeper = InAppSweeper(d)
+    assert sweeper.sweep(time.time()).skipped is None  # the directory is held from here on
+    d.rename(tmp_path / "inapp-moved")
+    d.symlink_to(tmp_path / "victim")  # what a user who can write the parent could do
+    first, second = sweeper.sweep(time.time()), sweeper.sweep(time.time())
+    assert all(p.exists() for p in victims)
+    assert (first.removed, first.entries, second.removed, second.entries) == (0, 0, 0, 0)
+    assert first.skipped is not None and "no longer names the directory" in first.skipped, first
+    assert second.skipped == f"{d}: it is a symbolic link", second
+    sweeper.close()
+
+
+def test_a_swap_during_a_sweep_removes_in_the_directory_held(tmp_path: Path) -> None:
+    """The swap comes between the sweep's look at a report and its removal: the removal is relative
+    to the directory opened, so it takes the held directory's file, not the same name elsewhere."""
+    d = tmp_path / "inapp"
+    make_inapp_dir(d)
+    dead = _dead_pid()
+    victims = _victim(tmp_path, dead)
+    ours = _aged(_report(d, dead), OLD_S)
+
+    def swap_then_say_gone(pid: int) -> float | None:
+        if not d.is_symlink():
+            d.rename(tmp_path / "inapp-moved")
+            d.symlink_to(tmp_path / "victim")
+        return None
+
+    result = InAppSweeper(d, process_start=swap_then_say_gone).sweep(time.time())
+    assert all(p.exists() for p in victims)
+    assert not (tmp_path / "inapp-moved" / ours.name).exists()
+    assert result.removed == 1, result
+
+
+@pytest.mark.parametrize("make, why", [
+    (lambda d: d.symlink_to(d.parent / "victim"), "it is a symbolic link"),
+    (lambda d: (make_inapp_dir(d), os.chown(d, 65534, 65534)), "it is owned by uid 65534"),
+    (lambda d: (d.mkdir(), os.chmod(d, 0o777)), "its mode is 0777: writable by other users without the sticky bit"),
+], ids=["symlink", "another-users", "not-sticky"])
+def test_a_directory_another_user_controls_is_not_swept(tmp_path: Path, make: Callable[[Path], object],
+                                                         why: str) -> None:
+    d = tmp_path / "inapp"
+    dead = _dead_pid()
+    victims = _victim(tmp_path, dead)
+    make(d)
+    if not d.is_symlink():  # reports of a gone process in the directory itself stay too
+        victims.append(_aged(_report(d, dead), OLD_S))
+    result = InAppSweeper(d).sweep(time.time())
+    assert all(p.exists() for p in victims)
+    assert (result.removed, result.entries) == (0, 0)
+    assert result.skipped is not None and why in result.skipped, result
+
+
+@pytest.mark.parametrize("make, why", [
+    (lambda d: (d.parent.joinpath("victim").mkdir(), d.symlink_to(d.parent / "victim")), "it is a symbolic link"),
+    (lambda d: (make_inapp_dir(d), os.chown(d, 65534, 65534)), "it is owned by uid 65534"),
+    (lambda d: (d.mkdir(), os.chmod(d, 0o777)), "its mode is 0777"),
+    (lambda d: d.write_text(""), "it is not a directory"),
+], ids=["symlink", "another-users", "not-sticky", "a-file"])
+def test_the_start_refuses_an_inapp_directory_another_user_controls(tmp_path: Path, make: Callable[[Path], object],
+                                                                   why: str) -> None:
+    d = tmp_path / "inapp"
+    make(d)
+    with pytest.raises(StartupError, match=rf"server.inapp_dir {d}: {why}.*--inapp-dir"):
+        prepare_inapp_dir(d)
+
+
+@pytest.mark.parametrize("make, state", [
+    (lambda d: None, "created"),
+    (make_inapp_dir, "present"),
+    (lambda d: (d.mkdir(), os.chmod(d, 0o755)), "present"),  # nobody else may write there: safe (if of no use)
+    (lambda d: (d.mkdir(), os.chmod(d, 0o1770)), "present"),  # a group's, sticky
+], ids=["missing", "made-by-a-stub", "root-only", "sticky-group"])
+def test_the_start_takes_an_inapp_directory_of_its_own(tmp_path: Path, make: Callable[[Path], object],
+                                                       state: str) -> None:
+    d = tmp_path / "inapp"
+    make(d)
+    assert prepare_inapp_dir(d) == state
+
+
+def test_vgpu_serve_refuses_a_symlinked_inapp_directory(tmp_path: Path) -> None:
+    env = make_env(tmp_path)
+    (tmp_path / "elsewhere").mkdir(mode=0o700)
+    (tmp_path / "inapp").symlink_to(tmp_path / "elsewhere")
+    r = subprocess.run(
+        [sys.executable, "-m", "vgpu.cli", "serve", "--socket", str(env.sock), "--state-dir", str(env.state),
+         "--backend", f"sim:{SKU}", "--metrics-port", "0", "--inapp-dir", str(tmp_path / "inapp")],
+        cwd=ROOT, env=env.env, capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 2  # as a configuration error: every later start would meet it too
+    last = r.stderr.strip().splitlines()[-1]
+    assert last == (f"vgpu serve: server.inapp_dir {tmp_path / 'inapp'}: it is a symbolic link; remove it and let "
+                    "the daemon make it (a directory of root's, mode 1777), or choose another --inapp-dir"), r.stderr
+    assert '"serving"' not in r.stderr and not env.sock.exists()
+
+
+async def test_the_daemon_stops_sweeping_a_directory_swapped_for_a_link(tmp_path: Path) -> None:
+    d = tmp_path / "inapp"
+    dead = _dead_pid()
+    victims = _victim(tmp_path, dead)
+    daemon = sim_daemon(tmp_path, **{"server.inapp_dir": str(d)})
+    daemon.inapp_sweep_every_s = 0.05
+    with capture_logs() as logs:
+        await daemon.start()
+        try:
+            ours = _aged(_report(d, dead), OLD_S)
+            deadline = time.monotonic() + 30
+            while ours.exists() and time.monotonic() < deadline:  # swept while it is the daemon's
+                await asyncio.sleep(0.05)
+            assert not ours.exists()
+            d.rename(tmp_path / "inapp-moved")
+            d.symlink_to(tmp_path / "victim")
+            await asyncio.sleep(1.0)  # some 20 sweeps
+        finally:
+            await daemon.stop("test")
+    assert all(p.exists() for p in victims)
+    skipped = [r["reason"] for r in logs if r["event"] == "inapp_sweep_skipped"]
+    assert [r["log_level"] for r in logs if r["event"] == "inapp_sweep_skipped"] == ["warning", "warning"]
+    assert "no longer names the directory" in skipped[0] and skipped[1] == f"{d}: it is a symbolic link", skipped

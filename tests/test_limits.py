@@ -11,6 +11,7 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 
 import pytest
+from daemon_fixtures import FullDisk
 from device_rigs import Rig, trace
 
 from vgpu.allocator.core import AllocationRequest, Allocator
@@ -377,6 +378,40 @@ def test_a_cap_that_cannot_be_recorded_never_fails_the_stored_grant(rig: Rig) ->
     assert dev.memory_limit_mib("/jobs/a").hard_mib == math.inf  # nothing written without its original on record
     assert alloc.counters.failures == {(dev.uuid, "cgroup_memory"): 1}
 
+
+
+def test_originals_that_cannot_be_forgotten_leave_every_cgroup_restored(rig: Rig, tmp_path: Path) -> None:
+    """At a stop on a full state directory every cgroup gets its original back (one warning each for
+    the records left stored); a later cap there records its own original, and the next start writes
+    back the stored one, the same values, and forgets it."""
+    rig.need_writes()
+    dev = rig.device()
+    dev.set_memory_limit_mib("/jobs/b", 20_000, 30_000)  # an operator's limit, there before vgpu
+    with Store(tmp_path) as store:
+        log = _Log()
+        lim = CgroupMemoryLimits(store=store, logger=log)  # type: ignore[arg-type]
+        assert lim.apply(dev, "/jobs/a", 8_000) and lim.apply(dev, "/jobs/b", 5_000)
+        db = store._db
+        store._db = FullDisk(db)  # type: ignore[assignment]
+        assert sorted(lim.restore()) == [(dev.uuid, "/jobs/a", "restored"), (dev.uuid, "/jobs/b", "restored")]
+        assert dev.memory_limit_mib("/jobs/a")[:2] == (math.inf, math.inf)
+        assert dev.memory_limit_mib("/jobs/b")[:2] == (20_000, 30_000)
+        assert [(lvl, ev, kw["cgroup"]) for lvl, ev, kw in log.lines if ev.endswith("not_forgotten")] == [
+            ("warning", "cgroup_memory_limit_original_not_forgotten", "/jobs/a"),
+            ("warning", "cgroup_memory_limit_original_not_forgotten", "/jobs/b")]
+        assert len(store.cgroup_originals()) == 2
+        # the disk frees; the operator changes /jobs/b's limit, and vgpu caps it again: its original now
+        store._db = db
+        dev.set_memory_limit_mib("/jobs/b", 25_000, 40_000)
+        assert lim.apply(dev, "/jobs/b", 5_000)
+        stored = store.cgroup_original(dev.uuid, "/jobs/b")
+        assert stored is not None and (stored.soft_mib, stored.hard_mib) == (25_000, 40_000)
+        assert lim.restore() == [(dev.uuid, "/jobs/b", "restored")]
+        assert dev.memory_limit_mib("/jobs/b")[:2] == (25_000, 40_000)
+        # the next start: the record left for /jobs/a is written back (what it holds) and forgotten
+        again = CgroupMemoryLimits(store=store, logger=_Log())  # type: ignore[arg-type]
+        assert again.reconcile(rig.backend, {}) == [(dev.uuid, "/jobs/a", "restored")]
+        assert dev.memory_limit_mib("/jobs/a")[:2] == (math.inf, math.inf) and store.cgroup_originals() == []
 
 def _persisting(rig: Rig, store: Store, *, dry_run: bool = False, log: _Log | None = None,
                 cgroup_exists: Callable[[str], bool] = lambda cg: True, ledger: Ledger | None = None) -> Allocator:

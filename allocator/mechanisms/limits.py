@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import sqlite3
 import subprocess
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
@@ -49,7 +50,7 @@ from pathlib import Path
 import structlog
 
 from vgpu.allocator.errors import VerifyFailed
-from vgpu.allocator.store import CgroupOriginal, Store
+from vgpu.allocator.store import CgroupOriginal, Store, StoreError
 from vgpu.device.base import Backend, Device
 from vgpu.device.errors import DeviceError, NoPermission, NotFound, NotSupported
 from vgpu.log import get_logger
@@ -306,6 +307,9 @@ class CgroupMemoryLimits:
         self._original: dict[tuple[str, str], tuple[float, float]] = {}
         # (device, cgroup) -> the hard cap (MiB) this wrote there and read back: what is in force now
         self._capped: dict[tuple[str, str], float] = {}
+        # written back, yet still stored (the store could not delete it: a full disk): not the
+        # original of a later cap there, which records its own (`_record_original`)
+        self._not_forgotten: set[tuple[str, str]] = set()
         self._devices: dict[str, Device] = {}
         self.writes = 0
 
@@ -428,6 +432,9 @@ class CgroupMemoryLimits:
         crashed, leaving its own limit on the device) recorded it first."""
         if self.store is None:
             return soft_mib, hard_mib
+        if (device_id, cgroup) in self._not_forgotten:  # raising, like the save below: nothing is written
+            self.store.forget_cgroup_original(device_id, cgroup)
+            self._not_forgotten.discard((device_id, cgroup))
         self.store.save_cgroup_original(CgroupOriginal(device_id, cgroup, soft_mib, hard_mib, self._clock()))
         stored = self.store.cgroup_original(device_id, cgroup)
         assert stored is not None
@@ -438,8 +445,16 @@ class CgroupMemoryLimits:
             self._worked.add(device_id)
         self._original.pop((device_id, cgroup), None)
         self._capped.pop((device_id, cgroup), None)
-        if self.store is not None:
+        if self.store is None:
+            return
+        # Best effort: the limit is back already. A record left stored is written back (the same
+        # values) and forgotten by the next start's `reconcile`; the other cgroups still get theirs.
+        try:
             self.store.forget_cgroup_original(device_id, cgroup)
+        except (sqlite3.Error, StoreError, OSError) as exc:
+            self._not_forgotten.add((device_id, cgroup))
+            self._log.warning("cgroup_memory_limit_original_not_forgotten", device=device_id, cgroup=cgroup,
+                              error=f"{type(exc).__name__}: {exc}")
 
     def restore_one(self, device_id: str, cgroup: str) -> str:
         """Write the cgroup's saved original back (even where the mechanism is off or dry-run: a

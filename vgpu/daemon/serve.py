@@ -25,7 +25,8 @@ the steps reached, then removes the state directory if this start created it (`s
 and `main` logs `startup_failed` and prints `vgpu serve: <message>` on one line
 on stderr, exit status 1 (any other exception: `vgpu serve: cannot start: <type>: <message>`), or 2
 for a PermanentStartupError, which every later start would meet too (a configured model that does
-not load, a TLS file that cannot be read, a damaged state database or one of a newer schema).
+not load, a TLS file that cannot be read, a damaged state database or one of a newer schema, an
+in-app directory another user controls).
 1. dry run resolved (`server.dry_run` unset: on for nvml, off for the simulator); when on, a
    `dry_run` warning;
 2. the state directory (`_open_state`): created and locked with flock(2), so that two daemons never
@@ -62,7 +63,8 @@ not load, a TLS file that cannot be read, a damaged state database or one of a n
    (`<state_dir>/front`, 0700) and the access-control interceptor (`_access_control`);
 9. the sockets: the public socket's path is checked (another daemon listening on it, or a file that
    is not a socket, fails; a stale socket is removed) and its directories created; the in-app
-   directory is created when missing (never fails: what was found is in `serving`); the gRPC server
+   directory is created when missing (a missing parent is no failure: what was found is in `serving`;
+   one another user controls is, `prepare_inapp_dir`); the gRPC server
    is built with the Allocator and Ingest servicers behind the interceptor, listening in the front's
    directory (with `server.peer_credentials = false`, on the public socket itself), and the public
    socket is bound owner-only (`_build_server`), then given its configured owner, group and mode;
@@ -104,7 +106,10 @@ differs from the recorded original is put back and read back (`device_restored` 
 skipped in a dry run, `restore_skipped`); the ledger is saved; the metrics endpoint stops;
 background loads (forecaster, cold-start sizer, a hot reload) are waited for up to LOADER_JOIN_S,
 the learner stopped, the history, backend and store closed; `stopped` is logged, the state
-directory unlocked; exit status 0. `vgpu serve` itself (`main`) does not wait for the background
+directory unlocked; exit status 0. Each step is guarded (`Daemon._stop_step`): one that fails is
+logged `stop_step_failed`, listed in `stopped` (`failed_steps`), and the others still run; `main`
+then prints `vgpu serve: the stop failed in part (...)` and the exit status is 1. Forgetting a
+restored original is best effort (`restore_devices`). `vgpu serve` itself (`main`) does not wait for the background
 loads: a stop that comes while one is still under way (seconds after the start) ends the process
 right after `stopped` with `os._exit`, because the interpreter's normal exit would run torch's and
 ONNX Runtime's C++ destructors under the loading thread and abort (SIGABRT, "terminate called
@@ -126,11 +131,12 @@ import pwd
 import shutil
 import signal
 import socket
+import sqlite3
 import stat
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
@@ -162,7 +168,7 @@ from vgpu.client import (
 )
 from vgpu.config import Config, ConfigError
 from vgpu.daemon.front import PeerFront
-from vgpu.daemon.inapp_sweep import INAPP_SWEEP_EVERY_S, InAppSweeper
+from vgpu.daemon.inapp_sweep import INAPP_SWEEP_EVERY_S, InAppSweeper, inapp_dir_problem
 from vgpu.daemon.metrics import (
     AppSnapshot,
     CounterSnapshot,
@@ -699,19 +705,39 @@ def restore_devices(
     store: Store, backend: Backend, logger: structlog.typing.FilteringBoundLogger, metrics: DaemonMetrics | None = None
 ) -> list[dict[str, Any]]:
     """Put every device whose power limit or MIG layout differs from its recorded original back,
-    read it back, and forget the originals that were restored. One dict per action taken."""
+    read it back, and forget the originals that were restored. One dict per action taken.
+
+    Forgetting is best effort: on a full or failing state directory the originals stay stored, which
+    is one warning (`device_originals_not_forgotten`) and no failure. The next start then finds each
+    such device at its stored original (`reconcile` reports nothing) and its next stop puts back that
+    same original and forgets it; what it costs is that a setting an operator changes by hand while
+    the daemon is stopped is taken for the daemon's and undone at that stop, as after a crash."""
     actions: list[dict[str, Any]] = []
+    not_forgotten: list[str] = []
+    error = ""
     for dev in backend.devices():
         orig = store.original(dev.uuid)
         if orig is None:
             continue
         ok = True
-        if orig.power_limit_mw is not None:
-            ok &= _restore_power(dev, orig.power_limit_mw, logger, actions, metrics)
-        if orig.mig_enabled:
-            ok &= _restore_mig(dev, orig, logger, actions, metrics)
+        try:
+            if orig.power_limit_mw is not None:
+                ok &= _restore_power(dev, orig.power_limit_mw, logger, actions, metrics)
+            if orig.mig_enabled:
+                ok &= _restore_mig(dev, orig, logger, actions, metrics)
+        except Exception as exc:  # noqa: BLE001 - not a DeviceError (the simulator's state file on a full disk, say): the other devices are still put back
+            logger.error("device_restore_failed", device=dev.uuid, error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+            ok = False
         if ok:
-            store.forget_original(dev.uuid)
+            try:
+                store.forget_original(dev.uuid)
+            except (sqlite3.Error, StoreError, OSError) as exc:
+                not_forgotten.append(dev.uuid)
+                error = f"{type(exc).__name__}: {exc}"
+    if not_forgotten:
+        logger.warning("device_originals_not_forgotten", devices=not_forgotten, error=error,
+                       meaning="the devices are back at their originals; the store still holds them, "
+                       "and the next start finds each device at its original")
     return actions
 
 
@@ -828,20 +854,30 @@ def prepare_socket_path(path: Path) -> None:
         path.unlink()
 
 
-def prepare_inapp_dir(path: Path) -> str:
+def prepare_inapp_dir(path: Path, *, euid: int | None = None) -> str:
     """Create the in-app directory the client stubs write to (mode 1777, vgpu.client.make_inapp_dir)
     when it is missing: under systemd it lies in the runtime directory, which is removed each time the
     daemon stops, and an application that is not root cannot make it there. Its parent is not
     created. What was found, for the "serving" record: present, created, or why it is missing (the
-    stubs then send no in-app counters; nothing else depends on it)."""
+    stubs then send no in-app counters; nothing else depends on it).
+
+    A path that another user controls stops the start (PermanentStartupError): a symbolic link, something
+    other than a directory, a directory owned by neither the daemon's user (`euid`, default this
+    process's) nor root, or one others may write to without the sticky bit
+    (vgpu.daemon.inapp_sweep.inapp_dir_problem). The daemon reads pid proofs there and, as root,
+    removes report files there; a user who made the directory first could point it anywhere."""
     try:
-        if path.is_dir():
-            return "present"
-        return "created" if make_inapp_dir(path) else "present"
+        created = make_inapp_dir(path)
+        found = os.lstat(path)
     except FileNotFoundError:
         return f"missing: its parent {path.parent} does not exist"
     except OSError as exc:
         return f"missing: {exc.strerror or exc}"
+    problem = inapp_dir_problem(found, os.geteuid() if euid is None else euid)
+    if problem is not None:
+        raise PermanentStartupError(f"server.inapp_dir {path}: {problem}; remove it and let the daemon make it "
+                           "(a directory of root's, mode 1777), or choose another --inapp-dir")
+    return "created" if created else "present"
 
 
 def secure_socket(path: Path, *, mode: int, owner: str, group: str) -> None:
@@ -1032,6 +1068,7 @@ class Daemon:
         self._inapp_sweep: asyncio.Task[None] | None = None
         self._stream_end_timers: set[asyncio.TimerHandle] = set()  # _stream_ended's, cancelled on stop
         self._stopping = False
+        self.stop_failures: list[str] = []  # the stop's steps that failed, "<step>: <error>" (`_stop_step`)
         self.model_loader: threading.Thread | None = None
         self.mixture: MixtureForecaster | None = None
         self.history: NodeHistory | None = None
@@ -1468,7 +1505,10 @@ class Daemon:
 
     async def _sweep_inapp(self) -> None:
         """Every `inapp_sweep_every_s`, remove the in-app reports of processes that are gone (in a
-        worker thread: it lists and stats files); logs `inapp_swept` when it removed any."""
+        worker thread: it lists and stats files); logs `inapp_swept` when it removed any, and
+        `inapp_sweep_skipped` (a warning) when the directory is not one to sweep, once for each reason
+        in a row (vgpu/daemon/inapp_sweep.py)."""
+        skipped: str | None = None
         while True:
             await asyncio.sleep(self.inapp_sweep_every_s)
             try:
@@ -1476,6 +1516,9 @@ class Daemon:
             except Exception as exc:  # noqa: BLE001 - a failed sweep is logged; the next one tries again
                 self.log.error("inapp_sweep_failed", error=repr(exc))
                 continue
+            if done.skipped is not None and done.skipped != skipped:
+                self.log.warning("inapp_sweep_skipped", directory=str(self.inapp_sweeper.directory), reason=done.skipped)
+            skipped = done.skipped
             if done.removed or done.not_removable:
                 self.log.info("inapp_swept", directory=str(self.inapp_sweeper.directory), removed=done.removed,
                               not_removable=done.not_removable, kept_running=done.kept_running)
@@ -1535,80 +1578,112 @@ class Daemon:
     async def stop(self, reason: str = "signal") -> list[dict[str, Any]]:
         """Stop serving, restore the devices, save: the stop's steps, in the order of the module
         docstring. Works from any point of a failed start: each part is undone only if start() got
-        to it (attributes it never set are absent)."""
+        to it (attributes it never set are absent). A step that fails is logged and the stop goes on
+        with the next (`_stop_step`); `stop_failures` lists those that failed."""
+        step = self._stop_step
         self.notifier.notify("STOPPING=1\nSTATUS=restoring device settings")
         self.log.info("stopping", reason=reason)
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-        if self._idle_release is not None:
-            self._idle_release.cancel()
-        if self._refreeze is not None:
-            self._refreeze.cancel()
-        if self._inapp_sweep is not None:
-            self._inapp_sweep.cancel()
+        for task in (self._watchdog, self._idle_release, self._refreeze, self._inapp_sweep):
+            if task is not None:
+                task.cancel()
         self._stopping = True  # streams that end from here on are the daemon's doing
         for timer in self._stream_end_timers:
             timer.cancel()
         allocator: Allocator | None = getattr(self, "allocator", None)
         if allocator is not None:  # decided: a call that still reaches it changes nothing (UNAVAILABLE)
-            allocator.refuse_changes()
+            with step("refuse_changes"):
+                allocator.refuse_changes()
         await self._stop_serving(allocator)
         actions: list[dict[str, Any]] = []
         store: Store | None = getattr(self, "store", None)
         backend: Backend | None = getattr(self, "backend", None)
         if allocator is not None and store is not None and backend is not None:
             actions = self._restore_and_save(allocator, store, backend)
+        with step("inapp_sweeper"):  # after a sweep under way in its thread, if any
+            await asyncio.to_thread(self.inapp_sweeper.close)
         if self.metrics_server is not None:
-            self.metrics_server.shutdown()
-            self.metrics_server.server_close()
-        await asyncio.to_thread(self._wait_for_loaders, self._loader_join_s)
+            with step("metrics_server"):
+                self.metrics_server.shutdown()
+                self.metrics_server.server_close()
+        with step("background_loads"):
+            await asyncio.to_thread(self._wait_for_loaders, self._loader_join_s)
         if self.learner is not None:
-            await asyncio.to_thread(self.learner.stop)
+            with step("learner"):
+                await asyncio.to_thread(self.learner.stop)
         if self.history is not None:
-            self.history.close()
+            with step("history"):
+                self.history.close()
         if backend is not None:
-            backend.close()
+            with step("backend"):
+                backend.close()
         if store is not None:
-            store.close()
-        self.log.info("stopped", devices_restored=len(actions), restore_actions=actions)
+            with step("store"):
+                store.close()
+        (self.log.warning if self.stop_failures else self.log.info)(
+            "stopped", devices_restored=len(actions), restore_actions=actions, failed_steps=self.stop_failures)
         if self._lock is not None:
-            self._lock.close()
+            with step("state_lock"):
+                self._lock.close()
         thaw_heap()  # what start-up froze is collectable again for whatever runs on in this process
         self.stopped.set()
         return actions
 
+    @contextlib.contextmanager
+    def _stop_step(self, name: str) -> Iterator[None]:
+        """One step of the stop: an exception in it is logged (`stop_step_failed`, with its
+        traceback) and added to `stop_failures`, and the stop goes on with the next step, so that
+        one failure (a full state directory, a device that is lost) leaves no other device
+        unrestored, nothing open and the `stopped` record written."""
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - every later step must still run; the failure is logged here
+            error = f"{type(exc).__name__}: {exc}"
+            self.stop_failures.append(f"{name}: {error}")
+            self.log.error("stop_step_failed", step=name, error=error, exc_info=exc)
+
     async def _stop_serving(self, allocator: Allocator | None) -> None:
         """Close the doors: the front stops accepting and the public socket goes, the watch streams
         end, the server stops (in-flight calls get server.grace_s), then the front and its directory."""
+        step = self._stop_step
         if self.front is not None:  # no new connections; relayed ones stay for the grace period
-            await asyncio.to_thread(self.front.stop_accepting)
+            with step("front_accepting"):
+                await asyncio.to_thread(self.front.stop_accepting)
         self._remove_public_socket()
         if self.server is not None:
             if allocator is not None:
-                allocator.end_watches()  # watch streams never end by themselves: grace_s is for calls
-            await self.server.stop(self.cfg.server.grace_s)
+                with step("watch_streams"):
+                    allocator.end_watches()  # watch streams never end by themselves: grace_s is for calls
+            with step("server"):
+                await self.server.stop(self.cfg.server.grace_s)
         if self.front is not None:
-            await asyncio.to_thread(self.front.stop)
+            with step("front"):
+                await asyncio.to_thread(self.front.stop)
         if self._listener is not None:  # a start that failed before the front took it
-            self._listener.close()
+            with step("listener"):
+                self._listener.close()
             self._listener = None
         if self._front_dir is not None:
-            remove_front_dir(self._front_dir)
+            with step("front_dir"):
+                remove_front_dir(self._front_dir)
             self._front_dir = None
 
     def _restore_and_save(self, allocator: Allocator, store: Store, backend: Backend) -> list[dict[str, Any]]:
         """The allocator undoes what it changed, every device still off its recorded original is put
-        back (not in a dry run), and the ledger is saved. The restore actions taken."""
+        back (not in a dry run), and the ledger is saved, each whatever became of the one before.
+        The restore actions taken."""
         actions: list[dict[str, Any]] = []
-        allocator.stop()
+        with self._stop_step("allocator"):
+            allocator.stop()
         if self.cfg.server.dry_run:
             self.log.info("restore_skipped", reason="dry run: nothing was written to the devices")
         else:
-            actions = restore_devices(store, backend, self.log, getattr(self, "metrics", None))
-        try:
-            self._save(allocator.ledger)
-        except StateNotSaved:
-            pass  # logged by _save; every acknowledged change is stored already
+            with self._stop_step("restore_devices"):
+                actions = restore_devices(store, backend, self.log, getattr(self, "metrics", None))
+        with self._stop_step("save"):
+            try:
+                self._save(allocator.ledger)
+            except StateNotSaved:
+                pass  # logged by _save; every acknowledged change is stored already
         return actions
 
     def _remove_public_socket(self) -> None:
@@ -1677,7 +1752,7 @@ class Daemon:
             raise
         reason = await stop_signal
         await self.stop(reason)
-        return 0
+        return 1 if self.stop_failures else 0  # a stop that failed in part: the unit is marked failed
 
 
 # --- command line -----------------------------------------------------------------------------------------
@@ -1770,6 +1845,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu serve") -> int:
     daemon = Daemon(cfg, logger=logger, reset_state=ns.reset_state, loader_join_s=0.0)
     try:
         status = asyncio.run(daemon.run())
+        if daemon.stop_failures:  # served, and the stop went on past a failure: not a start that failed
+            print(f"{prog}: the stop failed in part ({_one_line('; '.join(daemon.stop_failures))}); "
+                  "the other steps ran, see `stop_step_failed` in the log", file=sys.stderr)
         if daemon.loads_running():
             end_process_now(status)
         return status
