@@ -382,3 +382,27 @@ class GetAppHistoryResponse(_message.Message):
     apps: _containers.RepeatedCompositeFieldContainer[AppHistory]
     now_unix_s: float
     def __init__(self, apps: _Optional[_Iterable[_Union[AppHistory, _Mapping]]] = ..., now_unix_s: _Optional[float] = ...) -> None: ...
+
+class ForgetApplicationsRequest(_message.Message):
+    __slots__ = ("app_ids", "claimed_by_uid")
+    APP_IDS_FIELD_NUMBER: _ClassVar[int]
+    CLAIMED_BY_UID_FIELD_NUMBER: _ClassVar[int]
+    app_ids: _containers.RepeatedScalarFieldContainer[str]
+    claimed_by_uid: int
+    def __init__(self, app_ids: _Optional[_Iterable[str]] = ..., claimed_by_uid: _Optional[int] = ...) -> None: ...
+
+class KeptClaim(_message.Message):
+    __slots__ = ("app_id", "reason")
+    APP_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    app_id: str
+    reason: str
+    def __init__(self, app_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ForgetApplicationsResponse(_message.Message):
+    __slots__ = ("forgotten", "kept")
+    FORGOTTEN_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
+    forgotten: _containers.RepeatedScalarFieldContainer[str]
+    kept: _containers.RepeatedCompositeFieldContainer[KeptClaim]
+    def __init__(self, forgotten: _Optional[_Iterable[str]] = ..., kept: _Optional[_Iterable[_Union[KeptClaim, _Mapping]]] = ...) -> None: ...
