@@ -9,7 +9,8 @@ manager last heard from it, the profiler streams per device) comes from an optio
 the daemon plugs in; the user and command of a process from `process_info` (psutil by default).
 
 Claims: `claims()` (the daemon: its store's) gives the application ids whose token has been issued,
-with when; ListApplications marks those applications and lists the ones that hold nothing yet.
+with when (and `claim_uids()` which uid self-registered each); ListApplications marks those
+applications and lists the ones that hold nothing yet.
 ForgetApplications drops claims that hold nothing through `forget` (the daemon's access control).
 
 Caller identity: `identify(context)` returns the application identity of the caller, or None for a
@@ -405,11 +406,12 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
                  watcher_owner: Callable[[], str] | None = None,
                  bounded_uid: Callable[[], int | None] | None = None,
                  claims: Callable[[], Mapping[str, float | None]] | None = None, backend: str = "",
-                 forget: Forget | None = None) -> None:
+                 forget: Forget | None = None, claim_uids: Callable[[], Mapping[str, int]] | None = None) -> None:
         self.allocator = allocator
         self.backend = backend  # as GetAvailableResources reports it (server.backend)
         self._claims = claims or (lambda: {})
         self._forget = forget
+        self._claim_uids = claim_uids or (lambda: {})
         self._identify: Identify = identify or (lambda _ctx: None)
         self.observer = observer
         self._process_info = process_info
@@ -504,8 +506,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     async def ListApplications(  # noqa: N802
         self, request: pb.ListApplicationsRequest, context: Context
     ) -> pb.ListApplicationsResponse:
-        apps, claims = await self._call(context, "ListApplications",
-                                        lambda _c: (self.allocator.list_apps(), self._claims()))
+        apps, claims, uids = await self._call(context, "ListApplications",
+                                              lambda _c: (self.allocator.list_apps(), self._claims(), self._claim_uids()))
         obs = self.observer
         out = [app_to_pb(a, pids=obs.app_pids(a.app_id) if obs else (), process_info=self._process_info)
                for a in apps]
@@ -525,6 +527,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
                 at_s = claims[msg.app_id]
                 if at_s is not None:  # None: the stored time is damaged; the claim stands
                     msg.claimed_at_s = at_s
+                if msg.app_id in uids:
+                    msg.claimed_by_uid = uids[msg.app_id]
         out.sort(key=lambda m: m.app_id)
         return pb.ListApplicationsResponse(apps=out)
 

@@ -529,6 +529,11 @@ class Store:
         row = self._db.execute("SELECT uid FROM apps WHERE app_id=?", (app_id,)).fetchone()
         return None if row is None else _claim_uid(row[0])
 
+    def claim_uids(self) -> dict[str, int]:
+        """The uid that self-registered each claim that has one, by id (`claim_uid` for all of them)."""
+        rows = self._db.execute("SELECT app_id, uid FROM apps WHERE uid IS NOT NULL").fetchall()
+        return {app_id: u for app_id, uid in rows if _claim_id_ok(app_id) and (u := _claim_uid(uid)) is not None}
+
     def claimed_by(self, uid: int) -> list[str]:
         """The ids `uid` self-registered, sorted (a stored one the app-id rule refuses is left out)."""
         rows = self._db.execute("SELECT app_id FROM apps WHERE uid=? ORDER BY app_id", (uid,)).fetchall()

@@ -1262,6 +1262,7 @@ class Daemon:
                                                      observer=NodeView(self.manager),
                                                      watcher_owner=auth.caller_name, bounded_uid=auth.bounded_uid,
                                                      claims=self.store.claims, forget=interceptor.access.forget,
+                                                     claim_uids=self.store.claim_uids,
                                                      backend=cfg.server.backend),
                 ingest_servicer=IngestServicer(self.manager, ack_interval_s=cfg.manager.ack_interval_ms / 1000.0,
                                                replay_ok=lambda: replay or auth.caller_name() == "operator",
