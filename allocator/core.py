@@ -153,6 +153,8 @@ class AllocationRequest:
     critical: bool = False
     job: JobConfig | None = None
     pid: int = 0
+    # the uid whose share of the node's grants the grant takes (`Grant.uid`; None: none)
+    uid: int | None = None
 
 
 @dataclass(frozen=True)
@@ -289,9 +291,10 @@ class Subscription:
     costs an append (this runs once per event for every watcher)."""
 
     def __init__(self, app_id: str | None, maxsize: int, on_close: Callable[[Subscription], None], *,
-                 owner: str = "", drop_slow: bool = False) -> None:
+                 owner: str = "", uid: int | None = None, drop_slow: bool = False) -> None:
         self.app_id = app_id or None
         self.owner = owner
+        self.uid = uid
         self.dropped = 0
         self.overflowed = False
         self._maxsize = max(1, maxsize)
@@ -376,6 +379,7 @@ class Allocator:
         watch_queue_size: int = 1024,
         max_watchers: int | None = None,
         max_watchers_per_caller: int | None = None,
+        max_watchers_per_uid: int | None = None,
         drop_slow_watchers: bool = False,
         logger: structlog.typing.FilteringBoundLogger | None = None,
         history: History | None = None,
@@ -421,6 +425,7 @@ class Allocator:
         self._watch_queue_size = watch_queue_size
         self._max_watchers = max_watchers
         self._max_watchers_per_caller = max_watchers_per_caller
+        self._max_watchers_per_uid = max_watchers_per_uid
         self._drop_slow_watchers = drop_slow_watchers
         self._subscriptions: list[Subscription] = []
         self._latest: dict[str, Recommendation] = {}
@@ -502,11 +507,14 @@ class Allocator:
         """Open `watch()` subscriptions."""
         return len(self._subscriptions)
 
-    def watch(self, app_id: str | None = None, *, owner: str = "") -> Subscription:
+    def watch(self, app_id: str | None = None, *, owner: str = "", uid: int | None = None) -> Subscription:
         """Subscribe to allocation events (every application's, or one's plus device-level events).
         Iterate with `async for`; `close()` it when done. Must be called on the allocator's loop.
-        `owner` names the caller for the per-caller bound; InsufficientResources names the bound
-        that is reached; Stopping (an Unavailable) once `end_watches()` was called (the daemon is stopping)."""
+        `owner` names the caller for the per-caller bound and `uid` the Unix user for the per-uid
+        one (None: not bounded per uid), whatever token it called with: each application id a user
+        claims comes with a token of its own, so tokens alone do not bound a user's watchers.
+        InsufficientResources names the bound that is reached; Stopping (an Unavailable) once
+        `end_watches()` was called (the daemon is stopping)."""
         if self._watches_ended:
             raise Stopping("the daemon is stopping; watch again once it is back")
         if self._max_watchers is not None and len(self._subscriptions) >= self._max_watchers:
@@ -521,7 +529,14 @@ class Allocator:
                     f"quota: {owner or 'this caller'} has {mine} watchers open, its limit "
                     f"(max_watchers_per_caller = {self._max_watchers_per_caller}); close one first"
                 )
-        sub = Subscription(app_id, self._watch_queue_size, self._subscriptions.remove, owner=owner,
+        if uid is not None and self._max_watchers_per_uid is not None:
+            theirs = sum(1 for s in self._subscriptions if s.uid == uid)
+            if theirs >= self._max_watchers_per_uid:
+                raise InsufficientResources(
+                    f"quota: uid {uid} has {theirs} watchers open, its share (server.max_watchers_per_uid = "
+                    f"{self._max_watchers_per_uid}); close one first"
+                )
+        sub = Subscription(app_id, self._watch_queue_size, self._subscriptions.remove, owner=owner, uid=uid,
                            drop_slow=self._drop_slow_watchers)
         self._subscriptions.append(sub)
         return sub
@@ -657,6 +672,7 @@ class Allocator:
             priority=request.priority,
             source=source,
             pid=request.pid,
+            uid=request.uid,
             caller=caller,
             cold_start_mib=(memory_mib if sized_mib is None else sized_mib) if source == "cold_start" else None,
             sm_estimated=_sm_estimated(request, source),
@@ -671,7 +687,7 @@ class Allocator:
         as (new, old), in the ledger only (the caller stores and announces). InsufficientResources,
         nothing changed, when it does not fit even so (the ledger's reason and what is committed and
         reclaimable), or when the application's quota or limits refuse it."""
-        self.ledger.check_admissible(request.app_id, memory_mib, 0.0 if sm_elastic else sm_pct)
+        self.ledger.check_admissible(request.app_id, memory_mib, 0.0 if sm_elastic else sm_pct, uid=request.uid)
         devices = [request.device_id] if request.device_id else [c.device_id for c in self.ledger.devices()]
         best: ReclaimPlan | None = None
         for device_id in devices:

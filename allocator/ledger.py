@@ -46,6 +46,8 @@ _EPS = 1e-6
 # Exact totals count units of 2**-1074, the smallest positive float: every finite float is a whole
 # number of them, so sums of grants are kept exactly as integers.
 _ULP_DENOMINATOR = 2**1074
+# A Unix uid is a 32-bit unsigned number.
+_MAX_UID = 2**32 - 1
 
 
 def _exact(value: float) -> int:
@@ -90,6 +92,10 @@ class Grant:
     # over), not a share the application asked for: room another request may take while the
     # application's use is not known yet
     sm_estimated: bool = False
+    # the Unix uid whose share of the node's grants this grant takes (`Ledger.max_grants_per_uid`):
+    # the caller's, over the Unix socket; None: counted against no uid (the operator's token, uid 0,
+    # the policy's own grants, a caller whose uid is unknown)
+    uid: int | None = None
 
     @property
     def mem_changed_at_s(self) -> float:
@@ -179,6 +185,8 @@ class Ledger:
         self._by_app: dict[str, dict[str, Grant]] = {}
         self._by_device: dict[str, dict[str, Grant]] = {d: {} for d in self._devices}
         self._with_pid: dict[str, dict[str, Grant]] = {d: {} for d in self._devices}
+        # How many grants count against each uid (`Grant.uid`).
+        self._by_uid: dict[int, int] = {}
         # (memory MiB, SM %) granted per device and per application, as exact sums of the grants'
         # floats (`_exact` units).
         self._device_total: dict[str, tuple[int, int]] = {}
@@ -192,8 +200,9 @@ class Ledger:
         # what it was before (None: it did not exist). O(changes), so persisting costs O(1) rows.
         self._grants_before: dict[str, Grant | None] = {}
         self._limits_before: dict[str, AppLimits | None] = {}
-        # Per-application and per-node caps on the number of grants (None: no cap).
+        # Per-application, per-uid and per-node caps on the number of grants (None: no cap).
         self.max_grants_per_app: int | None = None
+        self.max_grants_per_uid: int | None = None
         self.max_grants: int | None = None
         # Grants from_records() could not place (their device is gone); kept for the caller to report.
         self.dropped_on_restore: tuple[Grant, ...] = ()
@@ -204,7 +213,10 @@ class Ledger:
     def _put(self, grant: Grant) -> None:
         """Add a grant, or replace the one with its id (keeping its place in every index)."""
         self.revision += 1
-        self._drop_totals(self._grants.get(grant.grant_id))
+        old = self._grants.get(grant.grant_id)
+        self._drop_totals(old)
+        self._count_uid(old, -1)
+        self._count_uid(grant, 1)
         self._grants[grant.grant_id] = grant
         self._by_app.setdefault(grant.app_id, {})[grant.grant_id] = grant
         self._by_device.setdefault(grant.device_id, {})[grant.grant_id] = grant
@@ -221,6 +233,7 @@ class Ledger:
             return None
         self.revision += 1
         self._drop_totals(grant)
+        self._count_uid(grant, -1)
         mine = self._by_app[grant.app_id]
         del mine[grant_id]
         if not mine:  # the application's last grant
@@ -233,6 +246,15 @@ class Ledger:
     def _drop_totals(self, grant: Grant | None) -> None:
         if grant is not None:
             self._add_totals(grant, -1)
+
+    def _count_uid(self, grant: Grant | None, sign: int) -> None:
+        if grant is None or grant.uid is None:
+            return
+        held = self._by_uid.get(grant.uid, 0) + sign
+        if held:
+            self._by_uid[grant.uid] = held
+        else:
+            del self._by_uid[grant.uid]
 
     def _add_totals(self, grant: Grant, sign: int) -> None:
         mem, sm = _exact(grant.memory_mib) * sign, _exact(grant.sm_pct) * sign
@@ -310,6 +332,10 @@ class Ledger:
         """Grants held on the node, or by one application."""
         return len(self._grants) if app_id is None else len(self._by_app.get(app_id, {}))
 
+    def uid_grant_count(self, uid: int) -> int:
+        """Grants that count against a uid's share (`Grant.uid`)."""
+        return self._by_uid.get(uid, 0)
+
     def apps(self) -> list[str]:
         """Applications with a grant or limits, sorted."""
         return sorted(set(self._by_app) | set(self._limits))
@@ -379,11 +405,11 @@ class Ledger:
             )
         self._check_limits(app_id, memory_mib, sm_pct, excluding=excluding)
 
-    def check_admissible(self, app_id: str, memory_mib: float, sm_pct: float) -> None:
-        """Whether one more grant of this size is within the node's and the application's grant
-        quotas and the application's limits, whatever the devices hold (InsufficientResources if
-        not): what no room made on a device can change."""
-        self._check_quota(app_id)
+    def check_admissible(self, app_id: str, memory_mib: float, sm_pct: float, *, uid: int | None = None) -> None:
+        """Whether one more grant of this size is within the node's, the uid's and the
+        application's grant quotas and the application's limits, whatever the devices hold
+        (InsufficientResources if not): what no room made on a device can change."""
+        self._check_quota(app_id, uid)
         self._check_limits(app_id, memory_mib, sm_pct)
 
     def _check_limits(self, app_id: str, memory_mib: float, sm_pct: float, *, excluding: str | None = None) -> None:
@@ -433,11 +459,13 @@ class Ledger:
         caller: str | None = None,
         cold_start_mib: float | None = None,
         sm_estimated: bool = False,
+        uid: int | None = None,
     ) -> Grant:
         """A new grant, or InsufficientResources (and nothing changes). `cold_start_mib`: the
         sizer's size for the job, kept with the grant; `sm_estimated`: its SM share is an estimate,
-        not asked for (`Grant.sm_estimated`). `priority` is the application's own; an
-        operator's priority for the application (`set_limits`) overrides it."""
+        not asked for (`Grant.sm_estimated`); `uid`: the uid whose share it takes (`Grant.uid`).
+        `priority` is the application's own; an operator's priority for the application
+        (`set_limits`) overrides it."""
         _check_app_id(app_id)
         _check_amount("memory_mib", memory_mib)
         _check_amount("sm_pct", sm_pct, upper=100.0)
@@ -446,7 +474,7 @@ class Ledger:
         if cold_start_mib is not None:
             _check_cold_start(cold_start_mib)
         self._check_caller(caller, app_id, "request resources on behalf")
-        self._check_quota(app_id)
+        self._check_quota(app_id, uid)
         if device_id is None or device_id == "":
             device_id = self.place(memory_mib, sm_pct, app_id)
         self._check_fits(app_id, device_id, memory_mib, sm_pct)
@@ -471,17 +499,27 @@ class Ledger:
             pid=int(pid),
             cold_start_mib=None if cold_start_mib is None else float(cold_start_mib),
             sm_estimated=bool(sm_estimated),
+            uid=uid,
         )
         self._touch_grant(grant.grant_id)
         self._put(grant)
         return grant
 
-    def _check_quota(self, app_id: str) -> None:
+    def _check_quota(self, app_id: str, uid: int | None = None) -> None:
+        # Every grant counts, one of 0 MiB too: it costs a stored row, a watch event and an entry in
+        # every listing as any other does.
         if self.max_grants is not None and len(self._grants) >= self.max_grants:
             raise InsufficientResources(
                 f"quota: this node holds {len(self._grants)} grants, its limit (max_grants_per_node = "
                 f"{self.max_grants}); release some first"
             )
+        if uid is not None and self.max_grants_per_uid is not None:
+            held = self.uid_grant_count(uid)
+            if held >= self.max_grants_per_uid:
+                raise InsufficientResources(
+                    f"quota: uid {uid} holds {held} grants on this node, its share (server.max_grants_per_uid = "
+                    f"{self.max_grants_per_uid}); release some first"
+                )
         if self.max_grants_per_app is not None:
             held = self.grant_count(app_id)
             if held >= self.max_grants_per_app:
@@ -541,6 +579,7 @@ class Ledger:
             mem_updated_at_s=now if memory_mib != grant.memory_mib else grant.mem_updated_at_s,
             cold_start_mib=grant.cold_start_mib,
             sm_estimated=grant.sm_estimated,
+            uid=grant.uid,
         )
         self._touch_grant(grant_id)
         self._put(new)
@@ -724,6 +763,9 @@ def _grant_from_record(g: Mapping[str, Any]) -> Grant:
         raise ValueError(f"pid is {grant.pid!r}, not an integer")
     if not 0 <= grant.pid <= MAX_PID:
         raise ValueError(f"pid {grant.pid} is out of range (0 to {MAX_PID})")
+    if grant.uid is not None and (not isinstance(grant.uid, int) or isinstance(grant.uid, bool)
+                                  or not 0 <= grant.uid <= _MAX_UID):
+        raise ValueError(f"uid is {grant.uid!r}, not a Unix uid")
     for name in ("created_at_s", "updated_at_s", "mem_updated_at_s"):
         value = getattr(grant, name)
         if value is None and name == "mem_updated_at_s":

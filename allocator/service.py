@@ -9,7 +9,9 @@ manager last heard from it, the profiler streams per device) comes from an optio
 the daemon plugs in; the user and command of a process from `process_info` (psutil by default).
 
 Claims: `claims()` (the daemon: its store's) gives the application ids whose token has been issued,
-with when; ListApplications marks those applications and lists the ones that hold nothing yet.
+with when (and `claim_uids()` which uid self-registered each); ListApplications marks those
+applications and lists the ones that hold nothing yet.
+ForgetApplications drops claims that hold nothing through `forget` (the daemon's access control).
 
 Caller identity: `identify(context)` returns the application identity of the caller, or None for a
 trusted caller (operator, same-user socket). The default trusts everyone; the daemon's auth
@@ -19,8 +21,8 @@ trusted caller (operator, same-user socket). The default trusts everyone; the da
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, NoReturn, Protocol, TypeAlias, TypeVar
 
 import grpc
@@ -36,7 +38,7 @@ from vgpu.allocator.core import (
     DeviceResources,
     EventKind,
 )
-from vgpu.allocator.errors import InvalidRequest, Unavailable, status_for
+from vgpu.allocator.errors import InvalidRequest, NotSupported, Unavailable, status_for
 from vgpu.allocator.history import AppSeries
 from vgpu.allocator.ledger import AppLimits, Grant
 from vgpu.ids import MAX_PID, app_id_problem
@@ -50,6 +52,9 @@ from vgpu.v1 import ingest_pb2, ingest_pb2_grpc
 # (A string: grpc's ServicerContext is generic in its stubs only.)
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 Identify: TypeAlias = Callable[[Context], str | None]
+# forget(app_ids, uid): drop the claims that hold nothing; the ids forgotten, and those kept with why
+# (the daemon: vgpu.auth.AccessControl.forget).
+Forget: TypeAlias = Callable[[list[str], "int | None"], Awaitable[tuple[list[str], list[tuple[str, str]]]]]
 T = TypeVar("T")
 
 _log = get_logger("vgpu.allocator.service")
@@ -400,15 +405,22 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     def __init__(self, allocator: Allocator, *, identify: Identify | None = None, observer: NodeObserver | None = None,
                  process_info: Callable[[int], tuple[str, str]] = process_info,
                  watcher_owner: Callable[[], str] | None = None,
-                 claims: Callable[[], Mapping[str, float | None]] | None = None, backend: str = "") -> None:
+                 bounded_uid: Callable[[], int | None] | None = None,
+                 claims: Callable[[], Mapping[str, float | None]] | None = None, backend: str = "",
+                 forget: Forget | None = None, claim_uids: Callable[[], Mapping[str, int]] | None = None) -> None:
         self.allocator = allocator
         self.backend = backend  # as GetAvailableResources reports it (server.backend)
         self._claims = claims or (lambda: {})
+        self._forget = forget
+        self._claim_uids = claim_uids or (lambda: {})
         self._identify: Identify = identify or (lambda _ctx: None)
         self.observer = observer
         self._process_info = process_info
         # Who a watcher counts against for the per-caller bound (the daemon: the caller's token).
         self._watcher_owner = watcher_owner or (lambda: "")
+        # The Unix uid whose per-uid shares (grants, watchers) the call takes (the daemon: the
+        # socket peer's, whatever token it sent; None: not bounded per uid).
+        self._bounded_uid = bounded_uid or (lambda: None)
         self.encoded_events = EncodedEvents()
 
     async def _call(self, context: Context, method: str, fn: Callable[[str | None], T]) -> T:
@@ -424,7 +436,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         def run(caller: str | None) -> tuple[Grant, str]:
             if not request.HasField("request"):
                 raise InvalidRequest("request is missing: set RequestResourceAllocationRequest.request")
-            grant = self.allocator.request_allocation(request_from_pb(request.request), caller=caller)
+            wanted = replace(request_from_pb(request.request), uid=self._bounded_uid())
+            grant = self.allocator.request_allocation(wanted, caller=caller)
             return grant, self.allocator.app_memory_limit(grant.app_id, grant.device_id)[0]  # the new grant's GPU
 
         grant, mem_limit = await self._call(context, "RequestResourceAllocation", run)
@@ -473,11 +486,29 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         limits = await self._call(context, "SetResourceLimits", run)
         return pb.SetResourceLimitsResponse(limits=limits_to_pb(limits))
 
+    async def ForgetApplications(  # noqa: N802
+        self, request: pb.ForgetApplicationsRequest, context: Context
+    ) -> pb.ForgetApplicationsResponse:
+        def check(_caller: str | None) -> tuple[list[str], int | None]:
+            if self._forget is None:
+                raise NotSupported("this server keeps no application claims")
+            ids = [_bounded_id(a, "app_ids") for a in request.app_ids]
+            uid = request.claimed_by_uid if request.HasField("claimed_by_uid") else None
+            if not ids and uid is None:
+                raise InvalidRequest("nothing to forget: name app_ids, or claimed_by_uid")
+            return ids, uid
+
+        ids, uid = await self._call(context, "ForgetApplications", check)
+        assert self._forget is not None  # checked above
+        forgotten, kept = await self._forget(ids, uid)
+        return pb.ForgetApplicationsResponse(forgotten=forgotten,
+                                             kept=[pb.KeptClaim(app_id=a, reason=why) for a, why in kept])
+
     async def ListApplications(  # noqa: N802
         self, request: pb.ListApplicationsRequest, context: Context
     ) -> pb.ListApplicationsResponse:
-        apps, claims = await self._call(context, "ListApplications",
-                                        lambda _c: (self.allocator.list_apps(), self._claims()))
+        apps, claims, uids = await self._call(context, "ListApplications",
+                                              lambda _c: (self.allocator.list_apps(), self._claims(), self._claim_uids()))
         obs = self.observer
         out = [app_to_pb(a, pids=obs.app_pids(a.app_id) if obs else (), process_info=self._process_info)
                for a in apps]
@@ -497,6 +528,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
                 at_s = claims[msg.app_id]
                 if at_s is not None:  # None: the stored time is damaged; the claim stands
                     msg.claimed_at_s = at_s
+                if msg.app_id in uids:
+                    msg.claimed_by_uid = uids[msg.app_id]
         out.sort(key=lambda m: m.app_id)
         return pb.ListApplicationsResponse(apps=out)
 
@@ -521,7 +554,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         (`EncodedEvents`); registered by `add_allocator_servicer`, whose serializer passes bytes through."""
         sub = await self._call(context, "WatchAllocations",
                                lambda _c: self.allocator.watch(_bounded_id(request.app_id, "app_id") or None,
-                                                               owner=self._watcher_owner()))
+                                                               owner=self._watcher_owner(),
+                                                               uid=self._bounded_uid()))
         encode = self.encoded_events
         try:
             # Initial metadata now tells the client the watch is live: every event from here on

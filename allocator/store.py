@@ -17,14 +17,16 @@ state aside and starts empty). A write that fails (a full disk, an I/O error) ra
 What is stored:
 - `grants` and `app_limits`: one row per grant and per application's limits (the ledger's records,
   as JSON; a grant's record keeps its job's cold-start size, `cold_start_mib`, since schema 4, and
-  whether its SM share is the sizer's estimate, `sm_estimated`, since schema 5), and
+  whether its SM share is the sizer's estimate, `sm_estimated`, and the uid whose share it takes,
+  `uid`, since schema 5), and
   `meta.grant_rows` / `meta.ledger_generation` kept with them;
 - `device_originals`: each device's power limit and MIG layout as found *before* vgpu wrote to it,
   recorded once and kept across crashes until a graceful stop has restored them;
 - `cgroup_originals`: the NVML memory limits of each (device, cgroup) as found before vgpu first
   capped that cgroup (allocator/mechanisms/limits.py), on the same terms: the first record wins, and it is
   forgotten once written back (at release, at stop, or by the start-up reconcile after a crash);
-- `apps`: application ids that have been claimed (their token has been issued).
+- `apps`: application ids that have been claimed (their token has been issued), each with the uid
+  that self-registered it (since schema 5; NULL: the operator's, or older).
 
 The schema is versioned (`meta.schema_version`). Opening a database of an older version first writes
 a complete copy of it beside it, `vgpu.sqlite3.pre-schema-<old version>` (SQLite's online backup,
@@ -120,8 +122,11 @@ UPDATE grants SET record_json = json_set(record_json, '$.cold_start_mib', json_e
     # A grant's record may hold `sm_estimated` (its SM share is the cold-start sizer's estimate, which
     # another request may take while the application's use is not known; a vgpu before this cannot
     # read such a record: hence a version). Which older grants' shares were estimates is not known,
-    # so they stay as they were, every share a commitment: no row changes.
-    5: "",
+    # so they stay as they were, every share a commitment: no row changes. A grant's record may also
+    # hold `uid`, the uid whose share of the node's grants it takes (older ones: none). A claim keeps
+    # the uid that self-registered it (`apps.uid`; NULL: the operator's, or claimed before this), for
+    # the per-uid bound on claims.
+    5: "ALTER TABLE apps ADD COLUMN uid INTEGER;",
 }
 
 
@@ -308,6 +313,9 @@ class Store:
         # count(*) (a scan of the table) per write or per claim.
         self._grant_rows = int(n)
         self._claimed = int(self._db.execute("SELECT count(*) FROM apps").fetchone()[0])
+        self._claimed_by_uid: dict[int, int] = {
+            uid: int(n) for uid, n in self._db.execute("SELECT uid, count(*) FROM apps GROUP BY uid")
+            if _claim_uid(uid) is not None}
 
     def _check_meta(self) -> list[str]:
         """The ledger generation is a counter each change bumps and nothing else reads: one that is
@@ -322,12 +330,16 @@ class Store:
         nothing) are left out of `claimed_apps` and `claims`; a claim whose time is not a number is
         kept, with no time. Each is described once, here."""
         notes = []
-        for app_id, at_s in self._db.execute("SELECT app_id, claimed_at_s FROM apps ORDER BY rowid"):
+        for app_id, at_s, uid in self._db.execute("SELECT app_id, claimed_at_s, uid FROM apps ORDER BY rowid"):
             if not _claim_id_ok(app_id):
                 why = app_id_problem(app_id) if isinstance(app_id, str) else f"a {type(app_id).__name__}, not text"
                 notes.append(f"apps row {str(app_id)[:80]!r}: {why}; left out")
-            elif _claim_time(at_s) is None:
+                continue
+            if _claim_time(at_s) is None:
                 notes.append(f"apps row {app_id!r}: claimed_at_s {str(at_s)[:80]!r} is not a time; the claim is kept")
+            if uid is not None and _claim_uid(uid) is None:
+                notes.append(f"apps row {app_id!r}: uid {str(uid)[:80]!r} is not a uid; the claim is kept, "
+                             "counted against no uid")
         return notes
 
     def _check_originals(self) -> list[str]:
@@ -536,28 +548,59 @@ class Store:
         self._write("DELETE FROM cgroup_originals WHERE device_id=? AND cgroup=?", (device_id, cgroup))
 
     # --- application ownership -----------------------------------------------------------------------
-    def claim_app(self, app_id: str) -> bool:
-        """Mark `app_id` as owned (its token issued). True if this call claimed it, False if it was
-        already claimed."""
+    def claim_app(self, app_id: str, uid: int | None = None) -> bool:
+        """Mark `app_id` as owned (its token issued), self-registered by `uid` (None: by the
+        operator, or the uid is unknown). True if this call claimed it, False if it was already
+        claimed (the claim stays as it was)."""
         cur = self._db.execute(
-            "INSERT OR IGNORE INTO apps(app_id, claimed_at_s) VALUES (?, ?)", (app_id, self._clock())
+            "INSERT OR IGNORE INTO apps(app_id, claimed_at_s, uid) VALUES (?, ?, ?)", (app_id, self._clock(), uid)
         )
         self.writes += 1
         self._claimed += cur.rowcount
+        if cur.rowcount and uid is not None:
+            self._claimed_by_uid[uid] = self._claimed_by_uid.get(uid, 0) + 1
         return cur.rowcount == 1
 
-    def unclaim_app(self, app_id: str) -> None:
-        """Forget a claim (the call that made it failed)."""
-        cur = self._db.execute("DELETE FROM apps WHERE app_id=?", (app_id,))
+    def unclaim_app(self, app_id: str) -> bool:
+        """Forget a claim (the call that made it failed, or the operator drops it): True if there
+        was one. sqlite3.Error (nothing forgotten) when the disk refuses."""
+        row = self._db.execute("DELETE FROM apps WHERE app_id=? RETURNING uid", (app_id,)).fetchone()
         self.writes += 1
-        self._claimed -= cur.rowcount
+        if row is None:
+            return False
+        self._claimed -= 1
+        uid = _claim_uid(row[0])
+        if uid is not None:
+            left = self._claimed_by_uid.get(uid, 0) - 1
+            if left > 0:
+                self._claimed_by_uid[uid] = left
+            else:
+                self._claimed_by_uid.pop(uid, None)
+        return True
 
-    def claimed_count(self) -> int:
-        """Claimed application ids (counted at open and by each claim and unclaim since)."""
-        return self._claimed
+    def claimed_count(self, uid: int | None = None) -> int:
+        """Claimed application ids, or those `uid` self-registered (counted at open and by each
+        claim and unclaim since)."""
+        return self._claimed if uid is None else self._claimed_by_uid.get(uid, 0)
 
     def app_claimed(self, app_id: str) -> bool:
         return self._db.execute("SELECT 1 FROM apps WHERE app_id=?", (app_id,)).fetchone() is not None
+
+    def claim_uid(self, app_id: str) -> int | None:
+        """The uid that self-registered a claimed id; None when it is not claimed, or the operator
+        claimed it, or the claim is older than the column."""
+        row = self._db.execute("SELECT uid FROM apps WHERE app_id=?", (app_id,)).fetchone()
+        return None if row is None else _claim_uid(row[0])
+
+    def claim_uids(self) -> dict[str, int]:
+        """The uid that self-registered each claim that has one, by id (`claim_uid` for all of them)."""
+        rows = self._db.execute("SELECT app_id, uid FROM apps WHERE uid IS NOT NULL").fetchall()
+        return {app_id: u for app_id, uid in rows if _claim_id_ok(app_id) and (u := _claim_uid(uid)) is not None}
+
+    def claimed_by(self, uid: int) -> list[str]:
+        """The ids `uid` self-registered, sorted (a stored one the app-id rule refuses is left out)."""
+        rows = self._db.execute("SELECT app_id FROM apps WHERE uid=? ORDER BY app_id", (uid,)).fetchall()
+        return [r[0] for r in rows if _claim_id_ok(r[0])]
 
     def claimed_apps(self) -> list[str]:
         """The claimed application ids (a stored one the app-id rule refuses is left out)."""
@@ -580,6 +623,13 @@ def _generation(value: object) -> int | None:
 
 def _claim_id_ok(app_id: object) -> bool:
     return isinstance(app_id, str) and app_id_problem(app_id) is None
+
+
+def _claim_uid(uid: object) -> int | None:
+    """A stored claiming uid, or None when there is none or it is not a uid."""
+    if isinstance(uid, int) and not isinstance(uid, bool) and 0 <= uid < 2**32:
+        return uid
+    return None
 
 
 def _claim_time(at_s: object) -> float | None:

@@ -69,14 +69,20 @@ class NoClaims:
     def app_claimed(self, app_id: str) -> bool:
         return False
 
-    def claim_app(self, app_id: str) -> bool:
+    def claim_app(self, app_id: str, uid: int | None = None) -> bool:
         return True
 
-    def unclaim_app(self, app_id: str) -> None:
-        pass
+    def unclaim_app(self, app_id: str) -> bool:
+        return False
 
-    def claimed_count(self) -> int:
+    def claimed_count(self, uid: int | None = None) -> int:
         return 0
+
+    def claim_uid(self, app_id: str) -> int | None:
+        return None
+
+    def claimed_by(self, uid: int) -> list[str]:
+        return []
 
 
 def cpu_s() -> float:

@@ -12,7 +12,15 @@ Actions:
   {"first_call", "held", "refused", "call_after"}: how many the daemon still holds, how many it
   closed, and whether the channel opened first still serves; then waits for stdin to close;
 - `touch PATH`: tries to connect to, and to bind a socket in the directory of, PATH (a socket);
-  {"connect", "bind"}: the errno name of each failure, or "ok".
+  {"connect", "bind"}: the errno name of each failure, or "ok";
+- `grants PREFIX APPS PER_APP`: claims the ids PREFIX0.. PREFIX<APPS-1> and asks for PER_APP grants
+  of 0 MiB for each, every request after an id's first with its token; stops at the first refusal:
+  {"granted", "tokens", "code", "details"};
+- `claims PREFIX N`: claims N ids (a 0-MiB request, then its release with the id's token); stops at
+  the first refusal: {"claimed", "code", "details"};
+- `watch PREFIX APPS PER_APP`: claims APPS ids, then opens PER_APP watches of each with its token;
+  stops at the first refused watch, prints {"opened", "code", "details"}, then holds the watches
+  open until stdin closes.
 """
 
 from __future__ import annotations
@@ -61,6 +69,18 @@ def _try(fn: object) -> str:
         return errno.errorcode.get(exc.errno or 0, str(exc))
 
 
+def _grant(stub: pb_grpc.AllocatorStub, app: str, token: str) -> tuple[str, str]:
+    """(the grant's id, the token: the one sent, or the one the reply carries for a new claim)."""
+    md = (("authorization", f"Bearer {token}"),) if token else ()
+    reply, call = stub.RequestResourceAllocation.with_call(pb.RequestResourceAllocationRequest(
+        request=pb.ResourceRequest(app_id=app, memory_mib=0.0)), metadata=md, timeout=10)
+    return reply.grant.grant_id, token or dict(call.trailing_metadata() or ()).get("vgpu-app-token", "")
+
+
+def _refusal(out: dict[str, object], err: grpc.RpcError) -> None:
+    out.update(code=err.code().name, details=err.details())
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--uid", type=int, required=True)
@@ -101,6 +121,56 @@ def main() -> int:
             sys.stdin.read()  # hold them until the test is done
             for s in idle:
                 s.close()
+        return 0
+    elif ns.action == "grants":
+        prefix, apps, per_app = ns.args[0], int(ns.args[1]), int(ns.args[2])
+        out.update(granted=0, tokens=0)
+        with grpc.insecure_channel(f"unix:{ns.socket}") as ch:
+            stub = pb_grpc.AllocatorStub(ch)
+            try:
+                for i in range(apps):
+                    token = ""
+                    for _ in range(per_app):
+                        _, token = _grant(stub, f"{prefix}{i}", token)
+                        out["granted"] = int(str(out["granted"])) + 1
+                    out["tokens"] = i + 1
+            except grpc.RpcError as err:
+                _refusal(out, err)
+    elif ns.action == "claims":
+        prefix, n = ns.args[0], int(ns.args[1])
+        out["claimed"] = 0
+        with grpc.insecure_channel(f"unix:{ns.socket}") as ch:
+            stub = pb_grpc.AllocatorStub(ch)
+            try:
+                for i in range(n):
+                    grant_id, token = _grant(stub, f"{prefix}{i}", "")
+                    stub.ReleaseResources(pb.ReleaseResourcesRequest(grant_id=grant_id),
+                                          metadata=(("authorization", f"Bearer {token}"),), timeout=10)
+                    out["claimed"] = i + 1
+            except grpc.RpcError as err:
+                _refusal(out, err)
+    elif ns.action == "watch":
+        prefix, apps, per_app = ns.args[0], int(ns.args[1]), int(ns.args[2])
+        with grpc.insecure_channel(f"unix:{ns.socket}") as ch:
+            stub = pb_grpc.AllocatorStub(ch)
+            tokens = [_grant(stub, f"{prefix}{i}", "")[1] for i in range(apps)]
+            calls = []
+            try:
+                for i, token in enumerate(tokens):
+                    for _ in range(per_app):
+                        call = stub.WatchAllocations(pb.WatchAllocationsRequest(app_id=f"{prefix}{i}"),
+                                                     metadata=(("authorization", f"Bearer {token}"),), timeout=60)
+                        calls.append(call)
+                        call.initial_metadata()  # sent once the watch is live; a refused one has ended
+                        if call.done():
+                            raise call  # type: ignore[misc]  # a grpc.RpcError
+            except grpc.RpcError as err:
+                _refusal(out, err)
+            out["opened"] = sum(1 for c in calls if not c.done())
+            print(json.dumps(out), flush=True)
+            sys.stdin.read()  # hold them until the test is done
+            for c in calls:
+                c.cancel()
         return 0
     elif ns.action == "touch":
         path = Path(ns.args[0])

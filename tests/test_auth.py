@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import sqlite3
 import stat
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from structlog.testing import capture_logs
 
 from vgpu import auth
 from vgpu.auth import AccessControl, AuthInterceptor, Denied, Principal, TokenAuthority
+from vgpu.peers import PeerCred
 from vgpu.v1 import allocator_pb2 as pb
 from vgpu.v1 import allocator_pb2_grpc as pb_grpc
 
@@ -68,21 +70,27 @@ def test_unknown_group_and_bad_secret_are_clear_errors(tmp_path: Path) -> None:
 # --- the policy, without gRPC ------------------------------------------------------------------------------
 @dataclass
 class Registry:
-    claimed: set[str] = field(default_factory=set)
+    claimed: dict[str, int | None] = field(default_factory=dict)
 
     def app_claimed(self, app_id: str) -> bool:
         return app_id in self.claimed
 
-    def claim_app(self, app_id: str) -> bool:
+    def claim_app(self, app_id: str, uid: int | None = None) -> bool:
         new = app_id not in self.claimed
-        self.claimed.add(app_id)
+        self.claimed.setdefault(app_id, uid)
         return new
 
-    def unclaim_app(self, app_id: str) -> None:
-        self.claimed.discard(app_id)
+    def unclaim_app(self, app_id: str) -> bool:
+        return self.claimed.pop(app_id, -1) != -1
 
-    def claimed_count(self) -> int:
-        return len(self.claimed)
+    def claimed_count(self, uid: int | None = None) -> int:
+        return len(self.claimed) if uid is None else sum(1 for u in self.claimed.values() if u == uid)
+
+    def claim_uid(self, app_id: str) -> int | None:
+        return self.claimed.get(app_id)
+
+    def claimed_by(self, uid: int) -> list[str]:
+        return sorted(a for a, u in self.claimed.items() if u == uid)
 
 
 @dataclass
@@ -99,7 +107,7 @@ class Grants:
 def _access(tmp_path: Path, **kw: bool) -> AccessControl:
     return AccessControl(
         TokenAuthority(tmp_path / "tokens"),
-        Registry({"a"}),
+        Registry({"a": None}),
         Grants({"ga": "a", "gx": "unclaimed-but-granted"}),
         **kw,
     )
@@ -199,14 +207,16 @@ class Served:
 
 
 @contextlib.asynccontextmanager
-async def _serve(tmp_path: Path, authority: TokenAuthority) -> AsyncIterator[Served]:
+async def _serve(tmp_path: Path, authority: TokenAuthority, registry: Registry | None = None,
+                 peer_of: Callable[[str], PeerCred | None] | None = None) -> AsyncIterator[Served]:
     from vgpu.allocator.core import Allocator
     from vgpu.allocator.service import AllocatorServicer, build_server
     from vgpu.daemon.serve import LedgerView
     from vgpu.device.sim import SimBackend
 
     allocator = Allocator(SimBackend(["h100-80gb"]), dry_run=False)
-    access = AccessControl(authority, Registry(), LedgerView(allocator))
+    access = AccessControl(authority, registry if registry is not None else Registry(), LedgerView(allocator),
+                           peer_of=peer_of)
     sock = f"unix:{tmp_path}/s.sock"
     server = build_server(
         sock,
@@ -287,6 +297,53 @@ async def test_reads_are_open_and_failed_requests_claim_nothing(served: Served) 
     # Nothing was claimed by the failed call: a later caller may still claim "big".
     _, token = await _request(served, "big", 10)
     assert token
+
+
+@dataclass
+class FullDisk(Registry):
+    """A store whose disk fills: while `full`, a claim is still written but forgetting one fails."""
+
+    full: bool = False
+
+    def unclaim_app(self, app_id: str) -> bool:
+        if self.full:
+            raise sqlite3.OperationalError("disk I/O error")
+        return super().unclaim_app(app_id)
+
+
+async def test_a_failed_call_whose_claim_cannot_be_forgotten_leaves_the_id_free(tmp_path: Path) -> None:
+    """The store cannot delete the claim a failed call gives back (its disk is full): the claim and
+    its token file stay together, and once the store takes writes the caller's retry (told the call
+    changed nothing) claims the id afresh and gets its token. A claim such a failure left behind
+    without anything pending in memory (a restart) is its own uid's to claim again, and no other's."""
+    registry = FullDisk(full=True)
+    uid = {"n": 1000}
+    authority = TokenAuthority(tmp_path / "tokens")
+    async with _serve(tmp_path, authority, registry, peer_of=lambda _p: PeerCred(pid=1, uid=uid["n"], gid=1)) as s:
+        with capture_logs() as logs, pytest.raises(grpc.aio.AioRpcError) as info:
+            await _request(s, "big", 10_000_000)  # refused after the claim was written
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert registry.claimed == {"big": 1000} and authority.app_token_path("big").exists()
+        assert [e["app"] for e in logs if e["event"] == "app_unclaim_pending"] == ["big"]
+        with pytest.raises(grpc.aio.AioRpcError) as info:  # the disk is still full: nothing changes
+            await _request(s, "big", 10)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE and registry.claimed == {"big": 1000}
+        registry.full = False
+        grant, token = await _request(s, "big", 10)  # the retry
+        assert grant.app_id == "big" and authority.verify(token) == Principal("app", "big", "token")
+        assert registry.claimed == {"big": 1000}
+        # what a failure left behind before a restart: claimed by uid 1000, no token file, nothing pending
+        registry.claimed["old"] = 1000
+        uid["n"] = 1001
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await _request(s, "old", 10)
+        assert info.value.code() == DENY
+        uid["n"] = 1000
+        with pytest.raises(grpc.aio.AioRpcError):
+            await _request(s, "old", 10_000_000)  # a failed call does not give back a claim it did not make
+        assert registry.claimed["old"] == 1000
+        _, token = await _request(s, "old", 10)
+        assert authority.verify(token) == Principal("app", "old", "token")
 
 
 async def test_watch_stream_passes_through(served: Served) -> None:

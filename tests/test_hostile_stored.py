@@ -163,8 +163,12 @@ STORE_DAMAGE: dict[str, tuple[str, str, str]] = {
     "claim time a string": ("UPDATE apps SET claimed_at_s='x' WHERE app_id='held'", "apps row 'held': ",
                             "the claim is kept"),
     # the start wrote each claimed id's token file with bytes for a name: AttributeError, no start
-    "claim id a blob": ("INSERT INTO apps VALUES (x'00ff', 1.0)", f"apps row {str(bytes([0, 255]))!r}: ", "left out"),
-    "claim id the rule refuses": ("INSERT INTO apps VALUES ('two words', 1.0)", "apps row 'two words': ", "left out"),
+    "claim id a blob": ("INSERT INTO apps(app_id, claimed_at_s) VALUES (x'00ff', 1.0)", f"apps row {str(bytes([0, 255]))!r}: ", "left out"),
+    "claim id the rule refuses": ("INSERT INTO apps(app_id, claimed_at_s) VALUES ('two words', 1.0)",
+                                  "apps row 'two words': ", "left out"),
+    # a claiming uid that is no uid counts against no uid's share
+    "claim uid a string": ("INSERT INTO apps(app_id, claimed_at_s, uid) VALUES ('uid-damaged', 1.0, 'root')",
+                           "apps row 'uid-damaged': ", "counted against no uid"),
     # the first change did int('x'): the start failed with a ValueError naming nothing
     "ledger generation a string": ("UPDATE meta SET value='x' WHERE key='ledger_generation'",
                                    "meta ledger_generation 'x': ", "counted afresh"),

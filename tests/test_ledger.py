@@ -280,4 +280,25 @@ def test_a_resize_keeps_every_other_field_of_the_grant() -> None:
     assert sm_only == dataclasses.replace(resized, sm_pct=20.0, updated_at_s=300.0, source="forecast")
     assert {f.name for f in dataclasses.fields(g)} == {
         "grant_id", "app_id", "device_id", "memory_mib", "sm_pct", "priority", "created_at_s", "updated_at_s",
-        "source", "pid", "mem_updated_at_s", "cold_start_mib", "sm_estimated"}, "a new Grant field: name it in Ledger.resize"
+        "source", "pid", "mem_updated_at_s", "cold_start_mib", "sm_estimated", "uid"}, "a new Grant field: name it in Ledger.resize"
+
+
+def test_a_uids_share_of_grants_is_counted_through_resizes_releases_and_a_restore() -> None:
+    """Grants made for a uid count against its share (`max_grants_per_uid`), 0-MiB ones too; a resize
+    keeps the count, a release frees a place, the operator's grants (no uid) count against none, and
+    the stored records bring the counts back."""
+    led = Ledger([GPU0])
+    led.max_grants_per_uid = 2
+    a = led.grant("a", 0, uid=1000)
+    led.grant("b", 10, uid=1000)
+    with pytest.raises(InsufficientResources, match=r"uid 1000 holds 2 grants .*server.max_grants_per_uid = 2"):
+        led.grant("c", 0, uid=1000)
+    led.grant("c", 0, uid=1001)
+    led.grant("c", 0)  # no uid: bounded by the node's quota only
+    led.resize(a.grant_id, 20, 0)
+    assert led.uid_grant_count(1000) == 2 and led.uid_grant_count(1001) == 1
+    led.release(a.grant_id)
+    led.grant("d", 0, uid=1000)
+    back = Ledger.from_records(led.to_records())
+    assert (back.uid_grant_count(1000), back.uid_grant_count(1001)) == (2, 1)
+    assert {g.uid for g in back.grants()} == {1000, 1001, None}

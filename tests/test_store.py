@@ -146,7 +146,7 @@ def _as_version_1(path: Path, records: dict | None = None) -> None:  # type: ign
     cgroup_originals and no rows per grant."""
     db = sqlite3.connect(path / "vgpu.sqlite3")
     db.executescript(
-        "DROP TABLE cgroup_originals; DROP TABLE grants; DROP TABLE app_limits; "
+        "DROP TABLE cgroup_originals; DROP TABLE grants; DROP TABLE app_limits; ALTER TABLE apps DROP COLUMN uid; "
         "DELETE FROM meta WHERE key IN ('grant_rows', 'ledger_generation'); "
         "UPDATE meta SET value='1' WHERE key='schema_version';"
     )
@@ -458,3 +458,15 @@ def test_a_stored_change_is_the_grant_record_as_asdict_writes_it(tmp_path: Path)
         store.apply_changes(led.changes())
         rows = dict(store._db.execute("SELECT grant_id, record_json FROM grants").fetchall())
     assert rows == {g.grant_id: json.dumps(asdict(g), sort_keys=True, allow_nan=False) for g in (a, b)}
+
+
+def test_claims_keep_the_uid_that_made_them_and_are_counted_per_uid(tmp_path: Path) -> None:
+    with Store(tmp_path) as store:
+        assert store.claim_app("a", 1000) and store.claim_app("b", 1000) and store.claim_app("op")
+        assert not store.claim_app("a", 1001)  # claimed already: the claim stays its first uid's
+        assert (store.claimed_count(), store.claimed_count(1000), store.claimed_count(1001)) == (3, 2, 0)
+        assert store.claim_uid("a") == 1000 and store.claim_uid("op") is None and store.claim_uid("none") is None
+        assert store.unclaim_app("a") and not store.unclaim_app("a")
+        assert store.claimed_by(1000) == ["b"]
+    with Store(tmp_path) as store:  # counted again at open
+        assert (store.claimed_count(), store.claimed_count(1000)) == (2, 1)

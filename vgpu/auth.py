@@ -85,6 +85,7 @@ METHOD_NEEDS: dict[str, Need] = {
     "/vgpu.v1.Allocator/GetAppHistory": "read",
     "/vgpu.v1.Allocator/WatchAllocations": "read",
     "/vgpu.v1.Allocator/SetResourceLimits": "operator",
+    "/vgpu.v1.Allocator/ForgetApplications": "operator",
     "/vgpu.v1.Ingest/StreamSignatures": "profiler",
 }
 OPEN_PREFIXES: tuple[str, ...] = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -92,6 +93,7 @@ OPEN_PREFIXES: tuple[str, ...] = ("/grpc.health.v1.Health/", "/grpc.reflection."
 
 _CALLER: contextvars.ContextVar[str | None] = contextvars.ContextVar("vgpu_caller", default=None)
 _PRINCIPAL: contextvars.ContextVar[str] = contextvars.ContextVar("vgpu_principal", default="")
+_BOUNDED_UID: contextvars.ContextVar[int | None] = contextvars.ContextVar("vgpu_bounded_uid", default=None)
 
 
 def caller_name() -> str:
@@ -99,6 +101,22 @@ def caller_name() -> str:
     Unix peer's uid is known, else "anonymous"), for per-caller bounds; set by `AuthInterceptor` for
     the call's task."""
     return _PRINCIPAL.get()
+
+
+def bounded_uid() -> int | None:
+    """The Unix uid whose per-uid shares (grants, watchers) the current call takes, whatever token it
+    sent (`uid_bound`); set by `AuthInterceptor` for the call's task."""
+    return _BOUNDED_UID.get()
+
+
+def uid_bound(principal: Principal, peer: PeerCred | None) -> int | None:
+    """The uid a caller's per-uid shares count against: the Unix peer's, whatever token it presents
+    (a user may claim many application ids, each with a token of its own); None (bounded per node
+    only) for the operator token, for uid 0 (root, and every container that runs as root without a
+    user namespace: one uid, many users) and where the uid is unknown (TCP, the front off)."""
+    if peer is None or peer.uid == 0 or principal.role == "operator":
+        return None
+    return peer.uid
 
 
 def identify_caller(_context: object = None) -> str | None:
@@ -286,11 +304,15 @@ class AppRegistry(Protocol):
 
     def app_claimed(self, app_id: str) -> bool: ...
 
-    def claim_app(self, app_id: str) -> bool: ...
+    def claim_app(self, app_id: str, uid: int | None = None) -> bool: ...
 
-    def unclaim_app(self, app_id: str) -> None: ...
+    def unclaim_app(self, app_id: str) -> bool: ...
 
-    def claimed_count(self) -> int: ...
+    def claimed_count(self, uid: int | None = None) -> int: ...
+
+    def claim_uid(self, app_id: str) -> int | None: ...
+
+    def claimed_by(self, uid: int) -> list[str]: ...
 
 
 class LedgerView(Protocol):
@@ -322,6 +344,7 @@ class AccessControl:
         open_reads: bool = True,
         app_self_registration: bool = True,
         max_self_registered_apps: int | None = None,
+        max_self_registered_apps_per_uid: int | None = None,
         pid_proof: Callable[[int, str], bool] | None = None,
         open_ingest: bool = False,
         mtls_role: Role = "profiler",
@@ -335,6 +358,14 @@ class AccessControl:
         self.open_reads = open_reads
         self.app_self_registration = app_self_registration
         self.max_self_registered_apps = max_self_registered_apps
+        self.max_self_registered_apps_per_uid = max_self_registered_apps_per_uid
+        # Claims failed calls gave back whose rows the store could not delete (a full disk); retried
+        # at each later claim and unclaim (`_retry_unclaims`).
+        self.unclaims_pending: set[str] = set()
+        # Held from a claim's first write to the end of the call it is for (`AuthInterceptor`), and
+        # while claims are forgotten (`forget`): two anonymous callers cannot both win an id, and a
+        # claim is not forgotten half-made.
+        self.claim_lock = asyncio.Lock()
         # pid_proof(pid, app_id): whether the process shows it is that application's, in a way
         # only its own user could arrange (the daemon: `InAppPidProof`); None: nothing proves it.
         self.pid_proof = pid_proof
@@ -414,18 +445,14 @@ class AccessControl:
             if role == "anonymous" and app_id:
                 if not self.app_self_registration:
                     raise Denied(grpc.StatusCode.UNAUTHENTICATED, "requests need the application's token")
-                if self.registry.app_claimed(app_id) or self.ledger.has_app(app_id):
+                claimed = self.registry.app_claimed(app_id)
+                if self.ledger.has_app(app_id) or (claimed and not self._reclaimable(app_id, peer)):
                     raise Denied(
                         grpc.StatusCode.PERMISSION_DENIED,
                         f"application {app_id!r} is owned by another client; present its token",
                     )
-                limit = self.max_self_registered_apps
-                if limit is not None and self.registry.claimed_count() >= limit:
-                    raise Denied(
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"quota: {limit} application ids are claimed (auth.max_self_registered_apps = {limit}); "
-                        "ask the operator for this application's token",
-                    )
+                if not claimed or app_id in self.unclaims_pending:  # a new claim: the pending one is forgotten first
+                    self._check_claim_quotas(peer)
                 return app_id
             if role == "anonymous":
                 return None  # empty app_id: the servicer answers INVALID_ARGUMENT
@@ -447,6 +474,40 @@ class AccessControl:
                 f"{principal.describe()} may not change grant {grant_id} of application {owner!r}",
             )
         raise Denied(grpc.StatusCode.PERMISSION_DENIED, f"unknown access rule {need!r}")
+
+    def _reclaimable(self, app_id: str, peer: PeerCred | None) -> bool:
+        """A claimed id that holds nothing may be claimed (again): one a failed call gave back that
+        the store could not forget yet (a full disk: `unclaim`), by anyone, since the call was
+        answered that nothing changed; and any, by the uid that self-registered it (its token handed
+        out again), so that a claim left behind by a failure is its caller's still after a restart,
+        when the pending ones are not known any more. A uid is one user (its processes may read each
+        other's memory); uid 0 is not (every container that runs as root without a user namespace is
+        uid 0), so its claims are never taken again this way."""
+        if app_id in self.unclaims_pending:  # given back: free, once the store forgets it (`claim`)
+            return True
+        if peer is None or peer.uid == 0:
+            return False
+        return self.registry.claim_uid(app_id) == peer.uid
+
+    def _check_claim_quotas(self, peer: PeerCred | None) -> None:
+        limit = self.max_self_registered_apps
+        if limit is not None and self.registry.claimed_count() >= limit:
+            raise Denied(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"quota: {limit} application ids are claimed (auth.max_self_registered_apps = {limit}); "
+                "ask the operator for this application's token",
+            )
+        per_uid = self.max_self_registered_apps_per_uid
+        if per_uid is None or peer is None or peer.uid == 0:
+            return
+        held = self.registry.claimed_count(peer.uid)
+        if held >= per_uid:
+            raise Denied(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"quota: uid {peer.uid} has claimed {held} application ids (auth.max_self_registered_apps_per_uid = "
+                f"{per_uid}); reuse one of them, or ask the operator to forget those that hold nothing "
+                "(`vgpu forget-app`)",
+            )
 
     def place_pid(self, request: object, peer: PeerCred | None) -> None:
         """Rewrite a request's pid from the caller's pid namespace into the daemon's, before any rule
@@ -500,32 +561,96 @@ class AccessControl:
                 f"not exist) and does not report itself as {app_id!r} (a fresh in-app report of its own user); "
                 "naming another user's process needs the operator token")
 
-    async def claim(self, app_id: str) -> str:
-        """Mark the application owned, write its token file, and return the token; on any failure
-        nothing stays claimed and ClaimFailed says why. The registry is called on the caller's thread
-        (the daemon's store is a SQLite connection bound to it); the file is written in a worker
-        thread, so a slow disk never stalls the event loop's other calls."""
+    async def claim(self, app_id: str, uid: int | None = None) -> tuple[str, bool]:
+        """Mark the application owned (self-registered by `uid`; None: by the operator), write its
+        token file, and return the token and whether the call's failure is to give the claim back
+        (`unclaim`): a new claim. An id its own uid claimed before and kept (`_reclaimable`) keeps
+        its claim whatever the call does: its token was handed out, and a claim given up could be
+        taken by another user, who would be issued the same token. A claim a failed call gave back
+        that the store could not forget (`unclaims_pending`) is forgotten first, so the id is
+        claimed afresh, by this caller. On any failure nothing new stays claimed and ClaimFailed says
+        why. The registry is called on the caller's thread (the daemon's store is a SQLite connection
+        bound to it); the file is written in a worker thread, so a slow disk never stalls the event
+        loop's other calls."""
+        self._retry_unclaims()
+        if app_id in self.unclaims_pending:
+            raise ClaimFailed("cannot record the new application: the state directory still refuses to forget the "
+                              "claim an earlier call for it gave back")
         try:
-            self.registry.claim_app(app_id)
+            new = self.registry.claim_app(app_id, uid)
         except Exception as exc:  # noqa: BLE001 - the store says why (a full disk, a damaged file)
             raise ClaimFailed(f"cannot record the new application: {exc}") from exc
         try:
             await asyncio.to_thread(self.authority.write_app_token, app_id)
         except AuthSetupError as exc:
-            await self.unclaim(app_id)
+            if new:
+                await self.unclaim(app_id)
             raise ClaimFailed(f"cannot write the application's token file: {exc.__cause__ or exc}") from exc
-        return self.authority.token_for(f"app:{app_id}")
+        return self.authority.token_for(f"app:{app_id}"), new
 
-    async def unclaim(self, app_id: str) -> None:
-        """Undo `claim` (the call it was for failed): the id is free again. Best effort: a token
-        file left behind is harmless (it names nothing the ledger holds, and the id may be claimed
+    async def unclaim(self, app_id: str) -> bool:
+        """Undo `claim` (the call it was for failed): the id is free again; True when it is. When
+        the store cannot forget the claim (a full disk), the claim and its token file both stay as
+        they are, consistent with each other, and the id is kept in `unclaims_pending`, to be
+        forgotten by a later claim or unclaim once the store takes writes again, a claim of this id
+        first of all: the caller retrying the call it was told changed nothing gets the id and its
+        token (`_reclaimable`; after a restart, when it is no longer known as pending, if the same
+        uid claimed it). A token file whose
+        claim is gone is harmless (it names nothing the ledger holds, and the id may be claimed
         again, which rewrites it)."""
         try:
             self.registry.unclaim_app(app_id)
-        except Exception:  # noqa: BLE001 - logged by the caller's failure already
-            pass
+        except Exception:  # noqa: BLE001 - a full disk, a damaged file: kept for a retry
+            self.unclaims_pending.add(app_id)
+            return False
+        self.unclaims_pending.discard(app_id)
         with contextlib.suppress(OSError):
             self.authority.app_token_path(app_id).unlink()
+        self._retry_unclaims()
+        return True
+
+    def _retry_unclaims(self) -> None:
+        """Forget the claims failed calls gave back that the store could not forget then; stops at
+        the first refusal (the disk is still full)."""
+        for app_id in list(self.unclaims_pending):
+            if self.ledger.has_app(app_id):  # the operator made grants for it meanwhile: it is owned
+                self.unclaims_pending.discard(app_id)
+                continue
+            try:
+                self.registry.unclaim_app(app_id)
+            except Exception:  # noqa: BLE001 - still refused: kept for the next try
+                return
+            self.unclaims_pending.discard(app_id)
+            with contextlib.suppress(OSError):
+                self.authority.app_token_path(app_id).unlink()
+
+
+    async def forget(self, app_ids: Sequence[str], uid: int | None = None) -> tuple[list[str], list[tuple[str, str]]]:
+        """Drop the claims of `app_ids`, and of every id `uid` self-registered, that hold nothing (no
+        grant, no limits): the operator's remedy for ids claimed and left (`vgpu forget-app`). Each
+        dropped claim's token file is deleted; the token itself stays valid for the id (tokens are
+        derived from the id and the daemon's secret), so whoever held it acts for the id again once
+        anyone claims it anew. The ids forgotten, and those kept with why."""
+        wanted = list(dict.fromkeys([*app_ids, *(self.registry.claimed_by(uid) if uid is not None else [])]))
+        forgotten: list[str] = []
+        kept: list[tuple[str, str]] = []
+        async with self.claim_lock:
+            for app_id in wanted:
+                if not self.registry.app_claimed(app_id):
+                    kept.append((app_id, "not claimed"))
+                elif self.ledger.has_app(app_id):
+                    kept.append((app_id, "holds grants or limits: release them, and clear its limits, first"))
+                else:
+                    try:
+                        self.registry.unclaim_app(app_id)
+                    except Exception as exc:  # noqa: BLE001 - a full disk: said, and the rest kept too
+                        kept.append((app_id, f"the state directory refused the change: {exc}"))
+                        continue
+                    self.unclaims_pending.discard(app_id)
+                    with contextlib.suppress(OSError):
+                        self.authority.app_token_path(app_id).unlink()
+                    forgotten.append(app_id)
+        return forgotten, kept
 
 
 class ClaimFailed(Exception):
@@ -682,7 +807,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self._on_denied = on_denied
         self._denial_log = denial_log or DenialLog()
         # Claims of new application ids are serialised so two anonymous callers cannot both win.
-        self._claim_lock = asyncio.Lock()
+        self._claim_lock = access.claim_lock
         self._pending_token: dict[str, str] = {}
 
     async def _deny(self, context: Any, method: str, caller: str, denied: Denied, peer: PeerCred | None = None) -> None:
@@ -710,7 +835,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         metadata = tuple(handler_call_details.invocation_metadata or ())
         access = self.access
 
-        async def before(request: object, context: Any) -> tuple[str | None, bool]:
+        async def before(request: object, context: Any) -> tuple[str | None, bool, bool]:
             caller = "bad-token"
             peer = access.peer(_peer_text(context))
             try:
@@ -724,6 +849,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 raise  # abort raises; never reached
             _CALLER.set(principal.app_id if principal.role == "app" else claim)
             _PRINCIPAL.set(caller_label(principal, peer))
+            _BOUNDED_UID.set(uid_bound(principal, peer))
             # every line logged for this call (granted, released, limits_set, reclaimed, ...) says who
             # asked: the call runs in its own task, so the binding ends with it
             structlog.contextvars.bind_contextvars(**audit_fields(principal, peer, _peer_text(context)))
@@ -732,7 +858,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 if app_id and app_id_problem(app_id) is None and not access.registry.app_claimed(app_id):
                     claim = app_id  # the operator's first grant for an app creates its token file
             if claim is None:
-                return None, False
+                return None, False, False
             await self._claim_lock.acquire()
             try:  # re-check under the lock: another caller may have claimed it meanwhile
                 access.authorize(need, principal, request, peer)
@@ -744,24 +870,28 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             # changes anything, so a claim that cannot be written fails the call with nothing done,
             # and a call that fails gives the claim back (`after`).
             try:
-                self._pending_token[claim] = await access.claim(claim)
+                self._pending_token[claim], give_back = await access.claim(
+                    claim, peer.uid if peer is not None and principal.role == "anonymous" else None)
             except ClaimFailed as exc:
                 self._claim_lock.release()
                 self._log.error("app_claim_failed", method=method, app=claim, error=str(exc))
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"{exc}; free space in the state directory and retry")
                 raise
-            return claim, True
+            return claim, True, give_back
 
-        async def after(state: tuple[str | None, bool], context: Any, ok: bool) -> None:
-            claim, locked = state
+        async def after(state: tuple[str | None, bool, bool], context: Any, ok: bool) -> None:
+            claim, locked, give_back = state
             try:
                 if claim is not None:
                     token = self._pending_token.pop(claim, "")
                     if ok:
                         context.set_trailing_metadata(((APP_TOKEN_TRAILER, token),))
                         self._log.info("app_claimed", app=claim, token_file=str(access.authority.app_token_path(claim)))
-                    else:
-                        await access.unclaim(claim)
+                    elif give_back and not await access.unclaim(claim):
+                        self._log.warning("app_unclaim_pending", app=claim,
+                                          reason="the state directory refused to forget the claim; kept, with its "
+                                                 "token file, for the claiming uid's retry, and forgotten once it "
+                                                 "takes writes again")
             finally:
                 if locked:
                     self._claim_lock.release()

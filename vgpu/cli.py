@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "request": ("vgpu.ctl:request_main", "request an allocation for an application"),
     "release": ("vgpu.ctl:release_main", "release a grant"),
     "set-limit": ("vgpu.ctl:set_limit_main", "set an application's limits (operator)"),
+    "forget-app": ("vgpu.ctl:forget_app_main", "drop claimed application ids that hold nothing (operator)"),
     "top": ("vgpu.ctl:top_main", "live view of applications and devices"),
     "report": ("vgpu.report:main", "draw use, forecast and grant over time for an application or a GPU"),
     "size": ("vgpu.manager.coldstart:size_main", "size a job before it has a history (the cold-start model)"),

@@ -115,14 +115,26 @@ class ServerConfig:
     # apps`) and for a restarted profiler to send for them again. With idle_release_s 0 it never runs.
     stream_end_grace_s: float = 10.0
     # Grant quotas: at most this many grants per application and on the node (RESOURCE_EXHAUSTED
-    # naming the quota beyond); they bound the ledger whatever callers pile up.
+    # naming the quota beyond); they bound the ledger whatever callers pile up. A grant of 0 MiB
+    # counts as any other: it costs a stored row, events and listings all the same.
     max_grants_per_app: int = 64
     max_grants_per_node: int = 4096
+    # Grants one uid may hold at once, whatever tokens it calls with (with peer_credentials on: the
+    # daemon knows each Unix-socket caller's uid), so one user naming its own live processes cannot
+    # hold the node's max_grants_per_node and lock the others out: an eighth of it by default, a
+    # node's worth of one user's jobs (8 GPUs x 64 grants, max_grants_per_app). Calls with the
+    # operator token, and uid 0 (root; every container that runs as root without a user namespace),
+    # are bounded by the node's quota only, as for max_connections_per_uid.
+    max_grants_per_uid: int = 512
     # WatchAllocations streams at most per caller (one token; callers without a token count as one per
     # uid, or as one in all where the uid is unknown: TCP, peer_credentials off) and in all; a watcher
     # that does not keep up with its events is dropped.
     max_watchers_per_caller: int = 16
     max_watchers: int = 256
+    # ... and per uid, whatever tokens it presents: each application id a user self-registers comes
+    # with a token of its own, so max_watchers_per_caller alone does not bound a user. A quarter of
+    # max_watchers; the operator token and uid 0 are bounded by max_watchers only.
+    max_watchers_per_uid: int = 64
     # Connections open at once on the socket (gRPC's grpc.max_allowed_incoming_connections): one
     # beyond it is closed as soon as it is accepted. Each costs the daemon about 13 KiB (17 KiB once
     # it has spoken HTTP/2), so the bound caps that memory; the price is that a caller holding this
@@ -181,6 +193,10 @@ class AuthConfig:
     # At most this many application ids may be claimed by self-registration (each is a row and a
     # token file that outlive its grants); beyond, RESOURCE_EXHAUSTED naming the bound.
     max_self_registered_apps: int = 10000
+    # ... and at most this many by one uid (the claiming uid is stored with the claim), so one user
+    # cannot claim them all: a claim outlives its grants, and only `vgpu forget-app` drops one.
+    # uid 0 is bounded by the node's bound only.
+    max_self_registered_apps_per_uid: int = 1000
     # GetAvailableResources / ListApplications / WatchAllocations need no token.
     open_reads: bool = True
     # Ingest streams need no profiler token (only for profilers that cannot send one yet).
@@ -427,8 +443,8 @@ def _validate(cfg: Config) -> None:
     if not 0 < s.stream_end_grace_s <= 3600:
         raise ConfigError(f"server.stream_end_grace_s: expected more than 0 and at most 3600 seconds (the release "
                           f"after a stream's end is off only with server.idle_release_s 0), got {s.stream_end_grace_s}")
-    for name in ("max_grants_per_app", "max_grants_per_node", "max_watchers_per_caller", "max_watchers",
-                 "max_connections", "max_connections_per_uid"):
+    for name in ("max_grants_per_app", "max_grants_per_node", "max_grants_per_uid", "max_watchers_per_caller",
+                 "max_watchers", "max_watchers_per_uid", "max_connections", "max_connections_per_uid"):
         if getattr(s, name) < 1:
             raise ConfigError(f"server.{name}: must be >= 1, got {getattr(s, name)}")
     if not MIN_STREAMS_PER_CONNECTION <= s.max_streams_per_connection <= MAX_STREAMS_PER_CONNECTION:
@@ -440,8 +456,9 @@ def _validate(cfg: Config) -> None:
                           f"profiler's largest batch, {MAX_BATCH_BYTES}, up to 64 MiB), got {s.max_request_bytes}")
     if cfg.manager.accept_replay not in ("auto", "yes", "no"):
         raise ConfigError(f"manager.accept_replay: expected auto, yes or no, got {cfg.manager.accept_replay!r}")
-    if cfg.auth.max_self_registered_apps < 1:
-        raise ConfigError(f"auth.max_self_registered_apps: must be >= 1, got {cfg.auth.max_self_registered_apps}")
+    for name in ("max_self_registered_apps", "max_self_registered_apps_per_uid"):
+        if getattr(cfg.auth, name) < 1:
+            raise ConfigError(f"auth.{name}: must be >= 1, got {getattr(cfg.auth, name)}")
     if s.tcp:
         parse_host_port(s.tcp)  # raises ConfigError
         if not cfg.tls.cert:

@@ -7,6 +7,7 @@
     vgpu release   --socket PATH --grant ID [--wait-s S] [--json]
     vgpu set-limit --socket PATH --app ID [--max-memory-mib N] [--max-sm-pct P] [--priority N] [--clear] [--create] [--wait-s S] [--json]
     vgpu top       --socket PATH [--interval-s 1] [--iterations N] [--wait-s S]
+    vgpu forget-app --socket PATH (--app ID [--app ID ...] | --uid N) [--wait-s S] [--json]
 
 Tokens (vgpu/auth.py). A command sends, in order until one is accepted: the token of `--token-file`
 or `$VGPU_TOKEN_FILE` or `$VGPU_TOKEN`; for an application's grants, the application token this
@@ -910,6 +911,53 @@ def set_limit_main(argv: Sequence[str] | None = None, prog: str = "vgpu set-limi
             if app.mem_used_mib > cap:
                 print(f"{prog}: warning: {ns.app} uses {app.mem_used_mib:,.0f} MiB now, above its cap of "
                       f"{cap:,.0f} MiB; it may run out of memory", file=sys.stderr)
+        return 0
+
+    return _run(prog, argv, build, body, out, env)
+
+
+# --- forget-app ------------------------------------------------------------------------------------------
+FORGET_APP_HELP = """Drop the claims of application ids that hold nothing (needs the operator token).
+
+An application id is claimed by its first request (or the operator's first grant for it) and stays
+claimed after its grants are gone, across restarts too; claims count against
+auth.max_self_registered_apps and, per claiming uid, auth.max_self_registered_apps_per_uid. This
+drops the claims of the ids named (--app), and of every id a uid self-registered (--uid), that hold no
+grant and no limits (`vgpu apps --all` lists them, claimed); the others are kept and said why. A
+dropped id may be claimed again by anyone; its old token is then valid for it again, so forget the
+ids of a user you do not trust only where nobody else will use the same ids."""
+
+
+def forget_app_main(argv: Sequence[str] | None = None, prog: str = "vgpu forget-app", *, out: TextIO | None = None,
+                    env: dict[str, str] | None = None) -> int:
+    def build(p: argparse.ArgumentParser) -> None:
+        p.description = FORGET_APP_HELP
+        p.formatter_class = argparse.RawDescriptionHelpFormatter
+        p.add_argument("--app", action="append", default=[], help="an application id to forget (repeat for more)")
+        p.add_argument("--uid", type=_whole(0, 2**32 - 1),
+                       help="forget every id this uid self-registered that holds nothing")
+        p.add_argument("--json", action="store_true", help="print what was forgotten and kept as JSON")
+        _wait_option(p)
+
+    def body(ns: argparse.Namespace, c: Client, o: TextIO) -> int:
+        if not ns.app and ns.uid is None:
+            raise UsageError("nothing to forget: give --app ID (repeat for more) or --uid N")
+        req = pb.ForgetApplicationsRequest(app_ids=ns.app)
+        if ns.uid is not None:
+            req.claimed_by_uid = ns.uid
+        try:
+            resp, _ = c.call("ForgetApplications", req)
+        except CliError as exc:
+            if not str(exc).startswith(("UNAUTHENTICATED", "PERMISSION_DENIED")):
+                raise
+            raise CliError(f"{exc}; {_operator_token_hint(c.tokens)}") from None
+        if ns.json:
+            _print_json(_dict(resp), o)
+        else:
+            o.write(f"forgot {len(resp.forgotten)} application id(s)" + (": " + ", ".join(resp.forgotten) if
+                                                                          resp.forgotten else "") + "\n")
+            for k in resp.kept:
+                o.write(f"kept {k.app_id}: {k.reason}\n")
         return 0
 
     return _run(prog, argv, build, body, out, env)

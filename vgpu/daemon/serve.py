@@ -1186,6 +1186,7 @@ class Daemon:
         run left are put back. Returns what became of each (device, cgroup, outcome)."""
         cfg = self.cfg
         ledger.max_grants_per_app = cfg.server.max_grants_per_app
+        ledger.max_grants_per_uid = cfg.server.max_grants_per_uid
         ledger.max_grants = cfg.server.max_grants_per_node
         (self.state_dir / "mig").mkdir(mode=0o700, exist_ok=True)
         dry_run = vconfig.dry_run_of(cfg.server)  # resolved by start(); said again for the type checker
@@ -1207,6 +1208,7 @@ class Daemon:
                                    reclaim_min_mib=cfg.server.reclaim_min_mib,
                                    max_watchers=cfg.server.max_watchers,
                                    max_watchers_per_caller=cfg.server.max_watchers_per_caller,
+                                   max_watchers_per_uid=cfg.server.max_watchers_per_uid,
                                    drop_slow_watchers=True)
         # cgroup limits a crashed run left: put back where no grant holds the cgroup now (all of
         # them where the mechanism is now off: nothing would restore them later)
@@ -1307,6 +1309,7 @@ class Daemon:
             open_reads=cfg.auth.open_reads,
             app_self_registration=cfg.auth.app_self_registration,
             max_self_registered_apps=cfg.auth.max_self_registered_apps,
+            max_self_registered_apps_per_uid=cfg.auth.max_self_registered_apps_per_uid,
             pid_proof=InAppPidProof(Path(cfg.server.inapp_dir), clock=self.clock),
             open_ingest=cfg.auth.open_ingest,
             peer_of=self._front_dir.names.peer if self._front_dir is not None else None,
@@ -1330,7 +1333,9 @@ class Daemon:
                 grpc_address,
                 allocator_servicer=AllocatorServicer(self.allocator, identify=auth.identify_caller,
                                                      observer=NodeView(self.manager),
-                                                     watcher_owner=auth.caller_name, claims=self.store.claims,
+                                                     watcher_owner=auth.caller_name, bounded_uid=auth.bounded_uid,
+                                                     claims=self.store.claims, forget=interceptor.access.forget,
+                                                     claim_uids=self.store.claim_uids,
                                                      backend=cfg.server.backend),
                 ingest_servicer=IngestServicer(self.manager, ack_interval_s=cfg.manager.ack_interval_ms / 1000.0,
                                                replay_ok=lambda: replay or auth.caller_name() == "operator",

@@ -232,7 +232,7 @@ class ListApplicationsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ApplicationInfo(_message.Message):
-    __slots__ = ("app_id", "grants", "limits", "mem_used_mib", "sm_util_pct", "forecast_mem_p90_mib", "forecast_sm_p90_pct", "last_seen_s", "device_id", "forecast_mem_p50_mib", "forecast_sm_p50_pct", "processes", "mem_limit", "mem_limit_reason", "claimed", "claimed_at_s", "plan_memory_mib", "plan_sm_pct", "plan_mem_rule", "plan_sm_rule")
+    __slots__ = ("app_id", "grants", "limits", "mem_used_mib", "sm_util_pct", "forecast_mem_p90_mib", "forecast_sm_p90_pct", "last_seen_s", "device_id", "forecast_mem_p50_mib", "forecast_sm_p50_pct", "processes", "mem_limit", "mem_limit_reason", "claimed", "claimed_at_s", "plan_memory_mib", "plan_sm_pct", "plan_mem_rule", "plan_sm_rule", "claimed_by_uid")
     APP_ID_FIELD_NUMBER: _ClassVar[int]
     GRANTS_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +253,7 @@ class ApplicationInfo(_message.Message):
     PLAN_SM_PCT_FIELD_NUMBER: _ClassVar[int]
     PLAN_MEM_RULE_FIELD_NUMBER: _ClassVar[int]
     PLAN_SM_RULE_FIELD_NUMBER: _ClassVar[int]
+    CLAIMED_BY_UID_FIELD_NUMBER: _ClassVar[int]
     app_id: str
     grants: _containers.RepeatedCompositeFieldContainer[Grant]
     limits: AppLimits
@@ -273,7 +274,8 @@ class ApplicationInfo(_message.Message):
     plan_sm_pct: float
     plan_mem_rule: str
     plan_sm_rule: str
-    def __init__(self, app_id: _Optional[str] = ..., grants: _Optional[_Iterable[_Union[Grant, _Mapping]]] = ..., limits: _Optional[_Union[AppLimits, _Mapping]] = ..., mem_used_mib: _Optional[float] = ..., sm_util_pct: _Optional[float] = ..., forecast_mem_p90_mib: _Optional[float] = ..., forecast_sm_p90_pct: _Optional[float] = ..., last_seen_s: _Optional[float] = ..., device_id: _Optional[str] = ..., forecast_mem_p50_mib: _Optional[float] = ..., forecast_sm_p50_pct: _Optional[float] = ..., processes: _Optional[_Iterable[_Union[AppProcess, _Mapping]]] = ..., mem_limit: _Optional[str] = ..., mem_limit_reason: _Optional[str] = ..., claimed: _Optional[bool] = ..., claimed_at_s: _Optional[float] = ..., plan_memory_mib: _Optional[float] = ..., plan_sm_pct: _Optional[float] = ..., plan_mem_rule: _Optional[str] = ..., plan_sm_rule: _Optional[str] = ...) -> None: ...
+    claimed_by_uid: int
+    def __init__(self, app_id: _Optional[str] = ..., grants: _Optional[_Iterable[_Union[Grant, _Mapping]]] = ..., limits: _Optional[_Union[AppLimits, _Mapping]] = ..., mem_used_mib: _Optional[float] = ..., sm_util_pct: _Optional[float] = ..., forecast_mem_p90_mib: _Optional[float] = ..., forecast_sm_p90_pct: _Optional[float] = ..., last_seen_s: _Optional[float] = ..., device_id: _Optional[str] = ..., forecast_mem_p50_mib: _Optional[float] = ..., forecast_sm_p50_pct: _Optional[float] = ..., processes: _Optional[_Iterable[_Union[AppProcess, _Mapping]]] = ..., mem_limit: _Optional[str] = ..., mem_limit_reason: _Optional[str] = ..., claimed: _Optional[bool] = ..., claimed_at_s: _Optional[float] = ..., plan_memory_mib: _Optional[float] = ..., plan_sm_pct: _Optional[float] = ..., plan_mem_rule: _Optional[str] = ..., plan_sm_rule: _Optional[str] = ..., claimed_by_uid: _Optional[int] = ...) -> None: ...
 
 class AppProcess(_message.Message):
     __slots__ = ("pid", "user", "command")
@@ -382,3 +384,27 @@ class GetAppHistoryResponse(_message.Message):
     apps: _containers.RepeatedCompositeFieldContainer[AppHistory]
     now_unix_s: float
     def __init__(self, apps: _Optional[_Iterable[_Union[AppHistory, _Mapping]]] = ..., now_unix_s: _Optional[float] = ...) -> None: ...
+
+class ForgetApplicationsRequest(_message.Message):
+    __slots__ = ("app_ids", "claimed_by_uid")
+    APP_IDS_FIELD_NUMBER: _ClassVar[int]
+    CLAIMED_BY_UID_FIELD_NUMBER: _ClassVar[int]
+    app_ids: _containers.RepeatedScalarFieldContainer[str]
+    claimed_by_uid: int
+    def __init__(self, app_ids: _Optional[_Iterable[str]] = ..., claimed_by_uid: _Optional[int] = ...) -> None: ...
+
+class KeptClaim(_message.Message):
+    __slots__ = ("app_id", "reason")
+    APP_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    app_id: str
+    reason: str
+    def __init__(self, app_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ForgetApplicationsResponse(_message.Message):
+    __slots__ = ("forgotten", "kept")
+    FORGOTTEN_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
+    forgotten: _containers.RepeatedScalarFieldContainer[str]
+    kept: _containers.RepeatedCompositeFieldContainer[KeptClaim]
+    def __init__(self, forgotten: _Optional[_Iterable[str]] = ..., kept: _Optional[_Iterable[_Union[KeptClaim, _Mapping]]] = ...) -> None: ...

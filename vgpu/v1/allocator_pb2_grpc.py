@@ -69,6 +69,11 @@ class AllocatorStub:
                 request_serializer=vgpu_dot_v1_dot_allocator__pb2.WatchAllocationsRequest.SerializeToString,
                 response_deserializer=vgpu_dot_v1_dot_allocator__pb2.AllocationEvent.FromString,
                 _registered_method=True)
+        self.ForgetApplications = channel.unary_unary(
+                '/vgpu.v1.Allocator/ForgetApplications',
+                request_serializer=vgpu_dot_v1_dot_allocator__pb2.ForgetApplicationsRequest.SerializeToString,
+                response_deserializer=vgpu_dot_v1_dot_allocator__pb2.ForgetApplicationsResponse.FromString,
+                _registered_method=True)
 
 
 class AllocatorServicer:
@@ -119,6 +124,15 @@ class AllocatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForgetApplications(self, request, context):
+        """Operator only: drop the claims of application ids that hold nothing (no grant, no limits), so
+        that they no longer count against auth.max_self_registered_apps(_per_uid). A claim that holds
+        something is kept, and said why.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AllocatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -156,6 +170,11 @@ def add_AllocatorServicer_to_server(servicer, server):
                     servicer.WatchAllocations,
                     request_deserializer=vgpu_dot_v1_dot_allocator__pb2.WatchAllocationsRequest.FromString,
                     response_serializer=vgpu_dot_v1_dot_allocator__pb2.AllocationEvent.SerializeToString,
+            ),
+            'ForgetApplications': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForgetApplications,
+                    request_deserializer=vgpu_dot_v1_dot_allocator__pb2.ForgetApplicationsRequest.FromString,
+                    response_serializer=vgpu_dot_v1_dot_allocator__pb2.ForgetApplicationsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -347,6 +366,33 @@ class Allocator:
             '/vgpu.v1.Allocator/WatchAllocations',
             vgpu_dot_v1_dot_allocator__pb2.WatchAllocationsRequest.SerializeToString,
             vgpu_dot_v1_dot_allocator__pb2.AllocationEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForgetApplications(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vgpu.v1.Allocator/ForgetApplications',
+            vgpu_dot_v1_dot_allocator__pb2.ForgetApplicationsRequest.SerializeToString,
+            vgpu_dot_v1_dot_allocator__pb2.ForgetApplicationsResponse.FromString,
             options,
             channel_credentials,
             insecure,

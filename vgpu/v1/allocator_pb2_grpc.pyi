@@ -42,6 +42,11 @@ class AllocatorStub:
     """Events from the moment the watch is live. The server sends initial metadata once it is: a client
     that awaits it before acting (e.g. before requesting) misses no event of its own.
     """
+    ForgetApplications: _grpc.UnaryUnaryMultiCallable[_allocator_pb2.ForgetApplicationsRequest, _allocator_pb2.ForgetApplicationsResponse]
+    """Operator only: drop the claims of application ids that hold nothing (no grant, no limits), so
+    that they no longer count against auth.max_self_registered_apps(_per_uid). A claim that holds
+    something is kept, and said why.
+    """
 
 @_typing.type_check_only
 class AllocatorAsyncStub(AllocatorStub):
@@ -56,6 +61,11 @@ class AllocatorAsyncStub(AllocatorStub):
     WatchAllocations: _aio.UnaryStreamMultiCallable[_allocator_pb2.WatchAllocationsRequest, _allocator_pb2.AllocationEvent]  # type: ignore[assignment]
     """Events from the moment the watch is live. The server sends initial metadata once it is: a client
     that awaits it before acting (e.g. before requesting) misses no event of its own.
+    """
+    ForgetApplications: _aio.UnaryUnaryMultiCallable[_allocator_pb2.ForgetApplicationsRequest, _allocator_pb2.ForgetApplicationsResponse]  # type: ignore[assignment]
+    """Operator only: drop the claims of application ids that hold nothing (no grant, no limits), so
+    that they no longer count against auth.max_self_registered_apps(_per_uid). A claim that holds
+    something is kept, and said why.
     """
 
 class AllocatorServicer(metaclass=_abc_1.ABCMeta):
@@ -110,6 +120,17 @@ class AllocatorServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_allocator_pb2.AllocationEvent], _abc.AsyncIterator[_allocator_pb2.AllocationEvent]]:
         """Events from the moment the watch is live. The server sends initial metadata once it is: a client
         that awaits it before acting (e.g. before requesting) misses no event of its own.
+        """
+
+    @_abc_1.abstractmethod
+    def ForgetApplications(
+        self,
+        request: _allocator_pb2.ForgetApplicationsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_allocator_pb2.ForgetApplicationsResponse, _abc.Awaitable[_allocator_pb2.ForgetApplicationsResponse]]:
+        """Operator only: drop the claims of application ids that hold nothing (no grant, no limits), so
+        that they no longer count against auth.max_self_registered_apps(_per_uid). A claim that holds
+        something is kept, and said why.
         """
 
 def add_AllocatorServicer_to_server(servicer: AllocatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
