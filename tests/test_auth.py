@@ -346,6 +346,27 @@ async def test_a_failed_call_whose_claim_cannot_be_forgotten_leaves_the_id_free(
         assert authority.verify(token) == Principal("app", "old", "token")
 
 
+class _NoSpace(Registry):
+    """A store on a full disk: no new claim can be written."""
+
+    def claim_app(self, app_id: str, uid: int | None = None) -> bool:
+        raise sqlite3.OperationalError("database or disk is full")
+
+
+async def test_claims_failing_on_a_full_disk_do_not_fill_the_log(tmp_path: Path) -> None:
+    """Every new id's claim fails while the state directory is full: each call is answered UNAVAILABLE,
+    and a caller looping over new ids gets ten `app_claim_failed` records a minute, not one per call."""
+    authority = TokenAuthority(tmp_path / "tokens")
+    async with _serve(tmp_path, authority, _NoSpace(), peer_of=lambda _p: PeerCred(pid=1, uid=1000, gid=1)) as s:
+        with capture_logs() as logs:
+            for k in range(40):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await _request(s, f"new-{k}", 10)
+                assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        failed = [e for e in logs if e["event"] == "app_claim_failed"]
+        assert len(failed) == 10 and failed[0]["app"] == "new-0" and "disk is full" in failed[0]["error"]
+
+
 async def test_watch_stream_passes_through(served: Served) -> None:
     call = served.stub.WatchAllocations(pb.WatchAllocationsRequest(app_id="w"), timeout=RPC_TIMEOUT_S)
     # The watch must be registered before the grant, or its event is (rightly) not delivered: the

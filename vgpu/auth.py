@@ -806,6 +806,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self._log = logger or get_logger("vgpu.auth")
         self._on_denied = on_denied
         self._denial_log = denial_log or DenialLog()
+        # While the state directory is full every new id's claim fails: one record per failure would
+        # let any caller fill the journal too (the first ten per uid a minute, then a count)
+        self._claim_failure_log = LogBudget()
         # Claims of new application ids are serialised so two anonymous callers cannot both win.
         self._claim_lock = access.claim_lock
         self._pending_token: dict[str, str] = {}
@@ -874,7 +877,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                     claim, peer.uid if peer is not None and principal.role == "anonymous" else None)
             except ClaimFailed as exc:
                 self._claim_lock.release()
-                self._log.error("app_claim_failed", method=method, app=claim, error=str(exc))
+                since = self._claim_failure_log.admit((peer.uid if peer is not None else None,))
+                if since is not None:
+                    self._log.error("app_claim_failed", method=method, app=claim, error=str(exc),
+                                    **({"failed_since_last_record": since} if since else {}))
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"{exc}; free space in the state directory and retry")
                 raise
             return claim, True, give_back
