@@ -27,10 +27,12 @@ def test_an_upgrade_names_its_copy_and_an_unusable_local_model_shows_everywhere(
                                                                                  serves: list[Serve]) -> None:
     env = make_env(tmp_path)
     env.env["VGPU_MANAGER_MODEL_CHECK_INTERVAL_S"] = "0.2"  # the node-local model's poll, too
-    # what the vgpu before the last schema left (schema 5 changed no row: only the number differs)
+    # what the vgpu of schema 4 left: schema 5 added the claims' uid column, and nothing else here
     Store(env.state).close()
-    old = SCHEMA_VERSION - 1
+    old = 4
+    assert SCHEMA_VERSION == 5, "a newer schema: make this database as the one before it left it"
     db = sqlite3.connect(env.state / "vgpu.sqlite3")
+    db.execute("ALTER TABLE apps DROP COLUMN uid")
     db.execute(f"UPDATE meta SET value='{old}' WHERE key='schema_version'")
     db.commit()
     db.close()
