@@ -356,6 +356,54 @@ def test_watch_reconnects_after_the_daemon_restarts(tmp_path: Path) -> None:
         server.stop(grace=None)
 
 
+class _WatchRefused(FakeAllocator):
+    """A daemon whose watcher share is used up: every WatchAllocations is refused at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.watch_calls = 0
+
+    def WatchAllocations(self, request, context) -> Iterator[Event]:  # type: ignore[no-untyped-def]  # noqa: N802
+        self.watch_calls += 1
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "quota: uid 1000 holds 64 watchers")
+        yield from ()
+
+
+def test_a_refused_watch_is_asked_again_ever_less_often_and_the_reason_logged(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A watch the daemon refuses (its per-uid share used up) was asked again ten times a second for
+    as long as the stub lived: the backoff started over each time the refused call 'opened'. Now the
+    waits double up to 30 s, and the warning carries the daemon's reason."""
+    import vgpu.client as client_module
+
+    sock = tmp_path / "vgpu.sock"
+    daemon = _WatchRefused()
+    server = serve(sock, daemon)
+    warnings: list[dict[str, object]] = []
+    monkeypatch.setattr(client_module._log, "warning", lambda event, **kw: warnings.append({"event": event, **kw}))
+    client = VgpuClient("a", socket=str(sock), inapp_dir=tmp_path, torch_module=None, watch=False, report=False)
+    waits: list[float] = []
+
+    def wait(timeout: float) -> bool:  # the watch loop's pause, recorded instead of slept
+        waits.append(timeout)
+        if len(waits) >= 10:
+            client._closed.set()
+        return client._closed.is_set()
+
+    try:
+        monkeypatch.setattr(client._closed, "wait", wait)
+        client._watch_loop()
+    finally:
+        client._closed.clear()
+        client.close(release=False)
+        server.stop(grace=None)
+    assert daemon.watch_calls == 10
+    assert all(b > a for a, b in zip(waits[:8], waits[1:8], strict=False)), waits  # growing
+    assert waits[-1] >= 0.8 * 25.6 and max(waits) <= 1.2 * client_module.WATCH_REFUSED_MAX_S
+    (warned,) = [w for w in warnings if w["event"] == "allocation watch interrupted"]
+    assert "holds 64 watchers" in str(warned["details"])
+
+
 def test_the_stubs_channel_tries_a_daemon_that_is_back_again_within_a_second(monkeypatch: pytest.MonkeyPatch,
                                                                           tmp_path: Path) -> None:
     """gRPC's default reconnect backoff grows to minutes: a stub whose daemon restarted after a few

@@ -179,6 +179,16 @@ RECONNECT_OPTIONS = (
 CHANNEL_OPTIONS = (*RECONNECT_OPTIONS, ("grpc.max_receive_message_length", MAX_REPLY_BYTES),
                    ("grpc.use_local_subchannel_pool", 1))
 
+# The allocation watch is opened again after it ends: at once-ish while the daemon restarts (at most
+# about a second between tries, as the channel's reconnect backoff), but at most every 30 s while the
+# daemon refuses it (a watcher share used up, a token refused), which a retry does not change soon.
+# A watch that lived WATCH_LIVED_S starts the backoff over; one refused at once does not.
+WATCH_RETRY_MIN_S = 0.1
+WATCH_RETRY_MAX_S = 1.0
+WATCH_REFUSED_MAX_S = 30.0
+WATCH_LIVED_S = 5.0
+_REFUSALS = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
+
 AUTH_METADATA_KEY = "authorization"  # as vgpu/auth.py: `authorization: Bearer <token>`
 APP_TOKEN_TRAILER = "vgpu-app-token"  # the trailer that carries a newly claimed app's token
 
@@ -1663,8 +1673,10 @@ class VgpuClient:
         t.start()
 
     def _watch_loop(self) -> None:
-        delay_s = 0.1
+        delay_s = WATCH_RETRY_MIN_S
         while not self._closed.is_set():
+            opened = time.monotonic()
+            cap_s = WATCH_RETRY_MAX_S
             try:
                 call = self._stub.WatchAllocations(
                     allocator_pb2.WatchAllocationsRequest(app_id=self.app_id), metadata=self._call_metadata()
@@ -1672,8 +1684,9 @@ class VgpuClient:
                 self._watch_call = call
                 if self._closed.is_set():
                     call.cancel()
-                call.initial_metadata()  # the watch is live: every change from here on is an event
-                delay_s = 0.1
+                # the watch is live: every change from here on is an event (a refused call returns
+                # here too, and raises on reading)
+                call.initial_metadata()
                 self._catch_up()
                 for event in call:
                     self.handle_event(event)
@@ -1681,14 +1694,16 @@ class VgpuClient:
                 if self._closed.is_set():
                     return
                 self.watch_errors += 1
+                if exc.code() in _REFUSALS:
+                    cap_s = WATCH_REFUSED_MAX_S
                 if self.watch_errors == 1 or self.watch_errors % 50 == 0:
                     _log.warning("allocation watch interrupted", app_id=self.app_id, code=str(exc.code()),
-                                 errors=self.watch_errors)
+                                 details=exc.details(), errors=self.watch_errors)
             self._watch_call = None
+            if time.monotonic() - opened >= WATCH_LIVED_S:
+                delay_s = WATCH_RETRY_MIN_S
             self._closed.wait(delay_s * self._rng.uniform(0.8, 1.2))
-            # at most about a second, as the channel's own reconnect backoff: a restarted daemon is
-            # watched again as soon as it serves
-            delay_s = min(delay_s * 2, 1.0)
+            delay_s = min(delay_s * 2, cap_s)
 
     def _report_loop(self) -> None:
         while not self._closed.is_set():
