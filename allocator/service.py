@@ -501,6 +501,10 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         ids, uid = await self._call(context, "ForgetApplications", check)
         assert self._forget is not None  # checked above
         forgotten, kept = await self._forget(ids, uid)
+        # a change like any other: logged with who asked (the call's caller fields), ids bounded
+        _log.info("apps_forgotten", forgotten=forgotten[:100], forgotten_count=len(forgotten),
+                  kept=[f"{a}: {why}" for a, why in kept[:100]], kept_count=len(kept),
+                  **({"claimed_by_uid": uid} if uid is not None else {}))
         return pb.ForgetApplicationsResponse(forgotten=forgotten,
                                              kept=[pb.KeptClaim(app_id=a, reason=why) for a, why in kept])
 

@@ -10,6 +10,7 @@ test's own process is root, bounded by the node's quotas only."""
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import subprocess
 import sys
@@ -87,6 +88,9 @@ def test_claims_are_bounded_per_uid_and_the_operator_forgets_those_that_hold_not
     kept = {k["app_id"]: k["reason"] for k in result["kept"]}
     assert kept["never-claimed"] == "not claimed" and kept["g0"].startswith("holds grants"), kept
     assert not auth.app_token_file("c0", env.state).exists() and app_token.exists()
+    logged = serves[-1].event("apps_forgotten")  # with who asked, as every change
+    assert (logged["forgotten"], logged["claimed_by_uid"], logged["caller"]) == (["c0", "c1"], NOBODY, "operator")
+    assert logged["kept_count"] == 2 and logged["caller_uid"] == os.getuid()
     listed = {a["app_id"]: a.get("claimed_by_uid") for a in env.json("apps", "--all")["apps"]}
     assert listed == {"g0": NOBODY, "d0": OTHER, "d1": OTHER}, listed
     # room again for two of its own
