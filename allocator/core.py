@@ -758,14 +758,17 @@ class Allocator:
         parts = []
         for device_id in devices:
             usage = self.ledger.usage(device_id)
-            slacks = self._slacks(device_id)
+            # memory by the managed grants whose use is known; a loading job's SM estimate counts
+            # among what is reclaimable, its memory among what is committed
+            slacks = self._slacks(device_id, estimates=False)
+            sm_reclaimable = sum(s.sm_slack_pct for s in self._slacks(device_id))
             managed = {s.grant_id for s in slacks}
             committed = sum(g.memory_mib for g in self.ledger.grants(device_id=device_id) if g.grant_id not in managed)
             parts.append(
                 f"on {device_id}: {committed:.0f} MiB committed (requests, cold-start sizes, grants whose use "
                 f"is not known), {sum(s.mem_floor_mib for s in slacks):.0f} MiB needed now by forecast-managed "
                 f"applications, {sum(s.mem_slack_mib for s in slacks):.0f} MiB reclaimable from their grants, "
-                f"{usage.mem_available_mib:.0f} MiB free; {sum(s.sm_slack_pct for s in slacks):.3g} % SM "
+                f"{usage.mem_available_mib:.0f} MiB free; {sm_reclaimable:.3g} % SM "
                 f"reclaimable, {usage.sm_available_pct:.3g} % free"
             )
         return "; ".join(parts)

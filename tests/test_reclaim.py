@@ -165,9 +165,13 @@ def test_the_sizers_sm_is_trimmed_and_an_explicit_sm_may_take_it_while_the_jobs_
     assert event.kind == EventKind.RESIZED and "reclaimed for c" in event.detail and event.grant.sm_pct == 46
     # more than the estimates and the slack above use hold: refused, nothing changed
     before = allocator.ledger.to_records()
-    with pytest.raises(InsufficientResources, match="SM"):
+    with pytest.raises(InsufficientResources, match="SM") as refused:
         allocator.request_allocation(AllocationRequest("d", memory_mib=1_000, sm_pct=47))
     assert allocator.ledger.to_records() == before
+    # the loading job's memory is committed (its cold-start size), a's need is its use + 10 %, and b's
+    # 46 % estimate is what SM could be taken
+    assert "31000 MiB committed" in str(refused.value) and "11000 MiB needed now" in str(refused.value)
+    assert "46 % SM reclaimable" in str(refused.value)
 
 
 def test_an_estimate_is_not_taken_for_another_estimate() -> None:
