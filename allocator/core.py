@@ -101,6 +101,7 @@ from vgpu.allocator.errors import (
     InsufficientResources,
     InvalidRequest,
     NotSupported,
+    QuotaExceeded,
     StateNotSaved,
     Stopping,
     VerifyFailed,
@@ -274,6 +275,8 @@ class Counters:
     # did not read back; device unreadable), "mig" (raised, refused, or steps left undone; device
     # unreadable) and "cgroup_memory" (a cap or a restore of a cgroup's original that failed)
     failures: dict[tuple[str, str], int] = field(default_factory=dict)
+    # quota setting -> calls refused at it (`QuotaExceeded`: max_grants_per_uid, max_watchers, ...)
+    quota_refusals: dict[str, int] = field(default_factory=dict)
 
     def failed(self, device_id: str, mechanism: str) -> None:
         key = (device_id, mechanism)
@@ -518,23 +521,24 @@ class Allocator:
         if self._watches_ended:
             raise Stopping("the daemon is stopping; watch again once it is back")
         if self._max_watchers is not None and len(self._subscriptions) >= self._max_watchers:
-            raise InsufficientResources(
+            raise QuotaExceeded(
                 f"quota: {len(self._subscriptions)} watchers are open, the limit (max_watchers = "
-                f"{self._max_watchers}); close one first"
+                f"{self._max_watchers}); close one first", quota="max_watchers"
             )
         if self._max_watchers_per_caller is not None:
             mine = sum(1 for s in self._subscriptions if s.owner == owner)
             if mine >= self._max_watchers_per_caller:
-                raise InsufficientResources(
+                raise QuotaExceeded(
                     f"quota: {owner or 'this caller'} has {mine} watchers open, its limit "
-                    f"(max_watchers_per_caller = {self._max_watchers_per_caller}); close one first"
+                    f"(max_watchers_per_caller = {self._max_watchers_per_caller}); close one first",
+                    quota="max_watchers_per_caller"
                 )
         if uid is not None and self._max_watchers_per_uid is not None:
             theirs = sum(1 for s in self._subscriptions if s.uid == uid)
             if theirs >= self._max_watchers_per_uid:
-                raise InsufficientResources(
+                raise QuotaExceeded(
                     f"quota: uid {uid} has {theirs} watchers open, its share (server.max_watchers_per_uid = "
-                    f"{self._max_watchers_per_uid}); close one first"
+                    f"{self._max_watchers_per_uid}); close one first", quota="max_watchers_per_uid"
                 )
         sub = Subscription(app_id, self._watch_queue_size, self._subscriptions.remove, owner=owner, uid=uid,
                            drop_slow=self._drop_slow_watchers)

@@ -41,6 +41,8 @@ __all__ = [
     "NotFound",
     "NotSupported",
     "PermissionDenied",
+    "QUOTA_SETTINGS",
+    "QuotaExceeded",
     "StateNotSaved",
     "Stopping",
     "Unavailable",
@@ -51,6 +53,21 @@ __all__ = [
 
 class AllocatorError(Exception):
     """An allocator-level failure that no device error describes."""
+
+
+# The settings a `QuotaExceeded` names (each counted from 0 in vgpu_quota_refusals_total).
+QUOTA_SETTINGS = ("max_grants_per_node", "max_grants_per_uid", "max_grants_per_app", "max_watchers",
+                  "max_watchers_per_caller", "max_watchers_per_uid")
+
+
+class QuotaExceeded(InsufficientResources):
+    """A caller is at one of the node's bounds on what it may hold (grants, watchers): refused as a
+    request that does not fit (RESOURCE_EXHAUSTED), but counted and logged for the operator, since
+    a caller at a bound is either a flood or a setting too low. `quota` names the setting."""
+
+    def __init__(self, message: str, *, quota: str) -> None:
+        super().__init__(message)
+        self.quota = quota
 
 
 class InvalidRequest(AllocatorError, ValueError):

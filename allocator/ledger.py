@@ -30,7 +30,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
-from vgpu.allocator.errors import InsufficientResources, InvalidRequest, NotFound, PermissionDenied
+from vgpu.allocator.errors import (
+    InsufficientResources,
+    InvalidRequest,
+    NotFound,
+    PermissionDenied,
+    QuotaExceeded,
+)
 from vgpu.ids import MAX_PID
 
 Source = Literal["request", "forecast", "cold_start"]
@@ -509,23 +515,23 @@ class Ledger:
         # Every grant counts, one of 0 MiB too: it costs a stored row, a watch event and an entry in
         # every listing as any other does.
         if self.max_grants is not None and len(self._grants) >= self.max_grants:
-            raise InsufficientResources(
+            raise QuotaExceeded(
                 f"quota: this node holds {len(self._grants)} grants, its limit (max_grants_per_node = "
-                f"{self.max_grants}); release some first"
+                f"{self.max_grants}); release some first", quota="max_grants_per_node"
             )
         if uid is not None and self.max_grants_per_uid is not None:
             held = self.uid_grant_count(uid)
             if held >= self.max_grants_per_uid:
-                raise InsufficientResources(
+                raise QuotaExceeded(
                     f"quota: uid {uid} holds {held} grants on this node, its share (server.max_grants_per_uid = "
-                    f"{self.max_grants_per_uid}); release some first"
+                    f"{self.max_grants_per_uid}); release some first", quota="max_grants_per_uid"
                 )
         if self.max_grants_per_app is not None:
             held = self.grant_count(app_id)
             if held >= self.max_grants_per_app:
-                raise InsufficientResources(
+                raise QuotaExceeded(
                     f"quota: application {app_id!r} holds {held} grants, its limit (max_grants_per_app = "
-                    f"{self.max_grants_per_app}); release some first"
+                    f"{self.max_grants_per_app}); release some first", quota="max_grants_per_app"
                 )
 
     def release(self, grant_id: str, *, caller: str | None = None) -> Grant:

@@ -27,6 +27,7 @@ from typing import Any, NoReturn, Protocol, TypeAlias, TypeVar
 
 import grpc
 import psutil
+import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -38,12 +39,12 @@ from vgpu.allocator.core import (
     DeviceResources,
     EventKind,
 )
-from vgpu.allocator.errors import InvalidRequest, NotSupported, Unavailable, status_for
+from vgpu.allocator.errors import InvalidRequest, NotSupported, QuotaExceeded, Unavailable, status_for
 from vgpu.allocator.history import AppSeries
 from vgpu.allocator.ledger import AppLimits, Grant
 from vgpu.ids import MAX_PID, app_id_problem
 from vgpu.jobs import InvalidJobConfig, JobConfig
-from vgpu.log import get_logger
+from vgpu.log import LogBudget, get_logger
 from vgpu.v1 import allocator_pb2 as pb
 from vgpu.v1 import allocator_pb2_grpc as pb_grpc
 from vgpu.v1 import ingest_pb2, ingest_pb2_grpc
@@ -422,13 +423,27 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         # socket peer's, whatever token it sent; None: not bounded per uid).
         self._bounded_uid = bounded_uid or (lambda: None)
         self.encoded_events = EncodedEvents()
+        self._quota_log = LogBudget()
 
     async def _call(self, context: Context, method: str, fn: Callable[[str | None], T]) -> T:
         try:
             caller = self._identify(context)
             return fn(caller)
         except Exception as exc:  # noqa: BLE001 - every error goes through the one map
+            if isinstance(exc, QuotaExceeded):
+                self._quota_refused(method, exc)
             await _abort(context, exc, method)
+
+    def _quota_refused(self, method: str, exc: QuotaExceeded) -> None:
+        """A caller at one of the node's bounds: counted, and logged (with who, the call's caller
+        fields) for the first ten of each caller and setting a minute, as refused calls are."""
+        counts = self.allocator.counters.quota_refusals
+        counts[exc.quota] = counts.get(exc.quota, 0) + 1
+        who = structlog.contextvars.get_contextvars()
+        since = self._quota_log.admit((who.get("caller"), who.get("caller_uid"), exc.quota))
+        if since is not None:
+            _log.warning("quota_refused", method=method, quota=exc.quota, reason=str(exc),
+                         **({"refused_since_last_record": since} if since else {}))
 
     async def RequestResourceAllocation(  # noqa: N802 - gRPC method names
         self, request: pb.RequestResourceAllocationRequest, context: Context

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from daemon_fixtures import Env, Serve, make_env
+from daemon_fixtures import Env, Serve, make_env, metric_samples
 from hostile import Raw, operator_token
 
 from vgpu import auth
@@ -34,7 +34,7 @@ def env(tmp_path: Path) -> Env:
 
 
 def test_grant_quotas_per_app_and_per_node(env: Env, serves: list[Serve], client: Raw) -> None:
-    serves.append(Serve(env))
+    serves.append(Serve(env, "--metrics-port", "auto"))
     op = operator_token(env.state)
     for _ in range(3):
         client.request("a", 1, token=op)
@@ -47,6 +47,14 @@ def test_grant_quotas_per_app_and_per_node(env: Env, serves: list[Serve], client
         client.request("d", 1, token=op)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_grants_per_node = 5" in str(err.value.details())
     assert client.granted_mib() == 5 and "d" not in [a.app_id for a in client.apps()]
+    # the operator sees each refusal: counted by setting, and logged with who was refused
+    refused = metric_samples(serves[-1].metrics_port)
+    assert refused[("vgpu_quota_refusals_total", (("quota", "max_grants_per_app"),))] == 1
+    assert refused[("vgpu_quota_refusals_total", (("quota", "max_grants_per_node"),))] == 1
+    assert refused[("vgpu_quota_refusals_total", (("quota", "max_watchers"),))] == 0  # counted from 0
+    logged = [e for e in serves[-1].events() if e.get("event") == "quota_refused"]
+    assert [e["quota"] for e in logged] == ["max_grants_per_app", "max_grants_per_node"]
+    assert all(e["caller"] == "operator" and e["method"] == "RequestResourceAllocation" for e in logged)
     assert serves[-1].term() == 0
 
 

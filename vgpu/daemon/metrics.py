@@ -188,6 +188,8 @@ class CounterSnapshot:
     local_model_load_failures: int = 0
     # (kind, reason, count) of grant changes
     grant_changes: tuple[tuple[str, str, int], ...] = field(default=())
+    # (quota setting, calls refused at it)
+    quota_refusals: tuple[tuple[str, int], ...] = ()
     backend: str = ""
     # (in-app counter, applications whose newest sample carries it)
     inapp_apps: tuple[tuple[str, int], ...] = ()
@@ -421,6 +423,11 @@ class _StateCollector(Collector):
         for kind, reason, count in c.grant_changes:
             changes.add_metric([kind, reason], count)
         yield changes
+        quotas = CounterMetricFamily("vgpu_quota_refusals", "Calls refused because the caller was at one of the "
+                                     "node's bounds (grants, watchers), by setting", labels=["quota"])
+        for quota, count in c.quota_refusals:
+            quotas.add_metric([quota], count)
+        yield quotas
         yield _histogram("vgpu_forecast_batch_seconds",
                          "Wall time of one forecaster call over a batch of the applications due together",
                          c.forecast_latency, c.forecast_batches, c.forecast_s_total)

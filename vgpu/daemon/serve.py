@@ -149,7 +149,7 @@ from prometheus_client import CollectorRegistry
 from vgpu import auth, log, peers
 from vgpu import config as vconfig
 from vgpu.allocator.core import GRANT_CHANGE_KEYS, Allocator, Sizer, device_capacities
-from vgpu.allocator.errors import NotFound, StateNotSaved
+from vgpu.allocator.errors import QUOTA_SETTINGS, NotFound, StateNotSaved
 from vgpu.allocator.ledger import Ledger
 from vgpu.allocator.mechanisms.limits import CgroupMemoryLimits
 from vgpu.allocator.mechanisms.mig import MigLayoutMechanism
@@ -437,6 +437,7 @@ class StateSource:
             local_model_load_failures=self.local_model.failures if self.local_model is not None else 0,
             grant_changes=tuple((kind, reason, n) for (kind, reason), n in
                                 sorted({**dict.fromkeys(GRANT_CHANGE_KEYS, 0), **c.grant_changes}.items())),
+            quota_refusals=tuple(sorted({**dict.fromkeys(QUOTA_SETTINGS, 0), **c.quota_refusals}.items())),
             backend=self.backend_name,
             inapp_apps=tuple(sorted(self.manager.windows.inapp_reporting().items())),
             inapp_dropped=tuple(sorted({**dict.fromkeys(inapp_drop_reasons(), 0), **s.inapp_dropped}.items())),
