@@ -141,6 +141,17 @@ def save_checkpoint(path: str | Path, model: TransformerBiGRU, metadata: Metadat
     side.write_text(metadata.to_json() + "\n", encoding="utf-8")
 
 
+def _first_line(exc: Exception) -> str:
+    """What torch said, in a line an operator can act on. torch's refusal of what its safe loader will
+    not unpickle goes on to suggest loading with weights_only=False, which must never be done with a
+    file of unknown origin: it is said as what it is instead."""
+    text = str(exc).strip()
+    if text.startswith("Weights only load failed"):
+        return "not a checkpoint of tensors and plain data (torch's safe loader refused it)"
+    first = text.splitlines()[0] if text else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
 def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu") -> Checkpoint:
     """Read and check a checkpoint; the model comes back in eval mode on `map_location`."""
     path = Path(path)
@@ -149,7 +160,7 @@ def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - torch raises many types for a damaged file; all mean "unusable"
-        raise CheckpointError(path, f"cannot read (truncated or corrupt?): {exc}") from exc
+        raise CheckpointError(path, f"cannot read (truncated or corrupt?): {_first_line(exc)}") from exc
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise CheckpointError(path, f"not a {FORMAT} checkpoint")
     version = payload.get("format_version")

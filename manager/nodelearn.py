@@ -48,7 +48,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -542,6 +542,25 @@ def status(state_dir: str | Path, load: Callable[[Path], object] = load_local) -
     }
 
 
+def unusable_local_model_advice(state: Mapping[str, Any], state_dir: str | Path) -> str:
+    """What an operator does about a `local.pt` that does not load, from its `status`: put the
+    archived copy of the same model back where that loads, else roll back where there is a sound
+    model before it, else remove the file (the global model then serves alone)."""
+    rollback = f"`vgpu model rollback --state-dir {state_dir}`"
+    if state["serving_archive_loads"]:
+        # local.pt damaged after its promotion: the archived copy of the same model puts it right
+        archived = models_dir(state_dir) / "archive" / state["serving_archive"]
+        return (f"its archived copy {archived} loads: copy that to a new file beside it and `mv` it over "
+                f"{LOCAL}, or {rollback} to go back one promotion")
+    if state["rollback_depth"] == 0:
+        return f"no promotion is logged to roll back to: remove {state['local_model']}"
+    if state["rollback_to_loads"] is False:
+        return (f"{rollback} would refuse ({state['rollback_to']}, the model before it, does not load either): "
+                f"remove {state['local_model']}")
+    back = state["rollback_to"] or "none: the global model alone"
+    return f"{rollback} puts back the model promoted before it ({back}), or remove {state['local_model']}"
+
+
 def _history_files(directory: Path) -> dict[str, int]:
     """How much node history is on disk (segment files and bytes; none where there is no directory)."""
     files = [p for p in directory.glob("seg-*.csv*") if p.is_file()] if directory.is_dir() else []
@@ -690,8 +709,7 @@ def model_main(argv: Sequence[str] | None = None, prog: str = "vgpu model") -> i
         if state["local_model_loads"] is False:
             # stdout stays one JSON document; the warning a person reads goes to stderr
             print(f"{prog}: {state['local_model']} does not load ({state['local_model_problem']}): the daemon serves "
-                  f"without it; `{prog} rollback` puts the model before it back (rollback_to above), or remove it to "
-                  "serve the global model alone", file=sys.stderr)
+                  f"without it; {unusable_local_model_advice(state, state_dir)}", file=sys.stderr)
         return 0
     def waiting() -> None:
         print(f"{prog}: a promotion or rollback is under way (the promotion log is locked): waiting for it",

@@ -445,20 +445,7 @@ def check_local_model(state_dir: Path, load: Callable[[Path], object] | None = N
                      "model serves alone")
     if state["local_model_loads"]:
         return Check("local model", "OK", f"{state['local_model']} loads")
-    rollback = f"`vgpu model rollback --state-dir {state_dir}`"
-    if state["serving_archive_loads"]:
-        # local.pt damaged after its promotion: the archived copy of the same model puts it right
-        archived = nodelearn.models_dir(state_dir) / "archive" / state["serving_archive"]
-        todo = (f"its archived copy {archived} loads: copy that to a new file beside it and `mv` it over "
-                f"{nodelearn.LOCAL}, or {rollback} to go back one promotion")
-    elif state["rollback_depth"] == 0:
-        todo = f"no promotion is logged to roll back to: remove {state['local_model']}"
-    elif state["rollback_to_loads"] is False:
-        todo = (f"{rollback} would refuse ({state['rollback_to']}, the model before it, does not load either): remove "
-                f"{state['local_model']}")
-    else:
-        back = state["rollback_to"] or "none: the global model alone"
-        todo = f"{rollback} puts back the model promoted before it ({back}), or remove {state['local_model']}"
+    todo = nodelearn.unusable_local_model_advice(state, state_dir)
     return Check("local model", "WARN", f"{state['local_model']} does not load ({state['local_model_problem']}): "
                  f"the daemon serves the global model without it; {todo}")
 
