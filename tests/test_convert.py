@@ -361,12 +361,23 @@ def test_cli_concatenated_logs_restart_row_positions_at_the_repeated_header(tmp_
     assert summary["log_starts"] == [f"{src}:12: the header again: a further log starts here"]
     assert summary["warnings"] == []
     assert "further logs in one file: 1" in r.stderr and f"{src}:12:" in r.stderr
+    # each log is a recording of its own: never joined across the gap between them
     apps = read_trace(out).apps
-    assert apps["nvidia-smi/cat/gpu0"].column("mem_used_mib").tolist() == [1000.0 + k for k in (0, 1, 2, 3, 4, 0, 1, 2, 3)]
-    assert apps["nvidia-smi/cat/gpu1"].column("mem_used_mib").tolist() == [float(k) for k in (0, 1, 2, 3, 4, 0, 1, 2, 3)]
+    assert sorted(apps) == ["nvidia-smi/cat/gpu0", "nvidia-smi/cat/gpu1", "nvidia-smi/cat/log2/gpu0",
+                            "nvidia-smi/cat/log2/gpu1"]
+    assert apps["nvidia-smi/cat/gpu0"].column("mem_used_mib").tolist() == [1000.0 + k for k in range(5)]
+    assert apps["nvidia-smi/cat/gpu1"].column("mem_used_mib").tolist() == [float(k) for k in range(5)]
+    assert apps["nvidia-smi/cat/log2/gpu0"].column("mem_used_mib").tolist() == [1000.0 + k for k in range(4)]
+    assert apps["nvidia-smi/cat/log2/gpu1"].column("mem_used_mib").tolist() == [float(k) for k in range(4)]
     # under --strict too: a further log is not a bad row
     assert _vgpu_trace("convert", "--format", "nvidia-smi", "--src", str(src), "--out", str(out), "--gpus", "2",
                        "--strict").returncode == 0
+    # the later day's log first: before, every row of the second log went "back in time" and was dropped
+    src = _write(tmp_path, "cat-later-first.csv", _smi_log(100, 4) + _smi_log(0, 5))
+    r = _vgpu_trace("convert", "--format", "nvidia-smi", "--src", str(src), "--out", str(out), "--gpus", "2",
+                    "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["skipped_rows"] == 0, r.stdout
+    assert len(read_trace(out).apps["nvidia-smi/cat-later-first/log2/gpu0"].t_s) == 5
 
 
 def test_cli_warns_that_rows_after_a_bad_row_depend_on_its_position(tmp_path: Path) -> None:
@@ -426,9 +437,13 @@ def test_a_real_log_cut_in_two_and_concatenated_converts_as_the_whole(shared_dat
     cat = convert.convert_nvidia_smi(_write(tmp_path, "cat.csv", "".join(lines[:1001] + lines[:1] + lines[1001:])),
                                      gpus=2, prefix="x")
     assert not whole.issues and not cat.issues and len(cat.log_starts) == 1
-    for a, b in zip(whole.apps, cat.apps, strict=True):
-        assert a.app == b.app and np.array_equal(a.t_s, b.t_s)
-        assert np.array_equal(a.column("power_w"), b.column("power_w"), equal_nan=True)
+    # two recordings of each GPU, which together are the whole one's, row for row
+    parts = {b.app: b for b in cat.apps}
+    for a in whole.apps:
+        first, second = parts[a.app], parts[a.app.replace("x/", "x/log2/")]
+        assert np.array_equal(a.t_s, np.concatenate([first.t_s, second.t_s]))
+        assert np.array_equal(a.column("power_w"), np.concatenate([first.column("power_w"), second.column("power_w")]),
+                              equal_nan=True)
     assert not whole.warnings and not cat.warnings
     # cut after GPU 0's row of a sample and continued without a header: the rows' times give it away
     shifted = convert.convert_nvidia_smi(_write(tmp_path, "shifted.csv", "".join(lines[:1000] + lines[1001:])),

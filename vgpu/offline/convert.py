@@ -474,7 +474,8 @@ class _SmiFile:
 
     Without a GPU id column a data row's GPU is its position in the current log modulo `gpus`. A
     line equal to the header is where a further log starts (a restarted `nvidia-smi -l` appending
-    to the same file, or `cat` of two logs): positions count from 0 again there. A skipped row keeps
+    to the same file, or `cat` of two logs): positions count from 0 again there, and its rows are
+    series of their own (`<file>/log2/gpu0`, ...), in whatever order the logs' times run. A skipped row keeps
     its position, which is right when the bad line stood for one sample. A line with every field and
     a timestamp did (a value out of range, `garbage` for a number); one with too few or too many
     fields, or no timestamp, may be a line cut short and continued on the next, or two lines run
@@ -565,7 +566,9 @@ class _SmiFile:
             )
         self.by_position = id_col is None and (gpus or 1) > 1
         t_col = header.index("timestamp")
-        per_gpu: dict[str, tuple[list[float], dict[str, list[float]]]] = {}
+        # (log, gpu) -> the series: each further log in the file is a recording of its own (a restart
+        # of nvidia-smi, `cat` of two days' logs, in either order), never joined across the gap
+        per_gpu: dict[tuple[int, str], tuple[list[float], dict[str, list[float]]]] = {}
         position = 0
         for line, row in enumerate(reader, start=2):
             self.last_line = line
@@ -597,7 +600,7 @@ class _SmiFile:
             if problem:
                 self._bad(line, problem)
                 continue
-            t_list, cols = per_gpu.setdefault(gpu, ([], {c: [] for c in set(columns.values())}))
+            t_list, cols = per_gpu.setdefault((self.log, gpu), ([], {c: [] for c in set(columns.values())}))
             if t_list and t < t_list[-1]:
                 self._bad(line, f"time goes back for GPU {gpu} ({t} after {t_list[-1]})", may_shift=True)
                 continue
@@ -610,8 +613,8 @@ class _SmiFile:
                 v = values.get(col)
                 cols[col].append(math.nan if v is None else v)
         return [
-            _app(f"{prefix}/gpu{gpu}", t_list, cols, gpu)
-            for gpu, (t_list, cols) in sorted(per_gpu.items())
+            _app(f"{prefix}/gpu{gpu}" if log == 0 else f"{prefix}/log{log + 1}/gpu{gpu}", t_list, cols, gpu)
+            for (log, gpu), (t_list, cols) in sorted(per_gpu.items())
             if t_list
         ]
 
