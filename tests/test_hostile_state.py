@@ -49,6 +49,7 @@ from vgpu import auth, ctl
 from vgpu.allocator.store import Store
 from vgpu.daemon.serve import Daemon
 from vgpu.device import parse_sim_spec
+from vgpu.device.errors import GpuLost
 from vgpu.device.simstate import PersistentSimBackend
 from vgpu.v1 import allocator_pb2 as pb
 from vgpu.v1 import allocator_pb2_grpc as pb_grpc
@@ -158,6 +159,24 @@ async def test_a_stop_on_a_full_disk_restores_every_device_and_finishes(tmp_path
     assert "device_restored" not in [r["event"] for r in logs]
     with Store(again.state_dir) as store:
         assert store.originals() == {}
+
+
+async def test_a_device_left_off_its_original_makes_the_stop_fail(tmp_path: Path) -> None:
+    """A GPU the stop could not put back keeps the daemon's power limit: the stop did not do what it is
+    for, so `stopped` names it among the failed steps (and `run` returns 1, the unit shows it failed);
+    the other device is restored, and its original kept for the next stop."""
+    d = sim_daemon(tmp_path, **{"server.backend": TWO})
+    await d.start()
+    uuids = _off_original(d)
+    d.backend.devices()[0].inner.inject("set_power_limit_mw", GpuLost, times=1)  # type: ignore[attr-defined]
+    with capture_logs() as logs:
+        await d.stop("test")
+    (failure,) = d.stop_failures
+    assert failure.startswith(f"restore_devices: {uuids[0]} not back at the original settings")
+    assert [r["device"] for r in logs if r["event"] == "device_restored"] == [uuids[1]]
+    assert _sim_power_mw(d.state_dir) == {uuids[0]: 400_000, uuids[1]: 700_000}
+    with Store(d.state_dir) as store:
+        assert list(store.originals()) == [uuids[0]]
 
 
 class _CloseFails(PersistentSimBackend):

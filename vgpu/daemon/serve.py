@@ -703,10 +703,12 @@ def _layout_text(o: DeviceOriginal) -> str:
 
 
 def restore_devices(
-    store: Store, backend: Backend, logger: structlog.typing.FilteringBoundLogger, metrics: DaemonMetrics | None = None
+    store: Store, backend: Backend, logger: structlog.typing.FilteringBoundLogger, metrics: DaemonMetrics | None = None,
+    *, unrestored: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Put every device whose power limit or MIG layout differs from its recorded original back,
-    read it back, and forget the originals that were restored. One dict per action taken.
+    read it back, and forget the originals that were restored. One dict per action taken; the
+    devices left off their originals are added to `unrestored` (their originals stay stored).
 
     Forgetting is best effort: on a full or failing state directory the originals stay stored, which
     is one warning (`device_originals_not_forgotten`) and no failure. The next start then finds each
@@ -729,6 +731,8 @@ def restore_devices(
         except Exception as exc:  # noqa: BLE001 - not a DeviceError (the simulator's state file on a full disk, say): the other devices are still put back
             logger.error("device_restore_failed", device=dev.uuid, error=f"{type(exc).__name__}: {exc}", exc_info=exc)
             ok = False
+        if not ok and unrestored is not None:
+            unrestored.append(dev.uuid)
         if ok:
             try:
                 store.forget_original(dev.uuid)
@@ -1683,8 +1687,14 @@ class Daemon:
         if self.cfg.server.dry_run:
             self.log.info("restore_skipped", reason="dry run: nothing was written to the devices")
         else:
+            unrestored: list[str] = []
             with self._stop_step("restore_devices"):
-                actions = restore_devices(store, backend, self.log, getattr(self, "metrics", None))
+                actions = restore_devices(store, backend, self.log, getattr(self, "metrics", None),
+                                          unrestored=unrestored)
+            if unrestored:  # the device keeps the daemon's setting: the stop failed at what it is for
+                self.stop_failures.append(
+                    f"restore_devices: {', '.join(unrestored)} not back at the original settings "
+                    "(device_restore_failed says why; the originals stay stored for the next stop)")
         with self._stop_step("save"):
             try:
                 self._save(allocator.ledger)
