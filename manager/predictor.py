@@ -371,7 +371,9 @@ class ReloadingForecaster:
             self.reload_failures += 1
             self.last_error = _describe(exc)
             _log.error(
-                "forecaster_reload_failed", path=str(self.path), error=self.last_error, serving=self._current.name,
+                # `model`, not `serving`: under the expert mixture this is one expert, and the record
+                # must not contradict vgpu_forecaster_serving
+                "forecaster_reload_failed", path=str(self.path), error=self.last_error, model=self._current.name,
                 failures=self.reload_failures,
             )
             return
@@ -379,7 +381,7 @@ class ReloadingForecaster:
         self._loaded_sig = sig
         self.reloads += 1
         self.last_error = None
-        _log.info("forecaster_reloaded", path=str(self.path), serving=new.name, reloads=self.reloads)
+        _log.info("forecaster_reloaded", path=str(self.path), model=new.name, reloads=self.reloads)
 
 
 def _describe(exc: Exception) -> str:

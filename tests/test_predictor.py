@@ -330,7 +330,7 @@ def test_a_loader_that_raises_anything_is_logged_counted_and_the_old_model_serve
     assert holder.current is old and holder.reload_failures == 1 and holder.reloads == 0
     assert holder.last_error == "RuntimeError: CUDA out of memory"
     (event,) = [e for e in logs if e["event"] == "forecaster_reload_failed"]
-    assert event["serving"] == "model" and event["path"] == str(path)
+    assert event["model"] == "model" and event["path"] == str(path)
     loaders.pop()
     _touch_new(path, seed=6)
     clock.now = 4.0
@@ -339,7 +339,7 @@ def test_a_loader_that_raises_anything_is_logged_counted_and_the_old_model_serve
         holder.wait_idle()
     assert holder.current is not old and holder.reloads == 1
     (event,) = [e for e in logs if e["event"] == "forecaster_reloaded"]
-    assert event["serving"] == "model" and event["reloads"] == 1
+    assert event["model"] == "model" and event["reloads"] == 1
 
 
 def test_the_daemons_start_up_resolves_the_default_model_without_importing_torch() -> None:
