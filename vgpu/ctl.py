@@ -757,7 +757,8 @@ def request_main(argv: Sequence[str] | None = None, prog: str = "vgpu request", 
                 saved = c.tokens.remember(ns.app, token)
             except OSError as exc:  # the grant stands; say where else the token is
                 print(f"{prog}: could not save the application token ({exc}); the daemon keeps it in "
-                      f"<state-dir>/tokens/apps/", file=sys.stderr)
+                      f"<state-dir>/tokens/apps/ (readable by root); once the application's grants are released, "
+                      f"this user may request for {ns.app!r} again and is given the token anew", file=sys.stderr)
         grant = _dict(resp.grant)
         if ns.json:
             _print_json(grant, o)
