@@ -112,6 +112,34 @@ async def test_socket_ok_against_the_daemon(tmp_path: Path) -> None:
     assert check.status == "OK" and "mode 0660" in check.detail and "serving" in check.detail
 
 
+async def test_the_daemons_own_capabilities_are_read_through_its_socket(tmp_path: Path) -> None:
+    """The process at the other end of the socket (here this one, which runs the daemon) is read from
+    /proc: with CAP_SYS_PTRACE it places containers' pids; without it (as under a unit that drops it)
+    the line warns of what that refuses. No daemon, or one whose process cannot be read: no line."""
+    import asyncio
+    import os
+
+    from daemon_fixtures import sim_daemon
+
+    d = sim_daemon(tmp_path / "d")
+    await d.start()
+    fake = tmp_path / "proc" / str(os.getpid())
+    fake.mkdir(parents=True)
+    try:
+        (fake / "status").write_text(f"Name:\tvgpu\nCapEff:\t{(1 << 21) | (1 << 19):016x}\n")
+        held = await asyncio.to_thread(doctor.check_daemon_capabilities, d.socket_path, tmp_path / "proc")
+        (fake / "status").write_text(f"Name:\tvgpu\nCapEff:\t{1 << 21:016x}\n")
+        lacked = await asyncio.to_thread(doctor.check_daemon_capabilities, d.socket_path, tmp_path / "proc")
+        (fake / "status").unlink()
+        unread = await asyncio.to_thread(doctor.check_daemon_capabilities, d.socket_path, tmp_path / "proc")
+    finally:
+        await d.stop("test")
+    assert held is not None and held.status == "OK" and f"pid {os.getpid()} holds CAP_SYS_PTRACE" in held.detail
+    assert lacked is not None and lacked.status == "WARN" and "lacks CAP_SYS_PTRACE" in lacked.detail
+    assert unread is None
+    assert doctor.check_daemon_capabilities(tmp_path / "none.sock") is None
+
+
 def test_a_configured_model_that_is_missing_fails_and_the_default_is_the_shipped_one(tmp_path: Path) -> None:
     from vgpu.manager.modelpath import resolve_model
 

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
 Status = Literal["OK", "WARN", "FAIL"]
 CAP_SYS_ADMIN = 21
+CAP_SYS_PTRACE = 19
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,32 @@ def check_privileges(euid: int | None = None, proc_status: str | None = None) ->
     return Check("privileges", "WARN",
                  f"uid {euid} without CAP_SYS_ADMIN: NVML refuses power-limit and MIG writes "
                  "(the daemon runs as root under systemd; this only matters for `vgpu serve` run by hand)")
+
+
+def check_daemon_capabilities(path: Path, proc_root: Path = Path("/proc")) -> Check | None:
+    """The running daemon's own capabilities, read from /proc for the process the kernel names at the
+    other end of its socket (SO_PEERCRED): without CAP_SYS_PTRACE it cannot read the pid namespace of
+    another user's process (or a root container's), so a request from a container naming another of
+    its processes is refused. None when the daemon's process cannot be told or read."""
+    import socket as sockets
+
+    from vgpu.peers import peer_cred
+
+    try:
+        with sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM) as conn:
+            conn.settimeout(2.0)
+            conn.connect(str(path))
+            pid = peer_cred(conn).pid
+        status_text = (proc_root / str(pid) / "status").read_text()
+    except OSError:
+        return None
+    if pid <= 0 or not any(line.startswith("CapEff:") for line in status_text.splitlines()):
+        return None
+    if _cap_eff(status_text) & (1 << CAP_SYS_PTRACE):
+        return Check("daemon", "OK", f"pid {pid} holds CAP_SYS_PTRACE: it places the pids containers name")
+    return Check("daemon", "WARN", f"pid {pid} lacks CAP_SYS_PTRACE: a request from a container (its own pid "
+                 "namespace) naming another of its processes is refused; the shipped unit grants it "
+                 "(CapabilityBoundingSet, docs/install.md, Applications in containers)")
 
 
 def check_socket(path: Path, *, timeout_s: float = 2.0) -> Check:
@@ -486,11 +513,13 @@ def run_checks(
         resp = answer[0] if answer is not None else None
         runs_it = resp is not None and bool(resp.backend) and _same_backend(choice.spec, resp.backend)
         device_checks = check_sim(choice.spec, resp if runs_it else None)
+    caps = check_daemon_capabilities(socket_path, proc_root) if answer is not None else None
     checks = [
         choice.check,
         *device_checks,
         check_privileges(euid, proc_status),
         sock,
+        *([caps] if caps is not None else []),
         check_state_dir(state_dir, socket_path if answer is not None and answer[0] is not None else None),
         check_model(model if model is not None else default_model(), load_model, required=model_required),
         check_local_model(state_dir, load_model),
