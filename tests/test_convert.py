@@ -372,6 +372,13 @@ def test_cli_concatenated_logs_restart_row_positions_at_the_repeated_header(tmp_
     # under --strict too: a further log is not a bad row
     assert _vgpu_trace("convert", "--format", "nvidia-smi", "--src", str(src), "--out", str(out), "--gpus", "2",
                        "--strict").returncode == 0
+    # a log killed mid-write ends in NUL bytes with no newline: the next log's header is still found
+    src = _write(tmp_path, "cat-nul.csv", _smi_log(0, 5) + "\x00" * 3000 + _smi_log(100, 4))
+    r = _vgpu_trace("convert", "--format", "nvidia-smi", "--src", str(src), "--out", str(out), "--gpus", "2",
+                    "--json")
+    summary = json.loads(r.stdout)
+    assert r.returncode == 0 and summary["skipped_rows"] == 0 and len(summary["log_starts"]) == 1, r.stdout
+    assert len(read_trace(out).apps["nvidia-smi/cat-nul/log2/gpu1"].t_s) == 4
     # the later day's log first: before, every row of the second log went "back in time" and was dropped
     src = _write(tmp_path, "cat-later-first.csv", _smi_log(100, 4) + _smi_log(0, 5))
     r = _vgpu_trace("convert", "--format", "nvidia-smi", "--src", str(src), "--out", str(out), "--gpus", "2",
@@ -463,3 +470,13 @@ def test_cli_a_compressed_log_cut_short_keeps_its_rows_and_strict_refuses_it(tmp
     assert list(summary["skipped_by_reason"]) == ["damaged tail: the file ends inside a gzip member"]
     r = _vgpu_trace("convert", "--format", "nvidia-smi", "--src", str(src), "--out", str(out), "--gpus", "2", "--strict")
     assert r.returncode == 1 and "damaged tail" in r.stderr
+
+
+def test_a_bad_rows_reason_is_bounded_whatever_the_row_holds(tmp_path: Path) -> None:
+    """A row of 10 kB of NUL bytes (a log killed mid-write) was quoted whole in its reason, a line of
+    10 kB in the summary."""
+    lines = _smi_log(0, 3).splitlines()
+    lines.insert(3, "2025/12/04 01:00:01.100, 70.00 W, 50 %, " + "\x00" * 10_000)
+    result = convert.convert_nvidia_smi(_write(tmp_path, "nul.csv", "\n".join(lines) + "\n"), gpus=2, prefix="x")
+    (issue,) = result.issues
+    assert "unparsable value" in issue.reason and len(issue.reason) < 400 and "characters)" in issue.reason

@@ -55,6 +55,10 @@ class Conversion:
         return Counter(i.reason.split(" (")[0] for i in self.issues)
 
 
+# The most of one bad row's reason that is kept and printed.
+MAX_REASON_CHARS = 300
+
+
 class _Issues:
     """Collects bad rows; in strict mode the first one raises."""
 
@@ -63,6 +67,8 @@ class _Issues:
         self.items: list[RowIssue] = []
 
     def add(self, path: str | Path, line: int, reason: str) -> None:
+        if len(reason) > MAX_REASON_CHARS:  # a reason quotes the row's value, which may be kilobytes
+            reason = f"{reason[:MAX_REASON_CHARS]}... ({len(reason)} characters)"
         issue = RowIssue(str(path), line, reason)
         if self.strict:
             raise TraceFormatError(str(issue))
@@ -574,7 +580,8 @@ class _SmiFile:
             self.last_line = line
             if not row or all(not c.strip() for c in row):
                 continue
-            if [_header_field(c) for c in row] == header:
+            # NUL bytes are what a log killed mid-write leaves before the next log's header (no newline)
+            if [_header_field(c.replace("\x00", "")) for c in row] == header:
                 self.log_starts.append(RowIssue(str(path), line, "the header again: a further log starts here"))
                 position = 0
                 self.log += 1
