@@ -335,7 +335,12 @@ def test_a_grant_above_the_device_is_capped_at_the_whole_device(tmp_path: Path) 
         client.close(release=False)
 
 
-def test_watch_reconnects_after_the_daemon_restarts(tmp_path: Path) -> None:
+def test_watch_reconnects_after_the_daemon_restarts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import vgpu.client as client_module
+
+    said: list[str] = []
+    for level in ("info", "warning"):
+        monkeypatch.setattr(client_module._log, level, lambda event, **_kw: said.append(event))
     sock = tmp_path / "vgpu.sock"
     first = FakeAllocator()
     server = serve(sock, first)
@@ -351,6 +356,9 @@ def test_watch_reconnects_after_the_daemon_restarts(tmp_path: Path) -> None:
         wait_until(lambda: second.watchers)
         second.resize("g1", 16384)
         wait_until(lambda: client.applied_mem_limit_mib == pytest.approx(16384))
+        # the warning is not the last word once the watch is open again
+        watch_lines = [e for e in said if e.startswith("allocation watch")]
+        assert watch_lines == ["allocation watch interrupted, opening it again", "allocation watch open again"]
     finally:
         client.close()
         server.stop(grace=None)
@@ -400,7 +408,8 @@ def test_a_refused_watch_is_asked_again_ever_less_often_and_the_reason_logged(
     assert daemon.watch_calls == 10
     assert all(b > a for a, b in zip(waits[:8], waits[1:8], strict=False)), waits  # growing
     assert waits[-1] >= 0.8 * 25.6 and max(waits) <= 1.2 * client_module.WATCH_REFUSED_MAX_S
-    (warned,) = [w for w in warnings if w["event"] == "allocation watch interrupted"]
+    (warned,) = [w for w in warnings if str(w["event"]).startswith("allocation watch")]  # once, not per refusal
+    assert warned["event"] == "allocation watch refused, asking again at most every 30 s"
     assert "holds 64 watchers" in str(warned["details"])
 
 

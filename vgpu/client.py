@@ -1040,6 +1040,7 @@ class VgpuClient:
         self._watch_call: Any = None
         self.limit_changes = 0  # how many times a different limit was applied
         self.watch_errors = 0
+        self._watch_failing = False  # the last watch ended in an error and none has opened since
         self.report_errors = 0
 
         self._threads: list[threading.Thread] = []
@@ -1687,18 +1688,29 @@ class VgpuClient:
                 # the watch is live: every change from here on is an event (a refused call returns
                 # here too, and raises on reading)
                 call.initial_metadata()
-                self._catch_up()
+                # open (a refusal comes with its headers, ended: reading it raises); the call is also a
+                # grpc.Future at run time, which the stubs' iterator type does not say
+                if not call.done():  # type: ignore[attr-defined]
+                    if self._watch_failing:
+                        _log.info("allocation watch open again", app_id=self.app_id, errors=self.watch_errors)
+                        self._watch_failing = False
+                    self._catch_up()
                 for event in call:
                     self.handle_event(event)
             except grpc.RpcError as exc:
                 if self._closed.is_set():
                     return
                 self.watch_errors += 1
-                if exc.code() in _REFUSALS:
+                refused = exc.code() in _REFUSALS
+                if refused:
                     cap_s = WATCH_REFUSED_MAX_S
-                if self.watch_errors == 1 or self.watch_errors % 50 == 0:
-                    _log.warning("allocation watch interrupted", app_id=self.app_id, code=str(exc.code()),
-                                 details=exc.details(), errors=self.watch_errors)
+                if not self._watch_failing or self.watch_errors % 50 == 0:
+                    self._watch_failing = True
+                    _log.warning("allocation watch refused, asking again at most every 30 s" if refused else
+                                 "allocation watch interrupted, opening it again", app_id=self.app_id,
+                                 code=str(exc.code()), details=exc.details(), errors=self.watch_errors,
+                                 meaning="until it is open this process does not hear its grants' changes; "
+                                 "it catches up on them once it is")
             self._watch_call = None
             if time.monotonic() - opened >= WATCH_LIVED_S:
                 delay_s = WATCH_RETRY_MIN_S
