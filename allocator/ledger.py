@@ -221,8 +221,9 @@ class Ledger:
         self.revision += 1
         old = self._grants.get(grant.grant_id)
         self._drop_totals(old)
-        self._count_uid(old, -1)
-        self._count_uid(grant, 1)
+        if old is None or old.uid != grant.uid:  # a resize (most puts, in every plan) keeps the uid
+            self._count_uid(old, -1)
+            self._count_uid(grant, 1)
         self._grants[grant.grant_id] = grant
         self._by_app.setdefault(grant.app_id, {})[grant.grant_id] = grant
         self._by_device.setdefault(grant.device_id, {})[grant.grant_id] = grant
