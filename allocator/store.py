@@ -564,10 +564,13 @@ class Store:
     def unclaim_app(self, app_id: str) -> bool:
         """Forget a claim (the call that made it failed, or the operator drops it): True if there
         was one. sqlite3.Error (nothing forgotten) when the disk refuses."""
-        row = self._db.execute("DELETE FROM apps WHERE app_id=? RETURNING uid", (app_id,)).fetchone()
+        # a SELECT, then the DELETE: RETURNING needs SQLite 3.35, which some supported systems lack;
+        # the connection is the loop's alone, so nothing comes between the two
+        row = self._db.execute("SELECT uid FROM apps WHERE app_id=?", (app_id,)).fetchone()
         self.writes += 1
         if row is None:
             return False
+        self._db.execute("DELETE FROM apps WHERE app_id=?", (app_id,))
         self._claimed -= 1
         uid = _claim_uid(row[0])
         if uid is not None:

@@ -446,13 +446,14 @@ class AccessControl:
                 if not self.app_self_registration:
                     raise Denied(grpc.StatusCode.UNAUTHENTICATED, "requests need the application's token")
                 claimed = self.registry.app_claimed(app_id)
-                if self.ledger.has_app(app_id) or (claimed and not self._reclaimable(app_id, peer)):
+                uid = uid_bound(principal, peer)
+                if self.ledger.has_app(app_id) or (claimed and not self._reclaimable(app_id, uid)):
                     raise Denied(
                         grpc.StatusCode.PERMISSION_DENIED,
                         f"application {app_id!r} is owned by another client; present its token",
                     )
                 if not claimed or app_id in self.unclaims_pending:  # a new claim: the pending one is forgotten first
-                    self._check_claim_quotas(peer)
+                    self._check_claim_quotas(uid)
                 return app_id
             if role == "anonymous":
                 return None  # empty app_id: the servicer answers INVALID_ARGUMENT
@@ -475,21 +476,20 @@ class AccessControl:
             )
         raise Denied(grpc.StatusCode.PERMISSION_DENIED, f"unknown access rule {need!r}")
 
-    def _reclaimable(self, app_id: str, peer: PeerCred | None) -> bool:
+    def _reclaimable(self, app_id: str, uid: int | None) -> bool:
         """A claimed id that holds nothing may be claimed (again): one a failed call gave back that
         the store could not forget yet (a full disk: `unclaim`), by anyone, since the call was
         answered that nothing changed; and any, by the uid that self-registered it (its token handed
         out again), so that a claim left behind by a failure is its caller's still after a restart,
-        when the pending ones are not known any more. A uid is one user (its processes may read each
+        when the pending ones are not known any more (`uid`: the caller's, `uid_bound`). A uid is one user (its processes may read each
         other's memory); uid 0 is not (every container that runs as root without a user namespace is
         uid 0), so its claims are never taken again this way."""
         if app_id in self.unclaims_pending:  # given back: free, once the store forgets it (`claim`)
             return True
-        if peer is None or peer.uid == 0:
-            return False
-        return self.registry.claim_uid(app_id) == peer.uid
+        return uid is not None and self.registry.claim_uid(app_id) == uid
 
-    def _check_claim_quotas(self, peer: PeerCred | None) -> None:
+    def _check_claim_quotas(self, uid: int | None) -> None:
+        """The node's bound on self-registered ids, and the share of `uid` (`uid_bound`; None: none)."""
         limit = self.max_self_registered_apps
         if limit is not None and self.registry.claimed_count() >= limit:
             raise Denied(
@@ -498,13 +498,13 @@ class AccessControl:
                 "ask the operator for this application's token",
             )
         per_uid = self.max_self_registered_apps_per_uid
-        if per_uid is None or peer is None or peer.uid == 0:
+        if per_uid is None or uid is None:
             return
-        held = self.registry.claimed_count(peer.uid)
+        held = self.registry.claimed_count(uid)
         if held >= per_uid:
             raise Denied(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"quota: uid {peer.uid} has claimed {held} application ids (auth.max_self_registered_apps_per_uid = "
+                f"quota: uid {uid} has claimed {held} application ids (auth.max_self_registered_apps_per_uid = "
                 f"{per_uid}); reuse one of them, or ask the operator to forget those that hold nothing "
                 "(`vgpu forget-app`)",
             )
@@ -599,15 +599,20 @@ class AccessControl:
         claim is gone is harmless (it names nothing the ledger holds, and the id may be claimed
         again, which rewrites it)."""
         try:
-            self.registry.unclaim_app(app_id)
+            self._drop_claim(app_id)
         except Exception:  # noqa: BLE001 - a full disk, a damaged file: kept for a retry
             self.unclaims_pending.add(app_id)
             return False
+        self._retry_unclaims()
+        return True
+
+    def _drop_claim(self, app_id: str) -> None:
+        """Forget a claim: its row (raises, nothing changed, when the store refuses), then its pending
+        mark and its token file."""
+        self.registry.unclaim_app(app_id)
         self.unclaims_pending.discard(app_id)
         with contextlib.suppress(OSError):
             self.authority.app_token_path(app_id).unlink()
-        self._retry_unclaims()
-        return True
 
     def _retry_unclaims(self) -> None:
         """Forget the claims failed calls gave back that the store could not forget then; stops at
@@ -617,12 +622,9 @@ class AccessControl:
                 self.unclaims_pending.discard(app_id)
                 continue
             try:
-                self.registry.unclaim_app(app_id)
+                self._drop_claim(app_id)
             except Exception:  # noqa: BLE001 - still refused: kept for the next try
                 return
-            self.unclaims_pending.discard(app_id)
-            with contextlib.suppress(OSError):
-                self.authority.app_token_path(app_id).unlink()
 
 
     async def forget(self, app_ids: Sequence[str], uid: int | None = None) -> tuple[list[str], list[tuple[str, str]]]:
@@ -642,13 +644,10 @@ class AccessControl:
                     kept.append((app_id, "holds grants or limits: release them, and clear its limits, first"))
                 else:
                     try:
-                        self.registry.unclaim_app(app_id)
+                        self._drop_claim(app_id)
                     except Exception as exc:  # noqa: BLE001 - a full disk: said, and the rest kept too
                         kept.append((app_id, f"the state directory refused the change: {exc}"))
                         continue
-                    self.unclaims_pending.discard(app_id)
-                    with contextlib.suppress(OSError):
-                        self.authority.app_token_path(app_id).unlink()
                     forgotten.append(app_id)
         return forgotten, kept
 
@@ -840,7 +839,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
         async def before(request: object, context: Any) -> tuple[str | None, bool, bool]:
             caller = "bad-token"
-            peer = access.peer(_peer_text(context))
+            address = _peer_text(context)
+            peer = access.peer(address)
             try:
                 principal = access.identify(metadata, verified_client_cert=_verified_client_cert(context))
                 caller = principal.describe()
@@ -855,7 +855,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             _BOUNDED_UID.set(uid_bound(principal, peer))
             # every line logged for this call (granted, released, limits_set, reclaimed, ...) says who
             # asked: the call runs in its own task, so the binding ends with it
-            structlog.contextvars.bind_contextvars(**audit_fields(principal, peer, _peer_text(context)))
+            structlog.contextvars.bind_contextvars(**audit_fields(principal, peer, address))
             if claim is None and principal.role == "operator" and need == "app_request":
                 app_id = _request_app_id(request)
                 if app_id and app_id_problem(app_id) is None and not access.registry.app_claimed(app_id):
