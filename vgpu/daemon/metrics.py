@@ -532,7 +532,7 @@ class DaemonMetrics:
     most (`select_apps`)."""
 
     def __init__(self, registry: CollectorRegistry, source: MetricsSource | None = None, *,
-                 max_apps: int = DEFAULT_MAX_APPS, process_metrics: bool = True) -> None:
+                 max_apps: int = DEFAULT_MAX_APPS) -> None:
         if max_apps < 0:
             raise ValueError(f"max_apps: must be >= 0, got {max_apps}")
         self.registry = registry
@@ -559,11 +559,10 @@ class DaemonMetrics:
         for reason in REFUSAL_REASONS:
             self.connections_refused.labels(reason=reason)
         self._registry = registry
-        if process_metrics:
-            # RSS, open and allowed descriptors, CPU seconds and start time of this process (from
-            # /proc; absent elsewhere), and python_info: what the unit's MemoryMax and LimitNOFILE bound
-            ProcessCollector(registry=registry)
-            PlatformCollector(registry=registry)
+        # RSS, open and allowed descriptors, CPU seconds and start time of this process (from
+        # /proc; absent elsewhere), and python_info: what the unit's MemoryMax and LimitNOFILE bound
+        ProcessCollector(registry=registry)
+        PlatformCollector(registry=registry)
         self._own = _OwnCountsCollector()
         registry.register(self._own)
         if source is not None:
