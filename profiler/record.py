@@ -25,11 +25,9 @@ per-process memory nor SM reading) is not written (the format needs one) and is 
 The `#meta` line says how the trace was made: `recorded: true`, the clock, the command line, the
 backend, the devices (name, memory), the host and the start time; a recording of a trace played back
 (`--sim-trace`, the profiler's `--replay`) names it (`replayed`) and keeps its provenance (`derived`,
-`generator`, `inputs`). Rows are written as they come, flushed every `flush_every_s` and
-checkpointed every `checkpoint_every_s`: a `.csv.gz` then ends its gzip member
-(`vgpu.traces.AppendingTrace`), so a recorder killed without warning (SIGKILL, OOM) loses at most the
-rows since the last checkpoint; the reader keeps the rows before the unfinished member and reports
-the damaged tail.
+`generator`, `inputs`). Rows are written as they come and flushed every `flush_every_s` (a `.csv.gz`
+with a gzip sync flush), so a recorder killed without warning (SIGKILL, OOM) loses at most the rows
+since the last flush; the reader keeps the rows before the unfinished end and reports the damaged tail.
 `vgpu record --backend sim:<sku> --sim-trace TRACE` launches every application of TRACE on the
 simulated GPU first, to try the recording without a GPU.
 """
@@ -104,7 +102,6 @@ class TraceRecorder:
         metadata: Mapping[str, Any] | None = None,
         *,
         flush_every_s: float = 1.0,
-        checkpoint_every_s: float = 5.0,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.path = Path(path)
@@ -117,10 +114,6 @@ class TraceRecorder:
         self._monotonic = monotonic
         self._flush_every_s = flush_every_s
         self._flushed_at = monotonic()
-        # a gzip member costs its header and a fresh dictionary: 1 s members made a recording of the
-        # demo trace 1.6 times the size of one stream, 5 s members 1.15 times
-        self._checkpoint_every_s = checkpoint_every_s
-        self._checkpointed_at = self._flushed_at
         self.rows = 0
         self.skipped_no_target = 0
         self.closed = False
@@ -138,10 +131,7 @@ class TraceRecorder:
             n += 1
         self.rows += n
         now = self._monotonic()
-        if now - self._checkpointed_at >= self._checkpoint_every_s:
-            self._fh.checkpoint()
-            self._checkpointed_at = self._flushed_at = now
-        elif now - self._flushed_at >= self._flush_every_s:
+        if now - self._flushed_at >= self._flush_every_s:
             self._fh.flush()
             self._flushed_at = now
         return n
@@ -214,7 +204,7 @@ def recording_metadata(argv: Sequence[str], prog: str, backend_spec: str, backen
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Record what the profiler samples to a canonical trace.")
-    p.add_argument("--out", required=True, type=Path, help="trace to write (.csv or .csv.gz; written out every few seconds)")
+    p.add_argument("--out", required=True, type=Path, help="trace to write (.csv or .csv.gz; flushed every second)")
     p.add_argument("--backend", default="nvml", help="nvml (default) or sim:<sku>, e.g. sim:h100-80gb")
     p.add_argument("--seconds", type=float, default=0.0, help="stop after this many seconds (default: until signalled)")
     p.add_argument("--period-ms", type=float, default=100.0, help="sampling period in ms (default 100)")

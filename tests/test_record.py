@@ -39,8 +39,7 @@ def test_recorded_rows_are_what_was_streamed(tmp_path: Path, name: str) -> None:
     sampler = Sampler(backend, psutil_module=None, inapp_dir=inapp, inapp_max_age_s=1e12,
                       clock=lambda: 1_700_000_000.0 + clock(), monotonic=clock)
     path = tmp_path / name
-    source = RecordingSource(sampler, TraceRecorder(path, {"recorded": True, "clock": "shared"}, monotonic=clock,
-                                                          checkpoint_every_s=1.0))  # .gz: 3 members
+    source = RecordingSource(sampler, TraceRecorder(path, {"recorded": True, "clock": "shared"}, monotonic=clock))
     streamed: list[signature_pb2.BehavioralSignature] = []
     for _ in range(30):
         clock.advance(0.1)
@@ -198,8 +197,8 @@ def _trace_info(path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_recording_killed_without_warning_keeps_its_rows_to_the_last_checkpoint(tmp_path: Path) -> None:
-    """SIGKILL (an OOM kill, a reboot) gives the recorder no chance to end its gzip stream: the
-    members it ended every 5 s are read, the unfinished one is reported as a damaged tail."""
+    """SIGKILL (an OOM kill, a reboot) gives the recorder no chance to end its gzip stream: what it
+    flushed every second is read, the unfinished end is reported as a damaged tail."""
     import json
     import signal
     import time
@@ -215,17 +214,17 @@ def test_a_recording_killed_without_warning_keeps_its_rows_to_the_last_checkpoin
             time.sleep(0.5)
             try:
                 seen = read_trace(out).samples
-            except TraceFormatError:  # no file yet, or the first member not ended
+            except TraceFormatError:  # no file yet, or nothing flushed
                 seen = 0
         assert seen, "the recording never had a row readable on disk"
-        time.sleep(6)  # past the next checkpoint
+        time.sleep(6)  # past the next flushes
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
     r = _trace_info(out, "--json")
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
-    assert info["samples"] > seen + 100  # what was readable before, and the next checkpoint's rows
+    assert info["samples"] > seen + 100  # what was readable before, and the next flushes' rows
     assert info["apps"] >= 4
     assert set(info["skipped_by_reason"]) <= {"damaged tail: the file ends inside a gzip member"}
 

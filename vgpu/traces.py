@@ -444,66 +444,14 @@ def damaged_tail_reason(tail: GzipTail | None) -> str | None:
     return f"damaged tail: {tail.damage}; the rows before this line are kept{cut}, any after it are lost"
 
 
-class AppendingTrace(io.TextIOWrapper):
-    """A text stream to a new trace file for a writer that adds rows as they come (`vgpu record`).
-
-    `checkpoint()` puts everything written so far in the file, readable as it stands if the writer
-    dies right after (SIGKILL, OOM, power loss once the kernel has written it): a plain .csv is
-    flushed; a .csv.gz ends its gzip member there and the next rows go to a new member (gzip
-    readers read the members as one stream, `read_trace` included). A crash then loses only what
-    came after the last checkpoint, where one continuous gzip stream would be unreadable whole."""
-
-    def __init__(self, path: Path) -> None:
-        raw = open(path, "wb")  # noqa: SIM115 - closed with this stream
-        self._members = _GzipMembers(raw) if path.suffix == ".gz" else None
-        super().__init__(io.BufferedWriter(self._members) if self._members is not None else raw,
-                         encoding="utf-8", newline="")
-
-    def checkpoint(self) -> None:
-        self.flush()
-        if self._members is not None:
-            self._members.end_member()
-
-
-class _GzipMembers(io.RawIOBase):
-    """Bytes written as a series of gzip members (no time or name in their headers): a member is
-    opened by the first write after `end_member()`, which closes the current one and flushes."""
-
-    def __init__(self, raw: io.BufferedWriter) -> None:
-        super().__init__()
-        self._raw = raw
-        self._gz: gzip.GzipFile | None = None
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        if self._gz is None:
-            self._gz = gzip.GzipFile(filename="", mode="wb", fileobj=self._raw, mtime=0)
-        return self._gz.write(data)
-
-    def end_member(self) -> None:
-        if self._gz is not None:
-            self._gz.close()  # writes the member's trailer to the file; leaves the file open
-            self._gz = None
-        self._raw.flush()
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        try:
-            self.end_member()
-        finally:
-            self._raw.close()
-            super().close()
-
-
-def open_for_writing(path: str | Path) -> AppendingTrace:
+def open_for_writing(path: str | Path) -> io.TextIOWrapper:
     """A text stream to a new trace file (gzip when the name ends in .gz), for writers that add rows
-    as they come (`vgpu record`); `write_trace` for whole traces."""
+    as they come (`vgpu record`); `write_trace` for whole traces. Its `flush()` puts every row written
+    so far in the file, a .gz one too (a gzip sync flush): a writer that dies after it (SIGKILL, OOM)
+    leaves rows that `read_trace` reads, its unfinished end reported as a damaged tail."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    return AppendingTrace(path)
+    return _open_for_writing(path)
 
 
 def meta_line(metadata: Mapping[str, Any]) -> str:
