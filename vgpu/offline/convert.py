@@ -575,13 +575,16 @@ class _SmiFile:
         # (log, gpu) -> the series: each further log in the file is a recording of its own (a restart
         # of nvidia-smi, `cat` of two days' logs, in either order), never joined across the gap
         per_gpu: dict[tuple[int, str], tuple[list[float], dict[str, list[float]]]] = {}
+        targets = set(columns.values())
         position = 0
         for line, row in enumerate(reader, start=2):
             self.last_line = line
             if not row or all(not c.strip() for c in row):
                 continue
-            # NUL bytes are what a log killed mid-write leaves before the next log's header (no newline)
-            if [_header_field(c.replace("\x00", "")) for c in row] == header:
+            # NUL bytes are what a log killed mid-write leaves before the next log's header (no newline);
+            # the whole row is compared only where a header can be (a data row has a time there)
+            if (len(row) == len(header) and "timestamp" in row[t_col].lower()
+                    and [_header_field(c.replace("\x00", "")) for c in row] == header):
                 self.log_starts.append(RowIssue(str(path), line, "the header again: a further log starts here"))
                 position = 0
                 self.log += 1
@@ -607,15 +610,22 @@ class _SmiFile:
             if problem:
                 self._bad(line, problem)
                 continue
-            t_list, cols = per_gpu.setdefault((self.log, gpu), ([], {c: [] for c in set(columns.values())}))
+            series = per_gpu.get((self.log, gpu))
+            if series is None:
+                series = per_gpu[(self.log, gpu)] = ([], {c: [] for c in targets})
+            t_list, cols = series
             if t_list and t < t_list[-1]:
                 self._bad(line, f"time goes back for GPU {gpu} ({t} after {t_list[-1]})", may_shift=True)
                 continue
             t_list.append(t)
             self.last_row[self.log] = line
             if self.by_position:
-                seen = self.samples.setdefault((self.log, slot // (gpus or 1)), [t, t, 0, line])
-                seen[0], seen[1], seen[2] = min(seen[0], t), max(seen[1], t), seen[2] + 1
+                key = (self.log, slot // (gpus or 1))
+                seen = self.samples.get(key)
+                if seen is None:
+                    self.samples[key] = [t, t, 1, line]
+                else:
+                    seen[0], seen[1], seen[2] = min(seen[0], t), max(seen[1], t), seen[2] + 1
             for col in cols:
                 v = values.get(col)
                 cols[col].append(math.nan if v is None else v)
