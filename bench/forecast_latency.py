@@ -16,7 +16,9 @@ Runtime).
 (manager/experts.py) over the last value, the EWMA and the model, weighting included. Each
 iteration advances every history by one second (the daemon forecasts each application once a
 second), so every call also scores the forecasts whose truth arrived; `mixture_only_p50_ms` is the
-mixture's own share (its time less the model's call on the same histories).
+mixture's own share (its time less the model's call on the same histories). With `--trees` the
+mixture also has node-local trees in its "trees" slot (manager/nodetrees.py, fitted first on the
+bench's own histories, as a node's learner would on its history); `trees_p50_ms` is their own call.
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None)
     p.add_argument("--mode", choices=(*MODES, "torchscript"), default=DEFAULT_MODE)
     p.add_argument("--mixture", action="store_true", help="time the served expert mixture (model included)")
+    p.add_argument("--trees", action="store_true", help="--mixture: with node-local trees in their slot")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -151,11 +154,22 @@ def _upto(hist: list[AppTrace], end_s: float, span_s: float) -> list[AppTrace]:
 
 
 def _mixture(args: argparse.Namespace, model: ModelForecaster, hist: list[AppTrace]) -> int:
-    mixture = make_served(model)
+    mixture = make_served(model, local=args.trees)
+    trees = None
+    if args.trees:
+        from vgpu.manager.nodetrees import NodeTrees  # noqa: PLC0415
+
+        trees = NodeTrees().fit(hist)
+        mixture.set_expert("trees", trees)
     t0_s = float(hist[0].t_s[0]) + args.history_s
     steps = [_upto(hist, t0_s + k, args.history_s) for k in range(args.iterations + 10)]
-    times, model_times, cpu, model_cpu = [], [], [], []
+    times, model_times, cpu, model_cpu, trees_times = [], [], [], [], []
     for k, batch in enumerate(steps):
+        if trees is not None:
+            t0 = time.perf_counter()
+            trees.forecast_arrays(batch)  # what the mixture calls
+            if k >= 10:
+                trees_times.append((time.perf_counter() - t0) * 1000)
         t0, c0 = time.perf_counter(), time.thread_time()
         mixture.forecast_batch(batch)
         took, took_cpu = (time.perf_counter() - t0) * 1000, (time.thread_time() - c0) * 1000
@@ -181,6 +195,7 @@ def _mixture(args: argparse.Namespace, model: ModelForecaster, hist: list[AppTra
         "cpu_p50_ms": round(float(np.percentile(cpu, 50)), 3),
         "model_cpu_p50_ms": round(float(np.percentile(model_cpu, 50)), 3),
         "mixture_only_cpu_p50_ms": round(float(np.percentile(own_cpu, 50)), 3),
+        **({"trees_p50_ms": round(float(np.percentile(trees_times, 50)), 3)} if trees_times else {}),
         "load_average_1m": round(os.getloadavg()[0], 2),
         "scored": mixture.scored,
         "mode_serving": model.mode_serving,

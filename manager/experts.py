@@ -666,20 +666,23 @@ class MixtureForecaster:
 # 0.846 from equal starting weights.
 SERVED_INTERNAL: tuple[str, ...] = ("last_value",)
 SERVED_PRIOR: dict[str, float] = {"last_value": 1.0, "model": 2.0}
+LOCAL_SLOTS = ("local", "trees")  # what the node learns: the fine-tuned network, the trees
 
 
 def make_served(model: Forecaster | None, config: MixtureConfig | None = None, *, name: str = "mixture",
                 local: bool = False, history: HistorySink | None = None) -> MixtureForecaster:
     """The daemon's served forecaster: the mixture over the last value and `model` (a slot that
-    abstains while None), starting from `SERVED_PRIOR`; with `local`, a "local" slot for the
-    node-local model (empty until one is promoted; starting weight the model's); `history` receives
-    every complete second (manager/history.py)."""
+    abstains while None), starting from `SERVED_PRIOR`; with `local`, the node's learnt experts: a
+    "local" slot for the node-local model and a "trees" slot for the node-local trees
+    (manager/nodetrees.py), each empty until one is promoted, starting at the model's weight;
+    `history` receives every complete second (manager/history.py)."""
     experts: dict[str, Forecaster | None] = {"model": model}
     prior = dict(SERVED_PRIOR)
     if local:
-        experts["local"] = None
-        prior["local"] = SERVED_PRIOR["model"]
+        for slot in LOCAL_SLOTS:
+            experts[slot] = None
+            prior[slot] = SERVED_PRIOR["model"]
     return MixtureForecaster(experts, config, name=name, prior=prior, internal=SERVED_INTERNAL, history=history)
 
 
-__all__ = ["INTERNAL_EXPERTS", "SERVED_INTERNAL", "SERVED_PRIOR", "MixtureConfig", "MixtureForecaster", "make_served"]
+__all__ = ["INTERNAL_EXPERTS", "LOCAL_SLOTS", "SERVED_INTERNAL", "SERVED_PRIOR", "MixtureConfig", "MixtureForecaster", "make_served"]

@@ -260,18 +260,20 @@ class Grid:
         return np.where(self.offsets[1:] > self.offsets[:-1], last, -1)
 
 
-def build_grid(traces: Sequence[AppTrace]) -> Grid:
-    """The 1 s grids of many applications at once (a handful of numpy calls, whatever their number)."""
+def build_grid(traces: Sequence[AppTrace], columns: Sequence[str] = GRID_COLUMNS) -> Grid:
+    """The 1 s grids of many applications at once (a handful of numpy calls, whatever their number);
+    `columns` of GRID_COLUMNS (the others' grids all missing)."""
     lengths = np.array([len(t) for t in traces], dtype=np.int64)
     t_all = np.concatenate([t.t_s for t in traces]) if traces else np.zeros(0)
-    return _grid(lengths, t_all, _columns(traces, lengths))
+    return _grid(lengths, t_all, _columns(traces, lengths, columns))
 
 
-def _columns(traces: Sequence[AppTrace], lengths: npt.NDArray[np.int64]) -> dict[str, F64]:
+def _columns(traces: Sequence[AppTrace], lengths: npt.NDArray[np.int64],
+             names: Sequence[str] = GRID_COLUMNS) -> dict[str, F64]:
     """Each numeric column of all traces end to end (NaN where a trace lacks it)."""
     cols: dict[str, F64] = {}
     have: set[str] = set().union(*(t.columns for t in traces))
-    for name in GRID_COLUMNS:
+    for name in names:
         if name not in have:
             continue
         parts = [t.columns.get(name) for t in traces]

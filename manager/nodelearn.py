@@ -571,12 +571,18 @@ class LocalModelWatcher:
     """Serves `local.pt` as the mixture's "local" expert: `poll()` loads a changed file (a failed load is
     logged once per file version and the slot left empty: the global model and the last value
     serve), and empties the slot when the file is gone (a rollback to none). `state` says which:
-    "serving", "unusable" (a file that does not load) or "none" (no file)."""
+    "serving", "unusable" (a file that does not load) or "none" (no file). With `filename`, `loader`
+    and `what` it watches another of the node's learnt experts (the trees, manager/nodetrees.py); its
+    log events are `<what>` and `<what>_unusable`."""
 
     def __init__(self, state_dir: str | Path, set_expert: Callable[[Forecaster | None], None],
                  loader: Callable[[Path], Forecaster] = load_local,
-                 logger: structlog.typing.FilteringBoundLogger | None = None) -> None:
-        self.path = models_dir(state_dir) / LOCAL
+                 logger: structlog.typing.FilteringBoundLogger | None = None, *,
+                 filename: str = LOCAL, what: str = "local_model",
+                 to_act: str = ("`vgpu model status` says which archived models load; `vgpu model rollback` puts the "
+                                "one before back, or remove the file to serve the global model alone")) -> None:
+        self.path = models_dir(state_dir) / filename
+        self.what, self.to_act = what, to_act
         self._set = set_expert
         self._loader = loader
         self._log = logger or get_logger("vgpu.manager.nodelearn")
@@ -597,7 +603,7 @@ class LocalModelWatcher:
         if sig is None:
             self._set(None)
             self.state = "none"
-            self._log.info("local_model", serving=None)
+            self._log.info(self.what, serving=None)
             return
         try:
             model = self._loader(self.path)
@@ -605,14 +611,12 @@ class LocalModelWatcher:
             self.failures += 1
             self._set(None)
             self.state = "unusable"
-            self._log.warning("local_model_unusable", path=str(self.path), error=repr(exc),
-                              to_act="`vgpu model status` says which archived models load; `vgpu model rollback` "
-                              "puts the one before back, or remove the file to serve the global model alone")
+            self._log.warning(f"{self.what}_unusable", path=str(self.path), error=repr(exc), to_act=self.to_act)
             return
         self.loaded += 1
         self._set(model)
         self.state = "serving"
-        self._log.info("local_model", serving=str(self.path))
+        self._log.info(self.what, serving=str(self.path))
 
 
 class BackgroundLearner:
@@ -623,9 +627,11 @@ class BackgroundLearner:
     def __init__(self, state_dir: str | Path, history_dir: str | Path, global_model: str | Path,
                  watcher: LocalModelWatcher, *, interval_s: float = 3600.0, poll_s: float = 5.0,
                  housekeeping: Callable[[], object] | None = None,
+                 also_watch: Sequence[LocalModelWatcher] = (),
                  logger: structlog.typing.FilteringBoundLogger | None = None) -> None:
         self.state_dir, self.history_dir, self.global_model = Path(state_dir), Path(history_dir), Path(global_model)
         self.watcher = watcher
+        self.watchers = (watcher, *also_watch)  # polled together: the network's file and the trees'
         self.housekeeping = housekeeping  # e.g. the history's compression of closed segments, each poll
         self.interval_s, self.poll_s = interval_s, poll_s
         self._log = logger or get_logger("vgpu.manager.nodelearn")
@@ -647,7 +653,7 @@ class BackgroundLearner:
     def _run(self) -> None:
         next_round = time.monotonic() + self.interval_s
         while not self._stop.is_set():
-            self.watcher.poll()
+            self._poll()
             if self.housekeeping is not None:
                 try:
                     self.housekeeping()
@@ -672,7 +678,11 @@ class BackgroundLearner:
         self.rounds += 1
         if self._child.returncode != 0 and not self._stop.is_set():
             self._log.error("node_learning_failed", rc=self._child.returncode, stderr=err.decode(errors="replace")[-2000:])
-        self.watcher.poll()
+        self._poll()
+
+    def _poll(self) -> None:
+        for w in self.watchers:
+            w.poll()
 
 
 # --- the commands ---------------------------------------------------------------------------------
@@ -689,6 +699,8 @@ def model_main(argv: Sequence[str] | None = None, prog: str = "vgpu model") -> i
                    f"{config.DEFAULT_STATE_DIR})")
     p.add_argument("--config", type=Path, default=None,
                    help=f"configuration file (default {config.DEFAULT_CONFIG_PATH} if present)")
+    p.add_argument("--trees", action="store_true",
+                   help="rollback: the node-local trees (manager/nodetrees.py) instead of the network")
     args = p.parse_args(argv)
     state_dir = args.state_dir
     if state_dir is None:
@@ -703,20 +715,26 @@ def model_main(argv: Sequence[str] | None = None, prog: str = "vgpu model") -> i
         print(f"{prog}: no state directory at {state_dir}: give the daemon's server.state_dir with --state-dir",
               file=sys.stderr)
         return 2
+    from vgpu.manager import nodetrees  # noqa: PLC0415 - a cycle at import time: nodetrees uses this module
+
     if args.action == "status":
         state = status(state_dir)
+        state |= nodetrees.trees_status(state_dir, read_log(state_dir))
         print(json.dumps(state, indent=2, sort_keys=True))
         if state["local_model_loads"] is False:
             # stdout stays one JSON document; the warning a person reads goes to stderr
             print(f"{prog}: {state['local_model']} does not load ({state['local_model_problem']}): the daemon serves "
                   f"without it; {unusable_local_model_advice(state, state_dir)}", file=sys.stderr)
+        if state["trees_loads"] is False:
+            print(f"{prog}: {state['trees_problem']}: the daemon serves without the trees; `{prog} rollback --trees` "
+                  f"puts the previous ones back, or remove {state['trees']}", file=sys.stderr)
         return 0
     def waiting() -> None:
         print(f"{prog}: a promotion or rollback is under way (the promotion log is locked): waiting for it",
               file=sys.stderr, flush=True)
 
     try:
-        entry = rollback(state_dir, waiting)
+        entry = nodetrees.rollback_trees(state_dir, waiting) if args.trees else rollback(state_dir, waiting)
     except LookupError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 1
@@ -727,7 +745,8 @@ def model_main(argv: Sequence[str] | None = None, prog: str = "vgpu model") -> i
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m vgpu.manager.nodelearn learn ...`: one round, as the background learner runs it."""
+    """`python -m vgpu.manager.nodelearn learn ...`: one round of each of the node's learnt experts (the
+    trees of manager/nodetrees.py, then the network), as the background learner runs them."""
     p = argparse.ArgumentParser(prog="vgpu.manager.nodelearn")
     p.add_argument("action", choices=("learn",))
     p.add_argument("--state-dir", required=True)
@@ -738,11 +757,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch  # noqa: PLC0415
 
     from vgpu.manager.history import NodeHistory  # noqa: PLC0415
+    from vgpu.manager.nodetrees import learn_round  # noqa: PLC0415
 
     torch.set_num_threads(1)
-    entry = learn_once(args.state_dir, NodeHistory(args.history_dir).read(), args.global_model)
-    print(json.dumps(entry, sort_keys=True, default=str))
-    return 0
+    history = NodeHistory(args.history_dir).read()
+    rc = 0
+    # the trees first: seconds of CPU, where the network's fine-tuning takes minutes; one failing
+    # leaves the other's round to run
+    rounds: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+        ("trees", lambda: learn_round(args.state_dir, history)),
+        ("network", lambda: learn_once(args.state_dir, history, args.global_model)),
+    ]
+    for name, one_round in rounds:
+        try:
+            entry = one_round()
+        except Exception as exc:  # noqa: BLE001 - reported on stderr, which the daemon logs
+            print(f"{name} round failed: {exc!r}", file=sys.stderr)
+            rc = 1
+            continue
+        print(json.dumps({"round": name, **entry}, sort_keys=True, default=str))
+    return rc
 
 
 if __name__ == "__main__":

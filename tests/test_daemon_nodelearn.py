@@ -1,6 +1,6 @@
 """The served mixture in a real `vgpu serve`: it writes the node's history to the state directory while a
-real `vgpu profiler` streams, serves a node-local model dropped in `models/local.pt`, and goes on
-without it when that file is corrupt."""
+real `vgpu profiler` streams, serves a node-local model dropped in `models/local.pt` and node-local trees
+in `models/trees.json`, and goes on without either when its file is corrupt."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ import numpy as np
 from daemon_fixtures import ROOT, Env, Serve, make_env, wait_for
 
 from tests.checkpoint_synth import write_tiny_checkpoint
+from tests.test_nodetrees import CFG as TREES_CFG
+from tests.test_nodetrees import _node as node_runs
+from vgpu.manager import nodetrees as NT
 from vgpu.manager.history import NodeHistory
 from vgpu.traces import AppTrace, write_trace
 
@@ -54,6 +57,16 @@ def test_history_is_written_and_a_local_model_is_served_or_skipped(tmp_path: Pat
         os.replace(models / ".local.pt.tmp", models / "local.pt")
         daemon.wait_for("local_model", 20.0)
         assert daemon.event("local_model")["serving"] == str(models / "local.pt")
+        # node-local trees promoted beside it: served in the mixture's trees slot; damaged ones are not
+        trees, _ = NT.learn_trees(node_runs(), None, TREES_CFG)
+        assert trees is not None
+        NT.save_trees(models / NT.TREES, trees)
+        daemon.wait_for("node_trees", 20.0)
+        assert daemon.event("node_trees")["serving"] == str(models / NT.TREES)
+        (models / ".bad-trees").write_text('{"format": "vgpu-node-trees", "version": 1')
+        os.replace(models / ".bad-trees", models / NT.TREES)
+        daemon.wait_for("node_trees_unusable", 20.0)
+        assert "rollback --trees" in daemon.event("node_trees_unusable")["to_act"]
         # a corrupt one: logged, the slot emptied, forecasts go on
         (models / ".bad").write_bytes(b"\x00 not a checkpoint")
         os.replace(models / ".bad", models / "local.pt")

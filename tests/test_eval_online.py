@@ -191,11 +191,13 @@ def test_online_scores_the_served_mixture_as_the_daemon_builds_it() -> None:
     methods = online.default_methods(["model", "served", "last_value"], Ahead())
     assert [m.name for m in methods] == ["model", "served", "last_value"]
     served = next(m for m in methods if m.name == "served")
-    assert isinstance(served, online.HistoryOnline)
-    # the daemon's mixture (vgpu/daemon/serve.py): last value, model and an empty node-local slot
-    assert served.fc.expert_names == ("last_value", "model", "local")  # type: ignore[attr-defined]
+    assert isinstance(served, online.ServedOnline)
+    # the daemon's mixture (vgpu/daemon/serve.py): last value, model and the node's learnt slots, empty
+    # on a fresh node (a node two minutes old runs no trees round: the first is due after an hour)
+    assert served.fc.expert_names == ("last_value", "model", "local", "trees")  # type: ignore[attr-defined]
     assert served.fc.expert("local") is None  # type: ignore[attr-defined]
     rep = online.evaluate_online(online.node_layout(apps, "shared"), methods)
+    assert served.rounds == [] and served.fc.expert("trees") is None  # type: ignore[attr-defined]
     for target in ("mem_used_mib", "sm_util_pct"):
         s, lv = _rows(rep, "served", target=target), _rows(rep, "last_value", target=target)
         for h in HORIZONS_S:

@@ -188,6 +188,7 @@ from vgpu.manager.forecast import Forecaster
 from vgpu.manager.history import NodeHistory
 from vgpu.manager.modelpath import ModelChoice, open_forecaster, resolve_model
 from vgpu.manager.nodelearn import BackgroundLearner, LocalModelWatcher
+from vgpu.manager.nodetrees import TREES, load_trees
 from vgpu.manager.service import IngestServicer
 from vgpu.manager.window import WindowStore
 from vgpu.wire import inapp_drop_reasons
@@ -1263,11 +1264,16 @@ class Daemon:
         self.mixture = make_served(model_forecaster, local=True, history=self.history)
         mixture = self.mixture
         watcher = LocalModelWatcher(self.state_dir, lambda m: mixture.set_expert("local", m))
+        trees = LocalModelWatcher(
+            self.state_dir, lambda m: mixture.set_expert("trees", m), load_trees, filename=TREES, what="node_trees",
+            to_act="`vgpu model status` says why; `vgpu model rollback --trees` puts the previous trees back, or "
+                   "remove the file to serve without trees")
         self.learner = BackgroundLearner(self.state_dir, self.state_dir / "history",
                                          resolve_model(cfg.manager.model).path, watcher,
                                          interval_s=cfg.manager.learn_interval_s if self.history else 0.0,
                                          poll_s=cfg.manager.model_check_interval_s,
-                                         housekeeping=self.history.compress_closed if self.history else None)
+                                         housekeeping=self.history.compress_closed if self.history else None,
+                                         also_watch=(trees,))
         self.learner.start()
 
     def _store_reconciled(self, ledger: Ledger, rec: Reconciliation,

@@ -479,14 +479,17 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu eval") -> int:
     parser.add_argument("--refit-every-s", type=int, default=1800, help="--online: gbdt re-fit period, node seconds")
     parser.add_argument("--learn-every-s", type=int, default=60,
                         help="--online: how often the last value's margin (and a model's learn hook) learn")
+    parser.add_argument("--node-learn-every-s", type=int, default=3600,
+                        help="--online: how often `served` runs a node-local trees round, node seconds "
+                             "(the daemon's manager.learn_interval_s); 0: never")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = set(methods) - set(METHOD_ORDER)
     if unknown:
         parser.error(f"unknown methods {sorted(unknown)}; choose from {METHOD_ORDER}")
-    if args.refit_every_s < 1 or args.learn_every_s < 1:
-        parser.error("--refit-every-s and --learn-every-s must be at least 1")
+    if args.refit_every_s < 1 or args.learn_every_s < 1 or args.node_learn_every_s < 0:
+        parser.error("--refit-every-s and --learn-every-s must be at least 1, --node-learn-every-s at least 0")
     split: Literal["train", "val", "test", "all"] = args.split or ("all" if args.online else "test")
 
     try:
@@ -569,7 +572,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu eval") -> int:
     try:
         layout = online.node_layout(list(apps.values()), args.clock, trace.metadata)
         online_methods = online.default_methods(methods, model, refit_every_s=args.refit_every_s,
-                                                learn_every_s=args.learn_every_s)
+                                                learn_every_s=args.learn_every_s,
+                                                trees_every_s=args.node_learn_every_s)
         online_timings: dict[str, float] = {}
         online_report = online.evaluate_online(layout, online_methods, timings=online_timings)
     except ValueError as exc:
@@ -577,6 +581,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu eval") -> int:
         return 1
     _warn(prog, f"online clock: {layout.clock} ({layout.why})")
     _warn(prog, "online seconds per method: " + ", ".join(f"{k} {v:.1f}" for k, v in online_timings.items()))
+    rounds = {m.name: m.rounds for m in online_methods if isinstance(m, online.ServedOnline)}
+    if rounds:
+        online_report["node_learning"] = rounds
+        for name, entries in rounds.items():
+            promoted = sum(e.get("event") == "promoted" for e in entries)
+            _warn(prog, f"online: {name} ran {len(entries)} node-local trees rounds, {promoted} promoted")
     both = {"offline": report, "online": online_report}
     if args.json:
         print(json.dumps(both))

@@ -308,6 +308,47 @@ class HistoryOnline:
         return p50, p90
 
 
+class ServedOnline(HistoryOnline):
+    """`served` with what the node learns: besides the mixture's own online learning, a node-local
+    trees round (manager/nodetrees.py `learn_trees`, as the daemon's learner runs it) every
+    `trees_every_s` of node time on everything visible, its promoted trees served in the mixture's
+    "trees" slot from the next second on. A round is skipped while nothing new has been seen since
+    the last one (a node idle for days runs no rounds)."""
+
+    def __init__(self, fc: Forecaster, every_s: int = 300, trees_every_s: int = 3600,
+                 trees_cfg: Any = None) -> None:
+        super().__init__(fc, every_s)
+        self.trees_every_s = trees_every_s
+        self.trees_cfg = trees_cfg
+        self.serving: Any = None
+        self.rounds: list[dict[str, Any]] = []
+        self._trees_last_s: int | None = None
+        self._seen = -1
+
+    def learn(self, view: NodeView, now_s: int) -> None:
+        super().learn(view, now_s)
+        if self.trees_every_s <= 0:
+            return
+        if self._trees_last_s is None:
+            self._trees_last_s = now_s  # the first round is due one period after the node starts
+            return
+        if now_s - self._trees_last_s < self.trees_every_s:
+            return
+        self._trees_last_s = now_s
+        apps = view.visible_apps()
+        seen = sum(len(a) for a in apps)
+        if seen == self._seen:
+            return
+        self._seen = seen
+        from vgpu.manager.nodetrees import learn_trees  # noqa: PLC0415 - LightGBM only for this method
+
+        trees, entry = learn_trees(apps, self.serving, self.trees_cfg)
+        self.rounds.append({"node_s": now_s, **{k: v for k, v in entry.items() if k != "at"}})
+        if trees is not None:
+            self.serving = trees
+            self.fc.set_expert("trees", trees)  # type: ignore[attr-defined]
+
+
 def evaluate_online(
     layout: NodeLayout,
     methods: Sequence[OnlineMethod],
@@ -400,7 +441,8 @@ def evaluate_online(
 
 
 def default_methods(
-    names: Sequence[str], model: Forecaster | None, *, refit_every_s: int = 1800, learn_every_s: int = 60
+    names: Sequence[str], model: Forecaster | None, *, refit_every_s: int = 1800, learn_every_s: int = 60,
+    trees_every_s: int = 3600,
 ) -> list[OnlineMethod]:
     """The online methods in the protocol's order: model, served, last_value, ewma, vpa_percentile,
     gbdt. `served` is the daemon's mixture (module docstring) over `model` (the mixture's model slot
@@ -413,7 +455,8 @@ def default_methods(
     if "served" in names:
         from vgpu.manager.experts import make_served  # noqa: PLC0415 - only for this method
 
-        out.append(HistoryOnline(make_served(model, name="served", local=True), every_s=learn_every_s))
+        out.append(ServedOnline(make_served(model, name="served", local=True), every_s=learn_every_s,
+                                trees_every_s=trees_every_s))
     if "last_value" in names:
         out.append(MarginOnline(every_s=learn_every_s))
     if "ewma" in names:

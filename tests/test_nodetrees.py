@@ -1,0 +1,290 @@
+"""Node-local trees (manager/nodetrees.py): learnt from the node's runs, promoted only when they beat the
+last value on the held-back history, saved as JSON that is checked on load, rolled back, served in the
+mixture's "trees" slot, and run by the learner's child process and by `vgpu eval --online`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.checkpoint_synth import write_tiny_checkpoint
+from vgpu.manager import nodelearn as NL
+from vgpu.manager import nodetrees as NT
+from vgpu.manager.experts import make_served
+from vgpu.manager.history import NodeHistory
+from vgpu.traces import AppTrace, one_second_grid
+
+ROOT = Path(__file__).resolve().parent.parent
+CFG = NT.TreesConfig(holdout_s=900, min_history_s=1200, n_estimators=30, max_rows=4000, max_held_origins=4000)
+
+
+def _run(i: int, start_s: float, seconds: int = 180) -> AppTrace:
+    """One run of the node's job at 1 s: loads for 20 s, then its memory steps from 500 to 6,000 MiB at
+    a fixed age (what the last value cannot see coming and a run seen before tells), then busy."""
+    rng = np.random.default_rng(i)
+    age = np.arange(0.0, seconds)
+    mem = np.where(age < 20, 500.0, 6000.0) + rng.normal(0, 5, seconds)
+    sm = np.where(age < 20, 2.0, 85.0) + rng.normal(0, 2, seconds)
+    return AppTrace(f"run-{i}", start_s + age, {"mem_used_mib": np.maximum(mem, 0), "sm_util_pct": np.clip(sm, 0, 100),
+                                                "mem_total_mib": np.full(seconds, 24576.0)}, gpu="GPU-0")
+
+
+def _node(runs: int = 12) -> list[AppTrace]:
+    return [_run(i, 200.0 * i) for i in range(runs)]  # one run after another on one clock
+
+
+def test_trees_learn_a_step_at_a_fixed_age_and_are_promoted() -> None:
+    trees, entry = NT.learn_trees(_node(), None, CFG)
+    assert entry["event"] == "promoted" and trees is not None
+    assert entry["candidate_error"] < 0.98, entry
+    # a new run at second 15, 5 s before its step: the last value says 500 MiB; the trees say it steps
+    run = _run(99, 0.0)
+    prefix = run.t_s < 16
+    (fc,) = trees.forecast_batch([AppTrace("new", run.t_s[prefix], {c: v[prefix] for c, v in run.columns.items()})])
+    assert fc.mem_p50_mib[-1] > 3000.0, fc.mem_p50_mib  # horizon 5 s: second 20, after the step
+    assert fc.mem_p50_mib[0] < 1000.0, fc.mem_p50_mib  # horizon 1 s: second 16, still loading
+
+
+def test_no_promotion_without_a_gain_over_the_serving_trees_or_enough_history() -> None:
+    node = _node()
+    trees, _ = NT.learn_trees(node, None, CFG)
+    # the same history again: the candidate equals the serving trees, so it is no better
+    again, entry = NT.learn_trees(node, trees, CFG)
+    assert again is None and entry["event"] == "rejected" and entry["reason"] == "no better on the held-back history"
+    assert entry["candidate_error"] == pytest.approx(entry["serving_error"])
+    short, entry = NT.learn_trees(node[:3], None, CFG)
+    assert short is None and entry["event"] == "skipped" and "spans" in entry["reason"]
+    none, entry = NT.learn_trees([], None, CFG)
+    assert none is None and entry["event"] == "skipped"
+
+
+def test_a_history_the_last_value_already_forecasts_exactly_promotes_nothing() -> None:
+    flat = [AppTrace(f"idle-{i}", 200.0 * i + np.arange(0.0, 180), {"mem_used_mib": np.full(180, 300.0),
+                                                                      "sm_util_pct": np.zeros(180)}) for i in range(12)]
+    trees, entry = NT.learn_trees(flat, None, CFG)
+    assert trees is None and entry["reason"] == "nothing on the held-back history to judge by"
+
+
+def test_saved_trees_load_and_forecast_the_same(tmp_path: Path) -> None:
+    trees, _ = NT.learn_trees(_node(), None, CFG)
+    assert trees is not None
+    NT.save_trees(tmp_path / "trees.json", trees)
+    loaded = NT.load_trees(tmp_path / "trees.json")
+    histories = [_run(50 + k, 0.0, seconds=12 + 3 * k) for k in range(4)]
+    for a, b in zip(trees.forecast_batch(histories), loaded.forecast_batch(histories), strict=True):
+        assert a.mem_p50_mib == b.mem_p50_mib and a.sm_p90_pct == b.sm_p90_pct
+    assert loaded.info == trees.info and loaded.info["train_apps"] > 0
+
+
+def _doc(tmp_path: Path) -> dict[str, object]:
+    trees, _ = NT.learn_trees(_node(), None, CFG)
+    assert trees is not None
+    return trees.to_json()
+
+
+@pytest.mark.parametrize(("damage", "said"), [
+    (lambda d: "{not json", "not JSON"),
+    (lambda d: json.dumps([1, 2]), "not a vgpu-node-trees document"),
+    (lambda d: json.dumps(d | {"version": 99}), "version 99"),
+    (lambda d: json.dumps(d | {"n_features": 3}), "feature count 3"),
+    (lambda d: json.dumps(d | {"models": {"mem_used_mib/1/0.5": "tree\nnonsense"}}), "LightGBM cannot load"),
+    (lambda d: json.dumps(d | {"models": {"mem_used_mib/1/0.5": d["models"]["mem_used_mib/1/0.5"]}}),  # type: ignore[index]
+     "some horizons or quantiles missing"),
+    (lambda d: json.dumps(d | {"models": {"../../etc/1/0.5": "x"}}), "keyed target/horizon/quantile"),
+    (lambda d: "[" * 100000 + "]" * 100000, "not JSON"),
+])
+def test_a_damaged_trees_file_is_refused_with_one_line(tmp_path: Path, damage, said: str) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "trees.json"
+    path.write_text(damage(_doc(tmp_path)))
+    with pytest.raises(NT.TreesError) as err:
+        NT.load_trees(path)
+    assert said in str(err.value) and str(path) in str(err.value)
+    assert "\n" not in str(err.value)[:400]
+
+
+def test_a_trees_file_over_the_size_bound_is_not_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(NT, "MAX_FILE_BYTES", 100)
+    path = tmp_path / "trees.json"
+    path.write_text("x" * 200)
+    with pytest.raises(NT.TreesError, match="larger than 100 bytes"):
+        NT.load_trees(path)
+    with pytest.raises(NT.TreesError, match="No such file"):
+        NT.load_trees(tmp_path / "absent.json")
+
+
+def test_rounds_promote_log_and_roll_back(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    first = NT.learn_round(state, _node(), CFG)
+    current, previous = NT.trees_paths(state)
+    assert first["event"] == "trees_promoted" and current.exists() and not previous.exists()
+    second = NT.learn_round(state, _node(), CFG)
+    assert second["event"] == "trees_rejected"
+    events = [e["event"] for e in NL.read_log(state)]
+    assert events == ["trees_promoted", "trees_rejected"]
+    # the network's summary is not disturbed by the trees' entries
+    assert NL.status(state)["promotions"] == 0 and NL.status(state)["rejections"] == 0
+    said = NT.trees_status(state, NL.read_log(state))
+    assert said["trees_loads"] is True and said["trees_promotions"] == 1 and said["trees_rejections"] == 1
+    rolled = NT.rollback_trees(state)
+    assert rolled["serving"] is None and not current.exists()  # none were promoted before
+    with pytest.raises(LookupError, match="no node-local trees serve"):
+        NT.rollback_trees(state)
+
+
+def test_a_rollback_to_trees_that_do_not_load_changes_nothing(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    NT.learn_round(state, _node(), CFG)
+    current, previous = NT.trees_paths(state)
+    previous.write_text("{}")
+    before = current.read_bytes()
+    with pytest.raises(LookupError, match="previous ones do not load"):
+        NT.rollback_trees(state)
+    assert current.read_bytes() == before and previous.read_text() == "{}"
+
+
+def test_the_watcher_serves_the_trees_in_the_mixture_and_empties_the_slot_on_a_bad_file(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    mixture = make_served(None, local=True)
+    assert mixture.expert_names == ("last_value", "model", "local", "trees")
+    watcher = NL.LocalModelWatcher(state, lambda m: mixture.set_expert("trees", m), NT.load_trees,
+                                   filename=NT.TREES, what="node_trees")
+    watcher.poll()
+    assert watcher.state == "none" and mixture.expert("trees") is None
+    NT.learn_round(state, _node(), CFG)
+    watcher.poll()
+    assert watcher.state == "serving" and isinstance(mixture.expert("trees"), NT.NodeTrees)
+    NT.trees_paths(state)[0].write_text("{broken")
+    watcher.poll()
+    assert watcher.state == "unusable" and mixture.expert("trees") is None and watcher.failures == 1
+
+
+def test_the_served_mixture_learns_to_lead_a_step_the_trees_know(tmp_path: Path) -> None:
+    """A new run of the node's job, forecast second by second by the served mixture with the trees
+    in their slot: before its step the served median 5 s ahead is well above the last value (500 MiB;
+    the mixture weighs the trees by their error on the run so far, so it does not take all of it)."""
+    trees, _ = NT.learn_trees(_node(), None, CFG)
+    mixture = make_served(None, local=True)
+    mixture.set_expert("trees", trees)
+    lead = []
+    for i in range(3):  # the mixture's weights learn over the node's runs, as in the daemon
+        run = _run(200 + i, 0.0)
+        for s in range(1, 60):
+            keep = run.t_s < s
+            (fc,) = mixture.forecast_batch([AppTrace(f"new-{i}", run.t_s[keep], {c: v[keep] for c, v in run.columns.items()})])
+            if s == 17:  # origin second 16: the step comes at 20
+                lead.append(fc.mem_p50_mib[-1])
+    assert lead[-1] > 1000.0, lead
+
+
+def test_the_learner_child_runs_a_trees_round_from_the_node_history(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    hist = NodeHistory(state / "history", segment_s=600)
+    for run in _node(runs=20):  # 4,000 s: a round needs an hour of history
+        values = np.stack([run.columns["mem_used_mib"], run.columns["sm_util_pct"]], axis=1)
+        hist.add([run.app] * len(run), ["GPU-0"] * len(run), run.t_s, values, [24576.0] * len(run))
+    hist.close()
+    proc = subprocess.run(
+        [sys.executable, "-m", "vgpu.manager.nodelearn", "learn", "--state-dir", str(state), "--history-dir",
+         str(state / "history"), "--global-model", str(write_tiny_checkpoint(tmp_path / "global.pt", seed=1))],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]  # log records go beside them
+    assert [x["round"] for x in lines] == ["trees", "network"], proc.stderr
+    assert lines[0]["event"] == "trees_promoted", lines[0]
+    assert NT.load_trees(NT.trees_paths(state)[0]).info["train_apps"] > 0
+
+
+def test_the_array_path_reads_the_protocol_grid_of_any_history() -> None:
+    """The serving path builds every history's grid at once; its forecasts must equal those from each
+    history's own protocol grid (samples at 100 ms and irregular, gaps, missing values, several a
+    second, a target with no value, an empty history)."""
+    trees, _ = NT.learn_trees(_node(), None, CFG)
+    assert trees is not None
+    rng = np.random.default_rng(7)
+    histories = []
+    for case in range(200):
+        n = int(rng.integers(0, 400))
+        t = np.sort(rng.uniform(0, rng.uniform(1, 200), n)) + 1000.0 * case
+        mem = rng.normal(3000, 2000, n)
+        sm = rng.uniform(0, 100, n)
+        mem[rng.random(n) < rng.uniform(0, 0.9)] = np.nan
+        sm[rng.random(n) < (1.0 if case % 7 == 0 else rng.uniform(0, 0.9))] = np.nan
+        histories.append(AppTrace(f"a{case}", t, {"mem_used_mib": np.abs(mem), "sm_util_pct": sm}))
+    arrays = trees.forecast_arrays(histories)
+    for target, (k50, k90) in (("mem_used_mib", (0, 2)), ("sm_util_pct", (1, 3))):
+        grids = [one_second_grid(h, target)[1] for h in histories]
+        rows = [i for i, g in enumerate(grids) if len(g)]
+        p50, p90 = trees.forecast_grids([grids[i] for i in rows], target)
+        np.testing.assert_allclose(arrays[rows, k50], p50)
+        np.testing.assert_allclose(arrays[rows, k90], p90)
+        empty = [i for i, g in enumerate(grids) if not len(g)]
+        assert np.isnan(arrays[empty, k50]).all() and (bool(empty) or target == "mem_used_mib")
+
+
+def test_the_array_path_equals_the_forecasts() -> None:
+    trees, _ = NT.learn_trees(_node(), None, CFG)
+    assert trees is not None
+    histories = [_run(70 + k, 0.0, seconds=5 + 17 * k) for k in range(8)]
+    histories.append(AppTrace("no-sm", np.arange(0.0, 40), {"mem_used_mib": np.full(40, 700.0)}))
+    arrays = trees.forecast_arrays(histories)
+    for i, fc in enumerate(trees.forecast_batch(histories)):
+        np.testing.assert_allclose(arrays[i], [fc.mem_p50_mib, fc.sm_p50_pct, fc.mem_p90_mib, fc.sm_p90_pct])
+
+
+def test_eval_online_runs_the_trees_rounds_as_the_daemon_does(tmp_path: Path) -> None:
+    """`vgpu eval --online` as a user runs it, on a node whose job repeats: `served` runs a trees round
+    every hour of node time on what it has seen, reports each, and with the trees promoted leads the
+    step the last value cannot see; with `--node-learn-every-s 0` it runs none."""
+    rows = ["t_s,app,gpu,mem_used_mib,sm_util_pct,mem_total_mib"]
+    for run in _node(runs=30):
+        for k in range(len(run)):
+            rows.append(f"{run.t_s[k]:.1f},{run.app},GPU-0,{run.columns['mem_used_mib'][k]:.1f},"
+                        f"{run.columns['sm_util_pct'][k]:.2f},24576")
+    trace = tmp_path / "node.csv"
+    trace.write_text('#meta {"clock": "shared"}\n' + "\n".join(rows) + "\n")
+
+    model = write_tiny_checkpoint(tmp_path / "tiny.pt", seed=1)  # the mixture's model slot; a small one is quick
+
+    def served_mae(every_s: int) -> tuple[dict[str, float], list[dict[str, object]]]:
+        proc = subprocess.run([sys.executable, "-m", "vgpu.cli", "eval", "--trace", str(trace), "--split", "all",
+                               "--online", "--methods", "served,last_value", "--node-learn-every-s", str(every_s),
+                               "--model", str(model), "--json"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr
+        report = json.loads(proc.stdout)["online"]
+        mae = {r["method"]: r["mae"] for r in report["second_half"]
+               if r["target"] == "mem_used_mib" and r["horizon_s"] == 5}
+        return mae, report.get("node_learning", {}).get("served", [])
+
+    with_trees, rounds = served_mae(3600)
+    assert [r["event"] for r in rounds][:1] == ["promoted"], rounds
+    without, none = served_mae(0)
+    assert none == []
+    assert with_trees["served"] < 0.95 * without["served"], (with_trees, without)  # a clear gain, not noise
+    assert with_trees["served"] < with_trees["last_value"]
+
+
+def test_model_status_and_rollback_of_the_trees_from_the_command_line(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+
+    def vgpu(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "vgpu.cli", "model", *args, "--state-dir", str(state)],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+    NT.learn_round(state, _node(), CFG)
+    said = json.loads(vgpu("status").stdout)
+    assert said["trees"] == str(NT.trees_paths(state)[0]) and said["trees_loads"] is True
+    assert said["trees_promotions"] == 1 and said["trees_rollback_to"] is None and said["promotions"] == 0
+    NT.trees_paths(state)[0].write_text("[]")
+    damaged = vgpu("status")
+    assert damaged.returncode == 0 and json.loads(damaged.stdout)["trees_loads"] is False
+    assert "not a vgpu-node-trees document" in damaged.stderr and "rollback --trees" in damaged.stderr
+    back = vgpu("rollback", "--trees")
+    assert back.returncode == 0 and json.loads(back.stdout)["serving"] is None
+    assert not NT.trees_paths(state)[0].exists()
+    again = vgpu("rollback", "--trees")
+    assert again.returncode == 1 and "no node-local trees serve" in again.stderr
+    assert [e["event"] for e in NL.read_log(state)] == ["trees_promoted", "trees_rollback"]
