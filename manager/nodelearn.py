@@ -726,8 +726,12 @@ def model_main(argv: Sequence[str] | None = None, prog: str = "vgpu model") -> i
             print(f"{prog}: {state['local_model']} does not load ({state['local_model_problem']}): the daemon serves "
                   f"without it; {unusable_local_model_advice(state, state_dir)}", file=sys.stderr)
         if state["trees_loads"] is False:
-            print(f"{prog}: {state['trees_problem']}: the daemon serves without the trees; `{prog} rollback --trees` "
-                  f"puts the previous ones back, or remove {state['trees']}", file=sys.stderr)
+            # the advice only names a rollback that has trees to go back to
+            act = (f"`{prog} rollback --trees` puts the previous ones back ({state['trees_rollback_to']}), or remove "
+                   f"{state['trees']}" if state["trees_rollback_to"] else
+                   f"remove {state['trees']} (no earlier trees are kept to roll back to); the next learning round "
+                   "fits new ones")
+            print(f"{prog}: {state['trees_problem']}: the daemon serves without the trees; {act}", file=sys.stderr)
         return 0
     def waiting() -> None:
         print(f"{prog}: a promotion or rollback is under way (the promotion log is locked): waiting for it",

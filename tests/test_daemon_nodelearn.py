@@ -66,7 +66,7 @@ def test_history_is_written_and_a_local_model_is_served_or_skipped(tmp_path: Pat
         (models / ".bad-trees").write_text('{"format": "vgpu-node-trees", "version": 1')
         os.replace(models / ".bad-trees", models / NT.TREES)
         daemon.wait_for("node_trees_unusable", 20.0)
-        assert "rollback --trees" in daemon.event("node_trees_unusable")["to_act"]
+        assert "remove the file" in daemon.event("node_trees_unusable")["to_act"]
         # a corrupt one: logged, the slot emptied, forecasts go on
         (models / ".bad").write_bytes(b"\x00 not a checkpoint")
         os.replace(models / ".bad", models / "local.pt")

@@ -281,7 +281,9 @@ def test_model_status_and_rollback_of_the_trees_from_the_command_line(tmp_path: 
     NT.trees_paths(state)[0].write_text("[]")
     damaged = vgpu("status")
     assert damaged.returncode == 0 and json.loads(damaged.stdout)["trees_loads"] is False
-    assert "not a vgpu-node-trees document" in damaged.stderr and "rollback --trees" in damaged.stderr
+    # no earlier trees kept: the advice is to remove the file, not a rollback
+    assert "not a vgpu-node-trees document" in damaged.stderr and "rollback --trees" not in damaged.stderr
+    assert f"remove {NT.trees_paths(state)[0]}" in damaged.stderr
     back = vgpu("rollback", "--trees")
     assert back.returncode == 0 and json.loads(back.stdout)["serving"] is None
     assert not NT.trees_paths(state)[0].exists()

@@ -41,6 +41,8 @@ def test_an_upgrade_names_its_copy_and_an_unusable_local_model_shows_everywhere(
     local = models / "local.pt"
     sound = write_tiny_checkpoint(tmp_path / "sound.pt", seed=3)
     local.write_bytes(sound.read_bytes()[:1000])  # a copy cut short
+    trees = models / "trees.json"
+    trees.write_text('{"format": "vgpu-node-trees", "version": 1, "models": {')  # node-local trees cut short
 
     serves.append(Serve(env, "--metrics-port", "auto"))
     daemon = serves[-1]
@@ -63,6 +65,10 @@ def test_an_upgrade_names_its_copy_and_an_unusable_local_model_shows_everywhere(
     assert m[("vgpu_local_model_loads_total", (("result", "failed"),))] == 1
     assert m[("vgpu_local_model_loads_total", (("result", "ok"),))] == 0
     assert "local_model_unusable" in [e.get("event") for e in daemon.events()]
+    wait_for("the trees' state", lambda: metric_samples(port).get(("vgpu_node_trees_state", (("state", "unusable"),))) == 1,
+             60.0)
+    assert metric_samples(port)[("vgpu_node_trees_loads_total", (("result", "failed"),))] == 1
+    assert "node_trees_unusable" in [e.get("event") for e in daemon.events()]
 
     status = _cli(env, "model", "status", "--state-dir", str(env.state))
     assert status.returncode == 0, status.stderr
@@ -73,6 +79,7 @@ def test_an_upgrade_names_its_copy_and_an_unusable_local_model_shows_everywhere(
     assert f"{local} does not load" in status.stderr and f"remove {local}" in status.stderr
     assert "model rollback" not in status.stderr
     assert "weights_only" not in said["local_model_problem"]  # torch's advice, not for a file of unknown origin
+    assert said["trees"] == str(trees) and said["trees_loads"] is False and "not JSON" in said["trees_problem"]
 
     doctor = _cli(env, "doctor", "--socket", str(env.sock), "--state-dir", str(env.state), "--json")
     checks = {c["name"]: c for c in json.loads(doctor.stdout)}

@@ -42,7 +42,8 @@ is absent, not 0. All prefixed `vgpu_`:
   or "baseline", whichever serves), `forecaster_reloads_total{result}`, `local_model_state{state}` (1 for
   the node-local model's state, 0 for the others: "serving", "unusable" (`local.pt` does not load: the
   global model serves without it) or "none"; absent without the expert mixture) and
-  `local_model_loads_total{result}` (loads of a changed `local.pt`, "ok" or "failed"), `inapp_apps{counter}`
+  `local_model_loads_total{result}` (loads of a changed `local.pt`, "ok" or "failed"), `node_trees_state{state}`
+  and `node_trees_loads_total{result}` (the same for the node-local trees, `trees.json`), `inapp_apps{counter}`
   (applications whose newest sample carries that in-app counter, e.g. `inapp_kv_used_mib`),
   `inapp_values_dropped_total{reason}` (in-app values left out: not finite, negative, too large);
 - access: `access_denied_total{method,code}`; persistence: `store_writes_total`;
@@ -186,6 +187,9 @@ class CounterSnapshot:
     local_model: str = ""  # LOCAL_MODEL_STATES; empty: no node-local model slot (no expert mixture)
     local_model_loads: int = 0
     local_model_load_failures: int = 0
+    node_trees: str = ""  # the node-local trees' state, LOCAL_MODEL_STATES; empty: no trees slot
+    node_trees_loads: int = 0
+    node_trees_load_failures: int = 0
     # (kind, reason, count) of grant changes
     grant_changes: tuple[tuple[str, str, int], ...] = field(default=())
     # (quota setting, calls refused at it)
@@ -473,6 +477,18 @@ class _StateCollector(Collector):
             loads.add_metric(["ok"], c.local_model_loads)
             loads.add_metric(["failed"], c.local_model_load_failures)
             yield loads
+        if c.node_trees:
+            trees = GaugeMetricFamily("vgpu_node_trees_state", "1 for the node-local trees' state: serving, "
+                                      "unusable (trees.json does not load; the mixture serves without them) or none",
+                                      labels=["state"])
+            for state in LOCAL_MODEL_STATES:
+                trees.add_metric([state], 1 if state == c.node_trees else 0)
+            yield trees
+            trees_loads = CounterMetricFamily("vgpu_node_trees_loads", "Loads of a changed node-local trees file",
+                                              labels=["result"])
+            trees_loads.add_metric(["ok"], c.node_trees_loads)
+            trees_loads.add_metric(["failed"], c.node_trees_load_failures)
+            yield trees_loads
         build = GaugeMetricFamily("vgpu_build_info", "The daemon's version (value 1)",
                                   labels=["version", "python", "backend"])
         build.add_metric([__version__, platform.python_version(), c.backend], 1)

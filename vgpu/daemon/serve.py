@@ -339,11 +339,12 @@ class StateSource:
     """The daemon's live state as metric snapshots (vgpu.daemon.metrics.MetricsSource)."""
 
     def __init__(self, allocator: Allocator, manager: Manager, backend_name: str = "",
-                 local_model: LocalModelWatcher | None = None) -> None:
+                 local_model: LocalModelWatcher | None = None, node_trees: LocalModelWatcher | None = None) -> None:
         self.allocator = allocator
         self.manager = manager
         self.backend_name = backend_name
         self.local_model = local_model  # None: no node-local model slot
+        self.node_trees = node_trees  # None: no node-local trees slot
 
     def app_snapshots(self) -> list[AppSnapshot]:
         """One snapshot per application and device: its grants there, and its use and forecast on
@@ -436,6 +437,9 @@ class StateSource:
             local_model=self.local_model.state if self.local_model is not None else "",
             local_model_loads=self.local_model.loaded if self.local_model is not None else 0,
             local_model_load_failures=self.local_model.failures if self.local_model is not None else 0,
+            node_trees=self.node_trees.state if self.node_trees is not None else "",
+            node_trees_loads=self.node_trees.loaded if self.node_trees is not None else 0,
+            node_trees_load_failures=self.node_trees.failures if self.node_trees is not None else 0,
             grant_changes=tuple((kind, reason, n) for (kind, reason), n in
                                 sorted({**dict.fromkeys(GRANT_CHANGE_KEYS, 0), **c.grant_changes}.items())),
             quota_refusals=tuple(sorted({**dict.fromkeys(QUOTA_SETTINGS, 0), **c.quota_refusals}.items())),
@@ -1079,6 +1083,7 @@ class Daemon:
         self.mixture: MixtureForecaster | None = None
         self.history: NodeHistory | None = None
         self.learner: BackgroundLearner | None = None
+        self.trees_watcher: LocalModelWatcher | None = None  # the node-local trees' file, with the learner
         self.stopped = asyncio.Event()
 
     def _save(self, ledger: Ledger) -> None:
@@ -1131,7 +1136,8 @@ class Daemon:
         cgroup_outcomes = self._build_allocator(ledger)
         self._build_manager()
         self.metrics = DaemonMetrics(self.registry, StateSource(self.allocator, self.manager, cfg.server.backend,
-                                                                self.learner.watcher if self.learner else None),
+                                                                self.learner.watcher if self.learner else None,
+                                                                self.trees_watcher),
                                      max_apps=cfg.metrics.max_apps)
         if self.history is not None:
             self.metrics.watch_history(self.history)
@@ -1264,10 +1270,10 @@ class Daemon:
         self.mixture = make_served(model_forecaster, local=True, history=self.history)
         mixture = self.mixture
         watcher = LocalModelWatcher(self.state_dir, lambda m: mixture.set_expert("local", m))
-        trees = LocalModelWatcher(
+        trees = self.trees_watcher = LocalModelWatcher(
             self.state_dir, lambda m: mixture.set_expert("trees", m), load_trees, filename=TREES, what="node_trees",
-            to_act="`vgpu model status` says why; `vgpu model rollback --trees` puts the previous trees back, or "
-                   "remove the file to serve without trees")
+            to_act="`vgpu model status` says why and whether earlier trees are kept for `vgpu model rollback --trees`; "
+                   "else remove the file (the next learning round fits new ones)")
         self.learner = BackgroundLearner(self.state_dir, self.state_dir / "history",
                                          resolve_model(cfg.manager.model).path, watcher,
                                          interval_s=cfg.manager.learn_interval_s if self.history else 0.0,
