@@ -466,29 +466,15 @@ class _StateCollector(Collector):
         reloads.add_metric(["failed"], c.forecaster_reload_failures)
         yield reloads
         if c.local_model:
-            local = GaugeMetricFamily("vgpu_local_model_state", "1 for the node-local model's state: serving, "
-                                      "unusable (it does not load; the global model serves without it) or none",
-                                      labels=["state"])
-            for state in LOCAL_MODEL_STATES:
-                local.add_metric([state], 1 if state == c.local_model else 0)
-            yield local
-            loads = CounterMetricFamily("vgpu_local_model_loads", "Loads of a changed node-local model file",
-                                        labels=["result"])
-            loads.add_metric(["ok"], c.local_model_loads)
-            loads.add_metric(["failed"], c.local_model_load_failures)
-            yield loads
+            yield from _learnt_file_metrics(
+                "vgpu_local_model", c.local_model, c.local_model_loads, c.local_model_load_failures,
+                "1 for the node-local model's state: serving, unusable (it does not load; the global model serves "
+                "without it) or none", "Loads of a changed node-local model file")
         if c.node_trees:
-            trees = GaugeMetricFamily("vgpu_node_trees_state", "1 for the node-local trees' state: serving, "
-                                      "unusable (trees.json does not load; the mixture serves without them) or none",
-                                      labels=["state"])
-            for state in LOCAL_MODEL_STATES:
-                trees.add_metric([state], 1 if state == c.node_trees else 0)
-            yield trees
-            trees_loads = CounterMetricFamily("vgpu_node_trees_loads", "Loads of a changed node-local trees file",
-                                              labels=["result"])
-            trees_loads.add_metric(["ok"], c.node_trees_loads)
-            trees_loads.add_metric(["failed"], c.node_trees_load_failures)
-            yield trees_loads
+            yield from _learnt_file_metrics(
+                "vgpu_node_trees", c.node_trees, c.node_trees_loads, c.node_trees_load_failures,
+                "1 for the node-local trees' state: serving, unusable (trees.json does not load; the mixture serves "
+                "without them) or none", "Loads of a changed node-local trees file")
         build = GaugeMetricFamily("vgpu_build_info", "The daemon's version (value 1)",
                                   labels=["version", "python", "backend"])
         build.add_metric([__version__, platform.python_version(), c.backend], 1)
@@ -890,3 +876,17 @@ def start_metrics_server(address: str, port: int, registry: CollectorRegistry, *
     server.set_app(metrics_app(registry))
     threading.Thread(target=server.serve_forever, name="vgpu-metrics", daemon=True).start()
     return server
+
+
+def _learnt_file_metrics(prefix: str, state: str, loads: int, failures: int, state_help: str,
+                         loads_help: str) -> Iterator[Metric]:
+    """`<prefix>_state{state}` and `<prefix>_loads_total{result}` of one file the node learnt (the network's
+    `local.pt`, the trees' `trees.json`), as its watcher in manager/nodelearn.py sees it."""
+    gauge = GaugeMetricFamily(f"{prefix}_state", state_help, labels=["state"])
+    for s in LOCAL_MODEL_STATES:
+        gauge.add_metric([s], 1 if s == state else 0)
+    yield gauge
+    counter = CounterMetricFamily(f"{prefix}_loads", loads_help, labels=["result"])
+    counter.add_metric(["ok"], loads)
+    counter.add_metric(["failed"], failures)
+    yield counter
