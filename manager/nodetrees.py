@@ -19,10 +19,17 @@ below (1 - `min_gain`) and below (1 - `min_gain`) x the serving trees' score on 
 trees that do not beat the last value on the node's latest history never serve.
 
 File: `<state_dir>/models/trees.json`, one JSON document (never a pickle: a state directory's files
-are not trusted to run code), `FORMAT` / `VERSION`, the horizons, the feature count and one LightGBM
-model text per (target, horizon, quantile). `load_trees` checks all of it and raises `TreesError`
-with one line saying what is wrong; a promotion keeps the file it replaces as `trees.prev.json`
-(`vgpu model rollback --trees` puts it back, or removes the trees when there was none).
+are not trusted to run code), `FORMAT` / `VERSION`, the horizons, the feature count and one model per
+(target, horizon, quantile) as flat arrays (`FlatTrees`). `load_trees` checks all of it and raises
+`TreesError` with one line saying what is wrong; a promotion keeps the file it replaces as
+`trees.prev.json` (`vgpu model rollback --trees` puts it back, or removes the trees when there was none).
+
+The daemon never imports LightGBM: only the learner's child process fits with it. Its import brings
+SciPy, scikit-learn and pandas along (110 MiB of resident memory in this environment), which the
+daemon's stated memory bound has no room for. A fitted booster is flattened (`FlatTrees.from_booster`,
+from LightGBM's own model dump) into arrays that NumPy walks for all rows and trees at once, with
+LightGBM's numerical decision rule (x <= threshold, and its three ways of routing a missing value);
+`tests/test_nodetrees.py` checks the predictions equal the booster's.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -54,11 +61,13 @@ from vgpu.traces import TARGETS, AppTrace, one_second_grid
 TREES = "trees.json"
 PREVIOUS = "trees.prev.json"
 FORMAT = "vgpu-node-trees"
-VERSION = 1
+VERSION = 2  # 1: LightGBM model text (read no more: it needs LightGBM in the daemon)
 QUANTILES = (0.5, 0.9)
-# A file this large is not read: the trees of one round are a few hundred KiB (60 trees of at most
-# 31 leaves per model, 20 models).
+# A file this large is not read: the trees of one round are about a megabyte of JSON (20 models of 30
+# trees of at most 15 leaves).
 MAX_FILE_BYTES = 64 * 1024 * 1024
+MAX_NODES = 1_000_000  # per model: far above what a round fits, far below what would exhaust memory
+K_ZERO = 1e-35  # LightGBM's kZeroThreshold: a value this close to 0 counts as zero for missing_type Zero
 N_FEATURES = lag_features([np.zeros(1)]).shape[1]
 
 
@@ -83,6 +92,147 @@ class TreesConfig:
     seed: int = 0
 
 
+_MISSING = {"None": 0, "Zero": 1, "NaN": 2}
+
+
+@dataclass(frozen=True)
+class FlatTrees:
+    """One LightGBM model (a sum of regression trees) as flat arrays, every tree's nodes in pre-order
+    one after another: a node's children come after it (so a walk always ends), a leaf's children are
+    itself. Prediction is the sum over trees of the leaf a row reaches, as LightGBM's."""
+
+    feature: np.ndarray  # int64, -1 at leaves
+    threshold: np.ndarray  # float64: go left when x <= threshold
+    left: np.ndarray  # int64, absolute node index
+    right: np.ndarray  # int64
+    value: np.ndarray  # float64, the leaf's output (0 at inner nodes)
+    missing: np.ndarray  # int8: 0 None (a NaN compares as 0.0), 1 Zero (0 and NaN are missing), 2 NaN
+    default_left: np.ndarray  # bool: where a missing value goes
+    roots: np.ndarray  # int64
+    depth: int  # the most steps from a root to a leaf
+
+    @classmethod
+    def from_booster(cls, booster: Any) -> FlatTrees:
+        """Flatten a fitted `lightgbm.Booster` (numerical splits only)."""
+        cols: dict[str, list[Any]] = {k: [] for k in ("feature", "threshold", "left", "right", "value", "missing",
+                                                      "default_left")}
+        roots = []
+        for info in booster.dump_model()["tree_info"]:
+            roots.append(len(cols["feature"]))
+            stack = [info["tree_structure"]]
+            parents: list[tuple[int, str]] = []  # (node index, which child) waiting for the next node
+            while stack:
+                node = stack.pop()
+                i = len(cols["feature"])
+                if parents:
+                    at, side = parents.pop()
+                    cols[side][at] = i
+                if "leaf_value" in node:  # a leaf, or a tree of one leaf
+                    for k, v in (("feature", -1), ("threshold", 0.0), ("left", i), ("right", i),
+                                 ("value", float(node["leaf_value"])), ("missing", 0), ("default_left", True)):
+                        cols[k].append(v)
+                    continue
+                if node["decision_type"] != "<=" or node["missing_type"] not in _MISSING:
+                    raise ValueError(f"split {node['decision_type']!r} / missing {node['missing_type']!r}: "
+                                     "only numerical splits are flattened")
+                for k, v in (("feature", int(node["split_feature"])), ("threshold", float(node["threshold"])),
+                             ("left", -1), ("right", -1), ("value", 0.0), ("missing", _MISSING[node["missing_type"]]),
+                             ("default_left", bool(node["default_left"]))):
+                    cols[k].append(v)
+                # pre-order: the left subtree next, then the right one
+                parents += [(i, "right"), (i, "left")]
+                stack += [node["right_child"], node["left_child"]]
+        return cls.checked(cols, roots)
+
+    @classmethod
+    def checked(cls, cols: dict[str, Any], roots: Any) -> FlatTrees:
+        """Build from plain lists (a file's), checking what a walk relies on; ValueError says what is wrong."""
+        try:
+            feature = np.asarray(cols["feature"], dtype=np.int64)
+            n = len(feature)
+            arrays: dict[str, np.ndarray] = {"threshold": np.asarray(cols["threshold"], dtype=np.float64),
+                      "left": np.asarray(cols["left"], dtype=np.int64),
+                      "right": np.asarray(cols["right"], dtype=np.int64),
+                      "value": np.asarray(cols["value"], dtype=np.float64),
+                      "missing": np.asarray(cols["missing"], dtype=np.int8),
+                      "default_left": np.asarray(cols["default_left"], dtype=bool)}
+            root = np.asarray(roots, dtype=np.int64)
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            raise ValueError(f"not arrays of numbers ({str(exc)[:100]})") from None
+        if (feature.ndim != 1 or not 0 < n <= MAX_NODES or any(a.shape != (n,) for a in arrays.values())
+                or root.ndim != 1 or not len(root)):
+            raise ValueError(f"arrays of different lengths, none, or over {MAX_NODES} nodes")
+        left, right, idx = arrays["left"], arrays["right"], np.arange(n)
+        inner = feature >= 0
+        if (feature >= N_FEATURES).any() or (feature < -1).any():
+            raise ValueError(f"a feature index outside 0..{N_FEATURES - 1}")
+        if not (np.isfinite(arrays["threshold"]).all() and np.isfinite(arrays["value"]).all()):
+            raise ValueError("a threshold or leaf value that is not finite")
+        if ((inner & ((left <= idx) | (right <= idx) | (left >= n) | (right >= n))).any()
+                or (~inner & ((left != idx) | (right != idx))).any()):
+            raise ValueError("a child index that is not after its node (or a leaf with children)")
+        if ((root < 0) | (root >= n)).any() or not ((arrays["missing"] >= 0) & (arrays["missing"] <= 2)).all():
+            raise ValueError("a root outside the nodes, or an unknown missing-value rule")
+        # the deepest walk: each step goes to a later node, so the depth is found in one pass
+        depth = np.zeros(n, dtype=np.int64)
+        for i in np.flatnonzero(inner):
+            depth[left[i]] = max(depth[left[i]], depth[i] + 1)
+            depth[right[i]] = max(depth[right[i]], depth[i] + 1)
+        return cls(feature=feature, roots=root, depth=int(depth.max()), **arrays)
+
+    def to_json(self) -> dict[str, list[Any]]:
+        return {"feature": self.feature.tolist(), "threshold": self.threshold.tolist(), "left": self.left.tolist(),
+                "right": self.right.tolist(), "value": self.value.tolist(), "missing": self.missing.tolist(),
+                "default_left": self.default_left.tolist(), "roots": self.roots.tolist()}
+
+    @classmethod
+    def joined(cls, parts: Sequence[FlatTrees]) -> FlatTrees:
+        """Several models as one, their trees side by side (so one walk serves them all); `leaves` then
+        gives every tree's leaf value, part after part, in `parts`' order."""
+        offsets = np.cumsum([0] + [len(p.feature) for p in parts[:-1]])
+        return cls(
+            feature=np.concatenate([p.feature for p in parts]),
+            threshold=np.concatenate([p.threshold for p in parts]),
+            left=np.concatenate([p.left + o for p, o in zip(parts, offsets, strict=True)]),
+            right=np.concatenate([p.right + o for p, o in zip(parts, offsets, strict=True)]),
+            value=np.concatenate([p.value for p in parts]),
+            missing=np.concatenate([p.missing for p in parts]),
+            default_left=np.concatenate([p.default_left for p in parts]),
+            roots=np.concatenate([p.roots + o for p, o in zip(parts, offsets, strict=True)]),
+            depth=max(p.depth for p in parts),
+        )
+
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        """The sum over trees of each row's leaf."""
+        return np.asarray(self.leaves(x).sum(axis=1), dtype=np.float64)
+
+    def leaves(self, x: np.ndarray) -> np.ndarray:
+        """(rows, trees): the value of the leaf each row reaches in each tree. Every (row, tree) walk
+        steps together, one level a step, and a walk that has reached its leaf drops out of the next."""
+        x = np.asarray(x, dtype=np.float64)
+        n, n_trees = len(x), len(self.roots)
+        node = np.tile(self.roots, n)
+        at = np.repeat(np.arange(n) * x.shape[1], n_trees)  # each walk's row, as an offset into x
+        flat_x = x.ravel()
+        # without missing values and with no node that counts zero as missing, a split is x <= threshold
+        plain = not np.isnan(flat_x).any() and not (self.missing == 1).any()
+        active = np.flatnonzero(self.feature[node] >= 0)
+        while len(active):
+            here = node[active]
+            v = flat_x[at[active] + self.feature[here]]
+            if plain:
+                go_left = v <= self.threshold[here]
+            else:
+                nan = np.isnan(v)
+                miss = self.missing[here]
+                absent = ((miss == 2) & nan) | ((miss == 1) & (nan | (np.abs(v) <= K_ZERO)))
+                go_left = np.where(absent, self.default_left[here], np.where(nan, 0.0, v) <= self.threshold[here])
+            step = np.where(go_left, self.left[here], self.right[here])
+            node[active] = step
+            active = active[self.feature[step] >= 0]
+        return np.asarray(self.value[node].reshape(n, n_trees), dtype=np.float64)
+
+
 class NodeTrees(GbdtForecaster):
     """`GbdtForecaster` whose models are LightGBM boosters, saved to and loaded from JSON text."""
 
@@ -97,12 +247,30 @@ class NodeTrees(GbdtForecaster):
         super().__init__(n_estimators=cfg.n_estimators, num_leaves=cfg.num_leaves, learning_rate=cfg.learning_rate,
                          max_rows=cfg.max_rows, seed=cfg.seed)
         self.info: dict[str, Any] = {}
+        self._joined: dict[str, tuple[FlatTrees, np.ndarray]] = {}  # per target, built at the first forecast
 
     def fit(self, traces: Sequence[AppTrace]) -> NodeTrees:  # type: ignore[override]
         super().fit(traces)
-        # the booster alone: smaller to keep, faster to call, and what a loaded file gives
-        self.models = {k: m.booster_ for k, m in self.models.items()}  # type: ignore[attr-defined]
+        # flat arrays: what a loaded file gives, and what the daemon walks without LightGBM
+        self.models = {k: FlatTrees.from_booster(m.booster_) for k, m in self.models.items()}  # type: ignore[attr-defined]
         return self
+
+    def predict_features(self, x: np.ndarray, target: str) -> tuple[np.ndarray, np.ndarray]:
+        # a target's ten models (horizons x quantiles) walk as one: a tenth of the NumPy calls
+        keys = [(target, h, q) for q in QUANTILES for h in self.horizons_s]
+        joined = self._joined.get(target)
+        if joined is None:
+            parts = [cast(FlatTrees, self.models[k]) for k in keys]
+            joined = self._joined[target] = (FlatTrees.joined(parts),
+                                              np.cumsum(np.array([0] + [len(p.roots) for p in parts[:-1]])))
+        forest, starts = joined
+        sums = np.add.reduceat(forest.leaves(x), starts, axis=1)  # (rows, models)
+        last = x[:, 0][:, None]
+        nh = len(self.horizons_s)
+        p50, p90 = last + sums[:, :nh], last + sums[:, nh:]
+        upper = 100.0 if target == "sm_util_pct" else math.inf
+        p50 = np.clip(p50, 0.0, upper)
+        return p50, np.clip(np.maximum(p90, p50), 0.0, upper)
 
     def forecast_arrays(self, histories: Sequence[AppTrace]) -> np.ndarray:
         """`forecast_batch`'s numbers without building `Forecast`s (what the expert mixture reads):
@@ -146,14 +314,12 @@ class NodeTrees(GbdtForecaster):
             "horizons_s": list(self.horizons_s),
             "n_features": N_FEATURES,
             "info": self.info,
-            "models": {f"{t}/{h}/{q}": m.model_to_string() for (t, h, q), m in self.models.items()},  # type: ignore[attr-defined]
+            "models": {f"{t}/{h}/{q}": m.to_json() for (t, h, q), m in self.models.items()},  # type: ignore[attr-defined]
         }
 
 
 def from_json(doc: object) -> NodeTrees:
     """The trees of a `to_json` document; TreesError naming what is wrong."""
-    import lightgbm as lgb  # noqa: PLC0415
-
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise TreesError(f"not a {FORMAT} document")
     if doc.get("version") != VERSION:
@@ -166,17 +332,14 @@ def from_json(doc: object) -> NodeTrees:
     if not isinstance(models, dict) or not models or not set(models) <= wanted:
         raise TreesError("models: expected a non-empty object keyed target/horizon/quantile")
     trees = NodeTrees()
-    for key, text in models.items():
+    for key, arrays in models.items():
         target, h, q = key.split("/")
-        if not isinstance(text, str):
-            raise TreesError(f"model {key}: not a string")
+        if not isinstance(arrays, dict):
+            raise TreesError(f"model {key}: not an object of arrays")
         try:
-            booster = lgb.Booster(model_str=text)
-        except Exception as exc:  # noqa: BLE001 - LightGBM raises its own error types for bad text
-            raise TreesError(f"model {key}: LightGBM cannot load it ({str(exc)[:200]})") from None
-        if booster.num_feature() != N_FEATURES:
-            raise TreesError(f"model {key}: {booster.num_feature()} features, expected {N_FEATURES}")
-        trees.models[(target, int(h), float(q))] = booster
+            trees.models[(target, int(h), float(q))] = FlatTrees.checked(arrays, arrays.get("roots"))
+        except ValueError as exc:
+            raise TreesError(f"model {key}: {exc}") from None
     for target in TARGETS:  # a target is served whole or not at all
         have = [(target, h, q) in trees.models for h in HORIZONS_S for q in QUANTILES]
         if any(have) and not all(have):

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -81,6 +82,13 @@ def test_saved_trees_load_and_forecast_the_same(tmp_path: Path) -> None:
     assert loaded.info == trees.info and loaded.info["train_apps"] > 0
 
 
+def _one(doc: dict[str, Any], change: Any) -> dict[str, Any]:
+    """`doc` with its whole set of models, one of them changed by `change`."""
+    models = dict(doc["models"])
+    models["mem_used_mib/1/0.5"] = change(dict(models["mem_used_mib/1/0.5"]))
+    return doc | {"models": models}
+
+
 def _doc(tmp_path: Path) -> dict[str, object]:
     trees, _ = NT.learn_trees(_node(), None, CFG)
     assert trees is not None
@@ -92,8 +100,14 @@ def _doc(tmp_path: Path) -> dict[str, object]:
     (lambda d: json.dumps([1, 2]), "not a vgpu-node-trees document"),
     (lambda d: json.dumps(d | {"version": 99}), "version 99"),
     (lambda d: json.dumps(d | {"n_features": 3}), "feature count 3"),
-    (lambda d: json.dumps(d | {"models": {"mem_used_mib/1/0.5": "tree\nnonsense"}}), "LightGBM cannot load"),
-    (lambda d: json.dumps(d | {"models": {"mem_used_mib/1/0.5": d["models"]["mem_used_mib/1/0.5"]}}),  # type: ignore[index]
+    (lambda d: json.dumps(d | {"models": {"mem_used_mib/1/0.5": "tree\nnonsense"}}), "not an object of arrays"),
+    (lambda d: json.dumps(_one(d, lambda m: m | {"left": m["left"][:-1]})), "different lengths"),
+    (lambda d: json.dumps(_one(d, lambda m: m | {"feature": [99] * len(m["feature"])})), "feature index outside"),
+    (lambda d: json.dumps(_one(d, lambda m: m | {"left": [0] * len(m["left"])})), "not after its node"),
+    (lambda d: json.dumps(_one(d, lambda m: m | {"value": ["x"] * len(m["value"])})), "not arrays of numbers"),
+    (lambda d: json.dumps(_one(d, lambda m: m | {"roots": [10**9]})), "root outside"),
+    (lambda d: json.dumps(_one(d, lambda m: m | {"threshold": [1e400] * len(m["threshold"])})), "not finite"),
+    (lambda d: json.dumps(d | {"models": {"mem_used_mib/1/0.5": d["models"]["mem_used_mib/1/0.5"]}}),
      "some horizons or quantiles missing"),
     (lambda d: json.dumps(d | {"models": {"../../etc/1/0.5": "x"}}), "keyed target/horizon/quantile"),
     (lambda d: "[" * 100000 + "]" * 100000, "not JSON"),
@@ -290,3 +304,44 @@ def test_model_status_and_rollback_of_the_trees_from_the_command_line(tmp_path: 
     again = vgpu("rollback", "--trees")
     assert again.returncode == 1 and "no node-local trees serve" in again.stderr
     assert [e["event"] for e in NL.read_log(state)] == ["trees_promoted", "trees_rollback"]
+
+
+@pytest.mark.parametrize("missing", ["None", "NaN", "Zero"])
+def test_flat_trees_predict_as_lightgbm_does(missing: str) -> None:
+    """The daemon walks the flattened trees without LightGBM; their sums must be the booster's, for each
+    way LightGBM routes a missing value (features with NaN and exact zeros, in training and after)."""
+    import lightgbm as lgb
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(3000, NT.N_FEATURES))
+    x[rng.random(x.shape) < 0.2] = 0.0
+    y = x[:, 0] * 3 + np.sin(x[:, 1]) + (x[:, 2] > 0) + rng.normal(0, 0.1, len(x))
+    if missing != "None":
+        x[rng.random(x.shape) < 0.1] = np.nan
+    booster = lgb.train({"objective": "quantile", "alpha": 0.9, "num_leaves": 15, "verbose": -1,
+                         "zero_as_missing": missing == "Zero", "num_threads": 1},
+                        lgb.Dataset(x, y), num_boost_round=30)
+    flat = NT.FlatTrees.from_booster(booster)
+    assert set(flat.missing[flat.feature >= 0].tolist()) == {NT._MISSING[missing]}
+    probe = rng.normal(size=(500, NT.N_FEATURES))
+    probe[rng.random(probe.shape) < 0.2] = 0.0
+    probe[rng.random(probe.shape) < 0.1] = np.nan
+    np.testing.assert_allclose(flat.predict(probe), booster.predict(probe), rtol=1e-12, atol=1e-12)
+    again = NT.FlatTrees.checked(json.loads(json.dumps(flat.to_json())), flat.roots.tolist())
+    np.testing.assert_array_equal(again.predict(probe), flat.predict(probe))
+
+
+def test_serving_the_trees_never_imports_lightgbm(tmp_path: Path) -> None:
+    """LightGBM brings SciPy, scikit-learn and pandas into the daemon's memory: loading and serving
+    trees must not need it."""
+    trees, _ = NT.learn_trees(_node(), None, CFG)
+    assert trees is not None
+    NT.save_trees(tmp_path / "trees.json", trees)
+    code = ("import sys, numpy as np; from vgpu.manager import nodetrees as NT; from vgpu.traces import AppTrace; "
+            f"t = NT.load_trees({str(tmp_path / 'trees.json')!r}); "
+            "h = AppTrace('a', np.arange(0.0, 40), {'mem_used_mib': np.full(40, 500.0), 'sm_util_pct': np.full(40, 5.0)}); "
+            "a = t.forecast_arrays([h]); assert np.isfinite(a).all(), a; "
+            "print(sorted(m for m in ('lightgbm', 'sklearn', 'pandas', 'scipy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
