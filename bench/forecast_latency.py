@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trees", action="store_true", help="--mixture: with node-local trees in their slot")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if args.trees and not args.mixture:
+        p.error("--trees puts trees in the mixture: give --mixture too")
     torch.set_num_threads(args.threads)
     ck = _checkpoint(args.model)
     mode = "eager" if args.mode == "torchscript" else args.mode

@@ -229,15 +229,38 @@ def window_features(w: FloatArray, lengths: FloatArray) -> FloatArray:
     return np.stack(cols, axis=1)
 
 
-def origin_windows(
-    grid: FloatArray, horizons_s: Sequence[int] = HORIZONS_S, min_index: int = MIN_ORIGIN_INDEX
+def sampled_origins(
+    traces: Sequence[AppTrace], target: str, max_origins: int, rng: np.random.Generator,
+    horizons_s: Sequence[int] = HORIZONS_S, from_s: float = -math.inf,
 ) -> tuple[list[FloatArray], FloatArray]:
-    """Every protocol origin of one grid that has all horizons' truths: (prefix grids, truths
-    (n, len(horizons_s)))."""
+    """Protocol origins of `traces` whose second is at least `from_s` (each with its whole grid before
+    it, so the age and lags are those a forecaster had there), as (prefix grids, truths (n, horizons));
+    at most `max_origins`, drawn with `rng` before any prefix is made, so the memory is the grids', not
+    one window per application-second."""
     hmax = max(horizons_s)
-    idx = np.arange(min_index, len(grid) - hmax)
-    prefixes = [grid[: i + 1] for i in idx]
-    truths = np.stack([grid[idx + h] for h in horizons_s], axis=1) if len(idx) else np.zeros((0, len(horizons_s)))
+    grids: list[FloatArray] = []
+    lows: list[int] = []
+    counts: list[int] = []
+    for trace in traces:
+        seconds, grid = one_second_grid(trace, target)
+        lo = MIN_ORIGIN_INDEX
+        if len(grid) and math.isfinite(from_s):
+            lo = max(lo, math.ceil(from_s - float(seconds[0])))
+        grids.append(grid)
+        lows.append(lo)
+        counts.append(max(0, len(grid) - hmax - lo))
+    total = int(sum(counts))
+    if total == 0:
+        return [], np.zeros((0, len(horizons_s)))
+    chosen = np.arange(total) if total <= max_origins else np.sort(rng.choice(total, max_origins, replace=False))
+    ends = np.cumsum(counts)
+    which = np.searchsorted(ends, chosen, side="right")
+    prefixes: list[FloatArray] = []
+    truths = np.empty((len(chosen), len(horizons_s)))
+    for row, (k, flat) in enumerate(zip(which.tolist(), chosen.tolist(), strict=True)):
+        i = lows[k] + flat - (int(ends[k]) - counts[k])  # the origin's index in its grid
+        prefixes.append(grids[k][: i + 1])
+        truths[row] = [grids[k][i + h] for h in horizons_s]
     return prefixes, truths
 
 
@@ -287,20 +310,9 @@ class GbdtForecaster(_GridBaseline):
         traces = list(traces)
         rng = np.random.default_rng(self.seed)
         for target in TARGETS:
-            prefixes: list[FloatArray] = []
-            truths: list[FloatArray] = []
-            for trace in traces:
-                _, grid = one_second_grid(trace, target)
-                p, t = origin_windows(grid, self.horizons_s)
-                prefixes += p
-                truths.append(t)
+            prefixes, y_all = sampled_origins(traces, target, self.max_rows, rng, self.horizons_s)
             if not prefixes:
                 continue
-            y_all = np.concatenate(truths)
-            if len(prefixes) > self.max_rows:
-                keep = np.sort(rng.choice(len(prefixes), self.max_rows, replace=False))
-                prefixes = [prefixes[i] for i in keep]
-                y_all = y_all[keep]
             x = lag_features(prefixes, self.length_cap_s)
             last = x[:, 0]
             for j, h in enumerate(self.horizons_s):

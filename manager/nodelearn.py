@@ -44,6 +44,7 @@ import math
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import threading
@@ -154,7 +155,7 @@ def _rotate(state_dir: str | Path, keep_bytes: int) -> None:
     summary = _summarise(log[:first])
     stack = summary.stack[-MAX_SERVING_STACK:]
     compacted = {"at": time.time(), "event": "compacted", "dropped_entries": first, "serving_archive": stack,
-                 "pruned_below": summary.pruned_below, **summary.counts}
+                 "pruned_below": summary.pruned_below, **summary.counts, **trees_counts(log[:first])}
     d = models_dir(state_dir)
     tmp = d / f".{LOG}.tmp"
     with open(tmp, "w", encoding="utf-8") as fh:
@@ -164,6 +165,24 @@ def _rotate(state_dir: str | Path, keep_bytes: int) -> None:
         os.fsync(fh.fileno())
     os.replace(tmp, d / LOG)  # the `compacted` entry itself records the rotation (no log line: the
     # commands that append print JSON on stdout)
+
+
+# The node-local trees' entries (manager/nodetrees.py) and the counts a `compacted` entry keeps of them.
+TREES_EVENTS = {"trees_promoted": "trees_promotions", "trees_rejected": "trees_rejections",
+                "trees_rollback": "trees_rollbacks"}
+
+
+def trees_counts(log: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """How many trees promotions, rejections and rollbacks `log` says, a `compacted` entry standing for
+    the entries a rotation dropped before it."""
+    counts = dict.fromkeys(TREES_EVENTS.values(), 0)
+    for e in log:
+        event = e.get("event")
+        if event == "compacted":
+            counts = {k: _count(e.get(k)) for k in counts}
+        elif isinstance(event, str) and event in TREES_EVENTS:
+            counts[TREES_EVENTS[event]] += 1
+    return counts
 
 
 def _count(value: object) -> int:
@@ -448,11 +467,19 @@ def load_local(path: Path) -> Forecaster:
 MAX_PROBLEM_CHARS = 200
 
 
+def _regular(path: Path) -> None:
+    """OSError unless `path` is a regular file: a FIFO or a device put where a model belongs would
+    block the reader (the learner's thread, `vgpu model status`) for good."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise OSError(f"{path} is not a regular file")
+
+
 def load_problem(path: Path, load: Callable[[Path], object] = load_local) -> str | None:
     """None when `path` loads with `load`; else why not, in one short line."""
     from vgpu.manager.checkpoint import CheckpointError  # noqa: PLC0415
 
     try:
+        _regular(path)
         load(path)
     except CheckpointError as exc:
         why = exc.problem
@@ -606,6 +633,7 @@ class LocalModelWatcher:
             self._log.info(self.what, serving=None)
             return
         try:
+            _regular(self.path)
             model = self._loader(self.path)
         except Exception as exc:  # noqa: BLE001 - any unusable file: no local expert, the others serve
             self.failures += 1
@@ -702,6 +730,8 @@ def model_main(argv: Sequence[str] | None = None, prog: str = "vgpu model") -> i
     p.add_argument("--trees", action="store_true",
                    help="rollback: the node-local trees (manager/nodetrees.py) instead of the network")
     args = p.parse_args(argv)
+    if args.trees and args.action != "rollback":
+        p.error("--trees goes with rollback (status always shows the trees)")
     state_dir = args.state_dir
     if state_dir is None:
         # the daemon's own: its configuration file and VGPU_SERVER_STATE_DIR, as `vgpu serve` reads them
@@ -727,10 +757,10 @@ def model_main(argv: Sequence[str] | None = None, prog: str = "vgpu model") -> i
                   f"without it; {unusable_local_model_advice(state, state_dir)}", file=sys.stderr)
         if state["trees_loads"] is False:
             # the advice only names a rollback that has trees to go back to
-            act = (f"`{prog} rollback --trees` puts the previous ones back ({state['trees_rollback_to']}), or remove "
-                   f"{state['trees']}" if state["trees_rollback_to"] else
-                   f"remove {state['trees']} (no earlier trees are kept to roll back to); the next learning round "
-                   "fits new ones")
+            act = (f"`{prog} rollback --trees --state-dir {state_dir}` puts the previous ones back "
+                   f"({state['trees_rollback_to']}), or remove {state['trees']}" if state["trees_rollback_to_loads"] else
+                   f"remove {state['trees']} (no earlier trees that load are kept to roll back to); the next "
+                   "learning round fits new ones")
             print(f"{prog}: {state['trees_problem']}: the daemon serves without the trees; {act}", file=sys.stderr)
         return 0
     def waiting() -> None:

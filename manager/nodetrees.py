@@ -34,9 +34,11 @@ LightGBM's numerical decision rule (x <= threshold, and its three ways of routin
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import stat
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,22 +52,30 @@ from vgpu.manager.baselines import (
     GBDT_WINDOW_S,
     GbdtForecaster,
     lag_features,
-    origin_windows,
+    sampled_origins,
     window_features,
 )
 from vgpu.manager.features import AGE_CAP_S, build_grid
 from vgpu.manager.forecast import HORIZONS_S
-from vgpu.manager.nodelearn import _append_locked, _append_log, _log_lock, models_dir, split_recent
-from vgpu.traces import TARGETS, AppTrace, one_second_grid
+from vgpu.manager.nodelearn import (
+    _append_locked,
+    _append_log,
+    _log_lock,
+    models_dir,
+    read_log,
+    split_recent,
+    trees_counts,
+)
+from vgpu.traces import TARGETS, AppTrace
 
 TREES = "trees.json"
 PREVIOUS = "trees.prev.json"
 FORMAT = "vgpu-node-trees"
 VERSION = 2  # 1: LightGBM model text (read no more: it needs LightGBM in the daemon)
 QUANTILES = (0.5, 0.9)
-# A file this large is not read: the trees of one round are about a megabyte of JSON (20 models of 30
-# trees of at most 15 leaves).
-MAX_FILE_BYTES = 64 * 1024 * 1024
+# A file larger than this is not read: the trees of one round are about 0.9 MiB of JSON (20 models of 30
+# trees of at most 15 leaves), and the daemon parses it holding the interpreter lock.
+MAX_FILE_BYTES = 8 * 1024 * 1024  # a round's file is about 0.9 MiB; parsing holds the interpreter lock
 MAX_NODES = 1_000_000  # per model: far above what a round fits, far below what would exhaust memory
 K_ZERO = 1e-35  # LightGBM's kZeroThreshold: a value this close to 0 counts as zero for missing_type Zero
 N_FEATURES = lag_features([np.zeros(1)]).shape[1]
@@ -352,8 +362,17 @@ def from_json(doc: object) -> NodeTrees:
 def load_trees(path: str | Path) -> NodeTrees:
     p = Path(path)
     try:
-        with open(p, "rb") as f:
-            if os.fstat(f.fileno()).st_size > MAX_FILE_BYTES:
+        # a FIFO or device put there must not block the learner's thread (nor `vgpu model status`)
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as exc:
+        what = "a symbolic link" if exc.errno == errno.ELOOP else (exc.strerror or str(exc))
+        raise TreesError(f"{p}: {what}") from None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise TreesError(f"{p}: not a regular file")
+            if st.st_size > MAX_FILE_BYTES:
                 raise TreesError(f"{p}: larger than {MAX_FILE_BYTES} bytes")
             raw = f.read(MAX_FILE_BYTES + 1)
     except OSError as exc:
@@ -371,42 +390,25 @@ def load_trees(path: str | Path) -> NodeTrees:
 def save_trees(path: str | Path, trees: NodeTrees) -> None:
     """Write atomically (a reader sees the old file or the new one, never part of one)."""
     p = Path(path)
-    tmp = p.with_name(p.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(trees.to_json(), f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, p)
-
-
-def held_origins(traces: Sequence[AppTrace], target: str, max_origins: int,
-                 seed: int) -> tuple[list[np.ndarray], np.ndarray]:
-    """The protocol origins of `traces` (prefix grids, truths), subsampled to `max_origins`."""
-    prefixes: list[np.ndarray] = []
-    truths: list[np.ndarray] = []
-    for t in traces:
-        _, grid = one_second_grid(t, target)
-        p, y = origin_windows(grid, HORIZONS_S)
-        prefixes += p
-        truths.append(y)
-    if not prefixes:
-        return [], np.zeros((0, len(HORIZONS_S)))
-    y_all = np.concatenate(truths)
-    if len(prefixes) > max_origins:
-        keep = np.sort(np.random.default_rng(seed).choice(len(prefixes), max_origins, replace=False))
-        prefixes = [prefixes[i] for i in keep]
-        y_all = y_all[keep]
-    return prefixes, y_all
+    tmp = p.with_name(f".{p.name}.tmp")
+    try:
+        _write_json(tmp, trees.to_json())
+        os.replace(tmp, p)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def score_against_last(candidates: Sequence[GbdtForecaster | None], traces: Sequence[AppTrace],
-                       cfg: TreesConfig) -> list[float]:
+                       cfg: TreesConfig, from_s: float = -math.inf) -> list[float | None]:
     """For each candidate (None: none), the mean over targets and horizons of its median's MAE as a
-    multiple of the last value's on the protocol origins of `traces`; NaN where nothing could be
-    judged (no origin, or the last value exact everywhere)."""
+    multiple of the last value's on the protocol origins of `traces` from second `from_s` on (each
+    origin with the whole history before it, as the daemon would forecast there); None where nothing
+    could be judged (no origin, or the last value exact everywhere)."""
     ratios: list[list[float]] = [[] for _ in candidates]
     for target in TARGETS:
-        prefixes, truth = held_origins(traces, target, cfg.max_held_origins, cfg.seed)
+        prefixes, truth = sampled_origins(traces, target, cfg.max_held_origins, np.random.default_rng(cfg.seed),
+                                          from_s=from_s)
         if not prefixes:
             continue
         last = np.array([g[-1] for g in prefixes])
@@ -417,7 +419,7 @@ def score_against_last(candidates: Sequence[GbdtForecaster | None], traces: Sequ
             p50, _ = fc.forecast_grids(prefixes, target)
             err = np.abs(truth - p50).mean(axis=0)
             ratios[i] += [float(e / b) for e, b in zip(err, base, strict=True) if b > 0]
-    return [float(np.mean(r)) if r else math.nan for r in ratios]
+    return [float(np.mean(r)) if r else None for r in ratios]
 
 
 def learn_trees(history: Sequence[AppTrace], serving: NodeTrees | None,
@@ -431,6 +433,7 @@ def learn_trees(history: Sequence[AppTrace], serving: NodeTrees | None,
     if span < cfg.min_history_s:
         return None, {"event": "skipped", "reason": f"history spans {span:.0f} s < {cfg.min_history_s:.0f} s"}
     before, held = split_recent(live, cfg.holdout_s)
+    cut_s = max(float(t.t_s[-1]) for t in live) - cfg.holdout_s  # split_recent's
     entry: dict[str, Any] = {"at": time.time(), "train_apps": len(before), "held_back_apps": len(held),
                              "holdout_s": cfg.holdout_s}
     started = time.process_time()
@@ -439,12 +442,18 @@ def learn_trees(history: Sequence[AppTrace], serving: NodeTrees | None,
     except ValueError as exc:
         return None, entry | {"event": "rejected", "reason": f"nothing to fit: {exc}"}
     entry["fit_cpu_s"] = round(time.process_time() - started, 3)
-    cand_score, serving_score = score_against_last([candidate, serving], held, cfg)
+    try:
+        serving_score = score_against_last([serving], live, cfg, cut_s)[0]
+    except Exception as exc:  # noqa: BLE001 - trees that cannot forecast are no reference: judged against none
+        serving_score = None
+        entry["serving_failed"] = repr(exc)[:200]
+    cand_score = score_against_last([candidate], live, cfg, cut_s)[0]
+    # None, not NaN, where nothing was judged: the log and the reports are strict JSON
     entry |= {"candidate_error": cand_score, "serving_error": serving_score}
-    if not math.isfinite(cand_score):
+    if cand_score is None:
         return None, entry | {"event": "rejected", "reason": "nothing on the held-back history to judge by"}
     bound = 1 - cfg.min_gain
-    if cand_score >= bound or (math.isfinite(serving_score) and cand_score >= bound * serving_score):
+    if cand_score >= bound or (serving_score is not None and cand_score >= bound * serving_score):
         return None, entry | {"event": "rejected", "reason": "no better on the held-back history"}
     candidate.info = {"trained_at": entry["at"], "train_apps": len(before), "held_back_error": cand_score}
     return candidate, entry | {"event": "promoted"}
@@ -457,28 +466,49 @@ def trees_paths(state_dir: str | Path) -> tuple[Path, Path]:
 
 
 def promote_trees(state_dir: str | Path, trees: NodeTrees, entry: dict[str, Any]) -> dict[str, Any]:
-    """Serve `trees` (the file it replaces kept as the previous one) and log `entry` as
-    `trees_promoted`, under the promotion log's lock (manager/nodelearn.py)."""
+    """Serve `trees` and log `entry` as `trees_promoted`, under the promotion log's lock
+    (manager/nodelearn.py). The new file is written in full before anything is renamed, and the trees
+    it replaces become the previous ones by a hard link: at every moment (a crash, a full disk) a
+    sound `trees.json` serves. Trees that do not load are never kept as previous (the previous ones
+    stay); with no trees serving, none are kept, and the entry says so (`replaced` null), so that a
+    rollback knows to remove the trees."""
     current, previous = trees_paths(state_dir)
     current.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     with _log_lock(state_dir):
+        replaced: str | None = None
         if current.exists():
-            os.replace(current, previous)
-        else:
-            previous.unlink(missing_ok=True)  # a rollback from these trees goes back to none
-        save_trees(current, trees)
-        entry = entry | {"event": "trees_promoted"}
+            try:
+                load_trees(current)
+                replaced = "serving"
+            except TreesError:
+                replaced = "unusable"
+        tmp = current.with_name(f".{TREES}.tmp")
+        link = previous.with_name(f".{PREVIOUS}.tmp")
+        try:
+            _write_json(tmp, trees.to_json())
+            if replaced == "serving":
+                link.unlink(missing_ok=True)
+                os.link(current, link)
+                os.replace(link, previous)
+            elif replaced is None:
+                previous.unlink(missing_ok=True)  # a rollback from these trees goes back to none
+            os.replace(tmp, current)
+            _fsync_dir(current.parent)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            link.unlink(missing_ok=True)
+            raise
+        entry = entry | {"event": "trees_promoted", "replaced": replaced}
         _append_locked(state_dir, entry)
     return entry
 
 
 def rollback_trees(state_dir: str | Path, on_wait: Any = None) -> dict[str, Any]:
-    """Put the trees promoted before the serving ones back (or none, when none were): LookupError with
-    nothing changed when no trees serve or the previous ones do not load."""
+    """Put the trees promoted before the serving ones back, or remove the trees when none served before
+    them; put the previous ones back when `trees.json` is missing. LookupError with nothing changed
+    when there is nothing to go back to or the previous trees do not load."""
     current, previous = trees_paths(state_dir)
     with _log_lock(state_dir, on_wait):
-        if not current.exists():
-            raise LookupError(f"nothing to roll back: no node-local trees serve ({current} does not exist)")
         entry: dict[str, Any] = {"at": time.time(), "event": "trees_rollback"}
         if previous.exists():
             try:
@@ -488,12 +518,42 @@ def rollback_trees(state_dir: str | Path, on_wait: Any = None) -> dict[str, Any]
                                   f"changed. To serve without trees, remove {current}") from None
             os.replace(previous, current)
             entry["serving"] = str(current)
-        else:
-            current.unlink()
+        elif not current.exists():
+            raise LookupError(f"nothing to roll back: no node-local trees serve ({current} does not exist)")
+        elif _last_promotion_replaced(state_dir) is None:
+            current.unlink()  # the serving trees were the first promoted: none served before them
             entry["serving"] = None
+        else:
+            raise LookupError(f"cannot roll back the trees: the ones before them are not kept (one step of "
+                              f"rollback); nothing changed. To serve without trees, remove {current}")
         _append_locked(state_dir, entry)
     get_logger("vgpu.manager.nodetrees").info("node_trees_rolled_back", **{k: v for k, v in entry.items() if k != "event"})
     return entry
+
+
+def _last_promotion_replaced(state_dir: str | Path) -> str | None:
+    """What the newest trees promotion in the log replaced ("serving", "unusable", None: nothing);
+    "unknown" when the log holds no promotion of trees (rotated away, or written by hand)."""
+    for e in reversed(read_log(state_dir)):
+        if e.get("event") == "trees_promoted":
+            value = e.get("replaced")
+            return value if isinstance(value, str) else None
+    return "unknown"
+
+
+def _write_json(path: Path, doc: dict[str, Any]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f, allow_nan=False)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def trees_status(state_dir: str | Path, log: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
@@ -501,18 +561,21 @@ def trees_status(state_dir: str | Path, log: Sequence[dict[str, Any]] = ()) -> d
     was trained on, whether a rollback has trees to go back to, and the counts of the log's entries."""
     current, previous = trees_paths(state_dir)
     out: dict[str, Any] = {"trees": str(current) if current.exists() else None, "trees_loads": None,
-                           "trees_rollback_to": str(previous) if previous.exists() else None}
+                           "trees_rollback_to": str(previous) if previous.exists() else None,
+                           "trees_rollback_to_loads": None}
     if current.exists():
         try:
             out["trees_info"] = load_trees(current).info
             out["trees_loads"] = True
         except TreesError as exc:
             out |= {"trees_loads": False, "trees_problem": str(exc)}
-    events = [e.get("event") for e in log]
-    out["trees_promotions"] = events.count("trees_promoted")
-    out["trees_rejections"] = events.count("trees_rejected")
-    out["trees_rollbacks"] = events.count("trees_rollback")
-    return out
+    if previous.exists():
+        try:
+            load_trees(previous)
+            out["trees_rollback_to_loads"] = True
+        except TreesError as exc:
+            out |= {"trees_rollback_to_loads": False, "trees_rollback_to_problem": str(exc)}
+    return out | trees_counts(log)
 
 
 def learn_round(state_dir: str | Path, history: Sequence[AppTrace], cfg: TreesConfig | None = None, *,

@@ -275,6 +275,7 @@ def test_eval_online_runs_the_trees_rounds_as_the_daemon_does(tmp_path: Path) ->
 
     with_trees, rounds = served_mae(3600)
     assert [r["event"] for r in rounds][:1] == ["promoted"], rounds
+    assert not any("fit_cpu_s" in r or "at" in r for r in rounds)  # times would make two runs differ
     without, none = served_mae(0)
     assert none == []
     assert with_trees["served"] < 0.95 * without["served"], (with_trees, without)  # a clear gain, not noise
@@ -345,3 +346,128 @@ def test_serving_the_trees_never_imports_lightgbm(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def _trees(seed_runs: int = 12) -> NT.NodeTrees:
+    trees, _ = NT.learn_trees(_node(seed_runs), None, CFG)
+    assert trees is not None
+    return trees
+
+
+def test_a_promotion_that_fails_midway_leaves_the_serving_trees(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk (or a crash) while the new trees are written: the trees serving before still serve,
+    the previous ones are as they were, nothing half-written is left, and nothing is logged."""
+    state = tmp_path / "state"
+    first, second = _trees(), _trees(14)
+    NT.promote_trees(state, first, {"at": 1.0})
+    current, previous = NT.trees_paths(state)
+    before = current.read_bytes()
+
+    def full(path: Path, doc: dict[str, Any]) -> None:
+        path.write_text("{")  # part of it, then the disk is full
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(NT, "_write_json", full)
+    with pytest.raises(OSError, match="No space"):
+        NT.promote_trees(state, second, {"at": 2.0})
+    assert current.read_bytes() == before and not previous.exists()
+    assert sorted(p.name for p in current.parent.iterdir()) == [".promotions.lock", "promotions.jsonl", "trees.json"]
+    assert [e["event"] for e in NL.read_log(state)] == ["trees_promoted"]
+
+
+def test_rollback_goes_back_one_step_and_never_to_trees_that_do_not_load(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    current, previous = NT.trees_paths(state)
+    a, b, c = _trees(), _trees(13), _trees(14)
+    NT.promote_trees(state, a, {"at": 1.0})
+    NT.promote_trees(state, b, {"at": 2.0})
+    kept_a = previous.read_bytes()
+    current.write_text("[]")  # b damaged while serving
+    entry = NT.promote_trees(state, c, {"at": 3.0})
+    assert entry["replaced"] == "unusable" and previous.read_bytes() == kept_a  # not the damaged b
+    NT.rollback_trees(state)  # back to a
+    assert current.read_bytes() == kept_a and not previous.exists()
+    with pytest.raises(LookupError, match="not kept"):
+        NT.rollback_trees(state)  # a was not the first promoted: refuse rather than serve none
+    assert current.read_bytes() == kept_a
+    # trees.json gone (removed by hand, or a crash before the promotion's rename): the previous ones come back
+    NT.promote_trees(state, b, {"at": 4.0})
+    current.unlink()
+    assert NT.rollback_trees(state)["serving"] == str(current) and current.read_bytes() == kept_a
+
+
+def test_a_fifo_or_a_link_where_the_trees_belong_is_refused_without_blocking(tmp_path: Path) -> None:
+    import os
+    import threading
+
+    models = tmp_path / "state" / "models"
+    models.mkdir(parents=True)
+    fifo = models / NT.TREES
+    os.mkfifo(fifo)
+    with pytest.raises(NT.TreesError, match="not a regular file"):
+        NT.load_trees(fifo)
+    fifo.unlink()
+    NT.save_trees(tmp_path / "elsewhere.json", _trees())
+    fifo.symlink_to(tmp_path / "elsewhere.json")
+    with pytest.raises(NT.TreesError, match="a symbolic link"):
+        NT.load_trees(fifo)
+    # the network's file too: the watcher (the learner's thread) says unusable instead of waiting
+    os.mkfifo(models / NL.LOCAL)
+    served: list[object] = []
+    watcher = NL.LocalModelWatcher(tmp_path / "state", served.append)
+    polled = threading.Thread(target=watcher.poll, daemon=True)
+    polled.start()
+    polled.join(10)
+    assert not polled.is_alive() and watcher.state == "unusable" and served == [None]
+    assert "not a regular file" in (NL.load_problem(models / NL.LOCAL) or "")
+
+
+def test_the_log_stays_strict_json_and_rotation_keeps_the_trees_counts(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    NT.learn_round(state, _node(), CFG)  # the first promotion: no serving trees judged
+    text = (state / "models" / NL.LOG).read_text()
+
+    def strict(name: str) -> None:
+        raise ValueError(f"{name} in the log")
+
+    (first,) = [json.loads(line, parse_constant=strict) for line in text.splitlines()]
+    assert first["serving_error"] is None and first["event"] == "trees_promoted"
+    for i in range(40):
+        NL._append_log(state, {"at": float(i), "event": "trees_rejected" if i % 2 else "trees_rollback",
+                               "pad": "x" * 200}, rotate_at_bytes=4000, keep_bytes=1000)
+    log = NL.read_log(state)
+    assert log[0]["event"] == "compacted"
+    assert NT.trees_status(state, log)["trees_promotions"] == 1
+    assert NL.trees_counts(log) == {"trees_promotions": 1, "trees_rejections": 20, "trees_rollbacks": 20}
+
+
+def test_sampled_origins_keep_the_whole_history_before_each_origin() -> None:
+    """Held-back origins are scored with the history the daemon had there: an application that started
+    before the cut keeps its age and lags."""
+    from vgpu.manager.baselines import sampled_origins
+
+    run = _run(5, 1000.0, seconds=300)
+    prefixes, truths = sampled_origins([run], "mem_used_mib", 10_000, np.random.default_rng(0), from_s=1200.0)
+    assert len(prefixes) == 300 - 200 - 5  # seconds 200..294 of the run: every horizon known
+    assert len(prefixes[0]) == 201 and len(prefixes[-1]) == 295
+    np.testing.assert_array_equal(truths[0], run.columns["mem_used_mib"][201:206])
+    few, _ = sampled_origins([run], "mem_used_mib", 7, np.random.default_rng(0))
+    assert len(few) == 7 and all(len(p) >= 10 for p in few)
+
+
+def test_status_names_a_rollback_only_to_trees_that_load(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    NT.promote_trees(state, _trees(), {"at": 1.0})
+    NT.promote_trees(state, _trees(13), {"at": 2.0})
+    current, previous = NT.trees_paths(state)
+    current.write_text("[]")
+    proc = subprocess.run([sys.executable, "-m", "vgpu.cli", "model", "status", "--state-dir", str(state)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    said = json.loads(proc.stdout)
+    assert said["trees_rollback_to_loads"] is True and f"rollback --trees --state-dir {state}" in proc.stderr
+    previous.write_text('{"format": "vgpu-node-trees", "version": 1}')  # an older build's file
+    proc = subprocess.run([sys.executable, "-m", "vgpu.cli", "model", "status", "--state-dir", str(state)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    said = json.loads(proc.stdout)
+    assert said["trees_rollback_to_loads"] is False and "version 1" in said["trees_rollback_to_problem"]
+    assert "rollback --trees" not in proc.stderr and f"remove {current}" in proc.stderr

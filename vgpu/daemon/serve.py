@@ -1272,8 +1272,9 @@ class Daemon:
         watcher = LocalModelWatcher(self.state_dir, lambda m: mixture.set_expert("local", m))
         trees = self.trees_watcher = LocalModelWatcher(
             self.state_dir, lambda m: mixture.set_expert("trees", m), load_trees, filename=TREES, what="node_trees",
-            to_act="`vgpu model status` says why and whether earlier trees are kept for `vgpu model rollback --trees`; "
-                   "else remove the file (the next learning round fits new ones)")
+            to_act=f"`vgpu model status --state-dir {self.state_dir}` says why and whether earlier trees that load "
+                   "are kept for `vgpu model rollback --trees`; else remove the file (the next learning round fits "
+                   "new ones)")
         self.learner = BackgroundLearner(self.state_dir, self.state_dir / "history",
                                          resolve_model(cfg.manager.model).path, watcher,
                                          interval_s=cfg.manager.learn_interval_s if self.history else 0.0,

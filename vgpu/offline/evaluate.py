@@ -481,7 +481,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu eval") -> int:
                         help="--online: how often the last value's margin (and a model's learn hook) learn")
     parser.add_argument("--node-learn-every-s", type=int, default=3600,
                         help="--online: how often `served` runs a node-local trees round, node seconds "
-                             "(the daemon's manager.learn_interval_s); 0: never")
+                             "(default 3600, the daemon's manager.learn_interval_s); 0: never")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]

@@ -343,7 +343,9 @@ class ServedOnline(HistoryOnline):
         from vgpu.manager.nodetrees import learn_trees  # noqa: PLC0415 - LightGBM only for this method
 
         trees, entry = learn_trees(apps, self.serving, self.trees_cfg)
-        self.rounds.append({"node_s": now_s, **{k: v for k, v in entry.items() if k != "at"}})
+        # the node second and what the round found; not its wall clock or CPU time, so two runs print
+        # the same report
+        self.rounds.append({"node_s": now_s, **{k: v for k, v in entry.items() if k not in ("at", "fit_cpu_s")}})
         if trees is not None:
             self.serving = trees
             self.fc.set_expert("trees", trees)  # type: ignore[attr-defined]
