@@ -388,7 +388,8 @@ def test_histogram_bounds_are_checked() -> None:
 def test_every_vgpu_command_an_alert_suggests_runs_as_written(tmp_path: Path) -> None:
     """The commands the alerting rules and the alert table of docs/operations.md hand the on-call
     operator are accepted by the CLI as written (label templates filled in): against a socket where
-    no daemon listens each fails to reach it (exit 1), never with a usage error (exit 2)."""
+    no daemon listens each fails to reach it (exit 1), never with a usage error (exit 2); one that
+    reads the state directory (`vgpu model`) is told of one that does not exist (exit 2, no usage)."""
     import os
     import subprocess
     import sys
@@ -407,9 +408,14 @@ def test_every_vgpu_command_an_alert_suggests_runs_as_written(tmp_path: Path) ->
     for command in sorted(commands):
         argv = re.sub(r"\{\{\s*\$labels\.\w+\s*\}\}", "bert-train", command).replace("APP", "bert-train").split()
         # a command that waits for a daemon to come up is told not to: none will
-        no_wait = ["--wait-s", "0"] if "--wait-s" in run(argv[1], "--help").stdout else []
-        r = run(*argv[1:], "--socket", str(tmp_path / "none.sock"), "--state-dir", str(tmp_path / "state"), *no_wait)
-        assert r.returncode == 1 and "usage:" not in r.stderr, (command, r.returncode, r.stderr)
+        helped = run(argv[1], "--help").stdout
+        no_wait = ["--wait-s", "0"] if "--wait-s" in helped else []
+        socket = ["--socket", str(tmp_path / "none.sock")] if "--socket" in helped else []
+        r = run(*argv[1:], *socket, "--state-dir", str(tmp_path / "state"), *no_wait)
+        expected = 1 if socket else 2
+        assert r.returncode == expected and "usage:" not in r.stderr, (command, r.returncode, r.stderr)
+        if not socket:
+            assert "no state directory" in r.stderr, (command, r.stderr)
 
 
 def test_daemon_down_fires_for_one_node_of_many_and_for_none_scraped(tmp_path: Path) -> None:
