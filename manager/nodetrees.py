@@ -13,8 +13,8 @@ and 0.9, of the change from the origin value, one model per target and horizon, 
 30 s statistics of the 1 s grid and the application's age in seconds), on every protocol origin of
 the history's applications. A round (`learn_trees`) holds back the node's most recent `holdout_s`,
 fits a candidate on the rest and scores it, the trees serving now and the last value on the held-back
-origins: per target and horizon the mean absolute error of the median, as a multiple of the last
-value's; the score is the mean of those multiples. The candidate is promoted only when its score is
+origins (each forecast from the whole history before it): per target and horizon the mean absolute
+error of the median, as a multiple of the last value's; the score is the mean of those multiples. The candidate is promoted only when its score is
 below (1 - `min_gain`) and below (1 - `min_gain`) x the serving trees' score on the same origins:
 trees that do not beat the last value on the node's latest history never serve.
 
@@ -22,7 +22,8 @@ File: `<state_dir>/models/trees.json`, one JSON document (never a pickle: a stat
 are not trusted to run code), `FORMAT` / `VERSION`, the horizons, the feature count and one model per
 (target, horizon, quantile) as flat arrays (`FlatTrees`). `load_trees` checks all of it and raises
 `TreesError` with one line saying what is wrong; a promotion keeps the file it replaces as
-`trees.prev.json` (`vgpu model rollback --trees` puts it back, or removes the trees when there was none).
+`trees.prev.json` (`vgpu model rollback --trees` puts it back, or removes the trees when they were the
+first promoted; `promote_trees` and `rollback_trees` say the rules).
 
 The daemon never imports LightGBM: only the learner's child process fits with it. Its import brings
 SciPy, scikit-learn and pandas along (110 MiB of resident memory in this environment), which the
@@ -75,15 +76,15 @@ VERSION = 2  # 1: LightGBM model text (read no more: it needs LightGBM in the da
 QUANTILES = (0.5, 0.9)
 # A file larger than this is not read: the trees of one round are about 0.9 MiB of JSON (20 models of 30
 # trees of at most 15 leaves), and the daemon parses it holding the interpreter lock.
-MAX_FILE_BYTES = 8 * 1024 * 1024  # a round's file is about 0.9 MiB; parsing holds the interpreter lock
+MAX_FILE_BYTES = 8 * 1024 * 1024
 MAX_NODES = 1_000_000  # per model: far above what a round fits, far below what would exhaust memory
 K_ZERO = 1e-35  # LightGBM's kZeroThreshold: a value this close to 0 counts as zero for missing_type Zero
 N_FEATURES = lag_features([np.zeros(1)]).shape[1]
 
 
 class TreesError(Exception):
-    """A trees file that cannot serve: missing, too large, not JSON, not this format, or a model
-    LightGBM does not load."""
+    """A trees file that cannot serve: missing, not a regular file, too large, not JSON, not this
+    format, or arrays a walk cannot trust."""
 
 
 @dataclass(frozen=True)
