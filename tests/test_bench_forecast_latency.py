@@ -33,6 +33,15 @@ def test_forecast_latency_mixture_fields(capsys: pytest.CaptureFixture[str]) -> 
     assert 0 < out["p50_ms"] <= out["p99_ms"] and out["model_p50_ms"] > 0 and out["scored"] > 0
 
 
+def test_forecast_latency_mixture_with_trees(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--apps", "4", "--iterations", "5", "--history-s", "40", "--json", "--mixture", "--trees", "--mode", "fused"]
+    assert forecast_latency.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["experts"] == ["last_value", "model", "local", "trees"] and out["trees_p50_ms"] > 0
+    with pytest.raises(SystemExit):  # trees go in the mixture: alone they would be timed as nothing
+        forecast_latency.main(["--apps", "4", "--iterations", "2", "--trees"])
+
+
 def test_node_learn_bench_fields(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     import node_learn
 
