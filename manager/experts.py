@@ -515,6 +515,13 @@ class MixtureForecaster:
                 continue
             p50[..., e] = got[:, :nt]
             p90[..., e] = got[:, nt:]
+        caps = np.full((m_live, nt, 1), np.inf)
+        caps[:, 1] = 100.0
+        caps[:, 0, 0] = cap_mem
+        # an expert's forecast beyond what the application can use (a node-local file gone wrong) is
+        # held to its range, so it cannot inflate the scale and the node prior that later streams start from
+        p50 = np.clip(p50, 0.0, caps[..., None])
+        p90 = np.clip(p90, 0.0, caps[..., None])
         awake = np.isfinite(p50)
         p90 = np.where(np.isfinite(p90), np.maximum(p90, p50), p50)
         # 6. mix the medians and the experts' own P90s by the same weights; P90 = the mixed P90 plus the
@@ -534,9 +541,6 @@ class MixtureForecaster:
         if np.isnan(q).any():
             q = np.nan_to_num(q)
             st.q[rows_a] = q
-        caps = np.full((m_live, nt, 1), np.inf)
-        caps[:, 1] = 100.0
-        caps[:, 0, 0] = cap_mem
         mix50 = np.clip(mix50, 0.0, caps)
         mix90 = np.clip(np.maximum(base90 + scale * q, mix50), 0.0, caps)
         # 7. remember this origin's forecasts for scoring

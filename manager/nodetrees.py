@@ -77,7 +77,15 @@ QUANTILES = (0.5, 0.9)
 # A file larger than this is not read: the trees of one round are about 0.9 MiB of JSON (20 models of 30
 # trees of at most 15 leaves), and the daemon parses it holding the interpreter lock.
 MAX_FILE_BYTES = 8 * 1024 * 1024
-MAX_NODES = 1_000_000  # per model: far above what a round fits, far below what would exhaust memory
+# Bounds on one model, far above what a round fits (30 trees of at most 29 nodes and 14 levels) and low
+# enough that no file within them makes a forecast call slow: rows x trees x levels a walk.
+MAX_NODES = 100_000
+MAX_TREES = 1_000
+MAX_TREE_NODES = 1_023
+MAX_DEPTH = 32
+# A leaf is a change in MiB or percentage points: more than this (1 TiB) is no forecast
+MAX_LEAF = float(2**20)
+WALK_ROWS = 2_000
 K_ZERO = 1e-35  # LightGBM's kZeroThreshold: a value this close to 0 counts as zero for missing_type Zero
 N_FEATURES = lag_features([np.zeros(1)]).shape[1]
 
@@ -104,6 +112,18 @@ class TreesConfig:
 
 
 _MISSING = {"None": 0, "Zero": 1, "NaN": 2}
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_bool(v: object) -> bool:
+    return isinstance(v, bool)
 
 
 @dataclass(frozen=True)
@@ -157,38 +177,72 @@ class FlatTrees:
 
     @classmethod
     def checked(cls, cols: dict[str, Any], roots: Any) -> FlatTrees:
-        """Build from plain lists (a file's), checking what a walk relies on; ValueError says what is wrong."""
+        """Build from plain lists (a file's), checking what a walk relies on; ValueError says what is wrong.
+
+        The arrays must be what `from_booster` writes: separate trees, each one's nodes a contiguous
+        run in pre-order (an inner node's left child is the next node, its right child later in the
+        same tree, every node but a root the child of exactly one node), at most `MAX_TREES` trees of at
+        most `MAX_TREE_NODES` nodes and `MAX_DEPTH` levels, numbers of the right kind (no string or bool
+        standing for one), leaf values within `MAX_LEAF`. So a file cannot make one walk longer or
+        wider than a fitted model's bound, nor a forecast absurd."""
+        ints = ("feature", "left", "right", "missing")
         try:
-            feature = np.asarray(cols["feature"], dtype=np.int64)
-            n = len(feature)
-            arrays: dict[str, np.ndarray] = {"threshold": np.asarray(cols["threshold"], dtype=np.float64),
-                      "left": np.asarray(cols["left"], dtype=np.int64),
-                      "right": np.asarray(cols["right"], dtype=np.int64),
-                      "value": np.asarray(cols["value"], dtype=np.float64),
-                      "missing": np.asarray(cols["missing"], dtype=np.int8),
-                      "default_left": np.asarray(cols["default_left"], dtype=bool)}
-            root = np.asarray(roots, dtype=np.int64)
-        except (KeyError, TypeError, ValueError, OverflowError) as exc:
-            raise ValueError(f"not arrays of numbers ({str(exc)[:100]})") from None
-        if (feature.ndim != 1 or not 0 < n <= MAX_NODES or any(a.shape != (n,) for a in arrays.values())
-                or root.ndim != 1 or not len(root)):
-            raise ValueError(f"arrays of different lengths, none, or over {MAX_NODES} nodes")
+            lists = {k: cols[k] for k in (*ints, "threshold", "value", "default_left")}
+        except (KeyError, TypeError):
+            raise ValueError("not an object of the arrays feature, threshold, left, right, value, missing, "
+                             "default_left and roots") from None
+        if not all(isinstance(v, list) for v in lists.values()) or not isinstance(roots, list):
+            raise ValueError("not arrays of numbers (a value that is not a list)")
+        kinds = {"feature": _is_int, "left": _is_int, "right": _is_int, "missing": _is_int,
+                 "threshold": _is_number, "value": _is_number, "default_left": _is_bool}
+        for name, ok in kinds.items():
+            if not all(ok(v) for v in lists[name]):
+                raise ValueError(f"not arrays of numbers ({name} holds a value of another kind)")
+        if not all(_is_int(v) for v in roots):
+            raise ValueError("not arrays of numbers (roots holds a value of another kind)")
+        n = len(lists["feature"])
+        if not 0 < n <= MAX_NODES or any(len(v) != n for v in lists.values()) or not 0 < len(roots) <= MAX_TREES:
+            raise ValueError(f"arrays of different lengths, none, over {MAX_NODES} nodes or over {MAX_TREES} trees")
+        try:
+            feature = np.array(lists["feature"], dtype=np.int64)
+            arrays: dict[str, np.ndarray] = {
+                "threshold": np.array(lists["threshold"], dtype=np.float64),
+                "left": np.array(lists["left"], dtype=np.int64), "right": np.array(lists["right"], dtype=np.int64),
+                "value": np.array(lists["value"], dtype=np.float64),
+                "missing": np.array(lists["missing"], dtype=np.int64).astype(np.int8),
+                "default_left": np.array(lists["default_left"], dtype=bool)}
+            root = np.array(roots, dtype=np.int64)
+        except OverflowError:
+            raise ValueError("not arrays of numbers (an integer out of range)") from None
         left, right, idx = arrays["left"], arrays["right"], np.arange(n)
         inner = feature >= 0
         if (feature >= N_FEATURES).any() or (feature < -1).any():
             raise ValueError(f"a feature index outside 0..{N_FEATURES - 1}")
-        if not (np.isfinite(arrays["threshold"]).all() and np.isfinite(arrays["value"]).all()):
-            raise ValueError("a threshold or leaf value that is not finite")
-        if ((inner & ((left <= idx) | (right <= idx) | (left >= n) | (right >= n))).any()
+        if not (np.isfinite(arrays["threshold"]).all() and (np.abs(arrays["value"]) <= MAX_LEAF).all()):
+            raise ValueError(f"a threshold that is not finite or a leaf value beyond +-{MAX_LEAF:g}")
+        if not ((np.array(lists["missing"]) >= 0) & (np.array(lists["missing"]) <= 2)).all():
+            raise ValueError("an unknown missing-value rule")
+        # separate trees in pre-order: roots in order from node 0, each tree a contiguous run
+        if root[0] != 0 or (np.diff(root) <= 0).any() or root[-1] >= n:
+            raise ValueError("roots that do not start at node 0 and rise through the nodes")
+        ends = np.append(root[1:], n)
+        if (ends - root > MAX_TREE_NODES).any():
+            raise ValueError(f"a tree of over {MAX_TREE_NODES} nodes")
+        tree_end = np.repeat(ends, ends - root)
+        if ((inner & ((left != idx + 1) | (right <= left) | (right >= tree_end))).any()
                 or (~inner & ((left != idx) | (right != idx))).any()):
-            raise ValueError("a child index that is not after its node (or a leaf with children)")
-        if ((root < 0) | (root >= n)).any() or not ((arrays["missing"] >= 0) & (arrays["missing"] <= 2)).all():
-            raise ValueError("a root outside the nodes, or an unknown missing-value rule")
-        # the deepest walk: each step goes to a later node, so the depth is found in one pass
+            raise ValueError("a tree not in pre-order (a child that is not after its node within its tree, or a "
+                             "leaf with children)")
+        parents = np.bincount(np.concatenate([left[inner], right[inner]]), minlength=n)
+        is_root = np.zeros(n, dtype=bool)
+        is_root[root] = True
+        if (parents != np.where(is_root, 0, 1)).any():
+            raise ValueError("nodes shared between branches or trees (every node but a root has one parent)")
         depth = np.zeros(n, dtype=np.int64)
-        for i in np.flatnonzero(inner):
-            depth[left[i]] = max(depth[left[i]], depth[i] + 1)
-            depth[right[i]] = max(depth[right[i]], depth[i] + 1)
+        for i in np.flatnonzero(inner):  # children come after their node: one pass finds every depth
+            depth[left[i]] = depth[right[i]] = depth[i] + 1
+        if depth.max() > MAX_DEPTH:
+            raise ValueError(f"a tree deeper than {MAX_DEPTH} levels")
         return cls(feature=feature, roots=root, depth=int(depth.max()), **arrays)
 
     def to_json(self) -> dict[str, list[Any]]:
@@ -218,9 +272,16 @@ class FlatTrees:
         return np.asarray(self.leaves(x).sum(axis=1), dtype=np.float64)
 
     def leaves(self, x: np.ndarray) -> np.ndarray:
-        """(rows, trees): the value of the leaf each row reaches in each tree. Every (row, tree) walk
-        steps together, one level a step, and a walk that has reached its leaf drops out of the next."""
+        """(rows, trees): the value of the leaf each row reaches in each tree, `WALK_ROWS` rows at a time
+        (a walk's arrays are rows x trees: a round scores 20,000 held-back rows)."""
         x = np.asarray(x, dtype=np.float64)
+        if len(x) <= WALK_ROWS:
+            return self._leaves(x)
+        return np.concatenate([self._leaves(x[i:i + WALK_ROWS]) for i in range(0, len(x), WALK_ROWS)])
+
+    def _leaves(self, x: np.ndarray) -> np.ndarray:
+        """`leaves` of a few rows: every (row, tree) walk steps together, one level a step, and a walk that
+        has reached its leaf drops out of the next."""
         n, n_trees = len(x), len(self.roots)
         node = np.tile(self.roots, n)
         at = np.repeat(np.arange(n) * x.shape[1], n_trees)  # each walk's row, as an offset into x
@@ -245,7 +306,8 @@ class FlatTrees:
 
 
 class NodeTrees(GbdtForecaster):
-    """`GbdtForecaster` whose models are LightGBM boosters, saved to and loaded from JSON text."""
+    """`GbdtForecaster` fitted with LightGBM (in the learner's child process), whose models are then
+    `FlatTrees`: saved to and loaded from JSON, walked with NumPy."""
 
     name = "trees"
     # the age the daemon can see: its window holds the last 120 s of an application, so an older one's
@@ -356,6 +418,10 @@ def from_json(doc: object) -> NodeTrees:
         if any(have) and not all(have):
             raise TreesError(f"models of {target}: some horizons or quantiles missing")
     info = doc.get("info")
+    try:  # what `vgpu model status` prints must stay strict JSON
+        json.dumps(info, allow_nan=False)
+    except (TypeError, ValueError):
+        info = None
     trees.info = info if isinstance(info, dict) else {}
     return trees
 
@@ -511,6 +577,8 @@ def rollback_trees(state_dir: str | Path, on_wait: Any = None) -> dict[str, Any]
     current, previous = trees_paths(state_dir)
     with _log_lock(state_dir, on_wait):
         entry: dict[str, Any] = {"at": time.time(), "event": "trees_rollback"}
+        if previous.exists() and current.exists() and os.path.samefile(previous, current):
+            previous.unlink()  # a promotion that stopped between its renames: the same trees, not earlier ones
         if previous.exists():
             try:
                 load_trees(previous)

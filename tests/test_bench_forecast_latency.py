@@ -49,6 +49,7 @@ def test_node_learn_bench_fields(capsys: pytest.CaptureFixture[str], tmp_path: P
     assert node_learn.main(["--trace", str(fixture), "--json", "--state-dir", str(tmp_path)]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["apps"] == 8 and out["event"] in ("skipped", "promoted", "rejected") and out["max_rss_mib"] > 0
+    assert out["trees"]["event"] in ("skipped", "trees_promoted", "trees_rejected") and out["trees"]["cpu_s"] >= 0
 
 
 def test_soak_bench_fields(capsys: pytest.CaptureFixture[str]) -> None:

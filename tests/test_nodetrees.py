@@ -21,6 +21,7 @@ from vgpu.manager.history import NodeHistory
 from vgpu.traces import AppTrace, one_second_grid
 
 ROOT = Path(__file__).resolve().parent.parent
+HORIZONS = (1, 2, 3, 4, 5)
 CFG = NT.TreesConfig(holdout_s=900, min_history_s=1200, n_estimators=30, max_rows=4000, max_held_origins=4000)
 
 
@@ -89,6 +90,20 @@ def _one(doc: dict[str, Any], change: Any) -> dict[str, Any]:
     return doc | {"models": models}
 
 
+def _chain(doc: dict[str, Any], roots: int, depth: int) -> dict[str, Any]:
+    """A model whose every root leads down one chain `depth` levels long: with many roots on one chain
+    (shared nodes) or a deep one, each forecast walks far more than any fitted model would."""
+    n = 2 * depth + 1
+    chain = {"feature": [0] * depth + [-1] * (depth + 1), "threshold": [0.0] * n, "value": [0.0] * n,
+             "missing": [0] * n, "default_left": [True] * n, "left": [], "right": []}
+    for i in range(depth):  # inner node i: left to the next inner node, right to leaf depth + i
+        chain["left"].append(i + 1 if i + 1 < depth else depth)
+        chain["right"].append(depth + 1 + i)
+    chain["left"] += list(range(depth, n))
+    chain["right"] += list(range(depth, n))
+    return _one(doc, lambda m: chain | {"roots": [0] * roots})
+
+
 def _doc(tmp_path: Path) -> dict[str, object]:
     trees, _ = NT.learn_trees(_node(), None, CFG)
     assert trees is not None
@@ -103,10 +118,23 @@ def _doc(tmp_path: Path) -> dict[str, object]:
     (lambda d: json.dumps(d | {"models": {"mem_used_mib/1/0.5": "tree\nnonsense"}}), "not an object of arrays"),
     (lambda d: json.dumps(_one(d, lambda m: m | {"left": m["left"][:-1]})), "different lengths"),
     (lambda d: json.dumps(_one(d, lambda m: m | {"feature": [99] * len(m["feature"])})), "feature index outside"),
-    (lambda d: json.dumps(_one(d, lambda m: m | {"left": [0] * len(m["left"])})), "not after its node"),
+    (lambda d: json.dumps(_one(d, lambda m: m | {"left": [0] * len(m["left"])})), "not in pre-order"),
     (lambda d: json.dumps(_one(d, lambda m: m | {"value": ["x"] * len(m["value"])})), "not arrays of numbers"),
-    (lambda d: json.dumps(_one(d, lambda m: m | {"roots": [10**9]})), "root outside"),
+    (lambda d: json.dumps(_one(d, lambda m: m | {"value": ["1"] * len(m["value"])})), "value holds a value of another kind"),
+    (lambda d: json.dumps(_one(d, lambda m: m | {"default_left": ["false"] * len(m["value"])})), "of another kind"),
+    (lambda d: json.dumps(_one(d, lambda m: m | {"feature": [True] * len(m["value"])})), "of another kind"),
+    (lambda d: json.dumps(_one(d, lambda m: m | {"value": [1e300] * len(m["value"])})), "leaf value beyond"),
+    (lambda d: json.dumps(_one(d, lambda m: m | {"roots": m["roots"] * 40})), "over 1000 trees"),
+    (lambda d: json.dumps(_one(d, lambda m: m | {"roots": m["roots"][:1] * 2})), "roots that do not start"),
+    (lambda d: json.dumps(_chain(d, 1, 40)), "deeper than 32"),
+    (lambda d: json.dumps(_chain(d, 300, 30)), "roots that do not start"),  # 300 trees on one chain
+    (lambda d: json.dumps(_one(d, lambda m: {  # node 2 is node 0's right child and node 1's left one
+        "feature": [0, 0, -1, -1], "threshold": [0.0] * 4, "value": [0.0] * 4, "missing": [0] * 4,
+        "default_left": [True] * 4, "left": [1, 2, 2, 3], "right": [2, 3, 2, 3], "roots": [0]})),
+     "shared between branches or trees"),
+    (lambda d: json.dumps(_one(d, lambda m: m | {"roots": [10**9]})), "roots that do not start"),
     (lambda d: json.dumps(_one(d, lambda m: m | {"threshold": [1e400] * len(m["threshold"])})), "not finite"),
+    (lambda d: json.dumps(_one(d, lambda m: m | {"left": [10**30] * len(m["left"])})), "out of range"),
     (lambda d: json.dumps(d | {"models": {"mem_used_mib/1/0.5": d["models"]["mem_used_mib/1/0.5"]}}),
      "some horizons or quantiles missing"),
     (lambda d: json.dumps(d | {"models": {"../../etc/1/0.5": "x"}}), "keyed target/horizon/quantile"),
@@ -471,3 +499,42 @@ def test_status_names_a_rollback_only_to_trees_that_load(tmp_path: Path) -> None
     said = json.loads(proc.stdout)
     assert said["trees_rollback_to_loads"] is False and "version 1" in said["trees_rollback_to_problem"]
     assert "rollback --trees" not in proc.stderr and f"remove {current}" in proc.stderr
+
+
+def test_an_absurd_expert_cannot_push_the_served_forecast_or_its_scale_past_capacity() -> None:
+    """Trees (or any expert) forecasting far beyond the device: the mixture holds them to the
+    application's range, so the served forecast and the scale later streams start from stay sane."""
+    from vgpu.manager.forecast import Forecast
+
+    class Absurd:
+        name = "trees"
+        horizons_s = HORIZONS
+
+        def forecast_batch(self, histories: list[AppTrace]) -> list[Forecast]:
+            big = (1e300,) * len(HORIZONS)
+            return [Forecast(HORIZONS, big, big, big, big, self.name) for _ in histories]
+
+    mixture = make_served(None, local=True)
+    mixture.set_expert("trees", Absurd())
+    run = _run(1, 0.0)
+    for s in range(2, 60):
+        keep = run.t_s < s
+        (fc,) = mixture.forecast_batch([AppTrace("a", run.t_s[keep], {c: v[keep] for c, v in run.columns.items()})])
+    assert max(fc.mem_p90_mib) <= 24576.0 and max(fc.sm_p90_pct) <= 100.0
+    assert np.nanmax(mixture._state.scale) <= 2 * 24576.0
+
+
+def test_a_rollback_after_a_promotion_stopped_between_its_renames_changes_nothing(tmp_path: Path) -> None:
+    import os
+
+    state = tmp_path / "state"
+    NT.promote_trees(state, _trees(), {"at": 1.0})
+    NT.promote_trees(state, _trees(13), {"at": 2.0})
+    current, previous = NT.trees_paths(state)
+    serving = current.read_bytes()
+    previous.unlink()
+    os.link(current, previous)  # a third promotion linked the serving trees as previous, then stopped
+    with pytest.raises(LookupError, match="not kept"):  # not a "rollback" to the very same trees
+        NT.rollback_trees(state)
+    assert current.read_bytes() == serving
+    assert [e["event"] for e in NL.read_log(state)] == ["trees_promoted", "trees_promoted"]
