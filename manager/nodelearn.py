@@ -755,6 +755,10 @@ def model_main(argv: Sequence[str] | None = None, prog: str = "vgpu model") -> i
             # stdout stays one JSON document; the warning a person reads goes to stderr
             print(f"{prog}: {state['local_model']} does not load ({state['local_model_problem']}): the daemon serves "
                   f"without it; {unusable_local_model_advice(state, state_dir)}", file=sys.stderr)
+        if state["trees"] is None and state["trees_rollback_to_loads"]:
+            print(f"{prog}: no trees serve, and earlier ones that load are kept ({state['trees_rollback_to']}): "
+                  f"`{prog} rollback --trees --state-dir {state_dir}` serves them again (until a learning round "
+                  "promotes new ones)", file=sys.stderr)
         if state["trees_loads"] is False:
             # the advice only names a rollback that has trees to go back to
             act = (f"`{prog} rollback --trees --state-dir {state_dir}` puts the previous ones back "

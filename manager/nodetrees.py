@@ -39,6 +39,7 @@ import errno
 import json
 import math
 import os
+import shutil
 import stat
 import time
 from collections.abc import Sequence
@@ -532,16 +533,33 @@ def trees_paths(state_dir: str | Path) -> tuple[Path, Path]:
     return d / TREES, d / PREVIOUS
 
 
-def promote_trees(state_dir: str | Path, trees: NodeTrees, entry: dict[str, Any]) -> dict[str, Any]:
+def file_signature(path: Path) -> tuple[int, int, int] | None:
+    """(inode, mtime_ns, size) of `path`, None where there is no file: which trees a round judged against."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def promote_trees(state_dir: str | Path, trees: NodeTrees, entry: dict[str, Any],
+                  judged: tuple[int, int, int] | None | str = "any") -> dict[str, Any]:
     """Serve `trees` and log `entry` as `trees_promoted`, under the promotion log's lock
     (manager/nodelearn.py). The new file is written in full before anything is renamed, and the trees
     it replaces become the previous ones by a hard link: at every moment (a crash, a full disk) a
     sound `trees.json` serves. Trees that do not load are never kept as previous (the previous ones
     stay); with no trees serving, none are kept, and the entry says so (`replaced` null), so that a
-    rollback knows to remove the trees."""
+    rollback knows to remove the trees. With `judged` (the `file_signature` of the serving trees the
+    candidate was scored against), trees that changed since (a rollback during the round's fit) are
+    not replaced: the entry is a rejection, logged, and nothing else changes."""
     current, previous = trees_paths(state_dir)
     current.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     with _log_lock(state_dir):
+        if judged != "any" and file_signature(current) != judged:
+            entry = entry | {"event": "trees_rejected", "reason": "the serving trees changed during the round "
+                             "(a rollback or a file put there): the candidate was not judged against them"}
+            _append_locked(state_dir, entry)
+            return entry
         replaced: str | None = None
         if current.exists():
             try:
@@ -555,7 +573,12 @@ def promote_trees(state_dir: str | Path, trees: NodeTrees, entry: dict[str, Any]
             _write_json(tmp, trees.to_json())
             if replaced == "serving":
                 link.unlink(missing_ok=True)
-                os.link(current, link)
+                try:
+                    os.link(current, link)
+                except OSError as exc:  # a file system without hard links: a copy does as well, more slowly
+                    if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EXDEV, errno.EMLINK):
+                        raise
+                    shutil.copyfile(current, link)
                 os.replace(link, previous)
             elif replaced is None:
                 previous.unlink(missing_ok=True)  # a rollback from these trees goes back to none
@@ -605,7 +628,9 @@ def _last_promotion_replaced(state_dir: str | Path) -> str | None:
     "unknown" when the log holds no promotion of trees (rotated away, or written by hand)."""
     for e in reversed(read_log(state_dir)):
         if e.get("event") == "trees_promoted":
-            value = e.get("replaced")
+            if "replaced" not in e:
+                return "unknown"  # an entry that does not say: never read as "none before"
+            value = e["replaced"]
             return value if isinstance(value, str) else None
     return "unknown"
 
@@ -653,6 +678,7 @@ def learn_round(state_dir: str | Path, history: Sequence[AppTrace], cfg: TreesCo
     load), `learn_trees`, then a promotion or a logged rejection. Returns the entry."""
     log = logger or get_logger("vgpu.manager.nodetrees")
     current, _ = trees_paths(state_dir)
+    judged = file_signature(current)
     serving = None
     if current.exists():
         try:
@@ -662,8 +688,9 @@ def learn_round(state_dir: str | Path, history: Sequence[AppTrace], cfg: TreesCo
     trees, entry = learn_trees(history, serving, cfg)
     fields = {k: v for k, v in entry.items() if k != "event"}
     if trees is not None:
-        entry = promote_trees(state_dir, trees, entry)
-        log.info("node_trees_promoted", **fields)
+        entry = promote_trees(state_dir, trees, entry, judged)
+        log.info("node_trees_promoted" if entry["event"] == "trees_promoted" else "node_trees_rejected",
+                 **{k: v for k, v in entry.items() if k != "event"})
     elif entry["event"] == "rejected":
         entry = entry | {"event": "trees_rejected"}
         _append_log(state_dir, entry)

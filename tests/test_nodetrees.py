@@ -538,3 +538,37 @@ def test_a_rollback_after_a_promotion_stopped_between_its_renames_changes_nothin
         NT.rollback_trees(state)
     assert current.read_bytes() == serving
     assert [e["event"] for e in NL.read_log(state)] == ["trees_promoted", "trees_promoted"]
+
+
+def test_a_round_does_not_replace_trees_rolled_back_while_it_fitted(tmp_path: Path) -> None:
+    """An operator's rollback during a round's fit: the candidate was judged against the trees before it,
+    so it is not promoted over the ones the operator put back (a rejection is logged instead)."""
+    state = tmp_path / "state"
+    NT.promote_trees(state, _trees(), {"at": 1.0})
+    NT.promote_trees(state, _trees(13), {"at": 2.0})
+    current, _ = NT.trees_paths(state)
+    judged = NT.file_signature(current)
+    NT.rollback_trees(state)  # while the round fits
+    restored = current.read_bytes()
+    entry = NT.promote_trees(state, _trees(14), {"at": 3.0}, judged)
+    assert entry["event"] == "trees_rejected" and "changed during the round" in entry["reason"]
+    assert current.read_bytes() == restored
+    # without a change in between, the judged signature lets the promotion through
+    assert NT.promote_trees(state, _trees(14), {"at": 4.0}, NT.file_signature(current))["event"] == "trees_promoted"
+
+
+def test_a_promotion_on_a_file_system_without_hard_links_copies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import os
+
+    state = tmp_path / "state"
+    NT.promote_trees(state, _trees(), {"at": 1.0})
+    current, previous = NT.trees_paths(state)
+    first = current.read_bytes()
+
+    def no_links(src: object, dst: object) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    assert NT.promote_trees(state, _trees(13), {"at": 2.0})["event"] == "trees_promoted"
+    assert previous.read_bytes() == first and current.read_bytes() != first
