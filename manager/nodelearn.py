@@ -655,11 +655,12 @@ class BackgroundLearner:
     def __init__(self, state_dir: str | Path, history_dir: str | Path, global_model: str | Path,
                  watcher: LocalModelWatcher, *, interval_s: float = 3600.0, poll_s: float = 5.0,
                  housekeeping: Callable[[], object] | None = None,
-                 also_watch: Sequence[LocalModelWatcher] = (),
+                 also_watch: Sequence[LocalModelWatcher] = (), trees: bool = True,
                  logger: structlog.typing.FilteringBoundLogger | None = None) -> None:
         self.state_dir, self.history_dir, self.global_model = Path(state_dir), Path(history_dir), Path(global_model)
         self.watcher = watcher
         self.watchers = (watcher, *also_watch)  # polled together: the network's file and the trees'
+        self.trees = trees  # each round fits node-local trees too
         self.housekeeping = housekeeping  # e.g. the history's compression of closed segments, each poll
         self.interval_s, self.poll_s = interval_s, poll_s
         self._log = logger or get_logger("vgpu.manager.nodelearn")
@@ -694,7 +695,8 @@ class BackgroundLearner:
 
     def _round(self) -> None:
         cmd = [sys.executable, "-m", "vgpu.manager.nodelearn", "learn", "--state-dir", str(self.state_dir),
-               "--history-dir", str(self.history_dir), "--global-model", str(self.global_model)]
+               "--history-dir", str(self.history_dir), "--global-model", str(self.global_model),
+               *(() if self.trees else ("--no-trees",))]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         try:
             # the child lowers its own priority first thing (a preexec_fn is unsafe in a threaded daemon)
@@ -790,6 +792,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--state-dir", required=True)
     p.add_argument("--history-dir", required=True)
     p.add_argument("--global-model", required=True)
+    p.add_argument("--no-trees", action="store_true", help="fit no node-local trees (manager.node_trees = false)")
     args = p.parse_args(argv)
     os.nice(19)  # the lowest CPU priority: the node's jobs and the daemon come first
     import torch  # noqa: PLC0415
@@ -805,7 +808,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rounds: list[tuple[str, Callable[[], dict[str, Any]]]] = [
         ("trees", lambda: learn_round(args.state_dir, history)),
         ("network", lambda: learn_once(args.state_dir, history, args.global_model)),
-    ]
+    ][1 if args.no_trees else 0:]
     for name, one_round in rounds:
         try:
             entry = one_round()

@@ -79,3 +79,26 @@ def test_history_is_written_and_a_local_model_is_served_or_skipped(tmp_path: Pat
         profiler.terminate()
         profiler.wait(30)
     assert daemon.term() == 0
+
+
+def test_with_node_trees_off_the_daemon_serves_none(tmp_path: Path, serves: list[Serve]) -> None:
+    """`manager.node_trees = false`: a trees.json in the state directory is not served (no event, no
+    metric), while the network's file is still watched; the learner child is told to fit none."""
+    from daemon_fixtures import metric_samples
+
+    env: Env = make_env(tmp_path)
+    env.env["VGPU_MANAGER_NODE_TREES"] = "false"
+    env.env["VGPU_MANAGER_MODEL_CHECK_INTERVAL_S"] = "0.5"
+    models = env.state / "models"
+    models.mkdir(parents=True)
+    trees, _ = NT.learn_trees(node_runs(), None, TREES_CFG)
+    assert trees is not None
+    NT.save_trees(models / NT.TREES, trees)
+    (models / "local.pt").write_bytes(b"not a checkpoint")  # the watcher's sign that it has looked
+    serves.append(Serve(env, "--metrics-port", "auto"))
+    daemon = serves[-1]
+    daemon.wait_for("local_model_unusable", 30.0)
+    events = [e.get("event") for e in daemon.events()]
+    assert "node_trees" not in events and "node_trees_unusable" not in events
+    assert not any(name.startswith("vgpu_node_trees") for name, _ in metric_samples(daemon.metrics_port))
+    assert daemon.term() == 0

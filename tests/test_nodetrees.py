@@ -572,3 +572,23 @@ def test_a_promotion_on_a_file_system_without_hard_links_copies(tmp_path: Path, 
     monkeypatch.setattr(os, "link", no_links)
     assert NT.promote_trees(state, _trees(13), {"at": 2.0})["event"] == "trees_promoted"
     assert previous.read_bytes() == first and current.read_bytes() != first
+
+
+def test_the_learner_child_fits_no_trees_when_told(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    hist = NodeHistory(state / "history", segment_s=600)
+    for run in _node(runs=3):
+        values = np.stack([run.columns["mem_used_mib"], run.columns["sm_util_pct"]], axis=1)
+        hist.add([run.app] * len(run), ["GPU-0"] * len(run), run.t_s, values, [24576.0] * len(run))
+    hist.close()
+    model = write_tiny_checkpoint(tmp_path / "global.pt", seed=1)
+
+    def rounds(*extra: str) -> list[str]:
+        proc = subprocess.run([sys.executable, "-m", "vgpu.manager.nodelearn", "learn", "--state-dir", str(state),
+                               "--history-dir", str(state / "history"), "--global-model", str(model), *extra],
+                              capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr
+        return [json.loads(x)["round"] for x in proc.stdout.splitlines() if x.startswith("{")]
+
+    assert rounds() == ["trees", "network"]
+    assert rounds("--no-trees") == ["network"]

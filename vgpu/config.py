@@ -260,6 +260,9 @@ class ManagerConfig:
     # model on the history and promotes it only when it beats the serving one on the most recent
     # held-back hour's worth); 0 = never. `vgpu model status|rollback` shows and undoes promotions.
     learn_interval_s: float = 3600.0
+    # With the mixture: learn node-local trees from the history in each round and serve them as an
+    # expert (manager/nodetrees.py); false: no trees are fitted or served (the network's round goes on).
+    node_trees: bool = True
     # Signatures naming processes this node does not run (a replayed trace's pids) from the profiler
     # token: "yes" takes them, "no" takes only signatures whose pid the node's driver lists as a GPU
     # process on the device named (a replay then needs the operator token), "auto" is "no" on NVML

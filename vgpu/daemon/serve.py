@@ -1270,7 +1270,7 @@ class Daemon:
         self.mixture = make_served(model_forecaster, local=True, history=self.history)
         mixture = self.mixture
         watcher = LocalModelWatcher(self.state_dir, lambda m: mixture.set_expert("local", m))
-        trees = self.trees_watcher = LocalModelWatcher(
+        trees = self.trees_watcher = None if not cfg.manager.node_trees else LocalModelWatcher(
             self.state_dir, lambda m: mixture.set_expert("trees", m), load_trees, filename=TREES, what="node_trees",
             to_act=f"`vgpu model status --state-dir {self.state_dir}` says why and whether earlier trees that load "
                    "are kept for `vgpu model rollback --trees`; else remove the file (the next learning round fits "
@@ -1280,7 +1280,8 @@ class Daemon:
                                          interval_s=cfg.manager.learn_interval_s if self.history else 0.0,
                                          poll_s=cfg.manager.model_check_interval_s,
                                          housekeeping=self.history.compress_closed if self.history else None,
-                                         also_watch=(trees,))
+                                         also_watch=(trees,) if trees is not None else (),
+                                         trees=cfg.manager.node_trees)
         self.learner.start()
 
     def _store_reconciled(self, ledger: Ledger, rec: Reconciliation,
