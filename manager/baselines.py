@@ -334,19 +334,26 @@ class GbdtForecaster(_GridBaseline):
         return self.predict_features(lag_features(grids, self.length_cap_s), target)
 
     def predict_features(self, x: FloatArray, target: str) -> tuple[FloatArray, FloatArray]:
-        """(p50, p90) from `lag_features` rows."""
-        p50 = np.empty((len(x), len(self.horizons_s)))
-        p90 = np.empty_like(p50)
-        last = x[:, 0]
-        # one thread: LightGBM's default takes every core, and on a busy node its threads wait for
-        # each other (3x slower for the daemon's 64 applications on two loaded cores)
-        for j, hz in enumerate(self.horizons_s):
-            p50[:, j] = last + self.models[(target, hz, 0.5)].predict(x, num_threads=1)  # type: ignore[attr-defined]
-            p90[:, j] = last + self.models[(target, hz, 0.9)].predict(x, num_threads=1)  # type: ignore[attr-defined]
+        """(p50, p90) from `lag_features` rows: the origin value plus the predicted changes, within the
+        target's range, the P90 never under the median."""
+        d50, d90 = self.predict_changes(x, target)
+        last = x[:, 0][:, None]
+        p50, p90 = last + d50, last + d90
         upper = _UPPER[target]
         p50 = np.clip(p50, 0.0, upper)
         p90 = np.clip(np.maximum(p90, p50), 0.0, upper)
         return p50, p90
+
+    def predict_changes(self, x: FloatArray, target: str) -> tuple[FloatArray, FloatArray]:
+        """The models' changes from the origin value, (rows, horizons) for the median and the P90."""
+        d50 = np.empty((len(x), len(self.horizons_s)))
+        d90 = np.empty_like(d50)
+        # one thread: LightGBM's default takes every core, and on a busy node its threads wait for
+        # each other (3x slower for the daemon's 64 applications on two loaded cores)
+        for j, hz in enumerate(self.horizons_s):
+            d50[:, j] = self.models[(target, hz, 0.5)].predict(x, num_threads=1)  # type: ignore[attr-defined]
+            d90[:, j] = self.models[(target, hz, 0.9)].predict(x, num_threads=1)  # type: ignore[attr-defined]
+        return d50, d90
 
 
 # The manager daemon's fallback when no model loads: it needs a P90 for its recommendations and no

@@ -44,6 +44,7 @@ import stat
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, cast
 
@@ -210,7 +211,7 @@ class FlatTrees:
                 "threshold": np.array(lists["threshold"], dtype=np.float64),
                 "left": np.array(lists["left"], dtype=np.int64), "right": np.array(lists["right"], dtype=np.int64),
                 "value": np.array(lists["value"], dtype=np.float64),
-                "missing": np.array(lists["missing"], dtype=np.int64).astype(np.int8),
+                "missing": np.array(lists["missing"], dtype=np.int64),
                 "default_left": np.array(lists["default_left"], dtype=bool)}
             root = np.array(roots, dtype=np.int64)
         except OverflowError:
@@ -221,8 +222,9 @@ class FlatTrees:
             raise ValueError(f"a feature index outside 0..{N_FEATURES - 1}")
         if not (np.isfinite(arrays["threshold"]).all() and (np.abs(arrays["value"]) <= MAX_LEAF).all()):
             raise ValueError(f"a threshold that is not finite or a leaf value beyond +-{MAX_LEAF:g}")
-        if not ((np.array(lists["missing"]) >= 0) & (np.array(lists["missing"]) <= 2)).all():
+        if not ((arrays["missing"] >= 0) & (arrays["missing"] <= 2)).all():
             raise ValueError("an unknown missing-value rule")
+        arrays["missing"] = arrays["missing"].astype(np.int8)
         # separate trees in pre-order: roots in order from node 0, each tree a contiguous run
         if root[0] != 0 or (np.diff(root) <= 0).any() or root[-1] >= n:
             raise ValueError("roots that do not start at node 0 and rise through the nodes")
@@ -268,6 +270,11 @@ class FlatTrees:
             depth=max(p.depth for p in parts),
         )
 
+    @cached_property
+    def _zero_missing(self) -> bool:
+        """Whether a node counts an exact zero as missing (LightGBM's `zero_as_missing`)."""
+        return bool((self.missing == 1).any())
+
     def predict(self, x: np.ndarray) -> np.ndarray:
         """The sum over trees of each row's leaf."""
         return np.asarray(self.leaves(x).sum(axis=1), dtype=np.float64)
@@ -288,7 +295,7 @@ class FlatTrees:
         at = np.repeat(np.arange(n) * x.shape[1], n_trees)  # each walk's row, as an offset into x
         flat_x = x.ravel()
         # without missing values and with no node that counts zero as missing, a split is x <= threshold
-        plain = not np.isnan(flat_x).any() and not (self.missing == 1).any()
+        plain = not self._zero_missing and not np.isnan(flat_x).any()
         active = np.flatnonzero(self.feature[node] >= 0)
         while len(active):
             here = node[active]
@@ -329,7 +336,7 @@ class NodeTrees(GbdtForecaster):
         self.models = {k: FlatTrees.from_booster(m.booster_) for k, m in self.models.items()}  # type: ignore[attr-defined]
         return self
 
-    def predict_features(self, x: np.ndarray, target: str) -> tuple[np.ndarray, np.ndarray]:
+    def predict_changes(self, x: np.ndarray, target: str) -> tuple[np.ndarray, np.ndarray]:
         # a target's ten models (horizons x quantiles) walk as one: a tenth of the NumPy calls
         keys = [(target, h, q) for q in QUANTILES for h in self.horizons_s]
         joined = self._joined.get(target)
@@ -339,12 +346,8 @@ class NodeTrees(GbdtForecaster):
                                               np.cumsum(np.array([0] + [len(p.roots) for p in parts[:-1]])))
         forest, starts = joined
         sums = np.add.reduceat(forest.leaves(x), starts, axis=1)  # (rows, models)
-        last = x[:, 0][:, None]
         nh = len(self.horizons_s)
-        p50, p90 = last + sums[:, :nh], last + sums[:, nh:]
-        upper = 100.0 if target == "sm_util_pct" else math.inf
-        p50 = np.clip(p50, 0.0, upper)
-        return p50, np.clip(np.maximum(p90, p50), 0.0, upper)
+        return sums[:, :nh], sums[:, nh:]
 
     def forecast_arrays(self, histories: Sequence[AppTrace]) -> np.ndarray:
         """`forecast_batch`'s numbers without building `Forecast`s (what the expert mixture reads):
