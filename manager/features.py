@@ -44,6 +44,7 @@ compute); `mask` marks targets that exist
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -266,6 +267,46 @@ def build_grid(traces: Sequence[AppTrace], columns: Sequence[str] = GRID_COLUMNS
     lengths = np.array([len(t) for t in traces], dtype=np.int64)
     t_all = np.concatenate([t.t_s for t in traces]) if traces else np.zeros(0)
     return _grid(lengths, t_all, _columns(traces, lengths, columns))
+
+
+def build_recent_grid(traces: Sequence[AppTrace], columns: Sequence[str], window_s: int) -> Grid:
+    """`build_grid` of only the samples that windows of `window_s` seconds ending at each application's
+    last second need: its samples from the last second with a sample before the window on (that
+    second whole, so its mean and anything carried from it are unchanged). A column's values in such a
+    window are those of the whole history's grid; `first_s` is still each application's first second,
+    `mem_max_mib` the maximum over the kept samples only. An application keeps its whole history where
+    a column's first kept sample has no value (a value from before the cut might be carried into the
+    window). A window that ends earlier (a column whose samples stop before its application's) may
+    reach before the cut: `start_s > first_s` says which applications were cut. Samples out of time
+    order, or times that are not finite, keep every history whole."""
+    t_whole = np.concatenate([t.t_s for t in traces]) if traces else np.zeros(0)
+    lengths = np.array([len(t) for t in traces], dtype=np.int64)
+    step = np.diff(t_whole)
+    ends = np.cumsum(lengths)
+    step[ends[(ends > 0) & (ends < len(t_whole))] - 1] = 0.0  # one application's last to the next one's first
+    if not len(t_whole) or not np.isfinite(t_whole).all() or np.any(step < 0):
+        return build_grid(traces, columns)
+    # per application: two binary searches on its own times, then a look at its first kept sample
+    keep_from = np.zeros(len(traces), dtype=np.int64)
+    for i, trace in enumerate(traces):
+        t = trace.t_s
+        if not len(t):
+            continue
+        j = int(np.searchsorted(t, math.floor(t[-1]) - window_s + 1, side="left"))  # first in the window
+        if j == 0:
+            continue
+        j = int(np.searchsorted(t, math.floor(t[j - 1]), side="left"))  # that second whole
+        cols_here = (trace.columns.get(name) for name in columns)
+        if all(col is None or math.isfinite(col[j]) for col in cols_here):
+            keep_from[i] = j
+    if not keep_from.any():
+        return build_grid(traces, columns)
+    kept = [AppTrace(t.app, t.t_s[j:], {n: c[j:] for n, c in t.columns.items() if n in columns}) if j else t
+            for t, j in zip(traces, keep_from.tolist(), strict=True)]
+    first_s = np.array([math.floor(t.t_s[0]) if len(t) else 0 for t in traces], dtype=np.int64)
+    kept_lengths = lengths - keep_from
+    t_kept = np.concatenate([t.t_s for t in kept])
+    return _grid(kept_lengths, t_kept, _columns(kept, kept_lengths, columns), first_s=first_s)
 
 
 def _columns(traces: Sequence[AppTrace], lengths: npt.NDArray[np.int64],

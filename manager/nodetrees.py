@@ -58,7 +58,7 @@ from vgpu.manager.baselines import (
     sampled_origins,
     window_features,
 )
-from vgpu.manager.features import AGE_CAP_S, build_grid
+from vgpu.manager.features import AGE_CAP_S, Grid, build_grid, build_recent_grid
 from vgpu.manager.forecast import HORIZONS_S
 from vgpu.manager.nodelearn import (
     _append_locked,
@@ -352,17 +352,26 @@ class NodeTrees(GbdtForecaster):
     def forecast_arrays(self, histories: Sequence[AppTrace]) -> np.ndarray:
         """`forecast_batch`'s numbers without building `Forecast`s (what the expert mixture reads):
         (N, [mem P50, compute P50, mem P90, compute P90], horizons), NaN where a history has no value
-        of a target. The grids of all histories are built at once (manager/features.py `build_grid`)
-        and each one's last `GBDT_WINDOW_S` seconds taken from them: the daemon calls this for every
-        application every second."""
+        of a target. The grids of all histories are built at once, of only the last `GBDT_WINDOW_S`
+        seconds that the features read (manager/features.py `build_recent_grid`; a quarter of a
+        2-minute window's samples), with each target's age counted from its first value in the whole
+        history: the daemon calls this for every application every second."""
         out = np.full((len(histories), 4, len(self.horizons_s)), np.nan)
         if not histories:
             return out
-        grid = build_grid(histories, TARGETS)
+        grid = build_recent_grid(histories, TARGETS, GBDT_WINDOW_S)
+        if not self._fill(out, histories, grid):
+            self._fill(out, histories, build_grid(histories, TARGETS))
+        return out
+
+    def _fill(self, out: np.ndarray, histories: Sequence[AppTrace], grid: Grid) -> bool:
+        """Writes the forecasts from `grid` into `out`; False (nothing written) where a target's
+        window reaches before an application's cut, so only the whole grid can give it."""
         nonempty = np.flatnonzero(np.diff(grid.offsets) > 0)
         if not len(nonempty):
-            return out
+            return True
         starts = grid.offsets[:-1][nonempty]
+        rows_out: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []
         for ti, target in enumerate(TARGETS):
             if (target, self.horizons_s[0], 0.5) not in self.models:
                 continue
@@ -376,13 +385,23 @@ class NodeTrees(GbdtForecaster):
             has = last >= 0
             if not has.any():
                 continue
-            first, last = first[has], last[has]
+            first, last, rows = first[has], last[has], nonempty[has]
             window = np.maximum(last[:, None] - (GBDT_WINDOW_S - 1) + np.arange(GBDT_WINDOW_S)[None], first[:, None])
-            lengths = np.minimum(last - first + 1, self.length_cap_s).astype(np.float64)
+            # the target's first second with a value: on the grid, unless the grid starts after the
+            # application's first second, where the whole history tells
+            first_s = grid.start_s[rows] + (first - grid.offsets[rows])
+            cut = grid.start_s[rows] > grid.first_s[rows]
+            if cut.any():
+                if np.any(first[cut] > last[cut] - (GBDT_WINDOW_S - 1)):
+                    return False
+                first_s[cut] = [_first_value_s(histories[i], target) for i in rows[cut]]
+            last_s = grid.start_s[rows] + (last - grid.offsets[rows])
+            lengths = np.minimum(last_s - first_s + 1, self.length_cap_s).astype(np.float64)
             p50, p90 = self.predict_features(window_features(v[window], lengths), target)
-            rows = nonempty[has]
+            rows_out.append((ti, rows, p50, p90))
+        for ti, rows, p50, p90 in rows_out:
             out[rows, ti], out[rows, 2 + ti] = p50, p90
-        return out
+        return True
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -393,6 +412,14 @@ class NodeTrees(GbdtForecaster):
             "info": self.info,
             "models": {f"{t}/{h}/{q}": m.to_json() for (t, h, q), m in self.models.items()},  # type: ignore[attr-defined]
         }
+
+
+def _first_value_s(history: AppTrace, target: str) -> int:
+    """The second of `history`'s first sample with a value of `target` (it has one)."""
+    col = history.columns[target]
+    if math.isfinite(float(col[0])):  # the usual case: the target reported from the first sample on
+        return math.floor(float(history.t_s[0]))
+    return math.floor(float(history.t_s[int(np.flatnonzero(np.isfinite(col))[0])]))
 
 
 def from_json(doc: object) -> NodeTrees:

@@ -132,3 +132,33 @@ def test_v3_grids_the_context_span_v2_only_the_window() -> None:
         cut = F._recent_cut(lengths, t_all, cols, F.history_needed_s(16, version))
         assert cut is not None
         assert seconds * 10 <= cut[1][0] <= (seconds + 2) * 10
+
+
+@pytest.mark.parametrize("window_s", [2, 16, 30])
+def test_the_recent_grid_holds_the_whole_grids_values_in_each_latest_window(window_s: int) -> None:
+    """`build_recent_grid` (what the node-local trees forecast from): each column's values over each
+    application's last `window_s` seconds, and each application's first second, as on the grid of the
+    whole histories; a column missing in the first kept second keeps its history whole."""
+    hist = _variants()
+    columns = ("mem_used_mib", "sm_util_pct", "power_w")
+    got, ref = F.build_recent_grid(hist, columns, window_s), F.build_grid(hist, columns)
+    assert got.first_s.tolist() == ref.first_s.tolist()
+    cut = got.start_s > got.first_s
+    assert cut.any() and not cut.all()
+    for i in np.flatnonzero(np.diff(ref.offsets) > 0):
+        last_s = int(ref.start_s[i]) + int(ref.offsets[i + 1] - ref.offsets[i]) - 1
+        seconds = np.arange(max(last_s - window_s + 1, int(ref.start_s[i])), last_s + 1)
+        for name in columns:
+            mine = got.values[name][got.offsets[i] + seconds - got.start_s[i]]
+            whole = ref.values[name][ref.offsets[i] + seconds - ref.start_s[i]]
+            np.testing.assert_array_equal(mine, whole, err_msg=f"{hist[i].app} {name}")
+
+
+def test_a_recent_grid_of_histories_out_of_time_order_is_the_whole_grid() -> None:
+    hist = _variants()
+    a = hist[0]
+    order = np.random.default_rng(0).permutation(len(a))
+    hist[0] = AppTrace(a.app, a.t_s[order], {k: v[order] for k, v in a.columns.items()})
+    got, ref = F.build_recent_grid(hist, ("mem_used_mib",), 16), F.build_grid(hist, ("mem_used_mib",))
+    np.testing.assert_array_equal(got.offsets, ref.offsets)
+    np.testing.assert_array_equal(got.values["mem_used_mib"], ref.values["mem_used_mib"])

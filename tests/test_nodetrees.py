@@ -25,13 +25,13 @@ HORIZONS = (1, 2, 3, 4, 5)
 CFG = NT.TreesConfig(holdout_s=900, min_history_s=1200, n_estimators=30, max_rows=4000, max_held_origins=4000)
 
 
-def _run(i: int, start_s: float, seconds: int = 180) -> AppTrace:
-    """One run of the node's job at 1 s: loads for 20 s, then its memory steps from 500 to 6,000 MiB at
-    a fixed age (what the last value cannot see coming and a run seen before tells), then busy."""
+def _run(i: int, start_s: float, seconds: int = 180, step_s: int = 20) -> AppTrace:
+    """One run of the node's job at 1 s: loads for `step_s` seconds, then its memory steps from 500 to
+    6,000 MiB at that age (what the last value cannot see coming and a run seen before tells), then busy."""
     rng = np.random.default_rng(i)
     age = np.arange(0.0, seconds)
-    mem = np.where(age < 20, 500.0, 6000.0) + rng.normal(0, 5, seconds)
-    sm = np.where(age < 20, 2.0, 85.0) + rng.normal(0, 2, seconds)
+    mem = np.where(age < step_s, 500.0, 6000.0) + rng.normal(0, 5, seconds)
+    sm = np.where(age < step_s, 2.0, 85.0) + rng.normal(0, 2, seconds)
     return AppTrace(f"run-{i}", start_s + age, {"mem_used_mib": np.maximum(mem, 0), "sm_util_pct": np.clip(sm, 0, 100),
                                                 "mem_total_mib": np.full(seconds, 24576.0)}, gpu="GPU-0")
 
@@ -265,6 +265,37 @@ def test_the_array_path_reads_the_protocol_grid_of_any_history() -> None:
         np.testing.assert_allclose(arrays[rows, k90], p90)
         empty = [i for i, g in enumerate(grids) if not len(g)]
         assert np.isnan(arrays[empty, k50]).all() and (bool(empty) or target == "mem_used_mib")
+
+
+def test_the_array_path_reads_only_the_recent_seconds_and_still_gives_the_whole_historys_forecast() -> None:
+    """The serving path grids only each history's last seconds (a quarter of a 2-minute window):
+    at 100 ms over 150 s, a target that starts late (its age counts from its first value), one that
+    stops before its application does (its window reaches before the cut: the whole grid serves),
+    a first kept sample without a value, and samples out of time order must all forecast as each
+    history's own protocol grid does. The node's runs step at the age of 60 s, so the trees tell an
+    age beyond the recent seconds from one within them."""
+    trees, _ = NT.learn_trees([_run(i, 200.0 * i, step_s=60) for i in range(12)], None, CFG)
+    assert trees is not None
+    rng = np.random.default_rng(11)
+    t = 5000.0 + np.arange(0.0, 150.0, 0.1)
+    # the level of a run before its step, where only the age tells what comes next
+    base = {"mem_used_mib": 500 + rng.normal(0, 5, len(t)), "sm_util_pct": 2 + rng.uniform(0, 2, len(t))}
+    late, early, hole = ({k: v.copy() for k, v in base.items()} for _ in range(3))
+    late["sm_util_pct"][t < 5100.0] = np.nan  # compute reported from its 100th second on
+    early["sm_util_pct"] = np.where(t > 5130.0, np.nan, np.linspace(0.0, 100.0, len(t)))  # stops 20 s early
+    hole["mem_used_mib"][t < 5110.0] = 6000.0  # high until a gap from before the cut into the window
+    hole["mem_used_mib"][(t >= 5110.0) & (t < 5125.0)] = np.nan
+    order = rng.permutation(len(t))
+    histories = [AppTrace("whole", t, base), AppTrace("late", t, late), AppTrace("hole", t, hole)]
+    early_stop = AppTrace("early", t, early)
+    shuffled = AppTrace("shuffled", t[order], {k: v[order] for k, v in base.items()})
+    # each of the last two alone: either keeps every history of its call whole
+    arrays = np.concatenate([trees.forecast_arrays(h) for h in (histories, [early_stop], [shuffled])])
+    for target, (k50, k90) in (("mem_used_mib", (0, 2)), ("sm_util_pct", (1, 3))):
+        grids = [one_second_grid(h, target)[1] for h in [*histories, early_stop, shuffled]]
+        p50, p90 = trees.forecast_grids(grids, target)
+        np.testing.assert_allclose(arrays[:, k50], p50)
+        np.testing.assert_allclose(arrays[:, k90], p90)
 
 
 def test_the_array_path_equals_the_forecasts() -> None:
