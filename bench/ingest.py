@@ -35,7 +35,9 @@ After `--warmup-s` the measurement window of `--seconds` opens. Printed:
 
 `--forecaster served`: the manager forecasts with what `vgpu serve` serves by default, the expert
 mixture over the last value and the shipped model (manager/experts.py `make_served`, the model on
-`SERVING_THREADS`); `default`/`model` are the model alone (on `SERVING_THREADS` too, as the daemon
+`SERVING_THREADS`); `served-trees` is that mixture with node-local trees in
+its "trees" slot (manager/nodetrees.py), fitted at start on the demo trace the profilers replay, as a
+node whose learner has promoted trees serves; `default`/`model` are the model alone (on `SERVING_THREADS` too, as the daemon
 loads it), `baseline` the fallback.
 
 `--learn-trace PATH`: node-local learning in the background while the window runs, as the daemon's
@@ -209,14 +211,20 @@ def open_forecaster(which: str) -> Any:
     """"baseline": the manager's fallback; "model": the shipped checkpoint (vgpu.manager.predictor's
     DEFAULT_MODEL_PATH), which must load; "default": what `vgpu serve` uses with no model
     configured, the shipped checkpoint when it loads, else the baseline; "served": the expert mixture
-    over the last value and the shipped model, as `vgpu serve` forecasts by default."""
+    over the last value and the shipped model, as `vgpu serve` forecasts by default; "served-trees": the
+same with node-local trees fitted on the demo trace, as it forecasts once its learner promoted trees."""
     if which == "baseline":
         return None
-    if which == "served":
+    if which in ("served", "served-trees"):
         from vgpu.manager.experts import make_served
         from vgpu.manager.predictor import DEFAULT_MODEL_PATH, SERVING_THREADS, load_forecaster
 
-        return make_served(load_forecaster(DEFAULT_MODEL_PATH, "cpu", threads=SERVING_THREADS), local=True)
+        mixture = make_served(load_forecaster(DEFAULT_MODEL_PATH, "cpu", threads=SERVING_THREADS), local=True)
+        if which == "served-trees":
+            from vgpu.manager.nodetrees import NodeTrees
+
+            mixture.set_expert("trees", NodeTrees().fit(demo_apps()))
+        return mixture
     try:
         from vgpu.manager.predictor import DEFAULT_MODEL_PATH, SERVING_THREADS, load_forecaster
 
@@ -765,9 +773,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--batch-window-ms", type=float, default=1.0,
                    help="manager: how long due applications wait for others to join one forecast (default 1)")
     p.add_argument("--max", action="store_true", help="find the highest sustained rate with batched ticks")
-    p.add_argument("--forecaster", choices=("default", "model", "baseline", "served"), default="default",
+    p.add_argument("--forecaster", choices=("default", "model", "baseline", "served", "served-trees"),
+                   default="default",
                    help="manager's forecaster: the shipped model when it loads, else the baseline; the shipped "
-                        "model; the baseline; or the daemon's served mixture over the model (default: default)")
+                        "model; the baseline; the daemon's served mixture over the model; or that mixture with "
+                        "node-local trees fitted on the replayed trace (default: default)")
     p.add_argument("--learn-trace", metavar="PATH", default="",
                    help="run node-learning rounds in the background during the window, on a node history made "
                         "from this canonical trace")

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -79,3 +80,16 @@ def test_ingest_bench_with_the_served_mixture_and_learning_in_the_background() -
     assert r["forecaster"] == "mixture" and r["decisions"] > 0
     # a round started in the window (it may be cut at the window's end): its CPU is counted
     assert r["learn_cpu_s"] > 0 and 0 < r["learn_cpu_frac"] and r["learn_rounds"] == len(r["learn_round_wall_s"])
+
+
+def test_ingest_bench_serves_the_mixture_with_node_local_trees_fitted_on_what_it_replays() -> None:
+    import ingest
+
+    from vgpu.manager.nodetrees import NodeTrees
+
+    mixture = ingest.open_forecaster("served-trees")
+    trees = mixture.expert("trees")
+    assert isinstance(trees, NodeTrees) and trees.models
+    out = trees.forecast_arrays(ingest.demo_apps())
+    assert np.isfinite(out[:, 0]).all()  # every replayed application has a memory forecast
+    assert ingest.open_forecaster("served").expert("trees") is None
