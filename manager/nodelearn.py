@@ -762,12 +762,8 @@ def model_main(argv: Sequence[str] | None = None, prog: str = "vgpu model") -> i
                   f"`{prog} rollback --trees --state-dir {state_dir}` serves them again (until a learning round "
                   "promotes new ones)", file=sys.stderr)
         if state["trees_loads"] is False:
-            # the advice only names a rollback that has trees to go back to
-            act = (f"`{prog} rollback --trees --state-dir {state_dir}` puts the previous ones back "
-                   f"({state['trees_rollback_to']}), or remove {state['trees']}" if state["trees_rollback_to_loads"] else
-                   f"remove {state['trees']} (no earlier trees that load are kept to roll back to); the next "
-                   "learning round fits new ones")
-            print(f"{prog}: {state['trees_problem']}: the daemon serves without the trees; {act}", file=sys.stderr)
+            print(f"{prog}: {state['trees_problem']}: the daemon serves without the trees; "
+                  f"{nodetrees.unusable_trees_advice(state, state_dir, prog)}", file=sys.stderr)
         return 0
     def waiting() -> None:
         print(f"{prog}: a promotion or rollback is under way (the promotion log is locked): waiting for it",

@@ -702,6 +702,16 @@ def trees_status(state_dir: str | Path, log: Sequence[dict[str, Any]] = ()) -> d
     return out | trees_counts(log)
 
 
+def unusable_trees_advice(state: dict[str, Any], state_dir: str | Path, prog: str = "vgpu model") -> str:
+    """What an operator does about a `trees.json` that does not load, from `trees_status`: a rollback
+    only where the trees before it load, else remove the file."""
+    if state["trees_rollback_to_loads"]:
+        return (f"`{prog} rollback --trees --state-dir {state_dir}` puts the previous ones back "
+                f"({state['trees_rollback_to']}), or remove {state['trees']}")
+    return (f"remove {state['trees']} (no earlier trees that load are kept to roll back to); the next learning "
+            "round fits new ones")
+
+
 def learn_round(state_dir: str | Path, history: Sequence[AppTrace], cfg: TreesConfig | None = None, *,
                 logger: Any = None) -> dict[str, Any]:
     """One trees round as the node's learner runs it: the serving trees (none where they do not

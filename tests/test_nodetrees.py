@@ -623,3 +623,29 @@ def test_the_learner_child_fits_no_trees_when_told(tmp_path: Path) -> None:
 
     assert rounds() == ["trees", "network"]
     assert rounds("--no-trees") == ["network"]
+
+
+def test_the_doctor_says_whether_the_trees_load_and_what_to_do_when_they_do_not(tmp_path: Path) -> None:
+    from vgpu.daemon.doctor import check_node_trees
+
+    state = tmp_path / "state"
+    current, previous = NT.trees_paths(state)
+    check = check_node_trees(state)
+    assert check.status == "OK" and check.detail.startswith(f"none at {current}")
+    trees, _ = NT.learn_trees(_node(), None, CFG)
+    assert trees is not None
+    current.parent.mkdir(parents=True)
+    NT.save_trees(current, trees)
+    check = check_node_trees(state)
+    assert (check.status, check.detail) == ("OK", f"{current} loads (fitted on {trees.info['train_apps']} applications)")
+    current.write_text("{")
+    check = check_node_trees(state)
+    assert check.status == "WARN" and check.detail.startswith(f"{current}: not JSON")
+    assert f"remove {current} (no earlier trees that load" in check.detail and "rollback" not in check.detail
+    NT.save_trees(previous, trees)  # earlier trees that load: the advice names the rollback
+    check = check_node_trees(state)
+    assert check.status == "WARN" and f"rollback --trees --state-dir {state}` puts the previous ones back" in check.detail
+    current.unlink()
+    check = check_node_trees(state)
+    assert check.status == "OK" and "earlier ones that load are kept" in check.detail
+    assert check_node_trees(state, enabled=False).detail.startswith("off (manager.node_trees = false)")

@@ -86,6 +86,9 @@ def test_an_upgrade_names_its_copy_and_an_unusable_local_model_shows_everywhere(
     assert checks["local model"]["status"] == "WARN", doctor.stdout
     assert f"{local} does not load" in checks["local model"]["detail"]
     assert f"remove {local}" in checks["local model"]["detail"]  # no promotion logged: nothing to roll back to
+    assert checks["node trees"]["status"] == "WARN", doctor.stdout
+    assert checks["node trees"]["detail"].startswith(f"{trees}: not JSON")
+    assert f"remove {trees} (no earlier trees that load" in checks["node trees"]["detail"]
 
     tmp = models / ".local.pt.new"
     tmp.write_bytes(sound.read_bytes())

@@ -16,7 +16,8 @@ settings (root or CAP_SYS_ADMIN); the daemon's socket exists, has no bits for "o
 health check, and, where it is given a group of its own, every directory above it lets that group
 through (`socket_dirs_shutting_out`); the state directory is writable; the forecaster checkpoint loads;
 the node-local model (`<state dir>/models/local.pt`, manager/nodelearn.py) loads as the daemon loads it
-(`local model`: WARN when it does not, since the global model serves without it, with what to do); a profiler is
+(`local model`: WARN when it does not, since the global model serves without it, with what to do), and so do
+the node-local trees (`<state dir>/models/trees.json`, manager/nodetrees.py; `node trees`, likewise); a profiler is
 streaming to the daemon, and for every GPU how old the newest signature is (`profiler`, one line
 per GPU: FAIL when no profiler stream is open, or when applications hold grants on a GPU whose
 newest signature is older than `--max-signature-age-s`; an idle GPU has no signature to send). Exit
@@ -477,6 +478,32 @@ def check_local_model(state_dir: Path, load: Callable[[Path], object] | None = N
                  f"the daemon serves the global model without it; {todo}")
 
 
+def check_node_trees(state_dir: Path, *, enabled: bool = True) -> Check:
+    """The node-local trees the daemon serves in the mixture (`<state dir>/models/trees.json`), loaded
+    as it loads them; where they do not load, whether a rollback has earlier trees that do. WARN, never
+    FAIL: without them the mixture serves its other experts."""
+    from vgpu.manager import nodetrees
+
+    if not enabled:
+        return Check("node trees", "OK", "off (manager.node_trees = false): none are fitted or served")
+    try:
+        state = nodetrees.trees_status(state_dir)
+    except OSError as exc:
+        return Check("node trees", "WARN", f"cannot read {nodetrees.trees_paths(state_dir)[0].parent}: {exc} (the "
+                     "daemon runs as root: run this as root)")
+    if state["trees"] is None:
+        kept = (f"; earlier ones that load are kept: `vgpu model rollback --trees --state-dir {state_dir}` serves "
+                "them again" if state["trees_rollback_to_loads"] else "")
+        return Check("node trees", "OK", f"none at {nodetrees.trees_paths(state_dir)[0]}: a learning round promotes "
+                     f"them once they forecast the node's history better than the last value{kept}")
+    if state["trees_loads"]:
+        info = state.get("trees_info") or {}
+        fitted = f" (fitted on {info['train_apps']} applications)" if isinstance(info.get("train_apps"), int) else ""
+        return Check("node trees", "OK", f"{state['trees']} loads{fitted}")
+    return Check("node trees", "WARN", f"{state['trees_problem']}: the daemon serves without the trees; "
+                 f"{nodetrees.unusable_trees_advice(state, state_dir)}")
+
+
 def default_model() -> Path:
     """The forecaster the daemon serves when none is configured (manager/modelpath.py)."""
     from vgpu.manager.modelpath import resolve_model
@@ -523,6 +550,7 @@ def run_checks(
         check_state_dir(state_dir, socket_path if answer is not None and answer[0] is not None else None),
         check_model(model if model is not None else default_model(), load_model, required=model_required),
         check_local_model(state_dir, load_model),
+        check_node_trees(state_dir, enabled=cfg.manager.node_trees),
     ]
     if answer is None:
         checks.append(Check("profiler", "WARN", "not checked: the daemon does not answer (see socket)"))
