@@ -23,12 +23,19 @@ whether the second half of the day grew by less than `--plateau-mib` (8 MiB); th
 disk; applications seen; forecast rounds and the CPU seconds the day took. The node-local learner is
 a child process of its own (manager/nodelearn.py) and not part of this RSS; bench/node_learn.py
 measures its peak.
+
+`--trees`: the mixture also serves node-local trees (manager/nodetrees.py) in its "trees" slot, as a
+node whose learner promotes them does. A child process (as the learner is: LightGBM never enters the
+daemon) fits them on an hour of the same kind of applications and saves `trees.json`; from the end of
+the first simulated hour on, every hour the file is loaded again (`load_trees`, as the daemon's watcher
+loads a promoted file) and the new trees replace the old in the slot.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import platform
 import sys
@@ -102,6 +109,22 @@ class Apps:
         return seq, t, values
 
 
+def fit_trees(path: str, n_apps: int, seed: int) -> None:
+    """Child process: node-local trees fitted on an hour of `n_apps` applications like the soak's
+    (1 s samples), saved to `path`."""
+    from vgpu.manager.nodetrees import NodeTrees, save_trees
+    from vgpu.traces import AppTrace
+
+    apps = Apps(n_apps, seed)
+    traces = []
+    for i, name in enumerate(apps.names):
+        parts = [apps.samples(i, T0_S + k * 60.0, 60.0) for k in range(60)]
+        t = np.concatenate([p[1] for p in parts])[::HZ]
+        values = np.concatenate([p[2] for p in parts], axis=1)[:, ::HZ]
+        traces.append(AppTrace(name, t, {c: values[_COL[c]] for c in ("mem_used_mib", "sm_util_pct", "mem_total_mib")}))
+    save_trees(path, NodeTrees().fit(traces))
+
+
 def rss_mib(proc: psutil.Process) -> float:
     return round(proc.memory_info().rss / 2**20, 1)
 
@@ -115,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--churn-frac", type=float, default=0.25)
     p.add_argument("--plateau-mib", type=float, default=8.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trees", action="store_true",
+                   help="serve node-local trees in the mixture, fitted in a child process and reloaded every hour")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     # a round's newest second is one past the last it scored: a step longer than the mixture's largest gap
@@ -129,6 +154,15 @@ def main(argv: list[str] | None = None) -> int:
     mixture = make_served(load_forecaster(DEFAULT_MODEL_PATH, "cpu", threads=SERVING_THREADS), local=True,
                           history=history)
     windows = WindowStore(max_samples=1200, max_apps=256, idle_evict_s=30.0, max_span_s=MAX_WINDOW_SPAN_S)
+    trees_path = Path(tmp.name) / "trees.json"
+    if args.trees:
+        child = multiprocessing.get_context("spawn").Process(target=fit_trees,
+                                                             args=(str(trees_path), args.apps, args.seed + 1))
+        child.start()
+        child.join()
+        if child.exitcode != 0 or not trees_path.exists():
+            p.error("--trees: fitting the trees in a child process failed")
+    trees_loaded = 0
     apps = Apps(args.apps, args.seed)
     seen = args.apps
     steps = int(args.hours * 3600 / args.step_s)
@@ -152,6 +186,11 @@ def main(argv: list[str] | None = None) -> int:
         rounds += 1
         if (k + 1) % per_hour == 0:
             history.compress_closed()
+            if args.trees:  # a promotion each hour: the file read again, the new trees in the slot
+                from vgpu.manager.nodetrees import load_trees  # noqa: PLC0415
+
+                mixture.set_expert("trees", load_trees(trees_path))
+                trees_loaded += 1
             rss_by_hour.append(rss_mib(proc))
     cpu_s, wall_s = time.process_time() - cpu0, time.perf_counter() - wall0
     history.close()
@@ -174,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         "history_disk_mib": disk_mib,
         "history_rows": history.rows_written,
         "mixture_scored": mixture.scored,
+        "trees_loaded": trees_loaded,
         "cpu_s": round(cpu_s, 1),
         "wall_s": round(wall_s, 1),
         "load_average_1m": round(os.getloadavg()[0], 2),

@@ -63,6 +63,16 @@ def test_soak_bench_fields(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["apps_seen"] == 4 + 3 * 1  # a quarter (one) replaced at each half hour after the first
     assert out["history_rows"] > 0.9 * 4 * 2 * 3600 and out["mixture_scored"] > 0
     assert isinstance(out["plateau"], bool) and out["rss_growth_second_half_mib"] is not None
+    assert out["trees_loaded"] == 0
+
+
+def test_soak_bench_serves_trees_fitted_in_a_child_and_reloads_them_every_hour(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import soak
+
+    assert soak.main(["--apps", "4", "--hours", "2", "--trees", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["trees_loaded"] == 2 and out["mixture_scored"] > 0
 
 
 def test_soak_bench_refuses_a_step_the_mixture_reads_as_a_clock_jump() -> None:
