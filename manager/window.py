@@ -512,6 +512,16 @@ class WindowStore:
             return False
         return len(t_s) == 1 or bool((np.diff(t_s) > 0).all() and (seq[1:] > seq[:-1]).all())
 
+    def inapp_latest(self, app_id: str) -> dict[str, float]:
+        """The in-app columns the newest sample of `app_id` carries, with their values (empty for an
+        application without a window or without in-app counters): what the daemon's metrics show of
+        its leading signals."""
+        win = self._apps.get(app_id)
+        if win is None or not win.has_inapp:
+            return {}
+        values = {c: win.latest_value(c) for c in INAPP_NUMERIC}
+        return {c: v for c, v in values.items() if math.isfinite(v)}
+
     def inapp_reporting(self) -> dict[str, int]:
         """In-app column -> how many applications' newest sample carries it (for the daemon's
         metrics: which leading signals the forecaster gets, from how many applications)."""

@@ -472,6 +472,10 @@ def test_vgpu_profiler_replaying_a_serving_series_feeds_its_counters_to_vgpu_ser
         cwd=ROOT, env=env.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     want = {("vgpu_inapp_apps", (("counter", c),)): 1.0 for c in (
         "inapp_requests_running", "inapp_requests_waiting", "inapp_kv_used_mib", "inapp_kv_total_mib")}
+    # and per application, with the newest values, for an operator's dashboard
+    want |= {("vgpu_app_inapp_value", (("app", "llm"), ("counter", c), ("device", device))): v for c, v in (
+        ("inapp_requests_running", 6.0), ("inapp_requests_waiting", 2.0), ("inapp_kv_used_mib", 1000.0),
+        ("inapp_kv_total_mib", 8000.0))}
     history = NodeHistory(env.state / "history")  # the daemon's node history, read as the learner reads it
 
     def recorded() -> dict[str, AppTrace]:
@@ -490,6 +494,8 @@ def test_vgpu_profiler_replaying_a_serving_series_feeds_its_counters_to_vgpu_ser
         profiler.terminate()
         _, err = profiler.communicate(timeout=30)
     assert all(got.get(k) == v for k, v in want.items()), (got, err)
+    inapp_series = {k for k in got if k[0] == "vgpu_app_inapp_value"}
+    assert inapp_series == {k for k in want if k[0] == "vgpu_app_inapp_value"}  # none for "batch", which reports none
     # the node history keeps the in-app counters for node learning; an app without them has none
     llm = rows["llm"]
     assert (llm.columns["inapp_requests_running"] == 6.0).all() and (llm.columns["inapp_kv_total_mib"] == 8000.0).all()

@@ -17,7 +17,8 @@ is absent, not 0. All prefixed `vgpu_`:
   `app_forecast_memory_p50_bytes`, `app_forecast_memory_p90_bytes`, `app_forecast_sm_p90_ratio`,
   `app_granted_memory_bytes`, `app_granted_sm_ratio`, `app_grants`, `app_last_seen_timestamp_seconds`;
   counters `app_memory_overruns_total` (forecast ticks with the use above the grant) and
-  `app_oom_events_total` (runs of overruns: where a memory cap fails an allocation);
+  `app_oom_events_total` (runs of overruns: where a memory cap fails an allocation),
+  `app_inapp_value{app,device,counter}` (the newest value of each in-app counter it reports);
 - per device {device}: `device_info{device,index,name,pci_bus_id}` (1), `device_memory_total_bytes`,
   `device_memory_granted_bytes`, `device_memory_used_bytes`, `device_power_limit_watts`,
   `device_power_draw_watts`, `device_temperature_celsius`, `device_sm_clock_hertz`,
@@ -133,6 +134,8 @@ class AppSnapshot:
     overruns: int | None = None  # None: no history kept for it
     oom_events: int | None = None
     limited: bool = False  # an operator has set limits on the application
+    # in-app column -> the newest sample's value (the application's own counters, e.g. KV cache in use)
+    inapp: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -345,6 +348,9 @@ class _StateCollector(Collector):
                                        "used more memory than it was granted", labels=labels)
         ooms = CounterMetricFamily("vgpu_app_oom_events", "Runs of overruns: where a memory cap fails an allocation",
                                    labels=labels)
+        inapp = GaugeMetricFamily("vgpu_app_inapp_value", "The newest value of an in-app counter the application "
+                                  "reports (its unit is in the counter's name: _mib, or a count)",
+                                  labels=[*labels, "counter"])
         for app in snapshots:
             key = [app.app_id, app.device_id]
             for attr, (family, scale) in gauges.items():
@@ -355,8 +361,12 @@ class _StateCollector(Collector):
                 overruns.add_metric(key, app.overruns)
             if app.oom_events is not None:
                 ooms.add_metric(key, app.oom_events)
+            for counter, value in app.inapp:
+                inapp.add_metric([*key, counter], value)
         yield from (family for family, _ in gauges.values())
         yield from (overruns, ooms)
+        if inapp.samples:  # only where some application reports in-app counters
+            yield inapp
 
     def _devices(self, devices: Sequence[DeviceSnapshot]) -> Iterator[Metric]:
         dev = ["device"]

@@ -373,6 +373,7 @@ class StateSource:
                     overruns=over,
                     oom_events=oom,
                     limited=a.limits is not None,
+                    inapp=tuple(sorted(self.manager.windows.inapp_latest(a.app_id).items())) if mine else (),
                 ))
         return out
 
