@@ -163,3 +163,9 @@ def test_real_azure_code_first_minutes_are_served(shared_data: Path) -> None:
                                           synth_serving.EngineConfig(), max_requests=400, seed=0)
     assert sum(r["finished"] for r in meta["per_replica"]) == 400
     assert all(np.nanmax(a.column("mem_used_mib")) <= 81920 for a in apps)
+
+
+def test_serving_without_a_service_says_which_services_exist(tmp_path: Path) -> None:
+    r = _cli("synth", "--kind", "serving", "--out", str(tmp_path / "x.csv"))
+    assert r.returncode == 2 and not (tmp_path / "x.csv").exists()
+    assert "--kind serving needs --service (azure-conv, azure-code, mooncake)" in r.stderr

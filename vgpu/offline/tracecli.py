@@ -229,7 +229,7 @@ def _synth(args: argparse.Namespace, parser: argparse.ArgumentParser, prog: str)
     try:
         if args.kind == "serving":
             if not args.service:
-                parser.error("--kind serving needs --service")
+                parser.error(f"--kind serving needs --service ({', '.join(synth_serving.SERVICES)})")
             cfg = synth_serving.EngineConfig(model=args.model, hardware=args.hardware, tp=args.tp, memory=args.memory)
             apps, meta = synth_serving.synthesize(
                 Path(args.data) / "llm-serving-requests", args.service, cfg, replicas=args.replicas, seed=args.seed,
