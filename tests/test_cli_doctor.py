@@ -80,7 +80,7 @@ def test_main_exits_1_on_failure_and_prints_a_line_per_check(tmp_path: Path) -> 
     lines = out.getvalue().splitlines()
     assert rc == 1
     names = [line.split()[1] for line in lines]
-    assert names == ["config", "backend", "driver", "nvml", "privileges", "socket", "state", "model", "local", "node", "profiler"]
+    assert names == ["config", "backend", "driver", "nvml", "privileges", "socket", "state", "inapp", "model", "local", "node", "profiler"]
     assert all(line.split()[0] in ("OK", "WARN", "FAIL") for line in lines)
     assert lines[5].startswith("FAIL") and "does not exist" in lines[5]
     # the hint names the service and a daemon started by hand

@@ -217,14 +217,37 @@ def test_the_start_refuses_an_inapp_directory_another_user_controls(tmp_path: Pa
 @pytest.mark.parametrize("make, state", [
     (lambda d: None, "created"),
     (make_inapp_dir, "present"),
-    (lambda d: (d.mkdir(), os.chmod(d, 0o755)), "present"),  # nobody else may write there: safe (if of no use)
-    (lambda d: (d.mkdir(), os.chmod(d, 0o1770)), "present"),  # a group's, sticky
+    # nobody else may write there: safe, but of no use to other users' applications, which the record says
+    (lambda d: (d.mkdir(), os.chmod(d, 0o755)), f"present, but its mode is 0755: only applications of uid "
+                                                f"{os.geteuid()} can write their in-app reports there (1777 lets "
+                                                "every user's)"),
+    (lambda d: (d.mkdir(), os.chmod(d, 0o1770)), f"present, but its mode is 1770: only applications of uid "
+                                                 f"{os.geteuid()} and its group can write their in-app reports there "
+                                                 "(1777 lets every user's)"),  # a group's, sticky
 ], ids=["missing", "made-by-a-stub", "root-only", "sticky-group"])
 def test_the_start_takes_an_inapp_directory_of_its_own(tmp_path: Path, make: Callable[[Path], object],
                                                        state: str) -> None:
     d = tmp_path / "inapp"
     make(d)
     assert prepare_inapp_dir(d) == state
+
+
+@pytest.mark.parametrize("make, status, said", [
+    (lambda d: None, "WARN", "does not exist: the daemon makes it at start"),
+    (make_inapp_dir, "OK", "(mode 1777): every user's applications can report"),
+    (lambda d: (d.mkdir(), os.chmod(d, 0o755)), "WARN", f"only applications of uid {os.geteuid()} can write"),
+    (lambda d: (d.mkdir(), os.chmod(d, 0o777)), "FAIL", "its mode is 0777: writable by other users without the "
+                                                        "sticky bit"),
+    (lambda d: (make_inapp_dir(d), os.chown(d, 65534, 65534)), "FAIL", "owned by uid 65534"),
+], ids=["missing", "sound", "root-only", "not-sticky", "another-users"])
+def test_the_doctor_says_whether_every_users_applications_can_report(tmp_path: Path, make: Callable[[Path], object],
+                                                                    status: str, said: str) -> None:
+    from vgpu.daemon.doctor import check_inapp_dir
+
+    d = tmp_path / "inapp"
+    make(d)
+    check = check_inapp_dir(d)
+    assert (check.name, check.status) == ("inapp dir", status) and said in check.detail, check
 
 
 def test_vgpu_serve_refuses_a_symlinked_inapp_directory(tmp_path: Path) -> None:

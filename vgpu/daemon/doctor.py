@@ -14,7 +14,9 @@ no driver is needed and the simulated devices are listed (the daemon's, else the
 `vgpu serve` would refuse fails); the process may write device
 settings (root or CAP_SYS_ADMIN); the daemon's socket exists, has no bits for "other", answers a
 health check, and, where it is given a group of its own, every directory above it lets that group
-through (`socket_dirs_shutting_out`); the state directory is writable; the forecaster checkpoint loads;
+through (`socket_dirs_shutting_out`); the state directory is writable; the in-app directory
+(`server.inapp_dir`) is one the daemon accepts and every user's applications can write to (`inapp dir`:
+FAIL where the daemon would refuse it, WARN where it is missing or not 1777); the forecaster checkpoint loads;
 the node-local model (`<state dir>/models/local.pt`, manager/nodelearn.py) loads as the daemon loads it
 (`local model`: WARN when it does not, since the global model serves without it, with what to do), and so do
 the node-local trees (`<state dir>/models/trees.json`, manager/nodetrees.py; `node trees`, likewise); a profiler is
@@ -440,6 +442,29 @@ def check_state_dir(path: Path, serving_on: Path | None = None) -> Check:
     return Check("state dir", "FAIL", f"{path} does not exist and {parent} is not writable")
 
 
+def check_inapp_dir(path: Path) -> Check:
+    """The directory the client stubs write their in-app reports to (`server.inapp_dir`): FAIL where
+    the daemon would refuse to start on it, WARN where it is missing (no in-app counters: the
+    daemon makes it at start) or where other users' applications cannot write there."""
+    from vgpu.daemon.inapp_sweep import inapp_dir_problem, inapp_dir_shuts_out_others
+
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return Check("inapp dir", "WARN", f"{path} does not exist: the daemon makes it at start (mode 1777); until "
+                     "then applications send no in-app counters")
+    except OSError as exc:
+        return Check("inapp dir", "WARN", f"{path}: {exc.strerror or exc}")
+    problem = inapp_dir_problem(st, os.geteuid())  # as a daemon of this user would judge it
+    if problem is not None:
+        return Check("inapp dir", "FAIL", f"{path}: {problem}: the daemon refuses to start on it; remove it and "
+                     "let the daemon make it")
+    shut = inapp_dir_shuts_out_others(st)
+    if shut is not None:
+        return Check("inapp dir", "WARN", f"{path}: {shut}: `chmod 1777 {path}`")
+    return Check("inapp dir", "OK", f"{path} (mode 1777): every user's applications can report in-app counters")
+
+
 def check_model(path: Path, load: Callable[[Path], object] | None = None, *, required: bool = False) -> Check:
     """`required`: the operator configured this model, so the daemon will not start without it."""
     if not path.exists():
@@ -548,6 +573,7 @@ def run_checks(
         sock,
         *([caps] if caps is not None else []),
         check_state_dir(state_dir, socket_path if answer is not None and answer[0] is not None else None),
+        check_inapp_dir(Path(cfg.server.inapp_dir)),
         check_model(model if model is not None else default_model(), load_model, required=model_required),
         check_local_model(state_dir, load_model),
         check_node_trees(state_dir, enabled=cfg.manager.node_trees),

@@ -78,6 +78,17 @@ def inapp_dir_problem(st: os.stat_result, euid: int) -> str | None:
     return None
 
 
+def inapp_dir_shuts_out_others(st: os.stat_result) -> str | None:
+    """Why applications of users other than the directory's owner cannot write their in-app reports
+    there (it is sound, but not 1777), or None when every user's can."""
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & stat.S_IWOTH and mode & stat.S_IXOTH:
+        return None
+    return (f"its mode is {mode:04o}: only applications of uid {st.st_uid}"
+            f"{' and its group' if mode & stat.S_IWGRP else ''} can write their in-app reports there "
+            "(1777 lets every user's)")
+
+
 def process_start_s(pid: int) -> float | None:
     """When process `pid` started (Unix s), or None when there is no such process."""
     try:

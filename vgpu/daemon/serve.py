@@ -168,7 +168,12 @@ from vgpu.client import (
 )
 from vgpu.config import Config, ConfigError
 from vgpu.daemon.front import PeerFront
-from vgpu.daemon.inapp_sweep import INAPP_SWEEP_EVERY_S, InAppSweeper, inapp_dir_problem
+from vgpu.daemon.inapp_sweep import (
+    INAPP_SWEEP_EVERY_S,
+    InAppSweeper,
+    inapp_dir_problem,
+    inapp_dir_shuts_out_others,
+)
 from vgpu.daemon.metrics import (
     AppSnapshot,
     CounterSnapshot,
@@ -870,7 +875,8 @@ def prepare_inapp_dir(path: Path, *, euid: int | None = None) -> str:
     when it is missing: under systemd it lies in the runtime directory, which is removed each time the
     daemon stops, and an application that is not root cannot make it there. Its parent is not
     created. What was found, for the "serving" record: present, created, or why it is missing (the
-    stubs then send no in-app counters; nothing else depends on it).
+    stubs then send no in-app counters; nothing else depends on it), and where other users'
+    applications cannot write there, why.
 
     A path that another user controls stops the start (PermanentStartupError): a symbolic link, something
     other than a directory, a directory owned by neither the daemon's user (`euid`, default this
@@ -888,7 +894,8 @@ def prepare_inapp_dir(path: Path, *, euid: int | None = None) -> str:
     if problem is not None:
         raise PermanentStartupError(f"server.inapp_dir {path}: {problem}; remove it and let the daemon make it "
                            "(a directory of root's, mode 1777), or choose another --inapp-dir")
-    return "created" if created else "present"
+    shut = inapp_dir_shuts_out_others(found)
+    return ("created" if created else "present") + (f", but {shut}" if shut else "")
 
 
 def secure_socket(path: Path, *, mode: int, owner: str, group: str) -> None:
