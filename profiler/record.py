@@ -29,7 +29,9 @@ backend, the devices (name, memory), the host and the start time; a recording of
 with a gzip sync flush), so a recorder killed without warning (SIGKILL, OOM) loses at most the rows
 since the last flush; the reader keeps the rows before the unfinished end and reports the damaged tail.
 `vgpu record --backend sim:<sku> --sim-trace TRACE` launches every application of TRACE on the
-simulated GPU first, to try the recording without a GPU.
+simulated GPU first, to try the recording without a GPU; the simulator gives their in-app counters
+(TRACE's `inapp_*` columns), which are recorded as a stub's would be. A recording with no row is no
+trace: `vgpu record` then exits 1 and says why on stderr.
 """
 
 from __future__ import annotations
