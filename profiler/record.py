@@ -29,7 +29,9 @@ backend, the devices (name, memory), the host and the start time; a recording of
 with a gzip sync flush), so a recorder killed without warning (SIGKILL, OOM) loses at most the rows
 since the last flush; the reader keeps the rows before the unfinished end and reports the damaged tail.
 `vgpu record --backend sim:<sku> --sim-trace TRACE` launches every application of TRACE on the
-simulated GPU first, to try the recording without a GPU.
+simulated GPU first, to try the recording without a GPU; the simulator gives their in-app counters
+(TRACE's `inapp_*` columns), which are recorded as a stub's would be. A recording with no row is no
+trace: `vgpu record` then exits 1 and says why on stderr.
 """
 
 from __future__ import annotations
@@ -249,8 +251,10 @@ def main(argv: Sequence[str], prog: str = "vgpu record") -> int:
                 backend.launch(app.app, pid, app, loop=args.loop)  # type: ignore[attr-defined]
                 app_ids[pid] = app.app
         simulated = args.backend.startswith("sim")
+        # a simulated process is no host process: its in-app counters are its trace's (the simulator's)
         sampler = Sampler(backend, psutil_module=None if simulated else _psutil(), inapp_dir=args.inapp_dir,
-                          app_id_of=app_ids.get if simulated else None)
+                          app_id_of=app_ids.get if simulated else None,
+                          inapp_of=backend.inapp_counters if simulated else None)  # type: ignore[attr-defined]
         try:
             recorder = TraceRecorder(args.out, recording_metadata(
                 argv, prog, args.backend, backend,
@@ -266,9 +270,27 @@ def main(argv: Sequence[str], prog: str = "vgpu record") -> int:
         print(f"recorded {recorder.rows} rows -> {args.out}"
               + (f" ({recorder.skipped_no_target} signatures without a target left out)"
                  if recorder.skipped_no_target else ""))
+        if recorder.rows == 0:
+            # a trace needs a row (`vgpu trace info`, `vgpu eval` refuse one without): say why there is none
+            print(f"{prog}: {_no_rows_reason(recorder, simulated=simulated, sim_trace=args.sim_trace is not None)}",
+                  file=sys.stderr)
+            return 1
         return 0
     finally:
         backend.close()
+
+
+def _no_rows_reason(recorder: TraceRecorder, *, simulated: bool, sim_trace: bool) -> str:
+    """Why a recording has no row, in one line."""
+    if recorder.skipped_no_target:
+        return (f"no usable row: none of the {recorder.skipped_no_target} signatures had the process's GPU memory "
+                "or SM share, and a trace row needs one")
+    if simulated and not sim_trace:
+        return ("no GPU process was sampled: the sim backend runs only the applications of --sim-trace, never "
+                "host processes, so a client stub's in-app counters are recorded only with a real GPU")
+    if simulated:
+        return "no GPU process was sampled: the recording ended before the first sample (--seconds too short?)"
+    return "no GPU process was sampled: no process used this node's GPUs while recording"
 
 
 async def _record(source: RecordingSource, period_s: float, seconds: float) -> None:

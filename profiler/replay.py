@@ -30,8 +30,7 @@ from typing import Literal
 
 import numpy as np
 
-from vgpu.inapp import INT_COUNTERS, inapp_value_problem
-from vgpu.profiler.source import SeqCounter
+from vgpu.profiler.source import SeqCounter, set_inapp_values
 from vgpu.traces import INAPP_NUMERIC, AppTrace, Trace, read_trace
 from vgpu.v1 import signature_pb2
 
@@ -50,8 +49,8 @@ class _Cursor:
     laps: int = 0
     # the trace's columns as plain lists (fast per-row access)
     rows: dict[str, list[float]] | None = None
-    # (in-app field, its column as a list, whether the field is an integer) for the trace's in-app columns
-    inapp: tuple[tuple[str, list[float], bool], ...] = ()
+    # (in-app field, its column as a list) for the trace's in-app columns
+    inapp: tuple[tuple[str, list[float]], ...] = ()
 
 
 class ReplaySource:
@@ -94,8 +93,7 @@ class ReplaySource:
             lap = float(app.t_s[-1] - origin) + (float(np.median(steps)) if len(steps) else 1.0)
             rows = {c: app.column(c).tolist() for c in _COLUMNS}
             rows["t_s"] = app.t_s.tolist()
-            inapp = tuple((c[len("inapp_"):], app.columns[c].tolist(), c[len("inapp_"):] in INT_COUNTERS)
-                          for c in INAPP_NUMERIC if c in app.columns)
+            inapp = tuple((c[len("inapp_"):], app.columns[c].tolist()) for c in INAPP_NUMERIC if c in app.columns)
             for c in range(copies):
                 self._cursors.append(
                     _Cursor(
@@ -182,10 +180,8 @@ class ReplaySource:
         _set(d, "sm_clock_mhz", r["sm_clock_mhz"][i], as_int=True)
         _set(d, "pcie_tx_kbps", r["pcie_tx_kbps"][i])
         _set(d, "pcie_rx_kbps", r["pcie_rx_kbps"][i])
-        for name, col, is_int in cur.inapp:
-            v = col[i]
-            if v == v and inapp_value_problem(name, v) is None:  # v == v: not NaN
-                setattr(sig.in_app, name, int(round(v)) if is_int else v)
+        if cur.inapp:
+            set_inapp_values(sig.in_app, {name: col[i] for name, col in cur.inapp})
         return sig
 
 

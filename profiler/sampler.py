@@ -19,7 +19,9 @@ Where each part of a signature comes from, and how often it is refreshed:
   (`vgpu.client.InAppFinder`); only a file owned by the process's user (or root) counts. Its app id names
   the application. A counter that is not finite, negative or above its bound is left out of the
   signature (the rest of the report kept), counted in `stats.inapp_dropped` and logged once per process
-  and counter.
+  and counter. A process with no such file may have its counters from `inapp_of(pid)` instead: the
+  simulator's replay of a trace's in-app columns (`SimBackend.inapp_counters`), so a recording of a
+  replay keeps them as a real engine's file would.
 
 Reads degrade field by field: NotSupported leaves the field unset and is logged once per (device, field);
 so does NoPermission, which is also counted; any other error is counted per (device, field) and logged
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
@@ -41,7 +43,7 @@ from vgpu.device.base import Backend, Device, GpuInstance, ProcessInfo, ProcessU
 from vgpu.device.errors import GpuLost, NoData, NoPermission, NotFound, NotSupported
 from vgpu.ids import app_id_problem, sanitize_app_id_part  # the manager's rule for app ids
 from vgpu.log import get_logger
-from vgpu.profiler.source import SeqCounter
+from vgpu.profiler.source import SeqCounter, set_inapp_values
 from vgpu.v1 import signature_pb2
 
 T = TypeVar("T")
@@ -113,6 +115,8 @@ class Sampler:
     None turns in-app counters off. `clock` gives the signatures' wall time, `monotonic` paces the caches.
     An application's id is, in order: the id its client stub registered (in-app file), `app_id_of(pid)`
     when given and not None (the demo names simulated processes this way), else `pid:<pid>:<name>`.
+    `inapp_of(pid)`, when given, is the in-app counters (name -> value) of a process without an in-app
+    file: the simulator's (`SimBackend.inapp_counters`), whose processes are not host processes.
     """
 
     def __init__(
@@ -129,6 +133,7 @@ class Sampler:
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
         app_id_of: Callable[[int], str | None] | None = None,
+        inapp_of: Callable[[int], Mapping[str, float]] | None = None,
         logger: Any = None,
     ) -> None:
         if psutil_module is _DEFAULT_PSUTIL:
@@ -145,6 +150,7 @@ class Sampler:
         self._clock = clock
         self._mono = monotonic
         self._app_id_of = app_id_of
+        self._inapp_of = inapp_of
         self._log = logger or get_logger("vgpu.profiler.sampler")
         self._seq = SeqCounter()
         self._devices: dict[str, _DeviceState] = {}
@@ -237,8 +243,11 @@ class Sampler:
             if host is None:
                 continue  # vanished
             pstate, host_counters = host
+            inapp_values: Mapping[str, float] = {}
             try:
                 inapp = self._read_inapp(info.pid, pstate, now_s, now_mono)
+                if inapp is None and self._inapp_of is not None:
+                    inapp_values = self._inapp_of(info.pid)
             except Exception as exc:  # noqa: BLE001 - a file a user writes: its process goes on without it
                 # one process's report must never cost every process of the node its signature
                 self._count_error(f"pid:{info.pid}", "inapp", exc)
@@ -271,6 +280,8 @@ class Sampler:
                 sig.host.CopyFrom(host_counters)
             if inapp is not None:
                 _fill_inapp(sig.in_app, inapp)
+            elif inapp_values:
+                set_inapp_values(sig.in_app, inapp_values)
             out.append(sig)
         return out
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Protocol, runtime_checkable
 
+from vgpu.inapp import INT_COUNTERS, inapp_value_problem
 from vgpu.v1 import signature_pb2
 
 
@@ -26,3 +28,12 @@ class SeqCounter:
         seq = self._last.get(app_id, 0) + 1
         self._last[app_id] = seq
         return seq
+
+
+def set_inapp_values(msg: signature_pb2.InAppCounters, values: Mapping[str, float]) -> None:
+    """Set the in-app counters of `values` (counter name -> value, as a trace's `inapp_<name>` columns
+    give them) on `msg`: an integer counter rounded, NaN or a value the counter cannot hold
+    (`inapp_value_problem`) left unset, as every reader of in-app counters does."""
+    for name, value in values.items():
+        if value == value and inapp_value_problem(name, value) is None:  # value == value: not NaN
+            setattr(msg, name, int(round(value)) if name in INT_COUNTERS else value)

@@ -74,7 +74,7 @@ def test_history_is_written_and_a_local_model_is_served_or_skipped(tmp_path: Pat
         before = len(history.read()[0])
         _until("more history after the corrupt local model", lambda: len(history.read()[0]) > before)
         apps = {a["app_id"]: a for a in env.json("apps")["apps"]}
-        assert all(a["forecast_mem_p90_mib"] > 0 for a in apps.values())
+        assert all((a["forecast_mem_p90_mib"] or 0) > 0 for a in apps.values()), apps  # null: no forecast
     finally:
         profiler.terminate()
         profiler.wait(30)

@@ -295,3 +295,37 @@ def test_the_default_split_says_how_many_applications_it_scores(tmp_path: Path) 
     write_trace(trained, [ramp(30, app=n) for n in names[:2]])
     r = vgpu_eval(trained)
     assert r.returncode == 1 and "falls in the 'test' split" in r.stderr and "--split all" in r.stderr, r.stderr
+
+
+def test_a_trace_too_short_for_any_origin_fails_and_says_how_long_it_must_be(tmp_path: Path) -> None:
+    """`vgpu eval` on a recording shorter than the protocol's first origin: offline and `--online` both
+    exit 1 with one line saying how many seconds an application must cover (from the code's constants),
+    and one second more is enough for the 1 s horizon."""
+    import subprocess
+    import sys
+
+    from vgpu.manager.baselines import MIN_ORIGIN_INDEX
+    from vgpu.traces import write_trace
+
+    root = Path(__file__).resolve().parent.parent
+    need = MIN_ORIGIN_INDEX + 1 + min(HORIZONS_S)  # the first origin's second, then its 1 s truth
+    meta = {"recorded": True, "clock": "shared"}
+    short, enough = tmp_path / "short.csv", tmp_path / "enough.csv"
+    write_trace(short, [ramp(need - 1, app=n) for n in ("a", "b")], metadata=meta)
+    write_trace(enough, [ramp(need, app="a"), ramp(need - 1, app="b")], metadata=meta)
+
+    def vgpu_eval(trace: Path, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "vgpu.cli", "eval", "--trace", str(trace), "--methods", "ewma",
+                               *args], cwd=root, capture_output=True, text=True, timeout=120)
+
+    for args in (("--split", "all"), ("--split", "all", "--json"), ("--online",), ("--online", "--json")):
+        r = vgpu_eval(short, *args)
+        assert r.returncode == 1 and r.stdout == "", (args, r.stdout, r.stderr)
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("vgpu eval: no application is long enough"), (args, r.stderr)
+        assert f"must cover {need} seconds" in lines[0] and f"({MIN_ORIGIN_INDEX + 1 + max(HORIZONS_S)} for every" \
+            in lines[0] and f"the longest here covers {need - 1}" in lines[0], lines[0]
+    r = vgpu_eval(enough, "--split", "all", "--json")
+    assert r.returncode == 0, r.stderr
+    n = {x["horizon_s"]: x["n"] for x in json.loads(r.stdout)["results"] if x["target"] == "sm_util_pct"}
+    assert n[min(HORIZONS_S)] == 1 and n[max(HORIZONS_S)] == 0

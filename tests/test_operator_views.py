@@ -111,6 +111,12 @@ def test_available_and_apps_show_what_nvidia_smi_shows(env: Env, serves: list[Se
     assert mine["GRANTED MiB"] == "2,048"
     assert mine["USED MiB"] == "N/A"  # no signature yet: unknown, not 0
     assert re.fullmatch(r"\d+s ago", mine["LAST SEEN"])
+    # --json, for scripts, says the same: null where the table says N/A, not the message's 0
+    listed = {a["app_id"]: a for a in json.loads(cli(env, "apps", "--json").stdout)["apps"]}
+    unknown = ("mem_used_mib", "sm_util_pct", "forecast_mem_p50_mib", "forecast_mem_p90_mib", "forecast_sm_p50_pct",
+               "forecast_sm_p90_pct")
+    assert {f: listed["mine"][f] for f in unknown} == dict.fromkeys(unknown), listed["mine"]
+    assert listed["mine"]["grants"][0]["memory_mib"] == 2048
 
 
 def test_a_claimed_id_with_no_grant_is_listed_as_claimed(env: Env, serves: list[Serve]) -> None:
@@ -160,7 +166,7 @@ def test_streamed_apps_show_usage_forecast_history_and_profiler(env: Env, serves
     try:
         def forecast_made() -> bool:
             apps = json.loads(cli(env, "apps", "--json").stdout)["apps"]
-            return any(a["forecast_mem_p90_mib"] > 0 for a in apps)
+            return any(a["forecast_mem_p90_mib"] is not None for a in apps)  # null until a forecast
 
         _wait_for(forecast_made, 60)
 
@@ -170,7 +176,7 @@ def test_streamed_apps_show_usage_forecast_history_and_profiler(env: Env, serves
             # loaded machine can outlast
             apps = {a["app_id"]: a for a in json.loads(cli(env, "apps", "--json").stdout)["apps"]}
             app = apps.get("bert-train")
-            if app is None or not app["grants"] or not app["plan_mem_rule"] or app["forecast_mem_p50_mib"] <= 0:
+            if app is None or not app["grants"] or not app["plan_mem_rule"] or app["forecast_mem_p50_mib"] is None:
                 return False
             with grpc.insecure_channel(f"unix:{env.sock}") as ch:
                 hist = allocator_pb2_grpc.AllocatorStub(ch).GetAppHistory(
@@ -191,6 +197,8 @@ def test_streamed_apps_show_usage_forecast_history_and_profiler(env: Env, serves
         planned = {a["app_id"]: a for a in json.loads(cli(env, "apps", "--json").stdout)["apps"]}["bert-train"]
         assert planned["plan_mem_rule"] in RULES and planned["plan_sm_rule"] in RULES, planned
         assert planned["plan_memory_mib"] > 0, planned
+        # known use and forecast are numbers in --json, as the table shows them
+        assert planned["mem_used_mib"] > 1000 and planned["forecast_mem_p90_mib"] >= planned["forecast_mem_p50_mib"] > 0
         dev = _row(cli(env, "available").stdout, "0")
         assert re.fullmatch(r"1 \(\d+s ago\)", dev["PROFILERS"]), dev["PROFILERS"]
 

@@ -4,8 +4,10 @@ read back with vgpu.traces exactly as it was streamed."""
 from __future__ import annotations
 
 import gzip
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -261,3 +263,68 @@ def test_a_gzip_trace_cut_short_is_read_to_the_damage_and_reported(tmp_path: Pat
     path.write_bytes(b"t_s,app,mem_used_mib\n0,a,1\n")
     with pytest.raises(TraceFormatError, match="cannot read"):
         read_trace(path)
+
+
+def test_a_recording_with_no_row_fails_and_says_why(tmp_path: Path) -> None:
+    # a stub's in-app file for this process: the sim backend never samples a host process, so it is not recorded
+    inapp = tmp_path / "inapp"
+    inapp.mkdir()
+    write_inapp(inapp, InAppReport(app_id="mine", pid=os.getpid(), pid_start_s=None, written_at_s=time.time(),
+                                   counters=InAppCounters(step=3)))
+    out = tmp_path / "a.csv"
+    r = subprocess.run([sys.executable, "-m", "vgpu.cli", "record", "--backend", "sim", "--seconds", "0.5",
+                        "--inapp-dir", str(inapp), "--out", str(out)],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"recorded 0 rows -> {out}" in r.stdout
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("vgpu record: no GPU process was sampled"), r.stderr
+    assert "--sim-trace" in lines[0] and "never host processes" in lines[0]
+
+
+def test_a_recording_of_a_replay_keeps_the_traces_in_app_counters(tmp_path: Path) -> None:
+    # a serving engine's counters, as `vgpu trace synth --kind serving` writes them, from the first row on
+    n = 40
+    k = np.arange(n, dtype=np.float64)
+    running = k % 5
+    running[1] = np.nan  # an empty cell: a counter not reported then stays empty
+    app = AppTrace("serve", k / 2, {"mem_used_mib": 2000.0 + k, "sm_util_pct": 50.0 + k % 3,
+                                     "inapp_requests_running": running, "inapp_kv_used_mib": 100.0 + 10 * k,
+                                     "inapp_kv_total_mib": np.full(n, 4096.0)})
+    src = tmp_path / "serv.csv"
+    write_trace(src, [app])
+    out = tmp_path / "d.csv"
+    r = subprocess.run([sys.executable, "-m", "vgpu.cli", "record", "--backend", "sim:h100-80gb", "--sim-trace", str(src),
+                        "--seconds", "1.5", "--inapp-dir", str(tmp_path / "none"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    rec = read_trace(out, strict=True).apps["serve"]
+    assert {"inapp_requests_running", "inapp_kv_used_mib", "inapp_kv_total_mib"} <= set(rec.columns)
+    assert np.isnan(rec.column("inapp_step")).all()  # a column the replayed trace lacks stays empty
+    # each recorded row carries one row of the trace, whole: its kv_used_mib (100 + 10 j) names the row j
+    j = (rec.column("inapp_kv_used_mib") - 100.0) / 10.0
+    assert np.array_equal(j, np.rint(j)) and (np.diff(j) >= 0).all()
+    row = j.astype(int)
+    assert np.array_equal(rec.column("inapp_requests_running"), running[row], equal_nan=True)
+    assert (rec.column("inapp_kv_total_mib") == 4096.0).all()
+    assert len(rec) >= 8 and {0, 1, 2} <= set(row.tolist())  # row 1: its empty cell recorded empty
+
+
+def test_the_sim_gives_a_processes_in_app_counters_at_the_row_in_force() -> None:
+    clock = ManualClock()
+    backend = SimBackend(["h100-80gb"], clock=clock)
+    t = np.arange(4, dtype=np.float64)
+    backend.launch("a", 7, AppTrace("a", t, {"mem_used_mib": np.full(4, 10.0),
+                                            "inapp_step": np.array([1.0, np.nan, 3.0, 4.0])}))
+    backend.launch("b", 8, AppTrace("b", t, {"mem_used_mib": np.full(4, 10.0)}))
+    assert backend.inapp_counters(7) == {"step": 1.0}
+    clock.set(1.5)
+    assert backend.inapp_counters(7) == {}  # an empty cell is no report, not the last one carried on
+    clock.set(2.0)
+    assert backend.inapp_counters(7) == {"step": 3.0}
+    assert backend.inapp_counters(8) == {} and backend.inapp_counters(9) == {}
+    sigs = {s.pid: s for s in Sampler(backend, psutil_module=None, inapp_dir=None,
+                                      inapp_of=backend.inapp_counters).sample()}
+    assert sigs[7].in_app.step == 3 and not sigs[8].HasField("in_app")
+    clock.set(4.0)  # the trace's last row and its period are over: the process has left
+    assert backend.inapp_counters(7) == {}

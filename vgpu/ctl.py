@@ -570,6 +570,36 @@ def _known(x: float, forecast_known: bool, fmt: str = "{:,.0f}") -> str:
     return fmt.format(x) if forecast_known and math.isfinite(x) else NA
 
 
+# ApplicationInfo's use and forecast are doubles without presence: the daemon sends 0 for one it does not
+# know (allocator/service.py). They arrive together with a recommendation, so an application with all
+# three of use and memory P90 at 0 has none yet; a forecast of 0 is none either.
+_USAGE_FIELDS = ("mem_used_mib", "sm_util_pct")
+_FORECAST_FIELDS = ("forecast_mem_p50_mib", "forecast_mem_p90_mib", "forecast_sm_p50_pct", "forecast_sm_p90_pct")
+
+
+def usage_known(a: pb.ApplicationInfo) -> bool:
+    """Whether the daemon has a use or forecast for `a` (a recommendation has been made for it)."""
+    return a.mem_used_mib > 0 or a.forecast_mem_p90_mib > 0 or a.sm_util_pct > 0
+
+
+def unknown_fields(a: pb.ApplicationInfo) -> set[str]:
+    """The use and forecast fields of `a` that the daemon does not know: `N/A` in the table, null in
+    `vgpu apps --json`."""
+    if not usage_known(a):
+        return {*_USAGE_FIELDS, *_FORECAST_FIELDS}
+    return {f for f in _FORECAST_FIELDS if not getattr(a, f) > 0}
+
+
+def apps_json(resp: pb.ListApplicationsResponse) -> dict[str, Any]:
+    """`vgpu apps --json`: the daemon's answer, with null for each use or forecast it does not know
+    (`unknown_fields`), where the message can only say 0."""
+    out = _dict(resp)
+    for a, d in zip(resp.apps, out.get("apps", []), strict=True):
+        for name in unknown_fields(a):
+            d[name] = None
+    return out
+
+
 def app_rows(resp: pb.ListApplicationsResponse, devices: pb.GetAvailableResourcesResponse | None = None,
              now_s: float | None = None) -> list[dict[str, str]]:
     """One dict of display strings per application. `devices`: to show a GPU's index instead of its
@@ -578,8 +608,7 @@ def app_rows(resp: pb.ListApplicationsResponse, devices: pb.GetAvailableResource
     now = time.time() if now_s is None else now_s
     rows = []
     for a in resp.apps:
-        # Usage and forecast arrive together with a recommendation; before one, nothing is known.
-        known = a.mem_used_mib > 0 or a.forecast_mem_p90_mib > 0 or a.sm_util_pct > 0
+        unknown = unknown_fields(a)
         procs = list(a.processes)
         lim = a.limits
         rows.append({
@@ -589,17 +618,17 @@ def app_rows(resp: pb.ListApplicationsResponse, devices: pb.GetAvailableResource
             "USER": ",".join(sorted({p.user for p in procs if p.user})) or NA,
             "COMMAND": (procs[0].command if procs and procs[0].command else NA),
             "GPU": index.get(a.device_id, a.device_id or NA),
-            "USED MiB": _known(a.mem_used_mib, known),
-            "P50 MiB": _known(a.forecast_mem_p50_mib, known and a.forecast_mem_p50_mib > 0),
-            "P90 MiB": _known(a.forecast_mem_p90_mib, known and a.forecast_mem_p90_mib > 0),
+            "USED MiB": _known(a.mem_used_mib, "mem_used_mib" not in unknown),
+            "P50 MiB": _known(a.forecast_mem_p50_mib, "forecast_mem_p50_mib" not in unknown),
+            "P90 MiB": _known(a.forecast_mem_p90_mib, "forecast_mem_p90_mib" not in unknown),
             # "none": no grant at all, told apart from a grant of 0 MiB (an SM share alone)
             "GRANTED MiB": f"{sum(g.memory_mib for g in a.grants):,.0f}" if a.grants else NO_GRANT,
             # the rule the latest plan sized its memory by (docs/operations.md lists them)
             "WHY": a.plan_mem_rule or NA,
             "ENFORCED": a.mem_limit or NA,
             "LIMIT MiB": f"{lim.max_memory_mib:,.0f}" if a.HasField("limits") and lim.HasField("max_memory_mib") else "-",
-            "SM %": _known(a.sm_util_pct, known),
-            "P90 SM %": _known(a.forecast_sm_p90_pct, known and a.forecast_sm_p90_pct > 0),
+            "SM %": _known(a.sm_util_pct, "sm_util_pct" not in unknown),
+            "P90 SM %": _known(a.forecast_sm_p90_pct, "forecast_sm_p90_pct" not in unknown),
             # as GRANTED MiB: "none" without a grant, told apart from a memory grant with no SM share
             "GRANT SM %": f"{sum(g.sm_pct for g in a.grants):.0f}" if a.grants else NO_GRANT,
             "LAST SEEN": _age(now - a.last_seen_s) if a.HasField("last_seen_s") else NA,
@@ -615,8 +644,7 @@ def holds_nothing(a: pb.ApplicationInfo) -> bool:
     operator limits. The daemon keeps a claimed id (its token's owner) and its last sign of life after
     its grants are released, for as long as the claim is stored; `vgpu apps` leaves such ids out
     unless `--all`, as `docker ps` leaves out stopped containers."""
-    known = a.mem_used_mib > 0 or a.forecast_mem_p90_mib > 0 or a.sm_util_pct > 0
-    return not a.grants and not a.processes and not known and not a.HasField("limits")
+    return not a.grants and not a.processes and not usage_known(a) and not a.HasField("limits")
 
 
 def apps_table(resp: pb.ListApplicationsResponse, devices: pb.GetAvailableResourcesResponse | None = None,
@@ -654,13 +682,14 @@ def apps_main(argv: Sequence[str] | None = None, prog: str = "vgpu apps", *, out
                             "forecast, no limits (released or idle, their ids kept as claimed); "
                             f"their GRANTED MiB and GRANT SM %% read {NO_GRANT!r}")
         p.add_argument("--json", action="store_true",
-                       help="print the daemon's ListApplications answer as JSON: every application, as with --all")
+                       help="print the daemon's ListApplications answer as JSON: every application, as with --all; "
+                            "null for a use or forecast not known yet (N/A in the table)")
         _wait_option(p)
 
     def body(ns: argparse.Namespace, c: Client, o: TextIO) -> int:
         resp, _ = c.call("ListApplications", pb.ListApplicationsRequest(), token=False)
         if ns.json:
-            _print_json(_dict(resp), o)
+            _print_json(apps_json(resp), o)
             return 0
         devices, _ = c.call("GetAvailableResources", pb.GetAvailableResourcesRequest(), token=False)
         o.write(apps_table(resp, devices, show_all=ns.all) + "\n")

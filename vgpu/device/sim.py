@@ -34,6 +34,10 @@ the SKU tables in `vgpu.device.skus`. Applications are launched onto a device wi
 - Per-process utilization: one sample per process every `sample_period_s` (on a grid of the injected
   clock, timestamps in its microseconds), kept for `sample_buffer_s`; `process_utilization(since_us)`
   returns the samples newer than `since_us`.
+- In-app counters: `SimBackend.inapp_counters(pid)` gives what the process's application would report
+  about itself (a client stub's in-app file on a real node): its trace's `inapp_*` columns at the row
+  in force, without forward fill (an empty cell is a counter not reported then). No NVML read gives
+  them; the profiler's Sampler takes them through its `inapp_of` (`vgpu record --sim-trace`).
 - MIG reconfiguration takes `mig_reconfig_s` (default 6 s): the first MIG write after a quiet period
   opens a reconfiguration window of that length; writes inside the window join it. Writes return at
   once and the layout reads back at once, but instances created in a window become usable when it
@@ -86,7 +90,7 @@ from vgpu.device.errors import (
     from_nvml_code,
 )
 from vgpu.device.skus import LayoutSlot, Sku, get_sku, layout_problem
-from vgpu.traces import AppTrace
+from vgpu.traces import INAPP_NUMERIC, AppTrace
 
 Clock = Callable[[], float]
 
@@ -206,6 +210,10 @@ class _Series:
         self.mem_bw = self._ffill(trace.column("mem_util_pct"))
         self.tx = self._ffill(trace.column("pcie_tx_kbps"))
         self.rx = self._ffill(trace.column("pcie_rx_kbps"))
+        # the trace's in-app columns by counter name (inapp_step -> step), NaN kept: an empty cell is
+        # a counter the application did not report then (SimBackend.inapp_counters)
+        self.inapp = {c[len("inapp_"):]: np.asarray(trace.columns[c], dtype=np.float64)
+                      for c in INAPP_NUMERIC if c in trace.columns}
 
     @staticmethod
     def _ffill(values: np.ndarray) -> np.ndarray:
@@ -930,6 +938,25 @@ class SimBackend(Backend):
             dev._add_proc(proc)
             self._where[pid] = device_index
             return SimLaunch(app_id, pid, device_index, gpu_instance_id, proc.start_s, proc.end_s, series.length_s)
+
+    def inapp_counters(self, pid: int) -> dict[str, float]:
+        """What `pid`'s application reports about itself now, as a client stub's in-app file would say
+        it: its trace's in-app columns (`inapp_<name>` -> `name`) at the row in force, empty cells left
+        out. Empty for a pid that does not run now or a trace without such columns. Not a device read:
+        no NVML function gives it, so no fault is injected here."""
+        with self._lock:
+            index = self._where.get(pid)
+        if index is None:
+            return {}
+        dev = self._devices[index]
+        with dev._lock:
+            now = self.clock()
+            dev._prune(now)
+            proc = dev._procs.get(pid)
+            if proc is None or not proc.series.inapp or not proc.active(now):
+                return {}
+            i = proc.row(now)
+            return {name: float(col[i]) for name, col in proc.series.inapp.items() if math.isfinite(col[i])}
 
     def kill(self, pid: int) -> bool:
         """End `pid` now; False when it was not running."""

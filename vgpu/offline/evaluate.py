@@ -105,6 +105,24 @@ def build_grids(apps: Sequence[AppTrace], min_index: int = MIN_ORIGIN_INDEX) -> 
     return out
 
 
+def too_short(apps: Sequence[AppTrace], min_index: int = MIN_ORIGIN_INDEX) -> str | None:
+    """Why no application of `apps` has a protocol origin (None when one has): an origin is a second
+    from the (min_index + 1)th of an application's 1 s grid on with the grid value 1 s later, so an
+    application needs min_index + 2 grid seconds, min_index + 1 + h for a truth at every horizon up to h."""
+    first = min_index + 1 + min(HORIZONS_S)
+    longest = 0
+    for app in apps:
+        for target in TARGETS:
+            n = len(one_second_grid(app, target)[1])
+            if n >= first:
+                return None
+            longest = max(longest, n)
+    return (f"no application is long enough: the protocol's first origin is the {min_index + 1}th second of an "
+            f"application's 1 s grid and a horizon of h s needs h more, so its samples must cover {first} seconds "
+            f"({min_index + 1 + max(HORIZONS_S)} for every horizon up to {max(HORIZONS_S)} s); the longest here "
+            f"covers {longest}")
+
+
 def capacity_of(app: AppTrace, target: str) -> float:
     """100 for compute; the largest stated `mem_total_mib` for memory (NaN where none is)."""
     if target == "sm_util_pct":
@@ -504,6 +522,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu eval") -> int:
     if not apps:
         _warn(prog, f"no application of {args.trace} falls in the {split!r} split"
               + ("" if args.split else " (the default; --split all scores every application)"))
+        return 1
+    short = too_short(list(apps.values()))
+    if short is not None:  # not one origin: any table would be empty
+        _warn(prog, short)
         return 1
     if args.split is None and len(apps) < len(trace.apps):
         # a node's own recording was never trained on, and its owner may expect every application scored

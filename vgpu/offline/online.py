@@ -54,6 +54,7 @@ from vgpu.offline.evaluate import (
     _by_horizon,
     margins_from_grids,
     pooled_metrics,
+    too_short,
 )
 from vgpu.traces import ALL_NUMERIC, TARGETS, AppTrace, Trace, one_second_grid
 
@@ -373,7 +374,7 @@ def evaluate_online(
             for k in range(min_index, len(values) - 1):
                 per_second.setdefault(int(seconds[k]), {t: [] for t in TARGETS})[target].append(app.app)
     if not per_second:
-        raise ValueError("no origin: every application is shorter than the protocol's first origin")
+        raise ValueError(too_short(layout.apps, min_index) or "no origin")
     seconds_sorted = sorted(per_second)
     first_s, last_s = seconds_sorted[0], seconds_sorted[-1]
     mid_s = (first_s + last_s) / 2.0
