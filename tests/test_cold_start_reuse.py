@@ -203,3 +203,29 @@ def test_the_stub_declaring_its_job_again_holds_one_grant_across_a_restart(
         if app.poll() is None:
             app.kill()
             app.wait(10)
+
+
+def test_vgpu_request_for_a_process_that_holds_its_jobs_grant_says_it_is_held(env: Env, serves: list[Serve]) -> None:
+    serves.append(Serve(env))
+    worker = subprocess.Popen(["sleep", "60"])  # the application's process, named with --pid
+    try:
+        def request(*job: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([sys.executable, "-m", "vgpu.cli", "request", "--socket", str(env.sock), "--app",
+                                   "cli-twice", "--pid", str(worker.pid), "--model-type", "resnet50", *job],
+                                  cwd=ROOT, env=env.env, capture_output=True, text=True, timeout=60)
+
+        first, again = request("--batch-size", "64"), request("--batch-size", "64")
+        assert first.returncode == again.returncode == 0, first.stderr + again.stderr
+        grant_id = first.stdout.split()[1].rstrip(":")
+        assert first.stdout.startswith(f"granted {grant_id}: ") and "already held" not in first.stdout
+        assert again.stdout.startswith(f"held {grant_id}: "), again.stdout
+        assert again.stdout.rstrip().endswith("(already held by this process for this job: no second grant)")
+        other = request("--batch-size", "32")
+        assert other.stdout.startswith("granted ") and grant_id not in other.stdout, other.stdout
+        assert len(_grants(env, "cli-twice")) == 2
+        refused = request("--batch-size", str(10**9))
+        assert refused.returncode == 1 and "RESOURCE_EXHAUSTED: the job (resnet50, batch 1000000000) was sized at " in \
+            refused.stderr, refused.stderr
+    finally:
+        worker.kill()
+        worker.wait(10)
