@@ -87,6 +87,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import hashlib
+import json
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
@@ -156,6 +158,29 @@ class AllocationRequest:
     pid: int = 0
     # the uid whose share of the node's grants the grant takes (`Grant.uid`; None: none)
     uid: int | None = None
+
+
+@dataclass(frozen=True)
+class Allocated:
+    """A request's answer: the grant, and whether it is one the requesting process already held
+    for the same job (`held`: nothing was granted or changed)."""
+
+    grant: Grant
+    held: bool = False
+
+
+def job_digest(job: JobConfig) -> str:
+    """The job's fields as one SHA-256 digest (`Grant.job_digest`): equal for two declarations of
+    the same job. Precision and mode are read as the sizer reads them ("" is fp32 and train, case
+    and spaces aside); every other field as given."""
+    fields = dataclasses.asdict(job)
+    fields.update(precision=job.precision_norm, mode=job.mode_norm)
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+def job_text(job: JobConfig) -> str:
+    """The job in a few words, for a message: "resnet50, batch 64"."""
+    return f"{job.model_type[:64]}, batch {job.batch_size}"
 
 
 @dataclass(frozen=True)
@@ -268,6 +293,9 @@ class Counters:
     # requests admitted by cutting the policy's managed grants (each cut is also a grant change
     # ("resized", "reclaim"))
     reclaims: int = 0
+    # requests answered with the cold-start grant their process already held for the same job
+    # (`Allocator.allocate`): nothing granted, nothing changed
+    cold_start_reused: int = 0
     # (event kind, reason) -> grant changes: ("granted", source), ("resized", "grow"|"shrink"|"limits"|
     # "reclaim"), ("released", "released"|"superseded")
     grant_changes: dict[tuple[str, str], int] = field(default_factory=dict)
@@ -451,6 +479,8 @@ class Allocator:
         # grant id -> the start time of the process it names, as this allocator first saw it run
         # (`release_exited` releases no other grants; a later start time at that pid is another process)
         self._process_seen: dict[str, float] = {}
+        # cold-start grants already answered again to their process (`_held_cold_start`): logged once each
+        self._reuse_logged: set[str] = set()
         self._started_s = clock()
         self._seen: dict[str, float] = {}
 
@@ -561,9 +591,18 @@ class Allocator:
             raise Stopping("the daemon is stopping: nothing was changed; send it again once the daemon is back")
 
     def request_allocation(self, request: AllocationRequest, *, caller: str | None = None) -> Grant:
+        """The grant that answers the request (`allocate`)."""
+        return self.allocate(request, caller=caller).grant
+
+    def allocate(self, request: AllocationRequest, *, caller: str | None = None) -> Allocated:
         """Grant what the request asks for, or (memory 0 with a job description) what the cold-start
-        sizer says; InsufficientResources when it does not fit, InvalidRequest when the job cannot be
-        sized, NotSupported without a sizer, Unavailable once stopping (nothing changes in any of these).
+        sizer says; InsufficientResources when it does not fit (for a sized job, the message names
+        the job and its size), InvalidRequest when the job cannot be sized, NotSupported without a
+        sizer, Unavailable once stopping (nothing changes in any of these).
+
+        A job its process already holds a cold-start grant for is answered with that grant, as it
+        stands, and nothing changes (`_held_cold_start`; `Allocated.held`): a process that declares
+        its job again (a retry, a call per epoch) holds one grant for it, not one per call.
 
         A declared job (cold start) supersedes the policy's forecast grants of the application on the
         device it is granted on (`_supersede_forecast`): they are released in the same stored change,
@@ -572,6 +611,9 @@ class Allocator:
         there, the one the policy resizes. Without a device named, a job of an application that
         holds a forecast grant goes to that grant's device (where its process runs)."""
         self._check_open()
+        held = self._held_cold_start(request, caller)
+        if held is not None:
+            return Allocated(held, held=True)
         memory_mib, sm_pct, source = self._size_request(request)
         sized_mib = memory_mib
         superseded: list[Grant] = []
@@ -593,8 +635,12 @@ class Allocator:
                 sm_elastic = _sm_estimated(request, source)
                 grant, cuts = self._grant_reclaiming(request, memory_mib, sm_pct, source, sm_elastic, caller,
                                                      refused, sized_mib)
-        except BaseException:
+        except BaseException as exc:
             self.ledger.rollback_changes()  # the superseded grants stay when the new one is not made
+            if source == "cold_start" and request.job is not None and type(exc) is InsufficientResources:
+                # the application asked for no figure: say whose figure it is (a quota's refusal is
+                # about the count of grants, not the size, and stays as it is)
+                raise _sized_refusal(exc, request.job, sized_mib, memory_mib) from exc
             raise
         self._changed()  # stored before anyone hears of it (the cuts and releases with it; undone with it)
         if grant.cold_start_mib is not None:
@@ -625,6 +671,42 @@ class Allocator:
                        **({"reclaimed_from": [g.app_id for g, _ in cuts]} if cuts else {}),
                        **({"superseded": [g.grant_id for g in superseded]} if superseded else {}))
         self._publish(EventKind.GRANTED, grant=grant, detail=source)
+        return Allocated(grant)
+
+    def _held_cold_start(self, request: AllocationRequest, caller: str | None) -> Grant | None:
+        """The live cold-start grant the requesting process holds for the job it declares, if any:
+        a request to be sized (memory 0, a job, a sizer) of the application's own (not an operator
+        acting for it), naming its pid, whose grant of the same application and pid was sized for
+        the same job (`job_digest`), on the device it names if it names one, taking the same uid's
+        share, while that grant's process still runs (not a process that took its pid over: a new
+        process with the same job gets a grant of its own). The newest such grant; None if there
+        is none. Counted (`Counters.cold_start_reused`) and logged once per grant
+        (`cold_start_reused`); the request is the application's sign of life."""
+        if not (request.memory_mib == 0 and request.job is not None and self.sizer is not None and request.pid > 0):
+            return None
+        if caller is not None and caller != request.app_id:
+            return None  # not the application's own call: the ledger refuses it on the usual path
+        digest = job_digest(request.job)
+        mine = [g for g in self.ledger.grants(app_id=request.app_id)
+                if g.source == "cold_start" and g.pid == request.pid and g.job_digest == digest
+                and (not request.device_id or g.device_id == request.device_id) and g.uid == request.uid]
+        if not mine:
+            return None
+        start_s = self.process_start(request.pid)
+        held = [g for g in mine if self._grant_process_runs(g, start_s)]
+        if not held:
+            return None
+        grant = max(held, key=lambda g: g.created_at_s)
+        self._seen[grant.app_id] = self.clock()
+        self.counters.cold_start_reused += 1
+        if grant.grant_id not in self._reuse_logged:
+            live = {g.grant_id for g in self.ledger.grants()}
+            self._reuse_logged = {g for g in self._reuse_logged if g in live} | {grant.grant_id}
+            self._log.info("cold_start_reused", app=grant.app_id, grant=grant.grant_id, pid=grant.pid,
+                           device=grant.device_id, memory_mib=grant.memory_mib, sm_pct=grant.sm_pct,
+                           job=job_text(request.job),
+                           detail="this process declared the job it already holds this grant for: the grant "
+                                  "answers again, no second one is made")
         return grant
 
     def _forecast_device(self, app_id: str) -> str | None:
@@ -680,6 +762,7 @@ class Allocator:
             caller=caller,
             cold_start_mib=(memory_mib if sized_mib is None else sized_mib) if source == "cold_start" else None,
             sm_estimated=_sm_estimated(request, source),
+            job_digest=job_digest(request.job) if source == "cold_start" and request.job is not None else None,
         )
 
     def _grant_reclaiming(self, request: AllocationRequest, memory_mib: float, sm_pct: float, source: str,
@@ -1743,6 +1826,7 @@ def _limits_text(limits: AppLimits) -> str:
 
 
 __all__ = [
+    "Allocated",
     "AllocationEvent",
     "AllocationRequest",
     "Allocator",
@@ -1757,7 +1841,22 @@ __all__ = [
     "Sizing",
     "Subscription",
     "device_capacities",
+    "job_digest",
+    "job_text",
 ]
+
+
+def _sized_refusal(refused: InsufficientResources, job: JobConfig, sized_mib: float,
+                   memory_mib: float) -> InsufficientResources:
+    """A refusal of a cold-start grant in the application's terms: its job and the size the sizer
+    gave it (the figure the ledger's refusal starts with, which the application never asked for),
+    then the ledger's reason."""
+    said = f"the job ({job_text(job)}) was sized at {sized_mib:,.0f} MiB (peak + margin)"
+    text = str(refused)
+    lead = f"{memory_mib:g} MiB does not fit"
+    if memory_mib == sized_mib and text.startswith(lead):
+        text = text[len(lead) - len("does not fit"):]
+    return InsufficientResources(f"{said}: {text}")
 
 
 def _process_start(pid: int) -> float | None:

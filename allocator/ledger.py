@@ -102,6 +102,10 @@ class Grant:
     # the caller's, over the Unix socket; None: counted against no uid (the operator's token, uid 0,
     # the policy's own grants, a caller whose uid is unknown)
     uid: int | None = None
+    # a cold-start grant's job, as a digest of its fields (`vgpu.allocator.core.job_digest`): a
+    # request of the same process declaring the same job again is answered with this grant
+    # instead of a second one (None: not sized for a job, or made before this was kept)
+    job_digest: str | None = None
 
     @property
     def mem_changed_at_s(self) -> float:
@@ -467,10 +471,12 @@ class Ledger:
         cold_start_mib: float | None = None,
         sm_estimated: bool = False,
         uid: int | None = None,
+        job_digest: str | None = None,
     ) -> Grant:
         """A new grant, or InsufficientResources (and nothing changes). `cold_start_mib`: the
         sizer's size for the job, kept with the grant; `sm_estimated`: its SM share is an estimate,
-        not asked for (`Grant.sm_estimated`); `uid`: the uid whose share it takes (`Grant.uid`).
+        not asked for (`Grant.sm_estimated`); `uid`: the uid whose share it takes (`Grant.uid`);
+        `job_digest`: the job it was sized for (`Grant.job_digest`).
         `priority` is the application's own; an operator's priority for the application
         (`set_limits`) overrides it."""
         _check_app_id(app_id)
@@ -480,6 +486,8 @@ class Ledger:
             raise InvalidRequest(f"source must be one of {SOURCES}, got {source!r}")
         if cold_start_mib is not None:
             _check_cold_start(cold_start_mib)
+        if job_digest is not None:
+            _check_job_digest(job_digest)
         self._check_caller(caller, app_id, "request resources on behalf")
         self._check_quota(app_id, uid)
         if device_id is None or device_id == "":
@@ -507,6 +515,7 @@ class Ledger:
             cold_start_mib=None if cold_start_mib is None else float(cold_start_mib),
             sm_estimated=bool(sm_estimated),
             uid=uid,
+            job_digest=job_digest,
         )
         self._touch_grant(grant.grant_id)
         self._put(grant)
@@ -587,6 +596,7 @@ class Ledger:
             cold_start_mib=grant.cold_start_mib,
             sm_estimated=grant.sm_estimated,
             uid=grant.uid,
+            job_digest=grant.job_digest,
         )
         self._touch_grant(grant_id)
         self._put(new)
@@ -675,8 +685,9 @@ class Ledger:
 
 def _grants_from_records(raw_grants: Iterable[Any], skip_bad: bool, bad: list[str]) -> list[Grant]:
     """The stored grants, each checked (`_grant_from_record`). A malformed one raises ValueError, or
-    with `skip_bad` is left out and described in `bad`; a bad cold-start size alone is dropped and
-    its grant kept, as is a grant whose `sm_estimated` is not a boolean (kept as not estimated)."""
+    with `skip_bad` is left out and described in `bad`; a bad cold-start size or job digest alone is
+    dropped and its grant kept, as is a grant whose `sm_estimated` is not a boolean (kept as not
+    estimated)."""
     grants: list[Grant] = []
     for g in raw_grants:
         try:
@@ -700,6 +711,14 @@ def _grants_from_records(raw_grants: Iterable[Any], skip_bad: bool, bad: list[st
                 raise ValueError(f"malformed ledger records: {why}")
             bad.append(f"grant {_record_id(g, 'grant_id')}: {why}; kept as not estimated")
             grant = replace(grant, sm_estimated=False)
+        try:
+            if grant.job_digest is not None:
+                _check_job_digest(grant.job_digest)
+        except InvalidRequest as exc:  # the grant stands; a later declaration of its job gets a new one
+            if not skip_bad:
+                raise ValueError(f"malformed ledger records: {exc}") from exc
+            bad.append(f"grant {_record_id(g, 'grant_id')}: {_said(exc)}; kept without it")
+            grant = replace(grant, job_digest=None)
         grants.append(grant)
     return grants
 
@@ -740,6 +759,12 @@ def _check_cold_start(mib: object) -> None:
     """A cold-start size: a finite number of MiB above 0."""
     if not isinstance(mib, int | float) or isinstance(mib, bool) or not _finite(mib) or mib <= 0:
         raise InvalidRequest(f"cold_start_mib must be a finite number of MiB > 0, got {mib!r}")
+
+
+def _check_job_digest(digest: object) -> None:
+    """A job digest: SHA-256 as 64 lowercase hex digits."""
+    if not (isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)):
+        raise InvalidRequest(f"job_digest must be 64 lowercase hex digits (SHA-256), got {str(digest)[:80]!r}")
 
 
 def _said(exc: Exception) -> str:

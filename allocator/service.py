@@ -32,6 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from vgpu.allocator.core import (
+    Allocated,
     AllocationEvent,
     AllocationRequest,
     Allocator,
@@ -389,6 +390,10 @@ def request_from_pb(msg: pb.ResourceRequest) -> AllocationRequest:
 # state directory full): the call changed nothing, so the same call may simply be sent again. An
 # UNAVAILABLE without it may come from a connection that broke after the daemon acted on the call.
 NOTHING_CHANGED_KEY = "vgpu-nothing-changed"
+# Trailing metadata of a RequestResourceAllocation answered with the cold-start grant the calling
+# process already held for the same job (`Allocator.allocate`): its value is that grant's id, and
+# nothing was granted or changed.
+GRANT_HELD_KEY = "vgpu-grant-held"
 
 
 async def _abort(context: Context, exc: BaseException, method: str) -> NoReturn:
@@ -448,15 +453,19 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     async def RequestResourceAllocation(  # noqa: N802 - gRPC method names
         self, request: pb.RequestResourceAllocationRequest, context: Context
     ) -> pb.RequestResourceAllocationResponse:
-        def run(caller: str | None) -> tuple[Grant, str]:
+        def run(caller: str | None) -> tuple[Allocated, str]:
             if not request.HasField("request"):
                 raise InvalidRequest("request is missing: set RequestResourceAllocationRequest.request")
             wanted = replace(request_from_pb(request.request), uid=self._bounded_uid())
-            grant = self.allocator.request_allocation(wanted, caller=caller)
-            return grant, self.allocator.app_memory_limit(grant.app_id, grant.device_id)[0]  # the new grant's GPU
+            got = self.allocator.allocate(wanted, caller=caller)
+            return got, self.allocator.app_memory_limit(got.grant.app_id, got.grant.device_id)[0]  # the grant's GPU
 
-        grant, mem_limit = await self._call(context, "RequestResourceAllocation", run)
-        return pb.RequestResourceAllocationResponse(grant=grant_to_pb(grant), mem_limit=mem_limit)
+        got, mem_limit = await self._call(context, "RequestResourceAllocation", run)
+        if got.held:
+            # the grant the process already held for this job, as it stands (its created_at_s is
+            # when it was made): the reply is the usual one, the trailer says nothing was granted
+            context.set_trailing_metadata(((GRANT_HELD_KEY, got.grant.grant_id),))
+        return pb.RequestResourceAllocationResponse(grant=grant_to_pb(got.grant), mem_limit=mem_limit)
 
     async def ReleaseResources(  # noqa: N802
         self, request: pb.ReleaseResourcesRequest, context: Context

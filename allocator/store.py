@@ -18,7 +18,8 @@ What is stored:
 - `grants` and `app_limits`: one row per grant and per application's limits (the ledger's records,
   as JSON; a grant's record keeps its job's cold-start size, `cold_start_mib`, since schema 4, and
   whether its SM share is the sizer's estimate, `sm_estimated`, and the uid whose share it takes,
-  `uid`, since schema 5), and
+  `uid`, since schema 5, and the digest of the job a cold-start grant was sized for, `job_digest`,
+  since schema 6), and
   `meta.grant_rows` / `meta.ledger_generation` kept with them;
 - `device_originals`: each device's power limit and MIG layout as found *before* vgpu wrote to it,
   recorded once and kept across crashes until a graceful stop has restored them;
@@ -55,7 +56,7 @@ from typing import Any
 from vgpu.allocator.ledger import Grant, LedgerChanges
 from vgpu.ids import app_id_problem
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 DB_NAME = "vgpu.sqlite3"
 # The copy an upgrade writes first: `<DB_NAME>.pre-schema-<the version it upgrades from>`.
 PRE_SCHEMA = DB_NAME + ".pre-schema-"
@@ -127,6 +128,10 @@ UPDATE grants SET record_json = json_set(record_json, '$.cold_start_mib', json_e
     # the uid that self-registered it (`apps.uid`; NULL: the operator's, or claimed before this), for
     # the per-uid bound on claims.
     5: "ALTER TABLE apps ADD COLUMN uid INTEGER;",
+    # A grant's record may hold `job_digest`, the digest of the job a cold-start grant was sized for
+    # (a vgpu before this cannot read such a record: hence a version). Older grants' jobs are not
+    # known: no row changes, and a declaration of one of their jobs gets a grant of its own.
+    6: "SELECT 1;",
 }
 
 

@@ -273,14 +273,15 @@ def test_a_resize_keeps_every_other_field_of_the_grant() -> None:
     times = iter([100.0, 200.0, 300.0])
     led = Ledger([GPU0], clock=lambda: next(times))
     g = led.grant("app-a", 1_000, 10, device_id="GPU-0", priority=3, source="cold_start", pid=42, cold_start_mib=2_000,
-                  sm_estimated=True)
+                  sm_estimated=True, job_digest="0f" * 32)
     resized = led.resize(g.grant_id, 1_500, 10)
     assert resized == dataclasses.replace(g, memory_mib=1_500.0, updated_at_s=200.0, mem_updated_at_s=200.0)
     sm_only = led.resize(g.grant_id, 1_500, 20, source="forecast")
     assert sm_only == dataclasses.replace(resized, sm_pct=20.0, updated_at_s=300.0, source="forecast")
     assert {f.name for f in dataclasses.fields(g)} == {
         "grant_id", "app_id", "device_id", "memory_mib", "sm_pct", "priority", "created_at_s", "updated_at_s",
-        "source", "pid", "mem_updated_at_s", "cold_start_mib", "sm_estimated", "uid"}, "a new Grant field: name it in Ledger.resize"
+        "source", "pid", "mem_updated_at_s", "cold_start_mib", "sm_estimated", "uid",
+        "job_digest"}, "a new Grant field: name it in Ledger.resize"
 
 
 def test_a_uids_share_of_grants_is_counted_through_resizes_releases_and_a_restore() -> None:

@@ -27,12 +27,11 @@ def test_an_upgrade_names_its_copy_and_an_unusable_local_model_shows_everywhere(
                                                                                  serves: list[Serve]) -> None:
     env = make_env(tmp_path)
     env.env["VGPU_MANAGER_MODEL_CHECK_INTERVAL_S"] = "0.2"  # the node-local model's poll, too
-    # what the vgpu of schema 4 left: schema 5 added the claims' uid column, and nothing else here
+    # what the vgpu of schema 5 left: schema 6 added only a field a grant's record may hold (none here)
     Store(env.state).close()
-    old = 4
-    assert SCHEMA_VERSION == 5, "a newer schema: make this database as the one before it left it"
+    old = 5
+    assert SCHEMA_VERSION == 6, "a newer schema: make this database as the one before it left it"
     db = sqlite3.connect(env.state / "vgpu.sqlite3")
-    db.execute("ALTER TABLE apps DROP COLUMN uid")
     db.execute(f"UPDATE meta SET value='{old}' WHERE key='schema_version'")
     db.commit()
     db.close()

@@ -169,7 +169,7 @@ def test_a_version_1_database_is_upgraded_in_place(tmp_path: Path) -> None:
         assert store.cgroup_originals() == []
         assert store.save_cgroup_original(CgroupOriginal("GPU-0", "/jobs/a", math.inf, math.inf, 2.0))
     db = sqlite3.connect(tmp_path / "vgpu.sqlite3")
-    assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == str(SCHEMA_VERSION) == "5"
+    assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == str(SCHEMA_VERSION) == "6"
 
 
 def test_a_failed_upgrade_changes_nothing(tmp_path: Path) -> None:
@@ -308,7 +308,7 @@ def test_a_copy_that_cannot_be_written_refuses_the_upgrade_and_changes_nothing(t
     in_the_way = tmp_path / "vgpu.sqlite3.pre-schema-3"
     in_the_way.mkdir()  # the rename over it fails, as a full disk or a read-only directory would fail the copy
     (in_the_way / "x").write_text("x")
-    with pytest.raises(StoreError, match=r"cannot write .*pre-schema-3.* from schema 3 to 5: .*nothing was changed"):
+    with pytest.raises(StoreError, match=rf"cannot write .*pre-schema-3.* from schema 3 to {SCHEMA_VERSION}: .*nothing was changed"):
         Store(tmp_path)
     assert (tmp_path / "vgpu.sqlite3").read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["vgpu.sqlite3", "vgpu.sqlite3.pre-schema-3"]
@@ -341,14 +341,15 @@ def test_a_newer_schema_says_how_to_go_back(tmp_path: Path) -> None:
 
 # (field, a bad stored value, what the grant reads as then, the note's ending)
 _BAD_OPTIONAL = [("cold_start_mib", bad, None, "kept without it") for bad in ["lots", -1.0, 0.0, 1e400, True, [9188]]] + [
-    ("sm_estimated", bad, False, "kept as not estimated") for bad in ["yes", 1, None, [True]]]
+    ("sm_estimated", bad, False, "kept as not estimated") for bad in ["yes", 1, None, [True]]] + [
+    ("job_digest", bad, None, "kept without it") for bad in ["abc", "A" * 64, "g" * 64, 7, ["0" * 64]]]
 
 
 @pytest.mark.parametrize(("field", "bad", "read_as", "note"), _BAD_OPTIONAL)
 def test_a_bad_stored_optional_field_is_dropped_and_counted_and_its_grant_kept(
         tmp_path: Path, field: str, bad: object, read_as: object, note: str) -> None:
-    """A bad cold-start size is forgotten; a bad `sm_estimated` reads as false (the share a
-    commitment); either way the grant itself stands, and the operator is told."""
+    """A bad cold-start size or job digest is forgotten; a bad `sm_estimated` reads as false (the
+    share a commitment); either way the grant itself stands, and the operator is told."""
     from vgpu.allocator.ledger import DeviceCapacity, Ledger
 
     grant = json.loads(_grant_v3("loading-1", "cold_start", 9188.0, None))
@@ -387,7 +388,7 @@ def test_a_version_4_database_is_read_with_every_sm_share_a_commitment_and_no_ro
                      sm_estimated=True)
         store.apply_changes(ledger.changes())
     db = sqlite3.connect(tmp_path / "vgpu.sqlite3")
-    assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "5"
+    assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "6"
     assert db.execute("SELECT record_json FROM grants WHERE grant_id='loading-1'").fetchone()[0] == body
     db.close()
     with Store(tmp_path) as store:

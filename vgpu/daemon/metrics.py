@@ -197,6 +197,8 @@ class CounterSnapshot:
     grant_changes: tuple[tuple[str, str, int], ...] = field(default=())
     # (quota setting, calls refused at it)
     quota_refusals: tuple[tuple[str, int], ...] = ()
+    # requests answered with the cold-start grant their process already held for the same job
+    cold_start_reused: int = 0
     backend: str = ""
     # (in-app counter, applications whose newest sample carries it)
     inapp_apps: tuple[tuple[str, int], ...] = ()
@@ -442,6 +444,9 @@ class _StateCollector(Collector):
         for quota, count in c.quota_refusals:
             quotas.add_metric([quota], count)
         yield quotas
+        yield CounterMetricFamily("vgpu_cold_start_reused", "Requests answered with the cold-start grant their "
+                                  "process already held for the same job (nothing granted)",
+                                  value=c.cold_start_reused)
         yield _histogram("vgpu_forecast_batch_seconds",
                          "Wall time of one forecaster call over a batch of the applications due together",
                          c.forecast_latency, c.forecast_batches, c.forecast_s_total)

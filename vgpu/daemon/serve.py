@@ -449,6 +449,7 @@ class StateSource:
             grant_changes=tuple((kind, reason, n) for (kind, reason), n in
                                 sorted({**dict.fromkeys(GRANT_CHANGE_KEYS, 0), **c.grant_changes}.items())),
             quota_refusals=tuple(sorted({**dict.fromkeys(QUOTA_SETTINGS, 0), **c.quota_refusals}.items())),
+            cold_start_reused=c.cold_start_reused,
             backend=self.backend_name,
             inapp_apps=tuple(sorted(self.manager.windows.inapp_reporting().items())),
             inapp_dropped=tuple(sorted({**dict.fromkeys(inapp_drop_reasons(), 0), **s.inapp_dropped}.items())),
