@@ -243,10 +243,11 @@ print("closed", flush=True)
 """
 
 
-def _hold(env: Env, app_id: str, inapp: Path) -> subprocess.Popen[str]:
+def _hold(env: Env, app_id: str, inapp: Path, program: str = HOLD) -> subprocess.Popen[str]:
     """A client-stub application against the test's daemon: it requests a grant for `app_id`,
-    prints it, and holds it until a line on stdin tells it to leave its `with` block."""
-    return subprocess.Popen([sys.executable, "-c", HOLD, str(env.sock), app_id, str(inapp)], cwd=ROOT,
+    prints it, and holds it until a line on stdin tells it to leave its `with` block (`program`: one
+    of the same shape)."""
+    return subprocess.Popen([sys.executable, "-c", program, str(env.sock), app_id, str(inapp)], cwd=ROOT,
                             env=env.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 
@@ -801,9 +802,7 @@ def test_a_release_with_the_daemon_gone_is_one_warning_and_a_quick_exit(
     inapp = tmp_path / "inapp"
     env.env["VGPU_SERVER_INAPP_DIR"] = str(inapp)
     serves.append(Serve(env))
-    app = subprocess.Popen([sys.executable, "-c", GONE_APP, str(env.sock), "gone", str(inapp)], cwd=ROOT,
-                           env=env.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True)
+    app = _hold(env, "gone", inapp, program=GONE_APP)
     try:
         assert app.stdout is not None and app.stdout.readline().startswith("granted")
         assert serves[-1].term() == 0

@@ -10,7 +10,6 @@ import re
 import socket as socketlib
 import threading
 import time
-from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
@@ -18,19 +17,11 @@ import grpc
 import pytest
 from structlog.testing import capture_logs
 
-from tests.test_client import FakeAllocator, serve
+# `allocator`, the fake allocator on a Unix socket, is test_client's fixture (tests taking it redefine the name)
+from tests.test_client import FakeAllocator, allocator, serve  # noqa: F401
 from vgpu import client as vclient
 from vgpu.client import DEFAULT_SOCKET, INAPP_MAX, VgpuClient, app_token_path, inapp_path, read_inapp
 from vgpu.jobs import InvalidJobConfig, JobConfig
-
-
-@pytest.fixture
-def allocator(tmp_path: Path) -> Iterator[tuple[FakeAllocator, Path]]:
-    sock = tmp_path / "vgpu.sock"
-    servicer = FakeAllocator()
-    server = serve(sock, servicer)
-    yield servicer, sock
-    server.stop(grace=None)
 
 
 def quiet(tmp_path: Path, **kw: object) -> VgpuClient:
@@ -88,7 +79,7 @@ def test_step_stops_at_the_profilers_bound(tmp_path: Path) -> None:
 
 
 def test_the_socket_follows_the_environment_then_the_configuration_file(
-        allocator: tuple[FakeAllocator, Path], tmp_path: Path) -> None:
+        allocator: tuple[FakeAllocator, Path], tmp_path: Path) -> None:  # noqa: F811
     servicer, sock = allocator
     home = {"XDG_CONFIG_HOME": str(tmp_path / "config")}
     absent = tmp_path / "no-config.toml"
@@ -170,8 +161,8 @@ def test_jobconfig_holds_its_integers_to_the_messages_bounds(field: str, most: i
         JobConfig(model_type="resnet50", **{field: most + 1})  # type: ignore[arg-type]
 
 
-def test_a_job_with_memory_mib_given_is_said_not_to_be_sized(allocator: tuple[FakeAllocator, Path],
-                                                             tmp_path: Path) -> None:
+def test_a_job_with_memory_mib_given_is_said_not_to_be_sized(
+        allocator: tuple[FakeAllocator, Path], tmp_path: Path) -> None:  # noqa: F811
     _, sock = allocator
     job = JobConfig(model_type="resnet50", batch_size=64, mode="train", optimizer="sgd")
     with capture_logs() as logs, quiet(tmp_path, socket=str(sock), job=job) as c:
@@ -186,7 +177,8 @@ def test_a_job_with_memory_mib_given_is_said_not_to_be_sized(allocator: tuple[Fa
     assert not [e for e in logs if "not sized" in e["event"]], logs
 
 
-def test_an_unknown_optimizer_is_said_by_the_stub(allocator: tuple[FakeAllocator, Path], tmp_path: Path) -> None:
+def test_an_unknown_optimizer_is_said_by_the_stub(
+        allocator: tuple[FakeAllocator, Path], tmp_path: Path) -> None:  # noqa: F811
     _, sock = allocator
     with capture_logs() as logs, quiet(tmp_path, socket=str(sock)) as c:
         c.request(job=JobConfig(model_type="resnet50", batch_size=64, optimizer="adamw-typo"))
