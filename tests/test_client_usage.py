@@ -186,6 +186,8 @@ def test_an_unknown_optimizer_is_said_by_the_stub(
         c.request(job=JobConfig(model_type="resnet50", batch_size=64))  # none given: nothing to say here
         # inference keeps no optimizer state: the name is not used, and not warned of
         c.request(job=JobConfig(model_type="resnet50", batch_size=64, optimizer="lion", mode="infer"))
+        # nor is it where memory_mib is given: the job is not sized
+        c.request(job=JobConfig(model_type="resnet50", batch_size=64, optimizer="lion"), memory_mib=10)
     said = [e["event"] for e in logs if "optimizer" in e["event"]]
     assert len(said) == 1 and said[0].startswith("unknown optimizer 'adamw-typo' (known: none, sgd, adam, adamw"), logs
     assert said[0].endswith("assumed Adam (8 bytes of state per parameter)")

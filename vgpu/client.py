@@ -88,6 +88,7 @@ import stat
 import sys
 import threading
 import time
+import tomllib
 import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
@@ -300,8 +301,6 @@ def default_socket(env: Mapping[str, str] | None = None, config_file: str | Path
         return DEFAULT_SOCKET if config_file is None else _config_unusable(path, "no such file")
     except (OSError, UnicodeDecodeError) as exc:
         return _config_unusable(path, getattr(exc, "strerror", None) or str(exc))
-    import tomllib  # noqa: PLC0415 - only where a configuration file is there to read
-
     try:
         server = tomllib.loads(text).get("server", {})
     except (tomllib.TOMLDecodeError, RecursionError) as exc:
@@ -1176,7 +1175,7 @@ class VgpuClient:
             self._warn_once(f"unknown_model:{job.model_type}",
                             unknown_model_note(job.model_type, param_count_arg="JobConfig(param_count=...)"))
         config_job = _job_config(job)
-        if config_job is not None and config_job.optimizer_unknown and config_job.mode_norm == "train":
+        if config_job is not None and memory_mib == 0 and config_job.optimizer_unknown and config_job.mode_norm == "train":
             # sized all the same, as with no optimizer given; a typo should not pass unnoticed
             self._warn_once(f"unknown_optimizer:{config_job.optimizer}", unknown_optimizer_note(config_job.optimizer))
         if job is not None and memory_mib > 0:

@@ -743,7 +743,7 @@ def request_main(argv: Sequence[str] | None = None, prog: str = "vgpu request", 
             # a model of one's own is sized all the same (from --param-count, when given: then nothing
             # is said); a typo should not pass unnoticed
             print(f"{prog}: warning: {unknown_model_note(ns.model_type)}", file=sys.stderr)
-        if job is not None and job.optimizer_unknown and job.mode_norm == "train":
+        if job is not None and not ns.memory_mib and job.optimizer_unknown and job.mode_norm == "train":
             # sized as Adam, as with no optimizer given; a typo should not pass unnoticed either
             print(f"{prog}: warning: {unknown_optimizer_note(ns.optimizer)}", file=sys.stderr)
         req = pb.RequestResourceAllocationRequest(
