@@ -49,7 +49,13 @@ import structlog
 
 from vgpu.allocator.errors import NotSupported, Unavailable
 from vgpu.allocator.policy.base import Sizer, Sizing
-from vgpu.jobs import PhysicsEstimate, known_model, physics_estimate, unknown_model_note
+from vgpu.jobs import (
+    PhysicsEstimate,
+    known_model,
+    physics_estimate,
+    unknown_model_note,
+    unknown_optimizer_note,
+)
 from vgpu.manager.jobprofiles import (
     ENCODING_VERSION,
     FAMILIES,
@@ -228,9 +234,10 @@ class SizeEstimate:
     family_seen: bool  # False: a family absent from the training data (a wider margin is used)
     notes: tuple[str, ...] = field(default=())
     # "high": the learned model, inside its training data's ranges, with every input it needs given;
-    # "low": it extrapolates (`extrapolated` names the inputs out of range) or inputs are missing.
+    # "low": it extrapolates (`extrapolated` names the inputs out of range) or inputs are missing or unknown.
     confidence: str = "high"
     missing: tuple[str, ...] = field(default=())  # inputs not given (and assumed; see notes)
+    unknown: tuple[str, ...] = field(default=())  # inputs given but not known (assumed as not given; see notes)
     extrapolated: tuple[str, ...] = field(default=())  # inputs outside the training data's ranges
     method: str = "learned"  # "learned", "learned, raised to the physical floor", or "physics"
     floor_mib: float = 0.0  # what the job needs by construction (vgpu.jobs.physics_estimate)
@@ -333,6 +340,7 @@ class ColdStartSizer:
         if phys.param_source.startswith("known model"):
             notes.append(f"param_count {phys.param_count:,} from the {phys.param_source} table")
         notes.extend(f"assumed {a}" for a in phys.assumed)
+        notes.extend(phys.notes)
         if extrapolated:
             mem, method = phys.estimate_mib, "physics"
             rel = self._margin_unseen
@@ -355,7 +363,7 @@ class ColdStartSizer:
                 notes.append(f"the learned model's {learned:.0f} MiB is below what the job needs by construction")
         if assumed:
             notes.append(f"no capacity given: assumed {DEFAULT_CAPACITY_MIB:.0f} MiB")
-        low = bool(extrapolated or phys.missing)
+        low = bool(extrapolated or phys.missing or phys.unknown)
         return SizeEstimate(
             mem_mib=mem,
             sm_pct=min(100.0, max(0.0, util)),
@@ -370,6 +378,7 @@ class ColdStartSizer:
             notes=tuple(notes),
             confidence="low" if low else "high",
             missing=phys.missing,
+            unknown=phys.unknown,
             extrapolated=extrapolated,
             method=method,
             floor_mib=phys.floor_mib,
@@ -468,6 +477,8 @@ class AllocatorSizer:
                   f"+ margin {est.margin_mib:.0f} MiB (p{self._quantile_pct} rel err {est.margin_rel:.3f})")
         if est.missing:
             reason += f"; missing {', '.join(est.missing)}"
+        if est.unknown:
+            reason += f"; unknown {', '.join(est.unknown)}"
         if not est.fits and est.mem_mib <= est.capacity_mib:
             memory = est.capacity_mib
             reason += f"; margin trimmed to the device's {est.capacity_mib:.0f} MiB"
@@ -728,6 +739,8 @@ def _size(args: argparse.Namespace, prog: str, *, as_json: bool) -> int:
     if known_model(job.model_type) is None:
         # a custom model is sized all the same (from --param-count); a typo should not go unnoticed
         print(f"{prog}: warning: {unknown_model_note(job.model_type)}", file=sys.stderr)
+    if job.optimizer_unknown and job.mode_norm == "train":
+        print(f"{prog}: warning: {unknown_optimizer_note(job.optimizer)}", file=sys.stderr)
     verdict = "fits" if est.fits else (
         f"does not fit: needs {est.grant_mib:,.0f} MiB ({est.mem_mib:,.0f} MiB without the margin), "
         f"the device has {est.capacity_mib:,.0f} MiB"
@@ -745,7 +758,8 @@ def _size(args: argparse.Namespace, prog: str, *, as_json: bool) -> int:
           f"{est.margin_rel:.1%}) = grant {est.grant_mib:.0f} MiB")
     print(f"  {verdict}")
     print(f"  method {est.method}, confidence {est.confidence}"
-          + (f" (missing: {', '.join(est.missing)})" if est.missing else ""))
+          + "".join(f" ({what}: {', '.join(names)})" for what, names in (("missing", est.missing),
+                                                                          ("unknown", est.unknown)) if names))
     print(f"  utilization  {est.sm_pct:8.0f} %   (+ {est.sm_margin_pct:.0f} points)   model {est.model}")
     for note in est.notes:
         print(f"  note: {note}")

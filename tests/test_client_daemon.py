@@ -243,10 +243,11 @@ print("closed", flush=True)
 """
 
 
-def _hold(env: Env, app_id: str, inapp: Path) -> subprocess.Popen[str]:
+def _hold(env: Env, app_id: str, inapp: Path, program: str = HOLD) -> subprocess.Popen[str]:
     """A client-stub application against the test's daemon: it requests a grant for `app_id`,
-    prints it, and holds it until a line on stdin tells it to leave its `with` block."""
-    return subprocess.Popen([sys.executable, "-c", HOLD, str(env.sock), app_id, str(inapp)], cwd=ROOT,
+    prints it, and holds it until a line on stdin tells it to leave its `with` block (`program`: one
+    of the same shape)."""
+    return subprocess.Popen([sys.executable, "-c", program, str(env.sock), app_id, str(inapp)], cwd=ROOT,
                             env=env.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 
@@ -717,3 +718,105 @@ def test_without_the_front_a_pid_no_report_proves_is_left_out_and_the_grant_stil
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.split()[1] == "0"  # sent again without the pid the daemon refused
     assert "did not take this process's pid" in r.stderr
+
+
+# An application that names no socket: it reaches the daemon the node's environment names, as the CLI does.
+ENV_SOCKET_APP = """
+import sys
+from vgpu.client import VgpuClient
+
+app_id, inapp = sys.argv[2], sys.argv[3]
+with VgpuClient(app_id, inapp_dir=inapp, watch=False) as client:
+    print("granted", client.request(memory_mib=500).memory_mib, client.token_file, flush=True)
+"""
+
+
+def test_an_application_without_socket_finds_the_daemon_the_environment_names(shared: Shared) -> None:
+    env = dict(shared.env.env, VGPU_SERVER_SOCKET=str(shared.env.sock))
+    r = subprocess.run([sys.executable, "-c", ENV_SOCKET_APP, "-", "env-socket", str(shared.inapp)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "granted 500.0" in r.stdout, r.stdout + r.stderr
+    # its token is where `vgpu request --app env-socket` looks for that socket's
+    assert r.stdout.split()[2] == str(app_token_path("env-socket", str(shared.env.sock), env))
+
+
+OPTIMIZER_APP = """
+import json, sys
+from vgpu.client import VgpuClient
+from vgpu.jobs import JobConfig
+
+sock, app_id, inapp = sys.argv[1], sys.argv[2], sys.argv[3]
+with VgpuClient(app_id, socket=sock, inapp_dir=inapp, watch=False) as client:
+    for optimizer in ("adamw-typo", ""):
+        grant = client.request(job=JobConfig(model_type="resnet50", batch_size=64, optimizer=optimizer))
+        print(json.dumps({"source": grant.source, "memory_mib": grant.memory_mib}), flush=True)
+        client.release()
+"""
+
+
+def test_an_unknown_optimizer_is_said_as_unknown_and_sized_as_none_given(shared: Shared) -> None:
+    note = "unknown optimizer 'adamw-typo' (known: none, sgd, adam, adamw, rmsprop, adagrad, adadelta): assumed Adam"
+    r = run_app(shared.env, "optimizer-typo", shared.inapp, program=OPTIMIZER_APP)
+    assert r.returncode == 0, r.stdout + r.stderr
+    typo, none_given = (json.loads(line) for line in r.stdout.splitlines())
+    assert typo["source"] == "cold_start" and typo["memory_mib"] == none_given["memory_mib"] > 0, r.stdout
+    assert r.stderr.count(note) == 1, r.stderr
+
+    def request(app_id: str, optimizer: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "vgpu.cli", "request", "--socket", str(shared.env.sock),
+                               "--app", app_id, "--model-type", "resnet50", "--batch-size", "64",
+                               "--optimizer", optimizer, "--json"],
+                              cwd=ROOT, env=shared.env.env, capture_output=True, text=True, timeout=60)
+
+    r = request("optimizer-typo-cli", "adamw-typo")
+    assert r.returncode == 0 and json.loads(r.stdout)["source"] == "cold_start", r.stdout + r.stderr
+    assert f"warning: {note}" in r.stderr, r.stderr
+    known = request("optimizer-known-cli", "AdamW")
+    assert known.returncode == 0 and "unknown optimizer" not in known.stderr, known.stderr
+
+
+# An application whose daemon stops under it (SIGTERM, not started again): it releases, then leaves
+# its `with` block, timing each.
+GONE_APP = """
+import sys, time
+import grpc
+from vgpu.client import VgpuClient
+
+sock, app_id, inapp = sys.argv[1], sys.argv[2], sys.argv[3]
+with VgpuClient(app_id, socket=sock, inapp_dir=inapp) as client:
+    client.request(memory_mib=1000)
+    print("granted", flush=True)
+    sys.stdin.readline()
+    t = time.monotonic()
+    try:
+        client.release()
+    except grpc.RpcError as exc:
+        print("release", exc.code().name, round(time.monotonic() - t, 2), flush=True)
+    t = time.monotonic()
+print("closed", round(time.monotonic() - t, 2), flush=True)
+"""
+
+
+def test_a_release_with_the_daemon_gone_is_one_warning_and_a_quick_exit(
+        env: Env, serves: list[Serve], tmp_path: Path) -> None:
+    inapp = tmp_path / "inapp"
+    env.env["VGPU_SERVER_INAPP_DIR"] = str(inapp)
+    serves.append(Serve(env))
+    app = _hold(env, "gone", inapp, program=GONE_APP)
+    try:
+        assert app.stdout is not None and app.stdout.readline().startswith("granted")
+        assert serves[-1].term() == 0
+        assert not env.sock.exists()  # a stopped daemon takes its socket with it
+        out, err = app.communicate("go\n", timeout=60)
+    finally:
+        if app.poll() is None:
+            app.kill()
+            app.wait(10)
+    assert app.returncode == 0, out + err
+    release, closed = out.splitlines()
+    _, code, release_s = release.split()
+    assert code == "UNAVAILABLE" and float(release_s) < 4.0, out  # not ready_wait_s (10 s)
+    assert closed.startswith("closed") and float(closed.split()[1]) < 4.0, out  # nor CLOSE_RELEASE_WAIT_S more
+    assert err.count("cannot reach the vgpu daemon to release the grants") == 1, err
+    assert "sees this process gone" in err and "at its next start at the latest" in err
+    assert "release on close failed" not in err and "Traceback" not in err, err

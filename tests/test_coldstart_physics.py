@@ -123,3 +123,23 @@ def test_model_names_are_found_however_spelt() -> None:
     for name in ("vit_b_16", "ViT-B/16", "Llama-2-7b-hf", "bert-base-uncased", "gpt2", "resnet50"):
         assert known_model(name) is not None, name
     assert known_model("my-own-net") is None
+
+
+def test_an_unknown_optimizer_is_said_as_unknown_not_missing_and_sized_as_adam() -> None:
+    job = ("--model-type", "resnet50", "--batch-size", "64", "--input-size", "224", "--capacity-mib", "81920")
+    typo = size(*job, "--optimizer", "adamw-typo")
+    none_given = size(*job)
+    assert "optimizer" not in typo["missing"] and typo["unknown"] == ["optimizer"]
+    note = ("unknown optimizer 'adamw-typo' (known: none, sgd, adam, adamw, rmsprop, adagrad, adadelta): "
+            "assumed Adam (8 bytes of state per parameter)")
+    assert note in typo["notes"] and typo["confidence"] == "low"
+    # sized as with no optimizer given (Adam's state): the same figures
+    assert typo["grant_mib"] == none_given["grant_mib"] and typo["floor_mib"] == none_given["floor_mib"]
+    assert none_given["missing"] == ["optimizer"] and none_given["unknown"] == []
+    phys = physics_estimate(JobConfig("resnet50", batch_size=64, optimizer="adamw-typo"))
+    assert phys.unknown == ("optimizer",) and phys.notes == (note,) and "optimizer" not in phys.missing
+    # as the user reads it: a warning on stderr, and "unknown" where "missing" was said
+    r = subprocess.run([sys.executable, "-m", "vgpu.cli", "size", *job, "--optimizer", "adamw-typo"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and f"warning: {note}" in r.stderr, r.stderr
+    assert "(unknown: optimizer)" in r.stdout and "missing: optimizer" not in r.stdout, r.stdout

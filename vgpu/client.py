@@ -1,7 +1,7 @@
 """The client stub an application links: ask the allocator for resources, apply the grant, report counters.
 
     client = VgpuClient("train-resnet", job=JobConfig("resnet50", batch_size=64, mode="train"))  # vgpu.jobs
-    grant = client.request(memory_mib=20_000, sm_pct=50)
+    grant = client.request()    # sized from the job by the daemon; memory_mib= would override the job
     for batch in loader:
         ...
         client.step()
@@ -88,6 +88,7 @@ import stat
 import sys
 import threading
 import time
+import tomllib
 import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
@@ -108,7 +109,7 @@ from vgpu.inapp import MAX_INAPP_MIB as MAX_INAPP_MIB
 from vgpu.inapp import MAX_INAPP_REQUESTS as MAX_INAPP_REQUESTS
 from vgpu.inapp import MAX_INAPP_TOKENS as MAX_INAPP_TOKENS
 from vgpu.inapp import inapp_value_problem as inapp_value_problem
-from vgpu.jobs import JobConfig, known_model, unknown_model_note
+from vgpu.jobs import InvalidJobConfig, JobConfig, known_model, unknown_model_note, unknown_optimizer_note
 from vgpu.log import get_library_logger
 from vgpu.tokenfile import TokenFileError as TokenFileError
 from vgpu.tokenfile import check_token as check_token
@@ -157,6 +158,11 @@ _log = get_library_logger("vgpu.client")
 # down refuses at once on its socket, so the backoff alone sets how soon the stub tries again.
 # How long close() waits for an unreachable daemon to release the grants (a restart takes seconds).
 CLOSE_RELEASE_WAIT_S = 5.0
+# How long a release (close's, or release() without wait_s) waits when the daemon's Unix socket does not
+# exist: the daemon is stopped, not restarting behind a socket that refuses for a moment, and the grants
+# are not lost by failing soon (the daemon releases those of a process it sees gone, at its next start
+# at the latest), so an application's exit is not held up for ready_wait_s.
+ABSENT_SOCKET_WAIT_S = 1.0
 # How long request() waits for the daemon to listen and sends a call again that the daemon answered
 # "not ready" for (UNAVAILABLE with NOTHING_CHANGED_KEY: e.g. its cold-start model still loading in the
 # seconds after it starts): the stub's default `ready_wait_s`, and the CLI's default --wait-s.
@@ -252,6 +258,61 @@ def grpc_target(address: str) -> str:
     return address
 
 
+# --- the daemon's socket, as the node configures it ----------------------------------------------------
+
+SOCKET_ENV = "VGPU_SERVER_SOCKET"  # the configuration's server.socket in the environment (vgpu/config.py)
+# Configuration files already said to be unusable, each said once per process (however many clients).
+_config_warned: set[str] = set()
+_config_warned_lock = threading.Lock()
+
+
+def _config_unusable(path: Path, why: str) -> str:
+    with _config_warned_lock:
+        first = str(path) not in _config_warned
+        _config_warned.add(str(path))
+    if first:
+        _log.warning("cannot take the daemon's socket from the configuration file: using the default",
+                     config_file=str(path), error=why, socket=config.DEFAULT_SOCKET_PATH,
+                     fix=f"make the file readable TOML, set {SOCKET_ENV}, or pass socket=")
+    return DEFAULT_SOCKET
+
+
+def default_socket(env: Mapping[str, str] | None = None, config_file: str | Path | None = None) -> str:
+    """The daemon's socket as the CLI finds it (vgpu/ctl.py, `vgpu.config.load`): `VGPU_SERVER_SOCKET`
+    in `env` (default os.environ), else `server.socket` of `config_file` (default
+    /etc/vgpu/vgpu.toml, read when it exists), else DEFAULT_SOCKET. Only that key is read, with the
+    standard library's TOML parser: a file that cannot be read, is no TOML, or whose server.socket
+    is no absolute path gives DEFAULT_SOCKET, said once in the log, and never fails the caller (the
+    CLI, stricter, refuses such a file with a configuration error)."""
+    env = os.environ if env is None else env
+    given = env.get(SOCKET_ENV)
+    if given is not None and given.strip():
+        if not os.path.isabs(config.socket_path(given.strip())):
+            # as the CLI, which refuses it: an environment the user set is not passed over in silence
+            raise ValueError(f"{SOCKET_ENV}={given!r} is not an absolute path: give the daemon's socket as "
+                             f"/path/to.sock, or pass socket=")
+        return given.strip()
+    path = config.DEFAULT_CONFIG_PATH if config_file is None else Path(config_file)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        # no file is the usual case (the CLI, too, reads the default file only when it exists);
+        # an explicit file that is missing is said
+        return DEFAULT_SOCKET if config_file is None else _config_unusable(path, "no such file")
+    except (OSError, UnicodeDecodeError) as exc:
+        return _config_unusable(path, getattr(exc, "strerror", None) or str(exc))
+    try:
+        server = tomllib.loads(text).get("server", {})
+    except (tomllib.TOMLDecodeError, RecursionError) as exc:
+        return _config_unusable(path, f"not valid TOML: {exc}")
+    value = server.get("socket") if isinstance(server, dict) else None
+    if value is None:
+        return DEFAULT_SOCKET
+    if not isinstance(value, str) or not os.path.isabs(config.socket_path(value)):
+        return _config_unusable(path, f"server.socket is not an absolute path: {value!r}")
+    return value.strip()
+
+
 # --- the application's token (the file itself: vgpu/tokenfile.py) -------------------------------------
 
 
@@ -273,9 +334,10 @@ def token_cache_dir(socket: str, env: Mapping[str, str] | None = None) -> Path:
     return base / "vgpu" / "tokens" / hashlib.sha256(_socket_key(socket).encode()).hexdigest()[:16]
 
 
-def app_token_path(app_id: str, socket: str = DEFAULT_SOCKET, env: Mapping[str, str] | None = None) -> Path:
-    """The file that keeps `app_id`'s token for the daemon at `socket` (named by a hash of the id, so
-    any id, however long or odd, gives a short, safe file name)."""
+def app_token_path(app_id: str, socket: str | None = None, env: Mapping[str, str] | None = None) -> Path:
+    """The file that keeps `app_id`'s token for the daemon at `socket` (default: `default_socket`, as
+    the stub's) (named by a hash of the id, so any id, however long or odd, gives a short, safe file name)."""
+    socket = default_socket(env) if socket is None else socket
     return token_cache_dir(socket, env) / (app_id_digest(app_id) + ".token")
 
 
@@ -900,6 +962,26 @@ def device_of_index(devices: allocator_pb2.GetAvailableResourcesResponse, text: 
     raise LookupError(f"no GPU with index {text} on this daemon (its GPUs: {known})")
 
 
+def _checked_job(job: object, where: str) -> JobConfig | allocator_pb2.JobConfig | None:
+    """`job` when it is a job (vgpu.jobs.JobConfig or the proto message) or None; else TypeError
+    saying what to pass, at once rather than as an AttributeError at the first request."""
+    if job is None or isinstance(job, JobConfig | allocator_pb2.JobConfig):
+        return job
+    raise TypeError(f"{where}: expected a vgpu.jobs.JobConfig (from vgpu.jobs import JobConfig; "
+                    f"JobConfig(model_type='resnet50', batch_size=64)), got {type(job).__name__} {job!r:.80}")
+
+
+def _job_config(job: JobConfig | allocator_pb2.JobConfig | None) -> JobConfig | None:
+    """`job` as a JobConfig; None for none, or for a proto message that is no valid job (the daemon
+    answers that one INVALID_ARGUMENT with the reason)."""
+    if job is None or isinstance(job, JobConfig):
+        return job
+    try:
+        return JobConfig.from_proto(job)
+    except InvalidJobConfig:
+        return None
+
+
 def _refused_pid(exc: grpc.RpcError) -> bool:
     """Whether the daemon refused a request for the pid it named (vgpu/auth.py `_pid_refusal`)."""
     return bool(exc.code() == grpc.StatusCode.PERMISSION_DENIED and "name process" in (exc.details() or ""))
@@ -943,12 +1025,15 @@ class VgpuClient:
     """One application's link to vgpu. Thread-safe; `close()` (or a `with` block) ends it.
 
     Arguments beyond `app_id` are optional: `socket` is the daemon's address (Unix socket path or
-    host:port), `job` the job's configuration (`vgpu.jobs.JobConfig` or the proto message; with
-    `request(memory_mib=0)` the daemon's cold-start model sizes the grant from it), `inapp_dir`
+    host:port; by default the node's, found as the CLI finds it: `VGPU_SERVER_SOCKET`, else
+    `server.socket` of `config_file`, default /etc/vgpu/vgpu.toml, else /run/vgpu/vgpu.sock:
+    `default_socket`), `job` the job's configuration (`vgpu.jobs.JobConfig` or the proto message,
+    anything else a TypeError; with `request()` and no memory_mib the daemon's cold-start model
+    sizes the grant from it, while a memory_mib given is granted as asked), `inapp_dir`
     where in-app counters go (the profiler's `--inapp-dir` and the daemon's `server.inapp_dir` must
     be the same directory: the daemon reads this process's report there as the proof of its pid,
     and refuses a request naming a pid it cannot verify), `token` / `token_file` the application's identity (module docstring,
-    "Identity"; `env` stands in for os.environ when finding the default token file). `channel`,
+    "Identity"; `env` stands in for os.environ when finding the default socket and token file). `channel`,
     `torch_module`, `clock`, `pid` and `sleep` exist for tests. `ready_wait_s` is how long `request()`
     and `release()` wait for a daemon that does not listen yet, or answers that it is not ready, before
     failing with UNAVAILABLE (0: at once; as the CLI's `--wait-s`). `serving_max_age_s` is how long a
@@ -963,7 +1048,7 @@ class VgpuClient:
         self,
         app_id: str,
         *,
-        socket: str = DEFAULT_SOCKET,
+        socket: str | None = None,
         job: JobConfig | allocator_pb2.JobConfig | None = None,
         inapp_dir: str | Path = DEFAULT_INAPP_DIR,
         report_period_s: float = 1.0,
@@ -984,6 +1069,7 @@ class VgpuClient:
         serving_max_age_s: float = INAPP_MAX_AGE_S,
         ready_wait_s: float = NOT_READY_WAIT_S,
         on_event: Callable[[allocator_pb2.AllocationEvent], None] | None = None,
+        config_file: str | Path | None = None,
     ) -> None:
         if not app_id or not app_id.strip():
             raise ValueError("app_id must be a non-empty string")
@@ -992,7 +1078,8 @@ class VgpuClient:
         if report_period_s <= 0:
             raise ValueError(f"report_period_s must be positive, got {report_period_s}")
         self.app_id = app_id
-        self.job = job
+        self.job = _checked_job(job, "VgpuClient(job=...)")
+        socket = default_socket(env, config_file) if socket is None else socket
         self._on_event = on_event
         self.inapp_dir = Path(inapp_dir)
         self._report_period_s = report_period_s
@@ -1077,7 +1164,7 @@ class VgpuClient:
             raise ValueError(f"memory_mib must be a non-negative number, got {memory_mib}")
         if not 0 <= sm_pct <= 100:
             raise ValueError(f"sm_pct must be within 0-100, got {sm_pct}")
-        job = job if job is not None else self.job
+        job = _checked_job(job, "request(job=...)") if job is not None else self.job
         if job is None and memory_mib == 0 and sm_pct == 0:
             # nothing to size and nothing asked: the daemon would grant 0 MiB, which no job wants
             raise ValueError("request() asks for nothing: give memory_mib (and/or sm_pct), or a job "
@@ -1087,6 +1174,15 @@ class VgpuClient:
             # the name is the application's own and nothing is said); a typo should not pass unnoticed
             self._warn_once(f"unknown_model:{job.model_type}",
                             unknown_model_note(job.model_type, param_count_arg="JobConfig(param_count=...)"))
+        config_job = _job_config(job)
+        if config_job is not None and memory_mib == 0 and config_job.optimizer_unknown and config_job.mode_norm == "train":
+            # sized all the same, as with no optimizer given; a typo should not pass unnoticed
+            self._warn_once(f"unknown_optimizer:{config_job.optimizer}", unknown_optimizer_note(config_job.optimizer))
+        if job is not None and memory_mib > 0:
+            # the daemon sizes a job only for a request of memory_mib 0: given both, the job is sent
+            # (and kept with the grant) but the grant is memory_mib
+            self._warn_once("job_not_sized", "the job is not sized: memory_mib given", memory_mib=memory_mib,
+                            fix="call request() without memory_mib to have the job's cold-start size granted")
         req = allocator_pb2.ResourceRequest(
             app_id=self.app_id,
             device_id=device_id,
@@ -1157,12 +1253,13 @@ class VgpuClient:
                 self._mem_limit_kind = resp.mem_limit
         return resp.grant
 
-    def _wait_until_listening(self, wait_s: float) -> None:
+    def _wait_until_listening(self, wait_s: float, *, notice: bool = True) -> None:
         """Wait up to `wait_s` for the daemon to listen on its socket: a health check sent with gRPC's
         `wait_for_ready`, which goes out only once the connection is up (it reads nothing and changes
         nothing, so the call that follows is sent once, as without the wait). Any answer means the
         daemon listens. When it does not listen in time this returns all the same, and the call that
-        follows fails with UNAVAILABLE and the reason (no socket, refused, no permission)."""
+        follows fails with UNAVAILABLE and the reason (no socket, refused, no permission). `notice`:
+        say (once) that it waits, when it has waited LISTEN_NOTICE_AFTER_S."""
         if wait_s <= 0:
             return
         check = health_pb2_grpc.HealthStub(self._channel).Check  # type: ignore[attr-defined]
@@ -1175,6 +1272,9 @@ class VgpuClient:
             return True
 
         if listens(min(wait_s, LISTEN_NOTICE_AFTER_S)) or wait_s <= LISTEN_NOTICE_AFTER_S:
+            return
+        if not notice:
+            listens(wait_s - LISTEN_NOTICE_AFTER_S)
             return
         self._warn_once("not_listening", f"the daemon does not listen yet; waiting up to {wait_s:g} s (ready_wait_s)",
                         socket=self._socket)
@@ -1231,26 +1331,63 @@ class VgpuClient:
         _log.info("application token saved", app_id=self.app_id, token_file=str(self.token_file))
 
     def release(self, grant_id: str | None = None, *, wait_s: float | None = None) -> list[allocator_pb2.Grant]:
-        """Release one grant, or every grant this client holds; the released grants. Each call waits up
-        to `wait_s` (default `ready_wait_s`) for a daemon that does not listen (one starting or
-        restarting) before failing with UNAVAILABLE. ClientClosedError after `close()`."""
+        """Release one grant, or every grant this client holds; the released grants. The call waits up
+        to `wait_s` for a daemon that does not listen (one starting or restarting) before failing
+        with UNAVAILABLE; by default `ready_wait_s`, or at most ABSENT_SOCKET_WAIT_S when the
+        daemon's Unix socket does not exist (a stopped daemon). A daemon it cannot reach is said
+        in one warning, as `request()` does, saying what becomes of the grants, and the
+        grpc.RpcError (UNAVAILABLE) is raised. ClientClosedError after `close()`."""
         self._check_open("release")
-        return self._release(grant_id, self._ready_wait_s if wait_s is None else wait_s)
+        return self._release(grant_id, self._ready_wait_s if wait_s is None else wait_s, bounded=wait_s is None)
 
-    def _release(self, grant_id: str | None, wait_s: float) -> list[allocator_pb2.Grant]:
+    def _socket_absent(self) -> bool:
+        """Whether the daemon's address is a Unix socket path on which nothing exists."""
+        target = grpc_target(self._socket)
+        if not target.startswith("unix:"):
+            return False  # host:port, or an abstract socket: nothing to look at
+        return not os.path.exists(config.socket_path(target))
+
+    def _release(self, grant_id: str | None, wait_s: float, *, bounded: bool) -> list[allocator_pb2.Grant]:
+        """ReleaseResources for `grant_id`, or every grant held, all within one wait of `wait_s` for
+        the daemon to listen (ABSENT_SOCKET_WAIT_S at most when `bounded` and its socket is absent)."""
         with self._lock:
             ids = [grant_id] if grant_id is not None else list(self._grants)
-        released = []
+        if not ids:
+            return []
+        absent = bounded and self._socket_absent()
+        if absent:
+            wait_s = min(wait_s, ABSENT_SOCKET_WAIT_S)
+        deadline = time.monotonic() + wait_s
+        released: list[allocator_pb2.Grant] = []
         for gid in ids:
-            self._wait_until_listening(wait_s)
-            resp = self._stub.ReleaseResources(
-                allocator_pb2.ReleaseResourcesRequest(grant_id=gid),
-                timeout=self._timeout_s,
-                metadata=self._call_metadata(),
-            )
+            self._wait_until_listening(max(0.0, deadline - time.monotonic()), notice=not absent)
+            try:
+                resp = self._stub.ReleaseResources(
+                    allocator_pb2.ReleaseResourcesRequest(grant_id=gid),
+                    timeout=self._timeout_s,
+                    metadata=self._call_metadata(),
+                )
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    self._warn_unreachable_release([i for i in ids if i not in {g.grant_id for g in released}],
+                                                   wait_s, absent, exc)
+                raise
             self._on_grant(resp.released, released=True, grant_id=gid)
             released.append(resp.released)
         return released
+
+    def _warn_unreachable_release(self, ids: list[str], waited_s: float, absent: bool, exc: grpc.RpcError) -> None:
+        """Say once what becomes of grants a release could not reach the daemon for."""
+        with self._lock:
+            no_pid = any(not self._grants[i].pid for i in ids if i in self._grants)
+        fate = ("they stay held until the daemon sees this process gone and releases them (at its next start "
+                "at the latest)")
+        if no_pid:
+            fate += "; a grant that names no process stays until server.idle_release_s passes without a sign of life"
+        extra = ({"socket_absent": f"nothing at the socket: the daemon is stopped; waited {waited_s:g} s for it, "
+                                   "not ready_wait_s"} if absent else {"waited_s": waited_s})
+        self._warn_once("release_unreachable", f"cannot reach the vgpu daemon to release the grants: {fate}",
+                        socket=self._socket, grants=ids, reason=exc.details(), **extra)
 
     def report_serving(self, counters: ServingCounters) -> None:
         """Report a serving engine's counters (requests running and waiting, KV cache in use and its
@@ -1267,12 +1404,27 @@ class VgpuClient:
             self._serving = counters
             self._serving_at_s = self._clock()
 
-    def step(self, n: int = 1) -> int:
-        """Mark `n` finished steps (training iterations or inference batches); the new step count."""
+    def step(self, n: int | float = 1) -> int:
+        """Mark `n` finished steps (training iterations or inference batches); the new step count.
+        `n` is a whole number >= 0 (an int, or a float with no fraction); the count stays within the
+        profiler's bound for it (`INAPP_MAX["step"]`, 2**53, beyond which a double no longer counts
+        exactly). TypeError for anything but a number, ValueError for a fraction, a NaN or infinity,
+        a negative `n` or a count past the bound: the count is left as it was, so one bad call never
+        spoils every later report."""
+        if isinstance(n, bool) or not isinstance(n, int | float):
+            raise TypeError(f"step(n): n must be a whole number of steps, got {n!r} ({type(n).__name__})")
+        if isinstance(n, float) and not n.is_integer():
+            # NaN and infinity included: is_integer() is False for them
+            why = "not finite" if not math.isfinite(n) else "not a whole number"
+            raise ValueError(f"step(n): n is {why} ({n!r}); give a whole number of steps")
         if n < 0:
-            raise ValueError("step count only grows")
+            raise ValueError(f"step(n): the step count only grows, got n={n!r}")
+        most = INAPP_MAX["step"]
         with self._lock:
-            self._step += n
+            if self._step + n > most:
+                raise ValueError(f"step(n): the step count would pass {most:.0f}, the profiler's bound for it "
+                                 f"(now {self._step}, n={n!r})")
+            self._step += int(n)
             return self._step
 
     @property
@@ -1457,7 +1609,9 @@ class VgpuClient:
             return not any(g.device_id == uuid for g in self._grants.values())
 
     def close(self, *, release: bool = True) -> None:
-        """Stop the threads, release the grants (best effort), remove the in-app file, close the channel.
+        """Stop the threads, release the grants (best effort: waiting up to CLOSE_RELEASE_WAIT_S for a
+        daemon that does not listen, ABSENT_SOCKET_WAIT_S when its socket does not exist, and saying in
+        one warning what becomes of grants it could not release), remove the in-app file, close the channel.
         A second call does nothing. After it, `request()`, `release()` and `report_now()` raise
         ClientClosedError and no in-app file is written again; `step()`, `report_serving()`,
         `counters()` and the properties go on answering from memory. An application that exits without
@@ -1473,9 +1627,12 @@ class VgpuClient:
             try:
                 # A daemon in the middle of a restart is waited for briefly: otherwise the grants
                 # would stay until its idle release.
-                self._release(None, CLOSE_RELEASE_WAIT_S)
+                self._release(None, CLOSE_RELEASE_WAIT_S, bounded=True)
             except grpc.RpcError as exc:
-                _log.warning("release on close failed", app_id=self.app_id, code=str(exc.code()))
+                # UNAVAILABLE was said by _release, with what becomes of the grants
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    _log.warning("release on close failed", app_id=self.app_id, code=str(exc.code()),
+                                 reason=exc.details())
         for t in self._threads:
             t.join(timeout=5.0)
         # Under the report's lock: a report being written now finishes first and is removed, and none

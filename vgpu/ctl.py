@@ -52,7 +52,15 @@ from google.protobuf.message import Message
 from vgpu import auth
 from vgpu import client as vclient
 from vgpu import config as vconfig
-from vgpu.jobs import MODES, PRECISIONS, InvalidJobConfig, JobConfig, known_model, unknown_model_note
+from vgpu.jobs import (
+    MODES,
+    PRECISIONS,
+    InvalidJobConfig,
+    JobConfig,
+    known_model,
+    unknown_model_note,
+    unknown_optimizer_note,
+)
 from vgpu.v1 import allocator_pb2 as pb
 from vgpu.v1 import allocator_pb2_grpc as pb_grpc
 
@@ -759,12 +767,14 @@ def request_main(argv: Sequence[str] | None = None, prog: str = "vgpu request", 
                              f"{'it' if len(stray) == 1 else 'them'} out")
         if ns.memory_mib is None and not ns.model_type:
             raise UsageError("give --memory-mib, or describe the job (--model-type, --batch-size, ...) to have it sized")
-        if ns.model_type:
-            _check_job(ns)
+        job = _check_job(ns) if ns.model_type else None
         if ns.model_type and not ns.param_count and known_model(ns.model_type) is None:
             # a model of one's own is sized all the same (from --param-count, when given: then nothing
             # is said); a typo should not pass unnoticed
             print(f"{prog}: warning: {unknown_model_note(ns.model_type)}", file=sys.stderr)
+        if job is not None and not ns.memory_mib and job.optimizer_unknown and job.mode_norm == "train":
+            # sized as Adam, as with no optimizer given; a typo should not pass unnoticed either
+            print(f"{prog}: warning: {unknown_optimizer_note(ns.optimizer)}", file=sys.stderr)
         req = pb.RequestResourceAllocationRequest(
             request=pb.ResourceRequest(
                 app_id=ns.app, memory_mib=ns.memory_mib or 0.0, sm_pct=ns.sm_pct, device_id=_device_arg(c, ns.device),
@@ -826,7 +836,7 @@ LEASE_NOTE = ("note: no --pid, so no process holds this grant: unless {app!r} sh
 _JOB_DETAILS = ("batch_size", "param_count", "input_size", "num_layers", "precision", "optimizer", "mode")
 
 
-def _check_job(ns: argparse.Namespace) -> None:
+def _check_job(ns: argparse.Namespace) -> JobConfig:
     """UsageError for a job the daemon would refuse INVALID_ARGUMENT, checked as it checks it: every
     job by vgpu.jobs.JobConfig (its precision and mode among PRECISIONS and MODES), and a job to be
     sized (no --memory-mib) by JobConfig.check_sizable (a batch of at least 1)."""
@@ -835,6 +845,7 @@ def _check_job(ns: argparse.Namespace) -> None:
                         ns.optimizer, ns.mode)
         if not ns.memory_mib:
             job.check_sizable()
+        return job
     except InvalidJobConfig as exc:
         # the message names the job's field; the option of the same name says it as typed
         field = next((f for f in ("model_type", *_JOB_DETAILS) if re.search(rf"\b{f}\b", str(exc))), None)

@@ -24,6 +24,9 @@ OPTIMIZERS: tuple[str, ...] = ("unknown", "none", "sgd", "adam", "adamw", "rmspr
 # are far shorter. Each field ends up in log records, sizing notes and error messages, and the
 # sizer's name matching reads it whole, so a longer one is refused before anything reads it.
 MAX_JOB_TEXT_CHARS = {"model_type": 256, "precision": 32, "optimizer": 32, "mode": 32}
+# The largest value of each integer field: the proto's types (allocator.proto JobConfig: uint64
+# param_count, uint32 the others), beyond which the message cannot carry the job at all.
+JOB_INT_MAX = {"param_count": 2**64 - 1, "batch_size": 2**32 - 1, "input_size": 2**32 - 1, "num_layers": 2**32 - 1}
 FAMILIES: tuple[str, ...] = ("transformer", "vit", "cnn", "mlp", "rnn", "gan", "gnn", "embedding", "recsys", "rl", "other")
 
 # Keyword -> family, tried in order on the lower-cased model type (first match wins). Keywords of
@@ -122,12 +125,15 @@ class JobConfig:
                 raise InvalidJobConfig(f"{name} must be text, got {type(text).__name__}")
             if len(text) > most:
                 raise InvalidJobConfig(f"{name} is {len(text)} characters long; at most {most} are allowed")
-        for name in ("param_count", "batch_size", "input_size", "num_layers"):
+        for name, most in JOB_INT_MAX.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise InvalidJobConfig(f"{name} must be an integer, got {value!r}")
             if value < 0:
                 raise InvalidJobConfig(f"{name} must be >= 0, got {value}")
+            if value > most:
+                bits = 64 if most == 2**64 - 1 else 32
+                raise InvalidJobConfig(f"{name} must be within 0..{most} (the message's {bits}-bit field), got {value}")
         if self.precision.strip().lower() not in PRECISIONS + ("",):
             raise InvalidJobConfig(f"unknown precision {self.precision!r}; expected one of {', '.join(PRECISIONS)}")
         if self.mode.strip().lower() not in MODES + ("",):
@@ -148,6 +154,12 @@ class JobConfig:
         if self.mode_norm == "infer" and name in ("", "none"):
             return "none"
         return name if name in OPTIMIZERS else "unknown"
+
+    @property
+    def optimizer_unknown(self) -> bool:
+        """Whether an optimizer was given that is not one of OPTIMIZERS (a typo, or one the sizer
+        does not know): sized as one not given, but said as unknown, not as missing."""
+        return self.optimizer.strip().lower() not in (*OPTIMIZERS, "")
 
     @property
     def family(self) -> str:
@@ -308,6 +320,12 @@ def unknown_model_note(model_type: str, *, param_count_arg: str = "--param-count
     return (f"unknown model type {model_type!r} (not in vgpu.jobs.KNOWN_MODELS): {hint} "
             f"Sized from its family's defaults; give {param_count_arg} for a model of your own")
 
+def unknown_optimizer_note(optimizer: str) -> str:
+    """What is said of an optimizer given but not known (sized as Adam, as one not given)."""
+    known = ", ".join(o for o in OPTIMIZERS if o != "unknown")
+    return f"unknown optimizer {optimizer!r} (known: {known}): assumed Adam (8 bytes of state per parameter)"
+
+
 # For a model not in the table: the input size its family usually runs at.
 _FAMILY_INPUT = {"cnn": 224, "vit": 224, "transformer": 512, "gan": 256}
 
@@ -316,7 +334,9 @@ _FAMILY_INPUT = {"cnn": 224, "vit": 224, "transformer": 512, "gan": 256}
 class PhysicsEstimate:
     """What a job needs by construction, in MiB. `floor_mib` holds what cannot be avoided (weights,
     gradients, optimizer state, context, and half the estimated activations); `estimate_mib` the
-    full figure. `missing` names the inputs that were not given and were assumed (see `assumed`)."""
+    full figure. `missing` names the inputs that were not given and were assumed (see `assumed`);
+    `unknown` those that were given but not known, and were assumed as if not given (`notes` says
+    what was assumed for them)."""
 
     weights_mib: float
     gradients_mib: float  # gradients and fp32 master weights
@@ -327,6 +347,8 @@ class PhysicsEstimate:
     param_source: str  # "given", "known model <name>" or "none"
     missing: tuple[str, ...]
     assumed: tuple[str, ...]
+    unknown: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
 
     @property
     def estimate_mib(self) -> float:
@@ -341,6 +363,8 @@ def physics_estimate(job: JobConfig) -> PhysicsEstimate:
     """The memory `job` needs from its parameters, precision, mode, optimizer, batch and input size."""
     missing: list[str] = []
     assumed: list[str] = []
+    unknown: list[str] = []
+    notes: list[str] = []
     found = known_model(job.model_type)
     entry = found[1] if found else None
     family = job.family
@@ -357,7 +381,10 @@ def physics_estimate(job: JobConfig) -> PhysicsEstimate:
     optimizer = 0.0
     if train:
         opt = job.optimizer_norm
-        if opt == "unknown":
+        if job.optimizer_unknown:
+            unknown.append("optimizer")
+            notes.append(unknown_optimizer_note(job.optimizer))
+        elif opt == "unknown":
             missing.append("optimizer")
             assumed.append("Adam (8 bytes of state per parameter)")
         optimizer = params * OPTIMIZER_BYTES[opt] / MIB
@@ -421,6 +448,8 @@ def physics_estimate(job: JobConfig) -> PhysicsEstimate:
         param_source=source,
         missing=tuple(dict.fromkeys(missing)),
         assumed=tuple(assumed),
+        unknown=tuple(unknown),
+        notes=tuple(notes),
     )
 
 
@@ -437,4 +466,5 @@ __all__ = [
     "known_model",
     "model_family",
     "physics_estimate",
+    "unknown_optimizer_note",
 ]
