@@ -199,6 +199,11 @@ def test_the_stub_declaring_its_job_again_holds_one_grant_across_a_restart(
         assert _line(app)["tag"] == "closed"
         assert app.wait(30) == 0
         assert _grants(env, "twice") == []  # leaving the block released both
+        assert app.stderr is not None
+        said = app.stderr.read()
+        # the stub says so, once for its grant however often the daemon answered with it
+        assert said.count("this process already holds a cold-start grant for this job") == 1, said
+        assert mine in said
     finally:
         if app.poll() is None:
             app.kill()

@@ -197,6 +197,9 @@ _REFUSALS = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.PERMISSION_DENI
 
 AUTH_METADATA_KEY = "authorization"  # as vgpu/auth.py: `authorization: Bearer <token>`
 APP_TOKEN_TRAILER = "vgpu-app-token"  # the trailer that carries a newly claimed app's token
+# as allocator/service.py: the trailer naming the cold-start grant a request was answered with because
+# its process already held it for the same job
+GRANT_HELD_TRAILER = "vgpu-grant-held"
 
 
 T = TypeVar("T")
@@ -1243,6 +1246,11 @@ class VgpuClient:
                                      "waits longer for a daemon that is starting")
                 raise
         self._keep_token(call)
+        if dict(call.trailing_metadata() or ()).get(GRANT_HELD_TRAILER) == resp.grant.grant_id:
+            # the daemon answered with the cold-start grant this process already holds for this job
+            self._warn_once(f"held:{resp.grant.grant_id}", "this process already holds a cold-start grant for this "
+                            "job: the daemon answered with it, and no second grant was made",
+                            grant=resp.grant.grant_id, memory_mib=round(resp.grant.memory_mib))
         if req.pid == self.pid and resp.grant.pid:
             with self._lock:
                 self._daemon_pid = resp.grant.pid

@@ -806,7 +806,7 @@ def request_main(argv: Sequence[str] | None = None, prog: str = "vgpu request", 
                      if resp.grant.HasField("cold_start_mib") else "")
             # the grant the process (--pid) already held for this job: nothing new was granted
             held = (" (already held by this process for this job: no second grant)"
-                    if trailers.get(GRANT_HELD_KEY) == resp.grant.grant_id else "")
+                    if trailers.get(vclient.GRANT_HELD_TRAILER) == resp.grant.grant_id else "")
             # rounded as the tables show them (a sized grant is 12250.8 MiB, 63.8274 %); --json has them exact
             o.write(f"{'held' if held else 'granted'} {grant['grant_id']}: {resp.grant.memory_mib:,.0f} MiB, "
                     f"{resp.grant.sm_pct:.0f} % SM on {resp.grant.device_id} for {resp.grant.app_id}{sized}{held}\n")
@@ -817,11 +817,6 @@ def request_main(argv: Sequence[str] | None = None, prog: str = "vgpu request", 
         return 0
 
     return _run(prog, argv, build, body, out, env)
-
-
-# Trailing metadata of a request answered with the cold-start grant its process already held for the
-# same job (as allocator/service.py sends it): the grant's id.
-GRANT_HELD_KEY = "vgpu-grant-held"
 
 
 # Said after a grant asked for with no --pid: nothing ties it to a process, so it lasts only while the
