@@ -27,8 +27,8 @@ from vgpu.jobs import InvalidJobConfig, JobConfig
 def quiet(tmp_path: Path, **kw: object) -> VgpuClient:
     """A client with no threads and its own configuration directory (tokens) and in-app directory."""
     kw.setdefault("env", {"XDG_CONFIG_HOME": str(tmp_path / "config")})
-    return VgpuClient("usage", inapp_dir=tmp_path / "inapp", watch=False, report=False,  # type: ignore[arg-type]
-                      torch_module=None, **kw)
+    kw.setdefault("inapp_dir", tmp_path / "inapp")  # None: the node's, as an application gets it
+    return VgpuClient("usage", watch=False, report=False, torch_module=None, **kw)  # type: ignore[arg-type]
 
 
 # --- step() -------------------------------------------------------------------------------------------
@@ -119,15 +119,18 @@ def test_an_unusable_configuration_file_gives_the_default_socket_said_once(tmp_p
         conf.mkdir()
     else:
         conf.write_text(content)
-    vclient._config_warned.discard(str(conf))
+    vclient._config_warned.difference_update({(str(conf), ""), (str(conf), "socket")})
     home = {"XDG_CONFIG_HOME": str(tmp_path / "config")}
     with capture_logs() as logs:
         for _ in range(2):  # a second client, as an application with two, is not told again
-            with quiet(tmp_path, env=home, config_file=conf) as c:
+            with quiet(tmp_path, env=home, config_file=conf, inapp_dir=None) as c:
                 assert c.token_file == app_token_path("usage", DEFAULT_SOCKET, home)
+                assert c.inapp_dir == vclient.DEFAULT_INAPP_DIR
     said = [e for e in logs if "configuration file" in e["event"]]
+    # one line for the file, whichever settings the stub reads from it; a bad socket value its own line
     assert len(said) == 1, logs
-    assert said[0]["config_file"] == str(conf) and said[0]["socket"] == "/run/vgpu/vgpu.sock"
+    assert said[0]["config_file"] == str(conf)
+    assert said[0].get("default", DEFAULT_SOCKET) == DEFAULT_SOCKET
 
 
 def test_a_relative_socket_in_the_environment_is_refused_naming_the_variable(tmp_path: Path) -> None:
@@ -138,6 +141,25 @@ def test_a_relative_socket_in_the_environment_is_refused_naming_the_variable(tmp
 def test_no_configuration_file_and_no_variable_is_the_built_in_default(tmp_path: Path) -> None:
     assert vclient.default_socket({}, tmp_path / "none.toml") == DEFAULT_SOCKET
     assert vclient.default_socket({}, None) == vclient.default_socket({}, vclient.config.DEFAULT_CONFIG_PATH)
+    assert vclient.default_inapp_dir({}, tmp_path / "none.toml") == vclient.DEFAULT_INAPP_DIR
+
+
+def test_the_in_app_directory_follows_the_node_as_the_socket_does(tmp_path: Path) -> None:
+    """A node whose daemon reads in-app reports elsewhere (server.inapp_dir in the file or the
+    environment, as `vgpu serve` reads it): the stub writes there, so its counters and its pid's proof
+    reach the daemon; inapp_dir= wins."""
+    conf = tmp_path / "vgpu.toml"
+    conf.write_text(f'[server]\ninapp_dir = "{tmp_path / "from-file"}"\n')
+    home = {"XDG_CONFIG_HOME": str(tmp_path / "config")}
+    with quiet(tmp_path, env=home, config_file=conf, socket=str(tmp_path / "none.sock"), inapp_dir=None) as c:
+        assert c.inapp_dir == tmp_path / "from-file"
+    env = {**home, "VGPU_SERVER_INAPP_DIR": str(tmp_path / "from-env")}
+    with quiet(tmp_path, env=env, config_file=conf, socket=str(tmp_path / "none.sock"), inapp_dir=None) as c:
+        assert c.inapp_dir == tmp_path / "from-env"
+    with quiet(tmp_path, env=env, config_file=conf, socket=str(tmp_path / "none.sock"), inapp_dir=tmp_path / "arg") as c:
+        assert c.inapp_dir == tmp_path / "arg"
+    with pytest.raises(ValueError, match="VGPU_SERVER_INAPP_DIR"):
+        vclient.default_inapp_dir({"VGPU_SERVER_INAPP_DIR": "run/inapp"}, conf)
 
 
 # --- the job ------------------------------------------------------------------------------------------

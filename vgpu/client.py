@@ -264,56 +264,81 @@ def grpc_target(address: str) -> str:
 # --- the daemon's socket, as the node configures it ----------------------------------------------------
 
 SOCKET_ENV = "VGPU_SERVER_SOCKET"  # the configuration's server.socket in the environment (vgpu/config.py)
-# Configuration files already said to be unusable, each said once per process (however many clients).
-_config_warned: set[str] = set()
+INAPP_DIR_ENV = "VGPU_SERVER_INAPP_DIR"  # and its server.inapp_dir
+# (configuration file, key) pairs already said to be unusable, each said once per process (however many clients)
+_config_warned: set[tuple[str, str]] = set()
 _config_warned_lock = threading.Lock()
 
 
-def _config_unusable(path: Path, why: str) -> str:
+def _config_unusable(path: Path, key: str | None, why: str, default: str, env_var: str, arg: str) -> str:
+    """`default`, after saying once per process why the file (`key` None: the whole file, for every
+    setting the stub reads from it) or its `server.key` cannot be used."""
     with _config_warned_lock:
-        first = str(path) not in _config_warned
-        _config_warned.add(str(path))
+        first = (str(path), key or "") not in _config_warned
+        _config_warned.add((str(path), key or ""))
     if first:
-        _log.warning("cannot take the daemon's socket from the configuration file: using the default",
-                     config_file=str(path), error=why, socket=config.DEFAULT_SOCKET_PATH,
-                     fix=f"make the file readable TOML, set {SOCKET_ENV}, or pass socket=")
-    return DEFAULT_SOCKET
+        what = "the daemon's settings" if key is None else f"the daemon's server.{key}"
+        _log.warning(f"cannot take {what} from the configuration file: using the default",
+                     config_file=str(path), error=why, **({} if key is None else {"default": default}),
+                     fix=f"make the file readable TOML, set {env_var}, or pass {arg}=" if key is not None else
+                         "make the file readable TOML, or set the settings in the environment (VGPU_SERVER_*)")
+    return default
 
 
-def default_socket(env: Mapping[str, str] | None = None, config_file: str | Path | None = None) -> str:
-    """The daemon's socket as the CLI finds it (vgpu/ctl.py, `vgpu.config.load`): `VGPU_SERVER_SOCKET`
-    in `env` (default os.environ), else `server.socket` of `config_file` (default
-    /etc/vgpu/vgpu.toml, read when it exists), else DEFAULT_SOCKET. Only that key is read, with the
-    standard library's TOML parser: a file that cannot be read, is no TOML, or whose server.socket
-    is no absolute path gives DEFAULT_SOCKET, said once in the log, and never fails the caller (the
-    CLI, stricter, refuses such a file with a configuration error)."""
+def _server_setting(key: str, env_var: str, default: str, arg: str, env: Mapping[str, str] | None,
+                    config_file: str | Path | None, *, as_path: Callable[[str], str] = lambda v: v) -> str:
+    """`[server] key` as the CLI finds it (vgpu/ctl.py, `vgpu.config.load`): `env_var` in `env`
+    (default os.environ), else `key` of `config_file` (default /etc/vgpu/vgpu.toml, read when it
+    exists), else `default`. Only that key is read, with the standard library's TOML parser: a file
+    that cannot be read, is no TOML, or whose value is no absolute path (`as_path` makes the value a
+    path first) gives `default`, said once in the log, and never fails the caller (the CLI,
+    stricter, refuses such a file with a configuration error). An environment value that is no
+    absolute path raises ValueError, as the CLI refuses it."""
     env = os.environ if env is None else env
-    given = env.get(SOCKET_ENV)
+    given = env.get(env_var)
     if given is not None and given.strip():
-        if not os.path.isabs(config.socket_path(given.strip())):
+        if not os.path.isabs(as_path(given.strip())):
             # as the CLI, which refuses it: an environment the user set is not passed over in silence
-            raise ValueError(f"{SOCKET_ENV}={given!r} is not an absolute path: give the daemon's socket as "
-                             f"/path/to.sock, or pass socket=")
+            raise ValueError(f"{env_var}={given!r} is not an absolute path: give the daemon's server.{key} as an "
+                             f"absolute path, or pass {arg}=")
         return given.strip()
     path = config.DEFAULT_CONFIG_PATH if config_file is None else Path(config_file)
+
+    def unusable(why: str, of_key: bool = False) -> str:
+        return _config_unusable(path, key if of_key else None, why, default, env_var, arg)
+
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         # no file is the usual case (the CLI, too, reads the default file only when it exists);
         # an explicit file that is missing is said
-        return DEFAULT_SOCKET if config_file is None else _config_unusable(path, "no such file")
+        return default if config_file is None else unusable("no such file")
     except (OSError, UnicodeDecodeError) as exc:
-        return _config_unusable(path, getattr(exc, "strerror", None) or str(exc))
+        return unusable(getattr(exc, "strerror", None) or str(exc))
     try:
         server = tomllib.loads(text).get("server", {})
     except (tomllib.TOMLDecodeError, RecursionError) as exc:
-        return _config_unusable(path, f"not valid TOML: {exc}")
-    value = server.get("socket") if isinstance(server, dict) else None
+        return unusable(f"not valid TOML: {exc}")
+    value = server.get(key) if isinstance(server, dict) else None
     if value is None:
-        return DEFAULT_SOCKET
-    if not isinstance(value, str) or not os.path.isabs(config.socket_path(value)):
-        return _config_unusable(path, f"server.socket is not an absolute path: {value!r}")
+        return default
+    if not isinstance(value, str) or not os.path.isabs(as_path(value)):
+        return unusable(f"server.{key} is not an absolute path: {value!r}", of_key=True)
     return value.strip()
+
+
+def default_socket(env: Mapping[str, str] | None = None, config_file: str | Path | None = None) -> str:
+    """The daemon's socket as the CLI finds it: `VGPU_SERVER_SOCKET`, else `server.socket` of
+    `config_file` (default /etc/vgpu/vgpu.toml), else DEFAULT_SOCKET (`_server_setting`)."""
+    return _server_setting("socket", SOCKET_ENV, DEFAULT_SOCKET, "socket", env, config_file,
+                           as_path=config.socket_path)
+
+
+def default_inapp_dir(env: Mapping[str, str] | None = None, config_file: str | Path | None = None) -> Path:
+    """The directory the daemon reads in-app reports from, as it finds it: `VGPU_SERVER_INAPP_DIR`,
+    else `server.inapp_dir` of `config_file` (default /etc/vgpu/vgpu.toml), else DEFAULT_INAPP_DIR
+    (`_server_setting`): a stub writing anywhere else sends no in-app counters and cannot prove its pid."""
+    return Path(_server_setting("inapp_dir", INAPP_DIR_ENV, str(DEFAULT_INAPP_DIR), "inapp_dir", env, config_file))
 
 
 # --- the application's token (the file itself: vgpu/tokenfile.py) -------------------------------------
@@ -1033,7 +1058,9 @@ class VgpuClient:
     `default_socket`), `job` the job's configuration (`vgpu.jobs.JobConfig` or the proto message,
     anything else a TypeError; with `request()` and no memory_mib the daemon's cold-start model
     sizes the grant from it, while a memory_mib given is granted as asked), `inapp_dir`
-    where in-app counters go (the profiler's `--inapp-dir` and the daemon's `server.inapp_dir` must
+    where in-app counters go (by default the node's, found as the socket is: `VGPU_SERVER_INAPP_DIR`,
+    else `server.inapp_dir` of `config_file`, else /run/vgpu/inapp: `default_inapp_dir`; the
+    profiler's `--inapp-dir` and the daemon's `server.inapp_dir` must
     be the same directory: the daemon reads this process's report there as the proof of its pid,
     and refuses a request naming a pid it cannot verify), `token` / `token_file` the application's identity (module docstring,
     "Identity"; `env` stands in for os.environ when finding the default socket and token file). `channel`,
@@ -1053,7 +1080,7 @@ class VgpuClient:
         *,
         socket: str | None = None,
         job: JobConfig | allocator_pb2.JobConfig | None = None,
-        inapp_dir: str | Path = DEFAULT_INAPP_DIR,
+        inapp_dir: str | Path | None = None,
         report_period_s: float = 1.0,
         watch: bool = True,
         report: bool = True,
@@ -1084,7 +1111,7 @@ class VgpuClient:
         self.job = _checked_job(job, "VgpuClient(job=...)")
         socket = default_socket(env, config_file) if socket is None else socket
         self._on_event = on_event
-        self.inapp_dir = Path(inapp_dir)
+        self.inapp_dir = default_inapp_dir(env, config_file) if inapp_dir is None else Path(inapp_dir)
         self._report_period_s = report_period_s
         self._torch_device = torch_device
         self._metadata = tuple(metadata)
