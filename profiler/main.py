@@ -33,7 +33,7 @@ from typing import Any
 import structlog
 
 from vgpu import auth, log
-from vgpu.client import DEFAULT_INAPP_DIR, DEFAULT_SOCKET, device_of_index, grpc_target, is_device_index
+from vgpu.client import default_inapp_dir, default_socket, device_of_index, grpc_target, is_device_index
 from vgpu.gc_freeze import freeze_startup_heap, thaw_heap
 from vgpu.profiler.source import SignatureSource
 from vgpu.profiler.stream import SignatureStreamer, StreamStats
@@ -41,7 +41,10 @@ from vgpu.profiler.stream import SignatureStreamer, StreamStats
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Stream behavioural signatures of GPU applications.")
-    p.add_argument("--manager", default=DEFAULT_SOCKET, help="manager address: unix:///path.sock, /path.sock or host:port")
+    p.add_argument("--manager", default=None,
+                   help="manager address: unix:///path.sock, /path.sock or host:port (default: the node's, as the "
+                        "CLI finds it: VGPU_SERVER_SOCKET, else server.socket of /etc/vgpu/vgpu.toml, else "
+                        "/run/vgpu/vgpu.sock)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--backend", default="nvml", help="device backend: nvml (default), sim, or sim:SKU[*N][,SKU[*N]...], e.g. sim:h100-80gb*2")
     src.add_argument("--replay", type=Path, metavar="TRACE", help="replay a canonical trace instead of sampling GPUs")
@@ -57,7 +60,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--copies", type=int, default=1, help="replay each application N times (load tests)")
     p.add_argument("--loop", action="store_true", help="replay: start over at the end of the trace")
     p.add_argument("--period-ms", type=float, default=100.0, help="tick period in ms (default 100)")
-    p.add_argument("--inapp-dir", type=Path, default=DEFAULT_INAPP_DIR, help="where client stubs write in-app counters")
+    p.add_argument("--inapp-dir", type=Path, default=None,
+                   help="where client stubs write in-app counters (default: the node's server.inapp_dir, found as "
+                        "the socket is, else /run/vgpu/inapp)")
     p.add_argument("--buffer-max", type=int, default=10_000, help="signatures kept while the manager is away")
     p.add_argument("--profiler-id", default=None, help="id sent with every batch (default <hostname>:profiler)")
     p.add_argument("--seconds", type=float, default=0.0, help="stop after this many seconds (default: run until signalled)")
@@ -72,6 +77,9 @@ def main(argv: Sequence[str], prog: str = "vgpu profiler") -> int:
     parser = build_parser(prog)
     args = parser.parse_args(list(argv))
     try:
+        # where the daemon is and reads in-app reports, as the node configures them (the stub's rule)
+        args.manager = default_socket() if args.manager is None else args.manager
+        args.inapp_dir = default_inapp_dir() if args.inapp_dir is None else args.inapp_dir
         grpc_target(args.manager)
     except ValueError as exc:
         parser.error(str(exc))

@@ -554,3 +554,22 @@ def _list_apps(env: Env) -> bytes:
 
     with grpc.insecure_channel(f"unix://{env.sock}") as channel:
         return pb_grpc.AllocatorStub(channel).ListApplications(pb.ListApplicationsRequest()).SerializeToString()
+
+
+def test_vgpu_profiler_without_manager_streams_to_the_socket_the_node_configures(env: Env,
+                                                                               serves: list[Serve]) -> None:
+    """`vgpu profiler` run by hand on a node whose socket is moved (VGPU_SERVER_SOCKET, as `vgpu apps`
+    reads it) finds the daemon without --manager."""
+    serves.append(Serve(env))
+    device = _device_uuid(env)
+    prof_env = {**env.env, "VGPU_SERVER_SOCKET": str(env.sock)}
+    prof = subprocess.Popen(
+        [sys.executable, "-m", "vgpu.cli", "profiler", "--replay", str(TRACE), "--device-id", device,
+         "--token-file", str(env.state / "tokens" / "profiler.token"), "--loop", "--seconds", "30"],
+        cwd=ROOT, env=prof_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: any(a.get("mem_used_mib") for a in env.json("apps").get("apps", [])), 30.0)
+    finally:
+        prof.terminate()
+        _, err = prof.communicate(timeout=30)
+    assert "unix:///run/vgpu/vgpu.sock" not in err

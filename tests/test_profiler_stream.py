@@ -594,11 +594,14 @@ def test_main_without_a_readable_token_stops_with_a_clear_error(
 
 def test_the_default_token_file_is_the_daemons_profiler_token() -> None:
     from vgpu import config
+    from vgpu.client import default_socket
     from vgpu.profiler.main import build_parser
 
     ns = build_parser("vgpu profiler").parse_args([])
     assert ns.token_file == Path(config.Config().server.state_dir) / "tokens" / "profiler.token"
-    assert ns.manager == "unix://" + config.Config().server.socket
+    # no --manager: the node's socket, found at start as the stub finds it (the built-in one on a bare node)
+    assert ns.manager is None
+    assert default_socket({}, Path("/nonexistent/vgpu.toml")) == "unix://" + config.Config().server.socket
 
 
 async def test_sigterm_stops_the_profiler_gracefully(tmp_path: Path) -> None:
