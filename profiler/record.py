@@ -48,7 +48,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from vgpu.client import DEFAULT_INAPP_DIR
+from vgpu.client import default_inapp_dir
 from vgpu.profiler.source import SignatureSource
 from vgpu.traces import ALL_NUMERIC, EXTRA_NUMERIC, HEADER, format_value, meta_line, open_for_writing
 from vgpu.v1 import signature_pb2
@@ -210,7 +210,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--backend", default="nvml", help="nvml (default) or sim:<sku>, e.g. sim:h100-80gb")
     p.add_argument("--seconds", type=float, default=0.0, help="stop after this many seconds (default: until signalled)")
     p.add_argument("--period-ms", type=float, default=100.0, help="sampling period in ms (default 100)")
-    p.add_argument("--inapp-dir", type=Path, default=DEFAULT_INAPP_DIR, help="where client stubs write in-app counters")
+    p.add_argument("--inapp-dir", type=Path, default=None,
+                   help="where client stubs write in-app counters (default: the node's server.inapp_dir, as "
+                        "VGPU_SERVER_INAPP_DIR or /etc/vgpu/vgpu.toml give it, else /run/vgpu/inapp)")
     p.add_argument("--sim-trace", type=Path, default=None,
                    help="sim backend only: launch every application of this trace on GPU 0 first")
     p.add_argument("--loop", action="store_true", help="--sim-trace: repeat the trace")
@@ -224,6 +226,11 @@ def main(argv: Sequence[str], prog: str = "vgpu record") -> int:
         return 2
     if args.sim_trace is not None and not args.backend.startswith("sim"):
         print(f"{prog}: --sim-trace needs a sim backend", file=sys.stderr)
+        return 2
+    try:
+        args.inapp_dir = default_inapp_dir() if args.inapp_dir is None else args.inapp_dir
+    except ValueError as exc:  # a relative VGPU_SERVER_INAPP_DIR
+        print(f"{prog}: {exc}", file=sys.stderr)
         return 2
     from vgpu.device import open_backend
     from vgpu.device.errors import DeviceError

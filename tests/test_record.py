@@ -105,6 +105,12 @@ def test_cli_refuses_bad_options(tmp_path: Path) -> None:
     assert r.returncode == 1 and "cannot open backend" in r.stderr
     r = run("--backend", "sim:h100-80gb", "--sim-trace", str(tmp_path / "missing.csv"), "--out", str(tmp_path / "x.csv"))
     assert r.returncode == 1 and "no such file" in r.stderr
+    # the in-app directory comes from the node's setting when not given: one that is no absolute path is said
+    r = subprocess.run([sys.executable, "-m", "vgpu.cli", "record", "--backend", "sim:h100-80gb", "--out",
+                        str(tmp_path / "x.csv")], capture_output=True, text=True, timeout=120, check=False,
+                       env={**os.environ, "VGPU_SERVER_INAPP_DIR": "run/inapp"})
+    assert r.returncode == 2 and "VGPU_SERVER_INAPP_DIR='run/inapp' is not an absolute path" in r.stderr, r.stderr
+    assert not (tmp_path / "x.csv").exists()
 
 
 def test_profiler_record_option_writes_the_trace_while_streaming(tmp_path: Path) -> None:
