@@ -171,10 +171,12 @@ class Allocated:
 
 def job_digest(job: JobConfig) -> str:
     """The job's fields as one SHA-256 digest (`Grant.job_digest`): equal for two declarations of
-    the same job. Precision and mode are read as the sizer reads them ("" is fp32 and train, case
-    and spaces aside); every other field as given."""
+    the same job. The model type, precision, mode and optimizer are read as the sizer reads them
+    (case and surrounding spaces aside; "" is fp32 and train; an optimizer it does not know is one not
+    given); every other field as given."""
     fields = dataclasses.asdict(job)
-    fields.update(precision=job.precision_norm, mode=job.mode_norm)
+    fields.update(model_type=job.model_type.strip().lower(), precision=job.precision_norm, mode=job.mode_norm,
+                  optimizer=job.optimizer_norm)
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 

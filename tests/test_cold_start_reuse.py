@@ -51,10 +51,12 @@ def test_the_same_job_from_the_same_process_is_answered_with_the_grant_it_holds(
     with capture_logs() as logs:
         first = allocator.allocate(AllocationRequest("a", job=JOB, pid=ME), caller="a")
         again = [allocator.allocate(AllocationRequest("a", job=j, pid=ME), caller="a")
-                 for j in (JOB, JOB, JobConfig(model_type="resnet50", batch_size=64, optimizer="sgd", precision=" FP32"))]
+                 for j in (JOB, JOB, JobConfig(model_type="resnet50", batch_size=64, optimizer="sgd", precision=" FP32"),
+                           # the model's name as the sizer reads it: case and spaces aside
+                           JobConfig(model_type=" ResNet50", batch_size=64, optimizer="SGD"))]
     assert not first.held and all(a.held and a.grant == first.grant for a in again)
     assert allocator.ledger.grants(app_id="a") == [first.grant]
-    assert allocator.counters.cold_start_reused == 3 and allocator.counters.granted == 1
+    assert allocator.counters.cold_start_reused == 4 and allocator.counters.granted == 1
     assert [e.kind for e in everyone.drain_nowait()] == [EventKind.GRANTED]  # nothing changed since
     reused = [r for r in logs if r["event"] == "cold_start_reused"]
     assert len(reused) == 1 and reused[0]["grant"] == first.grant.grant_id, reused  # once per grant
