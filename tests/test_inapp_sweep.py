@@ -6,6 +6,7 @@ one swapped after the start is not followed: the daemon, as root, removes nothin
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -288,3 +289,14 @@ async def test_the_daemon_stops_sweeping_a_directory_swapped_for_a_link(tmp_path
     skipped = [r["reason"] for r in logs if r["event"] == "inapp_sweep_skipped"]
     assert [r["log_level"] for r in logs if r["event"] == "inapp_sweep_skipped"] == ["warning", "warning"]
     assert "no longer names the directory" in skipped[0] and skipped[1] == f"{d}: it is a symbolic link", skipped
+
+
+def test_vgpu_doctor_checks_the_inapp_directory_it_is_given(tmp_path: Path) -> None:
+    """A daemon started with its own --inapp-dir: doctor checks that one when told the same."""
+    d = tmp_path / "inapp"
+    make_inapp_dir(d)
+    r = subprocess.run([sys.executable, "-m", "vgpu.cli", "doctor", "--socket", str(tmp_path / "none.sock"),
+                        "--state-dir", str(tmp_path / "state"), "--backend", "sim:h100-80gb", "--inapp-dir", str(d),
+                        "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    (check,) = [c for c in json.loads(r.stdout) if c["name"] == "inapp dir"]
+    assert check["status"] == "OK" and check["detail"].startswith(f"{d} (mode 1777)"), check

@@ -452,7 +452,8 @@ def check_inapp_dir(path: Path) -> Check:
         st = os.lstat(path)
     except FileNotFoundError:
         return Check("inapp dir", "WARN", f"{path} does not exist: the daemon makes it at start (mode 1777); until "
-                     "then applications send no in-app counters")
+                     "then applications send no in-app counters (a daemon started with another --inapp-dir: give "
+                     "doctor the same)")
     except OSError as exc:
         return Check("inapp dir", "WARN", f"{path}: {exc.strerror or exc}")
     problem = inapp_dir_problem(st, os.geteuid())  # as a daemon of this user would judge it
@@ -613,6 +614,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu doctor", *, out: T
     p.add_argument("--config", type=Path, help="configuration file (default /etc/vgpu/vgpu.toml if present)")
     p.add_argument("--socket", help="daemon socket to check (default: from the configuration)")
     p.add_argument("--state-dir", help="state directory to check (default: from the configuration)")
+    p.add_argument("--inapp-dir", help="in-app directory to check, as the daemon's --inapp-dir (default: from the "
+                                       "configuration)")
     p.add_argument("--backend", help="check driver and NVML for this backend: nvml, sim, or sim:SKU[*N][,...] (default: the "
                    "one the daemon on the socket runs on, else server.backend of the configuration)")
     p.add_argument("--model", type=Path, help="forecaster checkpoint (default: manager.model, else the shipped model)")
@@ -621,11 +624,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu doctor", *, out: T
     p.add_argument("--json", action="store_true", help="print the checks as JSON")
     ns = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     ns.socket = vconfig.socket_flag(ns.socket)  # as `vgpu serve` reads it
+    ns.inapp_dir = str(Path(ns.inapp_dir).absolute()) if ns.inapp_dir else None  # likewise made absolute
     out = out or sys.stdout
     try:
         cfg = vconfig.load(
             ns.config,
-            overrides={"server.socket": ns.socket, "server.state_dir": ns.state_dir, "server.backend": ns.backend},
+            overrides={"server.socket": ns.socket, "server.state_dir": ns.state_dir, "server.backend": ns.backend,
+                       "server.inapp_dir": ns.inapp_dir},
         )
         backend_given = ns.backend is not None  # a --backend that does not load is not taken
         missing = vconfig.missing_names(cfg)  # the daemon refuses to start on these
@@ -633,7 +638,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu doctor", *, out: T
                   Check("config", "OK", f"{ns.config or vconfig.DEFAULT_CONFIG_PATH} "
                         + ("loads" if (ns.config or vconfig.DEFAULT_CONFIG_PATH.exists()) else "absent: defaults in use"))]
     except vconfig.ConfigError as exc:
-        cfg = _fallback_config(ns.config, {"server.socket": ns.socket, "server.state_dir": ns.state_dir})
+        cfg = _fallback_config(ns.config, {"server.socket": ns.socket, "server.state_dir": ns.state_dir,
+                                           "server.inapp_dir": ns.inapp_dir})
         backend_given = False
         checks = [Check("config", "FAIL", str(exc))]
     from vgpu.manager.modelpath import resolve_model
