@@ -31,7 +31,8 @@ since the last flush; the reader keeps the rows before the unfinished end and re
 `vgpu record --backend sim:<sku> --sim-trace TRACE` launches every application of TRACE on the
 simulated GPU first, to try the recording without a GPU; the simulator gives their in-app counters
 (TRACE's `inapp_*` columns), which are recorded as a stub's would be. A recording with no row is no
-trace: `vgpu record` then exits 1 and says why on stderr.
+trace: `vgpu record` then exits 1 and says why on stderr (a sim backend without --sim-trace, which could
+sample nothing, says so at once and writes no file).
 """
 
 from __future__ import annotations
@@ -242,6 +243,13 @@ def main(argv: Sequence[str], prog: str = "vgpu record") -> int:
     except (DeviceError, ValueError) as exc:
         print(f"{prog}: cannot open backend {args.backend!r}: {exc}", file=sys.stderr)
         return 1
+    if args.backend.startswith("sim") and args.sim_trace is None:
+        # nothing could be sampled: the simulator runs no process but a trace's; said before any wait or file
+        backend.close()
+        print(f"{prog}: no GPU process can be sampled: the sim backend runs only the applications of --sim-trace, "
+              "never host processes, so a client stub's in-app counters are recorded only with a real GPU; "
+              "give --sim-trace TRACE to try the recording", file=sys.stderr)
+        return 1
     try:
         app_ids: dict[int, str] = {}
         if args.sim_trace is not None:
@@ -279,7 +287,7 @@ def main(argv: Sequence[str], prog: str = "vgpu record") -> int:
                  if recorder.skipped_no_target else ""))
         if recorder.rows == 0:
             # a trace needs a row (`vgpu trace info`, `vgpu eval` refuse one without): say why there is none
-            print(f"{prog}: {_no_rows_reason(recorder, simulated=simulated, sim_trace=args.sim_trace is not None)}",
+            print(f"{prog}: {_no_rows_reason(recorder, simulated=simulated)}",
                   file=sys.stderr)
             return 1
         return 0
@@ -287,14 +295,11 @@ def main(argv: Sequence[str], prog: str = "vgpu record") -> int:
         backend.close()
 
 
-def _no_rows_reason(recorder: TraceRecorder, *, simulated: bool, sim_trace: bool) -> str:
+def _no_rows_reason(recorder: TraceRecorder, *, simulated: bool) -> str:
     """Why a recording has no row, in one line."""
     if recorder.skipped_no_target:
         return (f"no usable row: none of the {recorder.skipped_no_target} signatures had the process's GPU memory "
                 "or SM share, and a trace row needs one")
-    if simulated and not sim_trace:
-        return ("no GPU process was sampled: the sim backend runs only the applications of --sim-trace, never "
-                "host processes, so a client stub's in-app counters are recorded only with a real GPU")
     if simulated:
         return "no GPU process was sampled: the recording ended before the first sample (--seconds too short?)"
     return "no GPU process was sampled: no process used this node's GPUs while recording"
