@@ -312,3 +312,14 @@ def test_the_docs_serving_example_goes_on_through_a_metrics_outage(tmp_path: Pat
     # the grant was held through the outage, and the engine's counters were read once it was up
     assert reports[:4] == [60_000.0] * 4 and len(scrapes) == 2, (reports, scrapes)
     assert servicer.grants == {}  # released when the loop ended, not before
+
+
+def test_a_fraction_of_a_request_or_token_is_refused_where_a_whole_count_is_fine(tmp_path: Path) -> None:
+    from vgpu.client import ServingCounters
+
+    assert ServingCounters(requests_running=2.5, kv_used_mib=10.5).problems() == [  # type: ignore[arg-type]
+        "requests_running: not a whole number (2.5)"]  # MiB may be fractional, a count may not
+    assert ServingCounters(requests_running=2.0, tokens_in_flight=300).problems() == []  # type: ignore[arg-type]
+    with quiet(tmp_path, socket=str(tmp_path / "none.sock")) as c, \
+            pytest.raises(ValueError, match=r"tokens_in_flight: not a whole number \(0\.5\)"):
+        c.report_serving(ServingCounters(tokens_in_flight=0.5))  # type: ignore[arg-type]

@@ -835,6 +835,8 @@ class ServingCounters:
         for name in SERVING_COUNTERS:
             v = getattr(self, name)
             why = None if v is None else inapp_value_problem(name, v)
+            if why is None and name in INT_COUNTERS and isinstance(v, float) and not v.is_integer():
+                why = "not a whole number"  # a count of requests or tokens (sent as an integer)
             if why is not None:
                 out.append(f"{name}: {why} ({v!r})")
         if not out and self.kv_used_mib is not None and self.kv_total_mib is not None \
