@@ -573,3 +573,17 @@ def test_vgpu_profiler_without_manager_streams_to_the_socket_the_node_configures
         prof.terminate()
         _, err = prof.communicate(timeout=30)
     assert "unix:///run/vgpu/vgpu.sock" not in err
+
+
+def test_a_request_taken_on_the_operators_authority_after_a_refusal_says_so(env: Env, serves: list[Serve]) -> None:
+    """`vgpu request --pid` of a process that does not run here, by a user who holds the application's
+    token and can read the operator's: the daemon refuses the application's token for that pid, the
+    operator token is sent next and taken, and the user is told."""
+    serves.append(Serve(env))
+    r = cli(env, "request", "--app", "by-hand", "--memory-mib", "100")  # the application's token, cached
+    assert r.returncode == 0 and "operator token" not in r.stderr, r.stderr
+    gone = 4_194_303  # above any pid this machine hands out (pid_max's ceiling)
+    r = cli(env, "request", "--app", "by-hand", "--memory-mib", "100", "--pid", str(gone))
+    assert r.returncode == 0, r.stderr
+    assert "sent with the operator token after the daemon refused this user's own (" in r.stderr, r.stderr
+    assert str(gone) in r.stderr

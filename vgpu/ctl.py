@@ -15,7 +15,9 @@ user was handed by an earlier `vgpu request` or client stub (kept in `~/.config/
 socket: vgpu.client.app_token_path)
 or found readable in `<state-dir>/tokens/apps/`; the operator token `<state-dir>/tokens/operator.token`
 when readable; finally nothing (a new application may claim its id without a token). A token the
-daemon rejects as not its own (a new state directory) is dropped from the cache.
+daemon rejects as not its own (a new state directory) is dropped from the cache. A call the daemon
+takes with the operator token after it refused this user's own (PERMISSION_DENIED: a `--pid` that does
+not run as this user, say) is said on stderr with the refusal: it acted on the operator's authority.
 
 Not ready. These commands send a call again for up to `--wait-s` (default 10 s; 0: never; `top`
 for its first refresh only) while nothing listens on the socket yet (no socket file,
@@ -199,10 +201,11 @@ class Client:
         or PERMISSION_DENIED for a token that is not the right one."""
         last: grpc.RpcError | None = None
         candidates = self.tokens.candidates(app_id) if token else iter([(None, None)])
+        operator = _read_token(auth.role_token_file("operator", self.tokens.state_dir)) if token else None
         for tok, cached in candidates:
             md = auth.bearer(tok) if tok else ()
             try:
-                return self._send(method, request, md)
+                answer = self._send(method, request, md)
             except grpc.RpcError as exc:
                 code = exc.code()
                 if code == grpc.StatusCode.UNAVAILABLE and not _unreachable(exc):
@@ -225,6 +228,12 @@ class Client:
                     last = exc
                     continue
                 raise CliError(f"{code.name}: {exc.details()}{self._owner_hint(exc, app_id)}") from None
+            if tok is not None and tok == operator and last is not None \
+                    and last.code() == grpc.StatusCode.PERMISSION_DENIED:
+                # taken on the operator's authority after this user's own was refused: say so, and why
+                self._notice(f"sent with the operator token after the daemon refused this user's own "
+                             f"({last.details()}); it acted on the operator's authority")
+            return answer
         assert last is not None
         raise CliError(f"{last.code().name}: {last.details()}{self._owner_hint(last, app_id)}")
 
