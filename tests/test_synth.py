@@ -169,3 +169,4 @@ def test_serving_without_a_service_says_which_services_exist(tmp_path: Path) -> 
     r = _cli("synth", "--kind", "serving", "--out", str(tmp_path / "x.csv"))
     assert r.returncode == 2 and not (tmp_path / "x.csv").exists()
     assert "--kind serving needs --service (azure-conv, azure-code, mooncake)" in r.stderr
+    assert r.stderr.startswith("usage: vgpu trace synth"), r.stderr  # the command's own usage, not its parent's

@@ -157,7 +157,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "vgpu trace") -> int:
     args = parser.parse_args(argv)
 
     if args.command == "synth":
-        return _synth(args, parser, prog)
+        return _synth(args, syn, prog)  # its own usage line in its errors
 
     if args.command == "cut":
         try:
