@@ -366,9 +366,7 @@ class _StateCollector(Collector):
             for counter, value in app.inapp:
                 inapp.add_metric([*key, counter], value)
         yield from (family for family, _ in gauges.values())
-        yield from (overruns, ooms)
-        if inapp.samples:  # only where some application reports in-app counters
-            yield inapp
+        yield from (overruns, ooms, inapp)
 
     def _devices(self, devices: Sequence[DeviceSnapshot]) -> Iterator[Metric]:
         dev = ["device"]
