@@ -54,7 +54,6 @@ from vgpu.jobs import (
     known_model,
     physics_estimate,
     unknown_model_note,
-    unknown_optimizer_note,
 )
 from vgpu.manager.jobprofiles import (
     ENCODING_VERSION,
@@ -739,8 +738,9 @@ def _size(args: argparse.Namespace, prog: str, *, as_json: bool) -> int:
     if known_model(job.model_type) is None:
         # a custom model is sized all the same (from --param-count); a typo should not go unnoticed
         print(f"{prog}: warning: {unknown_model_note(job.model_type)}", file=sys.stderr)
-    if job.optimizer_unknown and job.mode_norm == "train":
-        print(f"{prog}: warning: {unknown_optimizer_note(job.optimizer)}", file=sys.stderr)
+    said = job.optimizer_note()
+    if said is not None:
+        print(f"{prog}: warning: {said}", file=sys.stderr)
     verdict = "fits" if est.fits else (
         f"does not fit: needs {est.grant_mib:,.0f} MiB ({est.mem_mib:,.0f} MiB without the margin), "
         f"the device has {est.capacity_mib:,.0f} MiB"

@@ -17,7 +17,8 @@ import grpc
 import pytest
 from structlog.testing import capture_logs
 
-# `allocator`, the fake allocator on a Unix socket, is test_client's fixture (tests taking it redefine the name)
+# the pytest fixture `allocator` (a fake allocator on a Unix socket) and its helpers, from tests/test_client.py:
+# imported, the fixture serves this module's tests too (a test parameter named `allocator` takes it)
 from tests.test_client import FakeAllocator, allocator, serve  # noqa: F401
 from vgpu import client as vclient
 from vgpu.client import DEFAULT_SOCKET, INAPP_MAX, VgpuClient, app_token_path, inapp_path, read_inapp

@@ -109,7 +109,7 @@ from vgpu.inapp import MAX_INAPP_MIB as MAX_INAPP_MIB
 from vgpu.inapp import MAX_INAPP_REQUESTS as MAX_INAPP_REQUESTS
 from vgpu.inapp import MAX_INAPP_TOKENS as MAX_INAPP_TOKENS
 from vgpu.inapp import inapp_value_problem as inapp_value_problem
-from vgpu.jobs import InvalidJobConfig, JobConfig, known_model, unknown_model_note, unknown_optimizer_note
+from vgpu.jobs import InvalidJobConfig, JobConfig, known_model, unknown_model_note
 from vgpu.log import get_library_logger
 from vgpu.tokenfile import TokenFileError as TokenFileError
 from vgpu.tokenfile import check_token as check_token
@@ -1207,9 +1207,10 @@ class VgpuClient:
             self._warn_once(f"unknown_model:{job.model_type}",
                             unknown_model_note(job.model_type, param_count_arg="JobConfig(param_count=...)"))
         config_job = _job_config(job)
-        if config_job is not None and memory_mib == 0 and config_job.optimizer_unknown and config_job.mode_norm == "train":
+        said = config_job.optimizer_note() if config_job is not None and memory_mib == 0 else None
+        if said is not None and config_job is not None:
             # sized all the same, as with no optimizer given; a typo should not pass unnoticed
-            self._warn_once(f"unknown_optimizer:{config_job.optimizer}", unknown_optimizer_note(config_job.optimizer))
+            self._warn_once(f"unknown_optimizer:{config_job.optimizer}", said)
         if job is not None and memory_mib > 0:
             # the daemon sizes a job only for a request of memory_mib 0: given both, the job is sent
             # (and kept with the grant) but the grant is memory_mib

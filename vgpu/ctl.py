@@ -61,7 +61,6 @@ from vgpu.jobs import (
     JobConfig,
     known_model,
     unknown_model_note,
-    unknown_optimizer_note,
 )
 from vgpu.v1 import allocator_pb2 as pb
 from vgpu.v1 import allocator_pb2_grpc as pb_grpc
@@ -781,9 +780,10 @@ def request_main(argv: Sequence[str] | None = None, prog: str = "vgpu request", 
             # a model of one's own is sized all the same (from --param-count, when given: then nothing
             # is said); a typo should not pass unnoticed
             print(f"{prog}: warning: {unknown_model_note(ns.model_type)}", file=sys.stderr)
-        if job is not None and not ns.memory_mib and job.optimizer_unknown and job.mode_norm == "train":
+        said = job.optimizer_note() if job is not None and not ns.memory_mib else None
+        if said is not None:
             # sized as Adam, as with no optimizer given; a typo should not pass unnoticed either
-            print(f"{prog}: warning: {unknown_optimizer_note(ns.optimizer)}", file=sys.stderr)
+            print(f"{prog}: warning: {said}", file=sys.stderr)
         req = pb.RequestResourceAllocationRequest(
             request=pb.ResourceRequest(
                 app_id=ns.app, memory_mib=ns.memory_mib or 0.0, sm_pct=ns.sm_pct, device_id=_device_arg(c, ns.device),

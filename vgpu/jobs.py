@@ -161,6 +161,12 @@ class JobConfig:
         does not know): sized as one not given, but said as unknown, not as missing."""
         return self.optimizer.strip().lower() not in (*OPTIMIZERS, "")
 
+    def optimizer_note(self) -> str | None:
+        """What sizing this job says of its optimizer: `unknown_optimizer_note` where a training job
+        gives one that is not known (sized as one not given), else None (inference has no optimizer)."""
+        train = self.mode_norm == "train"
+        return unknown_optimizer_note(self.optimizer) if train and self.optimizer_unknown else None
+
     @property
     def family(self) -> str:
         return model_family(self.model_type)
@@ -320,6 +326,7 @@ def unknown_model_note(model_type: str, *, param_count_arg: str = "--param-count
     return (f"unknown model type {model_type!r} (not in vgpu.jobs.KNOWN_MODELS): {hint} "
             f"Sized from its family's defaults; give {param_count_arg} for a model of your own")
 
+
 def unknown_optimizer_note(optimizer: str) -> str:
     """What is said of an optimizer given but not known (sized as Adam, as one not given)."""
     known = ", ".join(o for o in OPTIMIZERS if o != "unknown")
@@ -381,9 +388,10 @@ def physics_estimate(job: JobConfig) -> PhysicsEstimate:
     optimizer = 0.0
     if train:
         opt = job.optimizer_norm
-        if job.optimizer_unknown:
+        said = job.optimizer_note()
+        if said is not None:
             unknown.append("optimizer")
-            notes.append(unknown_optimizer_note(job.optimizer))
+            notes.append(said)
         elif opt == "unknown":
             missing.append("optimizer")
             assumed.append("Adam (8 bytes of state per parameter)")
